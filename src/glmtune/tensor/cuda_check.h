@@ -1,0 +1,20 @@
+#pragma once
+#include <cuda_runtime.h>
+
+#include "glmtune/base/error.h"
+
+namespace glmtune {
+[[noreturn]] void throw_cuda_error(cudaError_t status, const char* expr, const char* file,
+                                   int line);
+}
+
+// Every CUDA runtime call goes through this: a failure names the call and the source line.
+#define GLMTUNE_CUDA_CHECK(expr)                                               \
+  do {                                                                         \
+    cudaError_t glmtune_status_ = (expr);                                      \
+    if (glmtune_status_ != cudaSuccess)                                        \
+      ::glmtune::throw_cuda_error(glmtune_status_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+// After a kernel launch: catches bad launch configurations at the launch site.
+#define GLMTUNE_CUDA_CHECK_LAUNCH() GLMTUNE_CUDA_CHECK(cudaGetLastError())
