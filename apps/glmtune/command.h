@@ -28,5 +28,6 @@ struct Registrar {
 
 }  // namespace glmtune::cli
 
-#define GLMTUNE_COMMAND(ident, name, help, setup) \
-  static ::glmtune::cli::Registrar glmtune_command_##ident(name, help, setup)
+// Variadic so that the setup lambda may contain unparenthesised commas.
+#define GLMTUNE_COMMAND(ident, name, help, ...) \
+  static ::glmtune::cli::Registrar glmtune_command_##ident(name, help, __VA_ARGS__)

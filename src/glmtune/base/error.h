@@ -2,8 +2,6 @@
 // Errors are part of glmtune's interface: every failure a user can cause says what went wrong,
 // where (file, key, line, flag) and how to fix it.
 
-#include <fmt/format.h>
-
 #include <stdexcept>
 #include <string>
 
@@ -33,10 +31,14 @@ class InternalError : public std::logic_error {
 
 }  // namespace glmtune
 
-// Internal invariant check; failures point at glmtune's source, not at user input.
+// Internal invariant check; failures point at glmtune's source, not at user input. Not available
+// in CUDA translation units: nvcc cannot compile the fmt headers.
+#if !defined(__CUDACC__)
+#include <fmt/format.h>
 #define GLMTUNE_ASSERT(cond, ...)                                                               \
   do {                                                                                          \
     if (!(cond))                                                                                \
       ::glmtune::throw_internal(__FILE__, __LINE__,                                             \
                                 "assertion `" #cond "` failed: " + ::fmt::format(__VA_ARGS__)); \
   } while (0)
+#endif

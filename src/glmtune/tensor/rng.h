@@ -130,6 +130,8 @@ GLMTUNE_HD double rng_affine(double base, double scale, double x) {
 }
 
 // Fill `t` (contiguous, CPU or CUDA, any floating dtype) with draws at stream offset `offset`.
+// Uniform values are drawn in [low, high) in float64 and then rounded to the element type, so a
+// narrow type can hold `high` itself.
 void fill_uniform(Tensor& t, uint64_t seed, uint64_t offset, double low = 0.0, double high = 1.0);
 void fill_normal(Tensor& t, uint64_t seed, uint64_t offset, double mean = 0.0, double std = 1.0);
 

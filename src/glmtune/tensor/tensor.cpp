@@ -272,11 +272,13 @@ cuda_impl::Layout layout_of(const Tensor& t) {
 }
 #endif
 
+#ifndef GLMTUNE_WITH_CUDA
 [[noreturn]] void no_cuda() {
   throw Error(
       "this glmtune was built without CUDA", "device",
       "rebuild with -DGLMTUNE_CUDA=ON on a machine with the CUDA toolkit, or use --device cpu");
 }
+#endif
 
 }  // namespace
 
