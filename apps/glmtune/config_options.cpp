@@ -1,0 +1,24 @@
+#include "config_options.h"
+
+#include "glmtune/base/error.h"
+
+namespace glmtune::cli {
+
+void ConfigOptions::add_set_option(CLI::App& app) {
+  app.add_option("--set", sets,
+                 "Override a config field: section.field=value (repeatable), "
+                 "e.g. text_config.n_routed_experts=36")
+      ->take_all();
+}
+
+void ConfigOptions::apply(model::ModelConfig& config) const {
+  for (const auto& s : sets) {
+    auto eq = s.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw Error("expected key=value, got '" + s + "'", "--set",
+                  "write e.g. --set text_config.n_routed_experts=36");
+    config.set(s.substr(0, eq), s.substr(eq + 1));
+  }
+}
+
+}  // namespace glmtune::cli

@@ -1,0 +1,72 @@
+#pragma once
+// The model's parameters under glmtune's internal names. Most internal tensors are the released
+// tensors themselves (memory-mapped, not copied); two families are fused for fast kernels:
+//   <layer>.mlp.experts.gate_up_proj [E, 2*Im, D]  <- experts.{e}.gate_proj / up_proj (gate rows
+//   first) <layer>.mlp.experts.down_proj    [E, D, Im]    <- experts.{e}.down_proj
+//   <layer>.self_attn.conv1d.weight  [3*QL, 1, K]  <- q_conv1d / k_conv1d / v_conv1d
+// Saving splits them back, so what glmtune writes is always the released layout.
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/model/config.h"
+#include "glmtune/model/layout.h"
+
+namespace glmtune::model {
+
+// How a checkpoint on disk compares with the layout its config implies.
+struct CheckpointReport {
+  struct Mismatch {
+    std::string name;
+    Shape expected, found;
+  };
+  std::vector<std::string> missing;
+  std::vector<std::string> unexpected;
+  std::vector<Mismatch> misshaped;
+  std::vector<std::string> fp8_weights;  // weights stored as FP8 with a weight_scale_inv companion
+  std::map<std::string, int64_t> dtype_tensors;  // dtype name -> tensor count
+  std::map<std::string, int64_t> dtype_bytes;
+  int64_t tensors = 0;
+  int64_t bytes = 0;
+
+  bool ok() const { return missing.empty() && unexpected.empty() && misshaped.empty(); }
+  // A multi-line summary naming up to `limit` keys per category.
+  std::string describe(size_t limit = 10) const;
+};
+
+// Reads headers only. FP8 weights with a `weight_scale_inv` companion of the right block shape
+// count as present; the companions are not unexpected.
+CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const ModelConfig& config);
+
+struct InternalParam {
+  std::string name;
+  Tensor value;
+  bool trainable = true;
+  std::vector<std::string> sources;  // released names it was assembled from (itself when unfused)
+};
+
+class ParamStore {
+ public:
+  // Loads every parameter. Throws glmtune::Error listing missing, unexpected and mis-shaped keys by
+  // name, or refusing a checkpoint that is not GLM-5.3-shaped at all.
+  static ParamStore load(const io::CheckpointReader& reader, const ModelConfig& config);
+
+  const ModelConfig& config() const { return config_; }
+  bool contains(const std::string& name) const { return index_.count(name) > 0; }
+  // Throws InternalError naming the parameter when absent.
+  const Tensor& get(const std::string& name) const;
+  Tensor& get(const std::string& name);
+  const std::vector<InternalParam>& params() const { return params_; }
+
+  // Writes the released layout (fused tensors split, stored dtypes per the fp32-kept policy).
+  void save(const std::filesystem::path& dir, uint64_t max_shard_bytes = 5'000'000'000) const;
+
+ private:
+  ModelConfig config_;
+  std::vector<InternalParam> params_;
+  std::map<std::string, size_t> index_;
+};
+
+}  // namespace glmtune::model

@@ -1,0 +1,139 @@
+// The glmtune binary's init / inspect commands end to end, including their error messages.
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code;
+  std::string output;  // stdout and stderr
+};
+
+Result run(const std::string& args) {
+  std::string cmd = std::string(GLMTUNE_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
+  int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("glmtune_cli_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  fs::path dir_;
+};
+
+#define EXPECT_CONTAINS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
+
+}  // namespace
+
+TEST_F(CliTest, InspectPresetJsonCountsWithoutWeights) {
+  Result r = run("inspect --preset crop25b --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  const auto& p = j["params"];
+  EXPECT_NEAR(p["total"].get<double>() / 24.95e9, 1.0, 0.005);
+  EXPECT_NEAR(p["vision"].get<double>() / 0.5636e9, 1.0, 0.005);
+  EXPECT_NEAR(p["embeddings_and_head"].get<double>() / 1.27e9, 1.0, 0.005);
+  EXPECT_NEAR(p["mtp"].get<double>() / 7.43e9, 1.0, 0.005);
+  EXPECT_TRUE(p["per_layer_kind"].contains("kda+dense"));
+  Result full = run("inspect --preset full --json");
+  ASSERT_EQ(full.code, 0) << full.output;
+  auto f = nlohmann::json::parse(full.output)["params"];
+  EXPECT_NEAR(f["total"].get<double>() / 321.02e9, 1.0, 0.005);
+  EXPECT_NEAR(f["text"].get<double>() / 313.03e9, 1.0, 0.005);
+  Result set = run("inspect --preset crop25b --set text_config.n_routed_experts=36 --json");
+  ASSERT_EQ(set.code, 0) << set.output;
+  // 252 fewer experts (and router rows / bias entries) in each of the 3 MoE layers (2 + MTP).
+  const double removed = 3.0 * 252 * (3.0 * 2048 * 4096 + 4096 + 1);
+  EXPECT_EQ(nlohmann::json::parse(set.output)["params"]["total"].get<double>(),
+            p["total"].get<double>() - removed);
+}
+
+TEST_F(CliTest, InitThenInspectFindsACompleteLayout) {
+  Result init = run("init --preset tiny --seed 3 --out " + path("m"));
+  ASSERT_EQ(init.code, 0) << init.output;
+  EXPECT_TRUE(fs::exists(path("m/model.safetensors.index.json")));
+  EXPECT_TRUE(fs::exists(path("m/config.json")));
+  Result r = run("inspect " + path("m") + " --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_TRUE(j["checkpoint"]["missing"].empty());
+  EXPECT_TRUE(j["checkpoint"]["unexpected"].empty());
+  EXPECT_EQ(j["checkpoint"]["tensors"], j["params"]["tensors"]);
+  EXPECT_GT(j["checkpoint"]["dtype_tensors"]["f32"].get<int>(), 0);
+  Result text = run("inspect " + path("m"));
+  EXPECT_CONTAINS(text.output, "layout: complete");
+  EXPECT_CONTAINS(text.output, "Kd Km Km Dm Km");
+  // A directory holding only config.json is counted from the config.
+  fs::create_directories(path("cfg"));
+  fs::copy_file(path("m/config.json"), path("cfg/config.json"));
+  Result cfg = run("inspect " + path("cfg") + " --json");
+  ASSERT_EQ(cfg.code, 0) << cfg.output;
+  EXPECT_FALSE(nlohmann::json::parse(cfg.output).contains("checkpoint"));
+}
+
+TEST_F(CliTest, InspectReportsBrokenCheckpoints) {
+  ASSERT_EQ(run("init --preset tiny --out " + path("m")).code, 0);
+  // Point the config at more experts than the weights have: every extra expert is missing.
+  Result r = run("inspect " + path("m") + " --set text_config.n_routed_experts=10 --json");
+  EXPECT_EQ(r.code, 1) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  bool found = false;
+  for (const auto& name : j["checkpoint"]["missing"])
+    found |= name.get<std::string>().find("mlp.experts.9.gate_proj.weight") != std::string::npos;
+  EXPECT_TRUE(found) << r.output;
+  EXPECT_FALSE(j["checkpoint"]["misshaped"].empty());  // the router's [E, D] no longer fits
+}
+
+TEST_F(CliTest, BadInputsGetClearErrors) {
+  Result preset = run("init --preset huge --out " + path("x"));
+  EXPECT_NE(preset.code, 0);
+  EXPECT_CONTAINS(preset.output, "huge");
+  Result set = run("init --preset tiny --out " + path("x") + " --set text_config.index_topk=7");
+  EXPECT_EQ(set.code, 2);
+  EXPECT_CONTAINS(set.output, "text_config.index_topk");
+  EXPECT_CONTAINS(set.output, "not divisible by index_kpool");
+  EXPECT_FALSE(fs::exists(path("x")));  // nothing written on a bad config
+  Result malformed = run("inspect --preset tiny --set n_routed_experts");
+  EXPECT_EQ(malformed.code, 2);
+  EXPECT_CONTAINS(malformed.output, "expected key=value");
+  Result typo = run("inspect --preset tiny --set text_config.hiden_size=3");
+  EXPECT_EQ(typo.code, 2);
+  EXPECT_CONTAINS(typo.output, "unknown field 'hiden_size'");
+  ASSERT_EQ(run("init --preset tiny --out " + path("m")).code, 0);
+  Result again = run("init --preset tiny --out " + path("m"));
+  EXPECT_EQ(again.code, 2);
+  EXPECT_CONTAINS(again.output, "not empty");
+  EXPECT_TRUE(fs::exists(path("m/config.json")));  // the existing model is untouched
+  EXPECT_EQ(run("init --preset tiny --force --out " + path("m")).code, 0);
+  Result missing = run("inspect " + path("nowhere"));
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_CONTAINS(missing.output, "does not exist");
+  std::ofstream(path("m/config.json")) << R"({"model_type": "llama", "hidden_size": 8})";
+  Result other = run("inspect " + path("m"));
+  EXPECT_EQ(other.code, 2);
+  EXPECT_CONTAINS(other.output, "not a GLM-5.3-Flash model");
+  Result nothing = run("inspect");
+  EXPECT_EQ(nothing.code, 2);
+  EXPECT_CONTAINS(nothing.output, "nothing to inspect");
+}

@@ -1,0 +1,241 @@
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+#include "glmtune/base/error.h"
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/model/init.h"
+#include "glmtune/model/param_store.h"
+
+using namespace glmtune;
+using namespace glmtune::model;
+namespace fs = std::filesystem;
+
+namespace {
+
+uint64_t test_seed() {
+  static const uint64_t seed = std::random_device{}();
+  return seed;
+}
+
+class TempDir {
+ public:
+  TempDir() : path_(fs::temp_directory_path() / ("glmtune_ps_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  fs::path operator/(const std::string& s) const { return path_ / s; }
+
+ private:
+  static inline int counter_ = 0;
+  fs::path path_;
+};
+
+std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a glmtune::Error";
+  return "";
+}
+
+// Rewrites checkpoint `src` into `dst`, letting `edit` drop or replace tensors.
+void rewrite(const fs::path& src, const fs::path& dst,
+             const std::function<void(const std::string&, const Tensor&, io::CheckpointWriter&)>& edit) {
+  auto reader = io::CheckpointReader::open(src);
+  io::CheckpointWriter writer(dst);
+  for (const auto& name : reader.names()) edit(name, reader.tensor(name).clone(), writer);
+  writer.copy_file(src / "config.json", "config.json");
+  writer.finish();
+}
+
+}  // namespace
+
+TEST(Init, DeterministicAndIndependentOfSharding) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions a;
+  a.seed = test_seed();
+  write_random_checkpoint(config, dir / "a", a);
+  InitOptions b = a;
+  b.max_shard_bytes = 200'000;  // many shards
+  write_random_checkpoint(config, dir / "b", b);
+  InitOptions c = a;
+  c.seed = a.seed + 1;
+  write_random_checkpoint(config, dir / "c", c);
+  auto ra = io::CheckpointReader::open(dir / "a");
+  auto rb = io::CheckpointReader::open(dir / "b");
+  auto rc = io::CheckpointReader::open(dir / "c");
+  EXPECT_GT(rb.shard_files().size(), 3u);
+  EXPECT_EQ(ra.names(), rb.names());
+  int differ = 0;
+  for (const auto& name : ra.names()) {
+    auto x = ra.bytes(name), y = rb.bytes(name), z = rc.bytes(name);
+    ASSERT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << name << " seed " << test_seed();
+    differ += !std::equal(x.begin(), x.end(), z.begin(), z.end());
+  }
+  EXPECT_GT(differ, 100);
+}
+
+TEST(Init, FollowsTheReferenceRules) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions options;
+  options.seed = test_seed();
+  write_random_checkpoint(config, dir / "ck", options);
+  auto r = io::CheckpointReader::open(dir / "ck");
+  const std::string l1 = "model.language_model.layers.1.";
+  const std::string l3 = "model.language_model.layers.3.";
+  auto values = [&](const std::string& name) { return r.tensor(name).to_doubles(); };
+  for (double v : values(l1 + "self_attn.A_log")) EXPECT_EQ(v, 0.0);
+  for (double v : values(l1 + "self_attn.dt_bias")) {
+    const double dt = std::log1p(std::exp(v));  // softplus
+    EXPECT_GE(dt, 1e-3 * 0.999);
+    EXPECT_LE(dt, 1e-1 * 1.001);
+  }
+  for (double v : values(l3 + "self_attn.indexer.index_kpool_compress_gate")) EXPECT_EQ(v, 1.0);
+  for (double v : values(l3 + "self_attn.indexer.index_kpool_compress_ape")) EXPECT_EQ(v, 0.0);
+  for (double v : values(l1 + "hc_attn_scale")) EXPECT_EQ(v, 1.0);
+  for (double v : values(l1 + "hc_attn_base")) EXPECT_EQ(v, 0.0);
+  for (double v : values(l1 + "mlp.gate.e_score_correction_bias")) EXPECT_EQ(v, 0.0);
+  for (double v : values(l1 + "input_layernorm.weight")) EXPECT_EQ(v, 1.0);
+  auto emb = r.tensor("model.language_model.embed_tokens.weight");
+  const int64_t pad = config.text().pad_token_id;
+  for (int64_t d = 0; d < emb.size(1); ++d) EXPECT_EQ(emb.item({pad, d}), 0.0);
+  auto stddev = [](const std::vector<double>& v) {
+    double s = 0, q = 0;
+    for (double x : v) s += x, q += x * x;
+    return std::sqrt(q / v.size() - (s / v.size()) * (s / v.size()));
+  };
+  EXPECT_NEAR(stddev(values(l1 + "hc_attn_fn")), 0.02, 0.002);
+  EXPECT_NEAR(stddev(values("lm_head.weight")), 0.02, 0.001);
+  EXPECT_EQ(r.info(l1 + "self_attn.q_conv1d.weight").dtype, DType::f32);
+  EXPECT_EQ(r.info(l1 + "hc_ffn_base").dtype, DType::f32);
+  EXPECT_EQ(r.info(l1 + "hc_ffn_fn").dtype, DType::bf16);
+}
+
+TEST(ParamStore, FusesOnLoadAndSplitsOnSave) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions options;
+  options.seed = test_seed();
+  write_random_checkpoint(config, dir / "ck", options);
+  auto reader = io::CheckpointReader::open(dir / "ck");
+  ParamStore store = ParamStore::load(reader, config);
+  const TextConfig& t = config.text();
+  const std::string l1 = "model.language_model.layers.1.";
+  const Tensor& gate_up = store.get(l1 + "mlp.experts.gate_up_proj");
+  EXPECT_EQ(gate_up.shape(), (Shape{t.n_routed_experts, 2 * t.moe_intermediate_size, t.hidden_size}));
+  const Tensor& down = store.get(l1 + "mlp.experts.down_proj");
+  EXPECT_EQ(down.shape(), (Shape{t.n_routed_experts, t.hidden_size, t.moe_intermediate_size}));
+  const Tensor& conv = store.get(l1 + "self_attn.conv1d.weight");
+  EXPECT_EQ(conv.shape(), (Shape{3 * t.linear_width(), 1, t.linear_conv_kernel_dim}));
+  const int64_t e = 5, Im = t.moe_intermediate_size, QL = t.linear_width();
+  EXPECT_EQ(gate_up.select(0, e).slice(0, 0, Im).to_doubles(), reader.tensor(l1 + "mlp.experts.5.gate_proj.weight").to_doubles());
+  EXPECT_EQ(gate_up.select(0, e).slice(0, Im, 2 * Im).to_doubles(), reader.tensor(l1 + "mlp.experts.5.up_proj.weight").to_doubles());
+  EXPECT_EQ(down.select(0, e).to_doubles(), reader.tensor(l1 + "mlp.experts.5.down_proj.weight").to_doubles());
+  EXPECT_EQ(conv.slice(0, 2 * QL, 3 * QL).to_doubles(), reader.tensor(l1 + "self_attn.v_conv1d.weight").to_doubles());
+  // Unfused parameters view the mapped file instead of copying it.
+  EXPECT_FALSE(store.get("lm_head.weight").storage()->owns_memory());
+
+  store.save(dir / "saved", 300'000);
+  auto again = io::CheckpointReader::open(dir / "saved");
+  ASSERT_EQ(again.names(), reader.names());
+  for (const auto& name : reader.names()) {
+    auto x = reader.bytes(name), y = again.bytes(name);
+    ASSERT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end())) << name;
+    EXPECT_EQ(reader.info(name).dtype, again.info(name).dtype) << name;
+  }
+}
+
+TEST(ParamStore, ReportsMissingUnexpectedAndMisshapedKeys) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions options;
+  options.seed = test_seed();
+  write_random_checkpoint(config, dir / "ck", options);
+  const std::string dropped = "model.language_model.layers.2.self_attn.g_b_proj.weight";
+  const std::string reshaped = "model.language_model.layers.0.mlp.up_proj.weight";
+  rewrite(dir / "ck", dir / "bad", [&](const std::string& name, const Tensor& t, io::CheckpointWriter& w) {
+    if (name == dropped) return;
+    if (name == reshaped) {
+      w.add(name, Tensor::full({3, 5}, 0.5, DType::bf16));
+      return;
+    }
+    w.add(name, t);
+  });
+  {
+    io::CheckpointWriter w(dir / "extra");
+    auto reader = io::CheckpointReader::open(dir / "bad");
+    for (const auto& name : reader.names()) w.add(name, reader.tensor(name).clone());
+    w.add("model.language_model.layers.0.self_attn.rotary_emb.inv_freq", Tensor::full({4}, 1.0, DType::f32));
+    w.copy_file(dir / "ck" / "config.json", "config.json");
+    w.finish();
+  }
+  auto reader = io::CheckpointReader::open(dir / "extra");
+  CheckpointReport report = check_checkpoint(reader, config);
+  EXPECT_EQ(report.missing, std::vector<std::string>{dropped});
+  EXPECT_EQ(report.unexpected, std::vector<std::string>{"model.language_model.layers.0.self_attn.rotary_emb.inv_freq"});
+  ASSERT_EQ(report.misshaped.size(), 1u);
+  EXPECT_EQ(report.misshaped[0].name, reshaped);
+  std::string msg = message_of([&] { ParamStore::load(reader, config); });
+  for (const std::string& part : {dropped, reshaped, std::string("rotary_emb.inv_freq"), std::string("expected [96, 64], found [3, 5]")})
+    EXPECT_NE(msg.find(part), std::string::npos) << msg;
+}
+
+TEST(ParamStore, RefusesCheckpointsOfOtherModels) {
+  TempDir dir;
+  io::CheckpointWriter w(dir / "other");
+  w.add("model.layers.0.self_attn.q_proj.weight", Tensor::full({4, 4}, 0.25, DType::bf16));
+  w.add("model.embed_tokens.weight", Tensor::full({8, 4}, 0.25, DType::bf16));
+  w.finish();
+  auto reader = io::CheckpointReader::open(dir / "other");
+  std::string msg = message_of([&] { ParamStore::load(reader, ModelConfig::preset("tiny")); });
+  EXPECT_NE(msg.find("no GLM-5.3-Flash tensor found"), std::string::npos) << msg;
+}
+
+TEST(ParamStore, DequantisesFp8BlockWeights) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions options;
+  options.seed = test_seed();
+  write_random_checkpoint(config, dir / "ck", options);
+  const std::string target = "model.language_model.layers.0.mlp.gate_proj.weight";  // [96, 64]: a partial edge block
+  std::mt19937_64 gen(test_seed());
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(0.001f, 0.05f);
+  Tensor fp8, scales;
+  rewrite(dir / "ck", dir / "fp8", [&](const std::string& name, const Tensor& t, io::CheckpointWriter& w) {
+    if (name != target) {
+      w.add(name, t);
+      return;
+    }
+    fp8 = Tensor::empty(t.shape(), DType::fp8e4m3);
+    auto* p = static_cast<uint8_t*>(fp8.data_ptr());
+    for (int64_t i = 0; i < fp8.numel(); ++i) {
+      int b = byte(gen);
+      p[i] = uint8_t((b & 0x7f) == 0x7f ? b - 1 : b);  // no NaN encodings
+    }
+    scales = Tensor::empty({1, 1}, DType::f32);
+    scales.set_item({0, 0}, scale(gen));
+    w.add(name, fp8);
+    w.add(name.substr(0, name.size() - 7) + ".weight_scale_inv", scales);
+  });
+  auto reader = io::CheckpointReader::open(dir / "fp8");
+  CheckpointReport report = check_checkpoint(reader, config);
+  EXPECT_TRUE(report.ok()) << report.describe();
+  EXPECT_EQ(report.fp8_weights, std::vector<std::string>{target});
+  ParamStore store = ParamStore::load(reader, config);
+  const Tensor& w = store.get(target);
+  ASSERT_EQ(w.dtype(), DType::bf16);
+  for (int64_t r = 0; r < w.size(0); ++r)
+    for (int64_t c = 0; c < w.size(1); ++c) {
+      const double want = double(fp8e4m3_to_f32(static_cast<uint8_t*>(fp8.data_ptr())[r * w.size(1) + c])) * scales.item({0, 0});
+      ASSERT_EQ(w.item({r, c}), double(bf16_to_f32(f32_to_bf16(float(want))))) << r << "," << c << " seed " << test_seed();
+    }
+}
