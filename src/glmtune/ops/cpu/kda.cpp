@@ -1,0 +1,483 @@
+#include "glmtune/ops/kda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "glmtune/ops/linear.h"
+#include "glmtune/ops/norm.h"
+
+namespace glmtune::ops {
+namespace {
+
+void check_float(const Tensor& t, const char* what, const char* op) {
+  GLMTUNE_ASSERT(t.defined(), "{}: {} is undefined", op, what);
+  GLMTUNE_ASSERT(t.device().is_cpu(), "{}: CPU kernel got {} {}", op, what, t.str());
+  GLMTUNE_ASSERT(t.dtype() == DType::f32 || t.dtype() == DType::f64,
+                 "{}: CPU kernels compute in f32 or f64, got {} {}", op, what, t.str());
+}
+
+// Document boundaries as int64, validated against the token count. A malformed table would make
+// documents overlap or read past the pack, so it is rejected with the offending entry named.
+std::vector<int64_t> read_cu_seqlens(const Tensor& cu, int64_t tokens, const char* op) {
+  if (!cu.defined() || cu.dim() != 1 || cu.size(0) < 2 ||
+      (cu.dtype() != DType::i32 && cu.dtype() != DType::i64) || !cu.device().is_cpu())
+    throw Error(fmt::format("cu_seqlens must be a CPU int32/int64 vector [ndoc + 1], got {}",
+                            cu.defined() ? cu.str() : "an undefined tensor"),
+                op, "pass the pack's document offsets: [0, end of doc 0, ..., T]");
+  Tensor c = cu.contiguous();
+  std::vector<int64_t> out(size_t(c.size(0)));
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[i]) : c.data<int64_t>()[i];
+  if (out.front() != 0 || out.back() != tokens)
+    throw Error(fmt::format("cu_seqlens runs from {} to {} but the pack has {} tokens", out.front(),
+                            out.back(), tokens),
+                op, "cu_seqlens must start at 0 and end at the number of tokens");
+  for (size_t i = 1; i < out.size(); ++i)
+    if (out[i] < out[i - 1])
+      throw Error(
+          fmt::format("cu_seqlens decreases at entry {} ({} after {})", i, out[i], out[i - 1]), op,
+          "document offsets must be non-decreasing");
+  return out;
+}
+
+template <typename T>
+T sigmoid(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+template <typename T>
+void conv_kernel(const T* x, const T* w, const std::vector<int64_t>& cu, int64_t c, int64_t kc,
+                 bool silu, T* y, T* pre) {
+  const int64_t ndoc = int64_t(cu.size()) - 1;
+  for (int64_t doc = 0; doc < ndoc; ++doc) {
+    const int64_t start = cu[doc], end = cu[doc + 1];
+#pragma omp parallel for schedule(static) if ((end - start) * c > 65536)
+    for (int64_t t = start; t < end; ++t) {
+      // Taps that would reach before the document start read the causal zero padding.
+      const int64_t first_tap = std::max<int64_t>(0, (kc - 1) - (t - start));
+      for (int64_t ch = 0; ch < c; ++ch) {
+        T acc = 0;
+        for (int64_t tau = first_tap; tau < kc; ++tau)
+          acc += w[ch * kc + tau] * x[(t - (kc - 1) + tau) * c + ch];
+        if (pre) pre[t * c + ch] = acc;
+        y[t * c + ch] = silu ? acc * sigmoid(acc) : acc;
+      }
+    }
+  }
+}
+
+template <typename T>
+void gate_kernel(const T* graw, const T* dt_bias, const T* a_log, int64_t n, int64_t nl, int64_t hl,
+                 std::optional<double> lb, T* g) {
+  const int64_t ql = nl * hl;
+#pragma omp parallel for schedule(static) if (n * ql > 65536)
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < nl; ++h) {
+      const T rate = std::exp(a_log[h]);
+      for (int64_t a = 0; a < hl; ++a) {
+        const int64_t i = t * ql + h * hl + a;
+        const T z = graw[i] + dt_bias[h * hl + a];
+        if (lb) {
+          g[i] = T(*lb) * sigmoid(rate * z);
+        } else {
+          // The reference's thresholded softplus, written log(1 + exp(z)) (not log1p) to round
+          // as it does; above 20 the branch avoids exp overflow.
+          const T sp = z > T(20) ? z : std::log(T(1) + std::exp(z));
+          g[i] = -rate * sp;
+        }
+      }
+    }
+  }
+}
+
+// Strided per-(token, head) access into [T, NL, X] tensors.
+template <typename T>
+struct HeadView {
+  const T* base;
+  int64_t token_stride, width;
+  const T* row(int64_t t) const { return base + t * token_stride; }
+};
+
+template <typename T>
+void recurrent_head(const HeadView<T>& q, const HeadView<T>& k, const HeadView<T>& v,
+                    const HeadView<T>& g, const T* beta, int64_t beta_stride, int64_t start,
+                    int64_t end, T scale, T* o, int64_t o_stride, T* state) {
+  const int64_t kd = k.width, vd = v.width;
+  std::vector<T> s(size_t(kd * vd), T(0)), kv(static_cast<size_t>(vd)), qs(static_cast<size_t>(kd));
+  for (int64_t t = start; t < end; ++t) {
+    const T* qt = q.row(t);
+    const T* kt = k.row(t);
+    const T* vt = v.row(t);
+    const T* gt = g.row(t);
+    const T b = beta[t * beta_stride];
+    for (int64_t a = 0; a < kd; ++a) {
+      const T decay = std::exp(gt[a]);
+      for (int64_t e = 0; e < vd; ++e) s[a * vd + e] *= decay;
+    }
+    // Delta rule: predict v from the decayed state, write back β times the error.
+    for (int64_t e = 0; e < vd; ++e) kv[e] = T(0);
+    for (int64_t a = 0; a < kd; ++a)
+      for (int64_t e = 0; e < vd; ++e) kv[e] += s[a * vd + e] * kt[a];
+    for (int64_t e = 0; e < vd; ++e) kv[e] = (vt[e] - kv[e]) * b;
+    for (int64_t a = 0; a < kd; ++a)
+      for (int64_t e = 0; e < vd; ++e) s[a * vd + e] += kt[a] * kv[e];
+    for (int64_t a = 0; a < kd; ++a) qs[a] = qt[a] * scale;
+    T* ot = o + t * o_stride;
+    for (int64_t e = 0; e < vd; ++e) ot[e] = T(0);
+    for (int64_t a = 0; a < kd; ++a)
+      for (int64_t e = 0; e < vd; ++e) ot[e] += s[a * vd + e] * qs[a];
+  }
+  if (state) std::copy(s.begin(), s.end(), state);
+}
+
+// One (document, head) of the chunked form. Within a chunk of n ≤ C steps, with Γ the in-chunk
+// cumulative log decay, the state after step i is
+//   S_i = diag(e^{Γ_i}) S_0 + Σ_{j≤i} diag(e^{Γ_i − Γ_j}) k_j u_j^T
+// and the pseudo-values u solve (I + L) u = β⊙V − (β⊙K⊙e^{Γ}) S_0 with L strictly lower
+// triangular, L[i][j] = β_i Σ_a k_i[a] k_j[a] e^{Γ_i[a] − Γ_j[a]}. The reference inverts (I + L)
+// by forward substitution on −L; this kernel does the same, in the same order. Zero padding to a
+// multiple of C (as the reference pads) contributes exact zeros, so the last chunk simply stops
+// at the document end.
+template <typename T>
+void chunked_head(const HeadView<T>& q, const HeadView<T>& k, const HeadView<T>& v,
+                  const HeadView<T>& g, const T* beta, int64_t beta_stride, int64_t start,
+                  int64_t end, T scale, int64_t cs, T* o, int64_t o_stride, T* state) {
+  const int64_t kd = k.width, vd = v.width;
+  std::vector<T> s(size_t(kd * vd), T(0));
+  std::vector<T> qc(static_cast<size_t>(cs * kd)), kc(static_cast<size_t>(cs * kd)),
+      gam(static_cast<size_t>(cs * kd)), kb(static_cast<size_t>(cs * kd)),
+      vb(static_cast<size_t>(cs * vd)), kbe(static_cast<size_t>(cs * kd));
+  std::vector<T> tri(static_cast<size_t>(cs * cs)), row(static_cast<size_t>(cs)),
+      u(static_cast<size_t>(cs * vd)), w(static_cast<size_t>(cs * kd)),
+      vnew(static_cast<size_t>(cs * vd)), ain(static_cast<size_t>(cs * cs)),
+      kdec(static_cast<size_t>(kd)), qdec(static_cast<size_t>(kd));
+  for (int64_t c0 = start; c0 < end; c0 += cs) {
+    const int64_t n = std::min(cs, end - c0);
+    // Gather the chunk; q scaled once as the reference does before chunking.
+    for (int64_t i = 0; i < n; ++i) {
+      const T* qt = q.row(c0 + i);
+      const T* kt = k.row(c0 + i);
+      const T* vt = v.row(c0 + i);
+      const T* gt = g.row(c0 + i);
+      const T b = beta[(c0 + i) * beta_stride];
+      for (int64_t a = 0; a < kd; ++a) {
+        qc[i * kd + a] = qt[a] * scale;
+        kc[i * kd + a] = kt[a];
+        kb[i * kd + a] = kt[a] * b;
+        // In-chunk cumulative sum, sequential like torch.cumsum.
+        gam[i * kd + a] = (i ? gam[(i - 1) * kd + a] : T(0)) + gt[a];
+        kbe[i * kd + a] = kb[i * kd + a] * std::exp(gam[i * kd + a]);
+      }
+      for (int64_t e = 0; e < vd; ++e) vb[i * vd + e] = vt[e] * b;
+    }
+    // Both in-chunk score matrices share the decay exp(Γ_i − Γ_j) (j ≤ i, exponent ≤ 0, so it
+    // cannot overflow; the entries above the diagonal are never formed, as the reference masks
+    // them to −∞ before exp). tri = −L is strictly lower, ain keeps the diagonal.
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < n; ++j) tri[i * cs + j] = T(0);
+      for (int64_t j = 0; j <= i; ++j) {
+        T l = 0, a_in = 0;
+        for (int64_t a = 0; a < kd; ++a) {
+          const T decay = std::exp(gam[i * kd + a] - gam[j * kd + a]);
+          l += kb[i * kd + a] * kc[j * kd + a] * decay;
+          a_in += qc[i * kd + a] * kc[j * kd + a] * decay;
+        }
+        if (j < i) tri[i * cs + j] = -l;
+        ain[i * cs + j] = a_in;
+      }
+    }
+    // Forward substitution row by row: row i uses its original values and the already-finished
+    // rows above it.
+    for (int64_t i = 1; i < n; ++i) {
+      for (int64_t j = 0; j < i; ++j) row[j] = tri[i * cs + j];
+      for (int64_t j = 0; j < i; ++j) {
+        T acc = 0;
+        // tri[m][j] is zero for m ≤ j, so only m in (j, i) contribute.
+        for (int64_t m = j + 1; m < i; ++m) acc += row[m] * tri[m * cs + j];
+        tri[i * cs + j] = row[j] + acc;
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) tri[i * cs + i] = T(1);
+    // U = (I + L)^{-1} (β⊙V), W = (I + L)^{-1} (β⊙K⊙e^{Γ}).
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t e = 0; e < vd; ++e) u[i * vd + e] = T(0);
+      for (int64_t a = 0; a < kd; ++a) w[i * kd + a] = T(0);
+      for (int64_t j = 0; j <= i; ++j) {
+        const T t_ij = tri[i * cs + j];
+        for (int64_t e = 0; e < vd; ++e) u[i * vd + e] += t_ij * vb[j * vd + e];
+        for (int64_t a = 0; a < kd; ++a) w[i * kd + a] += t_ij * kbe[j * kd + a];
+      }
+    }
+    // Pseudo-values against the incoming state, and the inter-chunk part of the output.
+    for (int64_t i = 0; i < n; ++i) {
+      T* oi = o + (c0 + i) * o_stride;
+      for (int64_t a = 0; a < kd; ++a) qdec[a] = qc[i * kd + a] * std::exp(gam[i * kd + a]);
+      for (int64_t e = 0; e < vd; ++e) {
+        T inter = 0, pred = 0;
+        for (int64_t a = 0; a < kd; ++a) {
+          inter += qdec[a] * s[a * vd + e];
+          pred += w[i * kd + a] * s[a * vd + e];
+        }
+        oi[e] = inter;
+        vnew[i * vd + e] = u[i * vd + e] - pred;
+      }
+    }
+    // Intra-chunk attention (diagonal included) applied to the pseudo-values.
+    for (int64_t i = 0; i < n; ++i) {
+      T* oi = o + (c0 + i) * o_stride;
+      for (int64_t e = 0; e < vd; ++e) {
+        T acc = 0;
+        for (int64_t j = 0; j <= i; ++j) acc += ain[i * cs + j] * vnew[j * vd + e];
+        oi[e] += acc;
+      }
+    }
+    // State carried to the next chunk: decayed by the whole chunk, plus each step's write decayed
+    // from its own time to the chunk end.
+    const T* glast = &gam[(n - 1) * kd];
+    for (int64_t a = 0; a < kd; ++a) {
+      const T total = std::exp(glast[a]);
+      for (int64_t e = 0; e < vd; ++e) s[a * vd + e] *= total;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t a = 0; a < kd; ++a)
+        kdec[a] = kc[i * kd + a] * std::exp(glast[a] - gam[i * kd + a]);
+      for (int64_t a = 0; a < kd; ++a)
+        for (int64_t e = 0; e < vd; ++e) s[a * vd + e] += kdec[a] * vnew[i * vd + e];
+    }
+  }
+  if (state) std::copy(s.begin(), s.end(), state);
+}
+
+struct CoreShapes {
+  int64_t tokens, heads, kd, vd;
+};
+
+CoreShapes check_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                      const Tensor& beta, const char* op) {
+  for (const Tensor* t : {&q, &k, &v, &g, &beta}) check_float(*t, "operand", op);
+  for (const Tensor* t : {&k, &v, &g, &beta})
+    GLMTUNE_ASSERT(t->dtype() == q.dtype(), "{}: operand {} must have the dtype of q {}", op,
+                   t->str(), q.str());
+  GLMTUNE_ASSERT(q.dim() == 3 && k.shape() == q.shape() && g.shape() == q.shape(),
+                 "{}: q {}, k {}, g {} must all be [T, NL, K]", op, q.str(), k.str(), g.str());
+  GLMTUNE_ASSERT(v.dim() == 3 && v.size(0) == q.size(0) && v.size(1) == q.size(1),
+                 "{}: v {} must be [T, NL, V] for q {}", op, v.str(), q.str());
+  GLMTUNE_ASSERT(beta.dim() == 2 && beta.size(0) == q.size(0) && beta.size(1) == q.size(1),
+                 "{}: beta {} must be [T, NL] for q {}", op, beta.str(), q.str());
+  return {q.size(0), q.size(1), q.size(2), v.size(2)};
+}
+
+template <typename T>
+Tensor run_core(bool chunked, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                const Tensor& g_in, const Tensor& beta_in, const std::vector<int64_t>& cu,
+                const CoreShapes& sh, T scale, int64_t chunk_size, Tensor* final_state) {
+  Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous(), g = g_in.contiguous(),
+         beta = beta_in.contiguous();
+  const int64_t nh = sh.heads, kd = sh.kd, vd = sh.vd;
+  const int64_t ndoc = int64_t(cu.size()) - 1;
+  Tensor out = Tensor::zeros({sh.tokens, nh, vd}, q.dtype());
+  Tensor st;
+  if (final_state) {
+    st = Tensor::zeros({ndoc, nh, kd, vd}, q.dtype());
+    *final_state = st;
+  }
+  T* op = out.data<T>();
+  T* sp = st.defined() ? st.data<T>() : nullptr;
+  const T* bp = beta.data<T>();
+  // Documents and heads are independent; each (doc, head) pair runs serially in time.
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t job = 0; job < ndoc * nh; ++job) {
+    const int64_t doc = job / nh, h = job % nh;
+    HeadView<T> qv{q.data<T>() + h * kd, nh * kd, kd};
+    HeadView<T> kv{k.data<T>() + h * kd, nh * kd, kd};
+    HeadView<T> vv{v.data<T>() + h * vd, nh * vd, vd};
+    HeadView<T> gv{g.data<T>() + h * kd, nh * kd, kd};
+    T* state = sp ? sp + (doc * nh + h) * kd * vd : nullptr;
+    if (chunked)
+      chunked_head<T>(qv, kv, vv, gv, bp + h, nh, cu[doc], cu[doc + 1], scale, chunk_size,
+                      op + h * vd, nh * vd, state);
+    else
+      recurrent_head<T>(qv, kv, vv, gv, bp + h, nh, cu[doc], cu[doc + 1], scale, op + h * vd,
+                        nh * vd, state);
+  }
+  return out;
+}
+
+Tensor core_dispatch(bool chunked, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens, double scale,
+                     int64_t chunk_size, Tensor* final_state, const char* op) {
+  CoreShapes sh = check_core(q, k, v, g, beta, op);
+  GLMTUNE_ASSERT(chunk_size >= 1, "{}: chunk size {} must be positive", op, chunk_size);
+  std::vector<int64_t> cu = read_cu_seqlens(cu_seqlens, sh.tokens, op);
+  if (q.dtype() == DType::f32)
+    return run_core<float>(chunked, q, k, v, g, beta, cu, sh, float(scale), chunk_size,
+                           final_state);
+  return run_core<double>(chunked, q, k, v, g, beta, cu, sh, scale, chunk_size, final_state);
+}
+
+Tensor sigmoid_tensor(const Tensor& x) {
+  Tensor y = Tensor::empty(x.shape(), x.dtype());
+  Tensor xc = x.contiguous();
+  const int64_t n = x.numel();
+  if (x.dtype() == DType::f32) {
+    const float* a = xc.data<float>();
+    float* b = y.data<float>();
+    for (int64_t i = 0; i < n; ++i) b[i] = sigmoid(a[i]);
+  } else {
+    const double* a = xc.data<double>();
+    double* b = y.data<double>();
+    for (int64_t i = 0; i < n; ++i) b[i] = sigmoid(a[i]);
+  }
+  return y;
+}
+
+void expect_shape(const Tensor& t, const Shape& shape, const char* name) {
+  GLMTUNE_ASSERT(t.defined(), "kda_forward: parameter {} is missing", name);
+  GLMTUNE_ASSERT(t.shape() == shape, "kda_forward: parameter {} is {}, expected {}", name, t.str(),
+                 shape_str(shape));
+}
+
+}  // namespace
+
+Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
+                     Tensor* pre_activation) {
+  const char* op = "causal_conv1d";
+  check_float(x, "x", op);
+  check_float(weight, "weight", op);
+  GLMTUNE_ASSERT(weight.dtype() == x.dtype(), "{}: weight {} must have the dtype of x {}", op,
+                 weight.str(), x.str());
+  GLMTUNE_ASSERT(x.dim() == 2, "{}: x {} must be [T, C]", op, x.str());
+  const int64_t c = x.size(1);
+  const bool shape_ok = (weight.dim() == 2 && weight.size(0) == c) ||
+                        (weight.dim() == 3 && weight.size(0) == c && weight.size(1) == 1);
+  GLMTUNE_ASSERT(shape_ok, "{}: weight {} must be [C={}, Kc] or [C, 1, Kc]", op, weight.str(), c);
+  const int64_t kc = weight.size(-1);
+  std::vector<int64_t> cu = read_cu_seqlens(cu_seqlens, x.size(0), op);
+  Tensor xc = x.contiguous(), wc = weight.contiguous();
+  Tensor y = Tensor::empty(x.shape(), x.dtype());
+  Tensor pre;
+  if (pre_activation) {
+    pre = Tensor::empty(x.shape(), x.dtype());
+    *pre_activation = pre;
+  }
+  if (x.dtype() == DType::f32)
+    conv_kernel<float>(xc.data<float>(), wc.data<float>(), cu, c, kc, silu, y.data<float>(),
+                       pre.defined() ? pre.data<float>() : nullptr);
+  else
+    conv_kernel<double>(xc.data<double>(), wc.data<double>(), cu, c, kc, silu, y.data<double>(),
+                        pre.defined() ? pre.data<double>() : nullptr);
+  return y;
+}
+
+Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
+                std::optional<double> lower_bound) {
+  const char* op = "kda_gate";
+  check_float(graw, "graw", op);
+  check_float(dt_bias, "dt_bias", op);
+  check_float(A_log, "A_log", op);
+  GLMTUNE_ASSERT(dt_bias.dtype() == graw.dtype() && A_log.dtype() == graw.dtype(),
+                 "{}: dt_bias {} and A_log {} must have the dtype of graw {}", op, dt_bias.str(),
+                 A_log.str(), graw.str());
+  GLMTUNE_ASSERT(graw.dim() == 2 && A_log.dim() == 1 && A_log.size(0) >= 1 &&
+                     graw.size(1) % A_log.size(0) == 0,
+                 "{}: graw {} must be [T, NL·HL] with NL = {} from A_log", op, graw.str(),
+                 A_log.str());
+  GLMTUNE_ASSERT(dt_bias.dim() == 1 && dt_bias.size(0) == graw.size(1),
+                 "{}: dt_bias {} must be [{}]", op, dt_bias.str(), graw.size(1));
+  const int64_t n = graw.size(0), nl = A_log.size(0), hl = graw.size(1) / nl;
+  Tensor gc = graw.contiguous(), dc = dt_bias.contiguous(), ac = A_log.contiguous();
+  Tensor g = Tensor::empty({n, nl, hl}, graw.dtype());
+  if (graw.dtype() == DType::f32)
+    gate_kernel<float>(gc.data<float>(), dc.data<float>(), ac.data<float>(), n, nl, hl, lower_bound,
+                       g.data<float>());
+  else
+    gate_kernel<double>(gc.data<double>(), dc.data<double>(), ac.data<double>(), n, nl, hl,
+                        lower_bound, g.data<double>());
+  return g;
+}
+
+Tensor kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                   const Tensor& beta, const Tensor& cu_seqlens, double scale, int64_t chunk_size,
+                   Tensor* final_state) {
+  return core_dispatch(true, q, k, v, g, beta, cu_seqlens, scale, chunk_size, final_state,
+                       "kda_chunked");
+}
+
+Tensor kda_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                     const Tensor& beta, const Tensor& cu_seqlens, double scale,
+                     Tensor* final_state) {
+  return core_dispatch(false, q, k, v, g, beta, cu_seqlens, scale, 1, final_state, "kda_recurrent");
+}
+
+Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens,
+                   const KdaOptions& o, KdaSaved* saved) {
+  check_float(x, "x", "kda_forward");
+  GLMTUNE_ASSERT(x.dim() == 2, "kda_forward: x {} must be [T, D]", x.str());
+  const int64_t t = x.size(0), d = x.size(1), nl = o.num_heads, hl = o.head_dim, ql = nl * hl;
+  GLMTUNE_ASSERT(nl >= 1 && hl >= 1, "kda_forward: heads {} × head_dim {}", nl, hl);
+  expect_shape(p.q_proj, {ql, d}, "q_proj.weight");
+  expect_shape(p.k_proj, {ql, d}, "k_proj.weight");
+  expect_shape(p.v_proj, {ql, d}, "v_proj.weight");
+  GLMTUNE_ASSERT(p.conv1d.defined() && p.conv1d.size(0) == 3 * ql &&
+                     (p.conv1d.dim() == 2 || (p.conv1d.dim() == 3 && p.conv1d.size(1) == 1)),
+                 "kda_forward: conv1d.weight {} must be [{}, 1, Kc]",
+                 p.conv1d.defined() ? p.conv1d.str() : "-", 3 * ql);
+  expect_shape(p.f_a_proj, {hl, d}, "forget_gate.f_a_proj.weight");
+  expect_shape(p.f_b_proj, {ql, hl}, "forget_gate.f_b_proj.weight");
+  expect_shape(p.dt_bias, {ql}, "forget_gate.dt_bias");
+  expect_shape(p.A_log, {nl}, "forget_gate.A_log");
+  expect_shape(p.b_proj, {nl, d}, "b_proj.weight");
+  expect_shape(p.g_a_proj, {hl, d}, "g_a_proj.weight");
+  expect_shape(p.g_b_proj, {ql, hl}, "g_b_proj.weight");
+  expect_shape(p.o_norm, {hl}, "o_norm.weight");
+  expect_shape(p.o_proj, {d, ql}, "o_proj.weight");
+
+  // Projections, then the depthwise conv per stream of channels: the fused [3QL, Kc] weight is
+  // sliced rather than the three projections concatenated (depthwise channels are independent).
+  const int64_t kc = p.conv1d.size(-1);
+  Tensor conv_w = p.conv1d.reshape({3 * ql, kc});
+  Tensor q_in = linear(x, p.q_proj), k_in = linear(x, p.k_proj), v_in = linear(x, p.v_proj);
+  Tensor q = causal_conv1d(q_in, conv_w.slice(0, 0, ql), cu_seqlens, true).view({t, nl, hl});
+  Tensor k = causal_conv1d(k_in, conv_w.slice(0, ql, 2 * ql), cu_seqlens, true).view({t, nl, hl});
+  Tensor v =
+      causal_conv1d(v_in, conv_w.slice(0, 2 * ql, 3 * ql), cu_seqlens, true).view({t, nl, hl});
+
+  Tensor g = kda_gate(linear(linear(x, p.f_a_proj), p.f_b_proj), p.dt_bias, p.A_log, o.lower_bound);
+  Tensor beta = sigmoid_tensor(linear(x, p.b_proj));
+
+  // The reference normalises q and k inside the kernel, in fp32, after the conv output was
+  // rounded to the activation dtype; then scales q by HL^-1/2.
+  Tensor q_norm, k_norm;
+  Tensor qn = l2_norm(q, o.l2_eps, &q_norm);
+  Tensor kn = l2_norm(k, o.l2_eps, &k_norm);
+  const double scale = 1.0 / std::sqrt(double(hl));
+  Tensor core = o.core == KdaCore::chunked
+                    ? kda_chunked(qn, kn, v, g, beta, cu_seqlens, scale, o.chunk_size)
+                    : kda_recurrent(qn, kn, v, g, beta, cu_seqlens, scale);
+
+  Tensor gate = linear(linear(x, p.g_a_proj), p.g_b_proj).view({t, nl, hl});
+  Tensor o_rstd;
+  Tensor normed = rms_norm_gated(core, p.o_norm, gate, o.rms_eps, GateActivation::sigmoid, &o_rstd);
+  Tensor y = linear(normed.view({t, ql}), p.o_proj);
+
+  if (saved) {
+    saved->q_conv_in = q_in;
+    saved->k_conv_in = k_in;
+    saved->v_conv_in = v_in;
+    saved->q = q;
+    saved->k = k;
+    saved->v = v;
+    saved->q_norm = q_norm;
+    saved->k_norm = k_norm;
+    saved->g = g;
+    saved->beta = beta;
+    saved->core = core;
+    saved->gate = gate;
+    saved->normed = normed;
+    saved->o_rstd = o_rstd;
+  }
+  return y;
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,321 @@
+#include "glmtune/ops/mhc.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "glmtune/ops/linear.h"
+
+namespace glmtune::ops {
+namespace {
+
+void check_float(const Tensor& t, const char* what, const char* op) {
+  GLMTUNE_ASSERT(t.defined(), "{}: {} is undefined", op, what);
+  GLMTUNE_ASSERT(t.device().is_cpu(), "{}: CPU kernel got {} {}", op, what, t.str());
+  GLMTUNE_ASSERT(t.dtype() == DType::f32 || t.dtype() == DType::f64,
+                 "{}: CPU kernels compute in f32 or f64, got {} {}", op, what, t.str());
+}
+
+void check_same_dtype(const Tensor& a, const Tensor& b, const char* what, const char* op) {
+  GLMTUNE_ASSERT(a.dtype() == b.dtype(), "{}: {} {} must have the dtype of {}", op, what, b.str(),
+                 a.str());
+}
+
+// Number of tokens in the leading dims of a tensor whose trailing `tail` dims are fixed.
+int64_t leading(const Tensor& t, int64_t tail) {
+  int64_t n = 1;
+  for (int64_t d = 0; d + tail < t.dim(); ++d) n *= t.size(d);
+  return n;
+}
+
+Shape leading_shape(const Tensor& t, int64_t tail, std::initializer_list<int64_t> append) {
+  Shape s(t.shape().begin(), t.shape().end() - tail);
+  s.insert(s.end(), append);
+  return s;
+}
+
+bool same_leading(const Tensor& a, int64_t tail_a, const Tensor& b, int64_t tail_b) {
+  if (a.dim() - tail_a != b.dim() - tail_b) return false;
+  for (int64_t d = 0; d + tail_a < a.dim(); ++d)
+    if (a.size(d) != b.size(d)) return false;
+  return true;
+}
+
+template <typename T>
+T sigmoid(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+// One token's H×H Sinkhorn projection, in place on c (row-major, c[i*h + j]). On entry c holds
+// the logits; on exit the projected matrix. `init`, if given, receives softmax + eps.
+template <typename T>
+void sinkhorn_token(T* c, int64_t h, int64_t iters, T eps, T* init) {
+  // Row softmax (max-shifted, as torch), then eps on every entry.
+  for (int64_t i = 0; i < h; ++i) {
+    T* row = c + i * h;
+    T mx = row[0];
+    for (int64_t j = 1; j < h; ++j) mx = std::max(mx, row[j]);
+    T sum = 0;
+    for (int64_t j = 0; j < h; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    for (int64_t j = 0; j < h; ++j) row[j] = row[j] / sum + eps;
+  }
+  if (init) std::copy(c, c + h * h, init);
+  auto column_step = [&] {
+    for (int64_t j = 0; j < h; ++j) {
+      T s = 0;
+      for (int64_t i = 0; i < h; ++i) s += c[i * h + j];
+      const T d = s + eps;
+      for (int64_t i = 0; i < h; ++i) c[i * h + j] /= d;
+    }
+  };
+  auto row_step = [&] {
+    for (int64_t i = 0; i < h; ++i) {
+      T s = 0;
+      for (int64_t j = 0; j < h; ++j) s += c[i * h + j];
+      const T d = s + eps;
+      for (int64_t j = 0; j < h; ++j) c[i * h + j] /= d;
+    }
+  };
+  // The reference's order: one column step, then (iters − 1) × (row, column); it ends on a
+  // column step, so columns sum to ≈ 1 and rows only approximately.
+  column_step();
+  for (int64_t it = 1; it < iters; ++it) {
+    row_step();
+    column_step();
+  }
+}
+
+template <typename T>
+void collapse_kernel(const T* x, const T* pre, int64_t n, int64_t h, int64_t d, T* out) {
+#pragma omp parallel for schedule(static) if (n * h * d > 65536)
+  for (int64_t t = 0; t < n; ++t) {
+    const T* xt = x + t * h * d;
+    const T* pt = pre + t * h;
+    T* ot = out + t * d;
+    for (int64_t k = 0; k < d; ++k) ot[k] = T(0);
+    // Sum over streams in stream order, one product per term (the reference's
+    // (pre[..., None] * X).sum(dim=stream)).
+    for (int64_t i = 0; i < h; ++i)
+      for (int64_t k = 0; k < d; ++k) ot[k] += pt[i] * xt[i * d + k];
+  }
+}
+
+template <typename T>
+void mhc_pre_kernel(const Tensor& streams, const Tensor& fn_in, const Tensor& base_in,
+                    const Tensor& scale_in, const MhcOptions& o, MhcPreResult& res,
+                    MhcPreSaved* saved) {
+  const int64_t h = o.hc_mult, d = streams.size(-1), hd = h * d, m = (2 + h) * h;
+  const int64_t n = leading(streams, 2);
+  Tensor xs = streams.contiguous();
+  Tensor fn = fn_in.contiguous(), base = base_in.contiguous(), scale = scale_in.contiguous();
+  const T* x = xs.data<T>();
+
+  // Un-weighted RMSNorm of the flattened streams (stream-major: element (i, k) at i·D + k).
+  Tensor normed = Tensor::empty({n, hd}, streams.dtype());
+  Tensor rstd = Tensor::empty({n}, streams.dtype());
+  T* r = normed.data<T>();
+  T* rs = rstd.data<T>();
+#pragma omp parallel for schedule(static) if (n * hd > 65536)
+  for (int64_t t = 0; t < n; ++t) {
+    const T* xt = x + t * hd;
+    double ss = 0;
+    for (int64_t k = 0; k < hd; ++k) ss += double(xt[k]) * double(xt[k]);
+    const T inv = T(1) / std::sqrt(T(ss / double(hd)) + T(o.rms_eps));
+    rs[t] = inv;
+    for (int64_t k = 0; k < hd; ++k) r[t * hd + k] = xt[k] * inv;
+  }
+
+  // mix = normed · fn^T, one GEMM for all three groups of logits.
+  Tensor mix = Tensor::empty({n, m}, streams.dtype());
+  gemm<T>(false, true, n, m, hd, T(1), r, hd, fn.data<T>(), hd, T(0), mix.data<T>(), m);
+
+  res.post = Tensor::empty(leading_shape(streams, 2, {h}), streams.dtype());
+  res.comb = Tensor::empty(leading_shape(streams, 2, {h, h}), streams.dtype());
+  Tensor pre = Tensor::empty({n, h}, streams.dtype());
+  Tensor comb_init = saved ? Tensor::empty({n, h, h}, streams.dtype()) : Tensor();
+  const T* mx = mix.data<T>();
+  const T* b = base.data<T>();
+  const T* s = scale.data<T>();
+  T* post = res.post.data<T>();
+  T* comb = res.comb.data<T>();
+  T* pr = pre.data<T>();
+  T* ci = comb_init.defined() ? comb_init.data<T>() : nullptr;
+  const T eps = T(o.hc_eps);
+#pragma omp parallel for schedule(static) if (n > 256)
+  for (int64_t t = 0; t < n; ++t) {
+    const T* mt = mx + t * m;
+    // Each logit is mix · scale + base (multiply, then add), as the reference writes it.
+    for (int64_t i = 0; i < h; ++i) {
+      pr[t * h + i] = sigmoid(mt[i] * s[0] + b[i]) + eps;
+      post[t * h + i] = T(2) * sigmoid(mt[h + i] * s[1] + b[h + i]);
+    }
+    T* c = comb + t * h * h;
+    for (int64_t k = 0; k < h * h; ++k) c[k] = mt[2 * h + k] * s[2] + b[2 * h + k];
+    sinkhorn_token<T>(c, h, o.sinkhorn_iters, eps, ci ? ci + t * h * h : nullptr);
+  }
+
+  res.collapsed = Tensor::empty(leading_shape(streams, 2, {d}), streams.dtype());
+  collapse_kernel<T>(x, pr, n, h, d, res.collapsed.data<T>());
+
+  if (saved) {
+    saved->rstd = rstd.view(leading_shape(streams, 2, {}));
+    saved->mix = mix.view(leading_shape(streams, 2, {m}));
+    saved->pre = pre.view(leading_shape(streams, 2, {h}));
+    saved->comb_init = comb_init.view(leading_shape(streams, 2, {h, h}));
+  }
+}
+
+template <typename T>
+void post_kernel(const T* x, const T* y, const T* post, const T* comb, int64_t n, int64_t h,
+                 int64_t d, T* out) {
+#pragma omp parallel for schedule(static) if (n * h * d > 65536)
+  for (int64_t t = 0; t < n; ++t) {
+    const T* xt = x + t * h * d;
+    const T* yt = y + t * d;
+    const T* ct = comb + t * h * h;
+    for (int64_t i = 0; i < h; ++i) {
+      T* ot = out + (t * h + i) * d;
+      const T p = post[t * h + i];
+      // Residual mix first (comb^T · X, summed over the source stream j), then the sub-layer
+      // output placed with weight post_i.
+      for (int64_t k = 0; k < d; ++k) {
+        T acc = 0;
+        for (int64_t j = 0; j < h; ++j) acc += ct[j * h + i] * xt[j * d + k];
+        ot[k] = p * yt[k] + acc;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor& base,
+                     const Tensor& scale, const MhcOptions& options, MhcPreSaved* saved) {
+  const char* op = "mhc_pre";
+  check_float(streams, "streams", op);
+  check_float(fn, "fn", op);
+  check_float(base, "base", op);
+  check_float(scale, "scale", op);
+  for (const Tensor* p : {&fn, &base, &scale}) check_same_dtype(streams, *p, "parameter", op);
+  const int64_t h = options.hc_mult;
+  GLMTUNE_ASSERT(h >= 1 && options.sinkhorn_iters >= 1, "mhc_pre: hc_mult {} and iters {}", h,
+                 options.sinkhorn_iters);
+  GLMTUNE_ASSERT(streams.dim() >= 2 && streams.size(-2) == h,
+                 "mhc_pre: streams {} must be [..., H={}, D]", streams.str(), h);
+  const int64_t m = (2 + h) * h, hd = h * streams.size(-1);
+  GLMTUNE_ASSERT(fn.dim() == 2 && fn.size(0) == m && fn.size(1) == hd,
+                 "mhc_pre: fn {} must be [{}, {}]", fn.str(), m, hd);
+  GLMTUNE_ASSERT(base.dim() == 1 && base.size(0) == m, "mhc_pre: base {} must be [{}]", base.str(),
+                 m);
+  GLMTUNE_ASSERT(scale.dim() == 1 && scale.size(0) == 3, "mhc_pre: scale {} must be [3]",
+                 scale.str());
+  MhcPreResult res;
+  if (streams.dtype() == DType::f32)
+    mhc_pre_kernel<float>(streams, fn, base, scale, options, res, saved);
+  else
+    mhc_pre_kernel<double>(streams, fn, base, scale, options, res, saved);
+  return res;
+}
+
+Tensor mhc_sinkhorn(const Tensor& logits, int64_t iters, double eps) {
+  check_float(logits, "logits", "mhc_sinkhorn");
+  GLMTUNE_ASSERT(logits.dim() >= 2 && logits.size(-1) == logits.size(-2) && iters >= 1,
+                 "mhc_sinkhorn: logits {} must be [..., H, H], iters {} >= 1", logits.str(), iters);
+  Tensor c = logits.clone();
+  const int64_t h = logits.size(-1), n = leading(logits, 2);
+  if (c.dtype() == DType::f32) {
+    float* p = c.data<float>();
+    for (int64_t t = 0; t < n; ++t)
+      sinkhorn_token<float>(p + t * h * h, h, iters, float(eps), nullptr);
+  } else {
+    double* p = c.data<double>();
+    for (int64_t t = 0; t < n; ++t) sinkhorn_token<double>(p + t * h * h, h, iters, eps, nullptr);
+  }
+  return c;
+}
+
+Tensor mhc_collapse(const Tensor& streams, const Tensor& pre) {
+  const char* op = "mhc_collapse";
+  check_float(streams, "streams", op);
+  check_float(pre, "pre", op);
+  check_same_dtype(streams, pre, "pre", op);
+  GLMTUNE_ASSERT(streams.dim() >= 2 && pre.dim() >= 1 && pre.size(-1) == streams.size(-2) &&
+                     same_leading(streams, 2, pre, 1),
+                 "mhc_collapse: pre {} must be [..., H] for streams {}", pre.str(), streams.str());
+  const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);
+  Tensor xs = streams.contiguous(), pc = pre.contiguous();
+  Tensor out = Tensor::empty(leading_shape(streams, 2, {d}), streams.dtype());
+  if (streams.dtype() == DType::f32)
+    collapse_kernel<float>(xs.data<float>(), pc.data<float>(), n, h, d, out.data<float>());
+  else
+    collapse_kernel<double>(xs.data<double>(), pc.data<double>(), n, h, d, out.data<double>());
+  return out;
+}
+
+Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb) {
+  const char* op = "mhc_post";
+  check_float(streams, "streams", op);
+  check_float(y, "y", op);
+  check_float(post, "post", op);
+  check_float(comb, "comb", op);
+  for (const Tensor* p : {&y, &post, &comb}) check_same_dtype(streams, *p, "operand", op);
+  GLMTUNE_ASSERT(streams.dim() >= 2, "mhc_post: streams {} must be [..., H, D]", streams.str());
+  const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);
+  GLMTUNE_ASSERT(y.dim() >= 1 && y.size(-1) == d && same_leading(streams, 2, y, 1),
+                 "mhc_post: y {} must be [..., D] for streams {}", y.str(), streams.str());
+  GLMTUNE_ASSERT(post.dim() >= 1 && post.size(-1) == h && same_leading(streams, 2, post, 1),
+                 "mhc_post: post {} must be [..., H] for streams {}", post.str(), streams.str());
+  GLMTUNE_ASSERT(comb.dim() >= 2 && comb.size(-1) == h && comb.size(-2) == h &&
+                     same_leading(streams, 2, comb, 2),
+                 "mhc_post: comb {} must be [..., H, H] for streams {}", comb.str(), streams.str());
+  Tensor xs = streams.contiguous(), yc = y.contiguous(), pc = post.contiguous(),
+         cc = comb.contiguous();
+  Tensor out = Tensor::empty(streams.shape(), streams.dtype());
+  if (streams.dtype() == DType::f32)
+    post_kernel<float>(xs.data<float>(), yc.data<float>(), pc.data<float>(), cc.data<float>(), n, h,
+                       d, out.data<float>());
+  else
+    post_kernel<double>(xs.data<double>(), yc.data<double>(), pc.data<double>(), cc.data<double>(),
+                        n, h, d, out.data<double>());
+  return out;
+}
+
+Tensor mhc_expand(const Tensor& x, int64_t hc_mult) {
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && hc_mult >= 1, "mhc_expand: x {} and H {}",
+                 x.defined() ? x.str() : "-", hc_mult);
+  Shape s(x.shape().begin(), x.shape().end() - 1);
+  s.push_back(hc_mult);
+  s.push_back(x.size(-1));
+  Tensor out = Tensor::empty(s, x.dtype(), x.device());
+  // Each stream is a strided view of the output; copy_ handles dtype and device.
+  for (int64_t i = 0; i < hc_mult; ++i) out.select(-2, i).copy_(x);
+  return out;
+}
+
+Tensor mhc_head(const Tensor& streams) {
+  check_float(streams, "streams", "mhc_head");
+  GLMTUNE_ASSERT(streams.dim() >= 2, "mhc_head: streams {} must be [..., H, D]", streams.str());
+  const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);
+  Tensor xs = streams.contiguous();
+  Tensor out = Tensor::empty(leading_shape(streams, 2, {d}), streams.dtype());
+  auto run = [&](auto* x, auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t k = 0; k < d; ++k) {
+        T s = 0;
+        for (int64_t i = 0; i < h; ++i) s += x[(t * h + i) * d + k];
+        // torch's mean: the sum, then one division by the count.
+        o[t * d + k] = s / T(h);
+      }
+  };
+  if (streams.dtype() == DType::f32)
+    run(xs.data<float>(), out.data<float>());
+  else
+    run(xs.data<double>(), out.data<double>());
+  return out;
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,278 @@
+#include "glmtune/ops/mla.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "glmtune/ops/linear.h"
+#include "glmtune/ops/norm.h"
+
+namespace glmtune::ops {
+namespace {
+
+std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
+
+void check_param(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
+  GLMTUNE_ASSERT(t.defined() && t.shape() == shape && t.dtype() == dtype && t.device().is_cpu(),
+                 "MLA parameter {} must be a CPU {} tensor of shape {}, got {}", name,
+                 dtype_name(dtype), shape_str(shape), describe(t));
+}
+
+void check_optional(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
+  if (t.defined()) check_param(t, shape, dtype, name);
+}
+
+// Shapes and dtypes shared by both attention paths; returns the document bounds and, per token,
+// the document it belongs to. Every index is validated here, outside any parallel region (an
+// exception must not escape an OpenMP loop).
+struct AttentionPlan {
+  std::vector<int64_t> bounds;
+  std::vector<int64_t> doc_of;
+};
+
+AttentionPlan plan_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& indices, const Tensor& cu_seqlens) {
+  GLMTUNE_ASSERT(q.defined() && q.dim() == 3 && q.device().is_cpu() &&
+                     (q.dtype() == DType::f32 || q.dtype() == DType::f64),
+                 "attention q must be a CPU [T, NH, Dqk] tensor in f32 or f64, got {}",
+                 describe(q));
+  GLMTUNE_ASSERT(k.defined() && k.shape() == q.shape() && k.dtype() == q.dtype(),
+                 "attention k {} must match q {}", describe(k), q.str());
+  GLMTUNE_ASSERT(v.defined() && v.dim() == 3 && v.size(0) == q.size(0) && v.size(1) == q.size(1) &&
+                     v.dtype() == q.dtype(),
+                 "attention v {} must be [T, NH, Dv] like q {}", describe(v), q.str());
+  GLMTUNE_ASSERT(indices.defined() && indices.dtype() == DType::i32 && indices.dim() == 2 &&
+                     indices.size(0) == q.size(0) && indices.device().is_cpu(),
+                 "attention indices must be int32 [T, W] for q {}, got {}", q.str(),
+                 describe(indices));
+  AttentionPlan plan;
+  plan.bounds = read_cu_seqlens(cu_seqlens, q.size(0), "mla attention");
+  plan.doc_of.resize(size_t(q.size(0)));
+  for (size_t d = 0; d + 1 < plan.bounds.size(); ++d)
+    for (int64_t i = plan.bounds[d]; i < plan.bounds[d + 1]; ++i)
+      plan.doc_of[size_t(i)] = int64_t(d);
+  const Tensor idx_t = indices.contiguous();
+  const int32_t* idx = idx_t.data<int32_t>();
+  const int64_t width = indices.size(1);
+  for (int64_t i = 0; i < q.size(0); ++i) {
+    const int64_t doc = plan.doc_of[size_t(i)];
+    const int64_t lo = plan.bounds[size_t(doc)], hi = plan.bounds[size_t(doc) + 1];
+    for (int64_t w = 0; w < width; ++w) {
+      const int64_t j = idx[i * width + w];
+      // −1 is "no key"; anything else outside the query's document is a caller bug (indices from
+      // another pack, or document-local ones), never something to skip silently.
+      GLMTUNE_ASSERT(j == -1 || (j >= lo && j < hi),
+                     "attention index {} of token {} lies outside its document [{}, {})", j, i, lo,
+                     hi);
+    }
+  }
+  return plan;
+}
+
+template <typename T>
+void sparse_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& idx_t,
+                   T scale, Tensor& out) {
+  const int64_t tokens = q_t.size(0), heads = q_t.size(1), dqk = q_t.size(2), dv = v_t.size(2);
+  const int64_t width = idx_t.size(1);
+  const T* q = q_t.data<T>();
+  const T* k = k_t.data<T>();
+  const T* v = v_t.data<T>();
+  const int32_t* idx = idx_t.data<int32_t>();
+  T* o = out.data<T>();
+  // Threads only pay off past a few hundred thousand multiply-adds.
+  const bool parallel = tokens * width * heads * (dqk + dv) > (int64_t(1) << 18);
+#pragma omp parallel if (parallel)
+  {
+    std::vector<int64_t> keys;
+    std::vector<T> prob;
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t i = 0; i < tokens; ++i) {
+      // The visible set of query i: the row's entries as a set (the reference's mask is the
+      // union of the entries, so a repeated index must not weigh twice).
+      keys.clear();
+      for (int64_t w = 0; w < width; ++w)
+        if (idx[i * width + w] >= 0) keys.push_back(idx[i * width + w]);
+      std::sort(keys.begin(), keys.end());
+      keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+      const size_t n = keys.size();
+      prob.resize(n);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* oh = o + (i * heads + h) * dv;
+        std::fill_n(oh, dv, T(0));
+        if (n == 0) continue;  // no visible key: the output row stays 0
+        const T* qh = q + (i * heads + h) * dqk;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (size_t j = 0; j < n; ++j) {
+          const T* kj = k + (keys[j] * heads + h) * dqk;
+          T dot = T(0);
+          for (int64_t c = 0; c < dqk; ++c) dot += qh[c] * kj[c];
+          prob[j] = dot * scale;
+          mx = std::max(mx, prob[j]);
+        }
+        T sum = T(0);
+        for (size_t j = 0; j < n; ++j) {
+          prob[j] = std::exp(prob[j] - mx);
+          sum += prob[j];
+        }
+        // Normalise first, then weight the values: the reference's softmax-then-matmul order.
+        for (size_t j = 0; j < n; ++j) {
+          const T pj = prob[j] / sum;
+          const T* vj = v + (keys[j] * heads + h) * dv;
+          for (int64_t c = 0; c < dv; ++c) oh[c] += pj * vj[c];
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void dense_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& idx_t,
+                  const std::vector<int64_t>& bounds, T scale, Tensor& out) {
+  const int64_t heads = q_t.size(1), dqk = q_t.size(2), dv = v_t.size(2);
+  const int64_t width = idx_t.size(1);
+  const T* q = q_t.data<T>();
+  const T* k = k_t.data<T>();
+  const T* v = v_t.data<T>();
+  const int32_t* idx = idx_t.data<int32_t>();
+  T* o = out.data<T>();
+  for (size_t d = 0; d + 1 < bounds.size(); ++d) {
+    const int64_t begin = bounds[d], len = bounds[d + 1] - begin;
+    if (len == 0) continue;
+    std::vector<char> mask(size_t(len * len), 0);
+    for (int64_t i = 0; i < len; ++i)
+      for (int64_t w = 0; w < width; ++w) {
+        const int64_t j = idx[(begin + i) * width + w];
+        if (j >= 0) mask[size_t(i * len + (j - begin))] = 1;
+      }
+    std::vector<T> scores(size_t(len * len));
+    for (int64_t h = 0; h < heads; ++h) {
+      gemm<T>(false, true, len, len, dqk, scale, q + (begin * heads + h) * dqk, heads * dqk,
+              k + (begin * heads + h) * dqk, heads * dqk, T(0), scores.data(), len);
+      for (int64_t i = 0; i < len; ++i) {
+        T* row = scores.data() + i * len;
+        const char* m = mask.data() + i * len;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j < len; ++j)
+          if (m[j]) mx = std::max(mx, row[j]);
+        T sum = T(0);
+        for (int64_t j = 0; j < len; ++j) {
+          row[j] = m[j] ? std::exp(row[j] - mx) : T(0);
+          sum += row[j];
+        }
+        for (int64_t j = 0; j < len; ++j) row[j] = sum > T(0) ? row[j] / sum : T(0);
+      }
+      gemm<T>(false, false, len, dv, len, T(1), scores.data(), len, v + (begin * heads + h) * dv,
+              heads * dv, T(0), o + (begin * heads + h) * dv, heads * dv);
+    }
+  }
+}
+
+Tensor attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& indices,
+                 const Tensor& cu_seqlens, double scale, bool dense) {
+  const AttentionPlan plan = plan_attention(q_in, k_in, v_in, indices, cu_seqlens);
+  const Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const Tensor idx = indices.contiguous();
+  Tensor out = Tensor::zeros({q.size(0), q.size(1), v.size(2)}, q.dtype());
+  if (q.size(0) == 0) return out;
+  if (q.dtype() == DType::f32) {
+    if (dense)
+      dense_kernel<float>(q, k, v, idx, plan.bounds, float(scale), out);
+    else
+      sparse_kernel<float>(q, k, v, idx, float(scale), out);
+  } else {
+    if (dense)
+      dense_kernel<double>(q, k, v, idx, plan.bounds, scale, out);
+    else
+      sparse_kernel<double>(q, k, v, idx, scale, out);
+  }
+  return out;
+}
+
+// Attention and output projection over precomputed projections.
+MlaOutput attend(const MlaConfig& cfg, const MlaParams& params, MlaProjections proj,
+                 const Tensor& indices, const Tensor& cu_seqlens) {
+  MlaOutput out;
+  const int64_t tokens = proj.q.size(0);
+  out.attn = sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, cfg.softmax_scale())
+                 .view({tokens, cfg.n_heads * cfg.v_head_dim});
+  out.y = linear(out.attn, params.o_proj, params.o_proj_bias);
+  out.proj = std::move(proj);
+  return out;
+}
+
+}  // namespace
+
+double MlaConfig::softmax_scale() const { return 1.0 / std::sqrt(double(qk_nope_head_dim)); }
+
+MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const Tensor& x) {
+  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.device().is_cpu() &&
+                     (x.dtype() == DType::f32 || x.dtype() == DType::f64),
+                 "MLA input must be a CPU [T, D] tensor in f32 or f64, got {}", describe(x));
+  GLMTUNE_ASSERT(cfg.n_heads > 0 && cfg.q_lora_rank > 0 && cfg.kv_lora_rank > 0 &&
+                     cfg.qk_nope_head_dim > 0 && cfg.v_head_dim > 0,
+                 "MLA config dimensions must be positive");
+  const DType dt = x.dtype();
+  const int64_t tokens = x.size(0), dim = x.size(1), nh = cfg.n_heads;
+  const int64_t rq = cfg.q_lora_rank, rkv = cfg.kv_lora_rank;
+  const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
+  check_param(params.q_a_proj, {rq, dim}, dt, "q_a_proj.weight");
+  check_optional(params.q_a_proj_bias, {rq}, dt, "q_a_proj.bias");
+  check_param(params.q_a_layernorm, {rq}, dt, "q_a_layernorm.weight");
+  check_param(params.q_b_proj, {nh * dn, rq}, dt, "q_b_proj.weight");
+  check_param(params.kv_a_proj_with_mqa, {rkv, dim}, dt, "kv_a_proj_with_mqa.weight");
+  check_optional(params.kv_a_proj_with_mqa_bias, {rkv}, dt, "kv_a_proj_with_mqa.bias");
+  check_param(params.kv_a_layernorm, {rkv}, dt, "kv_a_layernorm.weight");
+  check_param(params.kv_b_proj, {nh * (dn + dv), rkv}, dt, "kv_b_proj.weight");
+  check_param(params.o_proj, {dim, nh * dv}, dt, "o_proj.weight");
+  check_optional(params.o_proj_bias, {dim}, dt, "o_proj.bias");
+
+  MlaProjections p;
+  p.q_resid = rms_norm(linear(x, params.q_a_proj, params.q_a_proj_bias), params.q_a_layernorm,
+                       cfg.rms_norm_eps);
+  p.q = linear(p.q_resid, params.q_b_proj).view({tokens, nh, dn});
+  // With qk_rope_head_dim = 0 the latent is all of kv_a's output and no shared rotary key is
+  // appended: every head's key is just its k_nope slice.
+  const Tensor latent =
+      rms_norm(linear(x, params.kv_a_proj_with_mqa, params.kv_a_proj_with_mqa_bias),
+               params.kv_a_layernorm, cfg.rms_norm_eps);
+  const Tensor kv = linear(latent, params.kv_b_proj).view({tokens, nh, dn + dv});
+  p.k = kv.narrow(2, 0, dn).contiguous();
+  p.v = kv.narrow(2, dn, dv).contiguous();
+  return p;
+}
+
+Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
+                        const Tensor& cu_seqlens, double scale) {
+  return attention(q, k, v, indices, cu_seqlens, scale, /*dense=*/false);
+}
+
+Tensor dense_masked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& indices, const Tensor& cu_seqlens, double scale) {
+  return attention(q, k, v, indices, cu_seqlens, scale, /*dense=*/true);
+}
+
+MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
+                      const Tensor& indices, const Tensor& cu_seqlens) {
+  return attend(cfg, params, mla_project(cfg, params, x), indices, cu_seqlens);
+}
+
+DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg,
+                      const DsaParams& params, const Tensor& x, const Tensor& cu_seqlens,
+                      const Tensor& prev_indices) {
+  MlaProjections proj = mla_project(mla_cfg, params.mla, x);
+  DsaOutput out;
+  if (params.indexer.defined()) {
+    out.indices = indexer_forward(indexer_cfg, params.indexer, x, proj.q_resid, cu_seqlens);
+  } else {
+    if (!prev_indices.defined())
+      throw Error("a DSA layer without its own indexer got no indices from the layer before it",
+                  "indexer_types",
+                  "mark the layer \"full\", or place it right after a \"full\" DSA layer");
+    out.indices = prev_indices;
+  }
+  out.y = attend(mla_cfg, params.mla, std::move(proj), out.indices, cu_seqlens).y;
+  return out;
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,90 @@
+#include "glmtune/ops/mlp.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "glmtune/ops/linear.h"
+
+namespace glmtune::ops {
+namespace {
+
+// Rows of the last dimension with a unit inner stride and a uniform row stride, viewed in place
+// when the layout allows (the halves of a fused [N, 2I] product qualify), else copied.
+struct RowView {
+  Tensor t;
+  int64_t rows = 0, cols = 0, row_stride = 0;
+};
+
+RowView row_view(const Tensor& x) {
+  RowView r;
+  r.cols = x.size(-1);
+  r.rows = r.cols > 0 ? x.numel() / r.cols : 0;
+  if (x.dim() == 2 && x.stride(1) == 1) {
+    r.t = x;
+    r.row_stride = x.stride(0);
+  } else {
+    r.t = x.contiguous();
+    r.row_stride = r.cols;
+  }
+  return r;
+}
+
+template <typename T>
+void swiglu_kernel(const RowView& g, const RowView& u, T limit, T* out) {
+  const T* gp = g.t.data<T>();
+  const T* up = u.t.data<T>();
+  const int64_t cols = g.cols;
+#pragma omp parallel for schedule(static) if (g.rows * cols > 65536)
+  for (int64_t r = 0; r < g.rows; ++r) {
+    const T* gr = gp + r * g.row_stride;
+    const T* ur = up + r * u.row_stride;
+    T* o = out + r * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      // The reference clamps the gate from above only: a very negative gate already drives silu
+      // to zero, while a large one would grow without bound.
+      const T a = std::min(gr[c], limit);
+      const T b = std::clamp(ur[c], -limit, limit);
+      o[c] = a / (T(1) + std::exp(-a)) * b;
+    }
+  }
+}
+
+}  // namespace
+
+Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit) {
+  GLMTUNE_ASSERT(gate.defined() && up.defined() && gate.dim() >= 1,
+                 "swiglu_clamped needs gate and up tensors");
+  GLMTUNE_ASSERT(gate.shape() == up.shape(), "swiglu_clamped: gate {} and up {} differ in shape",
+                 gate.str(), up.str());
+  GLMTUNE_ASSERT(gate.device().is_cpu() && up.device().is_cpu(), "CPU swiglu got {} and {}",
+                 gate.str(), up.str());
+  GLMTUNE_ASSERT(
+      gate.dtype() == up.dtype() && (gate.dtype() == DType::f32 || gate.dtype() == DType::f64),
+      "swiglu_clamped computes in f32 or f64, got {} and {}", gate.str(), up.str());
+  GLMTUNE_ASSERT(limit > 0, "swiglu limit must be positive, got {}", limit);
+  Tensor out = Tensor::empty(gate.shape(), gate.dtype());
+  if (out.numel() == 0) return out;
+  const RowView g = row_view(gate), u = row_view(up);
+  if (gate.dtype() == DType::f32)
+    swiglu_kernel<float>(g, u, float(limit), out.data<float>());
+  else
+    swiglu_kernel<double>(g, u, limit, out.data<double>());
+  return out;
+}
+
+Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit) {
+  GLMTUNE_ASSERT(
+      params.gate_proj.defined() && params.up_proj.defined() && params.down_proj.defined(),
+      "MLP parameters are incomplete");
+  GLMTUNE_ASSERT(params.gate_proj.shape() == params.up_proj.shape() &&
+                     params.down_proj.dim() == 2 &&
+                     params.down_proj.size(1) == params.gate_proj.size(0) &&
+                     params.down_proj.size(0) == params.gate_proj.size(1),
+                 "MLP shapes disagree: gate {} up {} down {}", params.gate_proj.str(),
+                 params.up_proj.str(), params.down_proj.str());
+  const Tensor gate = linear(x, params.gate_proj);
+  const Tensor up = linear(x, params.up_proj);
+  return linear(swiglu_clamped(gate, up, swiglu_limit), params.down_proj);
+}
+
+}  // namespace glmtune::ops

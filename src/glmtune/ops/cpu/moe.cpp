@@ -1,0 +1,262 @@
+#include "glmtune/ops/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "glmtune/ops/linear.h"
+
+namespace glmtune::ops {
+namespace {
+
+bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
+
+// Strict weak order "a ranks before b" for a descending top-k: larger value first, NaN above
+// everything (torch.topk's convention), equal values by ascending index so that the choice is
+// deterministic.
+template <typename T>
+bool ranks_before(T va, int64_t ia, T vb, int64_t ib) {
+  const bool na = std::isnan(va), nb = std::isnan(vb);
+  if (na != nb) return na;
+  if (!na && va != vb) return va > vb;
+  return ia < ib;
+}
+
+void check_config(const MoeConfig& cfg) {
+  GLMTUNE_ASSERT(cfg.n_experts > 0 && cfg.top_k > 0 && cfg.top_k <= cfg.n_experts,
+                 "MoE top_k {} must lie in [1, n_experts {}]", cfg.top_k, cfg.n_experts);
+  GLMTUNE_ASSERT(cfg.n_group >= 1 && cfg.n_experts % cfg.n_group == 0,
+                 "MoE n_group {} must divide n_experts {}", cfg.n_group, cfg.n_experts);
+  GLMTUNE_ASSERT(cfg.topk_group >= 1 && cfg.topk_group <= cfg.n_group,
+                 "MoE topk_group {} must lie in [1, n_group {}]", cfg.topk_group, cfg.n_group);
+  // The group score sums the two best experts of a group, so groups need two members; the kept
+  // groups must also hold enough experts for the top-k.
+  GLMTUNE_ASSERT(cfg.n_group == 1 || cfg.n_experts / cfg.n_group >= 2,
+                 "MoE groups of {} experts cannot give a top-2 group score",
+                 cfg.n_experts / cfg.n_group);
+  GLMTUNE_ASSERT(cfg.topk_group * (cfg.n_experts / cfg.n_group) >= cfg.top_k,
+                 "MoE keeps {} groups of {} experts, fewer than top_k {}", cfg.topk_group,
+                 cfg.n_experts / cfg.n_group, cfg.top_k);
+}
+
+template <typename T>
+void route_kernel(const MoeConfig& cfg, const T* logits, const T* bias, int64_t rows, T* weights,
+                  int32_t* indices) {
+  const int64_t n_exp = cfg.n_experts, n_group = cfg.n_group, per_group = n_exp / n_group;
+  const int64_t k = cfg.top_k;
+#pragma omp parallel if (rows * n_exp > 16384)
+  {
+    std::vector<T> p(n_exp), c(n_exp), group_score(n_group);
+    std::vector<int64_t> order(n_exp), groups(n_group);
+    std::vector<char> allowed(n_exp);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* lr = logits + r * n_exp;
+      for (int64_t e = 0; e < n_exp; ++e) {
+        p[e] = T(1) / (T(1) + std::exp(-lr[e]));
+        // The correction bias steers which experts are chosen; the combine weights below read
+        // the un-biased p.
+        c[e] = p[e] + bias[e];
+      }
+      std::fill(allowed.begin(), allowed.end(), char(1));
+      if (cfg.topk_group < n_group) {
+        for (int64_t g = 0; g < n_group; ++g) {
+          const T* cg = c.data() + g * per_group;
+          int64_t best = 0;
+          for (int64_t j = 1; j < per_group; ++j)
+            if (ranks_before(cg[j], j, cg[best], best)) best = j;
+          int64_t second = best == 0 ? 1 : 0;
+          for (int64_t j = 0; j < per_group; ++j)
+            if (j != best && ranks_before(cg[j], j, cg[second], second)) second = j;
+          group_score[g] = cg[best] + cg[second];
+        }
+        std::iota(groups.begin(), groups.end(), int64_t(0));
+        std::partial_sort(groups.begin(), groups.begin() + cfg.topk_group, groups.end(),
+                          [&](int64_t a, int64_t b) {
+                            return ranks_before(group_score[a], a, group_score[b], b);
+                          });
+        std::fill(allowed.begin(), allowed.end(), char(0));
+        for (int64_t i = 0; i < cfg.topk_group; ++i)
+          std::fill_n(allowed.begin() + groups[i] * per_group, per_group, char(1));
+      }
+      int64_t n_allowed = 0;
+      for (int64_t e = 0; e < n_exp; ++e)
+        if (allowed[e]) order[n_allowed++] = e;
+      std::partial_sort(order.begin(), order.begin() + k, order.begin() + n_allowed,
+                        [&](int64_t a, int64_t b) { return ranks_before(c[a], a, c[b], b); });
+      T* wr = weights + r * k;
+      int32_t* ir = indices + r * k;
+      T sum = T(0);
+      for (int64_t i = 0; i < k; ++i) {
+        ir[i] = int32_t(order[i]);
+        wr[i] = p[order[i]];
+        sum += wr[i];
+      }
+      if (cfg.norm_topk_prob) {
+        // The reference adds 1e-20 to the denominator (a no-op unless every weight underflows).
+        const T denom = sum + T(1e-20);
+        for (int64_t i = 0; i < k; ++i) wr[i] /= denom;
+      }
+      for (int64_t i = 0; i < k; ++i) wr[i] *= T(cfg.routed_scaling_factor);
+    }
+  }
+}
+
+template <typename T>
+Tensor experts_kernel(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
+                      const Tensor& x_in, const Routing& routing) {
+  const Tensor x = x_in.contiguous();
+  const Tensor idx_t = routing.indices.contiguous();
+  const Tensor w_t = routing.weights.contiguous();
+  const int64_t rows = x.size(0), dim = x.size(1), k = idx_t.size(1);
+  const int64_t inter = down_proj.size(2);
+  const int32_t* idx = idx_t.data<int32_t>();
+  const T* w = w_t.data<T>();
+
+  // Bucket the (row, k) selections by expert, rows ascending within an expert (a counting sort).
+  std::vector<int64_t> start(cfg.n_experts + 1, 0);
+  for (int64_t i = 0; i < rows * k; ++i) {
+    GLMTUNE_ASSERT(idx[i] >= 0 && idx[i] < cfg.n_experts, "routed expert id {} out of [0, {})",
+                   idx[i], cfg.n_experts);
+    ++start[idx[i] + 1];
+  }
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int64_t> slot(rows * k);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < rows * k; ++i) slot[fill[idx[i]]++] = i;
+  }
+
+  Tensor out = Tensor::zeros({rows, dim}, x.dtype());
+  T* y = out.data<T>();
+  const T* xp = x.data<T>();
+  for (int64_t e = 0; e < cfg.n_experts; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const int64_t* sel = slot.data() + start[e];
+    Tensor xe = Tensor::empty({n, dim}, x.dtype());
+    T* xep = xe.data<T>();
+#pragma omp parallel for schedule(static) if (n * dim > 65536)
+    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (sel[r] / k) * dim, dim, xep + r * dim);
+    const Tensor h = linear(xe, gate_up_proj.select(0, e));
+    const Tensor a =
+        swiglu_clamped(h.narrow(1, 0, inter), h.narrow(1, inter, inter), cfg.swiglu_limit);
+    const Tensor ye = linear(a, down_proj.select(0, e));
+    const T* yep = ye.data<T>();
+    // A row picks an expert at most once, so the rows of one expert never collide.
+#pragma omp parallel for schedule(static) if (n * dim > 65536)
+    for (int64_t r = 0; r < n; ++r) {
+      const T wk = w[sel[r]];
+      T* yr = y + (sel[r] / k) * dim;
+      for (int64_t d = 0; d < dim; ++d) yr[d] += yep[r * dim + d] * wk;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
+                  const Tensor& e_score_correction_bias, const Tensor& x) {
+  check_config(cfg);
+  GLMTUNE_ASSERT(x.defined() && x.dim() == 2, "MoE router input must be [T, D], got {}",
+                 x.defined() ? x.str() : std::string("undefined"));
+  GLMTUNE_ASSERT(is_compute_dtype(x.dtype()) && x.device().is_cpu(),
+                 "CPU MoE computes in f32 or f64, got {}", x.str());
+  GLMTUNE_ASSERT(router_weight.defined() && router_weight.dim() == 2 &&
+                     router_weight.size(0) == cfg.n_experts && router_weight.size(1) == x.size(1),
+                 "router weight {} does not match {} experts and input {}",
+                 router_weight.defined() ? router_weight.str() : std::string("undefined"),
+                 cfg.n_experts, x.str());
+  GLMTUNE_ASSERT(
+      e_score_correction_bias.defined() && e_score_correction_bias.dim() == 1 &&
+          e_score_correction_bias.size(0) == cfg.n_experts &&
+          e_score_correction_bias.dtype() == x.dtype(),
+      "e_score_correction_bias must be [{}] in {}, got {}", cfg.n_experts, dtype_name(x.dtype()),
+      e_score_correction_bias.defined() ? e_score_correction_bias.str() : std::string("undefined"));
+  Routing out;
+  out.logits = linear(x, router_weight);
+  const int64_t rows = x.size(0);
+  out.weights = Tensor::empty({rows, cfg.top_k}, x.dtype());
+  out.indices = Tensor::empty({rows, cfg.top_k}, DType::i32);
+  const Tensor bias = e_score_correction_bias.contiguous();
+  if (x.dtype() == DType::f32)
+    route_kernel<float>(cfg, out.logits.data<float>(), bias.data<float>(), rows,
+                        out.weights.data<float>(), out.indices.data<int32_t>());
+  else
+    route_kernel<double>(cfg, out.logits.data<double>(), bias.data<double>(), rows,
+                         out.weights.data<double>(), out.indices.data<int32_t>());
+  return out;
+}
+
+Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
+                   const Tensor& x, const Routing& routing) {
+  check_config(cfg);
+  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && is_compute_dtype(x.dtype()) && x.device().is_cpu(),
+                 "MoE experts input must be a CPU [T, D] tensor in f32 or f64, got {}",
+                 x.defined() ? x.str() : std::string("undefined"));
+  GLMTUNE_ASSERT(gate_up_proj.defined() && down_proj.defined() && gate_up_proj.dim() == 3 &&
+                     down_proj.dim() == 3,
+                 "experts need gate_up_proj [E, 2Im, D] and down_proj [E, D, Im]");
+  const int64_t inter = down_proj.size(2);
+  GLMTUNE_ASSERT(gate_up_proj.size(0) == cfg.n_experts && down_proj.size(0) == cfg.n_experts &&
+                     gate_up_proj.size(1) == 2 * inter && gate_up_proj.size(2) == x.size(1) &&
+                     down_proj.size(1) == x.size(1),
+                 "experts gate_up_proj {} / down_proj {} do not match {} experts and input {}",
+                 gate_up_proj.str(), down_proj.str(), cfg.n_experts, x.str());
+  GLMTUNE_ASSERT(gate_up_proj.dtype() == x.dtype() && down_proj.dtype() == x.dtype(),
+                 "experts weights {} / {} must share the input dtype {}", gate_up_proj.str(),
+                 down_proj.str(), x.str());
+  GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
+                     routing.indices.dim() == 2 && routing.indices.size(0) == x.size(0) &&
+                     routing.weights.defined() &&
+                     routing.weights.shape() == routing.indices.shape() &&
+                     routing.weights.dtype() == x.dtype(),
+                 "routing does not match input {}", x.str());
+  if (x.dtype() == DType::f32)
+    return experts_kernel<float>(cfg, gate_up_proj, down_proj, x, routing);
+  return experts_kernel<double>(cfg, gate_up_proj, down_proj, x, routing);
+}
+
+Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows) {
+  GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
+                     routing.indices.dim() == 2,
+                 "expert counts need int32 [T, K] routing indices");
+  const int64_t total = routing.indices.size(0), k = routing.indices.size(1);
+  if (rows < 0) rows = total;
+  GLMTUNE_ASSERT(rows <= total, "counting {} rows of a routing over {}", rows, total);
+  const Tensor idx_t = routing.indices.contiguous();
+  const int32_t* idx = idx_t.data<int32_t>();
+  Tensor counts = Tensor::zeros({n_experts}, DType::i64);
+  int64_t* c = counts.data<int64_t>();
+  for (int64_t i = 0; i < rows * k; ++i) {
+    GLMTUNE_ASSERT(idx[i] >= 0 && idx[i] < n_experts, "routed expert id {} out of [0, {})", idx[i],
+                   n_experts);
+    ++c[idx[i]];
+  }
+  return counts;
+}
+
+MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
+                      int64_t counted_rows) {
+  MoeOutput out;
+  out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
+  out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
+  // The shared expert sees the same input and is added after the routed sum, as the reference.
+  const Tensor shared = mlp_forward(params.shared, x, cfg.swiglu_limit);
+  const int64_t n = out.y.numel();
+  if (x.dtype() == DType::f32) {
+    float* y = out.y.data<float>();
+    const float* s = shared.data<float>();
+    for (int64_t i = 0; i < n; ++i) y[i] += s[i];
+  } else {
+    double* y = out.y.data<double>();
+    const double* s = shared.data<double>();
+    for (int64_t i = 0; i < n; ++i) y[i] += s[i];
+  }
+  out.expert_counts = moe_expert_counts(out.routing, cfg.n_experts, counted_rows);
+  return out;
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,189 @@
+#include "glmtune/ops/norm.h"
+
+#include <cmath>
+
+namespace glmtune::ops {
+namespace {
+
+// Rows of the last dimension of a contiguous copy of x.
+struct Rows {
+  Tensor x;
+  int64_t rows = 0, n = 0;
+};
+
+Rows as_rows(const Tensor& x, const char* op) {
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1, "{}: input must have at least one dimension", op);
+  GLMTUNE_ASSERT(x.device().is_cpu(), "{}: CPU kernel got {}", op, x.str());
+  GLMTUNE_ASSERT(x.dtype() == DType::f32 || x.dtype() == DType::f64,
+                 "{}: CPU kernels compute in f32 or f64, got {}", op, x.str());
+  Rows r;
+  r.x = x.contiguous();
+  r.n = x.size(-1);
+  r.rows = r.n > 0 ? x.numel() / r.n : 0;
+  return r;
+}
+
+void check_vector(const Tensor& v, const Tensor& x, const char* what, const char* op) {
+  if (!v.defined()) return;
+  GLMTUNE_ASSERT(v.dtype() == x.dtype() && v.dim() == 1 && v.size(0) == x.size(-1),
+                 "{}: {} {} does not match input {}", op, what, v.str(), x.str());
+}
+
+// Statistic output shaped like x without its last dimension.
+Tensor make_stat(Tensor* slot, const Tensor& x) {
+  if (!slot) return Tensor();
+  Shape s = x.shape();
+  s.pop_back();
+  *slot = Tensor::empty(s, x.dtype());
+  return *slot;
+}
+
+template <typename T>
+T sigmoid(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+template <typename T>
+void rms_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& gate,
+                     GateActivation activation, double eps, Tensor& out, Tensor& rstd_out) {
+  const T* x = r.x.data<T>();
+  const T* w = weight.defined() ? weight.data<T>() : nullptr;
+  Tensor gc = gate.defined() ? gate.contiguous() : Tensor();
+  const T* z = gc.defined() ? gc.data<T>() : nullptr;
+  T* y = out.data<T>();
+  T* rs = rstd_out.defined() ? rstd_out.data<T>() : nullptr;
+  const int64_t n = r.n;
+#pragma omp parallel for schedule(static) if (r.rows * n > 65536)
+  for (int64_t i = 0; i < r.rows; ++i) {
+    const T* xi = x + i * n;
+    double ss = 0;
+    for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
+    // The reference takes rsqrt of (mean + eps) in the compute dtype and multiplies x by it.
+    const T rstd = T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+    if (rs) rs[i] = rstd;
+    T* yi = y + i * n;
+    for (int64_t j = 0; j < n; ++j) {
+      T v = xi[j] * rstd;
+      if (w) v = w[j] * v;
+      if (z) {
+        const T zj = z[i * n + j];
+        v = v * (activation == GateActivation::sigmoid ? sigmoid(zj) : zj * sigmoid(zj));
+      }
+      yi[j] = v;
+    }
+  }
+}
+
+template <typename T>
+void layer_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& bias, double eps,
+                       Tensor& out, Tensor& mean_out, Tensor& rstd_out) {
+  const T* x = r.x.data<T>();
+  const T* w = weight.defined() ? weight.data<T>() : nullptr;
+  const T* b = bias.defined() ? bias.data<T>() : nullptr;
+  T* y = out.data<T>();
+  T* ms = mean_out.defined() ? mean_out.data<T>() : nullptr;
+  T* rs = rstd_out.defined() ? rstd_out.data<T>() : nullptr;
+  const int64_t n = r.n;
+#pragma omp parallel for schedule(static) if (r.rows * n > 65536)
+  for (int64_t i = 0; i < r.rows; ++i) {
+    const T* xi = x + i * n;
+    double s = 0;
+    for (int64_t j = 0; j < n; ++j) s += double(xi[j]);
+    const double mu = s / double(n);
+    // Two-pass variance: the shifted sum does not cancel catastrophically for large means.
+    double ss = 0;
+    for (int64_t j = 0; j < n; ++j) ss += (double(xi[j]) - mu) * (double(xi[j]) - mu);
+    const T mean = T(mu);
+    const T rstd = T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+    if (ms) ms[i] = mean;
+    if (rs) rs[i] = rstd;
+    T* yi = y + i * n;
+    for (int64_t j = 0; j < n; ++j) {
+      T v = (xi[j] - mean) * rstd;
+      if (w) v = v * w[j];
+      if (b) v = v + b[j];
+      yi[j] = v;
+    }
+  }
+}
+
+template <typename T>
+void l2_norm_kernel(const Rows& r, double eps, Tensor& out, Tensor& norm_out) {
+  const T* x = r.x.data<T>();
+  T* y = out.data<T>();
+  T* ns = norm_out.defined() ? norm_out.data<T>() : nullptr;
+  const int64_t n = r.n;
+#pragma omp parallel for schedule(static) if (r.rows * n > 65536)
+  for (int64_t i = 0; i < r.rows; ++i) {
+    const T* xi = x + i * n;
+    double ss = 0;
+    for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
+    // eps inside the sqrt and a true division, as the reference (and FLA) do; not F.normalize's
+    // max(‖x‖, eps).
+    const T norm = std::sqrt(T(ss) + T(eps));
+    if (ns) ns[i] = norm;
+    for (int64_t j = 0; j < n; ++j) y[i * n + j] = xi[j] / norm;
+  }
+}
+
+}  // namespace
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd) {
+  Rows r = as_rows(x, "rms_norm");
+  check_vector(weight, x, "weight", "rms_norm");
+  Tensor out = Tensor::empty(x.shape(), x.dtype());
+  Tensor rs = make_stat(rstd, x);
+  Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
+  if (x.dtype() == DType::f32)
+    rms_norm_kernel<float>(r, weight_c, Tensor(), GateActivation::sigmoid, eps, out, rs);
+  else
+    rms_norm_kernel<double>(r, weight_c, Tensor(), GateActivation::sigmoid, eps, out, rs);
+  return out;
+}
+
+Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate, double eps,
+                      GateActivation activation, Tensor* rstd) {
+  Rows r = as_rows(x, "rms_norm_gated");
+  check_vector(weight, x, "weight", "rms_norm_gated");
+  GLMTUNE_ASSERT(gate.defined() && gate.dtype() == x.dtype() && gate.shape() == x.shape(),
+                 "rms_norm_gated: gate {} must match input {}", gate.defined() ? gate.str() : "-",
+                 x.str());
+  Tensor out = Tensor::empty(x.shape(), x.dtype());
+  Tensor rs = make_stat(rstd, x);
+  Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
+  if (x.dtype() == DType::f32)
+    rms_norm_kernel<float>(r, weight_c, gate, activation, eps, out, rs);
+  else
+    rms_norm_kernel<double>(r, weight_c, gate, activation, eps, out, rs);
+  return out;
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                  Tensor* mean, Tensor* rstd) {
+  Rows r = as_rows(x, "layer_norm");
+  check_vector(weight, x, "weight", "layer_norm");
+  check_vector(bias, x, "bias", "layer_norm");
+  Tensor out = Tensor::empty(x.shape(), x.dtype());
+  Tensor ms = make_stat(mean, x);
+  Tensor rs = make_stat(rstd, x);
+  Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
+  Tensor bias_c = bias.defined() ? bias.contiguous() : Tensor();
+  if (x.dtype() == DType::f32)
+    layer_norm_kernel<float>(r, weight_c, bias_c, eps, out, ms, rs);
+  else
+    layer_norm_kernel<double>(r, weight_c, bias_c, eps, out, ms, rs);
+  return out;
+}
+
+Tensor l2_norm(const Tensor& x, double eps, Tensor* norm) {
+  Rows r = as_rows(x, "l2_norm");
+  Tensor out = Tensor::empty(x.shape(), x.dtype());
+  Tensor ns = make_stat(norm, x);
+  if (x.dtype() == DType::f32)
+    l2_norm_kernel<float>(r, eps, out, ns);
+  else
+    l2_norm_kernel<double>(r, eps, out, ns);
+  return out;
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,39 @@
+#pragma once
+// Dense projections: y = x W^T (+ b), the layout of every nn.Linear in the reference (W is
+// [out, in], row-major). CPU tensors in f32 (the reference path) or f64 (finite-difference tests);
+// the GEMM itself is OpenBLAS.
+
+#include <cstdint>
+
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::ops {
+
+// Row-major GEMM on raw buffers: C = alpha·op(A)·op(B) + beta·C with op(X) = X or X^T.
+// op(A) is [m, k], op(B) is [k, n], C is [m, n]; lda/ldb/ldc are the row strides of the stored
+// (untransposed) matrices. Instantiated for float and double. Exposed so that backward passes
+// (dx = dy W, dW = dy^T x) reuse the same call without building tensors.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a,
+          int64_t lda, const T* b, int64_t ldb, T beta, T* c, int64_t ldc);
+
+// y[..., out] = x[..., in] · weight[out, in]^T + bias[out]. `bias` may be undefined. x, weight and
+// bias share one dtype (f32 or f64); the result is contiguous with x's leading shape.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+
+// Same as `linear`, written into `out` (contiguous, shape [..., out]); with `accumulate` the
+// product is added to what `out` already holds (the bias, if any, is added too).
+void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+                bool accumulate = false);
+
+// Backward of y = x W^T (+ b) for an upstream gradient dy [..., out] (dtype of x):
+//   dx = dy W           returned, shaped like x (undefined when `need_input_grad` is false)
+//   dW += dy^T x        into *grad_weight [out, in], summed over all leading dims
+//   db += Σ dy          into *grad_bias [out]
+// Parameter gradients accumulate, as every backward in glmtune does: a null pointer skips that
+// gradient, an undefined tensor is first allocated as zeros of the parameter's shape, a defined
+// one must be contiguous with the parameter's shape and dtype.
+Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
+                       Tensor* grad_bias = nullptr, bool need_input_grad = true);
+
+}  // namespace glmtune::ops

@@ -1,0 +1,110 @@
+#pragma once
+// Mixture of experts of the sparse layers (spec text-model §3.10): sigmoid router with a
+// selection-only correction bias and group-limited top-k, routed experts in the fused internal
+// layout, clamped SwiGLU, weighted combine, plus the shared expert.
+//
+// Router, per token row x (T is the compute dtype: the reference runs the router in fp32 whatever
+// the model dtype, which in the f32 CPU path is the compute dtype anyway):
+//   logits = x Wr^T,  p = σ(logits),  c = p + bias
+//   groups: view c as [G, E/G]; group score = sum of its two largest c; keep the topk_group best
+//           groups, drop the experts of the others
+//   sel    = the top_k experts by c among the kept ones
+//   w_k    = p[sel_k] (the bias never enters the weights); if norm_topk_prob
+//            w_k /= (Σ_k w_k + 1e-20); then w_k *= routed_scaling_factor
+// Experts, for each (token, k): [g | u] = x gate_up_proj[e]^T (gate rows first), a = swiglu(g, u)
+// with the MLP's clamps, y += w_k · (a down_proj[e]^T). Output = routed + shared_expert(x).
+//
+// The routed sum is accumulated expert by expert in ascending expert index (the reference's eager
+// order); in f32 it differs from the grouped-GEMM order only by rounding.
+
+#include <cstdint>
+
+#include "glmtune/ops/mlp.h"
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::ops {
+
+struct MoeConfig {
+  int64_t n_experts = 288;  // n_routed_experts (E)
+  int64_t top_k = 8;        // num_experts_per_tok
+  int64_t n_group = 1;      // G; E must be divisible by it
+  int64_t topk_group = 1;   // groups kept per token
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 2.5;
+  double swiglu_limit = 10.0;
+};
+
+// Released names under `mlp.`; the experts are in the internal fused layout (the checkpoint's
+// per-expert gate/up/down are stacked at load).
+struct MoeParams {
+  Tensor router_weight;            // gate.weight [E, D]
+  Tensor e_score_correction_bias;  // gate.e_score_correction_bias [E] (buffer)
+  Tensor gate_up_proj;  // experts.gate_up_proj [E, 2·Im, D]: rows [0, Im) gate, [Im, 2Im) up
+  Tensor down_proj;     // experts.down_proj [E, D, Im]
+  MlpParams shared;     // shared_experts.{gate,up,down}_proj.weight, width Im·Ns
+};
+
+struct Routing {
+  Tensor logits;   // [T, E] router logits (what the balancing losses read)
+  Tensor weights;  // [T, K] combine weights (normalised and scaled, bias-free)
+  Tensor indices;  // int32 [T, K] expert ids, per row by descending biased score
+};
+
+// x [T, D] (2-D) -> routing of every row.
+Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
+                  const Tensor& e_score_correction_bias, const Tensor& x);
+
+// Routed experts only: Σ_k w_k · expert_{idx_k}(x) per row, [T, D].
+Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
+                   const Tensor& x, const Routing& routing);
+
+// Number of selections of each expert over rows [0, rows) (rows < 0: all rows), int64 [E]. Each
+// row picks distinct experts, so this is the number of tokens each expert received: the load that
+// drives the correction-bias update.
+Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows = -1);
+
+struct MoeOutput {
+  Tensor y;  // [T, D] routed + shared
+  Routing routing;
+  Tensor expert_counts;  // int64 [E], over the first `counted_rows` rows
+};
+
+// The whole MoE block. `counted_rows` limits the expert counts to the leading rows, so that a
+// trailing padding document (spec SPEC.md §2) can be left out of the load statistics; < 0 counts
+// every row.
+MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
+                      int64_t counted_rows = -1);
+
+// ---- Backward (ops/cpu/moe_backward.cpp) ----
+//
+// The selection (group limit, top-k, the correction bias) is piecewise constant: no gradient
+// flows through it, and the bias never gets one. Gradients reach the router weight only through
+// the combine weights of the selected experts,
+//   w_k = rsf · p_k / (Σ_j p_j + 1e-20)  (norm_topk_prob)   or   w_k = rsf · p_k,  p = σ(logits),
+// and every routed expert receives only the rows routed to it. The expert activations are
+// recomputed in the backward from the saved input and routing (one extra pair of expert GEMMs),
+// instead of keeping [T·K, 2·Im] and [T·K, D] buffers alive between forward and backward.
+
+struct MoeContext {
+  Tensor x;           // [T, D] input
+  Routing routing;    // the forward's routing (logits, combine weights, experts)
+  MlpContext shared;  // the shared expert's context
+};
+
+// moe_forward that also fills `ctx` for moe_backward.
+MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
+                      int64_t counted_rows, MoeContext& ctx);
+
+// Gradient of the combine weights [T, K] back to the router logits [T, E] (zero for the experts a
+// row did not select), through the normalisation and scaling above and the sigmoid.
+Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights);
+
+// dy [T, D] -> dx [T, D]. Adds the gradients of router_weight, gate_up_proj, down_proj and the
+// shared expert into `grads` (mirrors MoeParams; an undefined entry is created as zeros first).
+// grads.e_score_correction_bias is never touched: the bias is a buffer that only steers the
+// choice. `d_router_logits` (optional, [T, E]) is a gradient arriving at the router logits from
+// elsewhere (a balancing loss); it joins the combine weights' gradient before the router GEMM.
+Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeContext& ctx,
+                    const Tensor& dy, MoeParams& grads, const Tensor& d_router_logits = Tensor());
+
+}  // namespace glmtune::ops
