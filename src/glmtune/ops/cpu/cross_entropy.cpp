@@ -1,0 +1,207 @@
+#include "glmtune/ops/cross_entropy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "glmtune/ops/linear.h"
+
+namespace glmtune::ops {
+namespace {
+
+std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
+
+bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
+
+// Labels widened to int64 and checked: −100 or a vocabulary row. A bad label comes from the data
+// (or a vocabulary mismatch), so it is a glmtune::Error.
+std::vector<int64_t> read_labels(const Tensor& labels, int64_t rows, int64_t vocab) {
+  GLMTUNE_ASSERT(labels.defined() && labels.dim() == 1 && labels.size(0) == rows &&
+                     labels.device().is_cpu() &&
+                     (labels.dtype() == DType::i32 || labels.dtype() == DType::i64),
+                 "cross-entropy labels must be a CPU int32/int64 vector of {} rows, got {}", rows,
+                 describe(labels));
+  const Tensor c = labels.contiguous();
+  std::vector<int64_t> out(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t v =
+        c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[i]) : c.data<int64_t>()[i];
+    if (v != kIgnoreIndex && (v < 0 || v >= vocab))
+      throw Error(fmt::format("label {} of row {} is neither {} nor a token id in [0, {})", v, i,
+                              kIgnoreIndex, vocab),
+                  "cross-entropy labels",
+                  "labels must be token ids of the model's vocabulary, or -100 for positions "
+                  "without a loss");
+    out[size_t(i)] = v;
+  }
+  return out;
+}
+
+int64_t count_labels(const std::vector<int64_t>& labels) {
+  return int64_t(
+      std::count_if(labels.begin(), labels.end(), [](int64_t v) { return v != kIgnoreIndex; }));
+}
+
+CrossEntropyResult make_result(const CrossEntropyOptions& opts, int64_t n_tokens) {
+  CrossEntropyResult r;
+  r.n_tokens = n_tokens;
+  r.denominator = opts.denominator > 0 ? opts.denominator : double(n_tokens);
+  return r;
+}
+
+// One row: returns −log softmax(z)[label]; when `grad` is given, writes
+// coef · (softmax(z) − onehot(label)) into it (it may alias z: each entry is read before it is
+// written). The log-sum-exp accumulates in double: V is up to ~155k terms.
+template <typename T>
+double row_loss(const T* z, int64_t vocab, int64_t label, double coef, T* grad) {
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < vocab; ++j) mx = std::max(mx, z[j]);
+  double sum = 0;
+  for (int64_t j = 0; j < vocab; ++j) sum += std::exp(double(z[j]) - double(mx));
+  const double lse = double(mx) + std::log(sum);
+  const double loss = lse - double(z[label]);
+  if (grad) {
+    for (int64_t j = 0; j < vocab; ++j) grad[j] = T(coef * std::exp(double(z[j]) - lse));
+    grad[label] -= T(coef);
+  }
+  return loss;
+}
+
+template <typename T>
+double logits_pass(const Tensor& logits, const std::vector<int64_t>& labels, double coef,
+                   Tensor* dlogits) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const T* z = logits.data<T>();
+  T* g = dlogits ? dlogits->data<T>() : nullptr;
+  double total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total) if (rows * vocab > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t label = labels[size_t(r)];
+    if (label == kIgnoreIndex) {
+      if (g) std::fill_n(g + r * vocab, vocab, T(0));
+      continue;
+    }
+    total += row_loss<T>(z + r * vocab, vocab, label, coef, g ? g + r * vocab : nullptr);
+  }
+  return total;
+}
+
+template <typename T>
+double fused_pass(const Tensor& hidden, const Tensor& weight, const std::vector<int64_t>& labels,
+                  int64_t chunk_rows, double coef, Tensor* dhidden, Tensor* dweight) {
+  const int64_t dim = hidden.size(1), vocab = weight.size(0);
+  const T* h = hidden.data<T>();
+  const T* w = weight.data<T>();
+  std::vector<int64_t> rows;
+  for (size_t i = 0; i < labels.size(); ++i)
+    if (labels[i] != kIgnoreIndex) rows.push_back(int64_t(i));
+  const int64_t n = int64_t(rows.size());
+  const int64_t chunk = std::max<int64_t>(1, std::min(chunk_rows, n));
+  const bool want_grad = dhidden || dweight;
+  std::vector<T> hc(size_t(chunk * dim)), z(size_t(chunk * vocab));
+  std::vector<T> dh(dhidden ? size_t(chunk * dim) : 0);
+  double total = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+    const int64_t m = std::min(chunk, n - c0);
+    for (int64_t r = 0; r < m; ++r)
+      std::copy_n(h + rows[size_t(c0 + r)] * dim, dim, hc.data() + r * dim);
+    // z = h_c · W^T, then turned into its own gradient in place.
+    gemm<T>(false, true, m, vocab, dim, T(1), hc.data(), dim, w, dim, T(0), z.data(), vocab);
+    double part = 0;
+#pragma omp parallel for schedule(static) reduction(+ : part) if (m * vocab > 65536)
+    for (int64_t r = 0; r < m; ++r)
+      part += row_loss<T>(z.data() + r * vocab, vocab, labels[size_t(rows[size_t(c0 + r)])], coef,
+                          want_grad ? z.data() + r * vocab : nullptr);
+    total += part;
+    if (dhidden) {
+      gemm<T>(false, false, m, dim, vocab, T(1), z.data(), vocab, w, dim, T(0), dh.data(), dim);
+      T* out = dhidden->data<T>();
+      for (int64_t r = 0; r < m; ++r)
+        std::copy_n(dh.data() + r * dim, dim, out + rows[size_t(c0 + r)] * dim);
+    }
+    if (dweight)
+      gemm<T>(true, false, vocab, dim, m, T(1), z.data(), vocab, hc.data(), dim, T(1),
+              dweight->data<T>(), dim);
+  }
+  return total;
+}
+
+}  // namespace
+
+CrossEntropyResult cross_entropy_forward(const Tensor& logits, const Tensor& labels,
+                                         const CrossEntropyOptions& opts) {
+  GLMTUNE_ASSERT(logits.defined() && logits.dim() == 2 && logits.device().is_cpu() &&
+                     is_compute_dtype(logits.dtype()),
+                 "cross-entropy logits must be a CPU [T, V] tensor in f32 or f64, got {}",
+                 describe(logits));
+  const std::vector<int64_t> lab = read_labels(labels, logits.size(0), logits.size(1));
+  CrossEntropyResult r = make_result(opts, count_labels(lab));
+  const Tensor z = logits.contiguous();
+  r.loss_sum = z.dtype() == DType::f32 ? logits_pass<float>(z, lab, 0, nullptr)
+                                       : logits_pass<double>(z, lab, 0, nullptr);
+  r.loss = r.denominator > 0 ? r.loss_sum / r.denominator : 0.0;
+  return r;
+}
+
+Tensor cross_entropy_backward(const Tensor& logits, const Tensor& labels,
+                              const CrossEntropyOptions& opts) {
+  GLMTUNE_ASSERT(logits.defined() && logits.dim() == 2 && logits.device().is_cpu() &&
+                     is_compute_dtype(logits.dtype()),
+                 "cross-entropy logits must be a CPU [T, V] tensor in f32 or f64, got {}",
+                 describe(logits));
+  const std::vector<int64_t> lab = read_labels(labels, logits.size(0), logits.size(1));
+  const CrossEntropyResult r = make_result(opts, count_labels(lab));
+  const double coef = r.denominator > 0 ? opts.grad_scale / r.denominator : 0.0;
+  const Tensor z = logits.contiguous();
+  Tensor grad = Tensor::empty(z.shape(), z.dtype());
+  if (z.dtype() == DType::f32)
+    logits_pass<float>(z, lab, coef, &grad);
+  else
+    logits_pass<double>(z, lab, coef, &grad);
+  return grad;
+}
+
+CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden_in, const Tensor& weight_in,
+                                         const Tensor& labels, const CrossEntropyOptions& opts,
+                                         Tensor* dhidden, Tensor* dweight) {
+  GLMTUNE_ASSERT(hidden_in.defined() && hidden_in.dim() == 2 && hidden_in.device().is_cpu() &&
+                     is_compute_dtype(hidden_in.dtype()),
+                 "lm_head_cross_entropy: hidden must be a CPU [T, D] tensor in f32 or f64, got {}",
+                 describe(hidden_in));
+  GLMTUNE_ASSERT(weight_in.defined() && weight_in.dim() == 2 &&
+                     weight_in.size(1) == hidden_in.size(1) &&
+                     weight_in.dtype() == hidden_in.dtype() && weight_in.device().is_cpu(),
+                 "lm_head_cross_entropy: weight {} must be [V, {}] in {}", describe(weight_in),
+                 hidden_in.size(1), dtype_name(hidden_in.dtype()));
+  GLMTUNE_ASSERT(opts.chunk_rows > 0, "chunk_rows must be positive, got {}", opts.chunk_rows);
+  const int64_t rows = hidden_in.size(0), dim = hidden_in.size(1), vocab = weight_in.size(0);
+  const std::vector<int64_t> lab = read_labels(labels, rows, vocab);
+  CrossEntropyResult r = make_result(opts, count_labels(lab));
+  const double coef = r.denominator > 0 ? opts.grad_scale / r.denominator : 0.0;
+  if (dhidden) {
+    // Ignored rows never reach the chunks; their gradient is 0.
+    if (!dhidden->defined()) *dhidden = Tensor::empty({rows, dim}, hidden_in.dtype());
+    GLMTUNE_ASSERT(dhidden->shape() == hidden_in.shape() && dhidden->dtype() == hidden_in.dtype() &&
+                       dhidden->is_contiguous() && dhidden->device().is_cpu(),
+                   "dhidden {} must be a contiguous CPU tensor like hidden {}", dhidden->str(),
+                   hidden_in.str());
+    dhidden->zero_();
+  }
+  if (dweight) {
+    if (!dweight->defined()) *dweight = Tensor::zeros(weight_in.shape(), weight_in.dtype());
+    GLMTUNE_ASSERT(dweight->shape() == weight_in.shape() && dweight->dtype() == weight_in.dtype() &&
+                       dweight->is_contiguous() && dweight->device().is_cpu(),
+                   "dweight {} must be a contiguous CPU tensor like the weight {}", dweight->str(),
+                   weight_in.str());
+  }
+  const Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous();
+  r.loss_sum =
+      hidden.dtype() == DType::f32
+          ? fused_pass<float>(hidden, weight, lab, opts.chunk_rows, coef, dhidden, dweight)
+          : fused_pass<double>(hidden, weight, lab, opts.chunk_rows, coef, dhidden, dweight);
+  r.loss = r.denominator > 0 ? r.loss_sum / r.denominator : 0.0;
+  return r;
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,110 @@
+#include "glmtune/ops/embedding.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace glmtune::ops {
+namespace {
+
+std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
+
+void check_table(const Tensor& table) {
+  GLMTUNE_ASSERT(table.defined() && table.dim() == 2 && table.device().is_cpu() &&
+                     (table.dtype() == DType::f32 || table.dtype() == DType::f64),
+                 "embedding table must be a CPU [V, D] tensor in f32 or f64, got {}",
+                 describe(table));
+}
+
+// The ids widened to int64, each checked against the vocabulary. A bad id is user-visible (a
+// tokenizer / vocabulary mismatch), so it is a glmtune::Error rather than an internal assertion.
+std::vector<int64_t> read_ids(const Tensor& ids, int64_t vocab) {
+  GLMTUNE_ASSERT(ids.defined() && ids.device().is_cpu() &&
+                     (ids.dtype() == DType::i32 || ids.dtype() == DType::i64),
+                 "embedding ids must be a CPU int32/int64 tensor, got {}", describe(ids));
+  const Tensor c = ids.contiguous();
+  std::vector<int64_t> out(size_t(c.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[i]) : c.data<int64_t>()[i];
+    if (out[i] < 0 || out[i] >= vocab)
+      throw Error(fmt::format("token id {} at position {} is outside the vocabulary [0, {})",
+                              out[i], i, vocab),
+                  "embedding",
+                  "the data was tokenized for another vocabulary, or the model config's "
+                  "vocab_size is wrong");
+  }
+  return out;
+}
+
+template <typename T>
+void gather(const T* table, const std::vector<int64_t>& ids, int64_t dim, T* out) {
+  const int64_t n = int64_t(ids.size());
+#pragma omp parallel for schedule(static) if (n * dim > 65536)
+  for (int64_t t = 0; t < n; ++t) std::copy_n(table + ids[size_t(t)] * dim, dim, out + t * dim);
+}
+
+template <typename T>
+void scatter_add(const std::vector<int64_t>& ids, const T* dout, int64_t dim, int64_t skip,
+                 T* dtable) {
+  const int64_t n = int64_t(ids.size());
+  // Threads own disjoint column blocks, so tokens sharing an id never race; within a block the
+  // tokens are added in order, which keeps the result deterministic.
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (dim + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n * dim > 65536)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t c0 = b * kBlock, c1 = std::min(dim, c0 + kBlock);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t id = ids[size_t(t)];
+      if (id == skip) continue;
+      const T* src = dout + t * dim;
+      T* dst = dtable + id * dim;
+      for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
+    }
+  }
+}
+
+}  // namespace
+
+Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
+  check_table(table);
+  const int64_t vocab = table.size(0), dim = table.size(1);
+  const std::vector<int64_t> id = read_ids(ids, vocab);
+  Shape shape = ids.shape();
+  shape.push_back(dim);
+  Tensor out = Tensor::empty(shape, table.dtype());
+  if (out.numel() == 0) return out;
+  const Tensor t = table.contiguous();
+  if (t.dtype() == DType::f32)
+    gather<float>(t.data<float>(), id, dim, out.data<float>());
+  else
+    gather<double>(t.data<double>(), id, dim, out.data<double>());
+  return out;
+}
+
+void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
+                        std::optional<int64_t> padding_idx, Tensor& dtable) {
+  check_table(table);
+  const int64_t vocab = table.size(0), dim = table.size(1);
+  GLMTUNE_ASSERT(!padding_idx || (*padding_idx >= 0 && *padding_idx < vocab),
+                 "padding_idx {} must be a row of the [{}, {}] table", padding_idx.value_or(-1),
+                 vocab, dim);
+  Shape shape = ids.defined() ? ids.shape() : Shape{};
+  shape.push_back(dim);
+  GLMTUNE_ASSERT(dout.defined() && dout.shape() == shape && dout.dtype() == table.dtype(),
+                 "embedding dout {} must be {} in {}", describe(dout), shape_str(shape),
+                 dtype_name(table.dtype()));
+  const std::vector<int64_t> id = read_ids(ids, vocab);
+  if (!dtable.defined()) dtable = Tensor::zeros(table.shape(), table.dtype());
+  GLMTUNE_ASSERT(dtable.shape() == table.shape() && dtable.dtype() == table.dtype() &&
+                     dtable.is_contiguous() && dtable.device().is_cpu(),
+                 "embedding gradient {} must be a contiguous CPU tensor like the table {}",
+                 dtable.str(), table.str());
+  const int64_t skip = padding_idx ? *padding_idx : -1;
+  const Tensor d = dout.contiguous();
+  if (table.dtype() == DType::f32)
+    scatter_add<float>(id, d.data<float>(), dim, skip, dtable.data<float>());
+  else
+    scatter_add<double>(id, d.data<double>(), dim, skip, dtable.data<double>());
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,271 @@
+// Backward of the MoE block (ops/moe.h): routed experts per expert bucket (recomputed forward,
+// then the GEMM gradients), the combine weights back through normalisation, scaling and sigmoid to
+// the router weight, and the shared expert through mlp_backward.
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "glmtune/ops/linear.h"
+#include "glmtune/ops/moe.h"
+
+namespace glmtune::ops {
+namespace {
+
+bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
+
+std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
+
+// The gradient buffer of an expert tensor: created as zeros when undefined, otherwise it must
+// match the parameter. It must exist up front because each expert's slice of it is handed to
+// linear_backward as a view that accumulates in place.
+Tensor& moe_grad_slot(Tensor& grad, const Tensor& param, const char* name) {
+  if (!grad.defined()) grad = Tensor::zeros(param.shape(), param.dtype());
+  GLMTUNE_ASSERT(grad.shape() == param.shape() && grad.dtype() == param.dtype() &&
+                     grad.is_contiguous() && grad.device().is_cpu(),
+                 "MoE gradient {} must be a contiguous CPU tensor like its parameter {}, got {}",
+                 name, param.str(), grad.str());
+  return grad;
+}
+
+void check_routing(const MoeConfig& cfg, const Routing& routing, int64_t rows, DType dt) {
+  GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
+                     routing.indices.dim() == 2 && routing.indices.size(0) == rows &&
+                     routing.indices.size(1) == cfg.top_k,
+                 "MoE routing indices {} do not match {} rows and top_k {}",
+                 describe(routing.indices), rows, cfg.top_k);
+  GLMTUNE_ASSERT(routing.logits.defined() && routing.logits.dtype() == dt &&
+                     routing.logits.dim() == 2 && routing.logits.size(0) == rows &&
+                     routing.logits.size(1) == cfg.n_experts,
+                 "MoE router logits {} do not match {} rows and {} experts",
+                 describe(routing.logits), rows, cfg.n_experts);
+  GLMTUNE_ASSERT(routing.weights.defined() && routing.weights.dtype() == dt &&
+                     routing.weights.shape() == routing.indices.shape(),
+                 "MoE combine weights {} do not match the indices {}", describe(routing.weights),
+                 routing.indices.str());
+  const Tensor idx_t = routing.indices.contiguous();
+  const int32_t* idx = idx_t.data<int32_t>();
+  for (int64_t i = 0; i < idx_t.numel(); ++i)
+    GLMTUNE_ASSERT(idx[i] >= 0 && idx[i] < cfg.n_experts, "routed expert id {} out of [0, {})",
+                   idx[i], cfg.n_experts);
+}
+
+template <typename T>
+void route_backward_kernel(const MoeConfig& cfg, const T* logits, const int32_t* idx,
+                           const T* d_weights, int64_t rows, T* d_logits) {
+  const int64_t n_exp = cfg.n_experts, k = cfg.top_k;
+  const T rsf = T(cfg.routed_scaling_factor);
+#pragma omp parallel for schedule(static) if (rows * k > 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* ir = idx + r * k;
+    const T* dw = d_weights + r * k;
+    T* dl = d_logits + r * n_exp;
+    T sum = T(0), dot = T(0);
+    for (int64_t i = 0; i < k; ++i) {
+      const T p = T(1) / (T(1) + std::exp(-logits[r * n_exp + ir[i]]));
+      sum += p;
+      dot += dw[i] * p;
+    }
+    // With w_k = rsf·p_k/den, den = Σ_j p_j + 1e-20 (the forward's order: sum, then the 1e-20):
+    //   ∂L/∂p_j = rsf·(dw_j/den − Σ_k dw_k p_k / den²).
+    const T den = sum + T(1e-20);
+    for (int64_t i = 0; i < k; ++i) {
+      const T p = T(1) / (T(1) + std::exp(-logits[r * n_exp + ir[i]]));
+      const T dp = cfg.norm_topk_prob ? rsf * (dw[i] / den - dot / (den * den)) : rsf * dw[i];
+      // dσ/dlogit = p(1 − p). += so that a routing listing an expert twice stays correct.
+      dl[ir[i]] += dp * p * (T(1) - p);
+    }
+  }
+}
+
+template <typename T>
+Tensor route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights_in) {
+  const int64_t rows = routing.indices.size(0);
+  const Tensor logits = routing.logits.contiguous();
+  const Tensor idx = routing.indices.contiguous();
+  const Tensor dw = d_weights_in.contiguous();
+  Tensor d_logits = Tensor::zeros({rows, cfg.n_experts}, logits.dtype());
+  route_backward_kernel<T>(cfg, logits.data<T>(), idx.data<int32_t>(), dw.data<T>(), rows,
+                           d_logits.data<T>());
+  return d_logits;
+}
+
+template <typename T>
+Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const MoeContext& ctx,
+                         const Tensor& dy_in, MoeParams& grads, const Tensor& d_router_logits) {
+  const Tensor x = ctx.x.contiguous();
+  const Tensor dy = dy_in.contiguous();
+  const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
+  const Tensor gate_up = params.gate_up_proj.contiguous();
+  const Tensor down = params.down_proj.contiguous();
+  const Tensor router = params.router_weight.contiguous();
+  const int64_t inter = down.size(2);
+  Tensor& d_gate_up = moe_grad_slot(grads.gate_up_proj, gate_up, "experts.gate_up_proj");
+  Tensor& d_down = moe_grad_slot(grads.down_proj, down, "experts.down_proj");
+
+  const Tensor idx_t = ctx.routing.indices.contiguous();
+  const Tensor w_t = ctx.routing.weights.contiguous();
+  const int32_t* idx = idx_t.data<int32_t>();
+  const T* w = w_t.data<T>();
+  const T* xp = x.data<T>();
+  const T* dyp = dy.data<T>();
+
+  // The same bucketing as the forward: (row, k) slots grouped by expert, rows ascending.
+  std::vector<int64_t> start(size_t(cfg.n_experts) + 1, 0);
+  for (int64_t i = 0; i < rows * k; ++i) ++start[size_t(idx[i]) + 1];
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int64_t> slot(size_t(rows * k));
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < rows * k; ++i) slot[size_t(fill[size_t(idx[i])]++)] = i;
+  }
+
+  Tensor dx = Tensor::zeros({rows, dim}, x.dtype());
+  Tensor d_weights = Tensor::zeros({rows, k}, x.dtype());
+  T* dxp = dx.data<T>();
+  T* dwp = d_weights.data<T>();
+  for (int64_t e = 0; e < cfg.n_experts; ++e) {
+    const int64_t n = start[size_t(e) + 1] - start[size_t(e)];
+    if (n == 0) continue;  // an expert without tokens gets no gradient (the reference skips it)
+    const int64_t* sel = slot.data() + start[size_t(e)];
+    Tensor xe = Tensor::empty({n, dim}, x.dtype());
+    T* xep = xe.data<T>();
+    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (sel[r] / k) * dim, dim, xep + r * dim);
+    // Recompute the expert's forward for these rows.
+    const Tensor wgu = gate_up.select(0, e), wd = down.select(0, e);
+    const Tensor h = linear(xe, wgu);  // [n, 2Im]
+    const Tensor hg = h.narrow(1, 0, inter), hu = h.narrow(1, inter, inter);
+    const Tensor act = swiglu_clamped(hg, hu, cfg.swiglu_limit);  // [n, Im]
+    const Tensor ye = linear(act, wd);                            // [n, D]
+    const T* yep = ye.data<T>();
+    // y[row] += w · ye: dw = ⟨dy[row], ye⟩, dye = w · dy[row].
+    Tensor dye = Tensor::empty({n, dim}, x.dtype());
+    T* dyep = dye.data<T>();
+    for (int64_t r = 0; r < n; ++r) {
+      const T* dyr = dyp + (sel[r] / k) * dim;
+      const T wk = w[sel[r]];
+      T dot = T(0);
+      for (int64_t d = 0; d < dim; ++d) {
+        dot += dyr[d] * yep[r * dim + d];
+        dyep[r * dim + d] = wk * dyr[d];
+      }
+      dwp[sel[r]] = dot;
+    }
+    // ye = act · Wd^T; the expert's slice of the gradient buffer accumulates in place.
+    Tensor d_down_e = d_down.select(0, e);
+    const Tensor d_act = linear_backward(dye, act, wd, &d_down_e);
+    // Through the clamped SwiGLU into the fused [n, 2Im] gradient (gate half first).
+    Tensor dh = Tensor::empty({n, 2 * inter}, x.dtype());
+    Tensor dhg = dh.narrow(1, 0, inter), dhu = dh.narrow(1, inter, inter);
+    swiglu_clamped_backward(hg, hu, d_act, cfg.swiglu_limit, dhg, dhu);
+    // h = xe · Wgu^T.
+    Tensor d_gate_up_e = d_gate_up.select(0, e);
+    const Tensor dxe = linear_backward(dh, xe, wgu, &d_gate_up_e);
+    const T* dxep = dxe.data<T>();
+    // A row picks an expert at most once, so the rows of one bucket never collide.
+#pragma omp parallel for schedule(static) if (n * dim > 65536)
+    for (int64_t r = 0; r < n; ++r) {
+      T* dxr = dxp + (sel[r] / k) * dim;
+      for (int64_t d = 0; d < dim; ++d) dxr[d] += dxep[r * dim + d];
+    }
+  }
+
+  // Router: logits = x · Wr^T; only the selected experts' logits carry a gradient.
+  Tensor d_logits = route_backward<T>(cfg, ctx.routing, d_weights);
+  if (d_router_logits.defined()) {
+    const Tensor extra = d_router_logits.contiguous();
+    T* dl = d_logits.data<T>();
+    const T* ex = extra.data<T>();
+    for (int64_t i = 0; i < d_logits.numel(); ++i) dl[i] += ex[i];
+  }
+  const Tensor d_router_x = linear_backward(d_logits, x, router, &grads.router_weight);
+
+  // The shared expert sees the same input.
+  const Tensor d_shared =
+      mlp_backward(params.shared, ctx.shared, dy, cfg.swiglu_limit, grads.shared);
+  const T* dr = d_router_x.data<T>();
+  const T* ds = d_shared.data<T>();
+  for (int64_t i = 0; i < rows * dim; ++i) dxp[i] += dr[i] + ds[i];
+  return dx;
+}
+
+}  // namespace
+
+MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
+                      int64_t counted_rows, MoeContext& ctx) {
+  MoeOutput out;
+  out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
+  out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
+  // Shared expert last, as in the reference (and as moe_forward without a context).
+  const Tensor shared = mlp_forward(params.shared, x, cfg.swiglu_limit, ctx.shared);
+  const int64_t n = out.y.numel();
+  if (x.dtype() == DType::f32) {
+    float* y = out.y.data<float>();
+    const float* s = shared.data<float>();
+    for (int64_t i = 0; i < n; ++i) y[i] += s[i];
+  } else {
+    double* y = out.y.data<double>();
+    const double* s = shared.data<double>();
+    for (int64_t i = 0; i < n; ++i) y[i] += s[i];
+  }
+  out.expert_counts = moe_expert_counts(out.routing, cfg.n_experts, counted_rows);
+  ctx.x = x;
+  ctx.routing = out.routing;
+  return out;
+}
+
+Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights) {
+  const int64_t rows = routing.indices.defined() ? routing.indices.size(0) : 0;
+  const DType dt = routing.logits.defined() ? routing.logits.dtype() : DType::f32;
+  GLMTUNE_ASSERT(is_compute_dtype(dt), "MoE router backward computes in f32 or f64, got {}",
+                 describe(routing.logits));
+  check_routing(cfg, routing, rows, dt);
+  GLMTUNE_ASSERT(d_weights.defined() && d_weights.shape() == routing.indices.shape() &&
+                     d_weights.dtype() == dt,
+                 "MoE combine-weight gradient {} must match the routing {}", describe(d_weights),
+                 routing.indices.str());
+  if (dt == DType::f32) return route_backward<float>(cfg, routing, d_weights);
+  return route_backward<double>(cfg, routing, d_weights);
+}
+
+Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeContext& ctx,
+                    const Tensor& dy, MoeParams& grads, const Tensor& d_router_logits) {
+  GLMTUNE_ASSERT(ctx.x.defined() && ctx.x.dim() == 2 && is_compute_dtype(ctx.x.dtype()) &&
+                     ctx.x.device().is_cpu(),
+                 "moe_backward needs the context filled by moe_forward, got input {}",
+                 describe(ctx.x));
+  const DType dt = ctx.x.dtype();
+  const int64_t rows = ctx.x.size(0), dim = ctx.x.size(1);
+  check_routing(cfg, ctx.routing, rows, dt);
+  GLMTUNE_ASSERT(dy.defined() && dy.shape() == ctx.x.shape() && dy.dtype() == dt,
+                 "moe_backward: dy {} must match the input {}", describe(dy), ctx.x.str());
+  GLMTUNE_ASSERT(params.router_weight.defined() && params.router_weight.dtype() == dt &&
+                     params.router_weight.dim() == 2 &&
+                     params.router_weight.size(0) == cfg.n_experts &&
+                     params.router_weight.size(1) == dim,
+                 "router weight {} does not match {} experts and input {}",
+                 describe(params.router_weight), cfg.n_experts, ctx.x.str());
+  GLMTUNE_ASSERT(params.gate_up_proj.defined() && params.down_proj.defined() &&
+                     params.gate_up_proj.dim() == 3 && params.down_proj.dim() == 3 &&
+                     params.gate_up_proj.dtype() == dt && params.down_proj.dtype() == dt,
+                 "experts need gate_up_proj [E, 2Im, D] and down_proj [E, D, Im] in {}",
+                 dtype_name(dt));
+  const int64_t inter = params.down_proj.size(2);
+  GLMTUNE_ASSERT(params.gate_up_proj.size(0) == cfg.n_experts &&
+                     params.down_proj.size(0) == cfg.n_experts &&
+                     params.gate_up_proj.size(1) == 2 * inter &&
+                     params.gate_up_proj.size(2) == dim && params.down_proj.size(1) == dim,
+                 "experts gate_up_proj {} / down_proj {} do not match {} experts and input {}",
+                 params.gate_up_proj.str(), params.down_proj.str(), cfg.n_experts, ctx.x.str());
+  if (d_router_logits.defined())
+    GLMTUNE_ASSERT(
+        d_router_logits.dtype() == dt && d_router_logits.shape() == ctx.routing.logits.shape(),
+        "router-logit gradient {} must match the logits {}", d_router_logits.str(),
+        ctx.routing.logits.str());
+  if (dt == DType::f32)
+    return moe_backward_impl<float>(cfg, params, ctx, dy, grads, d_router_logits);
+  return moe_backward_impl<double>(cfg, params, ctx, dy, grads, d_router_logits);
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,303 @@
+// Backward passes of the normalisations in ops/norm.h. Every op is per row of the last dimension;
+// the per-row statistic either comes from the forward or is recomputed here with the forward's
+// exact arithmetic, so both routes give bit-identical gradients.
+
+#include <cmath>
+#include <vector>
+
+#include "glmtune/ops/norm.h"
+
+namespace glmtune::ops {
+namespace {
+
+template <typename T>
+T sigmoid(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+struct RowsOf {
+  int64_t rows = 0, n = 0;
+};
+
+// Checks dy and x (and returns their row geometry); both must be CPU f32/f64 of one shape.
+RowsOf check_rows(const Tensor& dy, const Tensor& x, const char* op) {
+  GLMTUNE_ASSERT(x.defined() && dy.defined() && x.dim() >= 1, "{}: needs x and dy", op);
+  GLMTUNE_ASSERT(x.device().is_cpu() && dy.device().is_cpu(), "{}: CPU kernel got {} and {}", op,
+                 x.str(), dy.str());
+  GLMTUNE_ASSERT(x.dtype() == DType::f32 || x.dtype() == DType::f64,
+                 "{}: CPU kernels compute in f32 or f64, got {}", op, x.str());
+  GLMTUNE_ASSERT(dy.dtype() == x.dtype() && dy.shape() == x.shape(), "{}: dy {} must match x {}",
+                 op, dy.str(), x.str());
+  RowsOf r;
+  r.n = x.size(-1);
+  r.rows = r.n > 0 ? x.numel() / r.n : 0;
+  return r;
+}
+
+void check_vector(const Tensor& v, const Tensor& x, const char* what, const char* op) {
+  if (!v.defined()) return;
+  GLMTUNE_ASSERT(v.dtype() == x.dtype() && v.dim() == 1 && v.size(0) == x.size(-1),
+                 "{}: {} {} does not match input {}", op, what, v.str(), x.str());
+}
+
+// A supplied statistic must have x's leading shape; it is read as a flat contiguous vector.
+Tensor check_stat(const Tensor& s, const Tensor& x, const char* what, const char* op) {
+  if (!s.defined()) return s;
+  Shape lead = x.shape();
+  lead.pop_back();
+  GLMTUNE_ASSERT(s.dtype() == x.dtype() && s.shape() == lead, "{}: {} {} must be {} for x {}", op,
+                 what, s.str(), shape_str(lead), x.str());
+  return s.contiguous();
+}
+
+Tensor& grad_slot(Tensor* slot, int64_t n, DType dtype, const char* what, const char* op) {
+  if (!slot->defined()) *slot = Tensor::zeros({n}, dtype);
+  GLMTUNE_ASSERT(slot->shape() == Shape{n} && slot->dtype() == dtype && slot->is_contiguous() &&
+                     slot->device().is_cpu(),
+                 "{}: {} gradient {} must be a contiguous CPU {}[{}]", op, what, slot->str(),
+                 dtype_name(dtype), n);
+  return *slot;
+}
+
+// 1/sqrt(mean(x²) + eps), written as in rms_norm_kernel so a recomputed value equals the saved.
+template <typename T>
+T rms_rstd(const T* xi, int64_t n, double eps) {
+  double ss = 0;
+  for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
+  return T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+}
+
+// Shared by the plain and the gated RMSNorm. `z` null: plain. `dz` receives the gate gradient.
+template <typename T>
+void rms_backward_kernel(const T* dy, const T* x, const T* w, const T* z, GateActivation act,
+                         const T* rstd_in, double eps, int64_t rows, int64_t n, T* dx, T* dz,
+                         T* dw) {
+#pragma omp parallel for schedule(static) if (rows * n > 65536)
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* xi = x + i * n;
+    const T* gi = dy + i * n;
+    const T r = rstd_in ? rstd_in[i] : rms_rstd(xi, n, eps);
+    // u = upstream gradient of the normalised value x·r: dy ⊙ w ⊙ act(z).
+    double dot = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      T u = gi[j];
+      if (w) u *= w[j];
+      if (z) {
+        const T zj = z[i * n + j], s = sigmoid(zj);
+        const T a = act == GateActivation::sigmoid ? s : zj * s;
+        const T da = act == GateActivation::sigmoid ? s * (T(1) - s) : s * (T(1) + zj * (T(1) - s));
+        // dz = dy ⊙ (w ⊙ x·r) ⊙ act'(z), the product rule's other factor.
+        dz[i * n + j] = gi[j] * (w ? w[j] : T(1)) * (xi[j] * r) * da;
+        u *= a;
+      }
+      dot += double(u) * double(xi[j]);
+    }
+    // d(x·r)/dx = r·I − (r³/n)·x x^T.
+    const T c = T(dot) * r * r * r / T(n);
+    for (int64_t j = 0; j < n; ++j) {
+      T u = gi[j];
+      if (w) u *= w[j];
+      if (z) {
+        const T zj = z[i * n + j], s = sigmoid(zj);
+        u *= act == GateActivation::sigmoid ? s : zj * s;
+      }
+      dx[i * n + j] = r * u - c * xi[j];
+    }
+  }
+  if (!dw) return;
+  // dw: column sums over rows, in row order, in double.
+  std::vector<double> acc(size_t(n), 0.0);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* xi = x + i * n;
+    const T r = rstd_in ? rstd_in[i] : rms_rstd(xi, n, eps);
+    for (int64_t j = 0; j < n; ++j) {
+      T v = dy[i * n + j] * (xi[j] * r);
+      if (z) {
+        const T zj = z[i * n + j], s = sigmoid(zj);
+        v *= act == GateActivation::sigmoid ? s : zj * s;
+      }
+      acc[size_t(j)] += double(v);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) dw[j] += T(acc[size_t(j)]);
+}
+
+template <typename T>
+void layer_norm_backward_kernel(const T* dy, const T* x, const T* w, const T* mean_in,
+                                const T* rstd_in, double eps, int64_t rows, int64_t n, T* dx, T* dw,
+                                T* db) {
+  // Mean and rstd exactly as layer_norm_kernel computes them (two-pass variance).
+  auto stats = [&](int64_t i, T& mean, T& rstd) {
+    if (mean_in && rstd_in) {
+      mean = mean_in[i];
+      rstd = rstd_in[i];
+      return;
+    }
+    const T* xi = x + i * n;
+    double s = 0;
+    for (int64_t j = 0; j < n; ++j) s += double(xi[j]);
+    const double mu = s / double(n);
+    double ss = 0;
+    for (int64_t j = 0; j < n; ++j) ss += (double(xi[j]) - mu) * (double(xi[j]) - mu);
+    mean = mean_in ? mean_in[i] : T(mu);
+    rstd = rstd_in ? rstd_in[i] : T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+  };
+#pragma omp parallel for schedule(static) if (rows * n > 65536)
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* xi = x + i * n;
+    const T* gi = dy + i * n;
+    T mean, rstd;
+    stats(i, mean, rstd);
+    double su = 0, sux = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const T u = w ? gi[j] * w[j] : gi[j];
+      su += double(u);
+      sux += double(u) * double((xi[j] - mean) * rstd);
+    }
+    const T mu_u = T(su / double(n)), mu_ux = T(sux / double(n));
+    for (int64_t j = 0; j < n; ++j) {
+      const T u = w ? gi[j] * w[j] : gi[j];
+      const T xhat = (xi[j] - mean) * rstd;
+      dx[i * n + j] = rstd * (u - mu_u - xhat * mu_ux);
+    }
+  }
+  if (!dw && !db) return;
+  std::vector<double> aw(size_t(n), 0.0), ab(size_t(n), 0.0);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* xi = x + i * n;
+    T mean, rstd;
+    stats(i, mean, rstd);
+    for (int64_t j = 0; j < n; ++j) {
+      aw[size_t(j)] += double(dy[i * n + j] * ((xi[j] - mean) * rstd));
+      ab[size_t(j)] += double(dy[i * n + j]);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (dw) dw[j] += T(aw[size_t(j)]);
+    if (db) db[j] += T(ab[size_t(j)]);
+  }
+}
+
+template <typename T>
+void l2_backward_kernel(const T* dy, const T* x, const T* norm_in, double eps, int64_t rows,
+                        int64_t n, T* dx) {
+#pragma omp parallel for schedule(static) if (rows * n > 65536)
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* xi = x + i * n;
+    const T* gi = dy + i * n;
+    T nu;
+    if (norm_in) {
+      nu = norm_in[i];
+    } else {
+      double ss = 0;
+      for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
+      nu = std::sqrt(T(ss) + T(eps));
+    }
+    // y = x/ν is what the forward returned (same division), so ⟨y, dy⟩ uses the forward's values.
+    double dot = 0;
+    for (int64_t j = 0; j < n; ++j) dot += double(xi[j] / nu) * double(gi[j]);
+    const T d = T(dot);
+    for (int64_t j = 0; j < n; ++j) dx[i * n + j] = (gi[j] - (xi[j] / nu) * d) / nu;
+  }
+}
+
+template <typename T>
+const T* ptr_or_null(const Tensor& t) {
+  return t.defined() ? t.data<T>() : nullptr;
+}
+
+}  // namespace
+
+Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
+                         const Tensor& rstd, Tensor* grad_weight) {
+  const char* op = "rms_norm_backward";
+  const RowsOf r = check_rows(dy, x, op);
+  check_vector(weight, x, "weight", op);
+  GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: an un-weighted norm has no weight gradient",
+                 op);
+  const Tensor rs = check_stat(rstd, x, "rstd", op);
+  Tensor xc = x.contiguous(), gc = dy.contiguous();
+  Tensor wc = weight.defined() ? weight.contiguous() : Tensor();
+  Tensor dx = Tensor::empty(x.shape(), x.dtype());
+  Tensor* gw = grad_weight ? &grad_slot(grad_weight, r.n, x.dtype(), "weight", op) : nullptr;
+  if (x.dtype() == DType::f32)
+    rms_backward_kernel<float>(gc.data<float>(), xc.data<float>(), ptr_or_null<float>(wc), nullptr,
+                               GateActivation::sigmoid, ptr_or_null<float>(rs), eps, r.rows, r.n,
+                               dx.data<float>(), nullptr, gw ? gw->data<float>() : nullptr);
+  else
+    rms_backward_kernel<double>(gc.data<double>(), xc.data<double>(), ptr_or_null<double>(wc),
+                                nullptr, GateActivation::sigmoid, ptr_or_null<double>(rs), eps,
+                                r.rows, r.n, dx.data<double>(), nullptr,
+                                gw ? gw->data<double>() : nullptr);
+  return dx;
+}
+
+RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                          const Tensor& gate, double eps, GateActivation activation,
+                                          const Tensor& rstd, Tensor* grad_weight) {
+  const char* op = "rms_norm_gated_backward";
+  const RowsOf r = check_rows(dy, x, op);
+  check_vector(weight, x, "weight", op);
+  GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: no weight, so no weight gradient", op);
+  GLMTUNE_ASSERT(gate.defined() && gate.dtype() == x.dtype() && gate.shape() == x.shape(),
+                 "{}: gate {} must match x {}", op, gate.defined() ? gate.str() : "-", x.str());
+  const Tensor rs = check_stat(rstd, x, "rstd", op);
+  Tensor xc = x.contiguous(), gc = dy.contiguous(), zc = gate.contiguous();
+  Tensor wc = weight.defined() ? weight.contiguous() : Tensor();
+  RmsNormGatedGrads out{Tensor::empty(x.shape(), x.dtype()), Tensor::empty(x.shape(), x.dtype())};
+  Tensor* gw = grad_weight ? &grad_slot(grad_weight, r.n, x.dtype(), "weight", op) : nullptr;
+  if (x.dtype() == DType::f32)
+    rms_backward_kernel<float>(gc.data<float>(), xc.data<float>(), ptr_or_null<float>(wc),
+                               zc.data<float>(), activation, ptr_or_null<float>(rs), eps, r.rows,
+                               r.n, out.dx.data<float>(), out.dgate.data<float>(),
+                               gw ? gw->data<float>() : nullptr);
+  else
+    rms_backward_kernel<double>(gc.data<double>(), xc.data<double>(), ptr_or_null<double>(wc),
+                                zc.data<double>(), activation, ptr_or_null<double>(rs), eps, r.rows,
+                                r.n, out.dx.data<double>(), out.dgate.data<double>(),
+                                gw ? gw->data<double>() : nullptr);
+  return out;
+}
+
+Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
+                           const Tensor& mean, const Tensor& rstd, Tensor* grad_weight,
+                           Tensor* grad_bias) {
+  const char* op = "layer_norm_backward";
+  const RowsOf r = check_rows(dy, x, op);
+  check_vector(weight, x, "weight", op);
+  GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: no weight, so no weight gradient", op);
+  const Tensor ms = check_stat(mean, x, "mean", op), rs = check_stat(rstd, x, "rstd", op);
+  Tensor xc = x.contiguous(), gc = dy.contiguous();
+  Tensor wc = weight.defined() ? weight.contiguous() : Tensor();
+  Tensor dx = Tensor::empty(x.shape(), x.dtype());
+  Tensor* gw = grad_weight ? &grad_slot(grad_weight, r.n, x.dtype(), "weight", op) : nullptr;
+  Tensor* gb = grad_bias ? &grad_slot(grad_bias, r.n, x.dtype(), "bias", op) : nullptr;
+  if (x.dtype() == DType::f32)
+    layer_norm_backward_kernel<float>(gc.data<float>(), xc.data<float>(), ptr_or_null<float>(wc),
+                                      ptr_or_null<float>(ms), ptr_or_null<float>(rs), eps, r.rows,
+                                      r.n, dx.data<float>(), gw ? gw->data<float>() : nullptr,
+                                      gb ? gb->data<float>() : nullptr);
+  else
+    layer_norm_backward_kernel<double>(
+        gc.data<double>(), xc.data<double>(), ptr_or_null<double>(wc), ptr_or_null<double>(ms),
+        ptr_or_null<double>(rs), eps, r.rows, r.n, dx.data<double>(),
+        gw ? gw->data<double>() : nullptr, gb ? gb->data<double>() : nullptr);
+  return dx;
+}
+
+Tensor l2_norm_backward(const Tensor& dy, const Tensor& x, double eps, const Tensor& norm) {
+  const char* op = "l2_norm_backward";
+  const RowsOf r = check_rows(dy, x, op);
+  const Tensor ns = check_stat(norm, x, "norm", op);
+  Tensor xc = x.contiguous(), gc = dy.contiguous();
+  Tensor dx = Tensor::empty(x.shape(), x.dtype());
+  if (x.dtype() == DType::f32)
+    l2_backward_kernel<float>(gc.data<float>(), xc.data<float>(), ptr_or_null<float>(ns), eps,
+                              r.rows, r.n, dx.data<float>());
+  else
+    l2_backward_kernel<double>(gc.data<double>(), xc.data<double>(), ptr_or_null<double>(ns), eps,
+                               r.rows, r.n, dx.data<double>());
+  return dx;
+}
+
+}  // namespace glmtune::ops

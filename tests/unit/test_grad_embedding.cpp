@@ -1,0 +1,147 @@
+// Token embedding forward (gather) and backward (scatter-add, padding row excluded): the
+// reference's nn.Embedding(padding_idx) values and gradients (fixtures from
+// tools/golden/grads_dsa_moe.py), float64 finite differences on fresh random inputs, accumulation
+// and id validation.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "glmtune/io/safetensors.h"
+#include "glmtune/ops/embedding.h"
+#include "glmtune/tensor/rng.h"
+
+using namespace glmtune;
+
+namespace {
+
+const std::string kGolden =
+    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/grads_dsa_moe.safetensors";
+
+uint64_t test_seed() {
+  static const uint64_t seed = std::random_device{}();
+  return seed;
+}
+
+// max |a − b| / max |b|: the parity measure of SPEC.md §7.
+double rel_err(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.shape(), b.shape());
+  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
+  double diff = 0, ref = 0;
+  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+    diff = std::max(diff, std::abs(x[i] - y[i]));
+    ref = std::max(ref, std::abs(y[i]));
+  }
+  return ref > 0 ? diff / ref : diff;
+}
+
+Tensor random_normal(const Shape& shape, uint64_t offset, DType dt = DType::f64) {
+  Tensor t = Tensor::empty(shape, dt);
+  fill_normal(t, test_seed(), offset, 0.0, 1.0);
+  return t;
+}
+
+double dot(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
+  double s = 0;
+  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
+  return s;
+}
+
+}  // namespace
+
+TEST(GradEmbedding, MatchesReference) {
+  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const nlohmann::json meta = nlohmann::json::parse(f.metadata().at("fixture"));
+  const int64_t pad = meta["lm"]["pad_id"];
+  const Tensor table = f.tensor("emb.weight"), ids = f.tensor("emb.ids");
+  // The pad row is not zero in the fixture, and the forward still returns it.
+  const std::vector<double> pad_row = table.select(0, pad).contiguous().to_doubles();
+  ASSERT_TRUE(std::any_of(pad_row.begin(), pad_row.end(), [](double v) { return v != 0; }));
+  EXPECT_EQ(ops::embedding_forward(table, ids).to_doubles(), f.tensor("emb.out").to_doubles());
+  // int32 ids give the same rows.
+  EXPECT_EQ(ops::embedding_forward(table, ids.to(DType::i32)).to_doubles(),
+            f.tensor("emb.out").to_doubles());
+
+  Tensor grad;
+  ops::embedding_backward(table, ids, f.tensor("emb.dy"), pad, grad);
+  EXPECT_LE(rel_err(grad, f.tensor("emb.grad")), 1e-6);
+  for (double v : grad.select(0, pad).contiguous().to_doubles()) EXPECT_EQ(v, 0.0);
+}
+
+TEST(GradEmbedding, FiniteDifferencesFloat64) {
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  const int64_t vocab = 11, dim = 5, pad = 4;
+  std::mt19937_64 gen(test_seed());
+  // A [3, 6] id tensor with repeats and the pad id twice.
+  std::vector<int64_t> idv(18);
+  for (int64_t& v : idv) v = int64_t(gen() % vocab);
+  idv[1] = idv[7] = pad;
+  idv[3] = idv[10] = idv[15] = (pad + 1) % vocab;
+  const Tensor ids = Tensor::from_vector(idv, {3, 6});
+  Tensor table = random_normal({vocab, dim}, 1);
+  const Tensor dy = random_normal({3, 6, dim}, 1000);
+  const Tensor out = ops::embedding_forward(table, ids);
+  ASSERT_EQ(out.shape(), (Shape{3, 6, dim}));
+  Tensor grad;
+  ops::embedding_backward(table, ids, dy, pad, grad);
+  double* p = table.data<double>();
+  const double h = 1e-6;
+  for (int64_t v = 0; v < vocab; ++v)
+    for (int64_t c = 0; c < dim; ++c) {
+      const int64_t i = v * dim + c;
+      const double keep = p[i];
+      p[i] = keep + h;
+      const double up = dot(dy, ops::embedding_forward(table, ids));
+      p[i] = keep - h;
+      const double down = dot(dy, ops::embedding_forward(table, ids));
+      p[i] = keep;
+      const double fd = (up - down) / (2 * h);
+      if (v == pad) {
+        // padding_idx semantics: the forward reads the pad row, yet it gets no gradient.
+        EXPECT_NE(fd, 0.0);
+        EXPECT_EQ(grad.item({v, c}), 0.0);
+      } else {
+        EXPECT_NEAR(grad.item({v, c}), fd, 1e-8) << "row " << v << " column " << c;
+      }
+    }
+  // Without a padding row every row follows the finite differences.
+  Tensor all;
+  ops::embedding_backward(table, ids, dy, std::nullopt, all);
+  for (int64_t c = 0; c < dim; ++c) {
+    double want = 0;
+    for (int64_t t = 0; t < 18; ++t)
+      if (idv[size_t(t)] == pad) want += dy.item({t / 6, t % 6, c});
+    EXPECT_NEAR(all.item({pad, c}), want, 1e-12);
+  }
+}
+
+TEST(GradEmbedding, AccumulatesAndValidates) {
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  const Tensor table = random_normal({6, 3}, 7, DType::f32);
+  const Tensor ids = Tensor::from_vector(std::vector<int32_t>{0, 5, 5, 2}, {4});
+  const Tensor dy = random_normal({4, 3}, 8, DType::f32);
+  Tensor once, twice;
+  ops::embedding_backward(table, ids, dy, std::nullopt, once);
+  ops::embedding_backward(table, ids, dy, std::nullopt, twice);
+  ops::embedding_backward(table, ids, dy, std::nullopt, twice);
+  const std::vector<double> a = once.to_doubles(), b = twice.to_doubles();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_FLOAT_EQ(float(b[i]), float(2 * a[i]));
+  for (int64_t c = 0; c < 3; ++c)
+    EXPECT_FLOAT_EQ(float(once.item({5, c})), float(dy.item({1, c}) + dy.item({2, c})));
+
+  // Ids outside the vocabulary are the user's data problem: a glmtune::Error, both ways.
+  const Tensor bad = Tensor::from_vector(std::vector<int64_t>{0, 6}, {2});
+  EXPECT_THROW(ops::embedding_forward(table, bad), Error);
+  Tensor g;
+  EXPECT_THROW(
+      ops::embedding_backward(table, bad, random_normal({2, 3}, 9, DType::f32), std::nullopt, g),
+      Error);
+  const Tensor negative = Tensor::from_vector(std::vector<int64_t>{-1}, {1});
+  EXPECT_THROW(ops::embedding_forward(table, negative), Error);
+}
