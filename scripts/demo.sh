@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: install, build, create the bundled tiny GLM-5.3-Flash model with
+# its tokenizer, show what it holds, and evaluate it on the bundled chat data.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+scripts/build.sh
+bin="${GLMTUNE_BUILD_DIR:-build}/bin/glmtune"
+model="runs/tiny-model"
+"$bin" init --preset tiny --seed 1 --out "$model" --tokenizer examples/tiny/tokenizer --force
+"$bin" inspect "$model"
+"$bin" eval --model "$model" --data examples/tiny/data/chat.jsonl --pack-length 512
