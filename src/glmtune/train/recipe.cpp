@@ -1,0 +1,742 @@
+#include "glmtune/train/recipe.h"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
+
+namespace glmtune::train {
+
+struct Recipe::Doc {
+  toml::table table;
+  // "section.key" -> the override that set it, so errors point at the flag, not the file.
+  std::map<std::string, std::string> overrides;
+};
+
+namespace {
+
+struct KeySpec {
+  const char* key;
+  const char* example;    // a valid value, quoted in fix advice
+  const char* note = "";  // what the accepted values are, when an example does not say
+};
+struct SectionSpec {
+  const char* name;
+  std::vector<KeySpec> keys;
+};
+
+const std::vector<SectionSpec>& schema() {
+  static const std::vector<SectionSpec> s = {
+      {"model", {{"path", "\"runs/tiny-model\""}, {"tokenizer", "\"runs/tiny-model\""}}},
+      {"data",
+       {{"files", "[\"data/train.jsonl\"]"},
+        {"format", "\"chat\"", "auto, chat or text"},
+        {"on_bad_line", "\"skip\"", "fail or skip"},
+        {"on_overlong", "\"truncate\"", "truncate or drop"},
+        {"max_length", "4096"},
+        {"pack_max_length", "16384"},
+        {"pack_lookahead", "100"},
+        {"shuffle", "true"}}},
+      {"train",
+       {{"total_steps", "1000"},
+        {"epochs", "2"},
+        {"micro_packs", "1"},
+        {"seed", "0"},
+        {"device", "\"cuda:0\"", "cpu, cuda or cuda:N"},
+        {"recompute", "\"all\"", "all, none, or the fraction of layers in [0, 1]"}}},
+      {"optimizer",
+       {{"lr", "1e-5"},
+        {"lr_min", "1e-6"},
+        {"warmup_steps", "100"},
+        {"warmup_ratio", "0.03"},
+        {"betas", "[0.9, 0.95]"},
+        {"eps", "1e-8"},
+        {"weight_decay", "0.01"},
+        {"clip_grad_norm", "1.0"}}},
+      {"loss",
+       {{"mtp_scale", "0.1"}, {"balancing_alpha", "0.001"}, {"router_bias_update_rate", "0.001"}}},
+      {"output",
+       {{"dir", "\"runs/my-run\""}, {"save_every", "200"}, {"keep_last", "3"}, {"log_every", "1"}}},
+  };
+  return s;
+}
+
+const SectionSpec* find_section(std::string_view name) {
+  for (const auto& s : schema())
+    if (name == s.name) return &s;
+  return nullptr;
+}
+
+const KeySpec* find_key(const SectionSpec& section, std::string_view key) {
+  for (const auto& k : section.keys)
+    if (key == k.key) return &k;
+  return nullptr;
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// Names other trainers use for our keys, so that a recipe ported from them gets pointed at the
+// right spelling.
+const std::map<std::string, std::string, std::less<>>& key_aliases() {
+  static const std::map<std::string, std::string, std::less<>> a = {
+      {"learning_rate", "lr"},
+      {"min_lr", "lr_min"},
+      {"lr_end", "lr_min"},
+      {"warmup", "warmup_steps"},
+      {"warmup_iters", "warmup_steps"},
+      {"max_grad_norm", "clip_grad_norm"},
+      {"grad_clip", "clip_grad_norm"},
+      {"adam_beta1", "betas"},
+      {"adam_beta2", "betas"},
+      {"adam_eps", "eps"},
+      {"max_steps", "total_steps"},
+      {"steps", "total_steps"},
+      {"num_epochs", "epochs"},
+      {"gradient_accumulation_steps", "micro_packs"},
+      {"grad_accum", "micro_packs"},
+      {"output_dir", "dir"},
+      {"work_dir", "dir"},
+      {"save_steps", "save_every"},
+      {"logging_steps", "log_every"},
+      {"max_keep", "keep_last"},
+      {"sample_max_length", "max_length"},
+      {"seq_len", "pack_max_length"},
+      {"model_path", "path"},
+      {"data_files", "files"},
+  };
+  return a;
+}
+
+// "did you mean ..." for a misspelt name among `candidates`; empty when nothing is close.
+std::string closest(std::string_view name, const std::vector<std::string>& candidates) {
+  std::string best;
+  // A shortened or lengthened name ("keep" for "keep_last") is a likely slip too.
+  if (name.size() >= 3) {
+    size_t best_gap = SIZE_MAX;
+    for (const auto& c : candidates) {
+      if (!c.starts_with(name) && !name.starts_with(c)) continue;
+      const size_t gap = c.size() > name.size() ? c.size() - name.size() : name.size() - c.size();
+      if (gap < best_gap) best_gap = gap, best = c;
+    }
+    if (!best.empty()) return best;
+  }
+  size_t best_d = std::max<size_t>(2, name.size() / 3) + 1;
+  for (const auto& c : candidates) {
+    const size_t d = edit_distance(name, c);
+    if (d < best_d) best_d = d, best = c;
+  }
+  return best;
+}
+
+std::string type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::table:
+      return "a table";
+    case toml::node_type::array:
+      return "an array";
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a float";
+    case toml::node_type::boolean:
+      return "a boolean";
+    default:
+      return "a date/time";
+  }
+}
+
+std::string format_name(data::SampleFormat f) {
+  return f == data::SampleFormat::kChat ? "chat" : f == data::SampleFormat::kText ? "text" : "auto";
+}
+std::string bad_line_name(data::BadLinePolicy p) {
+  return p == data::BadLinePolicy::kSkip ? "skip" : "fail";
+}
+std::string overlong_name(data::OverlongPolicy p) {
+  return p == data::OverlongPolicy::kDrop ? "drop" : "truncate";
+}
+
+// Typed, located access to the recipe document. Every failure names the file, line and key.
+class Reader {
+ public:
+  Reader(const toml::table& table, const std::map<std::string, std::string>& overrides,
+         const std::string& source)
+      : table_(table), overrides_(overrides), source_(source) {}
+
+  const toml::node* find(const std::string& section, const std::string& key) const {
+    const toml::node* s = table_.get(section);
+    if (!s || !s->is_table()) return nullptr;
+    return s->as_table()->get(key);
+  }
+
+  // Where a whole section came from: the --set flag that created it, else its header's line.
+  std::string section_where(const std::string& section, int64_t line) const {
+    for (const auto& [dotted, flag] : overrides_)
+      if (dotted.starts_with(section + ".") && !table_.get(section)->source().begin.line)
+        return fmt::format("{} (recipe {})", flag, source_);
+    return line > 0 ? fmt::format("{}:{}: {}", source_, line, section)
+                    : fmt::format("{}: {}", source_, section);
+  }
+
+  std::string where(const std::string& section, const std::string& key) const {
+    const std::string dotted = section + "." + key;
+    auto it = overrides_.find(dotted);
+    if (it != overrides_.end()) return fmt::format("{} (recipe {})", it->second, source_);
+    const toml::node* n = find(section, key);
+    if (n && n->source().begin.line > 0)
+      return fmt::format("{}:{}: {}", source_, n->source().begin.line, dotted);
+    return fmt::format("{}: {}", source_, dotted);
+  }
+
+  [[noreturn]] void fail(const std::string& section, const std::string& key,
+                         const std::string& what, const std::string& fix) const {
+    throw Error(what, where(section, key), fix);
+  }
+
+  std::string example_fix(const std::string& section, const std::string& key) const {
+    const KeySpec* k = find_key(*find_section(section), key);
+    std::string fix = fmt::format("write e.g. `{} = {}` in [{}]", key, k->example, section);
+    if (*k->note) fix += fmt::format(" (accepted: {})", k->note);
+    return fix;
+  }
+
+  [[noreturn]] void wrong_type(const std::string& section, const std::string& key,
+                               const char* expected) const {
+    fail(section, key, fmt::format("expected {}, got {}", expected, type_name(*find(section, key))),
+         example_fix(section, key));
+  }
+
+  std::optional<std::string> string(const std::string& section, const std::string& key,
+                                    bool allow_empty = false) const {
+    const toml::node* n = find(section, key);
+    if (!n) return std::nullopt;
+    if (!n->is_string()) wrong_type(section, key, "a string");
+    std::string v = n->as_string()->get();
+    if (v.empty() && !allow_empty)
+      fail(section, key, "must not be empty", example_fix(section, key));
+    return v;
+  }
+
+  std::optional<bool> boolean(const std::string& section, const std::string& key) const {
+    const toml::node* n = find(section, key);
+    if (!n) return std::nullopt;
+    if (!n->is_boolean()) wrong_type(section, key, "true or false");
+    return n->as_boolean()->get();
+  }
+
+  std::optional<int64_t> integer(const std::string& section, const std::string& key, int64_t min,
+                                 int64_t max = std::numeric_limits<int64_t>::max()) const {
+    const toml::node* n = find(section, key);
+    if (!n) return std::nullopt;
+    if (!n->is_integer()) wrong_type(section, key, "an integer");
+    const int64_t v = n->as_integer()->get();
+    if (v < min || v > max)
+      fail(section, key,
+           max == std::numeric_limits<int64_t>::max()
+               ? fmt::format("must be >= {}, got {}", min, v)
+               : fmt::format("must be in [{}, {}], got {}", min, max, v),
+           example_fix(section, key));
+    return v;
+  }
+
+  // A number (integer or float), finite, in [min, max] (or (min, max] when `min_exclusive`).
+  std::optional<double> number(const std::string& section, const std::string& key, double min,
+                               double max, bool min_exclusive = false,
+                               bool max_exclusive = false) const {
+    const toml::node* n = find(section, key);
+    if (!n) return std::nullopt;
+    double v;
+    if (n->is_integer())
+      v = double(n->as_integer()->get());
+    else if (n->is_floating_point())
+      v = n->as_floating_point()->get();
+    else
+      wrong_type(section, key, "a number");
+    check_range(section, key, v, min, max, min_exclusive, max_exclusive);
+    return v;
+  }
+
+  void check_range(const std::string& section, const std::string& key, double v, double min,
+                   double max, bool min_exclusive, bool max_exclusive,
+                   const std::string& what = "") const {
+    const bool low = min_exclusive ? v <= min : v < min;
+    const bool high = max_exclusive ? v >= max : v > max;
+    if (!std::isfinite(v) || low || high) {
+      const std::string range = std::isinf(max)
+                                    ? fmt::format("{} {}", min_exclusive ? ">" : ">=", min)
+                                    : fmt::format("in {}{}, {}{}", min_exclusive ? "(" : "[", min,
+                                                  max, max_exclusive ? ")" : "]");
+      fail(section, key,
+           fmt::format("{}must be a finite number {}, got {}", what.empty() ? "" : what + " ",
+                       range, v),
+           example_fix(section, key));
+    }
+  }
+
+  // One of `names`.
+  std::optional<std::string> choice(const std::string& section, const std::string& key,
+                                    const std::vector<std::string>& names) const {
+    auto v = string(section, key, true);
+    if (!v) return v;
+    for (const auto& n : names)
+      if (*v == n) return v;
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+    fail(section, key, fmt::format("unknown value \"{}\" (accepted: {})", *v, list),
+         example_fix(section, key));
+  }
+
+ private:
+  const toml::table& table_;
+  const std::map<std::string, std::string>& overrides_;
+  const std::string& source_;
+};
+
+// Unknown sections and keys first, so that a misspelt key is reported as such rather than as a
+// missing required one.
+void check_known_keys(const toml::table& table, const Reader& reader) {
+  std::vector<std::string> sections;
+  for (const auto& s : schema()) sections.push_back(s.name);
+  std::string section_list;
+  for (const auto& s : sections) section_list += (section_list.empty() ? "" : ", ") + s;
+  for (auto&& [k, node] : table) {
+    const std::string name(k.str());
+    const SectionSpec* spec = find_section(name);
+    const std::string where = reader.section_where(name, k.source().begin.line);
+    if (!spec) {
+      // A known key written outside any section is a common slip: say where it belongs.
+      for (const auto& s : schema())
+        if (find_key(s, name))
+          throw Error(fmt::format("'{}' must be inside a section", name), where,
+                      fmt::format("move it under [{}]", s.name));
+      const std::string guess = closest(name, sections);
+      throw Error(fmt::format("unknown section [{}]", name), where,
+                  guess.empty()
+                      ? "the sections are " + section_list
+                      : fmt::format("did you mean [{}]? The sections are {}", guess, section_list));
+    }
+    if (!node.is_table())
+      throw Error(fmt::format("'{}' must be a section ([{}]), got {}", name, name, type_name(node)),
+                  where, fmt::format("write [{}] on its own line, followed by its keys", name));
+    std::vector<std::string> keys;
+    for (const auto& key : spec->keys) keys.push_back(key.key);
+    for (auto&& [key, value] : *node.as_table()) {
+      const std::string kname(key.str());
+      if (find_key(*spec, kname)) continue;
+      std::string fix;
+      for (const auto& other : schema())
+        if (find_key(other, kname)) fix = fmt::format("'{}' belongs in [{}]", kname, other.name);
+      if (auto alias = key_aliases().find(kname); fix.empty() && alias != key_aliases().end()) {
+        for (const auto& other : schema())
+          if (find_key(other, alias->second))
+            fix = other.name == name
+                      ? fmt::format("did you mean '{}'?", alias->second)
+                      : fmt::format("did you mean '{}' in [{}]?", alias->second, other.name);
+      }
+      if (fix.empty()) {
+        const std::string guess = closest(kname, keys);
+        std::string list;
+        for (const auto& k2 : keys) list += (list.empty() ? "" : ", ") + k2;
+        fix = guess.empty()
+                  ? fmt::format("the keys of [{}] are {}", name, list)
+                  : fmt::format("did you mean '{}'? The keys of [{}] are {}", guess, name, list);
+      }
+      throw Error(fmt::format("unknown key '{}' in [{}]", kname, name), reader.where(name, kname),
+                  fix);
+    }
+  }
+}
+
+uint64_t fnv1a64(std::string_view text) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+Recipe Recipe::load(const std::string& path) { return parse(read_text_file(path, "recipe"), path); }
+
+Recipe Recipe::parse(std::string_view text, const std::string& source) {
+  auto doc = std::make_shared<Doc>();
+  try {
+    doc->table = toml::parse(text, std::string_view(source));
+  } catch (const toml::parse_error& e) {
+    throw Error(std::string(e.description()),
+                fmt::format("{}:{}:{}", source, e.source().begin.line, e.source().begin.column),
+                "fix the TOML syntax at that position (strings need double quotes, sections are "
+                "written [name])");
+  }
+  Recipe r;
+  r.doc_ = std::move(doc);
+  r.source_ = source;
+  r.parse_doc();
+  return r;
+}
+
+void Recipe::parse_doc() {
+  const toml::table& t = doc_->table;
+  const Reader rd(t, doc_->overrides, source_);
+  check_known_keys(t, rd);
+  Recipe r;  // fresh defaults; copied over *this at the end so a failure changes nothing
+  auto missing = [&](const char* section, const char* key) {
+    const KeySpec* k = find_key(*find_section(section), key);
+    throw Error(fmt::format("missing required key {}.{}", section, key), source_,
+                fmt::format("add `{} = {}` under [{}]", key, k->example, section));
+  };
+
+  // [model]
+  if (auto v = rd.string("model", "path"))
+    r.model_path = *v;
+  else
+    missing("model", "path");
+  r.tokenizer_path = rd.string("model", "tokenizer").value_or(r.model_path);
+
+  // [data]
+  if (const toml::node* n = rd.find("data", "files")) {
+    if (n->is_string()) {
+      r.data_files = {*rd.string("data", "files")};
+    } else if (n->is_array()) {
+      const toml::array& a = *n->as_array();
+      if (a.empty()) rd.fail("data", "files", "lists no file", rd.example_fix("data", "files"));
+      for (const auto& e : a) {
+        if (!e.is_string() || e.as_string()->get().empty())
+          rd.fail("data", "files",
+                  fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
+                  rd.example_fix("data", "files"));
+        r.data_files.push_back(e.as_string()->get());
+      }
+    } else {
+      rd.wrong_type("data", "files", "an array of file paths");
+    }
+  } else {
+    missing("data", "files");
+  }
+  if (auto v = rd.choice("data", "format", {"auto", "chat", "text"}))
+    r.data_format = data::sample_format_from_name(*v);
+  if (auto v = rd.choice("data", "on_bad_line", {"fail", "skip"}))
+    r.on_bad_line = data::bad_line_policy_from_name(*v);
+  if (auto v = rd.choice("data", "on_overlong", {"truncate", "drop"}))
+    r.on_overlong = data::overlong_policy_from_name(*v);
+  // cu_seqlens are int32, so a pack holds at most 2^31 − 1 tokens.
+  r.pack_max_length =
+      rd.integer("data", "pack_max_length", 2, std::numeric_limits<int32_t>::max()).value_or(16384);
+  if (auto v = rd.integer("data", "max_length", 1)) {
+    if (*v > r.pack_max_length)
+      rd.fail("data", "max_length",
+              fmt::format("a sample of up to {} tokens cannot fit a pack of {} tokens", *v,
+                          r.pack_max_length),
+              "lower data.max_length or raise data.pack_max_length");
+    r.max_length = *v;
+  } else {
+    r.max_length = std::min<int64_t>(4096, r.pack_max_length);
+  }
+  r.pack_lookahead = rd.integer("data", "pack_lookahead", 0, 1'000'000).value_or(100);
+  r.shuffle = rd.boolean("data", "shuffle").value_or(true);
+
+  // [train]
+  r.total_steps = rd.integer("train", "total_steps", 1);
+  r.epochs = rd.number("train", "epochs", 0.0, std::numeric_limits<double>::infinity(), true);
+  if (r.total_steps && r.epochs)
+    rd.fail("train", "epochs", "total_steps and epochs are both set",
+            "keep one of train.total_steps and train.epochs");
+  if (!r.total_steps && !r.epochs)
+    throw Error("the run length is not set", source_,
+                "add `total_steps = 1000` (optimizer steps) or `epochs = 1` under [train]");
+  r.micro_packs = rd.integer("train", "micro_packs", 1, 1'000'000).value_or(1);
+  r.seed = uint64_t(rd.integer("train", "seed", 0).value_or(0));
+  if (auto v = rd.string("train", "device")) {
+    try {
+      r.device = Device::parse(*v);
+    } catch (const Error& e) {
+      rd.fail("train", "device", e.problem(), rd.example_fix("train", "device"));
+    }
+  }
+  if (const toml::node* n = rd.find("train", "recompute")) {
+    if (n->is_string()) {
+      const std::string v = *rd.choice("train", "recompute", {"all", "none"});
+      r.recompute = v == "all" ? 1.0 : 0.0;
+    } else if (n->is_number()) {
+      r.recompute = *rd.number("train", "recompute", 0.0, 1.0);
+    } else {
+      rd.wrong_type("train", "recompute", "\"all\", \"none\" or a number in [0, 1]");
+    }
+  }
+
+  // [optimizer]
+  const double inf = std::numeric_limits<double>::infinity();
+  r.lr = rd.number("optimizer", "lr", 0.0, inf, true).value_or(1e-6);
+  if (auto v = rd.number("optimizer", "lr_min", 0.0, inf)) {
+    if (*v > r.lr)
+      rd.fail("optimizer", "lr_min",
+              fmt::format("lr_min = {} is above lr = {}: the cosine would rise", *v, r.lr),
+              "set optimizer.lr_min to at most optimizer.lr");
+    r.lr_min = *v;
+  } else {
+    // The seed default 1e-6, but never above the peak of a run with a smaller lr.
+    r.lr_min = std::min(1e-6, r.lr);
+  }
+  r.warmup_steps = rd.integer("optimizer", "warmup_steps", 0);
+  if (auto v = rd.number("optimizer", "warmup_ratio", 0.0, 1.0, false, true)) {
+    if (r.warmup_steps)
+      rd.fail("optimizer", "warmup_ratio", "warmup_steps and warmup_ratio are both set",
+              "keep one of optimizer.warmup_steps and optimizer.warmup_ratio");
+    r.warmup_ratio = *v;
+  }
+  if (r.warmup_steps && r.total_steps && *r.warmup_steps >= *r.total_steps)
+    rd.fail("optimizer", "warmup_steps",
+            fmt::format("a warmup of {} steps does not fit a run of {} steps", *r.warmup_steps,
+                        *r.total_steps),
+            "make optimizer.warmup_steps smaller than train.total_steps");
+  if (const toml::node* n = rd.find("optimizer", "betas")) {
+    const toml::array* a = n->as_array();
+    if (!a || a->size() != 2 || !(*a)[0].is_number() || !(*a)[1].is_number())
+      rd.fail("optimizer", "betas",
+              fmt::format("expected an array of two numbers, got {}",
+                          a ? fmt::format("an array of {} entries", a->size()) : type_name(*n)),
+              rd.example_fix("optimizer", "betas"));
+    auto as_double = [](const toml::node& e) {
+      return e.is_integer() ? double(e.as_integer()->get()) : e.as_floating_point()->get();
+    };
+    const double b[2] = {as_double((*a)[0]), as_double((*a)[1])};
+    for (int i = 0; i < 2; ++i)
+      rd.check_range("optimizer", "betas", b[i], 0.0, 1.0, false, true,
+                     fmt::format("beta{}", i + 1));
+    r.beta1 = b[0];
+    r.beta2 = b[1];
+  }
+  r.eps = rd.number("optimizer", "eps", 0.0, inf, true).value_or(1e-8);
+  r.weight_decay = rd.number("optimizer", "weight_decay", 0.0, inf).value_or(0.01);
+  if (r.lr * r.weight_decay >= 1.0)
+    rd.fail("optimizer", "weight_decay",
+            fmt::format("lr · weight_decay = {} would flip the sign of every weight",
+                        r.lr * r.weight_decay),
+            "lower optimizer.weight_decay (the default is 0.01)");
+  r.clip_grad_norm = rd.number("optimizer", "clip_grad_norm", 0.0, inf).value_or(1.0);
+
+  // [loss]
+  r.mtp_scale = rd.number("loss", "mtp_scale", 0.0, inf).value_or(0.1);
+  r.balancing_alpha = rd.number("loss", "balancing_alpha", 0.0, inf).value_or(0.001);
+  r.router_bias_update_rate =
+      rd.number("loss", "router_bias_update_rate", 0.0, inf).value_or(0.001);
+
+  // [output]
+  if (auto v = rd.string("output", "dir"))
+    r.output_dir = *v;
+  else
+    missing("output", "dir");
+  r.save_every = rd.integer("output", "save_every", 0).value_or(200);
+  r.keep_last = rd.integer("output", "keep_last", 0).value_or(3);
+  r.log_every = rd.integer("output", "log_every", 1).value_or(1);
+
+  r.doc_ = doc_;
+  r.source_ = source_;
+  *this = std::move(r);
+}
+
+void Recipe::set(const std::string& dotted_key, const std::string& value) {
+  const std::string flag = "--set " + dotted_key;
+  const auto dot = dotted_key.find('.');
+  if (dot == std::string::npos || dot == 0 || dot + 1 == dotted_key.size() ||
+      dotted_key.find('.', dot + 1) != std::string::npos)
+    throw Error(fmt::format("'{}' is not a section.key name", dotted_key), flag,
+                "write --set section.key=value, e.g. --set optimizer.lr=1e-5");
+  const std::string section = dotted_key.substr(0, dot), key = dotted_key.substr(dot + 1);
+  toml::table parsed;
+  bool is_toml = true;
+  try {
+    const std::string text = "v = " + value;
+    parsed = toml::parse(std::string_view(text), std::string_view("--set"));
+  } catch (const toml::parse_error&) {
+    is_toml = false;
+  }
+  // A default-constructed recipe has no document yet: --set then starts from an empty one.
+  auto doc = doc_ ? std::make_shared<Doc>(*doc_) : std::make_shared<Doc>();
+  toml::node* sec = doc->table.get(section);
+  if (!sec) {
+    doc->table.insert_or_assign(section, toml::table{});
+    sec = doc->table.get(section);
+  }
+  if (!sec->is_table())
+    throw Error(fmt::format("'{}' is not a section of the recipe", section), flag,
+                "write --set section.key=value, e.g. --set optimizer.lr=1e-5");
+  toml::table& target = *sec->as_table();
+  if (is_toml && parsed.size() == 1 && parsed.get("v")) {
+    parsed.get("v")->visit([&](auto& node) { target.insert_or_assign(key, node); });
+  } else {
+    target.insert_or_assign(key, value);
+  }
+  doc->overrides[dotted_key] = flag;
+  Recipe next = *this;
+  next.doc_ = std::move(doc);
+  next.parse_doc();
+  *this = std::move(next);
+}
+
+void Recipe::apply_sets(const std::vector<std::string>& key_values) {
+  for (const auto& kv : key_values) {
+    const auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw Error(fmt::format("expected section.key=value, got '{}'", kv), "--set",
+                  "write e.g. --set optimizer.lr=1e-5");
+    set(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+}
+
+data::DatasetConfig Recipe::dataset_config() const {
+  data::DatasetConfig c;
+  c.files = data_files;
+  c.format = data_format;
+  c.max_length = max_length;
+  c.on_bad_line = on_bad_line;
+  c.on_overlong = on_overlong;
+  return c;
+}
+
+data::PackingConfig Recipe::packing_config(int32_t pad_id) const {
+  data::PackingConfig c;
+  c.pack_max_length = pack_max_length;
+  c.lookahead = pack_lookahead;
+  c.shuffle = shuffle;
+  c.seed = seed;
+  c.pad_id = pad_id;
+  return c;
+}
+
+AdamWConfig Recipe::adamw_config() const {
+  AdamWConfig c;
+  c.beta1 = beta1;
+  c.beta2 = beta2;
+  c.eps = eps;
+  c.weight_decay = weight_decay;
+  c.max_grad_norm = clip_grad_norm;
+  return c;
+}
+
+int64_t Recipe::resolve_total_steps(int64_t packs_per_epoch, int64_t data_parallel_ranks) const {
+  if (total_steps) return *total_steps;
+  GLMTUNE_ASSERT(packs_per_epoch >= 1 && data_parallel_ranks >= 1,
+                 "packs_per_epoch {} / data_parallel_ranks {}", packs_per_epoch,
+                 data_parallel_ranks);
+  const double packs_per_step = double(micro_packs) * double(data_parallel_ranks);
+  return std::max<int64_t>(
+      1, int64_t(std::ceil(*epochs * double(packs_per_epoch) / packs_per_step - 1e-9)));
+}
+
+int64_t Recipe::resolve_warmup_steps(int64_t total) const {
+  if (warmup_steps) return *warmup_steps;
+  return warmup_steps_from_ratio(warmup_ratio, total);
+}
+
+Schedule Recipe::schedule(int64_t total) const {
+  return Schedule(lr, lr_min, resolve_warmup_steps(total), total);
+}
+
+std::string Recipe::to_toml() const {
+  // Written by hand rather than with toml++'s formatter: keys in the documented order, and
+  // numbers in their shortest exact form (1e-05, not 1.0000000000000001e-05).
+  auto str = [](const std::string& v) { return nlohmann::json(v).dump(); };  // valid TOML too
+  auto num = [](double v) { return fmt::format("{}", v); };
+  std::string files;
+  for (const auto& f : data_files) files += (files.empty() ? "" : ", ") + str(f);
+  std::string out;
+  out += "[model]\n";
+  out += "path = " + str(model_path) + "\n";
+  out += "tokenizer = " + str(tokenizer_path) + "\n";
+  out += "\n[data]\n";
+  out += "files = [" + files + "]\n";
+  out += "format = " + str(format_name(data_format)) + "\n";
+  out += "on_bad_line = " + str(bad_line_name(on_bad_line)) + "\n";
+  out += "on_overlong = " + str(overlong_name(on_overlong)) + "\n";
+  out += fmt::format("max_length = {}\n", max_length);
+  out += fmt::format("pack_max_length = {}\n", pack_max_length);
+  out += fmt::format("pack_lookahead = {}\n", pack_lookahead);
+  out += fmt::format("shuffle = {}\n", shuffle);
+  out += "\n[train]\n";
+  if (total_steps) out += fmt::format("total_steps = {}\n", *total_steps);
+  if (epochs) out += "epochs = " + num(*epochs) + "\n";
+  out += fmt::format("micro_packs = {}\n", micro_packs);
+  out += fmt::format("seed = {}\n", seed);
+  out += "device = " + str(device.str()) + "\n";
+  out += "recompute = " +
+         (recompute == 1.0   ? str("all")
+          : recompute == 0.0 ? str("none")
+                             : num(recompute)) +
+         "\n";
+  out += "\n[optimizer]\n";
+  out += "lr = " + num(lr) + "\n";
+  out += "lr_min = " + num(lr_min) + "\n";
+  if (warmup_steps)
+    out += fmt::format("warmup_steps = {}\n", *warmup_steps);
+  else
+    out += "warmup_ratio = " + num(warmup_ratio) + "\n";
+  out += "betas = [" + num(beta1) + ", " + num(beta2) + "]\n";
+  out += "eps = " + num(eps) + "\n";
+  out += "weight_decay = " + num(weight_decay) + "\n";
+  out += "clip_grad_norm = " + num(clip_grad_norm) + "\n";
+  out += "\n[loss]\n";
+  out += "mtp_scale = " + num(mtp_scale) + "\n";
+  out += "balancing_alpha = " + num(balancing_alpha) + "\n";
+  out += "router_bias_update_rate = " + num(router_bias_update_rate) + "\n";
+  out += "\n[output]\n";
+  out += "dir = " + str(output_dir) + "\n";
+  out += fmt::format("save_every = {}\n", save_every);
+  out += fmt::format("keep_last = {}\n", keep_last);
+  out += fmt::format("log_every = {}\n", log_every);
+  return out;
+}
+
+std::string Recipe::fingerprint() const {
+  // Doubles go through nlohmann's shortest round-trip printing, so equal values hash equally.
+  nlohmann::json j = {
+      {"data",
+       {{"format", format_name(data_format)},
+        {"on_bad_line", bad_line_name(on_bad_line)},
+        {"on_overlong", overlong_name(on_overlong)},
+        {"max_length", max_length},
+        {"pack_max_length", pack_max_length},
+        {"pack_lookahead", pack_lookahead},
+        {"shuffle", shuffle}}},
+      {"train",
+       {{"total_steps", total_steps ? nlohmann::json(*total_steps) : nlohmann::json()},
+        {"epochs", epochs ? nlohmann::json(*epochs) : nlohmann::json()},
+        {"micro_packs", micro_packs},
+        {"seed", seed}}},
+      {"optimizer",
+       {{"lr", lr},
+        {"lr_min", lr_min},
+        {"warmup_steps", warmup_steps ? nlohmann::json(*warmup_steps) : nlohmann::json()},
+        {"warmup_ratio", warmup_ratio},
+        {"betas", {beta1, beta2}},
+        {"eps", eps},
+        {"weight_decay", weight_decay},
+        {"clip_grad_norm", clip_grad_norm}}},
+      {"loss",
+       {{"mtp_scale", mtp_scale},
+        {"balancing_alpha", balancing_alpha},
+        {"router_bias_update_rate", router_bias_update_rate}}},
+  };
+  return fmt::format("{:016x}", fnv1a64(j.dump()));
+}
+
+}  // namespace glmtune::train

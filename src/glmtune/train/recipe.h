@@ -1,0 +1,118 @@
+#pragma once
+// The training recipe: a TOML file that says what to train, on what, and how.
+//
+//   [model]     path, tokenizer
+//   [data]      files, format, on_bad_line, on_overlong, max_length, pack_max_length,
+//               pack_lookahead, shuffle
+//   [train]     total_steps | epochs, micro_packs, seed, device, recompute
+//   [optimizer] lr, lr_min, warmup_steps | warmup_ratio, betas, eps, weight_decay, clip_grad_norm
+//   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
+//   [output]    dir, save_every, keep_last, log_every
+//
+// docs/training.md has the full table (type, default, meaning). Defaults follow SPEC.md §4 and the
+// seed system's training defaults. Every unknown section or key, wrong type, out-of-range value or
+// contradiction is a glmtune::Error whose where() names the file, the line and the key (or the
+// --set flag that supplied it) and whose fix() says what to write instead. Relative paths are
+// kept as written: they are relative to the directory glmtune runs in.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "glmtune/data/dataset.h"
+#include "glmtune/data/packing.h"
+#include "glmtune/tensor/device.h"
+#include "glmtune/train/optimizer.h"
+#include "glmtune/train/schedule.h"
+
+namespace glmtune::train {
+
+struct Recipe {
+  // [model]
+  std::string model_path;      // checkpoint directory (config.json + safetensors)
+  std::string tokenizer_path;  // directory with tokenizer.json; defaults to model_path
+
+  // [data]
+  std::vector<std::string> data_files;
+  data::SampleFormat data_format = data::SampleFormat::kAuto;
+  data::BadLinePolicy on_bad_line = data::BadLinePolicy::kFail;
+  data::OverlongPolicy on_overlong = data::OverlongPolicy::kTruncate;
+  int64_t max_length = 4096;  // longest sample in tokens (default: min(4096, pack_max_length))
+  int64_t pack_max_length = 16384;
+  int64_t pack_lookahead = 100;
+  bool shuffle = true;
+
+  // [train] — exactly one of total_steps and epochs.
+  std::optional<int64_t> total_steps;
+  std::optional<double> epochs;
+  int64_t micro_packs = 1;  // packs per rank per optimizer step (gradient accumulation)
+  uint64_t seed = 0;
+  Device device = Device::cpu();
+  double recompute = 1.0;  // fraction of decoder layers, from the first, recomputed in backward
+
+  // [optimizer]
+  double lr = 1e-6;
+  double lr_min = 1e-6;
+  std::optional<int64_t> warmup_steps;  // exclusive with warmup_ratio
+  double warmup_ratio = 0.0;
+  double beta1 = 0.9, beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+  double clip_grad_norm = 1.0;  // 0: no clipping
+
+  // [loss]
+  double mtp_scale = 0.1;
+  double balancing_alpha = 0.001;
+  double router_bias_update_rate = 0.001;
+
+  // [output]
+  std::string output_dir;
+  int64_t save_every = 200;  // 0: only the final step
+  int64_t keep_last = 3;     // 0: keep every checkpoint
+  int64_t log_every = 1;
+
+  // Reads and validates a recipe file.
+  static Recipe load(const std::string& path);
+  // Validates recipe text; `source` names it in errors.
+  static Recipe parse(std::string_view text, const std::string& source);
+
+  // Overrides one key ("section.key") with `value`, parsed as a TOML value when it is one (1e-5,
+  // true, ["a.jsonl"], "text") and taken as a string otherwise (runs/x, cuda:0); then
+  // re-validates the whole recipe. Errors name "--set section.key".
+  void set(const std::string& dotted_key, const std::string& value);
+  // Applies "section.key=value" overrides in order (the CLI's repeatable --set).
+  void apply_sets(const std::vector<std::string>& key_values);
+
+  // Where the values came from (a file path, or the `source` given to parse()).
+  const std::string& source() const { return source_; }
+
+  data::DatasetConfig dataset_config() const;
+  // The tokenizer supplies the padding id (`<|endoftext|>`).
+  data::PackingConfig packing_config(int32_t pad_id) const;
+  AdamWConfig adamw_config() const;
+
+  // Optimizer steps of the run: total_steps, or ceil(epochs · packs_per_epoch / (micro_packs ·
+  // data_parallel_ranks)) where packs_per_epoch is the sampler's plan for the first epoch.
+  int64_t resolve_total_steps(int64_t packs_per_epoch, int64_t data_parallel_ranks = 1) const;
+  // warmup_steps, or floor(warmup_ratio · total_steps).
+  int64_t resolve_warmup_steps(int64_t total_steps) const;
+  Schedule schedule(int64_t total_steps) const;
+
+  // The effective recipe (every key, defaults included) as TOML, for the run's output directory.
+  std::string to_toml() const;
+  // A 16-hex-digit hash of the settings that shape the training trajectory (data handling,
+  // packing, steps, seed, optimizer, losses); paths, device, recompute, output and logging are
+  // left out, so moving files or changing the log interval does not count as a different run.
+  std::string fingerprint() const;
+
+ private:
+  struct Doc;
+  void parse_doc();
+  std::shared_ptr<const Doc> doc_;
+  std::string source_;
+};
+
+}  // namespace glmtune::train

@@ -1,0 +1,274 @@
+#include "glmtune/train/state.h"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <regex>
+
+#include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/train/optimizer.h"
+
+namespace glmtune::train {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr int kFormatVersion = 1;
+const std::regex kStepDirRe(R"(^step-(\d+)$)");
+// Leftovers of interrupted saves: `.step-N.tmp-PID` (being built) and `.step-N.old-PID` (a
+// replaced checkpoint of the same step, about to be deleted).
+const std::regex kLeftoverRe(R"(^\.step-\d+\.(tmp|old)-\d+$)");
+
+std::string step_dir_name(int64_t step) { return "step-" + std::to_string(step); }
+
+void check_io(const std::error_code& ec, const std::string& what, const fs::path& path) {
+  if (ec)
+    throw Error(what + ": " + ec.message(), path.string(),
+                "check free disk space and the permissions of the output directory");
+}
+
+nlohmann::json manifest_of(const fs::path& dir, int64_t step) {
+  nlohmann::json files = nlohmann::json::object();
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::end(it);
+       it.increment(ec)) {
+    if (!it->is_regular_file()) continue;
+    files[fs::relative(it->path(), dir).generic_string()] = uint64_t(it->file_size());
+  }
+  check_io(ec, "cannot list the checkpoint being written", dir);
+  return {{"format_version", kFormatVersion}, {"step", step}, {"files", files}};
+}
+
+void remove_leftovers(const fs::path& root) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!std::regex_match(name, kLeftoverRe)) continue;
+    std::error_code rm;
+    fs::remove_all(entry.path(), rm);
+    if (rm)
+      spdlog::warn("could not remove the leftover {} of an interrupted save: {}",
+                   entry.path().string(), rm.message());
+  }
+}
+
+void prune(const fs::path& output_dir, int64_t keep_last, int64_t just_saved) {
+  if (keep_last <= 0) return;
+  std::vector<int64_t> steps = complete_checkpoint_steps(output_dir);
+  if (int64_t(steps.size()) <= keep_last) return;
+  const size_t drop = steps.size() - size_t(keep_last);
+  for (size_t i = 0; i < drop; ++i) {
+    if (steps[i] == just_saved) continue;
+    const fs::path dir = output_dir / kCheckpointsDir / step_dir_name(steps[i]);
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    if (ec) spdlog::warn("could not remove the old checkpoint {}: {}", dir.string(), ec.message());
+  }
+}
+
+int64_t get_int(const nlohmann::json& j, const char* key, const std::string& source,
+                int64_t min = 0) {
+  if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < min)
+    throw Error(fmt::format("'{}' must be an integer >= {}", key, min), source,
+                "the trainer state is damaged: resume from another checkpoint");
+  return j[key].get<int64_t>();
+}
+
+uint64_t get_uint(const nlohmann::json& j, const char* key, const std::string& source) {
+  if (!j.contains(key) || !j[key].is_number_unsigned())
+    throw Error(fmt::format("'{}' must be an integer >= 0", key), source,
+                "the trainer state is damaged: resume from another checkpoint");
+  return j[key].get<uint64_t>();
+}
+
+}  // namespace
+
+nlohmann::json TrainerState::to_json() const {
+  return {{"format_version", kFormatVersion},
+          {"step", step},
+          {"total_steps", total_steps},
+          {"epoch", epoch},
+          {"sampler", sampler},
+          {"seed", seed},
+          {"rng_offset", rng_offset},
+          {"skipped_steps", skipped_steps},
+          {"totals", totals.to_json()},
+          {"recipe_fingerprint", recipe_fingerprint},
+          {"extra", extra}};
+}
+
+TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string& source) {
+  const std::string fix = "the trainer state is damaged: resume from another checkpoint";
+  if (!j.is_object()) throw Error("the trainer state must be a JSON object", source, fix);
+  if (get_int(j, "format_version", source, 1) != kFormatVersion)
+    throw Error(fmt::format("trainer state format {} is not the supported {}",
+                            j["format_version"].get<int64_t>(), kFormatVersion),
+                source, "resume with the glmtune version that wrote this checkpoint");
+  TrainerState s;
+  s.step = get_int(j, "step", source);
+  s.total_steps = get_int(j, "total_steps", source);
+  s.epoch = get_int(j, "epoch", source);
+  s.seed = get_uint(j, "seed", source);
+  s.rng_offset = get_uint(j, "rng_offset", source);
+  s.skipped_steps = get_int(j, "skipped_steps", source);
+  if (!j.contains("sampler") || !j["sampler"].is_object())
+    throw Error("'sampler' must be an object", source, fix);
+  s.sampler = j["sampler"];
+  if (!j.contains("totals")) throw Error("'totals' is missing", source, fix);
+  s.totals = ThroughputTotals::from_json(j["totals"], source);
+  if (!j.contains("recipe_fingerprint") || !j["recipe_fingerprint"].is_string())
+    throw Error("'recipe_fingerprint' must be a string", source, fix);
+  s.recipe_fingerprint = j["recipe_fingerprint"].get<std::string>();
+  if (j.contains("extra")) {
+    if (!j["extra"].is_object()) throw Error("'extra' must be an object", source, fix);
+    s.extra = j["extra"];
+  }
+  return s;
+}
+
+CheckpointDir save_checkpoint(const fs::path& output_dir, const TrainerState& state,
+                              const ModelWriter& write_model, const AdamW& optimizer,
+                              int64_t keep_last) {
+  GLMTUNE_ASSERT(state.step >= 0, "checkpoint of negative step {}", state.step);
+  const fs::path root = output_dir / kCheckpointsDir;
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  check_io(ec, "cannot create the checkpoints directory", root);
+  remove_leftovers(root);
+
+  const std::string name = step_dir_name(state.step);
+  const fs::path final_dir = root / name;
+  const fs::path tmp = root / fmt::format(".{}.tmp-{}", name, ::getpid());
+  fs::create_directory(tmp, ec);
+  check_io(ec, "cannot create the temporary checkpoint directory", tmp);
+  try {
+    write_model(tmp / "model");
+    optimizer.save(tmp / "optimizer");
+    write_file_atomic((tmp / kTrainerStateFile).string(), state.to_json().dump(2) + "\n");
+    // The manifest is written last: its presence, with matching sizes, is what makes the
+    // checkpoint complete.
+    write_file_atomic((tmp / kCompleteFile).string(), manifest_of(tmp, state.step).dump(2) + "\n");
+    fsync_directory(tmp.string());
+  } catch (...) {
+    std::error_code rm;
+    fs::remove_all(tmp, rm);
+    throw;
+  }
+
+  fs::path aside;
+  if (fs::exists(final_dir)) {
+    // rename() cannot replace a non-empty directory: move the old one aside first.
+    aside = root / fmt::format(".{}.old-{}", name, ::getpid());
+    fs::rename(final_dir, aside, ec);
+    check_io(ec, "cannot move the previous checkpoint of this step aside", final_dir);
+  }
+  fs::rename(tmp, final_dir, ec);
+  check_io(ec, "cannot move the new checkpoint into place", final_dir);
+  fsync_directory(root.string());
+  if (!aside.empty()) fs::remove_all(aside, ec);
+  write_file_atomic((root / kLatestFile).string(), name + "\n");
+  prune(output_dir, keep_last, state.step);
+  return {final_dir};
+}
+
+CheckpointDir save_checkpoint(const fs::path& output_dir, const TrainerState& state,
+                              const model::ParamStore& store, const AdamW& optimizer,
+                              int64_t keep_last) {
+  return save_checkpoint(
+      output_dir, state, [&](const fs::path& dir) { store.save(dir); }, optimizer, keep_last);
+}
+
+bool is_complete_checkpoint(const fs::path& dir, std::string* why) {
+  auto no = [&](std::string reason) {
+    if (why) *why = std::move(reason);
+    return false;
+  };
+  std::error_code ec;
+  const fs::path marker = dir / kCompleteFile;
+  if (!fs::is_regular_file(marker, ec)) return no("no COMPLETE manifest (the save did not finish)");
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(read_text_file(marker.string(), "checkpoint manifest"));
+  } catch (const std::exception& e) {
+    return no(std::string("unreadable COMPLETE manifest: ") + e.what());
+  }
+  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object() ||
+      manifest["files"].empty() || !manifest.contains("step") ||
+      !manifest["step"].is_number_integer())
+    return no("malformed COMPLETE manifest");
+  for (const auto& [file, size] : manifest["files"].items()) {
+    const fs::path p = dir / file;
+    if (!size.is_number_unsigned()) return no("malformed COMPLETE manifest");
+    if (!fs::is_regular_file(p, ec)) return no("missing file " + file);
+    if (fs::file_size(p, ec) != size.get<uint64_t>())
+      return no(fmt::format("{} has {} bytes, the manifest says {}", file, fs::file_size(p, ec),
+                            size.get<uint64_t>()));
+  }
+  try {
+    const fs::path state_path = dir / kTrainerStateFile;
+    const TrainerState s = TrainerState::from_json(
+        nlohmann::json::parse(read_text_file(state_path.string(), "trainer state")),
+        state_path.string());
+    if (s.step != manifest["step"].get<int64_t>())
+      return no(fmt::format("trainer state step {} differs from the manifest's {}", s.step,
+                            manifest["step"].get<int64_t>()));
+  } catch (const std::exception& e) {
+    return no(std::string("unreadable trainer state: ") + e.what());
+  }
+  return true;
+}
+
+std::vector<int64_t> complete_checkpoint_steps(const fs::path& output_dir) {
+  std::vector<int64_t> steps;
+  const fs::path root = output_dir / kCheckpointsDir;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return steps;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    std::smatch m;
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_directory() || !std::regex_match(name, m, kStepDirRe)) continue;
+    if (is_complete_checkpoint(entry.path())) steps.push_back(std::stoll(m[1].str()));
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::optional<ResumePoint> load_latest_checkpoint(const fs::path& output_dir) {
+  const fs::path root = output_dir / kCheckpointsDir;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return std::nullopt;
+  std::optional<int64_t> best;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    std::smatch m;
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_directory() || !std::regex_match(name, m, kStepDirRe)) continue;
+    std::string why;
+    if (!is_complete_checkpoint(entry.path(), &why)) {
+      spdlog::warn("ignoring incomplete checkpoint {}: {}", entry.path().string(), why);
+      continue;
+    }
+    const int64_t step = std::stoll(m[1].str());
+    if (!best || step > *best) best = step;
+  }
+  if (!best) return std::nullopt;
+  ResumePoint r;
+  r.checkpoint.dir = root / step_dir_name(*best);
+  const fs::path state_path = r.checkpoint.trainer_state_path();
+  r.state = TrainerState::from_json(
+      nlohmann::json::parse(read_text_file(state_path.string(), "trainer state")),
+      state_path.string());
+  const fs::path latest = root / kLatestFile;
+  if (fs::exists(latest, ec)) {
+    std::string named = read_text_file(latest.string(), "latest pointer");
+    while (!named.empty() && (named.back() == '\n' || named.back() == '\r')) named.pop_back();
+    if (named != step_dir_name(*best))
+      spdlog::warn("{} names '{}', but the newest complete checkpoint is {}: resuming from it",
+                   latest.string(), named, step_dir_name(*best));
+  }
+  return r;
+}
+
+}  // namespace glmtune::train

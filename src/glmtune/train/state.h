@@ -1,0 +1,107 @@
+#pragma once
+// Training checkpoints and resume.
+//
+// A checkpoint is a directory OUT/checkpoints/step-N holding
+//   model/               the released layout (ParamStore::save, or any writer): config.json and
+//                        safetensors shards, as `glmtune init` writes them
+//   optimizer/           AdamW state (master weights, moments, step count), see optimizer.h
+//   trainer_state.json   step, sampler position, seeds, throughput totals, recipe fingerprint
+//   COMPLETE             written last: the manifest of every file above with its size
+//
+// Saving builds everything in a temporary sibling (checkpoints/.step-N.tmp-PID), writes the
+// COMPLETE manifest, renames the directory into place (atomic), then rewrites the
+// checkpoints/latest pointer (atomic) and prunes old checkpoints down to keep_last. A kill at any
+// moment leaves either no step-N or a complete one; leftovers are a temporary directory, which the
+// next save removes, or a step directory without a valid manifest, which resume ignores.
+//
+// Resume picks the highest-numbered checkpoint whose manifest matches its files. `latest` names
+// the same one except when a run was killed between the rename and the pointer update; the
+// manifest, not the pointer, is what makes a checkpoint usable. One process saves (rank 0 in a
+// distributed run).
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "glmtune/train/metrics.h"
+
+namespace glmtune::model {
+class ParamStore;
+}
+
+namespace glmtune::train {
+
+class AdamW;
+
+inline constexpr const char* kCheckpointsDir = "checkpoints";
+inline constexpr const char* kLatestFile = "latest";
+inline constexpr const char* kCompleteFile = "COMPLETE";
+inline constexpr const char* kTrainerStateFile = "trainer_state.json";
+
+// What, beyond the model and the optimizer, a resumed run needs to continue exactly.
+struct TrainerState {
+  int64_t step = 0;         // optimizer steps completed
+  int64_t total_steps = 0;  // the run's length when saved
+  int64_t epoch = 0;        // data epoch of the next pack (the sampler state is authoritative)
+  nlohmann::json sampler = nlohmann::json::object();  // data::PackSampler::save_state()
+  uint64_t seed = 0;                                  // the recipe's seed
+  // Position in the counter-based random stream (Philox offsets consumed so far); the next draw
+  // starts here. glmtune's training math draws nothing today; kept so that anything random added
+  // later resumes on the same numbers.
+  uint64_t rng_offset = 0;
+  int64_t skipped_steps = 0;       // updates skipped for a non-finite gradient norm
+  ThroughputTotals totals;         // behind exp_tgs and eta
+  std::string recipe_fingerprint;  // Recipe::fingerprint() of the run that saved
+  // Free-form extras of the trainer (kept verbatim).
+  nlohmann::json extra = nlohmann::json::object();
+
+  nlohmann::json to_json() const;
+  // Throws glmtune::Error naming `source` for a missing or ill-typed field.
+  static TrainerState from_json(const nlohmann::json& j, const std::string& source);
+};
+
+// A checkpoint directory and its parts.
+struct CheckpointDir {
+  std::filesystem::path dir;
+  std::filesystem::path model_dir() const { return dir / "model"; }
+  std::filesystem::path optimizer_dir() const { return dir / "optimizer"; }
+  std::filesystem::path trainer_state_path() const { return dir / kTrainerStateFile; }
+};
+
+// Writes the model in the released layout into the directory it is given (which does not exist
+// yet).
+using ModelWriter = std::function<void(const std::filesystem::path& model_dir)>;
+
+// Saves checkpoint step-<state.step> under OUT/checkpoints, replacing an existing one of the
+// same step, then prunes complete checkpoints beyond the newest `keep_last` (0 keeps all).
+// Returns the checkpoint. Throws glmtune::Error naming the path on I/O failure; what was there
+// before is then untouched.
+CheckpointDir save_checkpoint(const std::filesystem::path& output_dir, const TrainerState& state,
+                              const ModelWriter& write_model, const AdamW& optimizer,
+                              int64_t keep_last);
+// The same with the model written by ParamStore::save.
+CheckpointDir save_checkpoint(const std::filesystem::path& output_dir, const TrainerState& state,
+                              const model::ParamStore& store, const AdamW& optimizer,
+                              int64_t keep_last);
+
+struct ResumePoint {
+  CheckpointDir checkpoint;
+  TrainerState state;
+};
+
+// The newest complete checkpoint under OUT/checkpoints, or nullopt when there is none (a fresh
+// run). Incomplete directories are skipped with a warning.
+std::optional<ResumePoint> load_latest_checkpoint(const std::filesystem::path& output_dir);
+
+// Steps of the complete checkpoints under OUT/checkpoints, ascending.
+std::vector<int64_t> complete_checkpoint_steps(const std::filesystem::path& output_dir);
+
+// Whether `dir` is a complete checkpoint: a manifest naming files that all exist with their
+// recorded sizes, and a readable trainer state. `why` (if given) receives the reason when not.
+bool is_complete_checkpoint(const std::filesystem::path& dir, std::string* why = nullptr);
+
+}  // namespace glmtune::train

@@ -1,0 +1,383 @@
+// Training checkpoints: save → load gives identical optimizer tensors and trainer state, keep_last
+// pruning, recovery from a save killed midway, the ParamStore round trip; and the metrics log.
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/io/safetensors.h"
+#include "glmtune/model/config.h"
+#include "glmtune/model/init.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/tensor/rng.h"
+#include "glmtune/train/optimizer.h"
+#include "glmtune/train/state.h"
+
+using namespace glmtune;
+using namespace glmtune::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+uint64_t fresh_seed() { return std::random_device{}(); }
+
+fs::path temp_dir(const std::string& name) {
+  fs::path p =
+      fs::temp_directory_path() / ("glmtune_test_state_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, uint64_t offset) {
+  Tensor t = Tensor::empty(shape, dtype);
+  fill_normal(t, seed, offset, 0.0, 1.0);
+  return t;
+}
+
+std::vector<uint8_t> bytes_of(const Tensor& t) {
+  Tensor c = t.contiguous();
+  const auto* p = static_cast<const uint8_t*>(c.data_ptr());
+  return std::vector<uint8_t>(p, p + c.nbytes());
+}
+
+std::vector<NamedParam> small_params(uint64_t seed) {
+  return {{"w1", random_tensor({6, 4}, DType::bf16, seed, 0), true},
+          {"w2", random_tensor({5}, DType::f32, seed, 100), true},
+          {"buffer", random_tensor({3}, DType::f32, seed, 200), false}};
+}
+
+std::vector<Tensor> grads_for(const std::vector<NamedParam>& params, uint64_t seed, uint64_t step) {
+  std::vector<Tensor> g;
+  for (size_t i = 0; i < params.size(); ++i)
+    g.push_back(params[i].trainable ? random_tensor(params[i].value.shape(), DType::f32, seed + 1,
+                                                    step * 1000 + i * 100)
+                                    : Tensor());
+  return g;
+}
+
+// A model writer for tests: the parameters as one safetensors file.
+ModelWriter writer_for(const std::vector<NamedParam>& params) {
+  return [&params](const fs::path& dir) {
+    fs::create_directories(dir);
+    io::NamedTensors t;
+    for (const auto& p : params) t.emplace_back(p.name, p.value);
+    io::save_safetensors(dir / "model.safetensors", t, {{"format", "pt"}});
+  };
+}
+
+TrainerState sample_state(uint64_t seed, int64_t step) {
+  TrainerState s;
+  s.step = step;
+  s.total_steps = 100;
+  s.epoch = 2;
+  s.sampler = {{"epoch", 2}, {"index_in_epoch", 7}, {"seed", seed}, {"fingerprint", "abc"}};
+  s.seed = seed;
+  s.rng_offset = seed % 1000 + 1;
+  s.skipped_steps = 1;
+  s.totals = {step, 12345, 16384, 12.5};
+  s.recipe_fingerprint = "0123456789abcdef";
+  s.extra = {{"note", "kept verbatim"}};
+  return s;
+}
+
+}  // namespace
+
+TEST(TrainerState, JsonRoundTrip) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const TrainerState s = sample_state(seed, 42);
+  const TrainerState back = TrainerState::from_json(s.to_json(), "t.json");
+  EXPECT_EQ(back.to_json(), s.to_json());
+  EXPECT_EQ(back.seed, seed);
+  EXPECT_EQ(back.totals.seconds, 12.5);
+  nlohmann::json broken = s.to_json();
+  broken.erase("sampler");
+  try {
+    TrainerState::from_json(broken, "t.json");
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.where(), "t.json");
+    EXPECT_NE(e.problem().find("sampler"), std::string::npos);
+  }
+  broken = s.to_json();
+  broken["step"] = -3;
+  EXPECT_THROW(TrainerState::from_json(broken, "t.json"), Error);
+  broken = s.to_json();
+  broken["format_version"] = 99;
+  EXPECT_THROW(TrainerState::from_json(broken, "t.json"), Error);
+}
+
+TEST(Checkpoint, SaveThenLoadGivesIdenticalState) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const fs::path out = temp_dir("roundtrip");
+  EXPECT_FALSE(load_latest_checkpoint(out).has_value());  // a fresh run
+  auto params = small_params(seed);
+  AdamW opt(params, {});
+  for (uint64_t s = 0; s < 3; ++s) opt.step(grads_for(params, seed, s), 1e-2);
+  const TrainerState state = sample_state(seed, 3);
+  const CheckpointDir saved = save_checkpoint(out, state, writer_for(params), opt, 3);
+  EXPECT_EQ(saved.dir, out / "checkpoints" / "step-3");
+  EXPECT_TRUE(is_complete_checkpoint(saved.dir));
+  EXPECT_EQ(read_text_file((out / "checkpoints" / "latest").string(), "latest"), "step-3\n");
+
+  const auto resume = load_latest_checkpoint(out);
+  ASSERT_TRUE(resume.has_value());
+  EXPECT_EQ(resume->checkpoint.dir, saved.dir);
+  EXPECT_EQ(resume->state.to_json(), state.to_json());
+  // A new optimizer over other values restores every tensor bit for bit.
+  auto other = small_params(seed + 7);
+  AdamW restored(other, {});
+  restored.load(resume->checkpoint.optimizer_dir());
+  EXPECT_EQ(restored.step_count(), 3);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(bytes_of(restored.master(i)), bytes_of(opt.master(i)));
+    EXPECT_EQ(bytes_of(restored.exp_avg(i)), bytes_of(opt.exp_avg(i)));
+    EXPECT_EQ(bytes_of(restored.exp_avg_sq(i)), bytes_of(opt.exp_avg_sq(i)));
+    EXPECT_EQ(bytes_of(other[i].value), bytes_of(params[i].value));
+  }
+  // The model part is what the writer produced.
+  io::CheckpointReader model = io::CheckpointReader::open(resume->checkpoint.model_dir());
+  EXPECT_EQ(bytes_of(model.tensor("w1")), bytes_of(params[0].value));
+  // Saving the same step again replaces it.
+  opt.step(grads_for(params, seed, 3), 1e-2);
+  save_checkpoint(out, state, writer_for(params), opt, 3);
+  AdamW again(small_params(seed + 9), {});
+  again.load(load_latest_checkpoint(out)->checkpoint.optimizer_dir());
+  EXPECT_EQ(again.step_count(), 4);
+  fs::remove_all(out);
+}
+
+TEST(Checkpoint, KeepLastPrunesTheOldest) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const fs::path out = temp_dir("prune");
+  auto params = small_params(seed);
+  AdamW opt(params, {});
+  for (int64_t step = 1; step <= 5; ++step) {
+    opt.step(grads_for(params, seed, uint64_t(step)), 1e-3);
+    save_checkpoint(out, sample_state(seed, step * 10), writer_for(params), opt, 2);
+  }
+  EXPECT_EQ(complete_checkpoint_steps(out), (std::vector<int64_t>{40, 50}));
+  EXPECT_FALSE(fs::exists(out / "checkpoints" / "step-30"));
+  EXPECT_EQ(load_latest_checkpoint(out)->state.step, 50);
+  // keep_last 0 keeps everything.
+  save_checkpoint(out, sample_state(seed, 60), writer_for(params), opt, 0);
+  save_checkpoint(out, sample_state(seed, 70), writer_for(params), opt, 0);
+  EXPECT_EQ(complete_checkpoint_steps(out), (std::vector<int64_t>{40, 50, 60, 70}));
+  fs::remove_all(out);
+}
+
+TEST(Checkpoint, ResumeIgnoresASaveKilledMidway) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const fs::path out = temp_dir("killed");
+  const fs::path root = out / "checkpoints";
+  auto params = small_params(seed);
+  AdamW opt(params, {});
+  opt.step(grads_for(params, seed, 0), 1e-2);
+  save_checkpoint(out, sample_state(seed, 2), writer_for(params), opt, 3);
+
+  // What a kill leaves behind: a temporary directory of the next save, half written ...
+  fs::create_directories(root / ".step-3.tmp-424242" / "model");
+  std::ofstream(root / ".step-3.tmp-424242" / "model" / "model.safetensors") << "partial";
+  // ... a step directory without its manifest (as if copied in part) ...
+  fs::create_directories(root / "step-3" / "optimizer");
+  fs::copy_file(root / "step-2" / kTrainerStateFile, root / "step-3" / kTrainerStateFile);
+  // ... and one whose manifest no longer matches a truncated file.
+  fs::copy(root / "step-2", root / "step-4", fs::copy_options::recursive);
+  fs::resize_file(root / "step-4" / "model" / "model.safetensors", 10);
+  // The pointer may even name a broken one.
+  write_file_atomic((root / "latest").string(), "step-4\n");
+
+  std::string why;
+  EXPECT_FALSE(is_complete_checkpoint(root / "step-3", &why));
+  EXPECT_NE(why.find("COMPLETE"), std::string::npos) << why;
+  EXPECT_FALSE(is_complete_checkpoint(root / "step-4", &why));
+  EXPECT_NE(why.find("bytes"), std::string::npos) << why;
+  auto resume = load_latest_checkpoint(out);
+  ASSERT_TRUE(resume.has_value());
+  EXPECT_EQ(resume->state.step, 2);
+  EXPECT_EQ(resume->checkpoint.dir, root / "step-2");
+  EXPECT_EQ(complete_checkpoint_steps(out), std::vector<int64_t>{2});
+
+  // The next save of step 3 replaces the partial directory and clears the leftover.
+  opt.step(grads_for(params, seed, 1), 1e-2);
+  save_checkpoint(out, sample_state(seed, 3), writer_for(params), opt, 3);
+  EXPECT_FALSE(fs::exists(root / ".step-3.tmp-424242"));
+  EXPECT_EQ(complete_checkpoint_steps(out), (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(load_latest_checkpoint(out)->state.step, 3);
+  fs::remove_all(out);
+}
+
+TEST(Checkpoint, AFailedSaveLeavesThePreviousOne) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const fs::path out = temp_dir("failed");
+  auto params = small_params(seed);
+  AdamW opt(params, {});
+  save_checkpoint(out, sample_state(seed, 5), writer_for(params), opt, 3);
+  const ModelWriter failing = [](const fs::path& dir) {
+    fs::create_directories(dir);
+    std::ofstream(dir / "half.bin") << "x";
+    throw Error("disk full", dir.string(), "free some space");
+  };
+  EXPECT_THROW(save_checkpoint(out, sample_state(seed, 6), failing, opt, 3), Error);
+  EXPECT_FALSE(fs::exists(out / "checkpoints" / "step-6"));
+  size_t entries = 0;
+  for (const auto& e : fs::directory_iterator(out / "checkpoints")) {
+    ++entries;
+    EXPECT_EQ(e.path().filename().string().find(".step-"), std::string::npos) << e.path();
+  }
+  EXPECT_EQ(entries, 2u);  // step-5 and latest
+  EXPECT_EQ(load_latest_checkpoint(out)->state.step, 5);
+  EXPECT_EQ(read_text_file((out / "checkpoints" / "latest").string(), "latest"), "step-5\n");
+  fs::remove_all(out);
+}
+
+TEST(Checkpoint, ParamStoreRoundTripInTheReleasedLayout) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const fs::path out = temp_dir("store");
+  const model::ModelConfig config = model::ModelConfig::preset("tiny");
+  model::InitOptions init;
+  init.seed = seed;
+  model::write_random_checkpoint(config, out / "init", init);
+  model::ParamStore store =
+      model::ParamStore::load(io::CheckpointReader::open(out / "init"), config);
+  make_params_writable(store);
+  for (const auto& p : store.params()) {
+    if (p.trainable || p.name.ends_with("e_score_correction_bias"))
+      EXPECT_TRUE(p.value.storage()->owns_memory()) << p.name;
+  }
+  AdamW opt(named_params(store), {});
+  std::vector<Tensor> grads;
+  uint64_t offset = 0;
+  for (const auto& p : opt.params()) {
+    grads.push_back(p.trainable ? random_tensor(p.value.shape(), DType::f32, seed, offset)
+                                : Tensor());
+    offset += uint64_t(p.value.numel());
+  }
+  const StepReport r = opt.step(grads, 1e-3);
+  EXPECT_FALSE(r.skipped);
+  // The router bias is a buffer: move it as the load-balancing rule would.
+  std::string bias_name;
+  for (const auto& p : store.params())
+    if (p.name.ends_with("e_score_correction_bias")) bias_name = p.name;
+  ASSERT_FALSE(bias_name.empty());
+  Tensor& bias = store.get(bias_name);
+  bias.set_item({0}, bias.item({0}) + 0.25);
+
+  save_checkpoint(out, sample_state(seed, 1), store, opt, 1);
+  const auto resume = load_latest_checkpoint(out);
+  ASSERT_TRUE(resume.has_value());
+  model::ParamStore loaded =
+      model::ParamStore::load(io::CheckpointReader::open(resume->checkpoint.model_dir()), config);
+  ASSERT_EQ(loaded.params().size(), store.params().size());
+  for (size_t i = 0; i < store.params().size(); ++i) {
+    const auto& a = store.params()[i];
+    EXPECT_EQ(bytes_of(loaded.get(a.name)), bytes_of(a.value)) << a.name;
+  }
+  // Resuming on the loaded store restores the optimizer exactly.
+  make_params_writable(loaded);
+  AdamW resumed(named_params(loaded), {});
+  resumed.load(resume->checkpoint.optimizer_dir());
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    if (!opt.params()[i].trainable) continue;
+    ASSERT_EQ(bytes_of(resumed.exp_avg_sq(i)), bytes_of(opt.exp_avg_sq(i))) << i;
+    ASSERT_EQ(bytes_of(resumed.master(i)), bytes_of(opt.master(i))) << i;
+  }
+  fs::remove_all(out);
+}
+
+TEST(Metrics, RecordsUseTheSeedSystemsNames) {
+  StepMetrics m;
+  m.step = 3;
+  m.total_steps = 10;
+  m.loss = 2.5;
+  m.grad_norm = std::nan("");
+  m.skipped = true;
+  const nlohmann::json j = m.to_json();
+  for (const char* key :
+       {"loss", "mtp_loss", "balancing_loss", "grad_norm", "lr", "tgs", "seqlen_tgs", "exp_tgs",
+        "max_memory", "reserved_memory", "maxvio", "eta"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  EXPECT_TRUE(j["grad_norm"].is_null());  // non-finite values are null, never invalid JSON
+  EXPECT_EQ(j["loss"], 2.5);
+  const std::string line = m.log_line();
+  EXPECT_NE(line.find("step 3/10"), std::string::npos) << line;
+  EXPECT_NE(line.find("skipped"), std::string::npos) << line;
+  EXPECT_EQ(format_eta(3723.4), "1:02:03");
+}
+
+TEST(Metrics, ThroughputContinuesAcrossResume) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 gen(seed);
+  ThroughputMeter meter;
+  StepMetrics m;
+  m.total_steps = 10;
+  int64_t tokens = 0;
+  double seconds = 0;
+  for (int64_t s = 1; s <= 4; ++s) {
+    const int64_t t = std::uniform_int_distribution<int64_t>(100, 1000)(gen);
+    const double dt = std::uniform_real_distribution<double>(0.5, 2.0)(gen);
+    tokens += t;
+    seconds += dt;
+    m.step = s;
+    meter.record(m, t, 1024, dt);
+    EXPECT_DOUBLE_EQ(m.tgs, double(t) / dt);
+    EXPECT_DOUBLE_EQ(m.seqlen_tgs, 1024.0 / dt);
+    EXPECT_DOUBLE_EQ(m.exp_tgs, double(tokens) / seconds);
+    EXPECT_DOUBLE_EQ(m.eta, double(10 - s) * seconds / double(s));
+    EXPECT_EQ(m.consumed_tokens, tokens);
+  }
+  // The totals travel in the trainer state; a resumed meter continues the averages.
+  const ThroughputTotals saved = ThroughputTotals::from_json(meter.totals().to_json(), "t");
+  ThroughputMeter resumed(saved);
+  m.step = 5;
+  resumed.record(m, 500, 1024, 1.0);
+  EXPECT_DOUBLE_EQ(m.exp_tgs, double(tokens + 500) / (seconds + 1.0));
+  EXPECT_EQ(m.consumed_tokens, tokens + 500);
+}
+
+TEST(Metrics, LogAppendsAndDropsRedoneSteps) {
+  const fs::path out = temp_dir("metrics");
+  {
+    MetricsLog log(out, 0, 100);
+    for (int64_t s = 1; s <= 5; ++s) {
+      StepMetrics m;
+      m.step = s;
+      m.total_steps = 5;
+      m.loss = 1.0 / double(s);
+      log.write(m);
+    }
+  }
+  // A kill mid-write tears the last line.
+  std::ofstream(out / "metrics.jsonl", std::ios::app) << "{\"step\": 6, \"lo";
+  auto steps_in_file = [&] {
+    std::vector<int64_t> steps;
+    std::ifstream in(out / "metrics.jsonl");
+    std::string line;
+    while (std::getline(in, line)) steps.push_back(nlohmann::json::parse(line)["step"]);
+    return steps;
+  };
+  {
+    // Resuming from the checkpoint of step 3: steps 4 and 5 will be redone.
+    MetricsLog log(out, 3, 1);
+    EXPECT_EQ(steps_in_file(), (std::vector<int64_t>{1, 2, 3}));
+    StepMetrics m;
+    m.step = 4;
+    m.total_steps = 5;
+    log.write(m);
+    // Flushed at once: readable before the log is closed.
+    EXPECT_EQ(steps_in_file(), (std::vector<int64_t>{1, 2, 3, 4}));
+  }
+  fs::remove_all(out);
+}
