@@ -1,0 +1,230 @@
+#include "glmtune/model/text/layer.h"
+
+#include <algorithm>
+
+#include "glmtune/ops/linear.h"
+#include "glmtune/ops/mlp.h"
+#include "glmtune/ops/norm.h"
+
+namespace glmtune::model::text {
+namespace {
+
+template <typename T>
+void add_kernel(const T* a, const T* b, T* out, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+// a + b for two contiguous tensors of one shape (the pre-norm residual adds of the MTP layer).
+Tensor add(const Tensor& a, const Tensor& b) {
+  GLMTUNE_ASSERT(a.shape() == b.shape() && a.dtype() == b.dtype(), "add: {} and {} differ", a.str(),
+                 b.str());
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  Tensor out = Tensor::empty(a.shape(), a.dtype());
+  if (a.dtype() == DType::f32)
+    add_kernel(ac.data<float>(), bc.data<float>(), out.data<float>(), a.numel());
+  else
+    add_kernel(ac.data<double>(), bc.data<double>(), out.data<double>(), a.numel());
+  return out;
+}
+
+// [a | b] along the last dimension: [T, Da] and [T, Db] -> [T, Da + Db].
+Tensor concat_columns(const Tensor& a, const Tensor& b) {
+  const int64_t rows = a.size(0), da = a.size(1), db = b.size(1);
+  Tensor out = Tensor::empty({rows, da + db}, a.dtype());
+  out.narrow(1, 0, da).copy_(a);
+  out.narrow(1, da, db).copy_(b);
+  return out;
+}
+
+}  // namespace
+
+OpConfigs OpConfigs::from(const TextConfig& c) {
+  OpConfigs o;
+  o.mhc.hc_mult = c.hc_mult;
+  o.mhc.sinkhorn_iters = c.hc_sinkhorn_iters;
+  o.mhc.hc_eps = c.hc_eps;
+  o.mhc.rms_eps = c.rms_norm_eps;
+  o.kda.num_heads = c.linear_num_heads;
+  o.kda.head_dim = c.linear_head_dim;
+  o.kda.lower_bound = c.linear_lower_bound;
+  o.kda.rms_eps = c.rms_norm_eps;
+  o.mla.n_heads = c.num_attention_heads;
+  o.mla.q_lora_rank = c.q_lora_rank;
+  o.mla.kv_lora_rank = c.kv_lora_rank;
+  o.mla.qk_nope_head_dim = c.qk_nope_head_dim;
+  o.mla.v_head_dim = c.v_head_dim;
+  o.mla.rms_norm_eps = c.rms_norm_eps;
+  o.indexer.n_heads = c.index_n_heads;
+  o.indexer.head_dim = c.index_head_dim;
+  o.indexer.kpool = c.index_kpool;
+  o.indexer.topk = c.index_topk;
+  o.indexer.always_select_tail = c.index_kpool_always_select_tail;
+  o.moe.n_experts = c.n_routed_experts;
+  o.moe.top_k = c.num_experts_per_tok;
+  o.moe.n_group = c.n_group;
+  o.moe.topk_group = c.topk_group;
+  o.moe.norm_topk_prob = c.norm_topk_prob;
+  o.moe.routed_scaling_factor = c.routed_scaling_factor;
+  o.moe.swiglu_limit = c.swiglu_limit;
+  o.rms_eps = c.rms_norm_eps;
+  o.swiglu_limit = c.swiglu_limit;
+  return o;
+}
+
+MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Tensor& x,
+                    int64_t counted_rows) {
+  MoeResult r;
+  if (params.shared.gate_proj.defined()) {
+    ops::MoeOutput o = ops::moe_forward(cfg.moe, params, x, counted_rows);
+    r.y = std::move(o.y);
+    r.routing = std::move(o.routing);
+    r.expert_counts = std::move(o.expert_counts);
+    return r;
+  }
+  // n_shared_experts = 0: the routed sum alone.
+  r.routing = ops::moe_route(cfg.moe, params.router_weight, params.e_score_correction_bias, x);
+  r.y = ops::moe_experts(cfg.moe, params.gate_up_proj, params.down_proj, x, r.routing);
+  r.expert_counts = ops::moe_expert_counts(r.routing, cfg.moe.n_experts, counted_rows);
+  return r;
+}
+
+Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tensor& u,
+                 const Tensor& cu_seqlens, const Tensor& carried_indices, Tensor* indices_out,
+                 LayerContext* ctx) {
+  ops::MlaProjections proj = ops::mla_project(cfg.mla, params.mla, u);
+  Tensor indices;
+  if (params.indexer.defined()) {
+    indices = ops::indexer_forward(cfg.indexer, params.indexer, u, proj.q_resid, cu_seqlens);
+  } else {
+    // The model validates the schedule at construction, so this only fires on a misuse of the
+    // function itself.
+    GLMTUNE_ASSERT(carried_indices.defined(),
+                   "a DSA layer without its own indexer needs the previous layer's selection");
+    indices = carried_indices;
+  }
+  const int64_t tokens = u.size(0);
+  Tensor core =
+      ops::sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, cfg.mla.softmax_scale())
+          .view({tokens, cfg.mla.n_heads * cfg.mla.v_head_dim});
+  Tensor y = ops::linear(core, params.mla.o_proj, params.mla.o_proj_bias);
+  if (indices_out) *indices_out = indices;
+  if (ctx) {
+    ctx->mla = std::move(proj);
+    ctx->attn_core = std::move(core);
+    ctx->indices = indices;
+  }
+  return y;
+}
+
+Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, const LayerWeights& w,
+                             const Tensor& streams, const Tensor& cu_seqlens, int64_t counted_rows,
+                             IndexerCarry& carry, Tensor* expert_counts, LayerContext* ctx) {
+  // Attention site.
+  ops::MhcPreSaved attn_saved;
+  ops::MhcPreResult attn_hc = ops::mhc_pre(streams, w.attn_hc.fn, w.attn_hc.base, w.attn_hc.scale,
+                                           cfg.mhc, ctx ? &attn_saved : nullptr);
+  Tensor attn_rstd;
+  Tensor u =
+      ops::rms_norm(attn_hc.collapsed, w.input_layernorm, cfg.rms_eps, ctx ? &attn_rstd : nullptr);
+  Tensor y;
+  if (w.attn == AttnKind::kda) {
+    y = ops::kda_forward(w.kda, u, cu_seqlens, cfg.kda, ctx ? &ctx->kda : nullptr);
+    carry.indices = Tensor();
+  } else {
+    Tensor indices;
+    y = dsa_block(cfg, w.dsa, u, cu_seqlens, carry.indices, &indices, ctx);
+    // The reference hands the selection on only from a layer with its own indexer to a "shared"
+    // next layer (next_skip_topk); every other layer passes nothing on.
+    const int64_t last = config.num_hidden_layers - 1;
+    const bool next_shares =
+        w.dsa.indexer.defined() &&
+        config.indexer_types[std::min(w.index + 1, last)] == IndexerKind::shared;
+    carry.indices = next_shares ? indices : Tensor();
+  }
+  Tensor mid = ops::mhc_post(streams, y, attn_hc.post, attn_hc.comb);
+
+  // Feed-forward site.
+  ops::MhcPreSaved ffn_saved;
+  ops::MhcPreResult ffn_hc = ops::mhc_pre(mid, w.ffn_hc.fn, w.ffn_hc.base, w.ffn_hc.scale, cfg.mhc,
+                                          ctx ? &ffn_saved : nullptr);
+  Tensor ffn_rstd;
+  Tensor v = ops::rms_norm(ffn_hc.collapsed, w.post_attention_layernorm, cfg.rms_eps,
+                           ctx ? &ffn_rstd : nullptr);
+  Tensor z;
+  ops::Routing routing;
+  if (w.mlp == MlpKind::dense) {
+    z = ops::mlp_forward(w.dense, v, cfg.swiglu_limit);
+  } else {
+    MoeResult m = moe_block(cfg, w.moe, v, counted_rows);
+    z = std::move(m.y);
+    routing = std::move(m.routing);
+    if (expert_counts) *expert_counts = std::move(m.expert_counts);
+  }
+  Tensor out = ops::mhc_post(mid, z, ffn_hc.post, ffn_hc.comb);
+
+  if (ctx) {
+    ctx->streams_in = streams;
+    ctx->attn_hc = std::move(attn_hc);
+    ctx->attn_hc_saved = std::move(attn_saved);
+    ctx->attn_in = std::move(u);
+    ctx->attn_in_rstd = std::move(attn_rstd);
+    ctx->attn_out = std::move(y);
+    ctx->streams_mid = std::move(mid);
+    ctx->ffn_hc = std::move(ffn_hc);
+    ctx->ffn_hc_saved = std::move(ffn_saved);
+    ctx->ffn_in = std::move(v);
+    ctx->ffn_in_rstd = std::move(ffn_rstd);
+    ctx->routing = std::move(routing);
+    ctx->ffn_out = std::move(z);
+  }
+  return out;
+}
+
+MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, const Tensor& future,
+                                 const Tensor& hidden, const Tensor& cu_seqlens,
+                                 int64_t counted_rows, MtpContext* ctx) {
+  Tensor e_rstd, h_rstd;
+  Tensor e = ops::rms_norm(future, w.enorm, cfg.rms_eps, ctx ? &e_rstd : nullptr);
+  Tensor h = ops::rms_norm(hidden, w.hnorm, cfg.rms_eps, ctx ? &h_rstd : nullptr);
+  // Embedding first, hidden second (the seed system's eh_proj input order).
+  Tensor x = ops::linear(concat_columns(e, h), w.eh_proj);
+
+  LayerContext* lc = ctx ? &ctx->layer : nullptr;
+  Tensor attn_rstd;
+  Tensor u = ops::rms_norm(x, w.input_layernorm, cfg.rms_eps, ctx ? &attn_rstd : nullptr);
+  Tensor y = dsa_block(cfg, w.dsa, u, cu_seqlens, Tensor(), nullptr, lc);
+  Tensor a = add(x, y);
+  Tensor ffn_rstd;
+  Tensor v = ops::rms_norm(a, w.post_attention_layernorm, cfg.rms_eps, ctx ? &ffn_rstd : nullptr);
+  MoeResult m = moe_block(cfg, w.moe, v, counted_rows);
+  Tensor b = add(a, m.y);
+  Tensor out_rstd;
+  MtpLayerResult r;
+  r.hidden = ops::rms_norm(b, w.shared_head_norm, cfg.rms_eps, ctx ? &out_rstd : nullptr);
+  r.expert_counts = std::move(m.expert_counts);
+  if (ctx) {
+    ctx->future = future;
+    ctx->future_normed = std::move(e);
+    ctx->future_rstd = std::move(e_rstd);
+    ctx->hidden_in = hidden;
+    ctx->hidden_normed = std::move(h);
+    ctx->hidden_rstd = std::move(h_rstd);
+    ctx->mixed = x;
+    lc->streams_in = std::move(x);
+    lc->attn_in = std::move(u);
+    lc->attn_in_rstd = std::move(attn_rstd);
+    lc->attn_out = std::move(y);
+    lc->streams_mid = std::move(a);
+    lc->ffn_in = std::move(v);
+    lc->ffn_in_rstd = std::move(ffn_rstd);
+    lc->routing = std::move(m.routing);
+    lc->ffn_out = std::move(m.y);
+    ctx->out = std::move(b);
+    ctx->out_normed = r.hidden;
+    ctx->out_rstd = std::move(out_rstd);
+  }
+  return r;
+}
+
+}  // namespace glmtune::model::text

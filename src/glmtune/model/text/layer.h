@@ -1,0 +1,119 @@
+#pragma once
+// One decoder layer of the text model and the MTP layer, on a packed token stream (spec
+// text-model §3.3, SPEC.md §3). Both are compositions of the CPU ops; what they save for a
+// backward goes into a per-layer context when the caller asks for one.
+//
+// Decoder layer, streams X [T, H, D]:
+//   (post, comb, c) = mhc_pre_attn(X);  y = mixer(input_layernorm(c))      KDA or DSA
+//   X' = post ⊗ y + combᵀ X
+//   (post', comb', c') = mhc_pre_ffn(X'); z = ffn(post_attention_layernorm(c'))  MLP or MoE
+//   X'' = post' ⊗ z + comb'ᵀ X'
+// MTP layer, input x [T, D] (already eh_proj-mixed), no mHC:
+//   a = x + dsa(input_layernorm(x));  b = a + moe(post_attention_layernorm(a))
+
+#include <cstdint>
+#include <vector>
+
+#include "glmtune/model/config.h"
+#include "glmtune/model/text/weights.h"
+#include "glmtune/ops/indexer.h"
+#include "glmtune/ops/kda.h"
+#include "glmtune/ops/mhc.h"
+#include "glmtune/ops/mla.h"
+#include "glmtune/ops/moe.h"
+
+namespace glmtune::model::text {
+
+// The op configurations a TextConfig implies.
+struct OpConfigs {
+  ops::MhcOptions mhc;
+  ops::KdaOptions kda;
+  ops::MlaConfig mla;
+  ops::IndexerConfig indexer;
+  ops::MoeConfig moe;
+  double rms_eps = 1e-5;
+  double swiglu_limit = 10.0;
+
+  static OpConfigs from(const TextConfig& config);
+};
+
+// What one decoder layer's forward keeps for a backward ("keep everything" policy). Tensors a
+// layer kind does not produce stay undefined.
+struct LayerContext {
+  Tensor streams_in;  // [T, H, D] X
+  ops::MhcPreResult attn_hc;
+  ops::MhcPreSaved attn_hc_saved;
+  Tensor attn_in;           // [T, D] input_layernorm(c)
+  Tensor attn_in_rstd;      // [T]
+  ops::KdaSaved kda;        // KDA layers
+  ops::MlaProjections mla;  // DSA layers: q_resid, q, k, v
+  Tensor attn_core;         // DSA layers: [T, NH·Dv] attention output before o_proj
+  Tensor indices;           // DSA layers: int32 [T, W] the selection used (own or reused)
+  Tensor attn_out;          // [T, D] y
+  Tensor streams_mid;       // [T, H, D] X'
+  ops::MhcPreResult ffn_hc;
+  ops::MhcPreSaved ffn_hc_saved;
+  Tensor ffn_in;         // [T, D]
+  Tensor ffn_in_rstd;    // [T]
+  ops::Routing routing;  // MoE layers
+  Tensor ffn_out;        // [T, D] z
+};
+
+// Carried between consecutive layers: the selection a full-indexer DSA layer hands to a following
+// "shared" layer (the reference's prev_topk_indices; undefined after any other layer).
+struct IndexerCarry {
+  Tensor indices;
+};
+
+struct MoeResult {
+  Tensor y;
+  ops::Routing routing;
+  Tensor expert_counts;  // int64 [E] over the counted rows
+};
+
+// MoE block; `counted_rows` limits the expert counts to the leading rows (padding stays out).
+// Works with and without a shared expert.
+MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Tensor& x,
+                    int64_t counted_rows);
+
+// DSA mixer on u [T, D]: projections, own indexer (or the carried selection), sparse attention,
+// o_proj. `ctx` (optional) receives mla / attn_core / indices.
+Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tensor& u,
+                 const Tensor& cu_seqlens, const Tensor& carried_indices, Tensor* indices_out,
+                 LayerContext* ctx);
+
+// One decoder layer: streams [T, H, D] -> [T, H, D]. `carry` is read (shared indexer layers) and
+// rewritten (what the next layer may reuse). `expert_counts` (MoE layers) receives the counts of
+// the first `counted_rows` rows.
+Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, const LayerWeights& w,
+                             const Tensor& streams, const Tensor& cu_seqlens, int64_t counted_rows,
+                             IndexerCarry& carry, Tensor* expert_counts, LayerContext* ctx);
+
+// What one MTP depth keeps for a backward.
+struct MtpContext {
+  Tensor future;         // [T, D] embeddings of the tokens one depth ahead (0 / id 0 at doc ends)
+  Tensor future_normed;  // enorm(future)
+  Tensor future_rstd;
+  Tensor hidden_in;      // [T, D] h entering this depth
+  Tensor hidden_normed;  // hnorm(h)
+  Tensor hidden_rstd;
+  Tensor mixed;        // [T, D] x = eh_proj([future_normed ; hidden_normed])
+  LayerContext layer;  // attn_in/rstd, mla, attn_core, indices, attn_out, ffn_in/rstd, routing,
+                       // ffn_out; streams_* hold the plain residual [T, D] values x and a
+  Tensor out;          // [T, D] b = a + moe(...), before shared_head.norm
+  Tensor out_normed;   // shared_head.norm(b)
+  Tensor out_rstd;
+};
+
+struct MtpLayerResult {
+  Tensor hidden;         // [T, D] shared_head.norm output (feeds the head, and the next depth)
+  Tensor expert_counts;  // int64 [E]
+};
+
+// One MTP depth. future [T, D]: embeddings of the tokens one step ahead of this depth's input;
+// hidden [T, D]: the main hidden state (depth 1) or the previous depth's output.
+MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, const Tensor& future,
+                                 const Tensor& hidden, const Tensor& cu_seqlens,
+                                 int64_t counted_rows, MtpContext* ctx);
+
+}  // namespace glmtune::model::text
