@@ -3,6 +3,8 @@
 # its tokenizer, show what it holds, and evaluate it on the bundled chat data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Passive OpenMP waiting keeps concurrent processes on small machines from starving each other.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 scripts/install-deps.sh
 scripts/build.sh
 bin="${GLMTUNE_BUILD_DIR:-build}/bin/glmtune"

@@ -4,6 +4,8 @@
 # failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Passive OpenMP waiting keeps concurrent processes on small machines from starving each other.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 scripts/install-deps.sh
 scripts/build.sh "$@"
 build_dir="${GLMTUNE_BUILD_DIR:-build}"
