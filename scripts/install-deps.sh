@@ -9,6 +9,7 @@ packages=(
   libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
   clang-14 libclang-rt-14-dev clang-format
+  libjpeg62-turbo-dev libpng-dev libwebp-dev libgif-dev libexif-dev
 )
 
 missing=()
