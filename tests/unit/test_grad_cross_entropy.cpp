@@ -7,46 +7,22 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/linear.h"
-#include "glmtune/tensor/rng.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/grads_dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, double std = 1, DType dt = DType::f64) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, std);
-  return t;
-}
+constexpr const char* kGolden = "grads_dsa_moe";
+constexpr RelErr rel_err{};
 
 // Random labels in [0, V) with every `ignore_every`-th row ignored.
 Tensor random_labels(int64_t rows, int64_t vocab, int64_t ignore_every) {
@@ -57,28 +33,11 @@ Tensor random_labels(int64_t rows, int64_t vocab, int64_t ignore_every) {
   return Tensor::from_vector(v, {rows});
 }
 
-// Central differences of `loss` at every entry of `t` (contiguous f64, perturbed in place).
-Tensor finite_differences(Tensor& t, const std::function<double()>& loss, double h = 1e-6) {
-  double* p = t.data<double>();
-  Tensor fd = Tensor::empty(t.shape(), DType::f64);
-  double* f = fd.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double v = p[i];
-    p[i] = v + h;
-    const double up = loss();
-    p[i] = v - h;
-    const double down = loss();
-    p[i] = v;
-    f[i] = (up - down) / (2 * h);
-  }
-  return fd;
-}
-
 }  // namespace
 
 TEST(GradCrossEntropy, MatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  const nlohmann::json meta = nlohmann::json::parse(f.metadata().at("fixture"));
+  const io::SafetensorsFile f = open_golden(kGolden);
+  const nlohmann::json meta = golden_metadata(f);
   const Tensor hidden = f.tensor("lm.hidden"), weight = f.tensor("lm.weight");
   // The reference shifts the labels itself: target of row s is labels[s + 1], the last row has
   // none. glmtune's op takes the aligned targets (the packer aligns them per document).
@@ -113,7 +72,7 @@ TEST(GradCrossEntropy, MatchesReference) {
 }
 
 TEST(GradCrossEntropy, FiniteDifferencesFloat64) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t rows = 7, vocab = 9, dim = 4;
   const Tensor labels = random_labels(rows, vocab, 3);
   ops::CrossEntropyOptions opts;
@@ -144,7 +103,7 @@ TEST(GradCrossEntropy, FiniteDifferencesFloat64) {
 }
 
 TEST(GradCrossEntropy, ChunksDoNotChangeTheResult) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t rows = 37, vocab = 50, dim = 12;
   const Tensor labels = random_labels(rows, vocab, 4);
   const Tensor hidden = random_normal({rows, dim}, 1), weight = random_normal({vocab, dim}, 2);
@@ -191,7 +150,7 @@ TEST(GradCrossEntropy, ChunksDoNotChangeTheResult) {
 }
 
 TEST(GradCrossEntropy, NothingToLearnGivesZeroNotNaN) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const Tensor hidden = random_normal({4, 3}, 1), weight = random_normal({5, 3}, 2);
   const Tensor labels = Tensor::from_vector(std::vector<int64_t>(4, ops::kIgnoreIndex), {4});
   for (double denominator : {0.0, 9.0}) {

@@ -6,58 +6,27 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
-#include <string>
 #include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/embedding.h"
-#include "glmtune/tensor/rng.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/grads_dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt = DType::f64) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, 1.0);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
-  return s;
-}
+constexpr const char* kGolden = "grads_dsa_moe";
+constexpr RelErr rel_err{};
 
 }  // namespace
 
 TEST(GradEmbedding, MatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  const nlohmann::json meta = nlohmann::json::parse(f.metadata().at("fixture"));
+  const io::SafetensorsFile f = open_golden(kGolden);
+  const nlohmann::json meta = golden_metadata(f);
   const int64_t pad = meta["lm"]["pad_id"];
   const Tensor table = f.tensor("emb.weight"), ids = f.tensor("emb.ids");
   // The pad row is not zero in the fixture, and the forward still returns it.
@@ -75,7 +44,7 @@ TEST(GradEmbedding, MatchesReference) {
 }
 
 TEST(GradEmbedding, FiniteDifferencesFloat64) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t vocab = 11, dim = 5, pad = 4;
   std::mt19937_64 gen(test_seed());
   // A [3, 6] id tensor with repeats and the pad id twice.
@@ -90,18 +59,11 @@ TEST(GradEmbedding, FiniteDifferencesFloat64) {
   ASSERT_EQ(out.shape(), (Shape{3, 6, dim}));
   Tensor grad;
   ops::embedding_backward(table, ids, dy, pad, grad);
-  double* p = table.data<double>();
-  const double h = 1e-6;
+  const Tensor fd_table =
+      finite_differences(table, [&] { return dot(dy, ops::embedding_forward(table, ids)); });
   for (int64_t v = 0; v < vocab; ++v)
     for (int64_t c = 0; c < dim; ++c) {
-      const int64_t i = v * dim + c;
-      const double keep = p[i];
-      p[i] = keep + h;
-      const double up = dot(dy, ops::embedding_forward(table, ids));
-      p[i] = keep - h;
-      const double down = dot(dy, ops::embedding_forward(table, ids));
-      p[i] = keep;
-      const double fd = (up - down) / (2 * h);
+      const double fd = fd_table.item({v, c});
       if (v == pad) {
         // padding_idx semantics: the forward reads the pad row, yet it gets no gradient.
         EXPECT_NE(fd, 0.0);
@@ -122,7 +84,7 @@ TEST(GradEmbedding, FiniteDifferencesFloat64) {
 }
 
 TEST(GradEmbedding, AccumulatesAndValidates) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const Tensor table = random_normal({6, 3}, 7, DType::f32);
   const Tensor ids = Tensor::from_vector(std::vector<int32_t>{0, 5, 5, 2}, {4});
   const Tensor dy = random_normal({4, 3}, 8, DType::f32);

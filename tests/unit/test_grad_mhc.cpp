@@ -6,117 +6,24 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <functional>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/mhc.h"
 #include "glmtune/ops/norm.h"
-#include "glmtune/tensor/rng.h"
+#include "support/kda_mhc.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/grads_kda_mhc.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-std::string seed_note() { return "seed " + std::to_string(test_seed()); }
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt, double mean = 0,
-                     double std = 1) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, mean, std);
-  return t;
-}
-
-Tensor random_uniform(const Shape& shape, uint64_t offset, DType dt, double lo, double hi) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_uniform(t, test_seed(), offset, lo, hi);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  EXPECT_EQ(x.size(), y.size());
-  double s = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.numel(), b.numel()) << a.str() << " vs " << b.str();
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  EXPECT_GT(ref, 0) << "reference is all zero: the comparison would prove nothing";
-  return ref > 0 ? diff / ref : diff;
-}
-
-using Loss = std::function<double()>;
-
-// Every element of `t` (contiguous f64, perturbed in place and restored): central differences of
-// `loss` against the analytic `grad`; max |fd − grad| / max |grad|.
-double fd_check(Tensor& t, const Tensor& grad, const Loss& loss, double h = 1e-6) {
-  EXPECT_EQ(t.shape(), grad.shape());
-  double* p = t.data<double>();
-  const std::vector<double> g = grad.to_doubles();
-  double diff = 0, ref = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double x0 = p[i];
-    p[i] = x0 + h;
-    const double up = loss();
-    p[i] = x0 - h;
-    const double down = loss();
-    p[i] = x0;
-    diff = std::max(diff, std::abs((up - down) / (2 * h) - g[size_t(i)]));
-    ref = std::max(ref, std::abs(g[size_t(i)]));
-  }
-  EXPECT_GT(ref, 0) << "gradient is all zero: the check would prove nothing";
-  return ref > 0 ? diff / ref : diff;
-}
-
-// Fourth-order central difference along `dir` (shaped like t),
-// (−L(2h) + 8L(h) − 8L(−h) + L(−2h)) / 12h, against ⟨grad, dir⟩, relative to Σ |grad ⊙ dir| (the
-// size of the terms the derivative sums, so cancellation cannot hide an error). The wider stencil
-// allows a step where rounding of the loss is negligible even for a single token row.
-double fd_direction(Tensor& t, const Tensor& grad, const Tensor& dir, const Loss& loss,
-                    double h = 1e-4) {
-  EXPECT_EQ(t.shape(), grad.shape());
-  double* p = t.data<double>();
-  const std::vector<double> x0(p, p + t.numel()), d = dir.to_doubles(), g = grad.to_doubles();
-  auto at = [&](double step) {
-    for (size_t i = 0; i < x0.size(); ++i) p[i] = x0[i] + step * d[i];
-    return loss();
-  };
-  const double fd = (-at(2 * h) + 8 * at(h) - 8 * at(-h) + at(-2 * h)) / (12 * h);
-  std::copy(x0.begin(), x0.end(), p);
-  double an = 0, scale = 0;
-  for (size_t i = 0; i < x0.size(); ++i) {
-    an += g[i] * d[i];
-    scale += std::abs(g[i] * d[i]);
-  }
-  EXPECT_GT(scale, 0) << "gradient is zero along the direction: the check would prove nothing";
-  return std::abs(fd - an) / (scale > 0 ? scale : 1);
-}
+constexpr const char* kGolden = "grads_kda_mhc";
+constexpr RelErr rel_err{.zero_reference_fails = true};
 
 constexpr double kFdTol = 1e-6;
-
-struct HcParams {
-  Tensor fn, base, scale;
-};
 
 // Parameters far from init: logits of order one, so no sigmoid or softmax saturates and the
 // Sinkhorn start is far from doubly stochastic.
@@ -125,13 +32,6 @@ HcParams random_hc(int64_t h, int64_t d, uint64_t off) {
   return {random_normal({m, h * d}, off + 1'000'000, DType::f64, 0, 0.4),
           random_normal({m}, off + 2'000'000, DType::f64, 0, 0.6),
           random_uniform({3}, off + 3'000'000, DType::f64, 0.5, 1.5)};
-}
-
-ops::KdaParams golden_kda(const io::SafetensorsFile& f, DType dt) {
-  auto p = [&](const char* n) { return f.tensor(std::string("kda.param.") + n).to(dt); };
-  return {p("q_proj"),   p("k_proj"),  p("v_proj"), p("conv1d"), p("f_a_proj"),
-          p("f_b_proj"), p("dt_bias"), p("A_log"),  p("b_proj"), p("g_a_proj"),
-          p("g_b_proj"), p("o_norm"),  p("o_proj")};
 }
 
 // a += b elementwise (same shape and dtype, a contiguous).
@@ -196,12 +96,6 @@ LayerGrads layer_backward(const Layer& l, const Tensor& x, const Tensor& cu, con
                                       g1.d_post, g1.d_comb, dca, g.attn);
   add_into(g.d_streams, g1.d_streams);
   return g;
-}
-
-Tensor cu_from_lengths(const std::vector<int64_t>& lengths) {
-  std::vector<int32_t> cu{0};
-  for (int64_t n : lengths) cu.push_back(cu.back() + int32_t(n));
-  return Tensor::from_vector(cu, {int64_t(cu.size())});
 }
 
 }  // namespace
@@ -337,7 +231,7 @@ TEST(GradMhc, SavedIntermediatesGiveBitIdenticalGradients) {
 }
 
 TEST(GradMhc, PrePostAndHeadMatchReferenceAutograd) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const io::SafetensorsFile f = open_golden(kGolden);
   for (DType dt : {DType::f32, DType::f64}) {
     SCOPED_TRACE(std::string(dtype_name(dt)));
     auto in = [&](const char* name) { return f.tensor(name).to(dt); };
@@ -367,7 +261,7 @@ TEST(GradMhc, PrePostAndHeadMatchReferenceAutograd) {
 }
 
 TEST(GradMhc, DecoderLayerAroundKdaMatchesReferenceAutograd) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const io::SafetensorsFile f = open_golden(kGolden);
   for (DType dt : {DType::f32, DType::f64}) {
     SCOPED_TRACE(std::string(dtype_name(dt)));
     auto in = [&](const std::string& name) { return f.tensor(name).to(dt); };
@@ -376,7 +270,7 @@ TEST(GradMhc, DecoderLayerAroundKdaMatchesReferenceAutograd) {
     l.ffn = {in("layer.ffn_hc.fn"), in("layer.ffn_hc.base"), in("layer.ffn_hc.scale")};
     l.w_in = in("layer.input_layernorm");
     l.w_post = in("layer.post_attention_layernorm");
-    l.kda = golden_kda(f, dt);
+    l.kda = to_dtype(golden_kda_params(f, "kda.param."), dt);
     l.kopt.num_heads = l.kda.A_log.size(0);
     l.kopt.head_dim = l.kda.o_norm.size(0);
     const Tensor x = in("layer.streams");
@@ -392,15 +286,9 @@ TEST(GradMhc, DecoderLayerAroundKdaMatchesReferenceAutograd) {
     }
     EXPECT_LE(rel_err(g.w_in, f.tensor("layer.grad.input_layernorm")), 1e-4);
     EXPECT_LE(rel_err(g.w_post, f.tensor("layer.grad.post_attention_layernorm")), 1e-4);
-    const std::vector<std::pair<const char*, const Tensor*>> kda = {
-        {"q_proj", &g.kda.q_proj},     {"k_proj", &g.kda.k_proj},     {"v_proj", &g.kda.v_proj},
-        {"conv1d", &g.kda.conv1d},     {"f_a_proj", &g.kda.f_a_proj}, {"f_b_proj", &g.kda.f_b_proj},
-        {"dt_bias", &g.kda.dt_bias},   {"A_log", &g.kda.A_log},       {"b_proj", &g.kda.b_proj},
-        {"g_a_proj", &g.kda.g_a_proj}, {"g_b_proj", &g.kda.g_b_proj}, {"o_norm", &g.kda.o_norm},
-        {"o_proj", &g.kda.o_proj}};
-    for (const auto& [name, grad] : kda) {
+    for (const auto& [name, field] : kKdaFields) {
       SCOPED_TRACE(name);
-      EXPECT_LE(rel_err(*grad, f.tensor(std::string("layer.grad.self_attn.") + name)), 1e-4);
+      EXPECT_LE(rel_err(g.kda.*field, f.tensor(std::string("layer.grad.self_attn.") + name)), 1e-4);
     }
   }
 }
@@ -410,7 +298,7 @@ TEST(GradMhc, DecoderLayerFiniteDifferences) {
   // The composed layer on a pack whose documents cross chunk boundaries: one directional check
   // per parameter and per selected token row of the input streams.
   const std::vector<int64_t> docs{1, 63, 64, 65, 130};
-  const Tensor cu = cu_from_lengths(docs);
+  const Tensor cu = cu_seqlens(docs);
   const int64_t h = 4, d = 8, nl = 2, hl = 4, t = 323, ql = nl * hl;
   Layer l;
   l.attn = random_hc(h, d, 10'000'000);
@@ -468,8 +356,7 @@ TEST(GradMhc, DecoderLayerFiniteDifferences) {
   // tokens only inside a document).
   for (int64_t row : {0, 1, 63, 64, 65, 127, 128, 129, 193, 322}) {
     SCOPED_TRACE("streams row " + std::to_string(row));
-    Tensor dir = Tensor::zeros({t, h, d}, DType::f64);
-    dir.select(0, row).copy_(random_normal({h, d}, dir_off += 1'000, DType::f64));
-    EXPECT_LE(fd_direction(x, g.d_streams, dir, loss), kFdTol);
+    EXPECT_LE(fd_direction(x, g.d_streams, row_direction({t, h, d}, row, dir_off += 1'000), loss),
+              kFdTol);
   }
 }

@@ -7,95 +7,22 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <nlohmann/json.hpp>
-#include <numeric>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/mla.h"
-#include "glmtune/tensor/rng.h"
+#include "support/dsa_moe.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/grads_dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, double std = 1, DType dt = DType::f64) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, std);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
-// Central differences of `loss` at every entry of `t` (contiguous f64, perturbed in place).
-// `valid(i)` (optional) is asked after both evaluations of entry i; entries it rejects are NaN.
-Tensor finite_differences(Tensor& t, const std::function<double()>& loss,
-                          const std::function<bool()>& valid = nullptr, double h = 1e-6) {
-  double* p = t.data<double>();
-  Tensor fd = Tensor::empty(t.shape(), DType::f64);
-  double* f = fd.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double v = p[i];
-    bool ok = true;
-    p[i] = v + h;
-    const double up = loss();
-    if (valid) ok &= valid();
-    p[i] = v - h;
-    const double down = loss();
-    if (valid) ok &= valid();
-    p[i] = v;
-    f[i] = ok ? (up - down) / (2 * h) : NAN;
-  }
-  return fd;
-}
-
-double fd_rel_err(Tensor& t, const Tensor& grad, const std::function<double()>& loss) {
-  EXPECT_TRUE(grad.defined());
-  if (!grad.defined()) return INFINITY;
-  return rel_err(grad, finite_differences(t, loss));
-}
-
-Tensor cu_seqlens(const std::vector<int32_t>& lens) {
-  std::vector<int32_t> cu(lens.size() + 1, 0);
-  std::partial_sum(lens.begin(), lens.end(), cu.begin() + 1);
-  return Tensor::from_vector(cu, {int64_t(cu.size())});
-}
-
-std::set<int64_t> row_set(const Tensor& idx, int64_t r) {
-  std::set<int64_t> s;
-  for (int64_t k = 0; k < idx.size(1); ++k)
-    if (idx.item({r, k}) >= 0) s.insert(int64_t(idx.item({r, k})));
-  return s;
-}
+constexpr const char* kGolden = "grads_dsa_moe";
+constexpr RelErr rel_err{};
 
 // Every MLA parameter with its released name (under `self_attn.`).
 const std::vector<std::pair<std::string, Tensor ops::MlaParams::*>> kMlaFields = {
@@ -121,43 +48,6 @@ const std::vector<std::pair<std::string, Tensor ops::IndexerParams::*>> kIndexer
     {"index_kpool_compress_gate", &ops::IndexerParams::kpool_gate},
 };
 
-ops::DsaParams random_params(const ops::MlaConfig& m, const ops::IndexerConfig& ic, int64_t dim,
-                             bool bias, uint64_t offset) {
-  const int64_t nh = m.n_heads, rq = m.q_lora_rank, rkv = m.kv_lora_rank;
-  const int64_t dn = m.qk_nope_head_dim, dv = m.v_head_dim;
-  auto w = [&](const Shape& s, uint64_t o) {
-    return random_normal(s, offset + o, 1 / std::sqrt(double(s.back())));
-  };
-  // Norm weights near 1 but not 1, so that a missing weight factor shows.
-  auto norm = [&](int64_t n, uint64_t o) {
-    Tensor t = random_normal({n}, offset + o, 0.2);
-    for (int64_t i = 0; i < n; ++i) t.set_item({i}, 1 + t.item({i}));
-    return t;
-  };
-  ops::DsaParams d;
-  d.mla.q_a_proj = w({rq, dim}, 0);
-  d.mla.q_a_layernorm = norm(rq, 1000);
-  d.mla.q_b_proj = w({nh * dn, rq}, 2000);
-  d.mla.kv_a_proj_with_mqa = w({rkv, dim}, 3000);
-  d.mla.kv_a_layernorm = norm(rkv, 4000);
-  d.mla.kv_b_proj = w({nh * (dn + dv), rkv}, 5000);
-  d.mla.o_proj = w({dim, nh * dv}, 6000);
-  if (bias) {
-    d.mla.q_a_proj_bias = random_normal({rq}, offset + 7000, 0.2);
-    d.mla.kv_a_proj_with_mqa_bias = random_normal({rkv}, offset + 8000, 0.2);
-    d.mla.o_proj_bias = random_normal({dim}, offset + 9000, 0.2);
-  }
-  const int64_t id = ic.head_dim, ih = ic.n_heads;
-  d.indexer.wq_b = w({ih * id, rq}, 10000);
-  d.indexer.wk = w({id, dim}, 11000);
-  d.indexer.k_norm_weight = norm(id, 12000);
-  d.indexer.k_norm_bias = random_normal({id}, offset + 13000, 0.2);
-  d.indexer.weights_proj = w({ih, dim}, 14000);
-  d.indexer.kpool_ape = random_normal({ic.kpool, id}, offset + 15000, 0.5);
-  d.indexer.kpool_gate = w({id, dim}, 16000);
-  return d;
-}
-
 void expect_indexer_untouched(const ops::DsaParams& grads) {
   for (const auto& [name, field] : kIndexerFields)
     EXPECT_FALSE((grads.indexer.*field).defined()) << "indexer " << name << " got a gradient";
@@ -166,20 +56,12 @@ void expect_indexer_untouched(const ops::DsaParams& grads) {
 }  // namespace
 
 TEST(GradMla, AttentionCoreFiniteDifferences) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const std::vector<int32_t> lens = {7, 1, 0, 12};
   const int64_t total = 20, heads = 2, dqk = 3, dv = 4, width = 6;
-  std::mt19937_64 gen(test_seed());
   // Arbitrary selections inside each document: not causal, with duplicates, −1 holes, and one
   // row (token 10) that selects nothing.
-  std::vector<int32_t> idx(size_t(total * width), -1);
-  int64_t start = 0;
-  for (int32_t len : lens) {
-    for (int64_t s = 0; s < len; ++s)
-      for (int64_t w = 0; w < width; ++w)
-        if (gen() % 4 != 0) idx[size_t((start + s) * width + w)] = int32_t(start + gen() % len);
-    start += len;
-  }
+  std::vector<int32_t> idx = random_selections(lens, width);
   for (int64_t w = 0; w < width; ++w) idx[size_t(10 * width + w)] = -1;
   idx[size_t(12 * width)] = idx[size_t(12 * width + 1)] = 13;  // a guaranteed duplicate
   const Tensor indices = Tensor::from_vector(idx, {total, width});
@@ -212,7 +94,7 @@ TEST(GradMla, AttentionCoreFiniteDifferences) {
 }
 
 TEST(GradMla, DuplicateEntriesCountOnce) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const Tensor q = random_normal({6, 2, 4}, 1), k = random_normal({6, 2, 4}, 2);
   const Tensor v = random_normal({6, 2, 3}, 3), dout = random_normal({6, 2, 3}, 4);
   Tensor once = Tensor::from_vector(std::vector<int32_t>(6 * 4, -1), {6, 4});
@@ -234,7 +116,7 @@ TEST(GradMla, DuplicateEntriesCountOnce) {
 }
 
 TEST(GradMla, MixerFiniteDifferencesOnPacksThatDropKeys) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const ops::MlaConfig mc{2, 6, 5, 3, 4, 1e-5};
   const ops::IndexerConfig ic{2, 4, 2, 4, true};  // a query sees at most 4 + 1 keys
   const int64_t dim = 8;
@@ -243,7 +125,7 @@ TEST(GradMla, MixerFiniteDifferencesOnPacksThatDropKeys) {
   const Tensor cu = cu_seqlens(lens);
   for (bool bias : {true, false}) {
     SCOPED_TRACE(bias ? "attention_bias" : "no bias");
-    ops::DsaParams p = random_params(mc, ic, dim, bias, bias ? 1 : 100000);
+    ops::DsaParams p = random_dsa_params(mc, ic, dim, bias, bias ? 1 : 100000);
     Tensor x = random_normal({total, dim}, 5000000);
     const Tensor dy = random_normal({total, dim}, 6000000);
     ops::MlaContext ctx;
@@ -313,8 +195,8 @@ TEST(GradMla, MixerFiniteDifferencesOnPacksThatDropKeys) {
 }
 
 TEST(GradMla, MatchesReferenceGradients) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  const nlohmann::json meta = nlohmann::json::parse(f.metadata().at("fixture"));
+  const io::SafetensorsFile f = open_golden(kGolden);
+  const nlohmann::json meta = golden_metadata(f);
   for (const std::string c : {"a", "b"}) {
     SCOPED_TRACE("config " + c);
     const nlohmann::json& jc = meta["configs"][c];
@@ -322,12 +204,7 @@ TEST(GradMla, MatchesReferenceGradients) {
                             jc["qk_nope_head_dim"],    jc["v_head_dim"],  jc["rms_norm_eps"]};
     const ops::IndexerConfig ic{jc["index_n_heads"], jc["index_head_dim"], jc["index_kpool"],
                                 jc["index_topk"], true};
-    const std::string p = c + ".attn.";
-    ops::DsaParams params;
-    for (const auto& [name, field] : kMlaFields)
-      if (f.contains(p + name)) params.mla.*field = f.tensor(p + name);
-    for (const auto& [name, field] : kIndexerFields)
-      params.indexer.*field = f.tensor(p + "indexer." + name);
+    const ops::DsaParams params = golden_dsa_params(f, c);
     EXPECT_EQ(params.mla.o_proj_bias.defined(), bool(jc["attention_bias"]));
 
     const Tensor x = f.tensor(c + ".x"), cu = f.tensor(c + ".cu_seqlens");

@@ -6,74 +6,22 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/mlp.h"
-#include "glmtune/tensor/rng.h"
+#include "support/dsa_moe.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/grads_dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, double std = 1, DType dt = DType::f64) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, std);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
-// Central differences of `loss` with respect to every entry of `t` (contiguous f64, perturbed in
-// place), against the analytic gradient `grad`: max |fd − grad| / max |grad|.
-double fd_rel_err(Tensor& t, const Tensor& grad, const std::function<double()>& loss,
-                  double h = 1e-6) {
-  EXPECT_EQ(t.shape(), grad.shape());
-  double* p = t.data<double>();
-  Tensor fd = Tensor::empty(t.shape(), DType::f64);
-  double* f = fd.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double v = p[i];
-    p[i] = v + h;
-    const double up = loss();
-    p[i] = v - h;
-    const double down = loss();
-    p[i] = v;
-    f[i] = (up - down) / (2 * h);
-    EXPECT_TRUE(std::isfinite(f[i])) << "entry " << i;
-  }
-  return rel_err(grad, fd);
-}
+constexpr const char* kGolden = "grads_dsa_moe";
+constexpr RelErr rel_err{};
 
 // Smallest distance of any gate entry to the limit, and of any up entry to ±limit.
 double clamp_margin(const Tensor& gate, const Tensor& up, double lim) {
@@ -82,8 +30,6 @@ double clamp_margin(const Tensor& gate, const Tensor& up, double lim) {
   for (double u : up.to_doubles()) m = std::min({m, std::abs(u - lim), std::abs(u + lim)});
   return m;
 }
-
-double silu(double v) { return v / (1 + std::exp(-v)); }
 
 ops::MlpParams random_params(int64_t dim, int64_t inter, uint64_t offset) {
   return {random_normal({inter, dim}, offset, 1 / std::sqrt(double(dim))),
@@ -94,7 +40,7 @@ ops::MlpParams random_params(int64_t dim, int64_t inter, uint64_t offset) {
 }  // namespace
 
 TEST(GradMlp, FiniteDifferencesFloat64) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t dim = 7, inter = 6;
   const double lim = 0.7;  // low enough that both clamps fire on O(1) projections
   ops::MlpParams p = random_params(dim, inter, 1);
@@ -172,7 +118,7 @@ TEST(GradMlp, ClampedPositionsGetZeroGradient) {
 }
 
 TEST(GradMlp, GradientsAccumulate) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t dim = 5, inter = 4;
   const ops::MlpParams p = random_params(dim, inter, 7);
   const Tensor x = random_normal({6, dim}, 50000), dy = random_normal({6, dim}, 60000);
@@ -192,15 +138,13 @@ TEST(GradMlp, GradientsAccumulate) {
 }
 
 TEST(GradMlp, MatchesReferenceGradients) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  const nlohmann::json meta = nlohmann::json::parse(f.metadata().at("fixture"));
+  const io::SafetensorsFile f = open_golden(kGolden);
+  const nlohmann::json meta = golden_metadata(f);
   for (const auto& [cfg, limit] : {std::pair{"a", 1.0}, std::pair{"b", 1.5}}) {
     SCOPED_TRACE(cfg);
     const std::string p = std::string(cfg) + ".";
     EXPECT_EQ(meta["configs"][cfg]["swiglu_limit"].get<double>(), limit);
-    const ops::MlpParams params{f.tensor(p + "mlp.gate_proj.weight"),
-                                f.tensor(p + "mlp.up_proj.weight"),
-                                f.tensor(p + "mlp.down_proj.weight")};
+    const ops::MlpParams params = golden_mlp_params(f, cfg);
     const Tensor x = f.tensor(p + "ffn_x");
     ops::MlpContext ctx;
     EXPECT_LE(rel_err(ops::mlp_forward(params, x, limit, ctx), f.tensor(p + "mlp_out")), 1e-4);

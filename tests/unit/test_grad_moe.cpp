@@ -7,76 +7,22 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/moe.h"
-#include "glmtune/tensor/rng.h"
+#include "support/dsa_moe.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/grads_dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, double std = 1, DType dt = DType::f64) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, std);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
-// Central differences of `loss` at every entry of `t` (contiguous f64, perturbed in place).
-Tensor finite_differences(Tensor& t, const std::function<double()>& loss, double h = 1e-6) {
-  double* p = t.data<double>();
-  Tensor fd = Tensor::empty(t.shape(), DType::f64);
-  double* f = fd.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double v = p[i];
-    p[i] = v + h;
-    const double up = loss();
-    p[i] = v - h;
-    const double down = loss();
-    p[i] = v;
-    f[i] = (up - down) / (2 * h);
-  }
-  return fd;
-}
-
-double fd_rel_err(Tensor& t, const Tensor& grad, const std::function<double()>& loss) {
-  EXPECT_TRUE(grad.defined());
-  if (!grad.defined()) return INFINITY;
-  return rel_err(grad, finite_differences(t, loss));
-}
+constexpr const char* kGolden = "grads_dsa_moe";
+constexpr RelErr rel_err{};
 
 ops::MoeParams random_params(const ops::MoeConfig& cfg, int64_t dim, int64_t inter,
                              int64_t shared_inter, uint64_t offset) {
@@ -143,7 +89,7 @@ double decision_margin(const ops::MoeConfig& cfg, const ops::MoeParams& p, const
 }  // namespace
 
 TEST(GradMoe, FiniteDifferencesFloat64) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t dim = 6, inter = 4, shared_inter = 5, rows = 9;
   for (bool norm : {true, false}) {
     SCOPED_TRACE(norm ? "norm_topk_prob" : "no normalisation");
@@ -192,7 +138,7 @@ TEST(GradMoe, FiniteDifferencesFloat64) {
 }
 
 TEST(GradMoe, RouterBackwardMatchesFiniteDifferences) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   ops::MoeConfig cfg;
   cfg.n_experts = 7;
   cfg.top_k = 3;
@@ -255,7 +201,7 @@ TEST(GradMoe, RouterBackwardMatchesFiniteDifferences) {
 }
 
 TEST(GradMoe, ExpertsWithoutTokensGetNoGradient) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   ops::MoeConfig cfg;
   cfg.n_experts = 8;
   cfg.top_k = 2;
@@ -286,8 +232,8 @@ TEST(GradMoe, ExpertsWithoutTokensGetNoGradient) {
 }
 
 TEST(GradMoe, MatchesReferenceGradients) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  const nlohmann::json meta = nlohmann::json::parse(f.metadata().at("fixture"));
+  const io::SafetensorsFile f = open_golden(kGolden);
+  const nlohmann::json meta = golden_metadata(f);
   for (const std::string c : {"a", "b"}) {
     SCOPED_TRACE("config " + c);
     const nlohmann::json& jc = meta["configs"][c];
@@ -299,15 +245,7 @@ TEST(GradMoe, MatchesReferenceGradients) {
     cfg.norm_topk_prob = jc["norm_topk_prob"];
     cfg.routed_scaling_factor = jc["routed_scaling_factor"];
     cfg.swiglu_limit = jc["swiglu_limit"];
-    const std::string p = c + ".moe.";
-    ops::MoeParams params;
-    params.router_weight = f.tensor(p + "gate.weight");
-    params.e_score_correction_bias = f.tensor(p + "gate.e_score_correction_bias");
-    params.gate_up_proj = f.tensor(p + "experts.gate_up_proj");
-    params.down_proj = f.tensor(p + "experts.down_proj");
-    params.shared = {f.tensor(p + "shared_experts.gate_proj.weight"),
-                     f.tensor(p + "shared_experts.up_proj.weight"),
-                     f.tensor(p + "shared_experts.down_proj.weight")};
+    const ops::MoeParams params = golden_moe_params(f, c);
     const Tensor x = f.tensor(c + ".ffn_x");
     ops::MoeContext ctx;
     const ops::MoeOutput out = ops::moe_forward(cfg, params, x, -1, ctx);
@@ -332,11 +270,7 @@ TEST(GradMoe, MatchesReferenceGradients) {
                                             "shared_experts.gate_proj.weight",
                                             "shared_experts.up_proj.weight"}));
     // The f64 instantiation agrees (the finite-difference checks run there).
-    ops::MoeParams p64 = params;
-    for (Tensor* t :
-         {&p64.router_weight, &p64.e_score_correction_bias, &p64.gate_up_proj, &p64.down_proj,
-          &p64.shared.gate_proj, &p64.shared.up_proj, &p64.shared.down_proj})
-      *t = t->to(DType::f64);
+    const ops::MoeParams p64 = to_f64(params);
     ops::MoeContext ctx64;
     ops::moe_forward(cfg, p64, x.to(DType::f64), -1, ctx64);
     ops::MoeParams grads64;

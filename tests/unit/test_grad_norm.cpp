@@ -4,79 +4,18 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <functional>
-#include <random>
 #include <string>
-#include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/norm.h"
-#include "glmtune/tensor/rng.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/grads_kda_mhc.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-std::string seed_note() { return "seed " + std::to_string(test_seed()); }
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt, double mean = 0,
-                     double std = 1) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, mean, std);
-  return t;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  EXPECT_EQ(x.size(), y.size());
-  double s = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.numel(), b.numel()) << a.str() << " vs " << b.str();
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  EXPECT_GT(ref, 0) << "reference is all zero: the comparison would prove nothing";
-  return ref > 0 ? diff / ref : diff;
-}
-
-// Every element of `t` (contiguous f64, perturbed in place and restored): central differences of
-// `loss` against the analytic `grad`; max |fd − grad| / max |grad|.
-double fd_check(Tensor& t, const Tensor& grad, const std::function<double()>& loss,
-                double h = 1e-6) {
-  EXPECT_EQ(t.shape(), grad.shape());
-  double* p = t.data<double>();
-  const std::vector<double> g = grad.to_doubles();
-  double diff = 0, ref = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double x0 = p[i];
-    p[i] = x0 + h;
-    const double up = loss();
-    p[i] = x0 - h;
-    const double down = loss();
-    p[i] = x0;
-    diff = std::max(diff, std::abs((up - down) / (2 * h) - g[size_t(i)]));
-    ref = std::max(ref, std::abs(g[size_t(i)]));
-  }
-  EXPECT_GT(ref, 0) << "gradient is all zero: the check would prove nothing";
-  return ref > 0 ? diff / ref : diff;
-}
+constexpr const char* kGolden = "grads_kda_mhc";
+constexpr RelErr rel_err{.zero_reference_fails = true};
 
 constexpr double kFdTol = 1e-6;
 
@@ -193,7 +132,7 @@ TEST(GradNorm, SavedStatisticsGiveTheSameGradients) {
 }
 
 TEST(GradNorm, MatchesReferenceAutograd) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const io::SafetensorsFile f = open_golden(kGolden);
   for (DType dt : {DType::f32, DType::f64}) {
     SCOPED_TRACE(std::string(dtype_name(dt)));
     auto in = [&](const char* name) { return f.tensor(name).to(dt); };

@@ -6,63 +6,20 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
-#include <random>
 #include <set>
 #include <string>
+#include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/indexer.h"
-#include "glmtune/tensor/rng.h"
+#include "support/dsa_moe.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, double std = 1, DType dt = DType::f64) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, std);
-  return t;
-}
-
-Tensor cu_seqlens(const std::vector<int32_t>& lens) {
-  std::vector<int32_t> cu(lens.size() + 1, 0);
-  std::partial_sum(lens.begin(), lens.end(), cu.begin() + 1);
-  return Tensor::from_vector(cu, {int64_t(cu.size())});
-}
-
-std::set<int64_t> row_set(const Tensor& idx, int64_t r) {
-  std::set<int64_t> s;
-  for (int64_t k = 0; k < idx.size(1); ++k)
-    if (idx.item({r, k}) >= 0) s.insert(int64_t(idx.item({r, k})));
-  return s;
-}
-
-ops::IndexerParams golden_params(const io::SafetensorsFile& f, const std::string& cfg) {
-  const std::string p = cfg + ".attn.indexer.";
-  return {f.tensor(p + "wq_b.weight"),
-          f.tensor(p + "wk.weight"),
-          f.tensor(p + "k_norm.weight"),
-          f.tensor(p + "k_norm.bias"),
-          f.tensor(p + "weights_proj.weight"),
-          f.tensor(p + "index_kpool_compress_ape"),
-          f.tensor(p + "index_kpool_compress_gate")};
-}
-
-ops::IndexerParams to_f64(ops::IndexerParams p) {
-  for (Tensor* t : {&p.wq_b, &p.wk, &p.k_norm_weight, &p.k_norm_bias, &p.weights_proj, &p.kpool_ape,
-                    &p.kpool_gate})
-    *t = t->to(DType::f64);
-  return p;
-}
+constexpr const char* kGolden = "dsa_moe";
 
 // Random f64 parameters drawn away from the init values (ape 0, gate 1, LayerNorm 1/0).
 ops::IndexerParams random_params(const ops::IndexerConfig& c, int64_t dim, int64_t rank,
@@ -89,13 +46,12 @@ void expect_same_sets(const Tensor& got, const Tensor& ref) {
 }  // namespace
 
 TEST(OpsIndexer, MatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  // The configurations written by tools/golden/ops_dsa_moe.py.
-  const std::vector<std::pair<std::string, ops::IndexerConfig>> configs = {
-      {"a", {4, 16, 4, 8, true}}, {"b", {3, 8, 2, 6, true}}};
-  for (const auto& [name, cfg] : configs) {
+  const io::SafetensorsFile f = open_golden(kGolden);
+  for (const GoldenDsaMoeConfig& c : kGoldenDsaMoeConfigs) {
+    const std::string& name = c.name;
+    const ops::IndexerConfig& cfg = c.indexer;
     SCOPED_TRACE("config " + name);
-    const ops::IndexerParams params = golden_params(f, name);
+    const ops::IndexerParams params = golden_indexer_params(f, name);
     const Tensor x = f.tensor(name + ".x"), q_resid = f.tensor(name + ".q_resid");
     const Tensor cu = f.tensor(name + ".cu_seqlens");
     const Tensor ref = f.tensor(name + ".indices");
@@ -108,23 +64,23 @@ TEST(OpsIndexer, MatchesReference) {
 }
 
 TEST(OpsIndexer, MatchesReferenceWithoutTail) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const io::SafetensorsFile f = open_golden(kGolden);
   const ops::IndexerConfig cfg{3, 8, 2, 6, /*always_select_tail=*/false};
   const Tensor ref = f.tensor("b.indices_notail");
   EXPECT_EQ(ref.size(1), ops::indexer_width(cfg));
-  expect_same_sets(ops::indexer_forward(cfg, golden_params(f, "b"), f.tensor("b.x"),
+  expect_same_sets(ops::indexer_forward(cfg, golden_indexer_params(f, "b"), f.tensor("b.x"),
                                         f.tensor("b.q_resid"), f.tensor("b.cu_seqlens")),
                    ref);
 }
 
 TEST(OpsIndexer, DocumentsOfAPackAreIndependent) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const ops::IndexerConfig cfg{3, 8, 4, 8, true};
   const int64_t dim = 16, rank = 12;
   const ops::IndexerParams p = random_params(cfg, dim, rank, 1);
   // Includes an empty document and documents shorter than one pool.
   const std::vector<int32_t> lens = {5, 0, 19, 1, 26, 3};
-  const int64_t total = std::accumulate(lens.begin(), lens.end(), int64_t(0));
+  const int64_t total = total_tokens(lens);
   const Tensor x = random_normal({total, dim}, 100000);
   const Tensor q = random_normal({total, rank}, 200000);
   const Tensor packed = ops::indexer_forward(cfg, p, x, q, cu_seqlens(lens));
@@ -142,7 +98,7 @@ TEST(OpsIndexer, DocumentsOfAPackAreIndependent) {
 }
 
 TEST(OpsIndexer, SelectionIsCausalPooledAndKeepsTheTail) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   for (const ops::IndexerConfig& cfg :
        {ops::IndexerConfig{2, 8, 4, 8, true}, ops::IndexerConfig{2, 8, 3, 12, true},
         ops::IndexerConfig{2, 8, 4, 8, false}, ops::IndexerConfig{2, 8, 1, 5, true}}) {
@@ -198,7 +154,7 @@ TEST(OpsIndexer, SelectionIsCausalPooledAndKeepsTheTail) {
 }
 
 TEST(OpsIndexer, ChoosesTheBestPoolsOfABruteForceScore) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const ops::IndexerConfig cfg{3, 6, 3, 9, true};
   const int64_t dim = 9, rank = 7, len = 40, ih = cfg.n_heads, id = cfg.head_dim, pool = cfg.kpool;
   const ops::IndexerParams p = random_params(cfg, dim, rank, 700);
@@ -267,7 +223,7 @@ TEST(OpsIndexer, ChoosesTheBestPoolsOfABruteForceScore) {
 }
 
 TEST(OpsIndexer, ReadsInt64OffsetsAndRejectsMalformedOnes) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const ops::IndexerConfig cfg{2, 4, 2, 4, true};
   const int64_t dim = 6, rank = 5;
   const ops::IndexerParams p = random_params(cfg, dim, rank, 40);

@@ -4,133 +4,22 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "glmtune/base/error.h"
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/norm.h"
-#include "glmtune/tensor/rng.h"
+#include "support/kda_mhc.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/kda_mhc.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-std::string seed_note() { return "seed " + std::to_string(test_seed()); }
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.numel(), b.numel()) << a.str() << " vs " << b.str();
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  EXPECT_GT(ref, 0) << "reference is all zero: the comparison would prove nothing";
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt, double mean = 0,
-                     double std = 1) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, mean, std);
-  return t;
-}
-
-Tensor random_uniform(const Shape& shape, uint64_t offset, DType dt, double lo, double hi) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_uniform(t, test_seed(), offset, lo, hi);
-  return t;
-}
-
-Tensor cu_from_lengths(const std::vector<int64_t>& lengths) {
-  std::vector<int32_t> cu{0};
-  for (int64_t n : lengths) cu.push_back(cu.back() + int32_t(n));
-  return Tensor::from_vector(cu, {int64_t(cu.size())});
-}
-
-int64_t total(const std::vector<int64_t>& lengths) {
-  int64_t t = 0;
-  for (int64_t n : lengths) t += n;
-  return t;
-}
-
-ops::KdaParams golden_params(const io::SafetensorsFile& f, const std::string& p) {
-  ops::KdaParams k;
-  k.q_proj = f.tensor(p + "q_proj");
-  k.k_proj = f.tensor(p + "k_proj");
-  k.v_proj = f.tensor(p + "v_proj");
-  k.conv1d = f.tensor(p + "conv1d");
-  k.f_a_proj = f.tensor(p + "f_a_proj");
-  k.f_b_proj = f.tensor(p + "f_b_proj");
-  k.dt_bias = f.tensor(p + "dt_bias");
-  k.A_log = f.tensor(p + "A_log");
-  k.b_proj = f.tensor(p + "b_proj");
-  k.g_a_proj = f.tensor(p + "g_a_proj");
-  k.g_b_proj = f.tensor(p + "g_b_proj");
-  k.o_norm = f.tensor(p + "o_norm");
-  k.o_proj = f.tensor(p + "o_proj");
-  return k;
-}
-
-ops::KdaParams to_dtype(const ops::KdaParams& p, DType dt) {
-  return {p.q_proj.to(dt),   p.k_proj.to(dt),  p.v_proj.to(dt), p.conv1d.to(dt), p.f_a_proj.to(dt),
-          p.f_b_proj.to(dt), p.dt_bias.to(dt), p.A_log.to(dt),  p.b_proj.to(dt), p.g_a_proj.to(dt),
-          p.g_b_proj.to(dt), p.o_norm.to(dt),  p.o_proj.to(dt)};
-}
-
-// Seeded parameters of the released shapes, scaled for unit-size activations; decay mostly slow
-// (dt_bias around −2.5) so that state crosses chunk boundaries with weight.
-ops::KdaParams random_params(int64_t d, int64_t nl, int64_t hl, int64_t kc, DType dt,
-                             uint64_t off) {
-  const int64_t ql = nl * hl;
-  const double sd = 1.0 / std::sqrt(double(d)), sh = 1.0 / std::sqrt(double(hl)),
-               sq = 1.0 / std::sqrt(double(ql));
-  ops::KdaParams p;
-  p.q_proj = random_normal({ql, d}, off + 1'000'000, dt, 0, sd);
-  p.k_proj = random_normal({ql, d}, off + 2'000'000, dt, 0, sd);
-  p.v_proj = random_normal({ql, d}, off + 3'000'000, dt, 0, sd);
-  p.conv1d = random_normal({3 * ql, 1, kc}, off + 4'000'000, dt, 0, 0.6);
-  p.f_a_proj = random_normal({hl, d}, off + 5'000'000, dt, 0, sd);
-  p.f_b_proj = random_normal({ql, hl}, off + 6'000'000, dt, 0, sh);
-  p.dt_bias = random_normal({ql}, off + 7'000'000, dt, -2.5, 1.0);
-  p.A_log = random_uniform({nl}, off + 8'000'000, dt, -1.5, 1.0);
-  p.b_proj = random_normal({nl, d}, off + 9'000'000, dt, 0, sd);
-  p.g_a_proj = random_normal({hl, d}, off + 10'000'000, dt, 0, sd);
-  p.g_b_proj = random_normal({ql, hl}, off + 11'000'000, dt, 0, sh);
-  p.o_norm = random_normal({hl}, off + 12'000'000, dt, 1.0, 0.4);
-  p.o_proj = random_normal({d, ql}, off + 13'000'000, dt, 0, sq);
-  return p;
-}
-
-struct CoreInputs {
-  Tensor q, k, v, g, beta;
-};
-
-// Delta-rule inputs as the mixer produces them: unit q/k, log decay from the LB gate.
-CoreInputs random_core(int64_t t, int64_t nh, int64_t kd, int64_t vd, DType dt, uint64_t off) {
-  CoreInputs c;
-  c.q = ops::l2_norm(random_normal({t, nh, kd}, off + 1'000'000, dt), 1e-6);
-  c.k = ops::l2_norm(random_normal({t, nh, kd}, off + 2'000'000, dt), 1e-6);
-  c.v = random_normal({t, nh, vd}, off + 3'000'000, dt);
-  const Tensor graw = random_normal({t, nh * kd}, off + 4'000'000, dt, 0, 1.5);
-  const Tensor dt_bias = random_normal({nh * kd}, off + 5'000'000, dt, -2.5, 1.0);
-  const Tensor a_log = random_uniform({nh}, off + 6'000'000, dt, -1.5, 1.0);
-  c.g = ops::kda_gate(graw, dt_bias, a_log, -5.0);
-  c.beta = random_uniform({t, nh}, off + 7'000'000, dt, 0.05, 0.95);
-  return c;
-}
+constexpr const char* kGolden = "kda_mhc";
+constexpr RelErr rel_err{.zero_reference_fails = true};
 
 // Sub-range [start, end) of the token axis as its own tensor.
 Tensor rows(const Tensor& t, int64_t start, int64_t end) {
@@ -140,8 +29,8 @@ Tensor rows(const Tensor& t, int64_t start, int64_t end) {
 }  // namespace
 
 TEST(OpsKda, MixerMatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  const ops::KdaParams params = golden_params(f, "kda.");
+  const io::SafetensorsFile f = open_golden(kGolden);
+  const ops::KdaParams params = golden_kda_params(f, "kda.");
   const Tensor x = f.tensor("kda.x"), cu = f.tensor("kda.cu_seqlens");
   const int64_t t = x.size(0);
   ops::KdaOptions opt;
@@ -170,8 +59,8 @@ TEST(OpsKda, MixerMatchesReference) {
 }
 
 TEST(OpsKda, SoftplusGateMatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  ops::KdaParams params = golden_params(f, "kda.");
+  const io::SafetensorsFile f = open_golden(kGolden);
+  ops::KdaParams params = golden_kda_params(f, "kda.");
   params.A_log = f.tensor("kda_softplus.A_log");
   params.dt_bias = f.tensor("kda_softplus.dt_bias");
   ops::KdaOptions opt;
@@ -186,8 +75,8 @@ TEST(OpsKda, SoftplusGateMatchesReference) {
 
 TEST(OpsKda, CoreMatchesReferenceRecurrence) {
   // The reference's own token-by-token recurrence on the reference's inputs, against both cores.
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  const ops::KdaParams params = golden_params(f, "kda.");
+  const io::SafetensorsFile f = open_golden(kGolden);
+  const ops::KdaParams params = golden_kda_params(f, "kda.");
   ops::KdaOptions opt;
   opt.num_heads = params.A_log.size(0);
   opt.head_dim = params.o_norm.size(0);
@@ -205,15 +94,15 @@ TEST(OpsKda, ChunkedEqualsRecurrentOnRandomInputs) {
   SCOPED_TRACE(seed_note());
   // Odd lengths around the chunk size, a single token, and two full chunks plus change.
   const std::vector<int64_t> docs{1, 63, 64, 65, 130};
-  const Tensor cu = cu_from_lengths(docs);
-  const int64_t t = total(docs), nh = 3;
+  const Tensor cu = cu_seqlens(docs);
+  const int64_t t = total_tokens(docs), nh = 3;
   uint64_t off = 0;
   for (DType dt : {DType::f64, DType::f32}) {
     // f64 shows the two algorithms are the same function; f32 that rounding stays in bounds.
     const double tol = dt == DType::f64 ? 1e-11 : 1e-4;
     for (auto [kd, vd] : {std::pair<int64_t, int64_t>{16, 16}, {8, 12}}) {
       SCOPED_TRACE(fmt::format("{} K={} V={}", dtype_name(dt), kd, vd));
-      const CoreInputs c = random_core(t, nh, kd, vd, dt, off += 100'000'000);
+      const KdaCoreInputs c = random_kda_core(t, nh, kd, vd, dt, off += 100'000'000);
       const double scale = 1.0 / std::sqrt(double(kd));
       Tensor s_rec, s_chunk;
       const Tensor rec = ops::kda_recurrent(c.q, c.k, c.v, c.g, c.beta, cu, scale, &s_rec);
@@ -230,33 +119,32 @@ TEST(OpsKda, ChunkedEqualsRecurrentOnRandomInputs) {
 TEST(OpsKda, DocumentsInAPackEqualEachDocumentAlone) {
   SCOPED_TRACE(seed_note());
   const std::vector<int64_t> docs{65, 1, 130, 63, 64, 2};
-  const int64_t d = 24, nl = 2, hl = 8, t = total(docs);
+  const int64_t d = 24, nl = 2, hl = 8, t = total_tokens(docs);
   for (DType dt : {DType::f64, DType::f32}) {
     SCOPED_TRACE(std::string(dtype_name(dt)));
     // Per document the kernels do the same arithmetic; only the BLAS projections may block rows
     // differently for a different row count, which moves f32 results by a few ulps.
     const double tol = dt == DType::f64 ? 1e-12 : 1e-5;
-    const ops::KdaParams p = random_params(d, nl, hl, 4, dt, 0);
+    const ops::KdaParams p = random_kda_params(d, nl, hl, 4, dt, 0);
     const Tensor x = random_normal({t, d}, 50'000'000, dt);
     ops::KdaOptions opt;
     opt.num_heads = nl;
     opt.head_dim = hl;
     for (ops::KdaCore core : {ops::KdaCore::chunked, ops::KdaCore::recurrent}) {
       opt.core = core;
-      const Tensor packed = ops::kda_forward(p, x, cu_from_lengths(docs), opt);
+      const Tensor packed = ops::kda_forward(p, x, cu_seqlens(docs), opt);
       int64_t start = 0;
       for (int64_t n : docs) {
         SCOPED_TRACE(fmt::format("doc [{}, {}) core {}", start, start + n, int(core)));
-        const Tensor alone =
-            ops::kda_forward(p, rows(x, start, start + n), cu_from_lengths({n}), opt);
+        const Tensor alone = ops::kda_forward(p, rows(x, start, start + n), cu_seqlens({n}), opt);
         EXPECT_LE(rel_err(rows(packed, start, start + n), alone), tol);
         start += n;
       }
     }
     // The converse: one pack with no boundaries differs (state and conv do flow across), so the
     // boundaries above are what made the documents independent.
-    const Tensor one_doc = ops::kda_forward(p, x, cu_from_lengths({t}), opt);
-    const Tensor packed = ops::kda_forward(p, x, cu_from_lengths(docs), opt);
+    const Tensor one_doc = ops::kda_forward(p, x, cu_seqlens({t}), opt);
+    const Tensor packed = ops::kda_forward(p, x, cu_seqlens(docs), opt);
     EXPECT_GT(rel_err(rows(one_doc, 65, 66), rows(packed, 65, 66)), 1e-3);
   }
 }
@@ -264,12 +152,12 @@ TEST(OpsKda, DocumentsInAPackEqualEachDocumentAlone) {
 TEST(OpsKda, CausalConvRestartsAtDocumentsAndMatchesTheFormula) {
   SCOPED_TRACE(seed_note());
   const std::vector<int64_t> docs{1, 2, 3, 9, 4};
-  const int64_t t = total(docs), c = 5, kc = 4;
+  const int64_t t = total_tokens(docs), c = 5, kc = 4;
   const Tensor x = random_normal({t, c}, 1, DType::f64);
   const Tensor w = random_normal({c, 1, kc}, 2, DType::f64);
   Tensor pre;
-  const Tensor y = ops::causal_conv1d(x, w, cu_from_lengths(docs), true, &pre);
-  const Tensor lin = ops::causal_conv1d(x, w.view({c, kc}), cu_from_lengths(docs), false);
+  const Tensor y = ops::causal_conv1d(x, w, cu_seqlens(docs), true, &pre);
+  const Tensor lin = ops::causal_conv1d(x, w.view({c, kc}), cu_seqlens(docs), false);
   int64_t start = 0;
   for (int64_t n : docs) {
     for (int64_t i = 0; i < n; ++i) {
@@ -313,7 +201,7 @@ TEST(OpsKda, GateFollowsBothBranches) {
 }
 
 TEST(OpsKda, RejectsMalformedDocumentOffsets) {
-  const CoreInputs c = random_core(6, 1, 4, 4, DType::f32, 0);
+  const KdaCoreInputs c = random_kda_core(6, 1, 4, 4, DType::f32, 0);
   auto run = [&](std::vector<int32_t> cu) {
     ops::kda_chunked(c.q, c.k, c.v, c.g, c.beta, Tensor::from_vector(cu, {int64_t(cu.size())}),
                      0.5);

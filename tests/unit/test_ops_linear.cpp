@@ -2,29 +2,17 @@
 
 #include <gtest/gtest.h>
 
-#include <random>
+#include <cmath>
 #include <string>
 #include <vector>
 
 #include "glmtune/ops/linear.h"
-#include "glmtune/tensor/rng.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-std::string seed_note() { return "seed " + std::to_string(test_seed()); }
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, 1.0);
-  return t;
-}
 
 // x [rows, in] · w [out, in]^T + b, in double.
 std::vector<double> naive(const Tensor& x, const Tensor& w, const Tensor& b) {

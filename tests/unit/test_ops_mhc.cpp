@@ -5,59 +5,22 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/mhc.h"
 #include "glmtune/ops/norm.h"
-#include "glmtune/tensor/rng.h"
+#include "support/kda_mhc.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/kda_mhc.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-std::string seed_note() { return "seed " + std::to_string(test_seed()); }
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  EXPECT_GT(ref, 0) << "reference is all zero: the comparison would prove nothing";
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt, double mean = 0,
-                     double std = 1) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, mean, std);
-  return t;
-}
-
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-
-struct HcParams {
-  Tensor fn, base, scale;
-};
-
-HcParams golden_hc(const io::SafetensorsFile& f, const std::string& p) {
-  return {f.tensor(p + "fn"), f.tensor(p + "base"), f.tensor(p + "scale")};
-}
+constexpr const char* kGolden = "kda_mhc";
+constexpr RelErr rel_err{.zero_reference_fails = true};
 
 // The spec's Sinkhorn (text-model §3.4 step 6) on one H×H matrix of logits, in double;
 // iters = 0 stops after softmax + eps (the projection's starting point).
@@ -93,8 +56,8 @@ std::vector<double> sinkhorn_spec(std::vector<double> c, int64_t h, int64_t iter
 }  // namespace
 
 TEST(OpsMhc, PreMatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  const HcParams hc = golden_hc(f, "mhc.");
+  const io::SafetensorsFile f = open_golden(kGolden);
+  const HcParams hc = golden_hc_params(f, "mhc.");
   const Tensor x = f.tensor("mhc.streams");
   ops::MhcOptions opt;
   opt.hc_mult = x.size(1);
@@ -109,7 +72,7 @@ TEST(OpsMhc, PreMatchesReference) {
 }
 
 TEST(OpsMhc, PostAndHeadMatchReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const io::SafetensorsFile f = open_golden(kGolden);
   const Tensor x = f.tensor("mhc.streams");
   const Tensor updated =
       ops::mhc_post(x, f.tensor("mhc.sub_out"), f.tensor("mhc.post"), f.tensor("mhc.comb"));
@@ -120,20 +83,17 @@ TEST(OpsMhc, PostAndHeadMatchReference) {
 TEST(OpsMhc, DecoderLayerAroundKdaMatchesReference) {
   // The reference decoder layer 0 (KDA) with its FFN replaced by the identity:
   // hc_pre → input_layernorm → KDA → hc_post → hc_pre → post_attention_layernorm → hc_post.
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const io::SafetensorsFile f = open_golden(kGolden);
   const Tensor x = f.tensor("layer.streams"), cu = f.tensor("layer.cu_seqlens");
-  ops::KdaParams kda{f.tensor("kda.q_proj"),   f.tensor("kda.k_proj"),   f.tensor("kda.v_proj"),
-                     f.tensor("kda.conv1d"),   f.tensor("kda.f_a_proj"), f.tensor("kda.f_b_proj"),
-                     f.tensor("kda.dt_bias"),  f.tensor("kda.A_log"),    f.tensor("kda.b_proj"),
-                     f.tensor("kda.g_a_proj"), f.tensor("kda.g_b_proj"), f.tensor("kda.o_norm"),
-                     f.tensor("kda.o_proj")};
+  const ops::KdaParams kda = golden_kda_params(f, "kda.");
   ops::KdaOptions kopt;
   kopt.num_heads = kda.A_log.size(0);
   kopt.head_dim = kda.o_norm.size(0);
   ops::MhcOptions hopt;
   hopt.hc_mult = x.size(1);
   const double eps = 1e-5;
-  const HcParams a = golden_hc(f, "layer.attn_hc."), m = golden_hc(f, "layer.ffn_hc.");
+  const HcParams a = golden_hc_params(f, "layer.attn_hc."),
+                 m = golden_hc_params(f, "layer.ffn_hc.");
 
   const ops::MhcPreResult pa = ops::mhc_pre(x, a.fn, a.base, a.scale, hopt);
   const Tensor u = ops::rms_norm(pa.collapsed, f.tensor("layer.input_layernorm"), eps);

@@ -4,152 +4,30 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
-#include <numeric>
-#include <random>
 #include <set>
 #include <string>
+#include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/mla.h"
-#include "glmtune/tensor/rng.h"
+#include "support/dsa_moe.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, double std = 1, DType dt = DType::f64) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, std);
-  return t;
-}
-
-Tensor cu_seqlens(const std::vector<int32_t>& lens) {
-  std::vector<int32_t> cu(lens.size() + 1, 0);
-  std::partial_sum(lens.begin(), lens.end(), cu.begin() + 1);
-  return Tensor::from_vector(cu, {int64_t(cu.size())});
-}
-
-std::set<int64_t> row_set(const Tensor& idx, int64_t r) {
-  std::set<int64_t> s;
-  for (int64_t k = 0; k < idx.size(1); ++k)
-    if (idx.item({r, k}) >= 0) s.insert(int64_t(idx.item({r, k})));
-  return s;
-}
-
-Tensor maybe(const io::SafetensorsFile& f, const std::string& name) {
-  return f.contains(name) ? f.tensor(name) : Tensor();
-}
-
-ops::DsaParams golden_params(const io::SafetensorsFile& f, const std::string& cfg) {
-  const std::string p = cfg + ".attn.";
-  ops::DsaParams d;
-  d.mla.q_a_proj = f.tensor(p + "q_a_proj.weight");
-  d.mla.q_a_proj_bias = maybe(f, p + "q_a_proj.bias");
-  d.mla.q_a_layernorm = f.tensor(p + "q_a_layernorm.weight");
-  d.mla.q_b_proj = f.tensor(p + "q_b_proj.weight");
-  d.mla.kv_a_proj_with_mqa = f.tensor(p + "kv_a_proj_with_mqa.weight");
-  d.mla.kv_a_proj_with_mqa_bias = maybe(f, p + "kv_a_proj_with_mqa.bias");
-  d.mla.kv_a_layernorm = f.tensor(p + "kv_a_layernorm.weight");
-  d.mla.kv_b_proj = f.tensor(p + "kv_b_proj.weight");
-  d.mla.o_proj = f.tensor(p + "o_proj.weight");
-  d.mla.o_proj_bias = maybe(f, p + "o_proj.bias");
-  const std::string i = p + "indexer.";
-  d.indexer = {f.tensor(i + "wq_b.weight"),
-               f.tensor(i + "wk.weight"),
-               f.tensor(i + "k_norm.weight"),
-               f.tensor(i + "k_norm.bias"),
-               f.tensor(i + "weights_proj.weight"),
-               f.tensor(i + "index_kpool_compress_ape"),
-               f.tensor(i + "index_kpool_compress_gate")};
-  return d;
-}
-
-ops::DsaParams to_f64(ops::DsaParams d) {
-  for (Tensor* t :
-       {&d.mla.q_a_proj, &d.mla.q_a_proj_bias, &d.mla.q_a_layernorm, &d.mla.q_b_proj,
-        &d.mla.kv_a_proj_with_mqa, &d.mla.kv_a_proj_with_mqa_bias, &d.mla.kv_a_layernorm,
-        &d.mla.kv_b_proj, &d.mla.o_proj, &d.mla.o_proj_bias, &d.indexer.wq_b, &d.indexer.wk,
-        &d.indexer.k_norm_weight, &d.indexer.k_norm_bias, &d.indexer.weights_proj,
-        &d.indexer.kpool_ape, &d.indexer.kpool_gate})
-    if (t->defined()) *t = t->to(DType::f64);
-  return d;
-}
-
-ops::DsaParams random_params(const ops::MlaConfig& m, const ops::IndexerConfig& ic, int64_t dim,
-                             bool bias, uint64_t offset) {
-  const int64_t nh = m.n_heads, rq = m.q_lora_rank, rkv = m.kv_lora_rank;
-  const int64_t dn = m.qk_nope_head_dim, dv = m.v_head_dim;
-  auto w = [&](const Shape& s, uint64_t o) {
-    return random_normal(s, offset + o, 1 / std::sqrt(double(s.back())));
-  };
-  auto norm = [&](int64_t n, uint64_t o) {
-    Tensor t = random_normal({n}, offset + o, 0.2);
-    for (int64_t i = 0; i < n; ++i) t.set_item({i}, 1 + t.item({i}));
-    return t;
-  };
-  ops::DsaParams d;
-  d.mla.q_a_proj = w({rq, dim}, 0);
-  d.mla.q_a_layernorm = norm(rq, 1000);
-  d.mla.q_b_proj = w({nh * dn, rq}, 2000);
-  d.mla.kv_a_proj_with_mqa = w({rkv, dim}, 3000);
-  d.mla.kv_a_layernorm = norm(rkv, 4000);
-  d.mla.kv_b_proj = w({nh * (dn + dv), rkv}, 5000);
-  d.mla.o_proj = w({dim, nh * dv}, 6000);
-  if (bias) {
-    d.mla.q_a_proj_bias = random_normal({rq}, offset + 7000, 0.2);
-    d.mla.kv_a_proj_with_mqa_bias = random_normal({rkv}, offset + 8000, 0.2);
-    d.mla.o_proj_bias = random_normal({dim}, offset + 9000, 0.2);
-  }
-  const int64_t id = ic.head_dim, ih = ic.n_heads;
-  d.indexer.wq_b = w({ih * id, rq}, 10000);
-  d.indexer.wk = w({id, dim}, 11000);
-  d.indexer.k_norm_weight = norm(id, 12000);
-  d.indexer.k_norm_bias = random_normal({id}, offset + 13000, 0.2);
-  d.indexer.weights_proj = w({ih, dim}, 14000);
-  d.indexer.kpool_ape = random_normal({ic.kpool, id}, offset + 15000, 0.5);
-  d.indexer.kpool_gate = w({id, dim}, 16000);
-  return d;
-}
-
-// The configurations written by tools/golden/ops_dsa_moe.py.
-struct GoldenConfig {
-  std::string name;
-  ops::MlaConfig mla;
-  ops::IndexerConfig indexer;
-};
-const std::vector<GoldenConfig> kConfigs = {
-    {"a", {2, 32, 16, 16, 16, 1e-5}, {4, 16, 4, 8, true}},
-    {"b", {3, 24, 12, 8, 12, 1e-5}, {3, 8, 2, 6, true}},
-};
+constexpr const char* kGolden = "dsa_moe";
+constexpr RelErr rel_err{};
 
 }  // namespace
 
 TEST(OpsMla, MatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  for (const GoldenConfig& c : kConfigs) {
+  const io::SafetensorsFile f = open_golden(kGolden);
+  for (const GoldenDsaMoeConfig& c : kGoldenDsaMoeConfigs) {
     SCOPED_TRACE("config " + c.name);
-    const ops::DsaParams params = golden_params(f, c.name);
+    const ops::DsaParams params = golden_dsa_params(f, c.name);
     EXPECT_EQ(params.mla.o_proj_bias.defined(), c.name == "a");  // attention_bias on in "a" only
     const Tensor x = f.tensor(c.name + ".x"), cu = f.tensor(c.name + ".cu_seqlens");
     const Tensor ref = f.tensor(c.name + ".attn_out");
@@ -174,21 +52,13 @@ TEST(OpsMla, MatchesReference) {
 }
 
 TEST(OpsMla, SparseAttentionEqualsDenseMaskedAttention) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const std::vector<int32_t> lens = {9, 1, 0, 23, 14};
   const int64_t total = 47, heads = 3, dqk = 7, dv = 5;
-  std::mt19937_64 gen(test_seed());
   // Arbitrary selections inside each document: not causal, with duplicates, −1 holes and one
   // row that selects nothing at all.
   const int64_t width = 12;
-  std::vector<int32_t> idx(size_t(total * width), -1);
-  int64_t start = 0;
-  for (int32_t len : lens) {
-    for (int64_t s = 0; s < len; ++s)
-      for (int64_t w = 0; w < width; ++w)
-        if (gen() % 4 != 0) idx[size_t((start + s) * width + w)] = int32_t(start + gen() % len);
-    start += len;
-  }
+  std::vector<int32_t> idx = random_selections(lens, width);
   for (int64_t w = 0; w < width; ++w) idx[size_t(30 * width + w)] = -1;
   const Tensor indices = Tensor::from_vector(idx, {total, width});
   const Tensor cu = cu_seqlens(lens);
@@ -223,7 +93,7 @@ TEST(OpsMla, SparseAttentionEqualsDenseMaskedAttention) {
 }
 
 TEST(OpsMla, DuplicateIndicesCountOnce) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const Tensor q = random_normal({6, 2, 4}, 1), k = random_normal({6, 2, 4}, 2);
   const Tensor v = random_normal({6, 2, 3}, 3);
   const Tensor once = Tensor::from_vector(std::vector<int32_t>(6 * 4, -1), {6, 4});
@@ -243,13 +113,13 @@ TEST(OpsMla, DuplicateIndicesCountOnce) {
 }
 
 TEST(OpsMla, DocumentsOfAPackAreIndependent) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const ops::MlaConfig mc{3, 10, 8, 6, 5, 1e-5};
   const ops::IndexerConfig ic{2, 6, 4, 8, true};
   const int64_t dim = 14;
-  const ops::DsaParams p = random_params(mc, ic, dim, /*bias=*/true, 1);
+  const ops::DsaParams p = random_dsa_params(mc, ic, dim, /*bias=*/true, 1);
   const std::vector<int32_t> lens = {13, 2, 0, 30, 4};
-  const int64_t total = std::accumulate(lens.begin(), lens.end(), int64_t(0));
+  const int64_t total = total_tokens(lens);
   const Tensor x = random_normal({total, dim}, 777777);
   const ops::DsaOutput packed = ops::dsa_forward(mc, ic, p, x, cu_seqlens(lens));
   int64_t start = 0;
@@ -278,11 +148,11 @@ TEST(OpsMla, RejectsIndicesOutsideTheDocument) {
 }
 
 TEST(OpsMla, SharedLayerReusesThePreviousSelection) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const ops::MlaConfig mc{2, 8, 6, 4, 4, 1e-5};
   const ops::IndexerConfig ic{2, 4, 2, 4, true};
   const int64_t dim = 8, tokens = 11;
-  ops::DsaParams p = random_params(mc, ic, dim, false, 5);
+  ops::DsaParams p = random_dsa_params(mc, ic, dim, false, 5);
   const Tensor x = random_normal({tokens, dim}, 6);
   const Tensor cu = cu_seqlens({tokens});
   const ops::DsaOutput full = ops::dsa_forward(mc, ic, p, x, cu);

@@ -5,70 +5,43 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 #include <string>
+#include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/mlp.h"
-#include "glmtune/tensor/rng.h"
+#include "support/dsa_moe.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt = DType::f32, double std = 1) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, std);
-  return t;
-}
-
-double silu(double v) { return v / (1.0 + std::exp(-v)); }
+constexpr const char* kGolden = "dsa_moe";
+constexpr RelErr rel_err{};
 
 }  // namespace
 
 TEST(OpsMlp, MatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const io::SafetensorsFile f = open_golden(kGolden);
   for (const auto& [cfg, limit] : {std::pair{"a", 1.0}, std::pair{"b", 1.5}}) {
     SCOPED_TRACE(cfg);
     const std::string p = std::string(cfg) + ".";
-    ops::MlpParams params{f.tensor(p + "mlp.gate_proj.weight"), f.tensor(p + "mlp.up_proj.weight"),
-                          f.tensor(p + "mlp.down_proj.weight")};
+    const ops::MlpParams params = golden_mlp_params(f, cfg);
     const Tensor x = f.tensor(p + "moe_x");
     const Tensor ref = f.tensor(p + "mlp_out");
     EXPECT_LE(rel_err(ops::mlp_forward(params, x, limit), ref), 1e-4);
     // The f64 instantiation computes the same function (finite-difference checks run there).
-    ops::MlpParams p64{params.gate_proj.to(DType::f64), params.up_proj.to(DType::f64),
-                       params.down_proj.to(DType::f64)};
-    EXPECT_LE(rel_err(ops::mlp_forward(p64, x.to(DType::f64), limit), ref), 1e-4);
+    EXPECT_LE(rel_err(ops::mlp_forward(to_f64(params), x.to(DType::f64), limit), ref), 1e-4);
   }
 }
 
 TEST(OpsMlp, ClampsGateFromAboveAndUpOnBothSides) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const double limit = 2.0;
   // Values spread over [−3·limit, 3·limit] so that every clamp branch is taken many times.
-  Tensor gate = random_normal({64, 33}, 0, DType::f64, 2.5 * limit);
-  Tensor up = random_normal({64, 33}, 100000, DType::f64, 2.5 * limit);
+  Tensor gate = random_normal({64, 33}, 0, 2.5 * limit);
+  Tensor up = random_normal({64, 33}, 100000, 2.5 * limit);
   // Pin the branches that matter most: a gate far below −limit must NOT be clamped (silu of a
   // very negative gate is ~0, of −limit it is not), and exact boundary values pass unchanged.
   gate.set_item({0, 0}, -8.0 * limit);
@@ -98,8 +71,8 @@ TEST(OpsMlp, ClampsGateFromAboveAndUpOnBothSides) {
 }
 
 TEST(OpsMlp, StridedHalvesOfAFusedProductMatchContiguousInputs) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
-  const Tensor fused = random_normal({17, 2 * 24}, 7, DType::f32, 3.0);
+  SCOPED_TRACE(seed_note());
+  const Tensor fused = random_normal({17, 2 * 24}, 7, 3.0, DType::f32);
   const Tensor gate = fused.narrow(1, 0, 24), up = fused.narrow(1, 24, 24);
   ASSERT_FALSE(gate.is_contiguous());
   const Tensor a = ops::swiglu_clamped(gate, up, 1.5);
@@ -108,7 +81,7 @@ TEST(OpsMlp, StridedHalvesOfAFusedProductMatchContiguousInputs) {
 }
 
 TEST(OpsMlp, OutputFollowsTheClampedFormula) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   // A small MLP in f64 against a per-element evaluation of the spec formula.
   const int64_t d = 6, inter = 5, t = 4;
   const double limit = 0.7;

@@ -8,76 +8,40 @@
 #include <cmath>
 #include <map>
 #include <numeric>
-#include <random>
 #include <set>
 #include <string>
+#include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/moe.h"
-#include "glmtune/tensor/rng.h"
+#include "support/dsa_moe.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/dsa_moe.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt = DType::f64, double std = 1) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, 0.0, std);
-  return t;
-}
-
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-double silu(double v) { return v * sigmoid(v); }
-
-ops::MoeParams golden_params(const io::SafetensorsFile& f, const std::string& cfg) {
-  const std::string p = cfg + ".moe.";
-  ops::MoeParams params;
-  params.router_weight = f.tensor(p + "gate.weight");
-  params.e_score_correction_bias = f.tensor(p + "gate.e_score_correction_bias");
-  params.gate_up_proj = f.tensor(p + "experts.gate_up_proj");
-  params.down_proj = f.tensor(p + "experts.down_proj");
-  params.shared = {f.tensor(p + "shared_experts.gate_proj.weight"),
-                   f.tensor(p + "shared_experts.up_proj.weight"),
-                   f.tensor(p + "shared_experts.down_proj.weight")};
-  return params;
-}
+constexpr const char* kGolden = "dsa_moe";
+constexpr RelErr rel_err{};
 
 // Random MoE parameters in f64 with fan-in scaled weights.
 ops::MoeParams random_params(int64_t experts, int64_t dim, int64_t inter, int64_t shared_inter,
                              uint64_t offset) {
   ops::MoeParams p;
-  p.router_weight = random_normal({experts, dim}, offset, DType::f64, 1 / std::sqrt(double(dim)));
-  p.e_score_correction_bias = random_normal({experts}, offset + 10000, DType::f64, 0.1);
-  p.gate_up_proj = random_normal({experts, 2 * inter, dim}, offset + 20000, DType::f64,
-                                 1 / std::sqrt(double(dim)));
-  p.down_proj = random_normal({experts, dim, inter}, offset + 40000, DType::f64,
-                              1 / std::sqrt(double(inter)));
+  p.router_weight = random_normal({experts, dim}, offset, 1 / std::sqrt(double(dim)));
+  p.e_score_correction_bias = random_normal({experts}, offset + 10000, 0.1);
+  p.gate_up_proj =
+      random_normal({experts, 2 * inter, dim}, offset + 20000, 1 / std::sqrt(double(dim)));
+  p.down_proj = random_normal({experts, dim, inter}, offset + 40000, 1 / std::sqrt(double(inter)));
   p.shared = {random_normal({shared_inter, dim}, offset + 60000),
               random_normal({shared_inter, dim}, offset + 70000),
               random_normal({dim, shared_inter}, offset + 80000)};
   return p;
 }
 
-std::set<int64_t> row_set(const Tensor& idx, int64_t r) {
+// The experts row r of a routing chose, as a set (the reference's top-k is unsorted). Unlike
+// row_set it keeps every entry: a routing fills every slot, so even a −1 must show as a mismatch.
+std::set<int64_t> chosen_experts(const Tensor& idx, int64_t r) {
   std::set<int64_t> s;
   for (int64_t k = 0; k < idx.size(1); ++k) s.insert(int64_t(idx.item({r, k})));
   return s;
@@ -86,15 +50,12 @@ std::set<int64_t> row_set(const Tensor& idx, int64_t r) {
 }  // namespace
 
 TEST(OpsMoe, MatchesReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
-  // The configurations written by tools/golden/ops_dsa_moe.py.
-  const std::map<std::string, ops::MoeConfig> configs = {
-      {"a", {8, 2, 1, 1, true, 2.5, 1.0}},
-      {"b", {8, 3, 2, 1, false, 1.7, 1.5}},
-  };
-  for (const auto& [name, cfg] : configs) {
+  const io::SafetensorsFile f = open_golden(kGolden);
+  for (const GoldenDsaMoeConfig& c : kGoldenDsaMoeConfigs) {
+    const std::string& name = c.name;
+    const ops::MoeConfig& cfg = c.moe;
     SCOPED_TRACE("config " + name);
-    const ops::MoeParams params = golden_params(f, name);
+    const ops::MoeParams params = golden_moe_params(f, name);
     const Tensor x = f.tensor(name + ".moe_x");
     const ops::MoeOutput out = ops::moe_forward(cfg, params, x);
     EXPECT_LE(rel_err(out.y, f.tensor(name + ".moe_out")), 1e-4);
@@ -105,7 +66,7 @@ TEST(OpsMoe, MatchesReference) {
     const Tensor ref_idx = f.tensor(name + ".router_indices");
     const Tensor ref_w = f.tensor(name + ".router_weights");
     for (int64_t r = 0; r < x.size(0); ++r) {
-      ASSERT_EQ(row_set(out.routing.indices, r), row_set(ref_idx, r)) << "row " << r;
+      ASSERT_EQ(chosen_experts(out.routing.indices, r), chosen_experts(ref_idx, r)) << "row " << r;
       std::map<int64_t, double> ref_weight;
       for (int64_t k = 0; k < cfg.top_k; ++k)
         ref_weight[int64_t(ref_idx.item({r, k}))] = ref_w.item({r, k});
@@ -118,29 +79,25 @@ TEST(OpsMoe, MatchesReference) {
     }
 
     // The f64 path gives the same function.
-    ops::MoeParams p64 = params;
-    for (Tensor* t :
-         {&p64.router_weight, &p64.e_score_correction_bias, &p64.gate_up_proj, &p64.down_proj,
-          &p64.shared.gate_proj, &p64.shared.up_proj, &p64.shared.down_proj})
-      *t = t->to(DType::f64);
-    EXPECT_LE(rel_err(ops::moe_forward(cfg, p64, x.to(DType::f64)).y, f.tensor(name + ".moe_out")),
+    EXPECT_LE(rel_err(ops::moe_forward(cfg, to_f64(params), x.to(DType::f64)).y,
+                      f.tensor(name + ".moe_out")),
               1e-4);
   }
 }
 
 TEST(OpsMoe, CorrectionBiasSteersChoiceButNeverTheWeights) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t experts = 16, dim = 12, rows = 40;
   ops::MoeConfig cfg{experts, 4, 1, 1, /*norm_topk_prob=*/false, /*rsf=*/1.0, 10.0};
-  const Tensor w = random_normal({experts, dim}, 1, DType::f64, 0.5);
+  const Tensor w = random_normal({experts, dim}, 1, 0.5);
   const Tensor x = random_normal({rows, dim}, 2);
-  Tensor bias = random_normal({experts}, 3, DType::f64, 0.05);
+  Tensor bias = random_normal({experts}, 3, 0.05);
   const int64_t forced = 5, banned = 9;
   bias.set_item({forced}, 10.0);
   bias.set_item({banned}, -10.0);
   const ops::Routing r = ops::moe_route(cfg, w, bias, x);
   for (int64_t t = 0; t < rows; ++t) {
-    const std::set<int64_t> sel = row_set(r.indices, t);
+    const std::set<int64_t> sel = chosen_experts(r.indices, t);
     EXPECT_TRUE(sel.count(forced)) << "row " << t;
     EXPECT_FALSE(sel.count(banned)) << "row " << t;
     for (int64_t k = 0; k < cfg.top_k; ++k) {
@@ -169,12 +126,12 @@ TEST(OpsMoe, CorrectionBiasSteersChoiceButNeverTheWeights) {
 }
 
 TEST(OpsMoe, GroupLimitedChoiceMatchesABruteForceOracle) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t experts = 16, groups = 4, keep = 2, top_k = 3, dim = 10, rows = 64;
   const ops::MoeConfig cfg{experts, top_k, groups, keep, true, 1.0, 10.0};
   const Tensor w = random_normal({experts, dim}, 11);
   const Tensor x = random_normal({rows, dim}, 12);
-  const Tensor bias = random_normal({experts}, 13, DType::f64, 0.2);
+  const Tensor bias = random_normal({experts}, 13, 0.2);
   const ops::Routing r = ops::moe_route(cfg, w, bias, x);
   const int64_t per = experts / groups;
   for (int64_t t = 0; t < rows; ++t) {
@@ -197,12 +154,12 @@ TEST(OpsMoe, GroupLimitedChoiceMatchesABruteForceOracle) {
     std::sort(cand.rbegin(), cand.rend());
     std::set<int64_t> expect;
     for (int64_t k = 0; k < top_k; ++k) expect.insert(cand[k].second);
-    EXPECT_EQ(row_set(r.indices, t), expect) << "row " << t;
+    EXPECT_EQ(chosen_experts(r.indices, t), expect) << "row " << t;
   }
 }
 
 TEST(OpsMoe, ExpertsEqualAPerTokenEvaluation) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t experts = 6, dim = 8, inter = 5, rows = 23;
   const ops::MoeConfig cfg{experts, 2, 1, 1, true, 2.5, 0.8};
   const ops::MoeParams p = random_params(experts, dim, inter, 7, 100);
@@ -241,7 +198,7 @@ TEST(OpsMoe, ExpertsEqualAPerTokenEvaluation) {
 }
 
 TEST(OpsMoe, ExpertCountsCoverTheCountedRowsOnly) {
-  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  SCOPED_TRACE(seed_note());
   const int64_t experts = 8, dim = 6, rows = 30, counted = 21;
   const ops::MoeConfig cfg{experts, 3, 2, 2, true, 1.0, 10.0};
   const ops::MoeParams p = random_params(experts, dim, 4, 4, 500);

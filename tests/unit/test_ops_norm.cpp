@@ -4,54 +4,24 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "glmtune/io/safetensors.h"
 #include "glmtune/ops/norm.h"
-#include "glmtune/tensor/rng.h"
+#include "support/test_support.h"
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-const std::string kGolden =
-    std::string(GLMTUNE_SOURCE_DIR) + "/tests/golden/ops/kda_mhc.safetensors";
-
-uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
-  return seed;
-}
-
-std::string seed_note() { return "seed " + std::to_string(test_seed()); }
-
-// max |a − b| / max |b|: the parity measure of SPEC.md §7.
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
-  const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
-  double diff = 0, ref = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    ref = std::max(ref, std::abs(y[i]));
-  }
-  EXPECT_GT(ref, 0) << "reference is all zero: the comparison would prove nothing";
-  return ref > 0 ? diff / ref : diff;
-}
-
-Tensor random_normal(const Shape& shape, uint64_t offset, DType dt, double mean = 0,
-                     double std = 1) {
-  Tensor t = Tensor::empty(shape, dt);
-  fill_normal(t, test_seed(), offset, mean, std);
-  return t;
-}
-
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+constexpr const char* kGolden = "kda_mhc";
+constexpr RelErr rel_err{.zero_reference_fails = true};
 
 }  // namespace
 
 TEST(OpsNorm, MatchReference) {
-  const io::SafetensorsFile f = io::SafetensorsFile::open(kGolden);
+  const io::SafetensorsFile f = open_golden(kGolden);
   const Tensor x = f.tensor("norm.x");
   for (DType dt : {DType::f32, DType::f64}) {
     SCOPED_TRACE(std::string(dtype_name(dt)));

@@ -35,30 +35,24 @@ not), the pad id and the external denominator.
 Usage: python tools/golden/grads_dsa_moe.py [--out PATH]
 """
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.models.glm5_next import modeling_glm5_next as ref
-from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
 # The sibling script ops_dsa_moe.py holds the configurations and draw rules; make it importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cu_seqlens, parse_out_arg, save_fixture  # noqa: E402
 from ops_dsa_moe import (  # noqa: E402
     CONFIGS,
-    ROUTER_GAP,
-    indexer_selection_is_clear,
-    randomise,
-    router_choice,
+    clear_document_input,
+    clear_moe_input,
+    eager_config,
+    random_attention,
+    random_mlp_and_moe,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-OUT = REPO / "tests" / "golden" / "ops" / "grads_dsa_moe.safetensors"
 
 # Short enough to keep the file small, long enough that queries lose keys: a query of "a" sees at
 # most 8 + 3 keys, one of "b" at most 6 + 1.
@@ -79,22 +73,12 @@ def grads_of(module, prefix, tensors, names):
 
 def attention(name, config, cfg, gen, tensors, meta):
     lens = DOC_LENS[name]
-    d = cfg["hidden_size"]
-    attn = ref.Glm5NextTextAttention(config, layer_idx=3).eval()
-    assert attn.indexer is not None
-    randomise(attn, gen, "attn.")
+    attn = random_attention(config, gen)
 
     xs, dxs, dys, outs, indices = [], [], [], [], []
     start, drops = 0, False
     for length in lens:
-        with torch.no_grad():
-            for _ in range(10000):
-                x = torch.randn(1, length, d, generator=gen)
-                q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-                if indexer_selection_is_clear(attn.indexer, x, q_resid, cfg):
-                    break
-            else:
-                raise RuntimeError(f"config {name}: no tie-free draw for a document of {length}")
+        x, q_resid = clear_document_input(name, attn, cfg, length, gen)
         x = x.clone().requires_grad_(True)
         mask = torch.ones(1, length, dtype=torch.bool)
         out, _, _ = attn(hidden_states=x, attention_mask=mask, past_key_values=None)
@@ -115,8 +99,7 @@ def attention(name, config, cfg, gen, tensors, meta):
         assert p.grad is None, f"indexer parameter {k} received a gradient"
 
     tensors[f"{name}.x"] = torch.cat(xs)
-    cu = [0] + list(torch.tensor(lens).cumsum(0))
-    tensors[f"{name}.cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    tensors[f"{name}.cu_seqlens"] = cu_seqlens(lens)
     tensors[f"{name}.indices"] = torch.cat(indices).to(torch.int32)
     tensors[f"{name}.attn_dy"] = torch.cat(dys)
     tensors[f"{name}.attn_out"] = torch.cat(outs)
@@ -130,21 +113,8 @@ def attention(name, config, cfg, gen, tensors, meta):
 
 def ffn(name, config, cfg, gen, tensors, meta):
     d, total = cfg["hidden_size"], sum(DOC_LENS[name])
-    mlp = ref.Glm5NextTextMLP(config).eval()
-    randomise(mlp, gen, "mlp.")
-    moe = ref.Glm5NextTextMoE(config).eval()
-    randomise(moe, gen, "moe.")
-    with torch.no_grad():
-        for _ in range(10000):
-            x = torch.randn(1, total, d, generator=gen)
-            sel_bias, gap = router_choice(moe.gate, x[0])
-            sel_plain, _ = router_choice(moe.gate, x[0], use_bias=False)
-            # Clear top-k boundaries, and a bias that changes some choice (so a port that lets the
-            # bias into the weights or ignores it fails).
-            if gap > ROUTER_GAP and not torch.equal(sel_bias, sel_plain):
-                break
-        else:
-            raise RuntimeError(f"config {name}: no tie-free MoE input")
+    mlp, moe = random_mlp_and_moe(config, gen)
+    x = clear_moe_input(name, moe, total, d, gen)
     lim = cfg["swiglu_limit"]
     with torch.no_grad():
         gate = F.linear(x, mlp.gate_proj.weight)
@@ -213,15 +183,11 @@ def embedding_and_loss(tensors, meta):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+    out_path = parse_out_arg(__doc__, "grads_dsa_moe.safetensors")
     torch.set_num_threads(1)
     tensors, meta = {}, {}
     for name, cfg in CONFIGS.items():
-        config = Glm5NextTextConfig(**cfg)
-        config._attn_implementation = "eager"
-        config._experts_implementation = "eager"
+        config = eager_config(cfg)
         gen = torch.Generator().manual_seed(SEEDS[name])
         attention(name, config, cfg, gen, tensors, meta)
         ffn(name, config, cfg, gen, tensors, meta)
@@ -231,13 +197,8 @@ def main():
         assert v.dtype in (torch.float32, torch.int32, torch.int64), (k, v.dtype)
         if v.is_floating_point() and v.numel() > 1:
             assert v.abs().max() > 0, f"{k} is all zeros"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # One metadata key, so that a regenerated file is byte-identical.
     meta.update(configs=CONFIGS, doc_lens=DOC_LENS)
-    save_file(tensors, str(args.out), metadata={"fixture": json.dumps(meta, sort_keys=True)})
-    size = args.out.stat().st_size
-    assert size < 1_500_000, f"fixture is {size} bytes; keep it under 1.5 MB"
-    print(f"wrote {len(tensors)} tensors, {size} bytes")
+    save_fixture(tensors, out_path, "fixture", meta, max_bytes=1_500_000)
 
 
 if __name__ == "__main__":

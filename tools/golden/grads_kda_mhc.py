@@ -34,51 +34,41 @@ Tensor names:
   `grad.self_attn.<name>` for the KDA parameters.
 """
 
-import argparse
-import json
 import os
 import sys
 
 import torch
-from safetensors.torch import save_file
 from transformers.models.glm5_next import modeling_glm5_next as ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    assert_finite_and_nonzero,
+    cu_seqlens,
+    parse_out_arg,
+    save_fixture,
+)
 from ops_kda_mhc import (  # noqa: E402
+    FIXTURE_CONFIG,
     HC_MULT,
     HEAD_DIM,
     HIDDEN,
+    KDA_PARAMS,
+    NORM_ROWS,
     NUM_HEADS,
-    cu_seqlens,
+    kda_decoder_layer,
+    kda_params,
     make_config,
+    make_norms,
     randomise_hc,
     randomise_kda,
-    require_torch_fallback,
+    seeded_reference_run,
+    softplus_kda,
 )
 
 SEED = 20260611
 KDA_DOCS = [130, 1, 63, 65]  # chunk boundaries at 64 and 128, a single token, one short of a chunk
 MHC_DOCS = [13, 11]
 LAYER_DOCS = [70, 3]
-NORM_ROWS = 12
-
-# Module attribute paths of the KDA parameters, in KdaParams order and naming.
-KDA_PARAMS = {
-    "q_proj": "q_proj.weight",
-    "k_proj": "k_proj.weight",
-    "v_proj": "v_proj.weight",
-    "conv1d": "conv1d.weight",
-    "f_a_proj": "forget_gate.f_a_proj.weight",
-    "f_b_proj": "forget_gate.f_b_proj.weight",
-    "dt_bias": "forget_gate.dt_bias",
-    "A_log": "forget_gate.A_log",
-    "b_proj": "b_proj.weight",
-    "g_a_proj": "g_a_proj.weight",
-    "g_b_proj": "g_b_proj.weight",
-    "o_norm": "o_norm.weight",
-    "o_proj": "o_proj.weight",
-}
-
 
 def leaf(t):
     return t.detach().clone().requires_grad_(True)
@@ -98,19 +88,7 @@ def backward_per_doc(run, x, dy, docs):
 
 
 def norms(gen, out):
-    cfg = make_config()
-    x = torch.randn(NORM_ROWS, HIDDEN, generator=gen) * 1.7 + 0.3
-    rms = ref.Glm5NextTextRMSNorm(HIDDEN, eps=cfg.rms_norm_eps)
-    unweighted = ref.Glm5NextTextUnweightedRMSNorm(eps=cfg.rms_norm_eps)
-    gated = ref.Glm5NextTextRMSNormGated(HEAD_DIM, eps=cfg.rms_norm_eps)
-    ln = torch.nn.LayerNorm(HIDDEN, eps=1e-6)  # the indexer's k_norm module
-    with torch.no_grad():
-        rms.weight.copy_(1.0 + 0.5 * torch.randn(HIDDEN, generator=gen))
-        gated.weight.copy_(1.0 + 0.5 * torch.randn(HEAD_DIM, generator=gen))
-        ln.weight.copy_(1.0 + 0.5 * torch.randn(HIDDEN, generator=gen))
-        ln.bias.copy_(0.5 * torch.randn(HIDDEN, generator=gen))
-    gx = torch.randn(NORM_ROWS, NUM_HEADS, HEAD_DIM, generator=gen)
-    gz = torch.randn(NORM_ROWS, NUM_HEADS, HEAD_DIM, generator=gen) * 2.0
+    x, rms, unweighted, gated, ln, gx, gz = make_norms(make_config(), gen)
     dy = torch.randn(NORM_ROWS, HIDDEN, generator=gen)
     gdy = torch.randn(NORM_ROWS, NUM_HEADS, HEAD_DIM, generator=gen)
 
@@ -201,22 +179,12 @@ def kda(gen, out):
         return lambda xd: module(hidden_states=xd[None], cache_params=None, attention_mask=None)[0]
 
     dx = backward_per_doc(run(attn), x, dy, KDA_DOCS)
-    for name, path in KDA_PARAMS.items():
-        out[f"kda.param.{name}"] = attn.get_parameter(path).detach().clone()
+    kda_params(attn, "kda.param", out)
     out.update({"kda.x": x, "kda.cu_seqlens": cu_seqlens(KDA_DOCS), "kda.dy": dy, "kda.dx": dx})
     kda_grads(attn, "kda.grad", out)
 
-    # Softplus forget gate (linear_lower_bound = None): kda's weights except A_log and dt_bias;
-    # every 7th dt_bias is large enough that z > 20 takes softplus' identity branch.
-    cfg_sp = make_config(linear_lower_bound=None)
-    assert cfg_sp.linear_lower_bound is None
-    attn_sp = ref.Glm5NextTextLinearAttention(cfg_sp, layer_idx=0).eval()
-    attn_sp.load_state_dict(attn.state_dict())
-    with torch.no_grad():
-        attn_sp.forget_gate.A_log.copy_(torch.empty(NUM_HEADS).uniform_(-2.0, 0.5, generator=gen))
-        dt = torch.randn(NUM_HEADS * HEAD_DIM, generator=gen) * 0.7 - 2.0
-        dt[::7] = 24.0
-        attn_sp.forget_gate.dt_bias.copy_(dt)
+    # Softplus forget gate: kda's weights except A_log and dt_bias.
+    attn_sp = softplus_kda(attn, gen)
     dy_sp = torch.randn(t, HIDDEN, generator=gen)
     dx_sp = backward_per_doc(run(attn_sp), x, dy_sp, KDA_DOCS)
     out["kda_softplus.param.A_log"] = attn_sp.forget_gate.A_log.detach().clone()
@@ -227,16 +195,7 @@ def kda(gen, out):
 
 
 def layer(gen, out, attn):
-    cfg = make_config()
-    lay = ref.Glm5NextTextDecoderLayer(cfg, layer_idx=0).eval()
-    assert lay.block_type == "linear_attention"
-    lay.self_attn.load_state_dict(attn.state_dict())
-    lay.mlp = torch.nn.Identity()
-    randomise_hc(lay.attn_hc, gen)
-    randomise_hc(lay.ffn_hc, gen)
-    with torch.no_grad():
-        lay.input_layernorm.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN, generator=gen))
-        lay.post_attention_layernorm.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN, generator=gen))
+    lay = kda_decoder_layer(make_config(), attn, gen)
     t = sum(LAYER_DOCS)
     streams = torch.randn(t, HC_MULT, HIDDEN, generator=gen)
     dy = torch.randn(t, HC_MULT, HIDDEN, generator=gen)
@@ -257,47 +216,26 @@ def layer(gen, out, attn):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser.add_argument("--out", default=os.path.join(here, "..", "..", "tests", "golden", "ops",
-                                                      "grads_kda_mhc.safetensors"))
-    args = parser.parse_args()
-    require_torch_fallback()
-    torch.manual_seed(SEED)
-    gen = torch.Generator().manual_seed(SEED)
-    torch.set_default_dtype(torch.float32)
+    out_path = parse_out_arg(__doc__, "grads_kda_mhc.safetensors")
+    gen = seeded_reference_run(SEED)
     out = {}
     norms(gen, out)
     mhc(gen, out)
     attn = kda(gen, out)
     layer(gen, out, attn)
 
-    for k, v in out.items():
-        assert torch.isfinite(v.float()).all(), k
-        if v.dtype.is_floating_point:
-            assert v.abs().max() > 0, f"{k} is all zero"
+    assert_finite_and_nonzero(out)
     out = {k: v.detach().contiguous() for k, v in out.items()}
-    # One metadata key: safetensors writes several in hash order, which would make the file's bytes
-    # differ between runs with identical tensors.
-    meta = {"glmtune_golden": json.dumps({
+    save_fixture(out, out_path, "glmtune_golden", {
         "generator": "tools/golden/grads_kda_mhc.py",
         "reference": "transformers 5.17.0 glm5_next autograd, torch fallback "
                      "(chunk_kimi_delta_attention), float32 CPU",
         "seed": SEED,
-        "config": {"hidden_size": HIDDEN, "linear_num_heads": NUM_HEADS,
-                   "linear_head_dim": HEAD_DIM, "hc_mult": HC_MULT,
-                   "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-5, "hc_eps": 1e-6,
-                   "hc_sinkhorn_iters": 20, "linear_lower_bound": -5.0,
-                   "kda_softplus.linear_lower_bound": None},
+        "config": FIXTURE_CONFIG,
         "kda_docs": KDA_DOCS,
         "mhc_docs": MHC_DOCS,
         "layer_docs": LAYER_DOCS,
-    }, sort_keys=True)}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    save_file(out, args.out, metadata=meta)
-    size = os.path.getsize(args.out)
-    print(f"wrote {os.path.normpath(args.out)}: {len(out)} tensors, {size} bytes")
-    assert size < 1_500_000, "fixture must stay below 1.5 MB"
+    }, max_bytes=1_500_000)
 
 
 if __name__ == "__main__":

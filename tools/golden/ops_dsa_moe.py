@@ -33,18 +33,16 @@ document lengths are repeated in the file's metadata (key "fixture", JSON).
 Usage: python tools/golden/ops_dsa_moe.py [--out PATH]
 """
 
-import argparse
-import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from transformers.models.glm5_next import modeling_glm5_next as ref
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
-REPO = Path(__file__).resolve().parents[2]
-OUT = REPO / "tests" / "golden" / "ops" / "dsa_moe.safetensors"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cu_seqlens, parse_out_arg, save_fixture  # noqa: E402
 
 # Only the fields that differ from the released defaults; num_hidden_layers = 4 puts a DSA layer
 # (with its own indexer) at index 3.
@@ -189,34 +187,72 @@ def router_choice(gate, x, use_bias=True):
     return sel, min_gap
 
 
-def build(name, gen, tensors):
-    cfg = CONFIGS[name]
+def eager_config(cfg):
+    """The reference config of one of CONFIGS, with eager attention and experts."""
     config = Glm5NextTextConfig(**cfg)
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
-    lens = DOC_LENS[name]
-    d = cfg["hidden_size"]
+    return config
 
+
+def random_attention(config, gen):
+    """A DSA attention layer (index 3, with its own indexer) with seeded weights."""
     attn = ref.Glm5NextTextAttention(config, layer_idx=3).eval()
     assert attn.indexer is not None
     randomise(attn, gen, "attn.")
+    return attn
+
+
+def random_mlp_and_moe(config, gen):
+    """The dense MLP and the MoE block with seeded weights (drawn in that order)."""
     mlp = ref.Glm5NextTextMLP(config).eval()
     randomise(mlp, gen, "mlp.")
     moe = ref.Glm5NextTextMoE(config).eval()
     randomise(moe, gen, "moe.")
+    return mlp, moe
+
+
+def clear_document_input(name, attn, cfg, length, gen):
+    """Draws one document's input [1, length, D] until no query of it has a near-tie at the
+    indexer's top-k boundary; returns it with its q_resid."""
+    with torch.no_grad():
+        for _ in range(10000):
+            x = torch.randn(1, length, cfg["hidden_size"], generator=gen)
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+            if indexer_selection_is_clear(attn.indexer, x, q_resid, cfg):
+                return x, q_resid
+    raise RuntimeError(f"config {name}: no tie-free draw for a document of {length}")
+
+
+def clear_moe_input(name, moe, total, d, gen):
+    """Draws the position-wise input [1, total, D] until no router top-k boundary is near a tie
+    and the correction bias changes at least one choice (so a port that ignores the bias, or lets
+    it into the combine weights, fails)."""
+    with torch.no_grad():
+        for _ in range(10000):
+            x = torch.randn(1, total, d, generator=gen)
+            sel_bias, gap = router_choice(moe.gate, x[0])
+            sel_plain, _ = router_choice(moe.gate, x[0], use_bias=False)
+            if gap > ROUTER_GAP and not torch.equal(sel_bias, sel_plain):
+                return x
+    raise RuntimeError(f"config {name}: no tie-free MoE input")
+
+
+def build(name, gen, tensors):
+    cfg = CONFIGS[name]
+    config = eager_config(cfg)
+    lens = DOC_LENS[name]
+    d = cfg["hidden_size"]
+
+    attn = random_attention(config, gen)
+    mlp, moe = random_mlp_and_moe(config, gen)
 
     xs, q_resids, indices, outs = [], [], [], []
     start = 0
     drops = False
     with torch.no_grad():
         for length in lens:
-            for _ in range(10000):
-                x = torch.randn(1, length, d, generator=gen)
-                q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-                if indexer_selection_is_clear(attn.indexer, x, q_resid, cfg):
-                    break
-            else:
-                raise RuntimeError(f"config {name}: no tie-free draw for a document of {length}")
+            x, q_resid = clear_document_input(name, attn, cfg, length, gen)
             mask = torch.ones(1, length, dtype=torch.bool)
             out, _, _ = attn(hidden_states=x, attention_mask=mask, past_key_values=None)
             idx = attn.indexer(x, q_resid, mask, None)[0]
@@ -229,9 +265,8 @@ def build(name, gen, tensors):
             start += length
     assert drops, f"config {name}: the sparse selection never drops a key; make a document longer"
 
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     tensors[f"{name}.x"] = torch.cat(xs)
-    tensors[f"{name}.cu_seqlens"] = cu
+    tensors[f"{name}.cu_seqlens"] = cu_seqlens(lens)
     tensors[f"{name}.q_resid"] = torch.cat(q_resids)
     tensors[f"{name}.indices"] = torch.cat(indices).to(torch.int32)
     tensors[f"{name}.attn_out"] = torch.cat(outs)
@@ -256,16 +291,8 @@ def build(name, gen, tensors):
 
     # MLP and MoE are position-wise, so the whole pack runs as one batch-of-one sequence.
     total = sum(lens)
+    moe_x = clear_moe_input(name, moe, total, d, gen)
     with torch.no_grad():
-        for _ in range(10000):
-            moe_x = torch.randn(1, total, d, generator=gen)
-            sel_bias, gap = router_choice(moe.gate, moe_x[0])
-            sel_plain, _ = router_choice(moe.gate, moe_x[0], use_bias=False)
-            # The correction bias must change at least one choice, or a port that ignores it passes.
-            if gap > ROUTER_GAP and not torch.equal(sel_bias, sel_plain):
-                break
-        else:
-            raise RuntimeError(f"config {name}: no tie-free MoE input")
         logits, weights, sel = moe.gate(moe_x)
         moe_out = moe(moe_x)
         mlp_out = mlp(moe_x)
@@ -289,9 +316,7 @@ def build(name, gen, tensors):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+    out_path = parse_out_arg(__doc__, "dsa_moe.safetensors")
     torch.set_num_threads(1)
     tensors = {}
     for name in CONFIGS:
@@ -299,14 +324,8 @@ def main():
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
     for k, v in tensors.items():
         assert v.dtype in (torch.float32, torch.int32, torch.int64), (k, v.dtype)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # One metadata key: safetensors writes several in hash order, which would make regenerated
-    # files differ byte-wise although their content is the same.
-    meta = {"fixture": json.dumps({"configs": CONFIGS, "doc_lens": DOC_LENS}, sort_keys=True)}
-    save_file(tensors, str(args.out), metadata=meta)
-    size = args.out.stat().st_size
-    assert size < 1 << 20, f"fixture is {size} bytes; keep it under 1 MiB"
-    print(f"wrote {len(tensors)} tensors, {size} bytes")
+    save_fixture(tensors, out_path, "fixture", {"configs": CONFIGS, "doc_lens": DOC_LENS},
+                 max_bytes=1 << 20)
 
 
 if __name__ == "__main__":

@@ -17,15 +17,21 @@ Every document is run through the reference on its own (batch of one, no padding
 results are concatenated in pack order; `*.cu_seqlens` gives the document offsets.
 """
 
-import argparse
 import importlib.util
-import json
 import os
+import sys
 
 import torch
-from safetensors.torch import save_file
 from transformers.models.glm5_next import modeling_glm5_next as ref
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    assert_finite_and_nonzero,
+    cu_seqlens,
+    parse_out_arg,
+    save_fixture,
+)
 
 SEED = 20260517
 HIDDEN = 64
@@ -38,6 +44,22 @@ MHC_TOKENS = 24
 NORM_ROWS = 12
 
 
+# The configuration of make_config() (and of the softplus variant) that both kda_mhc fixtures
+# record in their metadata.
+FIXTURE_CONFIG = {
+    "hidden_size": HIDDEN,
+    "linear_num_heads": NUM_HEADS,
+    "linear_head_dim": HEAD_DIM,
+    "hc_mult": HC_MULT,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-5,
+    "hc_eps": 1e-6,
+    "hc_sinkhorn_iters": 20,
+    "linear_lower_bound": -5.0,
+    "kda_softplus.linear_lower_bound": None,
+}
+
+
 def require_torch_fallback():
     for pkg in ("fla", "kernels", "causal_conv1d"):
         if importlib.util.find_spec(pkg) is not None:
@@ -45,6 +67,16 @@ def require_torch_fallback():
                 f"'{pkg}' is installed: the reference would run its kernels instead of the PyTorch "
                 "fallback these goldens must record. Use an environment without it."
             )
+
+
+def seeded_reference_run(seed):
+    """Checks that the reference runs its PyTorch fallback, seeds torch's global generator (the
+    modules' own inits) and returns the generator every value of the fixture is drawn from."""
+    require_torch_fallback()
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    torch.set_default_dtype(torch.float32)
+    return gen
 
 
 def make_config(**overrides):
@@ -94,31 +126,79 @@ def randomise_hc(hc, gen):
         hc.scale.copy_(torch.empty(3).uniform_(0.5, 1.5, generator=gen))
 
 
-def cu_seqlens(docs):
-    out = [0]
-    for n in docs:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
+def make_norms(cfg, gen):
+    """The normalisations with seeded weights, and their inputs: x [NORM_ROWS, HIDDEN] for the
+    RMS, un-weighted RMS, LayerNorm and L2 norms, gx and the gate gz [NORM_ROWS, NL, HL] for the
+    gated RMSNorm. Returns (x, rms, unweighted, gated, ln, gx, gz)."""
+    x = torch.randn(NORM_ROWS, HIDDEN, generator=gen) * 1.7 + 0.3
+    rms = ref.Glm5NextTextRMSNorm(HIDDEN, eps=cfg.rms_norm_eps)
+    unweighted = ref.Glm5NextTextUnweightedRMSNorm(eps=cfg.rms_norm_eps)
+    gated = ref.Glm5NextTextRMSNormGated(HEAD_DIM, eps=cfg.rms_norm_eps)
+    ln = torch.nn.LayerNorm(HIDDEN, eps=1e-6)  # the indexer's k_norm module
+    with torch.no_grad():
+        rms.weight.copy_(1.0 + 0.5 * torch.randn(HIDDEN, generator=gen))
+        gated.weight.copy_(1.0 + 0.5 * torch.randn(HEAD_DIM, generator=gen))
+        ln.weight.copy_(1.0 + 0.5 * torch.randn(HIDDEN, generator=gen))
+        ln.bias.copy_(0.5 * torch.randn(HIDDEN, generator=gen))
+    gx = torch.randn(NORM_ROWS, NUM_HEADS, HEAD_DIM, generator=gen)
+    gz = torch.randn(NORM_ROWS, NUM_HEADS, HEAD_DIM, generator=gen) * 2.0
+    return x, rms, unweighted, gated, ln, gx, gz
+
+
+def softplus_kda(attn, gen):
+    """The KDA mixer with the softplus forget gate (linear_lower_bound = None, no
+    linear_attn_config): `attn`'s weights except A_log and dt_bias; every 7th dt_bias pushes the
+    gate input past softplus' z > 20 (identity) branch."""
+    cfg_sp = make_config(linear_lower_bound=None)
+    assert cfg_sp.linear_lower_bound is None
+    attn_sp = ref.Glm5NextTextLinearAttention(cfg_sp, layer_idx=0).eval()
+    attn_sp.load_state_dict(attn.state_dict())
+    with torch.no_grad():
+        attn_sp.forget_gate.A_log.copy_(torch.empty(NUM_HEADS).uniform_(-2.0, 0.5, generator=gen))
+        dt = torch.randn(NUM_HEADS * HEAD_DIM, generator=gen) * 0.7 - 2.0
+        dt[::7] = 24.0
+        attn_sp.forget_gate.dt_bias.copy_(dt)
+    return attn_sp
+
+
+def kda_decoder_layer(cfg, attn, gen):
+    """Decoder layer 0 (a KDA layer) with `attn`'s weights and its FFN replaced by the identity,
+    so that a fixture covers exactly hc_pre -> RMSNorm -> KDA -> hc_post -> hc_pre -> RMSNorm ->
+    hc_post; seeded hyper-connections and norm weights."""
+    layer = ref.Glm5NextTextDecoderLayer(cfg, layer_idx=0).eval()
+    assert layer.block_type == "linear_attention"
+    layer.self_attn.load_state_dict(attn.state_dict())
+    layer.mlp = torch.nn.Identity()
+    randomise_hc(layer.attn_hc, gen)
+    randomise_hc(layer.ffn_hc, gen)
+    with torch.no_grad():
+        layer.input_layernorm.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN, generator=gen))
+        layer.post_attention_layernorm.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN, generator=gen))
+    return layer
+
+
+# Module attribute paths of the KDA parameters, in KdaParams order and naming.
+KDA_PARAMS = {
+    "q_proj": "q_proj.weight",
+    "k_proj": "k_proj.weight",
+    "v_proj": "v_proj.weight",
+    "conv1d": "conv1d.weight",
+    "f_a_proj": "forget_gate.f_a_proj.weight",
+    "f_b_proj": "forget_gate.f_b_proj.weight",
+    "dt_bias": "forget_gate.dt_bias",
+    "A_log": "forget_gate.A_log",
+    "b_proj": "b_proj.weight",
+    "g_a_proj": "g_a_proj.weight",
+    "g_b_proj": "g_b_proj.weight",
+    "o_norm": "o_norm.weight",
+    "o_proj": "o_proj.weight",
+}
 
 
 def kda_params(attn, prefix, out):
-    names = {
-        "q_proj": attn.q_proj.weight,
-        "k_proj": attn.k_proj.weight,
-        "v_proj": attn.v_proj.weight,
-        "conv1d": attn.conv1d.weight,
-        "f_a_proj": attn.forget_gate.f_a_proj.weight,
-        "f_b_proj": attn.forget_gate.f_b_proj.weight,
-        "dt_bias": attn.forget_gate.dt_bias,
-        "A_log": attn.forget_gate.A_log,
-        "b_proj": attn.b_proj.weight,
-        "g_a_proj": attn.g_a_proj.weight,
-        "g_b_proj": attn.g_b_proj.weight,
-        "o_norm": attn.o_norm.weight,
-        "o_proj": attn.o_proj.weight,
-    }
-    for k, v in names.items():
-        out[f"{prefix}.{k}"] = v.detach().clone()
+    """Stores the KDA parameters of `attn` as `<prefix>.<KdaParams name>`."""
+    for name, path in KDA_PARAMS.items():
+        out[f"{prefix}.{name}"] = attn.get_parameter(path).detach().clone()
 
 
 def run_kda_docs(attn, x, docs, record):
@@ -163,31 +243,14 @@ def run_kda_docs(attn, x, docs, record):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    here = os.path.dirname(os.path.abspath(__file__))
-    parser.add_argument("--out", default=os.path.join(here, "..", "..", "tests", "golden", "ops",
-                                                      "kda_mhc.safetensors"))
-    args = parser.parse_args()
-    require_torch_fallback()
-    torch.manual_seed(SEED)
-    gen = torch.Generator().manual_seed(SEED)
-    torch.set_default_dtype(torch.float32)
+    out_path = parse_out_arg(__doc__, "kda_mhc.safetensors")
+    gen = seeded_reference_run(SEED)
     out = {}
 
     # --- norms -------------------------------------------------------------------------------
     cfg = make_config()
-    x = torch.randn(NORM_ROWS, HIDDEN, generator=gen) * 1.7 + 0.3
-    rms = ref.Glm5NextTextRMSNorm(HIDDEN, eps=cfg.rms_norm_eps)
-    unweighted = ref.Glm5NextTextUnweightedRMSNorm(eps=cfg.rms_norm_eps)
-    gated = ref.Glm5NextTextRMSNormGated(HEAD_DIM, eps=cfg.rms_norm_eps)
-    ln = torch.nn.LayerNorm(HIDDEN, eps=1e-6)  # the indexer's k_norm module
+    x, rms, unweighted, gated, ln, gx, gz = make_norms(cfg, gen)
     with torch.no_grad():
-        rms.weight.copy_(1.0 + 0.5 * torch.randn(HIDDEN, generator=gen))
-        gated.weight.copy_(1.0 + 0.5 * torch.randn(HEAD_DIM, generator=gen))
-        ln.weight.copy_(1.0 + 0.5 * torch.randn(HIDDEN, generator=gen))
-        ln.bias.copy_(0.5 * torch.randn(HIDDEN, generator=gen))
-        gx = torch.randn(NORM_ROWS, NUM_HEADS, HEAD_DIM, generator=gen)
-        gz = torch.randn(NORM_ROWS, NUM_HEADS, HEAD_DIM, generator=gen) * 2.0
         out.update({
             "norm.x": x,
             "norm.rms_weight": rms.weight.detach().clone(),
@@ -242,17 +305,7 @@ def main():
     for k, v in parts.items():
         out[f"kda.{k}"] = v
 
-    # Softplus forget gate (linear_lower_bound = None, no linear_attn_config): same weights except
-    # A_log and dt_bias; a few dt_bias entries push the gate input past softplus' z > 20 branch.
-    cfg_sp = make_config(linear_lower_bound=None)
-    assert cfg_sp.linear_lower_bound is None
-    attn_sp = ref.Glm5NextTextLinearAttention(cfg_sp, layer_idx=0).eval()
-    attn_sp.load_state_dict(attn.state_dict())
-    with torch.no_grad():
-        attn_sp.forget_gate.A_log.copy_(torch.empty(NUM_HEADS).uniform_(-2.0, 0.5, generator=gen))
-        dt = torch.randn(NUM_HEADS * HEAD_DIM, generator=gen) * 0.7 - 2.0
-        dt[::7] = 24.0
-        attn_sp.forget_gate.dt_bias.copy_(dt)
+    attn_sp = softplus_kda(attn, gen)
     y_sp, parts_sp = run_kda_docs(attn_sp, kx, KDA_DOCS, ["g"])
     out["kda_softplus.A_log"] = attn_sp.forget_gate.A_log.detach().clone()
     out["kda_softplus.dt_bias"] = attn_sp.forget_gate.dt_bias.detach().clone()
@@ -260,18 +313,8 @@ def main():
     out["kda_softplus.g"] = parts_sp["g"]
 
     # --- one decoder layer: mHC around KDA and around an identity FFN --------------------------
-    # Layer 0 is a KDA layer. The FFN is replaced by the identity so that the golden covers
-    # exactly hc_pre -> RMSNorm -> KDA -> hc_post -> hc_pre -> RMSNorm -> hc_post; the KDA weights
-    # are the ones stored under "kda.".
-    layer = ref.Glm5NextTextDecoderLayer(cfg, layer_idx=0).eval()
-    assert layer.block_type == "linear_attention"
-    layer.self_attn.load_state_dict(attn.state_dict())
-    layer.mlp = torch.nn.Identity()
-    randomise_hc(layer.attn_hc, gen)
-    randomise_hc(layer.ffn_hc, gen)
-    with torch.no_grad():
-        layer.input_layernorm.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN, generator=gen))
-        layer.post_attention_layernorm.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN, generator=gen))
+    # The KDA weights are the ones stored under "kda.".
+    layer = kda_decoder_layer(cfg, attn, gen)
     tl = sum(LAYER_DOCS)
     lx = torch.randn(tl, HC_MULT, HIDDEN, generator=gen)
     outs, start = [], 0
@@ -291,30 +334,16 @@ def main():
     out["layer.input_layernorm"] = layer.input_layernorm.weight.detach().clone()
     out["layer.post_attention_layernorm"] = layer.post_attention_layernorm.weight.detach().clone()
 
-    for k, v in out.items():
-        assert torch.isfinite(v.float()).all(), k
-        if v.dtype.is_floating_point:
-            assert v.abs().max() > 0, f"{k} is all zero"
+    assert_finite_and_nonzero(out)
     out = {k: v.contiguous() for k, v in out.items()}
-    # One metadata key: safetensors writes several in hash order, which would make the file's bytes
-    # differ between runs with identical tensors.
-    meta = {"glmtune_golden": json.dumps({
+    save_fixture(out, out_path, "glmtune_golden", {
         "generator": "tools/golden/ops_kda_mhc.py",
         "reference": "transformers 5.17.0 glm5_next, torch fallback (chunk_kimi_delta_attention)",
         "seed": SEED,
-        "config": {"hidden_size": HIDDEN, "linear_num_heads": NUM_HEADS,
-                   "linear_head_dim": HEAD_DIM, "hc_mult": HC_MULT,
-                   "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-5, "hc_eps": 1e-6,
-                   "hc_sinkhorn_iters": 20, "linear_lower_bound": -5.0,
-                   "kda_softplus.linear_lower_bound": None},
+        "config": FIXTURE_CONFIG,
         "kda_docs": KDA_DOCS,
         "layer_docs": LAYER_DOCS,
-    }, sort_keys=True)}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    save_file(out, args.out, metadata=meta)
-    size = os.path.getsize(args.out)
-    print(f"wrote {os.path.normpath(args.out)}: {len(out)} tensors, {size} bytes")
-    assert size < 1_000_000, "fixture must stay below 1 MB"
+    }, max_bytes=1_000_000)
 
 
 if __name__ == "__main__":

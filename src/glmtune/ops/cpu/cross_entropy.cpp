@@ -5,14 +5,12 @@
 #include <limits>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
-
-bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
 
 // Labels widened to int64 and checked: −100 or a vocabulary row. A bad label comes from the data
 // (or a vocabulary mismatch), so it is a glmtune::Error.
@@ -127,15 +125,21 @@ double fused_pass(const Tensor& hidden, const Tensor& weight, const std::vector<
   return total;
 }
 
-}  // namespace
-
-CrossEntropyResult cross_entropy_forward(const Tensor& logits, const Tensor& labels,
-                                         const CrossEntropyOptions& opts) {
+// The logits (a CPU [T, V] tensor in f32 or f64) checked and the labels read against them: the
+// entry checks of cross_entropy_forward and cross_entropy_backward.
+std::vector<int64_t> read_logits_labels(const Tensor& logits, const Tensor& labels) {
   GLMTUNE_ASSERT(logits.defined() && logits.dim() == 2 && logits.device().is_cpu() &&
                      is_compute_dtype(logits.dtype()),
                  "cross-entropy logits must be a CPU [T, V] tensor in f32 or f64, got {}",
                  describe(logits));
-  const std::vector<int64_t> lab = read_labels(labels, logits.size(0), logits.size(1));
+  return read_labels(labels, logits.size(0), logits.size(1));
+}
+
+}  // namespace
+
+CrossEntropyResult cross_entropy_forward(const Tensor& logits, const Tensor& labels,
+                                         const CrossEntropyOptions& opts) {
+  const std::vector<int64_t> lab = read_logits_labels(logits, labels);
   CrossEntropyResult r = make_result(opts, count_labels(lab));
   const Tensor z = logits.contiguous();
   r.loss_sum = z.dtype() == DType::f32 ? logits_pass<float>(z, lab, 0, nullptr)
@@ -146,11 +150,7 @@ CrossEntropyResult cross_entropy_forward(const Tensor& logits, const Tensor& lab
 
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& labels,
                               const CrossEntropyOptions& opts) {
-  GLMTUNE_ASSERT(logits.defined() && logits.dim() == 2 && logits.device().is_cpu() &&
-                     is_compute_dtype(logits.dtype()),
-                 "cross-entropy logits must be a CPU [T, V] tensor in f32 or f64, got {}",
-                 describe(logits));
-  const std::vector<int64_t> lab = read_labels(labels, logits.size(0), logits.size(1));
+  const std::vector<int64_t> lab = read_logits_labels(logits, labels);
   const CrossEntropyResult r = make_result(opts, count_labels(lab));
   const double coef = r.denominator > 0 ? opts.grad_scale / r.denominator : 0.0;
   const Tensor z = logits.contiguous();

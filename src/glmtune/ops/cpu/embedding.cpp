@@ -3,10 +3,11 @@
 #include <algorithm>
 #include <vector>
 
-namespace glmtune::ops {
-namespace {
+#include "glmtune/ops/cpu/common.h"
 
-std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
+namespace glmtune::ops {
+using namespace cpu_detail;
+namespace {
 
 void check_table(const Tensor& table) {
   GLMTUNE_ASSERT(table.defined() && table.dim() == 2 && table.device().is_cpu() &&

@@ -5,10 +5,12 @@
 #include <limits>
 #include <numeric>
 
+#include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
 
 // The reference's LayerNorm for the indexer keys hard-codes this eps (not rms_norm_eps).
@@ -17,21 +19,10 @@ constexpr double kKeyNormEps = 1e-6;
 // keeping the per-head products large enough for BLAS.
 constexpr int64_t kQueryBlock = 256;
 
-std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
-
 void check_param(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
   GLMTUNE_ASSERT(t.defined() && t.shape() == shape && t.dtype() == dtype && t.device().is_cpu(),
                  "indexer parameter {} must be a CPU {} tensor of shape {}, got {}", name,
                  dtype_name(dtype), shape_str(shape), describe(t));
-}
-
-// Larger score first, NaN above everything (torch.topk's order), ties by lower pool index.
-template <typename T>
-bool ranks_before(T va, int64_t ia, T vb, int64_t ib) {
-  const bool na = std::isnan(va), nb = std::isnan(vb);
-  if (na != nb) return na;
-  if (!na && va != vb) return va > vb;
-  return ia < ib;
 }
 
 template <typename T>

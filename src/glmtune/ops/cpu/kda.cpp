@@ -4,47 +4,15 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/kda_common.h"
+#include "glmtune/ops/indexer.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-void check_float(const Tensor& t, const char* what, const char* op) {
-  GLMTUNE_ASSERT(t.defined(), "{}: {} is undefined", op, what);
-  GLMTUNE_ASSERT(t.device().is_cpu(), "{}: CPU kernel got {} {}", op, what, t.str());
-  GLMTUNE_ASSERT(t.dtype() == DType::f32 || t.dtype() == DType::f64,
-                 "{}: CPU kernels compute in f32 or f64, got {} {}", op, what, t.str());
-}
-
-// Document boundaries as int64, validated against the token count. A malformed table would make
-// documents overlap or read past the pack, so it is rejected with the offending entry named.
-std::vector<int64_t> read_cu_seqlens(const Tensor& cu, int64_t tokens, const char* op) {
-  if (!cu.defined() || cu.dim() != 1 || cu.size(0) < 2 ||
-      (cu.dtype() != DType::i32 && cu.dtype() != DType::i64) || !cu.device().is_cpu())
-    throw Error(fmt::format("cu_seqlens must be a CPU int32/int64 vector [ndoc + 1], got {}",
-                            cu.defined() ? cu.str() : "an undefined tensor"),
-                op, "pass the pack's document offsets: [0, end of doc 0, ..., T]");
-  Tensor c = cu.contiguous();
-  std::vector<int64_t> out(size_t(c.size(0)));
-  for (size_t i = 0; i < out.size(); ++i)
-    out[i] = c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[i]) : c.data<int64_t>()[i];
-  if (out.front() != 0 || out.back() != tokens)
-    throw Error(fmt::format("cu_seqlens runs from {} to {} but the pack has {} tokens", out.front(),
-                            out.back(), tokens),
-                op, "cu_seqlens must start at 0 and end at the number of tokens");
-  for (size_t i = 1; i < out.size(); ++i)
-    if (out[i] < out[i - 1])
-      throw Error(
-          fmt::format("cu_seqlens decreases at entry {} ({} after {})", i, out[i], out[i - 1]), op,
-          "document offsets must be non-decreasing");
-  return out;
-}
-
-template <typename T>
-T sigmoid(T v) {
-  return T(1) / (T(1) + std::exp(-v));
-}
 
 template <typename T>
 void conv_kernel(const T* x, const T* w, const std::vector<int64_t>& cu, int64_t c, int64_t kc,
@@ -70,25 +38,13 @@ void conv_kernel(const T* x, const T* w, const std::vector<int64_t>& cu, int64_t
 template <typename T>
 void gate_kernel(const T* graw, const T* dt_bias, const T* a_log, int64_t n, int64_t nl, int64_t hl,
                  std::optional<double> lb, T* g) {
-  const int64_t ql = nl * hl;
-#pragma omp parallel for schedule(static) if (n * ql > 65536)
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t h = 0; h < nl; ++h) {
-      const T rate = std::exp(a_log[h]);
-      for (int64_t a = 0; a < hl; ++a) {
-        const int64_t i = t * ql + h * hl + a;
-        const T z = graw[i] + dt_bias[h * hl + a];
-        if (lb) {
-          g[i] = T(*lb) * sigmoid(rate * z);
-        } else {
-          // The reference's thresholded softplus, written log(1 + exp(z)) (not log1p) to round
-          // as it does; above 20 the branch avoids exp overflow.
-          const T sp = z > T(20) ? z : std::log(T(1) + std::exp(z));
-          g[i] = -rate * sp;
-        }
-      }
-    }
-  }
+  for_each_gate_entry(graw, dt_bias, a_log, n, nl, hl, /*parallel=*/true,
+                      [&](int64_t i, int64_t, int64_t, T rate, T z) {
+                        if (lb)
+                          g[i] = T(*lb) * sigmoid(rate * z);
+                        else
+                          g[i] = -rate * softplus_thresholded(z);
+                      });
 }
 
 // Strided per-(token, head) access into [T, NL, X] tensors.
@@ -249,25 +205,6 @@ void chunked_head(const HeadView<T>& q, const HeadView<T>& k, const HeadView<T>&
   if (state) std::copy(s.begin(), s.end(), state);
 }
 
-struct CoreShapes {
-  int64_t tokens, heads, kd, vd;
-};
-
-CoreShapes check_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                      const Tensor& beta, const char* op) {
-  for (const Tensor* t : {&q, &k, &v, &g, &beta}) check_float(*t, "operand", op);
-  for (const Tensor* t : {&k, &v, &g, &beta})
-    GLMTUNE_ASSERT(t->dtype() == q.dtype(), "{}: operand {} must have the dtype of q {}", op,
-                   t->str(), q.str());
-  GLMTUNE_ASSERT(q.dim() == 3 && k.shape() == q.shape() && g.shape() == q.shape(),
-                 "{}: q {}, k {}, g {} must all be [T, NL, K]", op, q.str(), k.str(), g.str());
-  GLMTUNE_ASSERT(v.dim() == 3 && v.size(0) == q.size(0) && v.size(1) == q.size(1),
-                 "{}: v {} must be [T, NL, V] for q {}", op, v.str(), q.str());
-  GLMTUNE_ASSERT(beta.dim() == 2 && beta.size(0) == q.size(0) && beta.size(1) == q.size(1),
-                 "{}: beta {} must be [T, NL] for q {}", op, beta.str(), q.str());
-  return {q.size(0), q.size(1), q.size(2), v.size(2)};
-}
-
 template <typename T>
 Tensor run_core(bool chunked, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                 const Tensor& g_in, const Tensor& beta_in, const std::vector<int64_t>& cu,
@@ -349,10 +286,7 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
                  weight.str(), x.str());
   GLMTUNE_ASSERT(x.dim() == 2, "{}: x {} must be [T, C]", op, x.str());
   const int64_t c = x.size(1);
-  const bool shape_ok = (weight.dim() == 2 && weight.size(0) == c) ||
-                        (weight.dim() == 3 && weight.size(0) == c && weight.size(1) == 1);
-  GLMTUNE_ASSERT(shape_ok, "{}: weight {} must be [C={}, Kc] or [C, 1, Kc]", op, weight.str(), c);
-  const int64_t kc = weight.size(-1);
+  const int64_t kc = conv_taps(weight, c, op);
   std::vector<int64_t> cu = read_cu_seqlens(cu_seqlens, x.size(0), op);
   Tensor xc = x.contiguous(), wc = weight.contiguous();
   Tensor y = Tensor::empty(x.shape(), x.dtype());

@@ -6,56 +6,16 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/kda_common.h"
+#include "glmtune/ops/indexer.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-void check_float(const Tensor& t, const char* what, const char* op) {
-  GLMTUNE_ASSERT(t.defined(), "{}: {} is undefined", op, what);
-  GLMTUNE_ASSERT(t.device().is_cpu(), "{}: CPU kernel got {} {}", op, what, t.str());
-  GLMTUNE_ASSERT(t.dtype() == DType::f32 || t.dtype() == DType::f64,
-                 "{}: CPU kernels compute in f32 or f64, got {} {}", op, what, t.str());
-}
-
-// Document offsets as int64, with the same validation as the forward.
-std::vector<int64_t> read_cu_seqlens(const Tensor& cu, int64_t tokens, const char* op) {
-  if (!cu.defined() || cu.dim() != 1 || cu.size(0) < 2 ||
-      (cu.dtype() != DType::i32 && cu.dtype() != DType::i64) || !cu.device().is_cpu())
-    throw Error(fmt::format("cu_seqlens must be a CPU int32/int64 vector [ndoc + 1], got {}",
-                            cu.defined() ? cu.str() : "an undefined tensor"),
-                op, "pass the pack's document offsets: [0, end of doc 0, ..., T]");
-  Tensor c = cu.contiguous();
-  std::vector<int64_t> out(size_t(c.size(0)));
-  for (size_t i = 0; i < out.size(); ++i)
-    out[i] = c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[i]) : c.data<int64_t>()[i];
-  if (out.front() != 0 || out.back() != tokens)
-    throw Error(fmt::format("cu_seqlens runs from {} to {} but the pack has {} tokens", out.front(),
-                            out.back(), tokens),
-                op, "cu_seqlens must start at 0 and end at the number of tokens");
-  for (size_t i = 1; i < out.size(); ++i)
-    if (out[i] < out[i - 1])
-      throw Error(
-          fmt::format("cu_seqlens decreases at entry {} ({} after {})", i, out[i], out[i - 1]), op,
-          "document offsets must be non-decreasing");
-  return out;
-}
-
-Tensor& grad_slot(Tensor& slot, const Tensor& param, const char* what, const char* op) {
-  if (!slot.defined()) slot = Tensor::zeros(param.shape(), param.dtype());
-  GLMTUNE_ASSERT(slot.shape() == param.shape() && slot.dtype() == param.dtype() &&
-                     slot.is_contiguous() && slot.device().is_cpu(),
-                 "{}: {} gradient {} must be a contiguous CPU tensor like {}", op, what, slot.str(),
-                 param.str());
-  return slot;
-}
-
-template <typename T>
-T sigmoid(T v) {
-  return T(1) / (T(1) + std::exp(-v));
-}
 
 // ---- conv + SiLU ------------------------------------------------------------------------------
 
@@ -114,44 +74,31 @@ void gate_backward_kernel(const T* graw, const T* dt_bias, const T* a_log, int64
                           T* dalog) {
   const int64_t ql = nl * hl;
   // dz per element (parallel over tokens), then the parameter sums in token order.
-#pragma omp parallel for schedule(static) if (n * ql > 65536)
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t h = 0; h < nl; ++h) {
-      const T rate = std::exp(a_log[h]);
-      for (int64_t a = 0; a < hl; ++a) {
-        const int64_t i = t * ql + h * hl + a;
-        const T z = graw[i] + dt_bias[h * hl + a];
-        if (lb) {
-          // g = LB·σ(rate·z): dg/dz = LB·σ(1−σ)·rate.
-          const T s = sigmoid(rate * z);
-          dz[i] = dg[i] * T(*lb) * s * (T(1) - s) * rate;
-        } else {
-          // g = −rate·softplus(z); the forward's branch z > 20 is the identity (slope 1), else
-          // d/dz log(1 + e^z) = σ(z).
-          dz[i] = -rate * dg[i] * (z > T(20) ? T(1) : sigmoid(z));
-        }
-      }
-    }
-  }
+  for_each_gate_entry(graw, dt_bias, a_log, n, nl, hl, /*parallel=*/true,
+                      [&](int64_t i, int64_t, int64_t, T rate, T z) {
+                        if (lb) {
+                          // g = LB·σ(rate·z): dg/dz = LB·σ(1−σ)·rate.
+                          const T s = sigmoid(rate * z);
+                          dz[i] = dg[i] * T(*lb) * s * (T(1) - s) * rate;
+                        } else {
+                          // g = −rate·softplus(z); the forward's branch z > 20 is the identity
+                          // (slope 1), else d/dz log(1 + e^z) = σ(z).
+                          dz[i] = -rate * dg[i] * (z > T(20) ? T(1) : sigmoid(z));
+                        }
+                      });
   std::vector<double> acc_dt(size_t(ql), 0.0), acc_a(size_t(nl), 0.0);
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t h = 0; h < nl; ++h) {
-      const T rate = std::exp(a_log[h]);
-      for (int64_t a = 0; a < hl; ++a) {
-        const int64_t i = t * ql + h * hl + a, ch = h * hl + a;
-        acc_dt[size_t(ch)] += double(dz[i]);
-        const T z = graw[i] + dt_bias[ch];
-        if (lb) {
-          // rate = e^{A_log}, so d rate / d A_log = rate and
-          // d/dA_log LB·σ(rate·z) = LB·σ(1−σ)·rate·z = (dg/dz)·z: the sum of dz·z.
-          acc_a[size_t(h)] += double(dz[i] * z);
-        } else {
-          // d/dA_log of −rate·softplus(z) is the value itself.
-          const T sp = z > T(20) ? z : std::log(T(1) + std::exp(z));
-          acc_a[size_t(h)] += double(dg[i] * (-rate * sp));
-        }
-      }
-    }
+  for_each_gate_entry(graw, dt_bias, a_log, n, nl, hl, /*parallel=*/false,
+                      [&](int64_t i, int64_t h, int64_t ch, T rate, T z) {
+                        acc_dt[size_t(ch)] += double(dz[i]);
+                        if (lb) {
+                          // rate = e^{A_log}, so d rate / d A_log = rate and
+                          // d/dA_log LB·σ(rate·z) = LB·σ(1−σ)·rate·z = (dg/dz)·z: the sum of dz·z.
+                          acc_a[size_t(h)] += double(dz[i] * z);
+                        } else {
+                          // d/dA_log of −rate·softplus(z) is the value itself.
+                          acc_a[size_t(h)] += double(dg[i] * (-rate * softplus_thresholded(z)));
+                        }
+                      });
   if (ddt)
     for (int64_t ch = 0; ch < ql; ++ch) ddt[ch] += T(acc_dt[size_t(ch)]);
   if (dalog)
@@ -504,19 +451,6 @@ void expect_saved(const Tensor& t, const Shape& shape, DType dt, const char* nam
                  name, t.defined() ? t.str() : "missing", dtype_name(dt), shape_str(shape));
 }
 
-void add_into(Tensor& acc, const Tensor& v) {
-  const int64_t n = acc.numel();
-  if (acc.dtype() == DType::f32) {
-    float* a = acc.data<float>();
-    const float* b = v.data<float>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  } else {
-    double* a = acc.data<double>();
-    const double* b = v.data<double>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  }
-}
-
 }  // namespace
 
 Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
@@ -531,10 +465,7 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
                  "{}: x {} and dy {} must be [T, C] of one dtype with weight {}", op, x.str(),
                  dy.str(), weight.str());
   const int64_t c = x.size(1);
-  const bool shape_ok = (weight.dim() == 2 && weight.size(0) == c) ||
-                        (weight.dim() == 3 && weight.size(0) == c && weight.size(1) == 1);
-  GLMTUNE_ASSERT(shape_ok, "{}: weight {} must be [C={}, Kc] or [C, 1, Kc]", op, weight.str(), c);
-  const int64_t kc = weight.size(-1);
+  const int64_t kc = conv_taps(weight, c, op);
   std::vector<int64_t> cu = read_cu_seqlens(cu_seqlens, x.size(0), op);
   Tensor pre;
   if (silu) {
@@ -602,16 +533,10 @@ KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor
                                   const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
                                   double scale, const Tensor& d_out, int64_t chunk_size) {
   const char* op = "kda_chunked_backward";
-  for (const Tensor* t : {&q, &k, &v, &g, &beta, &d_out}) check_float(*t, "operand", op);
-  for (const Tensor* t : {&k, &v, &g, &beta, &d_out})
-    GLMTUNE_ASSERT(t->dtype() == q.dtype(), "{}: operand {} must have the dtype of q {}", op,
-                   t->str(), q.str());
-  GLMTUNE_ASSERT(q.dim() == 3 && k.shape() == q.shape() && g.shape() == q.shape(),
-                 "{}: q {}, k {}, g {} must all be [T, NL, K]", op, q.str(), k.str(), g.str());
-  GLMTUNE_ASSERT(v.dim() == 3 && v.size(0) == q.size(0) && v.size(1) == q.size(1),
-                 "{}: v {} must be [T, NL, V] for q {}", op, v.str(), q.str());
-  GLMTUNE_ASSERT(beta.dim() == 2 && beta.size(0) == q.size(0) && beta.size(1) == q.size(1),
-                 "{}: beta {} must be [T, NL] for q {}", op, beta.str(), q.str());
+  check_core(q, k, v, g, beta, op);
+  check_float(d_out, "operand", op);
+  GLMTUNE_ASSERT(d_out.dtype() == q.dtype(), "{}: operand {} must have the dtype of q {}", op,
+                 d_out.str(), q.str());
   GLMTUNE_ASSERT(d_out.shape() == v.shape(), "{}: d_out {} must be shaped like v {}", op,
                  d_out.str(), v.str());
   GLMTUNE_ASSERT(chunk_size >= 1, "{}: chunk size {} must be positive", op, chunk_size);

@@ -4,34 +4,17 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/mhc_common.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-void check_float(const Tensor& t, const char* what, const char* op) {
-  GLMTUNE_ASSERT(t.defined(), "{}: {} is undefined", op, what);
-  GLMTUNE_ASSERT(t.device().is_cpu(), "{}: CPU kernel got {} {}", op, what, t.str());
-  GLMTUNE_ASSERT(t.dtype() == DType::f32 || t.dtype() == DType::f64,
-                 "{}: CPU kernels compute in f32 or f64, got {} {}", op, what, t.str());
-}
 
 void check_same_dtype(const Tensor& a, const Tensor& b, const char* what, const char* op) {
   GLMTUNE_ASSERT(a.dtype() == b.dtype(), "{}: {} {} must have the dtype of {}", op, what, b.str(),
                  a.str());
-}
-
-// Number of tokens in the leading dims of a tensor whose trailing `tail` dims are fixed.
-int64_t leading(const Tensor& t, int64_t tail) {
-  int64_t n = 1;
-  for (int64_t d = 0; d + tail < t.dim(); ++d) n *= t.size(d);
-  return n;
-}
-
-Shape leading_shape(const Tensor& t, int64_t tail, std::initializer_list<int64_t> append) {
-  Shape s(t.shape().begin(), t.shape().end() - tail);
-  s.insert(s.end(), append);
-  return s;
 }
 
 bool same_leading(const Tensor& a, int64_t tail_a, const Tensor& b, int64_t tail_b) {
@@ -41,27 +24,11 @@ bool same_leading(const Tensor& a, int64_t tail_a, const Tensor& b, int64_t tail
   return true;
 }
 
-template <typename T>
-T sigmoid(T v) {
-  return T(1) / (T(1) + std::exp(-v));
-}
-
 // One token's H×H Sinkhorn projection, in place on c (row-major, c[i*h + j]). On entry c holds
 // the logits; on exit the projected matrix. `init`, if given, receives softmax + eps.
 template <typename T>
 void sinkhorn_token(T* c, int64_t h, int64_t iters, T eps, T* init) {
-  // Row softmax (max-shifted, as torch), then eps on every entry.
-  for (int64_t i = 0; i < h; ++i) {
-    T* row = c + i * h;
-    T mx = row[0];
-    for (int64_t j = 1; j < h; ++j) mx = std::max(mx, row[j]);
-    T sum = 0;
-    for (int64_t j = 0; j < h; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
-    for (int64_t j = 0; j < h; ++j) row[j] = row[j] / sum + eps;
-  }
+  sinkhorn_start(c, h, eps, c);
   if (init) std::copy(c, c + h * h, init);
   auto column_step = [&] {
     for (int64_t j = 0; j < h; ++j) {

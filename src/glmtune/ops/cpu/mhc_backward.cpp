@@ -6,30 +6,14 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/mhc_common.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mhc.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-void check_float(const Tensor& t, const char* what, const char* op) {
-  GLMTUNE_ASSERT(t.defined(), "{}: {} is undefined", op, what);
-  GLMTUNE_ASSERT(t.device().is_cpu(), "{}: CPU kernel got {} {}", op, what, t.str());
-  GLMTUNE_ASSERT(t.dtype() == DType::f32 || t.dtype() == DType::f64,
-                 "{}: CPU kernels compute in f32 or f64, got {} {}", op, what, t.str());
-}
-
-int64_t leading(const Tensor& t, int64_t tail) {
-  int64_t n = 1;
-  for (int64_t d = 0; d + tail < t.dim(); ++d) n *= t.size(d);
-  return n;
-}
-
-Shape leading_shape(const Tensor& t, int64_t tail, std::initializer_list<int64_t> append) {
-  Shape s(t.shape().begin(), t.shape().end() - tail);
-  s.insert(s.end(), append);
-  return s;
-}
 
 // `g`, when defined, must have exactly the shape of the forward output it is the gradient of.
 Tensor check_grad(const Tensor& g, const Shape& shape, DType dtype, const char* what,
@@ -39,25 +23,6 @@ Tensor check_grad(const Tensor& g, const Shape& shape, DType dtype, const char* 
   GLMTUNE_ASSERT(g.dtype() == dtype && g.shape() == shape, "{}: {} {} must be {}{}", op, what,
                  g.str(), dtype_name(dtype), shape_str(shape));
   return g.contiguous();
-}
-
-Tensor& grad_slot(Tensor& slot, const Tensor& param, const char* what, const char* op) {
-  if (!slot.defined()) slot = Tensor::zeros(param.shape(), param.dtype());
-  GLMTUNE_ASSERT(slot.shape() == param.shape() && slot.dtype() == param.dtype() &&
-                     slot.is_contiguous() && slot.device().is_cpu(),
-                 "{}: {} gradient {} must be a contiguous CPU tensor like {}", op, what, slot.str(),
-                 param.str());
-  return slot;
-}
-
-template <typename T>
-T sigmoid(T v) {
-  return T(1) / (T(1) + std::exp(-v));
-}
-
-template <typename T>
-const T* ptr_or_null(const Tensor& t) {
-  return t.defined() ? t.data<T>() : nullptr;
 }
 
 // Backward of one token's Sinkhorn projection. `start` is softmax + eps (the forward's state
@@ -122,21 +87,6 @@ void sinkhorn_backward_token(const T* start, const T* logits, int64_t h, int64_t
 }
 
 // The softmax + eps start of the projection, as sinkhorn_token computes it.
-template <typename T>
-void sinkhorn_start(const T* logits, int64_t h, T eps, T* out) {
-  for (int64_t i = 0; i < h; ++i) {
-    const T* l = logits + i * h;
-    T mx = l[0];
-    for (int64_t j = 1; j < h; ++j) mx = std::max(mx, l[j]);
-    T sum = 0;
-    for (int64_t j = 0; j < h; ++j) {
-      out[i * h + j] = std::exp(l[j] - mx);
-      sum += out[i * h + j];
-    }
-    for (int64_t j = 0; j < h; ++j) out[i * h + j] = out[i * h + j] / sum + eps;
-  }
-}
-
 template <typename T>
 Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Tensor& base_in,
                            const Tensor& scale_in, const MhcOptions& o, const MhcPreSaved& sv,

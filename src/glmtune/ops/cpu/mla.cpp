@@ -5,23 +5,14 @@
 #include <limits>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/mla_common.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
-
-void check_param(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
-  GLMTUNE_ASSERT(t.defined() && t.shape() == shape && t.dtype() == dtype && t.device().is_cpu(),
-                 "MLA parameter {} must be a CPU {} tensor of shape {}, got {}", name,
-                 dtype_name(dtype), shape_str(shape), describe(t));
-}
-
-void check_optional(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
-  if (t.defined()) check_param(t, shape, dtype, name);
-}
 
 // Shapes and dtypes shared by both attention paths; returns the document bounds and, per token,
 // the document it belongs to. Every index is validated here, outside any parallel region (an
@@ -33,15 +24,7 @@ struct AttentionPlan {
 
 AttentionPlan plan_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& indices, const Tensor& cu_seqlens) {
-  GLMTUNE_ASSERT(q.defined() && q.dim() == 3 && q.device().is_cpu() &&
-                     (q.dtype() == DType::f32 || q.dtype() == DType::f64),
-                 "attention q must be a CPU [T, NH, Dqk] tensor in f32 or f64, got {}",
-                 describe(q));
-  GLMTUNE_ASSERT(k.defined() && k.shape() == q.shape() && k.dtype() == q.dtype(),
-                 "attention k {} must match q {}", describe(k), q.str());
-  GLMTUNE_ASSERT(v.defined() && v.dim() == 3 && v.size(0) == q.size(0) && v.size(1) == q.size(1) &&
-                     v.dtype() == q.dtype(),
-                 "attention v {} must be [T, NH, Dv] like q {}", describe(v), q.str());
+  check_attention_qkv(q, k, v);
   GLMTUNE_ASSERT(indices.defined() && indices.dtype() == DType::i32 && indices.dim() == 2 &&
                      indices.size(0) == q.size(0) && indices.device().is_cpu(),
                  "attention indices must be int32 [T, W] for q {}, got {}", q.str(),
@@ -102,19 +85,7 @@ void sparse_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, cons
         std::fill_n(oh, dv, T(0));
         if (n == 0) continue;  // no visible key: the output row stays 0
         const T* qh = q + (i * heads + h) * dqk;
-        T mx = -std::numeric_limits<T>::infinity();
-        for (size_t j = 0; j < n; ++j) {
-          const T* kj = k + (keys[j] * heads + h) * dqk;
-          T dot = T(0);
-          for (int64_t c = 0; c < dqk; ++c) dot += qh[c] * kj[c];
-          prob[j] = dot * scale;
-          mx = std::max(mx, prob[j]);
-        }
-        T sum = T(0);
-        for (size_t j = 0; j < n; ++j) {
-          prob[j] = std::exp(prob[j] - mx);
-          sum += prob[j];
-        }
+        const T sum = softmax_numerators(qh, k, keys.data(), n, heads, h, dqk, scale, prob.data());
         // Normalise first, then weight the values: the reference's softmax-then-matmul order.
         for (size_t j = 0; j < n; ++j) {
           const T pj = prob[j] / sum;
@@ -189,18 +160,6 @@ Tensor attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, con
   return out;
 }
 
-// Attention and output projection over precomputed projections.
-MlaOutput attend(const MlaConfig& cfg, const MlaParams& params, MlaProjections proj,
-                 const Tensor& indices, const Tensor& cu_seqlens) {
-  MlaOutput out;
-  const int64_t tokens = proj.q.size(0);
-  out.attn = sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, cfg.softmax_scale())
-                 .view({tokens, cfg.n_heads * cfg.v_head_dim});
-  out.y = linear(out.attn, params.o_proj, params.o_proj_bias);
-  out.proj = std::move(proj);
-  return out;
-}
-
 }  // namespace
 
 double MlaConfig::softmax_scale() const { return 1.0 / std::sqrt(double(qk_nope_head_dim)); }
@@ -209,23 +168,9 @@ MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const 
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.device().is_cpu() &&
                      (x.dtype() == DType::f32 || x.dtype() == DType::f64),
                  "MLA input must be a CPU [T, D] tensor in f32 or f64, got {}", describe(x));
-  GLMTUNE_ASSERT(cfg.n_heads > 0 && cfg.q_lora_rank > 0 && cfg.kv_lora_rank > 0 &&
-                     cfg.qk_nope_head_dim > 0 && cfg.v_head_dim > 0,
-                 "MLA config dimensions must be positive");
-  const DType dt = x.dtype();
-  const int64_t tokens = x.size(0), dim = x.size(1), nh = cfg.n_heads;
-  const int64_t rq = cfg.q_lora_rank, rkv = cfg.kv_lora_rank;
+  check_mla_params(cfg, params, x.size(1), x.dtype());
+  const int64_t tokens = x.size(0), nh = cfg.n_heads;
   const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-  check_param(params.q_a_proj, {rq, dim}, dt, "q_a_proj.weight");
-  check_optional(params.q_a_proj_bias, {rq}, dt, "q_a_proj.bias");
-  check_param(params.q_a_layernorm, {rq}, dt, "q_a_layernorm.weight");
-  check_param(params.q_b_proj, {nh * dn, rq}, dt, "q_b_proj.weight");
-  check_param(params.kv_a_proj_with_mqa, {rkv, dim}, dt, "kv_a_proj_with_mqa.weight");
-  check_optional(params.kv_a_proj_with_mqa_bias, {rkv}, dt, "kv_a_proj_with_mqa.bias");
-  check_param(params.kv_a_layernorm, {rkv}, dt, "kv_a_layernorm.weight");
-  check_param(params.kv_b_proj, {nh * (dn + dv), rkv}, dt, "kv_b_proj.weight");
-  check_param(params.o_proj, {dim, nh * dv}, dt, "o_proj.weight");
-  check_optional(params.o_proj_bias, {dim}, dt, "o_proj.bias");
 
   MlaProjections p;
   p.q_resid = rms_norm(linear(x, params.q_a_proj, params.q_a_proj_bias), params.q_a_layernorm,
@@ -262,15 +207,7 @@ DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg
                       const Tensor& prev_indices) {
   MlaProjections proj = mla_project(mla_cfg, params.mla, x);
   DsaOutput out;
-  if (params.indexer.defined()) {
-    out.indices = indexer_forward(indexer_cfg, params.indexer, x, proj.q_resid, cu_seqlens);
-  } else {
-    if (!prev_indices.defined())
-      throw Error("a DSA layer without its own indexer got no indices from the layer before it",
-                  "indexer_types",
-                  "mark the layer \"full\", or place it right after a \"full\" DSA layer");
-    out.indices = prev_indices;
-  }
+  out.indices = dsa_indices(indexer_cfg, params.indexer, x, proj.q_resid, cu_seqlens, prev_indices);
   out.y = attend(mla_cfg, params.mla, std::move(proj), out.indices, cu_seqlens).y;
   return out;
 }

@@ -3,62 +3,17 @@
 // gradients), kv_b_proj, both RMSNorms and the a/b projections. The indexer is not differentiated.
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/mla_common.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mla.h"
 #include "glmtune/ops/norm.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
-
-std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
-
-// acc += t, both contiguous of one shape and dtype (f32 or f64).
-void add_into(Tensor& acc, const Tensor& t) {
-  const int64_t n = acc.numel();
-  if (acc.dtype() == DType::f32) {
-    float* a = acc.data<float>();
-    const float* b = t.data<float>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  } else {
-    double* a = acc.data<double>();
-    const double* b = t.data<double>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  }
-}
-
-void check_param(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
-  GLMTUNE_ASSERT(t.defined() && t.shape() == shape && t.dtype() == dtype && t.device().is_cpu(),
-                 "MLA parameter {} must be a CPU {} tensor of shape {}, got {}", name,
-                 dtype_name(dtype), shape_str(shape), describe(t));
-}
-
-void check_optional(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
-  if (t.defined()) check_param(t, shape, dtype, name);
-}
-
-void check_params(const MlaConfig& cfg, const MlaParams& params, int64_t dim, DType dt) {
-  GLMTUNE_ASSERT(cfg.n_heads > 0 && cfg.q_lora_rank > 0 && cfg.kv_lora_rank > 0 &&
-                     cfg.qk_nope_head_dim > 0 && cfg.v_head_dim > 0,
-                 "MLA config dimensions must be positive");
-  const int64_t nh = cfg.n_heads, rq = cfg.q_lora_rank, rkv = cfg.kv_lora_rank;
-  const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-  check_param(params.q_a_proj, {rq, dim}, dt, "q_a_proj.weight");
-  check_optional(params.q_a_proj_bias, {rq}, dt, "q_a_proj.bias");
-  check_param(params.q_a_layernorm, {rq}, dt, "q_a_layernorm.weight");
-  check_param(params.q_b_proj, {nh * dn, rq}, dt, "q_b_proj.weight");
-  check_param(params.kv_a_proj_with_mqa, {rkv, dim}, dt, "kv_a_proj_with_mqa.weight");
-  check_optional(params.kv_a_proj_with_mqa_bias, {rkv}, dt, "kv_a_proj_with_mqa.bias");
-  check_param(params.kv_a_layernorm, {rkv}, dt, "kv_a_layernorm.weight");
-  check_param(params.kv_b_proj, {nh * (dn + dv), rkv}, dt, "kv_b_proj.weight");
-  check_param(params.o_proj, {dim, nh * dv}, dt, "o_proj.weight");
-  check_optional(params.o_proj_bias, {dim}, dt, "o_proj.bias");
-}
 
 // Per query, its visible keys as a sorted set (CSR): the forward's union semantics, so a repeated
 // entry contributes once. Validates every entry against the query's document, outside any
@@ -133,19 +88,7 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
         const T* doh = dout + (i * heads + h) * dv;
         prob.resize(n);
         dprob.resize(n);
-        T mx = -std::numeric_limits<T>::infinity();
-        for (size_t j = 0; j < n; ++j) {
-          const T* kj = k + (keys[j] * heads + h) * dqk;
-          T dot = T(0);
-          for (int64_t c = 0; c < dqk; ++c) dot += qh[c] * kj[c];
-          prob[j] = dot * scale;
-          mx = std::max(mx, prob[j]);
-        }
-        T sum = T(0);
-        for (size_t j = 0; j < n; ++j) {
-          prob[j] = std::exp(prob[j] - mx);
-          sum += prob[j];
-        }
+        const T sum = softmax_numerators(qh, k, keys, n, heads, h, dqk, scale, prob.data());
         T row_dot = T(0);
         for (size_t j = 0; j < n; ++j) {
           prob[j] /= sum;
@@ -219,7 +162,7 @@ MlaProjections project_with_context(const MlaConfig& cfg, const MlaParams& param
                                     MlaContext& ctx) {
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.device().is_cpu() && is_compute_dtype(x.dtype()),
                  "MLA input must be a CPU [T, D] tensor in f32 or f64, got {}", describe(x));
-  check_params(cfg, params, x.size(1), x.dtype());
+  check_mla_params(cfg, params, x.size(1), x.dtype());
   const int64_t tokens = x.size(0), nh = cfg.n_heads;
   const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
   ctx.x = x;
@@ -237,12 +180,7 @@ MlaProjections project_with_context(const MlaConfig& cfg, const MlaParams& param
 
 MlaOutput attend_with_context(const MlaConfig& cfg, const MlaParams& params, MlaProjections proj,
                               const Tensor& indices, const Tensor& cu_seqlens, MlaContext& ctx) {
-  MlaOutput out;
-  const int64_t tokens = proj.q.size(0);
-  out.attn = sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, cfg.softmax_scale())
-                 .view({tokens, cfg.n_heads * cfg.v_head_dim});
-  out.y = linear(out.attn, params.o_proj, params.o_proj_bias);
-  out.proj = std::move(proj);
+  MlaOutput out = attend(cfg, params, std::move(proj), indices, cu_seqlens);
   ctx.indices = indices;
   ctx.cu_seqlens = cu_seqlens;
   ctx.proj = out.proj;
@@ -263,15 +201,7 @@ DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg
                       const Tensor& prev_indices, MlaContext& ctx) {
   MlaProjections proj = project_with_context(mla_cfg, params.mla, x, ctx);
   DsaOutput out;
-  if (params.indexer.defined()) {
-    out.indices = indexer_forward(indexer_cfg, params.indexer, x, proj.q_resid, cu_seqlens);
-  } else {
-    if (!prev_indices.defined())
-      throw Error("a DSA layer without its own indexer got no indices from the layer before it",
-                  "indexer_types",
-                  "mark the layer \"full\", or place it right after a \"full\" DSA layer");
-    out.indices = prev_indices;
-  }
+  out.indices = dsa_indices(indexer_cfg, params.indexer, x, proj.q_resid, cu_seqlens, prev_indices);
   out.y = attend_with_context(mla_cfg, params.mla, std::move(proj), out.indices, cu_seqlens, ctx).y;
   return out;
 }
@@ -279,14 +209,7 @@ DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg
 AttentionGrads sparse_attention_backward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const Tensor& indices, const Tensor& cu_seqlens,
                                          double scale, const Tensor& dout) {
-  GLMTUNE_ASSERT(
-      q_in.defined() && q_in.dim() == 3 && q_in.device().is_cpu() && is_compute_dtype(q_in.dtype()),
-      "attention q must be a CPU [T, NH, Dqk] tensor in f32 or f64, got {}", describe(q_in));
-  GLMTUNE_ASSERT(k_in.defined() && k_in.shape() == q_in.shape() && k_in.dtype() == q_in.dtype(),
-                 "attention k {} must match q {}", describe(k_in), q_in.str());
-  GLMTUNE_ASSERT(v_in.defined() && v_in.dim() == 3 && v_in.size(0) == q_in.size(0) &&
-                     v_in.size(1) == q_in.size(1) && v_in.dtype() == q_in.dtype(),
-                 "attention v {} must be [T, NH, Dv] like q {}", describe(v_in), q_in.str());
+  check_attention_qkv(q_in, k_in, v_in);
   GLMTUNE_ASSERT(dout.defined() && dout.shape() == v_in.shape() && dout.dtype() == v_in.dtype(),
                  "attention output gradient {} must match v {}", describe(dout), v_in.str());
   const KeySets sets = key_sets(indices, cu_seqlens, q_in.size(0));
@@ -309,7 +232,7 @@ Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaCont
                      ctx.kv_a.defined() && ctx.kv_rstd.defined() && ctx.latent.defined() &&
                      ctx.proj.q.defined() && ctx.attn.defined() && ctx.indices.defined(),
                  "mla_backward needs the context filled by mla_forward or dsa_forward");
-  check_params(cfg, params, ctx.x.size(1), ctx.x.dtype());
+  check_mla_params(cfg, params, ctx.x.size(1), ctx.x.dtype());
   GLMTUNE_ASSERT(dy.defined() && dy.shape() == ctx.x.shape() && dy.dtype() == ctx.x.dtype(),
                  "mla_backward: dy {} must match the input {}", describe(dy), ctx.x.str());
   return mla_backward_impl(cfg, params, ctx, dy, grads);

@@ -3,31 +3,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "glmtune/ops/cpu/mlp_common.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-// Rows of the last dimension with a unit inner stride and a uniform row stride, viewed in place
-// when the layout allows (the halves of a fused [N, 2I] product qualify), else copied.
-struct RowView {
-  Tensor t;
-  int64_t rows = 0, cols = 0, row_stride = 0;
-};
-
-RowView row_view(const Tensor& x) {
-  RowView r;
-  r.cols = x.size(-1);
-  r.rows = r.cols > 0 ? x.numel() / r.cols : 0;
-  if (x.dim() == 2 && x.stride(1) == 1) {
-    r.t = x;
-    r.row_stride = x.stride(0);
-  } else {
-    r.t = x.contiguous();
-    r.row_stride = r.cols;
-  }
-  return r;
-}
 
 template <typename T>
 void swiglu_kernel(const RowView& g, const RowView& u, T limit, T* out) {
@@ -73,15 +54,7 @@ Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit) {
 }
 
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit) {
-  GLMTUNE_ASSERT(
-      params.gate_proj.defined() && params.up_proj.defined() && params.down_proj.defined(),
-      "MLP parameters are incomplete");
-  GLMTUNE_ASSERT(params.gate_proj.shape() == params.up_proj.shape() &&
-                     params.down_proj.dim() == 2 &&
-                     params.down_proj.size(1) == params.gate_proj.size(0) &&
-                     params.down_proj.size(0) == params.gate_proj.size(1),
-                 "MLP shapes disagree: gate {} up {} down {}", params.gate_proj.str(),
-                 params.up_proj.str(), params.down_proj.str());
+  check_mlp_params(params);
   const Tensor gate = linear(x, params.gate_proj);
   const Tensor up = linear(x, params.up_proj);
   return linear(swiglu_clamped(gate, up, swiglu_limit), params.down_proj);

@@ -4,34 +4,14 @@
 #include <algorithm>
 #include <cmath>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/mlp_common.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mlp.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
-
-// Rows of the last dimension with unit inner stride and a uniform row stride: in place for a 2-D
-// view that has that layout (the halves of a fused product), else a contiguous copy.
-struct ConstRows {
-  Tensor t;
-  int64_t rows = 0, cols = 0, stride = 0;
-};
-
-ConstRows const_rows(const Tensor& x) {
-  ConstRows r;
-  r.cols = x.size(-1);
-  r.rows = r.cols > 0 ? x.numel() / r.cols : 0;
-  if (x.dim() == 2 && x.stride(1) == 1) {
-    r.t = x;
-    r.stride = x.stride(0);
-  } else {
-    r.t = x.contiguous();
-    r.stride = r.cols;
-  }
-  return r;
-}
 
 // A writable output of gate's shape: allocated when undefined, else used in place when its layout
 // is rows with unit inner stride.
@@ -46,15 +26,15 @@ int64_t output_rows(Tensor& out, const Tensor& like, const char* name) {
 }
 
 template <typename T>
-void swiglu_backward_kernel(const ConstRows& g, const ConstRows& u, const T* dout, T limit, T* dg,
+void swiglu_backward_kernel(const RowView& g, const RowView& u, const T* dout, T limit, T* dg,
                             int64_t dg_stride, T* du, int64_t du_stride) {
   const T* gp = g.t.data<T>();
   const T* up = u.t.data<T>();
   const int64_t cols = g.cols;
 #pragma omp parallel for schedule(static) if (g.rows * cols > 65536)
   for (int64_t r = 0; r < g.rows; ++r) {
-    const T* gr = gp + r * g.stride;
-    const T* ur = up + r * u.stride;
+    const T* gr = gp + r * g.row_stride;
+    const T* ur = up + r * u.row_stride;
     const T* dr = dout + r * cols;
     for (int64_t c = 0; c < cols; ++c) {
       // torch's clamp with scalar bounds lets the gradient through only strictly inside the
@@ -71,36 +51,10 @@ void swiglu_backward_kernel(const ConstRows& g, const ConstRows& u, const T* dou
   }
 }
 
-void check_params(const MlpParams& params) {
-  GLMTUNE_ASSERT(
-      params.gate_proj.defined() && params.up_proj.defined() && params.down_proj.defined(),
-      "MLP parameters are incomplete");
-  GLMTUNE_ASSERT(params.gate_proj.shape() == params.up_proj.shape() &&
-                     params.down_proj.dim() == 2 &&
-                     params.down_proj.size(1) == params.gate_proj.size(0) &&
-                     params.down_proj.size(0) == params.gate_proj.size(1),
-                 "MLP shapes disagree: gate {} up {} down {}", params.gate_proj.str(),
-                 params.up_proj.str(), params.down_proj.str());
-}
-
-// acc += t, both contiguous of one shape and dtype (f32 or f64).
-void add_into(Tensor& acc, const Tensor& t) {
-  const int64_t n = acc.numel();
-  if (acc.dtype() == DType::f32) {
-    float* a = acc.data<float>();
-    const float* b = t.data<float>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  } else {
-    double* a = acc.data<double>();
-    const double* b = t.data<double>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  }
-}
-
 }  // namespace
 
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit, MlpContext& ctx) {
-  check_params(params);
+  check_mlp_params(params);
   ctx.x = x;
   ctx.gate = linear(x, params.gate_proj);
   ctx.up = linear(x, params.up_proj);
@@ -123,7 +77,7 @@ void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor&
   const int64_t dg_stride = output_rows(dgate, gate, "dgate");
   const int64_t du_stride = output_rows(dup, gate, "dup");
   if (gate.numel() == 0) return;
-  const ConstRows g = const_rows(gate), u = const_rows(up);
+  const RowView g = row_view(gate), u = row_view(up);
   const Tensor d = dout.contiguous();
   if (gate.dtype() == DType::f32)
     swiglu_backward_kernel<float>(g, u, d.data<float>(), float(limit), dgate.data<float>(),
@@ -135,7 +89,7 @@ void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor&
 
 Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor& dy,
                     double swiglu_limit, MlpParams& grads) {
-  check_params(params);
+  check_mlp_params(params);
   GLMTUNE_ASSERT(ctx.x.defined() && ctx.gate.defined() && ctx.up.defined(),
                  "mlp_backward needs the context filled by mlp_forward");
   const DType dt = ctx.x.dtype();

@@ -5,23 +5,13 @@
 #include <numeric>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/moe_common.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
-
-// Strict weak order "a ranks before b" for a descending top-k: larger value first, NaN above
-// everything (torch.topk's convention), equal values by ascending index so that the choice is
-// deterministic.
-template <typename T>
-bool ranks_before(T va, int64_t ia, T vb, int64_t ib) {
-  const bool na = std::isnan(va), nb = std::isnan(vb);
-  if (na != nb) return na;
-  if (!na && va != vb) return va > vb;
-  return ia < ib;
-}
 
 void check_config(const MoeConfig& cfg) {
   GLMTUNE_ASSERT(cfg.n_experts > 0 && cfg.top_k > 0 && cfg.top_k <= cfg.n_experts,
@@ -114,19 +104,9 @@ Tensor experts_kernel(const MoeConfig& cfg, const Tensor& gate_up_proj, const Te
   const int32_t* idx = idx_t.data<int32_t>();
   const T* w = w_t.data<T>();
 
-  // Bucket the (row, k) selections by expert, rows ascending within an expert (a counting sort).
-  std::vector<int64_t> start(cfg.n_experts + 1, 0);
-  for (int64_t i = 0; i < rows * k; ++i) {
-    GLMTUNE_ASSERT(idx[i] >= 0 && idx[i] < cfg.n_experts, "routed expert id {} out of [0, {})",
-                   idx[i], cfg.n_experts);
-    ++start[idx[i] + 1];
-  }
-  std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int64_t> slot(rows * k);
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < rows * k; ++i) slot[fill[idx[i]]++] = i;
-  }
+  const ExpertBuckets buckets = bucket_by_expert(idx, rows * k, cfg.n_experts);
+  const std::vector<int64_t>& start = buckets.start;
+  const std::vector<int64_t>& slot = buckets.slot;
 
   Tensor out = Tensor::zeros({rows, dim}, x.dtype());
   T* y = out.data<T>();
@@ -245,16 +225,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
   out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
   // The shared expert sees the same input and is added after the routed sum, as the reference.
   const Tensor shared = mlp_forward(params.shared, x, cfg.swiglu_limit);
-  const int64_t n = out.y.numel();
-  if (x.dtype() == DType::f32) {
-    float* y = out.y.data<float>();
-    const float* s = shared.data<float>();
-    for (int64_t i = 0; i < n; ++i) y[i] += s[i];
-  } else {
-    double* y = out.y.data<double>();
-    const double* s = shared.data<double>();
-    for (int64_t i = 0; i < n; ++i) y[i] += s[i];
-  }
+  add_into(out.y, shared);
   out.expert_counts = moe_expert_counts(out.routing, cfg.n_experts, counted_rows);
   return out;
 }

@@ -4,18 +4,16 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/moe_common.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/moe.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
-
-std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
 
 // The gradient buffer of an expert tensor: created as zeros when undefined, otherwise it must
 // match the parameter. It must exist up front because each expert's slice of it is handed to
@@ -112,14 +110,9 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
   const T* dyp = dy.data<T>();
 
   // The same bucketing as the forward: (row, k) slots grouped by expert, rows ascending.
-  std::vector<int64_t> start(size_t(cfg.n_experts) + 1, 0);
-  for (int64_t i = 0; i < rows * k; ++i) ++start[size_t(idx[i]) + 1];
-  std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int64_t> slot(size_t(rows * k));
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < rows * k; ++i) slot[size_t(fill[size_t(idx[i])]++)] = i;
-  }
+  const ExpertBuckets buckets = bucket_by_expert(idx, rows * k, cfg.n_experts);
+  const std::vector<int64_t>& start = buckets.start;
+  const std::vector<int64_t>& slot = buckets.slot;
 
   Tensor dx = Tensor::zeros({rows, dim}, x.dtype());
   Tensor d_weights = Tensor::zeros({rows, k}, x.dtype());
@@ -199,16 +192,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
   out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
   // Shared expert last, as in the reference (and as moe_forward without a context).
   const Tensor shared = mlp_forward(params.shared, x, cfg.swiglu_limit, ctx.shared);
-  const int64_t n = out.y.numel();
-  if (x.dtype() == DType::f32) {
-    float* y = out.y.data<float>();
-    const float* s = shared.data<float>();
-    for (int64_t i = 0; i < n; ++i) y[i] += s[i];
-  } else {
-    double* y = out.y.data<double>();
-    const double* s = shared.data<double>();
-    for (int64_t i = 0; i < n; ++i) y[i] += s[i];
-  }
+  add_into(out.y, shared);
   out.expert_counts = moe_expert_counts(out.routing, cfg.n_experts, counted_rows);
   ctx.x = x;
   ctx.routing = out.routing;

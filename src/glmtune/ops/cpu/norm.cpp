@@ -2,7 +2,11 @@
 
 #include <cmath>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/norm_common.h"
+
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
 
 // Rows of the last dimension of a contiguous copy of x.
@@ -23,12 +27,6 @@ Rows as_rows(const Tensor& x, const char* op) {
   return r;
 }
 
-void check_vector(const Tensor& v, const Tensor& x, const char* what, const char* op) {
-  if (!v.defined()) return;
-  GLMTUNE_ASSERT(v.dtype() == x.dtype() && v.dim() == 1 && v.size(0) == x.size(-1),
-                 "{}: {} {} does not match input {}", op, what, v.str(), x.str());
-}
-
 // Statistic output shaped like x without its last dimension.
 Tensor make_stat(Tensor* slot, const Tensor& x) {
   if (!slot) return Tensor();
@@ -36,11 +34,6 @@ Tensor make_stat(Tensor* slot, const Tensor& x) {
   s.pop_back();
   *slot = Tensor::empty(s, x.dtype());
   return *slot;
-}
-
-template <typename T>
-T sigmoid(T v) {
-  return T(1) / (T(1) + std::exp(-v));
 }
 
 template <typename T>
@@ -87,14 +80,8 @@ void layer_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& bias, 
 #pragma omp parallel for schedule(static) if (r.rows * n > 65536)
   for (int64_t i = 0; i < r.rows; ++i) {
     const T* xi = x + i * n;
-    double s = 0;
-    for (int64_t j = 0; j < n; ++j) s += double(xi[j]);
-    const double mu = s / double(n);
-    // Two-pass variance: the shifted sum does not cancel catastrophically for large means.
-    double ss = 0;
-    for (int64_t j = 0; j < n; ++j) ss += (double(xi[j]) - mu) * (double(xi[j]) - mu);
-    const T mean = T(mu);
-    const T rstd = T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+    T mean, rstd;
+    layer_norm_row_stats(xi, n, eps, mean, rstd);
     if (ms) ms[i] = mean;
     if (rs) rs[i] = rstd;
     T* yi = y + i * n;

@@ -5,15 +5,13 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/cpu/norm_common.h"
 #include "glmtune/ops/norm.h"
 
 namespace glmtune::ops {
+using namespace cpu_detail;
 namespace {
-
-template <typename T>
-T sigmoid(T v) {
-  return T(1) / (T(1) + std::exp(-v));
-}
 
 struct RowsOf {
   int64_t rows = 0, n = 0;
@@ -32,12 +30,6 @@ RowsOf check_rows(const Tensor& dy, const Tensor& x, const char* op) {
   r.n = x.size(-1);
   r.rows = r.n > 0 ? x.numel() / r.n : 0;
   return r;
-}
-
-void check_vector(const Tensor& v, const Tensor& x, const char* what, const char* op) {
-  if (!v.defined()) return;
-  GLMTUNE_ASSERT(v.dtype() == x.dtype() && v.dim() == 1 && v.size(0) == x.size(-1),
-                 "{}: {} {} does not match input {}", op, what, v.str(), x.str());
 }
 
 // A supplied statistic must have x's leading shape; it is read as a flat contiguous vector.
@@ -133,14 +125,10 @@ void layer_norm_backward_kernel(const T* dy, const T* x, const T* w, const T* me
       rstd = rstd_in[i];
       return;
     }
-    const T* xi = x + i * n;
-    double s = 0;
-    for (int64_t j = 0; j < n; ++j) s += double(xi[j]);
-    const double mu = s / double(n);
-    double ss = 0;
-    for (int64_t j = 0; j < n; ++j) ss += (double(xi[j]) - mu) * (double(xi[j]) - mu);
-    mean = mean_in ? mean_in[i] : T(mu);
-    rstd = rstd_in ? rstd_in[i] : T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+    T fresh_mean, fresh_rstd;
+    layer_norm_row_stats(x + i * n, n, eps, fresh_mean, fresh_rstd);
+    mean = mean_in ? mean_in[i] : fresh_mean;
+    rstd = rstd_in ? rstd_in[i] : fresh_rstd;
   };
 #pragma omp parallel for schedule(static) if (rows * n > 65536)
   for (int64_t i = 0; i < rows; ++i) {
@@ -199,11 +187,6 @@ void l2_backward_kernel(const T* dy, const T* x, const T* norm_in, double eps, i
     const T d = T(dot);
     for (int64_t j = 0; j < n; ++j) dx[i * n + j] = (gi[j] - (xi[j] / nu) * d) / nu;
   }
-}
-
-template <typename T>
-const T* ptr_or_null(const Tensor& t) {
-  return t.defined() ? t.data<T>() : nullptr;
 }
 
 }  // namespace

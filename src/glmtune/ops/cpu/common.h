@@ -1,0 +1,80 @@
+#pragma once
+// Private helpers of the CPU op kernels (src/glmtune/ops/cpu/*.cpp), shared by the forward and
+// backward files of every op. Not part of the public ops API: the op files bring them in with
+// `using namespace cpu_detail;`. (Document offsets are validated by read_cu_seqlens, which is
+// public and declared in ops/indexer.h.)
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "glmtune/base/error.h"
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::ops::cpu_detail {
+
+// The CPU kernels compute in f32 (the reference path) or f64 (finite-difference tests).
+inline bool is_compute_dtype(DType t) { return t == DType::f32 || t == DType::f64; }
+
+// A tensor for an error message, including the case of a missing one.
+inline std::string describe(const Tensor& t) {
+  return t.defined() ? t.str() : std::string("undefined");
+}
+
+// `t` (named `what` in messages of `op`) is a defined CPU tensor in a compute dtype.
+inline void check_float(const Tensor& t, const char* what, const char* op) {
+  GLMTUNE_ASSERT(t.defined(), "{}: {} is undefined", op, what);
+  GLMTUNE_ASSERT(t.device().is_cpu(), "{}: CPU kernel got {} {}", op, what, t.str());
+  GLMTUNE_ASSERT(t.dtype() == DType::f32 || t.dtype() == DType::f64,
+                 "{}: CPU kernels compute in f32 or f64, got {} {}", op, what, t.str());
+}
+
+// One formula for the forward and the backward, so that a backward recomputing a forward value
+// gets it bit for bit.
+template <typename T>
+T sigmoid(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+template <typename T>
+const T* ptr_or_null(const Tensor& t) {
+  return t.defined() ? t.data<T>() : nullptr;
+}
+
+// acc += t, both contiguous of one shape and dtype (f32 or f64).
+inline void add_into(Tensor& acc, const Tensor& t) {
+  const int64_t n = acc.numel();
+  if (acc.dtype() == DType::f32) {
+    float* a = acc.data<float>();
+    const float* b = t.data<float>();
+    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+  } else {
+    double* a = acc.data<double>();
+    const double* b = t.data<double>();
+    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+  }
+}
+
+// The caller's gradient buffer for `param`: zeros shaped like it on first use, else checked so
+// that a stale or mismatched buffer is an error rather than silent corruption.
+inline Tensor& grad_slot(Tensor& slot, const Tensor& param, const char* what, const char* op) {
+  if (!slot.defined()) slot = Tensor::zeros(param.shape(), param.dtype());
+  GLMTUNE_ASSERT(slot.shape() == param.shape() && slot.dtype() == param.dtype() &&
+                     slot.is_contiguous() && slot.device().is_cpu(),
+                 "{}: {} gradient {} must be a contiguous CPU tensor like {}", op, what, slot.str(),
+                 param.str());
+  return slot;
+}
+
+// Strict weak order "a ranks before b" for a descending top-k: larger value first, NaN above
+// everything (torch.topk's convention), equal values by ascending index so that the choice is
+// deterministic.
+template <typename T>
+bool ranks_before(T va, int64_t ia, T vb, int64_t ib) {
+  const bool na = std::isnan(va), nb = std::isnan(vb);
+  if (na != nb) return na;
+  if (!na && va != vb) return va > vb;
+  return ia < ib;
+}
+
+}  // namespace glmtune::ops::cpu_detail

@@ -1,0 +1,70 @@
+#pragma once
+// Private helpers shared by the KDA forward (kda.cpp) and backward (kda_backward.cpp) kernels:
+// operand checks that both directions must apply identically.
+
+#include <cmath>
+#include <cstdint>
+
+#include "glmtune/ops/cpu/common.h"
+
+namespace glmtune::ops::cpu_detail {
+
+struct CoreShapes {
+  int64_t tokens, heads, kd, vd;
+};
+
+// Operands of the delta-rule core: q, k, g [T, NL, K], v [T, NL, V], beta [T, NL], all CPU
+// tensors of q's compute dtype.
+inline CoreShapes check_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                             const Tensor& beta, const char* op) {
+  for (const Tensor* t : {&q, &k, &v, &g, &beta}) check_float(*t, "operand", op);
+  for (const Tensor* t : {&k, &v, &g, &beta})
+    GLMTUNE_ASSERT(t->dtype() == q.dtype(), "{}: operand {} must have the dtype of q {}", op,
+                   t->str(), q.str());
+  GLMTUNE_ASSERT(q.dim() == 3 && k.shape() == q.shape() && g.shape() == q.shape(),
+                 "{}: q {}, k {}, g {} must all be [T, NL, K]", op, q.str(), k.str(), g.str());
+  GLMTUNE_ASSERT(v.dim() == 3 && v.size(0) == q.size(0) && v.size(1) == q.size(1),
+                 "{}: v {} must be [T, NL, V] for q {}", op, v.str(), q.str());
+  GLMTUNE_ASSERT(beta.dim() == 2 && beta.size(0) == q.size(0) && beta.size(1) == q.size(1),
+                 "{}: beta {} must be [T, NL] for q {}", op, beta.str(), q.str());
+  return {q.size(0), q.size(1), q.size(2), v.size(2)};
+}
+
+// The kernel width Kc of a depthwise conv weight for `channels` channels: [C, Kc] or [C, 1, Kc].
+inline int64_t conv_taps(const Tensor& weight, int64_t channels, const char* op) {
+  const int64_t c = channels;
+  const bool shape_ok = (weight.dim() == 2 && weight.size(0) == c) ||
+                        (weight.dim() == 3 && weight.size(0) == c && weight.size(1) == 1);
+  GLMTUNE_ASSERT(shape_ok, "{}: weight {} must be [C={}, Kc] or [C, 1, Kc]", op, weight.str(), c);
+  return weight.size(-1);
+}
+
+// The reference's thresholded softplus, written log(1 + exp(z)) (not log1p) to round as it does;
+// above 20 the branch avoids exp overflow.
+template <typename T>
+T softplus_thresholded(T z) {
+  return z > T(20) ? z : std::log(T(1) + std::exp(z));
+}
+
+// Calls f(i, h, ch, rate, z) for every entry i = t·QL + ch (ch = h·HL + a) of the forget gate's
+// input graw [n, QL = NL·HL], with the head's rate = exp(A_log[h]) and z = graw + dt_bias: the
+// part of the gate the forward and both backward passes share. Entries run in token, head,
+// channel order; `parallel` splits the tokens across threads (only for per-entry work: a pass
+// that sums over tokens must stay serial to keep its order).
+template <typename T, typename F>
+void for_each_gate_entry(const T* graw, const T* dt_bias, const T* a_log, int64_t n, int64_t nl,
+                         int64_t hl, bool parallel, F&& f) {
+  const int64_t ql = nl * hl;
+#pragma omp parallel for schedule(static) if (parallel && n * ql > 65536)
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < nl; ++h) {
+      const T rate = std::exp(a_log[h]);
+      for (int64_t a = 0; a < hl; ++a) {
+        const int64_t ch = h * hl + a, i = t * ql + ch;
+        f(i, h, ch, rate, T(graw[i] + dt_bias[ch]));
+      }
+    }
+  }
+}
+
+}  // namespace glmtune::ops::cpu_detail

@@ -1,0 +1,36 @@
+#pragma once
+// Private helpers shared by the MoE forward (moe.cpp) and backward (moe_backward.cpp) kernels.
+
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "glmtune/ops/cpu/common.h"
+
+namespace glmtune::ops::cpu_detail {
+
+// The routing's (row, k) slots grouped by expert, rows ascending within an expert (a counting
+// sort): expert e's slots are slot[start[e]] .. slot[start[e + 1] − 1], each the flat index
+// row·K + k. The backward regroups exactly as the forward did, so each expert sees its rows in
+// the same order and its GEMMs sum in the same order.
+struct ExpertBuckets {
+  std::vector<int64_t> start;  // [n_experts + 1]
+  std::vector<int64_t> slot;   // [n_slots]
+};
+
+inline ExpertBuckets bucket_by_expert(const int32_t* idx, int64_t n_slots, int64_t n_experts) {
+  ExpertBuckets b;
+  b.start.assign(size_t(n_experts) + 1, 0);
+  for (int64_t i = 0; i < n_slots; ++i) {
+    GLMTUNE_ASSERT(idx[i] >= 0 && idx[i] < n_experts, "routed expert id {} out of [0, {})", idx[i],
+                   n_experts);
+    ++b.start[size_t(idx[i]) + 1];
+  }
+  std::partial_sum(b.start.begin(), b.start.end(), b.start.begin());
+  b.slot.resize(size_t(n_slots));
+  std::vector<int64_t> fill(b.start.begin(), b.start.end() - 1);
+  for (int64_t i = 0; i < n_slots; ++i) b.slot[size_t(fill[size_t(idx[i])]++)] = i;
+  return b;
+}
+
+}  // namespace glmtune::ops::cpu_detail

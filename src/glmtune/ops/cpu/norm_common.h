@@ -1,0 +1,33 @@
+#pragma once
+// Private helpers shared by the normalisation forward (norm.cpp) and backward (norm_backward.cpp)
+// kernels.
+
+#include <cmath>
+#include <cstdint>
+
+#include "glmtune/ops/cpu/common.h"
+
+namespace glmtune::ops::cpu_detail {
+
+// An optional per-channel vector (weight or bias) must be [n] for x [..., n] in x's dtype.
+inline void check_vector(const Tensor& v, const Tensor& x, const char* what, const char* op) {
+  if (!v.defined()) return;
+  GLMTUNE_ASSERT(v.dtype() == x.dtype() && v.dim() == 1 && v.size(0) == x.size(-1),
+                 "{}: {} {} does not match input {}", op, what, v.str(), x.str());
+}
+
+// Mean and 1/sqrt(var + eps) of one row of n values, accumulated in double. Two-pass variance: the
+// shifted sum does not cancel catastrophically for large means. The backward recomputes missing
+// statistics with this same arithmetic, so both routes give bit-identical gradients.
+template <typename T>
+void layer_norm_row_stats(const T* xi, int64_t n, double eps, T& mean, T& rstd) {
+  double s = 0;
+  for (int64_t j = 0; j < n; ++j) s += double(xi[j]);
+  const double mu = s / double(n);
+  double ss = 0;
+  for (int64_t j = 0; j < n; ++j) ss += (double(xi[j]) - mu) * (double(xi[j]) - mu);
+  mean = T(mu);
+  rstd = T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+}
+
+}  // namespace glmtune::ops::cpu_detail
