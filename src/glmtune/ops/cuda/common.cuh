@@ -1,0 +1,170 @@
+#pragma once
+// Shared pieces of the CUDA op kernels (included by ops/cuda/*.cu only): bf16 vector loads and
+// stores, deterministic warp and block reductions, and the host-side checks and device guard the
+// launch wrappers use. Nothing here includes fmt (nvcc cannot compile it), so host-side messages
+// are built with std::string.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/tensor/cuda_check.h"
+#include "glmtune/tensor/tensor.h"
+
+// An internal invariant of a CUDA op's arguments (a bug in the caller, not user input): throws
+// glmtune::InternalError naming the source line and `message` (a std::string expression).
+#define GLMTUNE_CUDA_OP_REQUIRE(cond, message)                                          \
+  do {                                                                                  \
+    if (!(cond))                                                                        \
+      ::glmtune::throw_internal(__FILE__, __LINE__,                                     \
+                                std::string("check `" #cond "` failed: ") + (message)); \
+  } while (0)
+
+namespace glmtune::cuda::detail {
+
+using bf16 = __nv_bfloat16;
+
+// ---- host side -------------------------------------------------------------------------------
+
+// Makes `device` current for the launches of one op and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    GLMTUNE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) GLMTUNE_CUDA_CHECK(cudaSetDevice(device));
+    restore_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+inline std::string describe(const Tensor& t) {
+  return t.defined() ? t.str() : std::string("undefined");
+}
+
+// Copies host int32 values into a new device tensor (synchronously). Tensor::from_vector is not
+// usable here: its size check needs fmt, which nvcc cannot compile.
+inline Tensor device_i32(const std::vector<int32_t>& values, Device device) {
+  Tensor t = Tensor::empty({int64_t(values.size())}, DType::i32, device);
+  if (!values.empty())
+    GLMTUNE_CUDA_CHECK(cudaMemcpy(t.data_ptr(), values.data(), values.size() * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice));
+  return t;
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Rows of a matrix in device memory: the last dimension with unit stride, every leading dimension
+// flattened (contiguous tensors) or one row dimension with its own stride (2-D views such as the
+// halves of a fused [N, 2I] product).
+struct RowsView {
+  void* data = nullptr;
+  int64_t rows = 0, cols = 0, ld = 0;
+};
+
+inline bool has_row_layout(const Tensor& t) {
+  if (!t.defined() || t.dim() < 1) return false;
+  if (t.is_contiguous()) return true;
+  return t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= t.size(1);
+}
+
+inline RowsView rows_view(const Tensor& t) {
+  RowsView v;
+  v.data = t.data_ptr();
+  v.cols = t.size(-1);
+  v.rows = v.cols > 0 ? t.numel() / v.cols : 0;
+  v.ld = t.is_contiguous() ? v.cols : t.stride(0);
+  return v;
+}
+
+// ---- device side -----------------------------------------------------------------------------
+
+// Eight bf16 values moved as one 16-byte access.
+__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&out)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ void store_bf16x8(bf16* p, const float (&in)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// Loads / stores of VEC consecutive elements (VEC = 8 with 16-byte alignment, or 1).
+template <int VEC>
+__device__ __forceinline__ void load_vec(const bf16* p, float (&out)[VEC]) {
+  if constexpr (VEC == 8) {
+    load_bf16x8(p, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = __bfloat162float(p[i]);
+  }
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_vec(bf16* p, const float (&in)[VEC]) {
+  if constexpr (VEC == 8) {
+    store_bf16x8(p, in);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = __float2bfloat16_rn(in[i]);
+  }
+}
+
+__device__ __forceinline__ float round_bf16(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+// Butterfly sum over the 32 lanes: every lane ends with the same value, and the order of the
+// additions is fixed by the lane pattern, so the result never depends on timing.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+// `scratch` holds 32 values of T in shared memory; it may be reused right after the call returns
+// (the trailing barrier protects it). Fixed order: warps in lane order, then warp results in warp
+// order, so reruns are bit-identical.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  T total = lane < warps ? scratch[lane] : T(0);
+  total = warp_sum(total);
+  __syncthreads();
+  return total;
+}
+
+}  // namespace glmtune::cuda::detail

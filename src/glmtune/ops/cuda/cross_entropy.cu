@@ -1,0 +1,373 @@
+// Fused, chunked LM head + cross-entropy (ops/cuda/cross_entropy.h).
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <vector>
+
+#include "glmtune/ops/cuda/common.cuh"
+#include "glmtune/ops/cuda/cross_entropy.h"
+#include "glmtune/ops/cuda/gemm.h"
+
+namespace glmtune::cuda {
+namespace {
+
+using detail::bf16;
+
+constexpr int kCeThreads = 512;
+constexpr int kCopyThreads = 256;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Merges the log-sum-exp state (m, s), meaning Σ 2^(x − m) = s, with another one. The products
+// and the sum are rounded explicitly (no FMA contraction), so both lanes of a butterfly step get
+// the same bits whichever side they hold.
+__device__ __forceinline__ void lse_merge(float& m, float& s, float om, float os) {
+  const float mn = fmaxf(m, om);
+  if (mn == -INFINITY) {
+    m = mn;
+    s = 0.0f;
+    return;
+  }
+  s = __fadd_rn(__fmul_rn(s, exp2f(m - mn)), __fmul_rn(os, exp2f(om - mn)));
+  m = mn;
+}
+
+// One block per label row of the chunk. Pass 1 reads the fp32 logits once (online log-sum-exp in
+// base 2); pass 2 re-reads them and writes the bf16 gradient over the first half of the same row.
+// In pass 2 the row is walked in tiles of blockDim·VEC elements with a barrier between a tile's
+// loads and its stores: tile k stores bf16 bytes [2·t0, 2·(t0 + tile)), which hold fp32 elements
+// of tiles ≤ k only, all of which were loaded before that barrier; later tiles' fp32 bytes start at
+// 4·(t0 + tile), past every store so far.
+template <int VEC>
+__global__ void __launch_bounds__(kCeThreads)
+    ce_rows_kernel(float* __restrict__ logits, int64_t ld, int64_t vocab,
+                   const int32_t* __restrict__ labels, float* __restrict__ loss_rows, float coef,
+                   bool want_grad) {
+  __shared__ float sm_m[32], sm_s[32];
+  __shared__ float label_logit, lse2_shared;
+  const int64_t row = blockIdx.x;
+  float* z = logits + row * ld;
+  const int label = labels[row];
+  if (threadIdx.x == 0) label_logit = z[label];
+
+  float m = -INFINITY, s = 0.0f;
+  for (int64_t j = int64_t(threadIdx.x) * VEC; j < vocab; j += int64_t(blockDim.x) * VEC) {
+    float x[VEC];
+    if constexpr (VEC == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(z + j);
+      x[0] = v.x * kLog2e;
+      x[1] = v.y * kLog2e;
+      x[2] = v.z * kLog2e;
+      x[3] = v.w * kLog2e;
+    } else {
+      x[0] = z[j] * kLog2e;
+    }
+    float vm = x[0];
+#pragma unroll
+    for (int k = 1; k < VEC; ++k) vm = fmaxf(vm, x[k]);
+    const float mn = fmaxf(m, vm);
+    if (mn != -INFINITY) {
+      s *= exp2f(m - mn);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s += exp2f(x[k] - mn);
+      m = mn;
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float om = __shfl_xor_sync(0xffffffffu, m, offset);
+    const float os = __shfl_xor_sync(0xffffffffu, s, offset);
+    lse_merge(m, s, om, os);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < warps ? sm_m[lane] : -INFINITY;
+    s = lane < warps ? sm_s[lane] : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float om = __shfl_xor_sync(0xffffffffu, m, offset);
+      const float os = __shfl_xor_sync(0xffffffffu, s, offset);
+      lse_merge(m, s, om, os);
+    }
+    if (lane == 0) {
+      const float lse2 = m + log2f(s);
+      lse2_shared = lse2;
+      loss_rows[row] = lse2 * kLn2 - label_logit;
+    }
+  }
+  __syncthreads();
+  if (!want_grad) return;
+  const float lse2 = lse2_shared;
+  bf16* g = reinterpret_cast<bf16*>(z);
+  const int64_t tile = int64_t(blockDim.x) * VEC;
+  for (int64_t t0 = 0; t0 < vocab; t0 += tile) {
+    const int64_t j = t0 + int64_t(threadIdx.x) * VEC;
+    const bool active = j < vocab;
+    float v[VEC];
+    if (active) {
+      if constexpr (VEC == 4) {
+        const float4 q = *reinterpret_cast<const float4*>(z + j);
+        v[0] = q.x;
+        v[1] = q.y;
+        v[2] = q.z;
+        v[3] = q.w;
+      } else {
+        v[0] = z[j];
+      }
+    }
+    __syncthreads();
+    if (active) {
+      float out[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        out[k] = coef * exp2f(v[k] * kLog2e - lse2);
+        if (j + k == label) out[k] -= coef;
+      }
+      if constexpr (VEC == 4) {
+        uint2 packed;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+        h[0] = __floats2bfloat162_rn(out[0], out[1]);
+        h[1] = __floats2bfloat162_rn(out[2], out[3]);
+        *reinterpret_cast<uint2*>(g + j) = packed;
+      } else {
+        g[j] = __float2bfloat16_rn(out[0]);
+      }
+    }
+  }
+}
+
+// dst row (dst_rows ? dst_rows[i] : i) = src row (src_rows ? src_rows[i] : i), one block per row,
+// copied in units of Unit (16 bytes when rows and pitches allow it).
+template <typename Unit>
+__global__ void __launch_bounds__(kCopyThreads)
+    copy_rows_kernel(const char* __restrict__ src, int64_t src_pitch,
+                     const int32_t* __restrict__ src_rows, char* __restrict__ dst,
+                     int64_t dst_pitch, const int32_t* __restrict__ dst_rows, int64_t units) {
+  const int64_t i = blockIdx.x;
+  const int64_t sr = src_rows ? src_rows[i] : i, dr = dst_rows ? dst_rows[i] : i;
+  const Unit* s = reinterpret_cast<const Unit*>(src + sr * src_pitch);
+  Unit* d = reinterpret_cast<Unit*>(dst + dr * dst_pitch);
+  for (int64_t j = threadIdx.x; j < units; j += blockDim.x) d[j] = s[j];
+}
+
+void copy_rows(const void* src, int64_t src_pitch, const int32_t* src_rows, void* dst,
+               int64_t dst_pitch, const int32_t* dst_rows, int64_t rows, int64_t row_bytes,
+               cudaStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return;
+  const auto* s = static_cast<const char*>(src);
+  auto* d = static_cast<char*>(dst);
+  const bool wide = detail::aligned16(s) && detail::aligned16(d) && src_pitch % 16 == 0 &&
+                    dst_pitch % 16 == 0 && row_bytes % 16 == 0;
+  if (wide)
+    copy_rows_kernel<uint4><<<unsigned(rows), kCopyThreads, 0, stream>>>(
+        s, src_pitch, src_rows, d, dst_pitch, dst_rows, row_bytes / 16);
+  else
+    copy_rows_kernel<uint16_t><<<unsigned(rows), kCopyThreads, 0, stream>>>(
+        s, src_pitch, src_rows, d, dst_pitch, dst_rows, row_bytes / 2);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+std::vector<int64_t> host_labels(const Tensor& labels) {
+  const Tensor h =
+      labels.device().is_cpu() ? labels.contiguous() : labels.to(Device::cpu()).contiguous();
+  std::vector<int64_t> out(size_t(h.numel()));
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = h.dtype() == DType::i32 ? int64_t(h.data<int32_t>()[i]) : h.data<int64_t>()[i];
+  return out;
+}
+
+}  // namespace
+
+ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor& weight,
+                                              const Tensor& labels,
+                                              const ops::CrossEntropyOptions& opts, Tensor* dhidden,
+                                              Tensor* dweight, cudaStream_t stream) {
+  const char* op = "cuda::lm_head_cross_entropy";
+  GLMTUNE_CUDA_OP_REQUIRE(hidden.defined() && hidden.dim() == 2 && hidden.device().is_cuda() &&
+                              hidden.dtype() == DType::bf16 && detail::has_row_layout(hidden),
+                          std::string(op) + ": hidden " + detail::describe(hidden) +
+                              " must be a bf16 [T, D] CUDA tensor with unit inner stride");
+  GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dim() == 2 &&
+                              weight.size(1) == hidden.size(1) && weight.dtype() == DType::bf16 &&
+                              weight.is_contiguous() && weight.device() == hidden.device(),
+                          std::string(op) + ": weight " + detail::describe(weight) +
+                              " must be a contiguous bf16 [V, " + std::to_string(hidden.size(1)) +
+                              "] on " + hidden.device().str());
+  GLMTUNE_CUDA_OP_REQUIRE(opts.chunk_rows > 0, std::string(op) + ": chunk_rows must be positive");
+  const int64_t rows = hidden.size(0), dim = hidden.size(1), vocab = weight.size(0);
+  GLMTUNE_CUDA_OP_REQUIRE(labels.defined() && labels.dim() == 1 && labels.size(0) == rows &&
+                              (labels.dtype() == DType::i32 || labels.dtype() == DType::i64),
+                          std::string(op) + ": labels " + detail::describe(labels) +
+                              " must be an int32/int64 vector of " + std::to_string(rows) +
+                              " rows");
+  GLMTUNE_CUDA_OP_REQUIRE(rows <= INT32_MAX && vocab <= INT32_MAX && dim > 0,
+                          std::string(op) + ": sizes out of range");
+
+  // Labels: checked exactly as the CPU op does, then compacted to the rows that carry a loss.
+  const std::vector<int64_t> lab = host_labels(labels);
+  std::vector<int32_t> label_rows, label_ids;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t v = lab[size_t(i)];
+    if (v == ops::kIgnoreIndex) continue;
+    if (v < 0 || v >= vocab)
+      throw Error("label " + std::to_string(v) + " of row " + std::to_string(i) + " is neither " +
+                      std::to_string(ops::kIgnoreIndex) + " nor a token id in [0, " +
+                      std::to_string(vocab) + ")",
+                  "cross-entropy labels",
+                  "labels must be token ids of the model's vocabulary, or -100 for positions "
+                  "without a loss");
+    label_rows.push_back(int32_t(i));
+    label_ids.push_back(int32_t(v));
+  }
+  const int64_t n = int64_t(label_rows.size());
+  ops::CrossEntropyResult result;
+  result.n_tokens = n;
+  result.denominator = opts.denominator > 0 ? opts.denominator : double(n);
+  const double coef = result.denominator > 0 ? opts.grad_scale / result.denominator : 0.0;
+
+  const Device dev = hidden.device();
+  detail::DeviceGuard guard(dev.index);
+  if (dhidden) {
+    if (!dhidden->defined()) *dhidden = Tensor::empty({rows, dim}, DType::bf16, dev);
+    GLMTUNE_CUDA_OP_REQUIRE(dhidden->shape() == hidden.shape() && dhidden->is_contiguous() &&
+                                dhidden->device() == dev &&
+                                (dhidden->dtype() == DType::bf16 || dhidden->dtype() == DType::f32),
+                            std::string(op) + ": dhidden " + dhidden->str() +
+                                " must be a contiguous bf16/f32 tensor like hidden " +
+                                hidden.str());
+    // Ignored rows never reach a chunk: their gradient is 0.
+    GLMTUNE_CUDA_CHECK(cudaMemsetAsync(dhidden->data_ptr(), 0, dhidden->nbytes(), stream));
+  }
+  if (dweight) {
+    if (!dweight->defined()) *dweight = Tensor::zeros(weight.shape(), DType::f32, dev);
+    GLMTUNE_CUDA_OP_REQUIRE(dweight->shape() == weight.shape() && dweight->is_contiguous() &&
+                                dweight->device() == dev &&
+                                (dweight->dtype() == DType::f32 || dweight->dtype() == DType::bf16),
+                            std::string(op) + ": dweight " + dweight->str() +
+                                " must be a contiguous f32/bf16 tensor like the weight " +
+                                weight.str());
+  }
+  if (n == 0) return result;
+
+  const bool want_grad = dhidden || dweight;
+  const int64_t chunk = std::min(opts.chunk_rows, n);
+  const Tensor rows_dev = detail::device_i32(label_rows, dev);
+  const Tensor ids_dev = detail::device_i32(label_ids, dev);
+  Tensor logits = Tensor::empty({chunk, vocab}, DType::f32, dev);
+  Tensor loss_rows = Tensor::empty({n}, DType::f32, dev);
+  Tensor gathered, dh_buffer;  // only for chunks whose rows are not one contiguous run
+  const detail::RowsView hv = detail::rows_view(hidden);
+  const auto* hp = static_cast<const bf16*>(hv.data);
+  float* zp = logits.data<float>();
+  const bool vec = vocab % 4 == 0 && detail::aligned16(zp);
+  const size_t dh_size = dhidden ? dtype_size(dhidden->dtype()) : 0;
+
+  for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+    const int64_t m = std::min(chunk, n - c0);
+    const int32_t* chunk_rows = rows_dev.data<int32_t>() + c0;
+    // Label rows are increasing, so first and last m − 1 apart means one contiguous run, which
+    // the GEMMs read and write in place.
+    const bool run = label_rows[size_t(c0 + m - 1)] - label_rows[size_t(c0)] == m - 1;
+    const bf16* h_chunk;
+    int64_t ldh;
+    if (run) {
+      h_chunk = hp + int64_t(label_rows[size_t(c0)]) * hv.ld;
+      ldh = hv.ld;
+    } else {
+      if (!gathered.defined()) gathered = Tensor::empty({chunk, dim}, DType::bf16, dev);
+      copy_rows(hp, hv.ld * 2, chunk_rows, gathered.data_ptr(), dim * 2, nullptr, m, dim * 2,
+                stream);
+      h_chunk = reinterpret_cast<const bf16*>(gathered.data_ptr());
+      ldh = dim;
+    }
+
+    GemmArgs z;
+    z.device = dev.index;
+    z.trans_b = true;
+    z.m = m;
+    z.n = vocab;
+    z.k = dim;
+    z.a = h_chunk;
+    z.lda = ldh;
+    z.b = weight.data_ptr();
+    z.ldb = dim;
+    z.c = zp;
+    z.ldc = vocab;
+    z.c_dtype = DType::f32;
+    gemm(z, stream);
+
+    if (vec)
+      ce_rows_kernel<4><<<unsigned(m), kCeThreads, 0, stream>>>(
+          zp, vocab, vocab, ids_dev.data<int32_t>() + c0, loss_rows.data<float>() + c0, float(coef),
+          want_grad);
+    else
+      ce_rows_kernel<1><<<unsigned(m), kCeThreads, 0, stream>>>(
+          zp, vocab, vocab, ids_dev.data<int32_t>() + c0, loss_rows.data<float>() + c0, float(coef),
+          want_grad);
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+    if (!want_grad) continue;
+
+    // The bf16 gradient of row i starts where its fp32 logits started: row stride 2·V elements.
+    const bf16* dz = reinterpret_cast<const bf16*>(zp);
+    const int64_t ldz = 2 * vocab;
+    if (dhidden) {
+      GemmArgs d;
+      d.device = dev.index;
+      d.m = m;
+      d.n = dim;
+      d.k = vocab;
+      d.a = dz;
+      d.lda = ldz;
+      d.b = weight.data_ptr();
+      d.ldb = dim;
+      d.c_dtype = dhidden->dtype();
+      d.ldc = dim;
+      char* dh_base = static_cast<char*>(dhidden->data_ptr());
+      if (run) {
+        d.c = dh_base + int64_t(label_rows[size_t(c0)]) * dim * int64_t(dh_size);
+        gemm(d, stream);
+      } else {
+        if (!dh_buffer.defined()) dh_buffer = Tensor::empty({chunk, dim}, dhidden->dtype(), dev);
+        d.c = dh_buffer.data_ptr();
+        gemm(d, stream);
+        copy_rows(dh_buffer.data_ptr(), dim * int64_t(dh_size), nullptr, dh_base,
+                  dim * int64_t(dh_size), chunk_rows, m, dim * int64_t(dh_size), stream);
+      }
+    }
+    if (dweight) {
+      GemmArgs w;
+      w.device = dev.index;
+      w.trans_a = true;
+      w.m = vocab;
+      w.n = dim;
+      w.k = m;
+      w.a = dz;
+      w.lda = ldz;
+      w.b = h_chunk;
+      w.ldb = ldh;
+      w.c = dweight->data_ptr();
+      w.ldc = dim;
+      w.c_dtype = dweight->dtype();
+      w.beta = 1.0f;
+      gemm(w, stream);
+    }
+  }
+
+  std::vector<float> losses(static_cast<size_t>(n));
+  GLMTUNE_CUDA_CHECK(cudaMemcpyAsync(losses.data(), loss_rows.data_ptr(), size_t(n) * sizeof(float),
+                                     cudaMemcpyDeviceToHost, stream));
+  GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  double total = 0;
+  for (float v : losses) total += double(v);
+  result.loss_sum = total;
+  result.loss = result.denominator > 0 ? total / result.denominator : 0.0;
+  return result;
+}
+
+}  // namespace glmtune::cuda

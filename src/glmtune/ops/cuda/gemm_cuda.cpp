@@ -1,0 +1,404 @@
+// cuBLASLt GEMMs (ops/cuda/gemm.h). Plain C++: the library is called from the host only.
+
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <compare>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "glmtune/ops/cuda/cublas_check.h"
+#include "glmtune/ops/cuda/gemm.h"
+#include "glmtune/tensor/allocator.h"
+#include "glmtune/tensor/cuda_check.h"
+
+namespace glmtune {
+
+void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line) {
+  throw Error(fmt::format("cuBLAS call `{}` failed: {} ({})", expr, cublasLtGetStatusString(status),
+                          cublasLtGetStatusName(status)),
+              fmt::format("{}:{}", file, line),
+              status == CUBLAS_STATUS_NOT_INITIALIZED || status == CUBLAS_STATUS_ARCH_MISMATCH
+                  ? "check that a GPU is visible (nvidia-smi) and that the CUDA 13 cuBLAS "
+                    "libraries are on LD_LIBRARY_PATH"
+                  : "");
+}
+
+namespace cuda {
+namespace {
+
+// NVIDIA's recommendation for Hopper; larger workspaces only help split-K shapes we do not have.
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+struct AlgoKey {
+  int device = 0;
+  bool trans_a = false, trans_b = false;
+  int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  DType c_dtype = DType::bf16;
+  bool bias = false;
+  uint32_t align_a = 0, align_b = 0, align_c = 0;
+  auto operator<=>(const AlgoKey&) const = default;
+};
+
+// Process-wide cuBLASLt state. Never destroyed: handles and workspaces must outlive every static
+// object that might still run a GEMM during shutdown, and the driver reclaims them at exit.
+struct LtState {
+  std::mutex mu;
+  std::map<int, cublasLtHandle_t> handles;
+  std::map<std::pair<int, cudaStream_t>, void*> workspaces;
+  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+  int64_t queries = 0;
+};
+
+LtState& lt_state() {
+  static LtState* state = new LtState();
+  return *state;
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    GLMTUNE_CUDA_CHECK(cudaGetDevice(&previous_));
+    restore_ = previous_ != device;
+    if (restore_) GLMTUNE_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+// Called with the state's mutex held and the device current.
+cublasLtHandle_t handle_locked(LtState& s, int device) {
+  auto it = s.handles.find(device);
+  if (it != s.handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  GLMTUNE_CUBLAS_CHECK(cublasLtCreate(&h));
+  s.handles.emplace(device, h);
+  return h;
+}
+
+void* workspace_locked(LtState& s, int device, cudaStream_t stream) {
+  auto key = std::make_pair(device, stream);
+  auto it = s.workspaces.find(key);
+  if (it != s.workspaces.end()) return it->second;
+  void* ws = cuda_allocator(device).allocate(kWorkspaceBytes);
+  s.workspaces.emplace(key, ws);
+  return ws;
+}
+
+// Largest power of two (at most 256, cuBLASLt's default assumption) dividing the start of every
+// row: the base address and the row pitch in bytes.
+uint32_t alignment_of(const void* p, int64_t ld, size_t element) {
+  uintptr_t v = reinterpret_cast<uintptr_t>(p) | uintptr_t(ld) * element;
+  uint32_t a = 256;
+  while (a > 1 && (v & (a - 1)) != 0) a >>= 1;
+  return a;
+}
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    default:
+      break;
+  }
+  throw_internal(__FILE__, __LINE__,
+                 fmt::format("GEMM output dtype {} is not f32 or bf16", dtype_name(t)));
+}
+
+// RAII for the cuBLASLt descriptors of one call.
+struct LtDescriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtDescriptors() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
+
+// A CUDA matrix as rows of its last dimension: contiguous (leading dims flattened) or a 2-D view
+// with unit inner stride and a row stride of at least the row length.
+struct Mat {
+  void* data = nullptr;
+  int64_t rows = 0, cols = 0, ld = 0;
+};
+
+Mat matrix_of(const Tensor& t, const char* what, const char* op) {
+  GLMTUNE_ASSERT(t.defined() && t.device().is_cuda() && t.dim() >= 1,
+                 "{}: {} must be a CUDA tensor, got {}", op, what, describe(t));
+  const bool strided_2d = t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= t.size(1);
+  GLMTUNE_ASSERT(t.is_contiguous() || strided_2d,
+                 "{}: {} {} must be contiguous or a 2-D view with unit inner stride", op, what,
+                 t.str());
+  Mat m;
+  m.data = t.data_ptr();
+  m.cols = t.size(-1);
+  m.rows = m.cols > 0 ? t.numel() / m.cols : 0;
+  m.ld = t.is_contiguous() ? std::max<int64_t>(m.cols, 1) : t.stride(0);
+  return m;
+}
+
+bool is_out_dtype(DType t) { return t == DType::f32 || t == DType::bf16; }
+
+void check_same_device(const Tensor& a, const Tensor& b, const char* op) {
+  GLMTUNE_ASSERT(a.device() == b.device(), "{}: {} and {} are on different devices", op, a.str(),
+                 b.str());
+}
+
+}  // namespace
+
+void gemm(const GemmArgs& g, cudaStream_t stream) {
+  GLMTUNE_ASSERT(g.m >= 0 && g.n >= 0 && g.k > 0, "gemm: bad problem size m={} n={} k={}", g.m, g.n,
+                 g.k);
+  if (g.m == 0 || g.n == 0) return;
+  GLMTUNE_ASSERT(g.a && g.b && g.c, "gemm: null operand");
+  GLMTUNE_ASSERT(
+      g.lda >= (g.trans_a ? g.m : g.k) && g.ldb >= (g.trans_b ? g.k : g.n) && g.ldc >= g.n,
+      "gemm: leading dimensions lda={} ldb={} ldc={} too small for m={} n={} k={} "
+      "(trans_a={}, trans_b={})",
+      g.lda, g.ldb, g.ldc, g.m, g.n, g.k, g.trans_a, g.trans_b);
+  const cudaDataType_t ct = cuda_type(g.c_dtype);
+  const size_t c_size = dtype_size(g.c_dtype);
+
+  // cuBLASLt is column-major. Row-major C = op(A)·op(B) is column-major C^T = op(B)^T · op(A)^T,
+  // and a row-major matrix with row stride ld is the column-major transpose with the same ld. So
+  // cuBLASLt's first operand is our B and its second is our A, each with its own transpose flag;
+  // its problem is (n, m, k).
+  LtDescriptors d;
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_first = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_second = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first,
+                                                      sizeof(op_first)));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second,
+                                                      sizeof(op_second)));
+  if (g.bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const int32_t bias_type = int32_t(ct);
+    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                        &epilogue, sizeof(epilogue)));
+    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                        &g.bias, sizeof(g.bias)));
+    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                        &bias_type, sizeof(bias_type)));
+  }
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, g.trans_b ? g.k : g.n,
+                                                  g.trans_b ? g.n : g.k, g.ldb));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, g.trans_a ? g.m : g.k,
+                                                  g.trans_a ? g.k : g.m, g.lda));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, ct, g.n, g.m, g.ldc));
+
+  AlgoKey key;
+  key.device = g.device;
+  key.trans_a = g.trans_a;
+  key.trans_b = g.trans_b;
+  key.m = g.m;
+  key.n = g.n;
+  key.k = g.k;
+  key.lda = g.lda;
+  key.ldb = g.ldb;
+  key.ldc = g.ldc;
+  key.c_dtype = g.c_dtype;
+  key.bias = g.bias != nullptr;
+  key.align_a = alignment_of(g.b, g.ldb, 2);  // cuBLASLt's A is our B (see above)
+  key.align_b = alignment_of(g.a, g.lda, 2);
+  key.align_c = alignment_of(g.c, g.ldc, c_size);
+
+  DeviceGuard guard(g.device);
+  LtState& s = lt_state();
+  cublasLtHandle_t handle;
+  void* workspace;
+  cublasLtMatmulAlgo_t algo;
+  {
+    std::lock_guard lock(s.mu);
+    handle = handle_locked(s, g.device);
+    workspace = workspace_locked(s, g.device, stream);
+    auto it = s.algos.find(key);
+    if (it != s.algos.end()) {
+      algo = it->second;
+    } else {
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+      const uint64_t ws_bytes = kWorkspaceBytes;
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a, sizeof(uint32_t)));
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof(uint32_t)));
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof(uint32_t)));
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof(uint32_t)));
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c, d.pref,
+                                                          1, &result, &found));
+      s.queries++;
+      if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
+        throw Error(fmt::format("cuBLASLt has no algorithm for a bf16 GEMM m={} n={} k={} "
+                                "(trans_a={}, trans_b={}, lda={} ldb={} ldc={}, output {}, "
+                                "alignments {}/{}/{} bytes{})",
+                                g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldc,
+                                dtype_name(g.c_dtype), key.align_b, key.align_a, key.align_c,
+                                g.bias ? ", bias" : ""),
+                    "cuda gemm",
+                    "keep rows of every operand 16-byte aligned (row lengths a multiple of 8 "
+                    "bf16 elements)");
+      algo = result.algo;
+      s.algos.emplace(key, algo);
+    }
+  }
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatmul(handle, d.op, &g.alpha, g.b, d.a, g.a, d.b, &g.beta, g.c, d.c,
+                                      g.c, d.c, &algo, workspace, kWorkspaceBytes, stream));
+}
+
+int64_t gemm_heuristic_queries() {
+  LtState& s = lt_state();
+  std::lock_guard lock(s.mu);
+  return s.queries;
+}
+
+void linear_out(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, bool accumulate,
+                cudaStream_t stream) {
+  const char* op = "cuda::linear";
+  const Mat xm = matrix_of(x, "input", op), wm = matrix_of(w, "weight", op);
+  const Mat ym = matrix_of(y, "output", op);
+  GLMTUNE_ASSERT(x.dtype() == DType::bf16 && w.dtype() == DType::bf16,
+                 "{}: input {} and weight {} must be bf16", op, x.str(), w.str());
+  GLMTUNE_ASSERT(w.dim() == 2 && wm.cols == xm.cols, "{}: weight {} must be [out, {}] for input {}",
+                 op, w.str(), xm.cols, x.str());
+  GLMTUNE_ASSERT(is_out_dtype(y.dtype()) && ym.rows == xm.rows && ym.cols == wm.rows,
+                 "{}: output {} must be f32 or bf16 with {} rows of {}", op, y.str(), xm.rows,
+                 wm.rows);
+  check_same_device(x, w, op);
+  check_same_device(x, y, op);
+  Tensor b;
+  if (bias.defined()) {
+    GLMTUNE_ASSERT(bias.dim() == 1 && bias.size(0) == wm.rows && bias.device() == x.device() &&
+                       is_out_dtype(bias.dtype()),
+                   "{}: bias {} must be a CUDA f32/bf16 vector of {}", op, bias.str(), wm.rows);
+    // cuBLASLt's bias epilogue reads the bias in the output type.
+    b = bias.dtype() == y.dtype() ? bias.contiguous() : bias.to(y.dtype());
+  }
+  if (xm.rows == 0 || wm.rows == 0) return;
+  GemmArgs g;
+  g.device = x.device().index;
+  g.trans_a = false;
+  g.trans_b = true;
+  g.m = xm.rows;
+  g.n = wm.rows;
+  g.k = xm.cols;
+  g.a = xm.data;
+  g.lda = xm.ld;
+  g.b = wm.data;
+  g.ldb = wm.ld;
+  g.c = ym.data;
+  g.ldc = ym.ld;
+  g.c_dtype = y.dtype();
+  g.beta = accumulate ? 1.0f : 0.0f;
+  g.bias = b.defined() ? b.data_ptr() : nullptr;
+  gemm(g, stream);
+}
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias, DType out_dtype,
+              cudaStream_t stream) {
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && w.defined() && w.dim() == 2,
+                 "cuda::linear needs x [..., in] and weight [out, in], got {} and {}", describe(x),
+                 describe(w));
+  Shape shape = x.shape();
+  shape.back() = w.size(0);
+  Tensor y = Tensor::empty(shape, out_dtype, x.device());
+  linear_out(y, x, w, bias, false, stream);
+  return y;
+}
+
+void linear_backward_input_out(Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate,
+                               cudaStream_t stream) {
+  const char* op = "cuda::linear_backward_input";
+  const Mat dym = matrix_of(dy, "dy", op), wm = matrix_of(w, "weight", op);
+  const Mat dxm = matrix_of(dx, "dx", op);
+  GLMTUNE_ASSERT(dy.dtype() == DType::bf16 && w.dtype() == DType::bf16,
+                 "{}: dy {} and weight {} must be bf16", op, dy.str(), w.str());
+  GLMTUNE_ASSERT(w.dim() == 2 && dym.cols == wm.rows, "{}: dy {} does not match weight {}", op,
+                 dy.str(), w.str());
+  GLMTUNE_ASSERT(is_out_dtype(dx.dtype()) && dxm.rows == dym.rows && dxm.cols == wm.cols,
+                 "{}: dx {} must be f32 or bf16 with {} rows of {}", op, dx.str(), dym.rows,
+                 wm.cols);
+  check_same_device(dy, w, op);
+  check_same_device(dy, dx, op);
+  if (dym.rows == 0 || wm.cols == 0) return;
+  GemmArgs g;
+  g.device = dy.device().index;
+  g.m = dym.rows;
+  g.n = wm.cols;
+  g.k = wm.rows;
+  g.a = dym.data;
+  g.lda = dym.ld;
+  g.b = wm.data;
+  g.ldb = wm.ld;
+  g.c = dxm.data;
+  g.ldc = dxm.ld;
+  g.c_dtype = dx.dtype();
+  g.beta = accumulate ? 1.0f : 0.0f;
+  gemm(g, stream);
+}
+
+Tensor linear_backward_input(const Tensor& dy, const Tensor& w, DType out_dtype,
+                             cudaStream_t stream) {
+  GLMTUNE_ASSERT(dy.defined() && dy.dim() >= 1 && w.defined() && w.dim() == 2,
+                 "cuda::linear_backward_input needs dy [..., out] and weight [out, in], got {} "
+                 "and {}",
+                 describe(dy), describe(w));
+  Shape shape = dy.shape();
+  shape.back() = w.size(1);
+  Tensor dx = Tensor::empty(shape, out_dtype, dy.device());
+  linear_backward_input_out(dx, dy, w, false, stream);
+  return dx;
+}
+
+void linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x, cudaStream_t stream) {
+  const char* op = "cuda::linear_backward_weight";
+  const Mat dym = matrix_of(dy, "dy", op), xm = matrix_of(x, "input", op);
+  GLMTUNE_ASSERT(dy.dtype() == DType::bf16 && x.dtype() == DType::bf16,
+                 "{}: dy {} and input {} must be bf16", op, dy.str(), x.str());
+  GLMTUNE_ASSERT(dym.rows == xm.rows, "{}: dy {} and input {} differ in rows", op, dy.str(),
+                 x.str());
+  GLMTUNE_ASSERT(dw.defined() && dw.dim() == 2 && dw.is_contiguous() && is_out_dtype(dw.dtype()) &&
+                     dw.size(0) == dym.cols && dw.size(1) == xm.cols,
+                 "{}: weight gradient {} must be a contiguous f32/bf16 [{}, {}]", op, describe(dw),
+                 dym.cols, xm.cols);
+  check_same_device(dy, x, op);
+  check_same_device(dy, dw, op);
+  if (dym.rows == 0 || dym.cols == 0 || xm.cols == 0) return;
+  GemmArgs g;
+  g.device = dy.device().index;
+  g.trans_a = true;
+  g.m = dym.cols;
+  g.n = xm.cols;
+  g.k = dym.rows;
+  g.a = dym.data;
+  g.lda = dym.ld;
+  g.b = xm.data;
+  g.ldb = xm.ld;
+  g.c = dw.data_ptr();
+  g.ldc = xm.cols;
+  g.c_dtype = dw.dtype();
+  g.beta = 1.0f;
+  gemm(g, stream);
+}
+
+}  // namespace cuda
+}  // namespace glmtune

@@ -1,0 +1,160 @@
+// Clamped SwiGLU forward and backward kernels (ops/cuda/swiglu.h).
+
+#include "glmtune/ops/cuda/common.cuh"
+#include "glmtune/ops/cuda/swiglu.h"
+
+namespace glmtune::cuda {
+namespace {
+
+using detail::bf16;
+
+constexpr int kThreads = 256;
+
+// std::min(g, lim) and std::clamp(u, -lim, lim) spelled out, so a NaN input stays NaN exactly as
+// on the CPU (fminf would return the bound instead).
+__device__ __forceinline__ float clamp_gate(float g, float lim) { return lim < g ? lim : g; }
+__device__ __forceinline__ float clamp_up(float u, float lim) {
+  return u < -lim ? -lim : (lim < u ? lim : u);
+}
+
+struct RowPtrs {
+  const bf16* gate;
+  int64_t ld_gate;
+  const bf16* up;
+  int64_t ld_up;
+};
+
+// One block per row; the threads stride over the row VEC elements at a time.
+template <int VEC>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_fwd_kernel(RowPtrs in, bf16* __restrict__ out, int64_t ld_out, int cols, float lim) {
+  const int64_t row = blockIdx.x;
+  const bf16* g = in.gate + row * in.ld_gate;
+  const bf16* u = in.up + row * in.ld_up;
+  bf16* o = out + row * ld_out;
+  for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
+    float gv[VEC], uv[VEC], ov[VEC];
+    detail::load_vec<VEC>(g + j, gv);
+    detail::load_vec<VEC>(u + j, uv);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float a = clamp_gate(gv[k], lim);
+      const float b = clamp_up(uv[k], lim);
+      ov[k] = a / (1.0f + expf(-a)) * b;
+    }
+    detail::store_vec<VEC>(o + j, ov);
+  }
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(kThreads)
+    swiglu_bwd_kernel(RowPtrs in, const bf16* __restrict__ dout, int64_t ld_dout,
+                      bf16* __restrict__ dgate, int64_t ld_dgate, bf16* __restrict__ dup,
+                      int64_t ld_dup, int cols, float lim) {
+  const int64_t row = blockIdx.x;
+  const bf16* g = in.gate + row * in.ld_gate;
+  const bf16* u = in.up + row * in.ld_up;
+  const bf16* d = dout + row * ld_dout;
+  bf16* dg = dgate + row * ld_dgate;
+  bf16* du = dup + row * ld_dup;
+  for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
+    float gv[VEC], uv[VEC], dv[VEC], dgv[VEC], duv[VEC];
+    detail::load_vec<VEC>(g + j, gv);
+    detail::load_vec<VEC>(u + j, uv);
+    detail::load_vec<VEC>(d + j, dv);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const bool gate_free = gv[k] < lim;
+      const bool up_free = uv[k] > -lim && uv[k] < lim;
+      const float a = gate_free ? gv[k] : lim;
+      const float b = up_free ? uv[k] : clamp_up(uv[k], lim);
+      const float s = 1.0f / (1.0f + expf(-a));
+      dgv[k] = gate_free ? dv[k] * b * s * (1.0f + a * (1.0f - s)) : 0.0f;
+      duv[k] = up_free ? dv[k] * (a * s) : 0.0f;
+    }
+    detail::store_vec<VEC>(dg + j, dgv);
+    detail::store_vec<VEC>(du + j, duv);
+  }
+}
+
+void check_operand(const Tensor& t, const Tensor& like, const char* what, const char* op) {
+  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.device().is_cuda() && t.dtype() == DType::bf16 &&
+                              t.shape() == like.shape() && t.device() == like.device() &&
+                              detail::has_row_layout(t),
+                          std::string(op) + ": " + what + " " + detail::describe(t) +
+                              " must be a bf16 CUDA tensor shaped like " + like.str() +
+                              ", contiguous or rows with unit inner stride");
+}
+
+bool vector_ok(int64_t cols, std::initializer_list<detail::RowsView> views) {
+  if (cols % 8 != 0) return false;
+  for (const auto& v : views)
+    if (!detail::aligned16(v.data) || v.ld % 8 != 0) return false;
+  return true;
+}
+
+}  // namespace
+
+void swiglu_clamped_out(Tensor& out, const Tensor& gate, const Tensor& up, double limit,
+                        cudaStream_t stream) {
+  const char* op = "cuda::swiglu_clamped";
+  GLMTUNE_CUDA_OP_REQUIRE(gate.defined() && gate.dim() >= 1,
+                          std::string(op) + ": gate must have at least one dimension");
+  check_operand(gate, gate, "gate", op);
+  check_operand(up, gate, "up", op);
+  check_operand(out, gate, "out", op);
+  GLMTUNE_CUDA_OP_REQUIRE(limit > 0, std::string(op) + ": limit must be positive");
+  const detail::RowsView g = detail::rows_view(gate), u = detail::rows_view(up),
+                         o = detail::rows_view(out);
+  if (g.rows == 0 || g.cols == 0) return;
+  GLMTUNE_CUDA_OP_REQUIRE(g.cols <= INT32_MAX && g.rows <= INT32_MAX,
+                          std::string(op) + ": tensor too large");
+  detail::DeviceGuard guard(gate.device().index);
+  const RowPtrs in{static_cast<const bf16*>(g.data), g.ld, static_cast<const bf16*>(u.data), u.ld};
+  if (vector_ok(g.cols, {g, u, o}))
+    swiglu_fwd_kernel<8><<<unsigned(g.rows), kThreads, 0, stream>>>(
+        in, static_cast<bf16*>(o.data), o.ld, int(g.cols), float(limit));
+  else
+    swiglu_fwd_kernel<1><<<unsigned(g.rows), kThreads, 0, stream>>>(
+        in, static_cast<bf16*>(o.data), o.ld, int(g.cols), float(limit));
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit, cudaStream_t stream) {
+  GLMTUNE_CUDA_OP_REQUIRE(gate.defined(), "cuda::swiglu_clamped: gate is undefined");
+  Tensor out = Tensor::empty(gate.shape(), DType::bf16, gate.device());
+  swiglu_clamped_out(out, gate, up, limit, stream);
+  return out;
+}
+
+void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
+                             Tensor& dgate, Tensor& dup, cudaStream_t stream) {
+  const char* op = "cuda::swiglu_clamped_backward";
+  GLMTUNE_CUDA_OP_REQUIRE(gate.defined() && gate.dim() >= 1,
+                          std::string(op) + ": gate must have at least one dimension");
+  check_operand(gate, gate, "gate", op);
+  check_operand(up, gate, "up", op);
+  check_operand(dout, gate, "dout", op);
+  check_operand(dgate, gate, "dgate", op);
+  check_operand(dup, gate, "dup", op);
+  GLMTUNE_CUDA_OP_REQUIRE(limit > 0, std::string(op) + ": limit must be positive");
+  const detail::RowsView g = detail::rows_view(gate), u = detail::rows_view(up),
+                         d = detail::rows_view(dout), dg = detail::rows_view(dgate),
+                         du = detail::rows_view(dup);
+  if (g.rows == 0 || g.cols == 0) return;
+  GLMTUNE_CUDA_OP_REQUIRE(g.cols <= INT32_MAX && g.rows <= INT32_MAX,
+                          std::string(op) + ": tensor too large");
+  detail::DeviceGuard guard(gate.device().index);
+  const RowPtrs in{static_cast<const bf16*>(g.data), g.ld, static_cast<const bf16*>(u.data), u.ld};
+  if (vector_ok(g.cols, {g, u, d, dg, du}))
+    swiglu_bwd_kernel<8><<<unsigned(g.rows), kThreads, 0, stream>>>(
+        in, static_cast<const bf16*>(d.data), d.ld, static_cast<bf16*>(dg.data), dg.ld,
+        static_cast<bf16*>(du.data), du.ld, int(g.cols), float(limit));
+  else
+    swiglu_bwd_kernel<1><<<unsigned(g.rows), kThreads, 0, stream>>>(
+        in, static_cast<const bf16*>(d.data), d.ld, static_cast<bf16*>(dg.data), dg.ld,
+        static_cast<bf16*>(du.data), du.ld, int(g.cols), float(limit));
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace glmtune::cuda

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Builds the GPU test binaries and the CUDA benchmark on this (build) machine and packs them for a
+# GPU machine that has the CUDA 13 runtime but not Debian's fmt / OpenBLAS / spdlog packages:
+#
+#   .gpu-carry/<binary>        every test_cuda_* test and every bench_cuda* benchmark, stripped
+#   .gpu-carry/lib/<soname>    the non-system shared libraries they load (found with ldd);
+#                              libraries over 8 MiB are stored xz-compressed as <soname>.xz and
+#                              unpacked by tests/gpu/run.sh
+#   .gpu-carry/MANIFEST        what was built, from which commit, and the sizes
+#
+# Usage (from anywhere):  tests/gpu/build_carry.sh
+# Environment: GLMTUNE_GPU_BUILD_DIR (default <repo>/build-cuda), GLMTUNE_BUILD_JOBS (default 2).
+# Then run tests/gpu/run.sh on the GPU machine from the repository root.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+build="${GLMTUNE_GPU_BUILD_DIR:-$root/build-cuda}"
+jobs="${GLMTUNE_BUILD_JOBS:-2}"
+carry="$root/.gpu-carry"
+
+# Statically linked libstdc++/libgcc: the GPU machine's C++ runtime never matters.
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGLMTUNE_CUDA=ON \
+  -DGLMTUNE_STATIC_RUNTIME=ON -DGLMTUNE_TESTS=ON -DGLMTUNE_BENCH=ON >/dev/null
+
+tests=()
+for src in "$root"/tests/unit/test_cuda_*.cpp; do tests+=("$(basename "${src%.cpp}")"); done
+benches=()
+for src in "$root"/bench/bench_cuda*.cpp; do
+  [[ -e "$src" ]] && benches+=("$(basename "${src%.cpp}")")
+done
+if [[ ${#tests[@]} -eq 0 ]]; then
+  echo "build_carry: no tests/unit/test_cuda_*.cpp found" >&2
+  exit 1
+fi
+echo "build_carry: building ${#tests[@]} tests and ${#benches[@]} benchmarks in $build"
+ninja -C "$build" -j "$jobs" "${tests[@]}" "${benches[@]}"
+
+rm -rf "$carry"
+mkdir -p "$carry/lib"
+declare -A built=()  # binary name -> path in the build tree
+for t in "${tests[@]}"; do built[$t]="$build/tests/$t"; done
+for b in "${benches[@]}"; do built[$b]="$build/bench/$b"; done
+binaries=("${tests[@]}" "${benches[@]}")
+for b in "${binaries[@]}"; do
+  cp "${built[$b]}" "$carry/$b"
+  strip --strip-unneeded "$carry/$b"
+done
+
+# Libraries the GPU machine provides itself: glibc, the C++ runtime (linked statically anyway),
+# the driver and the CUDA toolkit's libraries (cuBLAS/cuBLASLt live in /usr/local/cuda/lib64).
+is_system_lib() {
+  case "$(basename "$1")" in
+    linux-vdso* | ld-linux* | libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | \
+      libresolv.so* | libutil.so* | libstdc++.so* | libgcc_s.so* | libcuda.so* | libnvidia-* | \
+      libcublas* | libcudart* | libnvrtc* | libnvJitLink* | libcufft* | libcurand* | \
+      libcusparse* | libcusolver*)
+      return 0
+      ;;
+  esac
+  [[ "$1" == /usr/local/cuda* ]]
+}
+
+declare -A seen=()
+for b in "${binaries[@]}"; do
+  deps="$(ldd "${built[$b]}")"
+  if grep -q "not found" <<<"$deps"; then
+    echo "build_carry: $b has unresolved libraries on this machine:" >&2
+    grep "not found" <<<"$deps" >&2
+    exit 1
+  fi
+  # Lines look like "libfoo.so.1 => /path/libfoo.so.1 (0x...)".
+  while read -r soname path; do
+    [[ -n "$path" && -z "${seen[$soname]:-}" ]] || continue
+    seen[$soname]=1
+    is_system_lib "$path" && continue
+    if (($(stat -L -c %s "$path") > 8 * 1024 * 1024)); then
+      # Compressing OpenBLAS takes most of a minute: keep the result in the build tree.
+      cached="$build/gpu-carry-xz/$soname.xz"
+      if [[ ! "$cached" -nt "$path" ]]; then
+        mkdir -p "$build/gpu-carry-xz"
+        xz -T"$jobs" -6 -c "$path" >"$cached.tmp" && mv "$cached.tmp" "$cached"
+      fi
+      cp "$cached" "$carry/lib/$soname.xz"
+    else
+      cp -L "$path" "$carry/lib/$soname"
+    fi
+  done < <(awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' <<<"$deps")
+done
+
+# Every binary must at least start and list its tests here (with the system libraries).
+for t in "${tests[@]}"; do
+  "$carry/$t" --gtest_list_tests >/dev/null || {
+    echo "build_carry: $t does not start" >&2
+    exit 1
+  }
+done
+
+{
+  echo "glmtune GPU carry"
+  echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(
+    git -C "$root" diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
+  echo "binaries:"
+  for b in "${binaries[@]}"; do printf '  %-36s %8d bytes\n' "$b" "$(stat -c %s "$carry/$b")"; done
+  echo "libraries:"
+  for l in "$carry"/lib/*; do
+    [[ -e "$l" ]] && printf '  %-36s %8d bytes\n' "$(basename "$l")" "$(stat -c %s "$l")"
+  done
+} >"$carry/MANIFEST"
+cat "$carry/MANIFEST"
+total=$(du -sb "$carry" | cut -f1)
+echo "build_carry: .gpu-carry holds $((total / 1024 / 1024)) MiB"
+# The package travels to the GPU machine together with the repository: keep it small.
+if ((total > 48 * 1024 * 1024)); then
+  echo "build_carry: warning: .gpu-carry is larger than 48 MiB" >&2
+fi

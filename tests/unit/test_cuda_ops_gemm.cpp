@@ -1,0 +1,269 @@
+// CUDA parity for the dense GEMMs (ops/cuda/gemm.h) against the CPU linear op (ops/linear.h):
+// forward with and without bias into bf16 and f32 outputs, accumulation, row-strided views,
+// unaligned rows, both backward GEMMs and the bias gradient, and bit-identical reruns. Inputs are
+// fresh random bf16 values (seed printed; GLMTUNE_TEST_SEED reproduces a run); the CPU reference
+// runs in f32 on the same bf16 values. Outputs are poisoned with NaN before every GPU call, so an
+// unwritten element fails. Skipped (not failed) where no GPU is visible or CUDA is not built.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "glmtune/ops/linear.h"
+#include "glmtune/tensor/rng.h"
+#include "glmtune/tensor/tensor.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/ops/cuda/gemm.h"
+#endif
+
+using namespace glmtune;
+
+namespace {
+
+uint64_t test_seed() {
+  static const uint64_t seed = [] {
+    const char* env = std::getenv("GLMTUNE_TEST_SEED");
+    const uint64_t s = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+    std::printf("[ seed     ] GLMTUNE_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
+}
+
+#define REQUIRE_GPU()                                                \
+  do {                                                               \
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+// A CPU tensor of normal draws rounded to `dtype`; `stream` separates the draws of one test.
+Tensor random_cpu(const Shape& shape, DType dtype, uint64_t stream, double std = 1.0) {
+  Tensor f = Tensor::empty(shape, DType::f32);
+  fill_normal(f, test_seed(), stream << 32, 0.0, std);
+  return f.to(dtype);
+}
+
+// ‖got − want‖ / ‖want‖; infinity when `got` holds a non-finite value (e.g. an unwritten NaN).
+double rel_l2(const Tensor& got, const Tensor& want) {
+  const std::vector<double> g = got.to(Device::cpu()).to_doubles();
+  const std::vector<double> w = want.to(Device::cpu()).to_doubles();
+  EXPECT_EQ(g.size(), w.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < g.size() && i < w.size(); ++i) {
+    if (!std::isfinite(g[i])) return INFINITY;
+    num += (g[i] - w[i]) * (g[i] - w[i]);
+    den += w[i] * w[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+bool bit_identical(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
+  return x.dtype() == y.dtype() && x.shape() == y.shape() &&
+         std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+Tensor f32(const Tensor& t) { return t.to(Device::cpu()).to(DType::f32); }
+
+std::string ctx(const std::string& what) {
+  return what + " (seed " + std::to_string(test_seed()) + ")";
+}
+
+// The relative L2 error of `got` against `want`, printed with its bar (so the logs keep the
+// margins, not just pass/fail) and checked against it.
+#define EXPECT_CLOSE(got, want, bar, what)                                                      \
+  do {                                                                                          \
+    const double err_ = rel_l2(got, want);                                                      \
+    const std::string what_ = (what);                                                           \
+    std::printf("[ measure  ] %s: rel L2 %.2e (bar %.0e)\n", what_.c_str(), err_, double(bar)); \
+    EXPECT_LE(err_, bar) << ctx(what_);                                                         \
+  } while (0)
+
+#ifdef GLMTUNE_WITH_CUDA
+const Device kGpu = Device::cuda(0);
+
+struct Case {
+  int64_t m, n, k;
+};
+
+double tolerance(DType out) { return out == DType::f32 ? 1e-4 : 1e-2; }
+#endif
+
+}  // namespace
+
+TEST(CudaOpsGemm, ForwardMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // Shapes: model-like, odd row counts, and K = 100 (200-byte rows: 8-byte aligned only).
+  const Case cases[] = {{1000, 768, 512}, {257, 136, 264}, {33, 96, 100}};
+  uint64_t stream = 1;
+  for (const Case& c : cases) {
+    const Tensor x = random_cpu({c.m, c.k}, DType::bf16, stream++);
+    const Tensor w = random_cpu({c.n, c.k}, DType::bf16, stream++, 1.0 / std::sqrt(double(c.k)));
+    const Tensor b = random_cpu({c.n}, DType::bf16, stream++);
+    const Tensor xg = x.to(kGpu), wg = w.to(kGpu), bg = b.to(kGpu);
+    for (bool with_bias : {false, true}) {
+      const Tensor ref = ops::linear(f32(x), f32(w), with_bias ? f32(b) : Tensor());
+      for (DType out : {DType::bf16, DType::f32}) {
+        Tensor y = Tensor::empty({c.m, c.n}, out, kGpu);
+        y.fill_(NAN);
+        cuda::linear_out(y, xg, wg, with_bias ? bg : Tensor());
+        const std::string what =
+            "m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
+            " bias=" + std::to_string(with_bias) + " out=" + std::string(dtype_name(out));
+        EXPECT_CLOSE(y, ref, tolerance(out), what);
+        // Rerun into a freshly poisoned buffer: the same bits.
+        Tensor y2 = Tensor::empty({c.m, c.n}, out, kGpu);
+        y2.fill_(NAN);
+        cuda::linear_out(y2, xg, wg, with_bias ? bg : Tensor());
+        EXPECT_TRUE(bit_identical(y, y2)) << ctx("rerun differs: " + what);
+      }
+    }
+  }
+#endif
+}
+
+TEST(CudaOpsGemm, ForwardAccumulatesAndBiasIsConverted) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const int64_t m = 300, n = 200, k = 256;
+  const Tensor x = random_cpu({m, k}, DType::bf16, 11);
+  const Tensor w = random_cpu({n, k}, DType::bf16, 12, 0.0625);
+  const Tensor b = random_cpu({n}, DType::bf16, 13);
+  const Tensor y0 = random_cpu({m, n}, DType::f32, 14);
+  // f32 output with a bf16 bias (converted inside), accumulated onto y0.
+  Tensor y = y0.to(kGpu);
+  cuda::linear_out(y, x.to(kGpu), w.to(kGpu), b.to(kGpu), /*accumulate=*/true);
+  const Tensor ref = ops::linear(f32(x), f32(w));
+  // want = y0 + x w^T + b
+  Tensor want = y0.clone();
+  {
+    float* wp = want.data<float>();
+    const float* rp = ref.data<float>();
+    const Tensor bf = f32(b);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) wp[i * n + j] += rp[i * n + j] + bf.data<float>()[j];
+  }
+  EXPECT_CLOSE(y, want, 1e-4, "accumulate with converted bias");
+  // The allocating form picks the output dtype.
+  const Tensor yb = cuda::linear(x.to(kGpu), w.to(kGpu), Tensor(), DType::bf16);
+  EXPECT_EQ(yb.dtype(), DType::bf16);
+  EXPECT_CLOSE(yb, ref, 1e-2, "cuda::linear");
+#endif
+}
+
+TEST(CudaOpsGemm, RowStridedViewsWorkInPlace) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // x is the left part of a wider matrix, y the right part of another: both are row-strided.
+  const int64_t m = 129, n = 64, k = 128;
+  const Tensor xw = random_cpu({m, k + 40}, DType::bf16, 21);
+  const Tensor w = random_cpu({n, k}, DType::bf16, 22, 0.1);
+  const Tensor xg_wide = xw.to(kGpu);
+  const Tensor xg = xg_wide.slice(1, 0, k);
+  Tensor yw = Tensor::empty({m, n + 24}, DType::bf16, kGpu);
+  yw.fill_(NAN);
+  Tensor y = yw.slice(1, 24, 24 + n);
+  cuda::linear_out(y, xg, w.to(kGpu));
+  const Tensor ref = ops::linear(f32(xw.slice(1, 0, k).contiguous()), f32(w));
+  EXPECT_CLOSE(y, ref, 1e-2, "strided views");
+  // The columns outside the view are untouched (still NaN).
+  const std::vector<double> left = yw.slice(1, 0, 24).to(Device::cpu()).to_doubles();
+  for (double v : left) ASSERT_TRUE(std::isnan(v)) << "GEMM wrote outside its output view";
+#endif
+}
+
+TEST(CudaOpsGemm, BackwardMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const Case cases[] = {{1000, 768, 512}, {77, 136, 200}, {40, 24, 100}};
+  uint64_t stream = 31;
+  for (const Case& c : cases) {
+    const std::string shape =
+        "m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k);
+    const Tensor x = random_cpu({c.m, c.k}, DType::bf16, stream++);
+    const Tensor w = random_cpu({c.n, c.k}, DType::bf16, stream++, 0.05);
+    const Tensor dy = random_cpu({c.m, c.n}, DType::bf16, stream++);
+    Tensor gw_ref, gb_ref;
+    const Tensor dx_ref = ops::linear_backward(f32(dy), f32(x), f32(w), &gw_ref, &gb_ref);
+    const Tensor xg = x.to(kGpu), wg = w.to(kGpu), dyg = dy.to(kGpu);
+
+    for (DType out : {DType::bf16, DType::f32}) {
+      Tensor dx = Tensor::empty({c.m, c.k}, out, kGpu);
+      dx.fill_(NAN);
+      cuda::linear_backward_input_out(dx, dyg, wg);
+      EXPECT_CLOSE(dx, dx_ref, tolerance(out),
+                   "dx " + shape + " out=" + std::string(dtype_name(out)));
+    }
+
+    // dW accumulates onto a random start of the gradient's own scale; compare the increment.
+    const double gw_scale = std::sqrt(double(c.m));
+    const Tensor dw0 = random_cpu({c.n, c.k}, DType::f32, stream++, gw_scale);
+    Tensor dw = dw0.to(kGpu);
+    cuda::linear_backward_weight(dw, dyg, xg);
+    Tensor delta = f32(dw);
+    {
+      float* d = delta.data<float>();
+      const float* z = dw0.data<float>();
+      for (int64_t i = 0; i < delta.numel(); ++i) d[i] -= z[i];
+    }
+    EXPECT_CLOSE(delta, gw_ref, 1e-4, "dW f32 " + shape);
+    Tensor dw_again = dw0.to(kGpu);
+    cuda::linear_backward_weight(dw_again, dyg, xg);
+    EXPECT_TRUE(bit_identical(dw, dw_again)) << ctx("dW rerun differs " + shape);
+
+    // bf16 gradient: fp32 accumulation inside, one rounding of start + product.
+    const Tensor dwb0 = random_cpu({c.n, c.k}, DType::bf16, stream++, gw_scale);
+    Tensor dwb = dwb0.to(kGpu);
+    cuda::linear_backward_weight(dwb, dyg, xg);
+    Tensor want = f32(dwb0);
+    {
+      float* d = want.data<float>();
+      const float* g = gw_ref.data<float>();
+      for (int64_t i = 0; i < want.numel(); ++i) d[i] += g[i];
+    }
+    EXPECT_CLOSE(dwb, want, 1e-2, "dW bf16 " + shape);
+
+    // Bias gradient: column sums, accumulated, deterministic.
+    const Tensor db0 = random_cpu({c.n}, DType::f32, stream++, gw_scale);
+    Tensor db = db0.to(kGpu);
+    cuda::linear_backward_bias(db, dyg);
+    Tensor dbd = f32(db);
+    for (int64_t i = 0; i < c.n; ++i) dbd.data<float>()[i] -= db0.data<float>()[i];
+    EXPECT_CLOSE(dbd, gb_ref, 1e-5, "db " + shape);
+    Tensor db_again = db0.to(kGpu);
+    cuda::linear_backward_bias(db_again, dyg);
+    EXPECT_TRUE(bit_identical(db, db_again)) << ctx("db rerun differs " + shape);
+  }
+#endif
+}
+
+TEST(CudaOpsGemm, AlgorithmsAreCachedPerProblem) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const Tensor x = random_cpu({64, 128}, DType::bf16, 41).to(kGpu);
+  const Tensor w = random_cpu({96, 128}, DType::bf16, 42).to(kGpu);
+  Tensor y = Tensor::empty({64, 96}, DType::f32, kGpu);
+  cuda::linear_out(y, x, w);
+  const int64_t queries = cuda::gemm_heuristic_queries();
+  for (int i = 0; i < 5; ++i) cuda::linear_out(y, x, w);
+  EXPECT_EQ(cuda::gemm_heuristic_queries(), queries) << "the same problem queried the heuristic";
+#endif
+}
+
+TEST(CudaOpsGemm, MismatchedShapesAreRejected) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const Tensor x = Tensor::zeros({4, 16}, DType::bf16, kGpu);
+  const Tensor w = Tensor::zeros({8, 24}, DType::bf16, kGpu);
+  Tensor y = Tensor::empty({4, 8}, DType::bf16, kGpu);
+  EXPECT_THROW(cuda::linear_out(y, x, w), InternalError);
+  const Tensor xf = Tensor::zeros({4, 24}, DType::f32, kGpu);
+  EXPECT_THROW(cuda::linear_out(y, xf, w), InternalError);
+#endif
+}
