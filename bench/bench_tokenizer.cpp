@@ -3,14 +3,21 @@
 // Uses the bundled tiny tokenizer by default; set GLMTUNE_BENCH_TOKENIZER to a tokenizer.json
 // (e.g. the released GLM-5.3-Flash one) to measure a real vocabulary. The text is about 4 MB of
 // the tokenizer training corpus, shuffled line by line and salted with numbers and identifiers so
-// that the word cache sees a realistic mix of repeated and new words.
+// that the word cache sees a realistic mix of repeated and new words. Set GLMTUNE_BENCH_TEXT to a
+// JSONL file of JSON strings (one document per line, as `bench/tokenizer_vs_hf.py make-text`
+// writes) to encode exactly the text another tokenizer is measured on.
+//
+// BM_TokenizerEncodeSerial is the single-thread number compared with Hugging Face `tokenizers`
+// (docs/PERF.md); run it with --benchmark_filter=Serial --benchmark_repetitions=N.
 
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -35,6 +42,14 @@ const Tokenizer& tokenizer() {
 // About 4 MB split into documents of a few KB each.
 const std::vector<std::string>& documents() {
   static const std::vector<std::string> docs = [] {
+    if (const char* env = std::getenv("GLMTUNE_BENCH_TEXT"); env != nullptr && *env != '\0') {
+      std::ifstream in(env);
+      if (!in) throw std::runtime_error(std::string("cannot read GLMTUNE_BENCH_TEXT ") + env);
+      std::vector<std::string> out;
+      for (std::string line; std::getline(in, line);)
+        if (!line.empty()) out.push_back(nlohmann::json::parse(line).get<std::string>());
+      return out;
+    }
     std::ifstream in(std::string(GLMTUNE_SOURCE_DIR) + "/tools/tokenizer/corpus.txt");
     std::vector<std::string> lines;
     for (std::string line; std::getline(in, line);) lines.push_back(line);
