@@ -299,6 +299,40 @@ TEST(Safetensors, PlannedWriterTakesTensorsInAnyOrder) {
             serialize_safetensors({{"a", a}, {"b", b}}, {{"format", "pt"}}));
 }
 
+TEST(Safetensors, PlannedWriterTakesLargeTensorsInParts) {
+  TempDir dir;
+  std::mt19937 rng(11);
+  Tensor a = random_tensor({10, 7}, DType::f32, rng);  // 280 bytes
+  const auto bytes = tensor_bytes(a);
+  {
+    SafetensorsWriter w(dir / "p.safetensors", {{"a", DType::f32, {10, 7}}});
+    // Out of order and of uneven sizes; byte offsets need not fall on elements.
+    w.write_part("a", 101, std::span(bytes).subspan(101, 179));
+    w.write_part("a", 0, std::span(bytes).subspan(0, 101));
+    w.finish();
+  }
+  EXPECT_EQ(tensor_bytes(SafetensorsFile::open(dir / "p.safetensors").tensor("a")), bytes);
+
+  SafetensorsWriter w(dir / "q.safetensors", {{"a", DType::f32, {10, 7}}});
+  w.write_part("a", 0, std::span(bytes).subspan(0, 200));
+  try {
+    w.write_part("a", 200, std::span(bytes).subspan(0, 100));  // past the end
+    ADD_FAILURE() << "accepted bytes past the tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bytes [200, 300) of tensor \"a\" fall outside"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(w.write_bytes("a", bytes), Error);  // already partly written
+  try {
+    w.finish();
+    ADD_FAILURE() << "finished a partly written tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"a\" was planned but never written"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Safetensors, PlannedWriterRejectsMistakes) {
   TempDir dir;
   SafetensorsWriter w(dir / "p.safetensors", {{"a", DType::bf16, {4, 4}}, {"b", DType::f32, {3}}});

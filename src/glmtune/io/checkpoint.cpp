@@ -4,10 +4,13 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
-#include <cstdio>
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>  // renameat2
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <system_error>
 
 #include "glmtune/base/error.h"
 
@@ -213,9 +216,9 @@ Tensor CheckpointReader::tensor(std::string_view name) const {
   return shard(shard_of(name)).tensor(name);
 }
 
-void CheckpointReader::release(std::string_view name) const {
+void CheckpointReader::release(std::string_view name, uint64_t offset, uint64_t length) const {
   info(name);
-  shard(shard_of(name)).release(name);
+  shard(shard_of(name)).release(name, offset, length);
 }
 
 void CheckpointReader::validate() const {
@@ -344,6 +347,12 @@ void CheckpointWriter::write(std::string_view name, const Tensor& tensor) {
 void CheckpointWriter::write_bytes(std::string_view name, std::span<const uint8_t> bytes) {
   if (!planned_) throw Error("write_bytes() without begin_shard()", dir_.string());
   planned_->write_bytes(name, bytes);
+}
+
+void CheckpointWriter::write_part(std::string_view name, uint64_t offset,
+                                  std::span<const uint8_t> bytes) {
+  if (!planned_) throw Error("write_part() without begin_shard()", dir_.string());
+  planned_->write_part(name, offset, bytes);
 }
 
 void CheckpointWriter::end_shard() {

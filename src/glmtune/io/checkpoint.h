@@ -5,8 +5,9 @@
 //
 // The reader opens shards lazily, so listing or reading a few tensors of a 62-shard checkpoint maps
 // only the shards involved. The writer streams: memory holds at most one shard's worth of pending
-// tensors (or one tensor, with planned shards), and the directory is replaced atomically on
-// finish(): until then a crash or an exception leaves the previous content untouched.
+// tensors (with planned shards, one tensor or one part of one), and the directory is replaced
+// atomically on finish(): until then a crash or an exception leaves the previous content
+// untouched.
 
 #include <cstdint>
 #include <filesystem>
@@ -64,8 +65,9 @@ class CheckpointReader {
   std::span<const uint8_t> bytes(std::string_view name) const;
   // A CPU tensor viewing the shard's mapping (see SafetensorsFile::tensor).
   Tensor tensor(std::string_view name) const;
-  // Drops the resident pages of a consumed tensor (see MappedFile::release).
-  void release(std::string_view name) const;
+  // Drops the resident pages of a consumed tensor, or of bytes [offset, offset + length) of it
+  // (see MappedFile::release).
+  void release(std::string_view name, uint64_t offset = 0, uint64_t length = UINT64_MAX) const;
   // Unmaps a shard once nothing more is needed from it (tensors made from it stay valid).
   void close_shard(std::string_view file) const;
 
@@ -106,6 +108,8 @@ class CheckpointWriter {
   void begin_shard(std::vector<TensorSpec> specs);
   void write(std::string_view name, const Tensor& tensor);
   void write_bytes(std::string_view name, std::span<const uint8_t> bytes);
+  // A part of a tensor (see SafetensorsWriter::write_part): a large tensor in bounded memory.
+  void write_part(std::string_view name, uint64_t offset, std::span<const uint8_t> bytes);
   void end_shard();
 
   // A non-weight file (config.json, tokenizer, ...) to appear with the shards.

@@ -562,6 +562,7 @@ void print_crop_plan(const CropPlan& plan, std::FILE* out) {
 CropResult run_crop(const CropPlan& plan, const CropOptions& options, bool show_progress) {
   const auto start = std::chrono::steady_clock::now();
   const CheckpointReader& reader = *plan.reader;
+  const uint64_t chunk_bytes = std::max<uint64_t>(options.chunk_bytes, 1);
 
   // The last output tensor that reads each source shard: the shard is unmapped after it.
   std::map<std::string, size_t> last_use;
@@ -594,8 +595,15 @@ CropResult run_crop(const CropPlan& plan, const CropOptions& options, bool show_
       const CropTensor& t = plan.tensors[i];
       auto src = reader.bytes(t.source);
       if (!t.dequantize()) {
-        // Straight from the mapping to the output file: no copy in memory.
-        writer.write_bytes(t.target, src);
+        // Straight from the mapping to the output file, a chunk at a time: no copy in memory, and
+        // each chunk's pages are let go once written, so even a 1.3 GB embedding stays out of the
+        // resident set.
+        for (uint64_t off = 0; off < src.size(); off += chunk_bytes) {
+          const uint64_t len = std::min<uint64_t>(chunk_bytes, src.size() - off);
+          writer.write_part(t.target, off, src.subspan(size_t(off), size_t(len)));
+          reader.release(t.source, off, len);
+          if (progress) progress->advance(len);
+        }
       } else {
         const TensorInfo& si = reader.info(t.scale);
         auto sb = reader.bytes(t.scale);
@@ -611,22 +619,34 @@ CropResult run_crop(const CropPlan& plan, const CropOptions& options, bool show_
             scale[k] = bf16_to_f32(h);
           }
         }
-        const size_t count = size_t(shape_numel(t.shape));
-        // Reused across tensors; grown only for a larger tensor, so memory stays at the largest
-        // one (uninitialised: every element is written).
-        if (count > converted_capacity) {
-          converted.reset();
-          converted = std::make_unique_for_overwrite<uint16_t[]>(count);
-          converted_capacity = count;
-        }
-        dequantize_fp8_block_bf16(src.data(), scale.data(), t.shape[0], t.shape[1], plan.block_rows,
-                                  plan.block_cols, converted.get());
-        writer.write_bytes(t.target,
-                           {reinterpret_cast<const uint8_t*>(converted.get()), count * 2});
         reader.release(t.scale);
+        // Whole block rows at a time (about chunk_bytes of output), so that each chunk starts on
+        // a scale row and memory holds one chunk, not the tensor.
+        const int64_t rows = t.shape[0], cols = t.shape[1];
+        const int64_t scale_cols = si.shape[1];
+        const int64_t chunk_rows = std::max<int64_t>(
+            plan.block_rows, int64_t(chunk_bytes / 2) / std::max<int64_t>(cols, 1) /
+                                 plan.block_rows * plan.block_rows);
+        const size_t capacity = size_t(std::min(rows, chunk_rows) * cols);
+        // Reused across tensors and grown only when needed (uninitialised: every element is
+        // written before it is read).
+        if (capacity > converted_capacity) {
+          converted.reset();
+          converted = std::make_unique_for_overwrite<uint16_t[]>(capacity);
+          converted_capacity = capacity;
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+          const int64_t n = std::min(chunk_rows, rows - r0);
+          dequantize_fp8_block_bf16(src.data() + r0 * cols,
+                                    scale.data() + (r0 / plan.block_rows) * scale_cols, n, cols,
+                                    plan.block_rows, plan.block_cols, converted.get());
+          writer.write_part(
+              t.target, uint64_t(r0 * cols) * 2,
+              {reinterpret_cast<const uint8_t*>(converted.get()), size_t(n * cols) * 2});
+          reader.release(t.source, uint64_t(r0 * cols), uint64_t(n * cols));
+          if (progress) progress->advance(uint64_t(n * cols) * 2);
+        }
       }
-      reader.release(t.source);
-      if (progress) progress->advance(t.write_bytes);
       if (auto c = close_after.find(i); c != close_after.end())
         for (const auto& file : c->second) reader.close_shard(file);
     }

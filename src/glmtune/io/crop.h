@@ -7,8 +7,9 @@
 //
 // Planning reads only headers and config.json and catches every problem it can (layers the source
 // lacks, missing shards, an index that does not match its shards, FP8 weights without scales)
-// before anything is written. Running streams one tensor at a time (memory stays below twice the
-// largest tensor) into a temporary directory that replaces the output only when complete.
+// before anything is written. Running streams each tensor in chunks (memory holds one chunk of
+// about 64 MB, not a tensor) into a temporary directory that replaces the output only when
+// complete.
 
 #include <cstdint>
 #include <cstdio>
@@ -40,6 +41,9 @@ struct CropOptions {
   uint64_t max_shard_bytes = 5'000'000'000;
   // Replace a non-empty output directory (atomically, on completion).
   bool overwrite = false;
+  // Output bytes handled per step: large enough for full-speed sequential I/O, small enough that
+  // memory stays far below one large tensor. Dequantisation rounds it to whole block rows.
+  uint64_t chunk_bytes = uint64_t(64) << 20;
 };
 
 // "0-4", "0,2,7-9": sorted, without repeats. Throws glmtune::Error naming the text for anything

@@ -424,10 +424,12 @@ Tensor SafetensorsFile::tensor(std::string_view name) const {
   return copy;
 }
 
-void SafetensorsFile::release(std::string_view name) const {
+void SafetensorsFile::release(std::string_view name, uint64_t offset, uint64_t length) const {
   if (!mapping_) return;
   const TensorInfo& t = info(name);
-  mapping_->release(size_t(data_offset() + t.begin), size_t(t.nbytes()));
+  if (offset >= t.nbytes()) return;
+  length = std::min(length, t.nbytes() - offset);
+  mapping_->release(size_t(data_offset() + t.begin + offset), size_t(length));
 }
 
 const TensorInfo* SafetensorsLayout::find(std::string_view name) const {
@@ -520,16 +522,13 @@ SafetensorsWriter::SafetensorsWriter(const std::filesystem::path& path,
                                      std::vector<TensorSpec> specs, const Metadata& metadata)
     : layout_(plan_safetensors(std::move(specs), metadata)), out_(path) {
   for (size_t i = 0; i < layout_.tensors.size(); ++i) index_.emplace(layout_.tensors[i].name, i);
-  written_.assign(layout_.tensors.size(), false);
+  written_.assign(layout_.tensors.size(), 0);
   uint8_t prefix[8];
   uint64_t n = layout_.header.size();
   for (int i = 0; i < 8; ++i) prefix[i] = uint8_t(n >> (8 * i));
   out_.write(prefix, 8);
   out_.write(layout_.header);
   out_.truncate(layout_.file_bytes());
-  // Zero-size tensors have nothing to write.
-  for (size_t i = 0; i < layout_.tensors.size(); ++i)
-    if (layout_.tensors[i].nbytes() == 0) written_[i] = true;
 }
 
 SafetensorsWriter::~SafetensorsWriter() = default;
@@ -558,7 +557,7 @@ void SafetensorsWriter::write(std::string_view name, const Tensor& tensor) {
                   out_.path().string());
   }
   if (tensor.numel() == 0) {
-    written_[slot(name, 0)] = true;
+    slot(name, 0);  // nothing to write, but the name must be planned
     return;
   }
   Tensor host = tensor.to(Device::cpu()).contiguous();
@@ -567,15 +566,34 @@ void SafetensorsWriter::write(std::string_view name, const Tensor& tensor) {
 
 void SafetensorsWriter::write_bytes(std::string_view name, std::span<const uint8_t> bytes) {
   size_t i = slot(name, bytes.size());
+  if (written_[i] != 0)
+    throw Error("tensor \"" + std::string(name) + "\" is written twice", out_.path().string());
+  write_part(name, 0, bytes);
+}
+
+void SafetensorsWriter::write_part(std::string_view name, uint64_t offset,
+                                   std::span<const uint8_t> bytes) {
+  auto it = index_.find(name);
+  if (it == index_.end())
+    throw Error("tensor \"" + std::string(name) + "\" was not planned for this file",
+                out_.path().string());
+  const size_t i = it->second;
+  const TensorInfo& t = layout_.tensors[i];
+  if (offset > t.nbytes() || bytes.size() > t.nbytes() - offset ||
+      written_[i] + bytes.size() > t.nbytes())
+    throw Error("bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes.size()) +
+                    ") of tensor \"" + std::string(name) + "\" fall outside its " +
+                    std::to_string(t.nbytes()) + " bytes or were written before",
+                out_.path().string());
   if (!bytes.empty())
-    out_.pwrite(bytes.data(), bytes.size(), layout_.data_offset() + layout_.tensors[i].begin);
-  written_[i] = true;
+    out_.pwrite(bytes.data(), bytes.size(), layout_.data_offset() + t.begin + offset);
+  written_[i] += bytes.size();
 }
 
 void SafetensorsWriter::finish() {
   if (finished_) return;
   for (size_t i = 0; i < written_.size(); ++i)
-    if (!written_[i])
+    if (written_[i] != layout_.tensors[i].nbytes())
       throw Error("tensor \"" + layout_.tensors[i].name + "\" was planned but never written",
                   out_.path().string());
   out_.sync();

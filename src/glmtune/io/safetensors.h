@@ -79,8 +79,9 @@ class SafetensorsFile {
   // from other writers) or there is no owner, the tensor is an aligned copy instead.
   Tensor tensor(std::string_view name) const;
 
-  // Lets go of the resident pages of a tensor that has been consumed (see MappedFile::release).
-  void release(std::string_view name) const;
+  // Lets go of the resident pages of a tensor that has been consumed (see MappedFile::release);
+  // `offset` / `length` (bytes within the tensor) limit it to a part.
+  void release(std::string_view name, uint64_t offset = 0, uint64_t length = UINT64_MAX) const;
 
   uint64_t header_size() const { return header_size_; }
   uint64_t data_offset() const { return 8 + header_size_; }
@@ -140,6 +141,9 @@ class SafetensorsWriter {
   void write(std::string_view name, const Tensor& tensor);
   // Raw little-endian bytes, exactly the planned size.
   void write_bytes(std::string_view name, std::span<const uint8_t> bytes);
+  // Bytes [offset, offset + size) of a tensor, for producers that stream a large tensor in parts.
+  // The parts of a tensor must not overlap; it counts as written once they cover it.
+  void write_part(std::string_view name, uint64_t offset, std::span<const uint8_t> bytes);
   // Fails naming any tensor that was not written; then fsyncs and closes the file.
   void finish();
 
@@ -151,7 +155,7 @@ class SafetensorsWriter {
 
   SafetensorsLayout layout_;
   std::map<std::string, size_t, std::less<>> index_;
-  std::vector<bool> written_;
+  std::vector<uint64_t> written_;  // bytes written per tensor
   OutputFile out_;
   bool finished_ = false;
 };
