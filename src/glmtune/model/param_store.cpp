@@ -6,7 +6,7 @@
 #include <set>
 
 #include "glmtune/base/error.h"
-#include "glmtune/tensor/convert.h"
+#include "glmtune/io/fp8.h"
 
 namespace glmtune::model {
 namespace {
@@ -20,9 +20,7 @@ std::string base_of_companion(const std::string& name) {
   return name.substr(0, name.size() - std::string(".weight_scale_inv").size()) + ".weight";
 }
 
-Shape block_scale_shape(const Shape& weight) {
-  return {(weight[0] + 127) / 128, (weight[1] + 127) / 128};
-}
+Shape block_scale_shape(const Shape& weight) { return io::fp8_scale_shape(weight); }
 
 }  // namespace
 
@@ -91,31 +89,14 @@ CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const Mode
 
 namespace {
 
-// bf16(fp8 · scale_inv[r/128, c/128]) in fp32, as the released FP8 format defines it.
-Tensor dequantize_fp8(const Tensor& weight, const Tensor& scale_inv) {
-  const int64_t rows = weight.size(0), cols = weight.size(1);
-  Tensor scale = scale_inv.to(DType::f32).contiguous();
-  Tensor out = Tensor::empty({rows, cols}, DType::bf16);
-  Tensor packed = weight.contiguous();
-  const auto* w = static_cast<const uint8_t*>(packed.data_ptr());
-  const float* s = scale.data<float>();
-  auto* o = static_cast<uint16_t*>(out.data_ptr());
-  const int64_t scale_cols = scale.size(1);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      o[r * cols + c] =
-          f32_to_bf16(fp8e4m3_to_f32(w[r * cols + c]) * s[(r / 128) * scale_cols + c / 128]);
-  return out;
-}
-
 // Reads one released tensor as stored (zero-copy view of the mapping), or dequantised to bf16
 // when it is an FP8 weight with a block-scale companion.
 Tensor read_released(const io::CheckpointReader& reader, const std::string& name) {
   Tensor t = reader.tensor(name);
   if (t.dtype() != DType::fp8e4m3) return t;
   const std::string scale = name.substr(0, name.size() - 7) + ".weight_scale_inv";
-  return dequantize_fp8(t, reader.tensor(scale));
+  return io::dequantize_fp8_block(t, reader.tensor(scale), io::kFp8BlockSize, io::kFp8BlockSize,
+                                  name);
 }
 
 }  // namespace
