@@ -1,16 +1,27 @@
-// `glmtune eval`: the text model's loss, MTP loss and perplexity over packed data, on the CPU
-// reference path (docs/model/text_model.md, "glmtune eval").
+// `glmtune eval`: the text model's loss, MTP loss and perplexity over data, on the CPU reference
+// path (docs/model/text_model.md, "glmtune eval").
+//
+// Data comes from --text, from chat / text JSONL (tokenized with the checkpoint's tokenizer and
+// packed into fixed-length packs, as training does) and from pre-tokenised JSONL, one
+// {"input_ids": [...], "labels": [...]} document per line (labels in the Hugging Face convention:
+// unshifted, -100 ignored). Several documents share one forward for speed; the forward computes
+// every document as if alone, and the per-document losses and logits below are taken from that
+// document's rows only, so packing changes no number.
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 
 #include "command.h"
 #include "glmtune/base/error.h"
@@ -18,8 +29,13 @@
 #include "glmtune/data/packing.h"
 #include "glmtune/data/tokenizer.h"
 #include "glmtune/io/checkpoint.h"
+#include "glmtune/io/mmap_file.h"
+#include "glmtune/io/safetensors.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/ops/cross_entropy.h"
+#include "glmtune/ops/linear.h"
+#include "glmtune/ops/norm.h"
 
 namespace {
 
@@ -30,6 +46,7 @@ struct EvalArgs {
   std::string model;
   std::vector<std::string> data;
   std::string text;
+  std::string dump_logits;
   int64_t pack_length = 4096;
   int64_t max_packs = 0;
   int64_t loss_chunk = 1024;
@@ -37,9 +54,28 @@ struct EvalArgs {
   bool json = false;
 };
 
+// One document to evaluate: held in memory (--text, pre-tokenised lines) or a sample of the
+// chat / text dataset, loaded when its pack is built.
+struct EvalSample {
+  std::optional<data::TokenizedSample> tokens;
+  int64_t dataset_index = -1;
+  int64_t length = 0;
+  std::string source;  // "file:line", "--text" or "dataset sample N"
+};
+
+// One forward: samples (indices into the sample list) and the pack length. Chat / text packs are
+// padded to --pack-length like training packs; the others are exactly their documents.
+struct PackPlan {
+  std::vector<int64_t> samples;
+  int64_t length = 0;
+};
+
+struct SampleResult {
+  double sum = 0;
+  int64_t count = 0;
+};
+
 struct Totals {
-  double lm_sum = 0;
-  int64_t lm_count = 0;
   std::vector<double> mtp_sum;
   std::vector<int64_t> mtp_count;
   int64_t packs = 0;
@@ -52,30 +88,108 @@ Tensor int32_tensor(const std::vector<int32_t>& v) {
   return Tensor::from_vector(v, {int64_t(v.size())});
 }
 
-void evaluate_pack(const model::text::TextModel& model, const data::Pack& pack,
-                   const model::text::ForwardOptions& options, Totals& t) {
-  model::text::PackInput in;
-  in.input_ids = int32_tensor(pack.input_ids);
-  in.cu_seqlens = int32_tensor(pack.cu_seqlens);
-  in.labels = int32_tensor(pack.labels);
-  in.padding_tokens = pack.num_padding;
-  const auto start = std::chrono::steady_clock::now();
-  const model::text::ForwardOutput out = model.forward(in, options);
-  t.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  t.lm_sum += out.lm->sum;
-  t.lm_count += out.lm->count;
-  if (out.mtp) {
-    t.mtp_sum.resize(out.mtp->ce.size(), 0.0);
-    t.mtp_count.resize(out.mtp->ce.size(), 0);
-    for (size_t k = 0; k < out.mtp->ce.size(); ++k) {
-      t.mtp_sum[k] += out.mtp->ce[k].sum;
-      t.mtp_count[k] += out.mtp->ce[k].count;
+// Reads a JSON array of token ids at file:line, each in [0, vocab) (or -100 where `ignore_ok`).
+std::vector<int32_t> read_ids(const nlohmann::json& v, const char* key, int64_t vocab,
+                              bool ignore_ok, const std::string& where) {
+  if (!v.is_array())
+    throw Error(fmt::format("\"{}\" must be an array of integers, got {}", key, v.type_name()),
+                where, "write the token ids as a JSON array");
+  std::vector<int32_t> out;
+  out.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const nlohmann::json& x = v[i];
+    if (!x.is_number_integer())
+      throw Error(fmt::format("\"{}\"[{}] is not an integer: {}", key, i, x.dump()), where,
+                  "token ids are integers");
+    const int64_t id = x.is_number_unsigned() && x.get<uint64_t>() > uint64_t(INT64_MAX)
+                           ? INT64_MAX
+                           : x.get<int64_t>();
+    if (ignore_ok && id == data::kIgnoreIndex) {
+      out.push_back(int32_t(id));
+      continue;
+    }
+    if (id < 0 || id >= vocab)
+      throw Error(fmt::format("\"{}\"[{}] = {} is outside the model's vocabulary [0, {}){}", key, i,
+                              id, vocab, ignore_ok ? " and is not -100" : ""),
+                  where, "tokenize with the checkpoint's tokenizer");
+    out.push_back(int32_t(id));
+  }
+  return out;
+}
+
+// The pre-tokenised samples of `file`, or nullopt when no line of it has "input_ids" (then it is
+// chat / text data for the dataset reader). In a file that has them, every non-blank line must be
+// a valid pre-tokenised sample; the first bad line is an error naming file:line.
+std::optional<std::vector<EvalSample>> read_pretokenised(const std::string& file, int64_t vocab) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error("cannot open the data file", file, "check the path");
+  std::vector<EvalSample> samples;
+  std::optional<Error> first_error;
+  bool pretokenised = false;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = fmt::format("{}:{}", file, n);
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    const bool has_ids = j.is_object() && j.contains("input_ids");
+    pretokenised |= has_ids;
+    if (first_error) continue;
+    try {
+      if (j.is_discarded())
+        throw Error("the line is not valid JSON", where, "one JSON object a line");
+      if (!has_ids)
+        throw Error("no \"input_ids\" in a file of pre-tokenised samples", where,
+                    "give every line {\"input_ids\": [...], \"labels\": [...]}, or put chat / "
+                    "text lines in a file of their own");
+      EvalSample s;
+      data::TokenizedSample t;
+      t.input_ids = read_ids(j.at("input_ids"), "input_ids", vocab, false, where);
+      if (t.input_ids.empty())
+        throw Error("\"input_ids\" is empty", where, "give at least one token");
+      if (j.contains("labels") && !j.at("labels").is_null()) {
+        t.labels = read_ids(j.at("labels"), "labels", vocab, true, where);
+        if (t.labels.size() != t.input_ids.size())
+          throw Error(
+              fmt::format("{} labels for {} input ids", t.labels.size(), t.input_ids.size()), where,
+              "labels are unshifted (Hugging Face convention): one per input id, -100 "
+              "where ignored");
+      } else {
+        t.labels = t.input_ids;
+      }
+      s.length = int64_t(t.input_ids.size());
+      s.tokens = std::move(t);
+      s.source = where;
+      samples.push_back(std::move(s));
+    } catch (const Error& e) {
+      first_error = e;
     }
   }
-  ++t.packs;
-  t.slots += int64_t(pack.input_ids.size());
-  t.tokens += int64_t(pack.input_ids.size()) - pack.num_padding;
+  if (!pretokenised) return std::nullopt;
+  if (first_error) throw *first_error;
+  return samples;
 }
+
+// Deletes a partly written output file unless it was completed and renamed.
+class TempFile {
+ public:
+  explicit TempFile(fs::path final_path)
+      : final_(std::move(final_path)),
+        tmp_(final_.string() + ".tmp." + std::to_string(::getpid())) {}
+  ~TempFile() {
+    std::error_code ec;
+    if (!committed_) fs::remove(tmp_, ec);
+  }
+  const fs::path& path() const { return tmp_; }
+  void commit() {
+    fs::rename(tmp_, final_);
+    io::sync_directory(final_.parent_path().empty() ? fs::path(".") : final_.parent_path());
+    committed_ = true;
+  }
+
+ private:
+  fs::path final_, tmp_;
+  bool committed_ = false;
+};
 
 }  // namespace
 
@@ -86,10 +200,15 @@ GLMTUNE_COMMAND(
       app.add_option("--model", a->model, "Checkpoint directory (config.json, weights, tokenizer)")
           ->required();
       app.add_option("--data", a->data,
-                     "JSONL file(s) of chat ({\"messages\": ...}) or text ({\"text\": ...}) lines");
+                     "JSONL file(s): pre-tokenised ({\"input_ids\": [...], \"labels\": [...]}), "
+                     "chat ({\"messages\": ...}) or text ({\"text\": ...}) lines");
       app.add_option("--text", a->text, "A text to evaluate, as one {\"text\": ...} sample");
+      app.add_option("--dump-logits", a->dump_logits,
+                     "Write each sample's logits as float32 logits.<i> [len_i, vocab] to this "
+                     "safetensors file");
       app.add_option("--pack-length", a->pack_length,
-                     "Tokens per pack for --data (longer samples are truncated)")
+                     "Tokens per pack (chat / text samples longer than this are truncated; a "
+                     "longer pre-tokenised sample gets a pack of its own)")
           ->check(CLI::PositiveNumber);
       app.add_option("--max-packs", a->max_packs, "Stop after this many packs (0: all)")
           ->check(CLI::NonNegativeNumber);
@@ -103,85 +222,237 @@ GLMTUNE_COMMAND(
         // Progress goes to stdout through the default logger; --json keeps stdout one object.
         if (a->json) spdlog::set_level(spdlog::level::warn);
         const fs::path dir(a->model);
-        const fs::path tokenizer_file = dir / "tokenizer.json";
-        if (!fs::exists(tokenizer_file))
-          throw Error("the checkpoint has no tokenizer.json", tokenizer_file.string(),
-                      "copy the model's tokenizer files next to its weights (glmtune init "
-                      "--tokenizer DIR does this for random checkpoints)");
-        const data::Tokenizer tokenizer = data::Tokenizer::from_file(tokenizer_file.string());
-        const int32_t pad_id = tokenizer.require_id("<|endoftext|>");
-
-        const auto load_start = std::chrono::steady_clock::now();
         const model::ModelConfig config =
             model::ModelConfig::from_file((dir / "config.json").string());
-        const model::text::TextModel model = [&] {
-          const io::CheckpointReader reader = io::CheckpointReader::open(dir);
-          const model::ParamStore store = model::ParamStore::load(reader, config);
-          return model::text::TextModel(store);
-        }();
-        if (tokenizer.vocab_size() > model.text().vocab_size)
-          throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
-                                  tokenizer.vocab_size(), model.text().vocab_size),
-                      tokenizer_file.string(), "use the tokenizer that came with the checkpoint");
-        spdlog::info(
-            "loaded {} in {:.1f}s", a->model,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
+        const int64_t vocab = config.text().vocab_size;
 
-        model::text::ForwardOptions options;
-        options.logits = false;
-        options.loss_chunk_rows = a->loss_chunk;
-        options.mtp = !a->no_mtp;
-        Totals totals;
-        auto done = [&] { return a->max_packs > 0 && totals.packs >= a->max_packs; };
+        // Pre-tokenised files are read (and checked) before the slow model load.
+        std::vector<EvalSample> samples;
+        std::vector<PackPlan> plan;
+        std::vector<std::string> dataset_files;
+        std::vector<std::vector<EvalSample>> pretokenised;
+        for (const std::string& file : a->data) {
+          if (auto s = read_pretokenised(file, vocab))
+            pretokenised.push_back(std::move(*s));
+          else
+            dataset_files.push_back(file);
+        }
+
+        // The tokenizer is needed only for --text and chat / text data.
+        std::optional<data::Tokenizer> tokenizer;
+        int32_t pad_id = 0;  // never written when no pack is padded
+        if (!a->text.empty() || !dataset_files.empty()) {
+          const fs::path tokenizer_file = dir / "tokenizer.json";
+          if (!fs::exists(tokenizer_file))
+            throw Error("the checkpoint has no tokenizer.json", tokenizer_file.string(),
+                        "copy the model's tokenizer files next to its weights (glmtune init "
+                        "--tokenizer DIR does this for random checkpoints), or give "
+                        "pre-tokenised {\"input_ids\": ...} lines");
+          tokenizer = data::Tokenizer::from_file(tokenizer_file.string());
+          pad_id = tokenizer->require_id("<|endoftext|>");
+          if (tokenizer->vocab_size() > vocab)
+            throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
+                                    tokenizer->vocab_size(), vocab),
+                        tokenizer_file.string(), "use the tokenizer that came with the checkpoint");
+        }
 
         if (!a->text.empty()) {
           // The same sample a {"text": ...} line gives: the text, a final <|endoftext|>, all
           // tokens trained.
           data::TokenizedSample s;
-          s.input_ids = tokenizer.encode(a->text);
+          s.input_ids = tokenizer->encode(a->text);
           s.input_ids.push_back(pad_id);
           s.labels = s.input_ids;
-          evaluate_pack(model, data::build_pack({s}, {0}, int64_t(s.input_ids.size()), pad_id),
-                        options, totals);
+          EvalSample e;
+          e.length = int64_t(s.input_ids.size());
+          e.tokens = std::move(s);
+          e.source = "--text";
+          plan.push_back({{int64_t(samples.size())}, e.length});
+          samples.push_back(std::move(e));
         }
-        if (!a->data.empty() && !done()) {
-          data::DatasetConfig dc;
-          dc.files = a->data;
-          dc.max_length = a->pack_length;
-          const data::JsonlDataset dataset = data::JsonlDataset::scan(dc, tokenizer);
-          if (dataset.size() == 0)
-            throw Error("no usable sample in the data", fmt::format("{}", fmt::join(a->data, ", ")),
-                        "check the files' format (docs/data.md)");
-          std::vector<int64_t> order(size_t(dataset.size()));
-          std::iota(order.begin(), order.end(), 0);
-          const auto plan = data::plan_packs(
-              order, [&](int64_t i) { return dataset.length(i); }, a->pack_length, 100);
-          auto last_log = std::chrono::steady_clock::now();
-          for (const auto& indices : plan) {
-            if (done()) break;
-            const data::Pack pack =
-                data::build_pack(dataset.load(indices), indices, a->pack_length, pad_id);
-            evaluate_pack(model, pack, options, totals);
-            const auto now = std::chrono::steady_clock::now();
-            if (now - last_log > std::chrono::seconds(10)) {
-              last_log = now;
-              spdlog::info("pack {}/{}: loss {:.4f}", totals.packs, plan.size(),
-                           totals.lm_sum / std::max<int64_t>(totals.lm_count, 1));
+        for (auto& file_samples : pretokenised) {
+          // Documents in file order, packed greedily up to --pack-length tokens without padding. A
+          // longer document is never cut (that would change its numbers): it gets its own pack.
+          PackPlan pack;
+          for (EvalSample& s : file_samples) {
+            if (!pack.samples.empty() && pack.length + s.length > a->pack_length) {
+              plan.push_back(std::move(pack));
+              pack = {};
             }
+            pack.samples.push_back(int64_t(samples.size()));
+            pack.length += s.length;
+            samples.push_back(std::move(s));
+          }
+          if (!pack.samples.empty()) plan.push_back(std::move(pack));
+        }
+        std::optional<data::JsonlDataset> dataset;
+        if (!dataset_files.empty()) {
+          data::DatasetConfig dc;
+          dc.files = dataset_files;
+          dc.max_length = a->pack_length;
+          dataset = data::JsonlDataset::scan(dc, *tokenizer);
+          if (dataset->size() == 0)
+            throw Error("no usable sample in the data",
+                        fmt::format("{}", fmt::join(dataset_files, ", ")),
+                        "check the files' format (docs/data.md)");
+          std::vector<int64_t> order(size_t(dataset->size()));
+          std::iota(order.begin(), order.end(), 0);
+          const int64_t first = int64_t(samples.size());
+          for (int64_t i = 0; i < dataset->size(); ++i) {
+            EvalSample e;
+            e.dataset_index = i;
+            e.length = dataset->length(i);
+            e.source = fmt::format("dataset sample {}", i);
+            samples.push_back(std::move(e));
+          }
+          for (auto& indices : data::plan_packs(
+                   order, [&](int64_t i) { return dataset->length(i); }, a->pack_length, 100)) {
+            for (int64_t& i : indices) i += first;
+            plan.push_back({std::move(indices), a->pack_length});
           }
         }
-        if (totals.lm_count == 0)
+        if (a->max_packs > 0 && int64_t(plan.size()) > a->max_packs)
+          plan.resize(size_t(a->max_packs));
+
+        // Output numbering: the evaluated samples in sample order (--text, pre-tokenised lines in
+        // file order, then the chat / text samples), whatever pack they went to.
+        std::vector<int64_t> out_index(samples.size(), -1);
+        for (const PackPlan& p : plan)
+          for (int64_t i : p.samples) out_index[size_t(i)] = 0;
+        int64_t evaluated = 0;
+        for (int64_t& o : out_index)
+          if (o == 0) o = evaluated++;
+
+        const auto load_start = std::chrono::steady_clock::now();
+        const model::text::TextModel model = [&] {
+          const io::CheckpointReader reader = io::CheckpointReader::open(dir);
+          const model::ParamStore store = model::ParamStore::load(reader, config);
+          return model::text::TextModel(store);
+        }();
+        spdlog::info(
+            "loaded {} in {:.1f}s", a->model,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
+
+        // Logits are written one sample at a time into a file whose layout is planned up front,
+        // under a temporary name renamed into place once complete.
+        std::optional<TempFile> dump_file;
+        std::optional<io::SafetensorsWriter> writer;
+        if (!a->dump_logits.empty()) {
+          std::vector<io::TensorSpec> specs;
+          for (size_t i = 0; i < samples.size(); ++i)
+            if (out_index[i] >= 0)
+              specs.push_back(
+                  {fmt::format("logits.{}", out_index[i]), DType::f32, {samples[i].length, vocab}});
+          dump_file.emplace(a->dump_logits);
+          writer.emplace(dump_file->path(), std::move(specs), io::Metadata{{"format", "pt"}});
+        }
+
+        model::text::ForwardOptions options;
+        options.logits = false;
+        options.loss_chunk_rows = a->loss_chunk;
+        options.mtp = !a->no_mtp;
+        const bool run_mtp = model.has_mtp() && options.mtp;
+        const model::text::TextWeights& weights = model.weights();
+        std::vector<SampleResult> results(samples.size());
+        Totals totals;
+        auto last_log = std::chrono::steady_clock::now();
+        for (const PackPlan& p : plan) {
+          std::vector<data::TokenizedSample> docs;
+          std::vector<int64_t> dataset_indices;
+          for (int64_t i : p.samples)
+            if (samples[size_t(i)].dataset_index >= 0)
+              dataset_indices.push_back(samples[size_t(i)].dataset_index);
+          std::vector<data::TokenizedSample> loaded;
+          if (!dataset_indices.empty()) loaded = dataset->load(dataset_indices);
+          size_t next_loaded = 0;
+          for (int64_t i : p.samples)
+            docs.push_back(samples[size_t(i)].tokens ? *samples[size_t(i)].tokens
+                                                     : std::move(loaded[next_loaded++]));
+          const data::Pack pack = data::build_pack(docs, p.samples, p.length, pad_id);
+
+          model::text::PackInput in;
+          in.input_ids = int32_tensor(pack.input_ids);
+          in.cu_seqlens = int32_tensor(pack.cu_seqlens);
+          // The forward's own LM loss is over the whole pack; the per-sample losses are computed
+          // below. Labels go in only for the MTP loss, which needs them.
+          if (run_mtp) in.labels = int32_tensor(pack.labels);
+          in.padding_tokens = pack.num_padding;
+          const auto start = std::chrono::steady_clock::now();
+          const model::text::ForwardOutput out = model.forward(in, options);
+          // The forward's final norm, recomputed from its output (the same op on the same input),
+          // then the head applied to one document's rows at a time.
+          const Tensor normed =
+              ops::rms_norm(out.hidden, weights.final_norm, model.text().rms_norm_eps);
+          for (size_t d = 0; d < p.samples.size(); ++d) {
+            const int64_t b = pack.cu_seqlens[d], e = pack.cu_seqlens[d + 1];
+            const Tensor rows = normed.slice(0, b, e).contiguous();
+            const Tensor labels = int32_tensor(
+                std::vector<int32_t>(pack.labels.begin() + b, pack.labels.begin() + e));
+            ops::CrossEntropyResult ce;
+            if (writer) {
+              const Tensor logits = ops::linear(rows, weights.lm_head);
+              ce = ops::cross_entropy_forward(logits, labels);
+              writer->write(fmt::format("logits.{}", out_index[size_t(p.samples[d])]), logits);
+            } else {
+              ops::CrossEntropyOptions ce_opts;
+              ce_opts.chunk_rows = a->loss_chunk;
+              ce = ops::lm_head_cross_entropy(rows, weights.lm_head, labels, ce_opts);
+            }
+            results[size_t(p.samples[d])] = {ce.loss_sum, ce.n_tokens};
+          }
+          totals.seconds +=
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          if (out.mtp) {
+            totals.mtp_sum.resize(out.mtp->ce.size(), 0.0);
+            totals.mtp_count.resize(out.mtp->ce.size(), 0);
+            for (size_t k = 0; k < out.mtp->ce.size(); ++k) {
+              totals.mtp_sum[k] += out.mtp->ce[k].sum;
+              totals.mtp_count[k] += out.mtp->ce[k].count;
+            }
+          }
+          ++totals.packs;
+          totals.slots += int64_t(pack.input_ids.size());
+          totals.tokens += int64_t(pack.input_ids.size()) - pack.num_padding;
+          const auto now = std::chrono::steady_clock::now();
+          if (now - last_log > std::chrono::seconds(10)) {
+            last_log = now;
+            spdlog::info("pack {}/{}", totals.packs, plan.size());
+          }
+        }
+
+        // The loss is the mean over every label token of every sample (not a mean of means).
+        double lm_sum = 0;
+        int64_t lm_count = 0;
+        nlohmann::ordered_json per_sample = nlohmann::ordered_json::array();
+        for (size_t i = 0; i < samples.size(); ++i) {
+          if (out_index[i] < 0) continue;
+          const SampleResult& r = results[i];
+          lm_sum += r.sum;
+          lm_count += r.count;
+          nlohmann::ordered_json s;
+          // A sample without label tokens has no loss (null rather than a made-up number).
+          s["loss"] = r.count > 0 ? nlohmann::ordered_json(r.sum / double(r.count))
+                                  : nlohmann::ordered_json(nullptr);
+          s["tokens"] = r.count;
+          s["length"] = samples[i].length;
+          s["source"] = samples[i].source;
+          per_sample.push_back(std::move(s));
+        }
+        if (lm_count == 0)
           throw Error("no token carries a loss", "glmtune eval",
                       "evaluate text with at least two tokens, or chat data with assistant turns");
+        if (writer) {
+          writer->finish();
+          writer.reset();
+          dump_file->commit();
+        }
 
-        const double loss = totals.lm_sum / double(totals.lm_count);
+        const double loss = lm_sum / double(lm_count);
         nlohmann::ordered_json j;
-        j["packs"] = totals.packs;
-        j["tokens"] = totals.tokens;
-        j["slots"] = totals.slots;
-        j["targets"] = totals.lm_count;
         j["loss"] = loss;
-        j["perplexity"] = std::exp(loss);
+        j["tokens"] = lm_count;  // label tokens: the loss's denominator
+        j["per_sample"] = std::move(per_sample);
+        j["mtp_loss"] = nullptr;
         if (!totals.mtp_sum.empty()) {
           // The logged MTP loss is the training one: scale × mean over depths of each depth's
           // token-mean CE (here over every pack evaluated).
@@ -193,22 +464,28 @@ GLMTUNE_COMMAND(
           j["mtp_ce"] = mean;
           j["mtp_targets"] = totals.mtp_count[0];
         }
+        j["perplexity"] = std::exp(loss);
+        j["samples"] = evaluated;
+        j["packs"] = totals.packs;
+        j["input_tokens"] = totals.tokens;
+        j["slots"] = totals.slots;
         j["seconds"] = totals.seconds;
         j["tokens_per_second"] = totals.tokens / std::max(totals.seconds, 1e-9);
         if (a->json) {
           std::printf("%s\n", j.dump().c_str());
         } else {
-          std::printf("packs        %lld (%lld tokens, %lld slots, %lld targets)\n",
-                      (long long)totals.packs, (long long)totals.tokens, (long long)totals.slots,
-                      (long long)totals.lm_count);
+          std::printf("samples      %lld in %lld packs (%lld tokens, %lld slots, %lld targets)\n",
+                      (long long)evaluated, (long long)totals.packs, (long long)totals.tokens,
+                      (long long)totals.slots, (long long)lm_count);
           std::printf("loss         %.6f\n", loss);
           std::printf("perplexity   %.4f\n", std::exp(loss));
-          if (j.contains("mtp_loss"))
+          if (!j["mtp_loss"].is_null())
             std::printf("mtp_loss     %.6f (%.2f x mtp CE %.6f over %lld targets)\n",
                         j["mtp_loss"].get<double>(), options.mtp_loss_scale,
                         j["mtp_ce"].get<double>(), (long long)j["mtp_targets"].get<int64_t>());
           std::printf("tokens/s     %.1f (%.2fs forward)\n", j["tokens_per_second"].get<double>(),
                       totals.seconds);
+          if (!a->dump_logits.empty()) std::printf("logits       %s\n", a->dump_logits.c_str());
         }
         return 0;
       };

@@ -1,7 +1,9 @@
 // The whole text model forward: packed multi-document parity with transformers 5.17.0 (golden
-// fixture from tools/golden/model_forward.py), pack/document independence, padding, MTP against
-// a direct composition, the loss helpers and `glmtune eval`.
+// fixtures from tools/golden/model_forward.py and tools/golden/model_forward_geometry2.py),
+// pack/document independence, padding, MTP against a direct composition, the loss helpers and
+// `glmtune eval`.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -24,6 +27,7 @@
 #include "glmtune/model/loss.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mhc.h"
 #include "glmtune/ops/mla.h"
@@ -729,8 +733,8 @@ TEST(EvalCli, LossEqualsTheInProcessForward) {
   const TextModel model(ParamStore::load(reader, config));
   const ForwardOutput out =
       model.forward({i32(ids), cu, Tensor(), next_token_labels(i32(ids), cu)});
-  EXPECT_EQ(j.at("tokens").get<int64_t>(), int64_t(ids.size()));
-  EXPECT_EQ(j.at("targets").get<int64_t>(), int64_t(ids.size()) - 1);
+  EXPECT_EQ(j.at("input_tokens").get<int64_t>(), int64_t(ids.size()));
+  EXPECT_EQ(j.at("tokens").get<int64_t>(), int64_t(ids.size()) - 1);
   EXPECT_NEAR(j.at("loss").get<double>(), out.loss(), 1e-6);
   EXPECT_NEAR(j.at("perplexity").get<double>(), std::exp(out.loss()), 1e-3);
   EXPECT_NEAR(j.at("mtp_loss").get<double>(), out.mtp->loss, 1e-6);
@@ -744,7 +748,8 @@ TEST(EvalCli, LossEqualsTheInProcessForward) {
   const auto dj = nlohmann::json::parse(d.out);
   EXPECT_EQ(dj.at("packs").get<int64_t>(), 2);
   EXPECT_EQ(dj.at("slots").get<int64_t>(), 512);
-  EXPECT_GT(dj.at("targets").get<int64_t>(), 0);
+  EXPECT_GT(dj.at("tokens").get<int64_t>(), 0);
+  EXPECT_EQ(int64_t(dj.at("per_sample").size()), dj.at("samples").get<int64_t>());
   EXPECT_TRUE(std::isfinite(dj.at("loss").get<double>()));
   const CliRun h = run("eval --model " + ck.string() + " --text 'hello there' --no-mtp");
   ASSERT_EQ(h.code, 0) << h.out;
@@ -764,4 +769,298 @@ TEST(EvalCli, ExplainsWhatIsMissing) {
   const CliRun n = run("eval --model " + ck.string());
   EXPECT_NE(n.code, 0);
   EXPECT_NE(n.out.find("--data"), std::string::npos) << n.out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Second geometry, several seeds (tools/golden/model_forward_geometry2.py): indexer pool 2, a
+// "shared" indexer layer, attention biases, group-limited routing, 3 KDA heads, and documents of
+// 3 .. 200 tokens packed together.
+
+namespace {
+
+std::vector<fs::path> geometry2_fixtures() {
+  std::vector<fs::path> out;
+  for (const auto& entry : fs::directory_iterator(kGolden.parent_path()))
+    if (entry.path().filename().string().starts_with("tiny_forward_geometry2_seed"))
+      out.push_back(entry.path());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The fixture's model: its preset and init overrides, its seed, its redrawn parameters.
+std::unique_ptr<TextModel> fixture_model(const io::SafetensorsFile& golden, const fs::path& dir,
+                                         ModelConfig& config) {
+  const auto meta = nlohmann::json::parse(golden.metadata().at("fixture"));
+  config = ModelConfig::preset(meta.at("preset").get<std::string>());
+  for (const auto& item : meta.at("init_sets")) {
+    const std::string s = item.get<std::string>();
+    const size_t eq = s.find('=');
+    config.set(s.substr(0, eq), s.substr(eq + 1));
+  }
+  InitOptions options;
+  options.seed = meta.at("init_seed").get<uint64_t>();
+  write_random_checkpoint(config, dir, options);
+  const io::CheckpointReader reader = io::CheckpointReader::open(dir);
+  ParamStore store = ParamStore::load(reader, config);
+  int replaced = 0;
+  for (const std::string& name : golden.names()) {
+    if (!name.starts_with("param.")) continue;
+    const std::string param = name.substr(6);
+    EXPECT_TRUE(store.contains(param)) << param;
+    if (!store.contains(param)) continue;
+    EXPECT_EQ(store.get(param).shape(), golden.tensor(name).shape()) << param;
+    store.get(param) = golden.tensor(name).clone();
+    ++replaced;
+  }
+  EXPECT_GT(replaced, 30);
+  return std::make_unique<TextModel>(store);
+}
+
+// Hugging Face labels (unshifted, per document) -> the aligned targets the forward takes.
+std::vector<int32_t> aligned_labels(const std::vector<int32_t>& hf,
+                                    const std::vector<int32_t>& cu) {
+  std::vector<int32_t> out(hf.size(), kIgnoreLabel);
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int32_t i = cu[d]; i + 1 < cu[d + 1]; ++i) out[i] = hf[i + 1];
+  return out;
+}
+
+// Rows `rows` of t (first dimension), flattened.
+std::vector<double> gather(const Tensor& t, const std::vector<int64_t>& rows) {
+  std::vector<double> out;
+  for (int64_t r : rows) {
+    const std::vector<double> v = t.select(0, r).to_doubles();
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(ModelForwardGeometry2, MatchesReferenceOnEveryCase) {
+  const std::vector<fs::path> fixtures = geometry2_fixtures();
+  ASSERT_GE(fixtures.size(), 2u) << "run tools/golden/model_forward_geometry2.py";
+  for (const fs::path& file : fixtures) {
+    SCOPED_TRACE(file.filename().string());
+    TempDir dir("g2");
+    const io::SafetensorsFile golden = io::SafetensorsFile::open(file);
+    ModelConfig config;
+    const std::unique_ptr<TextModel> model = fixture_model(golden, dir.path() / "ck", config);
+    const TextConfig& c = config.text();
+    const std::vector<int32_t> ids = ints(golden.tensor("input_ids"));
+    const std::vector<int32_t> cu = ints(golden.tensor("cu_seqlens"));
+    const Tensor labels = i32(aligned_labels(ints(golden.tensor("labels_hf")), cu));
+    ForwardOptions opt;
+    opt.save = SavePolicy::all;
+    opt.mtp = false;  // the reference has no MTP module
+    const ForwardOutput out = model->forward({i32(ids), i32(cu), Tensor(), labels}, opt);
+    const ForwardContext& ctx = *out.context;
+
+    const double logits_err = rel_err(out.logits, golden.tensor("logits"));
+    EXPECT_LE(logits_err, 1e-4);
+    EXPECT_NEAR(out.loss(), golden.tensor("loss").item({0}), 1e-5);
+    // Each document's loss from its own rows.
+    const std::vector<double> doc_loss = golden.tensor("doc_loss").to_doubles();
+    const std::vector<double> doc_targets = golden.tensor("doc_targets").to_doubles();
+    for (size_t d = 0; d + 1 < cu.size(); ++d) {
+      const auto ce = ops::cross_entropy_forward(rows(out.logits, cu[d], cu[d + 1]).contiguous(),
+                                                 rows(labels, cu[d], cu[d + 1]).contiguous());
+      EXPECT_EQ(double(ce.n_tokens), doc_targets[d]) << "document " << d;
+      if (ce.n_tokens > 0) EXPECT_NEAR(ce.loss, doc_loss[d], 1e-5) << "document " << d;
+    }
+    // The mHC streams after every layer, at the kept rows.
+    const Tensor kept = golden.tensor("stream_rows");
+    std::vector<int64_t> stream_rows;
+    for (double r : kept.to_doubles()) stream_rows.push_back(int64_t(r));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const Tensor& after =
+          l + 1 < c.num_hidden_layers ? ctx.layers[size_t(l + 1)].streams_in : ctx.final_streams;
+      const std::vector<double> ref = golden.tensor(fmt::format("layer{}_streams", l)).to_doubles();
+      EXPECT_LE(rel_err(gather(after, stream_rows), ref), 1e-4) << "layer " << l;
+    }
+    // Selections as sets, the shared layer's included (it reuses its predecessor's).
+    int dsa = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      if (c.layer_types[l] != AttnKind::dsa) continue;
+      ++dsa;
+      EXPECT_EQ(row_sets(ctx.layers[size_t(l)].indices),
+                row_sets(golden.tensor(fmt::format("layer{}_indices", l))))
+          << "layer " << l;
+    }
+    EXPECT_EQ(dsa, 3);
+    std::printf("%s: logits rel err %.3g, loss %.8f (reference %.8f)\n", file.filename().c_str(),
+                logits_err, out.loss(), golden.tensor("loss").item({0}));
+
+    // The recurrent KDA core gives every KDA layer the same output as the chunked one (documents
+    // of 63 .. 200 tokens cross the 64-token chunks).
+    OpConfigs recurrent = model->op_configs();
+    recurrent.kda.core = ops::KdaCore::recurrent;
+    const Tensor cu_t = i32(cu);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const LayerWeights& w = model->weights().layers[size_t(l)];
+      if (w.attn != AttnKind::kda) continue;
+      IndexerCarry carry_a, carry_b;
+      Tensor counts_a, counts_b;
+      const Tensor& in = ctx.layers[size_t(l)].streams_in;
+      const Tensor a = decoder_layer_forward(model->op_configs(), c, w, in, cu_t, in.size(0),
+                                             carry_a, &counts_a, nullptr);
+      const Tensor b =
+          decoder_layer_forward(recurrent, c, w, in, cu_t, in.size(0), carry_b, &counts_b, nullptr);
+      EXPECT_LE(rel_err(b, a), 1e-5) << "KDA layer " << l;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// `glmtune eval` on pre-tokenised {"input_ids", "labels"} lines.
+
+namespace {
+
+// A random tiny checkpoint (no tokenizer: pre-tokenised data does not need one) and JSONL lines of
+// documents with Hugging Face labels, some masked, one line without labels.
+struct PretokenisedCase {
+  TempDir dir{"eval_ids"};
+  ModelConfig config = ModelConfig::preset("tiny");
+  fs::path ck = dir.path() / "ck";
+  fs::path data = dir.path() / "data.jsonl";
+  std::vector<std::vector<int32_t>> ids, labels;
+
+  PretokenisedCase() {
+    InitOptions options;
+    options.seed = test_seed();
+    write_random_checkpoint(config, ck, options);
+    std::mt19937_64 rng(test_seed() + 8);
+    const std::vector<int64_t> lengths = {1, 3, 17, 64, 65, 9, 130};
+    std::ofstream f(data);
+    for (size_t d = 0; d < lengths.size(); ++d) {
+      ids.push_back(random_ids(rng, {lengths[d]}, config.text()));
+      labels.push_back(ids.back());
+      nlohmann::json line = {{"input_ids", ids.back()}};
+      if (d != 2) {
+        for (size_t i = 0; i < labels.back().size(); ++i)
+          if (rng() % 4 == 0) labels.back()[i] = kIgnoreLabel;
+        line["labels"] = labels.back();
+      }
+      f << line.dump() << "\n";
+      if (d == 3) f << "\n";  // blank lines are skipped
+    }
+  }
+};
+
+}  // namespace
+
+TEST(EvalCli, PretokenisedSamplesPackedEqualEachAlone) {
+  PretokenisedCase p;
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  const fs::path packed_logits = p.dir.path() / "packed.safetensors";
+  const fs::path alone_logits = p.dir.path() / "alone.safetensors";
+  // --pack-length 1: every document gets a pack of its own; 4096: all share one forward.
+  const CliRun packed = run("eval --model " + p.ck.string() + " --data " + p.data.string() +
+                            " --pack-length 4096 --json --dump-logits " + packed_logits.string());
+  ASSERT_EQ(packed.code, 0) << packed.out;
+  const CliRun alone = run("eval --model " + p.ck.string() + " --data " + p.data.string() +
+                           " --pack-length 1 --json --dump-logits " + alone_logits.string());
+  ASSERT_EQ(alone.code, 0) << alone.out;
+  const auto pj = nlohmann::json::parse(packed.out), aj = nlohmann::json::parse(alone.out);
+  EXPECT_EQ(pj.at("packs").get<int64_t>(), 1);
+  EXPECT_EQ(aj.at("packs").get<int64_t>(), int64_t(p.ids.size()));
+  ASSERT_EQ(pj.at("per_sample").size(), p.ids.size());
+  ASSERT_EQ(aj.at("per_sample").size(), p.ids.size());
+  EXPECT_NEAR(pj.at("loss").get<double>(), aj.at("loss").get<double>(), 1e-6);
+  EXPECT_NEAR(pj.at("mtp_loss").get<double>(), aj.at("mtp_loss").get<double>(), 1e-6);
+  EXPECT_EQ(pj.at("tokens"), aj.at("tokens"));
+
+  // The in-process forward of each document alone, with the HF labels shifted inside it.
+  const io::CheckpointReader reader = io::CheckpointReader::open(p.ck);
+  const TextModel model(ParamStore::load(reader, p.config));
+  const io::SafetensorsFile pl = io::SafetensorsFile::open(packed_logits);
+  const io::SafetensorsFile al = io::SafetensorsFile::open(alone_logits);
+  EXPECT_EQ(pl.size(), p.ids.size());
+  double sum = 0;
+  int64_t count = 0;
+  for (size_t d = 0; d < p.ids.size(); ++d) {
+    SCOPED_TRACE("sample " + std::to_string(d));
+    const auto& ps = pj.at("per_sample")[d];
+    const auto& as = aj.at("per_sample")[d];
+    EXPECT_EQ(ps.at("tokens"), as.at("tokens"));
+    const int32_t n = int32_t(p.ids[d].size());
+    const Tensor cu = i32({0, n});
+    const Tensor lab = i32(aligned_labels(p.labels[d], {0, n}));
+    const ForwardOutput out = model.forward({i32(p.ids[d]), cu, Tensor(), lab});
+    EXPECT_EQ(ps.at("tokens").get<int64_t>(), out.lm->count);
+    sum += out.lm->sum;
+    count += out.lm->count;
+    if (out.lm->count > 0) {
+      EXPECT_NEAR(ps.at("loss").get<double>(), as.at("loss").get<double>(), 1e-6);
+      EXPECT_NEAR(ps.at("loss").get<double>(), out.loss(), 1e-6);
+    } else {
+      EXPECT_TRUE(ps.at("loss").is_null());  // a 1-token document predicts nothing
+    }
+    const std::string name = "logits." + std::to_string(d);
+    const Tensor a = pl.tensor(name), b = al.tensor(name);
+    EXPECT_EQ(a.dtype(), DType::f32);
+    EXPECT_EQ(a.shape(), (Shape{n, p.config.text().vocab_size}));
+    EXPECT_LE(rel_err(a, b), 1e-6);
+    EXPECT_LE(rel_err(a, out.logits), 1e-6);
+  }
+  // The loss is the mean over all label tokens, not a mean of the samples' means.
+  EXPECT_EQ(pj.at("tokens").get<int64_t>(), count);
+  EXPECT_NEAR(pj.at("loss").get<double>(), sum / double(count), 1e-6);
+
+  // Without --dump-logits the loss comes from the chunked head: the same numbers.
+  const CliRun plain = run("eval --model " + p.ck.string() + " --data " + p.data.string() +
+                           " --json --loss-chunk 5");
+  ASSERT_EQ(plain.code, 0) << plain.out;
+  EXPECT_NEAR(nlohmann::json::parse(plain.out).at("loss").get<double>(),
+              pj.at("loss").get<double>(), 1e-6);
+}
+
+TEST(EvalCli, BadPretokenisedLinesNameFileAndLine) {
+  TempDir dir("eval_bad");
+  InitOptions options;
+  options.seed = test_seed();
+  const ModelConfig config = ModelConfig::preset("tiny");
+  const fs::path ck = dir.path() / "ck";
+  write_random_checkpoint(config, ck, options);
+  const int64_t V = config.text().vocab_size;
+  const std::string good = R"({"input_ids": [5, 6, 7]})";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"input_ids": [5, 6)", "not valid JSON"},
+      {R"({"input_ids": [5, )" + std::to_string(V) + "]}", "outside the model's vocabulary"},
+      {R"({"input_ids": [5, -1]})", "outside the model's vocabulary"},
+      {R"({"input_ids": [5, 6], "labels": [5]})", "1 labels for 2 input ids"},
+      {R"({"input_ids": [5, 6], "labels": [5, -7]})", "not -100"},
+      {R"({"input_ids": [5, 6.5]})", "not an integer"},
+      {R"({"input_ids": []})", "empty"},
+      {R"({"text": "hello"})", "no \"input_ids\""},
+  };
+  for (size_t k = 0; k < cases.size(); ++k) {
+    SCOPED_TRACE(cases[k].first);
+    const fs::path data = dir.path() / ("bad" + std::to_string(k) + ".jsonl");
+    std::ofstream(data) << good << "\n\n" << cases[k].first << "\n" << good << "\n";
+    const CliRun r = run("eval --model " + ck.string() + " --data " + data.string());
+    EXPECT_NE(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find(data.string() + ":3"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(cases[k].second), std::string::npos) << r.out;
+  }
+  // A failed run leaves no logits file behind.
+  const fs::path data = dir.path() / "bad_tail.jsonl";
+  std::ofstream(data) << good << "\n"
+                      << R"({"input_ids": [1]})"
+                      << "\n";
+  const fs::path out = dir.path() / "logits.safetensors";
+  const CliRun r = run("eval --model " + ck.string() + " --data " + data.string() +
+                       " --pack-length 1 --dump-logits " + out.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(fs::exists(out));
+  std::ofstream(data) << R"({"input_ids": [1]})"
+                      << "\n";
+  fs::remove(out);
+  const CliRun none = run("eval --model " + ck.string() + " --data " + data.string() +
+                          " --dump-logits " + out.string());
+  EXPECT_NE(none.code, 0);
+  EXPECT_NE(none.out.find("no token carries a loss"), std::string::npos) << none.out;
+  EXPECT_FALSE(fs::exists(out));
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
 }
