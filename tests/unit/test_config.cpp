@@ -234,6 +234,19 @@ TEST(Config, SetOverridesFields) {
   EXPECT_THROW(c.set("text_config..x", "1"), Error);
 }
 
+TEST(Config, SetAllValidatesOverridesTogether) {
+  ModelConfig c = ModelConfig::preset("tiny");
+  // Alone, either change breaks the rule that the vision output width equals the text width.
+  EXPECT_THROW(c.set("text_config.hidden_size", "96"), Error);
+  EXPECT_EQ(c.text().hidden_size, 64);  // a failed override changes nothing
+  c.set_all({{"text_config.hidden_size", "96"}, {"vision_config.out_hidden_size", "96"}});
+  EXPECT_EQ(c.text().hidden_size, 96);
+  EXPECT_EQ(c.vision()->out_hidden_size, 96);
+  EXPECT_THROW(c.set_all({{"text_config.num_attention_heads", "4"}}), Error);
+  c.set_all({{"text_config.num_attention_heads", "4"}, {"text_config.num_key_value_heads", "4"}});
+  EXPECT_EQ(c.text().num_attention_heads, 4);
+}
+
 TEST(Layout, CountsMatchTheRelease) {
   // SPEC.md: 24.95B for the 5-layer crop in 3100 tensors (0.56B vision, 1.27B embeddings + head,
   // 7.43B MTP), 321.02B for the full model (313.03B text + 7.43B MTP + 0.56B vision), each

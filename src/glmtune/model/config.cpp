@@ -593,6 +593,22 @@ Json ModelConfig::to_json_with_schedules() const {
 }
 
 void ModelConfig::set(const std::string& dotted_key, const std::string& value) {
+  set_all({{dotted_key, value}});
+}
+
+void ModelConfig::set_all(const std::vector<std::pair<std::string, std::string>>& overrides) {
+  // Edits a copy and validates once at the end, so that overrides which only make sense together
+  // (e.g. text hidden_size and vision out_hidden_size) are accepted, and a failure leaves this
+  // config unchanged.
+  ModelConfig next = *this;
+  bool layers_change = false;
+  for (const auto& [dotted_key, value] : overrides) layers_change |= next.edit(dotted_key, value);
+  next.parse();
+  if (layers_change) next.sync_schedule_copies();
+  *this = std::move(next);
+}
+
+bool ModelConfig::edit(const std::string& dotted_key, const std::string& value) {
   auto parts = split_dotted(dotted_key);
   const std::string where = "--set " + dotted_key;
   if (parts.empty() || std::any_of(parts.begin(), parts.end(), [](auto& p) { return p.empty(); }))
@@ -651,19 +667,21 @@ void ModelConfig::set(const std::string& dotted_key, const std::string& value) {
         text["indexer_types"] == schedule_json(std::vector<IndexerKind>(L, IndexerKind::full)))
       text.erase("indexer_types");
   }
-  parse();
-  if (layers_change) {
-    // Keep the informational copies of the schedule consistent with the new layer count.
-    if (text.contains("first_k_dense_replace"))
-      text["first_k_dense_replace"] = text_.count(MlpKind::dense);
-    if (text.contains("linear_attn_config") && text["linear_attn_config"].is_object()) {
-      Json kda = Json::array(), full = Json::array();
-      for (int64_t i = 0; i < text_.num_hidden_layers; ++i)
-        (text_.layer_types[i] == AttnKind::kda ? kda : full).push_back(i);
-      auto& la = text["linear_attn_config"];
-      if (la.contains("kda_layers")) la["kda_layers"] = kda;
-      if (la.contains("full_attn_layers")) la["full_attn_layers"] = full;
-    }
+  return layers_change;
+}
+
+void ModelConfig::sync_schedule_copies() {
+  // Keep the informational copies of the schedule consistent with the new layer count.
+  Json& text = flat_ ? document_ : document_["text_config"];
+  if (text.contains("first_k_dense_replace"))
+    text["first_k_dense_replace"] = text_.count(MlpKind::dense);
+  if (text.contains("linear_attn_config") && text["linear_attn_config"].is_object()) {
+    Json kda = Json::array(), full = Json::array();
+    for (int64_t i = 0; i < text_.num_hidden_layers; ++i)
+      (text_.layer_types[i] == AttnKind::kda ? kda : full).push_back(i);
+    auto& la = text["linear_attn_config"];
+    if (la.contains("kda_layers")) la["kda_layers"] = kda;
+    if (la.contains("full_attn_layers")) la["full_attn_layers"] = full;
   }
 }
 

@@ -128,11 +128,17 @@ class ModelConfig {
   // re-validates. `value` is parsed as JSON when it is valid JSON, else taken as a string.
   // When a per-layer length changes, derived schedules are re-derived.
   void set(const std::string& dotted_key, const std::string& value);
+  // Applies several overrides, then re-derives and validates once; on error nothing changes.
+  void set_all(const std::vector<std::pair<std::string, std::string>>& overrides);
   // Writes the document (indent 2, trailing newline) atomically.
   void save(const std::string& path, bool with_schedules) const;
 
  private:
   void parse();
+  // Writes one override into the document without validating; true when it changes the layer
+  // count.
+  bool edit(const std::string& dotted_key, const std::string& value);
+  void sync_schedule_copies();
   Json document_;
   std::string source_;
   bool flat_ = false;
