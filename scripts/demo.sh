@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install, build, create the bundled tiny GLM-5.3-Flash model with
-# its tokenizer, show what it holds, and evaluate it on the bundled chat data.
+# its tokenizer, show what it holds, fine-tune it on the bundled chat data, and evaluate the
+# trained checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Passive OpenMP waiting keeps concurrent processes on small machines from starving each other.
@@ -11,4 +12,10 @@ bin="${GLMTUNE_BUILD_DIR:-build}/bin/glmtune"
 model="runs/tiny-model"
 "$bin" init --preset tiny --seed 1 --out "$model" --tokenizer examples/tiny/tokenizer --force
 "$bin" inspect "$model"
-"$bin" eval --model "$model" --data examples/tiny/data/chat.jsonl --pack-length 512
+# examples/tiny/recipe.toml trains runs/tiny-model into runs/tiny-train; a previous demo's run is
+# removed first (train refuses to overwrite a run directory that holds checkpoints).
+run="runs/tiny-train"
+rm -rf "$run"
+"$bin" train --config examples/tiny/recipe.toml
+trained="$run/checkpoints/$(cat "$run/checkpoints/latest")/model"
+"$bin" eval --model "$trained" --data examples/tiny/data/chat.jsonl --pack-length 512

@@ -1,0 +1,104 @@
+// `glmtune train`: supervised fine-tuning of the text model from a TOML recipe, with checkpoints
+// and exact resume (docs/training.md, "Running").
+
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "command.h"
+#include "glmtune/train/recipe.h"
+#include "glmtune/train/trainer.h"
+
+namespace {
+
+using namespace glmtune;
+
+struct TrainArgs {
+  std::string config;
+  std::vector<std::string> sets;
+  bool resume = false;
+};
+
+// Set by SIGINT / SIGTERM; the trainer checks it after every step, saves and returns.
+std::atomic<bool> g_stop{false};
+volatile std::sig_atomic_t g_signal = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  g_signal = sig;
+  g_stop.store(true);
+  // A second signal ends the process at once (the last complete checkpoint stays usable).
+  std::signal(sig, SIG_DFL);
+  static const char msg[] =
+      "\nglmtune: stopping after the current step and saving a checkpoint "
+      "(signal again to abort)\n";
+  [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, msg, sizeof(msg) - 1);
+}
+
+void print_summary(const train::TrainSummary& s) {
+  const bool ran = !s.steps.empty();
+  std::printf("\n");
+  if (s.interrupted)
+    std::printf("training stopped at step %lld of %lld (resume with --resume)\n",
+                (long long)s.end_step, (long long)s.total_steps);
+  else
+    std::printf("training finished: %lld of %lld steps\n", (long long)s.end_step,
+                (long long)s.total_steps);
+  if (s.resumed) std::printf("  resumed at   step %lld\n", (long long)s.start_step);
+  if (ran) {
+    const train::StepMetrics& a = s.steps.front();
+    const train::StepMetrics& b = s.steps.back();
+    std::printf("  loss         %.4f (step %lld) -> %.4f (step %lld)\n", a.loss, (long long)a.step,
+                b.loss, (long long)b.step);
+    if (a.mtp_loss != 0 || b.mtp_loss != 0)
+      std::printf("  mtp_loss     %.4f -> %.4f\n", a.mtp_loss, b.mtp_loss);
+    std::printf("  tokens       %lld trained in %.1fs (%.0f tokens/s)\n", (long long)s.text_tokens,
+                s.seconds, s.seconds > 0 ? double(s.text_tokens) / s.seconds : 0.0);
+  } else {
+    std::printf("  nothing to do: the run had already reached its last step\n");
+  }
+  if (s.skipped_steps > 0)
+    std::printf("  skipped      %lld steps with a non-finite gradient norm\n",
+                (long long)s.skipped_steps);
+  if (!s.checkpoint.empty()) {
+    std::printf("  checkpoint   %s\n", s.checkpoint.string().c_str());
+    std::printf("  model        %s (released layout, with tokenizer)\n",
+                (s.checkpoint / "model").string().c_str());
+  }
+  std::printf("  metrics      %s\n", s.metrics.string().c_str());
+}
+
+}  // namespace
+
+GLMTUNE_COMMAND(
+    train, "train", "Fine-tune the text model (SFT) from a TOML recipe, with exact resume",
+    [](CLI::App& app) {
+      auto a = std::make_shared<TrainArgs>();
+      app.add_option("--config", a->config, "Recipe TOML file (docs/training.md)")->required();
+      app.add_option("--set", a->sets,
+                     "Override a recipe key, e.g. --set optimizer.lr=1e-4 (repeatable)");
+      app.add_flag("--resume", a->resume,
+                   "Continue from the newest complete checkpoint of the output directory");
+      return [a] {
+        train::Recipe recipe = train::Recipe::load(a->config);
+        recipe.apply_sets(a->sets);
+        g_stop.store(false);
+        std::signal(SIGINT, on_stop_signal);
+        std::signal(SIGTERM, on_stop_signal);
+        train::TrainerOptions options;
+        options.resume = a->resume;
+        options.stop = &g_stop;
+        const train::TrainSummary summary = train::run_training(recipe, options);
+        std::signal(SIGINT, SIG_DFL);
+        std::signal(SIGTERM, SIG_DFL);
+        print_summary(summary);
+        // The shell convention for "ended by signal N", although the state was saved cleanly.
+        return summary.interrupted ? 128 + int(g_signal) : 0;
+      };
+    });

@@ -1,0 +1,570 @@
+#include "glmtune/model/text/backward.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "glmtune/base/error.h"
+#include "glmtune/model/loss.h"
+#include "glmtune/ops/cross_entropy.h"
+#include "glmtune/ops/embedding.h"
+#include "glmtune/ops/linear.h"
+#include "glmtune/ops/mhc.h"
+#include "glmtune/ops/mla.h"
+#include "glmtune/ops/mlp.h"
+#include "glmtune/ops/moe.h"
+#include "glmtune/ops/norm.h"
+#include "glmtune/train/router_bias.h"
+
+namespace glmtune::model::text {
+namespace {
+
+// a += b for two contiguous tensors of one shape and dtype (f32 or f64).
+void add_into(Tensor& a, const Tensor& b) {
+  GLMTUNE_ASSERT(a.shape() == b.shape() && a.dtype() == b.dtype() && a.is_contiguous(),
+                 "gradient add: {} and {} differ", a.str(), b.str());
+  const Tensor bc = b.contiguous();
+  const int64_t n = a.numel();
+  if (a.dtype() == DType::f32) {
+    float* x = a.data<float>();
+    const float* y = bc.data<float>();
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+  } else {
+    double* x = a.data<double>();
+    const double* y = bc.data<double>();
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+  }
+}
+
+std::string bias_name(int64_t layer) {
+  return layer_prefix(layer) + "mlp.gate.e_score_correction_bias";
+}
+
+// ---- TextGrads construction: walk weights and gradients side by side ---------------------------
+
+class GradBuilder {
+ public:
+  GradBuilder(const TextWeights& w, TextGrads& g) : g_(g) {
+    for (size_t i = 0; i < w.named.size(); ++i) {
+      by_ptr_[w.named[i].second.data_ptr()] = w.named[i].first;
+      order_[w.named[i].first] = i;
+    }
+  }
+
+  void add(const Tensor& w, Tensor& g) {
+    if (!w.defined()) return;
+    const auto it = by_ptr_.find(w.data_ptr());
+    GLMTUNE_ASSERT(it != by_ptr_.end(), "a text weight of shape {} is missing from the name table",
+                   shape_str(w.shape()));
+    if (!is_trainable_param(it->second)) return;
+    g = Tensor::zeros(w.shape(), w.dtype());
+    g_.named.emplace_back(it->second, g);
+  }
+  void kda(const ops::KdaParams& w, ops::KdaGrads& g) {
+    for (auto [a, b] : {std::pair{&w.q_proj, &g.q_proj},
+                        {&w.k_proj, &g.k_proj},
+                        {&w.v_proj, &g.v_proj},
+                        {&w.conv1d, &g.conv1d},
+                        {&w.f_a_proj, &g.f_a_proj},
+                        {&w.f_b_proj, &g.f_b_proj},
+                        {&w.dt_bias, &g.dt_bias},
+                        {&w.A_log, &g.A_log},
+                        {&w.b_proj, &g.b_proj},
+                        {&w.g_a_proj, &g.g_a_proj},
+                        {&w.g_b_proj, &g.g_b_proj},
+                        {&w.o_norm, &g.o_norm},
+                        {&w.o_proj, &g.o_proj}})
+      add(*a, *b);
+  }
+  void mla(const ops::MlaParams& w, ops::MlaParams& g) {
+    for (auto [a, b] : {std::pair{&w.q_a_proj, &g.q_a_proj},
+                        {&w.q_a_proj_bias, &g.q_a_proj_bias},
+                        {&w.q_a_layernorm, &g.q_a_layernorm},
+                        {&w.q_b_proj, &g.q_b_proj},
+                        {&w.kv_a_proj_with_mqa, &g.kv_a_proj_with_mqa},
+                        {&w.kv_a_proj_with_mqa_bias, &g.kv_a_proj_with_mqa_bias},
+                        {&w.kv_a_layernorm, &g.kv_a_layernorm},
+                        {&w.kv_b_proj, &g.kv_b_proj},
+                        {&w.o_proj, &g.o_proj},
+                        {&w.o_proj_bias, &g.o_proj_bias}})
+      add(*a, *b);
+  }
+  void mlp(const ops::MlpParams& w, ops::MlpParams& g) {
+    add(w.gate_proj, g.gate_proj);
+    add(w.up_proj, g.up_proj);
+    add(w.down_proj, g.down_proj);
+  }
+  void moe(const ops::MoeParams& w, ops::MoeParams& g) {
+    add(w.router_weight, g.router_weight);
+    add(w.gate_up_proj, g.gate_up_proj);
+    add(w.down_proj, g.down_proj);
+    mlp(w.shared, g.shared);
+  }
+  void hc(const HcParams& w, ops::MhcGrads& g) {
+    add(w.fn, g.fn);
+    add(w.base, g.base);
+    add(w.scale, g.scale);
+  }
+  void finish() {
+    std::sort(g_.named.begin(), g_.named.end(),
+              [&](const auto& a, const auto& b) { return order_[a.first] < order_[b.first]; });
+  }
+
+ private:
+  TextGrads& g_;
+  std::map<const void*, std::string> by_ptr_;
+  std::map<std::string, size_t> order_;
+};
+
+// ---- Pieces of the backward --------------------------------------------------------------------
+
+// What every piece of one pack's backward shares.
+struct Ctx {
+  const OpConfigs& ops;
+  const TrainOptions& opt;
+  Tensor cu;                   // int64 [ndoc + 1]
+  int64_t counted = 0;         // non-padding rows
+  std::vector<uint8_t> valid;  // 1 for non-padding rows (balancing loss)
+  BackwardResult& result;
+};
+
+// Gradient of the balancing loss of one router into its logits (undefined when α = 0); the loss
+// value joins the result.
+Tensor balancing_grad(Ctx& c, const ops::Routing& routing, const Tensor& bias) {
+  if (c.opt.balancing_alpha <= 0) return Tensor();
+  train::BalancingLossOptions bo;
+  bo.alpha = c.opt.balancing_alpha;
+  bo.num_micro_packs = c.opt.num_micro_packs;
+  bo.valid = c.valid;
+  train::BalancingLossResult r = train::balancing_loss(routing.logits, bias, routing.indices, bo);
+  c.result.balancing_loss += r.loss;
+  return r.grad_logits;
+}
+
+// MoE backward from the layer's saved input and routing. The shared expert's pre-clamp
+// projections are not part of the layer context; mlp_forward recomputes them exactly as the
+// forward's moe_forward did.
+Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Routing& routing,
+                const Tensor& dy, ops::MoeParams& g) {
+  const Tensor d_logits = balancing_grad(c, routing, p.e_score_correction_bias);
+  ops::MoeContext mc;
+  mc.x = x;
+  mc.routing = routing;
+  ops::mlp_forward(p.shared, x, c.ops.moe.swiglu_limit, mc.shared);
+  return ops::moe_backward(c.ops.moe, p, mc, dy, g, d_logits);
+}
+
+// DSA backward: the MLA context (norm inputs and statistics the layer context does not keep) is
+// rebuilt by rerunning MLA on the same input with the saved selection, which reproduces the
+// forward's values exactly; the indexer itself is not rerun (no gradient flows through it).
+Tensor dsa_grad(Ctx& c, const ops::DsaParams& p, const Tensor& u, const Tensor& indices,
+                const Tensor& dy, ops::DsaParams& g) {
+  ops::MlaContext mc;
+  ops::mla_forward(c.ops.mla, p.mla, u, indices, c.cu, mc);
+  return ops::dsa_backward(c.ops.mla, p, mc, dy, g);
+}
+
+// One decoder layer, d out [T, H, D] -> d in [T, H, D], from a full layer context.
+Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const Tensor& d_out,
+                  LayerGrads& g) {
+  const double eps = c.ops.rms_eps;
+  // Feed-forward site: X'' = post' ⊗ z + comb'ᵀ X'.
+  ops::MhcPostGrads pf =
+      ops::mhc_post_backward(lc.streams_mid, lc.ffn_out, lc.ffn_hc.post, lc.ffn_hc.comb, d_out);
+  Tensor d_v;
+  if (w.mlp == MlpKind::dense) {
+    ops::MlpContext mc;
+    ops::mlp_forward(w.dense, lc.ffn_in, c.ops.swiglu_limit, mc);
+    d_v = ops::mlp_backward(w.dense, mc, pf.d_y, c.ops.swiglu_limit, g.dense);
+  } else {
+    d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, pf.d_y, g.moe);
+  }
+  const Tensor d_cf = ops::rms_norm_backward(d_v, lc.ffn_hc.collapsed, w.post_attention_layernorm,
+                                             eps, lc.ffn_in_rstd, &g.post_attention_layernorm);
+  Tensor d_mid =
+      ops::mhc_pre_backward(lc.streams_mid, w.ffn_hc.fn, w.ffn_hc.base, w.ffn_hc.scale, c.ops.mhc,
+                            &lc.ffn_hc_saved, pf.d_post, pf.d_comb, d_cf, g.ffn_hc);
+  add_into(d_mid, pf.d_streams);
+
+  // Attention site: X' = post ⊗ y + combᵀ X.
+  ops::MhcPostGrads pa =
+      ops::mhc_post_backward(lc.streams_in, lc.attn_out, lc.attn_hc.post, lc.attn_hc.comb, d_mid);
+  Tensor d_u;
+  if (w.attn == AttnKind::kda)
+    d_u = ops::kda_backward(w.kda, lc.attn_in, c.cu, c.ops.kda, &lc.kda, pa.d_y, g.kda);
+  else
+    d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, pa.d_y, g.dsa);
+  const Tensor d_ca = ops::rms_norm_backward(d_u, lc.attn_hc.collapsed, w.input_layernorm, eps,
+                                             lc.attn_in_rstd, &g.input_layernorm);
+  Tensor d_in =
+      ops::mhc_pre_backward(lc.streams_in, w.attn_hc.fn, w.attn_hc.base, w.attn_hc.scale, c.ops.mhc,
+                            &lc.attn_hc_saved, pa.d_post, pa.d_comb, d_ca, g.attn_hc);
+  add_into(d_in, pa.d_streams);
+  return d_in;
+}
+
+struct MtpInputGrads {
+  Tensor d_future;  // [T, D] w.r.t. the future-token embeddings
+  Tensor d_hidden;  // [T, D] w.r.t. the hidden state the depth read
+};
+
+// One MTP depth from a full context, d (shared_head.norm output) -> input gradients.
+MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, const Tensor& d_out,
+                       MtpGrads& g) {
+  const double eps = c.ops.rms_eps;
+  const LayerContext& lc = m.layer;
+  // b = a + moe(post_attention_layernorm(a)), then shared_head.norm.
+  Tensor d_b = ops::rms_norm_backward(d_out, m.out, w.shared_head_norm, eps, m.out_rstd,
+                                      &g.shared_head_norm);
+  const Tensor d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, d_b, g.moe);
+  Tensor d_a = ops::rms_norm_backward(d_v, lc.streams_mid, w.post_attention_layernorm, eps,
+                                      lc.ffn_in_rstd, &g.post_attention_layernorm);
+  add_into(d_a, d_b);
+  // a = x + dsa(input_layernorm(x)).
+  const Tensor d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, d_a, g.dsa);
+  Tensor d_x = ops::rms_norm_backward(d_u, lc.streams_in, w.input_layernorm, eps, lc.attn_in_rstd,
+                                      &g.input_layernorm);
+  add_into(d_x, d_a);
+  // x = eh_proj([enorm(future) ; hnorm(hidden)]).
+  const int64_t tokens = d_x.size(0), dim = d_x.size(1);
+  Tensor cat = Tensor::empty({tokens, 2 * dim}, d_x.dtype());
+  cat.narrow(1, 0, dim).copy_(m.future_normed);
+  cat.narrow(1, dim, dim).copy_(m.hidden_normed);
+  const Tensor d_cat = ops::linear_backward(d_x, cat, w.eh_proj, &g.eh_proj);
+  MtpInputGrads r;
+  r.d_future = ops::rms_norm_backward(d_cat.narrow(1, 0, dim).contiguous(), m.future, w.enorm, eps,
+                                      m.future_rstd, &g.enorm);
+  r.d_hidden = ops::rms_norm_backward(d_cat.narrow(1, dim, dim).contiguous(), m.hidden_in, w.hnorm,
+                                      eps, m.hidden_rstd, &g.hnorm);
+  return r;
+}
+
+template <typename T>
+void add_shifted_rows_kernel(T* dst, const T* src, int64_t dim, const std::vector<int64_t>& cu,
+                             int64_t shift) {
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int64_t i = cu[d]; i + shift < cu[d + 1]; ++i)
+      for (int64_t j = 0; j < dim; ++j) dst[(i + shift) * dim + j] += src[i * dim + j];
+}
+
+// dst[i + shift] += src[i] for every row i whose row i + shift lies in the same document: the
+// gradient of the per-document roll that builds MTP's future rows from supplied embeddings.
+void add_shifted_rows(Tensor& dst, const Tensor& src_in, const std::vector<int64_t>& cu,
+                      int64_t shift) {
+  const Tensor src = src_in.contiguous();
+  const int64_t dim = dst.size(1);
+  if (dst.dtype() == DType::f32)
+    add_shifted_rows_kernel(dst.data<float>(), src.data<float>(), dim, cu, shift);
+  else
+    add_shifted_rows_kernel(dst.data<double>(), src.data<double>(), dim, cu, shift);
+}
+
+std::vector<int64_t> ids_of(const Tensor& input_ids) {
+  const Tensor c = input_ids.contiguous();
+  std::vector<int64_t> ids(size_t(c.numel()));
+  for (size_t i = 0; i < ids.size(); ++i)
+    ids[i] = c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[i]) : c.data<int64_t>()[i];
+  return ids;
+}
+
+}  // namespace
+
+bool is_trainable_param(const std::string& name) {
+  return name.find(".indexer.") == std::string::npos &&
+         !name.ends_with("e_score_correction_bias") && !name.starts_with("model.visual.");
+}
+
+TextGrads TextGrads::zeros_like(const TextWeights& w) {
+  TextGrads g;
+  GradBuilder b(w, g);
+  b.add(w.embed_tokens, g.embed_tokens);
+  b.add(w.final_norm, g.final_norm);
+  // A tied head is the embedding's own storage: one buffer, one name.
+  if (w.lm_head.defined() && w.lm_head.data_ptr() == w.embed_tokens.data_ptr())
+    g.lm_head = g.embed_tokens;
+  else
+    b.add(w.lm_head, g.lm_head);
+  g.layers.resize(w.layers.size());
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& lw = w.layers[l];
+    LayerGrads& lg = g.layers[l];
+    b.add(lw.input_layernorm, lg.input_layernorm);
+    b.add(lw.post_attention_layernorm, lg.post_attention_layernorm);
+    b.hc(lw.attn_hc, lg.attn_hc);
+    b.hc(lw.ffn_hc, lg.ffn_hc);
+    if (lw.attn == AttnKind::kda)
+      b.kda(lw.kda, lg.kda);
+    else
+      b.mla(lw.dsa.mla, lg.dsa.mla);
+    if (lw.mlp == MlpKind::dense)
+      b.mlp(lw.dense, lg.dense);
+    else
+      b.moe(lw.moe, lg.moe);
+  }
+  if (w.mtp) {
+    const MtpWeights& m = *w.mtp;
+    MtpGrads& mg = g.mtp.emplace();
+    for (auto [a, o] : {std::pair{&m.eh_proj, &mg.eh_proj},
+                        {&m.enorm, &mg.enorm},
+                        {&m.hnorm, &mg.hnorm},
+                        {&m.input_layernorm, &mg.input_layernorm},
+                        {&m.post_attention_layernorm, &mg.post_attention_layernorm},
+                        {&m.shared_head_norm, &mg.shared_head_norm}})
+      b.add(*a, *o);
+    b.mla(m.dsa.mla, mg.dsa.mla);
+    b.moe(m.moe, mg.moe);
+  }
+  b.finish();
+  return g;
+}
+
+void TextGrads::zero() {
+  for (auto& [name, t] : named) t.zero_();
+}
+
+const Tensor* TextGrads::find(const std::string& name) const {
+  for (const auto& [n, t] : named)
+    if (n == name) return &t;
+  return nullptr;
+}
+
+std::vector<bool> recompute_policy(int64_t layers, double fraction) {
+  GLMTUNE_ASSERT(fraction >= 0 && fraction <= 1, "recompute fraction {} outside [0, 1]", fraction);
+  // The seed system's recompute_ratio: the leading int(ratio · layers) layers are checkpointed.
+  const int64_t n =
+      std::min<int64_t>(layers, int64_t(std::floor(fraction * double(layers) + 1e-9)));
+  std::vector<bool> r(size_t(layers), false);
+  for (int64_t l = 0; l < n; ++l) r[size_t(l)] = true;
+  return r;
+}
+
+TrainForward training_forward(const TextModel& model, const PackInput& in,
+                              const TrainOptions& opt) {
+  const TextConfig& c = model.text();
+  const OpConfigs& ops = model.op_configs();
+  const TextWeights& w = model.weights();
+  Tensor emb;
+  if (in.inputs_embeds.defined()) {
+    GLMTUNE_ASSERT(in.inputs_embeds.dim() == 2 && in.inputs_embeds.size(1) == c.hidden_size,
+                   "inputs_embeds must be [T, {}], got {}", c.hidden_size, in.inputs_embeds.str());
+    emb = in.inputs_embeds.to(model.dtype()).contiguous();
+  } else {
+    emb = model.embed(in.input_ids);
+  }
+  const int64_t tokens = emb.size(0);
+  if (tokens == 0) throw Error("the pack is empty", "input_ids", "pass at least one token");
+  const std::vector<int64_t> cu = ops::read_cu_seqlens(in.cu_seqlens, tokens, "training forward");
+  if (in.padding_tokens < 0 || in.padding_tokens > tokens)
+    throw Error(fmt::format("{} padding tokens in a pack of {}", in.padding_tokens, tokens),
+                "padding_tokens", "count only the trailing padding document");
+  if (!in.labels.defined() || in.labels.dim() != 1 || in.labels.size(0) != tokens ||
+      in.labels.dtype() != DType::i32)
+    throw Error(fmt::format("training needs int32 labels [{}]", tokens), "labels",
+                "pass one aligned label per token (next_token_labels)");
+  if (!opt.recompute.empty() && int64_t(opt.recompute.size()) != c.num_hidden_layers)
+    throw InternalError(fmt::format("recompute policy for {} layers, the model has {}",
+                                    opt.recompute.size(), c.num_hidden_layers));
+  for (const LayerWeights& lw : w.layers)
+    if (lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.defined())
+      throw Error("training a MoE layer without a shared expert is not supported",
+                  fmt::format("layer {}", lw.index),
+                  "train a checkpoint with n_shared_experts >= 1 (GLM-5.3 has one)");
+  const int64_t counted = tokens - in.padding_tokens;
+  const Tensor cu_t = Tensor::from_vector(cu, {int64_t(cu.size())});
+
+  TrainForward out;
+  auto ctx = std::make_shared<ForwardContext>();
+  ctx->cu_seqlens = cu;
+  ctx->counted_rows = counted;
+  ctx->embeddings = emb;
+  ctx->layers.resize(size_t(c.num_hidden_layers));
+  ctx->labels = in.labels;
+
+  Tensor streams = ops::mhc_expand(emb, c.hc_mult);
+  IndexerCarry carry;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerWeights& lw = w.layers[size_t(l)];
+    const bool recompute = !opt.recompute.empty() && opt.recompute[size_t(l)];
+    const Tensor carried = carry.indices;
+    LayerContext full;
+    Tensor counts;
+    // The full context is filled either way (decoder_layer_forward computes the same values with
+    // or without it); a recomputed layer keeps only its input and the selection it was handed.
+    Tensor next = decoder_layer_forward(ops, c, lw, streams, cu_t, counted, carry, &counts, &full);
+    LayerContext& slot = ctx->layers[size_t(l)];
+    if (recompute) {
+      slot.streams_in = streams;
+      slot.indices = carried;
+    } else {
+      slot = std::move(full);
+    }
+    if (lw.mlp == MlpKind::sparse) out.loads.push_back({bias_name(l), std::move(counts)});
+    streams = std::move(next);
+  }
+  const Tensor hidden = ops::mhc_head(streams);
+  ctx->final_normed = ops::rms_norm(hidden, w.final_norm, c.rms_norm_eps, &ctx->final_rstd);
+  ctx->final_streams = streams;
+
+  if (model.has_mtp() && opt.mtp && opt.mtp_depths > 0) {
+    ctx->mtp.resize(size_t(opt.mtp_depths));
+    Tensor h = hidden;
+    for (int64_t k = 1; k <= opt.mtp_depths; ++k) {
+      const Tensor future = model.future_embeddings(in.input_ids, in.inputs_embeds, cu, k);
+      MtpContext full;
+      MtpLayerResult r = mtp_layer_forward(ops, *w.mtp, future, h, cu_t, counted, &full);
+      MtpContext& slot = ctx->mtp[size_t(k - 1)];
+      if (opt.recompute_mtp) {
+        slot.future = future;
+        slot.hidden_in = h;
+      } else {
+        slot = std::move(full);
+      }
+      out.loads.push_back({bias_name(c.num_hidden_layers), std::move(r.expert_counts)});
+      ctx->mtp_labels.push_back(shift_labels(in.labels, cu_t, k));
+      h = std::move(r.hidden);
+    }
+  }
+  out.context = std::move(ctx);
+  return out;
+}
+
+BackwardResult backward(const TextModel& model, const PackInput& in, const ForwardContext& fc,
+                        const TrainOptions& opt, TextGrads& grads) {
+  const TextConfig& tc = model.text();
+  const TextWeights& w = model.weights();
+  GLMTUNE_ASSERT(fc.labels.defined(), "the backward needs a forward run with labels");
+  GLMTUNE_ASSERT(int64_t(fc.layers.size()) == tc.num_hidden_layers && fc.final_normed.defined() &&
+                     fc.embeddings.defined(),
+                 "the backward needs a training context (training_forward, or TextModel::forward "
+                 "with SavePolicy::all)");
+  GLMTUNE_ASSERT(grads.layers.size() == w.layers.size() && grads.final_norm.defined(),
+                 "gradient buffers were not built for this model (TextGrads::zeros_like)");
+  const int64_t tokens = fc.embeddings.size(0);
+  BackwardResult result;
+  Ctx c{model.op_configs(),
+        opt,
+        Tensor::from_vector(fc.cu_seqlens, {int64_t(fc.cu_seqlens.size())}),
+        fc.counted_rows,
+        std::vector<uint8_t>(size_t(tokens), 0),
+        result};
+  std::fill(c.valid.begin(), c.valid.begin() + fc.counted_rows, uint8_t(1));
+  const double eps = c.ops.rms_eps;
+  const int64_t vocab = w.embed_tokens.size(0);
+  const std::optional<int64_t> pad = tc.pad_token_id >= 0 && tc.pad_token_id < vocab
+                                         ? std::optional<int64_t>(tc.pad_token_id)
+                                         : std::nullopt;
+  const bool supplied = in.inputs_embeds.defined();
+
+  // LM head and cross-entropy, fused.
+  ops::CrossEntropyOptions ce;
+  ce.denominator = opt.lm_denominator > 0 ? opt.lm_denominator : 0;
+  ce.chunk_rows = opt.loss_chunk_rows;
+  Tensor d_normed;
+  const ops::CrossEntropyResult lm = ops::lm_head_cross_entropy(
+      fc.final_normed, w.lm_head, fc.labels, ce, &d_normed, &grads.lm_head);
+  result.lm_loss_sum = lm.loss_sum;
+  result.lm_tokens = lm.n_tokens;
+  result.lm_loss = lm.loss;
+  const Tensor hidden = ops::mhc_head(fc.final_streams);
+  Tensor d_hidden =
+      ops::rms_norm_backward(d_normed, hidden, w.final_norm, eps, fc.final_rstd, &grads.final_norm);
+
+  // MTP depths, last first: depth k's output is also depth k + 1's hidden input.
+  Tensor d_emb_future;  // supplied-embedding path: MTP's gradient into the input rows
+  if (!fc.mtp.empty()) {
+    GLMTUNE_ASSERT(w.mtp.has_value() && grads.mtp.has_value(), "MTP context without MTP weights");
+    const int64_t depths = int64_t(fc.mtp.size());
+    GLMTUNE_ASSERT(int64_t(fc.mtp_labels.size()) == depths, "MTP context without its labels");
+    result.mtp_loss_sum.assign(size_t(depths), 0.0);
+    result.mtp_tokens.assign(size_t(depths), 0);
+    const std::vector<int64_t> ids = supplied ? std::vector<int64_t>() : ids_of(in.input_ids);
+    Tensor d_next;
+    for (int64_t k = depths; k >= 1; --k) {
+      const MtpContext& saved = fc.mtp[size_t(k - 1)];
+      MtpContext full;
+      const MtpContext* m = &saved;
+      if (!saved.out_normed.defined()) {
+        // Recompute policy: rerun the depth from its inputs.
+        mtp_layer_forward(c.ops, *w.mtp, saved.future, saved.hidden_in, c.cu, c.counted, &full);
+        m = &full;
+      }
+      ops::CrossEntropyOptions mce;
+      const double denom =
+          size_t(k - 1) < opt.mtp_denominators.size() ? opt.mtp_denominators[size_t(k - 1)] : 0.0;
+      mce.denominator = denom > 0 ? denom : 0;
+      mce.grad_scale = opt.mtp_loss_scale / double(depths);
+      mce.chunk_rows = opt.loss_chunk_rows;
+      Tensor d_out;
+      const ops::CrossEntropyResult r = ops::lm_head_cross_entropy(
+          m->out_normed, w.lm_head, fc.mtp_labels[size_t(k - 1)], mce, &d_out, &grads.lm_head);
+      result.mtp_loss_sum[size_t(k - 1)] = r.loss_sum;
+      result.mtp_tokens[size_t(k - 1)] = r.n_tokens;
+      result.mtp_loss += mce.grad_scale * r.loss;
+      if (d_next.defined()) add_into(d_out, d_next);
+      const MtpInputGrads g = mtp_grad(c, *w.mtp, *m, d_out, *grads.mtp);
+      if (k == 1)
+        add_into(d_hidden, g.d_hidden);
+      else
+        d_next = g.d_hidden;
+      // The future rows: token i + k of the same document (id 0, or a zero row, past its end).
+      const std::vector<int64_t>& cu = fc.cu_seqlens;
+      if (supplied) {
+        if (!d_emb_future.defined())
+          d_emb_future = Tensor::zeros(g.d_future.shape(), model.dtype());
+        add_shifted_rows(d_emb_future, g.d_future, cu, k);
+      } else {
+        std::vector<int64_t> future(ids.size(), 0);
+        for (size_t d = 0; d + 1 < cu.size(); ++d)
+          for (int64_t i = cu[d]; i + k < cu[d + 1]; ++i) future[size_t(i)] = ids[size_t(i + k)];
+        ops::embedding_backward(w.embed_tokens,
+                                Tensor::from_vector(future, {int64_t(future.size())}), g.d_future,
+                                pad, grads.embed_tokens);
+      }
+    }
+  }
+
+  // Decoder layers, last first.
+  Tensor d_streams = ops::mhc_head_backward(d_hidden, tc.hc_mult);
+  for (int64_t l = tc.num_hidden_layers - 1; l >= 0; --l) {
+    const LayerWeights& lw = w.layers[size_t(l)];
+    const LayerContext& saved = fc.layers[size_t(l)];
+    if (saved.attn_in.defined()) {
+      d_streams = layer_grad(c, lw, saved, d_streams, grads.layers[size_t(l)]);
+    } else {
+      // Recompute policy: rerun the layer from its input (with the selection it was handed, for
+      // a layer that reuses its predecessor's), then differentiate the fresh context.
+      GLMTUNE_ASSERT(saved.streams_in.defined(), "layer {} kept neither its context nor its input",
+                     l);
+      IndexerCarry carry{saved.indices};
+      LayerContext full;
+      decoder_layer_forward(c.ops, tc, lw, saved.streams_in, c.cu, c.counted, carry, nullptr,
+                            &full);
+      d_streams = layer_grad(c, lw, full, d_streams, grads.layers[size_t(l)]);
+    }
+  }
+
+  // Embedding.
+  Tensor d_emb = ops::mhc_expand_backward(d_streams);
+  if (supplied) {
+    if (d_emb_future.defined()) add_into(d_emb, d_emb_future);
+  } else {
+    ops::embedding_backward(w.embed_tokens, in.input_ids, d_emb, pad, grads.embed_tokens);
+  }
+  result.d_embeddings = std::move(d_emb);
+  return result;
+}
+
+StepPackResult forward_backward(const TextModel& model, const PackInput& input,
+                                const TrainOptions& options, TextGrads& grads) {
+  TrainForward f = training_forward(model, input, options);
+  StepPackResult r;
+  r.backward = backward(model, input, *f.context, options, grads);
+  r.loads = std::move(f.loads);
+  return r;
+}
+
+}  // namespace glmtune::model::text

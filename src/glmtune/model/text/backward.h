@@ -1,0 +1,158 @@
+#pragma once
+// The backward of the whole text model on the CPU, over packed sequences: from the losses (LM
+// cross-entropy, the MTP cross-entropy, the balancing loss) back through the lm_head, the final
+// norm and the stream mean, every decoder layer in reverse, the MTP layer and the embedding, into
+// a gradient for every trainable parameter (TextGrads, named as the ParamStore / TextWeights
+// name them) and for the input embeddings. docs/training.md ("The model backward") writes the
+// chain out.
+//
+// Two steps, so that the caller decides what the forward keeps:
+//
+//   TrainForward f = training_forward(model, input, options);   // per-layer activation policy
+//   BackwardResult r = backward(model, input, *f.context, options, grads);
+//
+// `backward` also accepts the context of TextModel::forward with SavePolicy::all (every layer
+// kept). Per decoder layer (and for the MTP layer) the context either holds everything the layer
+// saved (keep) or only the layer's input (recompute): the backward then re-runs that layer's
+// forward from its input before differentiating it. The forward is deterministic, so the two
+// policies give bit-identical gradients.
+//
+// The losses are computed inside the backward, fused with their gradient (the lm_head and the
+// cross-entropy run over chunks of label rows, so [T, V] logits never exist whole):
+//
+//   objective = Σ_rows CE_lm / lm_denominator
+//             + mtp_scale / K · Σ_k Σ_rows CE_k / mtp_denominator_k          (K MTP depths)
+//             + α / M · Σ_routers balancing_loss(router) (train/router_bias.h)
+//
+// The denominators are those of the optimizer step (SPEC.md §4: the token count over every
+// micro-pack of the step), so the gradients of a step's micro-packs simply add up.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "glmtune/model/text/model.h"
+#include "glmtune/ops/mhc.h"
+
+namespace glmtune::model::text {
+
+// Gradients of one decoder layer: the fields of LayerWeights that are trained. The indexer's
+// parameters and the router correction bias never get a gradient and stay undefined.
+struct LayerGrads {
+  Tensor input_layernorm;
+  Tensor post_attention_layernorm;
+  ops::MhcGrads attn_hc, ffn_hc;
+  ops::KdaGrads kda;
+  ops::DsaParams dsa;
+  ops::MlpParams dense;
+  ops::MoeParams moe;
+};
+
+struct MtpGrads {
+  Tensor eh_proj, enorm, hnorm;
+  Tensor input_layernorm, post_attention_layernorm, shared_head_norm;
+  ops::DsaParams dsa;
+  ops::MoeParams moe;
+};
+
+// Gradient buffers mirroring TextWeights, in the model's compute dtype. Backward passes add into
+// them, so one set accumulates the micro-packs of an optimizer step.
+struct TextGrads {
+  Tensor embed_tokens, final_norm, lm_head;  // lm_head is embed_tokens itself when tied
+  std::vector<LayerGrads> layers;
+  std::optional<MtpGrads> mtp;
+  // Every buffer under its parameter's internal name, in TextWeights::named order (a tied head
+  // appears once, as the embedding).
+  std::vector<std::pair<std::string, Tensor>> named;
+
+  // Zero buffers for every trainable tensor of `weights`.
+  static TextGrads zeros_like(const TextWeights& weights);
+  // Sets every buffer to 0 (for the next optimizer step).
+  void zero();
+  // The buffer of parameter `name`, or nullptr when it has none (frozen or unknown).
+  const Tensor* find(const std::string& name) const;
+};
+
+// Whether a tensor of `weights` is trained by gradients: not the DSA indexer (frozen, run without
+// gradient) and not the router correction bias (a buffer moved by the load-balancing rule).
+bool is_trainable_param(const std::string& name);
+
+struct TrainOptions {
+  // Per decoder layer: true re-runs the layer's forward in the backward instead of keeping its
+  // intermediates. Empty: keep every layer.
+  std::vector<bool> recompute;
+  bool recompute_mtp = false;
+
+  bool mtp = true;  // run (and train) the MTP layer when the model has one
+  int64_t mtp_depths = 1;
+  double mtp_loss_scale = 0.1;
+
+  // Divisor of the LM cross-entropy sum: the label tokens of the whole optimizer step. ≤ 0: this
+  // pack's own count.
+  double lm_denominator = 0;
+  // Per MTP depth, the same for the MTP targets. Empty (or ≤ 0 entries): this pack's counts.
+  std::vector<double> mtp_denominators;
+
+  // Balancing loss α (0: off) and the number of micro-packs of the step it is averaged over.
+  double balancing_alpha = 0;
+  int64_t num_micro_packs = 1;
+
+  int64_t loss_chunk_rows = 256;  // label rows per lm_head chunk
+};
+
+// A recompute policy for `layers` decoder layers from a fraction (the recipe's `recompute`): the
+// first round(fraction · layers) layers are recomputed.
+std::vector<bool> recompute_policy(int64_t layers, double fraction);
+
+// Expert loads of one router in one pack (padding rows excluded).
+struct RouterLoads {
+  std::string bias_name;  // the router's e_score_correction_bias parameter
+  Tensor counts;          // int64 [E]
+};
+
+struct TrainForward {
+  std::shared_ptr<ForwardContext> context;
+  // Main MoE layers in layer order, then each MTP depth (all MTP depths under the MTP router's
+  // name).
+  std::vector<RouterLoads> loads;
+};
+
+// The forward of a training step. Saves, per layer, what `options.recompute` asks for; computes
+// no loss (the backward does, fused with its gradient). `input.labels` must be defined.
+TrainForward training_forward(const TextModel& model, const PackInput& input,
+                              const TrainOptions& options);
+
+struct BackwardResult {
+  double lm_loss_sum = 0;  // Σ CE over the pack's label rows
+  int64_t lm_tokens = 0;
+  double lm_loss = 0;  // lm_loss_sum / lm denominator (this pack's share of the step's loss)
+  std::vector<double> mtp_loss_sum;  // per depth
+  std::vector<int64_t> mtp_tokens;   // per depth
+  double mtp_loss = 0;        // mtp_scale / K · Σ_k sum_k / denominator_k (this pack's share)
+  double balancing_loss = 0;  // α / M · Σ_routers (this pack's share)
+  Tensor d_embeddings;        // [T, D] gradient of the objective w.r.t. the input embeddings
+
+  double objective() const { return lm_loss + mtp_loss + balancing_loss; }
+};
+
+// Differentiates the objective above for one pack, adding every parameter gradient into `grads`
+// (built by TextGrads::zeros_like for this model). The gradient of embed_tokens includes the MTP
+// future-token lookups; the padding row (pad_token_id) gets none, as in the reference's
+// nn.Embedding(padding_idx). With `input.inputs_embeds` the token lookup is not differentiated
+// (only d_embeddings is returned) and MTP's future rows add into d_embeddings.
+BackwardResult backward(const TextModel& model, const PackInput& input,
+                        const ForwardContext& context, const TrainOptions& options,
+                        TextGrads& grads);
+
+// training_forward then backward.
+struct StepPackResult {
+  BackwardResult backward;
+  std::vector<RouterLoads> loads;
+};
+StepPackResult forward_backward(const TextModel& model, const PackInput& input,
+                                const TrainOptions& options, TextGrads& grads);
+
+}  // namespace glmtune::model::text
