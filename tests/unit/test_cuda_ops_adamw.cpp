@@ -11,77 +11,26 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "glmtune/tensor/rng.h"
 #include "glmtune/tensor/tensor.h"
+#include "support/cuda_test_support.h"
 #ifdef GLMTUNE_WITH_CUDA
 #include "glmtune/ops/cuda/adamw.h"
 #endif
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-uint64_t test_seed() {
-  static const uint64_t seed = [] {
-    const char* env = std::getenv("GLMTUNE_TEST_SEED");
-    const uint64_t s = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
-    std::printf("[ seed     ] GLMTUNE_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
-
-#define REQUIRE_GPU()                                                \
-  do {                                                               \
-    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible"; \
-  } while (0)
-
+// n normal draws as f32 values, held exactly as doubles.
 std::vector<double> normal(int64_t n, uint64_t stream, double mean, double std) {
-  Tensor f = Tensor::empty({n}, DType::f32);
-  fill_normal(f, test_seed(), stream << 32, mean, std);
-  return f.to_doubles();  // f32 values, exactly
+  return random_cpu({n}, DType::f32, stream, mean, std).to_doubles();
 }
-
-double rel_l2(const std::vector<double>& got, const std::vector<double>& want) {
-  EXPECT_EQ(got.size(), want.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return INFINITY;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-bool bit_identical(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
-  return x.dtype() == y.dtype() && x.shape() == y.shape() &&
-         std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
-}
-
-std::string ctx(const std::string& what) {
-  return what + " (seed " + std::to_string(test_seed()) + ")";
-}
-
-// The relative L2 error of `got` against `want`, printed with its bar (so the logs keep the
-// margins, not just pass/fail) and checked against it.
-#define EXPECT_CLOSE(got, want, bar, what)                                                      \
-  do {                                                                                          \
-    const double err_ = rel_l2(got, want);                                                      \
-    const std::string what_ = (what);                                                           \
-    std::printf("[ measure  ] %s: rel L2 %.2e (bar %.0e)\n", what_.c_str(), err_, double(bar)); \
-    EXPECT_LE(err_, bar) << ctx(what_);                                                         \
-  } while (0)
 
 #ifdef GLMTUNE_WITH_CUDA
-const Device kGpu = Device::cuda(0);
-
 Tensor on_gpu(const std::vector<double>& v, DType dtype) {
   return Tensor::from_doubles(v, {int64_t(v.size())}, dtype).to(kGpu);
 }

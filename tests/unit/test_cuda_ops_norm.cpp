@@ -8,92 +8,21 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <random>
 #include <string>
-#include <vector>
 
 #include "glmtune/ops/norm.h"
-#include "glmtune/tensor/rng.h"
 #include "glmtune/tensor/tensor.h"
+#include "support/cuda_test_support.h"
 #ifdef GLMTUNE_WITH_CUDA
 #include "glmtune/ops/cuda/norm.h"
 #endif
 
 using namespace glmtune;
+using namespace glmtune::test;
 
 namespace {
 
-uint64_t test_seed() {
-  static const uint64_t seed = [] {
-    const char* env = std::getenv("GLMTUNE_TEST_SEED");
-    const uint64_t s = env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
-    std::printf("[ seed     ] GLMTUNE_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
-
-#define REQUIRE_GPU()                                                \
-  do {                                                               \
-    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible"; \
-  } while (0)
-
-Tensor random_cpu(const Shape& shape, DType dtype, uint64_t stream, double mean = 0.0,
-                  double std = 1.0) {
-  Tensor f = Tensor::empty(shape, DType::f32);
-  fill_normal(f, test_seed(), stream << 32, mean, std);
-  return f.to(dtype);
-}
-
-// ‖got − want‖ / ‖want‖; infinity when `got` holds a non-finite value (e.g. an unwritten NaN).
-double rel_l2(const Tensor& got, const Tensor& want) {
-  const std::vector<double> g = got.to(Device::cpu()).to_doubles();
-  const std::vector<double> w = want.to(Device::cpu()).to_doubles();
-  EXPECT_EQ(g.size(), w.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < g.size() && i < w.size(); ++i) {
-    if (!std::isfinite(g[i])) return INFINITY;
-    num += (g[i] - w[i]) * (g[i] - w[i]);
-    den += w[i] * w[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-bool bit_identical(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
-  return x.dtype() == y.dtype() && x.shape() == y.shape() &&
-         std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
-}
-
-Tensor f32(const Tensor& t) { return t.to(Device::cpu()).to(DType::f32); }
-
-// a − b elementwise (CPU f32).
-Tensor minus(const Tensor& a, const Tensor& b) {
-  Tensor out = f32(a).contiguous().clone();
-  const Tensor bc = f32(b).contiguous();
-  for (int64_t i = 0; i < out.numel(); ++i) out.data<float>()[i] -= bc.data<float>()[i];
-  return out;
-}
-
-std::string ctx(const std::string& what) {
-  return what + " (seed " + std::to_string(test_seed()) + ")";
-}
-
-// The relative L2 error of `got` against `want`, printed with its bar (so the logs keep the
-// margins, not just pass/fail) and checked against it.
-#define EXPECT_CLOSE(got, want, bar, what)                                                      \
-  do {                                                                                          \
-    const double err_ = rel_l2(got, want);                                                      \
-    const std::string what_ = (what);                                                           \
-    std::printf("[ measure  ] %s: rel L2 %.2e (bar %.0e)\n", what_.c_str(), err_, double(bar)); \
-    EXPECT_LE(err_, bar) << ctx(what_);                                                         \
-  } while (0)
-
 #ifdef GLMTUNE_WITH_CUDA
-const Device kGpu = Device::cuda(0);
 constexpr double kEps = 1e-5;
 
 struct Case {
