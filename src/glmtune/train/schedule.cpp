@@ -32,6 +32,8 @@ double Schedule::lr(int64_t step) const {
   if (step < 0) step = 0;
   if (step < warmup_) return lr_ * double(step) / double(warmup_);
   if (step >= total_) return lr_min_;
+  // The cosine starts at the peak itself: lr_min + (lr - lr_min) need not round back to lr.
+  if (step == warmup_) return lr_;
   const double progress = double(step - warmup_) / double(total_ - warmup_);
   return lr_min_ + (lr_ - lr_min_) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
 }
