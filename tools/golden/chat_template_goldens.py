@@ -15,6 +15,11 @@ tool-call `arguments` given as a JSON string (OpenAI wire format) are parsed int
 the role `observation` is read as `tool`. Cases using them render the normalised messages with
 jinja and record the original messages, so the test also covers the normalisation.
 
+The template, tools/golden/glm53_chat_template.jinja, is the released `chat_template.jinja` of
+zai-org/GLM-5.3-Flash (10,950 bytes, git blob oid 06bd89e94b96652fd5d76d9f9e11cfa15e09f49d,
+sha256 0c4099f3382d6c92700dfb99725025360966fd73032f0ecf32377c0d9e6309c5), byte for byte; the
+sha256 is recorded in renders.json and checked by the C++ test.
+
 Usage: python tools/golden/chat_template_goldens.py [--template PATH] [--out PATH]
 """
 
@@ -381,7 +386,7 @@ def cases():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--template", type=Path, default=GOLDEN_DIR / "chat_template.jinja")
+    parser.add_argument("--template", type=Path, default=REPO / "tools" / "golden" / "glm53_chat_template.jinja")
     parser.add_argument("--out", type=Path, default=GOLDEN_DIR / "renders.json")
     args = parser.parse_args()
 
