@@ -12,10 +12,13 @@ bin="${GLMTUNE_BUILD_DIR:-build}/bin/glmtune"
 model="runs/tiny-model"
 "$bin" init --preset tiny --seed 1 --out "$model" --tokenizer examples/tiny/tokenizer --force
 "$bin" inspect "$model"
+echo "== held-out loss before training"
+"$bin" eval --model "$model" --data examples/tiny/data/heldout.jsonl --pack-length 512
 # examples/tiny/recipe.toml trains runs/tiny-model into runs/tiny-train; a previous demo's run is
 # removed first (train refuses to overwrite a run directory that holds checkpoints).
 run="runs/tiny-train"
 rm -rf "$run"
 "$bin" train --config examples/tiny/recipe.toml
 trained="$run/checkpoints/$(cat "$run/checkpoints/latest")/model"
-"$bin" eval --model "$trained" --data examples/tiny/data/chat.jsonl --pack-length 512
+echo "== held-out loss after training"
+"$bin" eval --model "$trained" --data examples/tiny/data/heldout.jsonl --pack-length 512
