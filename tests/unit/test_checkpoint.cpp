@@ -13,6 +13,7 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/io/checkpoint.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace glmtune;
@@ -20,34 +21,11 @@ using namespace glmtune::io;
 
 namespace {
 
+using glmtune::test::read_text;
+using glmtune::test::TempDir;
+using glmtune::test::write_text;
+
 const fs::path kGolden = fs::path(GLMTUNE_SOURCE_DIR) / "tests" / "golden" / "safetensors";
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "glmtune-ckpt-XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_text(const fs::path& p, const std::string& text) {
-  std::ofstream out(p, std::ios::binary);
-  out << text;
-}
 
 std::vector<std::string> dir_entries(const fs::path& dir) {
   std::vector<std::string> out;

@@ -28,6 +28,7 @@
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/io/crop.h"
 #include "glmtune/io/fp8.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace glmtune;
@@ -36,31 +37,9 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "glmtune-crop-XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-void write_text(const fs::path& p, const std::string& text) {
-  std::ofstream out(p, std::ios::binary);
-  out << text;
-}
+using glmtune::test::read_text;
+using glmtune::test::TempDir;
+using glmtune::test::write_text;
 
 template <typename Fn>
 void expect_error(Fn&& fn, const std::string& expected) {

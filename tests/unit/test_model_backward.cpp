@@ -27,6 +27,7 @@
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
 #include "glmtune/train/router_bias.h"
+#include "support/temp_dir.h"
 
 using namespace glmtune;
 using namespace glmtune::model;
@@ -34,6 +35,8 @@ using namespace glmtune::model::text;
 namespace fs = std::filesystem;
 
 namespace {
+
+using glmtune::test::TempDir;
 
 const fs::path kGolden =
     fs::path(GLMTUNE_SOURCE_DIR) / "tests" / "golden" / "model" / "tiny_backward.safetensors";
@@ -46,21 +49,6 @@ uint64_t test_seed() {
   }();
   return seed;
 }
-
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag)
-      : path_(fs::temp_directory_path() /
-              ("glmtune_backward_" + tag + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 Tensor i32(const std::vector<int32_t>& v) { return Tensor::from_vector(v, {int64_t(v.size())}); }
 

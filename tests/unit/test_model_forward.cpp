@@ -32,6 +32,7 @@
 #include "glmtune/ops/mhc.h"
 #include "glmtune/ops/mla.h"
 #include "glmtune/ops/moe.h"
+#include "support/temp_dir.h"
 
 using namespace glmtune;
 using namespace glmtune::model;
@@ -40,6 +41,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using glmtune::test::TempDir;
+
 const fs::path kSource = GLMTUNE_SOURCE_DIR;
 const fs::path kGolden = kSource / "tests" / "golden" / "model" / "tiny_forward.safetensors";
 
@@ -47,21 +50,6 @@ uint64_t test_seed() {
   static const uint64_t seed = std::random_device{}();
   return seed;
 }
-
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag)
-      : path_(fs::temp_directory_path() /
-              ("glmtune_model_" + tag + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 Tensor i32(const std::vector<int32_t>& v) { return Tensor::from_vector(v, {int64_t(v.size())}); }
 

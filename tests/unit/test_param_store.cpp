@@ -9,6 +9,7 @@
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
+#include "support/temp_dir.h"
 
 using namespace glmtune;
 using namespace glmtune::model;
@@ -16,25 +17,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using glmtune::test::TempDir;
+
 uint64_t test_seed() {
   static const uint64_t seed = std::random_device{}();
   return seed;
 }
-
-class TempDir {
- public:
-  TempDir()
-      : path_(fs::temp_directory_path() /
-              ("glmtune_ps_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  fs::path operator/(const std::string& s) const { return path_ / s; }
-
- private:
-  static inline int counter_ = 0;
-  fs::path path_;
-};
 
 std::string message_of(const std::function<void()>& fn) {
   try {

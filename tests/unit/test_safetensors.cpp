@@ -16,6 +16,7 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/io/safetensors.h"
+#include "support/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace glmtune;
@@ -23,24 +24,9 @@ using namespace glmtune::io;
 
 namespace {
 
+using glmtune::test::TempDir;
+
 const fs::path kGolden = fs::path(GLMTUNE_SOURCE_DIR) / "tests" / "golden" / "safetensors";
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "glmtune-st-XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
 
 std::vector<uint8_t> read_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
