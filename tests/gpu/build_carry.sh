@@ -9,24 +9,31 @@
 #   .gpu-carry/MANIFEST        what was built, from which commit, and the sizes
 #
 # Usage (from anywhere):  tests/gpu/build_carry.sh
-# Environment: GLMTUNE_GPU_BUILD_DIR (default <repo>/build-cuda), GLMTUNE_BUILD_JOBS (default 2).
+# Environment: GLMTUNE_GPU_BUILD_DIR (default <repo>/build-cuda), GLMTUNE_BUILD_JOBS (default 2),
+# GLMTUNE_GPU_CARRY (the package folder, default <repo>/.gpu-carry), GLMTUNE_GPU_ONLY (an extended
+# regular expression: only the binaries whose names match are built and packed).
 # Then run tests/gpu/run.sh on the GPU machine from the repository root.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 build="${GLMTUNE_GPU_BUILD_DIR:-$root/build-cuda}"
 jobs="${GLMTUNE_BUILD_JOBS:-2}"
-carry="$root/.gpu-carry"
+carry="${GLMTUNE_GPU_CARRY:-$root/.gpu-carry}"
 
 # Statically linked libstdc++/libgcc: the GPU machine's C++ runtime never matters.
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGLMTUNE_CUDA=ON \
   -DGLMTUNE_STATIC_RUNTIME=ON -DGLMTUNE_TESTS=ON -DGLMTUNE_BENCH=ON >/dev/null
 
 tests=()
-for src in "$root"/tests/unit/test_cuda_*.cpp; do tests+=("$(basename "${src%.cpp}")"); done
+only="${GLMTUNE_GPU_ONLY:-.}"
+for src in "$root"/tests/unit/test_cuda_*.cpp; do
+  name="$(basename "${src%.cpp}")"
+  [[ "$name" =~ $only ]] && tests+=("$name")
+done
 benches=()
 for src in "$root"/bench/bench_cuda*.cpp; do
-  [[ -e "$src" ]] && benches+=("$(basename "${src%.cpp}")")
+  name="$(basename "${src%.cpp}")"
+  [[ -e "$src" && "$name" =~ $only ]] && benches+=("$name")
 done
 if [[ ${#tests[@]} -eq 0 ]]; then
   echo "build_carry: no tests/unit/test_cuda_*.cpp found" >&2
@@ -109,8 +116,8 @@ done
 } >"$carry/MANIFEST"
 cat "$carry/MANIFEST"
 total=$(du -sb "$carry" | cut -f1)
-echo "build_carry: .gpu-carry holds $((total / 1024 / 1024)) MiB"
+echo "build_carry: $carry holds $((total / 1024 / 1024)) MiB"
 # The package travels to the GPU machine together with the repository: keep it small.
 if ((total > 48 * 1024 * 1024)); then
-  echo "build_carry: warning: .gpu-carry is larger than 48 MiB" >&2
+  echo "build_carry: warning: $carry is larger than 48 MiB" >&2
 fi

@@ -11,10 +11,11 @@
 #
 # Environment: GLMTUNE_GPU_TIMEOUT (seconds per binary, default 150), GLMTUNE_GPU_BUDGET (seconds
 # for the whole run, default 540: binaries that no longer fit are reported as not run),
-# GLMTUNE_GPU_ALLOW_SKIP=1 (skipped suites do not fail the run), GTEST_FILTER as usual.
+# GLMTUNE_GPU_ALLOW_SKIP=1 (skipped suites do not fail the run), GLMTUNE_GPU_CARRY (the package
+# folder, default .gpu-carry), GTEST_FILTER as usual.
 set -uo pipefail
 
-carry=.gpu-carry
+carry="${GLMTUNE_GPU_CARRY:-.gpu-carry}"
 if [[ ! -d "$carry" ]]; then
   echo "run.sh: no $carry here; run tests/gpu/build_carry.sh on the build machine first," \
     "then run this from the repository root" >&2
