@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <initializer_list>
 #include <nlohmann/json.hpp>
@@ -26,14 +27,18 @@ namespace glmtune::test {
 
 // ---- Seed -------------------------------------------------------------------------------------
 
-// One seed per test process, drawn fresh on every run so that repeated runs cover new inputs.
-// Tests that draw from it open with SCOPED_TRACE(seed_note()), so a failure prints the seed.
+// One seed per test process: GLMTUNE_TEST_SEED where set (to replay a failure), else drawn fresh
+// so that repeated runs cover new inputs. Tests that draw from it open with
+// SCOPED_TRACE(seed_note()), so a failure prints the value to set.
 inline uint64_t test_seed() {
-  static const uint64_t seed = std::random_device{}();
+  static const uint64_t seed = [] {
+    const char* env = std::getenv("GLMTUNE_TEST_SEED");
+    return env ? uint64_t(std::strtoull(env, nullptr, 10)) : uint64_t(std::random_device{}());
+  }();
   return seed;
 }
 
-inline std::string seed_note() { return "seed " + std::to_string(test_seed()); }
+inline std::string seed_note() { return "GLMTUNE_TEST_SEED=" + std::to_string(test_seed()); }
 
 // ---- Random tensors ---------------------------------------------------------------------------
 // Counter-based draws (tensor/rng.h) at stream `offset` of the test seed: every call site names
