@@ -1,0 +1,62 @@
+#pragma once
+// Grouped GEMMs of the routed experts: one weight matrix per group (expert), applied to that
+// group's contiguous segment of rows in a permuted activation buffer. Row segments are given by
+// host offsets [G + 1] (group g owns rows offsets[g] .. offsets[g + 1] − 1); empty groups are
+// skipped, so an expert without tokens gets no gradient, as in the CPU op.
+//
+//   grouped_linear:                 y[rows_g, N]  = x[rows_g, K] · w[g]^T        w [G, N, K]
+//   grouped_linear_backward_input:  dx[rows_g, K] = dy[rows_g, N] · w[g]
+//   grouped_linear_backward_weight: dw[g] += dy[rows_g, N]^T · x[rows_g, K]       dw [G, N, K]
+//
+// bf16 operands, fp32 accumulation inside the GEMMs. Two backends, picked per call:
+//   kLtPerGroup    — one cuBLASLt GEMM per group through cuda::gemm (bf16 or f32 results): the
+//                    default. Measured on an H200 (2026-11-29) at the anchor shapes (36 groups of
+//                    910 / 3641 rows, gate_up N 4096 K 4096, down N 4096 K 2048) it runs the
+//                    forward and dX at 605-681 TFLOP/s, level with or above torch._grouped_mm
+//                    (544-673), and about twice the grouped cuBLAS call;
+//   kCublasGrouped — one cublasGemmGroupedBatchedEx launch for all groups (bf16 results only):
+//                    274-304 TFLOP/s for the forward and dX there (462-609 for dW), kept as the
+//                    measured alternative.
+// Both run a fixed algorithm per problem, so reruns are bit-identical. The weight gradient into
+// an f32 buffer always takes kLtPerGroup (the grouped cuBLAS call has no bf16 → f32 variant).
+// cuBLASLt's algorithm cache is keyed by the exact shape, so each new per-expert row count costs
+// one heuristic query the first time it is seen.
+// Every call is asynchronous on `stream`; row operands are contiguous [rows, cols] tensors.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::cuda {
+
+enum class GroupedGemmBackend { kCublasGrouped, kLtPerGroup };
+
+const char* grouped_gemm_backend_name(GroupedGemmBackend backend);
+
+void grouped_linear(Tensor& y, const Tensor& x, const Tensor& w,
+                    const std::vector<int64_t>& offsets,
+                    GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
+                    cudaStream_t stream = nullptr);
+
+void grouped_linear_backward_input(Tensor& dx, const Tensor& dy, const Tensor& w,
+                                   const std::vector<int64_t>& offsets,
+                                   GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
+                                   cudaStream_t stream = nullptr);
+
+// Accumulates into dw (f32 or bf16, contiguous [G, N, K]).
+void grouped_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x,
+                                    const std::vector<int64_t>& offsets,
+                                    GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
+                                    cudaStream_t stream = nullptr);
+
+// Row-major C[m, n] = alpha · A[m, k] · B[n, k]^T in plain fp32 (cuBLAS CUBLAS_COMPUTE_32F, no
+// TF32), through the same cuBLAS handle: the indexer's scores, whose selection must follow the
+// fp32 CPU op.
+void gemm_f32_nt(int device, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                 int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+                 cudaStream_t stream = nullptr);
+
+}  // namespace glmtune::cuda

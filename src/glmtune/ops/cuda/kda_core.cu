@@ -1,0 +1,1129 @@
+// The chunked delta rule of KDA on the GPU, forward and backward (ops/cuda/kda.h). Notation as in
+// ops/cpu/kda_backward.cpp: qc = scale·q, Γ the in-chunk cumulative log decay, kb = β⊙k,
+// kbe = kb⊙e^Γ, vb = β⊙v, −L (strictly lower) in `tri` before the substitution and
+// Tm = (I + L)^{-1} after it, A[i][j] = Σ_a qc_i k_j e^{Γ_i−Γ_j} (j ≤ i), U = Tm vb, W = Tm kbe,
+// qd = qc⊙e^Γ, kdec = k⊙e^{Γ_last−Γ}, Vn = U − W S0. A chunk shorter than 16 (a document's tail)
+// is zero-padded: padded rows have k = q = v = β = 0 and g = 0, so they add exact zeros everywhere
+// and Γ of the last row equals Γ of the last real row.
+//
+// Four kernels, two token-parallel and two that walk a document's chunks in order:
+//   prep       one block per (chunk, head): the chunk-local quantities with the exact per-element
+//              decay e^{Γ_i − Γ_j} (fp32, no rescaling, so any gate works): W, qd, kdec, A as
+//              bf16 hi/lo pairs, U, e^{Γ_last} and (for the backward) Tm in f32.
+//   state_fwd  one block per (head, document), a warp per 16 value rows of Sᵀ (fp32 in the
+//              warp's MMA accumulators): Vn = U − W S, O = qd S + A Vn, S ← e^{Γ_last} S +
+//              kdecᵀ Vn. For the backward it also stores every chunk's entry state and Vn.
+//   state_bwd  the same walk in reverse carrying d S: dVn = kdec dS + Aᵀ dO, dS ← e^{Γ_last} dS +
+//              qdᵀ dO − Wᵀ dVn; stores every chunk's exit d S and dVn.
+//   bwd_chunk  one block per (chunk, head): from S0, d S1, Vn, dVn the products over the value
+//              dim (d kdec, d qd, d W with MMAs; dA and d Γ_last in fp32), then the chunk-local
+//              backward in fp32 (as the CPU, Tm, U, W taken from prep) and dq, dk, dv, dg, dβ.
+// The backward takes no saved state from the forward (the API has none), so it runs prep and
+// state_fwd again. Workspace per (chunk, head): prep 34.5 KB; the backward adds S0ᵀ and d S1ᵀ in
+// f32 (128 KB) and Vnᵀ, dVnᵀ (16 KB): about 2.3 GB forward and 12 GB backward at T = 16384,
+// H = 64.
+// Matrix products run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) with
+// every fp32 operand split into a bf16 hi part and a bf16 lo part (the rounding error of hi):
+// hi·hi + hi·lo + lo·hi keeps about 16 bits of every operand, so the f32 mode and the f32 outputs
+// (dg, dβ) keep fp32-like accuracy. Every sum has a fixed order: no atomics, bit-identical
+// reruns.
+
+#include <type_traits>
+
+#include "glmtune/ops/cuda/common.cuh"
+#include "glmtune/ops/cuda/kda.h"
+
+namespace glmtune::cuda {
+namespace {
+
+using detail::bf16;
+
+constexpr int kC = 16;          // chunk length
+constexpr int kK = 128;         // key = value head dim
+constexpr int kLd = kK + 1;     // padded row of the f32 [C, K] tiles (conflict-free columns)
+constexpr int kThreads = 256;   // state kernels: 8 warps of 16 value rows
+constexpr int kCT = 512;        // chunk kernels: the 16×16 pair loops split in two halves
+constexpr int kTs = kK + 8;     // bf16 row of a staged [C, K] tile: 16-byte rows, and
+                                // ldmatrix's eight rows fall in distinct banks
+constexpr int kAs = kC + 8;     // bf16 row of a staged [C, C] tile
+constexpr int kTile = kC * kK;  // elements of one [C, K] tile
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_f(float v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return __float2bfloat16_rn(v);
+}
+
+// ---- tensor-core pieces -----------------------------------------------------------------------
+// m16n8k16 fragments (g = lane/4, t = lane%4): A rows g, g+8 × cols 2t, 2t+1 (+8); B k 2t, 2t+1
+// (+8) × col g; C rows g, g+8 × cols 2t, 2t+1. The lower index sits in the low 16 bits.
+
+__device__ __forceinline__ uint32_t pack2(bf16 lo, bf16 hi) {
+  return uint32_t(__bfloat16_as_ushort(lo)) | (uint32_t(__bfloat16_as_ushort(hi)) << 16);
+}
+// (x0, x1) → a pair of bf16 hi parts and a pair of the lo parts (what hi rounded away).
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const bf16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+  hi = pack2(h0, h1);
+  lo = pack2(__float2bfloat16_rn(x0 - __bfloat162float(h0)),
+             __float2bfloat16_rn(x1 - __bfloat162float(h1)));
+}
+
+struct FragA {
+  uint32_t hi[4], lo[4];
+};
+struct FragB {
+  uint32_t hi[2], lo[2];
+};
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// c += a·b with both operands in hi/lo form; the small cross terms go in first.
+__device__ __forceinline__ void mma3(float (&c)[4], const FragA& a, const FragB& b) {
+  mma(c, a.hi, b.lo);
+  mma(c, a.lo, b.hi);
+  mma(c, a.hi, b.hi);
+}
+
+// Two accumulator tiles (n-tiles 2j, 2j+1 of a product) as the A operand of the k-tile j of the
+// next product, times `sign`: the C layout of two 16×8 tiles is the A layout of one 16×16.
+__device__ __forceinline__ FragA frag_from_acc(const float (&c0)[4], const float (&c1)[4],
+                                               float sign) {
+  FragA f;
+  split2(sign * c0[0], sign * c0[1], f.hi[0], f.lo[0]);
+  split2(sign * c0[2], sign * c0[3], f.hi[1], f.lo[1]);
+  split2(sign * c1[0], sign * c1[1], f.hi[2], f.lo[2]);
+  split2(sign * c1[2], sign * c1[3], f.hi[3], f.lo[3]);
+  return f;
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// B operands of n-tiles n0 and n0+8 for k-tile k0 from a bf16 [k][n] tile (n contiguous).
+__device__ __forceinline__ void ldsm_b_kn(const bf16* tile, int ld, int k0, int n0,
+                                          uint32_t (&b0)[2], uint32_t (&b1)[2]) {
+  const int lane = threadIdx.x & 31;
+  uint32_t r[4];
+  ldsm_x4_trans(r,
+                tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + ((lane >> 4) & 1) * 8);
+  b0[0] = r[0];
+  b0[1] = r[1];
+  b1[0] = r[2];
+  b1[1] = r[3];
+}
+// The A operand (rows m0.., k-tile k0) from a bf16 [k][m] tile (m contiguous).
+__device__ __forceinline__ void ldsm_a_km(const bf16* tile, int ld, int k0, int m0,
+                                          uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31;
+  ldsm_x4_trans(a,
+                tile + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + m0 + ((lane >> 3) & 1) * 8);
+}
+// The B operand (n-tile n0, k-tile k0) from a bf16 [n][k] tile (k contiguous).
+__device__ __forceinline__ void lds_b_nk(const bf16* tile, int ld, int n0, int k0,
+                                         uint32_t (&b)[2]) {
+  const int lane = threadIdx.x & 31;
+  const bf16* p = tile + (n0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
+  b[0] = *reinterpret_cast<const uint32_t*>(p);
+  b[1] = *reinterpret_cast<const uint32_t*>(p + 8);
+}
+// The A operand (rows m0.., k-tile k0) from a bf16 [m][k] tile (k contiguous).
+__device__ __forceinline__ void lds_a_mk(const bf16* tile, int ld, int m0, int k0,
+                                         uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31;
+  const bf16* p = tile + (m0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
+  a[0] = *reinterpret_cast<const uint32_t*>(p);
+  a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * ld);
+  a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
+  a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * ld + 8);
+}
+// The B operand (k-tile k0, n-tile n0) from an f32 [k][n] tile, split on the fly.
+__device__ __forceinline__ FragB load_b_f32(const float* __restrict__ tile, int ld, int k0,
+                                            int n0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const float* p = tile + (k0 + 2 * t) * ld + n0 + g;
+  FragB f;
+  split2(p[0], p[ld], f.hi[0], f.lo[0]);
+  split2(p[8 * ld], p[9 * ld], f.hi[1], f.lo[1]);
+  return f;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- chunk bookkeeping ------------------------------------------------------------------------
+
+// dc[d] = index of document d's first chunk in the chunk-major buffers, dc[ndoc] = chunk count.
+__global__ void doc_chunks_kernel(const int* __restrict__ cu, int ndoc, int* __restrict__ dc) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int acc = 0;
+  for (int d = 0; d < ndoc; ++d) {
+    dc[d] = acc;
+    acc += (cu[d + 1] - cu[d] + kC - 1) / kC;
+  }
+  dc[ndoc] = acc;
+}
+
+// Chunk `slot` → its first token c0 and length n; false past the last chunk.
+__device__ __forceinline__ bool find_chunk(const int* __restrict__ cu, const int* __restrict__ dc,
+                                           int ndoc, int slot, int64_t& c0, int& n) {
+  if (slot >= dc[ndoc]) return false;
+  int lo = 0, hi = ndoc - 1;  // the last document whose first chunk is ≤ slot
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (dc[mid] <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  c0 = cu[lo] + int64_t(slot - dc[lo]) * kC;
+  const int64_t rest = cu[lo + 1] - c0;
+  n = int(rest < kC ? rest : kC);
+  return true;
+}
+
+// ---- the chunk-local forward (fp32, exact decays) ---------------------------------------------
+
+struct Local {
+  float* qc;  // [C][Ld]
+  float* kc;
+  float* gam;
+  float* kbe;
+  float* w;
+  float* qd;
+  float* kdec;
+  float* vraw;  // [C][Ld]
+  float* u;     // [C][Ld]
+  float* tri;   // [C][C]
+  float* ain;   // [C][C]
+  float* beta;  // [C]
+  static constexpr int floats() { return 9 * kC * kLd + 2 * kC * kC + kC; }
+  __device__ explicit Local(float* base) {
+    float* p = base;
+    auto take = [&p](int n) {
+      float* r = p;
+      p += n;
+      return r;
+    };
+    qc = take(kC * kLd);
+    kc = take(kC * kLd);
+    gam = take(kC * kLd);
+    kbe = take(kC * kLd);
+    w = take(kC * kLd);
+    qd = take(kC * kLd);
+    kdec = take(kC * kLd);
+    vraw = take(kC * kLd);
+    u = take(kC * kLd);
+    tri = take(kC * kC);
+    ain = take(kC * kC);
+    beta = take(kC);
+  }
+};
+
+// What prep hands to the state kernels, chunk-major: element (chunk s, head h) starts at
+// (s·H + h)·size. The bf16 tiles are hi/lo pairs of the f32 values.
+struct Prep {
+  bf16 *w_hi, *w_lo;    // W [C][K]
+  bf16 *qd_hi, *qd_lo;  // qd [C][K]
+  bf16 *kd_hi, *kd_lo;  // kdec [C][K]
+  bf16 *a_hi, *a_lo;    // A [C][C]
+  float* u;             // U [C][K]
+  float* egl;           // e^{Γ_last} [K]
+  float* tm;            // Tm [C][C], for the backward
+};
+
+// The tiles of chunk [c0, c0 + n) of head h that do not depend on the state. With kSolve the
+// 16×16 systems are formed and solved here (prep); without, Tm, U and W come from prep's
+// output `p` at chunk-head `sh` (the backward), and only the elementwise tiles are recomputed.
+template <typename T, bool kSolve>
+__device__ void chunk_local(const Local& t, const T* __restrict__ q, const T* __restrict__ k,
+                            const T* __restrict__ v, const float* __restrict__ g,
+                            const float* __restrict__ beta, int64_t c0, int n, int heads, int h,
+                            float scale, const Prep& p, int64_t sh) {
+  const int tid = threadIdx.x;
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int i = idx / kK, a = idx % kK;
+    float qv = 0.0f, kv = 0.0f, gv = 0.0f, vv = 0.0f;
+    if (i < n) {
+      const int64_t off = ((c0 + i) * heads + h) * kK + a;
+      qv = to_f(q[off]) * scale;
+      kv = to_f(k[off]);
+      gv = g[off];
+      vv = to_f(v[off]);
+    }
+    t.qc[i * kLd + a] = qv;
+    t.kc[i * kLd + a] = kv;
+    t.gam[i * kLd + a] = gv;
+    t.vraw[i * kLd + a] = vv;
+  }
+  if (tid < kC) t.beta[tid] = tid < n ? beta[(c0 + tid) * heads + h] : 0.0f;
+  __syncthreads();
+  // In-chunk cumulative sum, sequential like the CPU.
+  if (tid < kK)
+    for (int i = 1; i < kC; ++i) t.gam[i * kLd + tid] += t.gam[(i - 1) * kLd + tid];
+  __syncthreads();
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int i = idx / kK, a = idx % kK;
+    const float gm = t.gam[i * kLd + a], eg = __expf(gm);
+    const float kb = t.kc[i * kLd + a] * t.beta[i];
+    t.kbe[i * kLd + a] = kb * eg;
+    t.qd[i * kLd + a] = t.qc[i * kLd + a] * eg;
+    t.kdec[i * kLd + a] = t.kc[i * kLd + a] * __expf(t.gam[(kC - 1) * kLd + a] - gm);
+    if constexpr (!kSolve) {
+      const int64_t off = sh * kTile + idx;
+      t.u[i * kLd + a] = p.u[off];
+      t.w[i * kLd + a] = __bfloat162float(p.w_hi[off]) + __bfloat162float(p.w_lo[off]);
+    }
+  }
+  if constexpr (!kSolve) {
+    if (tid < kC * kC) t.tri[tid] = p.tm[sh * kC * kC + tid];
+    __syncthreads();
+    return;
+  }
+  {
+    // Pair (i, j) on two adjacent lanes, each summing half of the key dim; the halves meet by a
+    // shuffle (a + b in both lanes: the same bits). The second half starts 16 channels in, so
+    // the 32 lanes of a warp read 32 distinct banks.
+    const int pair = tid >> 1, half = tid & 1, i = pair / kC, j = pair % kC;
+    float l = 0.0f, a_in = 0.0f;
+    if (j <= i) {
+      const float b = t.beta[i];
+      for (int it = 0; it < kK / 2; ++it) {
+        const int a = half * (kK / 2) + ((it + 16 * half) & (kK / 2 - 1));
+        const float decay = __expf(t.gam[i * kLd + a] - t.gam[j * kLd + a]);
+        const float kj = t.kc[j * kLd + a];
+        l += (t.kc[i * kLd + a] * b) * kj * decay;
+        a_in += t.qc[i * kLd + a] * kj * decay;
+      }
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    a_in += __shfl_xor_sync(0xffffffffu, a_in, 1);
+    if (half == 0) {
+      t.tri[i * kC + j] = j < i ? -l : 0.0f;
+      t.ain[i * kC + j] = j <= i ? a_in : 0.0f;
+    }
+  }
+  __syncthreads();
+  // Forward substitution, one warp: row i uses its original values and the finished rows above.
+  if (tid < 32) {
+    const int lane = tid;
+    for (int i = 1; i < kC; ++i) {
+      const float orig = lane < kC ? t.tri[i * kC + lane] : 0.0f;
+      float acc = 0.0f;
+      for (int m = 1; m < i; ++m) {
+        const float row_m = __shfl_sync(0xffffffffu, orig, m);
+        if (m > lane) acc += row_m * t.tri[m * kC + lane];
+      }
+      __syncwarp();
+      if (lane < i) t.tri[i * kC + lane] = orig + acc;
+      __syncwarp();
+    }
+    if (lane < kC) t.tri[lane * kC + lane] = 1.0f;
+  }
+  __syncthreads();
+  // U = Tm vb, W = Tm kbe.
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int i = idx / kK, a = idx % kK;
+    float uacc = 0.0f, wacc = 0.0f;
+    for (int j = 0; j <= i; ++j) {
+      const float tm = t.tri[i * kC + j];
+      uacc += tm * (t.vraw[j * kLd + a] * t.beta[j]);
+      wacc += tm * t.kbe[j * kLd + a];
+    }
+    t.u[i * kLd + a] = uacc;
+    t.w[i * kLd + a] = wacc;
+  }
+  __syncthreads();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCT)
+    kda_prep_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const float* __restrict__ g, const float* __restrict__ beta,
+                    const int* __restrict__ cu, const int* __restrict__ dc, int ndoc, int heads,
+                    float scale, Prep p) {
+  extern __shared__ float smem[];
+  const Local t(smem);
+  const int slot = blockIdx.x, h = blockIdx.y;
+  int64_t c0 = 0;
+  int n = 0;
+  if (!find_chunk(cu, dc, ndoc, slot, c0, n)) return;
+  const int64_t sh = int64_t(slot) * heads + h;
+  chunk_local<T, true>(t, q, k, v, g, beta, c0, n, heads, h, scale, p, sh);
+  const int tid = threadIdx.x;
+  for (int idx2 = tid; idx2 < kTile / 2; idx2 += kCT) {
+    const int idx = 2 * idx2, i = idx / kK, a = idx % kK;
+    const int64_t off = sh * kTile + idx;
+    uint32_t hi, lo;
+    split2(t.w[i * kLd + a], t.w[i * kLd + a + 1], hi, lo);
+    *reinterpret_cast<uint32_t*>(p.w_hi + off) = hi;
+    *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
+    split2(t.qd[i * kLd + a], t.qd[i * kLd + a + 1], hi, lo);
+    *reinterpret_cast<uint32_t*>(p.qd_hi + off) = hi;
+    *reinterpret_cast<uint32_t*>(p.qd_lo + off) = lo;
+    split2(t.kdec[i * kLd + a], t.kdec[i * kLd + a + 1], hi, lo);
+    *reinterpret_cast<uint32_t*>(p.kd_hi + off) = hi;
+    *reinterpret_cast<uint32_t*>(p.kd_lo + off) = lo;
+    *reinterpret_cast<float2*>(p.u + off) = make_float2(t.u[i * kLd + a], t.u[i * kLd + a + 1]);
+  }
+  if (tid < kC * kC) p.tm[sh * kC * kC + tid] = t.tri[tid];
+  if (tid < kC * kC / 2) {
+    const int idx = 2 * tid;
+    uint32_t hi, lo;
+    split2(t.ain[idx], t.ain[idx + 1], hi, lo);
+    *reinterpret_cast<uint32_t*>(p.a_hi + sh * kC * kC + idx) = hi;
+    *reinterpret_cast<uint32_t*>(p.a_lo + sh * kC * kC + idx) = lo;
+  } else if (tid >= kCT - kK) {
+    const int a = tid - (kCT - kK);
+    p.egl[sh * kK + a] = expf(t.gam[(kC - 1) * kLd + a]);
+  }
+}
+
+// ---- the state walks --------------------------------------------------------------------------
+
+// One chunk's prep output staged in shared memory (bf16 rows padded to kTs / kAs).
+struct Stage {
+  bf16 w_hi[kC * kTs], w_lo[kC * kTs];
+  bf16 qd_hi[kC * kTs], qd_lo[kC * kTs];
+  bf16 kd_hi[kC * kTs], kd_lo[kC * kTs];
+  bf16 x_hi[kC * kTs], x_lo[kC * kTs];  // forward: unused; backward: dO
+  bf16 a_hi[kC * kAs], a_lo[kC * kAs];
+  float egl[kK];
+  float u[kTile];  // forward only
+};
+
+__device__ __forceinline__ void stage_tile(bf16* dst, const bf16* src) {
+  const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 8;  // 256 pieces of 16 bytes
+  cp_async16(dst + row * kTs + col, src + row * kK + col);
+}
+template <bool kWithU>
+__device__ void stage_load(Stage& st, const Prep& p, int64_t sh) {
+  const int tid = threadIdx.x;
+  stage_tile(st.w_hi, p.w_hi + sh * kTile);
+  stage_tile(st.w_lo, p.w_lo + sh * kTile);
+  stage_tile(st.qd_hi, p.qd_hi + sh * kTile);
+  stage_tile(st.qd_lo, p.qd_lo + sh * kTile);
+  stage_tile(st.kd_hi, p.kd_hi + sh * kTile);
+  stage_tile(st.kd_lo, p.kd_lo + sh * kTile);
+  if (tid < 64) {
+    const int r = (tid & 31) >> 1, col = (tid & 1) * 8;
+    if (tid < 32)
+      cp_async16(st.a_hi + r * kAs + col, p.a_hi + sh * kC * kC + r * kC + col);
+    else
+      cp_async16(st.a_lo + r * kAs + col, p.a_lo + sh * kC * kC + r * kC + col);
+  } else if (tid < 96) {
+    cp_async16(st.egl + (tid - 64) * 4, p.egl + sh * kK + (tid - 64) * 4);
+  }
+  if constexpr (kWithU)
+    for (int j = tid; j < kTile / 4; j += kThreads)
+      cp_async16(st.u + j * 4, p.u + sh * kTile + j * 4);
+}
+
+// One block per (head, document), warp w owning rows e ∈ [16w, 16w + 16) of Sᵀ [e][a], held in
+// the accumulators s[nt] (row e = 16w + g (+8), column a = 8·nt + 2t (+1)). With kStore, the
+// entry state of every chunk goes to s0 and Vnᵀ to vnt (both [chunk·H + h] blocks, [e][a] and
+// [e][i]).
+template <typename T, bool kStore>
+__global__ void __launch_bounds__(kThreads)
+    kda_state_fwd_kernel(Prep p, const int* __restrict__ cu, const int* __restrict__ dc, int heads,
+                         T* __restrict__ out, float* __restrict__ s0, float* __restrict__ vnt) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+  const int h = blockIdx.x, doc = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int eb = 16 * warp;
+  const int64_t start = cu[doc], end = cu[doc + 1];
+  const int nch = int((end - start + kC - 1) / kC), first = dc[doc];
+  float s[16][4];
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+  if (nch > 0) stage_load<true>(stages[0], p, int64_t(first) * heads + h);
+  cp_async_commit();
+  for (int c = 0; c < nch; ++c) {
+    const int64_t sh = int64_t(first + c) * heads + h, c0 = start + int64_t(c) * kC;
+    const int n = int(end - c0 < kC ? end - c0 : kC);
+    if (c + 1 < nch) {
+      stage_load<true>(stages[(c + 1) & 1], p, sh + heads);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const Stage& st = stages[c & 1];
+    if constexpr (kStore) {
+      float* dst = s0 + sh * kK * kK;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const int a = 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(dst + (eb + g) * kK + a) = make_float2(s[nt][0], s[nt][1]);
+        *reinterpret_cast<float2*>(dst + (eb + g + 8) * kK + a) = make_float2(s[nt][2], s[nt][3]);
+      }
+    }
+    // Sᵀ Wᵀ (Vnᵀ = Uᵀ − Sᵀ Wᵀ below) and Oᵀ = Sᵀ qdᵀ, k over the key dim.
+    float vn[2][4] = {}, o[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const FragA sa = frag_from_acc(s[2 * kk], s[2 * kk + 1], 1.0f);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        FragB bw, bq;
+        lds_b_nk(st.w_hi, kTs, 8 * nt, 16 * kk, bw.hi);
+        lds_b_nk(st.w_lo, kTs, 8 * nt, 16 * kk, bw.lo);
+        lds_b_nk(st.qd_hi, kTs, 8 * nt, 16 * kk, bq.hi);
+        lds_b_nk(st.qd_lo, kTs, 8 * nt, 16 * kk, bq.lo);
+        mma3(vn[nt], sa, bw);
+        mma3(o[nt], sa, bq);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = 8 * nt + 2 * t4 + (r & 1), e = eb + g + (r >> 1) * 8;
+        vn[nt][r] = st.u[i * kK + e] - vn[nt][r];
+      }
+    // Oᵀ += Vnᵀ Aᵀ.
+    const FragA fv = frag_from_acc(vn[0], vn[1], 1.0f);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      FragB ba;
+      lds_b_nk(st.a_hi, kAs, 8 * nt, 0, ba.hi);
+      lds_b_nk(st.a_lo, kAs, 8 * nt, 0, ba.lo);
+      mma3(o[nt], fv, ba);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = 8 * nt + 2 * t4 + (r & 1), e = eb + g + (r >> 1) * 8;
+        if (i < n) out[((c0 + i) * heads + h) * kK + e] = from_f<T>(o[nt][r]);
+      }
+    if constexpr (kStore) {
+      float* dst = vnt + sh * kTile;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int i = 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(dst + (eb + g) * kC + i) = make_float2(vn[nt][0], vn[nt][1]);
+        *reinterpret_cast<float2*>(dst + (eb + g + 8) * kC + i) = make_float2(vn[nt][2], vn[nt][3]);
+      }
+    }
+    // Sᵀ ← Sᵀ ⊙ e^{Γ_last} (per column a) + Vnᵀ kdec.
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      FragB b0, b1;
+      ldsm_b_kn(st.kd_hi, kTs, 0, 16 * np, b0.hi, b1.hi);
+      ldsm_b_kn(st.kd_lo, kTs, 0, 16 * np, b0.lo, b1.lo);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int a = 16 * np + 8 * j + 2 * t4;
+        const float e0 = st.egl[a], e1 = st.egl[a + 1];
+        s[2 * np + j][0] *= e0;
+        s[2 * np + j][1] *= e1;
+        s[2 * np + j][2] *= e0;
+        s[2 * np + j][3] *= e1;
+      }
+      mma3(s[2 * np], fv, b0);
+      mma3(s[2 * np + 1], fv, b1);
+    }
+    __syncthreads();  // the stage is refilled by the next iteration's prefetch
+  }
+}
+
+// The reverse walk: warp w owns rows e of d Sᵀ (as s in the forward). Stores every chunk's exit
+// d S (before the chunk is undone) to ds1 and dVnᵀ to dvnt.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    kda_state_bwd_kernel(Prep p, const T* __restrict__ dout, const int* __restrict__ cu,
+                         const int* __restrict__ dc, int heads, float* __restrict__ ds1,
+                         float* __restrict__ dvnt) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+  const int h = blockIdx.x, doc = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int eb = 16 * warp;
+  const int64_t start = cu[doc], end = cu[doc + 1];
+  const int nch = int((end - start + kC - 1) / kC), first = dc[doc];
+  // dO of a chunk: thread tid holds row tid/16, columns 8·(tid%16) .. +7 (zero past the end).
+  const int xr = tid >> 4, xc = (tid & 15) * 8;
+  float xo[8];
+  auto fetch_dout = [&](int c) {
+    const int64_t row = start + int64_t(c) * kC + xr;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      xo[j] = row < end ? to_f(dout[(row * heads + h) * kK + xc + j]) : 0.0f;
+  };
+  auto put_dout = [&](Stage& st) {
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      uint32_t hi, lo;
+      split2(xo[j], xo[j + 1], hi, lo);
+      *reinterpret_cast<uint32_t*>(st.x_hi + xr * kTs + xc + j) = hi;
+      *reinterpret_cast<uint32_t*>(st.x_lo + xr * kTs + xc + j) = lo;
+    }
+  };
+  float ds[16][4];
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
+  if (nch > 0) {
+    stage_load<false>(stages[(nch - 1) & 1], p, int64_t(first + nch - 1) * heads + h);
+    fetch_dout(nch - 1);
+    put_dout(stages[(nch - 1) & 1]);
+  }
+  cp_async_commit();
+  for (int c = nch - 1; c >= 0; --c) {
+    const int64_t sh = int64_t(first + c) * heads + h;
+    if (c > 0) {
+      stage_load<false>(stages[(c - 1) & 1], p, sh - heads);
+      cp_async_commit();
+      fetch_dout(c - 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const Stage& st = stages[c & 1];
+    {
+      float* dst = ds1 + sh * kK * kK;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const int a = 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(dst + (eb + g) * kK + a) = make_float2(ds[nt][0], ds[nt][1]);
+        *reinterpret_cast<float2*>(dst + (eb + g + 8) * kK + a) = make_float2(ds[nt][2], ds[nt][3]);
+      }
+    }
+    // dVnᵀ = d Sᵀ kdecᵀ + dOᵀ A.
+    float dvn[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const FragA fa = frag_from_acc(ds[2 * kk], ds[2 * kk + 1], 1.0f);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        FragB b;
+        lds_b_nk(st.kd_hi, kTs, 8 * nt, 16 * kk, b.hi);
+        lds_b_nk(st.kd_lo, kTs, 8 * nt, 16 * kk, b.lo);
+        mma3(dvn[nt], fa, b);
+      }
+    }
+    FragA fo;
+    ldsm_a_km(st.x_hi, kTs, 0, eb, fo.hi);
+    ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
+    {
+      FragB b0, b1;
+      ldsm_b_kn(st.a_hi, kAs, 0, 0, b0.hi, b1.hi);
+      ldsm_b_kn(st.a_lo, kAs, 0, 0, b0.lo, b1.lo);
+      mma3(dvn[0], fo, b0);
+      mma3(dvn[1], fo, b1);
+    }
+    {
+      float* dst = dvnt + sh * kTile;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int i = 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(dst + (eb + g) * kC + i) = make_float2(dvn[nt][0], dvn[nt][1]);
+        *reinterpret_cast<float2*>(dst + (eb + g + 8) * kC + i) =
+            make_float2(dvn[nt][2], dvn[nt][3]);
+      }
+    }
+    // d Sᵀ ← d Sᵀ ⊙ e^{Γ_last} + dOᵀ qd − dVnᵀ W.
+    const FragA fv = frag_from_acc(dvn[0], dvn[1], -1.0f);
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      FragB q0, q1, w0, w1;
+      ldsm_b_kn(st.qd_hi, kTs, 0, 16 * np, q0.hi, q1.hi);
+      ldsm_b_kn(st.qd_lo, kTs, 0, 16 * np, q0.lo, q1.lo);
+      ldsm_b_kn(st.w_hi, kTs, 0, 16 * np, w0.hi, w1.hi);
+      ldsm_b_kn(st.w_lo, kTs, 0, 16 * np, w0.lo, w1.lo);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int a = 16 * np + 8 * j + 2 * t4;
+        const float e0 = st.egl[a], e1 = st.egl[a + 1];
+        ds[2 * np + j][0] *= e0;
+        ds[2 * np + j][1] *= e1;
+        ds[2 * np + j][2] *= e0;
+        ds[2 * np + j][3] *= e1;
+      }
+      mma3(ds[2 * np], fo, q0);
+      mma3(ds[2 * np + 1], fo, q1);
+      mma3(ds[2 * np], fv, w0);
+      mma3(ds[2 * np + 1], fv, w1);
+    }
+    __syncthreads();  // the other stage is refilled next; this one's dO is rewritten after
+    if (c > 0) put_dout(stages[(c - 1) & 1]);
+  }
+}
+
+// ---- the chunk-local backward -----------------------------------------------------------------
+
+struct Grad {
+  float* vn;    // [C][Ld]
+  float* dout;  // [C][Ld]
+  float* dvn;   // [C][Ld]
+  float* dvb;   // [C][Ld]
+  float* dqc;   // [C][Ld]
+  float* dk;
+  float* dgam;
+  float* dkb;
+  float* dkbe;
+  float* dw;
+  float* tmp;
+  float* da;   // [C][C]
+  float* dl;   // [C][C]
+  float* dgl;  // [K]
+  float* red;  // [4][K] partial sums of d Γ_last
+  bf16* xs;    // vn, dout, dvn as bf16 hi/lo pairs: 6 × [C][Ts], split once for all warps
+  static constexpr int kXs = kC * kTs;
+  static constexpr int floats() { return 11 * kC * kLd + 2 * kC * kC + 5 * kK + 6 * kXs / 2; }
+  __device__ explicit Grad(float* base) {
+    float* p = base;
+    auto take = [&p](int n) {
+      float* r = p;
+      p += n;
+      return r;
+    };
+    vn = take(kC * kLd);
+    dout = take(kC * kLd);
+    dvn = take(kC * kLd);
+    dvb = take(kC * kLd);
+    dqc = take(kC * kLd);
+    dk = take(kC * kLd);
+    dgam = take(kC * kLd);
+    dkb = take(kC * kLd);
+    dkbe = take(kC * kLd);
+    dw = take(kC * kLd);
+    tmp = take(kC * kLd);
+    da = take(kC * kC);
+    dl = take(kC * kC);
+    dgl = take(kK);
+    red = take(4 * kK);
+    xs = reinterpret_cast<bf16*>(take(6 * kXs / 2));
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kCT)
+    kda_bwd_chunk_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                         const float* __restrict__ g, const float* __restrict__ beta,
+                         const T* __restrict__ dout, const int* __restrict__ cu,
+                         const int* __restrict__ dc, int ndoc, int heads, float scale, Prep p,
+                         const float* __restrict__ s0, const float* __restrict__ ds1,
+                         const float* __restrict__ vnt, const float* __restrict__ dvnt,
+                         T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv,
+                         float* __restrict__ dg, float* __restrict__ dbeta) {
+  extern __shared__ float smem[];
+  const Local t(smem);
+  const Grad gt(smem + Local::floats());
+  const int slot = blockIdx.x, h = blockIdx.y;
+  int64_t c0 = 0;
+  int n = 0;
+  if (!find_chunk(cu, dc, ndoc, slot, c0, n)) return;
+  const int tid = threadIdx.x;
+  const int64_t sh = int64_t(slot) * heads + h;
+  // dO row by row, Vnᵀ and dVnᵀ ([e][i] blocks) column by column: both reads coalesced.
+  auto put = [&gt](float* f32_tile, int m, int i, int e, float x) {
+    f32_tile[i * kLd + e] = x;
+    const bf16 hi = __float2bfloat16_rn(x);
+    gt.xs[(2 * m) * Grad::kXs + i * kTs + e] = hi;
+    gt.xs[(2 * m + 1) * Grad::kXs + i * kTs + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
+  };
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int i = idx / kK, e = idx % kK;
+    put(gt.dout, 1, i, e, i < n ? to_f(dout[((c0 + i) * heads + h) * kK + e]) : 0.0f);
+  }
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int e = idx / kC, i = idx % kC;
+    put(gt.vn, 0, i, e, vnt[sh * kTile + idx]);
+    put(gt.dvn, 2, i, e, dvnt[sh * kTile + idx]);
+  }
+  chunk_local<T, false>(t, q, k, v, g, beta, c0, n, heads, h, scale, p, sh);  // ends in a barrier
+  const float* glast = t.gam + (kC - 1) * kLd;
+  const float* s0c = s0 + sh * kK * kK;    // S0ᵀ [e][a]
+  const float* ds1c = ds1 + sh * kK * kK;  // d S1ᵀ [e][a]
+
+  // Products over the value dim, warp w on key columns [8w, 8w + 8):
+  // d kdec = Vn d S1ᵀ, d qd = dO S0ᵀ, d W = −dVn S0ᵀ.
+  {
+    const int warp = tid >> 5, lane = tid & 31, gg = lane >> 2, t4 = lane & 3;
+    const int n0 = 8 * warp;  // 16 warps × 8 key columns
+    float dkd[4] = {}, dqd[4] = {}, dwa[4] = {};
+#pragma unroll 2
+    for (int kk = 0; kk < 8; ++kk) {
+      const FragB bs1 = load_b_f32(ds1c, kK, 16 * kk, n0);
+      const FragB bs0 = load_b_f32(s0c, kK, 16 * kk, n0);
+      FragA fa;
+      lds_a_mk(gt.xs, kTs, 0, 16 * kk, fa.hi);
+      lds_a_mk(gt.xs + Grad::kXs, kTs, 0, 16 * kk, fa.lo);
+      mma3(dkd, fa, bs1);
+      lds_a_mk(gt.xs + 2 * Grad::kXs, kTs, 0, 16 * kk, fa.hi);
+      lds_a_mk(gt.xs + 3 * Grad::kXs, kTs, 0, 16 * kk, fa.lo);
+      mma3(dqd, fa, bs0);
+      lds_a_mk(gt.xs + 4 * Grad::kXs, kTs, 0, 16 * kk, fa.hi);
+      lds_a_mk(gt.xs + 5 * Grad::kXs, kTs, 0, 16 * kk, fa.lo);
+      mma3(dwa, fa, bs0);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = gg + (r >> 1) * 8, a = n0 + 2 * t4 + (r & 1);
+      gt.tmp[i * kLd + a] = dkd[r];
+      gt.dqc[i * kLd + a] = dqd[r];
+      gt.dw[i * kLd + a] = -dwa[r];
+    }
+  }
+  // d Γ_last from S1 = e^{Γ_last} S0 + …, in four parts over the value dim; dA = dO Vnᵀ (lower).
+  {
+    const int a = tid % kK, part = tid / kK;
+    float acc = 0.0f;
+    for (int e = part * (kK / 4); e < (part + 1) * (kK / 4); ++e)
+      acc += ds1c[e * kK + a] * s0c[e * kK + a];
+    gt.red[part * kK + a] = acc;
+  }
+  {
+    const int pair = tid >> 1, half = tid & 1, i = pair / kC, j = pair % kC;
+    float acc = 0.0f;
+    if (j <= i)
+      for (int it = 0; it < kK / 2; ++it) {
+        const int e = half * (kK / 2) + ((it + 16 * half) & (kK / 2 - 1));  // as in chunk_local
+        acc += gt.dout[i * kLd + e] * gt.vn[j * kLd + e];
+      }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0) gt.da[i * kC + j] = acc;
+  }
+  __syncthreads();
+  if (tid < kK)
+    gt.dgl[tid] = expf(glast[tid]) * (((gt.red[tid] + gt.red[kK + tid]) + gt.red[2 * kK + tid]) +
+                                      gt.red[3 * kK + tid]);
+  // Through kdec = k e^{Γ_last − Γ} and qd = qc e^Γ.
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int i = idx / kK, a = idx % kK;
+    const float dkd = gt.tmp[i * kLd + a], kdv = t.kdec[i * kLd + a];
+    gt.dk[i * kLd + a] = dkd * __expf(glast[a] - t.gam[i * kLd + a]);
+    const float dqd = gt.dqc[i * kLd + a];
+    gt.dqc[i * kLd + a] = dqd * __expf(t.gam[i * kLd + a]);
+    gt.dgam[i * kLd + a] = -dkd * kdv + dqd * t.qd[i * kLd + a];
+    gt.tmp[i * kLd + a] = dkd * kdv;
+  }
+  __syncthreads();
+  if (tid < kK) {
+    float acc = gt.dgl[tid];
+    for (int i = 0; i < kC; ++i) acc += gt.tmp[i * kLd + tid];
+    gt.dgl[tid] = acc;
+  }
+  // dvb = Tmᵀ dU (dU = dVn), dkbe = Tmᵀ dW.
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int j = idx / kK, a = idx % kK;
+    float accv = 0.0f, accw = 0.0f;
+    for (int i = j; i < kC; ++i) {
+      const float tm = t.tri[i * kC + j];
+      accv += tm * gt.dvn[i * kLd + a];
+      accw += tm * gt.dw[i * kLd + a];
+    }
+    gt.dvb[j * kLd + a] = accv;
+    gt.dkbe[j * kLd + a] = accw;
+  }
+  __syncthreads();
+  // dL = −dvb Uᵀ − dkbe Wᵀ (strictly lower).
+  {
+    const int pair = tid >> 1, half = tid & 1, i = pair / kC, j = pair % kC;
+    float acc = 0.0f;
+    if (j < i) {
+      if (half == 0)
+        for (int e = 0; e < kK; ++e) acc += gt.dvb[i * kLd + e] * t.u[j * kLd + e];
+      else
+        for (int a = 0; a < kK; ++a) acc += gt.dkbe[i * kLd + a] * t.w[j * kLd + a];
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0) gt.dl[i * kC + j] = -acc;
+  }
+  __syncthreads();
+  // L and A to kb, qc, k and Γ through the decay e^{Γ_i − Γ_j}, one key channel a per thread:
+  // threads 0–255 the row side (i; rows 0–10 and 11–15 hold 66 and 70 pairs), threads 256–511 the
+  // column side (j; columns 0–4 and 5–15 hold 70 and 66).
+  {
+    const int a = tid % kK, group = tid / kK;
+    if (group < 2) {
+      const int i0 = group == 0 ? 0 : 11, i1 = group == 0 ? 11 : kC;
+      for (int i = i0; i < i1; ++i) {
+        const float gi = t.gam[i * kLd + a], kbi = t.kc[i * kLd + a] * t.beta[i],
+                    qi = t.qc[i * kLd + a];
+        float dkb = 0.0f, dqv = 0.0f, dgv = 0.0f;
+        for (int j = 0; j <= i; ++j) {
+          const float decay = __expf(gi - t.gam[j * kLd + a]);
+          const float kj = t.kc[j * kLd + a];
+          const float tl = (j < i ? gt.dl[i * kC + j] : 0.0f) * decay,
+                      ta = gt.da[i * kC + j] * decay;
+          dkb += tl * kj;
+          dqv += ta * kj;
+          dgv += (tl * kbi + ta * qi) * kj;
+        }
+        gt.dkb[i * kLd + a] = dkb;
+        gt.dqc[i * kLd + a] += dqv;
+        gt.dgam[i * kLd + a] += dgv;
+      }
+    } else {
+      const int j0 = group == 2 ? 0 : 5, j1 = group == 2 ? 5 : kC;
+      for (int j = j0; j < j1; ++j) {
+        const float gj = t.gam[j * kLd + a], kj = t.kc[j * kLd + a];
+        float dkv = 0.0f, dgv = 0.0f;
+        for (int i = j; i < kC; ++i) {
+          const float decay = __expf(t.gam[i * kLd + a] - gj);
+          const float kbi = t.kc[i * kLd + a] * t.beta[i], qi = t.qc[i * kLd + a];
+          const float tl = (j < i ? gt.dl[i * kC + j] : 0.0f) * decay,
+                      ta = gt.da[i * kC + j] * decay;
+          const float x = tl * kbi + ta * qi;
+          dkv += x;
+          dgv += x * kj;
+        }
+        gt.dk[j * kLd + a] += dkv;
+        gt.tmp[j * kLd + a] = -dgv;
+      }
+    }
+  }
+  __syncthreads();
+  // kbe = kb ⊙ e^Γ, kb = β k, vb = β v, qc = scale·q.
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int i = idx / kK, a = idx % kK;
+    const float eg = __expf(t.gam[i * kLd + a]);
+    const float dkb = gt.dkb[i * kLd + a] + gt.dkbe[i * kLd + a] * eg;
+    gt.dkb[i * kLd + a] = dkb;
+    float dgm =
+        gt.dgam[i * kLd + a] + gt.dkbe[i * kLd + a] * t.kbe[i * kLd + a] + gt.tmp[i * kLd + a];
+    if (i == kC - 1) dgm += gt.dgl[a];
+    gt.dgam[i * kLd + a] = dgm;
+    if (i < n) {
+      const int64_t off = ((c0 + i) * heads + h) * kK + a;
+      dq[off] = from_f<T>(gt.dqc[i * kLd + a] * scale);
+      dk[off] = from_f<T>(gt.dk[i * kLd + a] + dkb * t.beta[i]);
+      dv[off] = from_f<T>(gt.dvb[i * kLd + a] * t.beta[i]);
+    }
+  }
+  __syncthreads();
+  // dg_i = Σ_{i' ≥ i} dΓ_{i'}; dβ_i = ⟨dkb_i, k_i⟩ + ⟨dvb_i, v_i⟩.
+  if (tid < kK) {
+    float acc = 0.0f;
+    for (int i = kC - 1; i >= 0; --i) {
+      acc += gt.dgam[i * kLd + tid];
+      if (i < n) dg[((c0 + i) * heads + h) * kK + tid] = acc;
+    }
+  }
+  {
+    // Row i = warp: each lane sums 4 + 4 terms, then a fixed shuffle tree.
+    const int i = tid >> 5, lane = tid & 31;
+    float db = 0.0f;
+    for (int a = lane; a < kK; a += 32) db += gt.dkb[i * kLd + a] * t.kc[i * kLd + a];
+    for (int e = lane; e < kK; e += 32) db += gt.dvb[i * kLd + e] * t.vraw[i * kLd + e];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
+    if (lane == 0 && i < n) dbeta[(c0 + i) * heads + h] = db;
+  }
+}
+
+// ---- host side --------------------------------------------------------------------------------
+
+struct CoreArgs {
+  int64_t tokens = 0;
+  int heads = 0, ndoc = 0;
+};
+
+CoreArgs check_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                    const Tensor& beta, const Tensor& cu, const char* op) {
+  GLMTUNE_CUDA_OP_REQUIRE(q.defined() && q.device().is_cuda() &&
+                              (q.dtype() == DType::bf16 || q.dtype() == DType::f32) &&
+                              q.dim() == 3 && q.size(2) == kK && q.is_contiguous(),
+                          std::string(op) + ": q " + detail::describe(q) +
+                              " must be a contiguous bf16/f32 CUDA tensor [T, NL, 128]");
+  for (const Tensor* x : {&k, &v})
+    GLMTUNE_CUDA_OP_REQUIRE(x->defined() && x->dtype() == q.dtype() && x->shape() == q.shape() &&
+                                x->is_contiguous() && x->device() == q.device(),
+                            std::string(op) + ": k/v " + detail::describe(*x) +
+                                " must be contiguous and match q " + q.str());
+  GLMTUNE_CUDA_OP_REQUIRE(g.defined() && g.dtype() == DType::f32 && g.shape() == q.shape() &&
+                              g.is_contiguous() && g.device() == q.device(),
+                          std::string(op) + ": g " + detail::describe(g) +
+                              " must be contiguous f32 shaped like q " + q.str());
+  GLMTUNE_CUDA_OP_REQUIRE(
+      beta.defined() && beta.dtype() == DType::f32 && beta.dim() == 2 &&
+          beta.size(0) == q.size(0) && beta.size(1) == q.size(1) && beta.is_contiguous() &&
+          beta.device() == q.device(),
+      std::string(op) + ": beta " + detail::describe(beta) + " must be contiguous f32 [T, NL]");
+  GLMTUNE_CUDA_OP_REQUIRE(cu.defined() && cu.dtype() == DType::i32 && cu.dim() == 1 &&
+                              cu.size(0) >= 2 && cu.is_contiguous() && cu.device() == q.device(),
+                          std::string(op) + ": cu_seqlens " + detail::describe(cu) +
+                              " must be an int32 CUDA tensor [ndoc + 1]");
+  return {q.size(0), int(q.size(1)), int(cu.size(0) - 1)};
+}
+
+template <typename T>
+const T* cptr(const Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+template <typename T>
+T* mptr(const Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// The chunk table and prep's output for one call. Chunks are counted by an upper bound on the
+// host (T/16 + ndoc), so nothing waits for the device; slots past the real count stay unused.
+struct Workspace {
+  int64_t slots = 0;
+  Tensor dc, tiles, f32s;
+  Prep p{};
+};
+
+template <typename T>
+Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                   const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale,
+                   cudaStream_t stream) {
+  Workspace w;
+  const Device dev = q.device();
+  w.slots = a.tokens / kC + a.ndoc;
+  const int64_t sh = w.slots * a.heads;
+  w.dc = Tensor::empty({int64_t(a.ndoc) + 1}, DType::i32, dev);
+  w.tiles = Tensor::empty({sh * (6 * kTile + 2 * kC * kC)}, DType::bf16, dev);
+  w.f32s = Tensor::empty({sh * (kTile + kK + kC * kC)}, DType::f32, dev);
+  bf16* b = mptr<bf16>(w.tiles);
+  auto take = [&b, sh](int64_t n) {
+    bf16* r = b;
+    b += sh * n;
+    return r;
+  };
+  w.p.w_hi = take(kTile);
+  w.p.w_lo = take(kTile);
+  w.p.qd_hi = take(kTile);
+  w.p.qd_lo = take(kTile);
+  w.p.kd_hi = take(kTile);
+  w.p.kd_lo = take(kTile);
+  w.p.a_hi = take(kC * kC);
+  w.p.a_lo = take(kC * kC);
+  w.p.u = w.f32s.data<float>();
+  w.p.egl = w.p.u + sh * kTile;
+  w.p.tm = w.p.egl + sh * kK;
+  doc_chunks_kernel<<<1, 32, 0, stream>>>(cu.data<int32_t>(), a.ndoc, w.dc.data<int32_t>());
+  constexpr int bytes = Local::floats() * int(sizeof(float));
+  auto kernel = kda_prep_kernel<T>;
+  GLMTUNE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<dim3(unsigned(w.slots), unsigned(a.heads)), kCT, bytes, stream>>>(
+      cptr<T>(q), cptr<T>(k), cptr<T>(v), g.data<float>(), beta.data<float>(), cu.data<int32_t>(),
+      w.dc.data<int32_t>(), a.ndoc, a.heads, scale, w.p);
+  GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  return w;
+}
+
+template <typename T, bool kStore>
+void run_state_fwd(const Workspace& w, const Tensor& cu, const CoreArgs& a, Tensor& out, float* s0,
+                   float* vnt, cudaStream_t stream) {
+  constexpr int bytes = 2 * int(sizeof(Stage));
+  auto kernel = kda_state_fwd_kernel<T, kStore>;
+  GLMTUNE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc)), kThreads, bytes, stream>>>(
+      w.p, cu.data<int32_t>(), w.dc.data<int32_t>(), a.heads, mptr<T>(out), s0, vnt);
+  GLMTUNE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void launch_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale, Tensor& out,
+                cudaStream_t stream) {
+  const Workspace w = run_prep<T>(q, k, v, g, beta, cu, a, scale, stream);
+  run_state_fwd<T, false>(w, cu, a, out, nullptr, nullptr, stream);
+}
+
+template <typename T>
+void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale,
+                const Tensor& dout, ops::KdaCoreGrads& r, cudaStream_t stream) {
+  const Device dev = q.device();
+  const Workspace w = run_prep<T>(q, k, v, g, beta, cu, a, scale, stream);
+  const int64_t sh = w.slots * a.heads;
+  Tensor states = Tensor::empty({2, sh, kK, kK}, DType::f32, dev);  // S0ᵀ, then d S1ᵀ
+  Tensor vns = Tensor::empty({2, sh, kK, kC}, DType::f32, dev);     // Vnᵀ, then dVnᵀ
+  float* s0 = states.data<float>();
+  float* ds1 = s0 + sh * kK * kK;
+  float* vnt = vns.data<float>();
+  float* dvnt = vnt + sh * kTile;
+  Tensor out = Tensor::empty(q.shape(), q.dtype(), dev);  // the replayed forward's o (unused)
+  run_state_fwd<T, true>(w, cu, a, out, s0, vnt, stream);
+  {
+    constexpr int bytes = 2 * int(sizeof(Stage));
+    auto kernel = kda_state_bwd_kernel<T>;
+    GLMTUNE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc)), kThreads, bytes, stream>>>(
+        w.p, cptr<T>(dout), cu.data<int32_t>(), w.dc.data<int32_t>(), a.heads, ds1, dvnt);
+    GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  }
+  {
+    constexpr int bytes = (Local::floats() + Grad::floats()) * int(sizeof(float));
+    auto kernel = kda_bwd_chunk_kernel<T>;
+    GLMTUNE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    kernel<<<dim3(unsigned(w.slots), unsigned(a.heads)), kCT, bytes, stream>>>(
+        cptr<T>(q), cptr<T>(k), cptr<T>(v), g.data<float>(), beta.data<float>(), cptr<T>(dout),
+        cu.data<int32_t>(), w.dc.data<int32_t>(), a.ndoc, a.heads, scale, w.p, s0, ds1, vnt, dvnt,
+        mptr<T>(r.dq), mptr<T>(r.dk), mptr<T>(r.dv), r.dg.data<float>(), r.dbeta.data<float>());
+    GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace
+
+Tensor kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                   const Tensor& beta, const Tensor& cu_seqlens, double scale,
+                   cudaStream_t stream) {
+  const CoreArgs a = check_core(q, k, v, g, beta, cu_seqlens, "cuda::kda_chunked");
+  detail::DeviceGuard guard(q.device().index);
+  Tensor out = Tensor::empty(v.shape(), q.dtype(), q.device());
+  if (a.tokens == 0) return out;
+  if (q.dtype() == DType::bf16)
+    launch_fwd<bf16>(q, k, v, g, beta, cu_seqlens, a, float(scale), out, stream);
+  else
+    launch_fwd<float>(q, k, v, g, beta, cu_seqlens, a, float(scale), out, stream);
+  return out;
+}
+
+ops::KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& g, const Tensor& beta,
+                                       const Tensor& cu_seqlens, double scale, const Tensor& d_out,
+                                       cudaStream_t stream) {
+  const char* op = "cuda::kda_chunked_backward";
+  const CoreArgs a = check_core(q, k, v, g, beta, cu_seqlens, op);
+  GLMTUNE_CUDA_OP_REQUIRE(d_out.defined() && d_out.dtype() == q.dtype() &&
+                              d_out.shape() == v.shape() && d_out.is_contiguous() &&
+                              d_out.device() == q.device(),
+                          std::string(op) + ": d_out " + detail::describe(d_out) +
+                              " must be contiguous and shaped like v " + v.str());
+  detail::DeviceGuard guard(q.device().index);
+  const Device dev = q.device();
+  ops::KdaCoreGrads r{
+      Tensor::empty(q.shape(), q.dtype(), dev), Tensor::empty(k.shape(), q.dtype(), dev),
+      Tensor::empty(v.shape(), q.dtype(), dev), Tensor::empty(g.shape(), DType::f32, dev),
+      Tensor::empty(beta.shape(), DType::f32, dev)};
+  if (a.tokens == 0) return r;
+  if (q.dtype() == DType::bf16)
+    launch_bwd<bf16>(q, k, v, g, beta, cu_seqlens, a, float(scale), d_out, r, stream);
+  else
+    launch_bwd<float>(q, k, v, g, beta, cu_seqlens, a, float(scale), d_out, r, stream);
+  return r;
+}
+
+}  // namespace glmtune::cuda

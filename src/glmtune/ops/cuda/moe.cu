@@ -1,0 +1,751 @@
+// The MoE block on the GPU (ops/cuda/moe.h): router, permutation, combine and their backward as
+// kernels here; the GEMMs through cuda::gemm / cuda::linear and the grouped expert GEMMs.
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include "glmtune/ops/cuda/common.cuh"
+#include "glmtune/ops/cuda/gemm.h"
+#include "glmtune/ops/cuda/moe.h"
+#include "glmtune/ops/cuda/swiglu.h"
+
+namespace glmtune::cuda {
+namespace {
+
+using detail::bf16;
+
+constexpr int kThreads = 256;
+constexpr int kRouteWarps = 4;
+
+// The CPU op's order for a descending top-k (ops/cpu/common.h ranks_before): NaN above
+// everything, larger first, equal values by ascending index.
+__device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
+  const bool na = isnan(va), nb = isnan(vb);
+  if (na != nb) return na;
+  if (!na && va != vb) return va > vb;
+  return ia < ib;
+}
+
+// The best (value, index) over the warp; index −1 means "none". Every lane ends with the same
+// answer, and the answer is the unique maximum of a total order, so it never depends on timing.
+__device__ __forceinline__ void warp_best(float& v, int& i) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, offset);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, offset);
+    if (oi >= 0 && (i < 0 || ranks_before(ov, oi, v, i))) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+struct RouteArgs {
+  const float* logits;
+  const float* bias;
+  int64_t rows;
+  int n_exp, n_group, topk_group, top_k;
+  bool norm_topk_prob;
+  float rsf;
+  float* weights;
+  int32_t* indices;
+};
+
+// One warp per token. Shared memory per warp: p[E], c[E] (floats), allowed[E] (bytes).
+__global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
+  extern __shared__ float route_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kRouteWarps + warp;
+  const int E = a.n_exp;
+  float* p = route_smem + size_t(warp) * 2 * E;
+  float* c = p + E;
+  unsigned char* allowed =
+      reinterpret_cast<unsigned char*>(route_smem + size_t(kRouteWarps) * 2 * E) + warp * E;
+  if (row >= a.rows) return;
+  const float* lr = a.logits + row * E;
+  for (int e = lane; e < E; e += 32) {
+    const float pe = 1.0f / (1.0f + expf(-lr[e]));
+    p[e] = pe;
+    c[e] = pe + a.bias[e];
+    allowed[e] = 1;
+  }
+  __syncwarp();
+  if (a.topk_group < a.n_group) {
+    // Lane g scores group g by its two best biased scores; then the topk_group best groups stay.
+    const int per = E / a.n_group;
+    float score = 0.0f;
+    if (lane < a.n_group) {
+      const float* cg = c + lane * per;
+      int best = 0;
+      for (int j = 1; j < per; ++j)
+        if (ranks_before(cg[j], j, cg[best], best)) best = j;
+      int second = best == 0 ? 1 : 0;
+      for (int j = 0; j < per; ++j)
+        if (j != best && ranks_before(cg[j], j, cg[second], second)) second = j;
+      score = cg[best] + cg[second];
+    }
+    bool kept = false, taken = false;
+    for (int r = 0; r < a.topk_group; ++r) {
+      float v = score;
+      int i = lane < a.n_group && !taken ? lane : -1;
+      warp_best(v, i);
+      if (i == lane) {
+        taken = true;
+        kept = true;
+      }
+    }
+    const unsigned kept_mask = __ballot_sync(0xffffffffu, kept);
+    for (int e = lane; e < E; e += 32) allowed[e] = (kept_mask >> (e / per)) & 1u;
+    __syncwarp();
+  }
+  float sum = 0.0f;
+  int32_t* ir = a.indices + row * a.top_k;
+  float* wr = a.weights + row * a.top_k;
+  for (int r = 0; r < a.top_k; ++r) {
+    float v = 0.0f;
+    int i = -1;
+    for (int e = lane; e < E; e += 32)
+      if (allowed[e] && (i < 0 || ranks_before(c[e], e, v, i))) {
+        v = c[e];
+        i = e;
+      }
+    warp_best(v, i);
+    if (lane == 0) {
+      ir[r] = i;
+      wr[r] = p[i];
+      sum += p[i];
+      allowed[i] = 0;
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    // The CPU op's order: normalise by (sum + 1e-20), then scale.
+    const float denom = sum + 1e-20f;
+    for (int r = 0; r < a.top_k; ++r) {
+      float w = wr[r];
+      if (a.norm_topk_prob) w /= denom;
+      wr[r] = w * a.rsf;
+    }
+  }
+}
+
+__global__ void iota_kernel(int32_t* out, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = int32_t(i);
+}
+
+// offsets[e] = first position in the sorted expert ids holding an id ≥ e, for e in [0, E].
+__global__ void expert_offsets_kernel(const int32_t* sorted_ids, int64_t n, int n_exp,
+                                      int32_t* offsets) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e > n_exp) return;
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (sorted_ids[mid] < e)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  offsets[e] = int32_t(lo);
+}
+
+__global__ void inverse_kernel(const int32_t* sorted_slots, int64_t n, int32_t* position) {
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r < n) position[sorted_slots[r]] = int32_t(r);
+}
+
+// out[r] = x[sorted_slots[r] / K]: one block per permuted row.
+template <int VEC>
+__global__ void gather_rows_kernel(const bf16* __restrict__ x, const int32_t* sorted_slots, int k,
+                                   int cols, bf16* __restrict__ out) {
+  const int64_t r = blockIdx.x;
+  const bf16* src = x + int64_t(sorted_slots[r] / k) * cols;
+  bf16* dst = out + r * cols;
+  for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
+    float v[VEC];
+    detail::load_vec<VEC>(src + j, v);
+    detail::store_vec<VEC>(dst + j, v);
+  }
+}
+
+// y[t] = bf16(Σ_k w[t,k] · yp[pos[t·K+k]] (+ extra[t])): one block per token, k in order.
+template <int VEC>
+__global__ void combine_kernel(const bf16* __restrict__ yp, const float* __restrict__ weights,
+                               const int32_t* __restrict__ position, int k, int cols,
+                               const float* __restrict__ extra, bf16* __restrict__ y) {
+  const int64_t t = blockIdx.x;
+  for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
+    float acc[VEC] = {};
+    for (int s = 0; s < k; ++s) {
+      const float w = weights[t * k + s];
+      float v[VEC];
+      detail::load_vec<VEC>(yp + int64_t(position[t * k + s]) * cols + j, v);
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) acc[q] += w * v[q];
+    }
+    if (extra) {
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) acc[q] += extra[t * cols + j + q];
+    }
+    detail::store_vec<VEC>(y + t * cols + j, acc);
+  }
+}
+
+// dx[t] = bf16(extra[t] + Σ_k dxp[pos[t·K+k]]): one block per token, k in order.
+template <int VEC>
+__global__ void unpermute_sum_kernel(const bf16* __restrict__ dxp,
+                                     const int32_t* __restrict__ position, int k, int cols,
+                                     const float* __restrict__ extra, bf16* __restrict__ dx) {
+  const int64_t t = blockIdx.x;
+  for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
+    float acc[VEC] = {};
+    for (int s = 0; s < k; ++s) {
+      float v[VEC];
+      detail::load_vec<VEC>(dxp + int64_t(position[t * k + s]) * cols + j, v);
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) acc[q] += v[q];
+    }
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) acc[q] += extra[t * cols + j + q];
+    detail::store_vec<VEC>(dx + t * cols + j, acc);
+  }
+}
+
+// Per permuted row r (slot s, token t): d_weights[s] = ⟨dy[t], yp[r]⟩ and dyp[r] = w[s] · dy[t].
+template <int VEC>
+__global__ void __launch_bounds__(kThreads)
+    expert_output_grad_kernel(const bf16* __restrict__ dy, const bf16* __restrict__ yp,
+                              const float* __restrict__ weights,
+                              const int32_t* __restrict__ sorted_slots, int k, int cols,
+                              float* __restrict__ d_weights, bf16* __restrict__ dyp) {
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const int32_t s = sorted_slots[r];
+  const bf16* dyr = dy + int64_t(s / k) * cols;
+  const float w = weights[s];
+  float dot = 0.0f;
+  for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
+    float g[VEC], v[VEC], o[VEC];
+    detail::load_vec<VEC>(dyr + j, g);
+    detail::load_vec<VEC>(yp + r * cols + j, v);
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) {
+      dot += g[q] * v[q];
+      o[q] = w * g[q];
+    }
+    detail::store_vec<VEC>(dyp + r * cols + j, o);
+  }
+  dot = detail::block_sum(dot, scratch);
+  if (threadIdx.x == 0) d_weights[s] = dot;
+}
+
+// d_logits (zeroed by the caller) at the selected experts, one thread per row: the CPU op's
+// formula and order (ops/cpu/moe_backward.cpp).
+__global__ void route_backward_kernel(const float* __restrict__ logits,
+                                      const int32_t* __restrict__ idx,
+                                      const float* __restrict__ d_weights, int64_t rows, int n_exp,
+                                      int k, bool norm_topk_prob, float rsf,
+                                      float* __restrict__ d_logits) {
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const int32_t* ir = idx + r * k;
+  const float* dw = d_weights + r * k;
+  const float* lr = logits + r * n_exp;
+  float* dl = d_logits + r * n_exp;
+  float sum = 0.0f, dot = 0.0f;
+  for (int i = 0; i < k; ++i) {
+    const float p = 1.0f / (1.0f + expf(-lr[ir[i]]));
+    sum += p;
+    dot += dw[i] * p;
+  }
+  const float den = sum + 1e-20f;
+  for (int i = 0; i < k; ++i) {
+    const float p = 1.0f / (1.0f + expf(-lr[ir[i]]));
+    const float dp = norm_topk_prob ? rsf * (dw[i] / den - dot / (den * den)) : rsf * dw[i];
+    dl[ir[i]] += dp * p * (1.0f - p);
+  }
+}
+
+// v = d_logits (+ extra) split into bf16 hi = bf16(v) and lo = bf16(v − hi): hi + lo carries
+// about 16 significant bits, so two bf16 GEMMs give the router products in near fp32.
+__global__ void split_hi_lo_kernel(const float* __restrict__ v, const float* __restrict__ extra,
+                                   int64_t n, bf16* __restrict__ hi, bf16* __restrict__ lo) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float x = v[i] + (extra ? extra[i] : 0.0f);
+  const bf16 h = __float2bfloat16_rn(x);
+  hi[i] = h;
+  lo[i] = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
+template <typename T>
+__global__ void accumulate_kernel(const float* __restrict__ src, int64_t n, T* __restrict__ dst) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  if constexpr (std::is_same_v<T, float>) {
+    dst[i] += src[i];
+  } else {
+    dst[i] = __float2bfloat16_rn(__bfloat162float(dst[i]) + src[i]);
+  }
+}
+
+__global__ void count_kernel(const int32_t* __restrict__ idx, int64_t n, int n_exp,
+                             unsigned long long* __restrict__ counts) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n && idx[i] >= 0 && idx[i] < n_exp) atomicAdd(counts + idx[i], 1ull);
+}
+
+// ---- host helpers ----------------------------------------------------------------------------
+
+unsigned blocks_for(int64_t n, int threads = kThreads) {
+  return unsigned((n + threads - 1) / threads);
+}
+
+bool vec8_ok(int64_t cols, const void* p) { return cols % 8 == 0 && detail::aligned16(p); }
+
+void gather_rows(const Tensor& x, const Tensor& sorted_slots, int k, Tensor& out,
+                 cudaStream_t stream) {
+  const int64_t n = out.size(0), cols = x.size(1);
+  if (n == 0) return;
+  const auto* xp = static_cast<const bf16*>(x.data_ptr());
+  auto* op = static_cast<bf16*>(out.data_ptr());
+  if (vec8_ok(cols, xp) && detail::aligned16(op))
+    gather_rows_kernel<8>
+        <<<unsigned(n), 128, 0, stream>>>(xp, sorted_slots.data<int32_t>(), k, int(cols), op);
+  else
+    gather_rows_kernel<1>
+        <<<unsigned(n), 128, 0, stream>>>(xp, sorted_slots.data<int32_t>(), k, int(cols), op);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void combine(const Tensor& yp, const Tensor& weights, const Tensor& position, int k,
+             const float* extra, Tensor& y, cudaStream_t stream) {
+  const int64_t rows = y.size(0), cols = y.size(1);
+  if (rows == 0) return;
+  const auto* ypp = static_cast<const bf16*>(yp.data_ptr());
+  auto* yo = static_cast<bf16*>(y.data_ptr());
+  if (vec8_ok(cols, ypp) && detail::aligned16(yo))
+    combine_kernel<8><<<unsigned(rows), 128, 0, stream>>>(
+        ypp, weights.data<float>(), position.data<int32_t>(), k, int(cols), extra, yo);
+  else
+    combine_kernel<1><<<unsigned(rows), 128, 0, stream>>>(
+        ypp, weights.data<float>(), position.data<int32_t>(), k, int(cols), extra, yo);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+// grad += src (f32), creating grad as f32 zeros shaped like `param` when undefined.
+Tensor& grad_buffer(Tensor& grad, const Tensor& param, const char* what) {
+  if (!grad.defined()) grad = Tensor::zeros(param.shape(), DType::f32, param.device());
+  GLMTUNE_CUDA_OP_REQUIRE(
+      grad.shape() == param.shape() && grad.is_contiguous() && grad.device() == param.device() &&
+          (grad.dtype() == DType::f32 || grad.dtype() == DType::bf16),
+      std::string("cuda::moe_backward: gradient ") + what + " " + detail::describe(grad) +
+          " must be a contiguous f32/bf16 tensor like " + param.str());
+  return grad;
+}
+
+void accumulate(Tensor& grad, const Tensor& src, cudaStream_t stream) {
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  if (grad.dtype() == DType::f32)
+    accumulate_kernel<float>
+        <<<blocks_for(n), kThreads, 0, stream>>>(src.data<float>(), n, grad.data<float>());
+  else
+    accumulate_kernel<bf16><<<blocks_for(n), kThreads, 0, stream>>>(
+        src.data<float>(), n, static_cast<bf16*>(grad.data_ptr()));
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void check_config(const ops::MoeConfig& cfg) {
+  GLMTUNE_CUDA_OP_REQUIRE(
+      cfg.n_experts > 0 && cfg.top_k > 0 && cfg.top_k <= cfg.n_experts && cfg.n_group >= 1 &&
+          cfg.n_group <= 32 && cfg.n_experts % cfg.n_group == 0 && cfg.topk_group >= 1 &&
+          cfg.topk_group <= cfg.n_group && (cfg.n_group == 1 || cfg.n_experts / cfg.n_group >= 2) &&
+          cfg.topk_group * (cfg.n_experts / cfg.n_group) >= cfg.top_k,
+      "cuda MoE: unsupported config (E " + std::to_string(cfg.n_experts) + ", top_k " +
+          std::to_string(cfg.top_k) + ", groups " + std::to_string(cfg.n_group) + "/" +
+          std::to_string(cfg.topk_group) + "; at most 32 groups)");
+}
+
+void check_bf16(const Tensor& t, const Shape& shape, const Device& dev, const char* what) {
+  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.dtype() == DType::bf16 && t.is_contiguous() &&
+                              t.device() == dev && t.shape() == shape,
+                          std::string("cuda MoE: ") + what + " " + detail::describe(t) +
+                              " must be a contiguous bf16 tensor of shape " + shape_str(shape) +
+                              " on " + dev.str());
+}
+
+void check_routing(const ops::Routing& r, int64_t rows, int64_t n_exp, int64_t k,
+                   const Device& dev) {
+  GLMTUNE_CUDA_OP_REQUIRE(
+      r.indices.defined() && r.indices.dtype() == DType::i32 && r.indices.is_contiguous() &&
+          r.indices.device() == dev && r.indices.shape() == Shape({rows, k}) &&
+          r.weights.defined() && r.weights.dtype() == DType::f32 && r.weights.is_contiguous() &&
+          r.weights.device() == dev && r.weights.shape() == Shape({rows, k}),
+      "cuda MoE: routing indices " + detail::describe(r.indices) + " / weights " +
+          detail::describe(r.weights) + " must be contiguous int32 / f32 [" + std::to_string(rows) +
+          ", " + std::to_string(k) + "] on " + dev.str());
+  if (r.logits.defined())
+    GLMTUNE_CUDA_OP_REQUIRE(r.logits.dtype() == DType::f32 && r.logits.is_contiguous() &&
+                                r.logits.shape() == Shape({rows, n_exp}),
+                            "cuda MoE: router logits " + r.logits.str() + " must be f32 [" +
+                                std::to_string(rows) + ", " + std::to_string(n_exp) + "]");
+}
+
+// Expert activations of the permuted rows: h = x_perm · gate_up^T, a = swiglu(h), yp = a · down^T.
+struct ExpertActivations {
+  Tensor x_perm, h, act, yp;
+};
+
+ExpertActivations run_experts(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
+                              const Tensor& x, const ExpertPermutation& perm,
+                              GroupedGemmBackend backend, cudaStream_t stream) {
+  const int64_t n = perm.sorted_slots.numel(), dim = x.size(1), inter = down.size(2);
+  const Device dev = x.device();
+  ExpertActivations a;
+  a.x_perm = Tensor::empty({n, dim}, DType::bf16, dev);
+  gather_rows(x, perm.sorted_slots, int(cfg.top_k), a.x_perm, stream);
+  a.h = Tensor::empty({n, 2 * inter}, DType::bf16, dev);
+  grouped_linear(a.h, a.x_perm, gate_up, perm.offsets, backend, stream);
+  a.act = Tensor::empty({n, inter}, DType::bf16, dev);
+  if (n > 0)
+    swiglu_clamped_out(a.act, a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter),
+                       cfg.swiglu_limit, stream);
+  a.yp = Tensor::empty({n, dim}, DType::bf16, dev);
+  grouped_linear(a.yp, a.act, down, perm.offsets, backend, stream);
+  return a;
+}
+
+void check_expert_weights(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
+                          const Tensor& x) {
+  GLMTUNE_CUDA_OP_REQUIRE(down.defined() && down.dim() == 3,
+                          "cuda MoE: down_proj must be [E, D, Im], got " + detail::describe(down));
+  const int64_t inter = down.size(2), dim = x.size(1);
+  check_bf16(gate_up, {cfg.n_experts, 2 * inter, dim}, x.device(), "gate_up_proj");
+  check_bf16(down, {cfg.n_experts, dim, inter}, x.device(), "down_proj");
+}
+
+}  // namespace
+
+ops::Routing moe_route(const ops::MoeConfig& cfg, const Tensor& router_weight,
+                       const Tensor& e_score_correction_bias, const Tensor& x,
+                       cudaStream_t stream) {
+  check_config(cfg);
+  GLMTUNE_CUDA_OP_REQUIRE(x.defined() && x.dim() == 2 && x.dtype() == DType::bf16 &&
+                              x.is_contiguous() && x.device().is_cuda(),
+                          "cuda::moe_route: x must be a contiguous bf16 CUDA [T, D] tensor, got " +
+                              detail::describe(x));
+  const Device dev = x.device();
+  check_bf16(router_weight, {cfg.n_experts, x.size(1)}, dev, "router weight");
+  GLMTUNE_CUDA_OP_REQUIRE(
+      e_score_correction_bias.defined() && e_score_correction_bias.dtype() == DType::f32 &&
+          e_score_correction_bias.is_contiguous() && e_score_correction_bias.device() == dev &&
+          e_score_correction_bias.shape() == Shape({cfg.n_experts}),
+      "cuda::moe_route: e_score_correction_bias must be f32 [E], got " +
+          detail::describe(e_score_correction_bias));
+  detail::DeviceGuard guard(dev.index);
+  const int64_t rows = x.size(0);
+  ops::Routing r;
+  r.logits = linear(x, router_weight, Tensor(), DType::f32, stream);
+  r.weights = Tensor::empty({rows, cfg.top_k}, DType::f32, dev);
+  r.indices = Tensor::empty({rows, cfg.top_k}, DType::i32, dev);
+  if (rows == 0) return r;
+  RouteArgs a{r.logits.data<float>(),
+              e_score_correction_bias.data<float>(),
+              rows,
+              int(cfg.n_experts),
+              int(cfg.n_group),
+              int(cfg.topk_group),
+              int(cfg.top_k),
+              cfg.norm_topk_prob,
+              float(cfg.routed_scaling_factor),
+              r.weights.data<float>(),
+              r.indices.data<int32_t>()};
+  const size_t smem = size_t(kRouteWarps) * cfg.n_experts * (2 * sizeof(float) + 1);
+  GLMTUNE_CUDA_OP_REQUIRE(smem <= 48 * 1024, "cuda::moe_route: too many experts");
+  route_kernel<<<unsigned((rows + kRouteWarps - 1) / kRouteWarps), kRouteWarps * 32, smem,
+                 stream>>>(a);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+  return r;
+}
+
+ExpertPermutation moe_permute(const Tensor& indices, int64_t n_experts, cudaStream_t stream) {
+  GLMTUNE_CUDA_OP_REQUIRE(indices.defined() && indices.dtype() == DType::i32 &&
+                              indices.is_contiguous() && indices.device().is_cuda() &&
+                              indices.numel() < int64_t(INT32_MAX),
+                          "cuda::moe_permute: indices must be contiguous int32 on the GPU, got " +
+                              detail::describe(indices));
+  const Device dev = indices.device();
+  detail::DeviceGuard guard(dev.index);
+  const int64_t n = indices.numel();
+  ExpertPermutation p;
+  p.sorted_slots = Tensor::empty({n}, DType::i32, dev);
+  p.slot_position = Tensor::empty({n}, DType::i32, dev);
+  Tensor slots = Tensor::empty({n}, DType::i32, dev);
+  Tensor sorted_ids = Tensor::empty({n}, DType::i32, dev);
+  Tensor offsets = Tensor::empty({n_experts + 1}, DType::i32, dev);
+  if (n > 0) {
+    iota_kernel<<<blocks_for(n), kThreads, 0, stream>>>(slots.data<int32_t>(), n);
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+    // A radix sort is stable: slots of one expert keep their ascending order. All 32 bits are
+    // sorted so that a negative or oversized id cannot alias a valid one (checked below).
+    size_t temp_bytes = 0;
+    GLMTUNE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        nullptr, temp_bytes, indices.data<int32_t>(), sorted_ids.data<int32_t>(),
+        slots.data<int32_t>(), p.sorted_slots.data<int32_t>(), n, 0, 32, stream));
+    Tensor temp = Tensor::empty({int64_t(temp_bytes / 8) + 1}, DType::i64, dev);
+    GLMTUNE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        temp.data_ptr(), temp_bytes, indices.data<int32_t>(), sorted_ids.data<int32_t>(),
+        slots.data<int32_t>(), p.sorted_slots.data<int32_t>(), n, 0, 32, stream));
+    inverse_kernel<<<blocks_for(n), kThreads, 0, stream>>>(p.sorted_slots.data<int32_t>(), n,
+                                                           p.slot_position.data<int32_t>());
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+  }
+  expert_offsets_kernel<<<blocks_for(n_experts + 1), kThreads, 0, stream>>>(
+      sorted_ids.data<int32_t>(), n, int(n_experts), offsets.data<int32_t>());
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+  std::vector<int32_t> host(size_t(n_experts) + 1);
+  GLMTUNE_CUDA_CHECK(cudaMemcpyAsync(host.data(), offsets.data_ptr(), host.size() * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, stream));
+  GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  GLMTUNE_CUDA_OP_REQUIRE(
+      host.front() == 0 && int64_t(host.back()) == n,
+      "cuda::moe_permute: routed expert ids outside [0, " + std::to_string(n_experts) + ")");
+  p.offsets.assign(host.begin(), host.end());
+  return p;
+}
+
+Tensor moe_expert_counts(const ops::Routing& routing, int64_t n_experts, int64_t rows,
+                         cudaStream_t stream) {
+  const Tensor& idx = routing.indices;
+  GLMTUNE_CUDA_OP_REQUIRE(idx.defined() && idx.dtype() == DType::i32 && idx.dim() == 2 &&
+                              idx.is_contiguous() && idx.device().is_cuda(),
+                          "cuda::moe_expert_counts needs int32 [T, K] routing indices on the GPU");
+  if (rows < 0) rows = idx.size(0);
+  GLMTUNE_CUDA_OP_REQUIRE(rows <= idx.size(0), "cuda::moe_expert_counts: too many rows");
+  detail::DeviceGuard guard(idx.device().index);
+  Tensor counts = Tensor::zeros({n_experts}, DType::i64, idx.device());
+  const int64_t n = rows * idx.size(1);
+  if (n > 0) {
+    count_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+        idx.data<int32_t>(), n, int(n_experts),
+        reinterpret_cast<unsigned long long*>(counts.data_ptr()));
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+  }
+  return counts;
+}
+
+Tensor moe_experts(const ops::MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
+                   const Tensor& x, const ops::Routing& routing, GroupedGemmBackend backend,
+                   cudaStream_t stream) {
+  check_config(cfg);
+  GLMTUNE_CUDA_OP_REQUIRE(
+      x.defined() && x.dim() == 2 && x.dtype() == DType::bf16 && x.is_contiguous() &&
+          x.device().is_cuda(),
+      "cuda::moe_experts: x must be contiguous bf16 [T, D] on the GPU, got " + detail::describe(x));
+  check_expert_weights(cfg, gate_up_proj, down_proj, x);
+  check_routing(routing, x.size(0), cfg.n_experts, cfg.top_k, x.device());
+  detail::DeviceGuard guard(x.device().index);
+  const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream);
+  const ExpertActivations a = run_experts(cfg, gate_up_proj, down_proj, x, perm, backend, stream);
+  Tensor y = Tensor::empty(x.shape(), DType::bf16, x.device());
+  combine(a.yp, routing.weights, perm.slot_position, int(cfg.top_k), nullptr, y, stream);
+  return y;
+}
+
+ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
+                           int64_t counted_rows, MoeContext* ctx, GroupedGemmBackend backend,
+                           cudaStream_t stream) {
+  check_config(cfg);
+  GLMTUNE_CUDA_OP_REQUIRE(
+      x.defined() && x.dim() == 2 && x.dtype() == DType::bf16 && x.is_contiguous() &&
+          x.device().is_cuda(),
+      "cuda::moe_forward: x must be contiguous bf16 [T, D] on the GPU, got " + detail::describe(x));
+  check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
+  const Device dev = x.device();
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const int64_t shared_inter =
+      params.shared.gate_proj.defined() ? params.shared.gate_proj.size(0) : 0;
+  check_bf16(params.shared.gate_proj, {shared_inter, dim}, dev, "shared gate_proj");
+  check_bf16(params.shared.up_proj, {shared_inter, dim}, dev, "shared up_proj");
+  check_bf16(params.shared.down_proj, {dim, shared_inter}, dev, "shared down_proj");
+  detail::DeviceGuard guard(dev.index);
+
+  ops::MoeOutput out;
+  out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x, stream);
+  ExpertPermutation perm = moe_permute(out.routing.indices, cfg.n_experts, stream);
+  const ExpertActivations a =
+      run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
+
+  // Shared expert: gate | up side by side (kept for the backward), fp32 down output.
+  Tensor gate_up = Tensor::empty({rows, 2 * shared_inter}, DType::bf16, dev);
+  Tensor gate = gate_up.slice(1, 0, shared_inter),
+         up = gate_up.slice(1, shared_inter, 2 * shared_inter);
+  linear_out(gate, x, params.shared.gate_proj, Tensor(), false, stream);
+  linear_out(up, x, params.shared.up_proj, Tensor(), false, stream);
+  const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
+  const Tensor shared = linear(act, params.shared.down_proj, Tensor(), DType::f32, stream);
+
+  out.y = Tensor::empty({rows, dim}, DType::bf16, dev);
+  combine(a.yp, out.routing.weights, perm.slot_position, int(cfg.top_k),
+          rows > 0 ? shared.data<float>() : nullptr, out.y, stream);
+  out.expert_counts = moe_expert_counts(out.routing, cfg.n_experts, counted_rows, stream);
+  if (ctx) {
+    ctx->x = x;
+    ctx->routing = out.routing;
+    ctx->permutation = std::move(perm);
+    ctx->shared_gate_up = gate_up;
+  }
+  return out;
+}
+
+Tensor moe_route_backward(const ops::MoeConfig& cfg, const ops::Routing& routing,
+                          const Tensor& d_weights, cudaStream_t stream) {
+  GLMTUNE_CUDA_OP_REQUIRE(routing.logits.defined() && routing.logits.device().is_cuda(),
+                          "cuda::moe_route_backward needs the router logits");
+  const Device dev = routing.logits.device();
+  const int64_t rows = routing.logits.size(0);
+  check_routing(routing, rows, cfg.n_experts, cfg.top_k, dev);
+  GLMTUNE_CUDA_OP_REQUIRE(d_weights.defined() && d_weights.dtype() == DType::f32 &&
+                              d_weights.is_contiguous() && d_weights.device() == dev &&
+                              d_weights.shape() == routing.weights.shape(),
+                          "cuda::moe_route_backward: d_weights " + detail::describe(d_weights) +
+                              " must be f32 like the weights");
+  detail::DeviceGuard guard(dev.index);
+  Tensor d_logits = Tensor::zeros({rows, cfg.n_experts}, DType::f32, dev);
+  if (rows > 0) {
+    route_backward_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(
+        routing.logits.data<float>(), routing.indices.data<int32_t>(), d_weights.data<float>(),
+        rows, int(cfg.n_experts), int(cfg.top_k), cfg.norm_topk_prob,
+        float(cfg.routed_scaling_factor), d_logits.data<float>());
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+  }
+  return d_logits;
+}
+
+Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const MoeContext& ctx,
+                    const Tensor& dy, ops::MoeParams& grads, const Tensor& d_router_logits,
+                    GroupedGemmBackend backend, cudaStream_t stream) {
+  check_config(cfg);
+  const Tensor& x = ctx.x;
+  GLMTUNE_CUDA_OP_REQUIRE(x.defined() && ctx.shared_gate_up.defined(),
+                          "cuda::moe_backward needs the context filled by cuda::moe_forward");
+  const Device dev = x.device();
+  const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
+  const int64_t inter = params.down_proj.size(2);
+  const int64_t shared_inter = ctx.shared_gate_up.size(1) / 2;
+  check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
+  check_bf16(dy, x.shape(), dev, "dy");
+  check_routing(ctx.routing, rows, cfg.n_experts, k, dev);
+  if (d_router_logits.defined())
+    GLMTUNE_CUDA_OP_REQUIRE(d_router_logits.dtype() == DType::f32 &&
+                                d_router_logits.is_contiguous() &&
+                                d_router_logits.shape() == ctx.routing.logits.shape(),
+                            "cuda::moe_backward: d_router_logits must be f32 like the logits");
+  detail::DeviceGuard guard(dev.index);
+  Tensor& d_gate_up = grad_buffer(grads.gate_up_proj, params.gate_up_proj, "gate_up_proj");
+  Tensor& d_down = grad_buffer(grads.down_proj, params.down_proj, "down_proj");
+  Tensor& d_router = grad_buffer(grads.router_weight, params.router_weight, "router weight");
+  Tensor& d_sg = grad_buffer(grads.shared.gate_proj, params.shared.gate_proj, "shared gate_proj");
+  Tensor& d_su = grad_buffer(grads.shared.up_proj, params.shared.up_proj, "shared up_proj");
+  Tensor& d_sd = grad_buffer(grads.shared.down_proj, params.shared.down_proj, "shared down_proj");
+  const ExpertPermutation& perm = ctx.permutation;
+  const int64_t n = perm.sorted_slots.numel();
+
+  // Routed experts, recomputed, then their GEMM gradients.
+  const ExpertActivations a =
+      run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
+  Tensor d_weights = Tensor::empty({rows, k}, DType::f32, dev);
+  Tensor dyp = Tensor::empty({n, dim}, DType::bf16, dev);
+  if (n > 0) {
+    const auto* dyd = static_cast<const bf16*>(dy.data_ptr());
+    const auto* ypd = static_cast<const bf16*>(a.yp.data_ptr());
+    auto* dypd = static_cast<bf16*>(dyp.data_ptr());
+    if (dim % 8 == 0)
+      expert_output_grad_kernel<8><<<unsigned(n), kThreads, 0, stream>>>(
+          dyd, ypd, ctx.routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k),
+          int(dim), d_weights.data<float>(), dypd);
+    else
+      expert_output_grad_kernel<1><<<unsigned(n), kThreads, 0, stream>>>(
+          dyd, ypd, ctx.routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k),
+          int(dim), d_weights.data<float>(), dypd);
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+  }
+  grouped_linear_backward_weight(d_down, dyp, a.act, perm.offsets, backend, stream);
+  Tensor d_act = Tensor::empty({n, inter}, DType::bf16, dev);
+  grouped_linear_backward_input(d_act, dyp, params.down_proj, perm.offsets, backend, stream);
+  Tensor dh = Tensor::empty({n, 2 * inter}, DType::bf16, dev);
+  if (n > 0) {
+    Tensor dhg = dh.slice(1, 0, inter), dhu = dh.slice(1, inter, 2 * inter);
+    swiglu_clamped_backward(a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter), d_act,
+                            cfg.swiglu_limit, dhg, dhu, stream);
+  }
+  grouped_linear_backward_weight(d_gate_up, dh, a.x_perm, perm.offsets, backend, stream);
+  Tensor dxp = Tensor::empty({n, dim}, DType::bf16, dev);
+  grouped_linear_backward_input(dxp, dh, params.gate_up_proj, perm.offsets, backend, stream);
+
+  // Router: combine weights → logits → (hi + lo) bf16 GEMMs into fp32.
+  const Tensor d_logits = moe_route_backward(cfg, ctx.routing, d_weights, stream);
+  Tensor dx_f32 = Tensor::zeros({rows, dim}, DType::f32, dev);
+  if (rows > 0) {
+    const int64_t ne = rows * cfg.n_experts;
+    Tensor parts = Tensor::empty({2, rows, cfg.n_experts}, DType::bf16, dev);
+    split_hi_lo_kernel<<<blocks_for(ne), kThreads, 0, stream>>>(
+        d_logits.data<float>(), d_router_logits.defined() ? d_router_logits.data<float>() : nullptr,
+        ne, static_cast<bf16*>(parts.data_ptr()), static_cast<bf16*>(parts.data_ptr()) + ne);
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+    Tensor d_router_f32 = d_router.dtype() == DType::f32
+                              ? d_router
+                              : Tensor::zeros(d_router.shape(), DType::f32, dev);
+    for (int part = 0; part < 2; ++part) {
+      const void* dl = static_cast<const bf16*>(parts.data_ptr()) + part * ne;
+      GemmArgs g;
+      g.device = dev.index;
+      g.m = rows, g.n = dim, g.k = cfg.n_experts;
+      g.a = dl, g.lda = cfg.n_experts;
+      g.b = params.router_weight.data_ptr(), g.ldb = dim;
+      g.c = dx_f32.data_ptr(), g.ldc = dim, g.c_dtype = DType::f32, g.beta = 1.0f;
+      gemm(g, stream);
+      GemmArgs w;
+      w.device = dev.index;
+      w.trans_a = true;
+      w.m = cfg.n_experts, w.n = dim, w.k = rows;
+      w.a = dl, w.lda = cfg.n_experts;
+      w.b = x.data_ptr(), w.ldb = dim;
+      w.c = d_router_f32.data_ptr(), w.ldc = dim, w.c_dtype = DType::f32, w.beta = 1.0f;
+      gemm(w, stream);
+    }
+    if (d_router.dtype() != DType::f32) accumulate(d_router, d_router_f32, stream);
+
+    // Shared expert, into the same fp32 dx.
+    const Tensor gate = ctx.shared_gate_up.slice(1, 0, shared_inter);
+    const Tensor up = ctx.shared_gate_up.slice(1, shared_inter, 2 * shared_inter);
+    const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
+    const Tensor d_sact = linear_backward_input(dy, params.shared.down_proj, DType::bf16, stream);
+    linear_backward_weight(d_sd, dy, act, stream);
+    Tensor d_sgu = Tensor::empty({rows, 2 * shared_inter}, DType::bf16, dev);
+    Tensor dsg = d_sgu.slice(1, 0, shared_inter),
+           dsu = d_sgu.slice(1, shared_inter, 2 * shared_inter);
+    swiglu_clamped_backward(gate, up, d_sact, cfg.swiglu_limit, dsg, dsu, stream);
+    linear_backward_weight(d_sg, dsg, x, stream);
+    linear_backward_weight(d_su, dsu, x, stream);
+    linear_backward_input_out(dx_f32, dsg, params.shared.gate_proj, true, stream);
+    linear_backward_input_out(dx_f32, dsu, params.shared.up_proj, true, stream);
+  }
+
+  Tensor dx = Tensor::empty({rows, dim}, DType::bf16, dev);
+  if (rows > 0) {
+    const auto* dxpd = static_cast<const bf16*>(dxp.data_ptr());
+    auto* dxd = static_cast<bf16*>(dx.data_ptr());
+    if (vec8_ok(dim, dxpd) && detail::aligned16(dxd))
+      unpermute_sum_kernel<8><<<unsigned(rows), 128, 0, stream>>>(
+          dxpd, perm.slot_position.data<int32_t>(), int(k), int(dim), dx_f32.data<float>(), dxd);
+    else
+      unpermute_sum_kernel<1><<<unsigned(rows), 128, 0, stream>>>(
+          dxpd, perm.slot_position.data<int32_t>(), int(k), int(dim), dx_f32.data<float>(), dxd);
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+  }
+  return dx;
+}
+
+}  // namespace glmtune::cuda

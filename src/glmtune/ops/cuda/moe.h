@@ -1,0 +1,92 @@
+#pragma once
+// The MoE block on the GPU: the CUDA side of ops/moe.h, with bf16 storage and fp32 arithmetic.
+//
+//   router   logits = f32(x) · f32(Wr)^T (a bf16 GEMM with fp32 output: the products of bf16
+//            values are exact in fp32), p = σ(logits), c = p + bias (selection only), group limit,
+//            top-k by c (ties towards the lower expert id, NaN first, as the CPU op), weights
+//            w_k = rsf · p_k / (Σ p + 1e-20) (or rsf · p_k), one warp per token.
+//   permute  the (row, k) slots sorted by expert with a stable radix sort (rows ascending inside
+//            an expert, as the CPU op's buckets), the expert offsets, the inverse permutation and
+//            the gather of the input rows. The offsets are copied to the host (the grouped GEMMs
+//            need the row counts there): the one synchronisation of the block.
+//   experts  grouped gate_up GEMM → clamped SwiGLU → grouped down GEMM (ops/cuda/grouped_gemm.h;
+//            the backend is a parameter, cuBLASLt per expert by default).
+//   combine  y[t] = bf16(Σ_k w_k · y_e[t] + shared(x)[t]) in fp32, k in order: deterministic, no
+//            atomics. The shared expert runs through the dense GEMMs with an fp32 down output.
+//
+// Backward (mirrors the CPU op): the expert activations are recomputed from x and the routing;
+// dw_k = ⟨dy[t], y_e⟩ and d(y_e) = w_k · dy[t] per permuted row; the grouped dW and dX GEMMs;
+// dx is summed back per token in k order. The combine-weight gradient goes through the
+// normalisation and the sigmoid to the router logits (the correction bias gets none); the router
+// GEMMs then run in (near) fp32 by splitting the fp32 logit gradient into two bf16 parts
+// (hi + lo, relative error about 2^-17) and adding both bf16 GEMMs into fp32 results.
+//
+// Tensors: x [T, D] bf16; router weight bf16 [E, D]; correction bias f32 [E]; gate_up_proj bf16
+// [E, 2Im, D]; down_proj bf16 [E, D, Im]; shared expert bf16 as MlpParams. Gradients mirror the
+// parameters (MoeParams); an undefined entry is created as f32 zeros, a defined one must be f32
+// or bf16 and is accumulated into. Everything runs on `stream`.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "glmtune/ops/cuda/grouped_gemm.h"
+#include "glmtune/ops/moe.h"
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::cuda {
+
+// logits f32 [T, E], weights f32 [T, K], indices int32 [T, K] (per row by descending biased
+// score), all on the device.
+ops::Routing moe_route(const ops::MoeConfig& cfg, const Tensor& router_weight,
+                       const Tensor& e_score_correction_bias, const Tensor& x,
+                       cudaStream_t stream = nullptr);
+
+// The routing's slots grouped by expert.
+struct ExpertPermutation {
+  Tensor sorted_slots;           // int32 [T·K]: slot ids row·K + k, by expert, rows ascending
+  Tensor slot_position;          // int32 [T·K]: the position of each slot in sorted_slots
+  std::vector<int64_t> offsets;  // host [E + 1]: expert e owns positions offsets[e] .. [e+1] − 1
+};
+
+// Synchronises `stream` once (to read the offsets). Throws when an index lies outside [0, E).
+ExpertPermutation moe_permute(const Tensor& indices, int64_t n_experts,
+                              cudaStream_t stream = nullptr);
+
+// Routed experts only: Σ_k w_k · expert_{idx_k}(x) per row, bf16 [T, D].
+Tensor moe_experts(const ops::MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
+                   const Tensor& x, const ops::Routing& routing,
+                   GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
+                   cudaStream_t stream = nullptr);
+
+// Selections per expert over rows [0, rows) (rows < 0: all), int64 [E] on the device.
+Tensor moe_expert_counts(const ops::Routing& routing, int64_t n_experts, int64_t rows = -1,
+                         cudaStream_t stream = nullptr);
+
+struct MoeContext {
+  Tensor x;
+  ops::Routing routing;
+  ExpertPermutation permutation;
+  Tensor shared_gate_up;  // bf16 [T, 2·Is]: the shared expert's gate | up before the clamps
+};
+
+ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
+                           int64_t counted_rows = -1, MoeContext* ctx = nullptr,
+                           GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
+                           cudaStream_t stream = nullptr);
+
+// d_weights f32 [T, K] -> d_logits f32 [T, E] (zero where a row did not select the expert).
+Tensor moe_route_backward(const ops::MoeConfig& cfg, const ops::Routing& routing,
+                          const Tensor& d_weights, cudaStream_t stream = nullptr);
+
+// dy bf16 [T, D] -> dx bf16 [T, D]; parameter gradients accumulate into `grads`
+// (grads.e_score_correction_bias is never touched). `d_router_logits` (optional, f32 [T, E])
+// joins the combine weights' gradient before the router GEMMs.
+Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const MoeContext& ctx,
+                    const Tensor& dy, ops::MoeParams& grads,
+                    const Tensor& d_router_logits = Tensor(),
+                    GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
+                    cudaStream_t stream = nullptr);
+
+}  // namespace glmtune::cuda

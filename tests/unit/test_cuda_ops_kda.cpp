@@ -1,0 +1,196 @@
+// CUDA parity for KDA (ops/cuda/kda.h) against the CPU ops (ops/kda.h, ops/norm.h): the chunked
+// delta rule forward and backward (o, dq, dk, dv, dg, dβ) over packed documents of odd lengths,
+// the short causal conv with SiLU (dx and the weight gradient), both forget-gate forms, β, the q/k
+// L2 norm and the sigmoid-gated o_norm, in bf16 storage and in the f32 mode, with bit-identical
+// reruns. Fresh random inputs every run (seed printed; GLMTUNE_TEST_SEED reproduces one); the CPU
+// reference runs in f32 on the same (bf16-rounded) values. Skipped where no GPU is visible.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "glmtune/ops/kda.h"
+#include "glmtune/ops/norm.h"
+#include "glmtune/tensor/tensor.h"
+#include "support/cuda_test_support.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/ops/cuda/kda.h"
+#endif
+
+using namespace glmtune;
+using namespace glmtune::test;
+
+namespace {
+
+#ifdef GLMTUNE_WITH_CUDA
+// Documents of 1, 63, 64, 65, 200 and 17 tokens (chunk tails of every kind).
+const std::vector<int32_t> kCu = {0, 1, 64, 128, 193, 393, 410};
+
+Tensor cu_cpu() { return Tensor::from_vector<int32_t>(kCu, {int64_t(kCu.size())}); }
+
+// Elementwise map of a CPU f32 tensor.
+template <typename F>
+Tensor map_f32(const Tensor& t, F&& f) {
+  Tensor out = f32(t).clone();
+  float* p = out.data<float>();
+  for (int64_t i = 0; i < out.numel(); ++i) p[i] = f(p[i]);
+  return out;
+}
+
+struct CoreCase {
+  DType dtype;
+  double act_bar, f32_bar;
+  const char* what;
+  // Per-token log decay down to −5 (the gate's lower bound): within a chunk e^Γ falls to e^−80,
+  // so the exact per-element decays and the hi/lo operand split meet the range's edge.
+  bool steep = false;
+};
+
+void run_core(const CoreCase& c, uint64_t& stream) {
+  const int64_t t = kCu.back(), nh = 3, kd = 128;
+  const std::string tag = std::string(", ") + c.what;
+  // Normalised q, k (rounded to the storage dtype after normalising), v, a log decay mixing slow
+  // and fast channels, β in (0, 1).
+  const Tensor q = ops::l2_norm(random_cpu({t, nh, kd}, DType::f32, stream++), 1e-6).to(c.dtype);
+  const Tensor k = ops::l2_norm(random_cpu({t, nh, kd}, DType::f32, stream++), 1e-6).to(c.dtype);
+  const Tensor v = random_cpu({t, nh, kd}, c.dtype, stream++);
+  const Tensor g = map_f32(random_cpu({t, nh, kd}, DType::f32, stream++), [&c](float z) {
+    return c.steep ? -std::fmin(5.0f, 0.5f + 2.0f * std::fabs(z)) : -(0.01f + 0.25f * std::fabs(z));
+  });
+  const Tensor beta = map_f32(random_cpu({t, nh}, DType::f32, stream++),
+                              [](float z) { return 1.0f / (1.0f + std::exp(-z)); });
+  const double scale = 1.0 / std::sqrt(double(kd));
+  const Tensor cu = cu_cpu(), cug = cu.to(kGpu);
+
+  const Tensor o_ref = ops::kda_chunked(f32(q), f32(k), f32(v), g, beta, cu, scale);
+  const Tensor qg = q.to(kGpu), kg = k.to(kGpu), vg = v.to(kGpu), gg = g.to(kGpu),
+               bg = beta.to(kGpu);
+  const Tensor o = cuda::kda_chunked(qg, kg, vg, gg, bg, cug, scale);
+  EXPECT_CLOSE(o, o_ref, c.act_bar, "core o" + tag);
+
+  const Tensor dout = random_cpu({t, nh, kd}, c.dtype, stream++);
+  const ops::KdaCoreGrads ref =
+      ops::kda_chunked_backward(f32(q), f32(k), f32(v), g, beta, cu, scale, f32(dout));
+  const ops::KdaCoreGrads gr =
+      cuda::kda_chunked_backward(qg, kg, vg, gg, bg, cug, scale, dout.to(kGpu));
+  EXPECT_CLOSE(gr.dq, ref.dq, c.act_bar, "core dq" + tag);
+  EXPECT_CLOSE(gr.dk, ref.dk, c.act_bar, "core dk" + tag);
+  EXPECT_CLOSE(gr.dv, ref.dv, c.act_bar, "core dv" + tag);
+  EXPECT_CLOSE(gr.dg, ref.dg, c.f32_bar, "core dg" + tag);
+  EXPECT_CLOSE(gr.dbeta, ref.dbeta, c.f32_bar, "core dbeta" + tag);
+
+  const Tensor o2 = cuda::kda_chunked(qg, kg, vg, gg, bg, cug, scale);
+  EXPECT_TRUE(bit_identical(o, o2)) << ctx("core forward rerun" + tag);
+  const ops::KdaCoreGrads gr2 =
+      cuda::kda_chunked_backward(qg, kg, vg, gg, bg, cug, scale, dout.to(kGpu));
+  EXPECT_TRUE(bit_identical(gr.dq, gr2.dq) && bit_identical(gr.dk, gr2.dk) &&
+              bit_identical(gr.dv, gr2.dv) && bit_identical(gr.dg, gr2.dg) &&
+              bit_identical(gr.dbeta, gr2.dbeta))
+      << ctx("core backward rerun" + tag);
+}
+#endif
+
+}  // namespace
+
+TEST(CudaOpsKda, ChunkedDeltaRuleMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 1;
+  run_core({DType::bf16, 1e-2, 1e-3, "bf16"}, stream);
+  run_core({DType::f32, 1e-4, 1e-4, "f32 mode"}, stream);
+  run_core({DType::bf16, 1e-2, 1e-3, "bf16, steep gate", true}, stream);
+#endif
+}
+
+TEST(CudaOpsKda, ConvGateBetaNormsMatchCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 100;
+  const int64_t t = kCu.back(), nl = 4, hl = 32, ql = nl * hl, kc = 4;
+  const Tensor cu = cu_cpu(), cug = cu.to(kGpu);
+  for (DType dt : {DType::bf16, DType::f32}) {
+    const double bar = dt == DType::bf16 ? 1e-2 : 1e-4, pbar = dt == DType::bf16 ? 1e-3 : 1e-4;
+    const std::string tag = dt == DType::bf16 ? ", bf16" : ", f32 mode";
+
+    // Short conv + SiLU.
+    const Tensor x = random_cpu({t, ql}, dt, stream++);
+    const Tensor w = random_cpu({ql, 1, kc}, dt, stream++, 0.5);
+    EXPECT_CLOSE(cuda::causal_conv1d(x.to(kGpu), w.to(kGpu), cug, true),
+                 ops::causal_conv1d(f32(x), f32(w), cu, true), bar, "conv forward" + tag);
+    const Tensor dy = random_cpu({t, ql}, dt, stream++);
+    Tensor gw_ref, gw;
+    const Tensor dx_ref = ops::causal_conv1d_backward(f32(x), f32(w), cu, true, f32(dy), &gw_ref);
+    const Tensor dx =
+        cuda::causal_conv1d_backward(x.to(kGpu), w.to(kGpu), cug, true, dy.to(kGpu), &gw);
+    EXPECT_CLOSE(dx, dx_ref, bar, "conv dx" + tag);
+    EXPECT_CLOSE(gw, gw_ref, pbar, "conv d weight" + tag);
+    Tensor gw2;
+    cuda::causal_conv1d_backward(x.to(kGpu), w.to(kGpu), cug, true, dy.to(kGpu), &gw2);
+    EXPECT_TRUE(bit_identical(gw, gw2)) << ctx("conv d weight rerun" + tag);
+
+    // Forget gate, both forms.
+    const Tensor graw = random_cpu({t, ql}, dt, stream++, 2.0);
+    const Tensor dt_bias = random_cpu({ql}, DType::f32, stream++, 0.5);
+    const Tensor a_log = random_cpu({nl}, DType::f32, stream++, 0.5);
+    for (std::optional<double> lb : {std::optional<double>(-5.0), std::optional<double>()}) {
+      const std::string gtag = tag + (lb ? ", lower bound -5" : ", softplus");
+      const Tensor g_ref = ops::kda_gate(f32(graw), dt_bias, a_log, lb);
+      const Tensor g = cuda::kda_gate(graw.to(kGpu), dt_bias.to(kGpu), a_log.to(kGpu), lb);
+      EXPECT_CLOSE(g, g_ref, 1e-5, "gate forward" + gtag);
+      const Tensor dg = random_cpu({t, nl, hl}, DType::f32, stream++);
+      Tensor gdt_ref, ga_ref, gdt, ga;
+      const Tensor dz_ref =
+          ops::kda_gate_backward(f32(graw), dt_bias, a_log, lb, dg, &gdt_ref, &ga_ref);
+      const Tensor dz = cuda::kda_gate_backward(graw.to(kGpu), dt_bias.to(kGpu), a_log.to(kGpu), lb,
+                                                dg.to(kGpu), &gdt, &ga);
+      EXPECT_CLOSE(dz, dz_ref, bar, "gate d graw" + gtag);
+      EXPECT_CLOSE(gdt, gdt_ref, 1e-4, "gate d dt_bias" + gtag);
+      EXPECT_CLOSE(ga, ga_ref, 1e-4, "gate d A_log" + gtag);
+    }
+
+    // beta.
+    const Tensor logits = random_cpu({t, nl}, dt, stream++, 2.0);
+    const Tensor beta_ref = map_f32(logits, [](float z) { return 1.0f / (1.0f + std::exp(-z)); });
+    const Tensor beta = cuda::kda_beta(logits.to(kGpu));
+    EXPECT_CLOSE(beta, beta_ref, 1e-6, "beta forward" + tag);
+    const Tensor dbeta = random_cpu({t, nl}, DType::f32, stream++);
+    Tensor dl_ref = f32(dbeta).clone();
+    for (int64_t i = 0; i < dl_ref.numel(); ++i) {
+      const float b = beta_ref.data<float>()[i];
+      dl_ref.data<float>()[i] *= b * (1.0f - b);
+    }
+    EXPECT_CLOSE(cuda::kda_beta_backward(beta, dbeta.to(kGpu)), dl_ref, 1e-5,
+                 "beta backward" + tag);
+
+    // q/k L2 norm over 128-wide heads.
+    const Tensor qx = random_cpu({t, nl, 128}, dt, stream++, 0.2, 1.0);
+    Tensor nrm_ref, nrm;
+    EXPECT_CLOSE(cuda::l2_norm(qx.to(kGpu), 1e-6, &nrm), ops::l2_norm(f32(qx), 1e-6, &nrm_ref), bar,
+                 "l2 norm forward" + tag);
+    EXPECT_CLOSE(nrm, nrm_ref, 1e-5, "l2 norm divisor" + tag);
+    const Tensor dq = random_cpu({t, nl, 128}, dt, stream++);
+    EXPECT_CLOSE(cuda::l2_norm_backward(dq.to(kGpu), qx.to(kGpu), 1e-6),
+                 ops::l2_norm_backward(f32(dq), f32(qx), 1e-6), bar, "l2 norm backward" + tag);
+
+    // Sigmoid-gated o_norm.
+    const Tensor core = random_cpu({t, nl, 128}, dt, stream++);
+    const Tensor gate = random_cpu({t, nl, 128}, dt, stream++, 2.0);
+    const Tensor onw = random_cpu({128}, DType::f32, stream++, 1.0, 0.2);
+    EXPECT_CLOSE(cuda::rms_norm_gated(core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5),
+                 ops::rms_norm_gated(f32(core), onw, f32(gate), 1e-5), bar, "o_norm forward" + tag);
+    const Tensor dn = random_cpu({t, nl, 128}, dt, stream++);
+    Tensor gw_on_ref, gw_on;
+    const ops::RmsNormGatedGrads on_ref =
+        ops::rms_norm_gated_backward(f32(dn), f32(core), onw, f32(gate), 1e-5,
+                                     ops::GateActivation::sigmoid, Tensor(), &gw_on_ref);
+    const ops::RmsNormGatedGrads on = cuda::rms_norm_gated_backward(
+        dn.to(kGpu), core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5, &gw_on);
+    EXPECT_CLOSE(on.dx, on_ref.dx, bar, "o_norm dx" + tag);
+    EXPECT_CLOSE(on.dgate, on_ref.dgate, bar, "o_norm d gate" + tag);
+    EXPECT_CLOSE(gw_on, gw_on_ref, pbar, "o_norm d weight" + tag);
+  }
+#endif
+}

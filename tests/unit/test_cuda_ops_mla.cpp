@@ -1,0 +1,185 @@
+// CUDA parity for the sparse NoPE MLA attention (ops/cuda/mla.h) against the CPU op
+// (ops::sparse_attention and ops::sparse_attention_backward): packed documents of odd lengths
+// (an empty one and a one-token one), rows with repeated entries, −1 entries and no key at all,
+// head counts that do not fill a block, several head dimensions (scalar and 16-byte lane paths),
+// the key sets themselves, output and every gradient, bit-identical reruns, and the rejection of
+// an index outside its query's document. Also on the indexer's own selection (the CPU op's rows).
+// Fresh random bf16 inputs each run (seed printed; GLMTUNE_TEST_SEED reproduces a run); the CPU
+// reference runs in f32 on the same bf16 values. Device blocks are poisoned with NaN before the
+// ops allocate their outputs. Skipped (not failed) where no GPU is visible or CUDA is not built.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "glmtune/ops/indexer.h"
+#include "glmtune/ops/mla.h"
+#include "glmtune/tensor/tensor.h"
+#include "support/cuda_test_support.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/ops/cuda/mla.h"
+#endif
+
+using namespace glmtune;
+using namespace glmtune::test;
+
+namespace {
+
+#ifdef GLMTUNE_WITH_CUDA
+void poison_cache(const std::vector<Shape>& shapes, DType dtype) {
+  std::vector<Tensor> blocks;
+  for (const Shape& s : shapes) {
+    blocks.push_back(Tensor::empty(s, dtype, kGpu));
+    blocks.back().fill_(NAN);
+  }
+}
+
+Tensor seqlens(const std::vector<int64_t>& bounds) {
+  Tensor t = Tensor::empty({int64_t(bounds.size())}, DType::i64);
+  std::copy(bounds.begin(), bounds.end(), t.data<int64_t>());
+  return t;
+}
+
+// Random selections: per query `width` entries drawn from its document up to itself (causal, as
+// the indexer gives), with repeats and −1 mixed in; every 13th row has no key at all.
+Tensor random_indices(const std::vector<int64_t>& bounds, int64_t width, uint64_t stream) {
+  std::mt19937_64 eng = seeded_engine(stream);
+  const int64_t tokens = bounds.back();
+  Tensor idx = Tensor::full({tokens, width}, -1.0, DType::i32);
+  for (size_t d = 0; d + 1 < bounds.size(); ++d)
+    for (int64_t i = bounds[d]; i < bounds[d + 1]; ++i) {
+      if (i % 13 == 5) continue;
+      int32_t* row = idx.data<int32_t>() + i * width;
+      for (int64_t c = 0; c < width; ++c) {
+        const uint64_t u = eng();
+        if (u % 7 == 0) continue;  // stays −1
+        row[c] = int32_t(bounds[d] + int64_t((u >> 8) % uint64_t(i - bounds[d] + 1)));
+      }
+    }
+  return idx;
+}
+
+// The CPU key sets: each row's distinct non-negative entries, ascending.
+std::vector<std::vector<int32_t>> cpu_sets(const Tensor& idx) {
+  std::vector<std::vector<int32_t>> sets(size_t(idx.size(0)));
+  for (int64_t i = 0; i < idx.size(0); ++i) {
+    for (int64_t c = 0; c < idx.size(1); ++c) {
+      const int32_t v = idx.data<int32_t>()[i * idx.size(1) + c];
+      if (v >= 0) sets[size_t(i)].push_back(v);
+    }
+    std::sort(sets[size_t(i)].begin(), sets[size_t(i)].end());
+    sets[size_t(i)].erase(std::unique(sets[size_t(i)].begin(), sets[size_t(i)].end()),
+                          sets[size_t(i)].end());
+  }
+  return sets;
+}
+
+void check_attention(const std::vector<int64_t>& bounds, const Tensor& idx, int64_t heads,
+                     int64_t dqk, int64_t dv, uint64_t stream, const std::string& label) {
+  const int64_t tokens = bounds.back();
+  const std::string what = label + " NH=" + std::to_string(heads) + " Dqk=" + std::to_string(dqk) +
+                           " Dv=" + std::to_string(dv);
+  const Tensor q = random_cpu({tokens, heads, dqk}, DType::bf16, stream);
+  const Tensor k = random_cpu({tokens, heads, dqk}, DType::bf16, stream + 1);
+  const Tensor v = random_cpu({tokens, heads, dv}, DType::bf16, stream + 2);
+  const Tensor dout = random_cpu({tokens, heads, dv}, DType::bf16, stream + 3);
+  const Tensor cu = seqlens(bounds);
+  const double scale = 1.0 / std::sqrt(double(dqk));
+
+  const Tensor ref = ops::sparse_attention(f32(q), f32(k), f32(v), idx, cu, scale);
+  const ops::AttentionGrads gref =
+      ops::sparse_attention_backward(f32(q), f32(k), f32(v), idx, cu, scale, f32(dout));
+
+  const Tensor qg = q.to(kGpu), kg = k.to(kGpu), vg = v.to(kGpu), dog = dout.to(kGpu);
+  const cuda::SparseKeySets sets = cuda::sparse_key_sets(idx.to(kGpu), cu, true);
+  // The key sets are exactly the CPU op's visible sets.
+  const std::vector<std::vector<int32_t>> want = cpu_sets(idx);
+  const Tensor keys = sets.keys.to(Device::cpu()), counts = sets.counts.to(Device::cpu());
+  int64_t set_errors = 0;
+  for (int64_t i = 0; i < tokens; ++i) {
+    const std::vector<int32_t>& w = want[size_t(i)];
+    set_errors += counts.data<int32_t>()[i] != int32_t(w.size());
+    for (size_t c = 0; c < w.size() && c < size_t(idx.size(1)); ++c)
+      set_errors += keys.data<int32_t>()[i * idx.size(1) + int64_t(c)] != w[c];
+  }
+  EXPECT_EQ(set_errors, 0) << ctx("key sets " + what);
+
+  poison_cache({{tokens, heads, dv}, {tokens, heads}}, DType::f32);
+  const cuda::SparseAttentionOutput out = cuda::sparse_attention_forward(qg, kg, vg, sets, scale);
+  EXPECT_CLOSE(out.out, ref, 1e-2, "forward " + what);
+  poison_cache({{tokens, heads, dqk}, {tokens, heads, dv}}, DType::bf16);
+  const ops::AttentionGrads g =
+      cuda::sparse_attention_backward(qg, kg, vg, out.out, out.lse, sets, scale, dog);
+  EXPECT_CLOSE(g.q, gref.q, 1e-2, "dq " + what);
+  EXPECT_CLOSE(g.k, gref.k, 1e-2, "dk " + what);
+  EXPECT_CLOSE(g.v, gref.v, 1e-2, "dv " + what);
+
+  poison_cache({{tokens, heads, dv}, {tokens, heads}}, DType::f32);
+  const cuda::SparseAttentionOutput out2 = cuda::sparse_attention_forward(qg, kg, vg, sets, scale);
+  poison_cache({{tokens, heads, dqk}, {tokens, heads, dv}}, DType::bf16);
+  const ops::AttentionGrads g2 =
+      cuda::sparse_attention_backward(qg, kg, vg, out2.out, out2.lse, sets, scale, dog);
+  EXPECT_TRUE(bit_identical(out.out, out2.out) && bit_identical(g.q, g2.q) &&
+              bit_identical(g.k, g2.k) && bit_identical(g.v, g2.v))
+      << ctx("rerun " + what);
+}
+#endif
+
+}  // namespace
+
+TEST(CudaOpsMla, SparseAttentionMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const std::vector<int64_t> bounds = {0, 57, 58, 58, 191, 260};
+  const Tensor idx = random_indices(bounds, 40, 1);
+  check_attention(bounds, idx, 4, 64, 64, 10, "random rows");
+  check_attention(bounds, idx, 3, 128, 64, 20, "random rows");
+  check_attention(bounds, idx, 5, 32, 32, 30, "random rows");
+  check_attention(bounds, idx, 2, 256, 256, 40, "random rows");
+#endif
+}
+
+TEST(CudaOpsMla, IndexerSelectionMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // The rows the CPU indexer produces (pools, tail, −1 padding) on a packed input.
+  ops::IndexerConfig cfg;
+  cfg.n_heads = 2;
+  cfg.head_dim = 16;
+  cfg.kpool = 4;
+  cfg.topk = 32;
+  const std::vector<int64_t> bounds = {0, 101, 102, 230};
+  const int64_t tokens = bounds.back(), dim = 32, rank = 24;
+  ops::IndexerParams p;
+  uint64_t s = 50;
+  p.wq_b = random_cpu({cfg.n_heads * cfg.head_dim, rank}, DType::f32, s++);
+  p.wk = random_cpu({cfg.head_dim, dim}, DType::f32, s++);
+  p.k_norm_weight = random_cpu({cfg.head_dim}, DType::f32, s++, 1.0, 0.1);
+  p.k_norm_bias = random_cpu({cfg.head_dim}, DType::f32, s++, 0.0, 0.1);
+  p.weights_proj = random_cpu({cfg.n_heads, dim}, DType::f32, s++);
+  p.kpool_ape = random_cpu({cfg.kpool, cfg.head_dim}, DType::f32, s++);
+  p.kpool_gate = random_cpu({cfg.head_dim, dim}, DType::f32, s++);
+  const Tensor x = random_cpu({tokens, dim}, DType::f32, s++);
+  const Tensor q_resid = random_cpu({tokens, rank}, DType::f32, s++);
+  const Tensor idx = ops::indexer_forward(cfg, p, x, q_resid, seqlens(bounds));
+  check_attention(bounds, idx, 4, 64, 64, 60, "indexer rows");
+#endif
+}
+
+TEST(CudaOpsMla, IndexOutsideDocumentIsRejected) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const std::vector<int64_t> bounds = {0, 10, 20};
+  Tensor idx = Tensor::full({20, 3}, -1.0, DType::i32);
+  idx.data<int32_t>()[12 * 3] = 4;  // token 12 (document 1) pointing into document 0
+  EXPECT_THROW(cuda::sparse_key_sets(idx.to(kGpu), seqlens(bounds), false), InternalError);
+  idx.data<int32_t>()[12 * 3] = -2;
+  EXPECT_THROW(cuda::sparse_key_sets(idx.to(kGpu), seqlens(bounds), false), InternalError);
+  idx.data<int32_t>()[12 * 3] = 15;
+  EXPECT_NO_THROW(cuda::sparse_key_sets(idx.to(kGpu), seqlens(bounds), false));
+#endif
+}

@@ -1,0 +1,396 @@
+// CUDA parity for the MoE path (ops/cuda/moe.h, ops/cuda/grouped_gemm.h) against the CPU ops
+// (ops/moe.h, ops/linear.h): the grouped GEMMs of both backends (forward, dX, dW into f32 and
+// bf16, empty groups), the router (logits, group-limited top-k, weights), the permutation, the
+// routed experts, the whole block forward, the router backward and the whole block backward
+// (dx and every parameter gradient, the correction bias untouched), and bit-identical reruns.
+// Fresh random bf16 inputs each run (seed printed; GLMTUNE_TEST_SEED reproduces a run); the CPU
+// reference runs in f32 on the same bf16 values. Device blocks are poisoned with NaN before the
+// ops allocate their outputs. Skipped (not failed) where no GPU is visible or CUDA is not built.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "glmtune/ops/linear.h"
+#include "glmtune/ops/moe.h"
+#include "glmtune/tensor/tensor.h"
+#include "support/cuda_test_support.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/ops/cuda/grouped_gemm.h"
+#include "glmtune/ops/cuda/moe.h"
+#endif
+
+using namespace glmtune;
+using namespace glmtune::test;
+
+namespace {
+
+#ifdef GLMTUNE_WITH_CUDA
+constexpr cuda::GroupedGemmBackend kBackends[] = {cuda::GroupedGemmBackend::kCublasGrouped,
+                                                  cuda::GroupedGemmBackend::kLtPerGroup};
+
+std::string backend_name(cuda::GroupedGemmBackend b) { return cuda::grouped_gemm_backend_name(b); }
+
+// Freed device blocks of these shapes filled with NaN, so that ops allocating outputs of the same
+// sizes from the caching allocator start from poison rather than from an earlier result.
+void poison_cache(const std::vector<Shape>& shapes, DType dtype) {
+  std::vector<Tensor> blocks;
+  for (const Shape& s : shapes) {
+    blocks.push_back(Tensor::empty(s, dtype, kGpu));
+    blocks.back().fill_(NAN);
+  }
+}
+
+struct MoeCase {
+  ops::MoeConfig cfg;
+  int64_t tokens, dim, inter, shared_inter;
+};
+
+struct MoeData {
+  ops::MoeParams cpu, gpu;
+  Tensor x;  // bf16 CPU
+};
+
+MoeData make_data(const MoeCase& c, uint64_t stream) {
+  MoeData d;
+  const int64_t e = c.cfg.n_experts;
+  auto both = [&](Tensor& cpu, Tensor& gpu, const Shape& shape, double std) {
+    const Tensor t = random_cpu(shape, DType::bf16, stream++, std);
+    cpu = f32(t);
+    gpu = t.to(kGpu);
+  };
+  // Router logits of a few units, so that the sigmoid spreads the scores.
+  both(d.cpu.router_weight, d.gpu.router_weight, {e, c.dim}, 2.0 / std::sqrt(double(c.dim)));
+  d.cpu.e_score_correction_bias = random_cpu({e}, DType::f32, stream++, 0.05);
+  d.gpu.e_score_correction_bias = d.cpu.e_score_correction_bias.to(kGpu);
+  both(d.cpu.gate_up_proj, d.gpu.gate_up_proj, {e, 2 * c.inter, c.dim},
+       3.0 / std::sqrt(double(c.dim)));
+  both(d.cpu.down_proj, d.gpu.down_proj, {e, c.dim, c.inter}, 1.0 / std::sqrt(double(c.inter)));
+  both(d.cpu.shared.gate_proj, d.gpu.shared.gate_proj, {c.shared_inter, c.dim},
+       3.0 / std::sqrt(double(c.dim)));
+  both(d.cpu.shared.up_proj, d.gpu.shared.up_proj, {c.shared_inter, c.dim},
+       3.0 / std::sqrt(double(c.dim)));
+  both(d.cpu.shared.down_proj, d.gpu.shared.down_proj, {c.dim, c.shared_inter},
+       1.0 / std::sqrt(double(c.shared_inter)));
+  d.x = random_cpu({c.tokens, c.dim}, DType::bf16, stream++);
+  return d;
+}
+
+// Small configurations: group-limited routing with odd token counts, and GLM-like top-8.
+std::vector<MoeCase> moe_cases() {
+  MoeCase grouped;
+  grouped.cfg.n_experts = 16;
+  grouped.cfg.top_k = 4;
+  grouped.cfg.n_group = 4;
+  grouped.cfg.topk_group = 2;
+  grouped.tokens = 203;
+  grouped.dim = 256;
+  grouped.inter = 128;
+  grouped.shared_inter = 96;
+  MoeCase glm;
+  glm.cfg.n_experts = 36;
+  glm.cfg.top_k = 8;
+  glm.tokens = 301;
+  glm.dim = 512;
+  glm.inter = 256;
+  glm.shared_inter = 256;
+  return {grouped, glm};
+}
+
+std::string case_name(const MoeCase& c) {
+  return "E" + std::to_string(c.cfg.n_experts) + " K" + std::to_string(c.cfg.top_k) + " G" +
+         std::to_string(c.cfg.n_group) + "/" + std::to_string(c.cfg.topk_group) + " T" +
+         std::to_string(c.tokens);
+}
+
+ops::Routing to_cpu(const ops::Routing& r) {
+  ops::Routing c;
+  c.logits = r.logits.to(Device::cpu());
+  c.weights = r.weights.to(Device::cpu());
+  c.indices = r.indices.to(Device::cpu());
+  return c;
+}
+
+// Rows whose expert lists differ between two routings.
+std::vector<int64_t> mismatched_rows(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
+  const int64_t rows = x.size(0), k = x.size(1);
+  std::vector<int64_t> bad;
+  for (int64_t r = 0; r < rows; ++r)
+    if (!std::equal(x.data<int32_t>() + r * k, x.data<int32_t>() + (r + 1) * k,
+                    y.data<int32_t>() + r * k))
+      bad.push_back(r);
+  return bad;
+}
+
+// The rows of a [T, C] tensor not listed in `skip` (CPU f32), for comparing where routings agree.
+Tensor rows_except(const Tensor& t, const std::vector<int64_t>& skip) {
+  const Tensor c = f32(t);
+  const int64_t rows = c.size(0), cols = c.numel() / std::max<int64_t>(rows, 1);
+  std::vector<double> kept;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (std::find(skip.begin(), skip.end(), r) != skip.end()) continue;
+    for (int64_t j = 0; j < cols; ++j) kept.push_back(c.data<float>()[r * cols + j]);
+  }
+  return Tensor::from_doubles(kept, {int64_t(kept.size())}, DType::f32);
+}
+#endif
+
+}  // namespace
+
+TEST(CudaOpsMoe, GroupedGemmMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // Five groups with an empty one and a single-row one; K = 80 (160-byte rows).
+  const std::vector<int64_t> sizes = {0, 17, 64, 1, 33};
+  std::vector<int64_t> offsets = {0};
+  for (int64_t s : sizes) offsets.push_back(offsets.back() + s);
+  const int64_t groups = int64_t(sizes.size()), rows = offsets.back(), n = 96, k = 80;
+  const Tensor x = random_cpu({rows, k}, DType::bf16, 1);
+  const Tensor w = random_cpu({groups, n, k}, DType::bf16, 2, 1.0 / std::sqrt(double(k)));
+  const Tensor dy = random_cpu({rows, n}, DType::bf16, 3);
+  const Tensor dw0 = random_cpu({groups, n, k}, DType::f32, 4);
+  Tensor y_ref = Tensor::empty({rows, n}, DType::f32),
+         dx_ref = Tensor::empty({rows, k}, DType::f32);
+  Tensor dw_ref = dw0.clone();
+  for (int64_t g = 0; g < groups; ++g) {
+    if (sizes[size_t(g)] == 0) continue;
+    const Tensor xg = f32(x).slice(0, offsets[size_t(g)], offsets[size_t(g) + 1]);
+    const Tensor dyg = f32(dy).slice(0, offsets[size_t(g)], offsets[size_t(g) + 1]);
+    const Tensor wg = f32(w).select(0, g).contiguous();
+    y_ref.slice(0, offsets[size_t(g)], offsets[size_t(g) + 1]).copy_(ops::linear(xg, wg));
+    Tensor dwg = dw_ref.select(0, g);
+    dx_ref.slice(0, offsets[size_t(g)], offsets[size_t(g) + 1])
+        .copy_(ops::linear_backward(dyg, xg, wg, &dwg));
+  }
+  const Tensor xg = x.to(kGpu), wg = w.to(kGpu), dyg = dy.to(kGpu);
+  for (cuda::GroupedGemmBackend backend : kBackends) {
+    const std::string what = " (" + backend_name(backend) + ")";
+    Tensor y = Tensor::empty({rows, n}, DType::bf16, kGpu);
+    y.fill_(NAN);
+    cuda::grouped_linear(y, xg, wg, offsets, backend);
+    EXPECT_CLOSE(y, y_ref, 1e-2, "grouped forward" + what);
+    Tensor y2 = Tensor::empty({rows, n}, DType::bf16, kGpu);
+    y2.fill_(NAN);
+    cuda::grouped_linear(y2, xg, wg, offsets, backend);
+    EXPECT_TRUE(bit_identical(y, y2)) << ctx("grouped forward rerun" + what);
+
+    Tensor dx = Tensor::empty({rows, k}, DType::bf16, kGpu);
+    dx.fill_(NAN);
+    cuda::grouped_linear_backward_input(dx, dyg, wg, offsets, backend);
+    EXPECT_CLOSE(dx, dx_ref, 1e-2, "grouped dX" + what);
+
+    for (DType dt : {DType::f32, DType::bf16}) {
+      Tensor dw = dw0.to(dt).to(kGpu);
+      cuda::grouped_linear_backward_weight(dw, dyg, xg, offsets, backend);
+      // The empty group keeps its initial values (no gradient), the others accumulate.
+      EXPECT_CLOSE(dw, dw_ref, dt == DType::f32 ? 1e-4 : 1e-2,
+                   "grouped dW into " + std::string(dtype_name(dt)) + what);
+      EXPECT_TRUE(bit_identical(dw.select(0, 0), dw0.to(dt).select(0, 0)))
+          << ctx("empty group's dW changed" + what);
+    }
+  }
+  Tensor bad = Tensor::empty({rows, n}, DType::bf16, kGpu);
+  std::vector<int64_t> wrong = offsets;
+  wrong.back() += 1;
+  EXPECT_THROW(cuda::grouped_linear(bad, xg, wg, wrong), InternalError);
+#endif
+}
+
+TEST(CudaOpsMoe, RouterMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 100;
+  for (const MoeCase& c : moe_cases()) {
+    const MoeData d = make_data(c, stream += 20);
+    const ops::Routing ref =
+        ops::moe_route(c.cfg, d.cpu.router_weight, d.cpu.e_score_correction_bias, f32(d.x));
+    poison_cache({{c.tokens, c.cfg.n_experts}, {c.tokens, c.cfg.top_k}}, DType::f32);
+    const ops::Routing got =
+        cuda::moe_route(c.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, d.x.to(kGpu));
+    EXPECT_CLOSE(got.logits, ref.logits, 1e-5, "router logits " + case_name(c));
+    // Selections agree except where two biased scores tie to within fp32 rounding of the
+    // differently ordered logit sums (in practice never at these sizes).
+    const std::vector<int64_t> bad = mismatched_rows(got.indices, ref.indices);
+    std::printf("[ measure  ] %s: %zu of %lld rows select differently\n", case_name(c).c_str(),
+                bad.size(), static_cast<long long>(c.tokens));
+    EXPECT_LE(int64_t(bad.size()), std::max<int64_t>(1, c.tokens / 100)) << ctx(case_name(c));
+    EXPECT_CLOSE(rows_except(got.weights, bad), rows_except(ref.weights, bad), 1e-5,
+                 "combine weights " + case_name(c));
+    // The group limit really bites in the grouped case: every row's experts lie in 2 groups.
+    if (c.cfg.topk_group < c.cfg.n_group) {
+      const Tensor idx = got.indices.to(Device::cpu());
+      const int64_t per = c.cfg.n_experts / c.cfg.n_group;
+      for (int64_t r = 0; r < c.tokens; ++r) {
+        std::set<int64_t> groups;
+        for (int64_t j = 0; j < c.cfg.top_k; ++j)
+          groups.insert(idx.data<int32_t>()[r * c.cfg.top_k + j] / per);
+        EXPECT_LE(int64_t(groups.size()), c.cfg.topk_group) << ctx("row " + std::to_string(r));
+      }
+    }
+    const ops::Routing again =
+        cuda::moe_route(c.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, d.x.to(kGpu));
+    EXPECT_TRUE(bit_identical(got.weights, again.weights) &&
+                bit_identical(got.indices, again.indices))
+        << ctx("router rerun " + case_name(c));
+  }
+#endif
+}
+
+TEST(CudaOpsMoe, PermutationGroupsSlotsByExpert) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const int64_t tokens = 97, k = 6, experts = 40;
+  std::mt19937_64 eng = seeded_engine(7);
+  std::vector<int32_t> ids;
+  for (int64_t r = 0; r < tokens; ++r) {
+    std::vector<int32_t> all(static_cast<size_t>(experts));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), eng);
+    // Skewed load: low experts are picked more often, some experts never.
+    std::sort(all.begin(), all.begin() + 12);
+    ids.insert(ids.end(), all.begin(), all.begin() + k);
+  }
+  Tensor idx = Tensor::empty({tokens, k}, DType::i32);
+  std::copy(ids.begin(), ids.end(), idx.data<int32_t>());
+  const cuda::ExpertPermutation p = cuda::moe_permute(idx.to(kGpu), experts);
+  const Tensor sorted = p.sorted_slots.to(Device::cpu()), pos = p.slot_position.to(Device::cpu());
+  ASSERT_EQ(int64_t(p.offsets.size()), experts + 1);
+  int64_t expected = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    ASSERT_EQ(p.offsets[size_t(e)], expected) << ctx("expert " + std::to_string(e));
+    expected += std::count(ids.begin(), ids.end(), int32_t(e));
+    for (int64_t r = p.offsets[size_t(e)]; r < p.offsets[size_t(e) + 1]; ++r) {
+      const int32_t slot = sorted.data<int32_t>()[r];
+      EXPECT_EQ(ids[size_t(slot)], e);
+      if (r > p.offsets[size_t(e)]) {
+        EXPECT_LT(sorted.data<int32_t>()[r - 1], slot);
+      }
+      EXPECT_EQ(pos.data<int32_t>()[slot], r);
+    }
+  }
+  EXPECT_EQ(p.offsets.back(), tokens * k);
+  idx.data<int32_t>()[5] = int32_t(experts);  // out of range
+  EXPECT_THROW(cuda::moe_permute(idx.to(kGpu), experts), InternalError);
+  idx.data<int32_t>()[5] = -3;
+  EXPECT_THROW(cuda::moe_permute(idx.to(kGpu), experts), InternalError);
+#endif
+}
+
+TEST(CudaOpsMoe, ExpertsAndForwardMatchCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 300;
+  for (const MoeCase& c : moe_cases()) {
+    const MoeData d = make_data(c, stream += 20);
+    const Tensor xg = d.x.to(kGpu);
+    const ops::Routing routing =
+        cuda::moe_route(c.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, xg);
+    // Routed experts on the GPU's routing, against the CPU experts on the same routing.
+    const Tensor ref =
+        ops::moe_experts(c.cfg, d.cpu.gate_up_proj, d.cpu.down_proj, f32(d.x), to_cpu(routing));
+    Tensor first;
+    for (cuda::GroupedGemmBackend backend : kBackends) {
+      poison_cache({{c.tokens, c.dim}, {c.tokens * c.cfg.top_k, c.dim}}, DType::bf16);
+      const Tensor y =
+          cuda::moe_experts(c.cfg, d.gpu.gate_up_proj, d.gpu.down_proj, xg, routing, backend);
+      EXPECT_CLOSE(y, ref, 1e-2, "routed experts " + case_name(c) + " " + backend_name(backend));
+      poison_cache({{c.tokens, c.dim}, {c.tokens * c.cfg.top_k, c.dim}}, DType::bf16);
+      const Tensor y2 =
+          cuda::moe_experts(c.cfg, d.gpu.gate_up_proj, d.gpu.down_proj, xg, routing, backend);
+      EXPECT_TRUE(bit_identical(y, y2)) << ctx("experts rerun " + case_name(c));
+      if (!first.defined()) first = y;
+      // Different GEMM libraries, one function: the two backends agree to bf16 rounding.
+      EXPECT_CLOSE(y, first, 1e-2, "backends agree " + case_name(c));
+    }
+
+    // The whole block, with the CPU routing itself; rows routed differently are left out.
+    const int64_t counted = c.tokens - 7;  // a trailing padding document is not counted
+    const ops::MoeOutput cpu = ops::moe_forward(c.cfg, d.cpu, f32(d.x), counted);
+    poison_cache({{c.tokens, c.dim}}, DType::bf16);
+    const ops::MoeOutput gpu = cuda::moe_forward(c.cfg, d.gpu, xg, counted);
+    const std::vector<int64_t> bad = mismatched_rows(gpu.routing.indices, cpu.routing.indices);
+    EXPECT_LE(int64_t(bad.size()), std::max<int64_t>(1, c.tokens / 100)) << ctx(case_name(c));
+    EXPECT_CLOSE(rows_except(gpu.y, bad), rows_except(cpu.y, bad), 1e-2,
+                 "moe_forward " + case_name(c));
+    const Tensor counts_ref = ops::moe_expert_counts(to_cpu(gpu.routing), c.cfg.n_experts, counted);
+    EXPECT_TRUE(bit_identical(gpu.expert_counts, counts_ref)) << ctx("expert counts");
+  }
+#endif
+}
+
+TEST(CudaOpsMoe, BackwardMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 500;
+  for (const MoeCase& c : moe_cases()) {
+    const MoeData d = make_data(c, stream += 20);
+    const Tensor xg = d.x.to(kGpu);
+    const Tensor dy = random_cpu({c.tokens, c.dim}, DType::bf16, stream + 11);
+    const Tensor d_logits_extra =
+        random_cpu({c.tokens, c.cfg.n_experts}, DType::f32, stream + 12, 1e-2);
+
+    cuda::MoeContext gctx;
+    const ops::MoeOutput gpu = cuda::moe_forward(c.cfg, d.gpu, xg, -1, &gctx);
+    // The CPU backward on the GPU's routing (the selection is an input of the backward).
+    ops::MoeContext cctx;
+    cctx.x = f32(d.x);
+    cctx.routing = to_cpu(gpu.routing);
+    ops::mlp_forward(d.cpu.shared, cctx.x, c.cfg.swiglu_limit, cctx.shared);
+    ops::MoeParams cgrad;
+    const Tensor dx_ref = ops::moe_backward(c.cfg, d.cpu, cctx, f32(dy), cgrad, d_logits_extra);
+
+    for (cuda::GroupedGemmBackend backend : kBackends) {
+      const std::string what = case_name(c) + " " + backend_name(backend);
+      ops::MoeParams ggrad, ggrad2;
+      poison_cache({{c.tokens, c.dim}}, DType::bf16);
+      const Tensor dx = cuda::moe_backward(c.cfg, d.gpu, gctx, dy.to(kGpu), ggrad,
+                                           d_logits_extra.to(kGpu), backend);
+      EXPECT_CLOSE(dx, dx_ref, 1e-2, "dx " + what);
+      EXPECT_CLOSE(ggrad.router_weight, cgrad.router_weight, 1e-2, "d router " + what);
+      EXPECT_CLOSE(ggrad.gate_up_proj, cgrad.gate_up_proj, 1e-2, "d gate_up_proj " + what);
+      EXPECT_CLOSE(ggrad.down_proj, cgrad.down_proj, 1e-2, "d down_proj " + what);
+      EXPECT_CLOSE(ggrad.shared.gate_proj, cgrad.shared.gate_proj, 1e-2, "d shared gate " + what);
+      EXPECT_CLOSE(ggrad.shared.up_proj, cgrad.shared.up_proj, 1e-2, "d shared up " + what);
+      EXPECT_CLOSE(ggrad.shared.down_proj, cgrad.shared.down_proj, 1e-2, "d shared down " + what);
+      EXPECT_FALSE(ggrad.e_score_correction_bias.defined()) << "the correction bias got a gradient";
+
+      poison_cache({{c.tokens, c.dim}}, DType::bf16);
+      const Tensor dx2 = cuda::moe_backward(c.cfg, d.gpu, gctx, dy.to(kGpu), ggrad2,
+                                            d_logits_extra.to(kGpu), backend);
+      EXPECT_TRUE(bit_identical(dx, dx2) &&
+                  bit_identical(ggrad.router_weight, ggrad2.router_weight) &&
+                  bit_identical(ggrad.gate_up_proj, ggrad2.gate_up_proj) &&
+                  bit_identical(ggrad.down_proj, ggrad2.down_proj))
+          << ctx("backward rerun " + what);
+    }
+  }
+#endif
+}
+
+TEST(CudaOpsMoe, RouteBackwardMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 700;
+  for (const MoeCase& c : moe_cases()) {
+    for (bool norm : {true, false}) {
+      MoeCase cc = c;
+      cc.cfg.norm_topk_prob = norm;
+      const MoeData d = make_data(cc, stream += 20);
+      const ops::Routing routing =
+          cuda::moe_route(cc.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, d.x.to(kGpu));
+      const Tensor dw = random_cpu({cc.tokens, cc.cfg.top_k}, DType::f32, stream + 5);
+      const Tensor ref = ops::moe_route_backward(cc.cfg, to_cpu(routing), dw);
+      const Tensor got = cuda::moe_route_backward(cc.cfg, routing, dw.to(kGpu));
+      EXPECT_CLOSE(got, ref, 1e-5,
+                   "route backward " + case_name(cc) + (norm ? " normalised" : " plain"));
+    }
+  }
+#endif
+}
