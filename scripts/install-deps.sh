@@ -10,6 +10,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   clang-14 libclang-rt-14-dev clang-format
   libjpeg62-turbo-dev libpng-dev libwebp-dev libgif-dev libexif-dev
+  libavformat-dev libavcodec-dev libavutil-dev libswscale-dev
 )
 
 missing=()

@@ -22,7 +22,7 @@ carry="${GLMTUNE_GPU_CARRY:-$root/.gpu-carry}"
 
 # Statically linked libstdc++/libgcc: the GPU machine's C++ runtime never matters.
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGLMTUNE_CUDA=ON \
-  -DGLMTUNE_STATIC_RUNTIME=ON -DGLMTUNE_TESTS=ON -DGLMTUNE_BENCH=ON >/dev/null
+  -DGLMTUNE_STATIC_RUNTIME=ON -DGLMTUNE_TESTS=ON -DGLMTUNE_BENCH=ON -DGLMTUNE_VIDEO=OFF >/dev/null
 
 tests=()
 only="${GLMTUNE_GPU_ONLY:-.}"

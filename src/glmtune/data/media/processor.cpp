@@ -31,6 +31,12 @@ ProcessorConfig ProcessorConfig::from_file(const std::string& path) {
 }
 
 ProcessorConfig ProcessorConfig::from_json_text(std::string_view text, const std::string& source) {
+  return from_json_section(text, source, "image_processor", ProcessorConfig{});
+}
+
+ProcessorConfig ProcessorConfig::from_json_section(std::string_view text, const std::string& source,
+                                                   std::string_view section_name,
+                                                   const ProcessorConfig& defaults) {
   nlohmann::json doc;
   try {
     doc = nlohmann::json::parse(text);
@@ -39,10 +45,11 @@ ProcessorConfig ProcessorConfig::from_json_text(std::string_view text, const std
                 "fix the file or use the processor_config.json of the released model");
   }
   const nlohmann::json* section = &doc;
-  if (doc.is_object() && doc.contains("image_processor")) section = &doc["image_processor"];
+  const std::string key(section_name);
+  if (doc.is_object() && doc.contains(key)) section = &doc[key];
   if (!section->is_object())
-    throw Error("expected a JSON object with the image processor settings", source);
-  ProcessorConfig config;
+    throw Error(fmt::format("expected a JSON object with the {} settings", key), source);
+  ProcessorConfig config = defaults;
   auto get_int = [&](const char* key, int64_t& out) {
     if (!section->contains(key)) return;
     const auto& v = (*section)[key];
@@ -333,14 +340,15 @@ RgbImage resize_bicubic_antialias(const RgbImage& image, int64_t height, int64_t
   return current;
 }
 
-RgbImage resize_and_pad(const ProcessorConfig& config, const RgbImage& image) {
-  const ImageGeometry g = image_geometry(config, image.height, image.width);
+RgbImage resize_and_pad_to(const RgbImage& image, int64_t content_height, int64_t content_width,
+                           int64_t canvas_height, int64_t canvas_width) {
+  const bool resized = content_height != image.height || content_width != image.width;
   const RgbImage content =
-      g.resized() ? resize_bicubic_antialias(image, g.content_height, g.content_width) : image;
-  if (g.canvas_height == content.height && g.canvas_width == content.width) return content;
+      resized ? resize_bicubic_antialias(image, content_height, content_width) : image;
+  if (canvas_height == content.height && canvas_width == content.width) return content;
   RgbImage canvas;
-  canvas.height = g.canvas_height;
-  canvas.width = g.canvas_width;
+  canvas.height = canvas_height;
+  canvas.width = canvas_width;
   canvas.pixels.assign(size_t(canvas.height * canvas.width * 3), 0);
   for (int64_t y = 0; y < content.height; ++y)
     std::memcpy(&canvas.pixels[size_t(y * canvas.width * 3)],
@@ -348,22 +356,23 @@ RgbImage resize_and_pad(const ProcessorConfig& config, const RgbImage& image) {
   return canvas;
 }
 
+RgbImage resize_and_pad(const ProcessorConfig& config, const RgbImage& image) {
+  const ImageGeometry g = image_geometry(config, image.height, image.width);
+  return resize_and_pad_to(image, g.content_height, g.content_width, g.canvas_height,
+                           g.canvas_width);
+}
+
 // ---- Normalise and patchify --------------------------------------------------------------------
 
-std::array<int64_t, 2> process_image_into(const ProcessorConfig& config, const RgbImage& image,
-                                          std::vector<float>& rows) {
-  if (image.height <= 0 || image.width <= 0 ||
-      image.pixels.size() != size_t(image.height * image.width * 3))
-    throw Error(fmt::format("image of {}x{} with {} bytes is not an RGB8 image", image.height,
-                            image.width, image.pixels.size()),
-                "image processor");
-  const RgbImage canvas = resize_and_pad(config, image);
+void write_canvas_rows(const ProcessorConfig& config, const RgbImage& canvas, int64_t slot,
+                       float* rows) {
   const int64_t p = config.patch_size, m = config.merge_size, t = config.temporal_patch_size;
   if (canvas.height % (p * m) != 0 || canvas.width % (p * m) != 0)
     throw Error(fmt::format("the {}x{} image is not a whole number of {}x{} merge blocks (resizing "
                             "is off in the processor config)",
                             canvas.height, canvas.width, p * m, p * m),
                 "image processor", "enable do_resize or pass images of a matching size");
+  GLMTUNE_ASSERT(slot >= 0 && slot < t, "temporal slot {} of {}", slot, t);
   // Fused rescale + normalise, with the constants as torch rounds them: the float32 mean/std
   // tensors times 1/rescale_factor (a float32 product), then (x − m′) / s′ in float32.
   float mean[3], stdev[3];
@@ -388,29 +397,53 @@ std::array<int64_t, 2> process_image_into(const ProcessorConfig& config, const R
 
   const int64_t gh = canvas.height / p, gw = canvas.width / p;
   const int64_t row_size = 3 * t * p * p;
-  const size_t base = rows.size();
-  rows.resize(base + size_t(gh * gw * row_size));
-  float* out = rows.data() + base;
   // Rows in merge-block-major order: block (bh, bw), then (mh, mw) inside it; each row holds
-  // (channel, frame, i, j) with the same frame twice.
+  // (channel, frame, i, j).
   int64_t r = 0;
   for (int64_t bh = 0; bh < gh / m; ++bh)
     for (int64_t bw = 0; bw < gw / m; ++bw)
       for (int64_t mh = 0; mh < m; ++mh)
         for (int64_t mw = 0; mw < m; ++mw, ++r) {
           const int64_t ph = bh * m + mh, pw = bw * m + mw;
-          float* row = out + r * row_size;
+          float* row = rows + r * row_size;
           for (int c = 0; c < 3; ++c) {
-            float* first = row + (c * t) * p * p;
+            float* plane = row + (c * t + slot) * p * p;
             for (int64_t i = 0; i < p; ++i) {
               const uint8_t* src =
                   &canvas.pixels[size_t(((ph * p + i) * canvas.width + pw * p) * 3)];
-              for (int64_t j = 0; j < p; ++j) first[i * p + j] = value(src[j * 3 + c], c);
+              for (int64_t j = 0; j < p; ++j) plane[i * p + j] = value(src[j * 3 + c], c);
             }
-            for (int64_t f = 1; f < t; ++f)
-              std::memcpy(first + f * p * p, first, size_t(p * p) * sizeof(float));
           }
         }
+}
+
+void copy_temporal_slot(const ProcessorConfig& config, float* rows, int64_t count, int64_t from,
+                        int64_t to) {
+  const int64_t p = config.patch_size, t = config.temporal_patch_size;
+  const int64_t row_size = 3 * t * p * p;
+  for (int64_t r = 0; r < count; ++r)
+    for (int c = 0; c < 3; ++c)
+      std::memcpy(rows + r * row_size + (c * t + to) * p * p,
+                  rows + r * row_size + (c * t + from) * p * p, size_t(p * p) * sizeof(float));
+}
+
+std::array<int64_t, 2> process_image_into(const ProcessorConfig& config, const RgbImage& image,
+                                          std::vector<float>& rows) {
+  if (image.height <= 0 || image.width <= 0 ||
+      image.pixels.size() != size_t(image.height * image.width * 3))
+    throw Error(fmt::format("image of {}x{} with {} bytes is not an RGB8 image", image.height,
+                            image.width, image.pixels.size()),
+                "image processor");
+  const RgbImage canvas = resize_and_pad(config, image);
+  const int64_t p = config.patch_size;
+  const int64_t gh = canvas.height / p, gw = canvas.width / p;
+  const size_t base = rows.size();
+  rows.resize(base + size_t(gh * gw * config.row_size()));
+  float* out = rows.data() + base;
+  write_canvas_rows(config, canvas, 0, out);
+  // The image is its own second frame.
+  for (int64_t f = 1; f < config.temporal_patch_size; ++f)
+    copy_temporal_slot(config, out, gh * gw, 0, f);
   return {gh, gw};
 }
 

@@ -50,6 +50,11 @@ struct ProcessorConfig {
   // glmtune::Errors naming the file and key.
   static ProcessorConfig from_file(const std::string& path);
   static ProcessorConfig from_json_text(std::string_view text, const std::string& source);
+  // The same for any section ("video_processor" for the video processor's geometry), starting
+  // from `defaults`; a file without that section is read as the bare section.
+  static ProcessorConfig from_json_section(std::string_view text, const std::string& source,
+                                           std::string_view section,
+                                           const ProcessorConfig& defaults);
 
   // The canvas alignment: patch · merge · expand = 28.
   int64_t factor() const { return patch_size * merge_size * patch_expand_factor; }
@@ -89,6 +94,18 @@ RgbImage resize_bicubic_antialias(const RgbImage& image, int64_t height, int64_t
 // The uint8 canvas the reference normalises: resized to the content size if needed, zero-padded
 // at the bottom and right.
 RgbImage resize_and_pad(const ProcessorConfig& config, const RgbImage& image);
+
+// Writes the patch rows of one uint8 canvas (whole merge blocks) as temporal slot `slot` of
+// gh·gw consecutive rows starting at `rows`, normalised as the reference does. Images fill slot 0
+// and copy it to the other slots; video frame f of a tubelet fills slot f.
+void write_canvas_rows(const ProcessorConfig& config, const RgbImage& canvas, int64_t slot,
+                       float* rows);
+// Copies temporal slot `from` to slot `to` in `count` rows (frame duplication / padding).
+void copy_temporal_slot(const ProcessorConfig& config, float* rows, int64_t count, int64_t from,
+                        int64_t to);
+// Resizes to the content size (when it differs) and zero-pads to the canvas.
+RgbImage resize_and_pad_to(const RgbImage& image, int64_t content_height, int64_t content_width,
+                           int64_t canvas_height, int64_t canvas_width);
 
 struct ProcessedImages {
   Tensor pixel_values;              // f32 [Σ gh·gw, row_size], images in input order
