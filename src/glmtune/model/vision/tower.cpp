@@ -19,6 +19,8 @@ const std::string kPrefix = "model.visual.";
 // Rows of a query block scored at once: bounds the score buffer to kQueryBlock × segment length,
 // so that a full-resolution image (tens of thousands of rows) never needs a square matrix.
 constexpr int64_t kQueryBlock = 256;
+// torch.nn.LayerNorm's default, which the merger's post_projection_norm keeps.
+constexpr double kLayerNormEps = 1e-5;
 
 Tensor fetch(const std::function<Tensor(const std::string&)>& get, const std::string& name,
              const Shape& shape, DType dtype) {
@@ -171,7 +173,8 @@ void check_inputs(const VisionConfig& config, const Tensor& pixel_rows,
 
 template <typename T>
 VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params,
-                          const Tensor& pixel_rows, std::span<const GridThw> grid) {
+                          const Tensor& pixel_rows, std::span<const GridThw> grid,
+                          VisionContext* ctx) {
   const int64_t n = pixel_rows.size(0);
   const int64_t d = config.hidden_size, heads = config.num_heads, hd = config.head_dim();
   const double eps = config.rms_norm_eps, limit = config.swiglu_limit;
@@ -179,15 +182,24 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   const Rope<T> rope =
       rope_tables<T>(vision_position_ids(grid, config.spatial_merge_size), hd, config.rope_theta);
 
-  Tensor x = ops::linear(pixel_rows.to(params.dtype).contiguous(), params.patch_embed_w,
-                         params.patch_embed_b);
+  const Tensor pixels = pixel_rows.to(params.dtype).contiguous();
+  Tensor x = ops::linear(pixels, params.patch_embed_w, params.patch_embed_b);
+  if (ctx) {
+    ctx->grid.assign(grid.begin(), grid.end());
+    ctx->pixels = pixels;
+    ctx->blocks.clear();
+  }
   for (const VisionBlockParams& b : params.blocks) {
-    const Tensor a = ops::rms_norm(x, b.norm1, eps);
+    VisionBlockContext bc;
+    if (ctx) bc.input = x.clone();
+    Tensor* rstd = ctx ? &bc.rstd1 : nullptr;
+    const Tensor a = ops::rms_norm(x, b.norm1, eps, rstd);
     const Tensor qkv = ops::linear(a, b.qkv_w, b.qkv_b);  // [N, 3D]
     // Q and K: per-head RMSNorm over the head dim (one weight for all heads), then the rotation.
-    Tensor q = ops::rms_norm(qkv.slice(1, 0, d).contiguous().view({n * heads, hd}), b.q_norm, eps);
-    Tensor k =
-        ops::rms_norm(qkv.slice(1, d, 2 * d).contiguous().view({n * heads, hd}), b.k_norm, eps);
+    Tensor q = ops::rms_norm(qkv.slice(1, 0, d).contiguous().view({n * heads, hd}), b.q_norm, eps,
+                             ctx ? &bc.q_rstd : nullptr);
+    Tensor k = ops::rms_norm(qkv.slice(1, d, 2 * d).contiguous().view({n * heads, hd}), b.k_norm,
+                             eps, ctx ? &bc.k_rstd : nullptr);
     apply_rope<T>(q.data<T>(), n, heads, hd, rope);
     apply_rope<T>(k.data<T>(), n, heads, hd, rope);
     Tensor attn = Tensor::empty({n, d}, params.dtype);
@@ -195,22 +207,253 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
                          heads, hd, cu_seqlens, 1.0 / std::sqrt(double(hd)));
     ops::linear_out(x, attn, b.proj_w, b.proj_b, /*accumulate=*/true);
 
-    const Tensor m = ops::rms_norm(x, b.norm2, eps);
-    const Tensor z = ops::swiglu_clamped(ops::linear(m, b.gate_w, b.gate_b),
-                                         ops::linear(m, b.up_w, b.up_b), limit);
+    const Tensor m = ops::rms_norm(x, b.norm2, eps, ctx ? &bc.rstd2 : nullptr);
+    Tensor gate = ops::linear(m, b.gate_w, b.gate_b), up = ops::linear(m, b.up_w, b.up_b);
+    const Tensor z = ops::swiglu_clamped(gate, up, limit);
+    if (ctx) {
+      bc.normed1 = a;
+      bc.qkv = qkv;
+      bc.q = q;
+      bc.k = k;
+      bc.attn = attn;
+      bc.mid = x.clone();
+      bc.normed2 = m;
+      bc.gate = gate;
+      bc.up = up;
+      bc.act = z;
+      ctx->blocks.push_back(std::move(bc));
+    }
     ops::linear_out(x, z, b.down_w, b.down_b, /*accumulate=*/true);
   }
-  x = ops::rms_norm(x, params.post_layernorm, eps);
+  if (ctx) ctx->final_hidden = x;
+  x = ops::rms_norm(x, params.post_layernorm, eps, ctx ? &ctx->post_rstd : nullptr);
   const int64_t merge = config.spatial_merge_size * config.spatial_merge_size;
   VisionOutput out;
   out.last_hidden_state =
       ops::linear(x.view({n / merge, merge * d}), params.downsample_w, params.downsample_b);
-  Tensor h = ops::linear(out.last_hidden_state, params.merger_proj);
-  h = ops::layer_norm(h, params.merger_norm_w, params.merger_norm_b, 1e-5);
+  const Tensor projected = ops::linear(out.last_hidden_state, params.merger_proj);
+  Tensor h = ops::layer_norm(projected, params.merger_norm_w, params.merger_norm_b, kLayerNormEps,
+                             ctx ? &ctx->ln_mean : nullptr, ctx ? &ctx->ln_rstd : nullptr);
+  if (ctx) ctx->ln_out = h.clone();
   gelu_erf<T>(h);
   ops::MlpParams mlp{params.merger_gate, params.merger_up, params.merger_down};
-  out.pooler_output = ops::mlp_forward(mlp, h, limit);
+  if (ctx) {
+    ctx->post_normed = x;
+    ctx->downsampled = out.last_hidden_state;
+    ctx->projected = projected;
+    out.pooler_output = ops::mlp_forward(mlp, h, limit, ctx->merger);
+  } else {
+    out.pooler_output = ops::mlp_forward(mlp, h, limit);
+  }
   return out;
+}
+
+// ---- Backward helpers -------------------------------------------------------------------------
+
+// Adds `src` into `dst` elementwise (same shape, both contiguous).
+template <typename T>
+void add_into(Tensor& dst, const Tensor& src) {
+  T* a = dst.data<T>();
+  const T* b = src.data<T>();
+  for (int64_t i = 0; i < dst.numel(); ++i) a[i] += b[i];
+}
+
+// Transpose of apply_rope (the rotation is orthogonal): with d' the gradient of the rotated pair,
+// da = d'[m]·cos + d'[m+hd/2]·sin and db = d'[m+hd/2]·cos − d'[m]·sin.
+template <typename T>
+void apply_rope_backward(T* dx, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
+  const int64_t half = hd / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    const T* c = &rope.cos[size_t(r * hd)];
+    const T* s = &rope.sin[size_t(r * hd)];
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = dx + (r * heads + h) * hd;
+      for (int64_t m = 0; m < half; ++m) {
+        const T da = v[m], db = v[m + half];
+        v[m] = da * c[m] + db * s[m + half];
+        v[m + half] = db * c[m + half] - da * s[m];
+      }
+    }
+  }
+}
+
+// Backward of segment_attention. The probabilities of a query block are recomputed from q and k
+// exactly as the forward computed them; with O = P·V and dO its gradient:
+//   dV += Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ⊙ (dP − rowsum(dO ⊙ O)),  dQ = scale·dS·K,  dK +=
+//   scale·dSᵀ·Q.
+// dq, dk, dv are written (not accumulated) with the layouts of q, k, v.
+template <typename T>
+void segment_attention_backward(const T* q, const T* k, const T* v, int64_t v_stride, const T* out,
+                                const T* dout, T* dq, T* dk, T* dv, int64_t dv_stride,
+                                int64_t heads, int64_t hd, const std::vector<int64_t>& cu_seqlens,
+                                double scale) {
+  const int64_t d = heads * hd;
+  std::vector<T> probs, dprobs;
+  std::vector<double> delta;
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
+    if (len == 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = start * d + h * hd;
+      const T* qh = q + off;
+      const T* kh = k + off;
+      const T* vh = v + start * v_stride + h * hd;
+      const T* oh = out + off;
+      const T* doh = dout + off;
+      T* dqh = dq + off;
+      T* dkh = dk + off;
+      T* dvh = dv + start * dv_stride + h * hd;
+      for (int64_t r = 0; r < len; ++r) {
+        std::fill(dkh + r * d, dkh + r * d + hd, T(0));
+        std::fill(dvh + r * dv_stride, dvh + r * dv_stride + hd, T(0));
+      }
+      for (int64_t q0 = 0; q0 < len; q0 += kQueryBlock) {
+        const int64_t rows = std::min(kQueryBlock, len - q0);
+        probs.resize(size_t(rows * len));
+        dprobs.resize(size_t(rows * len));
+        delta.assign(size_t(rows), 0.0);
+        ops::gemm<T>(false, true, rows, len, hd, T(scale), qh + q0 * d, d, kh, d, T(0),
+                     probs.data(), len);
+        for (int64_t i = 0; i < rows; ++i) {
+          T* row = &probs[size_t(i * len)];
+          const T mx = *std::max_element(row, row + len);
+          double sum = 0.0;
+          for (int64_t j = 0; j < len; ++j) {
+            row[j] = std::exp(row[j] - mx);
+            sum += double(row[j]);
+          }
+          const T inv = T(1.0 / sum);
+          for (int64_t j = 0; j < len; ++j) row[j] *= inv;
+          const T* o_row = oh + (q0 + i) * d;
+          const T* do_row = doh + (q0 + i) * d;
+          for (int64_t e = 0; e < hd; ++e) delta[size_t(i)] += double(o_row[e]) * double(do_row[e]);
+        }
+        // dV += Pᵀ dO ; dP = dO Vᵀ
+        ops::gemm<T>(true, false, len, hd, rows, T(1), probs.data(), len, doh + q0 * d, d, T(1),
+                     dvh, dv_stride);
+        ops::gemm<T>(false, true, rows, len, hd, T(1), doh + q0 * d, d, vh, v_stride, T(0),
+                     dprobs.data(), len);
+        for (int64_t i = 0; i < rows; ++i) {
+          T* dp = &dprobs[size_t(i * len)];
+          const T* p = &probs[size_t(i * len)];
+          const T dl = T(delta[size_t(i)]);
+          for (int64_t j = 0; j < len; ++j) dp[j] = p[j] * (dp[j] - dl);
+        }
+        ops::gemm<T>(false, false, rows, hd, len, T(scale), dprobs.data(), len, kh, d, T(0),
+                     dqh + q0 * d, d);
+        ops::gemm<T>(true, false, len, hd, rows, T(scale), dprobs.data(), len, qh + q0 * d, d, T(1),
+                     dkh, d);
+      }
+    }
+  }
+}
+
+// d/dx x·Φ(x) = Φ(x) + x·φ(x); dy is overwritten with dx.
+template <typename T>
+void gelu_erf_backward(const Tensor& x, Tensor& dy) {
+  const T* p = x.data<T>();
+  T* g = dy.data<T>();
+  constexpr double inv_sqrt2 = 0.70710678118654752440;
+  constexpr double inv_sqrt_2pi = 0.39894228040143267794;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double v = double(p[i]);
+    const double cdf = 0.5 * (1.0 + std::erf(v * inv_sqrt2));
+    const double pdf = inv_sqrt_2pi * std::exp(-0.5 * v * v);
+    g[i] = T(double(g[i]) * (cdf + v * pdf));
+  }
+}
+
+template <typename T>
+Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
+                     const VisionContext& ctx, const Tensor& d_pooler, VisionGrads& grads,
+                     const VisionBackwardOptions& options) {
+  const int64_t n = ctx.pixels.size(0);
+  const int64_t d = config.hidden_size, heads = config.num_heads, hd = config.head_dim();
+  const double eps = config.rms_norm_eps, limit = config.swiglu_limit;
+  const int64_t merge = config.spatial_merge_size * config.spatial_merge_size;
+  VisionParams& g = grads.params;
+  const bool proj = options.train_projector;
+  auto grad_of = [](bool train, Tensor& t) { return train ? &t : nullptr; };
+
+  // Merger: clamped SwiGLU <- GELU <- LayerNorm <- proj; then the downsample.
+  ops::MlpParams mlp{params.merger_gate, params.merger_up, params.merger_down};
+  const bool need_dx = options.train_tower || options.pixel_grad;
+  if (!proj && !need_dx) return Tensor();
+  const Tensor dy = d_pooler.to(params.dtype).contiguous();
+  Tensor dh;
+  if (proj) {
+    ops::MlpParams mlp_grads{g.merger_gate, g.merger_up, g.merger_down};
+    dh = ops::mlp_backward(mlp, ctx.merger, dy, limit, mlp_grads);
+  } else {
+    // Frozen projector: the same chain without any weight gradient.
+    const Tensor act = ops::swiglu_clamped(ctx.merger.gate, ctx.merger.up, limit);
+    Tensor dgate, dup;
+    ops::swiglu_clamped_backward(ctx.merger.gate, ctx.merger.up,
+                                 ops::linear_backward(dy, act, params.merger_down, nullptr), limit,
+                                 dgate, dup);
+    dh = ops::linear_backward(dgate, ctx.merger.x, params.merger_gate, nullptr);
+    add_into<T>(dh, ops::linear_backward(dup, ctx.merger.x, params.merger_up, nullptr));
+  }
+  gelu_erf_backward<T>(ctx.ln_out, dh);
+  dh = ops::layer_norm_backward(dh, ctx.projected, params.merger_norm_w, kLayerNormEps, ctx.ln_mean,
+                                ctx.ln_rstd, grad_of(proj, g.merger_norm_w),
+                                grad_of(proj, g.merger_norm_b));
+  dh = ops::linear_backward(dh, ctx.downsampled, params.merger_proj, grad_of(proj, g.merger_proj));
+  Tensor dx =
+      ops::linear_backward(dh, ctx.post_normed.view({n / merge, merge * d}), params.downsample_w,
+                           grad_of(proj, g.downsample_w), grad_of(proj, g.downsample_b), need_dx);
+  if (!need_dx) return Tensor();
+  dx = dx.view({n, d});
+
+  const bool tower = options.train_tower;
+  dx = ops::rms_norm_backward(dx, ctx.final_hidden, params.post_layernorm, eps, ctx.post_rstd,
+                              grad_of(tower, g.post_layernorm));
+  const std::vector<int64_t> cu_seqlens = vision_cu_seqlens(ctx.grid);
+  const Rope<T> rope = rope_tables<T>(vision_position_ids(ctx.grid, config.spatial_merge_size), hd,
+                                      config.rope_theta);
+  for (int64_t l = int64_t(params.blocks.size()) - 1; l >= 0; --l) {
+    const VisionBlockParams& b = params.blocks[size_t(l)];
+    const VisionBlockContext& bc = ctx.blocks[size_t(l)];
+    VisionBlockParams& bg = g.blocks[size_t(l)];
+    // MLP branch: x_out = mid + down(act(gate(m), up(m))), m = norm2(mid).
+    const Tensor dact = ops::linear_backward(dx, bc.act, b.down_w, grad_of(tower, bg.down_w),
+                                             grad_of(tower && b.down_b.defined(), bg.down_b));
+    Tensor dgate, dup;
+    ops::swiglu_clamped_backward(bc.gate, bc.up, dact, limit, dgate, dup);
+    Tensor dm = ops::linear_backward(dgate, bc.normed2, b.gate_w, grad_of(tower, bg.gate_w),
+                                     grad_of(tower && b.gate_b.defined(), bg.gate_b));
+    add_into<T>(dm, ops::linear_backward(dup, bc.normed2, b.up_w, grad_of(tower, bg.up_w),
+                                         grad_of(tower && b.up_b.defined(), bg.up_b)));
+    add_into<T>(
+        dx, ops::rms_norm_backward(dm, bc.mid, b.norm2, eps, bc.rstd2, grad_of(tower, bg.norm2)));
+
+    // Attention branch: mid = input + proj(attn(rope(qnorm(Q)), rope(knorm(K)), V)).
+    const Tensor dattn = ops::linear_backward(dx, bc.attn, b.proj_w, grad_of(tower, bg.proj_w),
+                                              grad_of(tower && b.proj_b.defined(), bg.proj_b));
+    Tensor dq = Tensor::empty({n * heads, hd}, params.dtype);
+    Tensor dk = Tensor::empty({n * heads, hd}, params.dtype);
+    Tensor dqkv = Tensor::empty({n, 3 * d}, params.dtype);
+    segment_attention_backward<T>(bc.q.data<T>(), bc.k.data<T>(), bc.qkv.data<T>() + 2 * d, 3 * d,
+                                  bc.attn.data<T>(), dattn.data<T>(), dq.data<T>(), dk.data<T>(),
+                                  dqkv.data<T>() + 2 * d, 3 * d, heads, hd, cu_seqlens,
+                                  1.0 / std::sqrt(double(hd)));
+    apply_rope_backward<T>(dq.data<T>(), n, heads, hd, rope);
+    apply_rope_backward<T>(dk.data<T>(), n, heads, hd, rope);
+    const Tensor dq_raw =
+        ops::rms_norm_backward(dq, bc.qkv.slice(1, 0, d).contiguous().view({n * heads, hd}),
+                               b.q_norm, eps, bc.q_rstd, grad_of(tower, bg.q_norm));
+    const Tensor dk_raw =
+        ops::rms_norm_backward(dk, bc.qkv.slice(1, d, 2 * d).contiguous().view({n * heads, hd}),
+                               b.k_norm, eps, bc.k_rstd, grad_of(tower, bg.k_norm));
+    dqkv.slice(1, 0, d).copy_(dq_raw.view({n, d}));
+    dqkv.slice(1, d, 2 * d).copy_(dk_raw.view({n, d}));
+    const Tensor da = ops::linear_backward(dqkv, bc.normed1, b.qkv_w, grad_of(tower, bg.qkv_w),
+                                           grad_of(tower && b.qkv_b.defined(), bg.qkv_b));
+    add_into<T>(
+        dx, ops::rms_norm_backward(da, bc.input, b.norm1, eps, bc.rstd1, grad_of(tower, bg.norm1)));
+  }
+  return ops::linear_backward(dx, ctx.pixels, params.patch_embed_w, grad_of(tower, g.patch_embed_w),
+                              grad_of(tower, g.patch_embed_b), options.pixel_grad);
 }
 
 }  // namespace
@@ -319,13 +562,141 @@ std::vector<int64_t> vision_cu_seqlens(std::span<const GridThw> grid) {
 }
 
 VisionOutput vision_forward(const VisionConfig& config, const VisionParams& params,
-                            const Tensor& pixel_rows, std::span<const GridThw> grid) {
+                            const Tensor& pixel_rows, std::span<const GridThw> grid,
+                            VisionContext* context) {
   check_inputs(config, pixel_rows, grid);
   if (int64_t(params.blocks.size()) != config.depth)
     throw InternalError(fmt::format("vision params hold {} blocks, config depth is {}",
                                     params.blocks.size(), config.depth));
-  if (params.dtype == DType::f64) return forward_impl<double>(config, params, pixel_rows, grid);
-  return forward_impl<float>(config, params, pixel_rows, grid);
+  if (params.dtype == DType::f64)
+    return forward_impl<double>(config, params, pixel_rows, grid, context);
+  return forward_impl<float>(config, params, pixel_rows, grid, context);
+}
+
+Tensor vision_backward(const VisionConfig& config, const VisionParams& params,
+                       const VisionContext& context, const Tensor& d_pooler, VisionGrads& grads,
+                       const VisionBackwardOptions& options) {
+  const int64_t n = context.pixels.size(0);
+  const int64_t rows = n / (config.spatial_merge_size * config.spatial_merge_size);
+  if (context.blocks.size() != params.blocks.size() || !context.merger.x.defined())
+    throw InternalError("vision_backward needs the context of a forward run with one");
+  GLMTUNE_ASSERT(
+      d_pooler.dim() == 2 && d_pooler.size(0) == rows && d_pooler.size(1) == config.out_hidden_size,
+      "d_pooler has shape {}, expected [{}, {}]", shape_str(d_pooler.shape()), rows,
+      config.out_hidden_size);
+  GLMTUNE_ASSERT(
+      grads.params.dtype == params.dtype && grads.params.blocks.size() == params.blocks.size(),
+      "vision gradient buffers do not mirror the parameters");
+  if (params.dtype == DType::f64)
+    return backward_impl<double>(config, params, context, d_pooler, grads, options);
+  return backward_impl<float>(config, params, context, d_pooler, grads, options);
+}
+
+namespace {
+
+// Applies `fn(param, grad)` to every pair of corresponding tensors of two VisionParams.
+template <typename Fn>
+void for_each_pair(const VisionParams& p, VisionParams& g, Fn&& fn) {
+  fn(p.patch_embed_w, g.patch_embed_w);
+  fn(p.patch_embed_b, g.patch_embed_b);
+  for (size_t l = 0; l < p.blocks.size(); ++l) {
+    const VisionBlockParams& a = p.blocks[l];
+    VisionBlockParams& b = g.blocks[l];
+    fn(a.norm1, b.norm1);
+    fn(a.norm2, b.norm2);
+    fn(a.qkv_w, b.qkv_w);
+    fn(a.qkv_b, b.qkv_b);
+    fn(a.q_norm, b.q_norm);
+    fn(a.k_norm, b.k_norm);
+    fn(a.proj_w, b.proj_w);
+    fn(a.proj_b, b.proj_b);
+    fn(a.gate_w, b.gate_w);
+    fn(a.gate_b, b.gate_b);
+    fn(a.up_w, b.up_w);
+    fn(a.up_b, b.up_b);
+    fn(a.down_w, b.down_w);
+    fn(a.down_b, b.down_b);
+  }
+  fn(p.post_layernorm, g.post_layernorm);
+  fn(p.downsample_w, g.downsample_w);
+  fn(p.downsample_b, g.downsample_b);
+  fn(p.merger_proj, g.merger_proj);
+  fn(p.merger_norm_w, g.merger_norm_w);
+  fn(p.merger_norm_b, g.merger_norm_b);
+  fn(p.merger_gate, g.merger_gate);
+  fn(p.merger_up, g.merger_up);
+  fn(p.merger_down, g.merger_down);
+}
+
+}  // namespace
+
+VisionGrads VisionGrads::zeros_like(const VisionParams& params) {
+  VisionGrads grads;
+  grads.params.dtype = params.dtype;
+  grads.params.blocks.resize(params.blocks.size());
+  for_each_pair(params, grads.params, [](const Tensor& p, Tensor& g) {
+    if (p.defined()) g = Tensor::zeros(p.shape(), p.dtype());
+  });
+  return grads;
+}
+
+void VisionGrads::zero() {
+  const VisionParams& self = params;
+  for_each_pair(self, params, [](const Tensor&, Tensor& g) {
+    if (g.defined()) g.zero_();
+  });
+}
+
+bool is_projector_param(const std::string& name) {
+  return name.starts_with(kPrefix + "downsample.") || name.starts_with(kPrefix + "merger.");
+}
+
+std::vector<std::pair<std::string, Tensor>> VisionGrads::released(const VisionConfig& config,
+                                                                  Part part) const {
+  const VisionParams& g = params;
+  std::vector<std::pair<std::string, Tensor>> out;
+  const bool tower = part != Part::projector, projector = part != Part::tower;
+  auto add = [&](const std::string& name, const Tensor& t) {
+    if (t.defined()) out.emplace_back(kPrefix + name, t.clone());
+  };
+  if (tower) {
+    add("patch_embed.proj.weight",
+        g.patch_embed_w.view({config.hidden_size, config.in_channels, config.temporal_patch_size,
+                              config.patch_size, config.patch_size}));
+    add("patch_embed.proj.bias", g.patch_embed_b);
+    for (size_t l = 0; l < g.blocks.size(); ++l) {
+      const VisionBlockParams& b = g.blocks[l];
+      const std::string p = fmt::format("blocks.{}.", l);
+      add(p + "norm1.weight", b.norm1);
+      add(p + "norm2.weight", b.norm2);
+      add(p + "attn.qkv.weight", b.qkv_w);
+      add(p + "attn.qkv.bias", b.qkv_b);
+      add(p + "attn.q_norm.weight", b.q_norm);
+      add(p + "attn.k_norm.weight", b.k_norm);
+      add(p + "attn.proj.weight", b.proj_w);
+      add(p + "attn.proj.bias", b.proj_b);
+      add(p + "mlp.gate_proj.weight", b.gate_w);
+      add(p + "mlp.gate_proj.bias", b.gate_b);
+      add(p + "mlp.up_proj.weight", b.up_w);
+      add(p + "mlp.up_proj.bias", b.up_b);
+      add(p + "mlp.down_proj.weight", b.down_w);
+      add(p + "mlp.down_proj.bias", b.down_b);
+    }
+    add("post_layernorm.weight", g.post_layernorm);
+  }
+  if (projector) {
+    const int64_t o = config.out_hidden_size, m = config.spatial_merge_size, d = config.hidden_size;
+    // [O, 4D] with column (kh·2 + kw)·D + c back to the Conv2d layout [O, D, kh, kw].
+    add("downsample.weight", g.downsample_w.view({o, m, m, d}).permute({0, 3, 1, 2}).contiguous());
+    add("downsample.bias", g.downsample_b);
+    add("merger.proj.weight", g.merger_proj);
+    add("merger.post_projection_norm.weight", g.merger_norm_w);
+    add("merger.post_projection_norm.bias", g.merger_norm_b);
+    add("merger.gate_proj.weight", g.merger_gate);
+    add("merger.up_proj.weight", g.merger_up);
+    add("merger.down_proj.weight", g.merger_down);
+  }
+  return out;
 }
 
 }  // namespace glmtune::model::vision

@@ -1,5 +1,6 @@
 #pragma once
-// The GLM-5.3 vision tower and projector, forward on the CPU (spec vision-and-media §3):
+// The GLM-5.3 vision tower and projector, forward and backward on the CPU (spec vision-and-media
+// §3):
 //
 //   pixel rows [N, 3·T·p·p] -> patch embed (the Conv3d is one GEMM per row) -> depth × block
 //   { x += proj(attn(rope(qk_norm(qkv(rms(x)))))) per image ; x += swiglu_clamped(rms(x)) }
@@ -14,15 +15,22 @@
 //
 // Computes in the parameters' dtype: f32 (the reference path; the reference's fp32 forward with
 // eager attention) or f64 (tests). The bf16 roundings of the released bf16 run are not modelled.
+//
+// The backward (spec §3.11) differentiates the same chain in reverse from the gradient of the
+// merger output, into every released parameter and optionally the pixel rows. Attention
+// probabilities are not kept: the backward recomputes them per query block from the saved Q and K,
+// so memory stays linear in the segment length.
 
 #include <array>
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "glmtune/model/config.h"
 #include "glmtune/model/param_store.h"
+#include "glmtune/ops/mlp.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::model::vision {
@@ -79,9 +87,78 @@ struct VisionOutput {
   Tensor pooler_output;      // [N/4, O] the merger output: what replaces the <|image|> embeddings
 };
 
+// What one block's forward keeps for the backward (all [N, ·] in the compute dtype).
+struct VisionBlockContext {
+  Tensor input;           // [N, D] block input
+  Tensor normed1;         // [N, D] norm1 output (the qkv input)
+  Tensor rstd1;           // [N]
+  Tensor qkv;             // [N, 3D] before the q/k norms
+  Tensor q_rstd, k_rstd;  // [N·H] of the q/k norms
+  Tensor q, k;            // [N·H, hd] after norm and rotation (the attention operands)
+  Tensor attn;            // [N, D] attention output before proj
+  Tensor mid;             // [N, D] after the attention residual
+  Tensor normed2;         // [N, D] norm2 output (the MLP input)
+  Tensor rstd2;           // [N]
+  Tensor gate, up;        // [N, I] MLP projections before the clamps
+  Tensor act;             // [N, I] silu(min(gate)) ⊙ clamp(up), the down_proj input
+};
+
+// Everything vision_backward needs from one forward.
+struct VisionContext {
+  std::vector<GridThw> grid;
+  Tensor pixels;  // [N, row] in the compute dtype (the patch-embed input)
+  std::vector<VisionBlockContext> blocks;
+  Tensor final_hidden;  // [N, D] last block output (the post norm input)
+  Tensor post_rstd;     // [N]
+  Tensor post_normed;   // [N, D] post norm output (viewed [N/4, 4D]: the downsample input)
+  Tensor downsampled;   // [N/4, O] last_hidden_state (the merger proj input)
+  Tensor projected;     // [N/4, O] merger proj output (the LayerNorm input)
+  Tensor ln_mean, ln_rstd;
+  Tensor ln_out;           // [N/4, O] LayerNorm output (the GELU input)
+  ops::MlpContext merger;  // the clamped SwiGLU (its input is the GELU output)
+};
+
 // pixel_rows [N, C·T·p·p] (any floating dtype, converted to params.dtype); grid rows (t, h, w) with
-// h and w multiples of the merge size and Σ t·h·w = N. Invalid shapes are glmtune::Errors.
+// h and w multiples of the merge size and Σ t·h·w = N. Invalid shapes are glmtune::Errors. With
+// `context`, the intermediates of the backward are kept there.
 VisionOutput vision_forward(const VisionConfig& config, const VisionParams& params,
-                            const Tensor& pixel_rows, std::span<const GridThw> grid);
+                            const Tensor& pixel_rows, std::span<const GridThw> grid,
+                            VisionContext* context = nullptr);
+
+// ---- Backward ---------------------------------------------------------------------------------
+
+// Gradient buffers mirroring VisionParams (same internal layouts: patch embed [D, row], downsample
+// [O, 4D]), in the compute dtype. Backward passes add into them.
+struct VisionGrads {
+  VisionParams params;  // every tensor a gradient buffer; `dtype` the compute dtype
+
+  static VisionGrads zeros_like(const VisionParams& params);
+  void zero();
+  // (released name, gradient in the released shape) for every parameter of `part`: the tower
+  // (patch_embed, blocks, post_layernorm), the projector (downsample, merger), or both. The
+  // tensors are fresh copies in the released layouts (Conv3d / Conv2d weights un-flattened).
+  enum class Part { tower, projector, all };
+  std::vector<std::pair<std::string, Tensor>> released(const VisionConfig& config,
+                                                       Part part = Part::all) const;
+};
+
+// Which parts are differentiated. A frozen part gets no parameter gradient; the projector is still
+// back-propagated through when the tower trains.
+struct VisionBackwardOptions {
+  bool train_tower = true;      // patch_embed, blocks.*, post_layernorm
+  bool train_projector = true;  // downsample, merger.*
+  bool pixel_grad = false;      // also return d pixel rows
+};
+
+// Whether a released parameter name (`model.visual.…`) belongs to the projector (downsample and
+// merger) rather than the tower.
+bool is_projector_param(const std::string& name);
+
+// Back-propagates d_pooler [N/4, O] (the gradient of pooler_output) through the forward recorded
+// in `context`, adding parameter gradients into `grads` as `options` asks. Returns the gradient of
+// the pixel rows [N, row] with options.pixel_grad, else an undefined tensor.
+Tensor vision_backward(const VisionConfig& config, const VisionParams& params,
+                       const VisionContext& context, const Tensor& d_pooler, VisionGrads& grads,
+                       const VisionBackwardOptions& options = {});
 
 }  // namespace glmtune::model::vision
