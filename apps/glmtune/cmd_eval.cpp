@@ -7,6 +7,10 @@
 // unshifted, -100 ignored). Several documents share one forward for speed; the forward computes
 // every document as if alone, and the per-document losses and logits below are taken from that
 // document's rows only, so packing changes no number.
+//
+// --dump-grads runs the training forward and backward instead of the plain forward and writes the
+// gradient of the reported loss (the mean LM cross-entropy over every label token; no MTP, no
+// balancing loss) for every trainable parameter, under the released names.
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -32,10 +36,12 @@
 #include "glmtune/io/mmap_file.h"
 #include "glmtune/io/safetensors.h"
 #include "glmtune/model/param_store.h"
+#include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
 #include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
+#include "glmtune/train/released.h"
 
 namespace {
 
@@ -47,6 +53,7 @@ struct EvalArgs {
   std::vector<std::string> data;
   std::string text;
   std::string dump_logits;
+  std::string dump_grads;
   int64_t pack_length = 4096;
   int64_t max_packs = 0;
   int64_t loss_chunk = 1024;
@@ -206,6 +213,10 @@ GLMTUNE_COMMAND(
       app.add_option("--dump-logits", a->dump_logits,
                      "Write each sample's logits as float32 logits.<i> [len_i, vocab] to this "
                      "safetensors file");
+      app.add_option("--dump-grads", a->dump_grads,
+                     "Write the gradient of the reported loss (mean LM cross-entropy; no MTP, no "
+                     "balancing loss) for every trainable parameter, float32 under the released "
+                     "names, to this safetensors file");
       app.add_option("--pack-length", a->pack_length,
                      "Tokens per pack (chat / text samples longer than this are truncated; a "
                      "longer pre-tokenised sample gets a pack of its own)")
@@ -324,11 +335,10 @@ GLMTUNE_COMMAND(
           if (o == 0) o = evaluated++;
 
         const auto load_start = std::chrono::steady_clock::now();
-        const model::text::TextModel model = [&] {
-          const io::CheckpointReader reader = io::CheckpointReader::open(dir);
-          const model::ParamStore store = model::ParamStore::load(reader, config);
-          return model::text::TextModel(store);
-        }();
+        // The store stays for --dump-grads, which names gradients as the checkpoint names weights.
+        const io::CheckpointReader reader = io::CheckpointReader::open(dir);
+        const model::ParamStore store = model::ParamStore::load(reader, config);
+        const model::text::TextModel model(store);
         spdlog::info(
             "loaded {} in {:.1f}s", a->model,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
@@ -347,10 +357,21 @@ GLMTUNE_COMMAND(
           writer.emplace(dump_file->path(), std::move(specs), io::Metadata{{"format", "pt"}});
         }
 
+        // Gradients add up over the packs as sums of CE; divided by the label count at the end.
+        std::optional<model::text::TextGrads> grads;
+        model::text::TrainOptions grad_options;
+        if (!a->dump_grads.empty()) {
+          grads.emplace(model::text::TextGrads::zeros_like(model.weights()));
+          grad_options.mtp = false;
+          grad_options.balancing_alpha = 0;
+          grad_options.lm_denominator = 1;
+          grad_options.loss_chunk_rows = a->loss_chunk;
+        }
+
         model::text::ForwardOptions options;
         options.logits = false;
         options.loss_chunk_rows = a->loss_chunk;
-        options.mtp = !a->no_mtp;
+        options.mtp = !a->no_mtp && !grads;
         const bool run_mtp = model.has_mtp() && options.mtp;
         const model::text::TextWeights& weights = model.weights();
         std::vector<SampleResult> results(samples.size());
@@ -375,14 +396,21 @@ GLMTUNE_COMMAND(
           in.cu_seqlens = int32_tensor(pack.cu_seqlens);
           // The forward's own LM loss is over the whole pack; the per-sample losses are computed
           // below. Labels go in only for the MTP loss, which needs them.
-          if (run_mtp) in.labels = int32_tensor(pack.labels);
+          if (run_mtp || grads) in.labels = int32_tensor(pack.labels);
           in.padding_tokens = pack.num_padding;
           const auto start = std::chrono::steady_clock::now();
-          const model::text::ForwardOutput out = model.forward(in, options);
-          // The forward's final norm, recomputed from its output (the same op on the same input),
-          // then the head applied to one document's rows at a time.
-          const Tensor normed =
-              ops::rms_norm(out.hidden, weights.final_norm, model.text().rms_norm_eps);
+          model::text::ForwardOutput out;
+          std::shared_ptr<model::text::ForwardContext> context;
+          Tensor normed;
+          if (grads) {
+            context = model::text::training_forward(model, in, grad_options).context;
+            normed = context->final_normed;
+          } else {
+            out = model.forward(in, options);
+            // The forward's final norm, recomputed from its output (the same op on the same
+            // input), then the head applied to one document's rows at a time.
+            normed = ops::rms_norm(out.hidden, weights.final_norm, model.text().rms_norm_eps);
+          }
           for (size_t d = 0; d < p.samples.size(); ++d) {
             const int64_t b = pack.cu_seqlens[d], e = pack.cu_seqlens[d + 1];
             const Tensor rows = normed.slice(0, b, e).contiguous();
@@ -400,6 +428,7 @@ GLMTUNE_COMMAND(
             }
             results[size_t(p.samples[d])] = {ce.loss_sum, ce.n_tokens};
           }
+          if (grads) model::text::backward(model, in, *context, grad_options, *grads);
           totals.seconds +=
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           if (out.mtp) {
@@ -446,6 +475,27 @@ GLMTUNE_COMMAND(
           writer.reset();
           dump_file->commit();
         }
+        if (grads) {
+          const auto views = train::released_views(
+              store, [&](const model::InternalParam& p) { return grads->find(p.name); });
+          std::vector<io::TensorSpec> specs;
+          for (const auto& [name, g] : views) specs.push_back({name, DType::f32, g.shape()});
+          TempFile file(a->dump_grads);
+          io::SafetensorsWriter grad_writer(
+              file.path(), std::move(specs),
+              io::Metadata{{"format", "pt"},
+                           {"objective", "mean LM cross-entropy (no MTP, no balancing loss)"},
+                           {"tokens", std::to_string(lm_count)}});
+          for (const auto& [name, g] : views) {
+            const Tensor mean = g.to(DType::f32).contiguous();
+            float* v = mean.data<float>();
+            for (int64_t i = 0; i < mean.numel(); ++i)
+              v[i] = float(double(v[i]) / double(lm_count));
+            grad_writer.write(name, mean);
+          }
+          grad_writer.finish();
+          file.commit();
+        }
 
         const double loss = lm_sum / double(lm_count);
         nlohmann::ordered_json j;
@@ -486,6 +536,7 @@ GLMTUNE_COMMAND(
           std::printf("tokens/s     %.1f (%.2fs forward)\n", j["tokens_per_second"].get<double>(),
                       totals.seconds);
           if (!a->dump_logits.empty()) std::printf("logits       %s\n", a->dump_logits.c_str());
+          if (!a->dump_grads.empty()) std::printf("gradients    %s\n", a->dump_grads.c_str());
         }
         return 0;
       };

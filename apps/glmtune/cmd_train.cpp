@@ -1,6 +1,8 @@
 // `glmtune train`: supervised fine-tuning of the text model from a TOML recipe, with checkpoints
 // and exact resume (docs/training.md, "Running").
 
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "command.h"
+#include "glmtune/dist/parallel.h"
 #include "glmtune/train/recipe.h"
 #include "glmtune/train/trainer.h"
 
@@ -24,7 +27,26 @@ struct TrainArgs {
   std::string config;
   std::vector<std::string> sets;
   bool resume = false;
+  double dist_timeout_s = 0;  // 0: the recipe's train.dist_timeout
 };
+
+// Every rank of a distributed run logs to OUT/logs/rank-N.log; only rank 0 also prints its
+// progress, the others print warnings and errors.
+void log_per_rank(const dist::ParallelContext& par, const std::filesystem::path& out_dir) {
+  const std::filesystem::path file =
+      out_dir / "logs" / ("rank-" + std::to_string(par.rank()) + ".log");
+  std::filesystem::create_directories(file.parent_path());
+  auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
+  console->set_level(par.is_root() ? spdlog::get_level() : spdlog::level::warn);
+  auto to_file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(file.string());
+  to_file->set_level(spdlog::level::debug);
+  auto logger =
+      std::make_shared<spdlog::logger>("glmtune", spdlog::sinks_init_list{console, to_file});
+  logger->set_level(spdlog::get_level());
+  logger->set_pattern(fmt::format("[%H:%M:%S] rank {} %^%l%$ %v", par.rank()));
+  logger->flush_on(spdlog::level::info);
+  spdlog::set_default_logger(logger);
+}
 
 // Set by SIGINT / SIGTERM; the trainer checks it after every step, saves and returns.
 std::atomic<bool> g_stop{false};
@@ -85,19 +107,40 @@ GLMTUNE_COMMAND(
                      "Override a recipe key, e.g. --set optimizer.lr=1e-4 (repeatable)");
       app.add_flag("--resume", a->resume,
                    "Continue from the newest complete checkpoint of the output directory");
+      app.add_option("--dist-timeout", a->dist_timeout_s,
+                     "Seconds a collective may wait for the other ranks of a distributed run "
+                     "(mpirun / srun) before every rank is ended with an error; overrides the "
+                     "recipe's train.dist_timeout (600 by default)")
+          ->check(CLI::PositiveNumber);
       return [a] {
         train::Recipe recipe = train::Recipe::load(a->config);
         recipe.apply_sets(a->sets);
         g_stop.store(false);
         std::signal(SIGINT, on_stop_signal);
         std::signal(SIGTERM, on_stop_signal);
+        dist::ParallelOptions popt;
+        // The flag wins over the recipe's train.dist_timeout.
+        popt.timeout_s = a->dist_timeout_s > 0 ? a->dist_timeout_s : recipe.dist_timeout_s;
+        popt.ep_size = recipe.ep_size;
+        popt.sp_size = recipe.sp_size;
+        popt.where = recipe.source() + ": train.ep_size / train.sp_size";
+        const std::unique_ptr<dist::ParallelContext> par = dist::ParallelContext::create(popt);
+        if (par->distributed()) log_per_rank(*par, recipe.output_dir);
         train::TrainerOptions options;
         options.resume = a->resume;
         options.stop = &g_stop;
-        const train::TrainSummary summary = train::run_training(recipe, options);
+        options.parallel = par.get();
+        train::TrainSummary summary;
+        try {
+          summary = train::run_training(recipe, options);
+        } catch (const std::exception& e) {
+          // One failing rank must not leave the others waiting for it: end them all now.
+          if (par->distributed()) par->abort(std::string("error: ") + e.what());
+          throw;
+        }
         std::signal(SIGINT, SIG_DFL);
         std::signal(SIGTERM, SIG_DFL);
-        print_summary(summary);
+        if (par->is_root()) print_summary(summary);
         // The shell convention for "ended by signal N", although the state was saved cleanly.
         return summary.interrupted ? 128 + int(g_signal) : 0;
       };

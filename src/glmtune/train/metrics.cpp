@@ -40,7 +40,8 @@ nlohmann::json StepMetrics::to_json() const {
           {"text_tokens", text_tokens},
           {"seqlen_tokens", seqlen_tokens},
           {"consumed_tokens", consumed_tokens},
-          {"skipped", skipped}};
+          {"skipped", skipped},
+          {"nonfinite", nonfinite}};
 }
 
 std::string format_eta(double seconds) {
@@ -56,7 +57,12 @@ std::string StepMetrics::log_line() const {
       "maxvio {:.4f} eta {}",
       step, total_steps, loss, mtp_loss, balancing_loss, grad_norm, lr, tgs, seqlen_tgs, exp_tgs,
       max_memory, reserved_memory, maxvio, format_eta(eta));
-  if (skipped) line += " (update skipped: non-finite gradient norm)";
+  if (skipped) {
+    std::string what;
+    for (const std::string& n : nonfinite) what += (what.empty() ? "" : ", ") + n;
+    line += fmt::format(" (update skipped: not finite: {})",
+                        what.empty() ? std::string("gradient norm") : what);
+  }
   return line;
 }
 

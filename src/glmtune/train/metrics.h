@@ -22,6 +22,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "glmtune/tensor/device.h"
 
@@ -41,7 +42,10 @@ struct StepMetrics {
   int64_t text_tokens = 0;      // non-padding tokens of this rank in the step
   int64_t seqlen_tokens = 0;    // all token slots of this rank in the step
   int64_t consumed_tokens = 0;  // cumulative non-padding tokens of this rank
-  bool skipped = false;         // the update was skipped (non-finite gradient norm)
+  bool skipped = false;         // the update was skipped (non-finite loss or gradient)
+  // What was not finite on a skipped step: "loss" (the LM, MTP or balancing loss) and / or the
+  // released names of the first parameters whose gradient holds a non-finite value.
+  std::vector<std::string> nonfinite;
 
   // Non-finite values (a skipped step's grad_norm) are written as null.
   nlohmann::json to_json() const;

@@ -190,6 +190,25 @@ StepReport AdamW::step(const std::vector<Tensor>& grads, double lr, double globa
   return report;
 }
 
+void AdamW::set_state(size_t i, const Tensor& master, const Tensor& exp_avg,
+                      const Tensor& exp_avg_sq) {
+  GLMTUNE_ASSERT(i < params_.size() && params_[i].trainable, "no trainable parameter {}", i);
+  State& s = state_[i];
+  for (const Tensor* t : {&master, &exp_avg, &exp_avg_sq})
+    GLMTUNE_ASSERT(t->dtype() == DType::f32 && t->numel() == s.master.numel(),
+                   "state of '{}' must be f32 with {} elements, got {}", params_[i].name,
+                   s.master.numel(), t->str());
+  s.master.view({-1}).copy_(master.reshape({-1}));
+  s.exp_avg.view({-1}).copy_(exp_avg.reshape({-1}));
+  s.exp_avg_sq.view({-1}).copy_(exp_avg_sq.reshape({-1}));
+  if (params_[i].value.dtype() != DType::f32) round_into(s.master.data<float>(), params_[i].value);
+}
+
+void AdamW::set_step_count(int64_t step) {
+  GLMTUNE_ASSERT(step >= 0, "negative optimizer step count {}", step);
+  step_ = step;
+}
+
 void AdamW::save(const std::filesystem::path& dir) const {
   io::CheckpointWriterOptions options;
   options.shard_metadata = {{"format", kFormat}};

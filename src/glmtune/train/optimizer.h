@@ -102,6 +102,11 @@ class AdamW {
   const Tensor& exp_avg(size_t i) const { return state_[i].exp_avg; }
   const Tensor& exp_avg_sq(size_t i) const { return state_[i].exp_avg_sq; }
 
+  // Replaces the state of trainable parameter `i` with f32 tensors of its element count, and
+  // sets the parameter's storage to the master rounded to its dtype (the sharded optimizer
+  // restores its slices of a saved state with it).
+  void set_state(size_t i, const Tensor& master, const Tensor& exp_avg, const Tensor& exp_avg_sq);
+  void set_step_count(int64_t step);
   // Writes the state into directory `dir` (replaced atomically by the checkpoint writer).
   void save(const std::filesystem::path& dir) const;
   // Restores a state saved by save(): the master weights, moments and step counter, and sets each

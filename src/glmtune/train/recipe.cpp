@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -33,23 +34,33 @@ struct SectionSpec {
 
 const std::vector<SectionSpec>& schema() {
   static const std::vector<SectionSpec> s = {
-      {"model", {{"path", "\"runs/tiny-model\""}, {"tokenizer", "\"runs/tiny-model\""}}},
+      {"model",
+       {{"path", "\"runs/tiny-model\""},
+        {"tokenizer", "\"runs/tiny-model\""},
+        {"freeze_vision", "false"},
+        {"freeze_projector", "false"}}},
       {"data",
        {{"files", "[\"data/train.jsonl\"]"},
+        {"cache", "\"runs/train.cache\""},
         {"format", "\"chat\"", "auto, chat or text"},
         {"on_bad_line", "\"skip\"", "fail or skip"},
         {"on_overlong", "\"truncate\"", "truncate or drop"},
         {"max_length", "4096"},
         {"pack_max_length", "16384"},
         {"pack_lookahead", "100"},
-        {"shuffle", "true"}}},
+        {"shuffle", "true"},
+        {"media_root", "\"data/media\""}}},
       {"train",
        {{"total_steps", "1000"},
         {"epochs", "2"},
         {"micro_packs", "1"},
         {"seed", "0"},
         {"device", "\"cuda:0\"", "cpu, cuda or cuda:N"},
-        {"recompute", "\"all\"", "all, none, or the fraction of layers in [0, 1]"}}},
+        {"recompute", "\"all\"", "all, none, or the fraction of layers in [0, 1]"},
+        {"on_nonfinite", "\"skip\"", "skip or stop"},
+        {"ep_size", "1", "ranks the routed experts are split over"},
+        {"sp_size", "1", "ranks a sequence is split over"},
+        {"dist_timeout", "600", "seconds a collective may wait for the other ranks"}}},
       {"optimizer",
        {{"lr", "1e-5"},
         {"lr_min", "1e-6"},
@@ -429,9 +440,17 @@ void Recipe::parse_doc() {
     } else {
       rd.wrong_type("data", "files", "an array of file paths");
     }
-  } else {
-    missing("data", "files");
   }
+  if (auto v = rd.string("data", "cache")) {
+    if (!r.data_files.empty())
+      rd.fail("data", "cache", "files and cache are both set",
+              "keep data.cache (a prepared token cache) or data.files (JSONL), not both");
+    r.data_cache = *v;
+  }
+  if (r.data_files.empty() && r.data_cache.empty())
+    throw Error("missing required key data.files", source_,
+                "add `files = [\"data/train.jsonl\"]` (JSONL) or `cache = \"runs/train.cache\"` "
+                "(from glmtune data prepare) under [data]");
   if (auto v = rd.choice("data", "format", {"auto", "chat", "text"}))
     r.data_format = data::sample_format_from_name(*v);
   if (auto v = rd.choice("data", "on_bad_line", {"fail", "skip"}))
@@ -453,6 +472,9 @@ void Recipe::parse_doc() {
   }
   r.pack_lookahead = rd.integer("data", "pack_lookahead", 0, 1'000'000).value_or(100);
   r.shuffle = rd.boolean("data", "shuffle").value_or(true);
+  if (auto v = rd.string("data", "media_root")) r.media_root = *v;
+  r.freeze_vision = rd.boolean("model", "freeze_vision").value_or(false);
+  r.freeze_projector = rd.boolean("model", "freeze_projector").value_or(false);
 
   // [train]
   r.total_steps = rd.integer("train", "total_steps", 1);
@@ -482,6 +504,13 @@ void Recipe::parse_doc() {
       rd.wrong_type("train", "recompute", "\"all\", \"none\" or a number in [0, 1]");
     }
   }
+  if (auto v = rd.choice("train", "on_nonfinite", {"skip", "stop"}))
+    r.on_nonfinite = *v == "stop" ? NonFinitePolicy::kStop : NonFinitePolicy::kSkip;
+  r.ep_size = rd.integer("train", "ep_size", 1, 1'000'000).value_or(1);
+  r.sp_size = rd.integer("train", "sp_size", 1, 1'000'000).value_or(1);
+  r.dist_timeout_s =
+      rd.number("train", "dist_timeout", 0.0, std::numeric_limits<double>::infinity(), true)
+          .value_or(600);
 
   // [optimizer]
   const double inf = std::numeric_limits<double>::infinity();
@@ -663,8 +692,13 @@ std::string Recipe::to_toml() const {
   out += "[model]\n";
   out += "path = " + str(model_path) + "\n";
   out += "tokenizer = " + str(tokenizer_path) + "\n";
+  out +=
+      fmt::format("freeze_vision = {}\nfreeze_projector = {}\n", freeze_vision, freeze_projector);
   out += "\n[data]\n";
-  out += "files = [" + files + "]\n";
+  if (data_cache.empty())
+    out += "files = [" + files + "]\n";
+  else
+    out += "cache = " + str(data_cache) + "\n";
   out += "format = " + str(format_name(data_format)) + "\n";
   out += "on_bad_line = " + str(bad_line_name(on_bad_line)) + "\n";
   out += "on_overlong = " + str(overlong_name(on_overlong)) + "\n";
@@ -672,6 +706,7 @@ std::string Recipe::to_toml() const {
   out += fmt::format("pack_max_length = {}\n", pack_max_length);
   out += fmt::format("pack_lookahead = {}\n", pack_lookahead);
   out += fmt::format("shuffle = {}\n", shuffle);
+  if (!media_root.empty()) out += "media_root = " + str(media_root) + "\n";
   out += "\n[train]\n";
   if (total_steps) out += fmt::format("total_steps = {}\n", *total_steps);
   if (epochs) out += "epochs = " + num(*epochs) + "\n";
@@ -683,6 +718,10 @@ std::string Recipe::to_toml() const {
           : recompute == 0.0 ? str("none")
                              : num(recompute)) +
          "\n";
+  out += "on_nonfinite = " + str(on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip") + "\n";
+  out += fmt::format("ep_size = {}\n", ep_size);
+  out += fmt::format("sp_size = {}\n", sp_size);
+  out += "dist_timeout = " + num(dist_timeout_s) + "\n";
   out += "\n[optimizer]\n";
   out += "lr = " + num(lr) + "\n";
   out += "lr_min = " + num(lr_min) + "\n";
@@ -706,7 +745,7 @@ std::string Recipe::to_toml() const {
   return out;
 }
 
-std::string Recipe::fingerprint() const {
+std::string Recipe::fingerprint(int64_t data_parallel_ranks) const {
   // Doubles go through nlohmann's shortest round-trip printing, so equal values hash equally.
   nlohmann::json j = {
       {"data",
@@ -720,7 +759,9 @@ std::string Recipe::fingerprint() const {
       {"train",
        {{"total_steps", total_steps ? nlohmann::json(*total_steps) : nlohmann::json()},
         {"epochs", epochs ? nlohmann::json(*epochs) : nlohmann::json()},
-        {"micro_packs", micro_packs},
+        // Packs per step over every data-parallel rank, under the key single-process runs have
+        // always hashed (their fingerprints stay as they were).
+        {"micro_packs", micro_packs * std::max<int64_t>(data_parallel_ranks, 1)},
         {"seed", seed}}},
       {"optimizer",
        {{"lr", lr},

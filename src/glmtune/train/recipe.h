@@ -1,10 +1,11 @@
 #pragma once
 // The training recipe: a TOML file that says what to train, on what, and how.
 //
-//   [model]     path, tokenizer
-//   [data]      files, format, on_bad_line, on_overlong, max_length, pack_max_length,
-//               pack_lookahead, shuffle
-//   [train]     total_steps | epochs, micro_packs, seed, device, recompute
+//   [model]     path, tokenizer, freeze_vision, freeze_projector
+//   [data]      files | cache, format, on_bad_line, on_overlong, max_length, pack_max_length,
+//               pack_lookahead, shuffle, media_root
+//   [train]     total_steps | epochs, micro_packs, seed, device, recompute, on_nonfinite,
+//               ep_size, sp_size, dist_timeout
 //   [optimizer] lr, lr_min, warmup_steps | warmup_ratio, betas, eps, weight_decay, clip_grad_norm
 //   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
 //   [output]    dir, save_every, keep_last, log_every
@@ -30,13 +31,22 @@
 
 namespace glmtune::train {
 
+enum class NonFinitePolicy { kSkip, kStop };
+
 struct Recipe {
   // [model]
   std::string model_path;      // checkpoint directory (config.json + safetensors)
   std::string tokenizer_path;  // directory with tokenizer.json; defaults to model_path
+  // Vision-language training (docs/vision.md): no gradient for the tower (patch embed, blocks,
+  // post norm) / the projector (downsample, merger).
+  bool freeze_vision = false;
+  bool freeze_projector = false;
 
-  // [data]
+  // [data] — exactly one of files and cache.
   std::vector<std::string> data_files;
+  // A token cache written by `glmtune data prepare`, read instead of JSONL files. It must have been
+  // prepared with the recipe's tokenizer, format, max_length and on_overlong.
+  std::string data_cache;
   data::SampleFormat data_format = data::SampleFormat::kAuto;
   data::BadLinePolicy on_bad_line = data::BadLinePolicy::kFail;
   data::OverlongPolicy on_overlong = data::OverlongPolicy::kTruncate;
@@ -44,6 +54,9 @@ struct Recipe {
   int64_t pack_max_length = 16384;
   int64_t pack_lookahead = 100;
   bool shuffle = true;
+  // Folder that relative image / video paths of the conversations resolve against. Set: the data
+  // is vision-language (model/compose.h); empty: text only.
+  std::string media_root;
 
   // [train] — exactly one of total_steps and epochs.
   std::optional<int64_t> total_steps;
@@ -52,6 +65,14 @@ struct Recipe {
   uint64_t seed = 0;
   Device device = Device::cpu();
   double recompute = 1.0;  // fraction of decoder layers, from the first, recomputed in backward
+  // A step whose loss or gradient is not finite: skip its update and go on, or stop the run.
+  NonFinitePolicy on_nonfinite = NonFinitePolicy::kSkip;
+  // Distributed runs (docs/distributed.md): routed experts split over groups of ep_size ranks,
+  // sequences over groups of sp_size ranks; a collective that waits longer than dist_timeout_s
+  // seconds ends every rank with an error.
+  int64_t ep_size = 1;
+  int64_t sp_size = 1;
+  double dist_timeout_s = 600;
 
   // [optimizer]
   double lr = 1e-6;
@@ -106,7 +127,9 @@ struct Recipe {
   // A 16-hex-digit hash of the settings that shape the training trajectory (data handling,
   // packing, steps, seed, optimizer, losses); paths, device, recompute, output and logging are
   // left out, so moving files or changing the log interval does not count as a different run.
-  std::string fingerprint() const;
+  // The batch enters as the packs of a whole step (micro_packs × data_parallel_ranks): the same
+  // global batch at another rank count is the same run.
+  std::string fingerprint(int64_t data_parallel_ranks = 1) const;
 
  private:
   struct Doc;

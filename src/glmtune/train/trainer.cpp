@@ -1,12 +1,14 @@
 #include "glmtune/train/trainer.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <span>
@@ -16,16 +18,22 @@
 #include "glmtune/base/fs.h"
 #include "glmtune/data/dataset.h"
 #include "glmtune/data/packing.h"
+#include "glmtune/data/token_cache.h"
 #include "glmtune/data/tokenizer.h"
+#include "glmtune/dist/expert_parallel.h"
+#include "glmtune/dist/parallel.h"
+#include "glmtune/dist/sharded_optimizer.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/loss.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
 #include "glmtune/train/optimizer.h"
+#include "glmtune/train/released.h"
 #include "glmtune/train/router_bias.h"
 #include "glmtune/train/schedule.h"
 #include "glmtune/train/state.h"
+#include "glmtune/train/vl_batch.h"
 
 namespace glmtune::train {
 namespace {
@@ -82,6 +90,48 @@ int64_t save_delay_ms() {
   return v ? std::atoll(v) : 0;
 }
 
+// How many offending tensors a non-finite step names.
+constexpr size_t kNonFiniteNamed = 4;
+
+// Opens the recipe's token cache and checks that it holds the samples the recipe would make from
+// its JSONL files: the same tokenizer (by the hash of tokenizer.json), chat template, format,
+// max_length and on_overlong.
+data::TokenCache open_cache(const Recipe& recipe, const fs::path& tokenizer_file) {
+  const data::TokenCache cache =
+      data::TokenCache::open(recipe.data_cache, data::tokenizer_file_hash(tokenizer_file));
+  const nlohmann::json& c = cache.metadata().value("config", nlohmann::json::object());
+  const data::DatasetConfig want = recipe.dataset_config();
+  const std::string prepare = fmt::format(
+      "prepare the cache again: glmtune data prepare --tokenizer {} --input FILES --out {} "
+      "--format {} --max-length {} --on-overlong {}",
+      tokenizer_file.parent_path().string(), recipe.data_cache,
+      want.format == data::SampleFormat::kChat   ? "chat"
+      : want.format == data::SampleFormat::kText ? "text"
+                                                 : "auto",
+      want.max_length, want.on_overlong == data::OverlongPolicy::kDrop ? "drop" : "truncate");
+  auto check = [&](const char* key, const nlohmann::json& expected, const char* recipe_key) {
+    const nlohmann::json got = c.value(key, nlohmann::json());
+    if (got != expected)
+      throw Error(fmt::format("the token cache was prepared with {} = {}, the recipe asks for {}",
+                              key, got.dump(), expected.dump()),
+                  fmt::format("{} (recipe {}: {})", recipe.data_cache, recipe.source(), recipe_key),
+                  fmt::format("set {} = {} in the recipe, or {}", recipe_key, got.dump(), prepare));
+  };
+  check("chat_template", "glm5.3", "data.cache");
+  check("format",
+        want.format == data::SampleFormat::kChat   ? "chat"
+        : want.format == data::SampleFormat::kText ? "text"
+                                                   : "auto",
+        "data.format");
+  check("max_length", want.max_length, "data.max_length");
+  check("on_overlong", want.on_overlong == data::OverlongPolicy::kDrop ? "drop" : "truncate",
+        "data.on_overlong");
+  if (const auto stale = cache.stale_sources(); !stale.empty())
+    spdlog::warn("{} was changed or removed since {} was prepared; training on the cache as it is",
+                 stale.front(), recipe.data_cache);
+  return cache;
+}
+
 struct PackBatch {
   std::vector<data::Pack> packs;
   std::vector<model::text::PackInput> inputs;
@@ -130,6 +180,19 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       recipe.tokenizer_path.empty() ? model_dir : fs::path(recipe.tokenizer_path);
   TrainSummary summary;
   summary.metrics = out_dir / "metrics.jsonl";
+  // Distributed: each step's packs are split over the data-parallel ranks, whose gradients,
+  // losses and expert loads are summed; rank 0 logs and saves.
+  const dist::ParallelContext* par = options.parallel;
+  const bool distributed = par != nullptr && par->distributed();
+  const bool root = par == nullptr || par->is_root();
+  const int64_t dp = distributed ? par->sizes().dp : 1;
+  const int64_t dp_rank = distributed ? par->dp().rank() : 0;
+  if (distributed && par->sizes().sp > 1)
+    throw Error(fmt::format("sequence parallel (sp_size {}) is not available in glmtune train yet",
+                            par->sizes().sp),
+                recipe.source() + ": train.sp_size",
+                "set train.sp_size = 1 (data parallel over every rank, or expert parallel with "
+                "train.ep_size)");
 
   // Resume point, decided before anything heavy is loaded.
   std::optional<ResumePoint> resume;
@@ -143,6 +206,13 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                 (out_dir / kCheckpointsDir).string(),
                 "pass --resume to continue that run, or choose another [output] dir");
   }
+  if (distributed) {
+    const int64_t step = resume ? resume->state.step : -1;
+    if (par->world().all_reduce_max(step) != step || -par->world().all_reduce_max(-step) != step)
+      throw Error("the ranks found different checkpoints to resume from",
+                  (out_dir / kCheckpointsDir).string(),
+                  "put [output] dir on a file system that every rank shares");
+  }
 
   // Tokenizer and data.
   const fs::path tokenizer_file = tok_dir / "tokenizer.json";
@@ -152,14 +222,40 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   const data::Tokenizer tokenizer = data::Tokenizer::from_file(tokenizer_file.string());
   const int32_t pad_id = tokenizer.require_id("<|endoftext|>");
   const auto data_start = Clock::now();
-  const data::JsonlDataset dataset = data::JsonlDataset::scan(recipe.dataset_config(), tokenizer);
-  if (dataset.size() == 0)
-    throw Error("no usable sample in the data", recipe.source() + ": data.files",
-                "check the files' format (docs/data.md)");
-  data::PackSampler sampler(dataset, recipe.packing_config(pad_id));
+  std::optional<data::JsonlDataset> dataset;
+  std::optional<data::TokenCache> cache;
+  int64_t data_tokens = 0, trained_tokens = 0;
+  // Vision-language data (data.media_root set): conversations with images and videos.
+  std::unique_ptr<VlTraining> vl;
+  if (!recipe.media_root.empty()) {
+    if (distributed)
+      throw Error("vision-language training runs in one process", recipe.source(),
+                  "launch it without mpirun");
+    vl = std::make_unique<VlTraining>(recipe, tok_dir);
+    if (vl->dataset().size() == 0)
+      throw Error("no usable sample in the data", recipe.source() + ": data.files",
+                  "check the conversations and their media (docs/vision.md)");
+    data_tokens = vl->dataset().stats().tokens;
+    trained_tokens = vl->dataset().stats().trained_tokens;
+  } else if (!recipe.data_cache.empty()) {
+    cache.emplace(open_cache(recipe, tokenizer_file));
+    data_tokens = cache->num_tokens();
+    trained_tokens = cache->num_trained_tokens();
+  } else {
+    dataset.emplace(data::JsonlDataset::scan(recipe.dataset_config(), tokenizer));
+    if (dataset->size() == 0)
+      throw Error("no usable sample in the data", recipe.source() + ": data.files",
+                  "check the files' format (docs/data.md)");
+    data_tokens = dataset->stats().tokens;
+    trained_tokens = dataset->stats().trained_tokens;
+  }
+  const data::SampleSource& source = vl      ? static_cast<const data::SampleSource&>(vl->dataset())
+                                     : cache ? static_cast<const data::SampleSource&>(*cache)
+                                             : *dataset;
+  data::PackSampler sampler(source, recipe.packing_config(pad_id));
   spdlog::info("data: {} samples, {} tokens ({} trained) in {:.1f}s; {} packs of {} per epoch",
-               dataset.size(), dataset.stats().tokens, dataset.stats().trained_tokens,
-               seconds_since(data_start), sampler.packs_in_epoch(), recipe.pack_max_length);
+               source.size(), data_tokens, trained_tokens, seconds_since(data_start),
+               sampler.packs_in_epoch(), recipe.pack_max_length);
 
   // Model and optimizer: from the checkpoint when resuming (its weights are the rounded masters
   // and its router biases the updated ones), else from [model] path.
@@ -169,27 +265,43 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
                             tokenizer.vocab_size(), store.config().text().vocab_size),
                 tokenizer_file.string(), "use the tokenizer that came with the checkpoint");
-  AdamW optimizer(trainable_params(store), recipe.adamw_config());
+  std::vector<NamedParam> own_params =
+      distributed ? std::vector<NamedParam>{} : trainable_params(store);
+  // The vision tower and projector train in VL runs (unless frozen): their gradient buffers.
+  const std::vector<Tensor> vision_grads =
+      vl ? vl->attach(own_params, store) : std::vector<Tensor>{};
+  AdamW optimizer(std::move(own_params), recipe.adamw_config());
+  std::optional<dist::ShardedAdamW> sharded;
+  if (distributed) sharded.emplace(trainable_params(store), recipe.adamw_config(), par->dp());
+  const std::vector<NamedParam>& opt_params = sharded ? sharded->params() : optimizer.params();
   TrainerState st;
   st.seed = recipe.seed;
-  st.recipe_fingerprint = recipe.fingerprint();
+  st.recipe_fingerprint = recipe.fingerprint(dp);
   if (resume) {
-    optimizer.load(resume->checkpoint.optimizer_dir());
+    if (sharded)
+      sharded->load(resume->checkpoint.optimizer_dir());
+    else
+      optimizer.load(resume->checkpoint.optimizer_dir());
     sampler.restore_state(resume->state.sampler);
     st = resume->state;
-    if (st.recipe_fingerprint != recipe.fingerprint())
+    if (st.recipe_fingerprint != recipe.fingerprint(dp))
       spdlog::warn(
           "the recipe differs from the one that saved {} (fingerprint {} vs {}): the "
           "resumed run will not reproduce an uninterrupted one",
-          resume->checkpoint.dir.string(), st.recipe_fingerprint, recipe.fingerprint());
-    st.recipe_fingerprint = recipe.fingerprint();
+          resume->checkpoint.dir.string(), st.recipe_fingerprint, recipe.fingerprint(dp));
+    st.recipe_fingerprint = recipe.fingerprint(dp);
     summary.resumed = true;
     spdlog::info("resuming from {} (step {})", resume->checkpoint.dir.string(), st.step);
   }
-  TextModel model(store);
+  std::optional<TextModel> text_model;
+  if (vl)
+    vl->load_model(store);
+  else
+    text_model.emplace(store);
+  TextModel& model = vl ? vl->model().text() : *text_model;
   const model::TextConfig& tc = model.text();
 
-  const int64_t total = recipe.resolve_total_steps(sampler.packs_in_epoch());
+  const int64_t total = recipe.resolve_total_steps(sampler.packs_in_epoch(), dp);
   const Schedule schedule = recipe.schedule(total);
   st.total_steps = total;
   summary.start_step = st.step;
@@ -203,23 +315,44 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   topt.mtp_depths = topt.mtp ? tc.num_nextn_predict_layers : 0;
   topt.mtp_loss_scale = recipe.mtp_scale;
   topt.balancing_alpha = recipe.balancing_alpha;
-  topt.num_micro_packs = recipe.micro_packs;
+  topt.num_micro_packs = recipe.micro_packs * dp;
+  // Expert parallel: the routed experts split over the ep group; tokens travel to them.
+  std::optional<dist::ExpertParallel> expert_parallel;
+  if (distributed && par->sizes().ep > 1) {
+    expert_parallel.emplace(par->ep(), tc.n_routed_experts, recipe.source() + ": train.ep_size");
+    topt.expert_dispatch = &*expert_parallel;
+  }
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
 
   // Gradients in the optimizer's parameter order (frozen ones stay undefined).
-  std::vector<Tensor> grad_list(optimizer.params().size());
-  for (size_t i = 0; i < optimizer.params().size(); ++i) {
-    const NamedParam& p = optimizer.params()[i];
+  std::vector<Tensor> grad_list(opt_params.size());
+  for (size_t i = 0; i < opt_params.size(); ++i) {
+    const NamedParam& p = opt_params[i];
     if (!p.trainable) continue;
+    if (vl && vision_grads[i].defined()) {
+      grad_list[i] = vision_grads[i];
+      continue;
+    }
     const Tensor* g = grads.find(p.name);
     GLMTUNE_ASSERT(g != nullptr, "trainable parameter '{}' has no gradient buffer", p.name);
     grad_list[i] = *g;
   }
 
   fs::create_directories(out_dir);
-  write_file_atomic((out_dir / "recipe.toml").string(), recipe.to_toml());
+  if (root) write_file_atomic((out_dir / "recipe.toml").string(), recipe.to_toml());
   ThroughputMeter meter(st.totals);
-  MetricsLog log(out_dir, st.step, options.print_steps ? recipe.log_every : (int64_t(1) << 62));
+  std::optional<MetricsLog> log;
+  if (root)
+    log.emplace(out_dir, st.step, options.print_steps ? recipe.log_every : (int64_t(1) << 62));
+  if (distributed)
+    spdlog::info("distributed: {} ranks, data parallel over {} (rank {}), optimizer sharded{}",
+                 par->sizes().world, dp, par->rank(),
+                 expert_parallel ? fmt::format(", experts {}..{} of {} here (ep_size {})",
+                                               expert_parallel->first_expert(),
+                                               expert_parallel->first_expert() +
+                                                   expert_parallel->local_experts() - 1,
+                                               tc.n_routed_experts, par->sizes().ep)
+                                 : std::string());
   spdlog::info(
       "training {} steps from step {} ({} packs of {} tokens per step, lr {} -> {}, "
       "{} of {} layers recomputed)",
@@ -227,6 +360,16 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       std::count(topt.recompute.begin(), topt.recompute.end(), true), tc.num_hidden_layers);
 
   auto save = [&] {
+    // Never a checkpoint of weights that are not finite (a run resumed from it could only fail).
+    const std::vector<std::string> bad = first_nonfinite(
+        released_views(store, [](const model::InternalParam& p) { return &p.value; }),
+        kNonFiniteNamed);
+    if (!bad.empty())
+      throw Error(fmt::format("not saving step {}: the weights hold non-finite values (in {})",
+                              st.step, fmt::join(bad, ", ")),
+                  (out_dir / kCheckpointsDir).string(),
+                  "check the model checkpoint the run started from, or resume from an earlier "
+                  "checkpoint with a lower optimizer.lr");
     st.epoch = sampler.epoch();
     st.sampler = sampler.save_state();
     st.totals = meter.totals();
@@ -237,15 +380,32 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
     };
     const auto t0 = Clock::now();
-    const CheckpointDir ck = save_checkpoint(out_dir, st, writer, optimizer, recipe.keep_last);
-    summary.checkpoint = ck.dir;
-    spdlog::info("saved {} in {:.1f}s", ck.dir.string(), seconds_since(t0));
+    if (!distributed) {
+      const CheckpointDir ck = save_checkpoint(out_dir, st, writer, optimizer, recipe.keep_last);
+      summary.checkpoint = ck.dir;
+      spdlog::info("saved {} in {:.1f}s", ck.dir.string(), seconds_since(t0));
+      return;
+    }
+    // The released layout whatever the sharding: rank 0 writes the gathered full state.
+    const std::unique_ptr<AdamW> full = sharded->gather(0);
+    if (root) {
+      try {
+        summary.checkpoint = save_checkpoint(out_dir, st, writer, *full, recipe.keep_last).dir;
+      } catch (const std::exception& e) {
+        par->abort(fmt::format("saving step {} failed: {}", st.step, e.what()));
+      }
+      spdlog::info("saved {} in {:.1f}s", summary.checkpoint.string(), seconds_since(t0));
+    }
+    par->world().barrier();
+    if (!root)
+      if (const auto last = load_latest_checkpoint(out_dir))
+        summary.checkpoint = last->checkpoint.dir;
   };
 
   const auto run_start = Clock::now();
   while (st.step < total) {
     const auto step_start = Clock::now();
-    PackBatch batch = next_batch(sampler, recipe.micro_packs, topt.mtp_depths);
+    PackBatch batch = next_batch(sampler, recipe.micro_packs * dp, topt.mtp_depths);
     // Denominators of the whole step (SPEC.md §4); a step without any target gets 1 so that
     // every term is 0 rather than NaN.
     topt.lm_denominator = double(std::max<int64_t>(batch.lm_targets, 1));
@@ -254,11 +414,18 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       topt.mtp_denominators.push_back(double(std::max<int64_t>(n, 1)));
 
     grads.zero();
+    if (vl) vl->step().zero();
     ExpertLoads loads;
     double lm_sum = 0, balancing = 0;
     std::vector<double> mtp_sum(size_t(topt.mtp_depths), 0.0);
-    for (const model::text::PackInput& in : batch.inputs) {
-      const model::text::StepPackResult r = model::text::forward_backward(model, in, topt, grads);
+    const std::span<const model::text::PackInput> my_packs =
+        std::span<const model::text::PackInput>(batch.inputs)
+            .subspan(size_t(dp_rank * recipe.micro_packs), size_t(recipe.micro_packs));
+    for (size_t k = 0; k < my_packs.size(); ++k) {
+      const model::text::PackInput& in = my_packs[k];
+      const model::text::StepPackResult r =
+          vl ? vl->run(batch.packs[size_t(dp_rank * recipe.micro_packs) + k], in, topt, grads)
+             : model::text::forward_backward(model, in, topt, grads);
       lm_sum += r.backward.lm_loss_sum;
       for (size_t k = 0; k < r.backward.mtp_loss_sum.size(); ++k)
         mtp_sum[k] += r.backward.mtp_loss_sum[k];
@@ -268,13 +435,52 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
         loads.add(l.bias_name, std::span<const int64_t>(c, size_t(l.counts.numel())));
       }
     }
+    if (vl) vl->step().export_grads();
+    if (distributed) {
+      // SPEC.md §4: the step's losses and expert loads are sums over every rank's packs.
+      std::vector<double> sums = {lm_sum, balancing};
+      sums.insert(sums.end(), mtp_sum.begin(), mtp_sum.end());
+      par->world().all_reduce_sum(sums);
+      lm_sum = sums[0];
+      balancing = sums[1];
+      std::copy(sums.begin() + 2, sums.end(), mtp_sum.begin());
+      std::vector<int64_t> flat = loads.flat();
+      par->world().all_reduce_sum(flat);
+      loads.set_flat(flat);
+    }
+    if (options.on_gradients)
+      options.on_gradients(st.step + 1, [&](const std::string& name) -> Tensor& {
+        for (auto& [n, g] : grads.named)
+          if (n == name) return g;
+        throw_internal(__FILE__, __LINE__, fmt::format("no gradient buffer for '{}'", name));
+      });
     const double lr = schedule.lr(st.step);
-    const StepReport rep = optimizer.step(grad_list, lr);
+    const double lm_loss = lm_sum / topt.lm_denominator;
+    const double grad_norm = sharded ? sharded->reduce_gradients(grad_list)
+                                     : std::sqrt(optimizer.grad_sq_norm(grad_list));
+    std::vector<std::string> nonfinite;
+    if (!std::isfinite(lm_loss) || !std::isfinite(balancing) ||
+        !std::all_of(mtp_sum.begin(), mtp_sum.end(), [](double v) { return std::isfinite(v); }))
+      nonfinite.push_back("loss");
+    if (!std::isfinite(grad_norm)) {
+      const std::vector<std::string> names = first_nonfinite(
+          released_views(store, [&](const model::InternalParam& p) { return grads.find(p.name); }),
+          kNonFiniteNamed);
+      nonfinite.insert(nonfinite.end(), names.begin(), names.end());
+    }
+    // A non-finite loss with finite gradients is skipped too: its update would rest on nothing.
+    const double applied_norm =
+        nonfinite.empty() ? grad_norm : std::numeric_limits<double>::quiet_NaN();
+    const StepReport rep =
+        sharded ? sharded->step(lr, applied_norm) : optimizer.step(grad_list, lr, applied_norm);
     // The bias moves from the step's loads even when the update was skipped (docs/training.md).
     const double maxvio =
         update_router_biases(loads, recipe.router_bias_update_rate,
                              [&](const std::string& name) -> Tensor& { return store.get(name); });
-    refresh_model(model, store);
+    if (vl)
+      vl->model().refresh(store);
+    else
+      refresh_model(model, store);
     ++st.step;
     if (rep.skipped) ++st.skipped_steps;
 
@@ -282,25 +488,35 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     m.step = st.step;
     m.total_steps = total;
     m.epoch = sampler.epoch();
-    m.loss = lm_sum / topt.lm_denominator;
+    m.loss = lm_loss;
     double mtp_mean = 0;
     for (size_t k = 0; k < mtp_sum.size(); ++k) mtp_mean += mtp_sum[k] / topt.mtp_denominators[k];
     m.mtp_loss = mtp_sum.empty() ? 0.0 : recipe.mtp_scale * mtp_mean / double(mtp_sum.size());
     m.balancing_loss = balancing;
-    m.grad_norm = rep.grad_norm;
+    m.grad_norm = grad_norm;
     m.lr = lr;
     m.maxvio = maxvio;
     m.skipped = rep.skipped;
+    m.nonfinite = nonfinite;
     const MemoryPeaks peaks = take_memory_peaks(recipe.device);
     m.max_memory = peaks.max_memory;
     m.reserved_memory = peaks.reserved_memory;
-    meter.record(m, batch.text_tokens, batch.slots, seconds_since(step_start));
-    log.write(m);
+    // Throughput per rank (tgs is per GPU-second): this rank's share of the step's tokens.
+    meter.record(m, batch.text_tokens / dp, batch.slots / dp, seconds_since(step_start));
+    if (log) log->write(m);
     summary.steps.push_back(m);
     summary.text_tokens += batch.text_tokens;
     if (options.on_step) options.on_step(m);
+    if (!nonfinite.empty() && recipe.on_nonfinite == NonFinitePolicy::kStop)
+      throw Error(fmt::format("step {}: not finite: {}; the run stops without saving this step",
+                              st.step, fmt::join(nonfinite, ", ")),
+                  recipe.source() + ": train.on_nonfinite",
+                  "resume from the last checkpoint (--resume) with a lower optimizer.lr, or set "
+                  "train.on_nonfinite = \"skip\" to skip such steps");
 
-    const bool stop = options.stop && options.stop->load();
+    bool stop = options.stop && options.stop->load();
+    // A signal may reach the ranks at different steps: stop together.
+    if (distributed) stop = par->world().all_reduce_max(int64_t(stop)) > 0;
     const bool periodic = recipe.save_every > 0 && st.step % recipe.save_every == 0;
     if (periodic || st.step == total || stop) save();
     if (stop && st.step < total) {

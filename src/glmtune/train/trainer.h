@@ -7,7 +7,8 @@
 //   3. per pack: forward (activations kept or recomputed per layer, recipe `recompute`) and
 //      backward of  LM CE / N_lm + mtp_scale · mean_k (MTP CE_k / N_k) + α · balancing loss,
 //      gradients adding up over the packs; expert loads collected per router;
-//   4. global-norm clip and AdamW (a non-finite norm skips the update);
+//   4. a non-finite loss or gradient skips the update or stops the run (recipe `on_nonfinite`),
+//      naming the step and the offending tensors; otherwise global-norm clip and AdamW;
 //   5. router correction-bias update from the step's loads (also on a skipped step);
 //   6. metrics line + OUT/metrics.jsonl; a checkpoint every `save_every` steps, at the end, and
 //      when a stop was requested (SIGINT / SIGTERM in the CLI).
@@ -24,12 +25,22 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/tensor/tensor.h"
 #include "glmtune/train/metrics.h"
 #include "glmtune/train/recipe.h"
+
+namespace glmtune::dist {
+class ParallelContext;
+}
 
 namespace glmtune::train {
 
 struct TrainerOptions {
+  // The ranks of a distributed run (dist/parallel.h); null runs single-process. Every rank calls
+  // run_training with the same recipe: each step's packs are split over the data-parallel ranks,
+  // the optimizer state is sharded over them (dist/sharded_optimizer.h), rank 0 logs metrics and
+  // writes checkpoints (docs/distributed.md).
+  const dist::ParallelContext* parallel = nullptr;
   // Continue from the newest complete checkpoint under the output directory (a fresh start when
   // there is none). Without it, an output directory that already holds checkpoints is refused.
   bool resume = false;
@@ -40,6 +51,10 @@ struct TrainerOptions {
   // Called after every step's metrics are logged, before its checkpoint decision (tests use it to
   // request a stop at a chosen step).
   std::function<void(const StepMetrics&)> on_step;
+  // Called after every step's backward with the step number (1-based) and a setter of gradient
+  // buffers by internal parameter name (tests use it to inject a non-finite gradient).
+  std::function<void(int64_t step, const std::function<Tensor&(const std::string&)>& grad)>
+      on_gradients;
 };
 
 struct TrainSummary {
@@ -57,7 +72,9 @@ struct TrainSummary {
 };
 
 // Runs (or resumes) the training described by `recipe`. Throws glmtune::Error for bad input
-// (missing model or data, a device other than the CPU, an output directory holding another run).
+// (missing model or data, a device other than the CPU, an output directory holding another run, a
+// token cache prepared differently), for a non-finite step under `on_nonfinite = "stop"` (after
+// logging it, saving nothing), and rather than save weights that are not finite.
 TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options = {});
 
 // The test hook of the kill-during-save tests: when the environment variable

@@ -8,6 +8,7 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/model/loss.h"
+#include "glmtune/model/text/elementwise.h"
 #include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/embedding.h"
 #include "glmtune/ops/linear.h"
@@ -20,25 +21,6 @@
 
 namespace glmtune::model::text {
 namespace {
-
-// a += b for two contiguous tensors of one shape and dtype (f32 or f64).
-void add_into(Tensor& a, const Tensor& b) {
-  GLMTUNE_ASSERT(a.shape() == b.shape() && a.dtype() == b.dtype() && a.is_contiguous(),
-                 "gradient add: {} and {} differ", a.str(), b.str());
-  const Tensor bc = b.contiguous();
-  const int64_t n = a.numel();
-  if (a.dtype() == DType::f32) {
-    float* x = a.data<float>();
-    const float* y = bc.data<float>();
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
-  } else {
-    double* x = a.data<double>();
-    const double* y = bc.data<double>();
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
-  }
-}
 
 std::string bias_name(int64_t layer) {
   return layer_prefix(layer) + "mlp.gate.e_score_correction_bias";
@@ -61,7 +43,8 @@ class GradBuilder {
     GLMTUNE_ASSERT(it != by_ptr_.end(), "a text weight of shape {} is missing from the name table",
                    shape_str(w.shape()));
     if (!is_trainable_param(it->second)) return;
-    g = Tensor::zeros(w.shape(), w.dtype());
+    // Gradients accumulate in the compute dtype on the CPU and in f32 on the GPU (bf16 weights).
+    g = Tensor::zeros(w.shape(), w.device().is_cuda() ? DType::f32 : w.dtype(), w.device());
     g_.named.emplace_back(it->second, g);
   }
   void kda(const ops::KdaParams& w, ops::KdaGrads& g) {
@@ -140,9 +123,14 @@ Tensor balancing_grad(Ctx& c, const ops::Routing& routing, const Tensor& bias) {
   bo.alpha = c.opt.balancing_alpha;
   bo.num_micro_packs = c.opt.num_micro_packs;
   bo.valid = c.valid;
-  train::BalancingLossResult r = train::balancing_loss(routing.logits, bias, routing.indices, bo);
+  // The loss is a few [T, E] reductions: on the GPU path its inputs come to the host (in f32, the
+  // router's dtype there) and the logit gradient goes back.
+  const Device device = routing.logits.device();
+  const Device cpu = Device::cpu();
+  train::BalancingLossResult r = train::balancing_loss(
+      routing.logits.to(cpu), bias.to(cpu).to(routing.logits.dtype()), routing.indices.to(cpu), bo);
   c.result.balancing_loss += r.loss;
-  return r.grad_logits;
+  return r.grad_logits.to(device);
 }
 
 // MoE backward from the layer's saved input and routing. The shared expert's pre-clamp
@@ -150,7 +138,20 @@ Tensor balancing_grad(Ctx& c, const ops::Routing& routing, const Tensor& bias) {
 // forward's moe_forward did.
 Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Routing& routing,
                 const Tensor& dy, ops::MoeParams& g) {
-  const Tensor d_logits = balancing_grad(c, routing, p.e_score_correction_bias);
+  Tensor d_logits = balancing_grad(c, routing, p.e_score_correction_bias);
+  if (const ExpertDispatch* dispatch = c.ops.expert_dispatch) {
+    // Expert parallel: the routed experts' part comes back from their ranks; the router and the
+    // shared expert are differentiated here as in ops::moe_backward.
+    ExpertDispatch::Backward routed = dispatch->backward(c.ops.moe, p, x, routing, dy, g);
+    Tensor d_route = ops::moe_route_backward(c.ops.moe, routing, routed.d_weights);
+    if (d_logits.defined()) d_route = add(d_route, d_logits);
+    const Tensor d_router_x = ops::linear_backward(d_route, x, p.router_weight, &g.router_weight);
+    ops::MlpContext shared;
+    ops::mlp_forward(p.shared, x, c.ops.moe.swiglu_limit, shared);
+    const Tensor d_shared =
+        ops::mlp_backward(p.shared, shared, dy, c.ops.moe.swiglu_limit, g.shared);
+    return add(routed.dx, add(d_router_x, d_shared));
+  }
   ops::MoeContext mc;
   mc.x = x;
   mc.routing = routing;
@@ -230,10 +231,8 @@ MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, const T
                                       &g.input_layernorm);
   add_into(d_x, d_a);
   // x = eh_proj([enorm(future) ; hnorm(hidden)]).
-  const int64_t tokens = d_x.size(0), dim = d_x.size(1);
-  Tensor cat = Tensor::empty({tokens, 2 * dim}, d_x.dtype());
-  cat.narrow(1, 0, dim).copy_(m.future_normed);
-  cat.narrow(1, dim, dim).copy_(m.hidden_normed);
+  const int64_t dim = d_x.size(1);
+  const Tensor cat = concat_columns(m.future_normed, m.hidden_normed);
   const Tensor d_cat = ops::linear_backward(d_x, cat, w.eh_proj, &g.eh_proj);
   MtpInputGrads r;
   r.d_future = ops::rms_norm_backward(d_cat.narrow(1, 0, dim).contiguous(), m.future, w.enorm, eps,
@@ -243,24 +242,14 @@ MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, const T
   return r;
 }
 
-template <typename T>
-void add_shifted_rows_kernel(T* dst, const T* src, int64_t dim, const std::vector<int64_t>& cu,
-                             int64_t shift) {
-  for (size_t d = 0; d + 1 < cu.size(); ++d)
-    for (int64_t i = cu[d]; i + shift < cu[d + 1]; ++i)
-      for (int64_t j = 0; j < dim; ++j) dst[(i + shift) * dim + j] += src[i * dim + j];
-}
-
 // dst[i + shift] += src[i] for every row i whose row i + shift lies in the same document: the
 // gradient of the per-document roll that builds MTP's future rows from supplied embeddings.
-void add_shifted_rows(Tensor& dst, const Tensor& src_in, const std::vector<int64_t>& cu,
+void add_shifted_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>& cu,
                       int64_t shift) {
-  const Tensor src = src_in.contiguous();
-  const int64_t dim = dst.size(1);
-  if (dst.dtype() == DType::f32)
-    add_shifted_rows_kernel(dst.data<float>(), src.data<float>(), dim, cu, shift);
-  else
-    add_shifted_rows_kernel(dst.data<double>(), src.data<double>(), dim, cu, shift);
+  std::vector<int64_t> rows(size_t(dst.size(0)), -1);
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int64_t i = cu[d]; i + shift < cu[d + 1]; ++i) rows[size_t(i + shift)] = i;
+  add_into(dst, gather_rows(src, rows));
 }
 
 std::vector<int64_t> ids_of(const Tensor& input_ids) {
@@ -345,7 +334,8 @@ std::vector<bool> recompute_policy(int64_t layers, double fraction) {
 TrainForward training_forward(const TextModel& model, const PackInput& in,
                               const TrainOptions& opt) {
   const TextConfig& c = model.text();
-  const OpConfigs& ops = model.op_configs();
+  OpConfigs ops = model.op_configs();
+  ops.expert_dispatch = opt.expert_dispatch;
   const TextWeights& w = model.weights();
   Tensor emb;
   if (in.inputs_embeds.defined()) {
@@ -445,7 +435,9 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
                  "gradient buffers were not built for this model (TextGrads::zeros_like)");
   const int64_t tokens = fc.embeddings.size(0);
   BackwardResult result;
-  Ctx c{model.op_configs(),
+  OpConfigs ops = model.op_configs();
+  ops.expert_dispatch = opt.expert_dispatch;
+  Ctx c{ops,
         opt,
         Tensor::from_vector(fc.cu_seqlens, {int64_t(fc.cu_seqlens.size())}),
         fc.counted_rows,
@@ -514,7 +506,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       const std::vector<int64_t>& cu = fc.cu_seqlens;
       if (supplied) {
         if (!d_emb_future.defined())
-          d_emb_future = Tensor::zeros(g.d_future.shape(), model.dtype());
+          d_emb_future = Tensor::zeros(g.d_future.shape(), g.d_future.dtype(), g.d_future.device());
         add_shifted_rows(d_emb_future, g.d_future, cu, k);
       } else {
         std::vector<int64_t> future(ids.size(), 0);

@@ -101,6 +101,10 @@ struct TrainOptions {
   int64_t num_micro_packs = 1;
 
   int64_t loss_chunk_rows = 256;  // label rows per lm_head chunk
+
+  // Expert parallelism: where the routed experts run (layer.h); null: in this process. Every
+  // rank of its group must then run the same layers in the same order (its calls are collective).
+  const ExpertDispatch* expert_dispatch = nullptr;
 };
 
 // A recompute policy for `layers` decoder layers from a fraction (the recipe's `recompute`): the

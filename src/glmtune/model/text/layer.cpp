@@ -2,42 +2,12 @@
 
 #include <algorithm>
 
+#include "glmtune/model/text/elementwise.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
 
 namespace glmtune::model::text {
-namespace {
-
-template <typename T>
-void add_kernel(const T* a, const T* b, T* out, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
-}
-
-// a + b for two contiguous tensors of one shape (the pre-norm residual adds of the MTP layer).
-Tensor add(const Tensor& a, const Tensor& b) {
-  GLMTUNE_ASSERT(a.shape() == b.shape() && a.dtype() == b.dtype(), "add: {} and {} differ", a.str(),
-                 b.str());
-  const Tensor ac = a.contiguous(), bc = b.contiguous();
-  Tensor out = Tensor::empty(a.shape(), a.dtype());
-  if (a.dtype() == DType::f32)
-    add_kernel(ac.data<float>(), bc.data<float>(), out.data<float>(), a.numel());
-  else
-    add_kernel(ac.data<double>(), bc.data<double>(), out.data<double>(), a.numel());
-  return out;
-}
-
-// [a | b] along the last dimension: [T, Da] and [T, Db] -> [T, Da + Db].
-Tensor concat_columns(const Tensor& a, const Tensor& b) {
-  const int64_t rows = a.size(0), da = a.size(1), db = b.size(1);
-  Tensor out = Tensor::empty({rows, da + db}, a.dtype());
-  out.narrow(1, 0, da).copy_(a);
-  out.narrow(1, da, db).copy_(b);
-  return out;
-}
-
-}  // namespace
 
 OpConfigs OpConfigs::from(const TextConfig& c) {
   OpConfigs o;
@@ -75,6 +45,16 @@ OpConfigs OpConfigs::from(const TextConfig& c) {
 MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Tensor& x,
                     int64_t counted_rows) {
   MoeResult r;
+  if (cfg.expert_dispatch != nullptr) {
+    // Expert parallel: routing and the shared expert here, the routed experts where they live;
+    // the shared expert joins after the routed sum, as in ops::moe_forward.
+    r.routing = ops::moe_route(cfg.moe, params.router_weight, params.e_score_correction_bias, x);
+    r.y = cfg.expert_dispatch->forward(cfg.moe, params, x, r.routing);
+    if (params.shared.gate_proj.defined())
+      r.y = add(r.y, ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit));
+    r.expert_counts = ops::moe_expert_counts(r.routing, cfg.moe.n_experts, counted_rows);
+    return r;
+  }
   if (params.shared.gate_proj.defined()) {
     ops::MoeOutput o = ops::moe_forward(cfg.moe, params, x, counted_rows);
     r.y = std::move(o.y);

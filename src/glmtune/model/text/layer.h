@@ -24,6 +24,26 @@
 
 namespace glmtune::model::text {
 
+// Routed experts computed by someone else than this process alone: expert parallelism
+// (dist/expert_parallel.h) sends each (token, expert) pair to the rank that holds the expert and
+// brings the results back. Unset (the default), the MoE block runs every expert itself.
+class ExpertDispatch {
+ public:
+  virtual ~ExpertDispatch() = default;
+  // Σ_k w_k · expert_{idx_k}(x) per row, [T, D]: what ops::moe_experts computes over all experts.
+  virtual Tensor forward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
+                         const ops::Routing& routing) const = 0;
+  struct Backward {
+    Tensor dx;         // [T, D] through the routed experts only
+    Tensor d_weights;  // [T, K] gradient of the combine weights
+  };
+  // The routed experts' part of ops::moe_backward for dy [T, D]: adds the gradients of the experts
+  // this rank holds into grads.gate_up_proj / grads.down_proj (created as zeros when undefined).
+  virtual Backward backward(const ops::MoeConfig& cfg, const ops::MoeParams& params,
+                            const Tensor& x, const ops::Routing& routing, const Tensor& dy,
+                            ops::MoeParams& grads) const = 0;
+};
+
 // The op configurations a TextConfig implies.
 struct OpConfigs {
   ops::MhcOptions mhc;
@@ -33,6 +53,8 @@ struct OpConfigs {
   ops::MoeConfig moe;
   double rms_eps = 1e-5;
   double swiglu_limit = 10.0;
+  // Routed experts elsewhere (expert parallelism); null: every expert in this process.
+  const ExpertDispatch* expert_dispatch = nullptr;
 
   static OpConfigs from(const TextConfig& config);
 };

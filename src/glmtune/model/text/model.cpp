@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "glmtune/model/loss.h"
+#include "glmtune/model/text/elementwise.h"
 #include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/embedding.h"
 #include "glmtune/ops/linear.h"
@@ -27,23 +28,6 @@ std::vector<int64_t> token_ids(const Tensor& input_ids) {
   return ids;
 }
 
-// Rows `rows` of x [T, D], a zero row where the index is negative (past a document's end on the
-// supplied-embedding path of MTP).
-Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows) {
-  const int64_t dim = x.size(1), n = int64_t(rows.size());
-  Tensor out = Tensor::empty({n, dim}, x.dtype());
-  const size_t row_bytes = size_t(dim) * x.element_size();
-  const auto* src = static_cast<const char*>(x.data_ptr());
-  auto* dst = static_cast<char*>(out.data_ptr());
-  for (int64_t i = 0; i < n; ++i) {
-    if (rows[i] < 0)
-      std::memset(dst + i * row_bytes, 0, row_bytes);
-    else
-      std::memcpy(dst + i * row_bytes, src + rows[i] * row_bytes, row_bytes);
-  }
-  return out;
-}
-
 LossStats stats_of(const ops::CrossEntropyResult& ce) { return {ce.loss_sum, ce.n_tokens}; }
 
 // The token-mean CE of logits = hidden · head^T: from the logits when they exist, else in chunks
@@ -59,7 +43,7 @@ LossStats lm_loss(const Tensor& logits, const Tensor& hidden, const Tensor& head
 }  // namespace
 
 TextModel::TextModel(const ParamStore& store, TextModelOptions options)
-    : TextModel(store.config(), load_text_weights(store, options.dtype)) {}
+    : TextModel(store.config(), load_text_weights(store, options.dtype, options.device)) {}
 
 TextModel::TextModel(ModelConfig config, TextWeights weights)
     : config_(std::move(config)), weights_(std::move(weights)), ops_(OpConfigs::from(text())) {
@@ -99,9 +83,10 @@ ForwardOutput TextModel::forward(const PackInput& in, const ForwardOptions& opt)
   Tensor emb;
   if (in.inputs_embeds.defined()) {
     if (in.inputs_embeds.dim() != 2 || in.inputs_embeds.size(1) != dim ||
-        !dtype_is_floating(in.inputs_embeds.dtype()) || !in.inputs_embeds.device().is_cpu())
-      throw Error(fmt::format("inputs_embeds must be a CPU float tensor [T, {}], got {}", dim,
-                              in.inputs_embeds.str()),
+        !dtype_is_floating(in.inputs_embeds.dtype()) ||
+        in.inputs_embeds.device() != weights_.embed_tokens.device())
+      throw Error(fmt::format("inputs_embeds must be a float tensor [T, {}] on {}, got {}", dim,
+                              weights_.embed_tokens.device().str(), in.inputs_embeds.str()),
                   "inputs_embeds", "pass one embedding row per token");
     emb = in.inputs_embeds.to(dtype()).contiguous();
     if (in.input_ids.defined() && in.input_ids.numel() != emb.size(0))

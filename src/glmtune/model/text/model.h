@@ -33,7 +33,9 @@ namespace glmtune::model::text {
 enum class SavePolicy { none, all };
 
 struct TextModelOptions {
-  DType dtype = DType::f32;  // compute dtype: f32 (the reference path) or f64 (tests)
+  // Compute dtype: f32 (the reference path) or f64 (tests) on the CPU; bf16 on a CUDA device.
+  DType dtype = DType::f32;
+  Device device = Device::cpu();
 };
 
 struct PackInput {
@@ -114,6 +116,7 @@ class TextModel {
   const ModelConfig& config() const { return config_; }
   const TextConfig& text() const { return config_.text(); }
   DType dtype() const { return weights_.dtype; }
+  Device device() const { return weights_.device; }
   bool has_mtp() const { return weights_.mtp.has_value(); }
   const OpConfigs& op_configs() const { return ops_; }
   const TextWeights& weights() const { return weights_; }

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "glmtune/model/layout.h"
 #include "glmtune/tensor/convert.h"
 
 namespace glmtune::model::text {
@@ -28,12 +29,22 @@ Tensor to_compute(const Tensor& src, DType dtype) {
   return out;
 }
 
+// The GPU storage of one parameter: bf16, or f32 where the parameter is kept in f32 or a kernel
+// reads it in f32 (the mHC mixing matrix hc_*_fn).
+Tensor to_device(const Tensor& src, const std::string& name, Device device) {
+  const bool keep_f32 =
+      is_fp32_kept(name) || (name.find(".hc_") != std::string::npos && name.size() > 3 &&
+                             name.compare(name.size() - 3, 3, "_fn") == 0);
+  return src.contiguous().to(keep_f32 ? DType::f32 : DType::bf16).to(device);
+}
+
 class Loader {
  public:
   Loader(const ParamStore& store, TextWeights& w) : store_(store), w_(w) {}
 
   Tensor get(const std::string& name) {
-    Tensor t = to_compute(store_.get(name), w_.dtype);
+    Tensor t = w_.device.is_cuda() ? to_device(store_.get(name), name, w_.device)
+                                   : to_compute(store_.get(name), w_.dtype);
     w_.named.emplace_back(name, t);
     return t;
   }
@@ -118,12 +129,17 @@ std::string layer_prefix(int64_t layer) {
   return fmt::format("model.language_model.layers.{}.", layer);
 }
 
-TextWeights load_text_weights(const ParamStore& store, DType dtype) {
-  GLMTUNE_ASSERT(dtype == DType::f32 || dtype == DType::f64,
-                 "the CPU text model computes in f32 or f64, not {}", dtype_name(dtype));
+TextWeights load_text_weights(const ParamStore& store, DType dtype, Device device) {
+  if (device.is_cuda())
+    GLMTUNE_ASSERT(dtype == DType::bf16, "the GPU text model computes in bf16, not {}",
+                   dtype_name(dtype));
+  else
+    GLMTUNE_ASSERT(dtype == DType::f32 || dtype == DType::f64,
+                   "the CPU text model computes in f32 or f64, not {}", dtype_name(dtype));
   const TextConfig& c = store.config().text();
   TextWeights w;
   w.dtype = dtype;
+  w.device = device;
   Loader load(store, w);
   w.embed_tokens = load.get("model.language_model.embed_tokens.weight");
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {

@@ -57,7 +57,8 @@ struct MtpWeights {
 };
 
 struct TextWeights {
-  DType dtype = DType::f32;
+  DType dtype = DType::f32;  // the compute dtype: f32 / f64 on the CPU, bf16 on a GPU
+  Device device = Device::cpu();
   Tensor embed_tokens;  // [V, D]
   Tensor final_norm;    // [D]
   Tensor lm_head;       // [V, D] (the embedding itself when tie_word_embeddings)
@@ -66,9 +67,11 @@ struct TextWeights {
   std::vector<std::pair<std::string, Tensor>> named;
 };
 
-// Copies and converts the text parameters of `store` (vision tensors are left alone). dtype is
-// f32 or f64.
-TextWeights load_text_weights(const ParamStore& store, DType dtype);
+// Copies and converts the text parameters of `store` (vision tensors are left alone). On the CPU
+// dtype is f32 or f64 and every parameter is converted to it. On a CUDA device dtype is bf16: the
+// parameters are stored in bf16 there, except those kept in f32 (SPEC.md's fp32-kept list and the
+// mHC mixing matrices, which the GPU kernels read in f32).
+TextWeights load_text_weights(const ParamStore& store, DType dtype, Device device = Device::cpu());
 
 // Prefix of decoder layer `layer`'s parameters: "model.language_model.layers.<layer>.".
 std::string layer_prefix(int64_t layer);

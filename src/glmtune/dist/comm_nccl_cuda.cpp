@@ -1,0 +1,276 @@
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <nccl.h>
+#include <sched.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/dist/comm_nccl.h"
+#include "glmtune/tensor/cuda_check.h"
+#if GLMTUNE_WITH_MPI
+#include "glmtune/dist/comm_mpi.h"
+#endif
+
+namespace glmtune::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void fail(const std::string& message) {
+#if GLMTUNE_WITH_MPI
+  mpi::abort_job(message, 3);
+#else
+  throw Error(message);
+#endif
+}
+
+void check_nccl(ncclResult_t rc, const char* what) {
+  if (rc == ncclSuccess || rc == ncclInProgress) return;
+  throw Error(fmt::format("NCCL call {} failed: {}", what, ncclGetErrorString(rc)),
+              "the distributed run", "check the other ranks' logs and NCCL_DEBUG=WARN output");
+}
+
+ncclDataType_t reduce_type(DType dt, const std::string& group) {
+  switch (dt) {
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::f16:
+      return ncclFloat16;
+    case DType::i32:
+      return ncclInt32;
+    case DType::i64:
+      return ncclInt64;
+    default:
+      GLMTUNE_ASSERT(false, "reduction of {} on group '{}' (nccl)", dtype_name(dt), group);
+  }
+  return ncclFloat32;
+}
+
+ncclDataType_t move_type(DType dt) {
+  switch (dtype_size(dt)) {
+    case 1:
+      return ncclUint8;
+    case 2:
+      return ncclFloat16;  // bits are only copied
+    case 4:
+      return ncclUint32;
+    default:
+      return ncclUint64;
+  }
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::max:
+      return ncclMax;
+    case ReduceOp::min:
+      return ncclMin;
+  }
+  return ncclSum;
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(Communicator& bootstrap, int device, double timeout_s)
+      : name_(bootstrap.name()), timeout_s_(timeout_s), device_(device) {
+    rank_ = bootstrap.rank();
+    size_ = bootstrap.size();
+    Tensor id = Tensor::zeros({int64_t(sizeof(ncclUniqueId))}, DType::boolean);
+    if (rank_ == 0) {
+      ncclUniqueId u;
+      check_nccl(ncclGetUniqueId(&u), "ncclGetUniqueId");
+      std::memcpy(id.data_ptr(), &u, sizeof(u));
+    }
+    bootstrap.broadcast(id, 0);
+    ncclUniqueId u;
+    std::memcpy(&u, id.data_ptr(), sizeof(u));
+    GLMTUNE_CUDA_CHECK(cudaSetDevice(device_));
+    GLMTUNE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    GLMTUNE_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    // Non-blocking initialisation, so that a rank that never joins is caught by the deadline.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    check_nccl(ncclCommInitRankConfig(&comm_, size_, u, rank_, &config), "ncclCommInitRankConfig");
+    wait_comm("init");
+  }
+  ~NcclCommunicator() override {
+    if (comm_) ncclCommDestroy(comm_);
+    if (ready_) cudaEventDestroy(ready_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  const char* backend() const override { return "nccl"; }
+
+  void all_reduce(Tensor& t, ReduceOp op) override {
+    check(t, "all_reduce");
+    begin();
+    check_nccl(ncclAllReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()),
+                             reduce_type(t.dtype(), name_), nccl_op(op), comm_, stream_),
+               "ncclAllReduce");
+    finish("all_reduce");
+  }
+
+  void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override {
+    check(in, "reduce_scatter");
+    check(out, "reduce_scatter");
+    GLMTUNE_ASSERT(in.dtype() == out.dtype() && in.numel() == out.numel() * size_,
+                   "reduce_scatter on group '{}': {} into {} over {} ranks", name_, in.str(),
+                   out.str(), size_);
+    begin();
+    check_nccl(ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()),
+                                 reduce_type(in.dtype(), name_), nccl_op(op), comm_, stream_),
+               "ncclReduceScatter");
+    finish("reduce_scatter");
+  }
+
+  void all_gather(const Tensor& in, Tensor& out) override {
+    check(in, "all_gather");
+    check(out, "all_gather");
+    GLMTUNE_ASSERT(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
+                   "all_gather on group '{}': {} into {} over {} ranks", name_, in.str(), out.str(),
+                   size_);
+    begin();
+    check_nccl(ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()),
+                             move_type(in.dtype()), comm_, stream_),
+               "ncclAllGather");
+    finish("all_gather");
+  }
+
+  void all_to_all(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                  std::span<const int64_t> recv_counts) override {
+    check(in, "all_to_all");
+    check(out, "all_to_all");
+    GLMTUNE_ASSERT(in.dtype() == out.dtype() && int(send_counts.size()) == size_ &&
+                       int(recv_counts.size()) == size_,
+                   "all_to_all on group '{}': {} counts for {} ranks", name_, send_counts.size(),
+                   size_);
+    const size_t es = in.element_size();
+    const auto* src = static_cast<const char*>(in.data_ptr());
+    auto* dst = static_cast<char*>(out.data_ptr());
+    const ncclDataType_t type = move_type(in.dtype());
+    begin();
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    int64_t soff = 0, roff = 0;
+    for (int q = 0; q < size_; ++q) {
+      const int64_t sc = send_counts[size_t(q)], rc = recv_counts[size_t(q)];
+      if (sc > 0)
+        check_nccl(ncclSend(src + size_t(soff) * es, size_t(sc), type, q, comm_, stream_),
+                   "ncclSend");
+      if (rc > 0)
+        check_nccl(ncclRecv(dst + size_t(roff) * es, size_t(rc), type, q, comm_, stream_),
+                   "ncclRecv");
+      soff += sc;
+      roff += rc;
+    }
+    GLMTUNE_ASSERT(soff <= in.numel() && roff <= out.numel(),
+                   "all_to_all on group '{}': counts exceed the tensors", name_);
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    finish("all_to_all");
+  }
+
+  void broadcast(Tensor& t, int root) override {
+    check(t, "broadcast");
+    begin();
+    check_nccl(ncclBroadcast(t.data_ptr(), t.data_ptr(), size_t(t.numel()), move_type(t.dtype()),
+                             root, comm_, stream_),
+               "ncclBroadcast");
+    finish("broadcast");
+  }
+
+  void barrier() override {
+    Tensor one = Tensor::zeros({1}, DType::f32, Device::cuda(device_));
+    all_reduce(one, ReduceOp::sum);
+  }
+
+ private:
+  void check(const Tensor& t, const char* op) const {
+    GLMTUNE_ASSERT(t.defined() && t.is_contiguous() && t.device().is_cuda(),
+                   "{} on group '{}' (nccl): tensors must be contiguous GPU tensors, got {}", op,
+                   name_, t.defined() ? t.str() : std::string("an undefined tensor"));
+  }
+
+  // The collective reads what the default stream produced: order it after that work.
+  void begin() {
+    GLMTUNE_CUDA_CHECK(cudaSetDevice(device_));
+    GLMTUNE_CUDA_CHECK(cudaEventRecord(ready_, cudaStreamLegacy));
+    GLMTUNE_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+  }
+
+  Clock::time_point deadline() const {
+    return Clock::now() +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
+  }
+
+  [[noreturn]] void timed_out(const char* op) {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+    fail(
+        fmt::format("collective {} on group '{}' ({} ranks, rank {} here, nccl) did not complete "
+                    "within {} s: another rank died, hangs, or called a different collective. "
+                    "Aborting every rank (raise glmtune train --dist-timeout for slow steps)",
+                    op, name_, size_, rank_, timeout_s_));
+  }
+
+  static void pause(int64_t polls) {
+    if (polls < 1000)
+      sched_yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+
+  void wait_comm(const char* op) {
+    const auto end = deadline();
+    for (int64_t polls = 0;; ++polls) {
+      ncclResult_t state = ncclSuccess;
+      check_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
+      if (state == ncclSuccess) return;
+      check_nccl(state, op);
+      if (Clock::now() > end) timed_out(op);
+      pause(polls);
+    }
+  }
+
+  void finish(const char* op) {
+    wait_comm(op);  // a non-blocking communicator may still be enqueueing
+    const auto end = deadline();
+    for (int64_t polls = 0;; ++polls) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) GLMTUNE_CUDA_CHECK(q);
+      ncclResult_t state = ncclSuccess;
+      check_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
+      check_nccl(state, op);
+      if (Clock::now() > end) timed_out(op);
+      pause(polls);
+    }
+  }
+
+  std::string name_;
+  double timeout_s_;
+  int device_ = 0;
+  int rank_ = 0, size_ = 1;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ready_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_nccl_communicator(Communicator& bootstrap, int device,
+                                                     double timeout_s) {
+  return std::make_unique<NcclCommunicator>(bootstrap, device, timeout_s);
+}
+
+}  // namespace glmtune::dist

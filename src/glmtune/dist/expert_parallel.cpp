@@ -1,0 +1,297 @@
+#include "glmtune/dist/expert_parallel.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/ops/cpu/moe_common.h"
+#include "glmtune/ops/linear.h"
+#include "glmtune/ops/mlp.h"
+
+namespace glmtune::dist {
+namespace {
+
+// Who sends what to whom for one routing: the same on the forward and the backward of a layer.
+struct Plan {
+  // The (row·K + k) pairs in sending order: ascending expert (hence ascending owner rank), rows
+  // ascending within an expert.
+  std::vector<int64_t> slots;
+  std::vector<int64_t> send_pairs;  // [ep] pairs to each rank
+  std::vector<int64_t> recv_pairs;  // [ep] pairs from each rank
+  // Received rows of each local expert as positions in the receive buffer, one block per sending
+  // rank that has any (rank order), rows in the sender's order. Each block runs as its own GEMM:
+  // a row's result then does not depend on which other ranks' rows share the call, and equals
+  // the single-process value bit for bit (the same rows in the same order).
+  std::vector<std::vector<std::vector<int64_t>>> local_rows;
+};
+
+Plan make_plan(Communicator& ep, const ops::Routing& routing, int64_t n_experts, int64_t per_rank) {
+  const int ranks = ep.size();
+  const Tensor idx_t = routing.indices.contiguous();
+  const int64_t pairs = idx_t.numel();
+  const ops::cpu_detail::ExpertBuckets buckets =
+      ops::cpu_detail::bucket_by_expert(idx_t.data<int32_t>(), pairs, n_experts);
+  Plan p;
+  p.slots = buckets.slot;
+  // Pairs per expert; experts [q·per_rank, (q+1)·per_rank) are rank q's block of the exchange.
+  Tensor send_counts = Tensor::empty({n_experts}, DType::i64);
+  for (int64_t e = 0; e < n_experts; ++e)
+    send_counts.data<int64_t>()[e] = buckets.start[size_t(e) + 1] - buckets.start[size_t(e)];
+  Tensor recv_counts = Tensor::empty({int64_t(ranks) * per_rank}, DType::i64);
+  const std::vector<int64_t> block(size_t(ranks), per_rank);
+  ep.all_to_all(send_counts, block, recv_counts, block);
+  p.send_pairs.assign(size_t(ranks), 0);
+  p.recv_pairs.assign(size_t(ranks), 0);
+  p.local_rows.resize(size_t(per_rank));
+  int64_t position = 0;
+  for (int q = 0; q < ranks; ++q)
+    for (int64_t j = 0; j < per_rank; ++j) {
+      p.send_pairs[size_t(q)] += send_counts.data<int64_t>()[q * per_rank + j];
+      const int64_t n = recv_counts.data<int64_t>()[q * per_rank + j];
+      p.recv_pairs[size_t(q)] += n;
+      if (n == 0) continue;
+      std::vector<int64_t>& block = p.local_rows[size_t(j)].emplace_back();
+      for (int64_t r = 0; r < n; ++r) block.push_back(position++);
+    }
+  return p;
+}
+
+// Variable-count exchange of rows of `width` elements.
+Tensor exchange(Communicator& ep, const Tensor& rows, int64_t width,
+                const std::vector<int64_t>& send_pairs, const std::vector<int64_t>& recv_pairs) {
+  std::vector<int64_t> send_counts(send_pairs.size()), recv_counts(recv_pairs.size());
+  for (size_t q = 0; q < send_pairs.size(); ++q) {
+    send_counts[q] = send_pairs[q] * width;
+    recv_counts[q] = recv_pairs[q] * width;
+  }
+  const int64_t total = std::accumulate(recv_pairs.begin(), recv_pairs.end(), int64_t(0));
+  Tensor out = Tensor::empty({total, width}, rows.dtype());
+  ep.all_to_all(rows, send_counts, out, recv_counts);
+  return out;
+}
+
+// Copies rows `which` of `src` (row length `width`, first `cols` elements) into a new [n, cols].
+template <typename T>
+Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& which, int64_t col0,
+                   int64_t cols) {
+  const int64_t width = src.size(1);
+  Tensor out = Tensor::empty({int64_t(which.size()), cols}, src.dtype());
+  const T* s = src.data<T>();
+  T* o = out.data<T>();
+  for (size_t r = 0; r < which.size(); ++r)
+    std::copy_n(s + which[r] * width + col0, cols, o + int64_t(r) * cols);
+  return out;
+}
+
+// One expert's forward on stacked rows: h = x Wgu^T, a = swiglu(h), y = a Wd^T.
+struct ExpertForward {
+  Tensor h, act, y;
+};
+
+ExpertForward run_expert(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
+                         const Tensor& xe) {
+  const int64_t inter = down.size(1);
+  ExpertForward f;
+  f.h = ops::linear(xe, gate_up);
+  f.act =
+      ops::swiglu_clamped(f.h.narrow(1, 0, inter), f.h.narrow(1, inter, inter), cfg.swiglu_limit);
+  f.y = ops::linear(f.act, down);
+  return f;
+}
+
+Tensor& grad_slot(Tensor& grad, const Tensor& param) {
+  if (!grad.defined()) grad = Tensor::zeros(param.shape(), param.dtype());
+  GLMTUNE_ASSERT(grad.shape() == param.shape() && grad.dtype() == param.dtype() &&
+                     grad.is_contiguous() && grad.device().is_cpu(),
+                 "expert gradient {} must be a contiguous CPU tensor like {}", grad.str(),
+                 param.str());
+  return grad;
+}
+
+template <typename T>
+Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank, int64_t first,
+                    const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x_in,
+                    const ops::Routing& routing) {
+  const Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), dim = x.size(1), k = routing.indices.size(1);
+  const Plan plan = make_plan(ep, routing, n_experts, per_rank);
+  const int64_t pairs = int64_t(plan.slots.size());
+
+  Tensor send = Tensor::empty({pairs, dim}, x.dtype());
+  const T* xp = x.data<T>();
+  for (int64_t i = 0; i < pairs; ++i)
+    std::copy_n(xp + (plan.slots[size_t(i)] / k) * dim, dim, send.data<T>() + i * dim);
+  const Tensor recv = exchange(ep, send, dim, plan.send_pairs, plan.recv_pairs);
+
+  // The local experts on each sender's block of rows; results go back in place.
+  Tensor reply = Tensor::empty(recv.shape(), x.dtype());
+  for (int64_t j = 0; j < per_rank; ++j)
+    for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
+      const ExpertForward f =
+          run_expert(cfg, params.gate_up_proj.select(0, first + j),
+                     params.down_proj.select(0, first + j), gather_rows<T>(recv, which, 0, dim));
+      const T* yp = f.y.data<T>();
+      for (size_t r = 0; r < which.size(); ++r)
+        std::copy_n(yp + int64_t(r) * dim, dim, reply.data<T>() + which[r] * dim);
+    }
+  const Tensor back = exchange(ep, reply, dim, plan.recv_pairs, plan.send_pairs);
+
+  // Weighted combine in ascending expert order per row, as the single-process kernel sums.
+  const Tensor w_t = routing.weights.contiguous();
+  const T* w = w_t.data<T>();
+  Tensor out = Tensor::zeros({rows, dim}, x.dtype());
+  T* y = out.data<T>();
+  const T* bp = back.data<T>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t slot = plan.slots[size_t(i)];
+    const T wk = w[slot];
+    T* yr = y + (slot / k) * dim;
+    for (int64_t d = 0; d < dim; ++d) yr[d] += bp[i * dim + d] * wk;
+  }
+  return out;
+}
+
+template <typename T>
+model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_experts,
+                                                    int64_t per_rank, int64_t first,
+                                                    const ops::MoeConfig& cfg,
+                                                    const ops::MoeParams& params,
+                                                    const Tensor& x_in, const ops::Routing& routing,
+                                                    const Tensor& dy_in, ops::MoeParams& grads) {
+  const Tensor x = x_in.contiguous();
+  const Tensor dy = dy_in.contiguous();
+  const int64_t rows = x.size(0), dim = x.size(1), k = routing.indices.size(1);
+  Tensor& d_gate_up = grad_slot(grads.gate_up_proj, params.gate_up_proj);
+  Tensor& d_down = grad_slot(grads.down_proj, params.down_proj);
+  const Plan plan = make_plan(ep, routing, n_experts, per_rank);
+  const int64_t pairs = int64_t(plan.slots.size());
+  const Tensor w_t = routing.weights.contiguous();
+  const T* w = w_t.data<T>();
+
+  // [x | dy | w] per pair.
+  const int64_t width = 2 * dim + 1;
+  Tensor send = Tensor::empty({pairs, width}, x.dtype());
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t slot = plan.slots[size_t(i)], row = slot / k;
+    T* s = send.data<T>() + i * width;
+    std::copy_n(x.data<T>() + row * dim, dim, s);
+    std::copy_n(dy.data<T>() + row * dim, dim, s + dim);
+    s[2 * dim] = w[slot];
+  }
+  const Tensor recv = exchange(ep, send, width, plan.send_pairs, plan.recv_pairs);
+
+  // [dx | dw] per pair.
+  const int64_t reply_width = dim + 1;
+  Tensor reply = Tensor::empty({recv.size(0), reply_width}, x.dtype());
+  const int64_t inter = params.down_proj.size(2);
+  // An expert without tokens has no block and gets no gradient (as in the single process).
+  for (int64_t j = 0; j < per_rank; ++j)
+    for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
+      const int64_t n = int64_t(which.size());
+      const Tensor wgu = params.gate_up_proj.select(0, first + j);
+      const Tensor wd = params.down_proj.select(0, first + j);
+      const Tensor xe = gather_rows<T>(recv, which, 0, dim);
+      const Tensor dyr = gather_rows<T>(recv, which, dim, dim);
+      const ExpertForward f = run_expert(cfg, wgu, wd, xe);
+      // y_row += w · ye: dw = ⟨dy_row, ye⟩, dye = w · dy_row.
+      Tensor dye = Tensor::empty({n, dim}, x.dtype());
+      T* reply_p = reply.data<T>();
+      for (int64_t r = 0; r < n; ++r) {
+        const T wk = recv.data<T>()[which[size_t(r)] * width + 2 * dim];
+        const T* dyp = dyr.data<T>() + r * dim;
+        const T* yp = f.y.data<T>() + r * dim;
+        T dot = T(0);
+        for (int64_t d = 0; d < dim; ++d) {
+          dot += dyp[d] * yp[d];
+          dye.data<T>()[r * dim + d] = wk * dyp[d];
+        }
+        reply_p[which[size_t(r)] * reply_width + dim] = dot;
+      }
+      Tensor d_down_e = d_down.select(0, first + j);
+      const Tensor d_act = ops::linear_backward(dye, f.act, wd, &d_down_e);
+      Tensor dh = Tensor::empty({n, 2 * inter}, x.dtype());
+      Tensor dhg = dh.narrow(1, 0, inter), dhu = dh.narrow(1, inter, inter);
+      ops::swiglu_clamped_backward(f.h.narrow(1, 0, inter), f.h.narrow(1, inter, inter), d_act,
+                                   cfg.swiglu_limit, dhg, dhu);
+      Tensor d_gate_up_e = d_gate_up.select(0, first + j);
+      const Tensor dxe = ops::linear_backward(dh, xe, wgu, &d_gate_up_e);
+      for (int64_t r = 0; r < n; ++r)
+        std::copy_n(dxe.data<T>() + r * dim, dim, reply_p + which[size_t(r)] * reply_width);
+    }
+  const Tensor back = exchange(ep, reply, reply_width, plan.recv_pairs, plan.send_pairs);
+
+  model::text::ExpertDispatch::Backward out;
+  out.dx = Tensor::zeros({rows, dim}, x.dtype());
+  out.d_weights = Tensor::zeros({rows, k}, x.dtype());
+  T* dx = out.dx.data<T>();
+  T* dw = out.d_weights.data<T>();
+  const T* bp = back.data<T>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t slot = plan.slots[size_t(i)];
+    T* dxr = dx + (slot / k) * dim;
+    for (int64_t d = 0; d < dim; ++d) dxr[d] += bp[i * reply_width + d];
+    dw[slot] = bp[i * reply_width + dim];
+  }
+  return out;
+}
+
+void check_inputs(int64_t n_experts, const ops::MoeConfig& cfg, const ops::MoeParams& params,
+                  const Tensor& x, const ops::Routing& routing) {
+  GLMTUNE_ASSERT(cfg.n_experts == n_experts,
+                 "expert parallelism was set up for {} experts, the layer has {}", n_experts,
+                 cfg.n_experts);
+  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.device().is_cpu() &&
+                     (x.dtype() == DType::f32 || x.dtype() == DType::f64),
+                 "expert parallelism runs on CPU [T, D] inputs in f32 or f64, got {}",
+                 x.defined() ? x.str() : std::string("undefined"));
+  GLMTUNE_ASSERT(
+      params.gate_up_proj.defined() && params.down_proj.defined() &&
+          params.gate_up_proj.size(0) == n_experts && params.down_proj.size(0) == n_experts &&
+          params.gate_up_proj.dtype() == x.dtype() && params.down_proj.dtype() == x.dtype(),
+      "experts gate_up_proj / down_proj must hold {} experts in {}", n_experts, x.str());
+  GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
+                     routing.indices.dim() == 2 && routing.indices.size(0) == x.size(0) &&
+                     routing.weights.defined() &&
+                     routing.weights.shape() == routing.indices.shape() &&
+                     routing.weights.dtype() == x.dtype(),
+                 "routing does not match input {}", x.str());
+}
+
+}  // namespace
+
+ExpertParallel::ExpertParallel(Communicator& ep, int64_t n_experts, const std::string& where)
+    : ep_(ep), n_experts_(n_experts) {
+  if (n_experts <= 0 || n_experts % ep.size() != 0)
+    throw Error(fmt::format("{} routed experts do not split over {} expert-parallel ranks",
+                            n_experts, ep.size()),
+                where, fmt::format("set train.ep_size to a divisor of {}", n_experts));
+  per_rank_ = n_experts / ep.size();
+  first_ = per_rank_ * ep.rank();
+}
+
+Tensor ExpertParallel::forward(const ops::MoeConfig& cfg, const ops::MoeParams& params,
+                               const Tensor& x, const ops::Routing& routing) const {
+  check_inputs(n_experts_, cfg, params, x, routing);
+  if (x.dtype() == DType::f32)
+    return forward_impl<float>(ep_, n_experts_, per_rank_, first_, cfg, params, x, routing);
+  return forward_impl<double>(ep_, n_experts_, per_rank_, first_, cfg, params, x, routing);
+}
+
+model::text::ExpertDispatch::Backward ExpertParallel::backward(
+    const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
+    const ops::Routing& routing, const Tensor& dy, ops::MoeParams& grads) const {
+  check_inputs(n_experts_, cfg, params, x, routing);
+  GLMTUNE_ASSERT(dy.defined() && dy.shape() == x.shape() && dy.dtype() == x.dtype(),
+                 "expert-parallel backward: dy {} must match the input {}",
+                 dy.defined() ? dy.str() : std::string("undefined"), x.str());
+  if (x.dtype() == DType::f32)
+    return backward_impl<float>(ep_, n_experts_, per_rank_, first_, cfg, params, x, routing, dy,
+                                grads);
+  return backward_impl<double>(ep_, n_experts_, per_rank_, first_, cfg, params, x, routing, dy,
+                               grads);
+}
+
+}  // namespace glmtune::dist

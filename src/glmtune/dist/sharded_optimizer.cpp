@@ -1,0 +1,159 @@
+#include "glmtune/dist/sharded_optimizer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "glmtune/base/error.h"
+
+namespace glmtune::dist {
+namespace {
+
+struct Layout {
+  std::vector<int64_t> offsets;
+  int64_t total = 0, shard = 0, begin = 0;
+};
+
+Layout flat_layout(const std::vector<train::NamedParam>& params, int ranks, int rank) {
+  Layout l;
+  l.offsets.assign(params.size(), -1);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].trainable) continue;
+    l.offsets[i] = l.total;
+    l.total += params[i].value.numel();
+  }
+  l.shard = (l.total + ranks - 1) / ranks;
+  l.begin = l.shard * rank;
+  return l;
+}
+
+}  // namespace
+
+std::vector<train::NamedParam> ShardedAdamW::piece_params(
+    const std::vector<train::NamedParam>& params, const std::vector<Piece>& pieces) {
+  std::vector<train::NamedParam> out;
+  out.reserve(pieces.size());
+  for (const Piece& p : pieces) {
+    const train::NamedParam& full = params[p.param];
+    out.push_back({fmt::format("{}@{}", full.name, p.begin),
+                   full.value.reshape({-1}).narrow(0, p.begin, p.length).clone(), true});
+  }
+  return out;
+}
+
+ShardedAdamW::ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWConfig config,
+                           Communicator& group)
+    : params_(std::move(params)), config_(config), group_(group), shard_({}, config) {
+  const Layout l = flat_layout(params_, group_.size(), group_.rank());
+  offsets_ = l.offsets;
+  total_ = l.total;
+  shard_numel_ = l.shard;
+  shard_begin_ = l.begin;
+  const int64_t end = std::min(total_, shard_begin_ + shard_numel_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].trainable) continue;
+    const int64_t lo = std::max(offsets_[i], shard_begin_);
+    const int64_t hi = std::min(offsets_[i] + params_[i].value.numel(), end);
+    if (hi > lo) pieces_.push_back({i, lo - offsets_[i], hi - lo});
+  }
+  shard_ = train::AdamW(piece_params(params_, pieces_), config_);
+}
+
+double ShardedAdamW::reduce_gradients(const std::vector<Tensor>& grads) {
+  GLMTUNE_ASSERT(grads.size() == params_.size(), "{} gradients for {} parameters", grads.size(),
+                 params_.size());
+  const int ranks = group_.size();
+  Tensor flat = Tensor::zeros({shard_numel_ * ranks}, DType::f32);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].trainable) continue;
+    const Tensor& g = grads[i];
+    GLMTUNE_ASSERT(g.defined() && g.numel() == params_[i].value.numel(),
+                   "gradient of '{}' is {}, expected {} elements", params_[i].name,
+                   g.defined() ? g.str() : std::string("undefined"), params_[i].value.numel());
+    Tensor dst = flat.narrow(0, offsets_[i], g.numel());
+    dst.copy_(g.reshape({-1}));
+  }
+  Tensor shard_grad = Tensor::empty({shard_numel_}, DType::f32);
+  group_.reduce_scatter(flat, shard_grad);
+  piece_grads_.clear();
+  for (const Piece& p : pieces_)
+    piece_grads_.push_back(
+        shard_grad.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length));
+  return std::sqrt(group_.all_reduce_sum(shard_.grad_sq_norm(piece_grads_)));
+}
+
+train::StepReport ShardedAdamW::step(double lr, double global_grad_norm) {
+  GLMTUNE_ASSERT(piece_grads_.size() == pieces_.size(),
+                 "ShardedAdamW::step without reduce_gradients first");
+  const train::StepReport report = shard_.step(piece_grads_, lr, global_grad_norm);
+  piece_grads_.clear();
+  if (report.skipped) return report;
+  gather_flat(shard_state(0), [&](size_t i, const Tensor& values) {
+    Tensor dst = params_[i].value.view({-1});
+    dst.copy_(values);
+  });
+  return report;
+}
+
+Tensor ShardedAdamW::shard_state(int kind) const {
+  Tensor out = Tensor::zeros({shard_numel_}, DType::f32);
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const Piece& p = pieces_[k];
+    const Tensor& s = kind == 0   ? shard_.master(k)
+                      : kind == 1 ? shard_.exp_avg(k)
+                                  : shard_.exp_avg_sq(k);
+    Tensor dst = out.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length);
+    dst.copy_(s);
+  }
+  return out;
+}
+
+template <typename Into>
+void ShardedAdamW::gather_flat(const Tensor& shard, Into&& into) const {
+  Tensor flat = Tensor::empty({shard_numel_ * group_.size()}, DType::f32);
+  group_.all_gather(shard, flat);
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].trainable) into(i, flat.narrow(0, offsets_[i], params_[i].value.numel()));
+}
+
+std::unique_ptr<train::AdamW> ShardedAdamW::gather(int root) const {
+  const bool here = group_.rank() == root;
+  std::unique_ptr<train::AdamW> full;
+  if (here) {
+    full = std::make_unique<train::AdamW>(params_, config_);
+    full->set_step_count(shard_.step_count());
+  }
+  std::vector<Tensor> master(params_.size()), exp_avg(params_.size());
+  gather_flat(shard_state(0), [&](size_t i, const Tensor& v) {
+    if (here) master[i] = v.clone();
+  });
+  gather_flat(shard_state(1), [&](size_t i, const Tensor& v) {
+    if (here) exp_avg[i] = v.clone();
+  });
+  gather_flat(shard_state(2), [&](size_t i, const Tensor& v) {
+    if (here) full->set_state(i, master[i], exp_avg[i], v);
+  });
+  return full;
+}
+
+void ShardedAdamW::load(const std::filesystem::path& dir) {
+  // The full state is read (memory-mapped) and validated by the unsharded optimizer, which also
+  // rounds every full parameter from its master; each rank then keeps its slices.
+  train::AdamW full(params_, config_);
+  full.load(dir);
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const Piece& p = pieces_[k];
+    auto slice = [&](const Tensor& t) { return t.reshape({-1}).narrow(0, p.begin, p.length); };
+    shard_.set_state(k, slice(full.master(p.param)), slice(full.exp_avg(p.param)),
+                     slice(full.exp_avg_sq(p.param)));
+  }
+  shard_.set_step_count(full.step_count());
+  // Every rank read the same file; a rank that read another one would diverge silently.
+  if (group_.all_reduce_max(full.step_count()) != full.step_count() ||
+      -group_.all_reduce_max(-full.step_count()) != full.step_count())
+    throw Error("the ranks restored optimizer states of different steps", dir.string(),
+                "give every rank the same output directory (a shared file system)");
+}
+
+}  // namespace glmtune::dist

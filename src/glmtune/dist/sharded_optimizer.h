@@ -1,0 +1,85 @@
+#pragma once
+// AdamW sharded over a data-parallel group (ZeRO): fp32 master weights, both moments and the
+// reduced gradients exist only for this rank's shard (docs/distributed.md, "Sharded data
+// parallel").
+//
+// The trainable parameters, in order, form one flat index space of N elements, padded to a
+// multiple of the group size P; rank r owns the contiguous range [r·N'/P, (r+1)·N'/P). A
+// parameter may straddle two ranks: each rank keeps the piece inside its range.
+//
+// One step:
+//   1. reduce_gradients: every rank's local gradient sums (full size, from its packs) are
+//      reduce-scattered (SUM): rank r receives the group's summed gradient of its range; the
+//      global gradient norm is the group sum of the shards' squared norms;
+//   2. step: train::AdamW runs on the shard's pieces (same formula, clipping and skipping);
+//      the updated masters are all-gathered and every rank's full parameter tensors are set to
+//      them (rounded to the storage dtype exactly as AdamW rounds), so the forward of the next
+//      step sees the same weights on every rank.
+// With equal gradients the updates equal the unsharded optimizer's bit for bit; the gradient sum
+// and the norm are reduced in another order, so a run matches a single-process run to fp32
+// rounding.
+//
+// Checkpoints are independent of the sharding: gather() assembles the full state (the
+// unsharded optimizer's on-disk format, optimizer.h) and load() takes each rank's slices of one,
+// so a run saved with P ranks resumes with any other number.
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "glmtune/dist/comm.h"
+#include "glmtune/train/optimizer.h"
+
+namespace glmtune::dist {
+
+class ShardedAdamW {
+ public:
+  // `params` are the full parameters (train::named_params order; frozen ones are carried but not
+  // trained); every rank of `group` passes the same list.
+  ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWConfig config,
+               Communicator& group);
+
+  const std::vector<train::NamedParam>& params() const { return params_; }
+  int64_t step_count() const { return shard_.step_count(); }
+  // Elements of the flat space this rank owns (including padding at the end of the last rank).
+  int64_t shard_numel() const { return shard_numel_; }
+
+  // Collective. `grads` as for train::AdamW::step: this rank's local sums, aligned with params().
+  // Keeps this rank's reduced shard for step() and returns the global L2 norm.
+  double reduce_gradients(const std::vector<Tensor>& grads);
+  // Collective. Updates the shard from the last reduced gradients (a non-finite norm skips, as in
+  // train::AdamW) and all-gathers the parameters.
+  train::StepReport step(double lr, double global_grad_norm);
+
+  // Collective. The full optimizer (state of every parameter, this step count) on group rank
+  // `root`, nullptr on the others. Its parameters are params() themselves.
+  std::unique_ptr<train::AdamW> gather(int root = 0) const;
+  // Collective. Restores this rank's shard from a state saved by train::AdamW::save (any
+  // sharding), and sets every full parameter to its master rounded to the storage dtype.
+  void load(const std::filesystem::path& dir);
+
+ private:
+  struct Piece {
+    size_t param = 0;   // index in params_
+    int64_t begin = 0;  // first element of the parameter in this shard
+    int64_t length = 0;
+  };
+  static std::vector<train::NamedParam> piece_params(const std::vector<train::NamedParam>& params,
+                                                     const std::vector<Piece>& pieces);
+  // The shard's f32 values of one state kind: 0 master, 1 exp_avg, 2 exp_avg_sq.
+  Tensor shard_state(int kind) const;
+  // All-gathers a shard-sized f32 buffer into the flat space and scatters it into per-parameter
+  // tensors through `into(param_index, flat_slice)`.
+  template <typename Into>
+  void gather_flat(const Tensor& shard, Into&& into) const;
+
+  std::vector<train::NamedParam> params_;
+  train::AdamWConfig config_;
+  Communicator& group_;
+  std::vector<int64_t> offsets_;  // flat offset of each parameter (trainable ones)
+  int64_t total_ = 0, shard_numel_ = 0, shard_begin_ = 0;
+  std::vector<Piece> pieces_;
+  train::AdamW shard_;
+  std::vector<Tensor> piece_grads_;  // views of the last reduced shard gradient
+};
+
+}  // namespace glmtune::dist

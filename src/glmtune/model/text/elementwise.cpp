@@ -1,0 +1,77 @@
+#include "glmtune/model/text/elementwise.h"
+
+#include <cstring>
+
+#include "glmtune/base/error.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/ops/cuda/streams.h"
+#endif
+
+namespace glmtune::model::text {
+namespace {
+
+template <typename T>
+void add_kernel(T* a, const T* b, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+
+}  // namespace
+
+void add_into(Tensor& a, const Tensor& b) {
+  GLMTUNE_ASSERT(a.shape() == b.shape() && a.device() == b.device() && a.is_contiguous(),
+                 "add: {} and {} differ", a.str(), b.str());
+#ifdef GLMTUNE_WITH_CUDA
+  if (a.device().is_cuda()) {
+    cuda::add_inplace(a, b.contiguous());
+    return;
+  }
+#endif
+  GLMTUNE_ASSERT(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::f64),
+                 "add on the CPU: {} and {} must share f32 or f64", a.str(), b.str());
+  const Tensor bc = b.contiguous();
+  if (a.dtype() == DType::f32)
+    add_kernel(a.data<float>(), bc.data<float>(), a.numel());
+  else
+    add_kernel(a.data<double>(), bc.data<double>(), a.numel());
+}
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  Tensor out = a.contiguous().clone();
+  add_into(out, b);
+  return out;
+}
+
+Tensor concat_columns(const Tensor& a, const Tensor& b) {
+  GLMTUNE_ASSERT(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0),
+                 "concat_columns: {} and {} must be [T, *]", a.str(), b.str());
+  const int64_t rows = a.size(0), da = a.size(1), db = b.size(1);
+  Tensor out = Tensor::empty({rows, da + db}, a.dtype(), a.device());
+  out.narrow(1, 0, da).copy_(a);
+  out.narrow(1, da, db).copy_(b);
+  return out;
+}
+
+Tensor gather_rows(const Tensor& x_in, const std::vector<int64_t>& rows) {
+  GLMTUNE_ASSERT(x_in.dim() == 2, "gather_rows: x {} must be [N, D]", x_in.str());
+  const Tensor x = x_in.contiguous();
+#ifdef GLMTUNE_WITH_CUDA
+  if (x.device().is_cuda()) return cuda::gather_rows(x, rows);
+#endif
+  const int64_t dim = x.size(1), n = int64_t(rows.size());
+  Tensor out = Tensor::empty({n, dim}, x.dtype());
+  const size_t row_bytes = size_t(dim) * x.element_size();
+  const auto* src = static_cast<const char*>(x.data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    GLMTUNE_ASSERT(rows[size_t(i)] < x.size(0), "gather_rows: row {} of {}", rows[size_t(i)],
+                   x.str());
+    if (rows[size_t(i)] < 0)
+      std::memset(dst + i * row_bytes, 0, row_bytes);
+    else
+      std::memcpy(dst + i * row_bytes, src + rows[size_t(i)] * row_bytes, row_bytes);
+  }
+  return out;
+}
+
+}  // namespace glmtune::model::text

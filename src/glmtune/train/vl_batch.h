@@ -1,0 +1,149 @@
+#pragma once
+// Vision-language training data and steps: conversations whose messages hold image and video
+// content items (data/media/vl_processor.h), packed like text samples, each pack carrying its
+// documents' pixel rows, grids and mm_token_type_ids into the composed model (model/compose.h).
+//
+//   VlDataset       JSONL of {"messages": [...], "tools"?: [...]}; one pass at scan time computes
+//                   every sample's token stream from the media headers alone (no pixel decoding),
+//                   so packing sees exact lengths; a pack's pixels are decoded when it is used.
+//   pack_media      the PackMedia of one pack (documents in pack order, the padding all text).
+//   VlTrainStep     gradient buffers of the vision tower and projector in the released layouts
+//                   (what AdamW updates in the ParamStore), and the per-pack forward/backward.
+//
+// A VL sample is never truncated: cutting it could split an image's placeholder run from its
+// features. A sample longer than max_length is an error naming its line (or, under
+// on_overlong = "drop", skipped and counted).
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "glmtune/data/dataset.h"
+#include "glmtune/data/media/vl_processor.h"
+#include "glmtune/data/packing.h"
+#include "glmtune/model/compose.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/train/optimizer.h"
+#include "glmtune/train/recipe.h"
+
+namespace glmtune::train {
+
+struct VlDataConfig {
+  std::vector<std::string> files;
+  std::filesystem::path media_root;  // relative media paths resolve against it
+  int64_t max_length = 4096;
+  data::OverlongPolicy on_overlong = data::OverlongPolicy::kDrop;
+  data::BadLinePolicy on_bad_line = data::BadLinePolicy::kFail;
+  data::ChatTemplateOptions chat;
+};
+
+class VlDataset : public data::SampleSource {
+ public:
+  // Reads, renders and tokenizes every line once (media probed, not decoded). `processor` must
+  // outlive the dataset. Bad lines (not JSON, no "messages", a missing or undecodable media file)
+  // are glmtune::Errors naming "file:line", or skipped under BadLinePolicy::kSkip.
+  static VlDataset scan(const VlDataConfig& config, const data::media::VlProcessor& processor);
+
+  int64_t size() const override { return int64_t(samples_.size()); }
+  int64_t length(int64_t i) const override;
+  std::vector<data::TokenizedSample> load(const std::vector<int64_t>& indices) const override;
+
+  // Sample i processed again with its pixels decoded.
+  data::media::VlSample with_pixels(int64_t i) const;
+  // "file:line" of sample i.
+  std::string where(int64_t i) const;
+  // Whether any sample has an image or a video.
+  bool has_media() const { return media_samples_ > 0; }
+  const data::DatasetStats& stats() const { return stats_; }
+
+ private:
+  struct Entry {
+    std::string file;
+    int64_t line = 0;
+    data::OrderedJson messages, tools;
+    data::media::VlSample tokens;  // without pixels
+  };
+  VlDataset(VlDataConfig config, const data::media::VlProcessor& processor)
+      : config_(std::move(config)), processor_(&processor) {}
+
+  VlDataConfig config_;
+  const data::media::VlProcessor* processor_;
+  std::vector<Entry> samples_;
+  int64_t media_samples_ = 0;
+  data::DatasetStats stats_;
+};
+
+// The media of `pack` (built by data::build_pack / PackSampler from `dataset`): pixel rows and
+// grids of every document's images and videos in pack order, and mm_token_type_ids over the whole
+// pack. Checks that each document's tokens are the sample's.
+model::PackMedia pack_media(const VlDataset& dataset, const data::Pack& pack);
+
+// The vision side of a training step: released-layout gradient buffers for the optimizer and the
+// composed forward/backward of one pack.
+class VlTrainStep {
+ public:
+  // Buffers shaped like `params` (the model's vision parameters).
+  VlTrainStep(const model::VisionConfig& config, const model::vision::VisionParams& params,
+              model::ComposeOptions options);
+
+  // Marks the vision parameters of `params` trainable (unless frozen) and returns, aligned with
+  // `params`, the gradient buffer of each vision parameter (undefined for the others), in the
+  // parameter's released shape.
+  std::vector<Tensor> attach(std::vector<NamedParam>& params) const;
+
+  void zero();
+  // One pack: composed forward and backward, text gradients into `text_grads`, vision gradients
+  // accumulated for `export_grads`.
+  model::text::StepPackResult run(const model::VisionLanguageModel& model,
+                                  const model::text::PackInput& input,
+                                  const model::PackMedia& media,
+                                  const model::text::TrainOptions& train,
+                                  model::text::TextGrads& text_grads);
+  // Copies the accumulated gradients into the buffers `attach` returned (released layouts).
+  void export_grads();
+
+  const model::ComposeOptions& options() const { return options_; }
+
+ private:
+  model::ComposeOptions options_;
+  model::VisionConfig config_;
+  model::vision::VisionGrads grads_;
+  std::vector<std::pair<std::string, Tensor>> released_;  // name -> released-layout buffer
+};
+
+// Everything `glmtune train` needs for a vision-language recipe (data.media_root set): the
+// processor of the tokenizer directory, the dataset, the composed model and the vision gradients.
+class VlTraining {
+ public:
+  // Scans the data. `processor_dir` holds tokenizer.json and processor_config.json (the tokenizer
+  // directory).
+  VlTraining(const Recipe& recipe, const std::filesystem::path& processor_dir);
+
+  const VlDataset& dataset() const { return *dataset_; }
+
+  // Before the optimizer is built: the vision gradient buffers, attached to `params` (see
+  // VlTrainStep::attach).
+  std::vector<Tensor> attach(std::vector<NamedParam>& params, const model::ParamStore& store);
+  // After the optimizer state is restored: the composed model from the store's weights.
+  void load_model(const model::ParamStore& store);
+
+  model::VisionLanguageModel& model() { return *model_; }
+  VlTrainStep& step() { return *step_; }
+
+  // One pack of the step (its media decoded now).
+  model::text::StepPackResult run(const data::Pack& pack, const model::text::PackInput& input,
+                                  const model::text::TrainOptions& train,
+                                  model::text::TextGrads& text_grads);
+
+ private:
+  model::ComposeOptions options_;
+  std::unique_ptr<data::media::VlProcessor> processor_;
+  std::unique_ptr<VlDataset> dataset_;
+  std::unique_ptr<model::VisionLanguageModel> model_;
+  std::unique_ptr<VlTrainStep> step_;
+};
+
+}  // namespace glmtune::train

@@ -1,0 +1,242 @@
+// Vision-language training on the bundled examples/tiny-vl conversations (real images and a real
+// video) with the tiny model: the data is scanned without decoding, packs carry their pixels,
+// a few optimizer steps update the tower and the projector (or leave frozen parts alone), and
+// repeating one pack lowers its loss.
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/model/init.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/train/optimizer.h"
+#include "glmtune/train/recipe.h"
+#include "glmtune/train/trainer.h"
+#include "glmtune/train/vl_batch.h"
+#include "support/temp_dir.h"
+#include "support/test_support.h"
+
+using namespace glmtune;
+using namespace glmtune::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kExample = fs::path(GLMTUNE_SOURCE_DIR) / "examples" / "tiny-vl";
+const fs::path kProcessor = fs::path(GLMTUNE_SOURCE_DIR) / "examples" / "tiny" / "tokenizer";
+
+struct VlSetup {
+  test::TempDir dir{"vl-train"};
+  data::media::VlProcessor processor = data::media::VlProcessor::from_dir(kProcessor);
+  std::unique_ptr<VlDataset> dataset;
+  std::unique_ptr<model::ParamStore> store;
+
+  VlSetup() {
+    VlDataConfig dc;
+    dc.files = {(kExample / "chat.jsonl").string()};
+    dc.media_root = kExample;
+    dc.max_length = 1024;
+    dataset = std::make_unique<VlDataset>(VlDataset::scan(dc, processor));
+    const model::ModelConfig config = model::ModelConfig::preset("tiny");
+    model::InitOptions init;
+    init.seed = 7;
+    model::write_random_checkpoint(config, dir.path() / "ck", init);
+    store = std::make_unique<model::ParamStore>(
+        model::ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config));
+    make_params_writable(*store);
+  }
+};
+
+// Trains `steps` optimizer steps of one pack each; returns each step's LM loss.
+struct TrainRun {
+  std::vector<double> losses;
+  int64_t media_packs = 0;
+};
+
+TrainRun train(VlSetup& s, const model::ComposeOptions& options, int64_t steps, bool same_pack) {
+  model::VisionLanguageModel model(*s.store);
+  VlTrainStep step(model.vision_config(), model.vision(), options);
+  std::vector<NamedParam> params = named_params(*s.store);
+  for (NamedParam& p : params) p.trainable = model::text::is_trainable_param(p.name);
+  std::vector<Tensor> grad_list = step.attach(params);
+  model::text::TextGrads text_grads = model::text::TextGrads::zeros_like(model.text().weights());
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].trainable && !grad_list[i].defined())
+      grad_list[i] = *text_grads.find(params[i].name);
+  AdamWConfig ac;
+  ac.weight_decay = 0;
+  AdamW optimizer(params, ac);
+
+  data::PackingConfig pc;
+  pc.pack_max_length = 1024;
+  pc.seed = 3;
+  pc.pad_id = s.processor.tokenizer().require_id("<|endoftext|>");
+  data::PackSampler sampler(*s.dataset, pc);
+  const data::Pack first = sampler.next();
+  model::text::TrainOptions topt;
+  topt.mtp = false;
+  TrainRun run;
+  for (int64_t i = 0; i < steps; ++i) {
+    const data::Pack pack = same_pack || i == 0 ? first : sampler.next();
+    const model::PackMedia media = pack_media(*s.dataset, pack);
+    run.media_packs += media.empty() ? 0 : 1;
+    model::text::PackInput in;
+    in.input_ids = Tensor::from_vector(pack.input_ids, {int64_t(pack.input_ids.size())});
+    in.cu_seqlens = Tensor::from_vector(pack.cu_seqlens, {int64_t(pack.cu_seqlens.size())});
+    in.labels = Tensor::from_vector(pack.labels, {int64_t(pack.labels.size())});
+    in.padding_tokens = pack.num_padding;
+    text_grads.zero();
+    step.zero();
+    const auto r = step.run(model, in, media, topt, text_grads);
+    step.export_grads();
+    run.losses.push_back(r.backward.lm_loss);
+    EXPECT_TRUE(std::isfinite(r.backward.lm_loss));
+    EXPECT_FALSE(optimizer.step(grad_list, 2e-3).skipped);
+    model.refresh(*s.store);
+  }
+  return run;
+}
+
+VlSetup& shared() {
+  static VlSetup s;
+  return s;
+}
+
+TEST(VisionTrain, ScanSeesEveryConversationAndItsMedia) {
+  const VlSetup& s = shared();
+  EXPECT_EQ(s.dataset->size(), 6);
+  EXPECT_TRUE(s.dataset->has_media());
+  bool video = false;
+  for (int64_t i = 0; i < s.dataset->size(); ++i) {
+    const auto sample = s.dataset->with_pixels(i);
+    EXPECT_EQ(int64_t(sample.input_ids.size()), s.dataset->length(i)) << s.dataset->where(i);
+    video |= !sample.video_grid_thw.empty();
+  }
+  EXPECT_TRUE(video) << "the example should hold a video conversation";
+}
+
+TEST(VisionTrain, StepsUpdateTowerAndProjector) {
+  VlSetup& s = shared();
+  const Tensor tower_before = s.store->get("model.visual.blocks.0.attn.qkv.weight").clone();
+  const Tensor merger_before = s.store->get("model.visual.merger.proj.weight").clone();
+  const TrainRun run = train(s, {}, 2, /*same_pack=*/false);
+  EXPECT_GT(run.media_packs, 0);
+  EXPECT_GT(test::max_abs_diff(s.store->get("model.visual.blocks.0.attn.qkv.weight").to_doubles(),
+                               tower_before.to_doubles())
+                .diff,
+            0.0);
+  EXPECT_GT(test::max_abs_diff(s.store->get("model.visual.merger.proj.weight").to_doubles(),
+                               merger_before.to_doubles())
+                .diff,
+            0.0);
+}
+
+TEST(VisionTrain, FrozenTowerStaysPut) {
+  VlSetup& s = shared();
+  const Tensor tower_before = s.store->get("model.visual.patch_embed.proj.weight").clone();
+  const Tensor down_before = s.store->get("model.visual.downsample.weight").clone();
+  model::ComposeOptions options;
+  options.freeze_vision = true;
+  train(s, options, 1, /*same_pack=*/true);
+  EXPECT_EQ(test::max_abs_diff(s.store->get("model.visual.patch_embed.proj.weight").to_doubles(),
+                               tower_before.to_doubles())
+                .diff,
+            0.0);
+  EXPECT_GT(test::max_abs_diff(s.store->get("model.visual.downsample.weight").to_doubles(),
+                               down_before.to_doubles())
+                .diff,
+            0.0);
+}
+
+TEST(VisionTrain, RepeatingAPackLowersItsLoss) {
+  VlSetup& s = shared();
+  const TrainRun run = train(s, {}, 4, /*same_pack=*/true);
+  ASSERT_EQ(run.losses.size(), 4u);
+  EXPECT_EQ(run.media_packs, 4);
+  EXPECT_LT(run.losses.back(), run.losses.front());
+}
+
+TEST(VisionTrain, OverlongSampleIsAnErrorNamingTheLine) {
+  const VlSetup& s = shared();
+  VlDataConfig dc;
+  dc.files = {(kExample / "chat.jsonl").string()};
+  dc.media_root = kExample;
+  dc.max_length = 8;
+  dc.on_overlong = data::OverlongPolicy::kTruncate;
+  try {
+    VlDataset::scan(dc, s.processor);
+    FAIL() << "expected a glmtune::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("chat.jsonl:1"), std::string::npos) << e.what();
+  }
+  dc.on_overlong = data::OverlongPolicy::kDrop;
+  const VlDataset dropped = VlDataset::scan(dc, s.processor);
+  EXPECT_EQ(dropped.size(), 0);
+  EXPECT_EQ(dropped.stats().dropped_overlong, 6);
+}
+
+TEST(VisionTrain, GlmtuneTrainRunsAVisionLanguageRecipe) {
+  // The whole `glmtune train` path: a recipe with data.media_root and a frozen projector, three
+  // steps, a checkpoint whose tower moved and whose projector did not.
+  test::TempDir dir("vl-recipe");
+  const model::ModelConfig config = model::ModelConfig::preset("tiny");
+  model::InitOptions init;
+  init.seed = 11;
+  model::write_random_checkpoint(config, dir.path() / "model", init);
+  const std::string recipe_text = fmt::format(R"(
+[model]
+path = "{model}"
+tokenizer = "{tokenizer}"
+freeze_projector = true
+[data]
+files = ["{data}"]
+media_root = "{media}"
+max_length = 1024
+pack_max_length = 1024
+[train]
+total_steps = 3
+seed = 5
+recompute = "none"
+[optimizer]
+lr = 1e-3
+lr_min = 1e-3
+[output]
+dir = "{out}"
+save_every = 0
+)",
+                                              fmt::arg("model", (dir.path() / "model").string()),
+                                              fmt::arg("tokenizer", kProcessor.string()),
+                                              fmt::arg("data", (kExample / "chat.jsonl").string()),
+                                              fmt::arg("media", kExample.string()),
+                                              fmt::arg("out", (dir.path() / "out").string()));
+  const Recipe recipe = Recipe::parse(recipe_text, "vl recipe");
+  EXPECT_EQ(recipe.media_root, kExample.string());
+  EXPECT_TRUE(recipe.freeze_projector);
+  TrainerOptions options;
+  options.print_steps = false;
+  const TrainSummary summary = run_training(recipe, options);
+  ASSERT_EQ(summary.steps.size(), 3u);
+  for (const auto& m : summary.steps) EXPECT_TRUE(std::isfinite(m.loss));
+  ASSERT_FALSE(summary.checkpoint.empty());
+
+  const auto before =
+      model::ParamStore::load(io::CheckpointReader::open(dir.path() / "model"), config);
+  const auto after =
+      model::ParamStore::load(io::CheckpointReader::open(summary.checkpoint / "model"), config);
+  auto moved = [&](const std::string& name) {
+    return test::max_abs_diff(after.get(name).to_doubles(), before.get(name).to_doubles()).diff;
+  };
+  EXPECT_GT(moved("model.visual.blocks.1.mlp.up_proj.weight"), 0.0);
+  EXPECT_GT(moved("model.visual.patch_embed.proj.weight"), 0.0);
+  EXPECT_EQ(moved("model.visual.merger.gate_proj.weight"), 0.0);  // frozen projector
+  EXPECT_EQ(moved("model.visual.downsample.weight"), 0.0);
+}
+
+}  // namespace
