@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
@@ -165,6 +166,8 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& labels,
 CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden_in, const Tensor& weight_in,
                                          const Tensor& labels, const CrossEntropyOptions& opts,
                                          Tensor* dhidden, Tensor* dweight) {
+  GLMTUNE_DISPATCH_CUDA(hidden_in, cuda_path::lm_head_cross_entropy(hidden_in, weight_in, labels,
+                                                                    opts, dhidden, dweight));
   GLMTUNE_ASSERT(hidden_in.defined() && hidden_in.dim() == 2 && hidden_in.device().is_cpu() &&
                      is_compute_dtype(hidden_in.dtype()),
                  "lm_head_cross_entropy: hidden must be a CPU [T, D] tensor in f32 or f64, got {}",

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/dispatch.h"
 
 namespace glmtune::ops {
 using namespace cpu_detail;
@@ -67,6 +68,7 @@ void scatter_add(const std::vector<int64_t>& ids, const T* dout, int64_t dim, in
 }  // namespace
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
+  GLMTUNE_DISPATCH_CUDA(table, cuda_path::embedding_forward(table, ids));
   check_table(table);
   const int64_t vocab = table.size(0), dim = table.size(1);
   const std::vector<int64_t> id = read_ids(ids, vocab);
@@ -84,6 +86,8 @@ Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
 
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
                         std::optional<int64_t> padding_idx, Tensor& dtable) {
+  GLMTUNE_DISPATCH_CUDA(table,
+                        cuda_path::embedding_backward(table, ids, dout, padding_idx, dtable));
   check_table(table);
   const int64_t vocab = table.size(0), dim = table.size(1);
   GLMTUNE_ASSERT(!padding_idx || (*padding_idx >= 0 && *padding_idx < vocab),

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
 
@@ -169,6 +170,7 @@ std::vector<int64_t> read_cu_seqlens(const Tensor& cu_seqlens, int64_t tokens, c
 
 Tensor indexer_forward(const IndexerConfig& cfg, const IndexerParams& params, const Tensor& x,
                        const Tensor& q_resid, const Tensor& cu_seqlens) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::indexer_forward(cfg, params, x, q_resid, cu_seqlens));
   GLMTUNE_ASSERT(cfg.n_heads > 0 && cfg.head_dim > 0 && cfg.kpool > 0 && cfg.topk > 0 &&
                      cfg.topk % cfg.kpool == 0,
                  "indexer config: heads {}, head dim {}, pool {}, topk {} (topk must be a "

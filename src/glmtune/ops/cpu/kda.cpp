@@ -6,6 +6,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/kda_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/indexer.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
@@ -346,6 +347,7 @@ Tensor kda_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 
 Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens,
                    const KdaOptions& o, KdaSaved* saved) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::kda_forward(p, x, cu_seqlens, o, saved));
   check_float(x, "x", "kda_forward");
   GLMTUNE_ASSERT(x.dim() == 2, "kda_forward: x {} must be [T, D]", x.str());
   const int64_t t = x.size(0), d = x.size(1), nl = o.num_heads, hl = o.head_dim, ql = nl * hl;

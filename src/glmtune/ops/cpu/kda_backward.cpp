@@ -8,6 +8,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/kda_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/indexer.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/linear.h"
@@ -548,6 +549,7 @@ KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor
 
 Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens,
                     const KdaOptions& o, const KdaSaved* saved, const Tensor& dy, KdaGrads& grads) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::kda_backward(p, x, cu_seqlens, o, saved, dy, grads));
   const char* op = "kda_backward";
   check_float(x, "x", op);
   check_float(dy, "dy", op);

@@ -4,6 +4,8 @@
 
 #include <limits>
 
+#include "glmtune/ops/dispatch.h"
+
 namespace glmtune::ops {
 namespace {
 
@@ -98,6 +100,7 @@ void gemm<double>(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, d
 
 void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                 bool accumulate) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear_out(out, x, weight, bias, accumulate));
   check_operands(out, x, weight, bias);
   if (x.dtype() == DType::f32)
     linear_impl<float>(out, x, weight, bias, accumulate);
@@ -106,6 +109,7 @@ void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear(x, weight, bias));
   GLMTUNE_ASSERT(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1,
                  "linear needs x [..., in] and weight [out, in]");
   Shape shape = x.shape();

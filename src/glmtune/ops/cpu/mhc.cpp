@@ -6,6 +6,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/mhc_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
@@ -161,6 +162,7 @@ void post_kernel(const T* x, const T* y, const T* post, const T* comb, int64_t n
 
 MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor& base,
                      const Tensor& scale, const MhcOptions& options, MhcPreSaved* saved) {
+  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_pre(streams, fn, base, scale, options, saved));
   const char* op = "mhc_pre";
   check_float(streams, "streams", op);
   check_float(fn, "fn", op);
@@ -223,6 +225,7 @@ Tensor mhc_collapse(const Tensor& streams, const Tensor& pre) {
 }
 
 Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb) {
+  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_post(streams, y, post, comb));
   const char* op = "mhc_post";
   check_float(streams, "streams", op);
   check_float(y, "y", op);
@@ -251,6 +254,7 @@ Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, cons
 }
 
 Tensor mhc_expand(const Tensor& x, int64_t hc_mult) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mhc_expand(x, hc_mult));
   GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && hc_mult >= 1, "mhc_expand: x {} and H {}",
                  x.defined() ? x.str() : "-", hc_mult);
   Shape s(x.shape().begin(), x.shape().end() - 1);
@@ -263,6 +267,7 @@ Tensor mhc_expand(const Tensor& x, int64_t hc_mult) {
 }
 
 Tensor mhc_head(const Tensor& streams) {
+  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_head(streams));
   check_float(streams, "streams", "mhc_head");
   GLMTUNE_ASSERT(streams.dim() >= 2, "mhc_head: streams {} must be [..., H, D]", streams.str());
   const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);

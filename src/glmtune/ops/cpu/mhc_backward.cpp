@@ -8,6 +8,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/mhc_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mhc.h"
 
@@ -205,6 +206,9 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
                         const Tensor& scale, const MhcOptions& options, const MhcPreSaved* saved,
                         const Tensor& d_post, const Tensor& d_comb, const Tensor& d_collapsed,
                         MhcGrads& grads) {
+  GLMTUNE_DISPATCH_CUDA(
+      streams, cuda_path::mhc_pre_backward(streams, fn, base, scale, options, saved, d_post, d_comb,
+                                           d_collapsed, grads));
   const char* op = "mhc_pre_backward";
   check_float(streams, "streams", op);
   const int64_t h = options.hc_mult;
@@ -309,6 +313,7 @@ MhcCollapseGrads mhc_collapse_backward(const Tensor& streams, const Tensor& pre,
 
 MhcPostGrads mhc_post_backward(const Tensor& streams, const Tensor& y, const Tensor& post,
                                const Tensor& comb, const Tensor& d_out) {
+  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_post_backward(streams, y, post, comb, d_out));
   const char* op = "mhc_post_backward";
   check_float(streams, "streams", op);
   check_float(y, "y", op);
@@ -374,6 +379,7 @@ MhcPostGrads mhc_post_backward(const Tensor& streams, const Tensor& y, const Ten
 }
 
 Tensor mhc_expand_backward(const Tensor& d_streams) {
+  GLMTUNE_DISPATCH_CUDA(d_streams, cuda_path::mhc_expand_backward(d_streams));
   const char* op = "mhc_expand_backward";
   check_float(d_streams, "d_streams", op);
   GLMTUNE_ASSERT(d_streams.dim() >= 2, "{}: d_streams {} must be [..., H, D]", op, d_streams.str());
@@ -397,6 +403,7 @@ Tensor mhc_expand_backward(const Tensor& d_streams) {
 }
 
 Tensor mhc_head_backward(const Tensor& d_out, int64_t hc_mult) {
+  GLMTUNE_DISPATCH_CUDA(d_out, cuda_path::mhc_head_backward(d_out, hc_mult));
   const char* op = "mhc_head_backward";
   check_float(d_out, "d_out", op);
   GLMTUNE_ASSERT(d_out.dim() >= 1 && hc_mult >= 1, "{}: d_out {} and H {}", op, d_out.str(),

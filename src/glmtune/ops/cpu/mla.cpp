@@ -7,6 +7,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/mla_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
 
@@ -165,6 +166,7 @@ Tensor attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, con
 double MlaConfig::softmax_scale() const { return 1.0 / std::sqrt(double(qk_nope_head_dim)); }
 
 MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const Tensor& x) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mla_project(cfg, params, x));
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.device().is_cpu() &&
                      (x.dtype() == DType::f32 || x.dtype() == DType::f64),
                  "MLA input must be a CPU [T, D] tensor in f32 or f64, got {}", describe(x));
@@ -189,6 +191,7 @@ MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const 
 
 Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                         const Tensor& cu_seqlens, double scale) {
+  GLMTUNE_DISPATCH_CUDA(q, cuda_path::sparse_attention(q, k, v, indices, cu_seqlens, scale));
   return attention(q, k, v, indices, cu_seqlens, scale, /*dense=*/false);
 }
 
@@ -199,6 +202,7 @@ Tensor dense_masked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
 
 MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
                       const Tensor& indices, const Tensor& cu_seqlens) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mla_forward(cfg, params, x, indices, cu_seqlens, nullptr));
   return attend(cfg, params, mla_project(cfg, params, x), indices, cu_seqlens);
 }
 

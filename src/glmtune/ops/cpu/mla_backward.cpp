@@ -7,6 +7,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/mla_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mla.h"
 #include "glmtune/ops/norm.h"
@@ -192,6 +193,7 @@ MlaOutput attend_with_context(const MlaConfig& cfg, const MlaParams& params, Mla
 
 MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
                       const Tensor& indices, const Tensor& cu_seqlens, MlaContext& ctx) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mla_forward(cfg, params, x, indices, cu_seqlens, &ctx));
   return attend_with_context(cfg, params, project_with_context(cfg, params, x, ctx), indices,
                              cu_seqlens, ctx);
 }
@@ -209,6 +211,8 @@ DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg
 AttentionGrads sparse_attention_backward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const Tensor& indices, const Tensor& cu_seqlens,
                                          double scale, const Tensor& dout) {
+  GLMTUNE_DISPATCH_CUDA(q_in, cuda_path::sparse_attention_backward(q_in, k_in, v_in, indices,
+                                                                   cu_seqlens, scale, dout));
   check_attention_qkv(q_in, k_in, v_in);
   GLMTUNE_ASSERT(dout.defined() && dout.shape() == v_in.shape() && dout.dtype() == v_in.dtype(),
                  "attention output gradient {} must match v {}", describe(dout), v_in.str());
@@ -227,6 +231,7 @@ AttentionGrads sparse_attention_backward(const Tensor& q_in, const Tensor& k_in,
 
 Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaContext& ctx,
                     const Tensor& dy, MlaParams& grads) {
+  GLMTUNE_DISPATCH_CUDA(dy, cuda_path::mla_backward(cfg, params, ctx, dy, grads));
   GLMTUNE_ASSERT(ctx.x.defined() && ctx.x.dim() == 2 && is_compute_dtype(ctx.x.dtype()) &&
                      ctx.x.device().is_cpu() && ctx.q_a.defined() && ctx.q_rstd.defined() &&
                      ctx.kv_a.defined() && ctx.kv_rstd.defined() && ctx.latent.defined() &&

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "glmtune/ops/cpu/mlp_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
@@ -33,6 +34,7 @@ void swiglu_kernel(const RowView& g, const RowView& u, T limit, T* out) {
 }  // namespace
 
 Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit) {
+  GLMTUNE_DISPATCH_CUDA(gate, cuda_path::swiglu_clamped(gate, up, limit));
   GLMTUNE_ASSERT(gate.defined() && up.defined() && gate.dim() >= 1,
                  "swiglu_clamped needs gate and up tensors");
   GLMTUNE_ASSERT(gate.shape() == up.shape(), "swiglu_clamped: gate {} and up {} differ in shape",
@@ -54,6 +56,7 @@ Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit) {
 }
 
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mlp_forward(params, x, swiglu_limit, nullptr));
   check_mlp_params(params);
   const Tensor gate = linear(x, params.gate_proj);
   const Tensor up = linear(x, params.up_proj);

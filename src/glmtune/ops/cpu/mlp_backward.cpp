@@ -6,6 +6,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/mlp_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mlp.h"
 
@@ -54,6 +55,7 @@ void swiglu_backward_kernel(const RowView& g, const RowView& u, const T* dout, T
 }  // namespace
 
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit, MlpContext& ctx) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mlp_forward(params, x, swiglu_limit, &ctx));
   check_mlp_params(params);
   ctx.x = x;
   ctx.gate = linear(x, params.gate_proj);
@@ -63,6 +65,8 @@ Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit
 
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup) {
+  GLMTUNE_DISPATCH_CUDA(gate,
+                        cuda_path::swiglu_clamped_backward(gate, up, dout, limit, dgate, dup));
   GLMTUNE_ASSERT(gate.defined() && up.defined() && dout.defined() && gate.dim() >= 1,
                  "swiglu_clamped_backward needs gate, up and dout");
   GLMTUNE_ASSERT(gate.shape() == up.shape() && dout.shape() == gate.shape(),
@@ -89,6 +93,7 @@ void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor&
 
 Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor& dy,
                     double swiglu_limit, MlpParams& grads) {
+  GLMTUNE_DISPATCH_CUDA(dy, cuda_path::mlp_backward(params, ctx, dy, swiglu_limit, grads));
   check_mlp_params(params);
   GLMTUNE_ASSERT(ctx.x.defined() && ctx.gate.defined() && ctx.up.defined(),
                  "mlp_backward needs the context filled by mlp_forward");

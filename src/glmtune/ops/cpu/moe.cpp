@@ -7,6 +7,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/moe_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
@@ -139,6 +140,7 @@ Tensor experts_kernel(const MoeConfig& cfg, const Tensor& gate_up_proj, const Te
 
 Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
                   const Tensor& e_score_correction_bias, const Tensor& x) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_route(cfg, router_weight, e_score_correction_bias, x));
   check_config(cfg);
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2, "MoE router input must be [T, D], got {}",
                  x.defined() ? x.str() : std::string("undefined"));
@@ -172,6 +174,7 @@ Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
 
 Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
                    const Tensor& x, const Routing& routing) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_experts(cfg, gate_up_proj, down_proj, x, routing));
   check_config(cfg);
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && is_compute_dtype(x.dtype()) && x.device().is_cpu(),
                  "MoE experts input must be a CPU [T, D] tensor in f32 or f64, got {}",
@@ -200,6 +203,7 @@ Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tenso
 }
 
 Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows) {
+  GLMTUNE_DISPATCH_CUDA(routing.indices, cuda_path::moe_expert_counts(routing, n_experts, rows));
   GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
                      routing.indices.dim() == 2,
                  "expert counts need int32 [T, K] routing indices");
@@ -220,6 +224,7 @@ Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows
 
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, nullptr));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
   out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);

@@ -8,6 +8,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/moe_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/moe.h"
 
@@ -187,6 +188,7 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
 
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows, MoeContext& ctx) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, &ctx));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
   out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
@@ -200,6 +202,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
 }
 
 Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights) {
+  GLMTUNE_DISPATCH_CUDA(d_weights, cuda_path::moe_route_backward(cfg, routing, d_weights));
   const int64_t rows = routing.indices.defined() ? routing.indices.size(0) : 0;
   const DType dt = routing.logits.defined() ? routing.logits.dtype() : DType::f32;
   GLMTUNE_ASSERT(is_compute_dtype(dt), "MoE router backward computes in f32 or f64, got {}",
@@ -215,6 +218,7 @@ Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Te
 
 Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeContext& ctx,
                     const Tensor& dy, MoeParams& grads, const Tensor& d_router_logits) {
+  GLMTUNE_DISPATCH_CUDA(dy, cuda_path::moe_backward(cfg, params, ctx, dy, grads, d_router_logits));
   GLMTUNE_ASSERT(ctx.x.defined() && ctx.x.dim() == 2 && is_compute_dtype(ctx.x.dtype()) &&
                      ctx.x.device().is_cpu(),
                  "moe_backward needs the context filled by moe_forward, got input {}",

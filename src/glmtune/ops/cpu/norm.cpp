@@ -4,6 +4,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/norm_common.h"
+#include "glmtune/ops/dispatch.h"
 
 namespace glmtune::ops {
 using namespace cpu_detail;
@@ -116,6 +117,7 @@ void l2_norm_kernel(const Rows& r, double eps, Tensor& out, Tensor& norm_out) {
 }  // namespace
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm(x, weight, eps, rstd));
   Rows r = as_rows(x, "rms_norm");
   check_vector(weight, x, "weight", "rms_norm");
   Tensor out = Tensor::empty(x.shape(), x.dtype());

@@ -7,6 +7,7 @@
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/norm_common.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/norm.h"
 
 namespace glmtune::ops {
@@ -193,6 +194,7 @@ void l2_backward_kernel(const T* dy, const T* x, const T* norm_in, double eps, i
 
 Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                          const Tensor& rstd, Tensor* grad_weight) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_backward(dy, x, weight, eps, rstd, grad_weight));
   const char* op = "rms_norm_backward";
   const RowsOf r = check_rows(dy, x, op);
   check_vector(weight, x, "weight", op);

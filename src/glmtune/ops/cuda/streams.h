@@ -1,0 +1,30 @@
+#pragma once
+// The residual-stream reshapes of mHC on the GPU (ops/mhc.h mhc_expand / mhc_head and their
+// backward passes), a row gather, and the elementwise sum the composed ops use to add partial
+// gradients. bf16 or
+// f32 tensors, contiguous, on one device; fp32 arithmetic; asynchronous on `stream`.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::cuda {
+
+// [..., D] → [..., H, D]: H copies (mhc_expand), or every stream d_out / H (mhc_head_backward,
+// with scale 1/H).
+Tensor broadcast_streams(const Tensor& x, int64_t hc_mult, float scale,
+                         cudaStream_t stream = nullptr);
+// [..., H, D] → [..., D]: scale · Σ_i X_i, summed in stream order (mhc_head with scale 1/H,
+// mhc_expand_backward with scale 1).
+Tensor reduce_streams(const Tensor& streams, float scale, cudaStream_t stream = nullptr);
+// out[i, :] = x[rows[i], :] for x [N, D] (bf16 or f32, contiguous); a negative index gives a zero
+// row. `rows` holds int64 indices on the host; they are copied to the device.
+Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows,
+                   cudaStream_t stream = nullptr);
+// a += b (same shape; a bf16 or f32, b bf16 or f32), rounding once into a's dtype.
+void add_inplace(Tensor& a, const Tensor& b, cudaStream_t stream = nullptr);
+
+}  // namespace glmtune::cuda
