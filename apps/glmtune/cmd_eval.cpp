@@ -11,6 +11,12 @@
 // --dump-grads runs the training forward and backward instead of the plain forward and writes the
 // gradient of the reported loss (the mean LM cross-entropy over every label token; no MTP, no
 // balancing loss) for every trainable parameter, under the released names.
+//
+// With --media-root, chat files go through the vision-language pipeline training uses
+// (train/vl_batch.h): image and video content items are resolved against the media root,
+// expanded with the processor of the tokenizer folder, decoded pack by pack and spliced into the
+// token stream by the composed model (model/compose.h). A VL sample is never cut (its media
+// placeholders would lose their features): one longer than --pack-length gets a pack of its own.
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -23,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
@@ -30,11 +37,14 @@
 #include "command.h"
 #include "glmtune/base/error.h"
 #include "glmtune/data/dataset.h"
+#include "glmtune/data/media/vl_processor.h"
 #include "glmtune/data/packing.h"
 #include "glmtune/data/tokenizer.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/io/mmap_file.h"
 #include "glmtune/io/safetensors.h"
+#include "glmtune/model/compose.h"
+#include "glmtune/model/layout.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
@@ -42,6 +52,7 @@
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
 #include "glmtune/train/released.h"
+#include "glmtune/train/vl_batch.h"
 
 namespace {
 
@@ -52,6 +63,8 @@ struct EvalArgs {
   std::string model;
   std::vector<std::string> data;
   std::string text;
+  std::string tokenizer;
+  std::string media_root;
   std::string dump_logits;
   std::string dump_grads;
   int64_t pack_length = 4096;
@@ -66,6 +79,7 @@ struct EvalArgs {
 struct EvalSample {
   std::optional<data::TokenizedSample> tokens;
   int64_t dataset_index = -1;
+  bool vl = false;  // dataset_index is into the vision-language dataset, not the text one
   int64_t length = 0;
   std::string source;  // "file:line", "--text" or "dataset sample N"
 };
@@ -75,6 +89,7 @@ struct EvalSample {
 struct PackPlan {
   std::vector<int64_t> samples;
   int64_t length = 0;
+  bool vl = false;  // samples of the vision-language dataset (only those)
 };
 
 struct SampleResult {
@@ -124,10 +139,33 @@ std::vector<int32_t> read_ids(const nlohmann::json& v, const char* key, int64_t 
   return out;
 }
 
+// Whether a conversation holds an image or video content item (any spelling vl_processor.h reads).
+bool has_media_item(const nlohmann::json& messages) {
+  if (!messages.is_array()) return false;
+  for (const nlohmann::json& m : messages) {
+    if (!m.is_object() || !m.contains("content") || !m.at("content").is_array()) continue;
+    for (const nlohmann::json& item : m.at("content")) {
+      if (!item.is_object() || !item.contains("type") || !item.at("type").is_string()) continue;
+      const std::string type = item.at("type").get<std::string>();
+      if (type == "image" || type == "image_url" || type == "video" || type == "video_url")
+        return true;
+    }
+  }
+  return false;
+}
+
+// What the first read of a chat / text file saw: which reader it needs.
+struct ChatFileScan {
+  bool has_messages = false;  // some line is a {"messages": ...} conversation
+  std::string first_media;    // "file:line" of the first conversation with media ("" if none)
+};
+
 // The pre-tokenised samples of `file`, or nullopt when no line of it has "input_ids" (then it is
-// chat / text data for the dataset reader). In a file that has them, every non-blank line must be
-// a valid pre-tokenised sample; the first bad line is an error naming file:line.
-std::optional<std::vector<EvalSample>> read_pretokenised(const std::string& file, int64_t vocab) {
+// chat / text data for the dataset reader, and `scan` says what it holds). In a file that has
+// them, every non-blank line must be a valid pre-tokenised sample; the first bad line is an error
+// naming file:line.
+std::optional<std::vector<EvalSample>> read_pretokenised(const std::string& file, int64_t vocab,
+                                                         ChatFileScan& scan) {
   std::ifstream in(file, std::ios::binary);
   if (!in) throw Error("cannot open the data file", file, "check the path");
   std::vector<EvalSample> samples;
@@ -140,6 +178,10 @@ std::optional<std::vector<EvalSample>> read_pretokenised(const std::string& file
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
     const bool has_ids = j.is_object() && j.contains("input_ids");
     pretokenised |= has_ids;
+    if (j.is_object() && j.contains("messages")) {
+      scan.has_messages = true;
+      if (scan.first_media.empty() && has_media_item(j.at("messages"))) scan.first_media = where;
+    }
     if (first_error) continue;
     try {
       if (j.is_discarded())
@@ -201,7 +243,8 @@ class TempFile {
 }  // namespace
 
 GLMTUNE_COMMAND(
-    eval, "eval", "Evaluate loss, MTP loss and perplexity of a checkpoint on text or JSONL data",
+    eval, "eval",
+    "Evaluate loss, MTP loss and perplexity of a checkpoint on text, JSONL or vision-language data",
     [](CLI::App& app) {
       auto a = std::make_shared<EvalArgs>();
       app.add_option("--model", a->model, "Checkpoint directory (config.json, weights, tokenizer)")
@@ -210,16 +253,25 @@ GLMTUNE_COMMAND(
                      "JSONL file(s): pre-tokenised ({\"input_ids\": [...], \"labels\": [...]}), "
                      "chat ({\"messages\": ...}) or text ({\"text\": ...}) lines");
       app.add_option("--text", a->text, "A text to evaluate, as one {\"text\": ...} sample");
+      app.add_option("--media-root", a->media_root,
+                     "Evaluate chat files as vision-language conversations: {\"type\": "
+                     "\"image\", \"image\": PATH} / {\"type\": \"video\", \"video\": PATH} "
+                     "content items, relative PATHs resolved against this folder (docs/vision.md)");
+      app.add_option("--tokenizer", a->tokenizer,
+                     "Folder with tokenizer.json and, for --media-root, processor_config.json "
+                     "(default: the --model folder)");
       app.add_option("--dump-logits", a->dump_logits,
                      "Write each sample's logits as float32 logits.<i> [len_i, vocab] to this "
                      "safetensors file");
-      app.add_option("--dump-grads", a->dump_grads,
-                     "Write the gradient of the reported loss (mean LM cross-entropy; no MTP, no "
-                     "balancing loss) for every trainable parameter, float32 under the released "
-                     "names, to this safetensors file");
+      app.add_option(
+          "--dump-grads", a->dump_grads,
+          "Write the gradient of the reported loss (mean LM cross-entropy; no MTP, no "
+          "balancing loss) for every trainable parameter, float32 under the released "
+          "names, to this safetensors file (with images or videos in the data, the vision "
+          "tower's and projector's model.visual.* too)");
       app.add_option("--pack-length", a->pack_length,
                      "Tokens per pack (chat / text samples longer than this are truncated; a "
-                     "longer pre-tokenised sample gets a pack of its own)")
+                     "longer pre-tokenised or vision-language sample gets a pack of its own)")
           ->check(CLI::PositiveNumber);
       app.add_option("--max-packs", a->max_packs, "Stop after this many packs (0: all)")
           ->check(CLI::NonNegativeNumber);
@@ -240,25 +292,40 @@ GLMTUNE_COMMAND(
         // Pre-tokenised files are read (and checked) before the slow model load.
         std::vector<EvalSample> samples;
         std::vector<PackPlan> plan;
-        std::vector<std::string> dataset_files;
+        std::vector<std::string> dataset_files, vl_files;
         std::vector<std::vector<EvalSample>> pretokenised;
         for (const std::string& file : a->data) {
-          if (auto s = read_pretokenised(file, vocab))
+          ChatFileScan scan;
+          if (auto s = read_pretokenised(file, vocab, scan)) {
             pretokenised.push_back(std::move(*s));
-          else
+          } else if (!a->media_root.empty() && scan.has_messages) {
+            vl_files.push_back(file);
+          } else {
+            // The text reader would refuse the line too, but without pointing at --media-root.
+            if (!scan.first_media.empty())
+              throw Error(
+                  "the conversation has image or video content items but no --media-root "
+                  "was given",
+                  scan.first_media,
+                  "give --media-root DIR (the folder relative media paths resolve "
+                  "against) to evaluate vision-language data");
             dataset_files.push_back(file);
+          }
         }
+        const fs::path tokenizer_dir = a->tokenizer.empty() ? dir : fs::path(a->tokenizer);
 
         // The tokenizer is needed only for --text and chat / text data.
         std::optional<data::Tokenizer> tokenizer;
         int32_t pad_id = 0;  // never written when no pack is padded
-        if (!a->text.empty() || !dataset_files.empty()) {
-          const fs::path tokenizer_file = dir / "tokenizer.json";
+        if (!a->text.empty() || !dataset_files.empty() || !vl_files.empty()) {
+          const fs::path tokenizer_file = tokenizer_dir / "tokenizer.json";
           if (!fs::exists(tokenizer_file))
-            throw Error("the checkpoint has no tokenizer.json", tokenizer_file.string(),
+            throw Error(a->tokenizer.empty() ? "the checkpoint has no tokenizer.json"
+                                             : "the --tokenizer folder has no tokenizer.json",
+                        tokenizer_file.string(),
                         "copy the model's tokenizer files next to its weights (glmtune init "
-                        "--tokenizer DIR does this for random checkpoints), or give "
-                        "pre-tokenised {\"input_ids\": ...} lines");
+                        "--tokenizer DIR does this for random checkpoints), give --tokenizer DIR, "
+                        "or give pre-tokenised {\"input_ids\": ...} lines");
           tokenizer = data::Tokenizer::from_file(tokenizer_file.string());
           pad_id = tokenizer->require_id("<|endoftext|>");
           if (tokenizer->vocab_size() > vocab)
@@ -322,6 +389,55 @@ GLMTUNE_COMMAND(
             plan.push_back({std::move(indices), a->pack_length});
           }
         }
+        // Vision-language conversations, read as training reads them (VlDataset: tokens from the
+        // media headers now, pixels decoded per pack), with the same per-line errors.
+        std::unique_ptr<data::media::VlProcessor> processor;
+        std::optional<train::VlDataset> vl_dataset;
+        if (!vl_files.empty()) {
+          if (!fs::is_directory(a->media_root))
+            throw Error("--media-root is not a folder", a->media_root,
+                        "give the folder that the data's relative media paths resolve against");
+          if (!fs::exists(tokenizer_dir / "processor_config.json") &&
+              !fs::exists(tokenizer_dir / "preprocessor_config.json"))
+            throw Error(
+                "no processor_config.json next to the tokenizer: vision-language data needs "
+                "the image and video processor settings",
+                tokenizer_dir.string(),
+                "copy processor_config.json from the model release into that folder, or "
+                "give --tokenizer DIR with the release's processor folder");
+          processor = std::make_unique<data::media::VlProcessor>(
+              data::media::VlProcessor::from_dir(tokenizer_dir));
+          train::VlDataConfig vc;
+          vc.files = vl_files;
+          vc.media_root = a->media_root;
+          // Nothing is dropped for its length: a longer sample gets a pack of its own below.
+          vc.max_length = std::numeric_limits<int64_t>::max();
+          vc.on_bad_line = data::BadLinePolicy::kFail;
+          vl_dataset.emplace(train::VlDataset::scan(vc, *processor));
+          if (vl_dataset->size() == 0)
+            throw Error("no usable sample in the data",
+                        fmt::format("{}", fmt::join(vl_files, ", ")),
+                        "check the conversations: each needs an assistant turn to score "
+                        "(docs/vision.md)");
+          std::vector<int64_t> order;
+          std::vector<int64_t> alone;
+          const int64_t first = int64_t(samples.size());
+          for (int64_t i = 0; i < vl_dataset->size(); ++i) {
+            EvalSample e;
+            e.dataset_index = i;
+            e.vl = true;
+            e.length = vl_dataset->length(i);
+            e.source = vl_dataset->where(i);
+            samples.push_back(std::move(e));
+            (vl_dataset->length(i) <= a->pack_length ? order : alone).push_back(i);
+          }
+          for (auto& indices : data::plan_packs(
+                   order, [&](int64_t i) { return vl_dataset->length(i); }, a->pack_length, 100)) {
+            for (int64_t& i : indices) i += first;
+            plan.push_back({std::move(indices), a->pack_length, true});
+          }
+          for (int64_t i : alone) plan.push_back({{first + i}, vl_dataset->length(i), true});
+        }
         if (a->max_packs > 0 && int64_t(plan.size()) > a->max_packs)
           plan.resize(size_t(a->max_packs));
 
@@ -338,7 +454,15 @@ GLMTUNE_COMMAND(
         // The store stays for --dump-grads, which names gradients as the checkpoint names weights.
         const io::CheckpointReader reader = io::CheckpointReader::open(dir);
         const model::ParamStore store = model::ParamStore::load(reader, config);
-        const model::text::TextModel model(store);
+        // The vision tower is loaded only for data that has media; then the composed model holds
+        // the text model every pack runs on.
+        std::optional<model::VisionLanguageModel> vl_model;
+        std::optional<model::text::TextModel> text_model;
+        if (vl_dataset && vl_dataset->has_media())
+          vl_model.emplace(store);
+        else
+          text_model.emplace(store);
+        const model::text::TextModel& model = vl_model ? vl_model->text() : *text_model;
         spdlog::info(
             "loaded {} in {:.1f}s", a->model,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
@@ -359,9 +483,13 @@ GLMTUNE_COMMAND(
 
         // Gradients add up over the packs as sums of CE; divided by the label count at the end.
         std::optional<model::text::TextGrads> grads;
+        std::optional<model::vision::VisionGrads> vision_grads;
+        const model::ComposeOptions compose_options;  // nothing frozen: every gradient is dumped
         model::text::TrainOptions grad_options;
         if (!a->dump_grads.empty()) {
           grads.emplace(model::text::TextGrads::zeros_like(model.weights()));
+          if (vl_model)
+            vision_grads.emplace(model::vision::VisionGrads::zeros_like(vl_model->vision()));
           grad_options.mtp = false;
           grad_options.balancing_alpha = 0;
           grad_options.lm_denominator = 1;
@@ -376,6 +504,7 @@ GLMTUNE_COMMAND(
         const model::text::TextWeights& weights = model.weights();
         std::vector<SampleResult> results(samples.size());
         Totals totals;
+        int64_t images = 0, videos = 0;
         auto last_log = std::chrono::steady_clock::now();
         for (const PackPlan& p : plan) {
           std::vector<data::TokenizedSample> docs;
@@ -384,12 +513,21 @@ GLMTUNE_COMMAND(
             if (samples[size_t(i)].dataset_index >= 0)
               dataset_indices.push_back(samples[size_t(i)].dataset_index);
           std::vector<data::TokenizedSample> loaded;
-          if (!dataset_indices.empty()) loaded = dataset->load(dataset_indices);
+          if (!dataset_indices.empty())
+            loaded = p.vl ? vl_dataset->load(dataset_indices) : dataset->load(dataset_indices);
           size_t next_loaded = 0;
           for (int64_t i : p.samples)
             docs.push_back(samples[size_t(i)].tokens ? *samples[size_t(i)].tokens
                                                      : std::move(loaded[next_loaded++]));
-          const data::Pack pack = data::build_pack(docs, p.samples, p.length, pad_id);
+          // pack_media finds a VL pack's conversations by their dataset indices.
+          const data::Pack pack =
+              data::build_pack(docs, p.vl ? dataset_indices : p.samples, p.length, pad_id);
+          // Decoding errors name the conversation's file:line, as in training.
+          model::PackMedia media;
+          if (p.vl) media = train::pack_media(*vl_dataset, pack);
+          GLMTUNE_ASSERT(media.empty() || vl_model, "a pack with media but no vision tower loaded");
+          images += int64_t(media.image_grid.size());
+          videos += int64_t(media.video_grid.size());
 
           model::text::PackInput in;
           in.input_ids = int32_tensor(pack.input_ids);
@@ -401,12 +539,18 @@ GLMTUNE_COMMAND(
           const auto start = std::chrono::steady_clock::now();
           model::text::ForwardOutput out;
           std::shared_ptr<model::text::ForwardContext> context;
+          std::optional<model::ComposeTrainForward> composed;
           Tensor normed;
-          if (grads) {
+          if (grads && vl_model) {
+            composed.emplace(model::compose_training_forward(*vl_model, in, media, grad_options,
+                                                             compose_options));
+            normed = composed->text.context->final_normed;
+          } else if (grads) {
             context = model::text::training_forward(model, in, grad_options).context;
             normed = context->final_normed;
           } else {
-            out = model.forward(in, options);
+            out = vl_model ? model::compose_forward(*vl_model, in, media, options)
+                           : model.forward(in, options);
             // The forward's final norm, recomputed from its output (the same op on the same
             // input), then the head applied to one document's rows at a time.
             normed = ops::rms_norm(out.hidden, weights.final_norm, model.text().rms_norm_eps);
@@ -428,7 +572,11 @@ GLMTUNE_COMMAND(
             }
             results[size_t(p.samples[d])] = {ce.loss_sum, ce.n_tokens};
           }
-          if (grads) model::text::backward(model, in, *context, grad_options, *grads);
+          if (composed)
+            model::compose_backward(*vl_model, *composed, grad_options, compose_options, *grads,
+                                    *vision_grads);
+          else if (grads)
+            model::text::backward(model, in, *context, grad_options, *grads);
           totals.seconds +=
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           if (out.mtp) {
@@ -476,8 +624,23 @@ GLMTUNE_COMMAND(
           dump_file->commit();
         }
         if (grads) {
-          const auto views = train::released_views(
+          auto views = train::released_views(
               store, [&](const model::InternalParam& p) { return grads->find(p.name); });
+          if (vision_grads) {
+            // The tower's and projector's gradients, already under their released names and
+            // shapes, merged into the released layout's order.
+            std::map<std::string, Tensor> by_name(views.begin(), views.end());
+            for (auto& [name, g] : vision_grads->released(vl_model->vision_config()))
+              by_name.emplace(name, std::move(g));
+            views.clear();
+            for (const model::ParamSpec& spec : model::released_layout(store.config())) {
+              auto it = by_name.find(spec.name);
+              if (it == by_name.end()) continue;
+              GLMTUNE_ASSERT(it->second.shape() == spec.shape, "gradient '{}' is {}, released {}",
+                             spec.name, shape_str(it->second.shape()), shape_str(spec.shape));
+              views.emplace_back(spec.name, it->second);
+            }
+          }
           std::vector<io::TensorSpec> specs;
           for (const auto& [name, g] : views) specs.push_back({name, DType::f32, g.shape()});
           TempFile file(a->dump_grads);
@@ -516,6 +679,8 @@ GLMTUNE_COMMAND(
         }
         j["perplexity"] = std::exp(loss);
         j["samples"] = evaluated;
+        j["images"] = images;
+        j["videos"] = videos;
         j["packs"] = totals.packs;
         j["input_tokens"] = totals.tokens;
         j["slots"] = totals.slots;
@@ -527,6 +692,9 @@ GLMTUNE_COMMAND(
           std::printf("samples      %lld in %lld packs (%lld tokens, %lld slots, %lld targets)\n",
                       (long long)evaluated, (long long)totals.packs, (long long)totals.tokens,
                       (long long)totals.slots, (long long)lm_count);
+          if (images + videos > 0)
+            std::printf("media        %lld images, %lld videos\n", (long long)images,
+                        (long long)videos);
           std::printf("loss         %.6f\n", loss);
           std::printf("perplexity   %.4f\n", std::exp(loss));
           if (!j["mtp_loss"].is_null())

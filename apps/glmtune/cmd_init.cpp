@@ -33,9 +33,10 @@ GLMTUNE_COMMAND(
       app.add_option("--seed", a->seed, "Initialisation seed");
       app.add_option("--shard-gb", a->shard_gb, "Largest shard size in GB")
           ->check(CLI::PositiveNumber);
-      app.add_option("--tokenizer", a->tokenizer,
-                     "Directory whose tokenizer files (tokenizer.json, tokenizer_config.json, "
-                     "chat_template.jinja) are copied alongside");
+      app.add_option(
+          "--tokenizer", a->tokenizer,
+          "Directory whose tokenizer files (tokenizer.json, tokenizer_config.json, "
+          "chat_template.jinja, and processor_config.json when present) are copied alongside");
       app.add_flag("--force", a->force, "Replace an existing non-empty output directory");
       a->config.add_set_option(app);
       return [a] {
@@ -71,6 +72,11 @@ GLMTUNE_COMMAND(
                           "point --tokenizer at a directory with the tokenizer files");
             options.extra_files.emplace_back(src, file);
           }
+          // The image/video processor settings, when the tokenizer folder has them (a release
+          // does), so that the checkpoint evaluates and trains on vision-language data as is.
+          const fs::path processor = fs::path(a->tokenizer) / "processor_config.json";
+          if (fs::exists(processor))
+            options.extra_files.emplace_back(processor, "processor_config.json");
         }
         model::write_random_checkpoint(config, a->out, options);
         spdlog::info("wrote {}", a->out);

@@ -185,20 +185,34 @@ text::ForwardOutput compose_forward(const VisionLanguageModel& model, const text
   return model.text().forward(in, options);
 }
 
-text::StepPackResult compose_forward_backward(const VisionLanguageModel& model,
-                                              const text::PackInput& input, const PackMedia& media,
-                                              const text::TrainOptions& train,
-                                              const ComposeOptions& options,
-                                              text::TextGrads& text_grads,
-                                              vision::VisionGrads& vision_grads) {
-  if (media.empty()) return text::forward_backward(model.text(), input, train, text_grads);
-  const bool train_vision = !options.freeze_vision || !options.freeze_projector;
-  SpliceContext splice;
-  text::PackInput in = input;
-  in.inputs_embeds =
-      compose_embeddings(model, input.input_ids, input.cu_seqlens, media, &splice, train_vision);
-  text::StepPackResult r = text::forward_backward(model.text(), in, train, text_grads);
-  const Tensor& d_emb = r.backward.d_embeddings;
+ComposeTrainForward compose_training_forward(const VisionLanguageModel& model,
+                                             const text::PackInput& input, const PackMedia& media,
+                                             const text::TrainOptions& train,
+                                             const ComposeOptions& options) {
+  ComposeTrainForward f;
+  f.input = input;
+  if (!media.empty()) {
+    // Without a trained vision part the tower's forward keeps nothing for a backward.
+    const bool train_vision = !options.freeze_vision || !options.freeze_projector;
+    f.input.inputs_embeds = compose_embeddings(model, input.input_ids, input.cu_seqlens, media,
+                                               &f.splice, train_vision);
+    f.spliced = true;
+  }
+  f.text = text::training_forward(model.text(), f.input, train);
+  return f;
+}
+
+text::BackwardResult compose_backward(const VisionLanguageModel& model,
+                                      const ComposeTrainForward& forward,
+                                      const text::TrainOptions& train,
+                                      const ComposeOptions& options, text::TextGrads& text_grads,
+                                      vision::VisionGrads& vision_grads) {
+  // A pack without media took the plain text path, whose backward differentiates the lookup.
+  text::BackwardResult r =
+      text::backward(model.text(), forward.input, *forward.text.context, train, text_grads);
+  if (!forward.spliced) return r;
+  const SpliceContext& splice = forward.splice;
+  const Tensor& d_emb = r.d_embeddings;
 
   // The lookup of a media row was overwritten: only the text rows reach embed_tokens.
   Tensor d_text = d_emb.clone();
@@ -206,10 +220,10 @@ text::StepPackResult compose_forward_backward(const VisionLanguageModel& model,
   for (const auto* rows : {&splice.image_positions, &splice.video_positions})
     for (int64_t p : *rows) d_text.select(0, p).zero_();
   const text::TextWeights& w = model.text().weights();
-  ops::embedding_backward(w.embed_tokens, input.input_ids, d_text, model.text().text().pad_token_id,
-                          text_grads.embed_tokens);
+  ops::embedding_backward(w.embed_tokens, forward.input.input_ids, d_text,
+                          model.text().text().pad_token_id, text_grads.embed_tokens);
 
-  if (train_vision) {
+  if (!options.freeze_vision || !options.freeze_projector) {
     const int64_t rows = int64_t(splice.image_positions.size() + splice.video_positions.size());
     Tensor d_pooler = Tensor::empty({rows, width}, model.vision().dtype);
     const Tensor d_src = d_emb.to(model.vision().dtype);
@@ -222,6 +236,19 @@ text::StepPackResult compose_forward_backward(const VisionLanguageModel& model,
     vision::vision_backward(model.vision_config(), model.vision(), splice.tower, d_pooler,
                             vision_grads, vopt);
   }
+  return r;
+}
+
+text::StepPackResult compose_forward_backward(const VisionLanguageModel& model,
+                                              const text::PackInput& input, const PackMedia& media,
+                                              const text::TrainOptions& train,
+                                              const ComposeOptions& options,
+                                              text::TextGrads& text_grads,
+                                              vision::VisionGrads& vision_grads) {
+  ComposeTrainForward f = compose_training_forward(model, input, media, train, options);
+  text::StepPackResult r;
+  r.backward = compose_backward(model, f, train, options, text_grads, vision_grads);
+  r.loads = std::move(f.text.loads);
   return r;
 }
 

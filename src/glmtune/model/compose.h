@@ -100,6 +100,25 @@ text::ForwardOutput compose_forward(const VisionLanguageModel& model, const text
                                     const PackMedia& media,
                                     const text::ForwardOptions& options = {});
 
+// compose_forward_backward in two halves, for callers that read the forward before the backward
+// (`glmtune eval --dump-grads` takes its per-document losses from the context's final_normed).
+struct ComposeTrainForward {
+  text::PackInput input;  // the pack as the text model saw it (spliced embeddings when media)
+  text::TrainForward text;
+  SpliceContext splice;
+  bool spliced = false;  // the pack had media: the lookup and the tower are differentiated here
+};
+ComposeTrainForward compose_training_forward(const VisionLanguageModel& model,
+                                             const text::PackInput& input, const PackMedia& media,
+                                             const text::TrainOptions& train,
+                                             const ComposeOptions& options);
+// The backward of `forward`: the gradients compose_forward_backward adds.
+text::BackwardResult compose_backward(const VisionLanguageModel& model,
+                                      const ComposeTrainForward& forward,
+                                      const text::TrainOptions& train,
+                                      const ComposeOptions& options, text::TextGrads& text_grads,
+                                      vision::VisionGrads& vision_grads);
+
 // One pack of a training step: forward, the text backward, the embedding and vision backward.
 // Parameter gradients add into `text_grads` and `vision_grads` (VisionGrads::zeros_like of the
 // model's vision params; parts frozen by `options` are left untouched).

@@ -22,6 +22,14 @@ int64_t targets(const std::vector<int32_t>& labels) {
   return n;
 }
 
+// The processor's media errors name the media file (or the message); a dataset's errors must also
+// name the line, so the file comes into the message and the line becomes the place.
+Error at_line(const Error& e, const std::string& where) {
+  if (e.where().starts_with(where)) return e;
+  return Error(e.where().empty() ? e.problem() : fmt::format("{}: {}", e.where(), e.problem()),
+               where, e.fix());
+}
+
 }  // namespace
 
 VlDataset VlDataset::scan(const VlDataConfig& config, const data::media::VlProcessor& processor) {
@@ -57,8 +65,12 @@ VlDataset VlDataset::scan(const VlDataConfig& config, const data::media::VlProce
         e.messages = doc["messages"];
         e.tools = doc.contains("tools") ? doc["tools"] : data::OrderedJson();
         reason = data::BadLineReason::kMedia;
-        e.tokens = processor.process(e.messages, e.tools, config.chat, config.media_root, where,
-                                     /*with_pixels=*/false);
+        try {
+          e.tokens = processor.process(e.messages, e.tools, config.chat, config.media_root, where,
+                                       /*with_pixels=*/false);
+        } catch (const Error& ex) {
+          throw at_line(ex, where);
+        }
       } catch (const Error& ex) {
         if (config.on_bad_line == data::BadLinePolicy::kFail) throw;
         ++ds.stats_.skipped[size_t(reason)];
@@ -111,8 +123,13 @@ std::vector<data::TokenizedSample> VlDataset::load(const std::vector<int64_t>& i
 
 VlSample VlDataset::with_pixels(int64_t i) const {
   const Entry& e = samples_.at(size_t(i));
-  return processor_->process(e.messages, e.tools, config_.chat, config_.media_root, where(i),
-                             /*with_pixels=*/true);
+  // Decoding can fail where the scan's header probe did not (a truncated image, a broken frame).
+  try {
+    return processor_->process(e.messages, e.tools, config_.chat, config_.media_root, where(i),
+                               /*with_pixels=*/true);
+  } catch (const Error& ex) {
+    throw at_line(ex, where(i));
+  }
 }
 
 std::string VlDataset::where(int64_t i) const {
