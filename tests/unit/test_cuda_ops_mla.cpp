@@ -4,6 +4,10 @@
 // head counts that do not fill a block, several head dimensions (scalar and 16-byte lane paths),
 // the key sets themselves, output and every gradient, bit-identical reruns, and the rejection of
 // an index outside its query's document. Also on the indexer's own selection (the CPU op's rows).
+// The absorbed-latent form (cuda::absorbed_attention_*) against the same CPU op with k = v = the
+// latent row, and the GPU MLA composite that uses it against the CPU composite (ops::mla_forward
+// / mla_backward): output, dx and every parameter gradient, chunked workspace and reruns
+// bit-identical.
 // Fresh random bf16 inputs each run (seed printed; GLMTUNE_TEST_SEED reproduces a run); the CPU
 // reference runs in f32 on the same bf16 values. Device blocks are poisoned with NaN before the
 // ops allocate their outputs. Skipped (not failed) where no GPU is visible or CUDA is not built.
@@ -127,9 +131,175 @@ void check_attention(const std::vector<int64_t>& bounds, const Tensor& idx, int6
               bit_identical(g.k, g2.k) && bit_identical(g.v, g2.v))
       << ctx("rerun " + what);
 }
+
+// The absorbed-latent op against the per-head CPU op with every head's key and value equal to the
+// latent row (k = v = latent, Dqk = Dv = 512): o_lat and d q_abs directly, d latent as the sum
+// over heads of the per-head dk + dv. Also: a workspace small enough to force several query
+// chunks gives bit-identical gradients, and reruns are bit-identical.
+void check_absorbed(const std::vector<int64_t>& bounds, const Tensor& idx, int64_t heads,
+                    uint64_t stream, const std::string& label) {
+  const int64_t tokens = bounds.back(), r = 512;
+  const std::string what = label + " absorbed NH=" + std::to_string(heads);
+  const Tensor q = random_cpu({tokens, heads, r}, DType::bf16, stream, 0.5);
+  const Tensor lat = random_cpu({tokens, r}, DType::bf16, stream + 1);
+  const Tensor dout = random_cpu({tokens, heads, r}, DType::bf16, stream + 2);
+  const Tensor cu = seqlens(bounds);
+  const double scale = 1.0 / std::sqrt(256.0);
+
+  Tensor kv = Tensor::empty({tokens, heads, r}, DType::f32);
+  const Tensor lat32 = f32(lat);
+  for (int64_t i = 0; i < tokens; ++i)
+    for (int64_t h = 0; h < heads; ++h)
+      std::copy_n(lat32.data<float>() + i * r, r, kv.data<float>() + (i * heads + h) * r);
+  const Tensor ref = ops::sparse_attention(f32(q), kv, kv, idx, cu, scale);
+  const ops::AttentionGrads gref =
+      ops::sparse_attention_backward(f32(q), kv, kv, idx, cu, scale, f32(dout));
+  Tensor dlat_ref = Tensor::zeros({tokens, r}, DType::f32);
+  for (int64_t i = 0; i < tokens; ++i)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t c = 0; c < r; ++c)
+        dlat_ref.data<float>()[i * r + c] += gref.k.data<float>()[(i * heads + h) * r + c] +
+                                             gref.v.data<float>()[(i * heads + h) * r + c];
+
+  const Tensor qg = q.to(kGpu), lg = lat.to(kGpu), dog = dout.to(kGpu);
+  const cuda::SparseKeySets sets = cuda::sparse_key_sets(idx.to(kGpu), cu, true);
+  poison_cache({{tokens, heads, r}, {tokens, heads}}, DType::f32);
+  const cuda::AbsorbedAttentionOutput out = cuda::absorbed_attention_forward(qg, lg, sets, scale);
+  EXPECT_CLOSE(out.out, ref, 1e-2, "forward " + what);
+  poison_cache({{tokens, heads, r}, {tokens, r}}, DType::f32);
+  const cuda::AbsorbedAttentionGrads g =
+      cuda::absorbed_attention_backward(qg, lg, out.out, out.lse2, sets, scale, dog);
+  EXPECT_CLOSE(g.q_abs, gref.q, 1e-2, "d q_abs " + what);
+  EXPECT_CLOSE(g.latent, dlat_ref, 1e-2, "d latent " + what);
+
+  // Three queries per workspace chunk.
+  const int64_t small = 3 * idx.size(1) * r * 2;
+  const cuda::AbsorbedAttentionOutput out2 = cuda::absorbed_attention_forward(qg, lg, sets, scale);
+  const cuda::AbsorbedAttentionGrads g2 = cuda::absorbed_attention_backward(
+      qg, lg, out2.out, out2.lse2, sets, scale, dog, nullptr, small);
+  EXPECT_TRUE(bit_identical(out.out, out2.out) && bit_identical(out.lse2, out2.lse2))
+      << ctx("forward rerun " + what);
+  EXPECT_TRUE(bit_identical(g.q_abs, g2.q_abs)) << ctx("d q_abs rerun " + what);
+  EXPECT_TRUE(bit_identical(g.latent, g2.latent)) << ctx("d latent, chunked workspace " + what);
+}
+
+// The GPU MLA composite (absorbed path: Rkv = 512) against the CPU composite in f32 on the same
+// bf16 values: output, attention output, dx and every parameter gradient.
+void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, int64_t heads,
+                         int64_t dn, int64_t dv, bool bias, uint64_t stream,
+                         const std::string& label) {
+  const int64_t tokens = bounds.back(), dim = 96;
+  ops::MlaConfig cfg;
+  cfg.n_heads = heads;
+  cfg.q_lora_rank = 64;
+  cfg.kv_lora_rank = 512;
+  cfg.qk_nope_head_dim = dn;
+  cfg.v_head_dim = dv;
+  const std::string what = label + " composite NH=" + std::to_string(heads) +
+                           " Dn=" + std::to_string(dn) + " Dv=" + std::to_string(dv);
+  uint64_t s = stream;
+  auto w = [&](Shape shape, double fan_in) {
+    return random_cpu(shape, DType::bf16, s++, 1.0 / std::sqrt(fan_in));
+  };
+  ops::MlaParams p;
+  p.q_a_proj = w({cfg.q_lora_rank, dim}, double(dim));
+  p.q_a_layernorm = random_cpu({cfg.q_lora_rank}, DType::bf16, s++, 1.0, 0.1);
+  p.q_b_proj = w({heads * dn, cfg.q_lora_rank}, double(cfg.q_lora_rank));
+  p.kv_a_proj_with_mqa = w({512, dim}, double(dim));
+  p.kv_a_layernorm = random_cpu({512}, DType::bf16, s++, 1.0, 0.1);
+  p.kv_b_proj = w({heads * (dn + dv), 512}, 512.0);
+  p.o_proj = w({dim, heads * dv}, double(heads * dv));
+  if (bias) {
+    p.q_a_proj_bias = random_cpu({cfg.q_lora_rank}, DType::bf16, s++, 0.1);
+    p.kv_a_proj_with_mqa_bias = random_cpu({512}, DType::bf16, s++, 0.1);
+    p.o_proj_bias = random_cpu({dim}, DType::bf16, s++, 0.1);
+  }
+  const Tensor x = random_cpu({tokens, dim}, DType::bf16, s++);
+  const Tensor dy = random_cpu({tokens, dim}, DType::bf16, s++);
+  const Tensor cu = seqlens(bounds);
+
+  auto each = [](ops::MlaParams& m, auto&& fn) {
+    Tensor* t[] = {&m.q_a_proj,       &m.q_a_proj_bias,      &m.q_a_layernorm,
+                   &m.q_b_proj,       &m.kv_a_proj_with_mqa, &m.kv_a_proj_with_mqa_bias,
+                   &m.kv_a_layernorm, &m.kv_b_proj,          &m.o_proj,
+                   &m.o_proj_bias};
+    const char* names[] = {"q_a_proj",       "q_a_proj.bias",      "q_a_layernorm",
+                           "q_b_proj",       "kv_a_proj_with_mqa", "kv_a_proj_with_mqa.bias",
+                           "kv_a_layernorm", "kv_b_proj",          "o_proj",
+                           "o_proj.bias"};
+    for (int e = 0; e < 10; ++e) fn(*t[e], names[e]);
+  };
+  ops::MlaParams pc = p, pg = p;
+  each(pc, [](Tensor& t, const char*) {
+    if (t.defined()) t = f32(t);
+  });
+  each(pg, [](Tensor& t, const char*) {
+    if (t.defined()) t = t.to(kGpu);
+  });
+
+  ops::MlaContext cref;
+  const ops::MlaOutput ref = ops::mla_forward(cfg, pc, f32(x), idx, cu, cref);
+  ops::MlaParams gref;
+  const Tensor dx_ref = ops::mla_backward(cfg, pc, cref, f32(dy), gref);
+
+  auto run = [&](ops::MlaParams& grads, ops::MlaOutput& out, Tensor& dx) {
+    ops::MlaContext c;
+    poison_cache({{tokens, heads, 512}, {tokens, heads * dv}}, DType::f32);
+    out = ops::mla_forward(cfg, pg, x.to(kGpu), idx.to(kGpu), cu, c);
+    EXPECT_TRUE(c.attn_latent.defined()) << ctx("absorbed path taken " + what);
+    poison_cache({{tokens, heads, 512}, {tokens, 512}}, DType::f32);
+    dx = ops::mla_backward(cfg, pg, c, dy.to(kGpu), grads);
+  };
+  ops::MlaParams g1, g2;
+  ops::MlaOutput o1, o2;
+  Tensor dx1, dx2;
+  run(g1, o1, dx1);
+  EXPECT_CLOSE(o1.y, ref.y, 1e-2, "y " + what);
+  EXPECT_CLOSE(o1.attn, ref.attn, 1e-2, "attn " + what);
+  EXPECT_CLOSE(dx1, dx_ref, 1e-2, "dx " + what);
+  Tensor* got[] = {&g1.q_a_proj,       &g1.q_a_layernorm, &g1.q_b_proj, &g1.kv_a_proj_with_mqa,
+                   &g1.kv_a_layernorm, &g1.kv_b_proj,     &g1.o_proj};
+  Tensor* want[] = {
+      &gref.q_a_proj,       &gref.q_a_layernorm, &gref.q_b_proj, &gref.kv_a_proj_with_mqa,
+      &gref.kv_a_layernorm, &gref.kv_b_proj,     &gref.o_proj};
+  const char* names[] = {"q_a_proj",       "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                         "kv_a_layernorm", "kv_b_proj",     "o_proj"};
+  for (int e = 0; e < 7; ++e)
+    EXPECT_CLOSE(*got[e], *want[e], 1e-2, std::string("d ") + names[e] + " " + what);
+  if (bias) {
+    EXPECT_CLOSE(g1.q_a_proj_bias, gref.q_a_proj_bias, 1e-2, "d q_a bias " + what);
+    EXPECT_CLOSE(g1.kv_a_proj_with_mqa_bias, gref.kv_a_proj_with_mqa_bias, 1e-2,
+                 "d kv_a bias " + what);
+    EXPECT_CLOSE(g1.o_proj_bias, gref.o_proj_bias, 1e-2, "d o bias " + what);
+  }
+  run(g2, o2, dx2);
+  EXPECT_TRUE(bit_identical(o1.y, o2.y) && bit_identical(dx1, dx2) &&
+              bit_identical(g1.kv_b_proj, g2.kv_b_proj) && bit_identical(g1.q_b_proj, g2.q_b_proj))
+      << ctx("rerun " + what);
+}
 #endif
 
 }  // namespace
+
+TEST(CudaOpsMla, AbsorbedAttentionMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const std::vector<int64_t> bounds = {0, 57, 58, 58, 191, 260};
+  // 40 entries (one partial block of keys), then 90 (several blocks; rows of the second document
+  // repeat their few keys many times).
+  check_absorbed(bounds, random_indices(bounds, 40, 2), 64, 100, "random rows");
+  check_absorbed(bounds, random_indices(bounds, 90, 3), 5, 110, "random rows");
+#endif
+}
+
+TEST(CudaOpsMla, AbsorbedMlaCompositeMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const std::vector<int64_t> bounds = {0, 57, 58, 58, 191, 260};
+  check_mla_composite(bounds, random_indices(bounds, 40, 4), 6, 64, 32, false, 200, "random rows");
+  check_mla_composite(bounds, random_indices(bounds, 70, 5), 16, 32, 64, true, 300, "random rows");
+#endif
+}
 
 TEST(CudaOpsMla, SparseAttentionMatchesCpu) {
   REQUIRE_GPU();

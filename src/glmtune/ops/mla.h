@@ -72,7 +72,8 @@ Tensor dense_masked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
 
 struct MlaOutput {
   Tensor y;             // [T, D]
-  MlaProjections proj;  // the projections (q_resid feeds the indexer)
+  MlaProjections proj;  // the projections (q_resid feeds the indexer); k and v stay undefined
+                        // where the GPU path attends on the latent (MlaContext::attn_latent)
   Tensor attn;          // [T, NH·Dv] attention output before o_proj
 };
 
@@ -117,6 +118,11 @@ struct MlaContext {
   Tensor latent;      // [T, Rkv] kv_a_layernorm output (kv_b_proj's input)
   MlaProjections proj;
   Tensor attn;  // [T, NH·Dv] attention output (o_proj's input)
+  // The GPU path's absorbed-latent attention (ops/cuda/mla.h; never set by the CPU path): the
+  // latent-space output o_lat [T, NH, Rkv] and its base-2 log-sum-exp [T, NH]. When set, proj.k
+  // and proj.v are undefined: the per-head keys and values are never formed.
+  Tensor attn_latent;
+  Tensor attn_lse2;
 };
 
 // mla_forward and dsa_forward that also fill `ctx` (same results as without it).

@@ -13,7 +13,9 @@
 // GPU path cannot take, naming the op and the tensor.
 
 #include <cstdint>
+#include <map>
 #include <optional>
+#include <string>
 
 #include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/embedding.h"
@@ -28,6 +30,13 @@
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops::cuda_path {
+
+// Per-op GPU time, for the step benchmark's breakdown. While enabled, every outermost call of a
+// function below records a pair of CUDA events on the default stream (ops called from inside
+// another op count towards the outer one); take_op_times waits for the device and returns the
+// milliseconds per op name since the last call. Off by default: it costs two event records per op.
+void enable_op_timing(bool on);
+std::map<std::string, double> take_op_times();
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
 void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,

@@ -1,6 +1,9 @@
 // The CUDA paths of the dense ops (ops/cuda/dispatch.h), composed from the kernels in ops/cuda/.
 
+#include <cuda_runtime.h>
+
 #include <cmath>
+#include <vector>
 
 #include "glmtune/base/error.h"
 #include "glmtune/ops/cuda/cross_entropy.h"
@@ -15,6 +18,7 @@
 #include "glmtune/ops/cuda/norm.h"
 #include "glmtune/ops/cuda/streams.h"
 #include "glmtune/ops/cuda/swiglu.h"
+#include "glmtune/tensor/cuda_check.h"
 
 namespace glmtune::ops::cuda_path {
 namespace {
@@ -53,19 +57,73 @@ void linear_backward_into(Tensor& dx32, bool accumulate, const Tensor& dy, const
   cuda::linear_backward_input_out(dx32, dy, weight, accumulate);
 }
 
+// ---- Op timing -----------------------------------------------------------------------------
+
+struct TimedOp {
+  const char* name;
+  cudaEvent_t start, stop;
+};
+bool g_timing = false;
+std::vector<TimedOp> g_timed;
+thread_local int g_depth = 0;
+
+// Times the enclosing function when timing is on and no other timed op is running.
+class OpTimer {
+ public:
+  explicit OpTimer(const char* name) : outermost_(g_timing && g_depth == 0) {
+    ++g_depth;
+    if (!outermost_) return;
+    op_.name = name;
+    GLMTUNE_CUDA_CHECK(cudaEventCreate(&op_.start));
+    GLMTUNE_CUDA_CHECK(cudaEventCreate(&op_.stop));
+    GLMTUNE_CUDA_CHECK(cudaEventRecord(op_.start));
+  }
+  ~OpTimer() {
+    --g_depth;
+    if (!outermost_) return;
+    cudaEventRecord(op_.stop);
+    g_timed.push_back(op_);
+  }
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+
+ private:
+  bool outermost_;
+  TimedOp op_{};
+};
+
 }  // namespace
 
+void enable_op_timing(bool on) { g_timing = on; }
+
+std::map<std::string, double> take_op_times() {
+  std::map<std::string, double> ms;
+  for (const TimedOp& op : g_timed) {
+    GLMTUNE_CUDA_CHECK(cudaEventSynchronize(op.stop));
+    float t = 0;
+    GLMTUNE_CUDA_CHECK(cudaEventElapsedTime(&t, op.start, op.stop));
+    ms[op.name] += double(t);
+    cudaEventDestroy(op.start);
+    cudaEventDestroy(op.stop);
+  }
+  g_timed.clear();
+  return ms;
+}
+
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  OpTimer timer("linear");
   return cuda::linear(x, weight, bias, DType::bf16);
 }
 
 void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                 bool accumulate) {
+  OpTimer timer("linear_out");
   cuda::linear_out(out, x, weight, bias, accumulate);
 }
 
 Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
                        Tensor* grad_bias, bool need_input_grad) {
+  OpTimer timer("linear_backward");
   if (grad_weight)
     cuda::linear_backward_weight(grad_slot(grad_weight, weight, "linear_backward", "weight"), dy,
                                  x);
@@ -80,27 +138,32 @@ Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, 
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd) {
+  OpTimer timer("rms_norm");
   return cuda::rms_norm(x, weight, eps, rstd);
 }
 
 Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                          const Tensor& rstd, Tensor* grad_weight) {
+  OpTimer timer("rms_norm_backward");
   if (grad_weight) grad_slot(grad_weight, weight, "rms_norm_backward", "weight");
   return cuda::rms_norm_backward(dy, x, weight, eps, rstd, grad_weight);
 }
 
 Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit) {
+  OpTimer timer("swiglu_clamped");
   return cuda::swiglu_clamped(gate, up, limit);
 }
 
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup) {
+  OpTimer timer("swiglu_clamped_backward");
   if (!dgate.defined()) dgate = Tensor::empty(gate.shape(), DType::bf16, gate.device());
   if (!dup.defined()) dup = Tensor::empty(gate.shape(), DType::bf16, gate.device());
   cuda::swiglu_clamped_backward(gate, up, dout, limit, dgate, dup);
 }
 
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit, MlpContext* ctx) {
+  OpTimer timer("mlp_forward");
   Tensor gate = cuda::linear(x, params.gate_proj);
   Tensor up = cuda::linear(x, params.up_proj);
   Tensor y = cuda::linear(cuda::swiglu_clamped(gate, up, swiglu_limit), params.down_proj);
@@ -110,6 +173,7 @@ Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit
 
 Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor& dy,
                     double swiglu_limit, MlpParams& grads) {
+  OpTimer timer("mlp_backward");
   // The activation is recomputed from the saved projections, as on the CPU.
   const Tensor act = cuda::swiglu_clamped(ctx.gate, ctx.up, swiglu_limit);
   cuda::linear_backward_weight(
@@ -131,11 +195,13 @@ Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor
 }
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
+  OpTimer timer("embedding_forward");
   return cuda::embedding_forward(table, ids);
 }
 
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
                         std::optional<int64_t> padding_idx, Tensor& dtable) {
+  OpTimer timer("embedding_backward");
   grad_slot(&dtable, table, "embedding_backward", "table");
   const cuda::EmbeddingGradPlan plan =
       cuda::make_embedding_grad_plan(ids, table.size(0), padding_idx, table.device());
@@ -145,12 +211,14 @@ void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& do
 CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor& weight,
                                          const Tensor& labels, const CrossEntropyOptions& opts,
                                          Tensor* dhidden, Tensor* dweight) {
+  OpTimer timer("lm_head_cross_entropy");
   if (dweight) grad_slot(dweight, weight, "lm_head_cross_entropy", "head weight");
   return cuda::lm_head_cross_entropy(hidden, weight, labels, opts, dhidden, dweight);
 }
 
 MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor& base,
                      const Tensor& scale, const MhcOptions& options, MhcPreSaved* saved) {
+  OpTimer timer("mhc_pre");
   return cuda::mhc_pre(streams, as_f32(fn), as_f32(base), as_f32(scale), options, saved);
 }
 
@@ -158,37 +226,45 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
                         const Tensor& scale, const MhcOptions& options, const MhcPreSaved* saved,
                         const Tensor& d_post, const Tensor& d_comb, const Tensor& d_collapsed,
                         MhcGrads& grads) {
+  OpTimer timer("mhc_pre_backward");
   return cuda::mhc_pre_backward(streams, as_f32(fn), as_f32(base), as_f32(scale), options, saved,
                                 d_post, d_comb, d_collapsed, grads);
 }
 
 Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb) {
+  OpTimer timer("mhc_post");
   return cuda::mhc_post(streams, y, post, comb);
 }
 
 MhcPostGrads mhc_post_backward(const Tensor& streams, const Tensor& y, const Tensor& post,
                                const Tensor& comb, const Tensor& d_out) {
+  OpTimer timer("mhc_post_backward");
   return cuda::mhc_post_backward(streams, y, post, comb, d_out);
 }
 
 Tensor mhc_expand(const Tensor& x, int64_t hc_mult) {
+  OpTimer timer("mhc_expand");
   return cuda::broadcast_streams(x.contiguous(), hc_mult, 1.0f);
 }
 
 Tensor mhc_head(const Tensor& streams) {
+  OpTimer timer("mhc_head");
   return cuda::reduce_streams(streams.contiguous(), 1.0f / float(streams.size(-2)));
 }
 
 Tensor mhc_expand_backward(const Tensor& d_streams) {
+  OpTimer timer("mhc_expand_backward");
   return cuda::reduce_streams(d_streams.contiguous(), 1.0f);
 }
 
 Tensor mhc_head_backward(const Tensor& d_out, int64_t hc_mult) {
+  OpTimer timer("mhc_head_backward");
   return cuda::broadcast_streams(d_out.contiguous(), hc_mult, 1.0f / float(hc_mult));
 }
 
 Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens,
                    const KdaOptions& o, KdaSaved* saved) {
+  OpTimer timer("kda_forward");
   GLMTUNE_ASSERT(x.dim() == 2, "kda_forward: x {} must be [T, D]", x.str());
   GLMTUNE_ASSERT(o.core == KdaCore::chunked,
                  "kda_forward: the GPU runs the chunked delta rule only (KdaOptions::core)");
@@ -234,6 +310,7 @@ Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens
 
 Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens,
                     const KdaOptions& o, const KdaSaved* saved, const Tensor& dy, KdaGrads& grads) {
+  OpTimer timer("kda_backward");
   const char* op = "kda_backward";
   GLMTUNE_ASSERT(x.dim() == 2 && dy.shape() == x.shape(), "{}: dy {} must match x {} ([T, D])", op,
                  dy.str(), x.str());
@@ -305,6 +382,7 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
 
 Tensor indexer_forward(const IndexerConfig& cfg, const IndexerParams& params, const Tensor& x,
                        const Tensor& q_resid, const Tensor& cu_seqlens) {
+  OpTimer timer("indexer_forward");
   return cuda::indexer_forward(cfg, params, x, q_resid, cu_seqlens.to(Device::cpu()));
 }
 
@@ -319,9 +397,60 @@ void split_kv(const Tensor& kv, int64_t dn, int64_t dv, MlaProjections& p) {
 
 Tensor* bias_grad(const Tensor& bias, Tensor& grad) { return bias.defined() ? &grad : nullptr; }
 
+// The absorbed-latent attention (ops/cuda/mla.h) covers the released shape: Rkv = 512 and at
+// most 64 heads; anything else keeps the per-head path.
+bool use_absorbed(const MlaConfig& cfg) { return cfg.kv_lora_rank == 512 && cfg.n_heads <= 64; }
+
+// Per-head products with kv_b_proj's factors, W_kb[h] = rows h·(Dn+Dv) .. +Dn and W_vb[h] = the
+// Dv rows after them, each [D, Rkv]; `a` and `c` are head-interleaved [T, NH, ·] buffers.
+//   absorb:   c[:, h] = a[:, h] · W[h]          ([T, D] → [T, Rkv])
+//   expand:   c[:, h] = a[:, h] · W[h]ᵀ         ([T, Rkv] → [T, D])
+//   grad:     g[h] += a[:, h]ᵀ · b[:, h]        (f32 [D, Rkv] rows of kv_b_proj's gradient)
+struct KvbHeads {
+  const MlaConfig& cfg;
+  const Tensor& kvb;  // bf16 [NH·(Dn+Dv), Rkv]
+  int64_t tokens;
+
+  const char* row(bool value_rows, int64_t h) const {
+    const int64_t r =
+        h * (cfg.qk_nope_head_dim + cfg.v_head_dim) + (value_rows ? cfg.qk_nope_head_dim : 0);
+    return static_cast<const char*>(kvb.data_ptr()) + r * cfg.kv_lora_rank * 2;
+  }
+  int64_t dim(bool value_rows) const { return value_rows ? cfg.v_head_dim : cfg.qk_nope_head_dim; }
+  void absorb(bool value_rows, const Tensor& a, Tensor& c) const {
+    if (tokens == 0) return;
+    const int64_t nh = cfg.n_heads, d = dim(value_rows), r = cfg.kv_lora_rank;
+    for (int64_t h = 0; h < nh; ++h)
+      cuda::gemm({a.device().index, false, false, tokens, r, d,
+                  static_cast<const char*>(a.data_ptr()) + h * d * 2, nh * d, row(value_rows, h), r,
+                  static_cast<char*>(c.data_ptr()) + h * r * 2, nh * r, DType::bf16});
+  }
+  void expand(bool value_rows, const Tensor& a, Tensor& c) const {
+    if (tokens == 0) return;
+    const int64_t nh = cfg.n_heads, d = dim(value_rows), r = cfg.kv_lora_rank;
+    for (int64_t h = 0; h < nh; ++h)
+      cuda::gemm({a.device().index, false, true, tokens, d, r,
+                  static_cast<const char*>(a.data_ptr()) + h * r * 2, nh * r, row(value_rows, h), r,
+                  static_cast<char*>(c.data_ptr()) + h * d * 2, nh * d, DType::bf16});
+  }
+  void grad(bool value_rows, const Tensor& a, const Tensor& b, Tensor& g) const {
+    if (tokens == 0) return;
+    const int64_t nh = cfg.n_heads, d = dim(value_rows), r = cfg.kv_lora_rank;
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t grow =
+          h * (cfg.qk_nope_head_dim + cfg.v_head_dim) + (value_rows ? cfg.qk_nope_head_dim : 0);
+      cuda::gemm({a.device().index, true, false, d, r, tokens,
+                  static_cast<const char*>(a.data_ptr()) + h * d * 2, nh * d,
+                  static_cast<const char*>(b.data_ptr()) + h * r * 2, nh * r,
+                  g.data<float>() + grow * r, r, DType::f32, 1.0f, 1.0f});
+    }
+  }
+};
+
 }  // namespace
 
 MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const Tensor& x) {
+  OpTimer timer("mla_project");
   const int64_t tokens = x.size(0), nh = cfg.n_heads, dn = cfg.qk_nope_head_dim,
                 dv = cfg.v_head_dim;
   MlaProjections p;
@@ -337,6 +466,7 @@ MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const 
 
 Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                         const Tensor& cu_seqlens, double scale) {
+  OpTimer timer("sparse_attention");
   const cuda::SparseKeySets sets =
       cuda::sparse_key_sets(indices, cu_seqlens.to(Device::cpu()), /*key_major=*/false);
   return cuda::sparse_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), sets, scale)
@@ -346,6 +476,7 @@ Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const
 AttentionGrads sparse_attention_backward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const Tensor& indices, const Tensor& cu_seqlens,
                                          double scale, const Tensor& dout) {
+  OpTimer timer("sparse_attention_backward");
   const Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const cuda::SparseKeySets sets =
       cuda::sparse_key_sets(indices, cu_seqlens.to(Device::cpu()), /*key_major=*/true);
@@ -355,6 +486,7 @@ AttentionGrads sparse_attention_backward(const Tensor& q_in, const Tensor& k_in,
 
 MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
                       const Tensor& indices, const Tensor& cu_seqlens, MlaContext* ctx) {
+  OpTimer timer("mla_forward");
   const int64_t tokens = x.size(0), nh = cfg.n_heads, dn = cfg.qk_nope_head_dim,
                 dv = cfg.v_head_dim;
   MlaContext local;
@@ -366,10 +498,31 @@ MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tenso
   out.proj.q = cuda::linear(out.proj.q_resid, params.q_b_proj).view({tokens, nh, dn});
   c.kv_a = cuda::linear(x, params.kv_a_proj_with_mqa, params.kv_a_proj_with_mqa_bias);
   c.latent = cuda::rms_norm(c.kv_a, params.kv_a_layernorm, cfg.rms_norm_eps, &c.kv_rstd);
-  split_kv(cuda::linear(c.latent, params.kv_b_proj).view({tokens, nh, dn + dv}), dn, dv, out.proj);
-  out.attn = cuda_path::sparse_attention(out.proj.q, out.proj.k, out.proj.v, indices, cu_seqlens,
-                                         cfg.softmax_scale())
-                 .view({tokens, nh * dv});
+  c.attn_latent = Tensor();
+  c.attn_lse2 = Tensor();
+  if (use_absorbed(cfg)) {
+    // Attention on the latent: q_abs = W_kbᵀ q per head, then o = W_vb o_lat.
+    GLMTUNE_ASSERT(params.kv_b_proj.dtype() == DType::bf16 && params.kv_b_proj.is_contiguous(),
+                   "mla_forward: kv_b_proj must be contiguous bf16 on the GPU, got {}",
+                   params.kv_b_proj.str());
+    const KvbHeads kvb{cfg, params.kv_b_proj, tokens};
+    Tensor q_abs = Tensor::empty({tokens, nh, cfg.kv_lora_rank}, DType::bf16, x.device());
+    kvb.absorb(false, out.proj.q, q_abs);
+    const cuda::SparseKeySets sets =
+        cuda::sparse_key_sets(indices, cu_seqlens.to(Device::cpu()), /*key_major=*/false);
+    const cuda::AbsorbedAttentionOutput att =
+        cuda::absorbed_attention_forward(q_abs, c.latent, sets, cfg.softmax_scale());
+    out.attn = Tensor::empty({tokens, nh * dv}, DType::bf16, x.device());
+    kvb.expand(true, att.out, out.attn);
+    c.attn_latent = att.out;
+    c.attn_lse2 = att.lse2;
+  } else {
+    split_kv(cuda::linear(c.latent, params.kv_b_proj).view({tokens, nh, dn + dv}), dn, dv,
+             out.proj);
+    out.attn = cuda_path::sparse_attention(out.proj.q, out.proj.k, out.proj.v, indices, cu_seqlens,
+                                           cfg.softmax_scale())
+                   .view({tokens, nh * dv});
+  }
   out.y = cuda::linear(out.attn, params.o_proj, params.o_proj_bias);
   c.indices = indices;
   c.cu_seqlens = cu_seqlens;
@@ -380,28 +533,51 @@ MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tenso
 
 Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaContext& ctx,
                     const Tensor& dy, MlaParams& grads) {
+  OpTimer timer("mla_backward");
   const char* op = "mla_backward";
   const int64_t tokens = ctx.x.size(0), nh = cfg.n_heads, dn = cfg.qk_nope_head_dim,
                 dv = cfg.v_head_dim;
   const Tensor d_attn =
       cuda_path::linear_backward(dy, ctx.attn, params.o_proj, &grads.o_proj,
                                  bias_grad(params.o_proj_bias, grads.o_proj_bias), true);
-  const AttentionGrads ga = cuda_path::sparse_attention_backward(
-      ctx.proj.q, ctx.proj.k, ctx.proj.v, ctx.indices, ctx.cu_seqlens, cfg.softmax_scale(),
-      d_attn.view({tokens, nh, dv}));
-  // [dk | dv] per head, in kv_b_proj's output layout.
-  Tensor d_kv = Tensor::empty({tokens, nh, dn + dv}, ga.k.dtype(), dy.device());
-  d_kv.narrow(2, 0, dn).copy_(ga.k);
-  d_kv.narrow(2, dn, dv).copy_(ga.v);
-  const Tensor d_latent =
-      cuda_path::linear_backward(d_kv.view({tokens, nh * (dn + dv)}), ctx.latent, params.kv_b_proj,
-                                 &grads.kv_b_proj, nullptr, true);
+  Tensor d_latent, d_q;
+  if (ctx.attn_latent.defined()) {
+    // The absorbed form backwards: d o_lat = W_vbᵀ d o, the latent attention's backward, then
+    // d q = W_kb d q_abs; kv_b_proj's gradient gets both factors' rows (d W_vb[h] = d o_hᵀ o_lat_h,
+    // d W_kb[h] = q_hᵀ d q_abs_h). q_abs is recomputed rather than kept.
+    const int64_t rkv = cfg.kv_lora_rank;
+    const KvbHeads kvb{cfg, params.kv_b_proj, tokens};
+    Tensor& g_kvb = grad_slot(&grads.kv_b_proj, params.kv_b_proj, op, "kv_b_proj");
+    Tensor d_olat = Tensor::empty({tokens, nh, rkv}, DType::bf16, dy.device());
+    kvb.absorb(true, d_attn, d_olat);
+    kvb.grad(true, d_attn, ctx.attn_latent, g_kvb);
+    Tensor q_abs = Tensor::empty({tokens, nh, rkv}, DType::bf16, dy.device());
+    kvb.absorb(false, ctx.proj.q, q_abs);
+    const cuda::SparseKeySets sets =
+        cuda::sparse_key_sets(ctx.indices, ctx.cu_seqlens.to(Device::cpu()), /*key_major=*/true);
+    const cuda::AbsorbedAttentionGrads ga = cuda::absorbed_attention_backward(
+        q_abs, ctx.latent, ctx.attn_latent, ctx.attn_lse2, sets, cfg.softmax_scale(), d_olat);
+    d_q = Tensor::empty({tokens, nh * dn}, DType::bf16, dy.device());
+    kvb.expand(false, ga.q_abs, d_q);
+    kvb.grad(false, ctx.proj.q, ga.q_abs, g_kvb);
+    d_latent = ga.latent.to(DType::bf16);
+  } else {
+    const AttentionGrads ga = cuda_path::sparse_attention_backward(
+        ctx.proj.q, ctx.proj.k, ctx.proj.v, ctx.indices, ctx.cu_seqlens, cfg.softmax_scale(),
+        d_attn.view({tokens, nh, dv}));
+    // [dk | dv] per head, in kv_b_proj's output layout.
+    Tensor d_kv = Tensor::empty({tokens, nh, dn + dv}, ga.k.dtype(), dy.device());
+    d_kv.narrow(2, 0, dn).copy_(ga.k);
+    d_kv.narrow(2, dn, dv).copy_(ga.v);
+    d_latent = cuda_path::linear_backward(d_kv.view({tokens, nh * (dn + dv)}), ctx.latent,
+                                          params.kv_b_proj, &grads.kv_b_proj, nullptr, true);
+    d_q = ga.q.view({tokens, nh * dn});
+  }
   const Tensor d_kv_a =
       cuda_path::rms_norm_backward(d_latent, ctx.kv_a, params.kv_a_layernorm, cfg.rms_norm_eps,
                                    ctx.kv_rstd, &grads.kv_a_layernorm);
-  const Tensor d_qresid =
-      cuda_path::linear_backward(ga.q.view({tokens, nh * dn}), ctx.proj.q_resid, params.q_b_proj,
-                                 &grads.q_b_proj, nullptr, true);
+  const Tensor d_qresid = cuda_path::linear_backward(d_q, ctx.proj.q_resid, params.q_b_proj,
+                                                     &grads.q_b_proj, nullptr, true);
   const Tensor d_q_a = cuda_path::rms_norm_backward(
       d_qresid, ctx.q_a, params.q_a_layernorm, cfg.rms_norm_eps, ctx.q_rstd, &grads.q_a_layernorm);
   // dx from both projections, summed in f32 and rounded once.
@@ -421,20 +597,24 @@ Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaCont
 
 Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
                   const Tensor& e_score_correction_bias, const Tensor& x) {
+  OpTimer timer("moe_route");
   return cuda::moe_route(cfg, router_weight, as_f32(e_score_correction_bias), x);
 }
 
 Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
                    const Tensor& x, const Routing& routing) {
+  OpTimer timer("moe_experts");
   return cuda::moe_experts(cfg, gate_up_proj, down_proj, x, routing);
 }
 
 Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows) {
+  OpTimer timer("moe_expert_counts");
   return cuda::moe_expert_counts(routing, n_experts, rows).to(Device::cpu());
 }
 
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Tensor& x,
                       int64_t counted_rows, MoeContext* ctx) {
+  OpTimer timer("moe_forward");
   MoeParams params = params_in;
   params.e_score_correction_bias = as_f32(params.e_score_correction_bias);
   cuda::MoeContext cc;
@@ -453,11 +633,13 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Te
 }
 
 Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights) {
+  OpTimer timer("moe_route_backward");
   return cuda::moe_route_backward(cfg, routing, d_weights);
 }
 
 Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeContext& ctx,
                     const Tensor& dy, MoeParams& grads, const Tensor& d_router_logits) {
+  OpTimer timer("moe_backward");
   MoeParams params = params_in;
   params.e_score_correction_bias = as_f32(params.e_score_correction_bias);
   cuda::MoeContext cc;

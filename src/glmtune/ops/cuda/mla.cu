@@ -95,16 +95,24 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t c = chunk_count[blockDim.x] + threadIdx.x; c < width; c += blockDim.x) out[c] = -1;
 }
 
-// (key, query) pairs in query-major order; the unused tail of each row gets key `tokens`, which
+// (key, pair id) pairs in query-major order, so a stable sort by key keeps each key's queries
+// ascending; the unused tail of each row gets key `tokens`, which
 // sorts after every real key.
 __global__ void pairs_kernel(const int32_t* __restrict__ keys, const int32_t* __restrict__ counts,
                              int64_t tokens, int64_t width, int32_t* __restrict__ pair_key,
-                             int32_t* __restrict__ pair_query) {
+                             int32_t* __restrict__ pair_id) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= tokens * width) return;
   const int64_t i = e / width, c = e % width;
   pair_key[e] = c < counts[i] ? keys[e] : int32_t(tokens);
-  pair_query[e] = int32_t(i);
+  pair_id[e] = int32_t(e);
+}
+
+// Query ids of the key-major pair ids (id = i·W + slot).
+__global__ void pair_query_kernel(const int32_t* __restrict__ pair_ids, int64_t n, int64_t width,
+                                  int32_t* __restrict__ queries) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < n) queries[e] = int32_t(pair_ids[e] / width);
 }
 
 __global__ void key_offsets_kernel(const int32_t* __restrict__ sorted_keys, int64_t n,
@@ -421,6 +429,7 @@ SparseKeySets sparse_key_sets(const Tensor& indices, const Tensor& cu_seqlens, b
     if (key_major) {
       GLMTUNE_CUDA_CHECK(cudaMemsetAsync(s.key_offsets.data_ptr(), 0, 4 * (tokens + 1), stream));
       s.key_queries = Tensor::empty({1}, DType::i32, dev);
+      s.key_pairs = Tensor::empty({1}, DType::i32, dev);
     }
     return s;
   }
@@ -449,25 +458,29 @@ SparseKeySets sparse_key_sets(const Tensor& indices, const Tensor& cu_seqlens, b
 
   const int64_t n = tokens * width;
   Tensor pair_key = Tensor::empty({n}, DType::i32, dev);
-  Tensor pair_query = Tensor::empty({n}, DType::i32, dev);
+  Tensor pair_id = Tensor::empty({n}, DType::i32, dev);
   Tensor sorted_key = Tensor::empty({n}, DType::i32, dev);
   s.key_queries = Tensor::empty({n}, DType::i32, dev);
+  s.key_pairs = Tensor::empty({n}, DType::i32, dev);
   pairs_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
       s.keys.data<int32_t>(), s.counts.data<int32_t>(), tokens, width, pair_key.data<int32_t>(),
-      pair_query.data<int32_t>());
+      pair_id.data<int32_t>());
   GLMTUNE_CUDA_CHECK_LAUNCH();
   int end_bit = 1;
   while ((int64_t(1) << end_bit) <= tokens) ++end_bit;
   size_t temp_bytes = 0;
   GLMTUNE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       nullptr, temp_bytes, pair_key.data<int32_t>(), sorted_key.data<int32_t>(),
-      pair_query.data<int32_t>(), s.key_queries.data<int32_t>(), int(n), 0, end_bit, stream));
+      pair_id.data<int32_t>(), s.key_pairs.data<int32_t>(), int(n), 0, end_bit, stream));
   Tensor temp = Tensor::empty({int64_t(temp_bytes / 8) + 1}, DType::i64, dev);
   GLMTUNE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       temp.data_ptr(), temp_bytes, pair_key.data<int32_t>(), sorted_key.data<int32_t>(),
-      pair_query.data<int32_t>(), s.key_queries.data<int32_t>(), int(n), 0, end_bit, stream));
+      pair_id.data<int32_t>(), s.key_pairs.data<int32_t>(), int(n), 0, end_bit, stream));
   key_offsets_kernel<<<blocks_for(tokens + 1), kThreads, 0, stream>>>(
       sorted_key.data<int32_t>(), n, tokens, s.key_offsets.data<int32_t>());
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+  pair_query_kernel<<<blocks_for(n), kThreads, 0, stream>>>(s.key_pairs.data<int32_t>(), n, width,
+                                                            s.key_queries.data<int32_t>());
   GLMTUNE_CUDA_CHECK_LAUNCH();
   return s;
 }

@@ -35,6 +35,8 @@ struct SparseKeySets {
   // Key-major pairs (backward only; undefined when not asked for).
   Tensor key_offsets;  // int32 [T + 1]: key j's queries are key_queries[off[j] .. off[j+1] − 1]
   Tensor key_queries;  // int32 [T · W]: ascending query ids per key (the tail is unused)
+  Tensor key_pairs;    // int32 [T · W]: the same pairs as ids i·W + slot, slot = the key's
+                       // position in query i's row of `keys` (ascending per key)
 };
 
 SparseKeySets sparse_key_sets(const Tensor& indices, const Tensor& cu_seqlens, bool key_major,
@@ -54,5 +56,46 @@ ops::AttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& k, 
                                               const Tensor& out, const Tensor& lse,
                                               const SparseKeySets& sets, double scale,
                                               const Tensor& dout, cudaStream_t stream = nullptr);
+
+// ---- absorbed-latent form (ops/cuda/mla_absorbed.cu) ----
+//
+// With k = latent W_kbᵀ and v = latent W_vbᵀ per head, attention runs on the latent itself:
+//   q_abs[i,h] = W_kb[h]ᵀ q[i,h]                                  [T, NH, R]
+//   o_lat[i,h] = Σ_{j ∈ J(i)} softmax_j(scale · q_abs[i,h]·latent[j]) latent[j]
+//   o[i,h]     = W_vb[h] o_lat[i,h]
+// equal to the per-head form in real arithmetic. All heads of a query share the latent rows of
+// its keys, so a block per query computes scores and outputs for 64 heads at once with tensor-core
+// MMAs (bf16 operands, fp32 accumulation, online softmax in fp32), loading each selected row once.
+// R must be 512 (kv_lora_rank); NH ≤ 64 for the backward (any NH for the forward).
+//
+// Backward: p = 2^(s − lse2) recomputed, delta = d o_lat · o_lat, dS = p (dP − delta);
+// d q_abs = scale Σ_j dS latent[j] query-major; each (query, key) pair's share of d latent,
+// Σ_h p d o_lat + scale dS q_abs (an MMA over the heads), goes to a bf16 workspace of at most
+// `workspace_bytes` (queries in chunks) and is summed key-major in ascending query order in fp32,
+// one running sum per key across the chunks: no atomics, and results are bit-identical across
+// reruns and workspace sizes.
+
+struct AbsorbedAttentionOutput {
+  Tensor out;  // bf16 [T, NH, R] o_lat
+  Tensor lse2;  // f32 [T, NH] log2 Σ_j 2^(scale·log2(e)·q_abs·latent_j); +∞ for a row without keys
+};
+
+// q_abs bf16 [T, NH, 512], latent bf16 [T, 512], contiguous on one GPU.
+AbsorbedAttentionOutput absorbed_attention_forward(const Tensor& q_abs, const Tensor& latent,
+                                                   const SparseKeySets& sets, double scale,
+                                                   cudaStream_t stream = nullptr);
+
+struct AbsorbedAttentionGrads {
+  Tensor q_abs;   // bf16 [T, NH, R]
+  Tensor latent;  // f32 [T, R]
+};
+
+// `sets` must carry the key-major pairs; `out` and `lse2` from the forward; dout = d o_lat.
+AbsorbedAttentionGrads absorbed_attention_backward(const Tensor& q_abs, const Tensor& latent,
+                                                   const Tensor& out, const Tensor& lse2,
+                                                   const SparseKeySets& sets, double scale,
+                                                   const Tensor& dout,
+                                                   cudaStream_t stream = nullptr,
+                                                   int64_t workspace_bytes = int64_t(1) << 31);
 
 }  // namespace glmtune::cuda
