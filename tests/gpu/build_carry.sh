@@ -2,7 +2,8 @@
 # Builds the GPU test binaries and the CUDA benchmark on this (build) machine and packs them for a
 # GPU machine that has the CUDA 13 runtime but not Debian's fmt / OpenBLAS / spdlog packages:
 #
-#   .gpu-carry/<binary>        every test_cuda_* test and every bench_cuda* benchmark, stripped
+#   .gpu-carry/<binary>        every test_cuda_* test, every bench_cuda* benchmark and the glmtune
+#                              CLI, stripped
 #   .gpu-carry/lib/<soname>    the non-system shared libraries they load (found with ldd);
 #                              libraries over 8 MiB are stored xz-compressed as <soname>.xz and
 #                              unpacked by tests/gpu/run.sh
@@ -40,14 +41,16 @@ if [[ ${#tests[@]} -eq 0 ]]; then
   exit 1
 fi
 echo "build_carry: building ${#tests[@]} tests and ${#benches[@]} benchmarks in $build"
-ninja -C "$build" -j "$jobs" "${tests[@]}" "${benches[@]}"
+ninja -C "$build" -j "$jobs" glmtune "${tests[@]}" "${benches[@]}"
 
 rm -rf "$carry"
 mkdir -p "$carry/lib"
 declare -A built=()  # binary name -> path in the build tree
 for t in "${tests[@]}"; do built[$t]="$build/tests/$t"; done
 for b in "${benches[@]}"; do built[$b]="$build/bench/$b"; done
-binaries=("${tests[@]}" "${benches[@]}")
+# The CLI travels too, for commands run by hand there (glmtune bench step, glmtune env).
+built[glmtune]="$build/bin/glmtune"
+binaries=("${tests[@]}" "${benches[@]}" glmtune)
 for b in "${binaries[@]}"; do
   cp "${built[$b]}" "$carry/$b"
   strip --strip-unneeded "$carry/$b"

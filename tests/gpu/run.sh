@@ -49,6 +49,9 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst: shutil.copyf
     exit 2
   }
 done
+# Tests that read repository files (recipes, the bundled data) find them here, not at the path
+# the binaries were built under.
+export GLMTUNE_SOURCE_DIR="$PWD"
 export LD_LIBRARY_PATH="$work/lib:$PWD/$carry/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 {

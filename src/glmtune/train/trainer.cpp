@@ -22,6 +22,7 @@
 #include "glmtune/data/tokenizer.h"
 #include "glmtune/dist/expert_parallel.h"
 #include "glmtune/dist/parallel.h"
+#include "glmtune/dist/sequence_parallel.h"
 #include "glmtune/dist/sharded_optimizer.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/loss.h"
@@ -79,7 +80,8 @@ std::vector<NamedParam> trainable_params(const model::ParamStore& store) {
 
 // Files `glmtune eval` and the data pipeline expect next to the weights.
 void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}) {
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                           "processor_config.json"}) {
     const fs::path src = from / name;
     if (fs::exists(src)) fs::copy_file(src, to / name, fs::copy_options::overwrite_existing);
   }
@@ -169,11 +171,15 @@ PackBatch next_batch(data::PackSampler& sampler, int64_t micro_packs, int64_t mt
 }  // namespace
 
 TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
-  if (!recipe.device.is_cpu())
-    throw Error(fmt::format("glmtune train runs on the CPU reference path; device {} is not "
-                            "supported by the trainer",
+  const bool on_gpu = recipe.device.is_cuda();
+#ifndef GLMTUNE_WITH_CUDA
+  if (on_gpu)
+    throw Error(fmt::format("device {} asked for, but this glmtune was built without CUDA",
                             recipe.device.str()),
-                recipe.source() + ": train.device", "set device = \"cpu\"");
+                recipe.source() + ": train.device",
+                "set device = \"cpu\", or build with -DGLMTUNE_CUDA=ON on a machine with the CUDA "
+                "toolkit");
+#endif
   const fs::path out_dir = recipe.output_dir;
   const fs::path model_dir = recipe.model_path;
   const fs::path tok_dir =
@@ -184,15 +190,16 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // losses and expert loads are summed; rank 0 logs and saves.
   const dist::ParallelContext* par = options.parallel;
   const bool distributed = par != nullptr && par->distributed();
+  if (on_gpu && distributed)
+    throw Error(
+        "a distributed run on GPUs is not available in glmtune train yet (the NCCL "
+        "communicators exist; the GPU trainer does not use them)",
+        recipe.source() + ": train.device",
+        "run distributed on the CPU (device = \"cpu\"), or one process on one GPU");
   const bool root = par == nullptr || par->is_root();
   const int64_t dp = distributed ? par->sizes().dp : 1;
   const int64_t dp_rank = distributed ? par->dp().rank() : 0;
-  if (distributed && par->sizes().sp > 1)
-    throw Error(fmt::format("sequence parallel (sp_size {}) is not available in glmtune train yet",
-                            par->sizes().sp),
-                recipe.source() + ": train.sp_size",
-                "set train.sp_size = 1 (data parallel over every rank, or expert parallel with "
-                "train.ep_size)");
+  const bool sequence_parallel = distributed && par->sizes().sp > 1;
 
   // Resume point, decided before anything heavy is loaded.
   std::optional<ResumePoint> resume;
@@ -228,6 +235,12 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // Vision-language data (data.media_root set): conversations with images and videos.
   std::unique_ptr<VlTraining> vl;
   if (!recipe.media_root.empty()) {
+    if (sequence_parallel)
+      throw Error(
+          "sequence parallelism does not split vision-language packs (the vision tower "
+          "has no sequence-parallel path)",
+          recipe.source() + ": train.sp_size",
+          "set train.sp_size = 1 for data with media, and launch it without mpirun");
     if (distributed)
       throw Error("vision-language training runs in one process", recipe.source(),
                   "launch it without mpirun");
@@ -294,8 +307,16 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     spdlog::info("resuming from {} (step {})", resume->checkpoint.dir.string(), st.step);
   }
   std::optional<TextModel> text_model;
+  if (vl && on_gpu)
+    throw Error(
+        "vision-language training runs on the CPU only: the vision tower has no GPU path yet",
+        recipe.source() + ": train.device", "set device = \"cpu\" for data with media");
   if (vl)
     vl->load_model(store);
+  else if (on_gpu)
+    // bf16 weights on the device (fp32-kept parameters in f32); the optimizer keeps its fp32
+    // masters and moments on the host and the updated weights are copied back after each step.
+    text_model.emplace(store, model::text::TextModelOptions{DType::bf16, recipe.device});
   else
     text_model.emplace(store);
   TextModel& model = vl ? vl->model().text() : *text_model;
@@ -322,6 +343,14 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     expert_parallel.emplace(par->ep(), tc.n_routed_experts, recipe.source() + ": train.ep_size");
     topt.expert_dispatch = &*expert_parallel;
   }
+  // Sequence parallel: the ranks of an sp group share each pack, one contiguous shard of rows
+  // each; the mixers exchange what crosses the shards (dist/sequence_parallel.h).
+  std::optional<dist::UlyssesParallel> ulysses;
+  if (sequence_parallel) {
+    ulysses.emplace(par->sp(), tc.linear_num_heads, tc.num_attention_heads,
+                    recipe.source() + ": train.sp_size");
+    topt.sequence_parallel = &*ulysses;
+  }
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
 
   // Gradients in the optimizer's parameter order (frozen ones stay undefined).
@@ -335,8 +364,18 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     }
     const Tensor* g = grads.find(p.name);
     GLMTUNE_ASSERT(g != nullptr, "trainable parameter '{}' has no gradient buffer", p.name);
-    grad_list[i] = *g;
+    // On a GPU the gradients are computed on the device and copied here for the host optimizer.
+    grad_list[i] = on_gpu ? Tensor::zeros(g->shape(), DType::f32) : *g;
   }
+  // The gradient the optimizer sees for a parameter (the host copy on a GPU run).
+  std::map<std::string, Tensor*> optimizer_grad;
+  for (size_t i = 0; i < opt_params.size(); ++i)
+    if (grad_list[i].defined()) optimizer_grad[opt_params[i].name] = &grad_list[i];
+  const auto copy_gradients_to_host = [&] {
+    for (auto& [name, g] : grads.named)
+      if (const auto it = optimizer_grad.find(name); it != optimizer_grad.end())
+        it->second->copy_(g);
+  };
 
   fs::create_directories(out_dir);
   if (root) write_file_atomic((out_dir / "recipe.toml").string(), recipe.to_toml());
@@ -345,8 +384,11 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   if (root)
     log.emplace(out_dir, st.step, options.print_steps ? recipe.log_every : (int64_t(1) << 62));
   if (distributed)
-    spdlog::info("distributed: {} ranks, data parallel over {} (rank {}), optimizer sharded{}",
+    spdlog::info("distributed: {} ranks, data parallel over {} (rank {}){}, optimizer sharded{}",
                  par->sizes().world, dp, par->rank(),
+                 sequence_parallel ? fmt::format(", sequence parallel over {} (shard {})",
+                                                 par->sizes().sp, par->sp().rank())
+                                   : std::string(),
                  expert_parallel ? fmt::format(", experts {}..{} of {} here (ep_size {})",
                                                expert_parallel->first_expert(),
                                                expert_parallel->first_expert() +
@@ -436,6 +478,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       }
     }
     if (vl) vl->step().export_grads();
+    // Each rank of an sp group holds its shard's (and its heads') part of every gradient: their
+    // sum is the pack's gradient, which the dp reduction below then treats as one rank's.
+    if (sequence_parallel)
+      for (auto& [name, g] : grads.named) par->sp().all_reduce(g);
     if (distributed) {
       // SPEC.md §4: the step's losses and expert loads are sums over every rank's packs.
       std::vector<double> sums = {lm_sum, balancing};
@@ -454,6 +500,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
           if (n == name) return g;
         throw_internal(__FILE__, __LINE__, fmt::format("no gradient buffer for '{}'", name));
       });
+    if (on_gpu) copy_gradients_to_host();
     const double lr = schedule.lr(st.step);
     const double lm_loss = lm_sum / topt.lm_denominator;
     const double grad_norm = sharded ? sharded->reduce_gradients(grad_list)
@@ -464,7 +511,11 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       nonfinite.push_back("loss");
     if (!std::isfinite(grad_norm)) {
       const std::vector<std::string> names = first_nonfinite(
-          released_views(store, [&](const model::InternalParam& p) { return grads.find(p.name); }),
+          released_views(store,
+                         [&](const model::InternalParam& p) -> const Tensor* {
+                           const auto it = optimizer_grad.find(p.name);
+                           return it != optimizer_grad.end() ? it->second : grads.find(p.name);
+                         }),
           kNonFiniteNamed);
       nonfinite.insert(nonfinite.end(), names.begin(), names.end());
     }

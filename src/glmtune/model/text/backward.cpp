@@ -123,6 +123,13 @@ Tensor balancing_grad(Ctx& c, const ops::Routing& routing, const Tensor& bias) {
   bo.alpha = c.opt.balancing_alpha;
   bo.num_micro_packs = c.opt.num_micro_packs;
   bo.valid = c.valid;
+  if (const SequenceParallel* sp = c.ops.sequence_parallel) {
+    // The pack's rows are spread over the group: the loss takes the loads of the whole pack, and
+    // each rank returns its share of it (router_bias.h, global_loads).
+    bo.global_loads =
+        train::count_expert_loads(routing.indices.to(Device::cpu()), c.ops.moe.n_experts, c.valid);
+    sp->sum(bo.global_loads);
+  }
   // The loss is a few [T, E] reductions: on the GPU path its inputs come to the host (in f32, the
   // router's dtype there) and the logit gradient goes back.
   const Device device = routing.logits.device();
@@ -164,6 +171,8 @@ Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Rou
 // forward's values exactly; the indexer itself is not rerun (no gradient flows through it).
 Tensor dsa_grad(Ctx& c, const ops::DsaParams& p, const Tensor& u, const Tensor& indices,
                 const Tensor& dy, ops::DsaParams& g) {
+  if (const SequenceParallel* sp = c.ops.sequence_parallel)
+    return sp->dsa_backward(c.ops.mla, p, u, indices, c.cu, dy, g);
   ops::MlaContext mc;
   ops::mla_forward(c.ops.mla, p.mla, u, indices, c.cu, mc);
   return ops::dsa_backward(c.ops.mla, p, mc, dy, g);
@@ -195,7 +204,10 @@ Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const T
   ops::MhcPostGrads pa =
       ops::mhc_post_backward(lc.streams_in, lc.attn_out, lc.attn_hc.post, lc.attn_hc.comb, d_mid);
   Tensor d_u;
-  if (w.attn == AttnKind::kda)
+  if (w.attn == AttnKind::kda && c.ops.sequence_parallel)
+    d_u = c.ops.sequence_parallel->kda_backward(w.kda, lc.attn_in, c.cu, c.ops.kda, &lc.kda, pa.d_y,
+                                                g.kda);
+  else if (w.attn == AttnKind::kda)
     d_u = ops::kda_backward(w.kda, lc.attn_in, c.cu, c.ops.kda, &lc.kda, pa.d_y, g.kda);
   else
     d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, pa.d_y, g.dsa);
@@ -250,6 +262,23 @@ void add_shifted_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>
   for (size_t d = 0; d + 1 < cu.size(); ++d)
     for (int64_t i = cu[d]; i + shift < cu[d + 1]; ++i) rows[size_t(i + shift)] = i;
   add_into(dst, gather_rows(src, rows));
+}
+
+// Rows [begin, begin + rows) of a packed per-token tensor (the whole tensor when it is exactly
+// that): what a sequence-parallel rank keeps of the pack-wide ids, labels and MTP rows.
+Tensor shard(const Tensor& t, int64_t begin, int64_t rows) {
+  if (begin == 0 && rows == t.size(0)) return t;
+  return t.narrow(0, begin, rows).contiguous();
+}
+
+// Targets (labels other than the ignore label) of the whole pack, summed over the sequence
+// parallel group from each rank's shard: the default denominator of a split pack.
+double pack_targets(const SequenceParallel& sp, const Tensor& labels) {
+  const Tensor l = labels.contiguous();
+  std::vector<int64_t> n = {int64_t(std::count_if(l.data<int32_t>(), l.data<int32_t>() + l.numel(),
+                                                  [](int32_t v) { return v != kIgnoreLabel; }))};
+  sp.sum(n);
+  return double(n[0]);
 }
 
 std::vector<int64_t> ids_of(const Tensor& input_ids) {
@@ -336,16 +365,28 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   const TextConfig& c = model.text();
   OpConfigs ops = model.op_configs();
   ops.expert_dispatch = opt.expert_dispatch;
+  ops.sequence_parallel = opt.sequence_parallel;
+  const SequenceParallel* sp = opt.sequence_parallel;
   const TextWeights& w = model.weights();
+  if (sp && in.inputs_embeds.defined())
+    throw Error("sequence parallelism does not split input embeddings (vision-language packs)",
+                "train.sp_size", "train vision-language data with train.sp_size = 1");
   Tensor emb;
-  if (in.inputs_embeds.defined()) {
+  int64_t tokens = 0;
+  if (sp) {
+    // Every rank of the group holds the whole pack's ids; only its shard is embedded (below).
+    GLMTUNE_ASSERT(in.input_ids.defined() && in.input_ids.dim() == 1,
+                   "input_ids must be a [T] vector, got {}",
+                   in.input_ids.defined() ? in.input_ids.str() : "nothing");
+    tokens = in.input_ids.size(0);
+  } else if (in.inputs_embeds.defined()) {
     GLMTUNE_ASSERT(in.inputs_embeds.dim() == 2 && in.inputs_embeds.size(1) == c.hidden_size,
                    "inputs_embeds must be [T, {}], got {}", c.hidden_size, in.inputs_embeds.str());
     emb = in.inputs_embeds.to(model.dtype()).contiguous();
   } else {
     emb = model.embed(in.input_ids);
   }
-  const int64_t tokens = emb.size(0);
+  if (!sp) tokens = emb.size(0);
   if (tokens == 0) throw Error("the pack is empty", "input_ids", "pass at least one token");
   const std::vector<int64_t> cu = ops::read_cu_seqlens(in.cu_seqlens, tokens, "training forward");
   if (in.padding_tokens < 0 || in.padding_tokens > tokens)
@@ -363,16 +404,22 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
       throw Error("training a MoE layer without a shared expert is not supported",
                   fmt::format("layer {}", lw.index),
                   "train a checkpoint with n_shared_experts >= 1 (GLM-5.3 has one)");
-  const int64_t counted = tokens - in.padding_tokens;
+  // This process's rows: the whole pack, or its shard under sequence parallelism (the padding
+  // document is the pack's tail, so the counted rows are a prefix of every shard too).
+  const int64_t row_begin = sp ? sp->shard_begin(tokens) : 0;
+  const int64_t rows = sp ? sp->shard_rows(tokens) : tokens;
+  if (sp) emb = model.embed(shard(in.input_ids, row_begin, rows));
+  const int64_t counted = std::clamp<int64_t>(tokens - in.padding_tokens - row_begin, 0, rows);
   const Tensor cu_t = Tensor::from_vector(cu, {int64_t(cu.size())});
 
   TrainForward out;
   auto ctx = std::make_shared<ForwardContext>();
   ctx->cu_seqlens = cu;
   ctx->counted_rows = counted;
+  ctx->row_begin = row_begin;
   ctx->embeddings = emb;
   ctx->layers.resize(size_t(c.num_hidden_layers));
-  ctx->labels = in.labels;
+  ctx->labels = shard(in.labels, row_begin, rows);
 
   Tensor streams = ops::mhc_expand(emb, c.hc_mult);
   IndexerCarry carry;
@@ -403,7 +450,9 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
     ctx->mtp.resize(size_t(opt.mtp_depths));
     Tensor h = hidden;
     for (int64_t k = 1; k <= opt.mtp_depths; ++k) {
-      const Tensor future = model.future_embeddings(in.input_ids, in.inputs_embeds, cu, k);
+      // Built on the whole pack: a shard's last rows look ahead into the next shard.
+      const Tensor future =
+          shard(model.future_embeddings(in.input_ids, in.inputs_embeds, cu, k), row_begin, rows);
       MtpContext full;
       MtpLayerResult r = mtp_layer_forward(ops, *w.mtp, future, h, cu_t, counted, &full);
       MtpContext& slot = ctx->mtp[size_t(k - 1)];
@@ -414,7 +463,7 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
         slot = std::move(full);
       }
       out.loads.push_back({bias_name(c.num_hidden_layers), std::move(r.expert_counts)});
-      ctx->mtp_labels.push_back(shift_labels(in.labels, cu_t, k));
+      ctx->mtp_labels.push_back(shard(shift_labels(in.labels, cu_t, k), row_begin, rows));
       h = std::move(r.hidden);
     }
   }
@@ -437,6 +486,11 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
   BackwardResult result;
   OpConfigs ops = model.op_configs();
   ops.expert_dispatch = opt.expert_dispatch;
+  ops.sequence_parallel = opt.sequence_parallel;
+  const SequenceParallel* sp = opt.sequence_parallel;
+  const int64_t row_begin = fc.row_begin;
+  GLMTUNE_ASSERT(sp != nullptr || row_begin == 0,
+                 "a sequence-parallel forward context needs the same options in the backward");
   Ctx c{ops,
         opt,
         Tensor::from_vector(fc.cu_seqlens, {int64_t(fc.cu_seqlens.size())}),
@@ -453,7 +507,9 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
 
   // LM head and cross-entropy, fused.
   ops::CrossEntropyOptions ce;
-  ce.denominator = opt.lm_denominator > 0 ? opt.lm_denominator : 0;
+  ce.denominator = opt.lm_denominator > 0 ? opt.lm_denominator
+                   : sp                   ? pack_targets(*sp, fc.labels)
+                                          : 0;
   ce.chunk_rows = opt.loss_chunk_rows;
   Tensor d_normed;
   const ops::CrossEntropyResult lm = ops::lm_head_cross_entropy(
@@ -487,7 +543,9 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       ops::CrossEntropyOptions mce;
       const double denom =
           size_t(k - 1) < opt.mtp_denominators.size() ? opt.mtp_denominators[size_t(k - 1)] : 0.0;
-      mce.denominator = denom > 0 ? denom : 0;
+      mce.denominator = denom > 0 ? denom
+                        : sp      ? pack_targets(*sp, fc.mtp_labels[size_t(k - 1)])
+                                  : 0;
       mce.grad_scale = opt.mtp_loss_scale / double(depths);
       mce.chunk_rows = opt.loss_chunk_rows;
       Tensor d_out;
@@ -512,9 +570,10 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
         std::vector<int64_t> future(ids.size(), 0);
         for (size_t d = 0; d + 1 < cu.size(); ++d)
           for (int64_t i = cu[d]; i + k < cu[d + 1]; ++i) future[size_t(i)] = ids[size_t(i + k)];
-        ops::embedding_backward(w.embed_tokens,
-                                Tensor::from_vector(future, {int64_t(future.size())}), g.d_future,
-                                pad, grads.embed_tokens);
+        ops::embedding_backward(
+            w.embed_tokens,
+            shard(Tensor::from_vector(future, {int64_t(future.size())}), row_begin, tokens),
+            g.d_future, pad, grads.embed_tokens);
       }
     }
   }
@@ -544,7 +603,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
   if (supplied) {
     if (d_emb_future.defined()) add_into(d_emb, d_emb_future);
   } else {
-    ops::embedding_backward(w.embed_tokens, in.input_ids, d_emb, pad, grads.embed_tokens);
+    ops::embedding_backward(w.embed_tokens, shard(in.input_ids, row_begin, tokens), d_emb, pad,
+                            grads.embed_tokens);
   }
   result.d_embeddings = std::move(d_emb);
   return result;

@@ -105,6 +105,14 @@ struct TrainOptions {
   // Expert parallelism: where the routed experts run (layer.h); null: in this process. Every
   // rank of its group must then run the same layers in the same order (its calls are collective).
   const ExpertDispatch* expert_dispatch = nullptr;
+
+  // Sequence parallelism (layer.h): the pack is split over the ranks of a group and this process
+  // computes its shard of rows. Every rank of the group passes the whole pack (ids, labels,
+  // cu_seqlens: the labels and MTP targets are built on it, since MTP's future tokens cross shard
+  // boundaries); losses, loads and gradients are then this shard's part, and their sums over the
+  // group are the single-process values. Denominators ≤ 0 mean the whole pack's counts. Input
+  // embeddings (vision-language packs) are not supported with it.
+  const SequenceParallel* sequence_parallel = nullptr;
 };
 
 // A recompute policy for `layers` decoder layers from a fraction (the recipe's `recompute`): the

@@ -72,6 +72,19 @@ MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Te
 Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tensor& u,
                  const Tensor& cu_seqlens, const Tensor& carried_indices, Tensor* indices_out,
                  LayerContext* ctx) {
+  if (const SequenceParallel* sp = cfg.sequence_parallel) {
+    // The pack is split over ranks: the keys of other shards come from them. The projections and
+    // the attention output stay inside the exchange (ctx->mla / attn_core remain undefined; the
+    // backward reruns the mixer from its input and the selection).
+    GLMTUNE_ASSERT(params.indexer.defined() || carried_indices.defined(),
+                   "a DSA layer without its own indexer needs the previous layer's selection");
+    Tensor indices;
+    Tensor y =
+        sp->dsa_forward(cfg.mla, cfg.indexer, params, u, cu_seqlens, carried_indices, &indices);
+    if (indices_out) *indices_out = indices;
+    if (ctx) ctx->indices = std::move(indices);
+    return y;
+  }
   ops::MlaProjections proj = ops::mla_project(cfg.mla, params.mla, u);
   Tensor indices;
   if (params.indexer.defined()) {
@@ -109,7 +122,10 @@ Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, con
       ops::rms_norm(attn_hc.collapsed, w.input_layernorm, cfg.rms_eps, ctx ? &attn_rstd : nullptr);
   Tensor y;
   if (w.attn == AttnKind::kda) {
-    y = ops::kda_forward(w.kda, u, cu_seqlens, cfg.kda, ctx ? &ctx->kda : nullptr);
+    y = cfg.sequence_parallel
+            ? cfg.sequence_parallel->kda_forward(w.kda, u, cu_seqlens, cfg.kda,
+                                                 ctx ? &ctx->kda : nullptr)
+            : ops::kda_forward(w.kda, u, cu_seqlens, cfg.kda, ctx ? &ctx->kda : nullptr);
     carry.indices = Tensor();
   } else {
     Tensor indices;

@@ -44,6 +44,43 @@ class ExpertDispatch {
                             ops::MoeParams& grads) const = 0;
 };
 
+// The pack split over several ranks by sequence parallelism (dist/sequence_parallel.h): this rank
+// holds a contiguous shard of rows; per-token work runs on the shard alone, and the two mixers,
+// which read other tokens, exchange what they need with the other ranks of the group. Unset (the
+// default), the whole pack is here. Every call is collective over the group: all its ranks must
+// run the same layers in the same order.
+class SequenceParallel {
+ public:
+  virtual ~SequenceParallel() = default;
+  // Rows [shard_begin, shard_begin + shard_rows) of a pack of `tokens` rows are held here.
+  virtual int64_t shard_begin(int64_t tokens) const = 0;
+  virtual int64_t shard_rows(int64_t tokens) const = 0;
+  // Sums over the group (token counts, expert loads).
+  virtual void sum(std::vector<int64_t>& values) const = 0;
+
+  // ops::kda_forward / kda_backward of the whole pack, restricted to this rank's rows: x and dy
+  // are the local [rows, D] shards, cu_seqlens the whole pack's. `saved` holds what this rank's
+  // part of the mixer needs (its own layout; only kda_backward of the same object reads it).
+  // Gradients add into the full-sized buffers of `grads` (partial sums: the group's sum is the
+  // gradient).
+  virtual Tensor kda_forward(const ops::KdaParams& params, const Tensor& x,
+                             const Tensor& cu_seqlens, const ops::KdaOptions& options,
+                             ops::KdaSaved* saved) const = 0;
+  virtual Tensor kda_backward(const ops::KdaParams& params, const Tensor& x,
+                              const Tensor& cu_seqlens, const ops::KdaOptions& options,
+                              const ops::KdaSaved* saved, const Tensor& dy,
+                              ops::KdaGrads& grads) const = 0;
+  // The DSA mixer (indexer or `carried_indices`, sparse MLA, o_proj) on the local shard x.
+  // `indices_out` receives the selection of the whole pack (int32 [T, W], the same on every rank).
+  virtual Tensor dsa_forward(const ops::MlaConfig& mla, const ops::IndexerConfig& indexer,
+                             const ops::DsaParams& params, const Tensor& x,
+                             const Tensor& cu_seqlens, const Tensor& carried_indices,
+                             Tensor* indices_out) const = 0;
+  virtual Tensor dsa_backward(const ops::MlaConfig& mla, const ops::DsaParams& params,
+                              const Tensor& x, const Tensor& indices, const Tensor& cu_seqlens,
+                              const Tensor& dy, ops::DsaParams& grads) const = 0;
+};
+
 // The op configurations a TextConfig implies.
 struct OpConfigs {
   ops::MhcOptions mhc;
@@ -55,6 +92,8 @@ struct OpConfigs {
   double swiglu_limit = 10.0;
   // Routed experts elsewhere (expert parallelism); null: every expert in this process.
   const ExpertDispatch* expert_dispatch = nullptr;
+  // The pack split over ranks (sequence parallelism); null: every row in this process.
+  const SequenceParallel* sequence_parallel = nullptr;
 
   static OpConfigs from(const TextConfig& config);
 };

@@ -80,6 +80,9 @@ struct MtpOutput {
 struct ForwardContext {
   std::vector<int64_t> cu_seqlens;
   int64_t counted_rows = 0;
+  // Sequence parallel (TrainOptions::sequence_parallel): the first pack row held here; T below is
+  // then the shard's row count, while cu_seqlens stays the whole pack's.
+  int64_t row_begin = 0;
   Tensor embeddings;                 // [T, D]
   std::vector<LayerContext> layers;  // one per decoder layer
   Tensor final_streams;              // [T, H, D] the last layer's output

@@ -1,0 +1,345 @@
+// `glmtune bench step`: the throughput of one text training step (forward + backward, and the
+// GPU optimizer step) on one GPU, with the model FLOP rate, the MFU, peak memory and a per-op time
+// breakdown. The FLOP formula is written out in docs/PERF.md ("Step benchmark: the FLOP count").
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "command.h"
+#include "config_options.h"
+#include "glmtune/base/error.h"
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/model/init.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/model/text/backward.h"
+#include "glmtune/model/text/model.h"
+#include "glmtune/tensor/allocator.h"
+#include "glmtune/tensor/device.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "glmtune/ops/cuda/adamw.h"
+#include "glmtune/ops/cuda/dispatch.h"
+#endif
+
+namespace {
+
+using namespace glmtune;
+namespace fs = std::filesystem;
+
+struct BenchArgs {
+  cli::ConfigOptions config;
+  std::string model_dir;
+  std::string cache_dir;
+  std::string device = "cuda:0";
+  int64_t pack = 16384;
+  int64_t docs = 4;
+  int64_t steps = 3;
+  int64_t warmup = 1;
+  double recompute = 0;
+  bool mtp = true;
+  bool optimizer = true;
+  uint64_t seed = 1;
+  bool json = false;
+};
+
+#ifdef GLMTUNE_WITH_CUDA
+// Forward FLOPs of one token through the text model's matrix products and attention, and the
+// forward-only share (the indexer, which runs without gradient). See docs/PERF.md.
+struct FlopCount {
+  double trained = 0;  // forward FLOPs of differentiated work (× 3 for forward + backward)
+  double forward_only = 0;
+  double step(int64_t tokens) const { return tokens * (3 * trained) + forward_only; }
+};
+
+// Σ over queries of the number of keys each attends (min(position + 1, topk) per document).
+double attended_keys(const std::vector<int64_t>& doc_lengths, int64_t topk) {
+  double sum = 0;
+  for (int64_t len : doc_lengths)
+    for (int64_t i = 0; i < len; ++i) sum += double(std::min(i + 1, topk));
+  return sum;
+}
+
+FlopCount count_flops(const model::TextConfig& c, const std::vector<int64_t>& doc_lengths,
+                      bool mtp) {
+  const double d = double(c.hidden_size);
+  int64_t tokens = 0;
+  for (int64_t len : doc_lengths) tokens += len;
+  const double keys_per_query = attended_keys(doc_lengths, c.index_topk) / double(tokens);
+  // Mean pools a query scores: half of the causal prefix, in pools.
+  double pools = 0;
+  for (int64_t len : doc_lengths)
+    for (int64_t i = 0; i < len; ++i) pools += double(i / c.index_kpool + 1);
+  pools /= double(tokens);
+
+  const double ql = double(c.linear_width()), hl = double(c.linear_head_dim),
+               nl = double(c.linear_num_heads);
+  const double kda_proj = 3 * ql * d + hl * d + ql * hl + nl * d + hl * d + ql * hl + d * ql;
+  // The chunked delta rule in chunks of 16: 2·(2·16·K + 3·K²) per token and head (K = V = HL).
+  const double kda_core = nl * 2 * (2 * 16 * hl + 3 * hl * hl);
+  const double nh = double(c.num_attention_heads), dn = double(c.qk_nope_head_dim),
+               dv = double(c.v_head_dim), rq = double(c.q_lora_rank), rkv = double(c.kv_lora_rank);
+  const double mla_proj = rq * d + nh * dn * rq + rkv * d + nh * (dn + dv) * rkv + d * nh * dv;
+  const double mla_attn = nh * keys_per_query * (dn + dv);
+  const double ih = double(c.index_n_heads), id = double(c.index_head_dim);
+  const double indexer = ih * id * rq + id * d + ih * d + ih * id * pools;
+  const double hc = 2 * double((2 + c.hc_mult) * c.hc_mult) * double(c.hc_mult) * d;
+  const double dense = 3 * double(c.intermediate_size) * d;
+  const double moe = double(c.n_routed_experts) * d +
+                     3 * double(c.moe_intermediate_size * c.n_shared_experts) * d +
+                     double(c.num_experts_per_tok) * 3 * double(c.moe_intermediate_size) * d;
+  const double head = double(c.vocab_size) * d;
+
+  FlopCount f;
+  auto add_mac = [&](double macs) { f.trained += 2 * macs; };
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    add_mac(hc);
+    if (c.layer_types[size_t(l)] == model::AttnKind::kda) {
+      add_mac(kda_proj);
+      f.trained += kda_core;
+    } else {
+      add_mac(mla_proj + mla_attn);
+      f.forward_only += 2 * indexer * double(tokens);
+    }
+    add_mac(c.mlp_layer_types[size_t(l)] == model::MlpKind::dense ? dense : moe);
+  }
+  add_mac(head);
+  if (mtp && c.has_mtp()) {
+    add_mac(2 * d * d + mla_proj + mla_attn + moe + head);
+    f.forward_only += 2 * indexer * double(tokens);
+  }
+  return f;
+}
+
+// The H200's dense bf16 tensor-core peak (datasheet, SXM), the MFU denominator.
+constexpr double kPeakTflops = 989.4;
+
+fs::path prepare_model(const BenchArgs& a, model::ModelConfig& config) {
+  if (!a.model_dir.empty()) {
+    config = model::ModelConfig::from_file((fs::path(a.model_dir) / "config.json").string());
+    a.config.apply(config);
+    return a.model_dir;
+  }
+  config = model::ModelConfig::preset(a.config.preset);
+  a.config.apply(config);
+  // A random checkpoint of this exact config, written once and reused by later runs.
+  const size_t key =
+      std::hash<std::string>{}(config.to_json_with_schedules().dump() + std::to_string(a.seed));
+  const fs::path base = a.cache_dir.empty() ? fs::temp_directory_path() : fs::path(a.cache_dir);
+  const fs::path dir = base / fmt::format("glmtune-bench-{}-{:016x}", a.config.preset, key);
+  if (!fs::exists(dir / "config.json")) {
+    std::fprintf(stderr, "writing a random %s checkpoint to %s\n", a.config.preset.c_str(),
+                 dir.string().c_str());
+    model::InitOptions init;
+    init.seed = a.seed;
+    model::write_random_checkpoint(config, dir, init);
+  }
+  return dir;
+}
+
+int run_bench_step(const BenchArgs& a) {
+  const Device device = Device::parse(a.device);
+  if (!device.is_cuda())
+    throw Error(fmt::format("bench step measures a GPU, got device {}", a.device), "--device",
+                "pass --device cuda or cuda:N");
+  if (!cuda_available())
+    throw Error("no CUDA device is visible", "glmtune bench step",
+                "run it on a machine with a GPU (glmtune env lists them)");
+  if (a.pack < 2 || a.docs < 1 || a.docs > a.pack)
+    throw Error(fmt::format("--pack {} with --docs {}", a.pack, a.docs), "--pack / --docs",
+                "give at least one document and at least one token per document");
+  model::ModelConfig config = model::ModelConfig::preset("tiny");
+  const fs::path dir = prepare_model(a, config);
+  const auto load_start = std::chrono::steady_clock::now();
+  const model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(dir), config);
+  model::text::TextModel model(store, {DType::bf16, device});
+  const double load_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+  const model::TextConfig& c = model.text();
+
+  // One pack of `docs` documents of random tokens (random text is what the timing needs: the
+  // routing spreads over the experts) with next-token labels inside each document.
+  std::vector<int64_t> lengths(size_t(a.docs), a.pack / a.docs);
+  lengths.back() += a.pack % a.docs;
+  std::mt19937_64 rng(a.seed);
+  std::uniform_int_distribution<int32_t> token(
+      0, int32_t(std::min<int64_t>(c.vocab_size, 150000)) - 1);
+  std::vector<int32_t> ids(size_t(a.pack)), labels(size_t(a.pack), -100), cu = {0};
+  for (int32_t& id : ids) id = token(rng);
+  for (int64_t len : lengths) {
+    const int32_t start = cu.back();
+    for (int32_t i = start; i + 1 < start + int32_t(len); ++i)
+      labels[size_t(i)] = ids[size_t(i + 1)];
+    cu.push_back(start + int32_t(len));
+  }
+  model::text::PackInput in;
+  in.input_ids = Tensor::from_vector(ids, {a.pack});
+  in.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
+  in.labels = Tensor::from_vector(labels, {a.pack});
+
+  model::text::TrainOptions opt;
+  opt.mtp = a.mtp && model.has_mtp();
+  opt.mtp_depths = opt.mtp ? c.num_nextn_predict_layers : 0;
+  opt.balancing_alpha = 0.001;
+  opt.recompute = model::text::recompute_policy(c.num_hidden_layers, a.recompute);
+  opt.recompute_mtp = a.recompute > 0;
+  opt.loss_chunk_rows = 4096;
+  opt.lm_denominator = double(a.pack - a.docs);
+  opt.mtp_denominators.assign(size_t(opt.mtp_depths), double(a.pack - 2 * a.docs));
+
+  model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
+  // The optimizer state of a GPU run: f32 masters and moments for every trained tensor.
+  std::vector<cuda::AdamWParam> adam;
+  std::vector<Tensor> grad_list;
+  if (a.optimizer)
+    for (auto& [name, g] : grads.named) {
+      Tensor* w = nullptr;
+      for (auto& [n, t] : model.weights().named)
+        if (n == name) w = &t;
+      cuda::AdamWParam p;
+      p.master = w->to(DType::f32).contiguous();
+      if (p.master.data_ptr() == w->data_ptr()) p.master = w->clone();
+      p.exp_avg = Tensor::zeros(g.shape(), DType::f32, device);
+      p.exp_avg_sq = Tensor::zeros(g.shape(), DType::f32, device);
+      p.grad = g;
+      p.param = w->dtype() == DType::bf16 ? *w : Tensor();
+      adam.push_back(std::move(p));
+      grad_list.push_back(g);
+    }
+
+  Allocator& alloc = allocator_for(device);
+  std::vector<double> step_s, fb_s, opt_s;
+  std::map<std::string, double> op_ms;
+  double loss = 0;
+  for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
+    const bool timed = s >= a.warmup;
+    if (timed && s == a.warmup) alloc.reset_peak();
+    ops::cuda_path::enable_op_timing(timed);
+    grads.zero();
+    cudaDeviceSynchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    const model::text::StepPackResult r = model::text::forward_backward(model, in, opt, grads);
+    cudaDeviceSynchronize();
+    const auto t1 = std::chrono::steady_clock::now();
+    if (a.optimizer) {
+      const cuda::GradNorm norm = cuda::grad_norm(grad_list, 1.0);
+      cuda::AdamWConfig cfg;
+      cfg.lr = 1e-6;
+      cfg.step = s + 1;
+      cuda::adamw_step(adam, cfg, norm.clip);
+    }
+    cudaDeviceSynchronize();
+    const auto t2 = std::chrono::steady_clock::now();
+    ops::cuda_path::enable_op_timing(false);
+    const std::map<std::string, double> times = ops::cuda_path::take_op_times();
+    loss = r.backward.lm_loss;
+    if (!timed) continue;
+    for (const auto& [name, ms] : times) op_ms[name] += ms / double(a.steps);
+    fb_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    opt_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    step_s.push_back(std::chrono::duration<double>(t2 - t0).count());
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double step = median(step_s), fb = median(fb_s), optim = median(opt_s);
+  const FlopCount flops = count_flops(c, lengths, opt.mtp);
+  const double tflops = flops.step(a.pack) / step / 1e12;
+  const MemoryStats mem = alloc.stats();
+  double op_total = 0;
+  for (const auto& [name, ms] : op_ms) op_total += ms;
+
+  if (a.json) {
+    nlohmann::json out = {{"model", dir.string()},
+                          {"pack", a.pack},
+                          {"docs", a.docs},
+                          {"steps", a.steps},
+                          {"tokens_per_s", double(a.pack) / step},
+                          {"step_s", step},
+                          {"forward_backward_s", fb},
+                          {"optimizer_s", optim},
+                          {"model_tflops", tflops},
+                          {"mfu", tflops / kPeakTflops},
+                          {"flop_per_step", flops.step(a.pack)},
+                          {"peak_allocated_gib", double(mem.peak_allocated) / (1 << 30)},
+                          {"peak_reserved_gib", double(mem.peak_reserved) / (1 << 30)},
+                          {"loss", loss},
+                          {"op_ms", op_ms}};
+    std::puts(out.dump(2).c_str());
+    return 0;
+  }
+  std::printf("model %s (loaded in %.1f s): %ld layers, hidden %ld, %ld routed experts\n",
+              dir.string().c_str(), load_s, c.num_hidden_layers, c.hidden_size, c.n_routed_experts);
+  std::printf("pack %ld tokens in %ld documents, MTP %s, recompute %.2f; median of %ld steps\n",
+              a.pack, a.docs, opt.mtp ? "on" : "off", a.recompute, a.steps);
+  std::printf("step %.3f s (forward+backward %.3f s, optimizer %.3f s): %.0f tokens/s\n", step, fb,
+              optim, double(a.pack) / step);
+  std::printf("model FLOP/step %.3e: %.1f TFLOP/s, MFU %.1f%% of %.1f TFLOP/s bf16\n",
+              flops.step(a.pack), tflops, 100 * tflops / kPeakTflops, kPeakTflops);
+  std::printf("peak memory: %.1f GiB allocated, %.1f GiB reserved; loss %.4f\n",
+              double(mem.peak_allocated) / (1 << 30), double(mem.peak_reserved) / (1 << 30), loss);
+  std::vector<std::pair<double, std::string>> rows;
+  for (const auto& [name, ms] : op_ms) rows.emplace_back(ms, name);
+  std::sort(rows.rbegin(), rows.rend());
+  std::printf("%-28s %10s %7s\n", "op (GPU time per step)", "ms", "share");
+  for (const auto& [ms, name] : rows)
+    std::printf("%-28s %10.2f %6.1f%%\n", name.c_str(), ms, 100 * ms / (fb * 1e3));
+  std::printf("%-28s %10.2f %6.1f%%\n", "(timed ops together)", op_total,
+              100 * op_total / (fb * 1e3));
+  return 0;
+}
+#endif
+
+}  // namespace
+
+GLMTUNE_COMMAND(
+    bench, "bench", "Measure the GPU training step (glmtune bench step)", [](CLI::App& app) {
+      app.require_subcommand(1);
+      auto a = std::make_shared<BenchArgs>();
+      CLI::App* step = app.add_subcommand(
+          "step",
+          "Time forward + backward + optimizer of one pack on one GPU, with a per-op "
+          "breakdown, the model TFLOP/s and the MFU");
+      auto* model_opt =
+          step->add_option("--model", a->model_dir, "A checkpoint directory to measure");
+      auto* preset =
+          step->add_option("--model-preset", a->config.preset,
+                           "A preset to measure with random weights (written once to a cache)")
+              ->check(CLI::IsMember(model::ModelConfig::preset_names()));
+      model_opt->excludes(preset);
+      a->config.add_set_option(*step);
+      step->add_option("--cache-dir", a->cache_dir,
+                       "Where random preset checkpoints are kept (default: the temp folder)");
+      step->add_option("--device", a->device, "The GPU (cuda or cuda:N)");
+      step->add_option("--pack", a->pack, "Tokens in the pack")->check(CLI::PositiveNumber);
+      step->add_option("--docs", a->docs, "Documents in the pack")->check(CLI::PositiveNumber);
+      step->add_option("--steps", a->steps, "Timed steps")->check(CLI::PositiveNumber);
+      step->add_option("--warmup", a->warmup, "Untimed steps first")->check(CLI::NonNegativeNumber);
+      step->add_option("--recompute", a->recompute, "Fraction of layers recomputed")
+          ->check(CLI::Range(0.0, 1.0));
+      step->add_option("--seed", a->seed, "Seed of the random weights and tokens");
+      step->add_flag("!--no-mtp", a->mtp, "Leave the MTP layer out");
+      step->add_flag("!--no-optimizer", a->optimizer, "Time forward + backward only");
+      step->add_flag("--json", a->json, "Print one JSON object");
+      return [a]() -> int {
+        if (a->model_dir.empty() && a->config.preset.empty())
+          throw Error("nothing to measure", "glmtune bench step",
+                      "give --model DIR or --model-preset tiny|crop25b|full");
+#ifdef GLMTUNE_WITH_CUDA
+        return run_bench_step(*a);
+#else
+        throw Error("glmtune bench step measures a GPU, and this glmtune was built without CUDA",
+                    "glmtune bench step", "build with -DGLMTUNE_CUDA=ON on a machine with CUDA");
+#endif
+      };
+    });

@@ -1,0 +1,348 @@
+#include "glmtune/dist/sequence_parallel.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/ops/linear.h"
+
+namespace glmtune::dist {
+namespace {
+
+// Rows of the whole pack: the last entry of its cu_seqlens.
+int64_t pack_tokens(const Tensor& cu_seqlens) {
+  const Tensor c = cu_seqlens.contiguous();
+  GLMTUNE_ASSERT(c.dim() == 1 && c.numel() >= 1, "cu_seqlens must be a non-empty vector, got {}",
+                 c.str());
+  const int64_t n = c.numel();
+  return c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[n - 1]) : c.data<int64_t>()[n - 1];
+}
+
+Tensor rows_of(const Tensor& t, int64_t begin, int64_t n) {
+  return t.narrow(0, begin, n).contiguous();
+}
+Tensor cols_of(const Tensor& t, int64_t begin, int64_t n) {
+  return t.narrow(1, begin, n).contiguous();
+}
+
+// grad[row0 + i, col0 + j] += part[i, j], both seen as [size(0), numel / size(0)]; `grad` is
+// created as zeros shaped like `param` when the caller left it undefined.
+template <typename T>
+void add_block_impl(Tensor& grad, const Tensor& part, int64_t row0, int64_t col0) {
+  const int64_t rows = part.size(0), cols = part.numel() / std::max<int64_t>(rows, 1);
+  const int64_t stride = grad.numel() / grad.size(0);
+  GLMTUNE_ASSERT(row0 + rows <= grad.size(0) && col0 + cols <= stride,
+                 "a gradient block {} at ({}, {}) does not fit {}", part.str(), row0, col0,
+                 grad.str());
+  T* g = grad.data<T>();
+  const T* p = part.data<T>();
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) g[(row0 + i) * stride + col0 + j] += p[i * cols + j];
+}
+
+void add_block(Tensor& grad, const Tensor& param, const Tensor& part_in, int64_t row0 = 0,
+               int64_t col0 = 0) {
+  if (!part_in.defined()) return;
+  if (!grad.defined()) grad = Tensor::zeros(param.shape(), param.dtype(), param.device());
+  GLMTUNE_ASSERT(grad.is_contiguous() && grad.dtype() == part_in.dtype(),
+                 "gradient buffer {} cannot take {}", grad.str(), part_in.str());
+  const Tensor part = part_in.contiguous();
+  if (grad.dtype() == DType::f64)
+    add_block_impl<double>(grad, part, row0, col0);
+  else
+    add_block_impl<float>(grad, part, row0, col0);
+}
+
+// Rows [begin, begin + n) of each of `blocks` consecutive row blocks of `t` (each `stride` rows),
+// stacked: the heads' slice of KDA's fused q/k/v conv weight.
+Tensor stacked_rows(const Tensor& t, int64_t blocks, int64_t stride, int64_t begin, int64_t n) {
+  Shape shape = t.shape();
+  shape[0] = blocks * n;
+  Tensor out = Tensor::empty(shape, t.dtype(), t.device());
+  for (int64_t b = 0; b < blocks; ++b)
+    out.narrow(0, b * n, n).copy_(t.narrow(0, b * stride + begin, n));
+  return out;
+}
+
+// This rank's heads of one KDA layer: the parameters restricted to them and the options that
+// describe them.
+struct KdaHeads {
+  ops::KdaParams params;
+  ops::KdaOptions options;
+  int64_t first = 0;  // first head
+  int64_t count = 0;  // heads here
+};
+
+KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, int ranks) {
+  KdaHeads h;
+  h.count = o.num_heads / ranks;
+  h.first = int64_t(rank) * h.count;
+  const int64_t hl = o.head_dim, ql = o.num_heads * hl, c0 = h.first * hl, cn = h.count * hl;
+  h.options = o;
+  h.options.num_heads = h.count;
+  ops::KdaParams& s = h.params;
+  s.q_proj = rows_of(p.q_proj, c0, cn);
+  s.k_proj = rows_of(p.k_proj, c0, cn);
+  s.v_proj = rows_of(p.v_proj, c0, cn);
+  s.conv1d = stacked_rows(p.conv1d, 3, ql, c0, cn);
+  s.f_a_proj = p.f_a_proj;  // HL wide, shared by the heads
+  s.f_b_proj = rows_of(p.f_b_proj, c0, cn);
+  s.dt_bias = rows_of(p.dt_bias, c0, cn);
+  s.A_log = rows_of(p.A_log, h.first, h.count);
+  s.b_proj = rows_of(p.b_proj, h.first, h.count);
+  s.g_a_proj = p.g_a_proj;
+  s.g_b_proj = rows_of(p.g_b_proj, c0, cn);
+  s.o_norm = p.o_norm;
+  s.o_proj = cols_of(p.o_proj, c0, cn);
+  return h;
+}
+
+// Adds the gradients of this rank's heads (`part`, shaped like KdaHeads::params) into the
+// full-sized buffers.
+void add_kda_grads(const ops::KdaParams& p, const ops::KdaOptions& o, const KdaHeads& h,
+                   const ops::KdaGrads& part, ops::KdaGrads& g) {
+  const int64_t hl = o.head_dim, ql = o.num_heads * hl, c0 = h.first * hl, cn = h.count * hl;
+  add_block(g.q_proj, p.q_proj, part.q_proj, c0);
+  add_block(g.k_proj, p.k_proj, part.k_proj, c0);
+  add_block(g.v_proj, p.v_proj, part.v_proj, c0);
+  if (part.conv1d.defined())
+    for (int64_t b = 0; b < 3; ++b)
+      add_block(g.conv1d, p.conv1d, part.conv1d.narrow(0, b * cn, cn), b * ql + c0);
+  add_block(g.f_a_proj, p.f_a_proj, part.f_a_proj);
+  add_block(g.f_b_proj, p.f_b_proj, part.f_b_proj, c0);
+  add_block(g.dt_bias, p.dt_bias, part.dt_bias, c0);
+  add_block(g.A_log, p.A_log, part.A_log, h.first);
+  add_block(g.b_proj, p.b_proj, part.b_proj, h.first);
+  add_block(g.g_a_proj, p.g_a_proj, part.g_a_proj);
+  add_block(g.g_b_proj, p.g_b_proj, part.g_b_proj, c0);
+  add_block(g.o_norm, p.o_norm, part.o_norm);
+  add_block(g.o_proj, p.o_proj, part.o_proj, 0, c0);
+}
+
+// This rank's MLA heads. The o_proj bias stays with rank 0 only: the ranks' partial outputs (and
+// the gradients of their slices) add up over the group, and the bias must count once.
+struct MlaHeads {
+  ops::DsaParams params;
+  ops::MlaConfig config;
+  int64_t first = 0, count = 0;
+};
+
+MlaHeads mla_heads(const ops::MlaConfig& c, const ops::DsaParams& p, int rank, int ranks) {
+  MlaHeads h;
+  h.count = c.n_heads / ranks;
+  h.first = int64_t(rank) * h.count;
+  h.config = c;
+  h.config.n_heads = h.count;
+  const int64_t dn = c.qk_nope_head_dim, dv = c.v_head_dim;
+  const ops::MlaParams& m = p.mla;
+  ops::MlaParams& s = h.params.mla;
+  s = m;
+  s.q_b_proj = rows_of(m.q_b_proj, h.first * dn, h.count * dn);
+  s.kv_b_proj = rows_of(m.kv_b_proj, h.first * (dn + dv), h.count * (dn + dv));
+  s.o_proj = cols_of(m.o_proj, h.first * dv, h.count * dv);
+  if (rank != 0) s.o_proj_bias = Tensor();
+  h.params.indexer = p.indexer;
+  return h;
+}
+
+void add_mla_grads(const ops::MlaConfig& c, const ops::MlaParams& p, const MlaHeads& h,
+                   const ops::MlaParams& part, ops::MlaParams& g) {
+  const int64_t dn = c.qk_nope_head_dim, dv = c.v_head_dim;
+  add_block(g.q_a_proj, p.q_a_proj, part.q_a_proj);
+  add_block(g.q_a_proj_bias, p.q_a_proj_bias, part.q_a_proj_bias);
+  add_block(g.q_a_layernorm, p.q_a_layernorm, part.q_a_layernorm);
+  add_block(g.q_b_proj, p.q_b_proj, part.q_b_proj, h.first * dn);
+  add_block(g.kv_a_proj_with_mqa, p.kv_a_proj_with_mqa, part.kv_a_proj_with_mqa);
+  add_block(g.kv_a_proj_with_mqa_bias, p.kv_a_proj_with_mqa_bias, part.kv_a_proj_with_mqa_bias);
+  add_block(g.kv_a_layernorm, p.kv_a_layernorm, part.kv_a_layernorm);
+  add_block(g.kv_b_proj, p.kv_b_proj, part.kv_b_proj, h.first * (dn + dv));
+  add_block(g.o_proj, p.o_proj, part.o_proj, 0, h.first * dv);
+  add_block(g.o_proj_bias, p.o_proj_bias, part.o_proj_bias);
+}
+
+}  // namespace
+
+UlyssesParallel::UlyssesParallel(Communicator& sp, int64_t kda_heads, int64_t mla_heads,
+                                 const std::string& where)
+    : sp_(sp), kda_heads_(kda_heads), mla_heads_(mla_heads) {
+  const int64_t s = sp.size();
+  if (kda_heads % s != 0 || mla_heads % s != 0)
+    throw Error(fmt::format("the attention heads ({} KDA, {} MLA) do not split over {} sequence "
+                            "parallel ranks",
+                            kda_heads, mla_heads, s),
+                where, "choose a train.sp_size that divides both head counts");
+}
+
+int64_t UlyssesParallel::shard_begin(int64_t tokens) const {
+  if (tokens < sp_.size())
+    throw Error(fmt::format("a pack of {} tokens cannot be split over {} sequence parallel ranks",
+                            tokens, sp_.size()),
+                "train.sp_size", "use packs of at least train.sp_size tokens");
+  return tokens * sp_.rank() / sp_.size();
+}
+
+int64_t UlyssesParallel::shard_rows(int64_t tokens) const {
+  return tokens * (sp_.rank() + 1) / sp_.size() - shard_begin(tokens);
+}
+
+void UlyssesParallel::sum(std::vector<int64_t>& values) const { sp_.all_reduce_sum(values); }
+
+Tensor UlyssesParallel::all_gather_rows(const Tensor& shard_in, int64_t tokens) const {
+  const int ranks = sp_.size();
+  const Tensor shard = shard_in.contiguous();
+  GLMTUNE_ASSERT(shard.size(0) == shard_rows(tokens), "a shard of {} rows, expected {}",
+                 shard.size(0), shard_rows(tokens));
+  const int64_t width = shard.numel() / std::max<int64_t>(shard.size(0), 1);
+  // The shard goes to every rank: its copies are the consecutive send blocks.
+  Shape send_shape = shard.shape();
+  send_shape[0] *= ranks;
+  Tensor send = Tensor::empty(send_shape, shard.dtype());
+  for (int q = 0; q < ranks; ++q)
+    std::memcpy(static_cast<char*>(send.data_ptr()) + size_t(q) * shard.nbytes(), shard.data_ptr(),
+                shard.nbytes());
+  Shape out_shape = shard.shape();
+  out_shape[0] = tokens;
+  Tensor out = Tensor::empty(out_shape, shard.dtype());
+  std::vector<int64_t> send_counts(size_t(ranks), shard.numel()),
+      recv_counts(static_cast<size_t>(ranks));
+  for (int q = 0; q < ranks; ++q)
+    recv_counts[size_t(q)] = (tokens * (q + 1) / ranks - tokens * q / ranks) * width;
+  sp_.all_to_all(send, send_counts, out, recv_counts);
+  return out;
+}
+
+Tensor UlyssesParallel::reduce_scatter_rows(const Tensor& full_in) const {
+  const int ranks = sp_.size();
+  const Tensor full = full_in.contiguous();
+  const int64_t tokens = full.size(0), rows = shard_rows(tokens);
+  const int64_t width = full.numel() / std::max<int64_t>(tokens, 1);
+  std::vector<int64_t> send_counts(static_cast<size_t>(ranks)),
+      recv_counts(size_t(ranks), rows * width);
+  for (int q = 0; q < ranks; ++q)
+    send_counts[size_t(q)] = (tokens * (q + 1) / ranks - tokens * q / ranks) * width;
+  Tensor parts = Tensor::empty({int64_t(ranks) * rows * width}, full.dtype());
+  sp_.all_to_all(full, send_counts, parts, recv_counts);
+  Shape shape = full.shape();
+  shape[0] = rows;
+  Tensor out = Tensor::empty(shape, full.dtype());
+  const auto sum = [&](auto tag) {
+    using T = decltype(tag);
+    const T* p = parts.data<T>();
+    T* o = out.data<T>();
+    const int64_t n = rows * width;
+    for (int64_t i = 0; i < n; ++i) {
+      T acc = p[i];
+      for (int q = 1; q < ranks; ++q) acc += p[int64_t(q) * n + i];
+      o[i] = acc;
+    }
+  };
+  if (full.dtype() == DType::f64)
+    sum(double());
+  else if (full.dtype() == DType::f32)
+    sum(float());
+  else
+    GLMTUNE_ASSERT(false, "reduce_scatter_rows sums f32 or f64, got {}", full.str());
+  return out;
+}
+
+Tensor UlyssesParallel::columns_to_rows(const Tensor& full_in) const {
+  const int ranks = sp_.size();
+  const Tensor full = full_in.contiguous();
+  GLMTUNE_ASSERT(full.dim() == 2, "columns_to_rows takes [T, W], got {}", full.str());
+  const int64_t tokens = full.size(0), width = full.size(1), rows = shard_rows(tokens);
+  // Rank q's rows of my columns are one consecutive block of `full`.
+  std::vector<int64_t> send_counts(static_cast<size_t>(ranks)),
+      recv_counts(size_t(ranks), rows * width);
+  for (int q = 0; q < ranks; ++q)
+    send_counts[size_t(q)] = (tokens * (q + 1) / ranks - tokens * q / ranks) * width;
+  Tensor parts = Tensor::empty({int64_t(ranks), rows, width}, full.dtype());
+  sp_.all_to_all(full, send_counts, parts, recv_counts);
+  // [S, rows, W] -> [rows, S·W]: rank q's columns (heads) sit at q·W, as in the unsplit layout.
+  Tensor out = Tensor::empty({rows, int64_t(ranks) * width}, full.dtype());
+  const size_t es = full.element_size(), row_bytes = size_t(width) * es;
+  const char* src = static_cast<const char*>(parts.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (int q = 0; q < ranks; ++q)
+    for (int64_t i = 0; i < rows; ++i)
+      std::memcpy(dst + (size_t(i) * size_t(ranks) + size_t(q)) * row_bytes,
+                  src + (size_t(q) * size_t(rows) + size_t(i)) * row_bytes, row_bytes);
+  return out;
+}
+
+Tensor UlyssesParallel::kda_forward(const ops::KdaParams& params, const Tensor& x,
+                                    const Tensor& cu_seqlens, const ops::KdaOptions& options,
+                                    ops::KdaSaved* saved) const {
+  GLMTUNE_ASSERT(options.num_heads == kda_heads_, "KDA with {} heads, the split was made for {}",
+                 options.num_heads, kda_heads_);
+  const int64_t tokens = pack_tokens(cu_seqlens);
+  const Tensor x_full = all_gather_rows(x, tokens);
+  const KdaHeads h = kda_heads(params, options, sp_.rank(), sp_.size());
+  ops::KdaSaved own;
+  ops::KdaSaved* s = saved ? saved : &own;
+  // The op's own output is this rank's heads through their o_proj columns; the gated-norm output
+  // before it is what travels, so that o_proj runs once per token on its owner, as unsplit.
+  ops::kda_forward(h.params, x_full, cu_seqlens, h.options, s);
+  const Tensor normed = columns_to_rows(s->normed.view({tokens, h.count * options.head_dim}));
+  return ops::linear(normed, params.o_proj);
+}
+
+Tensor UlyssesParallel::kda_backward(const ops::KdaParams& params, const Tensor& x,
+                                     const Tensor& cu_seqlens, const ops::KdaOptions& options,
+                                     const ops::KdaSaved* saved, const Tensor& dy,
+                                     ops::KdaGrads& grads) const {
+  const int64_t tokens = pack_tokens(cu_seqlens);
+  const Tensor x_full = all_gather_rows(x, tokens);
+  const Tensor dy_full = all_gather_rows(dy, tokens);
+  const KdaHeads h = kda_heads(params, options, sp_.rank(), sp_.size());
+  ops::KdaGrads part;
+  const Tensor dx =
+      ops::kda_backward(h.params, x_full, cu_seqlens, h.options,
+                        saved && saved->normed.defined() ? saved : nullptr, dy_full, part);
+  add_kda_grads(params, options, h, part, grads);
+  return reduce_scatter_rows(dx);
+}
+
+Tensor UlyssesParallel::dsa_forward(const ops::MlaConfig& mla, const ops::IndexerConfig& indexer,
+                                    const ops::DsaParams& params, const Tensor& x,
+                                    const Tensor& cu_seqlens, const Tensor& carried_indices,
+                                    Tensor* indices_out) const {
+  GLMTUNE_ASSERT(mla.n_heads == mla_heads_, "MLA with {} heads, the split was made for {}",
+                 mla.n_heads, mla_heads_);
+  const int64_t tokens = pack_tokens(cu_seqlens);
+  const Tensor x_full = all_gather_rows(x, tokens);
+  const MlaHeads h = mla_heads(mla, params, sp_.rank(), sp_.size());
+  // q_resid and the latent do not depend on the heads: every rank has them for the whole pack,
+  // so the indexer pools and selects exactly as unsplit.
+  const ops::MlaProjections proj = ops::mla_project(h.config, h.params.mla, x_full);
+  const Tensor indices =
+      params.indexer.defined()
+          ? ops::indexer_forward(indexer, params.indexer, x_full, proj.q_resid, cu_seqlens)
+          : carried_indices;
+  const Tensor core =
+      ops::sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, mla.softmax_scale())
+          .view({tokens, h.count * mla.v_head_dim});
+  if (indices_out) *indices_out = indices;
+  return ops::linear(columns_to_rows(core), params.mla.o_proj, params.mla.o_proj_bias);
+}
+
+Tensor UlyssesParallel::dsa_backward(const ops::MlaConfig& mla, const ops::DsaParams& params,
+                                     const Tensor& x, const Tensor& indices,
+                                     const Tensor& cu_seqlens, const Tensor& dy,
+                                     ops::DsaParams& grads) const {
+  const int64_t tokens = pack_tokens(cu_seqlens);
+  const Tensor x_full = all_gather_rows(x, tokens);
+  const Tensor dy_full = all_gather_rows(dy, tokens);
+  const MlaHeads h = mla_heads(mla, params, sp_.rank(), sp_.size());
+  // As unsplit (model backward): the MLA context is rebuilt from the input and the selection.
+  ops::MlaContext ctx;
+  ops::mla_forward(h.config, h.params.mla, x_full, indices, cu_seqlens, ctx);
+  ops::DsaParams part;
+  const Tensor dx = ops::dsa_backward(h.config, h.params, ctx, dy_full, part);
+  add_mla_grads(mla, params.mla, h, part.mla, grads.mla);
+  return reduce_scatter_rows(dx);
+}
+
+}  // namespace glmtune::dist

@@ -1,0 +1,74 @@
+#pragma once
+// Sequence parallelism over the sp group (docs/distributed.md, "Sequence parallel").
+//
+// Rank s of a group of S holds rows [s·T/S, (s+1)·T/S) of every pack (integer division: the
+// shards differ by at most one row; document boundaries fall anywhere). Everything per token
+// (embedding, mHC, norms, MLP / MoE, the heads and losses) runs on the shard; the two mixers read
+// other tokens and split their heads over the group instead, in the manner of Ulysses:
+//
+//   KDA   the layer input is all-gathered ([T/S, D] -> [T, D]); rank s computes heads
+//         [s·NL/S, (s+1)·NL/S) over the whole pack (projections, short conv over the whole
+//         sequence with the pack's cu_seqlens, delta rule, gated norm: ops::kda_forward on the
+//         heads' slices of the parameters); an all-to-all brings the heads' outputs back to the
+//         token shards ([T, NL/S·HL] -> [T/S, NL·HL]) and o_proj runs on the shard.
+//   DSA   the same for the MLA heads: the input is all-gathered, the latent (q_resid, the
+//         compressed kv) and the indexer's keys and pools are built on the whole pack, so every
+//         query keeps its global position and selection; each rank attends with its heads and an
+//         all-to-all returns the outputs to the token shards before o_proj.
+//   backward   d y is all-gathered, each rank differentiates its heads over the whole pack
+//         (ops::kda_backward / dsa_backward on the slices), and the input gradients, which every
+//         head contributes to, are summed back to their owners (a variable-count reduce-scatter).
+//
+// Exchanging the layer input rather than the projected q/k/v keeps the ops untouched: the
+// projections of NL/S heads over T tokens cost what those of NL heads over T/S tokens cost. The
+// parts shared by every head (KDA's f_a/g_a, MLA's q_a/kv_a latents, the indexer) run on the
+// whole pack on every rank.
+//
+// Parameter gradients are partial on each rank (its heads, its tokens) and full-sized; their sum
+// over the sp group is the gradient (the trainer all-reduces them before the dp reduction).
+// CPU tensors only (the GPU trainer is single-process).
+#include <cstdint>
+#include <string>
+
+#include "glmtune/dist/comm.h"
+#include "glmtune/model/text/layer.h"
+
+namespace glmtune::dist {
+
+class UlyssesParallel final : public model::text::SequenceParallel {
+ public:
+  // Heads of every mixer split over the ranks of `sp`; glmtune::Error naming `where` unless the
+  // group size divides the KDA heads (`kda_heads`) and the MLA heads (`mla_heads`).
+  UlyssesParallel(Communicator& sp, int64_t kda_heads, int64_t mla_heads, const std::string& where);
+
+  int64_t shard_begin(int64_t tokens) const override;
+  int64_t shard_rows(int64_t tokens) const override;
+  void sum(std::vector<int64_t>& values) const override;
+
+  Tensor kda_forward(const ops::KdaParams& params, const Tensor& x, const Tensor& cu_seqlens,
+                     const ops::KdaOptions& options, ops::KdaSaved* saved) const override;
+  Tensor kda_backward(const ops::KdaParams& params, const Tensor& x, const Tensor& cu_seqlens,
+                      const ops::KdaOptions& options, const ops::KdaSaved* saved, const Tensor& dy,
+                      ops::KdaGrads& grads) const override;
+  Tensor dsa_forward(const ops::MlaConfig& mla, const ops::IndexerConfig& indexer,
+                     const ops::DsaParams& params, const Tensor& x, const Tensor& cu_seqlens,
+                     const Tensor& carried_indices, Tensor* indices_out) const override;
+  Tensor dsa_backward(const ops::MlaConfig& mla, const ops::DsaParams& params, const Tensor& x,
+                      const Tensor& indices, const Tensor& cu_seqlens, const Tensor& dy,
+                      ops::DsaParams& grads) const override;
+
+  // [rows, C] shard -> [T, C] on every rank (rank order = row order).
+  Tensor all_gather_rows(const Tensor& shard, int64_t tokens) const;
+  // [T, C] partial values on every rank -> this rank's [rows, C] rows summed over the group (in
+  // rank order, so every run adds in the same order).
+  Tensor reduce_scatter_rows(const Tensor& full) const;
+
+ private:
+  // [T, W] of this rank's columns (heads) -> [rows, S·W] of every rank's columns for its rows.
+  Tensor columns_to_rows(const Tensor& full) const;
+
+  Communicator& sp_;
+  int64_t kda_heads_ = 0, mla_heads_ = 0;
+};
+
+}  // namespace glmtune::dist
