@@ -220,6 +220,9 @@ TEST(CliEvalVl, ProcessorConfigComesFromTheModelFolderByDefault) {
                 dir)
                 .code,
             0);
+  // init --tokenizer copies the processor settings along with the tokenizer files.
+  ASSERT_TRUE(fs::exists(model / "processor_config.json"));
+  fs::remove(model / "processor_config.json");
   const std::string args = "eval --model " + model.string() + " --data " + kChat +
                            " --media-root " + kExample.string() + " --json";
   const Result missing = run(args, dir);
