@@ -7,8 +7,9 @@
 // document. The rate counts the arithmetic of the chunk-16 form
 // (per token and head 2·C·K + 3·K² multiply-adds forward; the backward counted as twice that), set
 // against the dense bf16 tensor-core rate: the state products run as mma.sync with every fp32
-// operand split into bf16 hi and lo parts, three products for each one counted here, and the
-// chunk-local 16×16 work stays on the fp32 cores. FLA's chunk_kda on the same shapes is timed by
+// operand split into bf16 hi and lo parts, three products for each one counted here, and so do
+// the chunk-local 16×16 products (on the factorised decay; chunks whose gate range is too wide
+// for it fall back to fp32 sums). FLA's chunk_kda on the same shapes is timed by
 // bench/kda_vs_fla.py in the same GPU run.
 // mHC: pre and post, forward and backward, at T = 16384, D = 4096: the rate counts the fewest
 // bytes each must move, against a device-to-device copy measured in the same run.

@@ -44,9 +44,14 @@ struct CoreCase {
   DType dtype;
   double act_bar, f32_bar;
   const char* what;
-  // Per-token log decay down to −5 (the gate's lower bound): within a chunk e^Γ falls to e^−80,
-  // so the exact per-element decays and the hi/lo operand split meet the range's edge.
-  bool steep = false;
+  // Per-token log decay down to `floor` (0: a mild gate). At −5 (the gate's lower bound) e^Γ falls
+  // to e^−80 within a chunk, so the exact per-element decays, the hi/lo operand split and the
+  // backward's factorised decay (e^{±40} around the chunk's middle) meet their range's edge; at
+  // −12 chunks can span more than that and take the exact fp32 fallback (prep and backward): with
+  // slope 4 a chunk's widest channel sits near the limit, so both paths occur in one call; with
+  // slope 12 nearly every full chunk falls back.
+  float floor = 0.0f;
+  float slope = 2.0f;
 };
 
 void run_core(const CoreCase& c, uint64_t& stream) {
@@ -58,7 +63,8 @@ void run_core(const CoreCase& c, uint64_t& stream) {
   const Tensor k = ops::l2_norm(random_cpu({t, nh, kd}, DType::f32, stream++), 1e-6).to(c.dtype);
   const Tensor v = random_cpu({t, nh, kd}, c.dtype, stream++);
   const Tensor g = map_f32(random_cpu({t, nh, kd}, DType::f32, stream++), [&c](float z) {
-    return c.steep ? -std::fmin(5.0f, 0.5f + 2.0f * std::fabs(z)) : -(0.01f + 0.25f * std::fabs(z));
+    return c.floor < 0.0f ? -std::fmin(-c.floor, 0.5f + c.slope * std::fabs(z))
+                          : -(0.01f + 0.25f * std::fabs(z));
   });
   const Tensor beta = map_f32(random_cpu({t, nh}, DType::f32, stream++),
                               [](float z) { return 1.0f / (1.0f + std::exp(-z)); });
@@ -101,7 +107,11 @@ TEST(CudaOpsKda, ChunkedDeltaRuleMatchesCpu) {
   uint64_t stream = 1;
   run_core({DType::bf16, 1e-2, 1e-3, "bf16"}, stream);
   run_core({DType::f32, 1e-4, 1e-4, "f32 mode"}, stream);
-  run_core({DType::bf16, 1e-2, 1e-3, "bf16, steep gate", true}, stream);
+  run_core({DType::bf16, 1e-2, 1e-3, "bf16, steep gate", -5.0f}, stream);
+  run_core({DType::bf16, 1e-2, 1e-3, "bf16, gate at the factorised range's edge", -12.0f, 4.0f},
+           stream);
+  run_core({DType::f32, 1e-4, 1e-4, "f32 mode, gate past the factorised range", -12.0f, 12.0f},
+           stream);
 #endif
 }
 

@@ -7,17 +7,26 @@
 // and Γ of the last row equals Γ of the last real row.
 //
 // Four kernels, two token-parallel and two that walk a document's chunks in order:
-//   prep       one block per (chunk, head): the chunk-local quantities with the exact per-element
-//              decay e^{Γ_i − Γ_j} (fp32, no rescaling, so any gate works): W, qd, kdec, A as
-//              bf16 hi/lo pairs, U, e^{Γ_last} and (for the backward) Tm in f32.
+//   prep       one block per (chunk, head), 68 KB of shared memory (three blocks per SM): the
+//              chunk-local quantities W, qd, kdec, A as bf16 hi/lo pairs, U, e^{Γ_last} and (for
+//              the backward) Tm in f32. L = kb kᵀ and A = qc kᵀ with the per-element decay
+//              e^{Γ_i − Γ_j} run as MMAs on the factorised decay (below); U = Tm vb and
+//              W = Tm kbe as MMAs; the 16×16 substitution in fp32 on one warp, a column per lane.
 //   state_fwd  one block per (head, document), a warp per 16 value rows of Sᵀ (fp32 in the
 //              warp's MMA accumulators): Vn = U − W S, O = qd S + A Vn, S ← e^{Γ_last} S +
 //              kdecᵀ Vn. For the backward it also stores every chunk's entry state and Vn.
 //   state_bwd  the same walk in reverse carrying d S: dVn = kdec dS + Aᵀ dO, dS ← e^{Γ_last} dS +
 //              qdᵀ dO − Wᵀ dVn; stores every chunk's exit d S and dVn.
-//   bwd_chunk  one block per (chunk, head): from S0, d S1, Vn, dVn the products over the value
-//              dim (d kdec, d qd, d W with MMAs; dA and d Γ_last in fp32), then the chunk-local
-//              backward in fp32 (as the CPU, Tm, U, W taken from prep) and dq, dk, dv, dg, dβ.
+//   bwd_chunk  one block per (chunk, head), 81 KB of shared memory (two blocks per SM): from S0,
+//              d S1, Vn, dVn every product as an MMA (d kdec, d qd, d W over the value dim, with
+//              d Γ_last's ⟨d S1, S0⟩ from the same loads; dA, dvb = Tmᵀ dU, dkbe = Tmᵀ dW, dL; the
+//              decay terms back to kb, qc, k, Γ on the factorised decay), Tm, U, W taken from prep.
+//              Each warp owns 8 key/value columns in every phase, so the gradient tiles stay in
+//              its accumulators and only cross-warp operands go through shared memory.
+// The factorised decay: e^{Γ_i − Γ_j} = e^{Γ_i − ref}·e^{ref − Γ_j}, ref per key channel the mean
+// of the chunk's first and last Γ, turns the decayed 16×16×128 products into plain MMAs. A chunk
+// whose |Γ − ref| exceeds kMaxExp anywhere (the gate's lower bound −5 keeps real chunks inside)
+// takes the exact per-element fp32 path instead, decided per block, so any gate stays correct.
 // The backward takes no saved state from the forward (the API has none), so it runs prep and
 // state_fwd again. Workspace per (chunk, head): prep 34.5 KB; the backward adds S0ᵀ and d S1ᵀ in
 // f32 (128 KB) and Vnᵀ, dVnᵀ (16 KB): about 2.3 GB forward and 12 GB backward at T = 16384,
@@ -47,6 +56,7 @@ constexpr int kTs = kK + 8;     // bf16 row of a staged [C, K] tile: 16-byte row
                                 // ldmatrix's eight rows fall in distinct banks
 constexpr int kAs = kC + 8;     // bf16 row of a staged [C, C] tile
 constexpr int kTile = kC * kK;  // elements of one [C, K] tile
+static_assert(kTile % kCT == 0, "the chunk kernels' tile loops run kTile / kCT times");
 
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
@@ -170,6 +180,50 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The B operand (k-tile 0, n-tile n0) from a bf16 [k][n] tile (n contiguous): ldmatrix .x2 takes
+// the row addresses of lanes 0–15.
+__device__ __forceinline__ void ldsm_b_kn8(const bf16* tile, int ld, int n0, uint32_t (&b)[2]) {
+  const int lane = threadIdx.x & 31;
+  const auto addr = static_cast<uint32_t>(
+      __cvta_generic_to_shared(tile + ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(b[0]), "=r"(b[1])
+               : "r"(addr));
+}
+// The A operand of a 16×16 f32 matrix whose element (m, k) sits at src[m·sm + k·sk], split.
+__device__ __forceinline__ FragA load_a_f32(const float* src, int sm, int sk) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  auto at = [&](int m, int kx) { return src[m * sm + kx * sk]; };
+  FragA f;
+  split2(at(g, 2 * t), at(g, 2 * t + 1), f.hi[0], f.lo[0]);
+  split2(at(g + 8, 2 * t), at(g + 8, 2 * t + 1), f.hi[1], f.lo[1]);
+  split2(at(g, 2 * t + 8), at(g, 2 * t + 9), f.hi[2], f.lo[2]);
+  split2(at(g + 8, 2 * t + 8), at(g + 8, 2 * t + 9), f.hi[3], f.lo[3]);
+  return f;
+}
+// A B operand from four values of this lane (k rows 2t, 2t+1, 2t+8, 2t+9 of its column g).
+__device__ __forceinline__ FragB frag_b(const float (&x)[4]) {
+  FragB f;
+  split2(x[0], x[1], f.hi[0], f.lo[0]);
+  split2(x[2], x[3], f.hi[1], f.lo[1]);
+  return f;
+}
+template <typename T>
+__device__ __forceinline__ void store2(T* p, float x, float y) {
+  if constexpr (std::is_same_v<T, float>)
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+  else
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+
+// Largest |Γ_i − ref| (per key channel, ref the mean of the chunk's first and last Γ) for which
+// bwd_chunk uses the factorised decay e^{Γ_i − Γ_j} = e^{Γ_i − ref}·e^{ref − Γ_j}: each factor
+// stays under e^40 ≈ 2.4e17, far from fp32 overflow even times large operands, and far from
+// underflow (e^-40 ≈ 4e-18 is a normal number in fp32 and bf16). The gate's lower bound −5 keeps
+// a chunk's span under 80, so real chunks take the MMA path; any wider chunk (any gate) takes the
+// exact per-element path.
+constexpr float kMaxExp = 40.0f;
+
 // ---- chunk bookkeeping ------------------------------------------------------------------------
 
 // dc[d] = index of document d's first chunk in the chunk-major buffers, dc[ndoc] = chunk count.
@@ -201,22 +255,22 @@ __device__ __forceinline__ bool find_chunk(const int* __restrict__ cu, const int
   return true;
 }
 
-// ---- the chunk-local forward (fp32, exact decays) ---------------------------------------------
+// ---- the chunk-local forward ------------------------------------------------------------------
 
+// prep's shared memory tiles (f32 [C][Ld] unless noted).
 struct Local {
-  float* qc;  // [C][Ld]
+  float* qc;
   float* kc;
   float* gam;
   float* kbe;
-  float* w;
-  float* qd;
-  float* kdec;
-  float* vraw;  // [C][Ld]
-  float* u;     // [C][Ld]
+  float* vraw;
+  float* kp;    // k e^{ref − Γ}        (the factorised decay's B operand)
+  float* kbp;   // kb e^{Γ − ref}       (A operand of L)
+  float* qp;    // qc e^{Γ − ref}       (A operand of A)
   float* tri;   // [C][C]
   float* ain;   // [C][C]
   float* beta;  // [C]
-  static constexpr int floats() { return 9 * kC * kLd + 2 * kC * kC + kC; }
+  static constexpr int floats() { return 8 * kC * kLd + 2 * kC * kC + kC; }
   __device__ explicit Local(float* base) {
     float* p = base;
     auto take = [&p](int n) {
@@ -228,11 +282,10 @@ struct Local {
     kc = take(kC * kLd);
     gam = take(kC * kLd);
     kbe = take(kC * kLd);
-    w = take(kC * kLd);
-    qd = take(kC * kLd);
-    kdec = take(kC * kLd);
     vraw = take(kC * kLd);
-    u = take(kC * kLd);
+    kp = take(kC * kLd);
+    kbp = take(kC * kLd);
+    qp = take(kC * kLd);
     tri = take(kC * kC);
     ain = take(kC * kC);
     beta = take(kC);
@@ -251,16 +304,34 @@ struct Prep {
   float* tm;            // Tm [C][C], for the backward
 };
 
-// The tiles of chunk [c0, c0 + n) of head h that do not depend on the state. With kSolve the
-// 16×16 systems are formed and solved here (prep); without, Tm, U and W come from prep's
-// output `p` at chunk-head `sh` (the backward), and only the elementwise tiles are recomputed.
-template <typename T, bool kSolve>
-__device__ void chunk_local(const Local& t, const T* __restrict__ q, const T* __restrict__ k,
-                            const T* __restrict__ v, const float* __restrict__ g,
-                            const float* __restrict__ beta, int64_t c0, int n, int heads, int h,
-                            float scale, const Prep& p, int64_t sh) {
-  const int tid = threadIdx.x;
-  for (int idx = tid; idx < kTile; idx += kCT) {
+// Stores x as a bf16 hi/lo pair.
+__device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int64_t off, float x) {
+  const bf16 h = __float2bfloat16_rn(x);
+  hi[off] = h;
+  lo[off] = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
+// One block per (chunk, head): the chunk-local tiles that do not depend on the state, the 16×16
+// systems formed and solved. L = kb kᵀ and A = qc kᵀ (with the decay) run as MMAs on the
+// factorised decay when the chunk's Γ range allows (kMaxExp), else as exact fp32 sums.
+// Three blocks per SM: 68 KB of shared memory each, registers capped at 40.
+template <typename T>
+__global__ void __launch_bounds__(kCT, 3)
+    kda_prep_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const float* __restrict__ g, const float* __restrict__ beta,
+                    const int* __restrict__ cu, const int* __restrict__ dc, int ndoc, int heads,
+                    float scale, Prep p) {
+  extern __shared__ float smem[];
+  const Local t(smem);
+  const int slot = blockIdx.x, h = blockIdx.y;
+  int64_t c0 = 0;
+  int n = 0;
+  if (!find_chunk(cu, dc, ndoc, slot, c0, n)) return;
+  const int64_t sh = int64_t(slot) * heads + h;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gg = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int it = 0; it < kTile / kCT; ++it) {  // unrolled: every load in flight at once
+    const int idx = tid + it * kCT;
     const int i = idx / kK, a = idx % kK;
     float qv = 0.0f, kv = 0.0f, gv = 0.0f, vv = 0.0f;
     if (i < n) {
@@ -281,28 +352,53 @@ __device__ void chunk_local(const Local& t, const T* __restrict__ q, const T* __
   if (tid < kK)
     for (int i = 1; i < kC; ++i) t.gam[i * kLd + tid] += t.gam[(i - 1) * kLd + tid];
   __syncthreads();
-  for (int idx = tid; idx < kTile; idx += kCT) {
+  // The elementwise tiles; qd and kdec go straight out (nothing here reads them again).
+  bool wide = false;
+#pragma unroll
+  for (int it = 0; it < kTile / kCT; ++it) {  // unrolled: every load in flight at once
+    const int idx = tid + it * kCT;
     const int i = idx / kK, a = idx % kK;
-    const float gm = t.gam[i * kLd + a], eg = __expf(gm);
-    const float kb = t.kc[i * kLd + a] * t.beta[i];
+    const float gm = t.gam[i * kLd + a], eg = __expf(gm), gl = t.gam[(kC - 1) * kLd + a];
+    const float kv = t.kc[i * kLd + a], qv = t.qc[i * kLd + a];
+    const float kb = kv * t.beta[i];
     t.kbe[i * kLd + a] = kb * eg;
-    t.qd[i * kLd + a] = t.qc[i * kLd + a] * eg;
-    t.kdec[i * kLd + a] = t.kc[i * kLd + a] * __expf(t.gam[(kC - 1) * kLd + a] - gm);
-    if constexpr (!kSolve) {
-      const int64_t off = sh * kTile + idx;
-      t.u[i * kLd + a] = p.u[off];
-      t.w[i * kLd + a] = __bfloat162float(p.w_hi[off]) + __bfloat162float(p.w_lo[off]);
+    const int64_t off = sh * kTile + idx;
+    put_split(p.qd_hi, p.qd_lo, off, qv * eg);
+    put_split(p.kd_hi, p.kd_lo, off, kv * __expf(gl - gm));
+    const float d = gm - 0.5f * (t.gam[a] + gl);
+    wide |= !(fabsf(d) <= kMaxExp);  // NaN too
+    const float eu = __expf(d), ed = __expf(-d);
+    t.kp[i * kLd + a] = kv * ed;
+    t.kbp[i * kLd + a] = kb * eu;
+    t.qp[i * kLd + a] = qv * eu;
+  }
+  const bool fast = __syncthreads_or(wide) == 0;
+  if (fast) {
+    // Warp (mat, nt) < 4: L (mat 0) or A (mat 1), j-columns 8nt.., over the key dim.
+    if (warp < 4) {
+      const int nt = warp & 1, mat = warp >> 1;
+      const float* at = mat == 0 ? t.kbp : t.qp;
+      float c[4] = {};
+#pragma unroll 4
+      for (int kk = 0; kk < 8; ++kk) {
+        const FragA fa = load_a_f32(at + 16 * kk, kLd, 1);
+        const float* bp = t.kp + (8 * nt + gg) * kLd + 16 * kk + 2 * t4;
+        const float x[4] = {bp[0], bp[1], bp[8], bp[9]};
+        mma3(c, fa, frag_b(x));
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = gg + (r >> 1) * 8, j = 8 * nt + 2 * t4 + (r & 1);
+        if (mat == 0)
+          t.tri[i * kC + j] = j < i ? -c[r] : 0.0f;
+        else
+          t.ain[i * kC + j] = j <= i ? c[r] : 0.0f;
+      }
     }
-  }
-  if constexpr (!kSolve) {
-    if (tid < kC * kC) t.tri[tid] = p.tm[sh * kC * kC + tid];
-    __syncthreads();
-    return;
-  }
-  {
-    // Pair (i, j) on two adjacent lanes, each summing half of the key dim; the halves meet by a
-    // shuffle (a + b in both lanes: the same bits). The second half starts 16 channels in, so
-    // the 32 lanes of a warp read 32 distinct banks.
+  } else {
+    // Exact: pair (i, j) on two adjacent lanes, each summing half of the key dim; the halves
+    // meet by a shuffle (a + b in both lanes: the same bits). The second half starts 16 channels
+    // in, so the 32 lanes of a warp read 32 distinct banks.
     const int pair = tid >> 1, half = tid & 1, i = pair / kC, j = pair % kC;
     float l = 0.0f, a_in = 0.0f;
     if (j <= i) {
@@ -323,78 +419,59 @@ __device__ void chunk_local(const Local& t, const T* __restrict__ q, const T* __
     }
   }
   __syncthreads();
-  // Forward substitution, one warp: row i uses its original values and the finished rows above.
+  // Tm = (I + L)^{-1} by forward substitution on one warp, lane j < 16 walking column j down:
+  // Tm[i][j] = Σ_{m<i} tri[i][m] Tm[m][j] for i > j (terms with m < j are exact zeros), the column
+  // in registers, every lane reading row i of tri at once (a broadcast); a chain of 120 FMAs
+  // instead of 105 dependent shuffle rounds. The other warps write e^{Γ_last} and A meanwhile.
   if (tid < 32) {
-    const int lane = tid;
-    for (int i = 1; i < kC; ++i) {
-      const float orig = lane < kC ? t.tri[i * kC + lane] : 0.0f;
+    const int j = lane & (kC - 1);
+    float x[kC];
+#pragma unroll
+    for (int i = 0; i < kC; ++i) {
       float acc = 0.0f;
-      for (int m = 1; m < i; ++m) {
-        const float row_m = __shfl_sync(0xffffffffu, orig, m);
-        if (m > lane) acc += row_m * t.tri[m * kC + lane];
-      }
-      __syncwarp();
-      if (lane < i) t.tri[i * kC + lane] = orig + acc;
-      __syncwarp();
+#pragma unroll
+      for (int m = 0; m < i; ++m) acc += t.tri[i * kC + m] * x[m];
+      x[i] = i < j ? 0.0f : (i == j ? 1.0f : acc);
     }
-    if (lane < kC) t.tri[lane * kC + lane] = 1.0f;
-  }
-  __syncthreads();
-  // U = Tm vb, W = Tm kbe.
-  for (int idx = tid; idx < kTile; idx += kCT) {
-    const int i = idx / kK, a = idx % kK;
-    float uacc = 0.0f, wacc = 0.0f;
-    for (int j = 0; j <= i; ++j) {
-      const float tm = t.tri[i * kC + j];
-      uacc += tm * (t.vraw[j * kLd + a] * t.beta[j]);
-      wacc += tm * t.kbe[j * kLd + a];
-    }
-    t.u[i * kLd + a] = uacc;
-    t.w[i * kLd + a] = wacc;
-  }
-  __syncthreads();
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kCT)
-    kda_prep_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const float* __restrict__ g, const float* __restrict__ beta,
-                    const int* __restrict__ cu, const int* __restrict__ dc, int ndoc, int heads,
-                    float scale, Prep p) {
-  extern __shared__ float smem[];
-  const Local t(smem);
-  const int slot = blockIdx.x, h = blockIdx.y;
-  int64_t c0 = 0;
-  int n = 0;
-  if (!find_chunk(cu, dc, ndoc, slot, c0, n)) return;
-  const int64_t sh = int64_t(slot) * heads + h;
-  chunk_local<T, true>(t, q, k, v, g, beta, c0, n, heads, h, scale, p, sh);
-  const int tid = threadIdx.x;
-  for (int idx2 = tid; idx2 < kTile / 2; idx2 += kCT) {
-    const int idx = 2 * idx2, i = idx / kK, a = idx % kK;
-    const int64_t off = sh * kTile + idx;
-    uint32_t hi, lo;
-    split2(t.w[i * kLd + a], t.w[i * kLd + a + 1], hi, lo);
-    *reinterpret_cast<uint32_t*>(p.w_hi + off) = hi;
-    *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
-    split2(t.qd[i * kLd + a], t.qd[i * kLd + a + 1], hi, lo);
-    *reinterpret_cast<uint32_t*>(p.qd_hi + off) = hi;
-    *reinterpret_cast<uint32_t*>(p.qd_lo + off) = lo;
-    split2(t.kdec[i * kLd + a], t.kdec[i * kLd + a + 1], hi, lo);
-    *reinterpret_cast<uint32_t*>(p.kd_hi + off) = hi;
-    *reinterpret_cast<uint32_t*>(p.kd_lo + off) = lo;
-    *reinterpret_cast<float2*>(p.u + off) = make_float2(t.u[i * kLd + a], t.u[i * kLd + a + 1]);
-  }
-  if (tid < kC * kC) p.tm[sh * kC * kC + tid] = t.tri[tid];
-  if (tid < kC * kC / 2) {
-    const int idx = 2 * tid;
+    __syncwarp();  // every read of tri's −L before the first write of Tm
+    if (lane < kC)
+#pragma unroll
+      for (int i = 0; i < kC; ++i) t.tri[i * kC + j] = x[i];
+  } else if (tid >= kCT - kK) {
+    const int a = tid - (kCT - kK);
+    p.egl[sh * kK + a] = expf(t.gam[(kC - 1) * kLd + a]);
+  } else if (tid >= 32 && tid < 32 + kC * kC / 2) {
+    const int idx = 2 * (tid - 32);
     uint32_t hi, lo;
     split2(t.ain[idx], t.ain[idx + 1], hi, lo);
     *reinterpret_cast<uint32_t*>(p.a_hi + sh * kC * kC + idx) = hi;
     *reinterpret_cast<uint32_t*>(p.a_lo + sh * kC * kC + idx) = lo;
-  } else if (tid >= kCT - kK) {
-    const int a = tid - (kCT - kK);
-    p.egl[sh * kK + a] = expf(t.gam[(kC - 1) * kLd + a]);
+  }
+  __syncthreads();
+  if (tid < kC * kC) p.tm[sh * kC * kC + tid] = t.tri[tid];
+  // U = Tm vb, W = Tm kbe: warp w on columns [8w, 8w + 8), straight to memory.
+  {
+    const int n0 = 8 * warp, a = n0 + gg;
+    const FragA ft = load_a_f32(t.tri, kC, 1);
+    float xv[4], xw[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int j = 2 * t4 + (u & 1) + (u >> 1) * 8;
+      xv[u] = t.vraw[j * kLd + a] * t.beta[j];
+      xw[u] = t.kbe[j * kLd + a];
+    }
+    float cu4[4] = {}, cw4[4] = {};
+    mma3(cu4, ft, frag_b(xv));
+    mma3(cw4, ft, frag_b(xw));
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t off = sh * kTile + (gg + 8 * half) * kK + n0 + 2 * t4;
+      *reinterpret_cast<float2*>(p.u + off) = make_float2(cu4[2 * half], cu4[2 * half + 1]);
+      uint32_t hi, lo;
+      split2(cw4[2 * half], cw4[2 * half + 1], hi, lo);
+      *reinterpret_cast<uint32_t*>(p.w_hi + off) = hi;
+      *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
+    }
   }
 }
 
@@ -674,53 +751,35 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- the chunk-local backward -----------------------------------------------------------------
 
-struct Grad {
-  float* vn;    // [C][Ld]
-  float* dout;  // [C][Ld]
-  float* dvn;   // [C][Ld]
-  float* dvb;   // [C][Ld]
-  float* dqc;   // [C][Ld]
-  float* dk;
-  float* dgam;
-  float* dkb;
-  float* dkbe;
-  float* dw;
-  float* tmp;
-  float* da;   // [C][C]
-  float* dl;   // [C][C]
-  float* dgl;  // [K]
-  float* red;  // [4][K] partial sums of d Γ_last
-  bf16* xs;    // vn, dout, dvn as bf16 hi/lo pairs: 6 × [C][Ts], split once for all warps
-  static constexpr int kXs = kC * kTs;
-  static constexpr int floats() { return 11 * kC * kLd + 2 * kC * kC + 5 * kK + 6 * kXs / 2; }
-  __device__ explicit Grad(float* base) {
-    float* p = base;
-    auto take = [&p](int n) {
-      float* r = p;
-      p += n;
-      return r;
-    };
-    vn = take(kC * kLd);
-    dout = take(kC * kLd);
-    dvn = take(kC * kLd);
-    dvb = take(kC * kLd);
-    dqc = take(kC * kLd);
-    dk = take(kC * kLd);
-    dgam = take(kC * kLd);
-    dkb = take(kC * kLd);
-    dkbe = take(kC * kLd);
-    dw = take(kC * kLd);
-    tmp = take(kC * kLd);
-    da = take(kC * kC);
-    dl = take(kC * kC);
-    dgl = take(kK);
-    red = take(4 * kK);
-    xs = reinterpret_cast<bf16*>(take(6 * kXs / 2));
-  }
+// bwd_chunk's shared memory (81 KB: two blocks per SM). Every gradient tile of the chunk lives in
+// registers in the m16n8k16 accumulator layout: warp w owns key/value columns [8w, 8w + 8) of all
+// 16 rows in every phase, so only the operands that cross warps go through here.
+struct BwdSmem {
+  float qc[kC * kLd], kc[kC * kLd], gam[kC * kLd];  // scale·q, k, Γ
+  float scr[kC * kLd];    // per-warp columns: dW (as a B operand), then dΓ (for the cumsum)
+  bf16 xs[6][kC * kTs];   // Vn, dO, dVn as hi/lo pairs
+  bf16 dx[4][kC * kTs];   // dvb, dkbe as hi/lo pairs (the A operands of dL)
+  float tm[kC * kC];      // Tm
+  float da[kC * kC];      // dA (lower, diagonal included)
+  float dlp[2][kC * kC];  // −dL's two products
+  float dl[kC * kC];      // dL (strictly lower)
+  float beta[kC];
+  float dgl[kK];            // d Γ_last
+  float dbp[kCT / 32][kC];  // dβ partial sums per warp
 };
 
+// One block per (chunk, head). Phases (warp w on columns [8w, 8w + 8), lane (g, t) on rows g,
+// g + 8 and columns 8w + 2t, +1, as the accumulators of every product):
+//   1. stage scale·q, k, Γ (cumsum), β, Tm and the hi/lo tiles of Vn, dO, dVn; pick the decay path;
+//   2. dA = dO Vnᵀ (two warps); d kdec = Vn d S1ᵀ, d qd = dO S0ᵀ, d W = −dVn S0ᵀ over the value
+//      dim with S0, d S1 read once from memory (the same loads give d Γ_last's ⟨d S1, S0⟩);
+//   3. dvb = Tmᵀ dVn, dkbe = Tmᵀ dW; dL = −dvb Uᵀ − dkbe Wᵀ (four warps, U and W from prep);
+//   4. L and A back to kb, qc, k and Γ: with the factorised decay four 16×16×16 MMAs per warp
+//      (dL K', dA K', dLᵀ KB' + dAᵀ Q' with K' = k e^{ref−Γ}, KB' = kb e^{Γ−ref}, Q' = qc
+//      e^{Γ−ref}), else the exact per-element sums in fp32;
+//   5. dq, dk, dv from registers; dg (a reverse cumsum per column) and dβ (fixed-order partials).
 template <typename T>
-__global__ void __launch_bounds__(kCT)
+__global__ void __launch_bounds__(kCT, 2)
     kda_bwd_chunk_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                          const float* __restrict__ g, const float* __restrict__ beta,
                          const T* __restrict__ dout, const int* __restrict__ cu,
@@ -729,210 +788,293 @@ __global__ void __launch_bounds__(kCT)
                          const float* __restrict__ vnt, const float* __restrict__ dvnt,
                          T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv,
                          float* __restrict__ dg, float* __restrict__ dbeta) {
-  extern __shared__ float smem[];
-  const Local t(smem);
-  const Grad gt(smem + Local::floats());
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  BwdSmem& sm = *reinterpret_cast<BwdSmem*>(smem_raw);
   const int slot = blockIdx.x, h = blockIdx.y;
   int64_t c0 = 0;
   int n = 0;
   if (!find_chunk(cu, dc, ndoc, slot, c0, n)) return;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gg = lane >> 2, t4 = lane & 3;
+  const int n0 = 8 * warp;
   const int64_t sh = int64_t(slot) * heads + h;
-  // dO row by row, Vnᵀ and dVnᵀ ([e][i] blocks) column by column: both reads coalesced.
-  auto put = [&gt](float* f32_tile, int m, int i, int e, float x) {
-    f32_tile[i * kLd + e] = x;
+
+  // ---- 1. staging. dO row by row, Vnᵀ and dVnᵀ ([e][i] blocks) column by column: coalesced.
+  auto put = [&sm](int m, int i, int e, float x) {
     const bf16 hi = __float2bfloat16_rn(x);
-    gt.xs[(2 * m) * Grad::kXs + i * kTs + e] = hi;
-    gt.xs[(2 * m + 1) * Grad::kXs + i * kTs + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
+    sm.xs[2 * m][i * kTs + e] = hi;
+    sm.xs[2 * m + 1][i * kTs + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
   };
   for (int idx = tid; idx < kTile; idx += kCT) {
-    const int i = idx / kK, e = idx % kK;
-    put(gt.dout, 1, i, e, i < n ? to_f(dout[((c0 + i) * heads + h) * kK + e]) : 0.0f);
+    const int i = idx / kK, a = idx % kK;
+    float qv = 0.0f, kv = 0.0f, gv = 0.0f, dov = 0.0f;
+    if (i < n) {
+      const int64_t off = ((c0 + i) * heads + h) * kK + a;
+      qv = to_f(q[off]) * scale;
+      kv = to_f(k[off]);
+      gv = g[off];
+      dov = to_f(dout[off]);
+    }
+    sm.qc[i * kLd + a] = qv;
+    sm.kc[i * kLd + a] = kv;
+    sm.gam[i * kLd + a] = gv;
+    put(1, i, a, dov);
   }
   for (int idx = tid; idx < kTile; idx += kCT) {
     const int e = idx / kC, i = idx % kC;
-    put(gt.vn, 0, i, e, vnt[sh * kTile + idx]);
-    put(gt.dvn, 2, i, e, dvnt[sh * kTile + idx]);
+    put(0, i, e, vnt[sh * kTile + idx]);
+    put(2, i, e, dvnt[sh * kTile + idx]);
   }
-  chunk_local<T, false>(t, q, k, v, g, beta, c0, n, heads, h, scale, p, sh);  // ends in a barrier
-  const float* glast = t.gam + (kC - 1) * kLd;
-  const float* s0c = s0 + sh * kK * kK;    // S0ᵀ [e][a]
-  const float* ds1c = ds1 + sh * kK * kK;  // d S1ᵀ [e][a]
+  if (tid < kC) sm.beta[tid] = tid < n ? beta[(c0 + tid) * heads + h] : 0.0f;
+  if (tid < kC * kC) sm.tm[tid] = p.tm[sh * kC * kC + tid];
+  __syncthreads();
+  if (tid < kK)  // in-chunk cumulative sum, sequential like the CPU and prep
+    for (int i = 1; i < kC; ++i) sm.gam[i * kLd + tid] += sm.gam[(i - 1) * kLd + tid];
+  __syncthreads();
+  bool wide = false;
+  for (int idx = tid; idx < kTile; idx += kCT) {
+    const int i = idx / kK, a = idx % kK;
+    const float ref = 0.5f * (sm.gam[a] + sm.gam[(kC - 1) * kLd + a]);
+    wide |= !(fabsf(sm.gam[i * kLd + a] - ref) <= kMaxExp);  // NaN too
+  }
+  const bool fast = __syncthreads_or(wide) == 0;  // also the barrier after the cumsum's readers
 
-  // Products over the value dim, warp w on key columns [8w, 8w + 8):
-  // d kdec = Vn d S1ᵀ, d qd = dO S0ᵀ, d W = −dVn S0ᵀ.
-  {
-    const int warp = tid >> 5, lane = tid & 31, gg = lane >> 2, t4 = lane & 3;
-    const int n0 = 8 * warp;  // 16 warps × 8 key columns
-    float dkd[4] = {}, dqd[4] = {}, dwa[4] = {};
-#pragma unroll 2
+  // ---- 2. dA (warps 0, 1: j-columns 8w..) and the products over the value dim.
+  if (warp < 2) {
+    float c[4] = {};
+#pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
-      const FragB bs1 = load_b_f32(ds1c, kK, 16 * kk, n0);
-      const FragB bs0 = load_b_f32(s0c, kK, 16 * kk, n0);
       FragA fa;
-      lds_a_mk(gt.xs, kTs, 0, 16 * kk, fa.hi);
-      lds_a_mk(gt.xs + Grad::kXs, kTs, 0, 16 * kk, fa.lo);
-      mma3(dkd, fa, bs1);
-      lds_a_mk(gt.xs + 2 * Grad::kXs, kTs, 0, 16 * kk, fa.hi);
-      lds_a_mk(gt.xs + 3 * Grad::kXs, kTs, 0, 16 * kk, fa.lo);
-      mma3(dqd, fa, bs0);
-      lds_a_mk(gt.xs + 4 * Grad::kXs, kTs, 0, 16 * kk, fa.hi);
-      lds_a_mk(gt.xs + 5 * Grad::kXs, kTs, 0, 16 * kk, fa.lo);
-      mma3(dwa, fa, bs0);
+      FragB fb;
+      lds_a_mk(sm.xs[2], kTs, 0, 16 * kk, fa.hi);
+      lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
+      lds_b_nk(sm.xs[0], kTs, n0, 16 * kk, fb.hi);
+      lds_b_nk(sm.xs[1], kTs, n0, 16 * kk, fb.lo);
+      mma3(c, fa, fb);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
+      const int i = gg + (r >> 1) * 8, j = n0 + 2 * t4 + (r & 1);
+      sm.da[i * kC + j] = j <= i ? c[r] : 0.0f;
+    }
+  }
+  const float* s0c = s0 + sh * kK * kK;    // S0ᵀ [e][a]
+  const float* ds1c = ds1 + sh * kK * kK;  // d S1ᵀ [e][a]
+  float dkd[4] = {}, dqd[4] = {}, dwa[4] = {}, sdot = 0.0f;
+#pragma unroll 2
+  for (int kk = 0; kk < 8; ++kk) {
+    const int64_t base = int64_t(16 * kk + 2 * t4) * kK + n0 + gg;
+    const float x1[4] = {ds1c[base], ds1c[base + kK], ds1c[base + 8 * kK], ds1c[base + 9 * kK]};
+    const float x0[4] = {s0c[base], s0c[base + kK], s0c[base + 8 * kK], s0c[base + 9 * kK]};
+    sdot += ((x1[0] * x0[0] + x1[1] * x0[1]) + x1[2] * x0[2]) + x1[3] * x0[3];
+    const FragB bs1 = frag_b(x1), bs0 = frag_b(x0);
+    FragA fa;
+    lds_a_mk(sm.xs[0], kTs, 0, 16 * kk, fa.hi);
+    lds_a_mk(sm.xs[1], kTs, 0, 16 * kk, fa.lo);
+    mma3(dkd, fa, bs1);
+    lds_a_mk(sm.xs[2], kTs, 0, 16 * kk, fa.hi);
+    lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
+    mma3(dqd, fa, bs0);
+    lds_a_mk(sm.xs[4], kTs, 0, 16 * kk, fa.hi);
+    lds_a_mk(sm.xs[5], kTs, 0, 16 * kk, fa.lo);
+    mma3(dwa, fa, bs0);
+  }
+  // ⟨d S1, S0⟩ of column n0 + gg: the four t-lanes hold a quarter of the value dim each (the
+  // butterfly adds the same two numbers in both lanes: identical bits everywhere).
+  sdot += __shfl_xor_sync(0xffffffffu, sdot, 1);
+  sdot += __shfl_xor_sync(0xffffffffu, sdot, 2);
+  // Through kdec = k e^{Γ_last − Γ} and qd = qc e^Γ; the accumulators of dq, dk and dΓ start here.
+  float dqa[4], dka[4], dgm[4], tsum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int i = gg + (r >> 1) * 8, a = n0 + 2 * t4 + (r & 1);
+    const float gm = sm.gam[i * kLd + a], gl = sm.gam[(kC - 1) * kLd + a];
+    const float eg = __expf(gm), el = __expf(gl - gm);
+    const float kdv = sm.kc[i * kLd + a] * el, qdv = sm.qc[i * kLd + a] * eg;
+    dka[r] = dkd[r] * el;
+    dqa[r] = dqd[r] * eg;
+    dgm[r] = -dkd[r] * kdv + dqd[r] * qdv;
+    tsum[r & 1] += dkd[r] * kdv;
+    sm.scr[i * kLd + a] = -dwa[r];
+  }
+  // d Γ_last = e^{Γ_last} ⟨d S1, S0⟩ + Σ_i d kdec ⊙ kdec over the rows (g-lanes, butterfly).
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) tsum[c] += __shfl_xor_sync(0xffffffffu, tsum[c], o);
+    const float sd = __shfl_sync(0xffffffffu, sdot, (2 * t4 + c) * 4);
+    const int a = n0 + 2 * t4 + c;
+    if (gg == 0) sm.dgl[a] = expf(sm.gam[(kC - 1) * kLd + a]) * sd + tsum[c];
+  }
+  __syncwarp();
+
+  // ---- 3. dvb = Tmᵀ dVn, dkbe = Tmᵀ dW (Tm lower triangular), then dL.
+  float dvb[4] = {}, dkbe[4] = {};
+  {
+    const FragA ta = load_a_f32(sm.tm, 1, kC);
+    FragB bv;
+    ldsm_b_kn8(sm.xs[4], kTs, n0, bv.hi);
+    ldsm_b_kn8(sm.xs[5], kTs, n0, bv.lo);
+    const FragB bw = load_b_f32(sm.scr, kLd, 0, n0);
+    mma3(dvb, ta, bv);
+    mma3(dkbe, ta, bw);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = gg + 8 * half, a = n0 + 2 * t4;
+      uint32_t hi, lo;
+      split2(dvb[2 * half], dvb[2 * half + 1], hi, lo);
+      *reinterpret_cast<uint32_t*>(&sm.dx[0][i * kTs + a]) = hi;
+      *reinterpret_cast<uint32_t*>(&sm.dx[1][i * kTs + a]) = lo;
+      split2(dkbe[2 * half], dkbe[2 * half + 1], hi, lo);
+      *reinterpret_cast<uint32_t*>(&sm.dx[2][i * kTs + a]) = hi;
+      *reinterpret_cast<uint32_t*>(&sm.dx[3][i * kTs + a]) = lo;
+    }
+  }
+  __syncthreads();
+  if (warp < 4) {  // warp (prod, nt): dvb Uᵀ or dkbe Wᵀ, j-columns 8nt..
+    const int nt = warp & 1, prod = warp >> 1;
+    float c[4] = {};
+#pragma unroll 4
+    for (int kk = 0; kk < 8; ++kk) {
+      FragA fa;
+      lds_a_mk(sm.dx[2 * prod], kTs, 0, 16 * kk, fa.hi);
+      lds_a_mk(sm.dx[2 * prod + 1], kTs, 0, 16 * kk, fa.lo);
+      FragB fb;
+      if (prod == 0) {
+        const float* pu = p.u + sh * kTile + (8 * nt + gg) * kK + 16 * kk + 2 * t4;
+        const float x[4] = {pu[0], pu[1], pu[8], pu[9]};
+        fb = frag_b(x);
+      } else {
+        lds_b_nk(p.w_hi + sh * kTile, kK, 8 * nt, 16 * kk, fb.hi);
+        lds_b_nk(p.w_lo + sh * kTile, kK, 8 * nt, 16 * kk, fb.lo);
+      }
+      mma3(c, fa, fb);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      sm.dlp[prod][(gg + (r >> 1) * 8) * kC + 8 * nt + 2 * t4 + (r & 1)] = c[r];
+  }
+  __syncthreads();
+  if (tid < kC * kC) {
+    const int i = tid / kC, j = tid % kC;
+    sm.dl[tid] = j < i ? -(sm.dlp[0][tid] + sm.dlp[1][tid]) : 0.0f;
+  }
+  __syncthreads();
+
+  // ---- 4. L and A to kb, qc, k and Γ through the decay e^{Γ_i − Γ_j}.
+  float dkb[4];
+  if (fast) {
+    // Row side: dkb_i = e^{Γ_i−ref} Σ_j dL_ij K'_j, dqc_i += e^{Γ_i−ref} Σ_j dA_ij K'_j;
+    // column side: dk_j += e^{ref−Γ_j} Σ_i (dL_ij KB'_i + dA_ij Q'_i). dL, dA are zero above
+    // the diagonal, so the products need no mask.
+    const FragA adl = load_a_f32(sm.dl, kC, 1), ada = load_a_f32(sm.da, kC, 1);
+    const FragA adlt = load_a_f32(sm.dl, 1, kC), adat = load_a_f32(sm.da, 1, kC);
+    const int a = n0 + gg;
+    const float ref = 0.5f * (sm.gam[a] + sm.gam[(kC - 1) * kLd + a]);
+    float kp[4], kbp[4], qp[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int kr = 2 * t4 + (u & 1) + (u >> 1) * 8;
+      const float d = sm.gam[kr * kLd + a] - ref, eu = __expf(d), ed = __expf(-d);
+      const float kv = sm.kc[kr * kLd + a];
+      kp[u] = kv * ed;
+      kbp[u] = kv * sm.beta[kr] * eu;
+      qp[u] = sm.qc[kr * kLd + a] * eu;
+    }
+    const FragB bk = frag_b(kp), bkb = frag_b(kbp), bq = frag_b(qp);
+    float x[4] = {}, y[4] = {}, z[4] = {};
+    mma3(x, adl, bk);
+    mma3(y, ada, bk);
+    mma3(z, adlt, bkb);
+    mma3(z, adat, bq);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = gg + (r >> 1) * 8, ac = n0 + 2 * t4 + (r & 1);
+      const float refc = 0.5f * (sm.gam[ac] + sm.gam[(kC - 1) * kLd + ac]);
+      const float d = sm.gam[i * kLd + ac] - refc, eu = __expf(d), ed = __expf(-d);
+      const float kv = sm.kc[i * kLd + ac];
+      const float dkbr = eu * x[r], dqv = eu * y[r], dkv = ed * z[r];
+      dkb[r] = dkbr;
+      dqa[r] += dqv;
+      dka[r] += dkv;
+      dgm[r] += (kv * sm.beta[i]) * dkbr + sm.qc[i * kLd + ac] * dqv - dkv * kv;
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
       const int i = gg + (r >> 1) * 8, a = n0 + 2 * t4 + (r & 1);
-      gt.tmp[i * kLd + a] = dkd[r];
-      gt.dqc[i * kLd + a] = dqd[r];
-      gt.dw[i * kLd + a] = -dwa[r];
-    }
-  }
-  // d Γ_last from S1 = e^{Γ_last} S0 + …, in four parts over the value dim; dA = dO Vnᵀ (lower).
-  {
-    const int a = tid % kK, part = tid / kK;
-    float acc = 0.0f;
-    for (int e = part * (kK / 4); e < (part + 1) * (kK / 4); ++e)
-      acc += ds1c[e * kK + a] * s0c[e * kK + a];
-    gt.red[part * kK + a] = acc;
-  }
-  {
-    const int pair = tid >> 1, half = tid & 1, i = pair / kC, j = pair % kC;
-    float acc = 0.0f;
-    if (j <= i)
-      for (int it = 0; it < kK / 2; ++it) {
-        const int e = half * (kK / 2) + ((it + 16 * half) & (kK / 2 - 1));  // as in chunk_local
-        acc += gt.dout[i * kLd + e] * gt.vn[j * kLd + e];
+      const float gi = sm.gam[i * kLd + a], kv = sm.kc[i * kLd + a];
+      const float kbi = kv * sm.beta[i], qi = sm.qc[i * kLd + a];
+      float dkbr = 0.0f, dqv = 0.0f, dgv = 0.0f, dkv = 0.0f;
+      for (int j = 0; j <= i; ++j) {  // row i
+        const float decay = __expf(gi - sm.gam[j * kLd + a]);
+        const float kj = sm.kc[j * kLd + a];
+        const float tl = sm.dl[i * kC + j] * decay, ta = sm.da[i * kC + j] * decay;
+        dkbr += tl * kj;
+        dqv += ta * kj;
+        dgv += (tl * kbi + ta * qi) * kj;
       }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    if (half == 0) gt.da[i * kC + j] = acc;
-  }
-  __syncthreads();
-  if (tid < kK)
-    gt.dgl[tid] = expf(glast[tid]) * (((gt.red[tid] + gt.red[kK + tid]) + gt.red[2 * kK + tid]) +
-                                      gt.red[3 * kK + tid]);
-  // Through kdec = k e^{Γ_last − Γ} and qd = qc e^Γ.
-  for (int idx = tid; idx < kTile; idx += kCT) {
-    const int i = idx / kK, a = idx % kK;
-    const float dkd = gt.tmp[i * kLd + a], kdv = t.kdec[i * kLd + a];
-    gt.dk[i * kLd + a] = dkd * __expf(glast[a] - t.gam[i * kLd + a]);
-    const float dqd = gt.dqc[i * kLd + a];
-    gt.dqc[i * kLd + a] = dqd * __expf(t.gam[i * kLd + a]);
-    gt.dgam[i * kLd + a] = -dkd * kdv + dqd * t.qd[i * kLd + a];
-    gt.tmp[i * kLd + a] = dkd * kdv;
-  }
-  __syncthreads();
-  if (tid < kK) {
-    float acc = gt.dgl[tid];
-    for (int i = 0; i < kC; ++i) acc += gt.tmp[i * kLd + tid];
-    gt.dgl[tid] = acc;
-  }
-  // dvb = Tmᵀ dU (dU = dVn), dkbe = Tmᵀ dW.
-  for (int idx = tid; idx < kTile; idx += kCT) {
-    const int j = idx / kK, a = idx % kK;
-    float accv = 0.0f, accw = 0.0f;
-    for (int i = j; i < kC; ++i) {
-      const float tm = t.tri[i * kC + j];
-      accv += tm * gt.dvn[i * kLd + a];
-      accw += tm * gt.dw[i * kLd + a];
-    }
-    gt.dvb[j * kLd + a] = accv;
-    gt.dkbe[j * kLd + a] = accw;
-  }
-  __syncthreads();
-  // dL = −dvb Uᵀ − dkbe Wᵀ (strictly lower).
-  {
-    const int pair = tid >> 1, half = tid & 1, i = pair / kC, j = pair % kC;
-    float acc = 0.0f;
-    if (j < i) {
-      if (half == 0)
-        for (int e = 0; e < kK; ++e) acc += gt.dvb[i * kLd + e] * t.u[j * kLd + e];
-      else
-        for (int a = 0; a < kK; ++a) acc += gt.dkbe[i * kLd + a] * t.w[j * kLd + a];
-    }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    if (half == 0) gt.dl[i * kC + j] = -acc;
-  }
-  __syncthreads();
-  // L and A to kb, qc, k and Γ through the decay e^{Γ_i − Γ_j}, one key channel a per thread:
-  // threads 0–255 the row side (i; rows 0–10 and 11–15 hold 66 and 70 pairs), threads 256–511 the
-  // column side (j; columns 0–4 and 5–15 hold 70 and 66).
-  {
-    const int a = tid % kK, group = tid / kK;
-    if (group < 2) {
-      const int i0 = group == 0 ? 0 : 11, i1 = group == 0 ? 11 : kC;
-      for (int i = i0; i < i1; ++i) {
-        const float gi = t.gam[i * kLd + a], kbi = t.kc[i * kLd + a] * t.beta[i],
-                    qi = t.qc[i * kLd + a];
-        float dkb = 0.0f, dqv = 0.0f, dgv = 0.0f;
-        for (int j = 0; j <= i; ++j) {
-          const float decay = __expf(gi - t.gam[j * kLd + a]);
-          const float kj = t.kc[j * kLd + a];
-          const float tl = (j < i ? gt.dl[i * kC + j] : 0.0f) * decay,
-                      ta = gt.da[i * kC + j] * decay;
-          dkb += tl * kj;
-          dqv += ta * kj;
-          dgv += (tl * kbi + ta * qi) * kj;
-        }
-        gt.dkb[i * kLd + a] = dkb;
-        gt.dqc[i * kLd + a] += dqv;
-        gt.dgam[i * kLd + a] += dgv;
+      for (int i2 = i; i2 < kC; ++i2) {  // column i
+        const float decay = __expf(sm.gam[i2 * kLd + a] - gi);
+        const float kbi2 = sm.kc[i2 * kLd + a] * sm.beta[i2], qi2 = sm.qc[i2 * kLd + a];
+        dkv += (sm.dl[i2 * kC + i] * decay) * kbi2 + (sm.da[i2 * kC + i] * decay) * qi2;
       }
-    } else {
-      const int j0 = group == 2 ? 0 : 5, j1 = group == 2 ? 5 : kC;
-      for (int j = j0; j < j1; ++j) {
-        const float gj = t.gam[j * kLd + a], kj = t.kc[j * kLd + a];
-        float dkv = 0.0f, dgv = 0.0f;
-        for (int i = j; i < kC; ++i) {
-          const float decay = __expf(t.gam[i * kLd + a] - gj);
-          const float kbi = t.kc[i * kLd + a] * t.beta[i], qi = t.qc[i * kLd + a];
-          const float tl = (j < i ? gt.dl[i * kC + j] : 0.0f) * decay,
-                      ta = gt.da[i * kC + j] * decay;
-          const float x = tl * kbi + ta * qi;
-          dkv += x;
-          dgv += x * kj;
-        }
-        gt.dk[j * kLd + a] += dkv;
-        gt.tmp[j * kLd + a] = -dgv;
-      }
+      dkb[r] = dkbr;
+      dqa[r] += dqv;
+      dka[r] += dkv;
+      dgm[r] += dgv - dkv * kv;
     }
   }
-  __syncthreads();
-  // kbe = kb ⊙ e^Γ, kb = β k, vb = β v, qc = scale·q.
-  for (int idx = tid; idx < kTile; idx += kCT) {
-    const int i = idx / kK, a = idx % kK;
-    const float eg = __expf(t.gam[i * kLd + a]);
-    const float dkb = gt.dkb[i * kLd + a] + gt.dkbe[i * kLd + a] * eg;
-    gt.dkb[i * kLd + a] = dkb;
-    float dgm =
-        gt.dgam[i * kLd + a] + gt.dkbe[i * kLd + a] * t.kbe[i * kLd + a] + gt.tmp[i * kLd + a];
-    if (i == kC - 1) dgm += gt.dgl[a];
-    gt.dgam[i * kLd + a] = dgm;
+
+  // ---- 5. kbe = kb ⊙ e^Γ, kb = β k, vb = β v, qc = scale·q; outputs.
+  float dbr[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = gg + 8 * half, a = n0 + 2 * t4;
+    const float b = sm.beta[i];
+    float dqo[2], dko[2], dvo[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int r = 2 * half + c;
+      const float eg = __expf(sm.gam[i * kLd + a + c]), kv = sm.kc[i * kLd + a + c];
+      const float dkbt = dkb[r] + dkbe[r] * eg;
+      float dgr = dgm[r] + dkbe[r] * (kv * b * eg);
+      if (i == kC - 1) dgr += sm.dgl[a + c];
+      sm.scr[i * kLd + a + c] = dgr;
+      dqo[c] = dqa[r] * scale;
+      dko[c] = dka[r] + dkbt * b;
+      dvo[c] = dvb[r] * b;
+      const float vv = i < n ? to_f(v[((c0 + i) * heads + h) * kK + a + c]) : 0.0f;
+      dbr[half] += dkbt * kv + dvb[r] * vv;
+    }
     if (i < n) {
       const int64_t off = ((c0 + i) * heads + h) * kK + a;
-      dq[off] = from_f<T>(gt.dqc[i * kLd + a] * scale);
-      dk[off] = from_f<T>(gt.dk[i * kLd + a] + dkb * t.beta[i]);
-      dv[off] = from_f<T>(gt.dvb[i * kLd + a] * t.beta[i]);
+      store2(dq + off, dqo[0], dqo[1]);
+      store2(dk + off, dko[0], dko[1]);
+      store2(dv + off, dvo[0], dvo[1]);
+    }
+  }
+  // dβ_i = ⟨dkb_i, k_i⟩ + ⟨dvb_i, v_i⟩: t-lanes, then warps in order.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    dbr[half] += __shfl_xor_sync(0xffffffffu, dbr[half], 1);
+    dbr[half] += __shfl_xor_sync(0xffffffffu, dbr[half], 2);
+    if (t4 == 0) sm.dbp[warp][gg + 8 * half] = dbr[half];
+  }
+  __syncwarp();
+  // dg_i = Σ_{i' ≥ i} dΓ_{i'}: lane l < 8 walks column 8w + l upwards.
+  if (lane < 8) {
+    const int a = n0 + lane;
+    float acc = 0.0f;
+    for (int i = kC - 1; i >= 0; --i) {
+      acc += sm.scr[i * kLd + a];
+      if (i < n) dg[((c0 + i) * heads + h) * kK + a] = acc;
     }
   }
   __syncthreads();
-  // dg_i = Σ_{i' ≥ i} dΓ_{i'}; dβ_i = ⟨dkb_i, k_i⟩ + ⟨dvb_i, v_i⟩.
-  if (tid < kK) {
+  if (tid < n) {
     float acc = 0.0f;
-    for (int i = kC - 1; i >= 0; --i) {
-      acc += gt.dgam[i * kLd + tid];
-      if (i < n) dg[((c0 + i) * heads + h) * kK + tid] = acc;
-    }
-  }
-  {
-    // Row i = warp: each lane sums 4 + 4 terms, then a fixed shuffle tree.
-    const int i = tid >> 5, lane = tid & 31;
-    float db = 0.0f;
-    for (int a = lane; a < kK; a += 32) db += gt.dkb[i * kLd + a] * t.kc[i * kLd + a];
-    for (int e = lane; e < kK; e += 32) db += gt.dvb[i * kLd + e] * t.vraw[i * kLd + e];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) db += __shfl_xor_sync(0xffffffffu, db, o);
-    if (lane == 0 && i < n) dbeta[(c0 + i) * heads + h] = db;
+    for (int w = 0; w < kCT / 32; ++w) acc += sm.dbp[w][tid];
+    dbeta[(c0 + tid) * heads + h] = acc;
   }
 }
 
@@ -1021,6 +1163,9 @@ Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   auto kernel = kda_prep_kernel<T>;
   GLMTUNE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  // Three blocks per SM need the largest shared-memory carveout.
+  GLMTUNE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          int(cudaSharedmemCarveoutMaxShared)));
   kernel<<<dim3(unsigned(w.slots), unsigned(a.heads)), kCT, bytes, stream>>>(
       cptr<T>(q), cptr<T>(k), cptr<T>(v), g.data<float>(), beta.data<float>(), cu.data<int32_t>(),
       w.dc.data<int32_t>(), a.ndoc, a.heads, scale, w.p);
@@ -1073,7 +1218,7 @@ void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
     GLMTUNE_CUDA_CHECK(cudaGetLastError());
   }
   {
-    constexpr int bytes = (Local::floats() + Grad::floats()) * int(sizeof(float));
+    constexpr int bytes = int(sizeof(BwdSmem));
     auto kernel = kda_bwd_chunk_kernel<T>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
