@@ -16,11 +16,16 @@
 //              warp's MMA accumulators): Vn = U − W S, O = qd S + A Vn, S ← e^{Γ_last} S +
 //              kdecᵀ Vn. For the backward it also stores every chunk's entry state and Vn.
 //   state_bwd  the same walk in reverse carrying d S: dVn = kdec dS + Aᵀ dO, dS ← e^{Γ_last} dS +
-//              qdᵀ dO − Wᵀ dVn; stores every chunk's exit d S and dVn.
+//              qdᵀ dO − Wᵀ dVn. The two products that need a chunk's exit gradient d S1 are taken
+//              here, while it sits in the registers: d kdec = Vn d S1ᵀ (per warp an MMA over its
+//              16 value rows, the accumulator tile transposed into a B operand by movmatrix, the
+//              eight partials summed in warp order through shared memory) and e^{Γ_last}
+//              ⟨d S1, S0⟩ per key column (S0 from state_fwd's store, sent to L2 a chunk ahead).
+//              Stores those and dVn; d S itself never goes to memory.
 //   bwd_chunk  one block per (chunk, head), 81 KB of shared memory (two blocks per SM): from S0,
-//              d S1, Vn, dVn every product as an MMA (d kdec, d qd, d W over the value dim, with
-//              d Γ_last's ⟨d S1, S0⟩ from the same loads; dA, dvb = Tmᵀ dU, dkbe = Tmᵀ dW, dL; the
-//              decay terms back to kb, qc, k, Γ on the factorised decay), Tm, U, W taken from prep.
+//              Vn, dVn, d kdec every product as an MMA (d qd, d W over the value dim; dA,
+//              dvb = Tmᵀ dU, dkbe = Tmᵀ dW, dL; the decay terms back to kb, qc, k, Γ on the
+//              factorised decay), Tm, U, W taken from prep.
 //              Each warp owns 8 key/value columns in every phase, so the gradient tiles stay in
 //              its accumulators and only cross-warp operands go through shared memory.
 // The factorised decay: e^{Γ_i − Γ_j} = e^{Γ_i − ref}·e^{ref − Γ_j}, ref per key channel the mean
@@ -28,9 +33,9 @@
 // whose |Γ − ref| exceeds kMaxExp anywhere (the gate's lower bound −5 keeps real chunks inside)
 // takes the exact per-element fp32 path instead, decided per block, so any gate stays correct.
 // The backward takes no saved state from the forward (the API has none), so it runs prep and
-// state_fwd again. Workspace per (chunk, head): prep 34.5 KB; the backward adds S0ᵀ and d S1ᵀ in
-// f32 (128 KB) and Vnᵀ, dVnᵀ (16 KB): about 2.3 GB forward and 12 GB backward at T = 16384,
-// H = 64.
+// state_fwd again. Workspace per (chunk, head): prep 34.5 KB; the backward adds S0ᵀ in f32
+// (64 KB) and Vnᵀ, dVnᵀ, d kdec, e^{Γ_last} ⟨d S1, S0⟩ (24.5 KB): about 2.3 GB forward and
+// 8.1 GB backward at T = 16384, H = 64.
 // Matrix products run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) with
 // every fp32 operand split into a bf16 hi part and a bf16 lo part (the rounding error of hi):
 // hi·hi + hi·lo + lo·hi keeps about 16 bits of every operand, so the f32 mode and the f32 outputs
@@ -477,23 +482,26 @@ __global__ void __launch_bounds__(kCT, 3)
 
 // ---- the state walks --------------------------------------------------------------------------
 
-// One chunk's prep output staged in shared memory (bf16 rows padded to kTs / kAs).
-struct Stage {
+// One chunk's prep output staged in shared memory (bf16 rows padded to kTs / kAs); the forward
+// walk's Stage adds U.
+struct StageBwd {
   bf16 w_hi[kC * kTs], w_lo[kC * kTs];
   bf16 qd_hi[kC * kTs], qd_lo[kC * kTs];
   bf16 kd_hi[kC * kTs], kd_lo[kC * kTs];
   bf16 x_hi[kC * kTs], x_lo[kC * kTs];  // forward: unused; backward: dO
   bf16 a_hi[kC * kAs], a_lo[kC * kAs];
   float egl[kK];
-  float u[kTile];  // forward only
+};
+struct Stage : StageBwd {
+  float u[kTile];
 };
 
 __device__ __forceinline__ void stage_tile(bf16* dst, const bf16* src) {
   const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 8;  // 256 pieces of 16 bytes
   cp_async16(dst + row * kTs + col, src + row * kK + col);
 }
-template <bool kWithU>
-__device__ void stage_load(Stage& st, const Prep& p, int64_t sh) {
+template <bool kWithU, typename S>
+__device__ void stage_load(S& st, const Prep& p, int64_t sh) {
   const int tid = threadIdx.x;
   stage_tile(st.w_hi, p.w_hi + sh * kTile);
   stage_tile(st.w_lo, p.w_lo + sh * kTile);
@@ -626,15 +634,44 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The reverse walk: warp w owns rows e of d Sᵀ (as s in the forward). Stores every chunk's exit
-// d S (before the chunk is undone) to ds1 and dVnᵀ to dvnt.
+// movmatrix: the transpose of an 8×8 bf16 matrix held in the fragment layout (lane (g, t) holds
+// row g, columns 2t, 2t+1), returned in the same layout.
+__device__ __forceinline__ uint32_t mov_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Prefetches `bytes` (a multiple of 16) at a 16-byte aligned global address into L2.
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+
+// state_bwd's shared memory: two stages, the per-warp partials of d kdec for 16 key columns
+// (two buffers, [warp][i][16] with the column XOR-swizzled by 8·(i/2 mod 2): conflict-free float2
+// writes from the accumulator layout and reads by row) and the per-warp ⟨d S1, S0⟩ columns.
+constexpr int kRedCols = 16;
+struct StateBwdSmem {
+  StageBwd stages[2];
+  float red[2][kThreads / 32][kC * kRedCols];
+  float dot[kThreads / 32][kK];
+};
+
+// The reverse walk: warp w owns rows e of d Sᵀ (as s in the forward). Before a chunk is undone,
+// d S is its exit gradient d S1, and the walk takes the two products of bwd_chunk that need it:
+// d kdec = Vn d S1ᵀ (over the value dim: each warp's 16 rows by an MMA whose B operand is the
+// accumulator tile transposed by movmatrix, then the eight warps' partials summed in order through
+// shared memory) to dkd, and e^{Γ_last} ⟨d S1, S0⟩ per key column (S0 read from the forward's
+// store) to dgs. Also stores dVnᵀ to dvnt. d S itself never leaves the registers.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     kda_state_bwd_kernel(Prep p, const T* __restrict__ dout, const int* __restrict__ cu,
-                         const int* __restrict__ dc, int heads, float* __restrict__ ds1,
-                         float* __restrict__ dvnt) {
+                         const int* __restrict__ dc, int heads, const float* __restrict__ s0,
+                         const float* __restrict__ vnt, float* __restrict__ dvnt,
+                         float* __restrict__ dkd, float* __restrict__ dgs) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+  StateBwdSmem& sm = *reinterpret_cast<StateBwdSmem*>(smem_raw);
+  StageBwd* stages = sm.stages;
   const int h = blockIdx.x, doc = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int eb = 16 * warp;
@@ -649,7 +686,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < 8; ++j)
       xo[j] = row < end ? to_f(dout[(row * heads + h) * kK + xc + j]) : 0.0f;
   };
-  auto put_dout = [&](Stage& st) {
+  auto put_dout = [&](StageBwd& st) {
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       uint32_t hi, lo;
@@ -665,6 +702,11 @@ __global__ void __launch_bounds__(kThreads)
     stage_load<false>(stages[(nch - 1) & 1], p, int64_t(first + nch - 1) * heads + h);
     fetch_dout(nch - 1);
     put_dout(stages[(nch - 1) & 1]);
+    if (tid == 0) {
+      const int64_t sh = int64_t(first + nch - 1) * heads + h;
+      prefetch_l2(s0 + sh * kK * kK, kK * kK * sizeof(float));
+      prefetch_l2(vnt + sh * kTile, kTile * sizeof(float));
+    }
   }
   cp_async_commit();
   for (int c = nch - 1; c >= 0; --c) {
@@ -672,39 +714,111 @@ __global__ void __launch_bounds__(kThreads)
     if (c > 0) {
       stage_load<false>(stages[(c - 1) & 1], p, sh - heads);
       cp_async_commit();
-      fetch_dout(c - 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const Stage& st = stages[c & 1];
-    {
-      float* dst = ds1 + sh * kK * kK;
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt) {
-        const int a = 8 * nt + 2 * t4;
-        *reinterpret_cast<float2*>(dst + (eb + g) * kK + a) = make_float2(ds[nt][0], ds[nt][1]);
-        *reinterpret_cast<float2*>(dst + (eb + g + 8) * kK + a) = make_float2(ds[nt][2], ds[nt][3]);
-      }
+    const StageBwd& st = stages[c & 1];
+    // The next chunk's S0ᵀ and Vnᵀ head for L2 now (this chunk's were sent one iteration ago),
+    // and the dO rows that fetch_dout reads one iteration from now.
+    if (c > 0 && tid == 0) {
+      prefetch_l2(s0 + (sh - heads) * kK * kK, kK * kK * sizeof(float));
+      prefetch_l2(vnt + (sh - heads) * kTile, kTile * sizeof(float));
     }
-    // dVnᵀ = d Sᵀ kdecᵀ + dOᵀ A.
-    float dvn[2][4] = {};
+    if (c > 1 && tid >= 32 && tid < 32 + kC) {  // dO rows of the chunk after next
+      const int64_t row = start + int64_t(c - 2) * kC + (tid - 32);
+      if (row < end) prefetch_l2(dout + (row * heads + h) * kK, kK * sizeof(T));
+    }
+    // S0ᵀ of this chunk in the accumulator layout (rows e, columns a: as state_fwd stored it),
+    // two n-tiles at a time, one round ahead.
+    const float* s0c = s0 + sh * kK * kK;
+    auto load_s0 = [&](int grp, float2(&x)[2][2]) {
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      const FragA fa = frag_from_acc(ds[2 * kk], ds[2 * kk + 1], 1.0f);
+      for (int j = 0; j < 2; ++j) {
+        const int a = 8 * (2 * grp + j) + 2 * t4;
+        x[j][0] = *reinterpret_cast<const float2*>(s0c + (eb + g) * kK + a);
+        x[j][1] = *reinterpret_cast<const float2*>(s0c + (eb + g + 8) * kK + a);
+      }
+    };
+    float2 xs0[2][2][2];
+    load_s0(0, xs0[0]);
+    // Vn [i][e] over this warp's value rows as the A operand (vnt holds Vnᵀ [e][i]).
+    const FragA fvn = load_a_f32(vnt + sh * kTile + eb * kC, 1, kC);
+    // Sixteen key columns (two n-tiles, k-tile grp of d Sᵀ) per round: dVnᵀ = d Sᵀ kdecᵀ (+ dOᵀ A
+    // after the rounds), d kdec = Vn d S1ᵀ and ⟨d S1, S0⟩, the first two from one hi/lo split.
+    float dvn[2][4] = {};
+    constexpr int kRounds = kK / kRedCols;
+#pragma unroll
+    for (int grp = 0; grp < kRounds; ++grp) {
+      if (grp + 1 < kRounds) load_s0(grp + 1, xs0[(grp + 1) & 1]);
+      const float2(&x0)[2][2] = xs0[grp & 1];
+      const FragA fa = frag_from_acc(ds[2 * grp], ds[2 * grp + 1], 1.0f);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         FragB b;
-        lds_b_nk(st.kd_hi, kTs, 8 * nt, 16 * kk, b.hi);
-        lds_b_nk(st.kd_lo, kTs, 8 * nt, 16 * kk, b.lo);
+        lds_b_nk(st.kd_hi, kTs, 8 * nt, 16 * grp, b.hi);
+        lds_b_nk(st.kd_lo, kTs, 8 * nt, 16 * grp, b.lo);
         mma3(dvn[nt], fa, b);
       }
+      float part[2][4] = {};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int nt = 2 * grp + j, a = 8 * nt + 2 * t4;
+        // ⟨d S1, S0⟩ of columns a, a + 1: rows g, g + 8 here, then the g-lanes (butterfly: the
+        // same two numbers added in both lanes, identical bits everywhere).
+        float d0 = ds[nt][0] * x0[j][0].x + ds[nt][2] * x0[j][1].x;
+        float d1 = ds[nt][1] * x0[j][0].y + ds[nt][3] * x0[j][1].y;
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          d0 += __shfl_xor_sync(0xffffffffu, d0, o);
+          d1 += __shfl_xor_sync(0xffffffffu, d1, o);
+        }
+        if (g == 0) *reinterpret_cast<float2*>(&sm.dot[warp][a]) = make_float2(d0, d1);
+        // The B operand (k = e, n = a) is the accumulator tile (rows e, columns a) transposed:
+        // fa's halves j hold that tile split.
+        FragB b;
+        b.hi[0] = mov_trans(fa.hi[2 * j]);
+        b.hi[1] = mov_trans(fa.hi[2 * j + 1]);
+        b.lo[0] = mov_trans(fa.lo[2 * j]);
+        b.lo[1] = mov_trans(fa.lo[2 * j + 1]);
+        mma3(part[j], fvn, b);
+      }
+      float* red = sm.red[grp & 1][warp];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = g + 8 * half, col = (8 * j + 2 * t4) ^ (8 * ((i >> 1) & 1));
+          *reinterpret_cast<float2*>(red + i * kRedCols + col) =
+              make_float2(part[j][2 * half], part[j][2 * half + 1]);
+        }
+      __syncthreads();
+      if (tid < kC * kRedCols / 2) {  // the eight warps' partials in order, two columns a thread
+        const int i = tid >> 3, al = 2 * (tid & 7), col = al ^ (8 * ((i >> 1) & 1));
+        float2 acc = *reinterpret_cast<const float2*>(&sm.red[grp & 1][0][i * kRedCols + col]);
+#pragma unroll
+        for (int w = 1; w < kThreads / 32; ++w) {
+          const float2 x =
+              *reinterpret_cast<const float2*>(&sm.red[grp & 1][w][i * kRedCols + col]);
+          acc.x += x.x;
+          acc.y += x.y;
+        }
+        *reinterpret_cast<float2*>(dkd + sh * kTile + i * kK + kRedCols * grp + al) = acc;
+      } else if (grp == kRounds - 1 && tid >= kThreads - kK) {
+        const int a = tid - (kThreads - kK);
+        float acc = sm.dot[0][a];
+#pragma unroll
+        for (int w = 1; w < kThreads / 32; ++w) acc += sm.dot[w][a];
+        dgs[sh * kK + a] = st.egl[a] * acc;
+      }
     }
-    FragA fo;
-    ldsm_a_km(st.x_hi, kTs, 0, eb, fo.hi);
-    ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
+    if (c > 0) fetch_dout(c - 1);  // the next chunk's dO (sent to L2 one iteration ago)
+    // dVnᵀ += dOᵀ A (d Sᵀ kdecᵀ went in with the rounds above).
     {
+      FragA fo;
+      ldsm_a_km(st.x_hi, kTs, 0, eb, fo.hi);
+      ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
       FragB b0, b1;
       ldsm_b_kn(st.a_hi, kAs, 0, 0, b0.hi, b1.hi);
       ldsm_b_kn(st.a_lo, kAs, 0, 0, b0.lo, b1.lo);
@@ -722,6 +836,9 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     // d Sᵀ ← d Sᵀ ⊙ e^{Γ_last} + dOᵀ qd − dVnᵀ W.
+    FragA fo;
+    ldsm_a_km(st.x_hi, kTs, 0, eb, fo.hi);
+    ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
     const FragA fv = frag_from_acc(dvn[0], dvn[1], -1.0f);
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
@@ -771,8 +888,8 @@ struct BwdSmem {
 // One block per (chunk, head). Phases (warp w on columns [8w, 8w + 8), lane (g, t) on rows g,
 // g + 8 and columns 8w + 2t, +1, as the accumulators of every product):
 //   1. stage scale·q, k, Γ (cumsum), β, Tm and the hi/lo tiles of Vn, dO, dVn; pick the decay path;
-//   2. dA = dO Vnᵀ (two warps); d kdec = Vn d S1ᵀ, d qd = dO S0ᵀ, d W = −dVn S0ᵀ over the value
-//      dim with S0, d S1 read once from memory (the same loads give d Γ_last's ⟨d S1, S0⟩);
+//   2. dA = dO Vnᵀ (two warps); d qd = dO S0ᵀ, d W = −dVn S0ᵀ over the value dim with S0 read
+//      once from memory; d kdec and d Γ_last's e^{Γ_last} ⟨d S1, S0⟩ as state_bwd left them;
 //   3. dvb = Tmᵀ dVn, dkbe = Tmᵀ dW; dL = −dvb Uᵀ − dkbe Wᵀ (four warps, U and W from prep);
 //   4. L and A back to kb, qc, k and Γ: with the factorised decay four 16×16×16 MMAs per warp
 //      (dL K', dA K', dLᵀ KB' + dAᵀ Q' with K' = k e^{ref−Γ}, KB' = kb e^{Γ−ref}, Q' = qc
@@ -784,10 +901,10 @@ __global__ void __launch_bounds__(kCT, 2)
                          const float* __restrict__ g, const float* __restrict__ beta,
                          const T* __restrict__ dout, const int* __restrict__ cu,
                          const int* __restrict__ dc, int ndoc, int heads, float scale, Prep p,
-                         const float* __restrict__ s0, const float* __restrict__ ds1,
-                         const float* __restrict__ vnt, const float* __restrict__ dvnt,
-                         T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv,
-                         float* __restrict__ dg, float* __restrict__ dbeta) {
+                         const float* __restrict__ s0, const float* __restrict__ vnt,
+                         const float* __restrict__ dvnt, const float* __restrict__ dkdg,
+                         const float* __restrict__ dgs, T* __restrict__ dq, T* __restrict__ dk,
+                         T* __restrict__ dv, float* __restrict__ dg, float* __restrict__ dbeta) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem& sm = *reinterpret_cast<BwdSmem*>(smem_raw);
   const int slot = blockIdx.x, h = blockIdx.y;
@@ -857,20 +974,18 @@ __global__ void __launch_bounds__(kCT, 2)
       sm.da[i * kC + j] = j <= i ? c[r] : 0.0f;
     }
   }
-  const float* s0c = s0 + sh * kK * kK;    // S0ᵀ [e][a]
-  const float* ds1c = ds1 + sh * kK * kK;  // d S1ᵀ [e][a]
-  float dkd[4] = {}, dqd[4] = {}, dwa[4] = {}, sdot = 0.0f;
+  // d kdec and e^{Γ_last} ⟨d S1, S0⟩ come from state_bwd; d qd, d W over the value dim here.
+  const float* s0c = s0 + sh * kK * kK;  // S0ᵀ [e][a]
+  float dkd[4], dqd[4] = {}, dwa[4] = {};
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    dkd[r] = dkdg[sh * kTile + (gg + (r >> 1) * 8) * kK + n0 + 2 * t4 + (r & 1)];
 #pragma unroll 2
   for (int kk = 0; kk < 8; ++kk) {
     const int64_t base = int64_t(16 * kk + 2 * t4) * kK + n0 + gg;
-    const float x1[4] = {ds1c[base], ds1c[base + kK], ds1c[base + 8 * kK], ds1c[base + 9 * kK]};
     const float x0[4] = {s0c[base], s0c[base + kK], s0c[base + 8 * kK], s0c[base + 9 * kK]};
-    sdot += ((x1[0] * x0[0] + x1[1] * x0[1]) + x1[2] * x0[2]) + x1[3] * x0[3];
-    const FragB bs1 = frag_b(x1), bs0 = frag_b(x0);
+    const FragB bs0 = frag_b(x0);
     FragA fa;
-    lds_a_mk(sm.xs[0], kTs, 0, 16 * kk, fa.hi);
-    lds_a_mk(sm.xs[1], kTs, 0, 16 * kk, fa.lo);
-    mma3(dkd, fa, bs1);
     lds_a_mk(sm.xs[2], kTs, 0, 16 * kk, fa.hi);
     lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
     mma3(dqd, fa, bs0);
@@ -878,10 +993,6 @@ __global__ void __launch_bounds__(kCT, 2)
     lds_a_mk(sm.xs[5], kTs, 0, 16 * kk, fa.lo);
     mma3(dwa, fa, bs0);
   }
-  // ⟨d S1, S0⟩ of column n0 + gg: the four t-lanes hold a quarter of the value dim each (the
-  // butterfly adds the same two numbers in both lanes: identical bits everywhere).
-  sdot += __shfl_xor_sync(0xffffffffu, sdot, 1);
-  sdot += __shfl_xor_sync(0xffffffffu, sdot, 2);
   // Through kdec = k e^{Γ_last − Γ} and qd = qc e^Γ; the accumulators of dq, dk and dΓ start here.
   float dqa[4], dka[4], dgm[4], tsum[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -901,9 +1012,8 @@ __global__ void __launch_bounds__(kCT, 2)
   for (int c = 0; c < 2; ++c) {
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) tsum[c] += __shfl_xor_sync(0xffffffffu, tsum[c], o);
-    const float sd = __shfl_sync(0xffffffffu, sdot, (2 * t4 + c) * 4);
     const int a = n0 + 2 * t4 + c;
-    if (gg == 0) sm.dgl[a] = expf(sm.gam[(kC - 1) * kLd + a]) * sd + tsum[c];
+    if (gg == 0) sm.dgl[a] = dgs[sh * kK + a] + tsum[c];
   }
   __syncwarp();
 
@@ -1200,21 +1310,27 @@ void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   const Device dev = q.device();
   const Workspace w = run_prep<T>(q, k, v, g, beta, cu, a, scale, stream);
   const int64_t sh = w.slots * a.heads;
-  Tensor states = Tensor::empty({2, sh, kK, kK}, DType::f32, dev);  // S0ᵀ, then d S1ᵀ
-  Tensor vns = Tensor::empty({2, sh, kK, kC}, DType::f32, dev);     // Vnᵀ, then dVnᵀ
+  Tensor states = Tensor::empty({sh, kK, kK}, DType::f32, dev);  // S0ᵀ
+  // Vnᵀ, dVnᵀ, d kdec [C][K] and e^{Γ_last} ⟨d S1, S0⟩ [K] per (chunk, head).
+  Tensor small = Tensor::empty({sh * (3 * kTile + kK)}, DType::f32, dev);
   float* s0 = states.data<float>();
-  float* ds1 = s0 + sh * kK * kK;
-  float* vnt = vns.data<float>();
+  float* vnt = small.data<float>();
   float* dvnt = vnt + sh * kTile;
+  float* dkd = dvnt + sh * kTile;
+  float* dgs = dkd + sh * kTile;
   Tensor out = Tensor::empty(q.shape(), q.dtype(), dev);  // the replayed forward's o (unused)
   run_state_fwd<T, true>(w, cu, a, out, s0, vnt, stream);
   {
-    constexpr int bytes = 2 * int(sizeof(Stage));
+    constexpr int bytes = int(sizeof(StateBwdSmem));
     auto kernel = kda_state_bwd_kernel<T>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    // Two blocks per SM need the largest shared-memory carveout.
+    GLMTUNE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            int(cudaSharedmemCarveoutMaxShared)));
     kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc)), kThreads, bytes, stream>>>(
-        w.p, cptr<T>(dout), cu.data<int32_t>(), w.dc.data<int32_t>(), a.heads, ds1, dvnt);
+        w.p, cptr<T>(dout), cu.data<int32_t>(), w.dc.data<int32_t>(), a.heads, s0, vnt, dvnt, dkd,
+        dgs);
     GLMTUNE_CUDA_CHECK(cudaGetLastError());
   }
   {
@@ -1224,8 +1340,9 @@ void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     kernel<<<dim3(unsigned(w.slots), unsigned(a.heads)), kCT, bytes, stream>>>(
         cptr<T>(q), cptr<T>(k), cptr<T>(v), g.data<float>(), beta.data<float>(), cptr<T>(dout),
-        cu.data<int32_t>(), w.dc.data<int32_t>(), a.ndoc, a.heads, scale, w.p, s0, ds1, vnt, dvnt,
-        mptr<T>(r.dq), mptr<T>(r.dk), mptr<T>(r.dv), r.dg.data<float>(), r.dbeta.data<float>());
+        cu.data<int32_t>(), w.dc.data<int32_t>(), a.ndoc, a.heads, scale, w.p, s0, vnt, dvnt, dkd,
+        dgs, mptr<T>(r.dq), mptr<T>(r.dk), mptr<T>(r.dv), r.dg.data<float>(),
+        r.dbeta.data<float>());
     GLMTUNE_CUDA_CHECK(cudaGetLastError());
   }
 }
