@@ -14,7 +14,7 @@ namespace {
 // templates accept; for *_url types also {"url": ...}.
 std::optional<std::string> item_path(const OrderedJson& item, const std::string& type) {
   const std::string base = type.starts_with("image") ? "image" : "video";
-  for (const std::string key : {type, base, std::string("path"), std::string("url")}) {
+  for (const std::string& key : {type, base, std::string("path"), std::string("url")}) {
     if (!item.contains(key)) continue;
     const OrderedJson& v = item[key];
     if (v.is_string()) return v.get<std::string>();
