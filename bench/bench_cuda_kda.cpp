@@ -25,6 +25,7 @@
 #ifdef GLMTUNE_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda_bench.h"
 #include "glmtune/ops/cuda/kda.h"
 #include "glmtune/ops/cuda/mhc.h"
 #include "glmtune/tensor/cuda_check.h"
@@ -36,35 +37,9 @@ namespace {
 using namespace glmtune;
 
 constexpr double kTensorTflops = 989.0;  // H200 datasheet dense bf16 tensor rate
-const Device kGpu = Device::cuda(0);
-
-Tensor random_gpu(const Shape& shape, DType dtype, uint64_t stream, double mean = 0.0,
-                  double std = 1.0) {
-  Tensor t = Tensor::empty(shape, dtype, kGpu);
-  fill_normal(t, 20261129, stream << 40, mean, std);
-  return t;
-}
-
-double median_ms(const std::function<void()>& fn, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
-  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&start));
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> ms(static_cast<size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    GLMTUNE_CUDA_CHECK(cudaEventRecord(start));
-    fn();
-    GLMTUNE_CUDA_CHECK(cudaEventRecord(stop));
-    GLMTUNE_CUDA_CHECK(cudaEventSynchronize(stop));
-    GLMTUNE_CUDA_CHECK(cudaEventElapsedTime(&ms[size_t(i)], start, stop));
-  }
-  GLMTUNE_CUDA_CHECK(cudaGetLastError());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return double(ms[ms.size() / 2]);
-}
+using cudabench::kGpu;
+using cudabench::median_ms;
+using cudabench::random_gpu;
 
 struct Row {
   std::string op, shape;
@@ -110,8 +85,8 @@ void bench_kda(const std::vector<int32_t>& cu_host, const std::string& shape) {
   const Tensor k = cuda::l2_norm(random_gpu({t, nh, kd}, DType::bf16, 2), 1e-6);
   const Tensor v = random_gpu({t, nh, kd}, DType::bf16, 3);
   const Tensor graw = random_gpu({t, nh * kd}, DType::bf16, 4);
-  const Tensor dt_bias = random_gpu({nh * kd}, DType::f32, 5, 0.0, 0.5);
-  const Tensor a_log = random_gpu({nh}, DType::f32, 6, 0.0, 0.5);
+  const Tensor dt_bias = random_gpu({nh * kd}, DType::f32, 5, 0.5);
+  const Tensor a_log = random_gpu({nh}, DType::f32, 6, 0.5);
   const Tensor g = cuda::kda_gate(graw, dt_bias, a_log, -5.0);
   const Tensor beta = cuda::kda_beta(random_gpu({t, nh}, DType::bf16, 7));
   const Tensor dout = random_gpu({t, nh, kd}, DType::bf16, 8);
@@ -134,10 +109,10 @@ void bench_kda(const std::vector<int32_t>& cu_host, const std::string& shape) {
 void bench_mhc() {
   const int64_t t = 16384, d = 4096, h = 4, m = 24;
   const std::string shape = "T16384 H4 D4096";
-  const Tensor x = random_gpu({t, h, d}, DType::bf16, 11, 0.0, 1.0);
-  const Tensor fn = random_gpu({m, h * d}, DType::f32, 12, 0.0, 0.01);
-  const Tensor base = random_gpu({m}, DType::f32, 13, 0.0, 0.5);
-  const Tensor scale = random_gpu({3}, DType::f32, 14, 1.0, 0.2);
+  const Tensor x = random_gpu({t, h, d}, DType::bf16, 11, 1.0);
+  const Tensor fn = random_gpu({m, h * d}, DType::f32, 12, 0.01);
+  const Tensor base = random_gpu({m}, DType::f32, 13, 0.5);
+  const Tensor scale = random_gpu({3}, DType::f32, 14, 0.2, 1.0);
   const Tensor y = random_gpu({t, d}, DType::bf16, 15);
   ops::MhcOptions opt;
   ops::MhcPreSaved saved;

@@ -27,6 +27,7 @@
 #ifdef GLMTUNE_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda_bench.h"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/ops/cuda/mla.h"
 #include "glmtune/tensor/cuda_check.h"
@@ -38,35 +39,10 @@ namespace {
 using namespace glmtune;
 
 constexpr double kTensorTflops = 989.0;  // H200 datasheet dense bf16 tensor rate
-const Device kGpu = Device::cuda(0);
+using cudabench::kGpu;
+using cudabench::median_ms;
+using cudabench::random_gpu;
 constexpr int64_t kT = 4096, kNH = 64, kDn = 256, kDv = 256, kR = 512, kW = 2048;
-
-Tensor random_gpu(const Shape& shape, DType dtype, uint64_t stream, double std = 1.0) {
-  Tensor t = Tensor::empty(shape, dtype, kGpu);
-  fill_normal(t, 20261129, stream << 40, 0.0, std);
-  return t;
-}
-
-double median_ms(const std::function<void()>& fn, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
-  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&start));
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> ms(static_cast<size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    GLMTUNE_CUDA_CHECK(cudaEventRecord(start));
-    fn();
-    GLMTUNE_CUDA_CHECK(cudaEventRecord(stop));
-    GLMTUNE_CUDA_CHECK(cudaEventSynchronize(stop));
-    GLMTUNE_CUDA_CHECK(cudaEventElapsedTime(&ms[size_t(i)], start, stop));
-  }
-  GLMTUNE_CUDA_CHECK(cudaGetLastError());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return double(ms[ms.size() / 2]);
-}
 
 struct Row {
   std::string op;

@@ -24,6 +24,7 @@
 #include <numeric>
 #include <random>
 
+#include "cuda_bench.h"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/ops/cuda/grouped_gemm.h"
 #include "glmtune/ops/cuda/indexer.h"
@@ -39,34 +40,9 @@ namespace {
 using namespace glmtune;
 
 constexpr int64_t kD = 4096, kMoe = 2048, kExperts = 36, kTopK = 8;
-const Device kGpu = Device::cuda(0);
-
-Tensor random_gpu(const Shape& shape, DType dtype, uint64_t stream, double std = 1.0) {
-  Tensor t = Tensor::empty(shape, dtype, kGpu);
-  fill_normal(t, 20261129, stream << 40, 0.0, std);
-  return t;
-}
-
-double median_ms(const std::function<void()>& fn, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
-  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&start));
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> ms(static_cast<size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    GLMTUNE_CUDA_CHECK(cudaEventRecord(start));
-    fn();
-    GLMTUNE_CUDA_CHECK(cudaEventRecord(stop));
-    GLMTUNE_CUDA_CHECK(cudaEventSynchronize(stop));
-    GLMTUNE_CUDA_CHECK(cudaEventElapsedTime(&ms[size_t(i)], start, stop));
-  }
-  GLMTUNE_CUDA_CHECK(cudaGetLastError());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return double(ms[ms.size() / 2]);
-}
+using cudabench::kGpu;
+using cudabench::median_ms;
+using cudabench::random_gpu;
 
 struct Row {
   std::string op, shape;

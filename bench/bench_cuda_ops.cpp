@@ -27,6 +27,7 @@
 #include <optional>
 #include <random>
 
+#include "cuda_bench.h"
 #include "glmtune/ops/cuda/adamw.h"
 #include "glmtune/ops/cuda/cross_entropy.h"
 #include "glmtune/ops/cuda/cublas_check.h"
@@ -45,35 +46,9 @@ using namespace glmtune;
 
 constexpr double kDenseBf16Tflops = 790.0;  // measured 8192³ bf16 product on the H200 (KINDS)
 constexpr int64_t kT = 16384, kD = 4096, kVocab = 154880, kDense = 12288, kMoe = 2048, kTopK = 8;
-const Device kGpu = Device::cuda(0);
-
-Tensor random_gpu(const Shape& shape, DType dtype, uint64_t stream, double std = 1.0) {
-  Tensor t = Tensor::empty(shape, dtype, kGpu);
-  fill_normal(t, 20261129, stream << 40, 0.0, std);
-  return t;
-}
-
-// Median of `iters` event-timed runs after `warmup` untimed ones, in milliseconds.
-double median_ms(const std::function<void()>& fn, int warmup, int iters) {
-  for (int i = 0; i < warmup; ++i) fn();
-  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&start));
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> ms(static_cast<size_t>(iters));
-  for (int i = 0; i < iters; ++i) {
-    GLMTUNE_CUDA_CHECK(cudaEventRecord(start));
-    fn();
-    GLMTUNE_CUDA_CHECK(cudaEventRecord(stop));
-    GLMTUNE_CUDA_CHECK(cudaEventSynchronize(stop));
-    GLMTUNE_CUDA_CHECK(cudaEventElapsedTime(&ms[size_t(i)], start, stop));
-  }
-  GLMTUNE_CUDA_CHECK(cudaGetLastError());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return double(ms[ms.size() / 2]);
-}
+using cudabench::kGpu;
+using cudabench::median_ms;
+using cudabench::random_gpu;
 
 struct Row {
   std::string op, shape;
