@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "glmtune/base/error.h"
@@ -129,6 +130,18 @@ __device__ __forceinline__ void store_vec(bf16* p, const float (&in)[VEC]) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) p[i] = __float2bfloat16_rn(in[i]);
   }
+}
+
+// Element loads and stores of the kernels templated on their storage (bf16, or f32 in the
+// tight-tolerance test mode): arithmetic is always fp32, a bf16 store rounds to nearest even.
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_f(float v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return __float2bfloat16_rn(v);
 }
 
 __device__ __forceinline__ float round_bf16(float v) {

@@ -16,15 +16,8 @@ constexpr int kMaxTaps = 8;
 constexpr int kTokenBlocks = 128;  // fixed token blocks of the parameter-gradient sums
 constexpr int kMaxRow = 256;       // longest row of the per-row norms
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return __float2bfloat16_rn(v);
-}
+using detail::from_f;
+using detail::to_f;
 __device__ __forceinline__ float sigmoid_f(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 // Start of the document holding token t (cu sorted, cu[0] = 0).

@@ -63,15 +63,8 @@ constexpr int kAs = kC + 8;     // bf16 row of a staged [C, C] tile
 constexpr int kTile = kC * kK;  // elements of one [C, K] tile
 static_assert(kTile % kCT == 0, "the chunk kernels' tile loops run kTile / kCT times");
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return __float2bfloat16_rn(v);
-}
+using detail::from_f;
+using detail::to_f;
 
 // ---- tensor-core pieces -----------------------------------------------------------------------
 // m16n8k16 fragments (g = lane/4, t = lane%4): A rows g, g+8 × cols 2t, 2t+1 (+8); B k 2t, 2t+1

@@ -21,15 +21,8 @@ constexpr int kDxTokens = 64;          // tokens per block of the dX kernel
 constexpr int kSumChunks = 64;         // fixed row chunks of the small column sums
 constexpr int kSinkhornMaxIters = 64;  // replay scratch of the Sinkhorn backward
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else
-    return __float2bfloat16_rn(v);
-}
+using detail::from_f;
+using detail::to_f;
 
 // Eight consecutive elements (16-byte aligned for bf16, 32-byte aligned runs for f32).
 template <typename T>
