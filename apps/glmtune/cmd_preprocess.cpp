@@ -7,15 +7,13 @@
 // safetensors file; without it, images are only probed and videos only scanned (no decoding).
 
 #include <cstdio>
-#include <iostream>
-#include <iterator>
 #include <string>
 
+#include "chat_request.h"
 #include "command.h"
 #include "glmtune/base/error.h"
 #include "glmtune/data/chat_template.h"
 #include "glmtune/data/media/vl_processor.h"
-#include "glmtune/io/mmap_file.h"
 #include "glmtune/io/safetensors.h"
 
 namespace {
@@ -30,12 +28,6 @@ struct PreprocessArgs {
   std::string pixels;
   std::string template_name = "glm5.3";
 };
-
-std::string read_input(const std::string& path) {
-  if (path == "-")
-    return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
-  return io::read_text_file(path);
-}
 
 Tensor grid_tensor(const std::vector<std::array<int64_t, 3>>& grid) {
   std::vector<int64_t> flat;
@@ -69,30 +61,9 @@ GLMTUNE_COMMAND(
         const std::string where = a->messages == "-" ? "stdin" : a->messages;
         const auto kind = data::chat_template_from_name(a->template_name);
         const auto processor = data::media::VlProcessor::from_dir(a->processor);
-        OrderedJson in;
-        try {
-          in = OrderedJson::parse(read_input(a->messages));
-        } catch (const nlohmann::json::exception& e) {
-          throw Error(std::string("not valid JSON: ") + e.what(), where,
-                      "give one JSON object with a \"messages\" array");
-        }
-        if (!in.is_object() || !in.contains("messages") || !in["messages"].is_array())
-          throw Error("expected a JSON object with a \"messages\" array", where);
-        data::ChatTemplateOptions options;
-        if (in.contains("reasoning_effort") && !in["reasoning_effort"].is_null()) {
-          if (!in["reasoning_effort"].is_string())
-            throw Error("\"reasoning_effort\" must be a string", where);
-          options.reasoning_effort = in["reasoning_effort"].get<std::string>();
-        }
-        auto flag = [&](const char* key) {
-          if (!in.contains(key) || in[key].is_null()) return false;
-          if (!in[key].is_boolean())
-            throw Error(std::string("\"") + key + "\" must be true or false", where);
-          return in[key].get<bool>();
-        };
-        options.clear_thinking = flag("clear_thinking");
-        options.add_generation_prompt = flag("add_generation_prompt");
-        const OrderedJson tools = in.contains("tools") ? in["tools"] : OrderedJson();
+        cli::ChatRequest req = cli::read_chat_request(a->messages);
+        const data::ChatTemplateOptions& options = req.options;
+        const OrderedJson& tools = req.tools;
         std::filesystem::path root = a->media_root;
         if (root.empty())
           root = a->messages == "-" ? std::filesystem::current_path()
@@ -100,7 +71,7 @@ GLMTUNE_COMMAND(
 
         const bool with_pixels = !a->pixels.empty();
         const auto sample =
-            processor.process(in["messages"], tools, options, root, where, with_pixels, kind);
+            processor.process(req.messages, tools, options, root, where, with_pixels, kind);
 
         OrderedJson mask = OrderedJson::array();
         for (int32_t label : sample.labels) mask.push_back(label == data::kIgnoreIndex ? 0 : 1);
