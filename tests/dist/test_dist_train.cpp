@@ -2,7 +2,8 @@
 // curve, logs once (rank 0) with a log file per rank, and a run saved at one layout resumes at
 // another (1 and 4 ranks from 2) with the same continuation; the same with expert parallelism
 // (ep_size 2 at 2 ranks, dp × ep at 4 ranks, saved at ep 2 and resumed at ep 1), and with sequence
-// parallelism (sp_size 2 at 2 ranks, dp × sp at 4 ranks). The global batch is the same in every
+// parallelism (sp_size 2 at 2 ranks, dp × sp at 4 ranks), and with fully sharded decoder layers
+// (train.fsdp at 1 and 2 ranks). The global batch is the same in every
 // layout: micro_packs × ranks / sp_size = 4 packs per step.
 #include <gtest/gtest.h>
 
@@ -74,14 +75,14 @@ fs::path write_recipe(const fs::path& dir, int64_t steps, int64_t save_every, bo
 // packs (split over the ranks / sp_size data-parallel groups); returns the exit code, the output
 // in `log`.
 int train(const fs::path& recipe, int ranks, bool resume, const fs::path& out, const fs::path& log,
-          int64_t ep_size = 1, int64_t sp_size = 1) {
+          int64_t ep_size = 1, int64_t sp_size = 1, const std::string& extra = "") {
   std::string cmd;
   if (ranks > 1) cmd = kMpiexec + " --oversubscribe -np " + std::to_string(ranks) + " ";
   cmd += kBinary + " train --config " + recipe.string() +
          " --set train.micro_packs=" + std::to_string(kGlobalPacks * sp_size / ranks) +
          " --set train.ep_size=" + std::to_string(ep_size) +
          " --set train.sp_size=" + std::to_string(sp_size) + " --set output.dir=" + out.string() +
-         (resume ? " --resume" : "") + " > " + log.string() + " 2>&1";
+         (resume ? " --resume" : "") + extra + " > " + log.string() + " 2>&1";
   const int rc = std::system(cmd.c_str());
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
 }
@@ -245,6 +246,34 @@ TEST(DistTrainSequenceParallel, FollowsTheSingleProcessLossCurve) {
     const std::string rank1 = glmtune::test::read_text(dir / name / "logs/rank-1.log");
     EXPECT_NE(rank1.find("sequence parallel over 2 (shard 1)"), std::string::npos) << rank1;
   }
+}
+
+}  // namespace
+
+namespace {
+
+// Fully sharded decoder layers (train.fsdp), on one process (a group of one) and on 2 ranks, follow
+// the plain single-process curve as data parallelism does: the arithmetic is the same except that
+// each pack's layer gradient is summed on its own and then added to the step's slice, where the
+// plain run adds every contribution into one buffer (an f32 regrouping, about 1e-10 of the norm);
+// the rank logs say the layers are sharded.
+TEST(DistTrainFsdp, FollowsTheSingleProcessLossCurve) {
+  glmtune::test::TempDir dir("dist-train-fsdp-curve");
+  const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  const auto single = metrics(dir / "single");
+  ASSERT_EQ(single.size(), 10u);
+  const std::string fsdp = " --set train.fsdp=true";
+  ASSERT_EQ(train(recipe, 1, false, dir / "fsdp1", dir / "fsdp1.log", 1, 1, fsdp), 0)
+      << glmtune::test::read_text(dir / "fsdp1.log");
+  expect_same_steps(metrics(dir / "fsdp1"), single, 0);
+  ASSERT_EQ(train(recipe, 2, false, dir / "fsdp2", dir / "fsdp2.log", 1, 1, fsdp), 0)
+      << glmtune::test::read_text(dir / "fsdp2.log");
+  expect_same_steps(metrics(dir / "fsdp2"), single, 0);
+  EXPECT_TRUE(fs::exists(dir / "fsdp2/checkpoints/step-10/model/config.json"));
+  const std::string rank1 = glmtune::test::read_text(dir / "fsdp2/logs/rank-1.log");
+  EXPECT_NE(rank1.find("decoder-layer weights sharded (fsdp)"), std::string::npos) << rank1;
 }
 
 }  // namespace

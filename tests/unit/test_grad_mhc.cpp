@@ -332,11 +332,15 @@ TEST(GradMhc, DecoderLayerFiniteDifferences) {
   LayerGrads g = layer_backward(l, x, cu, dy);
 
   uint64_t dir_off = 90'000'000;
+  // A step of 2.5e-5: with the default 1e-4 the fourth-order difference's own truncation error
+  // reached 1.9e-6 on the projections for some draws (it falls 16x per halving of the step, as
+  // truncation error does; roundoff stays near 1e-12 at this step).
   auto check = [&](const char* name, Tensor& param, const Tensor& grad) {
     SCOPED_TRACE(name);
-    EXPECT_LE(fd_direction(param, grad,
-                           random_normal(param.shape(), dir_off += 1'000'000, DType::f64), loss),
-              kFdTol);
+    EXPECT_LE(
+        fd_direction(param, grad, random_normal(param.shape(), dir_off += 1'000'000, DType::f64),
+                     loss, 2.5e-5),
+        kFdTol);
   };
   check("attn.fn", l.attn.fn, g.attn.fn);
   check("attn.base", l.attn.base, g.attn.base);

@@ -60,6 +60,7 @@ const std::vector<SectionSpec>& schema() {
         {"on_nonfinite", "\"skip\"", "skip or stop"},
         {"ep_size", "1", "ranks the routed experts are split over"},
         {"sp_size", "1", "ranks a sequence is split over"},
+        {"fsdp", "false", "shard the decoder layers' parameters over the data-parallel ranks"},
         {"dist_timeout", "600", "seconds a collective may wait for the other ranks"}}},
       {"optimizer",
        {{"lr", "1e-5"},
@@ -508,6 +509,7 @@ void Recipe::parse_doc() {
     r.on_nonfinite = *v == "stop" ? NonFinitePolicy::kStop : NonFinitePolicy::kSkip;
   r.ep_size = rd.integer("train", "ep_size", 1, 1'000'000).value_or(1);
   r.sp_size = rd.integer("train", "sp_size", 1, 1'000'000).value_or(1);
+  r.fsdp = rd.boolean("train", "fsdp").value_or(false);
   r.dist_timeout_s =
       rd.number("train", "dist_timeout", 0.0, std::numeric_limits<double>::infinity(), true)
           .value_or(600);
@@ -721,6 +723,7 @@ std::string Recipe::to_toml() const {
   out += "on_nonfinite = " + str(on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip") + "\n";
   out += fmt::format("ep_size = {}\n", ep_size);
   out += fmt::format("sp_size = {}\n", sp_size);
+  out += fmt::format("fsdp = {}\n", fsdp);
   out += "dist_timeout = " + num(dist_timeout_s) + "\n";
   out += "\n[optimizer]\n";
   out += "lr = " + num(lr) + "\n";

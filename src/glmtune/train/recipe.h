@@ -5,7 +5,7 @@
 //   [data]      files | cache, format, on_bad_line, on_overlong, max_length, pack_max_length,
 //               pack_lookahead, shuffle, media_root
 //   [train]     total_steps | epochs, micro_packs, seed, device, recompute, on_nonfinite,
-//               ep_size, sp_size, dist_timeout
+//               ep_size, sp_size, fsdp, dist_timeout
 //   [optimizer] lr, lr_min, warmup_steps | warmup_ratio, betas, eps, weight_decay, clip_grad_norm
 //   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
 //   [output]    dir, save_every, keep_last, log_every
@@ -72,6 +72,9 @@ struct Recipe {
   // seconds ends every rank with an error.
   int64_t ep_size = 1;
   int64_t sp_size = 1;
+  // Decoder-layer compute weights sharded over the data-parallel ranks and gathered per layer
+  // (dist/fsdp.h). The arithmetic is unchanged, so the fingerprint leaves it out.
+  bool fsdp = false;
   double dist_timeout_s = 600;
 
   // [optimizer]

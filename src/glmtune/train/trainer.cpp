@@ -21,6 +21,7 @@
 #include "glmtune/data/token_cache.h"
 #include "glmtune/data/tokenizer.h"
 #include "glmtune/dist/expert_parallel.h"
+#include "glmtune/dist/fsdp.h"
 #include "glmtune/dist/parallel.h"
 #include "glmtune/dist/sequence_parallel.h"
 #include "glmtune/dist/sharded_optimizer.h"
@@ -65,8 +66,13 @@ model::ParamStore load_store(const fs::path& dir) {
 // Copies the store's (updated) parameters into the model's compute-dtype tensors. The forward
 // therefore always sees the stored values (bf16 weights rounded from the f32 masters), exactly
 // what a run resumed from a saved checkpoint sees.
-void refresh_model(TextModel& model, const model::ParamStore& store) {
-  for (auto& [name, t] : model.weights().named) t.copy_(store.get(name).to(t.dtype()));
+void refresh_model(TextModel& model, const model::ParamStore& store,
+                   dist::ShardedLayers* sharded_layers) {
+  // Sharded decoder layers are undefined between uses: their slices are set instead.
+  for (auto& [name, t] : model.weights().named)
+    if (t.defined()) t.copy_(store.get(name).to(t.dtype()));
+  if (sharded_layers)
+    sharded_layers->refresh([&](const std::string& name) { return store.get(name); });
 }
 
 // The optimizer trains the text model's trainable tensors; the vision tower (kept in the store so
@@ -352,6 +358,26 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     topt.sequence_parallel = &*ulysses;
   }
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
+  // Fully sharded decoder layers (dist/fsdp.h): this rank keeps a slice of each layer's compute
+  // weights, gathered over dp around each use; layer gradients are reduce-scattered into slices
+  // during the backward.
+  std::unique_ptr<dist::Communicator> self_group;
+  std::optional<dist::ShardedLayers> sharded_layers;
+  if (recipe.fsdp) {
+    if (vl)
+      throw Error("train.fsdp does not shard the vision-language model",
+                  recipe.source() + ": train.fsdp", "set train.fsdp = false for data with media");
+    if (on_gpu)
+      throw Error("train.fsdp runs on the CPU only", recipe.source() + ": train.fsdp",
+                  "set train.fsdp = false, or device = \"cpu\"");
+    if (expert_parallel || sequence_parallel)
+      throw Error("train.fsdp is not combined with expert or sequence parallelism yet",
+                  recipe.source() + ": train.fsdp",
+                  "set train.fsdp = false, or train.ep_size = train.sp_size = 1");
+    if (!distributed) self_group = dist::make_self_communicator("dp");
+    sharded_layers.emplace(model.weights(), grads, distributed ? par->dp() : *self_group);
+    topt.layer_params = &*sharded_layers;
+  }
 
   // Gradients in the optimizer's parameter order (frozen ones stay undefined).
   std::vector<Tensor> grad_list(opt_params.size());
@@ -384,7 +410,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   if (root)
     log.emplace(out_dir, st.step, options.print_steps ? recipe.log_every : (int64_t(1) << 62));
   if (distributed)
-    spdlog::info("distributed: {} ranks, data parallel over {} (rank {}){}, optimizer sharded{}",
+    spdlog::info("distributed: {} ranks, data parallel over {} (rank {}){}, optimizer sharded{}{}",
                  par->sizes().world, dp, par->rank(),
                  sequence_parallel ? fmt::format(", sequence parallel over {} (shard {})",
                                                  par->sizes().sp, par->sp().rank())
@@ -394,7 +420,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                                                expert_parallel->first_expert() +
                                                    expert_parallel->local_experts() - 1,
                                                tc.n_routed_experts, par->sizes().ep)
-                                 : std::string());
+                                 : std::string(),
+                 sharded_layers ? ", decoder-layer weights sharded (fsdp)" : "");
   spdlog::info(
       "training {} steps from step {} ({} packs of {} tokens per step, lr {} -> {}, "
       "{} of {} layers recomputed)",
@@ -456,6 +483,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       topt.mtp_denominators.push_back(double(std::max<int64_t>(n, 1)));
 
     grads.zero();
+    if (sharded_layers) sharded_layers->zero_gradients();
     if (vl) vl->step().zero();
     ExpertLoads loads;
     double lm_sum = 0, balancing = 0;
@@ -478,6 +506,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       }
     }
     if (vl) vl->step().export_grads();
+    // The layers' reduced slices back into the buffers the optimizer reads (zeros outside this
+    // rank's slice, so that the optimizer's sum over dp is the reduced gradient exactly).
+    if (sharded_layers) sharded_layers->export_gradients();
     // Each rank of an sp group holds its shard's (and its heads') part of every gradient: their
     // sum is the pack's gradient, which the dp reduction below then treats as one rank's.
     if (sequence_parallel)
@@ -531,7 +562,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (vl)
       vl->model().refresh(store);
     else
-      refresh_model(model, store);
+      refresh_model(model, store, sharded_layers ? &*sharded_layers : nullptr);
     ++st.step;
     if (rep.skipped) ++st.skipped_steps;
 

@@ -399,8 +399,10 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   if (!opt.recompute.empty() && int64_t(opt.recompute.size()) != c.num_hidden_layers)
     throw InternalError(fmt::format("recompute policy for {} layers, the model has {}",
                                     opt.recompute.size(), c.num_hidden_layers));
+  LayerParamProvider* const sharded = opt.layer_params;
   for (const LayerWeights& lw : w.layers)
-    if (lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.defined())
+    // Sharded layers are checked when gathered, in the loop below.
+    if (!sharded && lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.defined())
       throw Error("training a MoE layer without a shared expert is not supported",
                   fmt::format("layer {}", lw.index),
                   "train a checkpoint with n_shared_experts >= 1 (GLM-5.3 has one)");
@@ -424,7 +426,12 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   Tensor streams = ops::mhc_expand(emb, c.hc_mult);
   IndexerCarry carry;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (sharded) sharded->gather(l);
     const LayerWeights& lw = w.layers[size_t(l)];
+    if (sharded && lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.defined())
+      throw Error("training a MoE layer without a shared expert is not supported",
+                  fmt::format("layer {}", lw.index),
+                  "train a checkpoint with n_shared_experts >= 1 (GLM-5.3 has one)");
     const bool recompute = !opt.recompute.empty() && opt.recompute[size_t(l)];
     const Tensor carried = carry.indices;
     LayerContext full;
@@ -441,6 +448,7 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
     }
     if (lw.mlp == MlpKind::sparse) out.loads.push_back({bias_name(l), std::move(counts)});
     streams = std::move(next);
+    if (sharded) sharded->release(l);
   }
   const Tensor hidden = ops::mhc_head(streams);
   ctx->final_normed = ops::rms_norm(hidden, w.final_norm, c.rms_norm_eps, &ctx->final_rstd);
@@ -581,6 +589,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
   // Decoder layers, last first.
   Tensor d_streams = ops::mhc_head_backward(d_hidden, tc.hc_mult);
   for (int64_t l = tc.num_hidden_layers - 1; l >= 0; --l) {
+    if (opt.layer_params) opt.layer_params->gather(l);
     const LayerWeights& lw = w.layers[size_t(l)];
     const LayerContext& saved = fc.layers[size_t(l)];
     if (saved.attn_in.defined()) {
@@ -595,6 +604,12 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       decoder_layer_forward(c.ops, tc, lw, saved.streams_in, c.cu, c.counted, carry, nullptr,
                             &full);
       d_streams = layer_grad(c, lw, full, d_streams, grads.layers[size_t(l)]);
+    }
+    if (opt.layer_params) {
+      // The layer's gradient is complete for this pack: reduce it into the slice now, per layer
+      // as fully sharded data parallel does, rather than once for the whole model at the end.
+      opt.layer_params->release(l);
+      opt.layer_params->reduce_gradients(l);
     }
   }
 

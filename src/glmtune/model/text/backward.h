@@ -113,6 +113,13 @@ struct TrainOptions {
   // group are the single-process values. Denominators ≤ 0 mean the whole pack's counts. Input
   // embeddings (vision-language packs) are not supported with it.
   const SequenceParallel* sequence_parallel = nullptr;
+
+  // Fully sharded data parallel (layer.h): decoder-layer parameters are gathered before each
+  // layer runs (forward and recompute) and released after, and each layer's gradients are
+  // reduced into this rank's slice right after its backward. The buffers of TextGrads for
+  // decoder layers are then zero when the backward returns; the provider holds the reduced
+  // slices. Null: the weights are whole and the gradients stay in TextGrads.
+  LayerParamProvider* layer_params = nullptr;
 };
 
 // A recompute policy for `layers` decoder layers from a fraction (the recipe's `recompute`): the

@@ -81,6 +81,25 @@ class SequenceParallel {
                               const Tensor& dy, ops::DsaParams& grads) const = 0;
 };
 
+// Decoder-layer parameters held in shards over a data-parallel group (fully sharded data
+// parallel, dist/fsdp.h): between uses, the tensors of TextWeights::layers[l] are undefined and
+// each rank keeps only its slice. The layer loops (forward, recompute, backward) call gather
+// right before a layer runs and release right after, so that one layer's full parameters exist
+// at a time; the backward calls reduce_gradients once a layer's gradient is complete. Unset (the
+// default), the weights are always whole and nothing is called. Every call is collective over
+// the group: all its ranks must run the same layers in the same order.
+class LayerParamProvider {
+ public:
+  virtual ~LayerParamProvider() = default;
+  // Fills TextWeights::layers[layer] with the full parameters.
+  virtual void gather(int64_t layer) = 0;
+  // Drops them again (the slice stays).
+  virtual void release(int64_t layer) = 0;
+  // The layer's gradient buffers hold this rank's complete contribution for the pack: they are
+  // reduced over the group into this rank's slice and zeroed.
+  virtual void reduce_gradients(int64_t layer) = 0;
+};
+
 // The op configurations a TextConfig implies.
 struct OpConfigs {
   ops::MhcOptions mhc;

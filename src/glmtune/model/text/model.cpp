@@ -122,10 +122,14 @@ ForwardOutput TextModel::forward(const PackInput& in, const ForwardOptions& opt)
   Tensor streams = ops::mhc_expand(emb, c.hc_mult);
   IndexerCarry carry;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    // Sharded parameters: whole only while the layer runs (its context keeps activations, never
+    // the weights, so the release frees them).
+    if (opt.layer_params) opt.layer_params->gather(l);
     const LayerWeights& w = weights_.layers[size_t(l)];
     Tensor counts;
     streams = decoder_layer_forward(ops_, c, w, streams, in.cu_seqlens, counted, carry, &counts,
                                     ctx ? &ctx->layers[size_t(l)] : nullptr);
+    if (opt.layer_params) opt.layer_params->release(l);
     if (w.mlp == MlpKind::sparse) {
       out.expert_counts.push_back(std::move(counts));
       out.moe_layers.push_back(l);

@@ -60,6 +60,8 @@ struct ForwardOptions {
   double mtp_loss_scale = 0.1;     // mtp_loss = scale × mean over depths of the token-mean CE
   bool mtp_logits = false;         // materialise each depth's logits
   SavePolicy save = SavePolicy::none;
+  // Sharded decoder-layer parameters (layer.h): gathered before each layer and released after.
+  LayerParamProvider* layer_params = nullptr;
 };
 
 struct LossStats {

@@ -1,0 +1,67 @@
+// The NCCL backend of the communicators (dist/comm_nccl.h) on one GPU: a group of one rank,
+// bootstrapped over the single-rank communicator, runs every collective through NCCL on device
+// tensors (bf16 and f32) and must return exactly what a group of one defines (the input, in
+// place or copied); outputs are poisoned with NaN first, so an unwritten element fails. The
+// multi-rank parity of the collectives is tested over MPI on the CPU (tests/dist/); this checks
+// that the NCCL path initialises, queues after the default stream's work, and completes. Skipped
+// where no GPU is visible.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "glmtune/dist/comm.h"
+#include "glmtune/tensor/tensor.h"
+#include "support/cuda_test_support.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/dist/comm_nccl.h"
+#endif
+
+using namespace glmtune;
+using namespace glmtune::test;
+
+namespace {
+
+TEST(CudaNccl, EveryCollectiveOfAOneRankGroup) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  std::unique_ptr<dist::Communicator> self = dist::make_self_communicator("world");
+  std::unique_ptr<dist::Communicator> nccl = dist::make_nccl_communicator(*self, 0, 60.0);
+  EXPECT_STREQ(nccl->backend(), "nccl");
+  ASSERT_EQ(nccl->size(), 1);
+  ASSERT_EQ(nccl->rank(), 0);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const Tensor host = random_cpu({1000}, dtype, 1);
+    const Tensor nan = Tensor::full({1000}, NAN, dtype, kGpu);
+
+    Tensor t = host.to(kGpu);
+    nccl->all_reduce(t, dist::ReduceOp::sum);
+    EXPECT_TRUE(bit_identical(t, host)) << "all_reduce";
+    nccl->all_reduce(t, dist::ReduceOp::max);
+    EXPECT_TRUE(bit_identical(t, host)) << "all_reduce max";
+
+    Tensor out = nan.clone();
+    nccl->reduce_scatter(host.to(kGpu), out, dist::ReduceOp::sum);
+    EXPECT_TRUE(bit_identical(out, host)) << "reduce_scatter";
+
+    out = nan.clone();
+    nccl->all_gather(host.to(kGpu), out);
+    EXPECT_TRUE(bit_identical(out, host)) << "all_gather";
+
+    out = nan.clone();
+    const std::vector<int64_t> counts = {1000};
+    nccl->all_to_all(host.to(kGpu), counts, out, counts);
+    EXPECT_TRUE(bit_identical(out, host)) << "all_to_all";
+
+    t = host.to(kGpu);
+    nccl->broadcast(t, 0);
+    EXPECT_TRUE(bit_identical(t, host)) << "broadcast";
+  }
+  nccl->barrier();
+#endif
+}
+
+}  // namespace
