@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../unit/support/temp_dir.h"
+#include "dist_support.h"
 #include "glmtune/dist/fsdp.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/init.h"
@@ -28,6 +29,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using model::text::PackInput;
+using dist_test::count_targets;
+using dist_test::rel_diff;
 
 constexpr int64_t kPacksPerRank = 2;
 
@@ -47,21 +50,6 @@ PackInput random_pack(int64_t index, int64_t vocab) {
   in.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
   in.labels = Tensor::from_vector(labels, {t});
   return in;
-}
-
-int64_t count_targets(const Tensor& labels) {
-  const int32_t* l = labels.data<int32_t>();
-  return std::count_if(l, l + labels.numel(), [](int32_t v) { return v != model::kIgnoreLabel; });
-}
-
-double rel_diff(const Tensor& got, const Tensor& want) {
-  const std::vector<double> g = got.to_doubles(), w = want.to_doubles();
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < g.size(); ++i) {
-    diff = std::max(diff, std::abs(g[i] - w[i]));
-    scale = std::max(scale, std::abs(w[i]));
-  }
-  return diff / std::max(scale, 1e-30);
 }
 
 bool is_layer_name(const std::string& name, int64_t layers) {

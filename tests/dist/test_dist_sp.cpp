@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../unit/support/temp_dir.h"
+#include "dist_support.h"
 #include "glmtune/base/error.h"
 #include "glmtune/dist/expert_parallel.h"
 #include "glmtune/dist/sequence_parallel.h"
@@ -33,14 +34,12 @@ namespace {
 
 namespace fs = std::filesystem;
 using model::text::PackInput;
+using dist_test::count_targets;
+using dist_test::rel_diff;
+using dist_test::run_packs;
+using dist_test::Step;
 
 constexpr int64_t kPacksPerGroup = 3;
-
-struct Step {
-  double lm = 0, balancing = 0;
-  std::vector<double> mtp;
-  std::map<std::string, std::vector<int64_t>> loads;
-};
 
 // Pack `index`, four shapes in turn (shard borders of 2 ranks in brackets):
 //   0  three documents, odd length 37 [18]: the border inside the second document;
@@ -75,39 +74,6 @@ PackInput random_pack(int64_t index, int64_t vocab, int32_t pad_id) {
   in.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
   in.labels = Tensor::from_vector(labels, {t});
   return in;
-}
-
-int64_t count_targets(const Tensor& labels) {
-  const int32_t* l = labels.data<int32_t>();
-  return std::count_if(l, l + labels.numel(), [](int32_t v) { return v != model::kIgnoreLabel; });
-}
-
-Step run_packs(const model::text::TextModel& m, const std::vector<PackInput>& packs,
-               const model::text::TrainOptions& topt, model::text::TextGrads& grads) {
-  Step s;
-  s.mtp.assign(size_t(topt.mtp_depths), 0.0);
-  for (const PackInput& in : packs) {
-    const auto r = model::text::forward_backward(m, in, topt, grads);
-    s.lm += r.backward.lm_loss_sum;
-    s.balancing += r.backward.balancing_loss;
-    for (size_t k = 0; k < s.mtp.size(); ++k) s.mtp[k] += r.backward.mtp_loss_sum[k];
-    for (const auto& l : r.loads) {
-      auto& acc = s.loads[l.bias_name];
-      acc.resize(size_t(l.counts.numel()), 0);
-      for (int64_t e = 0; e < l.counts.numel(); ++e) acc[size_t(e)] += l.counts.data<int64_t>()[e];
-    }
-  }
-  return s;
-}
-
-double rel_diff(const Tensor& got, const Tensor& want) {
-  const std::vector<double> g = got.to_doubles(), w = want.to_doubles();
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < g.size(); ++i) {
-    diff = std::max(diff, std::abs(g[i] - w[i]));
-    scale = std::max(scale, std::abs(w[i]));
-  }
-  return diff / std::max(scale, 1e-30);
 }
 
 struct Tiny {

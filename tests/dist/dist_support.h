@@ -1,0 +1,64 @@
+#pragma once
+// Helpers shared by the distributed step tests (tests/dist/test_dist_*.cpp): the summed loss
+// terms of a step's packs, the number of label tokens, and the relative difference of two
+// gradients.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "glmtune/model/loss.h"
+#include "glmtune/model/text/backward.h"
+#include "glmtune/model/text/model.h"
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::dist_test {
+
+// The loss sums and expert loads of the packs one process ran.
+struct Step {
+  double lm = 0, balancing = 0;
+  std::vector<double> mtp;
+  std::map<std::string, std::vector<int64_t>> loads;
+};
+
+// Labelled rows of an int32 label vector.
+inline int64_t count_targets(const Tensor& labels) {
+  const int32_t* l = labels.data<int32_t>();
+  return std::count_if(l, l + labels.numel(), [](int32_t v) { return v != model::kIgnoreLabel; });
+}
+
+// Forward + backward of `packs` into `grads` with the step's global options.
+inline Step run_packs(const model::text::TextModel& m,
+                      const std::vector<model::text::PackInput>& packs,
+                      const model::text::TrainOptions& topt, model::text::TextGrads& grads) {
+  Step s;
+  s.mtp.assign(size_t(topt.mtp_depths), 0.0);
+  for (const model::text::PackInput& in : packs) {
+    const auto r = model::text::forward_backward(m, in, topt, grads);
+    s.lm += r.backward.lm_loss_sum;
+    s.balancing += r.backward.balancing_loss;
+    for (size_t k = 0; k < s.mtp.size(); ++k) s.mtp[k] += r.backward.mtp_loss_sum[k];
+    for (const auto& l : r.loads) {
+      auto& acc = s.loads[l.bias_name];
+      acc.resize(size_t(l.counts.numel()), 0);
+      for (int64_t e = 0; e < l.counts.numel(); ++e) acc[size_t(e)] += l.counts.data<int64_t>()[e];
+    }
+  }
+  return s;
+}
+
+// max |got − want| / max |want|.
+inline double rel_diff(const Tensor& got, const Tensor& want) {
+  const std::vector<double> g = got.to_doubles(), w = want.to_doubles();
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    diff = std::max(diff, std::abs(g[i] - w[i]));
+    scale = std::max(scale, std::abs(w[i]));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+}  // namespace glmtune::dist_test
