@@ -28,9 +28,9 @@ namespace glmtune::dist {
 namespace {
 
 namespace fs = std::filesystem;
-using model::text::PackInput;
 using dist_test::count_targets;
 using dist_test::rel_diff;
+using model::text::PackInput;
 
 constexpr int64_t kPacksPerRank = 2;
 

@@ -33,11 +33,11 @@ namespace glmtune::dist {
 namespace {
 
 namespace fs = std::filesystem;
-using model::text::PackInput;
 using dist_test::count_targets;
 using dist_test::rel_diff;
 using dist_test::run_packs;
 using dist_test::Step;
+using model::text::PackInput;
 
 constexpr int64_t kPacksPerGroup = 3;
 
