@@ -95,8 +95,7 @@ TEST(ChatTemplate, GoldenTemplateIsTheReleasedOne) {
   OrderedJson doc = load_goldens();
   EXPECT_EQ(doc["template_sha256"],
             "0c4099f3382d6c92700dfb99725025360966fd73032f0ecf32377c0d9e6309c5");
-  std::ifstream in(kSourceDir + "/tools/golden/glm53_chat_template.jinja",
-                   std::ios::binary);
+  std::ifstream in(kSourceDir + "/tools/golden/glm53_chat_template.jinja", std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_EQ(text.size(), 10950u);
 }
