@@ -109,14 +109,14 @@ data::TokenCache open_cache(const Recipe& recipe, const fs::path& tokenizer_file
       data::TokenCache::open(recipe.data_cache, data::tokenizer_file_hash(tokenizer_file));
   const nlohmann::json& c = cache.metadata().value("config", nlohmann::json::object());
   const data::DatasetConfig want = recipe.dataset_config();
+  const char* format = want.format == data::SampleFormat::kChat   ? "chat"
+                       : want.format == data::SampleFormat::kText ? "text"
+                                                                  : "auto";
+  const char* overlong = want.on_overlong == data::OverlongPolicy::kDrop ? "drop" : "truncate";
   const std::string prepare = fmt::format(
       "prepare the cache again: glmtune data prepare --tokenizer {} --input FILES --out {} "
       "--format {} --max-length {} --on-overlong {}",
-      tokenizer_file.parent_path().string(), recipe.data_cache,
-      want.format == data::SampleFormat::kChat   ? "chat"
-      : want.format == data::SampleFormat::kText ? "text"
-                                                 : "auto",
-      want.max_length, want.on_overlong == data::OverlongPolicy::kDrop ? "drop" : "truncate");
+      tokenizer_file.parent_path().string(), recipe.data_cache, format, want.max_length, overlong);
   auto check = [&](const char* key, const nlohmann::json& expected, const char* recipe_key) {
     const nlohmann::json got = c.value(key, nlohmann::json());
     if (got != expected)
@@ -126,14 +126,9 @@ data::TokenCache open_cache(const Recipe& recipe, const fs::path& tokenizer_file
                   fmt::format("set {} = {} in the recipe, or {}", recipe_key, got.dump(), prepare));
   };
   check("chat_template", "glm5.3", "data.cache");
-  check("format",
-        want.format == data::SampleFormat::kChat   ? "chat"
-        : want.format == data::SampleFormat::kText ? "text"
-                                                   : "auto",
-        "data.format");
+  check("format", format, "data.format");
   check("max_length", want.max_length, "data.max_length");
-  check("on_overlong", want.on_overlong == data::OverlongPolicy::kDrop ? "drop" : "truncate",
-        "data.on_overlong");
+  check("on_overlong", overlong, "data.on_overlong");
   if (const auto stale = cache.stale_sources(); !stale.empty())
     spdlog::warn("{} was changed or removed since {} was prepared; training on the cache as it is",
                  stale.front(), recipe.data_cache);
