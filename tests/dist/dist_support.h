@@ -1,12 +1,13 @@
 #pragma once
-// Helpers shared by the distributed step tests (tests/dist/test_dist_*.cpp): the summed loss
-// terms of a step's packs, the number of label tokens, and the relative difference of two
-// gradients.
+// Helpers shared by the distributed step tests (tests/dist/test_dist_*.cpp): random packs, the
+// summed loss terms of a step's packs, the number of label tokens, and the relative difference of
+// two gradients.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,25 @@ struct Step {
   std::vector<double> mtp;
   std::map<std::string, std::vector<int64_t>> loads;
 };
+
+// A pack of random documents (the same on every rank for the same index): labels are the next
+// token of the same document, the last token of each document ignored, some spans ignored.
+inline model::text::PackInput random_pack(int64_t index, int64_t vocab) {
+  std::mt19937_64 rng(1234 + 77 * uint64_t(index));
+  const std::vector<int32_t> cu = {0, int32_t(9 + index % 5), 28, 40};
+  const int64_t t = cu.back();
+  std::vector<int32_t> ids(static_cast<size_t>(t));
+  std::vector<int32_t> labels(static_cast<size_t>(t), model::kIgnoreLabel);
+  for (auto& v : ids) v = int32_t(rng() % uint64_t(vocab));
+  for (size_t d = 0; d + 1 < cu.size(); ++d)
+    for (int32_t i = cu[d]; i + 1 < cu[d + 1]; ++i)
+      if (rng() % 5 != 0) labels[size_t(i)] = ids[size_t(i) + 1];
+  model::text::PackInput in;
+  in.input_ids = Tensor::from_vector(ids, {t});
+  in.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
+  in.labels = Tensor::from_vector(labels, {t});
+  return in;
+}
 
 // Labelled rows of an int32 label vector.
 inline int64_t count_targets(const Tensor& labels) {

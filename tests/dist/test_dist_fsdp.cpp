@@ -29,28 +29,11 @@ namespace {
 
 namespace fs = std::filesystem;
 using dist_test::count_targets;
+using dist_test::random_pack;
 using dist_test::rel_diff;
 using model::text::PackInput;
 
 constexpr int64_t kPacksPerRank = 2;
-
-// A pack of random documents (the same on every rank for the same index).
-PackInput random_pack(int64_t index, int64_t vocab) {
-  std::mt19937_64 rng(4321 + 91 * uint64_t(index));
-  const std::vector<int32_t> cu = {0, int32_t(7 + index % 6), 25, 36};
-  const int64_t t = cu.back();
-  std::vector<int32_t> ids(static_cast<size_t>(t));
-  std::vector<int32_t> labels(static_cast<size_t>(t), model::kIgnoreLabel);
-  for (auto& v : ids) v = int32_t(rng() % uint64_t(vocab));
-  for (size_t d = 0; d + 1 < cu.size(); ++d)
-    for (int32_t i = cu[d]; i + 1 < cu[d + 1]; ++i)
-      if (rng() % 5 != 0) labels[size_t(i)] = ids[size_t(i) + 1];
-  PackInput in;
-  in.input_ids = Tensor::from_vector(ids, {t});
-  in.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
-  in.labels = Tensor::from_vector(labels, {t});
-  return in;
-}
 
 bool is_layer_name(const std::string& name, int64_t layers) {
   for (int64_t l = 0; l < layers; ++l) {

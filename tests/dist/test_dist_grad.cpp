@@ -33,31 +33,13 @@ namespace {
 
 namespace fs = std::filesystem;
 using dist_test::count_targets;
+using dist_test::random_pack;
 using dist_test::rel_diff;
 using dist_test::run_packs;
 using dist_test::Step;
 using model::text::PackInput;
 
 constexpr int64_t kPacksPerRank = 2;
-
-// A pack of random documents (the same on every rank for the same index): labels are the next
-// token of the same document, the last token of each document ignored, some spans ignored.
-PackInput random_pack(int64_t index, int64_t vocab) {
-  std::mt19937_64 rng(1234 + 77 * uint64_t(index));
-  const std::vector<int32_t> cu = {0, int32_t(9 + index % 5), 28, 40};
-  const int64_t t = cu.back();
-  std::vector<int32_t> ids(static_cast<size_t>(t));
-  std::vector<int32_t> labels(static_cast<size_t>(t), model::kIgnoreLabel);
-  for (auto& v : ids) v = int32_t(rng() % uint64_t(vocab));
-  for (size_t d = 0; d + 1 < cu.size(); ++d)
-    for (int32_t i = cu[d]; i + 1 < cu[d + 1]; ++i)
-      if (rng() % 5 != 0) labels[size_t(i)] = ids[size_t(i) + 1];
-  PackInput in;
-  in.input_ids = Tensor::from_vector(ids, {t});
-  in.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
-  in.labels = Tensor::from_vector(labels, {t});
-  return in;
-}
 
 model::ParamStore load_store(const fs::path& dir) {
   const auto config = model::ModelConfig::from_file((dir / "config.json").string());

@@ -95,6 +95,15 @@ std::vector<nlohmann::json> metrics(const fs::path& out) {
   return lines;
 }
 
+// The 10-step single-process run of `recipe` (under dir/single) that a parallel run follows.
+void run_single_process(const fs::path& dir, const fs::path& recipe,
+                        std::vector<nlohmann::json>& steps) {
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  steps = metrics(dir / "single");
+  ASSERT_EQ(steps.size(), 10u);
+}
+
 void expect_same_steps(const std::vector<nlohmann::json>& got,
                        const std::vector<nlohmann::json>& want, size_t first) {
   ASSERT_EQ(got.size() + first, want.size());
@@ -159,10 +168,8 @@ namespace {
 TEST(DistTrainExpertParallel, FollowsTheSingleProcessLossCurve) {
   glmtune::test::TempDir dir("dist-train-ep-curve");
   const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
-  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
-      << glmtune::test::read_text(dir / "single.log");
-  const auto single = metrics(dir / "single");
-  ASSERT_EQ(single.size(), 10u);
+  std::vector<nlohmann::json> single;
+  ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
   for (int ranks : {2, 4}) {
     SCOPED_TRACE(std::to_string(ranks) + " ranks, ep_size 2");
     const std::string name = "ep2-np" + std::to_string(ranks);
@@ -231,10 +238,8 @@ void expect_close_curve(const std::vector<nlohmann::json>& got,
 TEST(DistTrainSequenceParallel, FollowsTheSingleProcessLossCurve) {
   glmtune::test::TempDir dir("dist-train-sp-curve");
   const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
-  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
-      << glmtune::test::read_text(dir / "single.log");
-  const auto single = metrics(dir / "single");
-  ASSERT_EQ(single.size(), 10u);
+  std::vector<nlohmann::json> single;
+  ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
   for (int ranks : {2, 4}) {
     SCOPED_TRACE(std::to_string(ranks) + " ranks, sp_size 2");
     const std::string name = "sp2-np" + std::to_string(ranks);
@@ -260,10 +265,8 @@ namespace {
 TEST(DistTrainFsdp, FollowsTheSingleProcessLossCurve) {
   glmtune::test::TempDir dir("dist-train-fsdp-curve");
   const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
-  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
-      << glmtune::test::read_text(dir / "single.log");
-  const auto single = metrics(dir / "single");
-  ASSERT_EQ(single.size(), 10u);
+  std::vector<nlohmann::json> single;
+  ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
   const std::string fsdp = " --set train.fsdp=true";
   ASSERT_EQ(train(recipe, 1, false, dir / "fsdp1", dir / "fsdp1.log", 1, 1, fsdp), 0)
       << glmtune::test::read_text(dir / "fsdp1.log");
