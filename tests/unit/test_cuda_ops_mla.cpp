@@ -82,15 +82,18 @@ std::vector<std::vector<int32_t>> cpu_sets(const Tensor& idx) {
   return sets;
 }
 
+// `storage` bf16 (bar 1e-2) or f32, the fp32 mode (bar 1e-5: only summation order differs).
 void check_attention(const std::vector<int64_t>& bounds, const Tensor& idx, int64_t heads,
-                     int64_t dqk, int64_t dv, uint64_t stream, const std::string& label) {
+                     int64_t dqk, int64_t dv, uint64_t stream, const std::string& label,
+                     DType storage = DType::bf16) {
   const int64_t tokens = bounds.back();
   const std::string what = label + " NH=" + std::to_string(heads) + " Dqk=" + std::to_string(dqk) +
-                           " Dv=" + std::to_string(dv);
-  const Tensor q = random_cpu({tokens, heads, dqk}, DType::bf16, stream);
-  const Tensor k = random_cpu({tokens, heads, dqk}, DType::bf16, stream + 1);
-  const Tensor v = random_cpu({tokens, heads, dv}, DType::bf16, stream + 2);
-  const Tensor dout = random_cpu({tokens, heads, dv}, DType::bf16, stream + 3);
+                           " Dv=" + std::to_string(dv) + " " + std::string(dtype_name(storage));
+  const double bar = storage == DType::f32 ? 1e-5 : 1e-2;
+  const Tensor q = random_cpu({tokens, heads, dqk}, storage, stream);
+  const Tensor k = random_cpu({tokens, heads, dqk}, storage, stream + 1);
+  const Tensor v = random_cpu({tokens, heads, dv}, storage, stream + 2);
+  const Tensor dout = random_cpu({tokens, heads, dv}, storage, stream + 3);
   const Tensor cu = seqlens(bounds);
   const double scale = 1.0 / std::sqrt(double(dqk));
 
@@ -114,17 +117,18 @@ void check_attention(const std::vector<int64_t>& bounds, const Tensor& idx, int6
 
   poison_cache({{tokens, heads, dv}, {tokens, heads}}, DType::f32);
   const cuda::SparseAttentionOutput out = cuda::sparse_attention_forward(qg, kg, vg, sets, scale);
-  EXPECT_CLOSE(out.out, ref, 1e-2, "forward " + what);
-  poison_cache({{tokens, heads, dqk}, {tokens, heads, dv}}, DType::bf16);
+  EXPECT_EQ(out.out.dtype(), storage) << what;
+  EXPECT_CLOSE(out.out, ref, bar, "forward " + what);
+  poison_cache({{tokens, heads, dqk}, {tokens, heads, dv}}, storage);
   const ops::AttentionGrads g =
       cuda::sparse_attention_backward(qg, kg, vg, out.out, out.lse, sets, scale, dog);
-  EXPECT_CLOSE(g.q, gref.q, 1e-2, "dq " + what);
-  EXPECT_CLOSE(g.k, gref.k, 1e-2, "dk " + what);
-  EXPECT_CLOSE(g.v, gref.v, 1e-2, "dv " + what);
+  EXPECT_CLOSE(g.q, gref.q, bar, "dq " + what);
+  EXPECT_CLOSE(g.k, gref.k, bar, "dk " + what);
+  EXPECT_CLOSE(g.v, gref.v, bar, "dv " + what);
 
   poison_cache({{tokens, heads, dv}, {tokens, heads}}, DType::f32);
   const cuda::SparseAttentionOutput out2 = cuda::sparse_attention_forward(qg, kg, vg, sets, scale);
-  poison_cache({{tokens, heads, dqk}, {tokens, heads, dv}}, DType::bf16);
+  poison_cache({{tokens, heads, dqk}, {tokens, heads, dv}}, storage);
   const ops::AttentionGrads g2 =
       cuda::sparse_attention_backward(qg, kg, vg, out2.out, out2.lse, sets, scale, dog);
   EXPECT_TRUE(bit_identical(out.out, out2.out) && bit_identical(g.q, g2.q) &&
@@ -310,6 +314,8 @@ TEST(CudaOpsMla, SparseAttentionMatchesCpu) {
   check_attention(bounds, idx, 3, 128, 64, 20, "random rows");
   check_attention(bounds, idx, 5, 32, 32, 30, "random rows");
   check_attention(bounds, idx, 2, 256, 256, 40, "random rows");
+  check_attention(bounds, idx, 4, 64, 64, 50, "random rows", DType::f32);
+  check_attention(bounds, idx, 5, 32, 32, 60, "random rows", DType::f32);
 #endif
 }
 

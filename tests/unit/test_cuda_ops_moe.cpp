@@ -54,14 +54,15 @@ struct MoeCase {
 
 struct MoeData {
   ops::MoeParams cpu, gpu;
-  Tensor x;  // bf16 CPU
+  Tensor x;  // CPU, in the GPU's storage dtype
 };
 
-MoeData make_data(const MoeCase& c, uint64_t stream) {
+// Parameters and input in `storage` (bf16, or f32 for the fp32 mode) on the GPU, f32 on the CPU.
+MoeData make_data(const MoeCase& c, uint64_t stream, DType storage = DType::bf16) {
   MoeData d;
   const int64_t e = c.cfg.n_experts;
   auto both = [&](Tensor& cpu, Tensor& gpu, const Shape& shape, double std) {
-    const Tensor t = random_cpu(shape, DType::bf16, stream++, std);
+    const Tensor t = random_cpu(shape, storage, stream++, std);
     cpu = f32(t);
     gpu = t.to(kGpu);
   };
@@ -78,7 +79,7 @@ MoeData make_data(const MoeCase& c, uint64_t stream) {
        3.0 / std::sqrt(double(c.dim)));
   both(d.cpu.shared.down_proj, d.gpu.shared.down_proj, {c.dim, c.shared_inter},
        1.0 / std::sqrt(double(c.shared_inter)));
-  d.x = random_cpu({c.tokens, c.dim}, DType::bf16, stream++);
+  d.x = random_cpu({c.tokens, c.dim}, storage, stream++);
   return d;
 }
 
@@ -391,6 +392,44 @@ TEST(CudaOpsMoe, RouteBackwardMatchesCpu) {
       EXPECT_CLOSE(got, ref, 1e-5,
                    "route backward " + case_name(cc) + (norm ? " normalised" : " plain"));
     }
+  }
+#endif
+}
+
+// The fp32 mode: f32 activations, weights and dy, the router GEMMs on the whole f32 logit gradient
+// (no hi/lo split). Against the CPU backward on the GPU's routing, within 1e-5.
+TEST(CudaOpsMoe, Fp32BackwardMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 900;
+  for (const MoeCase& c : moe_cases()) {
+    const MoeData d = make_data(c, stream += 20, DType::f32);
+    const std::string what = case_name(c) + " f32";
+    const Tensor dy = random_cpu({c.tokens, c.dim}, DType::f32, stream + 11);
+    const Tensor d_logits_extra =
+        random_cpu({c.tokens, c.cfg.n_experts}, DType::f32, stream + 12, 1e-2);
+
+    cuda::MoeContext gctx;
+    const ops::MoeOutput gpu = cuda::moe_forward(c.cfg, d.gpu, d.x.to(kGpu), -1, &gctx);
+    EXPECT_EQ(gpu.y.dtype(), DType::f32) << what;
+    ops::MoeContext cctx;
+    cctx.x = d.x;
+    cctx.routing = to_cpu(gpu.routing);
+    ops::mlp_forward(d.cpu.shared, cctx.x, c.cfg.swiglu_limit, cctx.shared);
+    ops::MoeParams cgrad;
+    const Tensor dx_ref = ops::moe_backward(c.cfg, d.cpu, cctx, dy, cgrad, d_logits_extra);
+
+    ops::MoeParams ggrad;
+    const Tensor dx =
+        cuda::moe_backward(c.cfg, d.gpu, gctx, dy.to(kGpu), ggrad, d_logits_extra.to(kGpu));
+    EXPECT_EQ(dx.dtype(), DType::f32) << what;
+    EXPECT_CLOSE(dx, dx_ref, 1e-5, "dx " + what);
+    EXPECT_CLOSE(ggrad.router_weight, cgrad.router_weight, 1e-5, "d router " + what);
+    EXPECT_CLOSE(ggrad.gate_up_proj, cgrad.gate_up_proj, 1e-5, "d gate_up_proj " + what);
+    EXPECT_CLOSE(ggrad.down_proj, cgrad.down_proj, 1e-5, "d down_proj " + what);
+    EXPECT_CLOSE(ggrad.shared.gate_proj, cgrad.shared.gate_proj, 1e-5, "d shared gate " + what);
+    EXPECT_CLOSE(ggrad.shared.up_proj, cgrad.shared.up_proj, 1e-5, "d shared up " + what);
+    EXPECT_CLOSE(ggrad.shared.down_proj, cgrad.shared.down_proj, 1e-5, "d shared down " + what);
   }
 #endif
 }

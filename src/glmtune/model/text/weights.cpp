@@ -29,12 +29,12 @@ Tensor to_compute(const Tensor& src, DType dtype) {
   return out;
 }
 
-// The GPU storage of one parameter: bf16, or f32 where the parameter is kept in f32 or a kernel
-// reads it in f32 (the mHC mixing matrix hc_*_fn).
-Tensor to_device(const Tensor& src, const std::string& name, Device device) {
-  const bool keep_f32 =
-      is_fp32_kept(name) || (name.find(".hc_") != std::string::npos && name.size() > 3 &&
-                             name.compare(name.size() - 3, 3, "_fn") == 0);
+// The GPU storage of one parameter: `dtype` (bf16, or f32 in the fp32 mode), f32 anyway where the
+// parameter is kept in f32 or a kernel reads it in f32 (the mHC mixing matrix hc_*_fn).
+Tensor to_device(const Tensor& src, const std::string& name, Device device, DType dtype) {
+  const bool keep_f32 = dtype == DType::f32 || is_fp32_kept(name) ||
+                        (name.find(".hc_") != std::string::npos && name.size() > 3 &&
+                         name.compare(name.size() - 3, 3, "_fn") == 0);
   return src.contiguous().to(keep_f32 ? DType::f32 : DType::bf16).to(device);
 }
 
@@ -43,7 +43,7 @@ class Loader {
   Loader(const ParamStore& store, TextWeights& w) : store_(store), w_(w) {}
 
   Tensor get(const std::string& name) {
-    Tensor t = w_.device.is_cuda() ? to_device(store_.get(name), name, w_.device)
+    Tensor t = w_.device.is_cuda() ? to_device(store_.get(name), name, w_.device, w_.dtype)
                                    : to_compute(store_.get(name), w_.dtype);
     w_.named.emplace_back(name, t);
     return t;
@@ -123,6 +123,31 @@ class Loader {
   TextWeights& w_;
 };
 
+// The GPU kernels are built for the released geometry's head dimensions (the KDA core for 128,
+// sparse attention for a fixed set): a model outside it is refused at load, before any work, rather
+// than by the first kernel of the step.
+void check_gpu_geometry(const TextConfig& c) {
+  if (c.linear_head_dim != 128)
+    throw Error(fmt::format("the GPU KDA kernels take a head dim of 128; this model's is {}",
+                            c.linear_head_dim),
+                "config.json: text_config.linear_attn_config.head_dim",
+                "train this model on the CPU (device = \"cpu\"), or create it with head dim 128 "
+                "(glmtune init --set text_config.linear_attn_config.head_dim=128)");
+  const int64_t dqk = c.qk_head_dim(), dv = c.v_head_dim;
+  const bool attention_ok =
+      (dqk == dv && (dqk == 32 || dqk == 64 || dqk == 128 || dqk == 256 || dqk == 512)) ||
+      (dqk == 128 && dv == 64);
+  if (!attention_ok)
+    throw Error(fmt::format("the GPU sparse-attention kernels take query/key and value head dims "
+                            "of 32, 64, 128, 256 or 512 (equal), or 128 and 64; this model has {} "
+                            "and {}",
+                            dqk, dv),
+                "config.json: text_config.qk_head_dim / v_head_dim",
+                "train this model on the CPU (device = \"cpu\"), or create it with supported "
+                "head dims (e.g. glmtune init --set text_config.qk_nope_head_dim=32 --set "
+                "text_config.qk_head_dim=32 --set text_config.v_head_dim=32)");
+}
+
 }  // namespace
 
 std::string layer_prefix(int64_t layer) {
@@ -131,12 +156,14 @@ std::string layer_prefix(int64_t layer) {
 
 TextWeights load_text_weights(const ParamStore& store, DType dtype, Device device) {
   if (device.is_cuda())
-    GLMTUNE_ASSERT(dtype == DType::bf16, "the GPU text model computes in bf16, not {}",
+    GLMTUNE_ASSERT(dtype == DType::bf16 || dtype == DType::f32,
+                   "the GPU text model computes in bf16 (or f32, the fp32 mode), not {}",
                    dtype_name(dtype));
   else
     GLMTUNE_ASSERT(dtype == DType::f32 || dtype == DType::f64,
                    "the CPU text model computes in f32 or f64, not {}", dtype_name(dtype));
   const TextConfig& c = store.config().text();
+  if (device.is_cuda()) check_gpu_geometry(c);
   TextWeights w;
   w.dtype = dtype;
   w.device = device;

@@ -57,7 +57,7 @@ struct MtpWeights {
 };
 
 struct TextWeights {
-  DType dtype = DType::f32;  // the compute dtype: f32 / f64 on the CPU, bf16 on a GPU
+  DType dtype = DType::f32;  // the compute dtype: f32 / f64 on the CPU, bf16 (or f32) on a GPU
   Device device = Device::cpu();
   Tensor embed_tokens;  // [V, D]
   Tensor final_norm;    // [D]
@@ -70,7 +70,8 @@ struct TextWeights {
 // Copies and converts the text parameters of `store` (vision tensors are left alone). On the CPU
 // dtype is f32 or f64 and every parameter is converted to it. On a CUDA device dtype is bf16: the
 // parameters are stored in bf16 there, except those kept in f32 (SPEC.md's fp32-kept list and the
-// mHC mixing matrices, which the GPU kernels read in f32).
+// mHC mixing matrices, which the GPU kernels read in f32); or f32, the fp32 mode (parity tests),
+// where every parameter is f32.
 TextWeights load_text_weights(const ParamStore& store, DType dtype, Device device = Device::cpu());
 
 // Prefix of decoder layer `layer`'s parameters: "model.language_model.layers.<layer>.".

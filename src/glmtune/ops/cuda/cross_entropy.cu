@@ -34,12 +34,13 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float om, float os
 }
 
 // One block per label row of the chunk. Pass 1 reads the fp32 logits once (online log-sum-exp in
-// base 2); pass 2 re-reads them and writes the bf16 gradient over the first half of the same row.
-// In pass 2 the row is walked in tiles of blockDim·VEC elements with a barrier between a tile's
-// loads and its stores: tile k stores bf16 bytes [2·t0, 2·(t0 + tile)), which hold fp32 elements
-// of tiles ≤ k only, all of which were loaded before that barrier; later tiles' fp32 bytes start at
+// base 2); pass 2 re-reads them and writes the gradient, in the operands' dtype G, over the start
+// of the same row (its first half for bf16, all of it for f32). In pass 2 the row is walked in
+// tiles of blockDim·VEC elements with a barrier between a tile's loads and its stores: tile k
+// stores G bytes [s·t0, s·(t0 + tile)) (s = sizeof(G) ≤ 4), which hold fp32 elements of tiles ≤ k
+// only, all of which were loaded before that barrier; later tiles' fp32 bytes start at
 // 4·(t0 + tile), past every store so far.
-template <int VEC>
+template <int VEC, typename G>
 __global__ void __launch_bounds__(kCeThreads)
     ce_rows_kernel(float* __restrict__ logits, int64_t ld, int64_t vocab,
                    const int32_t* __restrict__ labels, float* __restrict__ loss_rows, float coef,
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(kCeThreads)
   __syncthreads();
   if (!want_grad) return;
   const float lse2 = lse2_shared;
-  bf16* g = reinterpret_cast<bf16*>(z);
+  G* g = reinterpret_cast<G*>(z);
   const int64_t tile = int64_t(blockDim.x) * VEC;
   for (int64_t t0 = 0; t0 < vocab; t0 += tile) {
     const int64_t j = t0 + int64_t(threadIdx.x) * VEC;
@@ -129,14 +130,16 @@ __global__ void __launch_bounds__(kCeThreads)
         out[k] = coef * exp2f(v[k] * kLog2e - lse2);
         if (j + k == label) out[k] -= coef;
       }
-      if constexpr (VEC == 4) {
+      if constexpr (VEC == 4 && std::is_same_v<G, float>) {
+        *reinterpret_cast<float4*>(g + j) = make_float4(out[0], out[1], out[2], out[3]);
+      } else if constexpr (VEC == 4) {
         uint2 packed;
         __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
         h[0] = __floats2bfloat162_rn(out[0], out[1]);
         h[1] = __floats2bfloat162_rn(out[2], out[3]);
         *reinterpret_cast<uint2*>(g + j) = packed;
       } else {
-        g[j] = __float2bfloat16_rn(out[0]);
+        g[j] = detail::from_f<G>(out[0]);
       }
     }
   }
@@ -190,15 +193,17 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
                                               Tensor* dweight, cudaStream_t stream) {
   const char* op = "cuda::lm_head_cross_entropy";
   GLMTUNE_CUDA_OP_REQUIRE(hidden.defined() && hidden.dim() == 2 && hidden.device().is_cuda() &&
-                              hidden.dtype() == DType::bf16 && detail::has_row_layout(hidden),
+                              (hidden.dtype() == DType::bf16 || hidden.dtype() == DType::f32) &&
+                              detail::has_row_layout(hidden),
                           std::string(op) + ": hidden " + detail::describe(hidden) +
-                              " must be a bf16 [T, D] CUDA tensor with unit inner stride");
+                              " must be a bf16 or f32 [T, D] CUDA tensor with unit inner stride");
   GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dim() == 2 &&
-                              weight.size(1) == hidden.size(1) && weight.dtype() == DType::bf16 &&
-                              weight.is_contiguous() && weight.device() == hidden.device(),
+                              weight.size(1) == hidden.size(1) &&
+                              weight.dtype() == hidden.dtype() && weight.is_contiguous() &&
+                              weight.device() == hidden.device(),
                           std::string(op) + ": weight " + detail::describe(weight) +
-                              " must be a contiguous bf16 [V, " + std::to_string(hidden.size(1)) +
-                              "] on " + hidden.device().str());
+                              " must be a contiguous [V, " + std::to_string(hidden.size(1)) +
+                              "] tensor of hidden's dtype on " + hidden.device().str());
   GLMTUNE_CUDA_OP_REQUIRE(opts.chunk_rows > 0, std::string(op) + ": chunk_rows must be positive");
   const int64_t rows = hidden.size(0), dim = hidden.size(1), vocab = weight.size(0);
   GLMTUNE_CUDA_OP_REQUIRE(labels.defined() && labels.dim() == 1 && labels.size(0) == rows &&
@@ -234,7 +239,7 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
   const Device dev = hidden.device();
   detail::DeviceGuard guard(dev.index);
   if (dhidden) {
-    if (!dhidden->defined()) *dhidden = Tensor::empty({rows, dim}, DType::bf16, dev);
+    if (!dhidden->defined()) *dhidden = Tensor::empty({rows, dim}, hidden.dtype(), dev);
     GLMTUNE_CUDA_OP_REQUIRE(dhidden->shape() == hidden.shape() && dhidden->is_contiguous() &&
                                 dhidden->device() == dev &&
                                 (dhidden->dtype() == DType::bf16 || dhidden->dtype() == DType::f32),
@@ -263,10 +268,22 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
   Tensor loss_rows = Tensor::empty({n}, DType::f32, dev);
   Tensor gathered, dh_buffer;  // only for chunks whose rows are not one contiguous run
   const detail::RowsView hv = detail::rows_view(hidden);
-  const auto* hp = static_cast<const bf16*>(hv.data);
+  const auto* hp = static_cast<const char*>(hv.data);
+  const DType ab = hidden.dtype();
+  const int64_t h_size = int64_t(dtype_size(ab));
   float* zp = logits.data<float>();
   const bool vec = vocab % 4 == 0 && detail::aligned16(zp);
   const size_t dh_size = dhidden ? dtype_size(dhidden->dtype()) : 0;
+  auto ce_rows = [&]<typename G>(G*, int64_t m, int64_t c0) {
+    const int32_t* ids = ids_dev.data<int32_t>() + c0;
+    float* losses = loss_rows.data<float>() + c0;
+    if (vec)
+      ce_rows_kernel<4, G><<<unsigned(m), kCeThreads, 0, stream>>>(zp, vocab, vocab, ids, losses,
+                                                                   float(coef), want_grad);
+    else
+      ce_rows_kernel<1, G><<<unsigned(m), kCeThreads, 0, stream>>>(zp, vocab, vocab, ids, losses,
+                                                                   float(coef), want_grad);
+  };
 
   for (int64_t c0 = 0; c0 < n; c0 += chunk) {
     const int64_t m = std::min(chunk, n - c0);
@@ -274,16 +291,16 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
     // Label rows are increasing, so first and last m − 1 apart means one contiguous run, which
     // the GEMMs read and write in place.
     const bool run = label_rows[size_t(c0 + m - 1)] - label_rows[size_t(c0)] == m - 1;
-    const bf16* h_chunk;
+    const void* h_chunk;
     int64_t ldh;
     if (run) {
-      h_chunk = hp + int64_t(label_rows[size_t(c0)]) * hv.ld;
+      h_chunk = hp + int64_t(label_rows[size_t(c0)]) * hv.ld * h_size;
       ldh = hv.ld;
     } else {
-      if (!gathered.defined()) gathered = Tensor::empty({chunk, dim}, DType::bf16, dev);
-      copy_rows(hp, hv.ld * 2, chunk_rows, gathered.data_ptr(), dim * 2, nullptr, m, dim * 2,
-                stream);
-      h_chunk = reinterpret_cast<const bf16*>(gathered.data_ptr());
+      if (!gathered.defined()) gathered = Tensor::empty({chunk, dim}, ab, dev);
+      copy_rows(hp, hv.ld * h_size, chunk_rows, gathered.data_ptr(), dim * h_size, nullptr, m,
+                dim * h_size, stream);
+      h_chunk = gathered.data_ptr();
       ldh = dim;
     }
 
@@ -300,22 +317,20 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
     z.c = zp;
     z.ldc = vocab;
     z.c_dtype = DType::f32;
+    z.ab_dtype = ab;
     gemm(z, stream);
 
-    if (vec)
-      ce_rows_kernel<4><<<unsigned(m), kCeThreads, 0, stream>>>(
-          zp, vocab, vocab, ids_dev.data<int32_t>() + c0, loss_rows.data<float>() + c0, float(coef),
-          want_grad);
+    if (ab == DType::f32)
+      ce_rows(static_cast<float*>(nullptr), m, c0);
     else
-      ce_rows_kernel<1><<<unsigned(m), kCeThreads, 0, stream>>>(
-          zp, vocab, vocab, ids_dev.data<int32_t>() + c0, loss_rows.data<float>() + c0, float(coef),
-          want_grad);
+      ce_rows(static_cast<bf16*>(nullptr), m, c0);
     GLMTUNE_CUDA_CHECK_LAUNCH();
     if (!want_grad) continue;
 
-    // The bf16 gradient of row i starts where its fp32 logits started: row stride 2·V elements.
-    const bf16* dz = reinterpret_cast<const bf16*>(zp);
-    const int64_t ldz = 2 * vocab;
+    // The gradient of row i starts where its fp32 logits started: a row stride of 4·V bytes, 2·V
+    // bf16 or V f32 elements.
+    const void* dz = zp;
+    const int64_t ldz = 4 * vocab / h_size;
     if (dhidden) {
       GemmArgs d;
       d.device = dev.index;
@@ -327,6 +342,7 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
       d.b = weight.data_ptr();
       d.ldb = dim;
       d.c_dtype = dhidden->dtype();
+      d.ab_dtype = ab;
       d.ldc = dim;
       char* dh_base = static_cast<char*>(dhidden->data_ptr());
       if (run) {
@@ -354,6 +370,7 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
       w.c = dweight->data_ptr();
       w.ldc = dim;
       w.c_dtype = dweight->dtype();
+      w.ab_dtype = ab;
       w.beta = 1.0f;
       gemm(w, stream);
     }

@@ -112,7 +112,7 @@ std::map<std::string, double> take_op_times() {
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   OpTimer timer("linear");
-  return cuda::linear(x, weight, bias, DType::bf16);
+  return cuda::linear(x, weight, bias);
 }
 
 void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
@@ -132,7 +132,7 @@ Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, 
     cuda::linear_backward_bias(grad_slot(grad_bias, bias_shape, "linear_backward", "bias"), dy);
   }
   if (!need_input_grad) return Tensor();
-  Tensor dx = Tensor::empty(x.shape(), DType::bf16, x.device());
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   cuda::linear_backward_input_out(dx, dy, weight);
   return dx;
 }
@@ -157,8 +157,8 @@ Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit) {
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup) {
   OpTimer timer("swiglu_clamped_backward");
-  if (!dgate.defined()) dgate = Tensor::empty(gate.shape(), DType::bf16, gate.device());
-  if (!dup.defined()) dup = Tensor::empty(gate.shape(), DType::bf16, gate.device());
+  if (!dgate.defined()) dgate = Tensor::empty(gate.shape(), gate.dtype(), gate.device());
+  if (!dup.defined()) dup = Tensor::empty(gate.shape(), gate.dtype(), gate.device());
   cuda::swiglu_clamped_backward(gate, up, dout, limit, dgate, dup);
 }
 
@@ -179,8 +179,8 @@ Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor
   cuda::linear_backward_weight(
       grad_slot(&grads.down_proj, params.down_proj, "mlp_backward", "down"), dy, act);
   const Tensor d_act = cuda::linear_backward_input(dy, params.down_proj);
-  Tensor d_gate = Tensor::empty(ctx.gate.shape(), DType::bf16, dy.device());
-  Tensor d_up = Tensor::empty(ctx.up.shape(), DType::bf16, dy.device());
+  Tensor d_gate = Tensor::empty(ctx.gate.shape(), ctx.gate.dtype(), dy.device());
+  Tensor d_up = Tensor::empty(ctx.up.shape(), ctx.up.dtype(), dy.device());
   cuda::swiglu_clamped_backward(ctx.gate, ctx.up, d_act, swiglu_limit, d_gate, d_up);
   cuda::linear_backward_weight(
       grad_slot(&grads.gate_proj, params.gate_proj, "mlp_backward", "gate"), d_gate, ctx.x);
@@ -191,7 +191,7 @@ Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor
   Tensor dx32 = Tensor::empty(ctx.x.shape(), DType::f32, dy.device());
   cuda::linear_backward_input_out(dx32, d_gate, params.gate_proj);
   cuda::linear_backward_input_out(dx32, d_up, params.up_proj, /*accumulate=*/true);
-  return dx32.to(DType::bf16);
+  return dx32.to(ctx.x.dtype());
 }
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
@@ -397,9 +397,13 @@ void split_kv(const Tensor& kv, int64_t dn, int64_t dv, MlaProjections& p) {
 
 Tensor* bias_grad(const Tensor& bias, Tensor& grad) { return bias.defined() ? &grad : nullptr; }
 
-// The absorbed-latent attention (ops/cuda/mla.h) covers the released shape: Rkv = 512 and at
-// most 64 heads; anything else keeps the per-head path.
-bool use_absorbed(const MlaConfig& cfg) { return cfg.kv_lora_rank == 512 && cfg.n_heads <= 64; }
+// The absorbed-latent attention (ops/cuda/mla.h) covers the released shape in bf16: Rkv = 512 and
+// at most 64 heads. Anything else keeps the per-head path, and so does the fp32 mode: the absorbed
+// kernels are bf16 tensor-core MMAs, while the per-head path is exact fp32 like the CPU op (and
+// equal to the absorbed form in real arithmetic).
+bool use_absorbed(const MlaConfig& cfg, DType dtype) {
+  return dtype == DType::bf16 && cfg.kv_lora_rank == 512 && cfg.n_heads <= 64;
+}
 
 // Per-head products with kv_b_proj's factors, W_kb[h] = rows h·(Dn+Dv) .. +Dn and W_vb[h] = the
 // Dv rows after them, each [D, Rkv]; `a` and `c` are head-interleaved [T, NH, ·] buffers.
@@ -500,7 +504,7 @@ MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tenso
   c.latent = cuda::rms_norm(c.kv_a, params.kv_a_layernorm, cfg.rms_norm_eps, &c.kv_rstd);
   c.attn_latent = Tensor();
   c.attn_lse2 = Tensor();
-  if (use_absorbed(cfg)) {
+  if (use_absorbed(cfg, x.dtype())) {
     // Attention on the latent: q_abs = W_kbᵀ q per head, then o = W_vb o_lat.
     GLMTUNE_ASSERT(params.kv_b_proj.dtype() == DType::bf16 && params.kv_b_proj.is_contiguous(),
                    "mla_forward: kv_b_proj must be contiguous bf16 on the GPU, got {}",
@@ -649,7 +653,8 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
   if (ctx.shared.gate.defined()) {
     // The shared expert's gate | up, as one [T, 2·Is] buffer.
     const int64_t is = ctx.shared.gate.size(1);
-    cc.shared_gate_up = Tensor::empty({ctx.x.size(0), 2 * is}, DType::bf16, dy.device());
+    cc.shared_gate_up =
+        Tensor::empty({ctx.x.size(0), 2 * is}, ctx.shared.gate.dtype(), dy.device());
     cc.shared_gate_up.narrow(1, 0, is).copy_(ctx.shared.gate);
     cc.shared_gate_up.narrow(1, is, is).copy_(ctx.shared.up);
   }

@@ -18,34 +18,47 @@ constexpr int kGatherThreads = 128;
 constexpr int kScatterWarps = 8;
 
 // One block per token. A bad id zeroes its row (nothing is read out of bounds) and records the
-// smallest bad position in *bad, which the host checks after the launch.
-template <typename Id, int VEC>
+// smallest bad position in *bad, which the host checks after the launch. With kCopy16 the row
+// moves in 16-byte pieces of 16 / sizeof(T) elements.
+template <typename Id, typename T, bool kCopy16>
 __global__ void __launch_bounds__(kGatherThreads)
-    embedding_fwd_kernel(const bf16* __restrict__ table, const Id* __restrict__ ids, int64_t vocab,
-                         int dim, bf16* __restrict__ out, unsigned long long* __restrict__ bad) {
+    embedding_fwd_kernel(const T* __restrict__ table, const Id* __restrict__ ids, int64_t vocab,
+                         int dim, T* __restrict__ out, unsigned long long* __restrict__ bad) {
   const int64_t t = blockIdx.x;
   const int64_t id = int64_t(ids[t]);
-  bf16* o = out + t * dim;
+  T* o = out + t * dim;
   if (id < 0 || id >= vocab) {
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) o[j] = __float2bfloat16_rn(0.0f);
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) o[j] = detail::from_f<T>(0.0f);
     if (threadIdx.x == 0) atomicMin(bad, static_cast<unsigned long long>(t));
     return;
   }
-  const bf16* src = table + id * dim;
-  if constexpr (VEC == 8) {
-    for (int j = threadIdx.x * 8; j < dim; j += blockDim.x * 8)
+  const T* src = table + id * dim;
+  if constexpr (kCopy16) {
+    constexpr int kPer = int(16 / sizeof(T));
+    for (int j = threadIdx.x * kPer; j < dim; j += blockDim.x * kPer)
       *reinterpret_cast<uint4*>(o + j) = *reinterpret_cast<const uint4*>(src + j);
   } else {
     for (int j = threadIdx.x; j < dim; j += blockDim.x) o[j] = src[j];
   }
 }
 
+// VEC consecutive elements of dout as fp32: 16-byte loads (VEC = 8) for bf16 only.
+template <int VEC, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::load_bf16x8(p, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = detail::to_f(p[i]);
+  }
+}
+
 // One block per touched row (see the header for the fixed summation order). The row is walked in
 // tiles of 32·VEC columns: lane l of every warp owns columns [l·VEC, l·VEC + VEC) of the tile.
-template <typename G, int VEC>
+template <typename G, typename D, int VEC>
 __global__ void __launch_bounds__(kScatterWarps * 32)
     embedding_bwd_kernel(const int32_t* __restrict__ rows, const int32_t* __restrict__ offsets,
-                         const int32_t* __restrict__ tokens, const bf16* __restrict__ dout, int dim,
+                         const int32_t* __restrict__ tokens, const D* __restrict__ dout, int dim,
                          G* __restrict__ dtable) {
   constexpr int kTile = 32 * VEC;
   __shared__ float part[kScatterWarps][kTile];
@@ -61,7 +74,7 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
     if (c < dim) {
       for (int i = begin + warp; i < end; i += kScatterWarps) {
         float v[VEC];
-        detail::load_vec<VEC>(dout + int64_t(tokens[i]) * dim + c, v);
+        load<VEC>(dout + int64_t(tokens[i]) * dim + c, v);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] += v[k];
       }
@@ -89,9 +102,10 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
 
 void check_table(const Tensor& table, const char* op) {
   GLMTUNE_CUDA_OP_REQUIRE(table.defined() && table.dim() == 2 && table.device().is_cuda() &&
-                              table.dtype() == DType::bf16 && table.is_contiguous(),
+                              (table.dtype() == DType::bf16 || table.dtype() == DType::f32) &&
+                              table.is_contiguous(),
                           std::string(op) + ": table " + detail::describe(table) +
-                              " must be a contiguous bf16 [V, D] CUDA tensor");
+                              " must be a contiguous bf16 or f32 [V, D] CUDA tensor");
   GLMTUNE_CUDA_OP_REQUIRE(table.size(1) <= INT32_MAX, std::string(op) + ": rows too long");
 }
 
@@ -124,11 +138,11 @@ void embedding_forward_out(Tensor& out, const Tensor& table, const Tensor& ids_i
   const int64_t vocab = table.size(0), dim = table.size(1);
   Shape shape = ids_in.shape();
   shape.push_back(dim);
-  GLMTUNE_CUDA_OP_REQUIRE(out.defined() && out.dtype() == DType::bf16 && out.shape() == shape &&
+  GLMTUNE_CUDA_OP_REQUIRE(out.defined() && out.dtype() == table.dtype() && out.shape() == shape &&
                               out.is_contiguous() && out.device() == table.device(),
                           std::string(op) + ": out " + detail::describe(out) +
-                              " must be a contiguous bf16 " + shape_str(shape) + " on " +
-                              table.device().str());
+                              " must be a contiguous " + std::string(dtype_name(table.dtype())) +
+                              " " + shape_str(shape) + " on " + table.device().str());
   const int64_t n = ids_in.numel();
   if (n == 0 || dim == 0) return;
   GLMTUNE_CUDA_OP_REQUIRE(n <= INT32_MAX, std::string(op) + ": too many ids");
@@ -137,25 +151,29 @@ void embedding_forward_out(Tensor& out, const Tensor& table, const Tensor& ids_i
   Tensor flag = Tensor::empty({1}, DType::i64, table.device());
   auto* bad = static_cast<unsigned long long*>(flag.data_ptr());
   GLMTUNE_CUDA_CHECK(cudaMemsetAsync(bad, 0xff, sizeof(unsigned long long), stream));
-  const auto* tp = reinterpret_cast<const bf16*>(table.data_ptr());
-  auto* op_ = reinterpret_cast<bf16*>(out.data_ptr());
-  const bool vec = dim % 8 == 0 && detail::aligned16(tp) && detail::aligned16(op_);
+  const bool copy16 = (dim * int64_t(table.element_size())) % 16 == 0 &&
+                      detail::aligned16(table.data_ptr()) && detail::aligned16(out.data_ptr());
   const unsigned blocks = unsigned(n);
-  if (ids.dtype() == DType::i32) {
-    if (vec)
-      embedding_fwd_kernel<int32_t, 8><<<blocks, kGatherThreads, 0, stream>>>(
-          tp, ids.data<int32_t>(), vocab, int(dim), op_, bad);
+  auto launch = [&]<typename T>(T*) {
+    const auto* tp = static_cast<const T*>(table.data_ptr());
+    auto* o = static_cast<T*>(out.data_ptr());
+    auto run = [&]<typename Id>(const Id* ip) {
+      if (copy16)
+        embedding_fwd_kernel<Id, T, true>
+            <<<blocks, kGatherThreads, 0, stream>>>(tp, ip, vocab, int(dim), o, bad);
+      else
+        embedding_fwd_kernel<Id, T, false>
+            <<<blocks, kGatherThreads, 0, stream>>>(tp, ip, vocab, int(dim), o, bad);
+    };
+    if (ids.dtype() == DType::i32)
+      run(ids.data<int32_t>());
     else
-      embedding_fwd_kernel<int32_t, 1><<<blocks, kGatherThreads, 0, stream>>>(
-          tp, ids.data<int32_t>(), vocab, int(dim), op_, bad);
-  } else {
-    if (vec)
-      embedding_fwd_kernel<int64_t, 8><<<blocks, kGatherThreads, 0, stream>>>(
-          tp, ids.data<int64_t>(), vocab, int(dim), op_, bad);
-    else
-      embedding_fwd_kernel<int64_t, 1><<<blocks, kGatherThreads, 0, stream>>>(
-          tp, ids.data<int64_t>(), vocab, int(dim), op_, bad);
-  }
+      run(ids.data<int64_t>());
+  };
+  if (table.dtype() == DType::f32)
+    launch(static_cast<float*>(nullptr));
+  else
+    launch(static_cast<bf16*>(nullptr));
   GLMTUNE_CUDA_CHECK_LAUNCH();
   unsigned long long first_bad = 0;
   GLMTUNE_CUDA_CHECK(
@@ -174,7 +192,7 @@ Tensor embedding_forward(const Tensor& table, const Tensor& ids, cudaStream_t st
   GLMTUNE_CUDA_OP_REQUIRE(ids.defined(), "cuda::embedding_forward: ids are undefined");
   Shape shape = ids.shape();
   shape.push_back(table.size(1));
-  Tensor out = Tensor::empty(shape, DType::bf16, table.device());
+  Tensor out = Tensor::empty(shape, table.dtype(), table.device());
   embedding_forward_out(out, table, ids, stream);
   return out;
 }
@@ -233,11 +251,12 @@ void embedding_backward(const EmbeddingGradPlan& plan, const Tensor& dout, Tenso
                               ", D] CUDA tensor");
   const int64_t dim = dtable.size(1);
   GLMTUNE_CUDA_OP_REQUIRE(
-      dout.defined() && dout.dtype() == DType::bf16 && dout.is_contiguous() &&
-          dout.device() == dtable.device() && dout.dim() >= 1 && dout.size(-1) == dim &&
-          dout.numel() == plan.num_positions * dim,
-      std::string(op) + ": dout " + detail::describe(dout) + " must be contiguous bf16 with " +
-          std::to_string(plan.num_positions) + " rows of " + std::to_string(dim));
+      dout.defined() && (dout.dtype() == DType::bf16 || dout.dtype() == DType::f32) &&
+          dout.is_contiguous() && dout.device() == dtable.device() && dout.dim() >= 1 &&
+          dout.size(-1) == dim && dout.numel() == plan.num_positions * dim,
+      std::string(op) + ": dout " + detail::describe(dout) +
+          " must be contiguous bf16 or f32 with " + std::to_string(plan.num_positions) +
+          " rows of " + std::to_string(dim));
   GLMTUNE_CUDA_OP_REQUIRE(plan.rows.device() == dtable.device(),
                           std::string(op) + ": the plan lives on " + plan.rows.device().str() +
                               ", the gradient on " + dtable.device().str());
@@ -245,27 +264,29 @@ void embedding_backward(const EmbeddingGradPlan& plan, const Tensor& dout, Tenso
   if (touched == 0 || dim == 0) return;
   GLMTUNE_CUDA_OP_REQUIRE(dim <= INT32_MAX, std::string(op) + ": rows too long");
   detail::DeviceGuard guard(dtable.device().index);
-  const auto* dp = reinterpret_cast<const bf16*>(dout.data_ptr());
-  const bool vec = dim % 8 == 0 && detail::aligned16(dp);
   const int32_t* r = plan.rows.data<int32_t>();
   const int32_t* o = plan.offsets.data<int32_t>();
   const int32_t* t = plan.tokens.data<int32_t>();
   const unsigned blocks = unsigned(touched);
   const unsigned threads = kScatterWarps * 32;
-  if (dtable.dtype() == DType::f32) {
-    if (vec)
-      embedding_bwd_kernel<float, 8>
-          <<<blocks, threads, 0, stream>>>(r, o, t, dp, int(dim), dtable.data<float>());
+  // 16-byte loads for bf16 dout only; f32 dout is read one element per lane.
+  const bool vec =
+      dout.dtype() == DType::bf16 && dim % 8 == 0 && detail::aligned16(dout.data_ptr());
+  auto launch = [&]<typename G>(G* gp) {
+    if (dout.dtype() == DType::f32)
+      embedding_bwd_kernel<G, float, 1><<<blocks, threads, 0, stream>>>(
+          r, o, t, static_cast<const float*>(dout.data_ptr()), int(dim), gp);
+    else if (vec)
+      embedding_bwd_kernel<G, bf16, 8><<<blocks, threads, 0, stream>>>(
+          r, o, t, static_cast<const bf16*>(dout.data_ptr()), int(dim), gp);
     else
-      embedding_bwd_kernel<float, 1>
-          <<<blocks, threads, 0, stream>>>(r, o, t, dp, int(dim), dtable.data<float>());
-  } else {
-    auto* gp = reinterpret_cast<bf16*>(dtable.data_ptr());
-    if (vec)
-      embedding_bwd_kernel<bf16, 8><<<blocks, threads, 0, stream>>>(r, o, t, dp, int(dim), gp);
-    else
-      embedding_bwd_kernel<bf16, 1><<<blocks, threads, 0, stream>>>(r, o, t, dp, int(dim), gp);
-  }
+      embedding_bwd_kernel<G, bf16, 1><<<blocks, threads, 0, stream>>>(
+          r, o, t, static_cast<const bf16*>(dout.data_ptr()), int(dim), gp);
+  };
+  if (dtable.dtype() == DType::f32)
+    launch(dtable.data<float>());
+  else
+    launch(static_cast<bf16*>(dtable.data_ptr()));
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 

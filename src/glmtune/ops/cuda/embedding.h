@@ -1,6 +1,6 @@
 #pragma once
 // Token embedding on the GPU: the CUDA side of ops::embedding_forward / embedding_backward
-// (ops/embedding.h), bf16 table and activations.
+// (ops/embedding.h), bf16 table and activations (f32 both in the fp32 mode).
 //
 // The forward is a gather with 16-byte copies. Every id is checked on the device against the
 // vocabulary; a bad id leaves its output row zero and makes the call throw glmtune::Error naming
@@ -23,8 +23,9 @@
 
 namespace glmtune::cuda {
 
-// out[..., D] = table[ids[...], :]. table bf16 [V, D] contiguous on a CUDA device; ids int32 or
-// int64 on that device or on the CPU (copied over); out bf16, contiguous, shaped ids.shape + [D].
+// out[..., D] = table[ids[...], :]. table bf16 or f32 [V, D] contiguous on a CUDA device; ids int32
+// or int64 on that device or on the CPU (copied over); out of the table's dtype, contiguous, shaped
+// ids.shape + [D].
 void embedding_forward_out(Tensor& out, const Tensor& table, const Tensor& ids,
                            cudaStream_t stream = nullptr);
 Tensor embedding_forward(const Tensor& table, const Tensor& ids, cudaStream_t stream = nullptr);
@@ -46,7 +47,7 @@ EmbeddingGradPlan make_embedding_grad_plan(const Tensor& ids, int64_t vocab,
 
 // dtable[v, :] += Σ_{t : ids[t] = v} dout[t, :] for every row in the plan. dout bf16 [..., D]
 // (contiguous, plan.num_positions rows); dtable f32 or bf16 [V, D] contiguous; rows not in the
-// plan are not touched.
+// plan are not touched. dout may also be f32.
 void embedding_backward(const EmbeddingGradPlan& plan, const Tensor& dout, Tensor& dtable,
                         cudaStream_t stream = nullptr);
 

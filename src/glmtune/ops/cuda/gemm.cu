@@ -16,14 +16,15 @@ constexpr int kThreads = 256;
 
 // partial[g, c] = Σ_{r in group g} dy[r, c], rows in order. Each thread owns one column; a warp
 // reads 32 neighbouring columns of a row (coalesced).
-__global__ void bias_grad_partial(const bf16* __restrict__ dy, int64_t ld, int64_t rows,
-                                  int64_t cols, float* __restrict__ partial) {
+template <typename T>
+__global__ void bias_grad_partial(const T* __restrict__ dy, int64_t ld, int64_t rows, int64_t cols,
+                                  float* __restrict__ partial) {
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   const int64_t r0 = int64_t(blockIdx.y) * kRowsPerGroup;
   const int64_t r1 = r0 + kRowsPerGroup < rows ? r0 + kRowsPerGroup : rows;
   float acc = 0.0f;
-  for (int64_t r = r0; r < r1; ++r) acc += __bfloat162float(dy[r * ld + c]);
+  for (int64_t r = r0; r < r1; ++r) acc += detail::to_f(dy[r * ld + c]);
   partial[int64_t(blockIdx.y) * cols + c] = acc;
 }
 
@@ -45,10 +46,10 @@ __global__ void bias_grad_finish(const float* __restrict__ partial, int64_t grou
 }  // namespace
 
 void linear_backward_bias(Tensor& db, const Tensor& dy, cudaStream_t stream) {
-  GLMTUNE_CUDA_OP_REQUIRE(
-      detail::has_row_layout(dy) && dy.device().is_cuda() && dy.dtype() == DType::bf16,
-      "cuda::linear_backward_bias: dy " + detail::describe(dy) +
-          " must be a bf16 CUDA tensor with unit inner stride");
+  GLMTUNE_CUDA_OP_REQUIRE(detail::has_row_layout(dy) && dy.device().is_cuda() &&
+                              (dy.dtype() == DType::bf16 || dy.dtype() == DType::f32),
+                          "cuda::linear_backward_bias: dy " + detail::describe(dy) +
+                              " must be a bf16 or f32 CUDA tensor with unit inner stride");
   const detail::RowsView v = detail::rows_view(dy);
   GLMTUNE_CUDA_OP_REQUIRE(db.defined() && db.dim() == 1 && db.size(0) == v.cols &&
                               db.is_contiguous() && db.device() == dy.device() &&
@@ -63,8 +64,13 @@ void linear_backward_bias(Tensor& db, const Tensor& dy, cudaStream_t stream) {
                                                " rows is too many");
   Tensor partial = Tensor::empty({groups, v.cols}, DType::f32, dy.device());
   const unsigned col_blocks = unsigned((v.cols + kThreads - 1) / kThreads);
-  bias_grad_partial<<<dim3(col_blocks, unsigned(groups)), kThreads, 0, stream>>>(
-      static_cast<const bf16*>(v.data), v.ld, v.rows, v.cols, partial.data<float>());
+  const dim3 grid(col_blocks, unsigned(groups));
+  if (dy.dtype() == DType::bf16)
+    bias_grad_partial<<<grid, kThreads, 0, stream>>>(static_cast<const bf16*>(v.data), v.ld, v.rows,
+                                                     v.cols, partial.data<float>());
+  else
+    bias_grad_partial<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(v.data), v.ld,
+                                                     v.rows, v.cols, partial.data<float>());
   GLMTUNE_CUDA_CHECK_LAUNCH();
   if (db.dtype() == DType::f32) {
     bias_grad_finish<float><<<col_blocks, kThreads, 0, stream>>>(partial.data<float>(), groups,

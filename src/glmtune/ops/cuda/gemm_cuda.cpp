@@ -35,7 +35,7 @@ struct AlgoKey {
   int device = 0;
   bool trans_a = false, trans_b = false;
   int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
-  DType c_dtype = DType::bf16;
+  DType c_dtype = DType::bf16, ab_dtype = DType::bf16;
   bool bias = false;
   uint32_t align_a = 0, align_b = 0, align_c = 0;
   auto operator<=>(const AlgoKey&) const = default;
@@ -110,7 +110,7 @@ cudaDataType_t cuda_type(DType t) {
       break;
   }
   throw_internal(__FILE__, __LINE__,
-                 fmt::format("GEMM output dtype {} is not f32 or bf16", dtype_name(t)));
+                 fmt::format("GEMM operand dtype {} is not f32 or bf16", dtype_name(t)));
 }
 
 // RAII for the cuBLASLt descriptors of one call.
@@ -151,7 +151,8 @@ Mat matrix_of(const Tensor& t, const char* what, const char* op) {
   return m;
 }
 
-bool is_out_dtype(DType t) { return t == DType::f32 || t == DType::bf16; }
+// The dtypes every GEMM operand and result may have.
+bool is_gemm_dtype(DType t) { return t == DType::f32 || t == DType::bf16; }
 
 void check_same_device(const Tensor& a, const Tensor& b, const char* op) {
   GLMTUNE_ASSERT(a.device() == b.device(), "{}: {} and {} are on different devices", op, a.str(),
@@ -170,13 +171,15 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
       "gemm: leading dimensions lda={} ldb={} ldc={} too small for m={} n={} k={} "
       "(trans_a={}, trans_b={})",
       g.lda, g.ldb, g.ldc, g.m, g.n, g.k, g.trans_a, g.trans_b);
-  const cudaDataType_t ct = cuda_type(g.c_dtype);
-  const size_t c_size = dtype_size(g.c_dtype);
+  const cudaDataType_t ct = cuda_type(g.c_dtype), abt = cuda_type(g.ab_dtype);
+  const size_t c_size = dtype_size(g.c_dtype), ab_size = dtype_size(g.ab_dtype);
 
   // cuBLASLt is column-major. Row-major C = op(A)·op(B) is column-major C^T = op(B)^T · op(A)^T,
   // and a row-major matrix with row stride ld is the column-major transpose with the same ld. So
   // cuBLASLt's first operand is our B and its second is our A, each with its own transpose flag;
   // its problem is (n, m, k).
+  // CUBLAS_COMPUTE_32F keeps f32 operands in full fp32 (SIMT FFMA): cuBLASLt rounds them to TF32
+  // only under CUBLAS_COMPUTE_32F_FAST_TF32, which the fp32 mode must never take.
   LtDescriptors d;
   GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_first = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -195,10 +198,10 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
     GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                         &bias_type, sizeof(bias_type)));
   }
-  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, g.trans_b ? g.k : g.n,
-                                                  g.trans_b ? g.n : g.k, g.ldb));
-  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, g.trans_a ? g.m : g.k,
-                                                  g.trans_a ? g.k : g.m, g.lda));
+  GLMTUNE_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&d.a, abt, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb));
+  GLMTUNE_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&d.b, abt, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m, g.lda));
   GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, ct, g.n, g.m, g.ldc));
 
   AlgoKey key;
@@ -212,9 +215,10 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
   key.ldb = g.ldb;
   key.ldc = g.ldc;
   key.c_dtype = g.c_dtype;
+  key.ab_dtype = g.ab_dtype;
   key.bias = g.bias != nullptr;
-  key.align_a = alignment_of(g.b, g.ldb, 2);  // cuBLASLt's A is our B (see above)
-  key.align_b = alignment_of(g.a, g.lda, 2);
+  key.align_a = alignment_of(g.b, g.ldb, ab_size);  // cuBLASLt's A is our B (see above)
+  key.align_b = alignment_of(g.a, g.lda, ab_size);
   key.align_c = alignment_of(g.c, g.ldc, c_size);
 
   DeviceGuard guard(g.device);
@@ -248,15 +252,15 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
                                                           1, &result, &found));
       s.queries++;
       if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
-        throw Error(fmt::format("cuBLASLt has no algorithm for a bf16 GEMM m={} n={} k={} "
+        throw Error(fmt::format("cuBLASLt has no algorithm for a {} GEMM m={} n={} k={} "
                                 "(trans_a={}, trans_b={}, lda={} ldb={} ldc={}, output {}, "
                                 "alignments {}/{}/{} bytes{})",
-                                g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldc,
-                                dtype_name(g.c_dtype), key.align_b, key.align_a, key.align_c,
-                                g.bias ? ", bias" : ""),
+                                dtype_name(g.ab_dtype), g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda,
+                                g.ldb, g.ldc, dtype_name(g.c_dtype), key.align_b, key.align_a,
+                                key.align_c, g.bias ? ", bias" : ""),
                     "cuda gemm",
-                    "keep rows of every operand 16-byte aligned (row lengths a multiple of 8 "
-                    "bf16 elements)");
+                    "keep rows of every operand 16-byte aligned (row lengths a multiple of 16 "
+                    "bytes: 8 bf16 or 4 f32 elements)");
       algo = result.algo;
       s.algos.emplace(key, algo);
     }
@@ -276,11 +280,11 @@ void linear_out(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
   const char* op = "cuda::linear";
   const Mat xm = matrix_of(x, "input", op), wm = matrix_of(w, "weight", op);
   const Mat ym = matrix_of(y, "output", op);
-  GLMTUNE_ASSERT(x.dtype() == DType::bf16 && w.dtype() == DType::bf16,
-                 "{}: input {} and weight {} must be bf16", op, x.str(), w.str());
+  GLMTUNE_ASSERT(is_gemm_dtype(x.dtype()) && w.dtype() == x.dtype(),
+                 "{}: input {} and weight {} must share bf16 or f32", op, x.str(), w.str());
   GLMTUNE_ASSERT(w.dim() == 2 && wm.cols == xm.cols, "{}: weight {} must be [out, {}] for input {}",
                  op, w.str(), xm.cols, x.str());
-  GLMTUNE_ASSERT(is_out_dtype(y.dtype()) && ym.rows == xm.rows && ym.cols == wm.rows,
+  GLMTUNE_ASSERT(is_gemm_dtype(y.dtype()) && ym.rows == xm.rows && ym.cols == wm.rows,
                  "{}: output {} must be f32 or bf16 with {} rows of {}", op, y.str(), xm.rows,
                  wm.rows);
   check_same_device(x, w, op);
@@ -288,7 +292,7 @@ void linear_out(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
   Tensor b;
   if (bias.defined()) {
     GLMTUNE_ASSERT(bias.dim() == 1 && bias.size(0) == wm.rows && bias.device() == x.device() &&
-                       is_out_dtype(bias.dtype()),
+                       is_gemm_dtype(bias.dtype()),
                    "{}: bias {} must be a CUDA f32/bf16 vector of {}", op, bias.str(), wm.rows);
     // cuBLASLt's bias epilogue reads the bias in the output type.
     b = bias.dtype() == y.dtype() ? bias.contiguous() : bias.to(y.dtype());
@@ -308,19 +312,20 @@ void linear_out(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
   g.c = ym.data;
   g.ldc = ym.ld;
   g.c_dtype = y.dtype();
+  g.ab_dtype = x.dtype();
   g.beta = accumulate ? 1.0f : 0.0f;
   g.bias = b.defined() ? b.data_ptr() : nullptr;
   gemm(g, stream);
 }
 
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias, DType out_dtype,
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias, std::optional<DType> out_dtype,
               cudaStream_t stream) {
   GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && w.defined() && w.dim() == 2,
                  "cuda::linear needs x [..., in] and weight [out, in], got {} and {}", describe(x),
                  describe(w));
   Shape shape = x.shape();
   shape.back() = w.size(0);
-  Tensor y = Tensor::empty(shape, out_dtype, x.device());
+  Tensor y = Tensor::empty(shape, out_dtype.value_or(x.dtype()), x.device());
   linear_out(y, x, w, bias, false, stream);
   return y;
 }
@@ -330,11 +335,11 @@ void linear_backward_input_out(Tensor& dx, const Tensor& dy, const Tensor& w, bo
   const char* op = "cuda::linear_backward_input";
   const Mat dym = matrix_of(dy, "dy", op), wm = matrix_of(w, "weight", op);
   const Mat dxm = matrix_of(dx, "dx", op);
-  GLMTUNE_ASSERT(dy.dtype() == DType::bf16 && w.dtype() == DType::bf16,
-                 "{}: dy {} and weight {} must be bf16", op, dy.str(), w.str());
+  GLMTUNE_ASSERT(is_gemm_dtype(dy.dtype()) && w.dtype() == dy.dtype(),
+                 "{}: dy {} and weight {} must share bf16 or f32", op, dy.str(), w.str());
   GLMTUNE_ASSERT(w.dim() == 2 && dym.cols == wm.rows, "{}: dy {} does not match weight {}", op,
                  dy.str(), w.str());
-  GLMTUNE_ASSERT(is_out_dtype(dx.dtype()) && dxm.rows == dym.rows && dxm.cols == wm.cols,
+  GLMTUNE_ASSERT(is_gemm_dtype(dx.dtype()) && dxm.rows == dym.rows && dxm.cols == wm.cols,
                  "{}: dx {} must be f32 or bf16 with {} rows of {}", op, dx.str(), dym.rows,
                  wm.cols);
   check_same_device(dy, w, op);
@@ -352,11 +357,12 @@ void linear_backward_input_out(Tensor& dx, const Tensor& dy, const Tensor& w, bo
   g.c = dxm.data;
   g.ldc = dxm.ld;
   g.c_dtype = dx.dtype();
+  g.ab_dtype = dy.dtype();
   g.beta = accumulate ? 1.0f : 0.0f;
   gemm(g, stream);
 }
 
-Tensor linear_backward_input(const Tensor& dy, const Tensor& w, DType out_dtype,
+Tensor linear_backward_input(const Tensor& dy, const Tensor& w, std::optional<DType> out_dtype,
                              cudaStream_t stream) {
   GLMTUNE_ASSERT(dy.defined() && dy.dim() >= 1 && w.defined() && w.dim() == 2,
                  "cuda::linear_backward_input needs dy [..., out] and weight [out, in], got {} "
@@ -364,7 +370,7 @@ Tensor linear_backward_input(const Tensor& dy, const Tensor& w, DType out_dtype,
                  describe(dy), describe(w));
   Shape shape = dy.shape();
   shape.back() = w.size(1);
-  Tensor dx = Tensor::empty(shape, out_dtype, dy.device());
+  Tensor dx = Tensor::empty(shape, out_dtype.value_or(dy.dtype()), dy.device());
   linear_backward_input_out(dx, dy, w, false, stream);
   return dx;
 }
@@ -372,11 +378,11 @@ Tensor linear_backward_input(const Tensor& dy, const Tensor& w, DType out_dtype,
 void linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x, cudaStream_t stream) {
   const char* op = "cuda::linear_backward_weight";
   const Mat dym = matrix_of(dy, "dy", op), xm = matrix_of(x, "input", op);
-  GLMTUNE_ASSERT(dy.dtype() == DType::bf16 && x.dtype() == DType::bf16,
-                 "{}: dy {} and input {} must be bf16", op, dy.str(), x.str());
+  GLMTUNE_ASSERT(is_gemm_dtype(dy.dtype()) && x.dtype() == dy.dtype(),
+                 "{}: dy {} and input {} must share bf16 or f32", op, dy.str(), x.str());
   GLMTUNE_ASSERT(dym.rows == xm.rows, "{}: dy {} and input {} differ in rows", op, dy.str(),
                  x.str());
-  GLMTUNE_ASSERT(dw.defined() && dw.dim() == 2 && dw.is_contiguous() && is_out_dtype(dw.dtype()) &&
+  GLMTUNE_ASSERT(dw.defined() && dw.dim() == 2 && dw.is_contiguous() && is_gemm_dtype(dw.dtype()) &&
                      dw.size(0) == dym.cols && dw.size(1) == xm.cols,
                  "{}: weight gradient {} must be a contiguous f32/bf16 [{}, {}]", op, describe(dw),
                  dym.cols, xm.cols);
@@ -396,6 +402,7 @@ void linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x, cudaS
   g.c = dw.data_ptr();
   g.ldc = xm.cols;
   g.c_dtype = dw.dtype();
+  g.ab_dtype = dy.dtype();
   g.beta = 1.0f;
   gemm(g, stream);
 }

@@ -8,7 +8,8 @@
 //   grouped_linear_backward_input:  dx[rows_g, K] = dy[rows_g, N] · w[g]
 //   grouped_linear_backward_weight: dw[g] += dy[rows_g, N]^T · x[rows_g, K]       dw [G, N, K]
 //
-// bf16 operands, fp32 accumulation inside the GEMMs. Two backends, picked per call:
+// bf16 operands (f32 in the fp32 mode, always per group), fp32 accumulation inside the GEMMs. Two
+// backends, picked per call:
 //   kLtPerGroup    — one cuBLASLt GEMM per group through cuda::gemm (bf16 or f32 results): the
 //                    default. Measured on an H200 (2026-11-29) at the anchor shapes (36 groups of
 //                    910 / 3641 rows, gate_up N 4096 K 4096, down N 4096 K 2048) it runs the

@@ -39,7 +39,8 @@ cublasHandle_t handle_locked(CublasState& s, int device) {
 
 std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
 
-// Rows of a row operand: a contiguous CUDA bf16 tensor viewed as [rows, cols].
+// Rows of a row operand: a contiguous CUDA bf16 (or, in the fp32 mode, f32) tensor viewed as
+// [rows, cols].
 struct Rows {
   const void* data = nullptr;
   int64_t rows = 0, cols = 0;
@@ -47,8 +48,9 @@ struct Rows {
 
 Rows rows_of(const Tensor& t, const char* what, const char* op) {
   GLMTUNE_ASSERT(t.defined() && t.device().is_cuda() && t.is_contiguous() && t.dim() >= 1 &&
-                     t.dtype() == DType::bf16,
-                 "{}: {} must be a contiguous bf16 CUDA tensor, got {}", op, what, describe(t));
+                     (t.dtype() == DType::bf16 || t.dtype() == DType::f32),
+                 "{}: {} must be a contiguous bf16 or f32 CUDA tensor, got {}", op, what,
+                 describe(t));
   Rows r;
   r.data = t.data_ptr();
   r.cols = t.size(-1);
@@ -122,8 +124,10 @@ enum class Kind { kForward, kBackwardInput, kBackwardWeight };
 void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
          const std::vector<int64_t>& offsets, GroupedGemmBackend backend, cudaStream_t stream) {
   const int device = out.device().index;
-  const size_t elem = 2;  // bf16 row operands
-  if (kind == Kind::kBackwardWeight && out.dtype() == DType::f32)
+  const DType operands = first.dtype();
+  const int64_t elem = int64_t(dtype_size(operands));
+  // The grouped cuBLAS call is set up for bf16 operands and results only.
+  if (operands == DType::f32 || (kind == Kind::kBackwardWeight && out.dtype() == DType::f32))
     backend = GroupedGemmBackend::kLtPerGroup;
   std::vector<ColumnMajorProblem> problems;
   for (size_t g = 0; g + 1 < offsets.size(); ++g) {
@@ -131,6 +135,8 @@ void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
     if (rows == 0) continue;
     GemmArgs a;
     a.device = device;
+    a.ab_dtype = operands;
+    a.c_dtype = out.dtype();
     ColumnMajorProblem p;
     if (kind == Kind::kForward) {
       // y_g = x_g · w[g]^T: first = x [rows, K], second = w [G, N, K].
@@ -167,7 +173,6 @@ void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
       a.trans_a = true;
       a.m = ndim, a.n = kdim, a.k = rows;
       a.a = dyg, a.lda = ndim, a.b = xg, a.ldb = kdim, a.c = dwg, a.ldc = kdim;
-      a.c_dtype = out.dtype();
       a.beta = 1.0f;
       p.op_a = CUBLAS_OP_N, p.op_b = CUBLAS_OP_T;
       p.m = int(kdim), p.n = int(ndim), p.k = int(rows);
@@ -187,9 +192,9 @@ void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
 
 void check_out(const Tensor& out, const Shape& shape, const Tensor& like, const char* op) {
   GLMTUNE_ASSERT(out.defined() && out.device() == like.device() && out.is_contiguous() &&
-                     out.shape() == shape && out.dtype() == DType::bf16,
-                 "{}: output {} must be a contiguous bf16 tensor {} on {}", op, describe(out),
-                 shape_str(shape), like.device().str());
+                     out.shape() == shape && out.dtype() == like.dtype(),
+                 "{}: output {} must be a contiguous {} tensor {} on {}", op, describe(out),
+                 dtype_name(like.dtype()), shape_str(shape), like.device().str());
 }
 
 }  // namespace
@@ -204,10 +209,10 @@ void grouped_linear(Tensor& y, const Tensor& x, const Tensor& w,
                     cudaStream_t stream) {
   const char* op = "cuda::grouped_linear";
   const Rows xr = rows_of(x, "x", op);
-  GLMTUNE_ASSERT(w.defined() && w.dim() == 3 && w.is_contiguous() && w.dtype() == DType::bf16 &&
+  GLMTUNE_ASSERT(w.defined() && w.dim() == 3 && w.is_contiguous() && w.dtype() == x.dtype() &&
                      w.device() == x.device() && w.size(2) == xr.cols,
-                 "{}: w {} must be contiguous bf16 [G, N, {}] on {}", op, describe(w), xr.cols,
-                 x.device().str());
+                 "{}: w {} must be contiguous {} [G, N, {}] on {}", op, describe(w),
+                 dtype_name(x.dtype()), xr.cols, x.device().str());
   check_offsets(offsets, w.size(0), xr.rows, op);
   check_out(y, {xr.rows, w.size(1)}, x, op);
   run(Kind::kForward, y, x, w, offsets, backend, stream);
@@ -218,10 +223,10 @@ void grouped_linear_backward_input(Tensor& dx, const Tensor& dy, const Tensor& w
                                    cudaStream_t stream) {
   const char* op = "cuda::grouped_linear_backward_input";
   const Rows dr = rows_of(dy, "dy", op);
-  GLMTUNE_ASSERT(w.defined() && w.dim() == 3 && w.is_contiguous() && w.dtype() == DType::bf16 &&
+  GLMTUNE_ASSERT(w.defined() && w.dim() == 3 && w.is_contiguous() && w.dtype() == dy.dtype() &&
                      w.device() == dy.device() && w.size(1) == dr.cols,
-                 "{}: w {} must be contiguous bf16 [G, {}, K] on {}", op, describe(w), dr.cols,
-                 dy.device().str());
+                 "{}: w {} must be contiguous {} [G, {}, K] on {}", op, describe(w),
+                 dtype_name(dy.dtype()), dr.cols, dy.device().str());
   check_offsets(offsets, w.size(0), dr.rows, op);
   check_out(dx, {dr.rows, w.size(2)}, dy, op);
   run(Kind::kBackwardInput, dx, dy, w, offsets, backend, stream);
@@ -233,8 +238,9 @@ void grouped_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& 
   const char* op = "cuda::grouped_linear_backward_weight";
   const Rows dr = rows_of(dy, "dy", op);
   const Rows xr = rows_of(x, "x", op);
-  GLMTUNE_ASSERT(dr.rows == xr.rows && x.device() == dy.device(),
-                 "{}: dy {} and x {} must have the same rows on one device", op, dy.str(), x.str());
+  GLMTUNE_ASSERT(dr.rows == xr.rows && x.device() == dy.device() && x.dtype() == dy.dtype(),
+                 "{}: dy {} and x {} must have the same rows and dtype on one device", op, dy.str(),
+                 x.str());
   GLMTUNE_ASSERT(dw.defined() && dw.dim() == 3 && dw.is_contiguous() &&
                      dw.device() == dy.device() && dw.size(1) == dr.cols && dw.size(2) == xr.cols &&
                      (dw.dtype() == DType::f32 || dw.dtype() == DType::bf16),

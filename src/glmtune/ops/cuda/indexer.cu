@@ -21,10 +21,11 @@ constexpr int64_t kMaxPools = 16384;
 // Bound on one block's [queries · heads, candidates] fp32 product buffer (elements).
 constexpr int64_t kProductBudget = int64_t(1) << 26;
 
-// In-place LayerNorm of fp32 rows of length n (one warp per row), affine with bf16 weight/bias.
+// In-place LayerNorm of fp32 rows of length n (one warp per row), affine with weight and bias in
+// the parameters' storage P (bf16, or f32 in the fp32 mode).
+template <typename P>
 __global__ void layer_norm_f32_kernel(float* __restrict__ x, int64_t rows, int n,
-                                      const bf16* __restrict__ w, const bf16* __restrict__ b,
-                                      float eps) {
+                                      const P* __restrict__ w, const P* __restrict__ b, float eps) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -36,13 +37,14 @@ __global__ void layer_norm_f32_kernel(float* __restrict__ x, int64_t rows, int n
   for (int j = lane; j < n; j += 32) sq += (xr[j] - mean) * (xr[j] - mean);
   const float rstd = 1.0f / sqrtf(detail::warp_sum(sq) / float(n) + eps);
   for (int j = lane; j < n; j += 32)
-    xr[j] = (xr[j] - mean) * rstd * __bfloat162float(w[j]) + __bfloat162float(b[j]);
+    xr[j] = (xr[j] - mean) * rstd * detail::to_f(w[j]) + detail::to_f(b[j]);
 }
 
 // K̄[gp, d] = Σ_j softmax_j(g[first + j, d] + ape[j, d]) · k[first + j, d]: one thread per
 // (pool, channel), in the CPU op's order (max, sum of exponentials, weighted sum).
+template <typename P>
 __global__ void pool_kernel(const float* __restrict__ g, const float* __restrict__ k,
-                            const bf16* __restrict__ ape, const int32_t* __restrict__ pool_first,
+                            const P* __restrict__ ape, const int32_t* __restrict__ pool_first,
                             int64_t n_pools, int pool, int dim, float* __restrict__ pooled) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_pools * dim) return;
@@ -51,14 +53,13 @@ __global__ void pool_kernel(const float* __restrict__ g, const float* __restrict
   const int64_t first = pool_first[gp];
   float mx = -INFINITY;
   for (int j = 0; j < pool; ++j)
-    mx = fmaxf(mx, g[(first + j) * dim + d] + __bfloat162float(ape[j * dim + d]));
+    mx = fmaxf(mx, g[(first + j) * dim + d] + detail::to_f(ape[j * dim + d]));
   float sum = 0.0f;
   for (int j = 0; j < pool; ++j)
-    sum += expf(g[(first + j) * dim + d] + __bfloat162float(ape[j * dim + d]) - mx);
+    sum += expf(g[(first + j) * dim + d] + detail::to_f(ape[j * dim + d]) - mx);
   float acc = 0.0f;
   for (int j = 0; j < pool; ++j) {
-    const float rho =
-        expf(g[(first + j) * dim + d] + __bfloat162float(ape[j * dim + d]) - mx) / sum;
+    const float rho = expf(g[(first + j) * dim + d] + detail::to_f(ape[j * dim + d]) - mx) / sum;
     acc += rho * k[(first + j) * dim + d];
   }
   pooled[i] = acc;
@@ -145,12 +146,14 @@ unsigned blocks_for(int64_t n, int threads = kThreads) {
   return unsigned((n + threads - 1) / threads);
 }
 
-void check_param(const Tensor& t, const Shape& shape, const Device& dev, const char* name) {
-  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.dtype() == DType::bf16 && t.is_contiguous() &&
-                              t.device() == dev && t.shape() == shape,
+// Every parameter shares x's dtype.
+void check_param(const Tensor& t, const Shape& shape, const Tensor& x, const char* name) {
+  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.dtype() == x.dtype() && t.is_contiguous() &&
+                              t.device() == x.device() && t.shape() == shape,
                           std::string("cuda::indexer_forward: parameter ") + name + " " +
-                              detail::describe(t) + " must be contiguous bf16 of shape " +
-                              shape_str(shape) + " on " + dev.str());
+                              detail::describe(t) + " must be contiguous " +
+                              std::string(dtype_name(x.dtype())) + " (x's dtype) of shape " +
+                              shape_str(shape) + " on " + x.device().str());
 }
 
 int next_pow2(int64_t n) {
@@ -168,25 +171,25 @@ Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& 
                               cfg.topk % cfg.kpool == 0,
                           "cuda::indexer_forward: topk must be a positive multiple of the pool");
   GLMTUNE_CUDA_OP_REQUIRE(
-      x.defined() && x.dim() == 2 && x.dtype() == DType::bf16 && x.is_contiguous() &&
-          x.device().is_cuda(),
-      "cuda::indexer_forward: x must be contiguous bf16 [T, D] on the GPU, got " +
+      x.defined() && x.dim() == 2 && (x.dtype() == DType::bf16 || x.dtype() == DType::f32) &&
+          x.is_contiguous() && x.device().is_cuda(),
+      "cuda::indexer_forward: x must be contiguous bf16 or f32 [T, D] on the GPU, got " +
           detail::describe(x));
   const Device dev = x.device();
   const int64_t tokens = x.size(0), dim = x.size(1);
   GLMTUNE_CUDA_OP_REQUIRE(q_resid.defined() && q_resid.dim() == 2 && q_resid.size(0) == tokens &&
-                              q_resid.dtype() == DType::bf16 && q_resid.is_contiguous() &&
+                              q_resid.dtype() == x.dtype() && q_resid.is_contiguous() &&
                               q_resid.device() == dev,
                           "cuda::indexer_forward: q_resid " + detail::describe(q_resid) +
-                              " must be contiguous bf16 [T, Rq] like x");
+                              " must be contiguous [T, Rq] of x's dtype");
   const int64_t ih = cfg.n_heads, id = cfg.head_dim, pool = cfg.kpool;
-  check_param(params.wq_b, {ih * id, q_resid.size(1)}, dev, "wq_b.weight");
-  check_param(params.wk, {id, dim}, dev, "wk.weight");
-  check_param(params.k_norm_weight, {id}, dev, "k_norm.weight");
-  check_param(params.k_norm_bias, {id}, dev, "k_norm.bias");
-  check_param(params.weights_proj, {ih, dim}, dev, "weights_proj.weight");
-  check_param(params.kpool_ape, {pool, id}, dev, "index_kpool_compress_ape");
-  check_param(params.kpool_gate, {id, dim}, dev, "index_kpool_compress_gate");
+  check_param(params.wq_b, {ih * id, q_resid.size(1)}, x, "wq_b.weight");
+  check_param(params.wk, {id, dim}, x, "wk.weight");
+  check_param(params.k_norm_weight, {id}, x, "k_norm.weight");
+  check_param(params.k_norm_bias, {id}, x, "k_norm.bias");
+  check_param(params.weights_proj, {ih, dim}, x, "weights_proj.weight");
+  check_param(params.kpool_ape, {pool, id}, x, "index_kpool_compress_ape");
+  check_param(params.kpool_gate, {id, dim}, x, "index_kpool_compress_gate");
   const std::vector<int64_t> bounds = ops::read_cu_seqlens(cu_seqlens, tokens, "cuda indexer");
   GLMTUNE_CUDA_OP_REQUIRE(tokens < int64_t(INT32_MAX), "cuda::indexer_forward: pack too long");
   detail::DeviceGuard guard(dev.index);
@@ -201,9 +204,15 @@ Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& 
   // Per-token projections in fp32 over the whole pack.
   const Tensor q = linear(q_resid, params.wq_b, Tensor(), DType::f32, stream);  // [T, IH·ID]
   Tensor k = linear(x, params.wk, Tensor(), DType::f32, stream);                // [T, ID]
-  layer_norm_f32_kernel<<<blocks_for(tokens * 32), kThreads, 0, stream>>>(
-      k.data<float>(), tokens, int(id), static_cast<const bf16*>(params.k_norm_weight.data_ptr()),
-      static_cast<const bf16*>(params.k_norm_bias.data_ptr()), kKeyNormEps);
+  const bool f32_params = x.dtype() == DType::f32;
+  if (f32_params)
+    layer_norm_f32_kernel<<<blocks_for(tokens * 32), kThreads, 0, stream>>>(
+        k.data<float>(), tokens, int(id), params.k_norm_weight.data<float>(),
+        params.k_norm_bias.data<float>(), kKeyNormEps);
+  else
+    layer_norm_f32_kernel<<<blocks_for(tokens * 32), kThreads, 0, stream>>>(
+        k.data<float>(), tokens, int(id), static_cast<const bf16*>(params.k_norm_weight.data_ptr()),
+        static_cast<const bf16*>(params.k_norm_bias.data_ptr()), kKeyNormEps);
   GLMTUNE_CUDA_CHECK_LAUNCH();
   const Tensor g = linear(x, params.kpool_gate, Tensor(), DType::f32, stream);     // [T, ID]
   const Tensor hw = linear(x, params.weights_proj, Tensor(), DType::f32, stream);  // [T, IH]
@@ -224,9 +233,14 @@ Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& 
   Tensor pooled = Tensor::empty({std::max<int64_t>(total_pools, 1), id}, DType::f32, dev);
   if (total_pools > 0) {
     const Tensor first = detail::device_i32(pool_first, dev);
-    pool_kernel<<<blocks_for(total_pools * id), kThreads, 0, stream>>>(
-        g.data<float>(), k.data<float>(), static_cast<const bf16*>(params.kpool_ape.data_ptr()),
-        first.data<int32_t>(), total_pools, int(pool), int(id), pooled.data<float>());
+    if (f32_params)
+      pool_kernel<<<blocks_for(total_pools * id), kThreads, 0, stream>>>(
+          g.data<float>(), k.data<float>(), params.kpool_ape.data<float>(), first.data<int32_t>(),
+          total_pools, int(pool), int(id), pooled.data<float>());
+    else
+      pool_kernel<<<blocks_for(total_pools * id), kThreads, 0, stream>>>(
+          g.data<float>(), k.data<float>(), static_cast<const bf16*>(params.kpool_ape.data_ptr()),
+          first.data<int32_t>(), total_pools, int(pool), int(id), pooled.data<float>());
     GLMTUNE_CUDA_CHECK_LAUNCH();
     // `first` is freed here; the kernel is ordered before any reuse of its memory on `stream`.
   }

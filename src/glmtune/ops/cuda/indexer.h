@@ -3,7 +3,8 @@
 // same packed layout, the same output rows (global token ids, best pool first, the causal tail,
 // −1 padding) and the same selection rule, ties towards the lower pool index and NaN first.
 //
-// The inputs and parameters are bf16, but everything after them is fp32, as in the CPU op:
+// The inputs and parameters are bf16 (f32 in the fp32 mode), but everything after them is fp32, as
+// in the CPU op:
 // projections with fp32 outputs (exact products of bf16 values, fp32 sums), the key LayerNorm,
 // the channel-wise pool softmax, the scoring GEMM in plain fp32 (no TF32) and the head-weighted
 // ReLU sum over heads in head order. So the selection matches the CPU op's except where two
@@ -22,7 +23,8 @@
 
 namespace glmtune::cuda {
 
-// x [T, D], q_resid [T, Rq] bf16 on the GPU; parameters bf16 on the same device -> int32 [T, W].
+// x [T, D], q_resid [T, Rq] bf16 or f32 on the GPU; parameters of their dtype on the same device
+// -> int32 [T, W].
 Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& params,
                        const Tensor& x, const Tensor& q_resid, const Tensor& cu_seqlens,
                        cudaStream_t stream = nullptr);

@@ -132,10 +132,11 @@ __global__ void key_offsets_kernel(const int32_t* __restrict__ sorted_keys, int6
 
 // ---- attention -------------------------------------------------------------------------------
 
-// The N consecutive elements a lane owns, as fp32 (16-byte loads when N is a multiple of 8).
-template <int N>
-__device__ __forceinline__ void load_lane(const bf16* p, float (&out)[N]) {
-  if constexpr (N % 8 == 0) {
+// The N consecutive elements a lane owns, as fp32 (16-byte loads of bf16 when N is a multiple of
+// 8; element loads for f32 storage).
+template <int N, typename T>
+__device__ __forceinline__ void load_lane(const T* p, float (&out)[N]) {
+  if constexpr (std::is_same_v<T, bf16> && N % 8 == 0) {
 #pragma unroll
     for (int c = 0; c < N / 8; ++c) {
       float t[8];
@@ -145,13 +146,13 @@ __device__ __forceinline__ void load_lane(const bf16* p, float (&out)[N]) {
     }
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) out[e] = __bfloat162float(p[e]);
+    for (int e = 0; e < N; ++e) out[e] = detail::to_f(p[e]);
   }
 }
 
-template <int N>
-__device__ __forceinline__ void store_lane(bf16* p, const float (&in)[N]) {
-  if constexpr (N % 8 == 0) {
+template <int N, typename T>
+__device__ __forceinline__ void store_lane(T* p, const float (&in)[N]) {
+  if constexpr (std::is_same_v<T, bf16> && N % 8 == 0) {
 #pragma unroll
     for (int c = 0; c < N / 8; ++c) {
       float t[8];
@@ -161,7 +162,7 @@ __device__ __forceinline__ void store_lane(bf16* p, const float (&in)[N]) {
     }
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) p[e] = __float2bfloat16_rn(in[e]);
+    for (int e = 0; e < N; ++e) p[e] = detail::from_f<T>(in[e]);
   }
 }
 
@@ -178,10 +179,12 @@ __device__ __forceinline__ float lane_dot(const float (&a)[N], const float (&b)[
 template <int EQ, int EV>
 constexpr int kUnroll = EQ + EV >= 24 ? 2 : 4;
 
+// T: the storage of q, k, v and of every output (bf16, or f32 in the fp32 mode).
+template <typename T>
 struct AttentionArgs {
-  const bf16* q;
-  const bf16* k;
-  const bf16* v;
+  const T* q;
+  const T* k;
+  const T* v;
   const int32_t* keys;
   const int32_t* counts;
   int64_t width;
@@ -190,9 +193,9 @@ struct AttentionArgs {
 };
 
 // EQ = Dqk/32 and EV = Dv/32 elements per lane. One warp per (query, head).
-template <int EQ, int EV>
+template <int EQ, int EV, typename T>
 __global__ void __launch_bounds__(kHeadsPerBlock * 32)
-    sparse_forward_kernel(AttentionArgs a, bf16* __restrict__ out, float* __restrict__ lse) {
+    sparse_forward_kernel(AttentionArgs<T> a, T* __restrict__ out, float* __restrict__ lse) {
   const int lane = threadIdx.x & 31;
   const int64_t i = blockIdx.x;
   const int h = blockIdx.y * kHeadsPerBlock + (threadIdx.x >> 5);
@@ -236,19 +239,20 @@ __global__ void __launch_bounds__(kHeadsPerBlock * 32)
   if (lane == 0) lse[qh] = n > 0 ? m + logf(l) : 0.0f;
 }
 
+template <typename T>
 struct BackwardArgs {
-  AttentionArgs fwd;
-  const bf16* out;
-  const bf16* dout;
+  AttentionArgs<T> fwd;
+  const T* out;
+  const T* dout;
   const float* lse;
   float* delta;
 };
 
 // delta_i = dO_i·o_i, then dq_i = scale Σ_j p_ij (dO_i·v_j − delta_i) k_j over the row's keys.
-template <int EQ, int EV>
+template <int EQ, int EV, typename T>
 __global__ void __launch_bounds__(kHeadsPerBlock * 32)
-    sparse_dq_kernel(BackwardArgs b, bf16* __restrict__ dq) {
-  const AttentionArgs& a = b.fwd;
+    sparse_dq_kernel(BackwardArgs<T> b, T* __restrict__ dq) {
+  const AttentionArgs<T>& a = b.fwd;
   const int lane = threadIdx.x & 31;
   const int64_t i = blockIdx.x;
   const int h = blockIdx.y * kHeadsPerBlock + (threadIdx.x >> 5);
@@ -291,12 +295,12 @@ __global__ void __launch_bounds__(kHeadsPerBlock * 32)
 
 // dk_j = scale Σ_i p_ij (dO_i·v_j − delta_i) q_i and dv_j = Σ_i p_ij dO_i over the queries that
 // selected key j, in ascending query order. One warp per (key, head).
-template <int EQ, int EV>
+template <int EQ, int EV, typename T>
 __global__ void __launch_bounds__(kHeadsPerBlock * 32)
-    sparse_dkdv_kernel(BackwardArgs b, const int32_t* __restrict__ key_offsets,
-                       const int32_t* __restrict__ key_queries, bf16* __restrict__ dk,
-                       bf16* __restrict__ dv) {
-  const AttentionArgs& a = b.fwd;
+    sparse_dkdv_kernel(BackwardArgs<T> b, const int32_t* __restrict__ key_offsets,
+                       const int32_t* __restrict__ key_queries, T* __restrict__ dk,
+                       T* __restrict__ dv) {
+  const AttentionArgs<T>& a = b.fwd;
   const int lane = threadIdx.x & 31;
   const int64_t j = blockIdx.x;
   const int h = blockIdx.y * kHeadsPerBlock + (threadIdx.x >> 5);
@@ -361,20 +365,20 @@ void dispatch_dims(int64_t dqk, int64_t dv, F&& f) {
 
 void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
   GLMTUNE_CUDA_OP_REQUIRE(
-      q.defined() && q.dim() == 3 && q.dtype() == DType::bf16 && q.is_contiguous() &&
-          q.device().is_cuda() && detail::aligned16(q.data_ptr()),
-      std::string(op) + ": q must be contiguous bf16 [T, NH, Dqk] on the GPU, got " +
+      q.defined() && q.dim() == 3 && (q.dtype() == DType::bf16 || q.dtype() == DType::f32) &&
+          q.is_contiguous() && q.device().is_cuda() && detail::aligned16(q.data_ptr()),
+      std::string(op) + ": q must be contiguous bf16 or f32 [T, NH, Dqk] on the GPU, got " +
           detail::describe(q));
   GLMTUNE_CUDA_OP_REQUIRE(
-      k.defined() && k.shape() == q.shape() && k.dtype() == DType::bf16 && k.is_contiguous() &&
+      k.defined() && k.shape() == q.shape() && k.dtype() == q.dtype() && k.is_contiguous() &&
           k.device() == q.device() && detail::aligned16(k.data_ptr()),
       std::string(op) + ": k " + detail::describe(k) + " must match q " + q.str());
   GLMTUNE_CUDA_OP_REQUIRE(v.defined() && v.dim() == 3 && v.size(0) == q.size(0) &&
-                              v.size(1) == q.size(1) && v.dtype() == DType::bf16 &&
+                              v.size(1) == q.size(1) && v.dtype() == q.dtype() &&
                               v.is_contiguous() && v.device() == q.device() &&
                               detail::aligned16(v.data_ptr()),
                           std::string(op) + ": v " + detail::describe(v) +
-                              " must be contiguous bf16 [T, NH, Dv] like q " + q.str());
+                              " must be contiguous [T, NH, Dv] of q's dtype and like q " + q.str());
 }
 
 void check_sets(const SparseKeySets& sets, int64_t tokens, bool key_major, const char* op) {
@@ -388,16 +392,26 @@ void check_sets(const SparseKeySets& sets, int64_t tokens, bool key_major, const
                             std::string(op) + ": the key sets lack the key-major pairs");
 }
 
-AttentionArgs attention_args(const Tensor& q, const Tensor& k, const Tensor& v,
-                             const SparseKeySets& sets, double scale) {
-  return AttentionArgs{static_cast<const bf16*>(q.data_ptr()),
-                       static_cast<const bf16*>(k.data_ptr()),
-                       static_cast<const bf16*>(v.data_ptr()),
-                       sets.keys.data<int32_t>(),
-                       sets.counts.data<int32_t>(),
-                       sets.keys.size(1),
-                       int(q.size(1)),
-                       float(scale)};
+template <typename T>
+AttentionArgs<T> attention_args(const Tensor& q, const Tensor& k, const Tensor& v,
+                                const SparseKeySets& sets, double scale) {
+  return AttentionArgs<T>{static_cast<const T*>(q.data_ptr()),
+                          static_cast<const T*>(k.data_ptr()),
+                          static_cast<const T*>(v.data_ptr()),
+                          sets.keys.data<int32_t>(),
+                          sets.counts.data<int32_t>(),
+                          sets.keys.size(1),
+                          int(q.size(1)),
+                          float(scale)};
+}
+
+// Calls f(T*) with a null pointer of the storage type of `dtype` (bf16 or f32).
+template <typename F>
+void dispatch_storage(DType dtype, F&& f) {
+  if (dtype == DType::f32)
+    f(static_cast<float*>(nullptr));
+  else
+    f(static_cast<bf16*>(nullptr));
 }
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
@@ -493,15 +507,17 @@ SparseAttentionOutput sparse_attention_forward(const Tensor& q, const Tensor& k,
   check_sets(sets, tokens, false, "cuda::sparse_attention_forward");
   detail::DeviceGuard guard(q.device().index);
   SparseAttentionOutput r;
-  r.out = Tensor::empty({tokens, heads, v.size(2)}, DType::bf16, q.device());
+  r.out = Tensor::empty({tokens, heads, v.size(2)}, q.dtype(), q.device());
   r.lse = Tensor::empty({tokens, heads}, DType::f32, q.device());
   if (tokens == 0 || heads == 0) return r;
-  const AttentionArgs a = attention_args(q, k, v, sets, scale);
   const dim3 grid(unsigned(tokens), unsigned((heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
-  dispatch_dims(q.size(2), v.size(2), [&](auto eq, auto ev) {
-    sparse_forward_kernel<decltype(eq)::value, decltype(ev)::value>
-        <<<grid, kHeadsPerBlock * 32, 0, stream>>>(a, static_cast<bf16*>(r.out.data_ptr()),
-                                                   r.lse.data<float>());
+  dispatch_storage(q.dtype(), [&]<typename T>(T*) {
+    const AttentionArgs<T> a = attention_args<T>(q, k, v, sets, scale);
+    dispatch_dims(q.size(2), v.size(2), [&](auto eq, auto ev) {
+      sparse_forward_kernel<decltype(eq)::value, decltype(ev)::value, T>
+          <<<grid, kHeadsPerBlock * 32, 0, stream>>>(a, static_cast<T*>(r.out.data_ptr()),
+                                                     r.lse.data<float>());
+    });
   });
   GLMTUNE_CUDA_CHECK_LAUNCH();
   return r;
@@ -516,33 +532,35 @@ ops::AttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& k, 
   const int64_t tokens = q.size(0), heads = q.size(1);
   check_sets(sets, tokens, true, op);
   const Shape out_shape{tokens, heads, v.size(2)};
-  GLMTUNE_CUDA_OP_REQUIRE(out.defined() && out.shape() == out_shape && out.dtype() == DType::bf16 &&
+  GLMTUNE_CUDA_OP_REQUIRE(out.defined() && out.shape() == out_shape && out.dtype() == q.dtype() &&
                               out.is_contiguous() && dout.defined() && dout.shape() == out_shape &&
-                              dout.dtype() == DType::bf16 && dout.is_contiguous() &&
-                              lse.defined() && lse.dtype() == DType::f32 &&
-                              lse.numel() == tokens * heads,
-                          std::string(op) + ": out / dout must be bf16 " + shape_str(out_shape) +
-                              " and lse f32 [T, NH]");
+                              dout.dtype() == q.dtype() && dout.is_contiguous() && lse.defined() &&
+                              lse.dtype() == DType::f32 && lse.numel() == tokens * heads,
+                          std::string(op) + ": out / dout must be " +
+                              std::string(dtype_name(q.dtype())) + " " + shape_str(out_shape) +
+                              " like q and lse f32 [T, NH]");
   detail::DeviceGuard guard(q.device().index);
   ops::AttentionGrads g;
-  g.q = Tensor::empty(q.shape(), DType::bf16, q.device());
-  g.k = Tensor::empty(k.shape(), DType::bf16, q.device());
-  g.v = Tensor::empty(v.shape(), DType::bf16, q.device());
+  g.q = Tensor::empty(q.shape(), q.dtype(), q.device());
+  g.k = Tensor::empty(k.shape(), q.dtype(), q.device());
+  g.v = Tensor::empty(v.shape(), q.dtype(), q.device());
   if (tokens == 0 || heads == 0) return g;
   Tensor delta = Tensor::empty({tokens, heads}, DType::f32, q.device());
-  const BackwardArgs b{
-      attention_args(q, k, v, sets, scale), static_cast<const bf16*>(out.data_ptr()),
-      static_cast<const bf16*>(dout.data_ptr()), lse.data<float>(), delta.data<float>()};
   const dim3 grid(unsigned(tokens), unsigned((heads + kHeadsPerBlock - 1) / kHeadsPerBlock));
-  dispatch_dims(q.size(2), v.size(2), [&](auto eq, auto ev) {
-    constexpr int EQ = decltype(eq)::value, EV = decltype(ev)::value;
-    sparse_dq_kernel<EQ, EV>
-        <<<grid, kHeadsPerBlock * 32, 0, stream>>>(b, static_cast<bf16*>(g.q.data_ptr()));
-    GLMTUNE_CUDA_CHECK_LAUNCH();
-    sparse_dkdv_kernel<EQ, EV><<<grid, kHeadsPerBlock * 32, 0, stream>>>(
-        b, sets.key_offsets.data<int32_t>(), sets.key_queries.data<int32_t>(),
-        static_cast<bf16*>(g.k.data_ptr()), static_cast<bf16*>(g.v.data_ptr()));
-    GLMTUNE_CUDA_CHECK_LAUNCH();
+  dispatch_storage(q.dtype(), [&]<typename T>(T*) {
+    const BackwardArgs<T> b{
+        attention_args<T>(q, k, v, sets, scale), static_cast<const T*>(out.data_ptr()),
+        static_cast<const T*>(dout.data_ptr()), lse.data<float>(), delta.data<float>()};
+    dispatch_dims(q.size(2), v.size(2), [&](auto eq, auto ev) {
+      constexpr int EQ = decltype(eq)::value, EV = decltype(ev)::value;
+      sparse_dq_kernel<EQ, EV, T>
+          <<<grid, kHeadsPerBlock * 32, 0, stream>>>(b, static_cast<T*>(g.q.data_ptr()));
+      GLMTUNE_CUDA_CHECK_LAUNCH();
+      sparse_dkdv_kernel<EQ, EV, T><<<grid, kHeadsPerBlock * 32, 0, stream>>>(
+          b, sets.key_offsets.data<int32_t>(), sets.key_queries.data<int32_t>(),
+          static_cast<T*>(g.k.data_ptr()), static_cast<T*>(g.v.data_ptr()));
+      GLMTUNE_CUDA_CHECK_LAUNCH();
+    });
   });
   return g;
 }

@@ -154,32 +154,54 @@ __global__ void inverse_kernel(const int32_t* sorted_slots, int64_t n, int32_t* 
   if (r < n) position[sorted_slots[r]] = int32_t(r);
 }
 
-// out[r] = x[sorted_slots[r] / K]: one block per permuted row.
-template <int VEC>
-__global__ void gather_rows_kernel(const bf16* __restrict__ x, const int32_t* sorted_slots, int k,
-                                   int cols, bf16* __restrict__ out) {
-  const int64_t r = blockIdx.x;
-  const bf16* src = x + int64_t(sorted_slots[r] / k) * cols;
-  bf16* dst = out + r * cols;
-  for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
-    float v[VEC];
-    detail::load_vec<VEC>(src + j, v);
-    detail::store_vec<VEC>(dst + j, v);
+// VEC consecutive elements of T storage (bf16, or f32 in the fp32 mode) as fp32, and back. The
+// 16-byte form (VEC = 8) is taken for bf16 only; f32 rows run with VEC = 1.
+template <int VEC, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::load_bf16x8(p, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = detail::to_f(p[i]);
   }
 }
 
-// y[t] = bf16(Σ_k w[t,k] · yp[pos[t·K+k]] (+ extra[t])): one block per token, k in order.
-template <int VEC>
-__global__ void combine_kernel(const bf16* __restrict__ yp, const float* __restrict__ weights,
+template <int VEC, typename T>
+__device__ __forceinline__ void store(T* p, const float (&in)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::store_bf16x8(p, in);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = detail::from_f<T>(in[i]);
+  }
+}
+
+// out[r] = x[sorted_slots[r] / K]: one block per permuted row.
+template <int VEC, typename T>
+__global__ void gather_rows_kernel(const T* __restrict__ x, const int32_t* sorted_slots, int k,
+                                   int cols, T* __restrict__ out) {
+  const int64_t r = blockIdx.x;
+  const T* src = x + int64_t(sorted_slots[r] / k) * cols;
+  T* dst = out + r * cols;
+  for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
+    float v[VEC];
+    load<VEC>(src + j, v);
+    store<VEC>(dst + j, v);
+  }
+}
+
+// y[t] = T(Σ_k w[t,k] · yp[pos[t·K+k]] (+ extra[t])): one block per token, k in order.
+template <int VEC, typename T>
+__global__ void combine_kernel(const T* __restrict__ yp, const float* __restrict__ weights,
                                const int32_t* __restrict__ position, int k, int cols,
-                               const float* __restrict__ extra, bf16* __restrict__ y) {
+                               const float* __restrict__ extra, T* __restrict__ y) {
   const int64_t t = blockIdx.x;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float acc[VEC] = {};
     for (int s = 0; s < k; ++s) {
       const float w = weights[t * k + s];
       float v[VEC];
-      detail::load_vec<VEC>(yp + int64_t(position[t * k + s]) * cols + j, v);
+      load<VEC>(yp + int64_t(position[t * k + s]) * cols + j, v);
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] += w * v[q];
     }
@@ -187,53 +209,53 @@ __global__ void combine_kernel(const bf16* __restrict__ yp, const float* __restr
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] += extra[t * cols + j + q];
     }
-    detail::store_vec<VEC>(y + t * cols + j, acc);
+    store<VEC>(y + t * cols + j, acc);
   }
 }
 
-// dx[t] = bf16(extra[t] + Σ_k dxp[pos[t·K+k]]): one block per token, k in order.
-template <int VEC>
-__global__ void unpermute_sum_kernel(const bf16* __restrict__ dxp,
+// dx[t] = T(extra[t] + Σ_k dxp[pos[t·K+k]]): one block per token, k in order.
+template <int VEC, typename T>
+__global__ void unpermute_sum_kernel(const T* __restrict__ dxp,
                                      const int32_t* __restrict__ position, int k, int cols,
-                                     const float* __restrict__ extra, bf16* __restrict__ dx) {
+                                     const float* __restrict__ extra, T* __restrict__ dx) {
   const int64_t t = blockIdx.x;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float acc[VEC] = {};
     for (int s = 0; s < k; ++s) {
       float v[VEC];
-      detail::load_vec<VEC>(dxp + int64_t(position[t * k + s]) * cols + j, v);
+      load<VEC>(dxp + int64_t(position[t * k + s]) * cols + j, v);
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] += v[q];
     }
 #pragma unroll
     for (int q = 0; q < VEC; ++q) acc[q] += extra[t * cols + j + q];
-    detail::store_vec<VEC>(dx + t * cols + j, acc);
+    store<VEC>(dx + t * cols + j, acc);
   }
 }
 
 // Per permuted row r (slot s, token t): d_weights[s] = ⟨dy[t], yp[r]⟩ and dyp[r] = w[s] · dy[t].
-template <int VEC>
+template <int VEC, typename T>
 __global__ void __launch_bounds__(kThreads)
-    expert_output_grad_kernel(const bf16* __restrict__ dy, const bf16* __restrict__ yp,
+    expert_output_grad_kernel(const T* __restrict__ dy, const T* __restrict__ yp,
                               const float* __restrict__ weights,
                               const int32_t* __restrict__ sorted_slots, int k, int cols,
-                              float* __restrict__ d_weights, bf16* __restrict__ dyp) {
+                              float* __restrict__ d_weights, T* __restrict__ dyp) {
   __shared__ float scratch[32];
   const int64_t r = blockIdx.x;
   const int32_t s = sorted_slots[r];
-  const bf16* dyr = dy + int64_t(s / k) * cols;
+  const T* dyr = dy + int64_t(s / k) * cols;
   const float w = weights[s];
   float dot = 0.0f;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float g[VEC], v[VEC], o[VEC];
-    detail::load_vec<VEC>(dyr + j, g);
-    detail::load_vec<VEC>(yp + r * cols + j, v);
+    load<VEC>(dyr + j, g);
+    load<VEC>(yp + r * cols + j, v);
 #pragma unroll
     for (int q = 0; q < VEC; ++q) {
       dot += g[q] * v[q];
       o[q] = w * g[q];
     }
-    detail::store_vec<VEC>(dyp + r * cols + j, o);
+    store<VEC>(dyp + r * cols + j, o);
   }
   dot = detail::block_sum(dot, scratch);
   if (threadIdx.x == 0) d_weights[s] = dot;
@@ -301,20 +323,33 @@ unsigned blocks_for(int64_t n, int threads = kThreads) {
   return unsigned((n + threads - 1) / threads);
 }
 
-bool vec8_ok(int64_t cols, const void* p) { return cols % 8 == 0 && detail::aligned16(p); }
+// 16-byte accesses: bf16 rows of whole 8-element groups on 16-byte boundaries.
+bool vec8_ok(const Tensor& t, int64_t cols) {
+  return t.dtype() == DType::bf16 && cols % 8 == 0 && detail::aligned16(t.data_ptr());
+}
+
+// Calls f(VEC, T*) with the vector width and a null pointer of the storage of `a` and `b` (bf16,
+// or f32 in the fp32 mode): VEC = 8 where both allow 16-byte accesses over rows of `cols`.
+template <typename F>
+void dispatch_rows(const Tensor& a, const Tensor& b, int64_t cols, F&& f) {
+  using std::integral_constant;
+  if (a.dtype() == DType::f32)
+    f(integral_constant<int, 1>{}, static_cast<float*>(nullptr));
+  else if (vec8_ok(a, cols) && vec8_ok(b, cols))
+    f(integral_constant<int, 8>{}, static_cast<bf16*>(nullptr));
+  else
+    f(integral_constant<int, 1>{}, static_cast<bf16*>(nullptr));
+}
 
 void gather_rows(const Tensor& x, const Tensor& sorted_slots, int k, Tensor& out,
                  cudaStream_t stream) {
   const int64_t n = out.size(0), cols = x.size(1);
   if (n == 0) return;
-  const auto* xp = static_cast<const bf16*>(x.data_ptr());
-  auto* op = static_cast<bf16*>(out.data_ptr());
-  if (vec8_ok(cols, xp) && detail::aligned16(op))
-    gather_rows_kernel<8>
-        <<<unsigned(n), 128, 0, stream>>>(xp, sorted_slots.data<int32_t>(), k, int(cols), op);
-  else
-    gather_rows_kernel<1>
-        <<<unsigned(n), 128, 0, stream>>>(xp, sorted_slots.data<int32_t>(), k, int(cols), op);
+  dispatch_rows(x, out, cols, [&]<typename T>(auto vec, T*) {
+    gather_rows_kernel<decltype(vec)::value, T><<<unsigned(n), 128, 0, stream>>>(
+        static_cast<const T*>(x.data_ptr()), sorted_slots.data<int32_t>(), k, int(cols),
+        static_cast<T*>(out.data_ptr()));
+  });
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
@@ -322,14 +357,11 @@ void combine(const Tensor& yp, const Tensor& weights, const Tensor& position, in
              const float* extra, Tensor& y, cudaStream_t stream) {
   const int64_t rows = y.size(0), cols = y.size(1);
   if (rows == 0) return;
-  const auto* ypp = static_cast<const bf16*>(yp.data_ptr());
-  auto* yo = static_cast<bf16*>(y.data_ptr());
-  if (vec8_ok(cols, ypp) && detail::aligned16(yo))
-    combine_kernel<8><<<unsigned(rows), 128, 0, stream>>>(
-        ypp, weights.data<float>(), position.data<int32_t>(), k, int(cols), extra, yo);
-  else
-    combine_kernel<1><<<unsigned(rows), 128, 0, stream>>>(
-        ypp, weights.data<float>(), position.data<int32_t>(), k, int(cols), extra, yo);
+  dispatch_rows(yp, y, cols, [&]<typename T>(auto vec, T*) {
+    combine_kernel<decltype(vec)::value, T><<<unsigned(rows), 128, 0, stream>>>(
+        static_cast<const T*>(yp.data_ptr()), weights.data<float>(), position.data<int32_t>(), k,
+        int(cols), extra, static_cast<T*>(y.data_ptr()));
+  });
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
@@ -367,12 +399,22 @@ void check_config(const ops::MoeConfig& cfg) {
           std::to_string(cfg.topk_group) + "; at most 32 groups)");
 }
 
-void check_bf16(const Tensor& t, const Shape& shape, const Device& dev, const char* what) {
-  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.dtype() == DType::bf16 && t.is_contiguous() &&
-                              t.device() == dev && t.shape() == shape,
+// Activations, weights and dy share x's storage dtype: bf16, or f32 in the fp32 mode.
+void check_like_x(const Tensor& t, const Shape& shape, const Tensor& x, const char* what) {
+  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.dtype() == x.dtype() && t.is_contiguous() &&
+                              t.device() == x.device() && t.shape() == shape,
                           std::string("cuda MoE: ") + what + " " + detail::describe(t) +
-                              " must be a contiguous bf16 tensor of shape " + shape_str(shape) +
-                              " on " + dev.str());
+                              " must be a contiguous " + std::string(dtype_name(x.dtype())) +
+                              " tensor (x's dtype) of shape " + shape_str(shape) + " on " +
+                              x.device().str());
+}
+
+void check_x(const Tensor& x, const char* op) {
+  GLMTUNE_CUDA_OP_REQUIRE(x.defined() && x.dim() == 2 &&
+                              (x.dtype() == DType::bf16 || x.dtype() == DType::f32) &&
+                              x.is_contiguous() && x.device().is_cuda(),
+                          std::string(op) + ": x must be a contiguous bf16 or f32 CUDA [T, D] " +
+                              "tensor, got " + detail::describe(x));
 }
 
 void check_routing(const ops::Routing& r, int64_t rows, int64_t n_exp, int64_t k,
@@ -402,16 +444,17 @@ ExpertActivations run_experts(const ops::MoeConfig& cfg, const Tensor& gate_up, 
                               GroupedGemmBackend backend, cudaStream_t stream) {
   const int64_t n = perm.sorted_slots.numel(), dim = x.size(1), inter = down.size(2);
   const Device dev = x.device();
+  const DType st = x.dtype();
   ExpertActivations a;
-  a.x_perm = Tensor::empty({n, dim}, DType::bf16, dev);
+  a.x_perm = Tensor::empty({n, dim}, st, dev);
   gather_rows(x, perm.sorted_slots, int(cfg.top_k), a.x_perm, stream);
-  a.h = Tensor::empty({n, 2 * inter}, DType::bf16, dev);
+  a.h = Tensor::empty({n, 2 * inter}, st, dev);
   grouped_linear(a.h, a.x_perm, gate_up, perm.offsets, backend, stream);
-  a.act = Tensor::empty({n, inter}, DType::bf16, dev);
+  a.act = Tensor::empty({n, inter}, st, dev);
   if (n > 0)
     swiglu_clamped_out(a.act, a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter),
                        cfg.swiglu_limit, stream);
-  a.yp = Tensor::empty({n, dim}, DType::bf16, dev);
+  a.yp = Tensor::empty({n, dim}, st, dev);
   grouped_linear(a.yp, a.act, down, perm.offsets, backend, stream);
   return a;
 }
@@ -421,8 +464,8 @@ void check_expert_weights(const ops::MoeConfig& cfg, const Tensor& gate_up, cons
   GLMTUNE_CUDA_OP_REQUIRE(down.defined() && down.dim() == 3,
                           "cuda MoE: down_proj must be [E, D, Im], got " + detail::describe(down));
   const int64_t inter = down.size(2), dim = x.size(1);
-  check_bf16(gate_up, {cfg.n_experts, 2 * inter, dim}, x.device(), "gate_up_proj");
-  check_bf16(down, {cfg.n_experts, dim, inter}, x.device(), "down_proj");
+  check_like_x(gate_up, {cfg.n_experts, 2 * inter, dim}, x, "gate_up_proj");
+  check_like_x(down, {cfg.n_experts, dim, inter}, x, "down_proj");
 }
 
 }  // namespace
@@ -431,12 +474,9 @@ ops::Routing moe_route(const ops::MoeConfig& cfg, const Tensor& router_weight,
                        const Tensor& e_score_correction_bias, const Tensor& x,
                        cudaStream_t stream) {
   check_config(cfg);
-  GLMTUNE_CUDA_OP_REQUIRE(x.defined() && x.dim() == 2 && x.dtype() == DType::bf16 &&
-                              x.is_contiguous() && x.device().is_cuda(),
-                          "cuda::moe_route: x must be a contiguous bf16 CUDA [T, D] tensor, got " +
-                              detail::describe(x));
+  check_x(x, "cuda::moe_route");
   const Device dev = x.device();
-  check_bf16(router_weight, {cfg.n_experts, x.size(1)}, dev, "router weight");
+  check_like_x(router_weight, {cfg.n_experts, x.size(1)}, x, "router weight");
   GLMTUNE_CUDA_OP_REQUIRE(
       e_score_correction_bias.defined() && e_score_correction_bias.dtype() == DType::f32 &&
           e_score_correction_bias.is_contiguous() && e_score_correction_bias.device() == dev &&
@@ -539,16 +579,13 @@ Tensor moe_experts(const ops::MoeConfig& cfg, const Tensor& gate_up_proj, const 
                    const Tensor& x, const ops::Routing& routing, GroupedGemmBackend backend,
                    cudaStream_t stream) {
   check_config(cfg);
-  GLMTUNE_CUDA_OP_REQUIRE(
-      x.defined() && x.dim() == 2 && x.dtype() == DType::bf16 && x.is_contiguous() &&
-          x.device().is_cuda(),
-      "cuda::moe_experts: x must be contiguous bf16 [T, D] on the GPU, got " + detail::describe(x));
+  check_x(x, "cuda::moe_experts");
   check_expert_weights(cfg, gate_up_proj, down_proj, x);
   check_routing(routing, x.size(0), cfg.n_experts, cfg.top_k, x.device());
   detail::DeviceGuard guard(x.device().index);
   const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream);
   const ExpertActivations a = run_experts(cfg, gate_up_proj, down_proj, x, perm, backend, stream);
-  Tensor y = Tensor::empty(x.shape(), DType::bf16, x.device());
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   combine(a.yp, routing.weights, perm.slot_position, int(cfg.top_k), nullptr, y, stream);
   return y;
 }
@@ -557,18 +594,15 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
                            int64_t counted_rows, MoeContext* ctx, GroupedGemmBackend backend,
                            cudaStream_t stream) {
   check_config(cfg);
-  GLMTUNE_CUDA_OP_REQUIRE(
-      x.defined() && x.dim() == 2 && x.dtype() == DType::bf16 && x.is_contiguous() &&
-          x.device().is_cuda(),
-      "cuda::moe_forward: x must be contiguous bf16 [T, D] on the GPU, got " + detail::describe(x));
+  check_x(x, "cuda::moe_forward");
   check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1);
   const int64_t shared_inter =
       params.shared.gate_proj.defined() ? params.shared.gate_proj.size(0) : 0;
-  check_bf16(params.shared.gate_proj, {shared_inter, dim}, dev, "shared gate_proj");
-  check_bf16(params.shared.up_proj, {shared_inter, dim}, dev, "shared up_proj");
-  check_bf16(params.shared.down_proj, {dim, shared_inter}, dev, "shared down_proj");
+  check_like_x(params.shared.gate_proj, {shared_inter, dim}, x, "shared gate_proj");
+  check_like_x(params.shared.up_proj, {shared_inter, dim}, x, "shared up_proj");
+  check_like_x(params.shared.down_proj, {dim, shared_inter}, x, "shared down_proj");
   detail::DeviceGuard guard(dev.index);
 
   ops::MoeOutput out;
@@ -578,7 +612,7 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
       run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
 
   // Shared expert: gate | up side by side (kept for the backward), fp32 down output.
-  Tensor gate_up = Tensor::empty({rows, 2 * shared_inter}, DType::bf16, dev);
+  Tensor gate_up = Tensor::empty({rows, 2 * shared_inter}, x.dtype(), dev);
   Tensor gate = gate_up.slice(1, 0, shared_inter),
          up = gate_up.slice(1, shared_inter, 2 * shared_inter);
   linear_out(gate, x, params.shared.gate_proj, Tensor(), false, stream);
@@ -586,7 +620,7 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
   const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
   const Tensor shared = linear(act, params.shared.down_proj, Tensor(), DType::f32, stream);
 
-  out.y = Tensor::empty({rows, dim}, DType::bf16, dev);
+  out.y = Tensor::empty({rows, dim}, x.dtype(), dev);
   combine(a.yp, out.routing.weights, perm.slot_position, int(cfg.top_k),
           rows > 0 ? shared.data<float>() : nullptr, out.y, stream);
   out.expert_counts = moe_expert_counts(out.routing, cfg.n_experts, counted_rows, stream);
@@ -635,7 +669,7 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
   const int64_t inter = params.down_proj.size(2);
   const int64_t shared_inter = ctx.shared_gate_up.size(1) / 2;
   check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
-  check_bf16(dy, x.shape(), dev, "dy");
+  check_like_x(dy, x.shape(), x, "dy");
   check_routing(ctx.routing, rows, cfg.n_experts, k, dev);
   if (d_router_logits.defined())
     GLMTUNE_CUDA_OP_REQUIRE(d_router_logits.dtype() == DType::f32 &&
@@ -655,56 +689,72 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
   // Routed experts, recomputed, then their GEMM gradients.
   const ExpertActivations a =
       run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
+  const DType st = x.dtype();
   Tensor d_weights = Tensor::empty({rows, k}, DType::f32, dev);
-  Tensor dyp = Tensor::empty({n, dim}, DType::bf16, dev);
+  Tensor dyp = Tensor::empty({n, dim}, st, dev);
   if (n > 0) {
-    const auto* dyd = static_cast<const bf16*>(dy.data_ptr());
-    const auto* ypd = static_cast<const bf16*>(a.yp.data_ptr());
-    auto* dypd = static_cast<bf16*>(dyp.data_ptr());
-    if (dim % 8 == 0)
-      expert_output_grad_kernel<8><<<unsigned(n), kThreads, 0, stream>>>(
-          dyd, ypd, ctx.routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k),
-          int(dim), d_weights.data<float>(), dypd);
+    auto launch = [&]<typename T>(auto kernel, T*) {
+      kernel<<<unsigned(n), kThreads, 0, stream>>>(
+          static_cast<const T*>(dy.data_ptr()), static_cast<const T*>(a.yp.data_ptr()),
+          ctx.routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k), int(dim),
+          d_weights.data<float>(), static_cast<T*>(dyp.data_ptr()));
+    };
+    if (st == DType::f32)
+      launch(expert_output_grad_kernel<1, float>, static_cast<float*>(nullptr));
+    else if (dim % 8 == 0)
+      launch(expert_output_grad_kernel<8, bf16>, static_cast<bf16*>(nullptr));
     else
-      expert_output_grad_kernel<1><<<unsigned(n), kThreads, 0, stream>>>(
-          dyd, ypd, ctx.routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k),
-          int(dim), d_weights.data<float>(), dypd);
+      launch(expert_output_grad_kernel<1, bf16>, static_cast<bf16*>(nullptr));
     GLMTUNE_CUDA_CHECK_LAUNCH();
   }
   grouped_linear_backward_weight(d_down, dyp, a.act, perm.offsets, backend, stream);
-  Tensor d_act = Tensor::empty({n, inter}, DType::bf16, dev);
+  Tensor d_act = Tensor::empty({n, inter}, st, dev);
   grouped_linear_backward_input(d_act, dyp, params.down_proj, perm.offsets, backend, stream);
-  Tensor dh = Tensor::empty({n, 2 * inter}, DType::bf16, dev);
+  Tensor dh = Tensor::empty({n, 2 * inter}, st, dev);
   if (n > 0) {
     Tensor dhg = dh.slice(1, 0, inter), dhu = dh.slice(1, inter, 2 * inter);
     swiglu_clamped_backward(a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter), d_act,
                             cfg.swiglu_limit, dhg, dhu, stream);
   }
   grouped_linear_backward_weight(d_gate_up, dh, a.x_perm, perm.offsets, backend, stream);
-  Tensor dxp = Tensor::empty({n, dim}, DType::bf16, dev);
+  Tensor dxp = Tensor::empty({n, dim}, st, dev);
   grouped_linear_backward_input(dxp, dh, params.gate_up_proj, perm.offsets, backend, stream);
 
-  // Router: combine weights → logits → (hi + lo) bf16 GEMMs into fp32.
-  const Tensor d_logits = moe_route_backward(cfg, ctx.routing, d_weights, stream);
+  // Router: combine weights → logits → GEMMs into fp32. bf16 operands take the fp32 logit
+  // gradient as two bf16 parts (hi + lo); f32 operands take it whole.
+  Tensor d_logits = moe_route_backward(cfg, ctx.routing, d_weights, stream);
   Tensor dx_f32 = Tensor::zeros({rows, dim}, DType::f32, dev);
   if (rows > 0) {
     const int64_t ne = rows * cfg.n_experts;
-    Tensor parts = Tensor::empty({2, rows, cfg.n_experts}, DType::bf16, dev);
-    split_hi_lo_kernel<<<blocks_for(ne), kThreads, 0, stream>>>(
-        d_logits.data<float>(), d_router_logits.defined() ? d_router_logits.data<float>() : nullptr,
-        ne, static_cast<bf16*>(parts.data_ptr()), static_cast<bf16*>(parts.data_ptr()) + ne);
-    GLMTUNE_CUDA_CHECK_LAUNCH();
+    const float* extra = d_router_logits.defined() ? d_router_logits.data<float>() : nullptr;
+    std::vector<const void*> parts;
+    Tensor split;
+    if (st == DType::f32) {
+      if (extra) {
+        accumulate_kernel<float>
+            <<<blocks_for(ne), kThreads, 0, stream>>>(extra, ne, d_logits.data<float>());
+        GLMTUNE_CUDA_CHECK_LAUNCH();
+      }
+      parts = {d_logits.data_ptr()};
+    } else {
+      split = Tensor::empty({2, rows, cfg.n_experts}, DType::bf16, dev);
+      auto* hi = static_cast<bf16*>(split.data_ptr());
+      split_hi_lo_kernel<<<blocks_for(ne), kThreads, 0, stream>>>(d_logits.data<float>(), extra, ne,
+                                                                  hi, hi + ne);
+      GLMTUNE_CUDA_CHECK_LAUNCH();
+      parts = {hi, hi + ne};
+    }
     Tensor d_router_f32 = d_router.dtype() == DType::f32
                               ? d_router
                               : Tensor::zeros(d_router.shape(), DType::f32, dev);
-    for (int part = 0; part < 2; ++part) {
-      const void* dl = static_cast<const bf16*>(parts.data_ptr()) + part * ne;
+    for (const void* dl : parts) {
       GemmArgs g;
       g.device = dev.index;
       g.m = rows, g.n = dim, g.k = cfg.n_experts;
       g.a = dl, g.lda = cfg.n_experts;
       g.b = params.router_weight.data_ptr(), g.ldb = dim;
       g.c = dx_f32.data_ptr(), g.ldc = dim, g.c_dtype = DType::f32, g.beta = 1.0f;
+      g.ab_dtype = st;
       gemm(g, stream);
       GemmArgs w;
       w.device = dev.index;
@@ -713,6 +763,7 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
       w.a = dl, w.lda = cfg.n_experts;
       w.b = x.data_ptr(), w.ldb = dim;
       w.c = d_router_f32.data_ptr(), w.ldc = dim, w.c_dtype = DType::f32, w.beta = 1.0f;
+      w.ab_dtype = st;
       gemm(w, stream);
     }
     if (d_router.dtype() != DType::f32) accumulate(d_router, d_router_f32, stream);
@@ -721,9 +772,9 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
     const Tensor gate = ctx.shared_gate_up.slice(1, 0, shared_inter);
     const Tensor up = ctx.shared_gate_up.slice(1, shared_inter, 2 * shared_inter);
     const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
-    const Tensor d_sact = linear_backward_input(dy, params.shared.down_proj, DType::bf16, stream);
+    const Tensor d_sact = linear_backward_input(dy, params.shared.down_proj, st, stream);
     linear_backward_weight(d_sd, dy, act, stream);
-    Tensor d_sgu = Tensor::empty({rows, 2 * shared_inter}, DType::bf16, dev);
+    Tensor d_sgu = Tensor::empty({rows, 2 * shared_inter}, st, dev);
     Tensor dsg = d_sgu.slice(1, 0, shared_inter),
            dsu = d_sgu.slice(1, shared_inter, 2 * shared_inter);
     swiglu_clamped_backward(gate, up, d_sact, cfg.swiglu_limit, dsg, dsu, stream);
@@ -733,16 +784,13 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
     linear_backward_input_out(dx_f32, dsu, params.shared.up_proj, true, stream);
   }
 
-  Tensor dx = Tensor::empty({rows, dim}, DType::bf16, dev);
+  Tensor dx = Tensor::empty({rows, dim}, st, dev);
   if (rows > 0) {
-    const auto* dxpd = static_cast<const bf16*>(dxp.data_ptr());
-    auto* dxd = static_cast<bf16*>(dx.data_ptr());
-    if (vec8_ok(dim, dxpd) && detail::aligned16(dxd))
-      unpermute_sum_kernel<8><<<unsigned(rows), 128, 0, stream>>>(
-          dxpd, perm.slot_position.data<int32_t>(), int(k), int(dim), dx_f32.data<float>(), dxd);
-    else
-      unpermute_sum_kernel<1><<<unsigned(rows), 128, 0, stream>>>(
-          dxpd, perm.slot_position.data<int32_t>(), int(k), int(dim), dx_f32.data<float>(), dxd);
+    dispatch_rows(dxp, dx, dim, [&]<typename T>(auto vec, T*) {
+      unpermute_sum_kernel<decltype(vec)::value, T><<<unsigned(rows), 128, 0, stream>>>(
+          static_cast<const T*>(dxp.data_ptr()), perm.slot_position.data<int32_t>(), int(k),
+          int(dim), dx_f32.data<float>(), static_cast<T*>(dx.data_ptr()));
+    });
     GLMTUNE_CUDA_CHECK_LAUNCH();
   }
   return dx;

@@ -1,5 +1,7 @@
 #pragma once
-// The MoE block on the GPU: the CUDA side of ops/moe.h, with bf16 storage and fp32 arithmetic.
+// The MoE block on the GPU: the CUDA side of ops/moe.h, with bf16 storage (or f32 storage in the
+// fp32 mode: every activation, weight and dy then f32, and the router GEMMs take the logit
+// gradient whole instead of as hi + lo) and fp32 arithmetic.
 //
 //   router   logits = f32(x) · f32(Wr)^T (a bf16 GEMM with fp32 output: the products of bf16
 //            values are exact in fp32), p = σ(logits), c = p + bias (selection only), group limit,

@@ -15,14 +15,45 @@ constexpr int kThreads = 256;
 // range of ceil(rows / kGradBlocks) rows, so the grouping depends on the row count only.
 constexpr int64_t kGradBlocks = 512;
 
+// VEC consecutive elements of T storage as fp32. The 16-byte form (VEC = 8) is taken for bf16 only:
+// f32 rows run with VEC = 1, still coalesced across the block.
+template <int VEC, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::load_bf16x8(p, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = detail::to_f(p[i]);
+  }
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void store(T* p, const float (&in)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::store_bf16x8(p, in);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = detail::from_f<T>(in[i]);
+  }
+}
+
+// The weighted value w ⊙ (x · r): bf16 storage rounds x · r to bf16 first, as the reference's cast
+// does; f32 storage has nothing to round.
+template <typename T>
+__device__ __forceinline__ float weighted(float normalised, float w) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return detail::round_bf16(normalised) * w;
+  else
+    return normalised * w;
+}
+
 // Σ x² over one row, the block's threads striding by VEC elements.
-template <int VEC>
-__device__ __forceinline__ float row_sum_squares(const bf16* __restrict__ xr, int n,
-                                                 float* scratch) {
+template <int VEC, typename T>
+__device__ __forceinline__ float row_sum_squares(const T* __restrict__ xr, int n, float* scratch) {
   float ss = 0.0f;
   for (int j = threadIdx.x * VEC; j < n; j += blockDim.x * VEC) {
     float v[VEC];
-    detail::load_vec<VEC>(xr + j, v);
+    load<VEC>(xr + j, v);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) ss += v[k] * v[k];
   }
@@ -34,31 +65,31 @@ __device__ __forceinline__ float rstd_of(float sum_squares, int n, float eps) {
   return 1.0f / sqrtf(sum_squares / float(n) + eps);
 }
 
-template <int VEC>
+template <int VEC, typename T>
 __global__ void __launch_bounds__(kThreads)
-    rms_norm_fwd_kernel(const bf16* __restrict__ x, int64_t ldx, const bf16* __restrict__ w,
-                        bf16* __restrict__ y, int64_t ldy, float* __restrict__ rstd, int n,
+    rms_norm_fwd_kernel(const T* __restrict__ x, int64_t ldx, const T* __restrict__ w,
+                        T* __restrict__ y, int64_t ldy, float* __restrict__ rstd, int n,
                         float eps) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
-  const bf16* xr = x + row * ldx;
-  bf16* yr = y + row * ldy;
+  const T* xr = x + row * ldx;
+  T* yr = y + row * ldy;
   const float r = rstd_of(row_sum_squares<VEC>(xr, n, scratch), n, eps);
   if (rstd && threadIdx.x == 0) rstd[row] = r;
   // The second read of the row hits L1/L2: the block just streamed it.
   for (int j = threadIdx.x * VEC; j < n; j += blockDim.x * VEC) {
     float v[VEC];
-    detail::load_vec<VEC>(xr + j, v);
+    load<VEC>(xr + j, v);
     if (w) {
       float wv[VEC];
-      detail::load_vec<VEC>(w + j, wv);
+      load<VEC>(w + j, wv);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) v[k] = detail::round_bf16(v[k] * r) * wv[k];
+      for (int k = 0; k < VEC; ++k) v[k] = weighted<T>(v[k] * r, wv[k]);
     } else {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[k] *= r;
     }
-    detail::store_vec<VEC>(yr + j, v);
+    store<VEC>(yr + j, v);
   }
 }
 
@@ -66,11 +97,11 @@ __global__ void __launch_bounds__(kThreads)
 // weight gradient written to dw_partial[blockIdx.x, :]. The block's dw accumulators live in
 // shared memory laid out as [VEC][n / VEC] so that a warp's accesses hit 32 different banks;
 // each thread only ever touches its own columns, so they need no barrier.
-template <int VEC, bool kWeightGrad>
+template <int VEC, bool kWeightGrad, typename T>
 __global__ void __launch_bounds__(kThreads)
-    rms_norm_bwd_kernel(const bf16* __restrict__ dy, int64_t lddy, const bf16* __restrict__ x,
-                        int64_t ldx, const bf16* __restrict__ w, const float* __restrict__ rstd,
-                        bf16* __restrict__ dx, int64_t lddx, int64_t rows, int n,
+    rms_norm_bwd_kernel(const T* __restrict__ dy, int64_t lddy, const T* __restrict__ x,
+                        int64_t ldx, const T* __restrict__ w, const float* __restrict__ rstd,
+                        T* __restrict__ dx, int64_t lddx, int64_t rows, int n,
                         int64_t rows_per_block, float eps, float* __restrict__ dw_partial) {
   extern __shared__ float dw_acc[];
   __shared__ float scratch[32];
@@ -83,17 +114,17 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r0 = int64_t(blockIdx.x) * rows_per_block;
   const int64_t r1 = r0 + rows_per_block < rows ? r0 + rows_per_block : rows;
   for (int64_t row = r0; row < r1; ++row) {
-    const bf16* xr = x + row * ldx;
-    const bf16* gr = dy + row * lddy;
+    const T* xr = x + row * ldx;
+    const T* gr = dy + row * lddy;
     const float r = rstd ? rstd[row] : rstd_of(row_sum_squares<VEC>(xr, n, scratch), n, eps);
     float dot = 0.0f;
     for (int j = threadIdx.x * VEC; j < n; j += blockDim.x * VEC) {
       float xv[VEC], gv[VEC];
-      detail::load_vec<VEC>(xr + j, xv);
-      detail::load_vec<VEC>(gr + j, gv);
+      load<VEC>(xr + j, xv);
+      load<VEC>(gr + j, gv);
       if (w) {
         float wv[VEC];
-        detail::load_vec<VEC>(w + j, wv);
+        load<VEC>(w + j, wv);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) gv[k] *= wv[k];
       }
@@ -103,24 +134,24 @@ __global__ void __launch_bounds__(kThreads)
     dot = detail::block_sum(dot, scratch);
     // d(x·r)/dx = r·I − (r³/n)·x xᵀ
     const float c = dot * r * r * r / float(n);
-    bf16* dxr = dx + row * lddx;
+    T* dxr = dx + row * lddx;
     for (int j = threadIdx.x * VEC; j < n; j += blockDim.x * VEC) {
       float xv[VEC], gv[VEC], out[VEC];
-      detail::load_vec<VEC>(xr + j, xv);
-      detail::load_vec<VEC>(gr + j, gv);
+      load<VEC>(xr + j, xv);
+      load<VEC>(gr + j, gv);
       if constexpr (kWeightGrad) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) dw_acc[k * nvec + j / VEC] += gv[k] * (xv[k] * r);
       }
       if (w) {
         float wv[VEC];
-        detail::load_vec<VEC>(w + j, wv);
+        load<VEC>(w + j, wv);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) gv[k] *= wv[k];
       }
 #pragma unroll
       for (int k = 0; k < VEC; ++k) out[k] = r * gv[k] - c * xv[k];
-      detail::store_vec<VEC>(dxr + j, out);
+      store<VEC>(dxr + j, out);
     }
   }
   if constexpr (kWeightGrad) {
@@ -146,20 +177,28 @@ __global__ void sum_partials_kernel(const float* __restrict__ partial, int64_t b
   }
 }
 
+void check_x(const Tensor& x, const char* op) {
+  GLMTUNE_CUDA_OP_REQUIRE(x.defined() && x.device().is_cuda() &&
+                              (x.dtype() == DType::bf16 || x.dtype() == DType::f32) &&
+                              detail::has_row_layout(x),
+                          std::string(op) + ": x " + detail::describe(x) +
+                              " must be a bf16 or f32 CUDA tensor with unit inner stride");
+}
+
 void check_rows_tensor(const Tensor& t, const Tensor& x, const char* what, const char* op) {
-  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.dtype() == DType::bf16 && t.shape() == x.shape() &&
+  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.dtype() == x.dtype() && t.shape() == x.shape() &&
                               t.device() == x.device() && detail::has_row_layout(t),
                           std::string(op) + ": " + what + " " + detail::describe(t) +
-                              " must be a bf16 tensor shaped like x " + x.str() +
+                              " must be a tensor of x's dtype and shape " + x.str() +
                               " (contiguous or rows with unit inner stride)");
 }
 
 void check_weight(const Tensor& w, const Tensor& x, const char* op) {
   if (!w.defined()) return;
-  GLMTUNE_CUDA_OP_REQUIRE(w.dtype() == DType::bf16 && w.dim() == 1 && w.size(0) == x.size(-1) &&
+  GLMTUNE_CUDA_OP_REQUIRE(w.dtype() == x.dtype() && w.dim() == 1 && w.size(0) == x.size(-1) &&
                               w.is_contiguous() && w.device() == x.device(),
                           std::string(op) + ": weight " + w.str() +
-                              " must be a contiguous bf16 vector matching x " + x.str());
+                              " must be a contiguous vector of x's dtype matching x " + x.str());
 }
 
 void check_stat(const Tensor& s, const Tensor& x, const char* op) {
@@ -171,9 +210,9 @@ void check_stat(const Tensor& s, const Tensor& x, const char* op) {
                               shape_str(lead) + " on " + x.device().str());
 }
 
-// 16-byte accesses need rows of whole 8-element groups on 16-byte boundaries.
-bool vector_ok(int n, std::initializer_list<detail::RowsView> views, const Tensor& w) {
-  if (n % 8 != 0) return false;
+// 16-byte accesses need bf16 rows of whole 8-element groups on 16-byte boundaries.
+bool vector_ok(DType dtype, int n, std::initializer_list<detail::RowsView> views, const Tensor& w) {
+  if (dtype != DType::bf16 || n % 8 != 0) return false;
   for (const auto& v : views)
     if (!detail::aligned16(v.data) || v.ld % 8 != 0) return false;
   return !w.defined() || detail::aligned16(w.data_ptr());
@@ -184,10 +223,7 @@ bool vector_ok(int n, std::initializer_list<detail::RowsView> views, const Tenso
 void rms_norm_out(Tensor& y, Tensor* rstd, const Tensor& x, const Tensor& weight, double eps,
                   cudaStream_t stream) {
   const char* op = "cuda::rms_norm";
-  GLMTUNE_CUDA_OP_REQUIRE(
-      x.defined() && x.device().is_cuda() && x.dtype() == DType::bf16 && detail::has_row_layout(x),
-      std::string(op) + ": x " + detail::describe(x) +
-          " must be a bf16 CUDA tensor with unit inner stride");
+  check_x(x, op);
   check_rows_tensor(y, x, "y", op);
   check_weight(weight, x, op);
   if (rstd) check_stat(*rstd, x, op);
@@ -196,16 +232,19 @@ void rms_norm_out(Tensor& y, Tensor* rstd, const Tensor& x, const Tensor& weight
   GLMTUNE_CUDA_OP_REQUIRE(xv.cols <= INT32_MAX, std::string(op) + ": rows too long");
   const int n = int(xv.cols);
   detail::DeviceGuard guard(x.device().index);
-  const bf16* wp = weight.defined() ? reinterpret_cast<const bf16*>(weight.data_ptr()) : nullptr;
   float* rp = rstd ? rstd->data<float>() : nullptr;
-  const auto* xp = static_cast<const bf16*>(xv.data);
-  auto* yp = static_cast<bf16*>(yv.data);
-  if (vector_ok(n, {xv, yv}, weight))
-    rms_norm_fwd_kernel<8>
-        <<<unsigned(xv.rows), kThreads, 0, stream>>>(xp, xv.ld, wp, yp, yv.ld, rp, n, float(eps));
+  auto launch = [&]<typename T>(auto kernel, T*) {
+    const T* wp = weight.defined() ? static_cast<const T*>(weight.data_ptr()) : nullptr;
+    kernel<<<unsigned(xv.rows), kThreads, 0, stream>>>(static_cast<const T*>(xv.data), xv.ld, wp,
+                                                       static_cast<T*>(yv.data), yv.ld, rp, n,
+                                                       float(eps));
+  };
+  if (x.dtype() == DType::f32)
+    launch(rms_norm_fwd_kernel<1, float>, static_cast<float*>(nullptr));
+  else if (vector_ok(x.dtype(), n, {xv, yv}, weight))
+    launch(rms_norm_fwd_kernel<8, bf16>, static_cast<bf16*>(nullptr));
   else
-    rms_norm_fwd_kernel<1>
-        <<<unsigned(xv.rows), kThreads, 0, stream>>>(xp, xv.ld, wp, yp, yv.ld, rp, n, float(eps));
+    launch(rms_norm_fwd_kernel<1, bf16>, static_cast<bf16*>(nullptr));
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
@@ -213,7 +252,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd,
                 cudaStream_t stream) {
   GLMTUNE_CUDA_OP_REQUIRE(x.defined() && x.dim() >= 1,
                           "cuda::rms_norm: x must have at least one dimension");
-  Tensor y = Tensor::empty(x.shape(), DType::bf16, x.device());
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (rstd) {
     Shape lead = x.shape();
     lead.pop_back();
@@ -227,10 +266,7 @@ void rms_norm_backward_out(Tensor& dx, const Tensor& dy, const Tensor& x, const 
                            double eps, const Tensor& rstd, Tensor* grad_weight,
                            cudaStream_t stream) {
   const char* op = "cuda::rms_norm_backward";
-  GLMTUNE_CUDA_OP_REQUIRE(
-      x.defined() && x.device().is_cuda() && x.dtype() == DType::bf16 && detail::has_row_layout(x),
-      std::string(op) + ": x " + detail::describe(x) +
-          " must be a bf16 CUDA tensor with unit inner stride");
+  check_x(x, op);
   check_rows_tensor(dy, x, "dy", op);
   check_rows_tensor(dx, x, "dx", op);
   check_weight(weight, x, op);
@@ -253,41 +289,48 @@ void rms_norm_backward_out(Tensor& dx, const Tensor& dy, const Tensor& x, const 
   GLMTUNE_CUDA_OP_REQUIRE(xv.cols <= INT32_MAX, std::string(op) + ": rows too long");
   const int n = int(xv.cols);
   detail::DeviceGuard guard(x.device().index);
-  const bf16* wp = weight.defined() ? reinterpret_cast<const bf16*>(weight.data_ptr()) : nullptr;
   const float* rp = rstd.defined() ? rstd.data<float>() : nullptr;
-  const auto* xp = static_cast<const bf16*>(xv.data);
-  const auto* gp = static_cast<const bf16*>(gv.data);
-  auto* dp = static_cast<bf16*>(dv.data);
-  const bool vec = vector_ok(n, {xv, gv, dv}, weight);
+  const bool f32 = x.dtype() == DType::f32;
+  const bool vec = vector_ok(x.dtype(), n, {xv, gv, dv}, weight);
+  // One launch of `kernel` (storage T) over `blocks` blocks of `rows_per_block` rows each.
+  auto launch = [&]<typename T>(auto kernel, T*, int64_t blocks, int64_t rows_per_block,
+                                size_t smem, float* partial) {
+    // Rows longer than 12288 need more than the default 48 KB of dynamic shared memory.
+    if (smem > 48 * 1024)
+      GLMTUNE_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    const T* wp = weight.defined() ? static_cast<const T*>(weight.data_ptr()) : nullptr;
+    kernel<<<unsigned(blocks), kThreads, smem, stream>>>(
+        static_cast<const T*>(gv.data), gv.ld, static_cast<const T*>(xv.data), xv.ld, wp, rp,
+        static_cast<T*>(dv.data), dv.ld, xv.rows, n, rows_per_block, float(eps), partial);
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+  };
   if (!grad_weight) {
     // One block per row.
-    if (vec)
-      rms_norm_bwd_kernel<8, false><<<unsigned(xv.rows), kThreads, 0, stream>>>(
-          gp, gv.ld, xp, xv.ld, wp, rp, dp, dv.ld, xv.rows, n, 1, float(eps), nullptr);
+    if (f32)
+      launch(rms_norm_bwd_kernel<1, false, float>, static_cast<float*>(nullptr), xv.rows, 1, 0,
+             nullptr);
+    else if (vec)
+      launch(rms_norm_bwd_kernel<8, false, bf16>, static_cast<bf16*>(nullptr), xv.rows, 1, 0,
+             nullptr);
     else
-      rms_norm_bwd_kernel<1, false><<<unsigned(xv.rows), kThreads, 0, stream>>>(
-          gp, gv.ld, xp, xv.ld, wp, rp, dp, dv.ld, xv.rows, n, 1, float(eps), nullptr);
-    GLMTUNE_CUDA_CHECK_LAUNCH();
+      launch(rms_norm_bwd_kernel<1, false, bf16>, static_cast<bf16*>(nullptr), xv.rows, 1, 0,
+             nullptr);
     return;
   }
   const int64_t rows_per_block = (xv.rows + kGradBlocks - 1) / kGradBlocks;
   const int64_t blocks = (xv.rows + rows_per_block - 1) / rows_per_block;
   const size_t smem = size_t(n) * sizeof(float);
   Tensor partial = Tensor::empty({blocks, n64}, DType::f32, x.device());
-  auto launch = [&](auto kernel) {
-    // Rows longer than 12288 need more than the default 48 KB of dynamic shared memory.
-    if (smem > 48 * 1024)
-      GLMTUNE_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<unsigned(blocks), kThreads, smem, stream>>>(gp, gv.ld, xp, xv.ld, wp, rp, dp, dv.ld,
-                                                         xv.rows, n, rows_per_block, float(eps),
-                                                         partial.data<float>());
-    GLMTUNE_CUDA_CHECK_LAUNCH();
-  };
-  if (vec)
-    launch(rms_norm_bwd_kernel<8, true>);
+  if (f32)
+    launch(rms_norm_bwd_kernel<1, true, float>, static_cast<float*>(nullptr), blocks,
+           rows_per_block, smem, partial.data<float>());
+  else if (vec)
+    launch(rms_norm_bwd_kernel<8, true, bf16>, static_cast<bf16*>(nullptr), blocks, rows_per_block,
+           smem, partial.data<float>());
   else
-    launch(rms_norm_bwd_kernel<1, true>);
+    launch(rms_norm_bwd_kernel<1, true, bf16>, static_cast<bf16*>(nullptr), blocks, rows_per_block,
+           smem, partial.data<float>());
   const unsigned col_blocks = unsigned((n + kThreads - 1) / kThreads);
   if (grad_weight->dtype() == DType::f32)
     sum_partials_kernel<float><<<col_blocks, kThreads, 0, stream>>>(partial.data<float>(), blocks,
@@ -302,7 +345,7 @@ Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight
                          const Tensor& rstd, Tensor* grad_weight, cudaStream_t stream) {
   GLMTUNE_CUDA_OP_REQUIRE(x.defined() && x.dim() >= 1,
                           "cuda::rms_norm_backward: x must have at least one dimension");
-  Tensor dx = Tensor::empty(x.shape(), DType::bf16, x.device());
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   rms_norm_backward_out(dx, dy, x, weight, eps, rstd, grad_weight, stream);
   return dx;
 }

@@ -14,7 +14,8 @@
 // aligned rows uses 16-byte accesses.
 //
 // Tensors: x, dy, y, dx are bf16 [..., n], contiguous or 2-D views with unit inner stride; the
-// weight is bf16 [n] (undefined: the un-weighted norm); rstd is f32 with x's leading shape.
+// weight is bf16 [n] (undefined: the un-weighted norm); rstd is f32 with x's leading shape. In
+// the fp32 mode x, dy, y, dx and the weight are all f32 and x · r is not rounded.
 // Everything runs asynchronously on `stream`.
 
 #include <cuda_runtime.h>

@@ -17,51 +17,74 @@ __device__ __forceinline__ float clamp_up(float u, float lim) {
   return u < -lim ? -lim : (lim < u ? lim : u);
 }
 
+// VEC consecutive elements of T storage as fp32. The 16-byte form (VEC = 8) is taken for bf16 only:
+// f32 rows run with VEC = 1, still coalesced across the block.
+template <int VEC, typename T>
+__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::load_bf16x8(p, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) out[i] = detail::to_f(p[i]);
+  }
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void store(T* p, const float (&in)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::store_bf16x8(p, in);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p[i] = detail::from_f<T>(in[i]);
+  }
+}
+
+template <typename T>
 struct RowPtrs {
-  const bf16* gate;
+  const T* gate;
   int64_t ld_gate;
-  const bf16* up;
+  const T* up;
   int64_t ld_up;
 };
 
 // One block per row; the threads stride over the row VEC elements at a time.
-template <int VEC>
+template <int VEC, typename T>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_fwd_kernel(RowPtrs in, bf16* __restrict__ out, int64_t ld_out, int cols, float lim) {
+    swiglu_fwd_kernel(RowPtrs<T> in, T* __restrict__ out, int64_t ld_out, int cols, float lim) {
   const int64_t row = blockIdx.x;
-  const bf16* g = in.gate + row * in.ld_gate;
-  const bf16* u = in.up + row * in.ld_up;
-  bf16* o = out + row * ld_out;
+  const T* g = in.gate + row * in.ld_gate;
+  const T* u = in.up + row * in.ld_up;
+  T* o = out + row * ld_out;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float gv[VEC], uv[VEC], ov[VEC];
-    detail::load_vec<VEC>(g + j, gv);
-    detail::load_vec<VEC>(u + j, uv);
+    load<VEC>(g + j, gv);
+    load<VEC>(u + j, uv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const float a = clamp_gate(gv[k], lim);
       const float b = clamp_up(uv[k], lim);
       ov[k] = a / (1.0f + expf(-a)) * b;
     }
-    detail::store_vec<VEC>(o + j, ov);
+    store<VEC>(o + j, ov);
   }
 }
 
-template <int VEC>
+template <int VEC, typename T>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_bwd_kernel(RowPtrs in, const bf16* __restrict__ dout, int64_t ld_dout,
-                      bf16* __restrict__ dgate, int64_t ld_dgate, bf16* __restrict__ dup,
-                      int64_t ld_dup, int cols, float lim) {
+    swiglu_bwd_kernel(RowPtrs<T> in, const T* __restrict__ dout, int64_t ld_dout,
+                      T* __restrict__ dgate, int64_t ld_dgate, T* __restrict__ dup, int64_t ld_dup,
+                      int cols, float lim) {
   const int64_t row = blockIdx.x;
-  const bf16* g = in.gate + row * in.ld_gate;
-  const bf16* u = in.up + row * in.ld_up;
-  const bf16* d = dout + row * ld_dout;
-  bf16* dg = dgate + row * ld_dgate;
-  bf16* du = dup + row * ld_dup;
+  const T* g = in.gate + row * in.ld_gate;
+  const T* u = in.up + row * in.ld_up;
+  const T* d = dout + row * ld_dout;
+  T* dg = dgate + row * ld_dgate;
+  T* du = dup + row * ld_dup;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float gv[VEC], uv[VEC], dv[VEC], dgv[VEC], duv[VEC];
-    detail::load_vec<VEC>(g + j, gv);
-    detail::load_vec<VEC>(u + j, uv);
-    detail::load_vec<VEC>(d + j, dv);
+    load<VEC>(g + j, gv);
+    load<VEC>(u + j, uv);
+    load<VEC>(d + j, dv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const bool gate_free = gv[k] < lim;
@@ -72,22 +95,25 @@ __global__ void __launch_bounds__(kThreads)
       dgv[k] = gate_free ? dv[k] * b * s * (1.0f + a * (1.0f - s)) : 0.0f;
       duv[k] = up_free ? dv[k] * (a * s) : 0.0f;
     }
-    detail::store_vec<VEC>(dg + j, dgv);
-    detail::store_vec<VEC>(du + j, duv);
+    store<VEC>(dg + j, dgv);
+    store<VEC>(du + j, duv);
   }
 }
 
+// Every operand shares gate's dtype (bf16, or f32 in the fp32 mode) and shape.
 void check_operand(const Tensor& t, const Tensor& like, const char* what, const char* op) {
-  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.device().is_cuda() && t.dtype() == DType::bf16 &&
-                              t.shape() == like.shape() && t.device() == like.device() &&
-                              detail::has_row_layout(t),
+  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.device().is_cuda() &&
+                              (t.dtype() == DType::bf16 || t.dtype() == DType::f32) &&
+                              t.dtype() == like.dtype() && t.shape() == like.shape() &&
+                              t.device() == like.device() && detail::has_row_layout(t),
                           std::string(op) + ": " + what + " " + detail::describe(t) +
-                              " must be a bf16 CUDA tensor shaped like " + like.str() +
-                              ", contiguous or rows with unit inner stride");
+                              " must be a bf16 or f32 CUDA tensor of the dtype and shape of " +
+                              like.str() + ", contiguous or rows with unit inner stride");
 }
 
-bool vector_ok(int64_t cols, std::initializer_list<detail::RowsView> views) {
-  if (cols % 8 != 0) return false;
+// 16-byte accesses need bf16 rows of whole 8-element groups on 16-byte boundaries.
+bool vector_ok(DType dtype, int64_t cols, std::initializer_list<detail::RowsView> views) {
+  if (dtype != DType::bf16 || cols % 8 != 0) return false;
   for (const auto& v : views)
     if (!detail::aligned16(v.data) || v.ld % 8 != 0) return false;
   return true;
@@ -110,19 +136,23 @@ void swiglu_clamped_out(Tensor& out, const Tensor& gate, const Tensor& up, doubl
   GLMTUNE_CUDA_OP_REQUIRE(g.cols <= INT32_MAX && g.rows <= INT32_MAX,
                           std::string(op) + ": tensor too large");
   detail::DeviceGuard guard(gate.device().index);
-  const RowPtrs in{static_cast<const bf16*>(g.data), g.ld, static_cast<const bf16*>(u.data), u.ld};
-  if (vector_ok(g.cols, {g, u, o}))
-    swiglu_fwd_kernel<8><<<unsigned(g.rows), kThreads, 0, stream>>>(
-        in, static_cast<bf16*>(o.data), o.ld, int(g.cols), float(limit));
+  auto launch = [&]<typename T>(auto kernel, T*) {
+    const RowPtrs<T> in{static_cast<const T*>(g.data), g.ld, static_cast<const T*>(u.data), u.ld};
+    kernel<<<unsigned(g.rows), kThreads, 0, stream>>>(in, static_cast<T*>(o.data), o.ld,
+                                                      int(g.cols), float(limit));
+  };
+  if (gate.dtype() == DType::f32)
+    launch(swiglu_fwd_kernel<1, float>, static_cast<float*>(nullptr));
+  else if (vector_ok(gate.dtype(), g.cols, {g, u, o}))
+    launch(swiglu_fwd_kernel<8, bf16>, static_cast<bf16*>(nullptr));
   else
-    swiglu_fwd_kernel<1><<<unsigned(g.rows), kThreads, 0, stream>>>(
-        in, static_cast<bf16*>(o.data), o.ld, int(g.cols), float(limit));
+    launch(swiglu_fwd_kernel<1, bf16>, static_cast<bf16*>(nullptr));
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
 Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit, cudaStream_t stream) {
   GLMTUNE_CUDA_OP_REQUIRE(gate.defined(), "cuda::swiglu_clamped: gate is undefined");
-  Tensor out = Tensor::empty(gate.shape(), DType::bf16, gate.device());
+  Tensor out = Tensor::empty(gate.shape(), gate.dtype(), gate.device());
   swiglu_clamped_out(out, gate, up, limit, stream);
   return out;
 }
@@ -145,15 +175,18 @@ void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor&
   GLMTUNE_CUDA_OP_REQUIRE(g.cols <= INT32_MAX && g.rows <= INT32_MAX,
                           std::string(op) + ": tensor too large");
   detail::DeviceGuard guard(gate.device().index);
-  const RowPtrs in{static_cast<const bf16*>(g.data), g.ld, static_cast<const bf16*>(u.data), u.ld};
-  if (vector_ok(g.cols, {g, u, d, dg, du}))
-    swiglu_bwd_kernel<8><<<unsigned(g.rows), kThreads, 0, stream>>>(
-        in, static_cast<const bf16*>(d.data), d.ld, static_cast<bf16*>(dg.data), dg.ld,
-        static_cast<bf16*>(du.data), du.ld, int(g.cols), float(limit));
+  auto launch = [&]<typename T>(auto kernel, T*) {
+    const RowPtrs<T> in{static_cast<const T*>(g.data), g.ld, static_cast<const T*>(u.data), u.ld};
+    kernel<<<unsigned(g.rows), kThreads, 0, stream>>>(
+        in, static_cast<const T*>(d.data), d.ld, static_cast<T*>(dg.data), dg.ld,
+        static_cast<T*>(du.data), du.ld, int(g.cols), float(limit));
+  };
+  if (gate.dtype() == DType::f32)
+    launch(swiglu_bwd_kernel<1, float>, static_cast<float*>(nullptr));
+  else if (vector_ok(gate.dtype(), g.cols, {g, u, d, dg, du}))
+    launch(swiglu_bwd_kernel<8, bf16>, static_cast<bf16*>(nullptr));
   else
-    swiglu_bwd_kernel<1><<<unsigned(g.rows), kThreads, 0, stream>>>(
-        in, static_cast<const bf16*>(d.data), d.ld, static_cast<bf16*>(dg.data), dg.ld,
-        static_cast<bf16*>(du.data), du.ld, int(g.cols), float(limit));
+    launch(swiglu_bwd_kernel<1, bf16>, static_cast<bf16*>(nullptr));
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 

@@ -13,7 +13,8 @@
 //
 // gate, up, dgate and dup share one shape [..., I] and may be 2-D views with unit inner stride
 // and their own row stride (the two halves of a fused [N, 2I] product or gradient); out and dout
-// are contiguous or such views too. All bf16, on one device, asynchronous on `stream`.
+// are contiguous or such views too. All bf16 (or all f32 in the fp32 mode), on one device,
+// asynchronous on `stream`.
 
 #include <cuda_runtime.h>
 
