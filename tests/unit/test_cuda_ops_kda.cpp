@@ -1,6 +1,7 @@
 // CUDA parity for KDA (ops/cuda/kda.h) against the CPU ops (ops/kda.h, ops/norm.h): the chunked
 // delta rule forward and backward (o, dq, dk, dv, dg, dβ) over packed documents of odd lengths,
-// the short causal conv with SiLU (dx and the weight gradient), both forget-gate forms, β, the q/k
+// with few and with many heads (the backward's two ways of keeping chunk states), the short
+// causal conv with SiLU (dx and the weight gradient), both forget-gate forms, β, the q/k
 // L2 norm and the sigmoid-gated o_norm, in bf16 storage and in the f32 mode, with bit-identical
 // reruns. Fresh random inputs every run (seed printed; GLMTUNE_TEST_SEED reproduces one); the CPU
 // reference runs in f32 on the same (bf16-rounded) values. Skipped where no GPU is visible.
@@ -52,10 +53,14 @@ struct CoreCase {
   // slope 12 nearly every full chunk falls back.
   float floor = 0.0f;
   float slope = 2.0f;
+  // The backward keeps one chunk state per pair of chunks where the (head, document) walks are at
+  // least as many as the GPU's SMs, else one per chunk: 3 heads × 6 documents take the second
+  // path, 48 heads (288 walks, more than any current GPU has SMs) the first.
+  int64_t heads = 3;
 };
 
 void run_core(const CoreCase& c, uint64_t& stream) {
-  const int64_t t = kCu.back(), nh = 3, kd = 128;
+  const int64_t t = kCu.back(), nh = c.heads, kd = 128;
   const std::string tag = std::string(", ") + c.what;
   // Normalised q, k (rounded to the storage dtype after normalising), v, a log decay mixing slow
   // and fast channels, β in (0, 1).
@@ -112,6 +117,8 @@ TEST(CudaOpsKda, ChunkedDeltaRuleMatchesCpu) {
            stream);
   run_core({DType::f32, 1e-4, 1e-4, "f32 mode, gate past the factorised range", -12.0f, 12.0f},
            stream);
+  run_core({DType::bf16, 1e-2, 1e-3, "bf16, 48 heads", 0.0f, 2.0f, 48}, stream);
+  run_core({DType::f32, 1e-4, 1e-4, "f32 mode, 48 heads, steep gate", -5.0f, 2.0f, 48}, stream);
 #endif
 }
 

@@ -14,18 +14,23 @@
 //              W = Tm kbe as MMAs; the 16×16 substitution in fp32 on one warp, a column per lane.
 //   state_fwd  one block per (head, document), a warp per 16 value rows of Sᵀ (fp32 in the
 //              warp's MMA accumulators): Vn = U − W S, O = qd S + A Vn, S ← e^{Γ_last} S +
-//              kdecᵀ Vn. For the backward it also stores every chunk's entry state and Vn.
+//              kdecᵀ Vn. The backward's replay forms no O; it stores Vn and the entry states:
+//              every chunk's, or (where the walks at least fill the SMs) every even chunk's of a
+//              document, the odd chunk's state following from it as S0 e^{Γ_last} + kdecᵀ Vn of
+//              the even chunk.
 //   state_bwd  the same walk in reverse carrying d S: dVn = kdec dS + Aᵀ dO, dS ← e^{Γ_last} dS +
 //              qdᵀ dO − Wᵀ dVn. The two products that need a chunk's exit gradient d S1 are taken
 //              here, while it sits in the registers: d kdec = Vn d S1ᵀ (per warp an MMA over its
 //              16 value rows, the accumulator tile transposed into a B operand by movmatrix, the
 //              eight partials summed in warp order through shared memory) and e^{Γ_last}
-//              ⟨d S1, S0⟩ per key column (S0 from state_fwd's store, sent to L2 a chunk ahead).
-//              Stores those and dVn; d S itself never goes to memory.
+//              ⟨d S1, S0⟩ per key column (S0 from state_fwd's store, sent to L2 a chunk ahead, or
+//              for an odd chunk rebuilt from its partner's with the operations state_fwd ran:
+//              the same bits). Stores those and dVn; d S itself never goes to memory.
 //   bwd_chunk  one block per (chunk, head), 81 KB of shared memory (two blocks per SM): from S0,
-//              Vn, dVn, d kdec every product as an MMA (d qd, d W over the value dim; dA,
-//              dvb = Tmᵀ dU, dkbe = Tmᵀ dW, dL; the decay terms back to kb, qc, k, Γ on the
-//              factorised decay), Tm, U, W taken from prep.
+//              Vn, dVn, d kdec every product as an MMA (d qd, d W over the value dim, for an odd
+//              chunk from its partner's stored state; dA, dvb = Tmᵀ dU, dkbe = Tmᵀ dW, dL; the
+//              decay terms back to kb, qc, k, Γ on the factorised decay), Tm, U, W taken from
+//              prep, every input it reads after staging sent to L2 when the block starts.
 //              Each warp owns 8 key/value columns in every phase, so the gradient tiles stay in
 //              its accumulators and only cross-warp operands go through shared memory.
 // The factorised decay: e^{Γ_i − Γ_j} = e^{Γ_i − ref}·e^{ref − Γ_j}, ref per key channel the mean
@@ -34,8 +39,9 @@
 // takes the exact per-element fp32 path instead, decided per block, so any gate stays correct.
 // The backward takes no saved state from the forward (the API has none), so it runs prep and
 // state_fwd again. Workspace per (chunk, head): prep 34.5 KB; the backward adds S0ᵀ in f32
-// (64 KB) and Vnᵀ, dVnᵀ, d kdec, e^{Γ_last} ⟨d S1, S0⟩ (24.5 KB): about 2.3 GB forward and
-// 8.1 GB backward at T = 16384, H = 64.
+// (64 KB per chunk, or per pair of chunks) and Vnᵀ, dVnᵀ, d kdec, e^{Γ_last} ⟨d S1, S0⟩
+// (24.5 KB): about 2.3 GB forward and 6.0 GB backward (8.1 GB with a state per chunk) at
+// T = 16384, H = 64.
 // Matrix products run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) with
 // every fp32 operand split into a bf16 hi part and a bf16 lo part (the rounding error of hi):
 // hi·hi + hi·lo + lo·hi keeps about 16 bits of every operand, so the f32 mode and the f32 outputs
@@ -99,6 +105,15 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
 __device__ __forceinline__ void mma3(float (&c)[4], const FragA& a, const FragB& b) {
   mma(c, a.hi, b.lo);
   mma(c, a.lo, b.hi);
+  mma(c, a.hi, b.hi);
+}
+
+// mma3 with an A operand stored in bf16 (dO in the bf16 mode): its lo part is exactly zero, so
+// the product that would add lo·hi (exact zeros) is left out and the bits equal mma3's.
+template <typename T>
+__device__ __forceinline__ void mma3_stored_a(float (&c)[4], const FragA& a, const FragB& b) {
+  mma(c, a.hi, b.lo);
+  if constexpr (!std::is_same_v<T, bf16>) mma(c, a.lo, b.hi);
   mma(c, a.hi, b.hi);
 }
 
@@ -224,20 +239,26 @@ constexpr float kMaxExp = 40.0f;
 
 // ---- chunk bookkeeping ------------------------------------------------------------------------
 
-// dc[d] = index of document d's first chunk in the chunk-major buffers, dc[ndoc] = chunk count.
+// dc[d] = index of document d's first chunk in the chunk-major buffers, dc[ndoc] = chunk count;
+// pc = dc + ndoc + 1 likewise for the stored entry states, one per pair of a document's chunks.
 __global__ void doc_chunks_kernel(const int* __restrict__ cu, int ndoc, int* __restrict__ dc) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  int acc = 0;
+  int* pc = dc + ndoc + 1;
+  int acc = 0, pairs = 0;
   for (int d = 0; d < ndoc; ++d) {
     dc[d] = acc;
-    acc += (cu[d + 1] - cu[d] + kC - 1) / kC;
+    pc[d] = pairs;
+    const int nch = (cu[d + 1] - cu[d] + kC - 1) / kC;
+    acc += nch;
+    pairs += (nch + 1) / 2;
   }
   dc[ndoc] = acc;
+  pc[ndoc] = pairs;
 }
 
-// Chunk `slot` → its first token c0 and length n; false past the last chunk.
+// Chunk `slot` → its document, first token c0 and length n; false past the last chunk.
 __device__ __forceinline__ bool find_chunk(const int* __restrict__ cu, const int* __restrict__ dc,
-                                           int ndoc, int slot, int64_t& c0, int& n) {
+                                           int ndoc, int slot, int& doc, int64_t& c0, int& n) {
   if (slot >= dc[ndoc]) return false;
   int lo = 0, hi = ndoc - 1;  // the last document whose first chunk is ≤ slot
   while (lo < hi) {
@@ -247,6 +268,7 @@ __device__ __forceinline__ bool find_chunk(const int* __restrict__ cu, const int
     else
       hi = mid - 1;
   }
+  doc = lo;
   c0 = cu[lo] + int64_t(slot - dc[lo]) * kC;
   const int64_t rest = cu[lo + 1] - c0;
   n = int(rest < kC ? rest : kC);
@@ -323,8 +345,8 @@ __global__ void __launch_bounds__(kCT, 3)
   const Local t(smem);
   const int slot = blockIdx.x, h = blockIdx.y;
   int64_t c0 = 0;
-  int n = 0;
-  if (!find_chunk(cu, dc, ndoc, slot, c0, n)) return;
+  int n = 0, doc = 0;
+  if (!find_chunk(cu, dc, ndoc, slot, doc, c0, n)) return;
   const int64_t sh = int64_t(slot) * heads + h;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gg = lane >> 2, t4 = lane & 3;
 #pragma unroll
@@ -493,16 +515,20 @@ __device__ __forceinline__ void stage_tile(bf16* dst, const bf16* src) {
   const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 8;  // 256 pieces of 16 bytes
   cp_async16(dst + row * kTs + col, src + row * kK + col);
 }
-template <bool kWithU, typename S>
+// kWithU: U (the forward walk); kWithQA: qd and A (every walk but the backward's replay, which
+// forms no output).
+template <bool kWithU, bool kWithQA, typename S>
 __device__ void stage_load(S& st, const Prep& p, int64_t sh) {
   const int tid = threadIdx.x;
   stage_tile(st.w_hi, p.w_hi + sh * kTile);
   stage_tile(st.w_lo, p.w_lo + sh * kTile);
-  stage_tile(st.qd_hi, p.qd_hi + sh * kTile);
-  stage_tile(st.qd_lo, p.qd_lo + sh * kTile);
+  if constexpr (kWithQA) {
+    stage_tile(st.qd_hi, p.qd_hi + sh * kTile);
+    stage_tile(st.qd_lo, p.qd_lo + sh * kTile);
+  }
   stage_tile(st.kd_hi, p.kd_hi + sh * kTile);
   stage_tile(st.kd_lo, p.kd_lo + sh * kTile);
-  if (tid < 64) {
+  if (kWithQA && tid < 64) {
     const int r = (tid & 31) >> 1, col = (tid & 1) * 8;
     if (tid < 32)
       cp_async16(st.a_hi + r * kAs + col, p.a_hi + sh * kC * kC + r * kC + col);
@@ -517,13 +543,16 @@ __device__ void stage_load(S& st, const Prep& p, int64_t sh) {
 }
 
 // One block per (head, document), warp w owning rows e ∈ [16w, 16w + 16) of Sᵀ [e][a], held in
-// the accumulators s[nt] (row e = 16w + g (+8), column a = 8·nt + 2t (+1)). With kStore, the
-// entry state of every chunk goes to s0 and Vnᵀ to vnt (both [chunk·H + h] blocks, [e][a] and
-// [e][i]).
-template <typename T, bool kStore>
+// the accumulators s[nt] (row e = 16w + g (+8), column a = 8·nt + 2t (+1)). With kStore (the
+// backward's replay: no O), Vnᵀ of every chunk goes to vnt ([chunk·H + h] blocks, [e][i]) and the
+// entry states to s0 ([e][a] blocks): every chunk's ([chunk·H + h]), or with kPairs every even
+// chunk's of the document ([pair·H + h], pc as made by doc_chunks_kernel), the odd chunk's state
+// following from it and the even chunk's Vn, kdec, e^{Γ_last}.
+template <typename T, bool kStore, bool kPairs>
 __global__ void __launch_bounds__(kThreads)
-    kda_state_fwd_kernel(Prep p, const int* __restrict__ cu, const int* __restrict__ dc, int heads,
-                         T* __restrict__ out, float* __restrict__ s0, float* __restrict__ vnt) {
+    kda_state_fwd_kernel(Prep p, const int* __restrict__ cu, const int* __restrict__ dc,
+                         const int* __restrict__ pc, int heads, T* __restrict__ out,
+                         float* __restrict__ s0, float* __restrict__ vnt) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stages = reinterpret_cast<Stage*>(smem_raw);
   const int h = blockIdx.x, doc = blockIdx.y;
@@ -534,13 +563,14 @@ __global__ void __launch_bounds__(kThreads)
   float s[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-  if (nch > 0) stage_load<true>(stages[0], p, int64_t(first) * heads + h);
+  constexpr bool kOut = !kStore;  // the backward's replay forms no output
+  if (nch > 0) stage_load<true, kOut>(stages[0], p, int64_t(first) * heads + h);
   cp_async_commit();
   for (int c = 0; c < nch; ++c) {
     const int64_t sh = int64_t(first + c) * heads + h, c0 = start + int64_t(c) * kC;
     const int n = int(end - c0 < kC ? end - c0 : kC);
     if (c + 1 < nch) {
-      stage_load<true>(stages[(c + 1) & 1], p, sh + heads);
+      stage_load<true, kOut>(stages[(c + 1) & 1], p, sh + heads);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -548,8 +578,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     const Stage& st = stages[c & 1];
-    if constexpr (kStore) {
-      float* dst = s0 + sh * kK * kK;
+    if (kStore && (!kPairs || (c & 1) == 0)) {
+      float* dst = s0 + (kPairs ? int64_t(pc[doc] + c / 2) * heads + h : sh) * kK * kK;
 #pragma unroll
       for (int nt = 0; nt < 16; ++nt) {
         const int a = 8 * nt + 2 * t4;
@@ -557,20 +587,24 @@ __global__ void __launch_bounds__(kThreads)
         *reinterpret_cast<float2*>(dst + (eb + g + 8) * kK + a) = make_float2(s[nt][2], s[nt][3]);
       }
     }
-    // Sᵀ Wᵀ (Vnᵀ = Uᵀ − Sᵀ Wᵀ below) and Oᵀ = Sᵀ qdᵀ, k over the key dim.
+    // Sᵀ Wᵀ (Vnᵀ = Uᵀ − Sᵀ Wᵀ below) and Oᵀ = Sᵀ qdᵀ, k over the key dim. The backward's replay
+    // (kStore) needs the states and Vn only, not O.
     float vn[2][4] = {}, o[2][4] = {};
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       const FragA sa = frag_from_acc(s[2 * kk], s[2 * kk + 1], 1.0f);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        FragB bw, bq;
+        FragB bw;
         lds_b_nk(st.w_hi, kTs, 8 * nt, 16 * kk, bw.hi);
         lds_b_nk(st.w_lo, kTs, 8 * nt, 16 * kk, bw.lo);
-        lds_b_nk(st.qd_hi, kTs, 8 * nt, 16 * kk, bq.hi);
-        lds_b_nk(st.qd_lo, kTs, 8 * nt, 16 * kk, bq.lo);
         mma3(vn[nt], sa, bw);
-        mma3(o[nt], sa, bq);
+        if constexpr (kOut) {
+          FragB bq;
+          lds_b_nk(st.qd_hi, kTs, 8 * nt, 16 * kk, bq.hi);
+          lds_b_nk(st.qd_lo, kTs, 8 * nt, 16 * kk, bq.lo);
+          mma3(o[nt], sa, bq);
+        }
       }
     }
 #pragma unroll
@@ -582,20 +616,22 @@ __global__ void __launch_bounds__(kThreads)
       }
     // Oᵀ += Vnᵀ Aᵀ.
     const FragA fv = frag_from_acc(vn[0], vn[1], 1.0f);
+    if constexpr (kOut) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      FragB ba;
-      lds_b_nk(st.a_hi, kAs, 8 * nt, 0, ba.hi);
-      lds_b_nk(st.a_lo, kAs, 8 * nt, 0, ba.lo);
-      mma3(o[nt], fv, ba);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = 8 * nt + 2 * t4 + (r & 1), e = eb + g + (r >> 1) * 8;
-        if (i < n) out[((c0 + i) * heads + h) * kK + e] = from_f<T>(o[nt][r]);
+      for (int nt = 0; nt < 2; ++nt) {
+        FragB ba;
+        lds_b_nk(st.a_hi, kAs, 8 * nt, 0, ba.hi);
+        lds_b_nk(st.a_lo, kAs, 8 * nt, 0, ba.lo);
+        mma3(o[nt], fv, ba);
       }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 8 * nt + 2 * t4 + (r & 1), e = eb + g + (r >> 1) * 8;
+          if (i < n) out[((c0 + i) * heads + h) * kK + e] = from_f<T>(o[nt][r]);
+        }
+    }
     if constexpr (kStore) {
       float* dst = vnt + sh * kTile;
 #pragma unroll
@@ -642,26 +678,32 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 
 // state_bwd's shared memory: two stages, the per-warp partials of d kdec for 16 key columns
 // (two buffers, [warp][i][16] with the column XOR-swizzled by 8·(i/2 mod 2): conflict-free float2
-// writes from the accumulator layout and reads by row) and the per-warp ⟨d S1, S0⟩ columns.
+// writes from the accumulator layout and reads by row), the per-warp ⟨d S1, S0⟩ columns, and
+// kdec and e^{Γ_last} of the chunk before an odd chunk (loaded one chunk ahead, with the stage).
 constexpr int kRedCols = 16;
 struct StateBwdSmem {
   StageBwd stages[2];
   float red[2][kThreads / 32][kC * kRedCols];
   float dot[kThreads / 32][kK];
+  bf16 kdb_hi[kC * kTs], kdb_lo[kC * kTs];
+  float eglb[kK];
 };
 
 // The reverse walk: warp w owns rows e of d Sᵀ (as s in the forward). Before a chunk is undone,
 // d S is its exit gradient d S1, and the walk takes the two products of bwd_chunk that need it:
 // d kdec = Vn d S1ᵀ (over the value dim: each warp's 16 rows by an MMA whose B operand is the
 // accumulator tile transposed by movmatrix, then the eight warps' partials summed in order through
-// shared memory) to dkd, and e^{Γ_last} ⟨d S1, S0⟩ per key column (S0 read from the forward's
-// store) to dgs. Also stores dVnᵀ to dvnt. d S itself never leaves the registers.
-template <typename T>
+// shared memory) to dkd, and e^{Γ_last} ⟨d S1, S0⟩ per key column to dgs: S0 read from the
+// forward's store for an even chunk, for an odd one rebuilt from the even chunk's as state_fwd
+// formed it (e^{Γ_last} S0 + Vnᵀ kdec of the chunk before, the same operations: the same bits).
+// Also stores dVnᵀ to dvnt. d S itself never leaves the registers.
+template <typename T, bool kPairs>
 __global__ void __launch_bounds__(kThreads, 2)
     kda_state_bwd_kernel(Prep p, const T* __restrict__ dout, const int* __restrict__ cu,
-                         const int* __restrict__ dc, int heads, const float* __restrict__ s0,
-                         const float* __restrict__ vnt, float* __restrict__ dvnt,
-                         float* __restrict__ dkd, float* __restrict__ dgs) {
+                         const int* __restrict__ dc, const int* __restrict__ pc, int heads,
+                         const float* __restrict__ s0, const float* __restrict__ vnt,
+                         float* __restrict__ dvnt, float* __restrict__ dkd,
+                         float* __restrict__ dgs) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   StateBwdSmem& sm = *reinterpret_cast<StateBwdSmem*>(smem_raw);
   StageBwd* stages = sm.stages;
@@ -670,6 +712,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int eb = 16 * warp;
   const int64_t start = cu[doc], end = cu[doc + 1];
   const int nch = int((end - start + kC - 1) / kC), first = dc[doc];
+  // Where chunk c's stored entry state (its own, or with kPairs its even partner's) starts.
+  auto state_at = [&](int c) {
+    const int64_t idx =
+        kPairs ? int64_t(pc[doc] + c / 2) * heads + h : int64_t(first + c) * heads + h;
+    return s0 + idx * kK * kK;
+  };
   // dO of a chunk: thread tid holds row tid/16, columns 8·(tid%16) .. +7 (zero past the end).
   const int xr = tid >> 4, xc = (tid & 15) * 8;
   float xo[8];
@@ -688,24 +736,37 @@ __global__ void __launch_bounds__(kThreads, 2)
       *reinterpret_cast<uint32_t*>(st.x_lo + xr * kTs + xc + j) = lo;
     }
   };
+  // kdec and e^{Γ_last} of chunk c into kdb_hi, kdb_lo, eglb.
+  auto load_before = [&](int c) {
+    const int64_t shb = int64_t(first + c) * heads + h;
+    stage_tile(sm.kdb_hi, p.kd_hi + shb * kTile);
+    stage_tile(sm.kdb_lo, p.kd_lo + shb * kTile);
+    if (tid < 32) cp_async16(sm.eglb + tid * 4, p.egl + shb * kK + tid * 4);
+  };
   float ds[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
   if (nch > 0) {
-    stage_load<false>(stages[(nch - 1) & 1], p, int64_t(first + nch - 1) * heads + h);
+    stage_load<false, true>(stages[(nch - 1) & 1], p, int64_t(first + nch - 1) * heads + h);
+    if (kPairs && ((nch - 1) & 1)) load_before(nch - 2);
     fetch_dout(nch - 1);
     put_dout(stages[(nch - 1) & 1]);
     if (tid == 0) {
       const int64_t sh = int64_t(first + nch - 1) * heads + h;
-      prefetch_l2(s0 + sh * kK * kK, kK * kK * sizeof(float));
+      prefetch_l2(state_at(nch - 1), kK * kK * sizeof(float));
       prefetch_l2(vnt + sh * kTile, kTile * sizeof(float));
+      if (kPairs && nch > 1) prefetch_l2(vnt + (sh - heads) * kTile, kTile * sizeof(float));
     }
   }
   cp_async_commit();
   for (int c = nch - 1; c >= 0; --c) {
     const int64_t sh = int64_t(first + c) * heads + h;
+    // An odd chunk rebuilds its entry state from the chunk before (kdb, eglb: loaded with the
+    // previous stage; the next odd chunk's go with this one).
+    const bool rebuild = kPairs && (c & 1);
     if (c > 0) {
-      stage_load<false>(stages[(c - 1) & 1], p, sh - heads);
+      stage_load<false, true>(stages[(c - 1) & 1], p, sh - heads);
+      if (kPairs && c >= 2 && ((c - 1) & 1)) load_before(c - 2);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -714,10 +775,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
     const StageBwd& st = stages[c & 1];
     // The next chunk's S0ᵀ and Vnᵀ head for L2 now (this chunk's were sent one iteration ago),
-    // and the dO rows that fetch_dout reads one iteration from now.
+    // and the dO rows that fetch_dout reads one iteration from now. With kPairs the stored state
+    // changes every second chunk, and an odd chunk also reads the Vnᵀ of the chunk before.
     if (c > 0 && tid == 0) {
-      prefetch_l2(s0 + (sh - heads) * kK * kK, kK * kK * sizeof(float));
+      if (!kPairs || (c & 1) == 0) prefetch_l2(state_at(c - 1), kK * kK * sizeof(float));
       prefetch_l2(vnt + (sh - heads) * kTile, kTile * sizeof(float));
+      if (kPairs && c > 1 && (c & 1) == 0)
+        prefetch_l2(vnt + (sh - 2 * heads) * kTile, kTile * sizeof(float));
     }
     if (c > 1 && tid >= 32 && tid < 32 + kC) {  // dO rows of the chunk after next
       const int64_t row = start + int64_t(c - 2) * kC + (tid - 32);
@@ -725,7 +789,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     // S0ᵀ of this chunk in the accumulator layout (rows e, columns a: as state_fwd stored it),
     // two n-tiles at a time, one round ahead.
-    const float* s0c = s0 + sh * kK * kK;
+    const float* s0c = state_at(c);
     auto load_s0 = [&](int grp, float2(&x)[2][2]) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -738,6 +802,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     load_s0(0, xs0[0]);
     // Vn [i][e] over this warp's value rows as the A operand (vnt holds Vnᵀ [e][i]).
     const FragA fvn = load_a_f32(vnt + sh * kTile + eb * kC, 1, kC);
+    // Rebuilding: Vnᵀ of the chunk before over this warp's rows as the A operand (rows e, k = i),
+    // as state_fwd's update took it.
+    FragA fvb{};
+    if (rebuild) fvb = load_a_f32(vnt + (sh - heads) * kTile + eb * kC, kC, 1);
     // Sixteen key columns (two n-tiles, k-tile grp of d Sᵀ) per round: dVnᵀ = d Sᵀ kdecᵀ (+ dOᵀ A
     // after the rounds), d kdec = Vn d S1ᵀ and ⟨d S1, S0⟩, the first two from one hi/lo split.
     float dvn[2][4] = {};
@@ -745,7 +813,32 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int grp = 0; grp < kRounds; ++grp) {
       if (grp + 1 < kRounds) load_s0(grp + 1, xs0[(grp + 1) & 1]);
-      const float2(&x0)[2][2] = xs0[grp & 1];
+      // This chunk's S0ᵀ for the two n-tiles, rows g and g + 8 (the accumulator layout).
+      float sv[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float2(&x)[2] = xs0[grp & 1][j];
+        sv[j][0] = x[0].x;
+        sv[j][1] = x[0].y;
+        sv[j][2] = x[1].x;
+        sv[j][3] = x[1].y;
+      }
+      if (rebuild) {
+        FragB b0, b1;
+        ldsm_b_kn(sm.kdb_hi, kTs, 0, 16 * grp, b0.hi, b1.hi);
+        ldsm_b_kn(sm.kdb_lo, kTs, 0, 16 * grp, b0.lo, b1.lo);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int a = 16 * grp + 8 * j + 2 * t4;
+          const float e0 = sm.eglb[a], e1 = sm.eglb[a + 1];
+          sv[j][0] *= e0;
+          sv[j][1] *= e1;
+          sv[j][2] *= e0;
+          sv[j][3] *= e1;
+        }
+        mma3(sv[0], fvb, b0);
+        mma3(sv[1], fvb, b1);
+      }
       const FragA fa = frag_from_acc(ds[2 * grp], ds[2 * grp + 1], 1.0f);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -760,8 +853,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int nt = 2 * grp + j, a = 8 * nt + 2 * t4;
         // ⟨d S1, S0⟩ of columns a, a + 1: rows g, g + 8 here, then the g-lanes (butterfly: the
         // same two numbers added in both lanes, identical bits everywhere).
-        float d0 = ds[nt][0] * x0[j][0].x + ds[nt][2] * x0[j][1].x;
-        float d1 = ds[nt][1] * x0[j][0].y + ds[nt][3] * x0[j][1].y;
+        float d0 = ds[nt][0] * sv[j][0] + ds[nt][2] * sv[j][2];
+        float d1 = ds[nt][1] * sv[j][1] + ds[nt][3] * sv[j][3];
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) {
           d0 += __shfl_xor_sync(0xffffffffu, d0, o);
@@ -815,8 +908,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       FragB b0, b1;
       ldsm_b_kn(st.a_hi, kAs, 0, 0, b0.hi, b1.hi);
       ldsm_b_kn(st.a_lo, kAs, 0, 0, b0.lo, b1.lo);
-      mma3(dvn[0], fo, b0);
-      mma3(dvn[1], fo, b1);
+      mma3_stored_a<T>(dvn[0], fo, b0);
+      mma3_stored_a<T>(dvn[1], fo, b1);
     }
     {
       float* dst = dvnt + sh * kTile;
@@ -849,8 +942,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         ds[2 * np + j][2] *= e0;
         ds[2 * np + j][3] *= e1;
       }
-      mma3(ds[2 * np], fo, q0);
-      mma3(ds[2 * np + 1], fo, q1);
+      mma3_stored_a<T>(ds[2 * np], fo, q0);
+      mma3_stored_a<T>(ds[2 * np + 1], fo, q1);
       mma3(ds[2 * np], fv, w0);
       mma3(ds[2 * np + 1], fv, w1);
     }
@@ -871,7 +964,7 @@ struct BwdSmem {
   bf16 dx[4][kC * kTs];   // dvb, dkbe as hi/lo pairs (the A operands of dL)
   float tm[kC * kC];      // Tm
   float da[kC * kC];      // dA (lower, diagonal included)
-  float dlp[2][kC * kC];  // −dL's two products
+  float dlp[2][kC * kC];  // −dL's two products; before them dO Vn'ᵀ, dVn Vn'ᵀ (odd chunks)
   float dl[kC * kC];      // dL (strictly lower)
   float beta[kC];
   float dgl[kK];            // d Γ_last
@@ -882,31 +975,48 @@ struct BwdSmem {
 // g + 8 and columns 8w + 2t, +1, as the accumulators of every product):
 //   1. stage scale·q, k, Γ (cumsum), β, Tm and the hi/lo tiles of Vn, dO, dVn; pick the decay path;
 //   2. dA = dO Vnᵀ (two warps); d qd = dO S0ᵀ, d W = −dVn S0ᵀ over the value dim with S0 read
-//      once from memory; d kdec and d Γ_last's e^{Γ_last} ⟨d S1, S0⟩ as state_bwd left them;
+//      once from memory; d kdec and d Γ_last's e^{Γ_last} ⟨d S1, S0⟩ as state_bwd left them.
+//      An odd chunk of a document has no stored S0: with primes for the even chunk before it,
+//      S0ᵀ = S0'ᵀ e^{Γ'_last} + Vn'ᵀ kdec', so dO S0ᵀ = (dO S0'ᵀ) e^{Γ'_last} + (dO Vn'ᵀ) kdec' and
+//      likewise for dVn (four more warps form the two 16×16 products dO Vn'ᵀ, dVn Vn'ᵀ);
 //   3. dvb = Tmᵀ dVn, dkbe = Tmᵀ dW; dL = −dvb Uᵀ − dkbe Wᵀ (four warps, U and W from prep);
 //   4. L and A back to kb, qc, k and Γ: with the factorised decay four 16×16×16 MMAs per warp
 //      (dL K', dA K', dLᵀ KB' + dAᵀ Q' with K' = k e^{ref−Γ}, KB' = kb e^{Γ−ref}, Q' = qc
 //      e^{Γ−ref}), else the exact per-element sums in fp32;
 //   5. dq, dk, dv from registers; dg (a reverse cumsum per column) and dβ (fixed-order partials).
-template <typename T>
+template <typename T, bool kPairs>
 __global__ void __launch_bounds__(kCT, 2)
     kda_bwd_chunk_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                          const float* __restrict__ g, const float* __restrict__ beta,
                          const T* __restrict__ dout, const int* __restrict__ cu,
-                         const int* __restrict__ dc, int ndoc, int heads, float scale, Prep p,
-                         const float* __restrict__ s0, const float* __restrict__ vnt,
-                         const float* __restrict__ dvnt, const float* __restrict__ dkdg,
-                         const float* __restrict__ dgs, T* __restrict__ dq, T* __restrict__ dk,
-                         T* __restrict__ dv, float* __restrict__ dg, float* __restrict__ dbeta) {
+                         const int* __restrict__ dc, const int* __restrict__ pc, int ndoc,
+                         int heads, float scale, Prep p, const float* __restrict__ s0,
+                         const float* __restrict__ vnt, const float* __restrict__ dvnt,
+                         const float* __restrict__ dkdg, const float* __restrict__ dgs,
+                         T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv,
+                         float* __restrict__ dg, float* __restrict__ dbeta) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem& sm = *reinterpret_cast<BwdSmem*>(smem_raw);
   const int slot = blockIdx.x, h = blockIdx.y;
   int64_t c0 = 0;
-  int n = 0;
-  if (!find_chunk(cu, dc, ndoc, slot, c0, n)) return;
+  int n = 0, doc = 0;
+  if (!find_chunk(cu, dc, ndoc, slot, doc, c0, n)) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gg = lane >> 2, t4 = lane & 3;
   const int n0 = 8 * warp;
   const int64_t sh = int64_t(slot) * heads + h;
+  const int local = slot - dc[doc];
+  const bool rebuild = kPairs && (local & 1);
+  const float* s0c = s0 + (kPairs ? int64_t(pc[doc] + local / 2) * heads + h : sh) * kK * kK;
+  // What phases 2, 3 and 5 read from memory goes to L2 while the block stages its inputs.
+  if (tid == 0) {
+    prefetch_l2(s0c, kK * kK * sizeof(float));
+    prefetch_l2(dkdg + sh * kTile, kTile * sizeof(float));
+    prefetch_l2(p.u + sh * kTile, kTile * sizeof(float));
+    prefetch_l2(p.w_hi + sh * kTile, kTile * sizeof(bf16));
+    prefetch_l2(p.w_lo + sh * kTile, kTile * sizeof(bf16));
+  } else if (tid >= 32 && tid < 32 + n) {  // the v rows of phase 5
+    prefetch_l2(v + ((c0 + tid - 32) * heads + h) * kK, kK * sizeof(T));
+  }
 
   // ---- 1. staging. dO row by row, Vnᵀ and dVnᵀ ([e][i] blocks) column by column: coalesced.
   auto put = [&sm](int m, int i, int e, float x) {
@@ -959,16 +1069,34 @@ __global__ void __launch_bounds__(kCT, 2)
       lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
       lds_b_nk(sm.xs[0], kTs, n0, 16 * kk, fb.hi);
       lds_b_nk(sm.xs[1], kTs, n0, 16 * kk, fb.lo);
-      mma3(c, fa, fb);
+      mma3_stored_a<T>(c, fa, fb);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = gg + (r >> 1) * 8, j = n0 + 2 * t4 + (r & 1);
       sm.da[i * kC + j] = j <= i ? c[r] : 0.0f;
     }
+  } else if (rebuild && warp < 6) {  // warp (m, nt): dO Vn'ᵀ or dVn Vn'ᵀ, j-columns 8nt..
+    const int nt = warp & 1, m = (warp - 2) >> 1;
+    const float* vnb = vnt + (sh - heads) * kTile;  // Vn'ᵀ [e][j]: the B operand (k = e, n = j)
+    float c[4] = {};
+#pragma unroll 4
+    for (int kk = 0; kk < 8; ++kk) {
+      FragA fa;
+      lds_a_mk(sm.xs[2 + 2 * m], kTs, 0, 16 * kk, fa.hi);
+      lds_a_mk(sm.xs[3 + 2 * m], kTs, 0, 16 * kk, fa.lo);
+      const FragB fb = load_b_f32(vnb, kC, 16 * kk, 8 * nt);
+      if (m == 0)
+        mma3_stored_a<T>(c, fa, fb);
+      else
+        mma3(c, fa, fb);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      sm.dlp[m][(gg + (r >> 1) * 8) * kC + 8 * nt + 2 * t4 + (r & 1)] = c[r];
   }
-  // d kdec and e^{Γ_last} ⟨d S1, S0⟩ come from state_bwd; d qd, d W over the value dim here.
-  const float* s0c = s0 + sh * kK * kK;  // S0ᵀ [e][a]
+  // d kdec and e^{Γ_last} ⟨d S1, S0⟩ come from state_bwd; d qd, d W over the value dim here
+  // (S0ᵀ [e][a], or S0'ᵀ).
   float dkd[4], dqd[4] = {}, dwa[4] = {};
 #pragma unroll
   for (int r = 0; r < 4; ++r)
@@ -981,10 +1109,29 @@ __global__ void __launch_bounds__(kCT, 2)
     FragA fa;
     lds_a_mk(sm.xs[2], kTs, 0, 16 * kk, fa.hi);
     lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
-    mma3(dqd, fa, bs0);
+    mma3_stored_a<T>(dqd, fa, bs0);
     lds_a_mk(sm.xs[4], kTs, 0, 16 * kk, fa.hi);
     lds_a_mk(sm.xs[5], kTs, 0, 16 * kk, fa.lo);
     mma3(dwa, fa, bs0);
+  }
+  if (rebuild) {
+    const int64_t shb = sh - heads;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float e = p.egl[shb * kK + n0 + 2 * t4 + (r & 1)];
+      dqd[r] *= e;
+      dwa[r] *= e;
+    }
+    // kdec' as the B operand (k = j, n = a) from prep's [j][a] tiles.
+    FragB bk;
+    const int64_t kb = shb * kTile + int64_t(2 * t4) * kK + n0 + gg;
+    bk.hi[0] = pack2(p.kd_hi[kb], p.kd_hi[kb + kK]);
+    bk.hi[1] = pack2(p.kd_hi[kb + 8 * kK], p.kd_hi[kb + 9 * kK]);
+    bk.lo[0] = pack2(p.kd_lo[kb], p.kd_lo[kb + kK]);
+    bk.lo[1] = pack2(p.kd_lo[kb + 8 * kK], p.kd_lo[kb + 9 * kK]);
+    __syncthreads();  // dO Vn'ᵀ and dVn Vn'ᵀ
+    mma3(dqd, load_a_f32(sm.dlp[0], kC, 1), bk);
+    mma3(dwa, load_a_f32(sm.dlp[1], kC, 1), bk);
   }
   // Through kdec = k e^{Γ_last − Γ} and qd = qc e^Γ; the accumulators of dq, dk and dΓ start here.
   float dqa[4], dka[4], dgm[4], tsum[2] = {0.0f, 0.0f};
@@ -1241,7 +1388,7 @@ Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   const Device dev = q.device();
   w.slots = a.tokens / kC + a.ndoc;
   const int64_t sh = w.slots * a.heads;
-  w.dc = Tensor::empty({int64_t(a.ndoc) + 1}, DType::i32, dev);
+  w.dc = Tensor::empty({2 * (int64_t(a.ndoc) + 1)}, DType::i32, dev);  // dc, then pc
   w.tiles = Tensor::empty({sh * (6 * kTile + 2 * kC * kC)}, DType::bf16, dev);
   w.f32s = Tensor::empty({sh * (kTile + kK + kC * kC)}, DType::f32, dev);
   bf16* b = mptr<bf16>(w.tiles);
@@ -1276,15 +1423,16 @@ Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   return w;
 }
 
-template <typename T, bool kStore>
-void run_state_fwd(const Workspace& w, const Tensor& cu, const CoreArgs& a, Tensor& out, float* s0,
+template <typename T, bool kStore, bool kPairs>
+void run_state_fwd(const Workspace& w, const Tensor& cu, const CoreArgs& a, T* out, float* s0,
                    float* vnt, cudaStream_t stream) {
   constexpr int bytes = 2 * int(sizeof(Stage));
-  auto kernel = kda_state_fwd_kernel<T, kStore>;
+  auto kernel = kda_state_fwd_kernel<T, kStore, kPairs>;
   GLMTUNE_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const int* dc = w.dc.data<int32_t>();
   kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc)), kThreads, bytes, stream>>>(
-      w.p, cu.data<int32_t>(), w.dc.data<int32_t>(), a.heads, mptr<T>(out), s0, vnt);
+      w.p, cu.data<int32_t>(), dc, dc + a.ndoc + 1, a.heads, out, s0, vnt);
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1293,17 +1441,22 @@ void launch_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
                 const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale, Tensor& out,
                 cudaStream_t stream) {
   const Workspace w = run_prep<T>(q, k, v, g, beta, cu, a, scale, stream);
-  run_state_fwd<T, false>(w, cu, a, out, nullptr, nullptr, stream);
+  run_state_fwd<T, false, false>(w, cu, a, mptr<T>(out), nullptr, nullptr, stream);
 }
 
-template <typename T>
+template <typename T, bool kPairs>
 void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                 const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale,
                 const Tensor& dout, ops::KdaCoreGrads& r, cudaStream_t stream) {
   const Device dev = q.device();
   const Workspace w = run_prep<T>(q, k, v, g, beta, cu, a, scale, stream);
   const int64_t sh = w.slots * a.heads;
-  Tensor states = Tensor::empty({sh, kK, kK}, DType::f32, dev);  // S0ᵀ
+  const int* dc = w.dc.data<int32_t>();
+  const int* pc = dc + a.ndoc + 1;
+  // S0ᵀ of every chunk, or with kPairs of every even chunk of a document (at most slots / 2 +
+  // ndoc).
+  const int64_t stored = kPairs ? (w.slots / 2 + a.ndoc) * a.heads : sh;
+  Tensor states = Tensor::empty({stored, kK, kK}, DType::f32, dev);
   // Vnᵀ, dVnᵀ, d kdec [C][K] and e^{Γ_last} ⟨d S1, S0⟩ [K] per (chunk, head).
   Tensor small = Tensor::empty({sh * (3 * kTile + kK)}, DType::f32, dev);
   float* s0 = states.data<float>();
@@ -1311,31 +1464,28 @@ void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   float* dvnt = vnt + sh * kTile;
   float* dkd = dvnt + sh * kTile;
   float* dgs = dkd + sh * kTile;
-  Tensor out = Tensor::empty(q.shape(), q.dtype(), dev);  // the replayed forward's o (unused)
-  run_state_fwd<T, true>(w, cu, a, out, s0, vnt, stream);
+  run_state_fwd<T, true, kPairs>(w, cu, a, nullptr, s0, vnt, stream);
   {
     constexpr int bytes = int(sizeof(StateBwdSmem));
-    auto kernel = kda_state_bwd_kernel<T>;
+    auto kernel = kda_state_bwd_kernel<T, kPairs>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     // Two blocks per SM need the largest shared-memory carveout.
     GLMTUNE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             int(cudaSharedmemCarveoutMaxShared)));
     kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc)), kThreads, bytes, stream>>>(
-        w.p, cptr<T>(dout), cu.data<int32_t>(), w.dc.data<int32_t>(), a.heads, s0, vnt, dvnt, dkd,
-        dgs);
+        w.p, cptr<T>(dout), cu.data<int32_t>(), dc, pc, a.heads, s0, vnt, dvnt, dkd, dgs);
     GLMTUNE_CUDA_CHECK(cudaGetLastError());
   }
   {
     constexpr int bytes = int(sizeof(BwdSmem));
-    auto kernel = kda_bwd_chunk_kernel<T>;
+    auto kernel = kda_bwd_chunk_kernel<T, kPairs>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     kernel<<<dim3(unsigned(w.slots), unsigned(a.heads)), kCT, bytes, stream>>>(
         cptr<T>(q), cptr<T>(k), cptr<T>(v), g.data<float>(), beta.data<float>(), cptr<T>(dout),
-        cu.data<int32_t>(), w.dc.data<int32_t>(), a.ndoc, a.heads, scale, w.p, s0, vnt, dvnt, dkd,
-        dgs, mptr<T>(r.dq), mptr<T>(r.dk), mptr<T>(r.dv), r.dg.data<float>(),
-        r.dbeta.data<float>());
+        cu.data<int32_t>(), dc, pc, a.ndoc, a.heads, scale, w.p, s0, vnt, dvnt, dkd, dgs,
+        mptr<T>(r.dq), mptr<T>(r.dk), mptr<T>(r.dv), r.dg.data<float>(), r.dbeta.data<float>());
     GLMTUNE_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -1374,10 +1524,26 @@ ops::KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const T
       Tensor::empty(v.shape(), q.dtype(), dev), Tensor::empty(g.shape(), DType::f32, dev),
       Tensor::empty(beta.shape(), DType::f32, dev)};
   if (a.tokens == 0) return r;
-  if (q.dtype() == DType::bf16)
-    launch_bwd<bf16>(q, k, v, g, beta, cu_seqlens, a, float(scale), d_out, r, stream);
-  else
-    launch_bwd<float>(q, k, v, g, beta, cu_seqlens, a, float(scale), d_out, r, stream);
+  // One stored state per pair of chunks halves the states' traffic but lengthens state_bwd's
+  // sequential walk (every odd chunk rebuilds its state): a gain where the (head, document) walks
+  // at least fill the SMs, a loss where one walk's latency is the whole time (on an H200:
+  // 1.2 ms faster at 256 walks, 0.5 ms slower at 64).
+  int sms = 0;
+  GLMTUNE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index));
+  const bool pairs = int64_t(a.heads) * a.ndoc >= sms;
+  const float sc = float(scale);
+  if (q.dtype() == DType::bf16) {
+    if (pairs)
+      launch_bwd<bf16, true>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, r, stream);
+    else
+      launch_bwd<bf16, false>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, r, stream);
+  } else {
+    if (pairs)
+      launch_bwd<float, true>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, r, stream);
+    else
+      launch_bwd<float, false>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, r, stream);
+  }
   return r;
 }
 
