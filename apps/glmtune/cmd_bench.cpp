@@ -24,6 +24,7 @@
 #include "glmtune/model/text/model.h"
 #include "glmtune/tensor/allocator.h"
 #include "glmtune/tensor/device.h"
+#include "glmtune/tensor/host_offload.h"
 #ifdef GLMTUNE_WITH_CUDA
 #include <cuda_runtime.h>
 
@@ -46,6 +47,7 @@ struct BenchArgs {
   int64_t steps = 3;
   int64_t warmup = 1;
   double recompute = 0;
+  double offload = 0;
   bool mtp = true;
   bool optimizer = true;
   uint64_t seed = 1;
@@ -147,6 +149,11 @@ fs::path prepare_model(const BenchArgs& a, model::ModelConfig& config) {
 }
 
 int run_bench_step(const BenchArgs& a) {
+  if (a.recompute + a.offload > 1 + 1e-9)
+    throw Error(fmt::format("--recompute {} with --offload {}", a.recompute, a.offload),
+                "--recompute / --offload",
+                "the two fractions share the decoder layers (recompute the first, offload the "
+                "next): give fractions whose sum is at most 1");
   const Device device = Device::parse(a.device);
   if (!device.is_cuda())
     throw Error(fmt::format("bench step measures a GPU, got device {}", a.device), "--device",
@@ -190,7 +197,7 @@ int run_bench_step(const BenchArgs& a) {
   opt.mtp = a.mtp && model.has_mtp();
   opt.mtp_depths = opt.mtp ? c.num_nextn_predict_layers : 0;
   opt.balancing_alpha = 0.001;
-  opt.recompute = model::text::recompute_policy(c.num_hidden_layers, a.recompute);
+  opt.activations = model::text::activation_policy(c.num_hidden_layers, a.recompute, a.offload);
   opt.recompute_mtp = a.recompute > 0;
   opt.loss_chunk_rows = 4096;
   opt.lm_denominator = double(a.pack - a.docs);
@@ -217,12 +224,16 @@ int run_bench_step(const BenchArgs& a) {
     }
 
   Allocator& alloc = allocator_for(device);
+  Allocator& pinned = HostOffload::of(device).pinned_memory();
   std::vector<double> step_s, fb_s, opt_s;
   std::map<std::string, double> op_ms;
   double loss = 0;
   for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
     const bool timed = s >= a.warmup;
-    if (timed && s == a.warmup) alloc.reset_peak();
+    if (timed && s == a.warmup) {
+      alloc.reset_peak();
+      pinned.reset_peak();
+    }
     ops::cuda_path::enable_op_timing(timed);
     grads.zero();
     cudaDeviceSynchronize();
@@ -256,6 +267,7 @@ int run_bench_step(const BenchArgs& a) {
   const FlopCount flops = count_flops(c, lengths, opt.mtp);
   const double tflops = flops.step(a.pack) / step / 1e12;
   const MemoryStats mem = alloc.stats();
+  const double pinned_gib = double(pinned.stats().peak_allocated) / (1 << 30);
   double op_total = 0;
   for (const auto& [name, ms] : op_ms) op_total += ms;
 
@@ -273,6 +285,9 @@ int run_bench_step(const BenchArgs& a) {
                           {"flop_per_step", flops.step(a.pack)},
                           {"peak_allocated_gib", double(mem.peak_allocated) / (1 << 30)},
                           {"peak_reserved_gib", double(mem.peak_reserved) / (1 << 30)},
+                          {"recompute", a.recompute},
+                          {"offload", a.offload},
+                          {"peak_pinned_host_gib", pinned_gib},
                           {"loss", loss},
                           {"op_ms", op_ms}};
     std::puts(out.dump(2).c_str());
@@ -280,14 +295,19 @@ int run_bench_step(const BenchArgs& a) {
   }
   std::printf("model %s (loaded in %.1f s): %ld layers, hidden %ld, %ld routed experts\n",
               dir.string().c_str(), load_s, c.num_hidden_layers, c.hidden_size, c.n_routed_experts);
-  std::printf("pack %ld tokens in %ld documents, MTP %s, recompute %.2f; median of %ld steps\n",
-              a.pack, a.docs, opt.mtp ? "on" : "off", a.recompute, a.steps);
+  std::printf(
+      "pack %ld tokens in %ld documents, MTP %s, recompute %.2f, offload %.2f; median of %ld "
+      "steps\n",
+      a.pack, a.docs, opt.mtp ? "on" : "off", a.recompute, a.offload, a.steps);
   std::printf("step %.3f s (forward+backward %.3f s, optimizer %.3f s): %.0f tokens/s\n", step, fb,
               optim, double(a.pack) / step);
   std::printf("model FLOP/step %.3e: %.1f TFLOP/s, MFU %.1f%% of %.1f TFLOP/s bf16\n",
               flops.step(a.pack), tflops, 100 * tflops / kPeakTflops, kPeakTflops);
-  std::printf("peak memory: %.1f GiB allocated, %.1f GiB reserved; loss %.4f\n",
-              double(mem.peak_allocated) / (1 << 30), double(mem.peak_reserved) / (1 << 30), loss);
+  std::printf(
+      "peak memory: %.1f GiB allocated, %.1f GiB reserved, %.1f GiB pinned host (offload); loss "
+      "%.4f\n",
+      double(mem.peak_allocated) / (1 << 30), double(mem.peak_reserved) / (1 << 30), pinned_gib,
+      loss);
   std::vector<std::pair<double, std::string>> rows;
   for (const auto& [name, ms] : op_ms) rows.emplace_back(ms, name);
   std::sort(rows.rbegin(), rows.rend());
@@ -326,6 +346,10 @@ GLMTUNE_COMMAND(
       step->add_option("--steps", a->steps, "Timed steps")->check(CLI::PositiveNumber);
       step->add_option("--warmup", a->warmup, "Untimed steps first")->check(CLI::NonNegativeNumber);
       step->add_option("--recompute", a->recompute, "Fraction of layers recomputed")
+          ->check(CLI::Range(0.0, 1.0));
+      step->add_option("--offload", a->offload,
+                       "Fraction of layers, after the recomputed ones, whose activations wait in "
+                       "pinned host memory")
           ->check(CLI::Range(0.0, 1.0));
       step->add_option("--seed", a->seed, "Seed of the random weights and tokens");
       step->add_flag("!--no-mtp", a->mtp, "Leave the MTP layer out");

@@ -87,7 +87,7 @@ TEST(DistFsdp, OneStepEqualsTheSingleProcessStepWithShardedLayers) {
   for (int64_t i = 0; i < kPacksPerRank * ranks; ++i) all.push_back(random_pack(i, 2000));
   model::text::TrainOptions topt;
   // Some layers recomputed, some kept: both gather paths of the backward run.
-  topt.recompute = model::text::recompute_policy(layers, 0.5);
+  topt.activations = model::text::activation_policy(layers, 0.5);
   topt.mtp = m.has_mtp();
   topt.mtp_depths = m.text().num_nextn_predict_layers;
   topt.balancing_alpha = 0.001;
@@ -134,7 +134,8 @@ TEST(DistFsdp, OneStepEqualsTheSingleProcessStepWithShardedLayers) {
     objective += r.backward.objective();
   }
   // Forward, recompute and backward gathers; one reduction per layer per pack.
-  const int64_t recomputed = std::count(topt.recompute.begin(), topt.recompute.end(), true);
+  const int64_t recomputed = std::count(topt.activations.begin(), topt.activations.end(),
+                                        model::text::ActivationPolicy::recompute);
   EXPECT_EQ(measured.gathers, kPacksPerRank * (2 * layers));
   EXPECT_EQ(measured.reductions, kPacksPerRank * layers);
   EXPECT_GT(recomputed, 0);

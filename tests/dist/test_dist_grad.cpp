@@ -71,7 +71,7 @@ void check_one_step(ParallelContext& par, int64_t ep_size) {
   std::vector<PackInput> all;
   for (int64_t i = 0; i < packs_total; ++i) all.push_back(random_pack(i, 2000));
   model::text::TrainOptions topt;
-  topt.recompute = model::text::recompute_policy(m.text().num_hidden_layers, 0.4);
+  topt.activations = model::text::activation_policy(m.text().num_hidden_layers, 0.4);
   topt.mtp = m.has_mtp();
   topt.mtp_depths = m.text().num_nextn_predict_layers;
   topt.balancing_alpha = 0.001;

@@ -481,11 +481,12 @@ TEST(ModelBackward, KeepAndRecomputeGiveIdenticalGradients) {
   TrainOptions keep;
   keep.balancing_alpha = 0.001;
   TrainOptions all = keep;
-  all.recompute = recompute_policy(c.num_hidden_layers, 1.0);
+  all.activations = activation_policy(c.num_hidden_layers, 1.0);
   all.recompute_mtp = true;
   TrainOptions some = keep;
-  some.recompute = recompute_policy(c.num_hidden_layers, 0.4);
-  EXPECT_EQ(std::count(some.recompute.begin(), some.recompute.end(), true), 2);
+  some.activations = activation_policy(c.num_hidden_layers, 0.4);
+  EXPECT_EQ(
+      std::count(some.activations.begin(), some.activations.end(), ActivationPolicy::recompute), 2);
 
   TextGrads gk = TextGrads::zeros_like(model.weights());
   TextGrads ga = TextGrads::zeros_like(model.weights());

@@ -80,6 +80,24 @@ Tensor Tensor::from_external(void* data, const Shape& shape, DType dtype, Device
   return Tensor(std::move(storage), 0, shape, contiguous_strides(shape), dtype);
 }
 
+Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, int64_t offset, const Shape& shape,
+                            const Shape& strides, DType dtype) {
+  GLMTUNE_ASSERT(storage != nullptr && shape.size() == strides.size() && offset >= 0,
+                 "a view {} with {} strides at offset {} needs a storage", shape_str(shape),
+                 strides.size(), offset);
+  int64_t last = offset;  // the highest element the view reaches
+  for (size_t d = 0; d < shape.size(); ++d) {
+    GLMTUNE_ASSERT(shape[d] >= 0 && strides[d] >= 0, "view {} with strides {}", shape_str(shape),
+                   shape_str(strides));
+    if (shape[d] > 0) last += (shape[d] - 1) * strides[d];
+  }
+  GLMTUNE_ASSERT(
+      shape_numel(shape) == 0 || size_t(last + 1) * dtype_size(dtype) <= storage->bytes(),
+      "view {} at offset {} reaches past a storage of {} bytes", shape_str(shape), offset,
+      storage->bytes());
+  return Tensor(std::move(storage), offset, shape, strides, dtype);
+}
+
 template <>
 Tensor Tensor::from_vector<bool>(const std::vector<bool>& values, const Shape& shape) {
   GLMTUNE_ASSERT(int64_t(values.size()) == shape_numel(shape), "{} values for shape {}",

@@ -54,6 +54,10 @@ class Tensor {
   // A tensor over memory owned by `owner` (no copy). `data` must stay valid while owner lives.
   static Tensor from_external(void* data, const Shape& shape, DType dtype, Device device,
                               std::shared_ptr<const void> owner);
+  // The view `shape` / `strides` (in elements of `dtype`) at element `offset` of `storage`, which
+  // must hold it: how a tensor is rebuilt over a copy of its storage on another device.
+  static Tensor from_storage(std::shared_ptr<Storage> storage, int64_t offset, const Shape& shape,
+                             const Shape& strides, DType dtype);
   // Copies host values into a new CPU tensor of the matching dtype.
   template <typename T>
   static Tensor from_vector(const std::vector<T>& values, const Shape& shape);

@@ -57,6 +57,8 @@ const std::vector<SectionSpec>& schema() {
         {"seed", "0"},
         {"device", "\"cuda:0\"", "cpu, cuda or cuda:N"},
         {"recompute", "\"all\"", "all, none, or the fraction of layers in [0, 1]"},
+        {"offload", "\"none\"",
+         "all, none, or the fraction of layers in [0, 1] after the recomputed ones"},
         {"on_nonfinite", "\"skip\"", "skip or stop"},
         {"ep_size", "1", "ranks the routed experts are split over"},
         {"sp_size", "1", "ranks a sequence is split over"},
@@ -495,16 +497,27 @@ void Recipe::parse_doc() {
       rd.fail("train", "device", e.problem(), rd.example_fix("train", "device"));
     }
   }
-  if (const toml::node* n = rd.find("train", "recompute")) {
-    if (n->is_string()) {
-      const std::string v = *rd.choice("train", "recompute", {"all", "none"});
-      r.recompute = v == "all" ? 1.0 : 0.0;
-    } else if (n->is_number()) {
-      r.recompute = *rd.number("train", "recompute", 0.0, 1.0);
-    } else {
-      rd.wrong_type("train", "recompute", "\"all\", \"none\" or a number in [0, 1]");
-    }
-  }
+  // "all", "none" or a fraction of the decoder layers.
+  const auto layer_fraction = [&](const char* key, double& value) {
+    const toml::node* n = rd.find("train", key);
+    if (!n) return;
+    if (n->is_string())
+      value = *rd.choice("train", key, {"all", "none"}) == "all" ? 1.0 : 0.0;
+    else if (n->is_number())
+      value = *rd.number("train", key, 0.0, 1.0);
+    else
+      rd.wrong_type("train", key, "\"all\", \"none\" or a number in [0, 1]");
+  };
+  layer_fraction("recompute", r.recompute);
+  layer_fraction("offload", r.offload);
+  if (r.recompute + r.offload > 1 + 1e-9)
+    rd.fail("train", "offload",
+            fmt::format("recompute = {} and offload = {} add up to more than every layer",
+                        r.recompute, r.offload),
+            fmt::format("the first layers are recomputed and the next offloaded: lower recompute "
+                        "to {} or less (recompute = \"none\" with offload = \"all\" offloads "
+                        "every layer)",
+                        std::max(0.0, 1 - r.offload)));
   if (auto v = rd.choice("train", "on_nonfinite", {"skip", "stop"}))
     r.on_nonfinite = *v == "stop" ? NonFinitePolicy::kStop : NonFinitePolicy::kSkip;
   r.ep_size = rd.integer("train", "ep_size", 1, 1'000'000).value_or(1);
@@ -719,6 +732,11 @@ std::string Recipe::to_toml() const {
          (recompute == 1.0   ? str("all")
           : recompute == 0.0 ? str("none")
                              : num(recompute)) +
+         "\n";
+  out += "offload = " +
+         (offload == 1.0   ? str("all")
+          : offload == 0.0 ? str("none")
+                           : num(offload)) +
          "\n";
   out += "on_nonfinite = " + str(on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip") + "\n";
   out += fmt::format("ep_size = {}\n", ep_size);

@@ -4,7 +4,7 @@
 //   [model]     path, tokenizer, freeze_vision, freeze_projector
 //   [data]      files | cache, format, on_bad_line, on_overlong, max_length, pack_max_length,
 //               pack_lookahead, shuffle, media_root
-//   [train]     total_steps | epochs, micro_packs, seed, device, recompute, on_nonfinite,
+//   [train]     total_steps | epochs, micro_packs, seed, device, recompute, offload, on_nonfinite,
 //               ep_size, sp_size, fsdp, dist_timeout
 //   [optimizer] lr, lr_min, warmup_steps | warmup_ratio, betas, eps, weight_decay, clip_grad_norm
 //   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
@@ -65,6 +65,9 @@ struct Recipe {
   uint64_t seed = 0;
   Device device = Device::cpu();
   double recompute = 1.0;  // fraction of decoder layers, from the first, recomputed in backward
+  // Fraction of decoder layers, right after the recomputed ones, whose activations wait in pinned
+  // host memory between forward and backward (GPU; kept on the CPU). recompute + offload ≤ 1.
+  double offload = 0.0;
   // A step whose loss or gradient is not finite: skip its update and go on, or stop the run.
   NonFinitePolicy on_nonfinite = NonFinitePolicy::kSkip;
   // Distributed runs (docs/distributed.md): routed experts split over groups of ep_size ranks,
@@ -128,8 +131,8 @@ struct Recipe {
   // The effective recipe (every key, defaults included) as TOML, for the run's output directory.
   std::string to_toml() const;
   // A 16-hex-digit hash of the settings that shape the training trajectory (data handling,
-  // packing, steps, seed, optimizer, losses); paths, device, recompute, output and logging are
-  // left out, so moving files or changing the log interval does not count as a different run.
+  // packing, steps, seed, optimizer, losses); paths, device, recompute, offload, output and logging
+  // are left out, so moving files or changing the log interval does not count as a different run.
   // The batch enters as the packs of a whole step (micro_packs × data_parallel_ranks): the same
   // global batch at another rank count is the same run.
   std::string fingerprint(int64_t data_parallel_ranks = 1) const;

@@ -330,7 +330,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   summary.total_steps = total;
 
   model::text::TrainOptions topt;
-  topt.recompute = model::text::recompute_policy(tc.num_hidden_layers, recipe.recompute);
+  topt.activations =
+      model::text::activation_policy(tc.num_hidden_layers, recipe.recompute, recipe.offload);
   // The seed system checkpoints the MTP layer whenever it recomputes at all.
   topt.recompute_mtp = recipe.recompute > 0;
   topt.mtp = model.has_mtp() && recipe.mtp_scale > 0;
@@ -417,11 +418,16 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                                                tc.n_routed_experts, par->sizes().ep)
                                  : std::string(),
                  sharded_layers ? ", decoder-layer weights sharded (fsdp)" : "");
+  const auto layers_with = [&](model::text::ActivationPolicy policy) {
+    return std::count(topt.activations.begin(), topt.activations.end(), policy);
+  };
+  const auto offloaded = layers_with(model::text::ActivationPolicy::offload);
   spdlog::info(
       "training {} steps from step {} ({} packs of {} tokens per step, lr {} -> {}, "
-      "{} of {} layers recomputed)",
+      "{} of {} layers recomputed, {} offloaded{})",
       total, st.step, recipe.micro_packs, recipe.pack_max_length, recipe.lr, recipe.lr_min,
-      std::count(topt.recompute.begin(), topt.recompute.end(), true), tc.num_hidden_layers);
+      layers_with(model::text::ActivationPolicy::recompute), tc.num_hidden_layers, offloaded,
+      offloaded > 0 && !on_gpu ? "; on the CPU offloaded layers are kept" : "");
 
   auto save = [&] {
     // Never a checkpoint of weights that are not finite (a run resumed from it could only fail).

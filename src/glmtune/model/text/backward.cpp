@@ -17,6 +17,7 @@
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/moe.h"
 #include "glmtune/ops/norm.h"
+#include "glmtune/tensor/host_offload.h"
 #include "glmtune/train/router_bias.h"
 
 namespace glmtune::model::text {
@@ -350,14 +351,23 @@ const Tensor* TextGrads::find(const std::string& name) const {
   return nullptr;
 }
 
-std::vector<bool> recompute_policy(int64_t layers, double fraction) {
-  GLMTUNE_ASSERT(fraction >= 0 && fraction <= 1, "recompute fraction {} outside [0, 1]", fraction);
+std::vector<ActivationPolicy> activation_policy(int64_t layers, double recompute, double offload) {
+  GLMTUNE_ASSERT(recompute >= 0 && recompute <= 1 && offload >= 0 && offload <= 1,
+                 "recompute fraction {} or offload fraction {} outside [0, 1]", recompute, offload);
+  if (recompute + offload > 1 + 1e-9)
+    throw Error(fmt::format("recompute {} and offload {} add up to more than every layer",
+                            recompute, offload),
+                "activation policy", "give fractions whose sum is at most 1");
   // The seed system's recompute_ratio: the leading int(ratio · layers) layers are checkpointed.
-  const int64_t n =
-      std::min<int64_t>(layers, int64_t(std::floor(fraction * double(layers) + 1e-9)));
-  std::vector<bool> r(size_t(layers), false);
-  for (int64_t l = 0; l < n; ++l) r[size_t(l)] = true;
-  return r;
+  const auto leading = [&](double fraction) {
+    return std::min<int64_t>(layers, int64_t(std::floor(fraction * double(layers) + 1e-9)));
+  };
+  const int64_t recomputed = leading(recompute);
+  const int64_t offloaded = std::min(layers - recomputed, leading(offload));
+  std::vector<ActivationPolicy> p(size_t(layers), ActivationPolicy::keep);
+  std::fill_n(p.begin(), recomputed, ActivationPolicy::recompute);
+  std::fill_n(p.begin() + recomputed, offloaded, ActivationPolicy::offload);
+  return p;
 }
 
 TrainForward training_forward(const TextModel& model, const PackInput& in,
@@ -396,9 +406,9 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
       in.labels.dtype() != DType::i32)
     throw Error(fmt::format("training needs int32 labels [{}]", tokens), "labels",
                 "pass one aligned label per token (next_token_labels)");
-  if (!opt.recompute.empty() && int64_t(opt.recompute.size()) != c.num_hidden_layers)
-    throw InternalError(fmt::format("recompute policy for {} layers, the model has {}",
-                                    opt.recompute.size(), c.num_hidden_layers));
+  if (!opt.activations.empty() && int64_t(opt.activations.size()) != c.num_hidden_layers)
+    throw InternalError(fmt::format("activation policy for {} layers, the model has {}",
+                                    opt.activations.size(), c.num_hidden_layers));
   LayerParamProvider* const sharded = opt.layer_params;
   for (const LayerWeights& lw : w.layers)
     // Sharded layers are checked when gathered, in the loop below.
@@ -421,10 +431,13 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   ctx->row_begin = row_begin;
   ctx->embeddings = emb;
   ctx->layers.resize(size_t(c.num_hidden_layers));
+  ctx->policies.assign(size_t(c.num_hidden_layers), ActivationPolicy::keep);
   ctx->labels = shard(in.labels, row_begin, rows);
 
   Tensor streams = ops::mhc_expand(emb, c.hc_mult);
   IndexerCarry carry;
+  // The last offloaded layer's copy to the host, running while the next layer computes.
+  Transfer copying;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     if (sharded) sharded->gather(l);
     const LayerWeights& lw = w.layers[size_t(l)];
@@ -432,24 +445,35 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
       throw Error("training a MoE layer without a shared expert is not supported",
                   fmt::format("layer {}", lw.index),
                   "train a checkpoint with n_shared_experts >= 1 (GLM-5.3 has one)");
-    const bool recompute = !opt.recompute.empty() && opt.recompute[size_t(l)];
+    ActivationPolicy policy =
+        opt.activations.empty() ? ActivationPolicy::keep : opt.activations[size_t(l)];
+    // On the CPU the context is in host memory already.
+    if (policy == ActivationPolicy::offload && !model.device().is_cuda())
+      policy = ActivationPolicy::keep;
+    ctx->policies[size_t(l)] = policy;
     const Tensor carried = carry.indices;
     LayerContext full;
     Tensor counts;
     // The full context is filled either way (decoder_layer_forward computes the same values with
     // or without it); a recomputed layer keeps only its input and the selection it was handed.
     Tensor next = decoder_layer_forward(ops, c, lw, streams, cu_t, counted, carry, &counts, &full);
+    // The previous layer's copy overlapped this layer's kernels, now queued: compute queued from
+    // here on waits for it, and the device memory it read goes back to the allocator.
+    copying.finish();
     LayerContext& slot = ctx->layers[size_t(l)];
-    if (recompute) {
+    if (policy == ActivationPolicy::recompute) {
       slot.streams_in = streams;
       slot.indices = carried;
     } else {
       slot = std::move(full);
     }
+    if (policy == ActivationPolicy::offload)
+      copying = HostOffload::of(model.device()).to_host(context_tensors(slot));
     if (lw.mlp == MlpKind::sparse) out.loads.push_back({bias_name(l), std::move(counts)});
     streams = std::move(next);
     if (sharded) sharded->release(l);
   }
+  copying.finish();
   const Tensor hidden = ops::mhc_head(streams);
   ctx->final_normed = ops::rms_norm(hidden, w.final_norm, c.rms_norm_eps, &ctx->final_rstd);
   ctx->final_streams = streams;
@@ -512,6 +536,28 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
                                          ? std::optional<int64_t>(tc.pad_token_id)
                                          : std::nullopt;
   const bool supplied = in.inputs_embeds.defined();
+
+  // Offloaded layers come back one at a time, each copy running while the backward before it does
+  // (the first one's behind the losses and the kept layers).
+  const auto policy_of = [&](int64_t l) {
+    return fc.policies.empty() ? ActivationPolicy::keep : fc.policies[size_t(l)];
+  };
+  struct Fetch {
+    int64_t layer = -1;
+    LayerContext context;
+    Transfer copy;
+  };
+  const auto fetch_below = [&](int64_t above) {
+    Fetch f;
+    for (int64_t l = above - 1; l >= 0 && f.layer < 0; --l)
+      if (policy_of(l) == ActivationPolicy::offload) {
+        f.layer = l;
+        f.context = fc.layers[size_t(l)];
+        f.copy = HostOffload::of(model.device()).to_device(context_tensors(f.context));
+      }
+    return f;
+  };
+  Fetch fetched = fetch_below(tc.num_hidden_layers);
 
   // LM head and cross-entropy, fused.
   ops::CrossEntropyOptions ce;
@@ -592,8 +638,16 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
     if (opt.layer_params) opt.layer_params->gather(l);
     const LayerWeights& lw = w.layers[size_t(l)];
     const LayerContext& saved = fc.layers[size_t(l)];
-    if (saved.attn_in.defined()) {
+    const ActivationPolicy policy = policy_of(l);
+    if (policy == ActivationPolicy::keep) {
       d_streams = layer_grad(c, lw, saved, d_streams, grads.layers[size_t(l)]);
+    } else if (policy == ActivationPolicy::offload) {
+      GLMTUNE_ASSERT(fetched.layer == l, "offloaded layer {} was not fetched (next: {})", l,
+                     fetched.layer);
+      Fetch current = std::move(fetched);
+      current.copy.finish();
+      fetched = fetch_below(l);
+      d_streams = layer_grad(c, lw, current.context, d_streams, grads.layers[size_t(l)]);
     } else {
       // Recompute policy: rerun the layer from its input (with the selection it was handed, for
       // a layer that reuses its predecessor's), then differentiate the fresh context.

@@ -13,9 +13,11 @@
 //
 // `backward` also accepts the context of TextModel::forward with SavePolicy::all (every layer
 // kept). Per decoder layer (and for the MTP layer) the context either holds everything the layer
-// saved (keep) or only the layer's input (recompute): the backward then re-runs that layer's
-// forward from its input before differentiating it. The forward is deterministic, so the two
-// policies give bit-identical gradients.
+// saved (keep), only the layer's input (recompute: the backward re-runs that layer's forward from
+// its input before differentiating it), or everything in pinned host memory (offload, GPU only:
+// the backward brings the context of the next offloaded layer back while it differentiates the
+// current one). The forward is deterministic and the copies move bytes, so the three policies
+// give bit-identical gradients.
 //
 // The losses are computed inside the backward, fused with their gradient (the lm_head and the
 // cross-entropy run over chunks of label rows, so [T, V] logits never exist whole):
@@ -81,9 +83,11 @@ struct TextGrads {
 bool is_trainable_param(const std::string& name);
 
 struct TrainOptions {
-  // Per decoder layer: true re-runs the layer's forward in the backward instead of keeping its
-  // intermediates. Empty: keep every layer.
-  std::vector<bool> recompute;
+  // Per decoder layer, what the forward keeps for the backward (model.h, ActivationPolicy). Empty:
+  // keep every layer.
+  std::vector<ActivationPolicy> activations;
+  // The MTP layer is kept or recomputed, never offloaded: its backward comes first, right after
+  // its forward, so a copy to the host would have nothing to overlap with.
   bool recompute_mtp = false;
 
   bool mtp = true;  // run (and train) the MTP layer when the model has one
@@ -122,9 +126,13 @@ struct TrainOptions {
   LayerParamProvider* layer_params = nullptr;
 };
 
-// A recompute policy for `layers` decoder layers from a fraction (the recipe's `recompute`): the
-// first round(fraction · layers) layers are recomputed.
-std::vector<bool> recompute_policy(int64_t layers, double fraction);
+// The per-layer policy of `layers` decoder layers from the recipe's two fractions: the first
+// R = floor(recompute · layers) layers are recomputed (the seed system's recompute_ratio), the next
+// O = floor(offload · layers) are offloaded, the rest are kept. Recompute goes first because the
+// first layers' backward comes last, when nothing is left to overlap a copy with; the last layers
+// are kept because their backward comes first. recompute + offload must not exceed 1.
+std::vector<ActivationPolicy> activation_policy(int64_t layers, double recompute,
+                                                double offload = 0);
 
 // Expert loads of one router in one pack (padding rows excluded).
 struct RouterLoads {
@@ -139,8 +147,11 @@ struct TrainForward {
   std::vector<RouterLoads> loads;
 };
 
-// The forward of a training step. Saves, per layer, what `options.recompute` asks for; computes
-// no loss (the backward does, fused with its gradient). `input.labels` must be defined.
+// The forward of a training step. Saves, per layer, what `options.activations` asks for; computes
+// no loss (the backward does, fused with its gradient). `input.labels` must be defined. On a GPU
+// an offloaded layer's context starts its copy to pinned host memory right after the layer's
+// forward, on a side stream, and its device memory is released once the next layer is queued; on
+// the CPU offload keeps the layer.
 TrainForward training_forward(const TextModel& model, const PackInput& input,
                               const TrainOptions& options);
 

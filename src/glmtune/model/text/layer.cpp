@@ -42,6 +42,56 @@ OpConfigs OpConfigs::from(const TextConfig& c) {
   return o;
 }
 
+std::vector<Tensor*> context_tensors(LayerContext& c) {
+  // A field added to LayerContext (or to the op structs it holds) must join this list.
+  static_assert(sizeof(LayerContext) == 45 * sizeof(Tensor));
+  return {&c.streams_in,
+          &c.attn_hc.post,
+          &c.attn_hc.comb,
+          &c.attn_hc.collapsed,
+          &c.attn_hc_saved.rstd,
+          &c.attn_hc_saved.mix,
+          &c.attn_hc_saved.pre,
+          &c.attn_hc_saved.comb_init,
+          &c.attn_in,
+          &c.attn_in_rstd,
+          &c.kda.q_conv_in,
+          &c.kda.k_conv_in,
+          &c.kda.v_conv_in,
+          &c.kda.q,
+          &c.kda.k,
+          &c.kda.v,
+          &c.kda.q_norm,
+          &c.kda.k_norm,
+          &c.kda.g,
+          &c.kda.beta,
+          &c.kda.core,
+          &c.kda.gate,
+          &c.kda.normed,
+          &c.kda.o_rstd,
+          &c.mla.q_resid,
+          &c.mla.q,
+          &c.mla.k,
+          &c.mla.v,
+          &c.attn_core,
+          &c.indices,
+          &c.attn_out,
+          &c.streams_mid,
+          &c.ffn_hc.post,
+          &c.ffn_hc.comb,
+          &c.ffn_hc.collapsed,
+          &c.ffn_hc_saved.rstd,
+          &c.ffn_hc_saved.mix,
+          &c.ffn_hc_saved.pre,
+          &c.ffn_hc_saved.comb_init,
+          &c.ffn_in,
+          &c.ffn_in_rstd,
+          &c.routing.logits,
+          &c.routing.weights,
+          &c.routing.indices,
+          &c.ffn_out};
+}
+
 MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Tensor& x,
                     int64_t counted_rows) {
   MoeResult r;

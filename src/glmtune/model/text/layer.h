@@ -139,6 +139,9 @@ struct LayerContext {
   Tensor ffn_out;        // [T, D] z
 };
 
+// Every tensor of `ctx` (undefined ones included): what moving a context to another device moves.
+std::vector<Tensor*> context_tensors(LayerContext& ctx);
+
 // Carried between consecutive layers: the selection a full-indexer DSA layer hands to a following
 // "shared" layer (the reference's prev_topk_indices; undefined after any other layer).
 struct IndexerCarry {

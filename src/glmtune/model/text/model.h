@@ -32,8 +32,16 @@ namespace glmtune::model::text {
 // `all` keeps every intermediate of every layer (see LayerContext / MtpContext).
 enum class SavePolicy { none, all };
 
+// What a training forward keeps of one decoder layer for the backward (TrainOptions::activations):
+// keep: the whole layer context on the model's device; recompute: only the layer's input, the
+// backward reruns the layer's forward first; offload: the whole context, moved to pinned host
+// memory while the next layers compute and brought back while the backward of the layer after it
+// runs (GPU only: on the CPU the context already is in host memory, so offload keeps it).
+enum class ActivationPolicy { keep, recompute, offload };
+
 struct TextModelOptions {
-  // Compute dtype: f32 (the reference path) or f64 (tests) on the CPU; bf16 on a CUDA device.
+  // Compute dtype: f32 (the reference path) or f64 (tests) on the CPU; bf16 on a CUDA device, or
+  // f32 there (the fp32 mode of the parity tests).
   DType dtype = DType::f32;
   Device device = Device::cpu();
 };
@@ -87,12 +95,15 @@ struct ForwardContext {
   int64_t row_begin = 0;
   Tensor embeddings;                 // [T, D]
   std::vector<LayerContext> layers;  // one per decoder layer
-  Tensor final_streams;              // [T, H, D] the last layer's output
-  Tensor final_rstd;                 // [T] of the final norm
-  Tensor final_normed;               // [T, D] norm(h), the lm_head input
-  Tensor labels;                     // int32 [T] (undefined without labels)
-  std::vector<MtpContext> mtp;       // one per MTP depth
-  std::vector<Tensor> mtp_labels;    // per depth int32 [T]
+  // Per decoder layer, what its context holds (empty: every layer kept). An offloaded layer's
+  // context holds tensors in pinned host memory (tensor/host_offload.h).
+  std::vector<ActivationPolicy> policies;
+  Tensor final_streams;            // [T, H, D] the last layer's output
+  Tensor final_rstd;               // [T] of the final norm
+  Tensor final_normed;             // [T, D] norm(h), the lm_head input
+  Tensor labels;                   // int32 [T] (undefined without labels)
+  std::vector<MtpContext> mtp;     // one per MTP depth
+  std::vector<Tensor> mtp_labels;  // per depth int32 [T]
 };
 
 struct ForwardOutput {
