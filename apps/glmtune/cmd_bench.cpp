@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cmd_bench_ops.h"
 #include "command.h"
 #include "config_options.h"
 #include "glmtune/base/error.h"
@@ -323,7 +324,10 @@ int run_bench_step(const BenchArgs& a) {
 }  // namespace
 
 GLMTUNE_COMMAND(
-    bench, "bench", "Measure the GPU training step (glmtune bench step)", [](CLI::App& app) {
+    bench, "bench",
+    "Measure the GPU: the training step (glmtune bench step) and each hot op against its peer "
+    "(glmtune bench ops)",
+    [](CLI::App& app) {
       app.require_subcommand(1);
       auto a = std::make_shared<BenchArgs>();
       CLI::App* step = app.add_subcommand(
@@ -355,7 +359,9 @@ GLMTUNE_COMMAND(
       step->add_flag("!--no-mtp", a->mtp, "Leave the MTP layer out");
       step->add_flag("!--no-optimizer", a->optimizer, "Time forward + backward only");
       step->add_flag("--json", a->json, "Print one JSON object");
-      return [a]() -> int {
+      const cli::BenchSubcommand ops = cli::add_bench_ops(app);
+      return [a, ops]() -> int {
+        if (ops.app->parsed()) return ops.run();
         if (a->model_dir.empty() && a->config.preset.empty())
           throw Error("nothing to measure", "glmtune bench step",
                       "give --model DIR or --model-preset tiny|crop25b|full");
