@@ -12,7 +12,9 @@
 # Environment: GLMTUNE_GPU_TIMEOUT (seconds per binary, default 150), GLMTUNE_GPU_BUDGET (seconds
 # for the whole run, default 540: binaries that no longer fit are reported as not run),
 # GLMTUNE_GPU_ALLOW_SKIP=1 (skipped suites do not fail the run), GLMTUNE_GPU_CARRY (the package
-# folder, default .gpu-carry), GTEST_FILTER as usual.
+# folder, default .gpu-carry), GLMTUNE_MPIRUN (the MPI launcher of the distributed checks, default
+# mpirun), GTEST_FILTER as usual. With two or more GPUs and a launcher, tests/gpu/dist_check.sh
+# runs last (one summary row).
 set -uo pipefail
 
 carry="${GLMTUNE_GPU_CARRY:-.gpu-carry}"
@@ -127,6 +129,34 @@ for b in "${binaries[@]}"; do
   fi
   rows+=("$(printf '%-34s %-9s %6s %6s %7s %8s' "$b" "$status" "$passed" "$failed" "$skipped" "$secs")")
 done
+
+# Two or more GPUs and an MPI launcher: the distributed checks (data parallel over NCCL, the
+# collectives' benchmark), one row of the summary.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if ((gpus >= 2)) && command -v "${GLMTUNE_MPIRUN:-mpirun}" >/dev/null; then
+  left=$((budget - ($(date +%s) - t_start)))
+  if ((left < 60)); then
+    rows+=("$(printf '%-34s %-9s %6s %6s %7s %8s' "dist_check ($gpus GPUs)" "NOT RUN" - - - -)")
+    failures+=("dist_check: not run, the run's time budget of ${budget}s was spent")
+    status_all=1
+  else
+    echo "== dist_check (timeout ${left}s)" | tee -a "$full"
+    t0=$(date +%s.%N)
+    timeout --kill-after=10 "$left" "$(dirname "${BASH_SOURCE[0]}")/dist_check.sh" "$carry" \
+      "$work" >"$work/dist_check.log" 2>&1
+    rc=$?
+    secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
+    cat "$work/dist_check.log" | tee -a "$full"
+    status=ok
+    ((rc == 124 || rc == 137)) && status=TIMEOUT
+    ((rc != 0 && rc != 124 && rc != 137)) && status=FAIL
+    if [[ $status != ok ]]; then
+      status_all=1
+      failures+=("dist_check: $status (exit $rc)")
+    fi
+    rows+=("$(printf '%-34s %-9s %6s %6s %7s %8s' "dist_check ($gpus GPUs)" "$status" - - - "$secs")")
+  fi
+fi
 
 # The benchmark tables (their last lines), then the failures, then the summary.
 for b in "${binaries[@]}"; do

@@ -24,6 +24,12 @@ int64_t Communicator::all_reduce_max(int64_t v) {
   return t.data<int64_t>()[0];
 }
 
+double Communicator::all_reduce_max(double v) {
+  Tensor t = Tensor::from_vector<double>({v}, {1});
+  all_reduce(t, ReduceOp::max);
+  return t.data<double>()[0];
+}
+
 void Communicator::all_reduce_sum(std::vector<double>& v) {
   if (v.empty()) return;
   Tensor t = Tensor::from_vector(v, {int64_t(v.size())});

@@ -55,6 +55,7 @@ class Communicator {
   double all_reduce_sum(double v);
   int64_t all_reduce_sum(int64_t v);
   int64_t all_reduce_max(int64_t v);
+  double all_reduce_max(double v);
   void all_reduce_sum(std::vector<double>& v);
   void all_reduce_sum(std::vector<int64_t>& v);
 };

@@ -258,6 +258,19 @@ std::unique_ptr<Communicator> split(Communicator& parent, int color, int key, st
   return std::make_unique<MpiCommunicator>(comm, std::move(name), p->timeout_s());
 }
 
+NodeLocal node_local(Communicator& parent) {
+  auto* p = dynamic_cast<MpiCommunicator*>(&parent);
+  GLMTUNE_ASSERT(p != nullptr, "node_local needs an MPI communicator");
+  MPI_Comm node;
+  check_mpi(MPI_Comm_split_type(p->comm(), MPI_COMM_TYPE_SHARED, p->rank(), MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type");
+  NodeLocal out;
+  MPI_Comm_rank(node, &out.rank);
+  MPI_Comm_size(node, &out.size);
+  MPI_Comm_free(&node);
+  return out;
+}
+
 void abort_job(const std::string& message, int code) {
   std::fprintf(stderr, "glmtune: rank %d: %s\n", world_rank(), message.c_str());
   std::fflush(stderr);

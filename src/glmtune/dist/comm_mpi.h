@@ -17,6 +17,13 @@ int world_size();
 std::unique_ptr<Communicator> world(double timeout_s);
 // Splits `parent` (an MPI communicator) into groups of equal `color`, ranked by `key`.
 std::unique_ptr<Communicator> split(Communicator& parent, int color, int key, std::string name);
+// This rank's position among the ranks of its node (the processes sharing its memory), and their
+// number: the rank's GPU is the node-local rank's.
+struct NodeLocal {
+  int rank = 0;
+  int size = 1;
+};
+NodeLocal node_local(Communicator& parent);
 // Prints `message` on this rank's stderr and ends every rank of the job with exit code `code`.
 [[noreturn]] void abort_job(const std::string& message, int code);
 

@@ -5,6 +5,10 @@
 #include <cstdlib>
 
 #include "glmtune/base/error.h"
+#include "glmtune/tensor/device.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/dist/comm_nccl.h"
+#endif
 #if GLMTUNE_WITH_MPI
 #include "glmtune/dist/comm_mpi.h"
 #endif
@@ -78,10 +82,23 @@ std::unique_ptr<ParallelContext> ParallelContext::create(const ParallelOptions& 
   c->dp_ = mpi::split(w, s, d, "dp");
   c->ep_ = mpi::split(w, s * (world / E) + f, e, "ep");
   c->edp_ = mpi::split(w, s * E + e, f, "edp");
+  const mpi::NodeLocal local = mpi::node_local(w);
+  c->local_rank_ = local.rank;
+  c->local_size_ = local.size;
   return c;
 #else
   throw Error("this glmtune was built without MPI but was started by an MPI launcher",
               "the glmtune build", "install libopenmpi-dev (scripts/install-deps.sh) and rebuild");
+#endif
+}
+
+void ParallelContext::use_gpu(int device) {
+#ifdef GLMTUNE_WITH_CUDA
+  use_cuda_device(device);
+  if (!dp_gpu_) dp_gpu_ = make_nccl_communicator(*dp_, device, timeout_s_);
+#else
+  throw Error(fmt::format("GPU {} asked for, but this glmtune was built without CUDA", device),
+              "the glmtune build", "build with -DGLMTUNE_CUDA=ON, or train on the CPU");
 #endif
 }
 

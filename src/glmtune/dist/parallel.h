@@ -64,6 +64,17 @@ class ParallelContext {
   Communicator& ep() const { return *ep_; }
   Communicator& sp() const { return *sp_; }
   Communicator& edp() const { return *edp_; }
+  // This rank's index among the ranks of its node, and their number (1 and 0 in a single-rank
+  // world): a GPU run gives each rank of a node its own GPU, the node-local rank's.
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+
+  // GPU runs: NCCL communicators over the same ranks as dp() (the gradient reduce-scatter and the
+  // parameter all-gather, on device tensors), created by use_gpu(); null before, and in a CPU run.
+  // MPI stays the bootstrap and carries the small host-side sums (losses, loads, norms).
+  Communicator* dp_gpu() const { return dp_gpu_.get(); }
+  // Collective. Makes `device` this process's current GPU and creates the NCCL groups on it.
+  void use_gpu(int device);
 
   // Ends every rank of the job with `message` (MPI_Abort), or throws it as an Error in a
   // single-rank world.
@@ -73,7 +84,9 @@ class ParallelContext {
   ParallelContext() = default;
   ParallelSizes sizes_;
   double timeout_s_ = 600;
+  int local_rank_ = 0, local_size_ = 1;
   std::unique_ptr<Communicator> world_, dp_, ep_, sp_, edp_;
+  std::unique_ptr<Communicator> dp_gpu_;
 };
 
 }  // namespace glmtune::dist

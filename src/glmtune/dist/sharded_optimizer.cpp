@@ -43,8 +43,16 @@ std::vector<train::NamedParam> ShardedAdamW::piece_params(
 }
 
 ShardedAdamW::ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWConfig config,
-                           Communicator& group)
-    : params_(std::move(params)), config_(config), group_(group), shard_({}, config) {
+                           Communicator& group, Communicator* device_group)
+    : params_(std::move(params)),
+      config_(config),
+      group_(group),
+      device_group_(device_group),
+      shard_({}, config) {
+  GLMTUNE_ASSERT(device_group_ == nullptr || (device_group_->size() == group_.size() &&
+                                              device_group_->rank() == group_.rank()),
+                 "the device group '{}' must hold the ranks of '{}' in the same order",
+                 device_group_ ? device_group_->name() : std::string(), group_.name());
   const Layout l = flat_layout(params_, group_.size(), group_.rank());
   offsets_ = l.offsets;
   total_ = l.total;
@@ -64,18 +72,33 @@ double ShardedAdamW::reduce_gradients(const std::vector<Tensor>& grads) {
   GLMTUNE_ASSERT(grads.size() == params_.size(), "{} gradients for {} parameters", grads.size(),
                  params_.size());
   const int ranks = group_.size();
-  Tensor flat = Tensor::zeros({shard_numel_ * ranks}, DType::f32);
+  grad_device_ = Device::cpu();
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].trainable && grads[i].defined()) {
+      grad_device_ = grads[i].device();
+      break;
+    }
+  GLMTUNE_ASSERT(grad_device_.is_cpu() || device_group_ != nullptr,
+                 "gradients on {} need a device group for '{}'", grad_device_.str(), group_.name());
+  Tensor flat = Tensor::zeros({shard_numel_ * ranks}, DType::f32, grad_device_);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].trainable) continue;
     const Tensor& g = grads[i];
-    GLMTUNE_ASSERT(g.defined() && g.numel() == params_[i].value.numel(),
-                   "gradient of '{}' is {}, expected {} elements", params_[i].name,
-                   g.defined() ? g.str() : std::string("undefined"), params_[i].value.numel());
+    GLMTUNE_ASSERT(
+        g.defined() && g.numel() == params_[i].value.numel() && g.device() == grad_device_,
+        "gradient of '{}' is {}, expected {} elements on {}", params_[i].name,
+        g.defined() ? g.str() : std::string("undefined"), params_[i].value.numel(),
+        grad_device_.str());
     Tensor dst = flat.narrow(0, offsets_[i], g.numel());
     dst.copy_(g.reshape({-1}));
   }
-  Tensor shard_grad = Tensor::empty({shard_numel_}, DType::f32);
-  group_.reduce_scatter(flat, shard_grad);
+  Tensor shard_grad = Tensor::empty({shard_numel_}, DType::f32, grad_device_);
+  if (grad_device_.is_cpu()) {
+    group_.reduce_scatter(flat, shard_grad);
+  } else {
+    device_group_->reduce_scatter(flat, shard_grad);
+    shard_grad = shard_grad.to(Device::cpu());
+  }
   piece_grads_.clear();
   for (const Piece& p : pieces_)
     piece_grads_.push_back(
@@ -89,10 +112,13 @@ train::StepReport ShardedAdamW::step(double lr, double global_grad_norm) {
   const train::StepReport report = shard_.step(piece_grads_, lr, global_grad_norm);
   piece_grads_.clear();
   if (report.skipped) return report;
-  gather_flat(shard_state(0), [&](size_t i, const Tensor& values) {
-    Tensor dst = params_[i].value.view({-1});
-    dst.copy_(values);
-  });
+  gather_flat(
+      shard_state(0),
+      [&](size_t i, const Tensor& values) {
+        Tensor dst = params_[i].value.view({-1});
+        dst.copy_(values);
+      },
+      grad_device_.is_cuda());
   return report;
 }
 
@@ -110,9 +136,16 @@ Tensor ShardedAdamW::shard_state(int kind) const {
 }
 
 template <typename Into>
-void ShardedAdamW::gather_flat(const Tensor& shard, Into&& into) const {
-  Tensor flat = Tensor::empty({shard_numel_ * group_.size()}, DType::f32);
-  group_.all_gather(shard, flat);
+void ShardedAdamW::gather_flat(const Tensor& shard, Into&& into, bool on_device) const {
+  Tensor flat;
+  if (on_device) {
+    Tensor device_flat = Tensor::empty({shard_numel_ * group_.size()}, DType::f32, grad_device_);
+    device_group_->all_gather(shard.to(grad_device_), device_flat);
+    flat = device_flat.to(Device::cpu());
+  } else {
+    flat = Tensor::empty({shard_numel_ * group_.size()}, DType::f32);
+    group_.all_gather(shard, flat);
+  }
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].trainable) into(i, flat.narrow(0, offsets_[i], params_[i].value.numel()));
 }

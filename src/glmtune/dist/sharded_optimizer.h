@@ -19,6 +19,12 @@
 // and the norm are reduced in another order, so a run matches a single-process run to fp32
 // rounding.
 //
+// GPU runs: the gradients live on the device. Given `device_group` (a communicator over the same
+// ranks, in the same order, for device tensors: NCCL), reduce_gradients packs them into a device
+// buffer and reduce-scatters there, and step all-gathers the updated masters there too; only this
+// rank's shard crosses to the host, where the fp32 masters and moments live. The host group then
+// carries scalars alone (the norm, checkpoint gathers).
+//
 // Checkpoints are independent of the sharding: gather() assembles the full state (the
 // unsharded optimizer's on-disk format, optimizer.h) and load() takes each rank's slices of one,
 // so a run saved with P ranks resumes with any other number.
@@ -36,15 +42,16 @@ class ShardedAdamW {
   // `params` are the full parameters (train::named_params order; frozen ones are carried but not
   // trained); every rank of `group` passes the same list.
   ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWConfig config,
-               Communicator& group);
+               Communicator& group, Communicator* device_group = nullptr);
 
   const std::vector<train::NamedParam>& params() const { return params_; }
   int64_t step_count() const { return shard_.step_count(); }
   // Elements of the flat space this rank owns (including padding at the end of the last rank).
   int64_t shard_numel() const { return shard_numel_; }
 
-  // Collective. `grads` as for train::AdamW::step: this rank's local sums, aligned with params().
-  // Keeps this rank's reduced shard for step() and returns the global L2 norm.
+  // Collective. `grads` as for train::AdamW::step: this rank's local sums, aligned with params(),
+  // on the host or (with a device group) all on one GPU. Keeps this rank's reduced shard for
+  // step() and returns the global L2 norm.
   double reduce_gradients(const std::vector<Tensor>& grads);
   // Collective. Updates the shard from the last reduced gradients (a non-finite norm skips, as in
   // train::AdamW) and all-gathers the parameters.
@@ -69,12 +76,15 @@ class ShardedAdamW {
   Tensor shard_state(int kind) const;
   // All-gathers a shard-sized f32 buffer into the flat space and scatters it into per-parameter
   // tensors through `into(param_index, flat_slice)`.
+  // `on_device`: through the device group (the shard travels to the GPU of the gradients).
   template <typename Into>
-  void gather_flat(const Tensor& shard, Into&& into) const;
+  void gather_flat(const Tensor& shard, Into&& into, bool on_device = false) const;
 
   std::vector<train::NamedParam> params_;
   train::AdamWConfig config_;
   Communicator& group_;
+  Communicator* device_group_ = nullptr;
+  Device grad_device_;            // where the last reduced gradients came from
   std::vector<int64_t> offsets_;  // flat offset of each parameter (trainable ones)
   int64_t total_ = 0, shard_numel_ = 0, shard_begin_ = 0;
   std::vector<Piece> pieces_;

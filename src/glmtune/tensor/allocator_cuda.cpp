@@ -23,6 +23,14 @@ void throw_cuda_error(cudaError_t status, const char* expr, const char* file, in
 
 bool cuda_available() { return cuda_device_count() > 0; }
 
+void use_cuda_device(int index) {
+  const int count = cuda_device_count();
+  if (index < 0 || index >= count)
+    throw Error(fmt::format("CUDA device {} does not exist ({} visible)", index, count), "device",
+                "pick a device index below the number of visible GPUs (CUDA_VISIBLE_DEVICES)");
+  GLMTUNE_CUDA_CHECK(cudaSetDevice(index));
+}
+
 int cuda_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

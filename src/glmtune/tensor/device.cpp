@@ -24,6 +24,11 @@ Device Device::parse(const std::string& text) {
 #ifndef GLMTUNE_WITH_CUDA
 bool cuda_available() { return false; }
 int cuda_device_count() { return 0; }
+void use_cuda_device(int index) {
+  throw Error(
+      "GPU " + std::to_string(index) + " asked for, but this glmtune was built without CUDA",
+      "device", "build with -DGLMTUNE_CUDA=ON, or use device = \"cpu\"");
+}
 #endif
 
 }  // namespace glmtune

@@ -22,5 +22,8 @@ struct Device {
 // True when this build has the CUDA backend and a device is visible.
 bool cuda_available();
 int cuda_device_count();
+// Makes GPU `index` the one this thread's kernels and allocations go to (a process that drives one
+// GPU of several calls it once, before any work); glmtune::Error if it does not exist.
+void use_cuda_device(int index);
 
 }  // namespace glmtune

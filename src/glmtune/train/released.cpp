@@ -48,7 +48,7 @@ std::vector<std::pair<std::string, Tensor>> released_views(const model::ParamSto
 }
 
 bool all_finite(const Tensor& t) {
-  const Tensor f = t.to(DType::f32).contiguous();
+  const Tensor f = t.to(Device::cpu()).to(DType::f32).contiguous();
   const float* v = f.data<float>();
   const int64_t n = f.numel();
   bool finite = true;

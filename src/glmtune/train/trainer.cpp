@@ -169,6 +169,32 @@ PackBatch next_batch(data::PackSampler& sampler, int64_t micro_packs, int64_t mt
   return b;
 }
 
+// The GPU this process trains on. Ranks sharing a node take one GPU each, the node-local
+// rank's, so a distributed recipe names the kind of device only.
+Device training_device(const Recipe& recipe, const dist::ParallelContext* par) {
+  const int visible = cuda_device_count();
+  if (par == nullptr || !par->distributed() || par->local_size() == 1) {
+    if (recipe.device.index >= visible)
+      throw Error(
+          fmt::format("{} asked for, but {} GPU(s) are visible", recipe.device.str(), visible),
+          recipe.source() + ": train.device",
+          "pick a device below the number of visible GPUs (CUDA_VISIBLE_DEVICES)");
+    return recipe.device;
+  }
+  if (recipe.device.index != 0)
+    throw Error(fmt::format("device {} in a run of {} ranks on this node", recipe.device.str(),
+                            par->local_size()),
+                recipe.source() + ": train.device",
+                "set device = \"cuda\": each rank of a node takes the GPU of its node-local rank");
+  if (par->local_size() > visible)
+    throw Error(
+        fmt::format("{} ranks on this node but {} GPU(s) visible", par->local_size(), visible),
+        recipe.source() + ": train.device",
+        "launch one rank per GPU (mpirun -np N with N GPUs per node, or srun "
+        "--ntasks-per-node=N --gpus-per-node=N)");
+  return Device::cuda(par->local_rank());
+}
+
 }  // namespace
 
 TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
@@ -189,15 +215,22 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   summary.metrics = out_dir / "metrics.jsonl";
   // Distributed: each step's packs are split over the data-parallel ranks, whose gradients,
   // losses and expert loads are summed; rank 0 logs and saves.
-  const dist::ParallelContext* par = options.parallel;
+  dist::ParallelContext* par = options.parallel;
   const bool distributed = par != nullptr && par->distributed();
-  if (on_gpu && distributed)
-    throw Error(
-        "a distributed run on GPUs is not available in glmtune train yet (the NCCL "
-        "communicators exist; the GPU trainer does not use them)",
-        recipe.source() + ": train.device",
-        "run distributed on the CPU (device = \"cpu\"), or one process on one GPU");
+  const Device device = on_gpu ? training_device(recipe, par) : Device::cpu();
   const bool root = par == nullptr || par->is_root();
+  if (on_gpu && distributed) {
+    // Data parallel over NCCL; the other splits have CPU paths only.
+    if (par->sizes().ep > 1 || par->sizes().sp > 1 || recipe.fsdp)
+      throw Error(
+          "a distributed GPU run splits the data only: expert parallel, sequence parallel and "
+          "train.fsdp run on the CPU for now",
+          recipe.source() + ": train.ep_size / train.sp_size / train.fsdp",
+          "set train.ep_size = train.sp_size = 1 and train.fsdp = false, or device = \"cpu\"");
+    par->use_gpu(device.index);
+  } else if (on_gpu) {
+    use_cuda_device(device.index);
+  }
   const int64_t dp = distributed ? par->sizes().dp : 1;
   const int64_t dp_rank = distributed ? par->dp().rank() : 0;
   const bool sequence_parallel = distributed && par->sizes().sp > 1;
@@ -286,7 +319,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       vl ? vl->attach(own_params, store) : std::vector<Tensor>{};
   AdamW optimizer(std::move(own_params), recipe.adamw_config());
   std::optional<dist::ShardedAdamW> sharded;
-  if (distributed) sharded.emplace(trainable_params(store), recipe.adamw_config(), par->dp());
+  if (distributed)
+    sharded.emplace(trainable_params(store), recipe.adamw_config(), par->dp(),
+                    on_gpu ? par->dp_gpu() : nullptr);
   const std::vector<NamedParam>& opt_params = sharded ? sharded->params() : optimizer.params();
   TrainerState st;
   st.seed = recipe.seed;
@@ -317,7 +352,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   else if (on_gpu)
     // bf16 weights on the device (fp32-kept parameters in f32); the optimizer keeps its fp32
     // masters and moments on the host and the updated weights are copied back after each step.
-    text_model.emplace(store, model::text::TextModelOptions{DType::bf16, recipe.device});
+    text_model.emplace(store, model::text::TextModelOptions{DType::bf16, device});
   else
     text_model.emplace(store);
   TextModel& model = vl ? vl->model().text() : *text_model;
@@ -386,8 +421,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     }
     const Tensor* g = grads.find(p.name);
     GLMTUNE_ASSERT(g != nullptr, "trainable parameter '{}' has no gradient buffer", p.name);
-    // On a GPU the gradients are computed on the device and copied here for the host optimizer.
-    grad_list[i] = on_gpu ? Tensor::zeros(g->shape(), DType::f32) : *g;
+    // On one GPU the gradients are copied here for the host optimizer; a distributed GPU run
+    // reduces them on the device and moves only this rank's shard (sharded_optimizer.h).
+    grad_list[i] = on_gpu && !distributed ? Tensor::zeros(g->shape(), DType::f32) : *g;
   }
   // The gradient the optimizer sees for a parameter (the host copy on a GPU run).
   std::map<std::string, Tensor*> optimizer_grad;
@@ -406,18 +442,20 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   if (root)
     log.emplace(out_dir, st.step, options.print_steps ? recipe.log_every : (int64_t(1) << 62));
   if (distributed)
-    spdlog::info("distributed: {} ranks, data parallel over {} (rank {}){}, optimizer sharded{}{}",
-                 par->sizes().world, dp, par->rank(),
-                 sequence_parallel ? fmt::format(", sequence parallel over {} (shard {})",
-                                                 par->sizes().sp, par->sp().rank())
-                                   : std::string(),
-                 expert_parallel ? fmt::format(", experts {}..{} of {} here (ep_size {})",
-                                               expert_parallel->first_expert(),
-                                               expert_parallel->first_expert() +
-                                                   expert_parallel->local_experts() - 1,
-                                               tc.n_routed_experts, par->sizes().ep)
-                                 : std::string(),
-                 sharded_layers ? ", decoder-layer weights sharded (fsdp)" : "");
+    spdlog::info(
+        "distributed: {} ranks, data parallel over {} (rank {}){}{}, optimizer sharded{}{}",
+        par->sizes().world, dp, par->rank(),
+        on_gpu ? fmt::format(" on {} (gradients over NCCL)", device.str()) : std::string(),
+        sequence_parallel ? fmt::format(", sequence parallel over {} (shard {})", par->sizes().sp,
+                                        par->sp().rank())
+                          : std::string(),
+        expert_parallel
+            ? fmt::format(", experts {}..{} of {} here (ep_size {})",
+                          expert_parallel->first_expert(),
+                          expert_parallel->first_expert() + expert_parallel->local_experts() - 1,
+                          tc.n_routed_experts, par->sizes().ep)
+            : std::string(),
+        sharded_layers ? ", decoder-layer weights sharded (fsdp)" : "");
   const auto layers_with = [&](model::text::ActivationPolicy policy) {
     return std::count(topt.activations.begin(), topt.activations.end(), policy);
   };
@@ -532,7 +570,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
           if (n == name) return g;
         throw_internal(__FILE__, __LINE__, fmt::format("no gradient buffer for '{}'", name));
       });
-    if (on_gpu) copy_gradients_to_host();
+    if (on_gpu && !distributed) copy_gradients_to_host();
     const double lr = schedule.lr(st.step);
     const double lm_loss = lm_sum / topt.lm_denominator;
     const double grad_norm = sharded ? sharded->reduce_gradients(grad_list)
@@ -581,7 +619,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     m.maxvio = maxvio;
     m.skipped = rep.skipped;
     m.nonfinite = nonfinite;
-    const MemoryPeaks peaks = take_memory_peaks(recipe.device);
+    const MemoryPeaks peaks = take_memory_peaks(device);
     m.max_memory = peaks.max_memory;
     m.reserved_memory = peaks.reserved_memory;
     // Throughput per rank (tgs is per GPU-second): this rank's share of the step's tokens.

@@ -40,7 +40,7 @@ struct TrainerOptions {
   // run_training with the same recipe: each step's packs are split over the data-parallel ranks,
   // the optimizer state is sharded over them (dist/sharded_optimizer.h), rank 0 logs metrics and
   // writes checkpoints (docs/distributed.md).
-  const dist::ParallelContext* parallel = nullptr;
+  dist::ParallelContext* parallel = nullptr;
   // Continue from the newest complete checkpoint under the output directory (a fresh start when
   // there is none). Without it, an output directory that already holds checkpoints is refused.
   bool resume = false;
