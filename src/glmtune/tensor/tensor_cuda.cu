@@ -81,6 +81,10 @@ struct DeviceGuard {
 
 }  // namespace
 
+// The kernels below run on the legacy default stream, in order with every op's kernels, and
+// return without waiting: a host read goes through cudaMemcpy, which waits for that stream, and
+// the side streams (NCCL, activation offload) order themselves after it with events. A
+// device-wide wait here would also wait for those side streams' copies and stall the host.
 void copy_strided(int device, void* dst, DType dst_type, const Layout& dst_layout, const void* src,
                   DType src_type, const Layout& src_layout, int64_t numel) {
   DeviceGuard guard(device);
@@ -88,7 +92,6 @@ void copy_strided(int device, void* dst, DType dst_type, const Layout& dst_layou
                                                static_cast<const char*>(src), src_type, src_layout,
                                                numel);
   GLMTUNE_CUDA_CHECK_LAUNCH();
-  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void fill(int device, void* dst, DType type, const Layout& layout, int64_t numel, double value) {
@@ -98,7 +101,6 @@ void fill(int device, void* dst, DType type, const Layout& layout, int64_t numel
   fill_kernel<<<blocks_for(numel), kThreads>>>(static_cast<char*>(dst), type, layout, numel,
                                                pattern, int(dtype_size(type)));
   GLMTUNE_CUDA_CHECK_LAUNCH();
-  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void memcpy_bytes(void* dst, bool dst_device, const void* src, bool src_device, size_t bytes) {
@@ -114,7 +116,6 @@ void rng_uniform(int device, void* dst, DType type, int64_t numel, uint64_t seed
   uniform_kernel<<<blocks_for(numel), kThreads>>>(
       static_cast<char*>(dst), type, int(dtype_size(type)), numel, seed, offset, low, high - low);
   GLMTUNE_CUDA_CHECK_LAUNCH();
-  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void rng_normal(int device, void* dst, DType type, int64_t numel, uint64_t seed, uint64_t offset,
@@ -123,7 +124,6 @@ void rng_normal(int device, void* dst, DType type, int64_t numel, uint64_t seed,
   normal_kernel<<<blocks_for(numel), kThreads>>>(
       static_cast<char*>(dst), type, int(dtype_size(type)), numel, seed, offset, mean, std);
   GLMTUNE_CUDA_CHECK_LAUNCH();
-  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 }  // namespace glmtune::cuda_impl
