@@ -192,6 +192,30 @@ TEST(CudaModelStep, LossAndEveryGradientMatchTheCpuStep) {
 #endif
 }
 
+// A model whose head dims the GPU kernels do not take (the plain tiny preset: KDA head dim 16) is
+// refused when it is loaded on a GPU, naming the config key and the fix, before any GPU work (so
+// this runs without a GPU too).
+TEST(CudaModelStep, ModelOutsideTheKernelsGeometryIsRefusedAtLoad) {
+  TempDir dir("cuda-geometry");
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions init;
+  init.seed = 7;
+  write_random_checkpoint(config, dir.path() / "ck", init);
+  const ParamStore store = ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config);
+  TextModelOptions gpu_options;
+  gpu_options.dtype = DType::bf16;
+  gpu_options.device = Device::cuda(0);
+  try {
+    const TextModel model(store, gpu_options);
+    FAIL() << "a KDA head dim of 16 was accepted on the GPU";
+  } catch (const Error& e) {
+    EXPECT_NE(e.problem().find("head dim of 128"), std::string::npos) << e.problem();
+    EXPECT_NE(e.where().find("text_config.linear_attn_config.head_dim"), std::string::npos)
+        << e.where();
+    EXPECT_NE(e.fix().find("device = \"cpu\""), std::string::npos) << e.fix();
+  }
+}
+
 }  // namespace
 
 // The fp32 mode: f32 weights on the GPU, every activation and kernel in f32 (no TF32, no bf16
