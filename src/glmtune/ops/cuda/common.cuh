@@ -111,27 +111,6 @@ __device__ __forceinline__ void store_bf16x8(bf16* p, const float (&in)[8]) {
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
-// Loads / stores of VEC consecutive elements (VEC = 8 with 16-byte alignment, or 1).
-template <int VEC>
-__device__ __forceinline__ void load_vec(const bf16* p, float (&out)[VEC]) {
-  if constexpr (VEC == 8) {
-    load_bf16x8(p, out);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = __bfloat162float(p[i]);
-  }
-}
-
-template <int VEC>
-__device__ __forceinline__ void store_vec(bf16* p, const float (&in)[VEC]) {
-  if constexpr (VEC == 8) {
-    store_bf16x8(p, in);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) p[i] = __float2bfloat16_rn(in[i]);
-  }
-}
-
 // Element loads and stores of the kernels templated on their storage (bf16, or f32 in the
 // tight-tolerance test mode): arithmetic is always fp32, a bf16 store rounds to nearest even.
 __device__ __forceinline__ float to_f(float v) { return v; }
@@ -142,6 +121,28 @@ __device__ __forceinline__ T from_f(float v) {
     return v;
   else
     return __float2bfloat16_rn(v);
+}
+
+// Loads / stores of VEC consecutive elements of T storage as fp32: the 16-byte form (VEC = 8,
+// 16-byte aligned) for bf16, one element at a time (VEC = 1) for bf16 or f32.
+template <int VEC, typename T>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[VEC]) {
+  static_assert(VEC == 1 || (VEC == 8 && std::is_same_v<T, bf16>), "VEC = 8 is bf16 only");
+  if constexpr (VEC == 8) {
+    load_bf16x8(p, out);
+  } else {
+    out[0] = to_f(p[0]);
+  }
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
+  static_assert(VEC == 1 || (VEC == 8 && std::is_same_v<T, bf16>), "VEC = 8 is bf16 only");
+  if constexpr (VEC == 8) {
+    store_bf16x8(p, in);
+  } else {
+    p[0] = from_f<T>(in[0]);
+  }
 }
 
 __device__ __forceinline__ float round_bf16(float v) {

@@ -42,17 +42,6 @@ __global__ void __launch_bounds__(kGatherThreads)
   }
 }
 
-// VEC consecutive elements of dout as fp32: 16-byte loads (VEC = 8) for bf16 only.
-template <int VEC, typename T>
-__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
-  if constexpr (VEC == 8) {
-    detail::load_bf16x8(p, out);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = detail::to_f(p[i]);
-  }
-}
-
 // One block per touched row (see the header for the fixed summation order). The row is walked in
 // tiles of 32·VEC columns: lane l of every warp owns columns [l·VEC, l·VEC + VEC) of the tile.
 template <typename G, typename D, int VEC>
@@ -74,7 +63,7 @@ __global__ void __launch_bounds__(kScatterWarps * 32)
     if (c < dim) {
       for (int i = begin + warp; i < end; i += kScatterWarps) {
         float v[VEC];
-        load<VEC>(dout + int64_t(tokens[i]) * dim + c, v);
+        detail::load_vec<VEC>(dout + int64_t(tokens[i]) * dim + c, v);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) acc[k] += v[k];
       }

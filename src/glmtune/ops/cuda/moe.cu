@@ -154,28 +154,6 @@ __global__ void inverse_kernel(const int32_t* sorted_slots, int64_t n, int32_t* 
   if (r < n) position[sorted_slots[r]] = int32_t(r);
 }
 
-// VEC consecutive elements of T storage (bf16, or f32 in the fp32 mode) as fp32, and back. The
-// 16-byte form (VEC = 8) is taken for bf16 only; f32 rows run with VEC = 1.
-template <int VEC, typename T>
-__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
-  if constexpr (VEC == 8) {
-    detail::load_bf16x8(p, out);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = detail::to_f(p[i]);
-  }
-}
-
-template <int VEC, typename T>
-__device__ __forceinline__ void store(T* p, const float (&in)[VEC]) {
-  if constexpr (VEC == 8) {
-    detail::store_bf16x8(p, in);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) p[i] = detail::from_f<T>(in[i]);
-  }
-}
-
 // out[r] = x[sorted_slots[r] / K]: one block per permuted row.
 template <int VEC, typename T>
 __global__ void gather_rows_kernel(const T* __restrict__ x, const int32_t* sorted_slots, int k,
@@ -185,8 +163,8 @@ __global__ void gather_rows_kernel(const T* __restrict__ x, const int32_t* sorte
   T* dst = out + r * cols;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float v[VEC];
-    load<VEC>(src + j, v);
-    store<VEC>(dst + j, v);
+    detail::load_vec<VEC>(src + j, v);
+    detail::store_vec<VEC>(dst + j, v);
   }
 }
 
@@ -201,7 +179,7 @@ __global__ void combine_kernel(const T* __restrict__ yp, const float* __restrict
     for (int s = 0; s < k; ++s) {
       const float w = weights[t * k + s];
       float v[VEC];
-      load<VEC>(yp + int64_t(position[t * k + s]) * cols + j, v);
+      detail::load_vec<VEC>(yp + int64_t(position[t * k + s]) * cols + j, v);
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] += w * v[q];
     }
@@ -209,7 +187,7 @@ __global__ void combine_kernel(const T* __restrict__ yp, const float* __restrict
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] += extra[t * cols + j + q];
     }
-    store<VEC>(y + t * cols + j, acc);
+    detail::store_vec<VEC>(y + t * cols + j, acc);
   }
 }
 
@@ -223,13 +201,13 @@ __global__ void unpermute_sum_kernel(const T* __restrict__ dxp,
     float acc[VEC] = {};
     for (int s = 0; s < k; ++s) {
       float v[VEC];
-      load<VEC>(dxp + int64_t(position[t * k + s]) * cols + j, v);
+      detail::load_vec<VEC>(dxp + int64_t(position[t * k + s]) * cols + j, v);
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] += v[q];
     }
 #pragma unroll
     for (int q = 0; q < VEC; ++q) acc[q] += extra[t * cols + j + q];
-    store<VEC>(dx + t * cols + j, acc);
+    detail::store_vec<VEC>(dx + t * cols + j, acc);
   }
 }
 
@@ -248,14 +226,14 @@ __global__ void __launch_bounds__(kThreads)
   float dot = 0.0f;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float g[VEC], v[VEC], o[VEC];
-    load<VEC>(dyr + j, g);
-    load<VEC>(yp + r * cols + j, v);
+    detail::load_vec<VEC>(dyr + j, g);
+    detail::load_vec<VEC>(yp + r * cols + j, v);
 #pragma unroll
     for (int q = 0; q < VEC; ++q) {
       dot += g[q] * v[q];
       o[q] = w * g[q];
     }
-    store<VEC>(dyp + r * cols + j, o);
+    detail::store_vec<VEC>(dyp + r * cols + j, o);
   }
   dot = detail::block_sum(dot, scratch);
   if (threadIdx.x == 0) d_weights[s] = dot;

@@ -15,28 +15,6 @@ constexpr int kThreads = 256;
 // range of ceil(rows / kGradBlocks) rows, so the grouping depends on the row count only.
 constexpr int64_t kGradBlocks = 512;
 
-// VEC consecutive elements of T storage as fp32. The 16-byte form (VEC = 8) is taken for bf16 only:
-// f32 rows run with VEC = 1, still coalesced across the block.
-template <int VEC, typename T>
-__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
-  if constexpr (VEC == 8) {
-    detail::load_bf16x8(p, out);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = detail::to_f(p[i]);
-  }
-}
-
-template <int VEC, typename T>
-__device__ __forceinline__ void store(T* p, const float (&in)[VEC]) {
-  if constexpr (VEC == 8) {
-    detail::store_bf16x8(p, in);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) p[i] = detail::from_f<T>(in[i]);
-  }
-}
-
 // The weighted value w ⊙ (x · r): bf16 storage rounds x · r to bf16 first, as the reference's cast
 // does; f32 storage has nothing to round.
 template <typename T>
@@ -53,7 +31,7 @@ __device__ __forceinline__ float row_sum_squares(const T* __restrict__ xr, int n
   float ss = 0.0f;
   for (int j = threadIdx.x * VEC; j < n; j += blockDim.x * VEC) {
     float v[VEC];
-    load<VEC>(xr + j, v);
+    detail::load_vec<VEC>(xr + j, v);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) ss += v[k] * v[k];
   }
@@ -79,17 +57,17 @@ __global__ void __launch_bounds__(kThreads)
   // The second read of the row hits L1/L2: the block just streamed it.
   for (int j = threadIdx.x * VEC; j < n; j += blockDim.x * VEC) {
     float v[VEC];
-    load<VEC>(xr + j, v);
+    detail::load_vec<VEC>(xr + j, v);
     if (w) {
       float wv[VEC];
-      load<VEC>(w + j, wv);
+      detail::load_vec<VEC>(w + j, wv);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[k] = weighted<T>(v[k] * r, wv[k]);
     } else {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[k] *= r;
     }
-    store<VEC>(yr + j, v);
+    detail::store_vec<VEC>(yr + j, v);
   }
 }
 
@@ -120,11 +98,11 @@ __global__ void __launch_bounds__(kThreads)
     float dot = 0.0f;
     for (int j = threadIdx.x * VEC; j < n; j += blockDim.x * VEC) {
       float xv[VEC], gv[VEC];
-      load<VEC>(xr + j, xv);
-      load<VEC>(gr + j, gv);
+      detail::load_vec<VEC>(xr + j, xv);
+      detail::load_vec<VEC>(gr + j, gv);
       if (w) {
         float wv[VEC];
-        load<VEC>(w + j, wv);
+        detail::load_vec<VEC>(w + j, wv);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) gv[k] *= wv[k];
       }
@@ -137,21 +115,21 @@ __global__ void __launch_bounds__(kThreads)
     T* dxr = dx + row * lddx;
     for (int j = threadIdx.x * VEC; j < n; j += blockDim.x * VEC) {
       float xv[VEC], gv[VEC], out[VEC];
-      load<VEC>(xr + j, xv);
-      load<VEC>(gr + j, gv);
+      detail::load_vec<VEC>(xr + j, xv);
+      detail::load_vec<VEC>(gr + j, gv);
       if constexpr (kWeightGrad) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) dw_acc[k * nvec + j / VEC] += gv[k] * (xv[k] * r);
       }
       if (w) {
         float wv[VEC];
-        load<VEC>(w + j, wv);
+        detail::load_vec<VEC>(w + j, wv);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) gv[k] *= wv[k];
       }
 #pragma unroll
       for (int k = 0; k < VEC; ++k) out[k] = r * gv[k] - c * xv[k];
-      store<VEC>(dxr + j, out);
+      detail::store_vec<VEC>(dxr + j, out);
     }
   }
   if constexpr (kWeightGrad) {

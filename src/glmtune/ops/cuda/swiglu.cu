@@ -17,28 +17,6 @@ __device__ __forceinline__ float clamp_up(float u, float lim) {
   return u < -lim ? -lim : (lim < u ? lim : u);
 }
 
-// VEC consecutive elements of T storage as fp32. The 16-byte form (VEC = 8) is taken for bf16 only:
-// f32 rows run with VEC = 1, still coalesced across the block.
-template <int VEC, typename T>
-__device__ __forceinline__ void load(const T* p, float (&out)[VEC]) {
-  if constexpr (VEC == 8) {
-    detail::load_bf16x8(p, out);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) out[i] = detail::to_f(p[i]);
-  }
-}
-
-template <int VEC, typename T>
-__device__ __forceinline__ void store(T* p, const float (&in)[VEC]) {
-  if constexpr (VEC == 8) {
-    detail::store_bf16x8(p, in);
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) p[i] = detail::from_f<T>(in[i]);
-  }
-}
-
 template <typename T>
 struct RowPtrs {
   const T* gate;
@@ -57,15 +35,15 @@ __global__ void __launch_bounds__(kThreads)
   T* o = out + row * ld_out;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float gv[VEC], uv[VEC], ov[VEC];
-    load<VEC>(g + j, gv);
-    load<VEC>(u + j, uv);
+    detail::load_vec<VEC>(g + j, gv);
+    detail::load_vec<VEC>(u + j, uv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const float a = clamp_gate(gv[k], lim);
       const float b = clamp_up(uv[k], lim);
       ov[k] = a / (1.0f + expf(-a)) * b;
     }
-    store<VEC>(o + j, ov);
+    detail::store_vec<VEC>(o + j, ov);
   }
 }
 
@@ -82,9 +60,9 @@ __global__ void __launch_bounds__(kThreads)
   T* du = dup + row * ld_dup;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float gv[VEC], uv[VEC], dv[VEC], dgv[VEC], duv[VEC];
-    load<VEC>(g + j, gv);
-    load<VEC>(u + j, uv);
-    load<VEC>(d + j, dv);
+    detail::load_vec<VEC>(g + j, gv);
+    detail::load_vec<VEC>(u + j, uv);
+    detail::load_vec<VEC>(d + j, dv);
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       const bool gate_free = gv[k] < lim;
@@ -95,8 +73,8 @@ __global__ void __launch_bounds__(kThreads)
       dgv[k] = gate_free ? dv[k] * b * s * (1.0f + a * (1.0f - s)) : 0.0f;
       duv[k] = up_free ? dv[k] * (a * s) : 0.0f;
     }
-    store<VEC>(dg + j, dgv);
-    store<VEC>(du + j, duv);
+    detail::store_vec<VEC>(dg + j, dgv);
+    detail::store_vec<VEC>(du + j, duv);
   }
 }
 
