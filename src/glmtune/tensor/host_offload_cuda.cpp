@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "glmtune/tensor/caching_allocator.h"
 #include "glmtune/tensor/cuda_check.h"
 #include "glmtune/tensor/host_offload.h"
 
@@ -36,75 +37,32 @@ class DeviceScope {
   int previous_ = 0;
 };
 
-class PinnedCache final : public Allocator {
+class PinnedCache final : public CachingAllocator {
  public:
-  explicit PinnedCache(cudaStream_t stream) : stream_(stream) {}
+  explicit PinnedCache(cudaStream_t stream) : CachingAllocator(kPinnedRound), stream_(stream) {}
 
-  void* allocate(size_t bytes) override {
-    size_t size = std::max(kPinnedRound, (bytes + kPinnedRound - 1) / kPinnedRound * kPinnedRound);
-    std::lock_guard lock(mu_);
-    stats_.num_allocs++;
+ private:
+  void* system_alloc(size_t size) override {
     void* ptr = nullptr;
-    if (auto it = free_.lower_bound(size); it != free_.end() && it->first <= 2 * size) {
-      size = it->first;
-      ptr = it->second;
-      free_.erase(it);
-    } else {
-      if (cudaHostAlloc(&ptr, size, cudaHostAllocDefault) != cudaSuccess) {
-        cudaGetLastError();
-        throw Error(
-            fmt::format("cannot pin {:.2f} GiB of host memory for activation offload ({:.2f} "
-                        "GiB pinned already)",
-                        double(size) / (1 << 30), double(stats_.reserved) / (1 << 30)),
-            "train.offload",
-            "offload fewer layers (train.offload, --offload) and recompute them instead "
-            "(train.recompute), or free host memory");
-      }
-      stats_.reserved += size;
-      stats_.peak_reserved = std::max(stats_.peak_reserved, stats_.reserved);
-      stats_.num_system_allocs++;
+    if (cudaHostAlloc(&ptr, size, cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      throw Error(
+          fmt::format("cannot pin {:.2f} GiB of host memory for activation offload ({:.2f} "
+                      "GiB pinned already)",
+                      double(size) / (1 << 30), double(stats_locked().reserved) / (1 << 30)),
+          "train.offload",
+          "offload fewer layers (train.offload, --offload) and recompute them instead "
+          "(train.recompute), or free host memory");
     }
-    in_use_[ptr] = size;
-    stats_.allocated += size;
-    stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
     return ptr;
   }
 
-  void deallocate(void* ptr, size_t) override {
-    std::lock_guard lock(mu_);
-    const auto it = in_use_.find(ptr);
-    GLMTUNE_ASSERT(it != in_use_.end(), "free of a pinned block this cache did not hand out");
-    stats_.allocated -= it->second;
-    free_.emplace(it->second, ptr);
-    in_use_.erase(it);
-  }
+  void system_free(void* ptr) override { GLMTUNE_CUDA_CHECK(cudaFreeHost(ptr)); }
 
-  MemoryStats stats() const override {
-    std::lock_guard lock(mu_);
-    return stats_;
-  }
-  void reset_peak() override {
-    std::lock_guard lock(mu_);
-    stats_.peak_allocated = stats_.allocated;
-    stats_.peak_reserved = stats_.reserved;
-  }
-  void release_cached() override {
-    std::lock_guard lock(mu_);
-    // A cached block may still be the source or target of a copy queued on the side stream.
-    GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    for (auto& [size, ptr] : free_) {
-      GLMTUNE_CUDA_CHECK(cudaFreeHost(ptr));
-      stats_.reserved -= size;
-    }
-    free_.clear();
-  }
+  // A cached block may still be the source or target of a copy queued on the side stream.
+  void before_release() override { GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
- private:
   cudaStream_t stream_;
-  mutable std::mutex mu_;
-  std::multimap<size_t, void*> free_;
-  std::unordered_map<void*, size_t> in_use_;
-  MemoryStats stats_;
 };
 
 class CudaTransfer final : public Transfer::State {
