@@ -1,6 +1,6 @@
-"""Setup shared by the golden-fixture scripts of tools/golden/ (ops_kda_mhc.py, grads_kda_mhc.py,
-ops_dsa_moe.py, grads_dsa_moe.py): the command line, the pack offsets, the reference modules
-that two scripts build alike, and writing a fixture so that a regenerated file is byte-identical.
+"""Setup shared by the golden-fixture scripts of tools/golden/: the command line, the pack offsets,
+the check that the reference runs its PyTorch fallback, the tiny reference model built from a
+`glmtune init` checkpoint, and writing a fixture so that a regenerated file is byte-identical.
 
 Every helper that draws from a generator draws exactly what the code it replaced drew, in the
 same order: the committed fixtures must regenerate bit for bit.
@@ -9,6 +9,8 @@ same order: the committed fixtures must regenerate bit for bit.
 import argparse
 import json
 import os
+import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -51,3 +53,34 @@ def assert_finite_and_nonzero(tensors):
         assert torch.isfinite(v.float()).all(), k
         if v.dtype.is_floating_point:
             assert v.abs().max() > 0, f"{k} is all zero"
+
+
+def require_torch_fallback():
+    """The reference calls FLA's, `causal_conv1d`'s or the `kernels` hub's kernels when they are
+    importable; the fixtures record its PyTorch fallback, so refuse to run beside them."""
+    for pkg in ("fla", "kernels", "causal_conv1d"):
+        try:
+            __import__(pkg)
+        except ImportError:
+            continue
+        raise SystemExit(f"'{pkg}' is installed: the reference would not run its PyTorch fallback")
+
+
+def tiny_reference(glmtune, seed, sets, loading_info=False):
+    """`glmtune init --preset tiny --seed SEED --set ...` loaded by transformers as the f32 eager
+    `Glm5NextForConditionalGeneration` (with the loading info when asked)."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "tiny"
+        cmd = [glmtune, "init", "--preset", "tiny", "--out", str(ckpt), "--seed", str(seed)]
+        for item in sets:
+            cmd += ["--set", item]
+        subprocess.run(cmd, check=True, capture_output=True)
+        return Glm5NextForConditionalGeneration.from_pretrained(
+            str(ckpt),
+            dtype=torch.float32,
+            attn_implementation="eager",
+            experts_implementation="eager",
+            output_loading_info=loading_info,
+        )

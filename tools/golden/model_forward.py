@@ -36,14 +36,13 @@ Usage: python tools/golden/model_forward.py GLMTUNE_BINARY [--out PATH]
 
 import argparse
 import json
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import Glm5NextForConditionalGeneration
+
+from common import require_torch_fallback, tiny_reference
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "tests" / "golden" / "model" / "tiny_forward.safetensors"
@@ -203,28 +202,11 @@ def main():
     parser.add_argument("glmtune", help="path to the glmtune binary")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    for pkg in ("fla", "kernels", "causal_conv1d"):
-        try:
-            __import__(pkg)
-        except ImportError:
-            continue
-        raise SystemExit(f"'{pkg}' is installed: the reference would not run its PyTorch fallback")
+    require_torch_fallback()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(DRAW_SEED)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "tiny"
-        cmd = [args.glmtune, "init", "--preset", "tiny", "--out", str(ckpt), "--seed", str(INIT_SEED)]
-        for item in INIT_SETS:
-            cmd += ["--set", item]
-        subprocess.run(cmd, check=True, capture_output=True)
-        model, info = Glm5NextForConditionalGeneration.from_pretrained(
-            str(ckpt),
-            dtype=torch.float32,
-            attn_implementation="eager",
-            experts_implementation="eager",
-            output_loading_info=True,
-        )
+    model, info = tiny_reference(args.glmtune, INIT_SEED, INIT_SETS, loading_info=True)
     model.eval()
     text = model.config.text_config
     layers = text.num_hidden_layers

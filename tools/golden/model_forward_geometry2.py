@@ -28,16 +28,14 @@ Usage: python tools/golden/model_forward_geometry2.py GLMTUNE_BINARY [--out-dir 
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import Glm5NextForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import require_torch_fallback, tiny_reference  # noqa: E402
 from model_forward import Capture, perturb, pool_scores, router_gap  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,16 +113,7 @@ def indexer_clear(indexer, x, q_resid, pool, topk):
 
 def build(glmtune, seed, doc_lens, path):
     gen = torch.Generator().manual_seed(1000 + seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "g2"
-        cmd = [glmtune, "init", "--preset", "tiny", "--out", str(ckpt), "--seed", str(seed)]
-        for item in INIT_SETS:
-            cmd += ["--set", item]
-        subprocess.run(cmd, check=True, capture_output=True)
-        model, info = Glm5NextForConditionalGeneration.from_pretrained(
-            str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
-            output_loading_info=True,
-        )
+    model, info = tiny_reference(glmtune, seed, INIT_SETS, loading_info=True)
     model.eval()
     text = model.config.text_config
     layers = text.num_hidden_layers
@@ -221,12 +210,7 @@ def main():
     parser.add_argument("glmtune", help="path to the glmtune binary")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = parser.parse_args()
-    for pkg in ("fla", "kernels", "causal_conv1d"):
-        try:
-            __import__(pkg)
-        except ImportError:
-            continue
-        raise SystemExit(f"'{pkg}' is installed: the reference would not run its PyTorch fallback")
+    require_torch_fallback()
     torch.set_num_threads(1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for seed, lens in CASES.items():

@@ -42,18 +42,15 @@ Usage: python tools/golden/train_curve.py GLMTUNE_BINARY   (a Python with transf
 import argparse
 import json
 import math
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
-from transformers import Glm5NextForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save_fixture  # noqa: E402
+from common import require_torch_fallback, save_fixture, tiny_reference  # noqa: E402
 from model_forward import ROUTER_GAP, Capture, indexer_is_clear, router_gap  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,29 +105,12 @@ def main():
     parser.add_argument("glmtune", help="path to the glmtune binary")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = parser.parse_args()
-    for pkg in ("fla", "kernels", "causal_conv1d"):
-        try:
-            __import__(pkg)
-        except ImportError:
-            continue
-        raise SystemExit(f"'{pkg}' is installed: the reference would not run its PyTorch fallback")
+    require_torch_fallback()
     torch.set_num_threads(1)
     tokenizer = Tokenizer.from_file(str(TOKENIZER))
     docs = documents(tokenizer)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "tiny"
-        cmd = [args.glmtune, "init", "--preset", "tiny", "--out", str(ckpt), "--seed", str(INIT_SEED)]
-        for item in INIT_SETS:
-            cmd += ["--set", item]
-        subprocess.run(cmd, check=True, capture_output=True)
-        model, info = Glm5NextForConditionalGeneration.from_pretrained(
-            str(ckpt),
-            dtype=torch.float32,
-            attn_implementation="eager",
-            experts_implementation="eager",
-            output_loading_info=True,
-        )
+    model, info = tiny_reference(args.glmtune, INIT_SEED, INIT_SETS, loading_info=True)
     model.train()
     text = model.config.text_config
     assert not info["missing_keys"], info["missing_keys"]

@@ -33,18 +33,16 @@ Usage: python tools/golden/vision_compose.py GLMTUNE_BINARY   (a Python with tra
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import Glm5NextForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import require_torch_fallback, tiny_reference  # noqa: E402
 from model_forward import (  # noqa: E402  (shared helpers of the text fixtures)
     ROUTER_GAP,
     Capture,
@@ -63,14 +61,7 @@ VIDEO_GRID = [2, 2, 2]
 
 
 def load_model(glmtune, meta):
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "tiny"
-        cmd = [glmtune, "init", "--preset", "tiny", "--out", str(ckpt), "--seed", str(meta["init_seed"])]
-        for item in meta["init_sets"]:
-            cmd += ["--set", item]
-        subprocess.run(cmd, check=True, capture_output=True)
-        model = Glm5NextForConditionalGeneration.from_pretrained(
-            str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
+    model = tiny_reference(glmtune, meta["init_seed"], meta["init_sets"])
     # Parameters and buffers (the router correction bias) under their released names.
     state = {released_name(n): t for n, t in list(model.named_parameters()) + list(model.named_buffers())}
     with torch.no_grad():
@@ -88,6 +79,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("glmtune", help="path to the glmtune binary")
     args = parser.parse_args()
+    require_torch_fallback()
     torch.set_num_threads(1)
     with safe_open(str(TEXT_FIXTURE), "pt") as f:
         meta = json.loads(f.metadata()["fixture"])
