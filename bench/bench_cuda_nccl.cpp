@@ -25,23 +25,16 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_bench.h"
 #include "glmtune/dist/parallel.h"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/tensor/cuda_check.h"
-#include "glmtune/tensor/rng.h"
 
 using namespace glmtune;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Seeded N(0, std²) values on this rank's GPU (cuda_bench.h's random_gpu fills GPU 0 only).
-Tensor random_on(Device gpu, const Shape& shape, DType dtype, uint64_t stream, double std = 1.0) {
-  Tensor t = Tensor::empty(shape, dtype, gpu);
-  fill_normal(t, 20261129, stream << 40, 0.0, std);
-  return t;
-}
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -150,7 +143,7 @@ int main() {
     for (auto& v : send_el) v *= hidden;
     for (auto& v : recv_el) v *= hidden;
     const int64_t rows_in = std::accumulate(recv.begin(), recv.end(), int64_t(0));
-    Tensor rows = random_on(gpu, {tokens * top_k, hidden}, DType::bf16, 1);
+    Tensor rows = cudabench::random_gpu({tokens * top_k, hidden}, DType::bf16, 1, 1.0, 0.0, gpu);
     Tensor out = Tensor::empty({rows_in, hidden}, DType::bf16, gpu);
     const double ms = median_collective_ms(
         host, [&] { nccl.all_to_all(rows, send_el, out, recv_el); }, 10);
@@ -169,12 +162,12 @@ int main() {
   {
     const int64_t layer = int64_t(512) << 20;
     const int64_t shard = layer / ranks;
-    Tensor w_shard = random_on(gpu, {shard}, DType::bf16, 2);
+    Tensor w_shard = cudabench::random_gpu({shard}, DType::bf16, 2, 1.0, 0.0, gpu);
     Tensor w_full = Tensor::empty({shard * ranks}, DType::bf16, gpu);
-    Tensor g_full = random_on(gpu, {shard * ranks}, DType::f32, 3);
+    Tensor g_full = cudabench::random_gpu({shard * ranks}, DType::f32, 3, 1.0, 0.0, gpu);
     Tensor g_shard = Tensor::empty({shard}, DType::f32, gpu);
-    Tensor x = random_on(gpu, {16384, 4096}, DType::bf16, 4);
-    Tensor w = random_on(gpu, {4096, 4096}, DType::bf16, 5, 0.02);
+    Tensor x = cudabench::random_gpu({16384, 4096}, DType::bf16, 4, 1.0, 0.0, gpu);
+    Tensor w = cudabench::random_gpu({4096, 4096}, DType::bf16, 5, 0.02, 0.0, gpu);
     const int gemms = 8;
     const Overlap ag = measure_overlap(
         host, [&] { nccl.all_gather(w_shard, w_full); }, x, w, gemms, 5);

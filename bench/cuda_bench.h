@@ -17,11 +17,11 @@ namespace glmtune::cudabench {
 
 inline const Device kGpu = Device::cuda(0);
 
-// N(mean, std²) draws on the GPU at `stream` of a fixed seed: every run times the same data
+// N(mean, std²) draws on `device` at `stream` of a fixed seed: every run times the same data
 // (never zeros, which can run faster than real data).
 inline Tensor random_gpu(const Shape& shape, DType dtype, uint64_t stream, double std = 1.0,
-                         double mean = 0.0) {
-  Tensor t = Tensor::empty(shape, dtype, kGpu);
+                         double mean = 0.0, Device device = kGpu) {
+  Tensor t = Tensor::empty(shape, dtype, device);
   fill_normal(t, 20261129, stream << 40, mean, std);
   return t;
 }
