@@ -123,25 +123,33 @@ __device__ __forceinline__ T from_f(float v) {
     return __float2bfloat16_rn(v);
 }
 
-// Loads / stores of VEC consecutive elements of T storage as fp32: the 16-byte form (VEC = 8,
-// 16-byte aligned) for bf16, one element at a time (VEC = 1) for bf16 or f32.
+// Loads / stores of VEC consecutive elements of T storage as fp32: the 16-byte forms (16-byte
+// aligned; VEC = 8 for bf16, VEC = 4 for f32), or one element at a time (VEC = 1).
 template <int VEC, typename T>
 __device__ __forceinline__ void load_vec(const T* p, float (&out)[VEC]) {
-  static_assert(VEC == 1 || (VEC == 8 && std::is_same_v<T, bf16>), "VEC = 8 is bf16 only");
-  if constexpr (VEC == 8) {
+  static_assert(VEC == 1 || VEC * sizeof(T) == 16, "VEC is 1 or 16 bytes of T");
+  if constexpr (VEC == 1) {
+    out[0] = to_f(p[0]);
+  } else if constexpr (std::is_same_v<T, bf16>) {
     load_bf16x8(p, out);
   } else {
-    out[0] = to_f(p[0]);
+    const float4 raw = *reinterpret_cast<const float4*>(p);
+    out[0] = raw.x;
+    out[1] = raw.y;
+    out[2] = raw.z;
+    out[3] = raw.w;
   }
 }
 
 template <int VEC, typename T>
 __device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
-  static_assert(VEC == 1 || (VEC == 8 && std::is_same_v<T, bf16>), "VEC = 8 is bf16 only");
-  if constexpr (VEC == 8) {
+  static_assert(VEC == 1 || VEC * sizeof(T) == 16, "VEC is 1 or 16 bytes of T");
+  if constexpr (VEC == 1) {
+    p[0] = from_f<T>(in[0]);
+  } else if constexpr (std::is_same_v<T, bf16>) {
     store_bf16x8(p, in);
   } else {
-    p[0] = from_f<T>(in[0]);
+    *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
   }
 }
 
