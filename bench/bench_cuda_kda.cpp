@@ -3,8 +3,10 @@
 // prints one table: op, shape, median time, achieved rate, share of the ceiling.
 //
 // KDA: forward, forward+backward and backward alone (it replays the forward) of
-// cuda::kda_chunked at T = 16384 as 4 documents of 4096 (varlen) and at T = 8192 as one
-// document. The rate counts the arithmetic of the chunk-16 form
+// cuda::kda_chunked at T = 16384 as 4 documents of 4096 (varlen) and at T = 16384 as one document,
+// the latter with each value slicing of the walks (automatic, then 1, 2 and 4 slices forced);
+// fwd+bwd also with the forward's chunk tiles kept for the backward (cuda::KdaChunkCache). The
+// rate counts the arithmetic of the chunk-16 form
 // (per token and head 2·C·K + 3·K² multiply-adds forward; the backward counted as twice that), set
 // against the dense bf16 tensor-core rate: the state products run as mma.sync with every fp32
 // operand split into bf16 hi and lo parts, three products for each one counted here, and so do
@@ -14,11 +16,15 @@
 // mHC: pre and post, forward and backward, at T = 16384, D = 4096: the rate counts the fewest
 // bytes each must move, against a device-to-device copy measured in the same run.
 // Times are medians of event-timed runs after warm-up, on random inputs (never zeros).
+// Usage: bench_cuda_kda [--only REGEX] (the KDA cases whose shape and slicing label match, and
+// mHC if "mhc" matches; for profiling one case, e.g. --only 'varlen').
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <optional>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -49,16 +55,19 @@ struct Row {
 };
 std::vector<Row> rows;
 double copy_gbs = 0;
+std::optional<std::regex> only;  // --only: the KDA cases whose label matches, and mHC if it matches
+
+bool selected(const std::string& label) { return !only || std::regex_search(label, *only); }
 
 void add_bytes(const std::string& op, const std::string& shape, double ms, double bytes) {
   const double gbs = bytes / (ms * 1e-3) / 1e9;
   rows.push_back({op, shape, ms, gbs, false, copy_gbs > 0 ? gbs / copy_gbs : 0});
-  std::fprintf(stderr, "  %-34s %9.3f ms\n", op.c_str(), ms);
+  std::fprintf(stderr, "  %-44s %9.3f ms\n", op.c_str(), ms);
 }
 void add_flops(const std::string& op, const std::string& shape, double ms, double flops) {
   const double tf = flops / (ms * 1e-3) / 1e12;
   rows.push_back({op, shape, ms, tf, true, tf / kTensorTflops});
-  std::fprintf(stderr, "  %-34s %9.3f ms\n", op.c_str(), ms);
+  std::fprintf(stderr, "  %-44s %9.3f ms\n", op.c_str(), ms);
 }
 
 void bench_copy() {
@@ -76,7 +85,11 @@ void bench_copy() {
   rows.push_back({"d2d copy (bandwidth ceiling)", "4 GiB", ms, copy_gbs, false, 1.0});
 }
 
-void bench_kda(const std::vector<int32_t>& cu_host, const std::string& shape) {
+// value_slices as cuda::kda_chunked takes it (0: automatic).
+void bench_kda(const std::vector<int32_t>& cu_host, const std::string& shape,
+               int value_slices = 0) {
+  const std::string sl = value_slices == 0 ? "" : ", " + std::to_string(value_slices) + " slices";
+  if (!selected(shape + sl)) return;
   const int64_t t = cu_host.back(), nh = 64, kd = 128;
   Tensor cu = Tensor::empty({int64_t(cu_host.size())}, DType::i32, kGpu);
   GLMTUNE_CUDA_CHECK(cudaMemcpy(cu.data_ptr(), cu_host.data(), cu_host.size() * sizeof(int32_t),
@@ -92,21 +105,32 @@ void bench_kda(const std::vector<int32_t>& cu_host, const std::string& shape) {
   const Tensor dout = random_gpu({t, nh, kd}, DType::bf16, 8);
   const double scale = 1.0 / std::sqrt(double(kd));
   const double fwd_flops = 2.0 * double(t * nh) * (2.0 * 16 * kd + 3.0 * kd * kd);
-  const double f = median_ms([&] { cuda::kda_chunked(q, k, v, g, beta, cu, scale); }, 3, 10);
-  add_flops("kda core fwd", shape, f, fwd_flops);
+  const int vs = value_slices;
+  const double f =
+      median_ms([&] { cuda::kda_chunked(q, k, v, g, beta, cu, scale, nullptr, vs); }, 3, 10);
+  add_flops("kda core fwd" + sl, shape, f, fwd_flops);
   const double fb = median_ms(
       [&] {
-        cuda::kda_chunked(q, k, v, g, beta, cu, scale);
-        cuda::kda_chunked_backward(q, k, v, g, beta, cu, scale, dout);
+        cuda::kda_chunked(q, k, v, g, beta, cu, scale, nullptr, vs);
+        cuda::kda_chunked_backward(q, k, v, g, beta, cu, scale, dout, nullptr, vs);
       },
       2, 6);
-  add_flops("kda core fwd+bwd", shape, fb, 3.0 * fwd_flops);
-  const double b =
-      median_ms([&] { cuda::kda_chunked_backward(q, k, v, g, beta, cu, scale, dout); }, 2, 6);
-  add_flops("kda core bwd (replays the fwd)", shape, b, 2.0 * fwd_flops);
+  add_flops("kda core fwd+bwd" + sl, shape, fb, 3.0 * fwd_flops);
+  cuda::KdaChunkCache cache;
+  const double fk = median_ms(
+      [&] {
+        cuda::kda_chunked(q, k, v, g, beta, cu, scale, nullptr, vs, &cache);
+        cuda::kda_chunked_backward(q, k, v, g, beta, cu, scale, dout, nullptr, vs, &cache);
+      },
+      2, 6);
+  add_flops("kda core fwd+bwd, chunk tiles kept" + sl, shape, fk, 3.0 * fwd_flops);
+  const double b = median_ms(
+      [&] { cuda::kda_chunked_backward(q, k, v, g, beta, cu, scale, dout, nullptr, vs); }, 2, 6);
+  add_flops("kda core bwd (replays the fwd)" + sl, shape, b, 2.0 * fwd_flops);
 }
 
 void bench_mhc() {
+  if (!selected("mhc")) return;
   const int64_t t = 16384, d = 4096, h = 4, m = 24;
   const std::string shape = "T16384 H4 D4096";
   const Tensor x = random_gpu({t, h, d}, DType::bf16, 11, 1.0);
@@ -141,12 +165,12 @@ void bench_mhc() {
 }
 
 void print_table() {
-  std::printf("\n%-34s %-22s %10s %14s %10s\n", "op", "shape", "median ms", "rate", "of ceiling");
+  std::printf("\n%-44s %-22s %10s %14s %10s\n", "op", "shape", "median ms", "rate", "of ceiling");
   for (const Row& r : rows) {
     char rate[64], frac[32];
     std::snprintf(rate, sizeof rate, "%.1f %s", r.rate, r.flops ? "TFLOP/s" : "GB/s");
     std::snprintf(frac, sizeof frac, "%.0f%%", 100.0 * r.ceiling);
-    std::printf("%-34s %-22s %10.3f %14s %10s\n", r.op.c_str(), r.shape.c_str(), r.ms, rate, frac);
+    std::printf("%-44s %-22s %10.3f %14s %10s\n", r.op.c_str(), r.shape.c_str(), r.ms, rate, frac);
   }
   std::printf(
       "ceilings: dense bf16 tensor %.0f TFLOP/s (H200 datasheet; KDA counts one product where "
@@ -156,7 +180,15 @@ void print_table() {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--only") {
+    only.emplace(argv[2]);
+  } else if (argc != 1) {
+    std::fprintf(stderr,
+                 "usage: bench_cuda_kda [--only REGEX]  (REGEX picks KDA cases by their shape and "
+                 "slicing label, e.g. 'varlen' or '1 doc H64 D128$', and mHC by 'mhc')\n");
+    return 2;
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::printf("bench_cuda_kda: no CUDA device visible, nothing to measure\n");
@@ -168,7 +200,7 @@ int main() {
     std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
     bench_copy();
     bench_kda({0, 4096, 8192, 12288, 16384}, "varlen 4x4096 H64 D128");
-    bench_kda({0, 8192}, "T8192 1 doc H64 D128");
+    for (int slices : {0, 1, 2, 4}) bench_kda({0, 16384}, "T16384 1 doc H64 D128", slices);
     bench_mhc();
     print_table();
   } catch (const std::exception& e) {

@@ -86,6 +86,8 @@ std::vector<OpSpec> op_specs() {
                  "fla fwd " + shape});
     s.push_back({"kda fwd+bwd", shape, Family::kda, "fwd+bwd", lengths, Work::flops, 3 * fwd,
                  "FLA chunk_kda", "fla fwd+bwd " + shape});
+    s.push_back({"kda fwd+bwd (chunk tiles kept)", shape, Family::kda, "fwd+bwd kept", lengths,
+                 Work::flops, 3 * fwd, "FLA chunk_kda", "fla fwd+bwd " + shape});
   }
 
   // bench_cuda_moe's expert shapes: 36 experts (one GPU's share at expert parallel 8), hidden

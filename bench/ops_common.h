@@ -21,7 +21,7 @@ enum class Work { flops, bytes };
 enum class Family {
   matmul_ceiling,  // dims {n}: bf16 n×n×n through cuBLASLt, the rate ceiling
   copy_ceiling,    // dims {bytes}: device-to-device copy, the bandwidth ceiling
-  kda,             // dims {document lengths...}; variant fwd | fwd+bwd
+  kda,             // dims {document lengths...}; variant fwd | fwd+bwd | fwd+bwd kept
   grouped_gemm,    // dims {rows per expert, n, k}; variant fwd | dX | dW
   attention,       // dims {tokens, heads, head dim}; variant per-head fwd | fwd+bwd,
                    // absorbed fwd | fwd+bwd

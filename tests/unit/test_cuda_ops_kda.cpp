@@ -1,10 +1,11 @@
 // CUDA parity for KDA (ops/cuda/kda.h) against the CPU ops (ops/kda.h, ops/norm.h): the chunked
 // delta rule forward and backward (o, dq, dk, dv, dg, dβ) over packed documents of odd lengths,
-// with few and with many heads (the backward's two ways of keeping chunk states), the short
-// causal conv with SiLU (dx and the weight gradient), both forget-gate forms, β, the q/k
-// L2 norm and the sigmoid-gated o_norm, in bf16 storage and in the f32 mode, with bit-identical
-// reruns. Fresh random inputs every run (seed printed; GLMTUNE_TEST_SEED reproduces one); the CPU
-// reference runs in f32 on the same (bf16-rounded) values. Skipped where no GPU is visible.
+// with few and with many heads (the backward's two ways of keeping chunk states) and every value
+// slicing of the walks, the short causal conv with SiLU (dx and the weight gradient), both
+// forget-gate forms, β, the q/k L2 norm and the sigmoid-gated o_norm, in bf16 storage and in the
+// f32 mode, with bit-identical reruns. Fresh random inputs every run (seed printed;
+// GLMTUNE_TEST_SEED reproduces one); the CPU reference runs in f32 on the same (bf16-rounded)
+// values. Skipped where no GPU is visible.
 
 #include <gtest/gtest.h>
 
@@ -57,6 +58,9 @@ struct CoreCase {
   // least as many as the GPU's SMs, else one per chunk: 3 heads × 6 documents take the second
   // path, 48 heads (288 walks, more than any current GPU has SMs) the first.
   int64_t heads = 3;
+  // Value slices per walk (cuda::kda_chunked's value_slices; 0: automatic, which gives 4 for 3
+  // heads × 6 documents and 1 for 48 heads on an H200).
+  int slices = 0;
 };
 
 void run_core(const CoreCase& c, uint64_t& stream) {
@@ -79,24 +83,44 @@ void run_core(const CoreCase& c, uint64_t& stream) {
   const Tensor o_ref = ops::kda_chunked(f32(q), f32(k), f32(v), g, beta, cu, scale);
   const Tensor qg = q.to(kGpu), kg = k.to(kGpu), vg = v.to(kGpu), gg = g.to(kGpu),
                bg = beta.to(kGpu);
-  const Tensor o = cuda::kda_chunked(qg, kg, vg, gg, bg, cug, scale);
+  const Tensor o = cuda::kda_chunked(qg, kg, vg, gg, bg, cug, scale, nullptr, c.slices);
   EXPECT_CLOSE(o, o_ref, c.act_bar, "core o" + tag);
+  // Each value row of the output comes from one warp whatever the slicing: the same bits.
+  for (int slices : {1, 2, 4})
+    EXPECT_TRUE(
+        bit_identical(o, cuda::kda_chunked(qg, kg, vg, gg, bg, cug, scale, nullptr, slices)))
+        << ctx("core forward at " + std::to_string(slices) + " value slices" + tag);
 
   const Tensor dout = random_cpu({t, nh, kd}, c.dtype, stream++);
   const ops::KdaCoreGrads ref =
       ops::kda_chunked_backward(f32(q), f32(k), f32(v), g, beta, cu, scale, f32(dout));
   const ops::KdaCoreGrads gr =
-      cuda::kda_chunked_backward(qg, kg, vg, gg, bg, cug, scale, dout.to(kGpu));
+      cuda::kda_chunked_backward(qg, kg, vg, gg, bg, cug, scale, dout.to(kGpu), nullptr, c.slices);
   EXPECT_CLOSE(gr.dq, ref.dq, c.act_bar, "core dq" + tag);
   EXPECT_CLOSE(gr.dk, ref.dk, c.act_bar, "core dk" + tag);
   EXPECT_CLOSE(gr.dv, ref.dv, c.act_bar, "core dv" + tag);
   EXPECT_CLOSE(gr.dg, ref.dg, c.f32_bar, "core dg" + tag);
   EXPECT_CLOSE(gr.dbeta, ref.dbeta, c.f32_bar, "core dbeta" + tag);
 
-  const Tensor o2 = cuda::kda_chunked(qg, kg, vg, gg, bg, cug, scale);
+  // The backward from the forward's kept chunk tiles: the same tiles, so the same bits.
+  cuda::KdaChunkCache cache;
+  cuda::kda_chunked(qg, kg, vg, gg, bg, cug, scale, nullptr, c.slices, &cache);
+  const ops::KdaCoreGrads gk = cuda::kda_chunked_backward(qg, kg, vg, gg, bg, cug, scale,
+                                                          dout.to(kGpu), nullptr, c.slices, &cache);
+  EXPECT_TRUE(bit_identical(gr.dq, gk.dq) && bit_identical(gr.dk, gk.dk) &&
+              bit_identical(gr.dv, gk.dv) && bit_identical(gr.dg, gk.dg) &&
+              bit_identical(gr.dbeta, gk.dbeta))
+      << ctx("core backward from the kept chunk tiles" + tag);
+  // A cache filled by another forward is refused, not silently used.
+  const Tensor k_other = k.to(kGpu);
+  EXPECT_ANY_THROW(cuda::kda_chunked_backward(qg, k_other, vg, gg, bg, cug, scale, dout.to(kGpu),
+                                              nullptr, c.slices, &cache))
+      << ctx("a cache of other inputs" + tag);
+
+  const Tensor o2 = cuda::kda_chunked(qg, kg, vg, gg, bg, cug, scale, nullptr, c.slices);
   EXPECT_TRUE(bit_identical(o, o2)) << ctx("core forward rerun" + tag);
   const ops::KdaCoreGrads gr2 =
-      cuda::kda_chunked_backward(qg, kg, vg, gg, bg, cug, scale, dout.to(kGpu));
+      cuda::kda_chunked_backward(qg, kg, vg, gg, bg, cug, scale, dout.to(kGpu), nullptr, c.slices);
   EXPECT_TRUE(bit_identical(gr.dq, gr2.dq) && bit_identical(gr.dk, gr2.dk) &&
               bit_identical(gr.dv, gr2.dv) && bit_identical(gr.dg, gr2.dg) &&
               bit_identical(gr.dbeta, gr2.dbeta))
@@ -119,6 +143,13 @@ TEST(CudaOpsKda, ChunkedDeltaRuleMatchesCpu) {
            stream);
   run_core({DType::bf16, 1e-2, 1e-3, "bf16, 48 heads", 0.0f, 2.0f, 48}, stream);
   run_core({DType::f32, 1e-4, 1e-4, "f32 mode, 48 heads, steep gate", -5.0f, 2.0f, 48}, stream);
+  // Every value slicing on both state layouts (one per chunk at 3 heads, per pair at 48).
+  run_core({DType::bf16, 1e-2, 1e-3, "bf16, 1 value slice", 0.0f, 2.0f, 3, 1}, stream);
+  run_core({DType::f32, 1e-4, 1e-4, "f32 mode, 2 value slices, steep gate", -5.0f, 2.0f, 3, 2},
+           stream);
+  run_core({DType::bf16, 1e-2, 1e-3, "bf16, 48 heads, 2 value slices", 0.0f, 2.0f, 48, 2}, stream);
+  run_core({DType::f32, 1e-4, 1e-4, "f32 mode, 48 heads, 4 value slices", -5.0f, 2.0f, 48, 4},
+           stream);
 #endif
 }
 
@@ -182,15 +213,30 @@ TEST(CudaOpsKda, ConvGateBetaNormsMatchCpu) {
     EXPECT_CLOSE(cuda::kda_beta_backward(beta, dbeta.to(kGpu)), dl_ref, 1e-5,
                  "beta backward" + tag);
 
-    // q/k L2 norm over 128-wide heads.
-    const Tensor qx = random_cpu({t, nl, 128}, dt, stream++, 0.2, 1.0);
-    Tensor nrm_ref, nrm;
-    EXPECT_CLOSE(cuda::l2_norm(qx.to(kGpu), 1e-6, &nrm), ops::l2_norm(f32(qx), 1e-6, &nrm_ref), bar,
-                 "l2 norm forward" + tag);
-    EXPECT_CLOSE(nrm, nrm_ref, 1e-5, "l2 norm divisor" + tag);
-    const Tensor dq = random_cpu({t, nl, 128}, dt, stream++);
-    EXPECT_CLOSE(cuda::l2_norm_backward(dq.to(kGpu), qx.to(kGpu), 1e-6),
-                 ops::l2_norm_backward(f32(dq), f32(qx), 1e-6), bar, "l2 norm backward" + tag);
+    // Forget gate over a channel count that is no multiple of 4 (the one-channel-a-thread kernel;
+    // above, 128 channels take the four-a-thread one).
+    {
+      const Tensor graw3 = random_cpu({t, 99}, dt, stream++, 2.0);
+      const Tensor bias3 = random_cpu({99}, DType::f32, stream++, 0.5);
+      const Tensor alog3 = random_cpu({3}, DType::f32, stream++, 0.5);
+      EXPECT_CLOSE(cuda::kda_gate(graw3.to(kGpu), bias3.to(kGpu), alog3.to(kGpu), -5.0),
+                   ops::kda_gate(f32(graw3), bias3, alog3, -5.0), 1e-5,
+                   "gate forward, 3 heads of 33" + tag);
+    }
+
+    // q/k L2 norm: 128-wide heads, and rows the 16-byte-piece kernel takes with 8 or 16 lanes (64)
+    // or not at all (96).
+    for (int64_t width : {128, 64, 96}) {
+      const std::string wtag = tag + ", rows of " + std::to_string(width);
+      const Tensor qx = random_cpu({t, nl, width}, dt, stream++, 0.2, 1.0);
+      Tensor nrm_ref, nrm;
+      EXPECT_CLOSE(cuda::l2_norm(qx.to(kGpu), 1e-6, &nrm), ops::l2_norm(f32(qx), 1e-6, &nrm_ref),
+                   bar, "l2 norm forward" + wtag);
+      EXPECT_CLOSE(nrm, nrm_ref, 1e-5, "l2 norm divisor" + wtag);
+      const Tensor dq = random_cpu({t, nl, width}, dt, stream++);
+      EXPECT_CLOSE(cuda::l2_norm_backward(dq.to(kGpu), qx.to(kGpu), 1e-6),
+                   ops::l2_norm_backward(f32(dq), f32(qx), 1e-6), bar, "l2 norm backward" + wtag);
+    }
 
     // Sigmoid-gated o_norm.
     const Tensor core = random_cpu({t, nl, 128}, dt, stream++);

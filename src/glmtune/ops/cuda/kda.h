@@ -21,6 +21,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <optional>
 
 #include "glmtune/ops/kda.h"
@@ -64,15 +65,32 @@ ops::RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x
                                                const Tensor& weight, const Tensor& gate, double eps,
                                                Tensor* grad_weight, cudaStream_t stream = nullptr);
 
+// The chunk-local quantities kda_chunked forms before its walk (per chunk of 16 tokens and head:
+// W, U, qd, kdec, A, e^{Γ_last}, (I + L)^{-1}; 34.5 KB, so 2.3 GB at T = 16384 with 64 heads).
+// kda_chunked fills one when given it; kda_chunked_backward of the same inputs then reads them
+// instead of forming them again. Memory for time: the caller decides whether to hold it.
+struct KdaChunkCache {
+  Tensor chunks, tiles, f32s;           // the chunk table, the bf16 hi/lo tiles, the f32 tiles
+  int64_t slots = 0;                    // chunk slots (an upper bound on the chunk count)
+  std::array<const void*, 5> inputs{};  // q, k, v, g, beta of the forward that filled it
+  float scale = 0.0f;
+};
+
 // The delta-rule core: q, k [T, NL, 128] (already L2-normalised) and v [T, NL, 128] in one dtype,
 // g f32 [T, NL, 128], beta f32 [T, NL]; q is scaled by `scale` inside. Returns o (q's dtype).
+// `value_slices` (1, 2 or 4) splits each (head, document) walk over that many blocks of value
+// rows, the state's value columns evolving independently; 0 picks by the walk count and the SM
+// count, so few documents with few heads still fill the GPU. The result does not depend on it
+// beyond fp32 rounding (the backward's sums over the value rows are grouped per slice).
 Tensor kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                    const Tensor& beta, const Tensor& cu_seqlens, double scale,
-                   cudaStream_t stream = nullptr);
+                   cudaStream_t stream = nullptr, int value_slices = 0,
+                   KdaChunkCache* keep = nullptr);
 // dq, dk, dv in q's dtype (dq with respect to the unscaled q); dg, dbeta f32.
 ops::KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& g, const Tensor& beta,
                                        const Tensor& cu_seqlens, double scale, const Tensor& d_out,
-                                       cudaStream_t stream = nullptr);
+                                       cudaStream_t stream = nullptr, int value_slices = 0,
+                                       const KdaChunkCache* cached = nullptr);
 
 }  // namespace glmtune::cuda

@@ -12,8 +12,10 @@
 //              the backward) Tm in f32. L = kb kᵀ and A = qc kᵀ with the per-element decay
 //              e^{Γ_i − Γ_j} run as MMAs on the factorised decay (below); U = Tm vb and
 //              W = Tm kbe as MMAs; the 16×16 substitution in fp32 on one warp, a column per lane.
-//   state_fwd  one block per (head, document), a warp per 16 value rows of Sᵀ (fp32 in the
-//              warp's MMA accumulators): Vn = U − W S, O = qd S + A Vn, S ← e^{Γ_last} S +
+//   state_fwd  one block per (head, document, value slice), a warp per 16 value rows of Sᵀ (fp32
+//              in the warp's MMA accumulators; the value columns of S evolve independently, so a
+//              walk splits into 1, 2 or 4 slices of 8, 4 or 2 warps and few walks still fill the
+//              SMs): Vn = U − W S, O = qd S + A Vn, S ← e^{Γ_last} S +
 //              kdecᵀ Vn. The backward's replay forms no O; it stores Vn and the entry states:
 //              every chunk's, or (where the walks at least fill the SMs) every even chunk's of a
 //              document, the odd chunk's state following from it as S0 e^{Γ_last} + kdecᵀ Vn of
@@ -22,10 +24,11 @@
 //              qdᵀ dO − Wᵀ dVn. The two products that need a chunk's exit gradient d S1 are taken
 //              here, while it sits in the registers: d kdec = Vn d S1ᵀ (per warp an MMA over its
 //              16 value rows, the accumulator tile transposed into a B operand by movmatrix, the
-//              eight partials summed in warp order through shared memory) and e^{Γ_last}
+//              slice's partials summed in warp order through shared memory) and e^{Γ_last}
 //              ⟨d S1, S0⟩ per key column (S0 from state_fwd's store, sent to L2 a chunk ahead, or
 //              for an odd chunk rebuilt from its partner's with the operations state_fwd ran:
-//              the same bits). Stores those and dVn; d S itself never goes to memory.
+//              the same bits). Stores those (one partial per value slice, which bwd_chunk adds
+//              in order) and dVn; d S itself never goes to memory.
 //   bwd_chunk  one block per (chunk, head), 81 KB of shared memory (two blocks per SM): from S0,
 //              Vn, dVn, d kdec every product as an MMA (d qd, d W over the value dim, for an odd
 //              chunk from its partner's stored state; dA, dvb = Tmᵀ dU, dkbe = Tmᵀ dW, dL; the
@@ -37,17 +40,18 @@
 // of the chunk's first and last Γ, turns the decayed 16×16×128 products into plain MMAs. A chunk
 // whose |Γ − ref| exceeds kMaxExp anywhere (the gate's lower bound −5 keeps real chunks inside)
 // takes the exact per-element fp32 path instead, decided per block, so any gate stays correct.
-// The backward takes no saved state from the forward (the API has none), so it runs prep and
-// state_fwd again. Workspace per (chunk, head): prep 34.5 KB; the backward adds S0ᵀ in f32
-// (64 KB per chunk, or per pair of chunks) and Vnᵀ, dVnᵀ, d kdec, e^{Γ_last} ⟨d S1, S0⟩
-// (24.5 KB): about 2.3 GB forward and 6.0 GB backward (8.1 GB with a state per chunk) at
-// T = 16384, H = 64.
+// The backward runs state_fwd again (the replay), and prep too unless the caller kept the
+// forward's prep output (KdaChunkCache). Workspace per (chunk, head): prep 34.5 KB; the backward
+// adds S0ᵀ in f32 (64 KB per chunk, or per pair of chunks) and Vnᵀ, dVnᵀ, d kdec, e^{Γ_last}
+// ⟨d S1, S0⟩ (24.5 KB, plus 8.5 KB per further value slice): about 2.3 GB forward and 6.0 GB
+// backward (8.1 GB with a state per chunk) at T = 16384, H = 64.
 // Matrix products run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) with
 // every fp32 operand split into a bf16 hi part and a bf16 lo part (the rounding error of hi):
 // hi·hi + hi·lo + lo·hi keeps about 16 bits of every operand, so the f32 mode and the f32 outputs
 // (dg, dβ) keep fp32-like accuracy. Every sum has a fixed order: no atomics, bit-identical
 // reruns.
 
+#include <array>
 #include <type_traits>
 
 #include "glmtune/ops/cuda/common.cuh"
@@ -61,7 +65,6 @@ using detail::bf16;
 constexpr int kC = 16;          // chunk length
 constexpr int kK = 128;         // key = value head dim
 constexpr int kLd = kK + 1;     // padded row of the f32 [C, K] tiles (conflict-free columns)
-constexpr int kThreads = 256;   // state kernels: 8 warps of 16 value rows
 constexpr int kCT = 512;        // chunk kernels: the 16×16 pair loops split in two halves
 constexpr int kTs = kK + 8;     // bf16 row of a staged [C, K] tile: 16-byte rows, and
                                 // ldmatrix's eight rows fall in distinct banks
@@ -511,66 +514,85 @@ struct Stage : StageBwd {
   float u[kTile];
 };
 
+// A [C][K] bf16 tile in 16-byte pieces by kNT threads.
+template <int kNT>
 __device__ __forceinline__ void stage_tile(bf16* dst, const bf16* src) {
-  const int row = threadIdx.x >> 4, col = (threadIdx.x & 15) * 8;  // 256 pieces of 16 bytes
-  cp_async16(dst + row * kTs + col, src + row * kK + col);
+#pragma unroll
+  for (int j = 0; j < kTile / 8; j += kNT) {
+    const int piece = j + int(threadIdx.x), row = piece >> 4, col = (piece & 15) * 8;
+    cp_async16(dst + row * kTs + col, src + row * kK + col);
+  }
 }
-// kWithU: U (the forward walk); kWithQA: qd and A (every walk but the backward's replay, which
-// forms no output).
-template <bool kWithU, bool kWithQA, typename S>
-__device__ void stage_load(S& st, const Prep& p, int64_t sh) {
+// kWithU: U (the forward walk), only the value columns [e0, e0 + kNT / 2) its block walks;
+// kWithQA: qd and A (every walk but the backward's replay, which forms no output). kNT threads.
+template <bool kWithU, bool kWithQA, int kNT, typename S>
+__device__ void stage_load(S& st, const Prep& p, int64_t sh, int e0) {
   const int tid = threadIdx.x;
-  stage_tile(st.w_hi, p.w_hi + sh * kTile);
-  stage_tile(st.w_lo, p.w_lo + sh * kTile);
+  stage_tile<kNT>(st.w_hi, p.w_hi + sh * kTile);
+  stage_tile<kNT>(st.w_lo, p.w_lo + sh * kTile);
   if constexpr (kWithQA) {
-    stage_tile(st.qd_hi, p.qd_hi + sh * kTile);
-    stage_tile(st.qd_lo, p.qd_lo + sh * kTile);
+    stage_tile<kNT>(st.qd_hi, p.qd_hi + sh * kTile);
+    stage_tile<kNT>(st.qd_lo, p.qd_lo + sh * kTile);
   }
-  stage_tile(st.kd_hi, p.kd_hi + sh * kTile);
-  stage_tile(st.kd_lo, p.kd_lo + sh * kTile);
-  if (kWithQA && tid < 64) {
-    const int r = (tid & 31) >> 1, col = (tid & 1) * 8;
-    if (tid < 32)
-      cp_async16(st.a_hi + r * kAs + col, p.a_hi + sh * kC * kC + r * kC + col);
-    else
-      cp_async16(st.a_lo + r * kAs + col, p.a_lo + sh * kC * kC + r * kC + col);
-  } else if (tid < 96) {
-    cp_async16(st.egl + (tid - 64) * 4, p.egl + sh * kK + (tid - 64) * 4);
+  stage_tile<kNT>(st.kd_hi, p.kd_hi + sh * kTile);
+  stage_tile<kNT>(st.kd_lo, p.kd_lo + sh * kTile);
+  // 16-byte pieces: A's hi and lo rows (32 each, with kWithQA), then e^{Γ_last} (32).
+  constexpr int kFirst = kWithQA ? 0 : 64;
+#pragma unroll
+  for (int j = kFirst; j < 96; j += kNT) {
+    const int piece = j + tid;
+    if (piece < 64) {
+      const int r = (piece & 31) >> 1, col = (piece & 1) * 8;
+      if (piece < 32)
+        cp_async16(st.a_hi + r * kAs + col, p.a_hi + sh * kC * kC + r * kC + col);
+      else
+        cp_async16(st.a_lo + r * kAs + col, p.a_lo + sh * kC * kC + r * kC + col);
+    } else if (piece < 96) {
+      cp_async16(st.egl + (piece - 64) * 4, p.egl + sh * kK + (piece - 64) * 4);
+    }
   }
-  if constexpr (kWithU)
-    for (int j = tid; j < kTile / 4; j += kThreads)
-      cp_async16(st.u + j * 4, p.u + sh * kTile + j * 4);
+  if constexpr (kWithU) {
+    constexpr int kRowPieces = kNT / 8;  // 16-byte pieces of a row's kNT / 2 value columns
+#pragma unroll
+    for (int j = 0; j < kC * kRowPieces; j += kNT) {
+      const int piece = j + tid, off = (piece / kRowPieces) * kK + e0 + 4 * (piece % kRowPieces);
+      cp_async16(st.u + off, p.u + sh * kTile + off);
+    }
+  }
 }
 
-// One block per (head, document), warp w owning rows e ∈ [16w, 16w + 16) of Sᵀ [e][a], held in
-// the accumulators s[nt] (row e = 16w + g (+8), column a = 8·nt + 2t (+1)). With kStore (the
+// One block per (head, document, value slice): the kWarps warps of slice z own rows
+// e ∈ [16·(kWarps·z + w), +16) of Sᵀ [e][a] (the value columns of S evolve independently), held in
+// the accumulators s[nt] (row e = eb + g (+8), column a = 8·nt + 2t (+1)). With kStore (the
 // backward's replay: no O), Vnᵀ of every chunk goes to vnt ([chunk·H + h] blocks, [e][i]) and the
 // entry states to s0 ([e][a] blocks): every chunk's ([chunk·H + h]), or with kPairs every even
 // chunk's of the document ([pair·H + h], pc as made by doc_chunks_kernel), the odd chunk's state
 // following from it and the even chunk's Vn, kdec, e^{Γ_last}.
-template <typename T, bool kStore, bool kPairs>
-__global__ void __launch_bounds__(kThreads)
+template <typename T, bool kStore, bool kPairs, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps)
     kda_state_fwd_kernel(Prep p, const int* __restrict__ cu, const int* __restrict__ dc,
                          const int* __restrict__ pc, int heads, T* __restrict__ out,
                          float* __restrict__ s0, float* __restrict__ vnt) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stages = reinterpret_cast<Stage*>(smem_raw);
-  const int h = blockIdx.x, doc = blockIdx.y;
+  constexpr int kNT = 32 * kWarps;
+  // One slice (kWarps = 8) starts at row 0: a constant keeps the registers of the unsliced walk.
+  const int h = blockIdx.x, doc = blockIdx.y, e0 = kWarps == 8 ? 0 : 16 * kWarps * int(blockIdx.z);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int eb = 16 * warp;
+  const int eb = e0 + 16 * warp;
   const int64_t start = cu[doc], end = cu[doc + 1];
   const int nch = int((end - start + kC - 1) / kC), first = dc[doc];
   float s[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
   constexpr bool kOut = !kStore;  // the backward's replay forms no output
-  if (nch > 0) stage_load<true, kOut>(stages[0], p, int64_t(first) * heads + h);
+  if (nch > 0) stage_load<true, kOut, kNT>(stages[0], p, int64_t(first) * heads + h, e0);
   cp_async_commit();
   for (int c = 0; c < nch; ++c) {
     const int64_t sh = int64_t(first + c) * heads + h, c0 = start + int64_t(c) * kC;
     const int n = int(end - c0 < kC ? end - c0 : kC);
     if (c + 1 < nch) {
-      stage_load<true, kOut>(stages[(c + 1) & 1], p, sh + heads);
+      stage_load<true, kOut, kNT>(stages[(c + 1) & 1], p, sh + heads, e0);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -681,35 +703,43 @@ __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
 // writes from the accumulator layout and reads by row), the per-warp ⟨d S1, S0⟩ columns, and
 // kdec and e^{Γ_last} of the chunk before an odd chunk (loaded one chunk ahead, with the stage).
 constexpr int kRedCols = 16;
+template <int kWarps>
 struct StateBwdSmem {
   StageBwd stages[2];
-  float red[2][kThreads / 32][kC * kRedCols];
-  float dot[kThreads / 32][kK];
+  float red[2][kWarps][kC * kRedCols];
+  float dot[kWarps][kK];
   bf16 kdb_hi[kC * kTs], kdb_lo[kC * kTs];
   float eglb[kK];
 };
 
-// The reverse walk: warp w owns rows e of d Sᵀ (as s in the forward). Before a chunk is undone,
-// d S is its exit gradient d S1, and the walk takes the two products of bwd_chunk that need it:
-// d kdec = Vn d S1ᵀ (over the value dim: each warp's 16 rows by an MMA whose B operand is the
-// accumulator tile transposed by movmatrix, then the eight warps' partials summed in order through
-// shared memory) to dkd, and e^{Γ_last} ⟨d S1, S0⟩ per key column to dgs: S0 read from the
-// forward's store for an even chunk, for an odd one rebuilt from the even chunk's as state_fwd
-// formed it (e^{Γ_last} S0 + Vnᵀ kdec of the chunk before, the same operations: the same bits).
-// Also stores dVnᵀ to dvnt. d S itself never leaves the registers.
-template <typename T, bool kPairs>
-__global__ void __launch_bounds__(kThreads, 2)
+// The reverse walk: warp w of value slice z owns rows e of d Sᵀ (as s in the forward). Before a
+// chunk is undone, d S is its exit gradient d S1, and the walk takes the two products of
+// bwd_chunk that need it: d kdec = Vn d S1ᵀ (over the value dim: each warp's 16 rows by an MMA
+// whose B operand is the accumulator tile transposed by movmatrix, then the slice's warps'
+// partials summed in order through shared memory) to dkd, and e^{Γ_last} ⟨d S1, S0⟩ per key column
+// to dgs: S0 read from the forward's store for an even chunk, for an odd one rebuilt from the even
+// chunk's as state_fwd formed it (e^{Γ_last} S0 + Vnᵀ kdec of the chunk before, the same
+// operations: the same bits). Also stores dVnᵀ to dvnt. d S itself never leaves the registers. d
+// kdec and ⟨d S1, S0⟩ are sums over the value rows: each slice z stores its own (dkd + z·kd_stride,
+// dgs + z·gs_stride), and bwd_chunk adds the slices in order.
+template <typename T, bool kPairs, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps, 2)
     kda_state_bwd_kernel(Prep p, const T* __restrict__ dout, const int* __restrict__ cu,
                          const int* __restrict__ dc, const int* __restrict__ pc, int heads,
                          const float* __restrict__ s0, const float* __restrict__ vnt,
-                         float* __restrict__ dvnt, float* __restrict__ dkd,
-                         float* __restrict__ dgs) {
+                         float* __restrict__ dvnt, float* __restrict__ dkd, float* __restrict__ dgs,
+                         int64_t kd_stride, int64_t gs_stride) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  StateBwdSmem& sm = *reinterpret_cast<StateBwdSmem*>(smem_raw);
+  StateBwdSmem<kWarps>& sm = *reinterpret_cast<StateBwdSmem<kWarps>*>(smem_raw);
   StageBwd* stages = sm.stages;
-  const int h = blockIdx.x, doc = blockIdx.y;
+  constexpr int kNT = 32 * kWarps, kRows = 16 * kWarps;  // threads, value rows of the slice
+  const int h = blockIdx.x, doc = blockIdx.y, z = kWarps == 8 ? 0 : int(blockIdx.z), e0 = kRows * z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int eb = 16 * warp;
+  const int eb = e0 + 16 * warp;
+  if constexpr (kWarps < 8) {  // more than one slice
+    dkd += z * kd_stride;
+    dgs += z * gs_stride;
+  }
   const int64_t start = cu[doc], end = cu[doc + 1];
   const int nch = int((end - start + kC - 1) / kC), first = dc[doc];
   // Where chunk c's stored entry state (its own, or with kPairs its even partner's) starts.
@@ -718,8 +748,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         kPairs ? int64_t(pc[doc] + c / 2) * heads + h : int64_t(first + c) * heads + h;
     return s0 + idx * kK * kK;
   };
-  // dO of a chunk: thread tid holds row tid/16, columns 8·(tid%16) .. +7 (zero past the end).
-  const int xr = tid >> 4, xc = (tid & 15) * 8;
+  // dO of a chunk over the slice's value columns: thread tid holds row tid / (2·kWarps), eight
+  // columns from xc (zero past the end).
+  const int xr = tid / (2 * kWarps), xc = e0 + (tid % (2 * kWarps)) * 8;
   float xo[8];
   auto fetch_dout = [&](int c) {
     const int64_t row = start + int64_t(c) * kC + xr;
@@ -739,23 +770,25 @@ __global__ void __launch_bounds__(kThreads, 2)
   // kdec and e^{Γ_last} of chunk c into kdb_hi, kdb_lo, eglb.
   auto load_before = [&](int c) {
     const int64_t shb = int64_t(first + c) * heads + h;
-    stage_tile(sm.kdb_hi, p.kd_hi + shb * kTile);
-    stage_tile(sm.kdb_lo, p.kd_lo + shb * kTile);
+    stage_tile<kNT>(sm.kdb_hi, p.kd_hi + shb * kTile);
+    stage_tile<kNT>(sm.kdb_lo, p.kd_lo + shb * kTile);
     if (tid < 32) cp_async16(sm.eglb + tid * 4, p.egl + shb * kK + tid * 4);
   };
   float ds[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
   if (nch > 0) {
-    stage_load<false, true>(stages[(nch - 1) & 1], p, int64_t(first + nch - 1) * heads + h);
+    stage_load<false, true, kNT>(stages[(nch - 1) & 1], p, int64_t(first + nch - 1) * heads + h,
+                                 e0);
     if (kPairs && ((nch - 1) & 1)) load_before(nch - 2);
     fetch_dout(nch - 1);
     put_dout(stages[(nch - 1) & 1]);
     if (tid == 0) {
       const int64_t sh = int64_t(first + nch - 1) * heads + h;
-      prefetch_l2(state_at(nch - 1), kK * kK * sizeof(float));
-      prefetch_l2(vnt + sh * kTile, kTile * sizeof(float));
-      if (kPairs && nch > 1) prefetch_l2(vnt + (sh - heads) * kTile, kTile * sizeof(float));
+      prefetch_l2(state_at(nch - 1) + e0 * kK, kRows * kK * sizeof(float));
+      prefetch_l2(vnt + sh * kTile + e0 * kC, kRows * kC * sizeof(float));
+      if (kPairs && nch > 1)
+        prefetch_l2(vnt + (sh - heads) * kTile + e0 * kC, kRows * kC * sizeof(float));
     }
   }
   cp_async_commit();
@@ -765,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // previous stage; the next odd chunk's go with this one).
     const bool rebuild = kPairs && (c & 1);
     if (c > 0) {
-      stage_load<false, true>(stages[(c - 1) & 1], p, sh - heads);
+      stage_load<false, true, kNT>(stages[(c - 1) & 1], p, sh - heads, e0);
       if (kPairs && c >= 2 && ((c - 1) & 1)) load_before(c - 2);
       cp_async_commit();
       cp_async_wait<1>();
@@ -778,14 +811,15 @@ __global__ void __launch_bounds__(kThreads, 2)
     // and the dO rows that fetch_dout reads one iteration from now. With kPairs the stored state
     // changes every second chunk, and an odd chunk also reads the Vnᵀ of the chunk before.
     if (c > 0 && tid == 0) {
-      if (!kPairs || (c & 1) == 0) prefetch_l2(state_at(c - 1), kK * kK * sizeof(float));
-      prefetch_l2(vnt + (sh - heads) * kTile, kTile * sizeof(float));
+      if (!kPairs || (c & 1) == 0)
+        prefetch_l2(state_at(c - 1) + e0 * kK, kRows * kK * sizeof(float));
+      prefetch_l2(vnt + (sh - heads) * kTile + e0 * kC, kRows * kC * sizeof(float));
       if (kPairs && c > 1 && (c & 1) == 0)
-        prefetch_l2(vnt + (sh - 2 * heads) * kTile, kTile * sizeof(float));
+        prefetch_l2(vnt + (sh - 2 * heads) * kTile + e0 * kC, kRows * kC * sizeof(float));
     }
     if (c > 1 && tid >= 32 && tid < 32 + kC) {  // dO rows of the chunk after next
       const int64_t row = start + int64_t(c - 2) * kC + (tid - 32);
-      if (row < end) prefetch_l2(dout + (row * heads + h) * kK, kK * sizeof(T));
+      if (row < end) prefetch_l2(dout + (row * heads + h) * kK + e0, kRows * sizeof(T));
     }
     // S0ᵀ of this chunk in the accumulator layout (rows e, columns a: as state_fwd stored it),
     // two n-tiles at a time, one round ahead.
@@ -880,23 +914,32 @@ __global__ void __launch_bounds__(kThreads, 2)
               make_float2(part[j][2 * half], part[j][2 * half + 1]);
         }
       __syncthreads();
-      if (tid < kC * kRedCols / 2) {  // the eight warps' partials in order, two columns a thread
-        const int i = tid >> 3, al = 2 * (tid & 7), col = al ^ (8 * ((i >> 1) & 1));
-        float2 acc = *reinterpret_cast<const float2*>(&sm.red[grp & 1][0][i * kRedCols + col]);
+      // The slice's warps' partials summed in warp order: d kdec two columns a job (kC·kRedCols/2
+      // jobs), and after the last round ⟨d S1, S0⟩ one key column a job (kK more).
+      constexpr int kRedJobs = kC * kRedCols / 2;
+      const int jobs = grp == kRounds - 1 ? kRedJobs + kK : kRedJobs;
 #pragma unroll
-        for (int w = 1; w < kThreads / 32; ++w) {
-          const float2 x =
-              *reinterpret_cast<const float2*>(&sm.red[grp & 1][w][i * kRedCols + col]);
-          acc.x += x.x;
-          acc.y += x.y;
+      for (int j0 = 0; j0 < jobs; j0 += kNT) {
+        const int job = j0 + tid;
+        if (job >= jobs) break;
+        if (job < kRedJobs) {
+          const int i = job >> 3, al = 2 * (job & 7), col = al ^ (8 * ((i >> 1) & 1));
+          float2 acc = *reinterpret_cast<const float2*>(&sm.red[grp & 1][0][i * kRedCols + col]);
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w) {
+            const float2 x =
+                *reinterpret_cast<const float2*>(&sm.red[grp & 1][w][i * kRedCols + col]);
+            acc.x += x.x;
+            acc.y += x.y;
+          }
+          *reinterpret_cast<float2*>(dkd + sh * kTile + i * kK + kRedCols * grp + al) = acc;
+        } else {
+          const int a = job - kRedJobs;
+          float acc = sm.dot[0][a];
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w) acc += sm.dot[w][a];
+          dgs[sh * kK + a] = st.egl[a] * acc;
         }
-        *reinterpret_cast<float2*>(dkd + sh * kTile + i * kK + kRedCols * grp + al) = acc;
-      } else if (grp == kRounds - 1 && tid >= kThreads - kK) {
-        const int a = tid - (kThreads - kK);
-        float acc = sm.dot[0][a];
-#pragma unroll
-        for (int w = 1; w < kThreads / 32; ++w) acc += sm.dot[w][a];
-        dgs[sh * kK + a] = st.egl[a] * acc;
       }
     }
     if (c > 0) fetch_dout(c - 1);  // the next chunk's dO (sent to L2 one iteration ago)
@@ -984,7 +1027,8 @@ struct BwdSmem {
 //      (dL K', dA K', dLᵀ KB' + dAᵀ Q' with K' = k e^{ref−Γ}, KB' = kb e^{Γ−ref}, Q' = qc
 //      e^{Γ−ref}), else the exact per-element sums in fp32;
 //   5. dq, dk, dv from registers; dg (a reverse cumsum per column) and dβ (fixed-order partials).
-template <typename T, bool kPairs>
+// d kdec and ⟨d S1, S0⟩ arrive as kSlices partials (state_bwd's value slices), added in order.
+template <typename T, bool kPairs, int kSlices>
 __global__ void __launch_bounds__(kCT, 2)
     kda_bwd_chunk_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                          const float* __restrict__ g, const float* __restrict__ beta,
@@ -993,8 +1037,9 @@ __global__ void __launch_bounds__(kCT, 2)
                          int heads, float scale, Prep p, const float* __restrict__ s0,
                          const float* __restrict__ vnt, const float* __restrict__ dvnt,
                          const float* __restrict__ dkdg, const float* __restrict__ dgs,
-                         T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dv,
-                         float* __restrict__ dg, float* __restrict__ dbeta) {
+                         int64_t kd_stride, int64_t gs_stride, T* __restrict__ dq,
+                         T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dg,
+                         float* __restrict__ dbeta) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem& sm = *reinterpret_cast<BwdSmem*>(smem_raw);
   const int slot = blockIdx.x, h = blockIdx.y;
@@ -1010,7 +1055,9 @@ __global__ void __launch_bounds__(kCT, 2)
   // What phases 2, 3 and 5 read from memory goes to L2 while the block stages its inputs.
   if (tid == 0) {
     prefetch_l2(s0c, kK * kK * sizeof(float));
-    prefetch_l2(dkdg + sh * kTile, kTile * sizeof(float));
+#pragma unroll
+    for (int z = 0; z < kSlices; ++z)
+      prefetch_l2(dkdg + z * kd_stride + sh * kTile, kTile * sizeof(float));
     prefetch_l2(p.u + sh * kTile, kTile * sizeof(float));
     prefetch_l2(p.w_hi + sh * kTile, kTile * sizeof(bf16));
     prefetch_l2(p.w_lo + sh * kTile, kTile * sizeof(bf16));
@@ -1099,8 +1146,12 @@ __global__ void __launch_bounds__(kCT, 2)
   // (S0ᵀ [e][a], or S0'ᵀ).
   float dkd[4], dqd[4] = {}, dwa[4] = {};
 #pragma unroll
-  for (int r = 0; r < 4; ++r)
-    dkd[r] = dkdg[sh * kTile + (gg + (r >> 1) * 8) * kK + n0 + 2 * t4 + (r & 1)];
+  for (int r = 0; r < 4; ++r) {
+    const int64_t off = sh * kTile + (gg + (r >> 1) * 8) * kK + n0 + 2 * t4 + (r & 1);
+    dkd[r] = dkdg[off];
+#pragma unroll
+    for (int z = 1; z < kSlices; ++z) dkd[r] += dkdg[z * kd_stride + off];
+  }
 #pragma unroll 2
   for (int kk = 0; kk < 8; ++kk) {
     const int64_t base = int64_t(16 * kk + 2 * t4) * kK + n0 + gg;
@@ -1153,7 +1204,12 @@ __global__ void __launch_bounds__(kCT, 2)
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) tsum[c] += __shfl_xor_sync(0xffffffffu, tsum[c], o);
     const int a = n0 + 2 * t4 + c;
-    if (gg == 0) sm.dgl[a] = dgs[sh * kK + a] + tsum[c];
+    if (gg == 0) {
+      float dot = dgs[sh * kK + a];
+#pragma unroll
+      for (int z = 1; z < kSlices; ++z) dot += dgs[z * gs_stride + sh * kK + a];
+      sm.dgl[a] = dot + tsum[c];
+    }
   }
   __syncwarp();
 
@@ -1333,6 +1389,7 @@ __global__ void __launch_bounds__(kCT, 2)
 struct CoreArgs {
   int64_t tokens = 0;
   int heads = 0, ndoc = 0;
+  int slices = 1;  // blocks per (head, document) walk, each on 128 / slices value rows
 };
 
 CoreArgs check_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
@@ -1380,17 +1437,9 @@ struct Workspace {
   Prep p{};
 };
 
-template <typename T>
-Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                   const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale,
-                   cudaStream_t stream) {
-  Workspace w;
-  const Device dev = q.device();
-  w.slots = a.tokens / kC + a.ndoc;
-  const int64_t sh = w.slots * a.heads;
-  w.dc = Tensor::empty({2 * (int64_t(a.ndoc) + 1)}, DType::i32, dev);  // dc, then pc
-  w.tiles = Tensor::empty({sh * (6 * kTile + 2 * kC * kC)}, DType::bf16, dev);
-  w.f32s = Tensor::empty({sh * (kTile + kK + kC * kC)}, DType::f32, dev);
+// Points w.p into w.tiles and w.f32s.
+void bind_prep(Workspace& w, int heads) {
+  const int64_t sh = w.slots * heads;
   bf16* b = mptr<bf16>(w.tiles);
   auto take = [&b, sh](int64_t n) {
     bf16* r = b;
@@ -1408,6 +1457,20 @@ Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   w.p.u = w.f32s.data<float>();
   w.p.egl = w.p.u + sh * kTile;
   w.p.tm = w.p.egl + sh * kK;
+}
+
+template <typename T>
+Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                   const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale,
+                   cudaStream_t stream) {
+  Workspace w;
+  const Device dev = q.device();
+  w.slots = a.tokens / kC + a.ndoc;
+  const int64_t sh = w.slots * a.heads;
+  w.dc = Tensor::empty({2 * (int64_t(a.ndoc) + 1)}, DType::i32, dev);  // dc, then pc
+  w.tiles = Tensor::empty({sh * (6 * kTile + 2 * kC * kC)}, DType::bf16, dev);
+  w.f32s = Tensor::empty({sh * (kTile + kK + kC * kC)}, DType::f32, dev);
+  bind_prep(w, a.heads);
   doc_chunks_kernel<<<1, 32, 0, stream>>>(cu.data<int32_t>(), a.ndoc, w.dc.data<int32_t>());
   constexpr int bytes = Local::floats() * int(sizeof(float));
   auto kernel = kda_prep_kernel<T>;
@@ -1423,33 +1486,78 @@ Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   return w;
 }
 
+// Calls f with the warps per walk block (8, 4 or 2) of `slices` (1, 2 or 4) as a constant.
+template <typename F>
+void with_warps(int slices, F&& f) {
+  if (slices == 1)
+    f(std::integral_constant<int, 8>{});
+  else if (slices == 2)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 2>{});
+}
+
 template <typename T, bool kStore, bool kPairs>
 void run_state_fwd(const Workspace& w, const Tensor& cu, const CoreArgs& a, T* out, float* s0,
                    float* vnt, cudaStream_t stream) {
-  constexpr int bytes = 2 * int(sizeof(Stage));
-  auto kernel = kda_state_fwd_kernel<T, kStore, kPairs>;
-  GLMTUNE_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  const int* dc = w.dc.data<int32_t>();
-  kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc)), kThreads, bytes, stream>>>(
-      w.p, cu.data<int32_t>(), dc, dc + a.ndoc + 1, a.heads, out, s0, vnt);
+  with_warps(a.slices, [&](auto warps) {
+    constexpr int kWarps = decltype(warps)::value, bytes = 2 * int(sizeof(Stage));
+    auto kernel = kda_state_fwd_kernel<T, kStore, kPairs, kWarps>;
+    GLMTUNE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    const int* dc = w.dc.data<int32_t>();
+    kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc), unsigned(a.slices)), 32 * kWarps, bytes,
+             stream>>>(w.p, cu.data<int32_t>(), dc, dc + a.ndoc + 1, a.heads, out, s0, vnt);
+  });
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T>
 void launch_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                 const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale, Tensor& out,
-                cudaStream_t stream) {
+                KdaChunkCache* keep, cudaStream_t stream) {
   const Workspace w = run_prep<T>(q, k, v, g, beta, cu, a, scale, stream);
   run_state_fwd<T, false, false>(w, cu, a, mptr<T>(out), nullptr, nullptr, stream);
+  if (keep) {
+    keep->chunks = w.dc;
+    keep->tiles = w.tiles;
+    keep->f32s = w.f32s;
+    keep->slots = w.slots;
+    keep->inputs = {q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr()};
+    keep->scale = scale;
+  }
+}
+
+// The backward's chunk-local quantities: from `cached` when given (checked against these inputs),
+// else formed again.
+template <typename T>
+Workspace backward_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                        const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale,
+                        const KdaChunkCache* cached, cudaStream_t stream) {
+  if (!cached) return run_prep<T>(q, k, v, g, beta, cu, a, scale, stream);
+  const std::array<const void*, 5> inputs = {q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(),
+                                             beta.data_ptr()};
+  GLMTUNE_CUDA_OP_REQUIRE(
+      cached->tiles.defined() && cached->inputs == inputs && cached->scale == scale &&
+          cached->slots == a.tokens / kC + a.ndoc && cached->chunks.numel() == 2 * (a.ndoc + 1),
+      "cuda::kda_chunked_backward: the KdaChunkCache was filled by kda_chunked on other inputs "
+      "(pass the cache of the forward of these q, k, v, g, beta, or none)");
+  Workspace w;
+  w.slots = cached->slots;
+  w.dc = cached->chunks;
+  w.tiles = cached->tiles;
+  w.f32s = cached->f32s;
+  bind_prep(w, a.heads);
+  return w;
 }
 
 template <typename T, bool kPairs>
 void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                 const Tensor& beta, const Tensor& cu, const CoreArgs& a, float scale,
-                const Tensor& dout, ops::KdaCoreGrads& r, cudaStream_t stream) {
+                const Tensor& dout, const KdaChunkCache* cached, ops::KdaCoreGrads& r,
+                cudaStream_t stream) {
   const Device dev = q.device();
-  const Workspace w = run_prep<T>(q, k, v, g, beta, cu, a, scale, stream);
+  const Workspace w = backward_prep<T>(q, k, v, g, beta, cu, a, scale, cached, stream);
   const int64_t sh = w.slots * a.heads;
   const int* dc = w.dc.data<int32_t>();
   const int* pc = dc + a.ndoc + 1;
@@ -1457,61 +1565,89 @@ void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   // ndoc).
   const int64_t stored = kPairs ? (w.slots / 2 + a.ndoc) * a.heads : sh;
   Tensor states = Tensor::empty({stored, kK, kK}, DType::f32, dev);
-  // Vnᵀ, dVnᵀ, d kdec [C][K] and e^{Γ_last} ⟨d S1, S0⟩ [K] per (chunk, head).
-  Tensor small = Tensor::empty({sh * (3 * kTile + kK)}, DType::f32, dev);
+  // Vnᵀ, dVnᵀ [C][K] per (chunk, head), then per value slice d kdec [C][K] and
+  // e^{Γ_last} ⟨d S1, S0⟩ [K] per (chunk, head).
+  Tensor small = Tensor::empty({sh * (2 * kTile + a.slices * (kTile + kK))}, DType::f32, dev);
   float* s0 = states.data<float>();
   float* vnt = small.data<float>();
   float* dvnt = vnt + sh * kTile;
   float* dkd = dvnt + sh * kTile;
-  float* dgs = dkd + sh * kTile;
+  float* dgs = dkd + a.slices * sh * kTile;
+  const int64_t kd_stride = sh * kTile, gs_stride = sh * kK;
   run_state_fwd<T, true, kPairs>(w, cu, a, nullptr, s0, vnt, stream);
-  {
-    constexpr int bytes = int(sizeof(StateBwdSmem));
-    auto kernel = kda_state_bwd_kernel<T, kPairs>;
+  with_warps(a.slices, [&](auto warps) {
+    constexpr int kWarps = decltype(warps)::value, bytes = int(sizeof(StateBwdSmem<kWarps>));
+    auto kernel = kda_state_bwd_kernel<T, kPairs, kWarps>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     // Two blocks per SM need the largest shared-memory carveout.
     GLMTUNE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             int(cudaSharedmemCarveoutMaxShared)));
-    kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc)), kThreads, bytes, stream>>>(
-        w.p, cptr<T>(dout), cu.data<int32_t>(), dc, pc, a.heads, s0, vnt, dvnt, dkd, dgs);
-    GLMTUNE_CUDA_CHECK(cudaGetLastError());
-  }
-  {
+    kernel<<<dim3(unsigned(a.heads), unsigned(a.ndoc), unsigned(a.slices)), 32 * kWarps, bytes,
+             stream>>>(w.p, cptr<T>(dout), cu.data<int32_t>(), dc, pc, a.heads, s0, vnt, dvnt, dkd,
+                       dgs, kd_stride, gs_stride);
+  });
+  GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  with_warps(a.slices, [&](auto warps) {
     constexpr int bytes = int(sizeof(BwdSmem));
-    auto kernel = kda_bwd_chunk_kernel<T, kPairs>;
+    auto kernel = kda_bwd_chunk_kernel<T, kPairs, 8 / decltype(warps)::value>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     kernel<<<dim3(unsigned(w.slots), unsigned(a.heads)), kCT, bytes, stream>>>(
         cptr<T>(q), cptr<T>(k), cptr<T>(v), g.data<float>(), beta.data<float>(), cptr<T>(dout),
-        cu.data<int32_t>(), dc, pc, a.ndoc, a.heads, scale, w.p, s0, vnt, dvnt, dkd, dgs,
-        mptr<T>(r.dq), mptr<T>(r.dk), mptr<T>(r.dv), r.dg.data<float>(), r.dbeta.data<float>());
-    GLMTUNE_CUDA_CHECK(cudaGetLastError());
-  }
+        cu.data<int32_t>(), dc, pc, a.ndoc, a.heads, scale, w.p, s0, vnt, dvnt, dkd, dgs, kd_stride,
+        gs_stride, mptr<T>(r.dq), mptr<T>(r.dk), mptr<T>(r.dv), r.dg.data<float>(),
+        r.dbeta.data<float>());
+  });
+  GLMTUNE_CUDA_CHECK(cudaGetLastError());
+}
+
+int multiprocessors(const Device& dev) {
+  int sms = 0;
+  GLMTUNE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index));
+  return sms;
+}
+
+// The value slices per walk: `requested` (1, 2 or 4), or with 0: one where the walks reach 90%
+// of the SMs, else two, or four where four still give no SM two blocks. A walk's chunks run in
+// sequence, so with fewer (head, document) pairs than SMs the rest of the GPU idles unless each
+// walk is split over its value rows; but two-warp blocks sharing an SM run slower than one-slice
+// walks (on an H200 at 64 walks, fwd+bwd: 23.6 ms in one slice, 20.4 in two, 23.7 in four).
+int value_slices(int requested, int64_t walks, int sms, const char* op) {
+  GLMTUNE_CUDA_OP_REQUIRE(requested == 0 || requested == 1 || requested == 2 || requested == 4,
+                          std::string(op) + ": value_slices " + std::to_string(requested) +
+                              " must be 0 (automatic), 1, 2 or 4");
+  if (requested != 0) return requested;
+  if (walks * 10 >= int64_t(sms) * 9) return 1;
+  return walks * 4 <= sms ? 4 : 2;
 }
 
 }  // namespace
 
 Tensor kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                   const Tensor& beta, const Tensor& cu_seqlens, double scale,
-                   cudaStream_t stream) {
-  const CoreArgs a = check_core(q, k, v, g, beta, cu_seqlens, "cuda::kda_chunked");
+                   const Tensor& beta, const Tensor& cu_seqlens, double scale, cudaStream_t stream,
+                   int slices, KdaChunkCache* keep) {
+  const char* op = "cuda::kda_chunked";
+  CoreArgs a = check_core(q, k, v, g, beta, cu_seqlens, op);
+  a.slices = value_slices(slices, int64_t(a.heads) * a.ndoc, multiprocessors(q.device()), op);
   detail::DeviceGuard guard(q.device().index);
+  if (keep) *keep = KdaChunkCache{};
   Tensor out = Tensor::empty(v.shape(), q.dtype(), q.device());
   if (a.tokens == 0) return out;
   if (q.dtype() == DType::bf16)
-    launch_fwd<bf16>(q, k, v, g, beta, cu_seqlens, a, float(scale), out, stream);
+    launch_fwd<bf16>(q, k, v, g, beta, cu_seqlens, a, float(scale), out, keep, stream);
   else
-    launch_fwd<float>(q, k, v, g, beta, cu_seqlens, a, float(scale), out, stream);
+    launch_fwd<float>(q, k, v, g, beta, cu_seqlens, a, float(scale), out, keep, stream);
   return out;
 }
 
 ops::KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& g, const Tensor& beta,
                                        const Tensor& cu_seqlens, double scale, const Tensor& d_out,
-                                       cudaStream_t stream) {
+                                       cudaStream_t stream, int slices,
+                                       const KdaChunkCache* cached) {
   const char* op = "cuda::kda_chunked_backward";
-  const CoreArgs a = check_core(q, k, v, g, beta, cu_seqlens, op);
+  CoreArgs a = check_core(q, k, v, g, beta, cu_seqlens, op);
   GLMTUNE_CUDA_OP_REQUIRE(d_out.defined() && d_out.dtype() == q.dtype() &&
                               d_out.shape() == v.shape() && d_out.is_contiguous() &&
                               d_out.device() == q.device(),
@@ -1525,24 +1661,24 @@ ops::KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const T
       Tensor::empty(beta.shape(), DType::f32, dev)};
   if (a.tokens == 0) return r;
   // One stored state per pair of chunks halves the states' traffic but lengthens state_bwd's
-  // sequential walk (every odd chunk rebuilds its state): a gain where the (head, document) walks
-  // at least fill the SMs, a loss where one walk's latency is the whole time (on an H200:
-  // 1.2 ms faster at 256 walks, 0.5 ms slower at 64).
-  int sms = 0;
-  GLMTUNE_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.device().index));
-  const bool pairs = int64_t(a.heads) * a.ndoc >= sms;
+  // sequential walk (every odd chunk rebuilds its state): a gain where the walks (value slices
+  // included) at least fill the SMs, a loss where one walk's latency is the whole time (on an
+  // H200: 1.2 ms faster at 256 walks, 0.5 ms slower at 64).
+  const int sms = multiprocessors(dev);
+  const int64_t walks = int64_t(a.heads) * a.ndoc;
+  a.slices = value_slices(slices, walks, sms, op);
+  const bool pairs = walks * a.slices >= sms;
   const float sc = float(scale);
   if (q.dtype() == DType::bf16) {
     if (pairs)
-      launch_bwd<bf16, true>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, r, stream);
+      launch_bwd<bf16, true>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, cached, r, stream);
     else
-      launch_bwd<bf16, false>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, r, stream);
+      launch_bwd<bf16, false>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, cached, r, stream);
   } else {
     if (pairs)
-      launch_bwd<float, true>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, r, stream);
+      launch_bwd<float, true>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, cached, r, stream);
     else
-      launch_bwd<float, false>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, r, stream);
+      launch_bwd<float, false>(q, k, v, g, beta, cu_seqlens, a, sc, d_out, cached, r, stream);
   }
   return r;
 }
