@@ -1,14 +1,21 @@
 // Fully sharded data parallel under mpirun (dist/fsdp.h) against the single-process step: with
-// the decoder layers' parameters held in slices over the dp group, gathered per layer and
-// released after, and each layer's gradient reduce-scattered right after its backward, one
-// step's summed losses and every gradient (slices gathered back) equal what one process computes
-// from all the packs; between layers each rank holds about 1/P of the decoder-layer bytes
-// (measured from the storage that is still alive, not computed from the layout).
+// the decoder layers' parameters held in slices over the dp group, gathered per layer (the next
+// layer prefetched) and released after, and each layer's gradient buffers existing only around
+// its backward before being reduce-scattered into slices, one step's summed losses and every
+// gradient (slices gathered back) equal what one process computes from all the packs; each rank
+// holds about 1/P of the decoder-layer weights and gradients, at most two gathered layers at a
+// time (measured from the storage that is still alive, not computed from the layout). The
+// optimizer on the slices updates exactly as the unsharded AdamW, keeps 1/P of its state per
+// rank, and its state gathers back to the unsharded format and loads from it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -43,8 +50,10 @@ bool is_layer_name(const std::string& name, int64_t layers) {
   return false;
 }
 
-// Passes every call on and measures what is resident right after each release (between layers)
-// and right after each gather (while a layer runs).
+// Passes every call on and measures what is resident: parameters right after each release
+// (between layers: the next layer may be in flight already) and while a layer runs with the next
+// one prefetched; gradients right after each reduction (between layers) and while a layer's
+// buffers exist.
 class Measured final : public model::text::LayerParamProvider {
  public:
   Measured(ShardedLayers& inner, const model::text::TextWeights& w) : inner_(inner), w_(w) {}
@@ -54,21 +63,46 @@ class Measured final : public model::text::LayerParamProvider {
     during = std::max(during, inner_.resident_bytes());
     ++gathers;
   }
+  void prefetch(int64_t layer) override {
+    inner_.prefetch(layer);
+    during = std::max(during, inner_.resident_bytes());
+    ++prefetches;
+  }
   void release(int64_t layer) override {
     inner_.release(layer);
     EXPECT_FALSE(w_.layers[size_t(layer)].input_layernorm.defined()) << "layer " << layer;
     between = std::max(between, inner_.resident_bytes());
+    between_least = std::min(between_least, inner_.resident_bytes());
+  }
+  void allocate_gradients(int64_t layer) override {
+    inner_.allocate_gradients(layer);
+    grad_during = std::max(grad_during, inner_.gradient_bytes());
   }
   void reduce_gradients(int64_t layer) override {
     inner_.reduce_gradients(layer);
+    grad_between = std::max(grad_between, inner_.gradient_bytes());
     ++reductions;
   }
-  int64_t between = 0, during = 0, gathers = 0, reductions = 0;
+  int64_t between = 0, between_least = std::numeric_limits<int64_t>::max(), during = 0;
+  int64_t grad_between = 0, grad_during = 0;
+  int64_t gathers = 0, prefetches = 0, reductions = 0;
 
  private:
   ShardedLayers& inner_;
   const model::text::TextWeights& w_;
 };
+
+// Bytes of the decoder-layer tensors of `named`, per layer.
+std::vector<int64_t> bytes_per_layer(const std::vector<std::pair<std::string, Tensor>>& named,
+                                     int64_t layers) {
+  std::vector<int64_t> out(size_t(layers), 0);
+  for (const auto& [name, t] : named)
+    for (int64_t l = 0; l < layers; ++l) {
+      const std::string p = model::text::layer_prefix(l);
+      if (name.compare(0, p.size(), p) == 0) out[size_t(l)] += int64_t(t.nbytes());
+    }
+  return out;
+}
 
 TEST(DistFsdp, OneStepEqualsTheSingleProcessStepWithShardedLayers) {
   ParallelContext& par = *testing::world_context();
@@ -112,17 +146,27 @@ TEST(DistFsdp, OneStepEqualsTheSingleProcessStepWithShardedLayers) {
   }
   const model::text::ForwardOutput ref_eval = m.forward(all[0]);
 
-  // The decoder-layer bytes of the whole model, from the weights themselves.
-  int64_t layer_bytes = 0;
-  for (const auto& [name, t] : m.weights().named)
-    if (is_layer_name(name, layers)) layer_bytes += int64_t(t.nbytes());
+  // The decoder-layer bytes of the whole model, from the weights and gradients themselves.
+  const std::vector<int64_t> per_layer = bytes_per_layer(m.weights().named, layers);
+  int64_t layer_bytes = 0, largest_pair = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    layer_bytes += per_layer[size_t(l)];
+    if (l + 1 < layers)
+      largest_pair = std::max(largest_pair, per_layer[size_t(l)] + per_layer[size_t(l + 1)]);
+  }
   ASSERT_GT(layer_bytes, 0);
+  int64_t layer_grad_bytes = 0;
+  for (int64_t b : bytes_per_layer(ref_grads.named, layers)) layer_grad_bytes += b;
+  ASSERT_GT(layer_grad_bytes, 0);
 
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(m.weights());
   ShardedLayers fsdp(m.weights(), grads, par.dp());
   EXPECT_EQ(fsdp.full_bytes(), layer_bytes);
+  EXPECT_EQ(fsdp.full_gradient_bytes(), layer_grad_bytes);
   for (const auto& [name, t] : m.weights().named)
     if (is_layer_name(name, layers)) EXPECT_FALSE(t.defined()) << name << " still whole";
+  for (const auto& [name, g] : grads.named)
+    if (is_layer_name(name, layers)) EXPECT_FALSE(g.defined()) << name << " gradient still whole";
   Measured measured(fsdp, m.weights());
   topt.layer_params = &measured;
 
@@ -133,10 +177,12 @@ TEST(DistFsdp, OneStepEqualsTheSingleProcessStepWithShardedLayers) {
     lm += r.backward.lm_loss_sum;
     objective += r.backward.objective();
   }
-  // Forward, recompute and backward gathers; one reduction per layer per pack.
+  // Forward, recompute and backward gathers, each but the last of a loop prefetching the next
+  // layer; one reduction per layer per pack.
   const int64_t recomputed = std::count(topt.activations.begin(), topt.activations.end(),
                                         model::text::ActivationPolicy::recompute);
   EXPECT_EQ(measured.gathers, kPacksPerRank * (2 * layers));
+  EXPECT_EQ(measured.prefetches, kPacksPerRank * (2 * (layers - 1)));
   EXPECT_EQ(measured.reductions, kPacksPerRank * layers);
   EXPECT_GT(recomputed, 0);
   EXPECT_LT(recomputed, layers);
@@ -147,32 +193,54 @@ TEST(DistFsdp, OneStepEqualsTheSingleProcessStepWithShardedLayers) {
   EXPECT_NEAR(sums[0] / topt.lm_denominator, ref_lm / topt.lm_denominator, 1e-6);
   EXPECT_NEAR(sums[1], ref_objective, 1e-6);
 
-  // Gradients: the layers' buffers were handed to the slices (zero here); the replicated ones
-  // are summed over the ranks as plain data parallel does.
+  // Gradients: the layers' buffers are gone again; the replicated ones are summed over the ranks
+  // as plain data parallel does, the layers' come back from the slices.
+  std::map<std::string, Tensor> got;
   for (auto& [name, g] : grads.named) {
     if (is_layer_name(name, layers)) {
-      const std::vector<double> v = g.to_doubles();
-      EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](double x) { return x == 0; })) << name;
+      EXPECT_FALSE(g.defined()) << name << " gradient outlived its reduction";
     } else {
       par.dp().all_reduce(g);
+      got[name] = g;
     }
   }
-  fsdp.gather_gradients();
-  ASSERT_EQ(grads.named.size(), ref_grads.named.size());
-  for (size_t i = 0; i < grads.named.size(); ++i)
-    EXPECT_LE(rel_diff(grads.named[i].second, ref_grads.named[i].second), 1e-6)
-        << grads.named[i].first;
+  fsdp.gather_gradients([&](const std::string& name, const Tensor& g) {
+    EXPECT_TRUE(got.emplace(name, g.clone()).second) << name << " twice";
+  });
+  ASSERT_EQ(got.size(), ref_grads.named.size());
+  for (const auto& [name, want] : ref_grads.named) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_LE(rel_diff(got.at(name), want), 1e-6) << name;
+  }
 
-  // Memory between layers: this rank's slices only (1/P of the layers, plus padding of fewer
-  // than P elements per layer); while a layer runs, that layer's buffer on top.
+  // Memory after the step: this rank's slices only (1/P of the layers, plus padding of fewer
+  // than P elements per layer), which is also what is left after the last layer of each loop.
+  // While a layer runs, that layer's buffer and the prefetched next one on top (the prefetch is
+  // in flight: the pair is resident at once); between two layers the next one alone, never the
+  // released one too.
+  const int64_t slices = fsdp.resident_bytes();
   const int64_t padding = layers * ranks * int64_t(dtype_size(m.dtype()));
-  EXPECT_GE(measured.between, layer_bytes / ranks);
-  EXPECT_LE(measured.between, layer_bytes / ranks + padding);
-  EXPECT_GT(measured.during, measured.between);
-  EXPECT_EQ(fsdp.resident_bytes(), measured.between);
+  const int64_t largest = *std::max_element(per_layer.begin(), per_layer.end());
+  EXPECT_GE(slices, layer_bytes / ranks);
+  EXPECT_LE(slices, layer_bytes / ranks + padding);
+  EXPECT_EQ(measured.between_least, slices);
+  EXPECT_GT(measured.between, slices);
+  EXPECT_LE(measured.between, slices + largest + padding);
+  EXPECT_GE(measured.during, slices + largest_pair);
+  EXPECT_LE(measured.during, slices + largest_pair + 2 * padding);
+  // Gradients: the slices (the parameter layout, so the same 1/P), and one layer's buffer on top
+  // while it is differentiated.
+  EXPECT_EQ(measured.grad_between, fsdp.gradient_bytes());
+  EXPECT_EQ(measured.grad_between, slices);
+  EXPECT_GT(measured.grad_during, measured.grad_between);
+  EXPECT_LE(measured.grad_during, measured.grad_between + largest + padding);
   ::testing::Test::RecordProperty("layer_bytes", std::to_string(layer_bytes));
+  ::testing::Test::RecordProperty("layer_grad_bytes", std::to_string(layer_grad_bytes));
+  ::testing::Test::RecordProperty("resident_slices", std::to_string(slices));
   ::testing::Test::RecordProperty("resident_between_layers", std::to_string(measured.between));
   ::testing::Test::RecordProperty("resident_during_layer", std::to_string(measured.during));
+  ::testing::Test::RecordProperty("gradient_between_layers", std::to_string(measured.grad_between));
+  ::testing::Test::RecordProperty("gradient_during_layer", std::to_string(measured.grad_during));
 
   // The evaluation forward gathers and releases too, and computes the same logits.
   model::text::ForwardOptions fo;
@@ -181,6 +249,148 @@ TEST(DistFsdp, OneStepEqualsTheSingleProcessStepWithShardedLayers) {
   EXPECT_EQ(rel_diff(eval.logits, ref_eval.logits), 0.0);
   EXPECT_EQ(eval.loss(), ref_eval.loss());
   EXPECT_LE(fsdp.resident_bytes(), layer_bytes / ranks + padding);
+}
+
+// The optimizer on the slices against the unsharded AdamW on the whole decoder layers, fed the
+// same gradients: the norm matches, the update is bit for bit the same (trained tensors in bf16
+// and in f32 storage, frozen ones untouched), the state per rank is about 1/P and adds up to the
+// unsharded state, and it gathers back to the unsharded format and loads from it.
+TEST(DistFsdp, LayerOptimizerUpdatesTheSlicesAsTheUnshardedAdamW) {
+  ParallelContext& par = *testing::world_context();
+  const int ranks = par.dp().size(), me = par.dp().rank();
+  ASSERT_GT(ranks, 1) << "run under mpirun with 2 or 4 ranks";
+  test::TempDir dir("dist-fsdp-opt-" + std::to_string(par.rank()));
+  model::InitOptions init;
+  init.seed = 5;
+  model::write_random_checkpoint(model::ModelConfig::preset("tiny"), dir / "tiny", init);
+  const auto config = model::ModelConfig::from_file((dir / "tiny" / "config.json").string());
+  model::ParamStore store =
+      model::ParamStore::load(io::CheckpointReader::open(dir / "tiny"), config);
+  train::make_params_writable(store);
+  model::text::TextModel m(store);
+  const int64_t layers = m.text().num_hidden_layers;
+  std::vector<train::NamedParam> layer_params;
+  for (train::NamedParam& p : train::named_params(store))
+    if (is_layer_name(p.name, layers)) {
+      p.trainable = model::text::is_trainable_param(p.name);
+      layer_params.push_back(std::move(p));
+    }
+  std::set<DType> trained_dtypes;
+  for (const train::NamedParam& p : layer_params)
+    if (p.trainable) trained_dtypes.insert(p.value.dtype());
+  EXPECT_EQ(trained_dtypes.size(), 2u) << "the tiny model stores trained tensors in bf16 and f32";
+
+  model::text::TextGrads grads = model::text::TextGrads::zeros_like(m.weights());
+  ShardedLayers fsdp(m.weights(), grads, par.dp());
+  // A small clipping threshold: the clip coefficient below 1 enters every element.
+  const train::AdamWConfig adamw{0.9, 0.95, 1e-8, 0.01, 0.1};
+  ShardedLayerAdamW sharded(fsdp, layer_params, adamw);
+  // Before any step the slices hold the stored values.
+  const std::vector<Tensor> before = [&] {
+    std::vector<Tensor> v;
+    for (const auto& p : layer_params) v.push_back(p.value.clone());
+    return v;
+  }();
+
+  // The same random gradients on every rank: the whole tensors for the reference, this rank's
+  // part of each in its gradient slice.
+  std::mt19937_64 rng(99);
+  std::normal_distribution<float> normal(0.0f, 1e-3f);
+  std::map<std::string, Tensor> whole;
+  for (const auto& p : layer_params) {
+    if (!p.trainable) continue;
+    std::vector<float> v(size_t(p.value.numel()));
+    for (float& x : v) x = normal(rng);
+    whole[p.name] = Tensor::from_vector(v, p.value.shape());
+  }
+  for (int64_t l = 0; l < fsdp.layers(); ++l) {
+    const int64_t begin = fsdp.slice_begin(l), size = fsdp.slice(l).numel();
+    for (const ShardedLayers::Entry& e : fsdp.entries(l)) {
+      if (!e.trained) continue;
+      const int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, begin + size);
+      if (lo < hi)
+        fsdp.gradient_slice(l)
+            .slice(0, lo - begin, hi - begin)
+            .copy_(whole.at(e.name).view({e.numel}).slice(0, lo - e.offset, hi - e.offset));
+    }
+  }
+  train::AdamW reference(layer_params, adamw);
+  std::vector<Tensor> ref_grads;
+  for (const auto& p : layer_params) ref_grads.push_back(p.trainable ? whole.at(p.name) : Tensor());
+  const double ref_norm = std::sqrt(reference.grad_sq_norm(ref_grads));
+  const double norm = std::sqrt(par.dp().all_reduce_sum(sharded.grad_sq_norm()));
+  EXPECT_NEAR(norm, ref_norm, 1e-12 * ref_norm);
+  for (int step = 0; step < 2; ++step) {
+    const train::StepReport want = reference.step(ref_grads, 1e-2, ref_norm);
+    const train::StepReport got = sharded.step(1e-2, ref_norm);
+    EXPECT_EQ(got.step, want.step);
+    EXPECT_EQ(got.clip_coef, want.clip_coef);
+    EXPECT_LT(want.clip_coef, 1.0);
+  }
+  EXPECT_EQ(sharded.step_count(), 2);
+
+  // Weights: the gathered slices equal the reference's (stored dtype, converted exactly); the
+  // frozen tensors are still what they were.
+  std::map<std::string, Tensor> updated;
+  fsdp.gather_parameters(
+      [&](const std::string& name, const Tensor& v) { updated[name] = v.clone(); });
+  ASSERT_EQ(updated.size(), layer_params.size());
+  for (size_t i = 0; i < layer_params.size(); ++i) {
+    const train::NamedParam& p = layer_params[i];
+    ASSERT_TRUE(updated.count(p.name)) << p.name;
+    EXPECT_EQ(rel_diff(updated.at(p.name), p.value), 0.0) << p.name;
+    if (p.trainable)
+      EXPECT_GT(rel_diff(p.value, before[i]), 0.0) << p.name << " was not updated";
+    else
+      EXPECT_EQ(rel_diff(p.value, before[i]), 0.0) << p.name << " is frozen";
+  }
+
+  // State: about 1/P per rank (fewer where a rank's range holds frozen tensors), adding up to the
+  // unsharded state exactly.
+  int64_t full_state = 0, layer_elements = 0;
+  for (size_t i = 0; i < layer_params.size(); ++i) {
+    layer_elements += layer_params[i].value.numel();
+    if (!layer_params[i].trainable) continue;
+    const int64_t n = layer_params[i].value.numel();
+    full_state += n * int64_t(dtype_size(layer_params[i].value.dtype())) + 2 * n * 4 +
+                  (layer_params[i].value.dtype() == DType::f32 ? 0 : n * 4);
+  }
+  const int64_t mine = sharded.state_bytes();
+  EXPECT_EQ(par.dp().all_reduce_sum(mine), full_state);
+  EXPECT_LE(mine, (layer_elements / ranks + layers) * 14);
+  EXPECT_LT(mine, full_state / ranks + full_state / (4 * ranks) + 1) << "not about 1/P";
+  ::testing::Test::RecordProperty("optimizer_state_bytes", std::to_string(mine));
+  ::testing::Test::RecordProperty("optimizer_state_bytes_unsharded", std::to_string(full_state));
+
+  // Checkpoint format: gathered into an unsharded optimizer on rank 0, the state is the
+  // reference's bit for bit; a fresh sharded optimizer loads it back to the same slices.
+  std::unique_ptr<train::AdamW> gathered;
+  if (me == 0) gathered = std::make_unique<train::AdamW>(layer_params, adamw);
+  sharded.gather_into(gathered.get(), 0);
+  if (me == 0) {
+    gathered->set_step_count(sharded.step_count());
+    for (size_t i = 0; i < layer_params.size(); ++i) {
+      if (!layer_params[i].trainable) continue;
+      EXPECT_EQ(rel_diff(gathered->master(i), reference.master(i)), 0.0) << layer_params[i].name;
+      EXPECT_EQ(rel_diff(gathered->exp_avg(i), reference.exp_avg(i)), 0.0) << layer_params[i].name;
+      EXPECT_EQ(rel_diff(gathered->exp_avg_sq(i), reference.exp_avg_sq(i)), 0.0)
+          << layer_params[i].name;
+    }
+  }
+  ShardedLayerAdamW restored(fsdp, layer_params, adamw);
+  restored.load(reference);
+  EXPECT_EQ(restored.step_count(), 2);
+  EXPECT_EQ(restored.state_bytes(), mine);
+  std::unique_ptr<train::AdamW> reloaded;
+  if (me == 0) reloaded = std::make_unique<train::AdamW>(layer_params, adamw);
+  restored.gather_into(reloaded.get(), 0);
+  if (me == 0)
+    for (size_t i = 0; i < layer_params.size(); ++i) {
+      if (!layer_params[i].trainable) continue;
+      EXPECT_EQ(rel_diff(reloaded->master(i), reference.master(i)), 0.0) << layer_params[i].name;
+      EXPECT_EQ(rel_diff(reloaded->exp_avg_sq(i), reference.exp_avg_sq(i)), 0.0)
+          << layer_params[i].name;
+    }
 }
 
 }  // namespace

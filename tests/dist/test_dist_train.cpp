@@ -3,16 +3,18 @@
 // another (1 and 4 ranks from 2) with the same continuation; the same with expert parallelism
 // (ep_size 2 at 2 ranks, dp × ep at 4 ranks, saved at ep 2 and resumed at ep 1), and with sequence
 // parallelism (sp_size 2 at 2 ranks, dp × sp at 4 ranks), and with fully sharded decoder layers
-// (train.fsdp at 1 and 2 ranks). The global batch is the same in every
-// layout: micro_packs × ranks / sp_size = 4 packs per step.
+// (train.fsdp at 1, 2 and 4 ranks; saved at 2 ranks and resumed at 1 without it and at 4 with it).
+// The global batch is the same in every layout: micro_packs × ranks / sp_size = 4 packs per step.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../unit/support/temp_dir.h"
@@ -257,26 +259,77 @@ TEST(DistTrainSequenceParallel, FollowsTheSingleProcessLossCurve) {
 
 namespace {
 
-// Fully sharded decoder layers (train.fsdp), on one process (a group of one) and on 2 ranks, follow
-// the plain single-process curve as data parallelism does: the arithmetic is the same except that
-// each pack's layer gradient is summed on its own and then added to the step's slice, where the
-// plain run adds every contribution into one buffer (an f32 regrouping, about 1e-10 of the norm);
-// the rank logs say the layers are sharded.
+// Fully sharded decoder layers (train.fsdp), on one process (a group of one) and on 2 and 4 ranks,
+// follow the plain single-process curve as data parallelism does: the arithmetic is the same
+// except that each pack's layer gradient is summed on its own and then added to the step's slice,
+// where the plain run adds every contribution into one buffer (an f32 regrouping, about 1e-10 of
+// the norm), and the norm adds the slices' squares in another order; the optimizer updates the
+// slices with the unsharded AdamW's arithmetic. The rank logs say the layers are sharded and what
+// a rank holds.
 TEST(DistTrainFsdp, FollowsTheSingleProcessLossCurve) {
   glmtune::test::TempDir dir("dist-train-fsdp-curve");
   const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
   std::vector<nlohmann::json> single;
   ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
   const std::string fsdp = " --set train.fsdp=true";
-  ASSERT_EQ(train(recipe, 1, false, dir / "fsdp1", dir / "fsdp1.log", 1, 1, fsdp), 0)
-      << glmtune::test::read_text(dir / "fsdp1.log");
-  expect_same_steps(metrics(dir / "fsdp1"), single, 0);
-  ASSERT_EQ(train(recipe, 2, false, dir / "fsdp2", dir / "fsdp2.log", 1, 1, fsdp), 0)
-      << glmtune::test::read_text(dir / "fsdp2.log");
-  expect_same_steps(metrics(dir / "fsdp2"), single, 0);
-  EXPECT_TRUE(fs::exists(dir / "fsdp2/checkpoints/step-10/model/config.json"));
+  for (int ranks : {1, 2, 4}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, fsdp");
+    const std::string name = "fsdp" + std::to_string(ranks);
+    const fs::path log = dir / (name + ".log");
+    ASSERT_EQ(train(recipe, ranks, false, dir / name, log, 1, 1, fsdp), 0)
+        << glmtune::test::read_text(log);
+    expect_same_steps(metrics(dir / name), single, 0);
+    EXPECT_TRUE(fs::exists(dir / name / "checkpoints/step-10/model/config.json"));
+  }
   const std::string rank1 = glmtune::test::read_text(dir / "fsdp2/logs/rank-1.log");
   EXPECT_NE(rank1.find("decoder-layer weights sharded (fsdp)"), std::string::npos) << rank1;
+  EXPECT_NE(rank1.find("fsdp: this rank holds"), std::string::npos) << rank1;
+}
+
+// The names, dtypes and shapes of every tensor of a checkpoint directory (model or optimizer).
+std::map<std::string, std::string> tensor_table(const fs::path& dir) {
+  const glmtune::io::CheckpointReader reader = glmtune::io::CheckpointReader::open(dir);
+  std::map<std::string, std::string> out;
+  for (const auto& name : reader.names()) {
+    const glmtune::io::TensorInfo& info = reader.info(name);
+    out[name] = std::string(glmtune::dtype_name(info.dtype)) + glmtune::shape_str(info.shape);
+  }
+  return out;
+}
+
+// Saved with fsdp at 2 ranks: the checkpoint has exactly the tensors (names, dtypes, shapes) of a
+// plain 2-rank run's, and resumes on one process without fsdp and at 4 ranks with it, with the
+// continuation of the uninterrupted run (bf16 storage, as the data-parallel resume test).
+TEST(DistTrainFsdp, SavedAtTwoRanksResumesAtOneWithoutAndAtFourWithFsdp) {
+  glmtune::test::TempDir dir("dist-train-fsdp-resume");
+  const fs::path recipe = write_recipe(dir.path(), 4, 2, false);
+  const std::string fsdp = " --set train.fsdp=true";
+  ASSERT_EQ(train(recipe, 2, false, dir / "fsdp2", dir / "fsdp2.log", 1, 1, fsdp), 0)
+      << glmtune::test::read_text(dir / "fsdp2.log");
+  ASSERT_EQ(train(recipe, 2, false, dir / "dp2", dir / "dp2.log"), 0)
+      << glmtune::test::read_text(dir / "dp2.log");
+  const auto reference = metrics(dir / "fsdp2");
+  ASSERT_EQ(reference.size(), 4u);
+  expect_same_steps(reference, metrics(dir / "dp2"), 0);
+  for (const char* part : {"model", "optimizer"}) {
+    SCOPED_TRACE(part);
+    const auto got = tensor_table(dir / "fsdp2/checkpoints/step-2" / part);
+    EXPECT_EQ(got, tensor_table(dir / "dp2/checkpoints/step-2" / part));
+    EXPECT_GT(got.size(), 10u);
+  }
+  for (const auto& [ranks, extra] : std::vector<std::pair<int, std::string>>{{1, ""}, {4, fsdp}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks" + extra);
+    const fs::path out = dir / ("resumed" + std::to_string(ranks));
+    fs::create_directories(out / "checkpoints");
+    fs::copy(dir / "fsdp2/checkpoints/step-2", out / "checkpoints/step-2",
+             fs::copy_options::recursive);
+    const fs::path log = dir / ("resumed" + std::to_string(ranks) + ".log");
+    ASSERT_EQ(train(recipe, ranks, true, out, log, 1, 1, extra), 0)
+        << glmtune::test::read_text(log);
+    EXPECT_NE(glmtune::test::read_text(log).find("resuming from"), std::string::npos);
+    EXPECT_EQ(glmtune::test::read_text(log).find("the recipe differs"), std::string::npos);
+    expect_same_steps(metrics(out), reference, 2);
+  }
 }
 
 }  // namespace

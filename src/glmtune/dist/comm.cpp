@@ -46,6 +46,21 @@ void Communicator::all_reduce_sum(std::vector<int64_t>& v) {
 
 namespace {
 
+// What start_all_gather returns when the exchange already happened.
+class CompletedCollective final : public PendingCollective {
+ public:
+  void wait() override {}
+};
+
+}  // namespace
+
+std::unique_ptr<PendingCollective> Communicator::start_all_gather(const Tensor& in, Tensor& out) {
+  all_gather(in, out);
+  return std::make_unique<CompletedCollective>();
+}
+
+namespace {
+
 class SelfCommunicator final : public Communicator {
  public:
   explicit SelfCommunicator(std::string name) : name_(std::move(name)) {}

@@ -26,6 +26,16 @@ namespace glmtune::dist {
 
 enum class ReduceOp { sum, max, min };
 
+// A collective started without waiting for it (Communicator::start_all_gather). It keeps its
+// tensors alive until it completes; their contents must not be touched before wait() returns.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  // Returns once the result is complete, bounded by the communicator's deadline like the
+  // blocking collectives. Idempotent.
+  virtual void wait() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -50,6 +60,11 @@ class Communicator {
   // In place: every rank ends with root's `t`.
   virtual void broadcast(Tensor& t, int root) = 0;
   virtual void barrier() = 0;
+
+  // all_gather that returns once started, so the exchange can overlap other work. Every rank
+  // must start it at the same point of its sequence of collectives; others may run before its
+  // wait(). Backends without an asynchronous path (self, NCCL) complete it here.
+  virtual std::unique_ptr<PendingCollective> start_all_gather(const Tensor& in, Tensor& out);
 
   // Convenience over all_reduce for scalars and host vectors.
   double all_reduce_sum(double v);

@@ -76,6 +76,58 @@ void finalize_at_exit() {
   if (!finalized) MPI_Finalize();
 }
 
+// Non-blocking collective polled against the deadline: MPI_Test drives the progress, and a short
+// sleep after the first spins keeps oversubscribed ranks from starving each other.
+void wait_for(MPI_Request& req, const char* op, const std::string& group, int rank, int size,
+              double timeout_s) {
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  for (int64_t polls = 0;; ++polls) {
+    int done = 0;
+    check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    if (done) return;
+    if (Clock::now() > deadline)
+      abort_job(fmt::format("collective {} on group '{}' ({} ranks, rank {} here) did not "
+                            "complete within {} s: another rank died, hangs, or called a "
+                            "different collective. Aborting every rank; check the other ranks' "
+                            "logs (raise glmtune train --dist-timeout for slow steps)",
+                            op, group, size, rank, timeout_s),
+                3);
+    if (polls < 1000)
+      sched_yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+// A started all-gather: holds its buffers until MPI is done with them.
+class MpiPendingGather final : public PendingCollective {
+ public:
+  MpiPendingGather(MPI_Request req, Tensor in, Tensor out, std::string group, int rank, int size,
+                   double timeout_s)
+      : req_(req),
+        in_(std::move(in)),
+        out_(std::move(out)),
+        group_(std::move(group)),
+        rank_(rank),
+        size_(size),
+        timeout_s_(timeout_s) {}
+  // MPI may still write into the buffers: an abandoned request is completed first.
+  ~MpiPendingGather() override { wait(); }
+  void wait() override {
+    if (req_ == MPI_REQUEST_NULL) return;
+    wait_for(req_, "all_gather", group_, rank_, size_, timeout_s_);
+    req_ = MPI_REQUEST_NULL;
+  }
+
+ private:
+  MPI_Request req_;
+  Tensor in_, out_;
+  std::string group_;
+  int rank_, size_;
+  double timeout_s_;
+};
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, std::string name, double timeout_s)
@@ -118,7 +170,9 @@ class MpiCommunicator final : public Communicator {
     wait(req, "reduce_scatter");
   }
 
-  void all_gather(const Tensor& in, Tensor& out) override {
+  void all_gather(const Tensor& in, Tensor& out) override { start_all_gather(in, out)->wait(); }
+
+  std::unique_ptr<PendingCollective> start_all_gather(const Tensor& in, Tensor& out) override {
     check(in, "all_gather");
     check(out, "all_gather");
     GLMTUNE_ASSERT(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
@@ -129,7 +183,7 @@ class MpiCommunicator final : public Communicator {
     check_mpi(MPI_Iallgather(in.data_ptr(), n, move_type(in.dtype()), out.data_ptr(), n,
                              move_type(in.dtype()), comm_, &req),
               "MPI_Iallgather");
-    wait(req, "all_gather");
+    return std::make_unique<MpiPendingGather>(req, in, out, name_, rank_, size_, timeout_s_);
   }
 
   void all_to_all(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
@@ -184,34 +238,15 @@ class MpiCommunicator final : public Communicator {
                    name_, t.defined() ? t.str() : std::string("an undefined tensor"));
   }
 
+  void wait(MPI_Request& req, const char* op) const {
+    wait_for(req, op, name_, rank_, size_, timeout_s_);
+  }
+
   int count(int64_t n, const char* op) const {
     GLMTUNE_ASSERT(n >= 0 && n <= INT_MAX,
                    "{} on group '{}': {} elements exceed what one MPI call moves (2^31 - 1)", op,
                    name_, n);
     return int(n);
-  }
-
-  // Non-blocking collective polled against the deadline: MPI_Test drives the progress, and a
-  // short sleep after the first spins keeps oversubscribed ranks from starving each other.
-  void wait(MPI_Request& req, const char* op) const {
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(timeout_s_));
-    for (int64_t polls = 0;; ++polls) {
-      int done = 0;
-      check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
-      if (done) return;
-      if (Clock::now() > deadline)
-        abort_job(fmt::format("collective {} on group '{}' ({} ranks, rank {} here) did not "
-                              "complete within {} s: another rank died, hangs, or called a "
-                              "different collective. Aborting every rank; check the other ranks' "
-                              "logs (raise glmtune train --dist-timeout for slow steps)",
-                              op, name_, size_, rank_, timeout_s_),
-                  3);
-      if (polls < 1000)
-        sched_yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
   }
 
   MPI_Comm comm_;

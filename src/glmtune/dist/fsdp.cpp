@@ -3,23 +3,28 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <string>
 
 #include "glmtune/base/error.h"
 #include "glmtune/model/text/elementwise.h"
+#include "glmtune/train/released.h"
 
 namespace glmtune::dist {
 namespace {
 
-// Every tensor field of a decoder layer, in a fixed order (the flat layout). Undefined fields
-// (the other mixer or MLP kind, a shared indexer, absent biases) are skipped by the caller.
-std::vector<Tensor*> layer_fields(model::text::LayerWeights& w) {
+// Every tensor field of a decoder layer, in a fixed order (the flat layout). LayerWeights and
+// LayerGrads have the same fields, so field i of the gradients is the gradient of field i of the
+// weights. Undefined fields (the other mixer or MLP kind, a shared indexer, absent biases, frozen
+// tensors' gradients) are skipped by the caller.
+template <typename Layer>
+std::vector<Tensor*> layer_fields(Layer& w) {
   std::vector<Tensor*> f = {&w.input_layernorm, &w.post_attention_layernorm,
                             &w.attn_hc.fn,      &w.attn_hc.base,
                             &w.attn_hc.scale,   &w.ffn_hc.fn,
                             &w.ffn_hc.base,     &w.ffn_hc.scale};
-  ops::KdaParams& k = w.kda;
+  auto& k = w.kda;
   for (Tensor* t :
        {&k.q_proj, &k.k_proj, &k.v_proj, &k.conv1d, &k.f_a_proj, &k.f_b_proj, &k.dt_bias, &k.A_log,
         &k.b_proj, &k.g_a_proj, &k.g_b_proj, &k.o_norm, &k.o_proj})
@@ -43,6 +48,20 @@ std::vector<Tensor*> layer_fields(model::text::LayerWeights& w) {
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// The entries of `named` whose tensor shares the storage of `t`.
+std::vector<size_t> sharing(const std::vector<std::pair<std::string, Tensor>>& named,
+                            const Tensor& t) {
+  std::vector<size_t> out;
+  for (size_t i = 0; i < named.size(); ++i)
+    if (named[i].second.defined() && named[i].second.storage() == t.storage()) out.push_back(i);
+  return out;
+}
+
+int64_t live_bytes(const std::weak_ptr<Storage>& s, std::set<const Storage*>& seen) {
+  const std::shared_ptr<Storage> alive = s.lock();
+  return alive && seen.insert(alive.get()).second ? int64_t(alive->bytes()) : 0;
+}
+
 }  // namespace
 
 ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
@@ -58,8 +77,11 @@ ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::Tex
   layers_.resize(weights.layers.size());
   for (size_t l = 0; l < weights.layers.size(); ++l) {
     Layer& L = layers_[l];
+    const std::vector<Tensor*> fields = layer_fields(weights.layers[l]);
+    const std::vector<Tensor*> grad_fields = layer_fields(grads.layers[l]);
     int64_t n = 0;
-    for (Tensor* t : layer_fields(weights.layers[l])) {
+    for (size_t f = 0; f < fields.size(); ++f) {
+      Tensor* t = fields[f];
       if (!t->defined()) continue;
       if (t->dtype() != weights.dtype)
         throw InternalError(fmt::format("layer {}: a {} tensor in a {} model", l,
@@ -68,12 +90,32 @@ ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::Tex
       p.field = t;
       p.shape = t->shape();
       p.offset = n;
-      for (size_t i = 0; i < weights.named.size(); ++i)
-        if (weights.named[i].second.defined() && weights.named[i].second.storage() == t->storage())
-          p.named.push_back(i);
+      p.named = sharing(weights.named, *t);
+      if (p.named.empty())
+        throw InternalError(
+            fmt::format("layer {}: a tensor of shape {} without a name", l, shape_str(p.shape)));
+      if (Tensor* g = grad_fields[f]; g->defined()) {
+        if (g->dtype() != weights.dtype || g->shape() != p.shape)
+          throw InternalError(fmt::format("gradient of '{}' is {}, the parameter {} {}",
+                                          param_name(p), g->str(), dtype_name(weights.dtype),
+                                          shape_str(p.shape)));
+        p.grad = g;
+        p.grad_named = sharing(grads.named, *g);
+        full_gradient_bytes_ += int64_t(g->nbytes());
+      }
       n += t->numel();
       L.params.push_back(std::move(p));
     }
+    // Every trained buffer of the layer must have found its parameter: a gradient left out of the
+    // layout would silently never reach the optimizer.
+    const std::string prefix = model::text::layer_prefix(int64_t(l));
+    for (const auto& [name, buffer] : grads.named)
+      if (name.compare(0, prefix.size(), prefix) == 0 &&
+          std::none_of(L.params.begin(), L.params.end(), [&](const Param& p) {
+            return p.grad && p.grad->storage() == buffer.storage();
+          }))
+        throw InternalError(
+            fmt::format("gradient buffer '{}' matches no tensor of layer {}", name, l));
     L.padded = round_up(std::max<int64_t>(n, 1), ranks);
     const int64_t per = L.padded / ranks;
     // Every rank holds the same full weights: each copies its own range, no communication.
@@ -83,24 +125,17 @@ ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::Tex
       full_bytes_ += int64_t(p.field->nbytes());
     }
     L.shard = flat.slice(0, rank * per, (rank + 1) * per).clone();
-
-    // Gradients: the layer's trainable buffers, under the layer's name prefix.
-    const std::string prefix = model::text::layer_prefix(int64_t(l));
-    int64_t g = 0;
-    for (size_t i = 0; i < grads.named.size(); ++i) {
-      const auto& [name, buffer] = grads.named[i];
-      if (name.compare(0, prefix.size(), prefix) != 0) continue;
-      if (buffer.dtype() != weights.dtype)
-        throw InternalError(fmt::format("gradient '{}' in {}, the model computes in {}", name,
-                                        dtype_name(buffer.dtype()), dtype_name(weights.dtype)));
-      L.grads.push_back({i, g});
-      g += buffer.numel();
-    }
-    L.grad_padded = round_up(std::max<int64_t>(g, 1), ranks);
-    L.grad_shard = Tensor::zeros({L.grad_padded / ranks}, weights.dtype);
+    L.grad_shard = Tensor::zeros({per}, weights.dtype);
   }
-  // Release last: the loops above read the full tensors.
-  for (size_t l = 0; l < layers_.size(); ++l) release(int64_t(l));
+  // Release last: the loops above read the full tensors and buffers.
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    release(int64_t(l));
+    for (Param& p : layers_[l].params)
+      if (p.grad) {
+        *p.grad = Tensor();
+        for (size_t i : p.grad_named) grads_.named[i].second = Tensor();
+      }
+  }
 }
 
 ShardedLayers::Layer& ShardedLayers::layer_at(int64_t layer, const char* what) {
@@ -110,15 +145,44 @@ ShardedLayers::Layer& ShardedLayers::layer_at(int64_t layer, const char* what) {
   return layers_[size_t(layer)];
 }
 
+const ShardedLayers::Layer& ShardedLayers::layer_at(int64_t layer, const char* what) const {
+  return const_cast<ShardedLayers*>(this)->layer_at(layer, what);
+}
+
+const std::string& ShardedLayers::param_name(const Param& p) const {
+  return weights_.named[p.named.front()].first;
+}
+
+Tensor ShardedLayers::all_gather_flat(const Layer& layer, const Tensor& local) {
+  Tensor full = Tensor::empty({layer.padded}, local.dtype());
+  group_.all_gather(local, full);
+  return full;
+}
+
 void ShardedLayers::gather(int64_t layer) {
   Layer& L = layer_at(layer, "gather");
-  Tensor full = Tensor::empty({L.padded}, weights_.dtype);
-  group_.all_gather(L.shard, full);
+  Tensor full;
+  if (L.prefetched) {
+    L.prefetched->pending->wait();
+    full = std::move(L.prefetched->buffer);
+    L.prefetched.reset();
+  } else {
+    full = all_gather_flat(L, L.shard);
+  }
   for (Param& p : L.params) {
     *p.field = full.slice(0, p.offset, p.offset + shape_numel(p.shape)).view(p.shape);
     for (size_t i : p.named) weights_.named[i].second = *p.field;
   }
   L.gathered = full.storage();
+}
+
+void ShardedLayers::prefetch(int64_t layer) {
+  Layer& L = layer_at(layer, "prefetch");
+  if (L.prefetched) return;
+  Prefetch p;
+  p.buffer = Tensor::empty({L.padded}, weights_.dtype);
+  p.pending = group_.start_all_gather(L.shard, p.buffer);
+  L.prefetched = std::move(p);
 }
 
 void ShardedLayers::release(int64_t layer) {
@@ -129,17 +193,30 @@ void ShardedLayers::release(int64_t layer) {
   }
 }
 
+void ShardedLayers::allocate_gradients(int64_t layer) {
+  Layer& L = layer_at(layer, "allocate_gradients");
+  GLMTUNE_ASSERT(!L.grad_full.defined(), "gradient buffers of layer {} allocated twice", layer);
+  L.grad_full = Tensor::zeros({L.padded}, weights_.dtype);
+  for (Param& p : L.params) {
+    if (!p.grad) continue;
+    *p.grad = L.grad_full.slice(0, p.offset, p.offset + shape_numel(p.shape)).view(p.shape);
+    for (size_t i : p.grad_named) grads_.named[i].second = *p.grad;
+  }
+  L.grad_allocated = L.grad_full.storage();
+}
+
 void ShardedLayers::reduce_gradients(int64_t layer) {
   Layer& L = layer_at(layer, "reduce_gradients");
-  Tensor flat = Tensor::zeros({L.grad_padded}, weights_.dtype);
-  for (const Grad& g : L.grads) {
-    Tensor& buffer = grads_.named[g.named].second;
-    flat.slice(0, g.offset, g.offset + buffer.numel()).view(buffer.shape()).copy_(buffer);
-    buffer.zero_();
-  }
+  GLMTUNE_ASSERT(L.grad_full.defined(), "reduce_gradients of layer {} without its buffers", layer);
   Tensor mine = Tensor::empty(L.grad_shard.shape(), weights_.dtype);
-  group_.reduce_scatter(flat, mine);
+  group_.reduce_scatter(L.grad_full, mine);
   model::text::add_into(L.grad_shard, mine);
+  for (Param& p : L.params) {
+    if (!p.grad) continue;
+    *p.grad = Tensor();
+    for (size_t i : p.grad_named) grads_.named[i].second = Tensor();
+  }
+  L.grad_full = Tensor();
 }
 
 int64_t ShardedLayers::resident_bytes() const {
@@ -147,60 +224,226 @@ int64_t ShardedLayers::resident_bytes() const {
   std::set<const Storage*> seen;
   for (const Layer& L : layers_) {
     bytes += int64_t(L.shard.nbytes());
-    if (const std::shared_ptr<Storage> s = L.gathered.lock(); s && seen.insert(s.get()).second)
-      bytes += int64_t(s->bytes());
+    bytes += live_bytes(L.gathered, seen);
+    if (L.prefetched) bytes += live_bytes(L.prefetched->buffer.storage(), seen);
   }
   return bytes;
 }
 
-void ShardedLayers::gather_gradients() {
-  for (Layer& L : layers_) {
-    Tensor full = Tensor::empty({L.grad_padded}, weights_.dtype);
-    group_.all_gather(L.grad_shard, full);
-    for (const Grad& g : L.grads) {
-      Tensor& buffer = grads_.named[g.named].second;
-      buffer.copy_(full.slice(0, g.offset, g.offset + buffer.numel()).view(buffer.shape()));
-    }
-  }
-}
-
-void ShardedLayers::export_gradients() {
-  for (Layer& L : layers_) {
-    const int64_t size = L.grad_shard.numel(), begin = group_.rank() * size;
-    for (const Grad& g : L.grads) {
-      Tensor& buffer = grads_.named[g.named].second;
-      buffer.zero_();
-      const int64_t n = buffer.numel();
-      const int64_t lo = std::max(g.offset, begin), hi = std::min(g.offset + n, begin + size);
-      if (lo >= hi) continue;
-      Tensor flat = buffer.view({n});
-      flat.slice(0, lo - g.offset, hi - g.offset)
-          .copy_(L.grad_shard.slice(0, lo - begin, hi - begin));
-    }
-  }
-}
-
-void ShardedLayers::refresh(const std::function<Tensor(const std::string& name)>& source) {
-  for (Layer& L : layers_) {
-    const int64_t size = L.shard.numel(), begin = group_.rank() * size;
-    for (const Param& p : L.params) {
-      if (p.named.empty())
-        throw InternalError("a decoder-layer tensor without a name cannot be refreshed");
-      const int64_t n = shape_numel(p.shape);
-      const int64_t lo = std::max(p.offset, begin), hi = std::min(p.offset + n, begin + size);
-      if (lo >= hi) continue;
-      const Tensor value = source(weights_.named[p.named.front()].first);
-      if (value.numel() != n)
-        throw InternalError(fmt::format("'{}' has {} elements, the layer slot {}",
-                                        weights_.named[p.named.front()].first, value.numel(), n));
-      const Tensor flat = value.contiguous().to(weights_.dtype).view({n});
-      L.shard.slice(0, lo - begin, hi - begin).copy_(flat.slice(0, lo - p.offset, hi - p.offset));
-    }
-  }
+int64_t ShardedLayers::gradient_bytes() const {
+  int64_t bytes = 0;
+  std::set<const Storage*> seen;
+  for (const Layer& L : layers_)
+    bytes += int64_t(L.grad_shard.nbytes()) + live_bytes(L.grad_allocated, seen);
+  return bytes;
 }
 
 void ShardedLayers::zero_gradients() {
   for (Layer& L : layers_) L.grad_shard.zero_();
+}
+
+void ShardedLayers::gather_parameters(
+    const std::function<void(const std::string& name, const Tensor& value)>& visit) {
+  for (Layer& L : layers_) {
+    const Tensor full = all_gather_flat(L, L.shard);
+    for (const Param& p : L.params) {
+      const Tensor value = full.slice(0, p.offset, p.offset + shape_numel(p.shape)).view(p.shape);
+      for (size_t i : p.named) visit(weights_.named[i].first, value);
+    }
+  }
+}
+
+void ShardedLayers::gather_gradients(
+    const std::function<void(const std::string& name, const Tensor& grad)>& visit) {
+  for (Layer& L : layers_) {
+    const Tensor full = all_gather_flat(L, L.grad_shard);
+    for (const Param& p : L.params) {
+      if (!p.grad) continue;
+      const Tensor grad = full.slice(0, p.offset, p.offset + shape_numel(p.shape)).view(p.shape);
+      for (size_t i : p.grad_named) visit(grads_.named[i].first, grad);
+    }
+  }
+}
+
+std::vector<std::string> ShardedLayers::nonfinite(bool gradients, size_t limit) {
+  std::vector<int64_t> flags;
+  std::vector<std::string> names;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    const Tensor& local = gradients ? L.grad_shard : L.shard;
+    const int64_t begin = slice_begin(int64_t(l)), size = local.numel();
+    for (const Param& p : L.params) {
+      if (gradients && !p.grad) continue;
+      const int64_t lo = std::max(p.offset, begin);
+      const int64_t hi = std::min(p.offset + shape_numel(p.shape), begin + size);
+      flags.push_back(lo < hi && !train::all_finite(local.slice(0, lo - begin, hi - begin)));
+      names.push_back(param_name(p));
+    }
+  }
+  group_.all_reduce_sum(flags);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < flags.size() && out.size() < limit; ++i)
+    if (flags[i] > 0) out.push_back(names[i]);
+  return out;
+}
+
+void ShardedLayers::set_parameter(const std::string& name, const Tensor& value) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& L = layers_[l];
+    for (const Param& p : L.params) {
+      if (std::none_of(p.named.begin(), p.named.end(),
+                       [&](size_t i) { return weights_.named[i].first == name; }))
+        continue;
+      const int64_t n = shape_numel(p.shape);
+      if (value.numel() != n)
+        throw InternalError(
+            fmt::format("'{}' has {} elements, the layer slot {}", name, value.numel(), n));
+      const int64_t begin = slice_begin(int64_t(l)), size = L.shard.numel();
+      const int64_t lo = std::max(p.offset, begin), hi = std::min(p.offset + n, begin + size);
+      if (lo >= hi) return;
+      const Tensor flat = value.contiguous().to(weights_.dtype).view({n});
+      L.shard.slice(0, lo - begin, hi - begin).copy_(flat.slice(0, lo - p.offset, hi - p.offset));
+      return;
+    }
+  }
+  throw InternalError(fmt::format("'{}' is not a decoder-layer tensor held in slices", name));
+}
+
+bool ShardedLayers::holds(const std::string& name) const {
+  for (const Layer& L : layers_)
+    for (const Param& p : L.params)
+      for (size_t i : p.named)
+        if (weights_.named[i].first == name) return true;
+  return false;
+}
+
+std::vector<ShardedLayers::Entry> ShardedLayers::entries(int64_t layer) const {
+  std::vector<Entry> out;
+  for (const Param& p : layer_at(layer, "entries").params)
+    out.push_back({param_name(p), p.offset, shape_numel(p.shape), p.grad != nullptr});
+  return out;
+}
+
+int64_t ShardedLayers::slice_begin(int64_t layer) const {
+  return group_.rank() * layer_at(layer, "slice_begin").shard.numel();
+}
+
+// ---- ShardedLayerAdamW
+// ---------------------------------------------------------------------------
+
+ShardedLayerAdamW::ShardedLayerAdamW(ShardedLayers& layers,
+                                     const std::vector<train::NamedParam>& params,
+                                     train::AdamWConfig config)
+    : layers_(layers), pieces_({}, config) {
+  std::map<std::string, const Tensor*> by_name;
+  for (const train::NamedParam& p : params) by_name[p.name] = &p.value;
+  std::vector<train::NamedParam> piece_params;
+  for (int64_t l = 0; l < layers.layers(); ++l) {
+    const int64_t begin = layers.slice_begin(l), end = begin + layers.slice(l).numel();
+    for (const ShardedLayers::Entry& e : layers.entries(l)) {
+      if (!e.trained) continue;
+      const int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, end);
+      if (lo >= hi) continue;
+      const auto it = by_name.find(e.name);
+      if (it == by_name.end() || !it->second->defined() || it->second->numel() != e.numel)
+        throw InternalError(fmt::format(
+            "decoder-layer parameter '{}' is missing from the parameter store", e.name));
+      Slot s{l, e.name, lo - e.offset, hi - lo, lo - begin};
+      // The piece in the parameter's storage dtype: AdamW keeps an f32 one as its own master and
+      // rounds a bf16 one from its master, as for the whole tensor.
+      piece_params.push_back({fmt::format("{}@{}", e.name, s.begin),
+                              it->second->reshape({-1}).narrow(0, s.begin, s.length).clone(),
+                              true});
+      grads_.push_back(layers.gradient_slice(l).narrow(0, s.slice_offset, s.length));
+      slots_.push_back(std::move(s));
+    }
+  }
+  pieces_ = train::AdamW(std::move(piece_params), config);
+}
+
+double ShardedLayerAdamW::grad_sq_norm() const { return pieces_.grad_sq_norm(grads_); }
+
+train::StepReport ShardedLayerAdamW::step(double lr, double global_grad_norm) {
+  const train::StepReport report = pieces_.step(grads_, lr, global_grad_norm);
+  if (!report.skipped) refresh_slices();
+  return report;
+}
+
+void ShardedLayerAdamW::refresh_slices() {
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    const Slot& s = slots_[k];
+    layers_.slice(s.layer).narrow(0, s.slice_offset, s.length).copy_(pieces_.params()[k].value);
+  }
+}
+
+int64_t ShardedLayerAdamW::state_bytes() const {
+  int64_t bytes = 0;
+  std::set<const Storage*> seen;
+  const auto count = [&](const Tensor& t) {
+    if (t.defined() && seen.insert(t.storage().get()).second)
+      bytes += int64_t(t.storage()->bytes());
+  };
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    count(pieces_.params()[k].value);
+    count(pieces_.master(k));
+    count(pieces_.exp_avg(k));
+    count(pieces_.exp_avg_sq(k));
+  }
+  return bytes;
+}
+
+void ShardedLayerAdamW::gather_into(train::AdamW* full, int root) const {
+  Communicator& group = layers_.group();
+  const bool here = group.rank() == root;
+  GLMTUNE_ASSERT(!here || full != nullptr, "gather_into without a target on rank {}", root);
+  std::map<std::string, size_t> index;
+  if (here)
+    for (size_t i = 0; i < full->params().size(); ++i) index[full->params()[i].name] = i;
+  size_t k = 0;
+  for (int64_t l = 0; l < layers_.layers(); ++l) {
+    const int64_t size = layers_.slice(l).numel();
+    // Masters, then both moments, of this rank's pieces at their slice positions (zero at
+    // frozen tensors and padding), gathered into the layer's flat layout.
+    Tensor local = Tensor::zeros({3, size}, DType::f32);
+    for (; k < slots_.size() && slots_[k].layer == l; ++k) {
+      const Slot& s = slots_[k];
+      const Tensor* state[] = {&pieces_.master(k), &pieces_.exp_avg(k), &pieces_.exp_avg_sq(k)};
+      for (int64_t kind = 0; kind < 3; ++kind)
+        local.select(0, kind).narrow(0, s.slice_offset, s.length).copy_(*state[kind]);
+    }
+    Tensor gathered = Tensor::empty({group.size(), 3, size}, DType::f32);
+    group.all_gather(local, gathered);
+    if (!here) continue;
+    // [rank, kind, element] -> per kind, the flat layout.
+    const Tensor by_kind = gathered.transpose(0, 1).contiguous().view({3, group.size() * size});
+    for (const ShardedLayers::Entry& e : layers_.entries(l)) {
+      if (!e.trained) continue;
+      const auto it = index.find(e.name);
+      GLMTUNE_ASSERT(it != index.end(), "the full optimizer has no parameter '{}'", e.name);
+      const auto part = [&](int64_t kind) {
+        return by_kind.select(0, kind).narrow(0, e.offset, e.numel);
+      };
+      full->set_state(it->second, part(0), part(1), part(2));
+    }
+  }
+}
+
+void ShardedLayerAdamW::load(const train::AdamW& full) {
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < full.params().size(); ++i) index[full.params()[i].name] = i;
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    const Slot& s = slots_[k];
+    const auto it = index.find(s.name);
+    GLMTUNE_ASSERT(it != index.end() && full.params()[it->second].trainable,
+                   "the optimizer state has no trained parameter '{}'", s.name);
+    const auto piece = [&](const Tensor& t) {
+      return t.reshape({-1}).narrow(0, s.begin, s.length);
+    };
+    pieces_.set_state(k, piece(full.master(it->second)), piece(full.exp_avg(it->second)),
+                      piece(full.exp_avg_sq(it->second)));
+  }
+  pieces_.set_step_count(full.step_count());
+  refresh_slices();
 }
 
 }  // namespace glmtune::dist

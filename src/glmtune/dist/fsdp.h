@@ -1,24 +1,36 @@
 #pragma once
-// Decoder-layer parameters sharded over a data-parallel group (fully sharded data parallel,
-// ZeRO-3; docs/distributed.md, "Fully sharded parameters").
+// Decoder layers sharded over a data-parallel group (fully sharded data parallel, ZeRO-3;
+// docs/distributed.md, "Fully sharded parameters"): parameters, gradients and optimizer state.
 //
 // Each decoder layer's tensors (every defined tensor of TextWeights::layers[l], trained or not),
 // in a fixed order, form one flat vector of N elements in the compute dtype, padded to a multiple
 // of the group size P; rank r keeps elements [r·N'/P, (r+1)·N'/P) and the layer's tensors are
-// left undefined. The layer loops (model::text::LayerParamProvider) then:
-//   gather(l)            all-gather the slices into one full buffer; the layer's tensors (and
-//                        their TextWeights::named entries) become views of it;
-//   release(l)           drop those views: the buffer is freed as soon as nothing else holds it;
-//   reduce_gradients(l)  the layer's trainable gradient buffers, flattened the same way, are
-//                        reduce-scattered (SUM) into this rank's gradient slice (added to it, so a
-//                        step's micro-packs accumulate) and zeroed.
-// Embeddings, the final norm, the head and the MTP layer stay replicated.
+// left undefined. The same layout holds the layer's gradient (zero at the frozen tensors and the
+// padding), so a rank's gradient slice, compute slice and optimizer state cover the same elements
+// and an update needs no communication. The layer loops (model::text::LayerParamProvider) call:
+//   gather(l)              the slices are all-gathered into one full buffer (or the prefetched
+//                          one is waited for); the layer's tensors (and their TextWeights::named
+//                          entries) become views of it;
+//   prefetch(l)            the all-gather of the layer that runs next starts without waiting;
+//   release(l)             those views are dropped: the buffer is freed once nothing holds it;
+//   allocate_gradients(l)  one zero buffer in the flat layout; the layer's TextGrads buffers
+//                          (TextGrads::layers[l] and their named entries) become views of it;
+//   reduce_gradients(l)    that buffer is reduce-scattered (SUM) and added to this rank's
+//                          gradient slice (a step's micro-packs accumulate), then dropped.
+// Between layers a rank therefore holds its slices only, and while a layer runs that layer's
+// buffer plus the next layer's in flight. Embeddings, the final norm, the head and the MTP layer
+// stay replicated (ShardedAdamW trains them).
+//
+// ShardedLayerAdamW trains the slices: AdamW (train::AdamW, the same arithmetic) on this rank's
+// pieces of each trainable tensor, with fp32 masters and moments of those pieces only; after an
+// update the pieces, rounded to their storage dtype, are written into the compute slice.
 //
 // Collective: every rank of the group must run the same layers in the same order. CPU weights
 // only: the flat vector has one dtype, and the GPU path keeps some tensors in f32 beside bf16.
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,69 +38,155 @@
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/layer.h"
 #include "glmtune/model/text/weights.h"
+#include "glmtune/train/optimizer.h"
 
 namespace glmtune::dist {
 
 class ShardedLayers final : public model::text::LayerParamProvider {
  public:
   // Takes the full decoder-layer tensors of `weights` (the same on every rank), keeps this rank's
-  // slices and releases the tensors. `grads` are the buffers the backward adds into
-  // (TextGrads::zeros_like of the full weights, built before this).
+  // slices and releases the tensors; drops the decoder-layer buffers of `grads`
+  // (TextGrads::zeros_like of the full weights, built before this), which exist from then on only
+  // between allocate_gradients and reduce_gradients.
   ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
                 Communicator& group);
   ~ShardedLayers() override = default;
 
   void gather(int64_t layer) override;
+  void prefetch(int64_t layer) override;
   void release(int64_t layer) override;
+  void allocate_gradients(int64_t layer) override;
   void reduce_gradients(int64_t layer) override;
 
+  int64_t layers() const { return int64_t(layers_.size()); }
+  Communicator& group() const { return group_; }
+
   // Bytes of decoder-layer parameter memory alive on this rank now, measured: the slices plus
-  // every gathered buffer that something still references (a released layer whose buffer
-  // outlived its release counts in full).
+  // every gathered or prefetched buffer that something still references (a released layer whose
+  // buffer outlived its release counts in full).
   int64_t resident_bytes() const;
   // Bytes of the full decoder-layer parameters (what every rank holds without sharding).
   int64_t full_bytes() const { return full_bytes_; }
+  // Bytes of decoder-layer gradient memory alive on this rank now, measured the same way: the
+  // gradient slices plus any layer gradient buffer still referenced.
+  int64_t gradient_bytes() const;
+  // Bytes of the full decoder-layer gradient buffers (TextGrads without sharding).
+  int64_t full_gradient_bytes() const { return full_gradient_bytes_; }
 
-  // Collective. Writes each layer's reduced gradient (the group's sum) into the full buffers of
-  // `grads`, for checks and for code that needs whole gradients.
-  void gather_gradients();
-  // Writes this rank's gradient slice into the full buffers of `grads` at its positions, zeros
-  // elsewhere: a sum over the group (ShardedAdamW::reduce_gradients) then yields the reduced
-  // gradient exactly, every element having a single non-zero term. Local, no communication.
-  void export_gradients();
   // Zeroes the gradient slices (the start of an optimizer step).
   void zero_gradients();
-  // Sets the slices from full parameter values (after an optimizer step): `source(name)` returns
-  // the tensor of a TextWeights::named name, in any float dtype. Local, no communication.
-  void refresh(const std::function<Tensor(const std::string& name)>& source);
+  // Collective, one layer at a time: calls `visit` with every decoder-layer parameter name (every
+  // TextWeights::named entry of the layers) and its full value in the compute dtype.
+  void gather_parameters(
+      const std::function<void(const std::string& name, const Tensor& value)>& visit);
+  // Collective, one layer at a time: the same for every trained tensor and its reduced gradient
+  // (the group's sum of this step's contributions), under its TextGrads::named name.
+  void gather_gradients(
+      const std::function<void(const std::string& name, const Tensor& grad)>& visit);
+  // Collective: the decoder-layer tensors (internal names, layer order, at most `limit`) whose
+  // parameters (`gradients` false) or reduced gradients hold a non-finite element on any rank.
+  std::vector<std::string> nonfinite(bool gradients, size_t limit);
+  // Sets this rank's part of the tensor `name` (a TextWeights::named name of a decoder layer)
+  // from its full value `value`, in any float dtype. Local, no communication.
+  void set_parameter(const std::string& name, const Tensor& value);
+  // Whether `name` is a decoder-layer tensor held here.
+  bool holds(const std::string& name) const;
+
+  // The tensors of one decoder layer in the flat layout: the tensor's elements (flattened) are
+  // flat elements [offset, offset + numel); `trained`: it has a gradient. This rank's slices hold
+  // flat elements [slice_begin(), slice_begin() + slice(layer).numel()).
+  struct Entry {
+    std::string name;
+    int64_t offset = 0, numel = 0;
+    bool trained = false;
+  };
+  std::vector<Entry> entries(int64_t layer) const;
+  int64_t slice_begin(int64_t layer) const;
+  // The layer's compute slice and gradient slice ([N'/P], compute dtype); they live as long as
+  // this object, so views of them stay valid.
+  Tensor& slice(int64_t layer) { return layer_at(layer, "slice").shard; }
+  Tensor& gradient_slice(int64_t layer) { return layer_at(layer, "gradient_slice").grad_shard; }
 
  private:
   struct Param {
-    Tensor* field = nullptr;    // in TextWeights::layers[l]
-    std::vector<size_t> named;  // entries of TextWeights::named sharing its storage
+    Tensor* field = nullptr;         // in TextWeights::layers[l]
+    std::vector<size_t> named;       // entries of TextWeights::named sharing its storage
+    Tensor* grad = nullptr;          // in TextGrads::layers[l]; null for a frozen tensor
+    std::vector<size_t> grad_named;  // entries of TextGrads::named sharing its storage
     Shape shape;
     int64_t offset = 0;
   };
-  struct Grad {
-    size_t named = 0;  // index in TextGrads::named
-    int64_t offset = 0;
+  struct Prefetch {
+    Tensor buffer;
+    std::unique_ptr<PendingCollective> pending;
   };
   struct Layer {
     std::vector<Param> params;
     int64_t padded = 0;  // flat elements, a multiple of the group size
     Tensor shard;        // [padded / P]
     std::weak_ptr<Storage> gathered;
-    std::vector<Grad> grads;
-    int64_t grad_padded = 0;
-    Tensor grad_shard;  // [grad_padded / P]
+    std::optional<Prefetch> prefetched;
+    Tensor grad_shard;  // [padded / P]
+    Tensor grad_full;   // [padded] between allocate_gradients and reduce_gradients
+    std::weak_ptr<Storage> grad_allocated;
   };
   Layer& layer_at(int64_t layer, const char* what);
+  const Layer& layer_at(int64_t layer, const char* what) const;
+  // The layer's full flat vector from one slice of it, all-gathered.
+  Tensor all_gather_flat(const Layer& layer, const Tensor& local);
+  const std::string& param_name(const Param& p) const;
 
   model::text::TextWeights& weights_;
   model::text::TextGrads& grads_;
   Communicator& group_;
   std::vector<Layer> layers_;
-  int64_t full_bytes_ = 0;
+  int64_t full_bytes_ = 0, full_gradient_bytes_ = 0;
+};
+
+// AdamW over this rank's pieces of the decoder layers' trained tensors (a piece: the part of a
+// tensor inside this rank's range of the ShardedLayers layout): fp32 masters and both moments
+// exist for those pieces only. Frozen tensors (the indexer, the
+// router correction bias) have no state and are never written. Each piece keeps its value in the
+// parameter's storage dtype (an f32 tensor is its own master, a bf16 one is the master rounded,
+// exactly as train::AdamW does), and the compute slice holds that value converted.
+class ShardedLayerAdamW {
+ public:
+  // `params`: the decoder-layer parameters of the parameter store (full tensors in their storage
+  // dtype, the same on every rank); pieces are copied from them, so the store may drop them after.
+  ShardedLayerAdamW(ShardedLayers& layers, const std::vector<train::NamedParam>& params,
+                    train::AdamWConfig config);
+
+  int64_t step_count() const { return pieces_.step_count(); }
+  // Sum of squared elements of this rank's gradient pieces (the group sum is the decoder layers'
+  // part of the global norm). Local.
+  double grad_sq_norm() const;
+  // Updates the pieces from the gradient slices with the global norm (clipping; a non-finite norm
+  // skips, as in train::AdamW) and refreshes the compute slices from them. Local.
+  train::StepReport step(double lr, double global_grad_norm);
+  // Bytes of optimizer state on this rank, measured: masters, moments and the pieces' values.
+  int64_t state_bytes() const;
+
+  // Collective, one layer at a time: sets in `full` (on group rank `root`; ignored elsewhere) the
+  // state of every decoder-layer parameter, matched by name.
+  void gather_into(train::AdamW* full, int root) const;
+  // Keeps this rank's pieces of a full optimizer state (train::AdamW::load of any sharding),
+  // matched by name, and refreshes the compute slices. Local.
+  void load(const train::AdamW& full);
+
+ private:
+  // One piece: elements [begin, begin + length) of tensor `name` (flattened), at
+  // [slice_offset, slice_offset + length) of its layer's slices.
+  struct Slot {
+    int64_t layer = 0;
+    std::string name;
+    int64_t begin = 0, length = 0, slice_offset = 0;
+  };
+  void refresh_slices();
+
+  ShardedLayers& layers_;
+  std::vector<Slot> slots_;  // aligned with pieces_.params()
+  train::AdamW pieces_;
+  std::vector<Tensor> grads_;  // views of the gradient slices, aligned with slots_
 };
 
 }  // namespace glmtune::dist

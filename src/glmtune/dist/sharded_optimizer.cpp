@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <set>
+#include <string>
 
 #include "glmtune/base/error.h"
 
@@ -68,7 +71,7 @@ ShardedAdamW::ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWCo
   shard_ = train::AdamW(piece_params(params_, pieces_), config_);
 }
 
-double ShardedAdamW::reduce_gradients(const std::vector<Tensor>& grads) {
+double ShardedAdamW::reduce_gradients(const std::vector<Tensor>& grads, double other_sq_norm) {
   GLMTUNE_ASSERT(grads.size() == params_.size(), "{} gradients for {} parameters", grads.size(),
                  params_.size());
   const int ranks = group_.size();
@@ -103,7 +106,7 @@ double ShardedAdamW::reduce_gradients(const std::vector<Tensor>& grads) {
   for (const Piece& p : pieces_)
     piece_grads_.push_back(
         shard_grad.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length));
-  return std::sqrt(group_.all_reduce_sum(shard_.grad_sq_norm(piece_grads_)));
+  return std::sqrt(group_.all_reduce_sum(shard_.grad_sq_norm(piece_grads_) + other_sq_norm));
 }
 
 train::StepReport ShardedAdamW::step(double lr, double global_grad_norm) {
@@ -150,12 +153,47 @@ void ShardedAdamW::gather_flat(const Tensor& shard, Into&& into, bool on_device)
     if (params_[i].trainable) into(i, flat.narrow(0, offsets_[i], params_[i].value.numel()));
 }
 
+int64_t ShardedAdamW::state_bytes() const {
+  int64_t bytes = 0;
+  std::set<const Storage*> seen;
+  const auto count = [&](const Tensor& t) {
+    if (t.defined() && seen.insert(t.storage().get()).second)
+      bytes += int64_t(t.storage()->bytes());
+  };
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    count(shard_.params()[k].value);
+    count(shard_.master(k));
+    count(shard_.exp_avg(k));
+    count(shard_.exp_avg_sq(k));
+  }
+  return bytes;
+}
+
 std::unique_ptr<train::AdamW> ShardedAdamW::gather(int root) const {
-  const bool here = group_.rank() == root;
   std::unique_ptr<train::AdamW> full;
-  if (here) {
+  if (group_.rank() == root) {
     full = std::make_unique<train::AdamW>(params_, config_);
     full->set_step_count(shard_.step_count());
+  }
+  gather_into(full.get(), root);
+  return full;
+}
+
+void ShardedAdamW::gather_into(train::AdamW* full, int root) const {
+  const bool here = group_.rank() == root;
+  GLMTUNE_ASSERT(!here || full != nullptr, "gather_into without a target on rank {}", root);
+  // Where each of params() sits in `full`.
+  std::vector<size_t> target(params_.size(), 0);
+  if (here) {
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i < full->params().size(); ++i) index[full->params()[i].name] = i;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].trainable) continue;
+      const auto it = index.find(params_[i].name);
+      GLMTUNE_ASSERT(it != index.end() && full->params()[it->second].trainable,
+                     "the full optimizer does not train '{}'", params_[i].name);
+      target[i] = it->second;
+    }
   }
   std::vector<Tensor> master(params_.size()), exp_avg(params_.size());
   gather_flat(shard_state(0), [&](size_t i, const Tensor& v) {
@@ -165,9 +203,8 @@ std::unique_ptr<train::AdamW> ShardedAdamW::gather(int root) const {
     if (here) exp_avg[i] = v.clone();
   });
   gather_flat(shard_state(2), [&](size_t i, const Tensor& v) {
-    if (here) full->set_state(i, master[i], exp_avg[i], v);
+    if (here) full->set_state(target[i], master[i], exp_avg[i], v);
   });
-  return full;
 }
 
 void ShardedAdamW::load(const std::filesystem::path& dir) {
@@ -175,17 +212,28 @@ void ShardedAdamW::load(const std::filesystem::path& dir) {
   // rounds every full parameter from its master; each rank then keeps its slices.
   train::AdamW full(params_, config_);
   full.load(dir);
+  restore(full, dir.string());
+}
+
+void ShardedAdamW::load(const train::AdamW& full) { restore(full, "the optimizer state"); }
+
+void ShardedAdamW::restore(const train::AdamW& full, const std::string& where) {
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < full.params().size(); ++i) index[full.params()[i].name] = i;
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const Piece& p = pieces_[k];
+    const auto it = index.find(params_[p.param].name);
+    GLMTUNE_ASSERT(it != index.end() && full.params()[it->second].trainable,
+                   "the optimizer state has no trained parameter '{}'", params_[p.param].name);
+    const size_t f = it->second;
     auto slice = [&](const Tensor& t) { return t.reshape({-1}).narrow(0, p.begin, p.length); };
-    shard_.set_state(k, slice(full.master(p.param)), slice(full.exp_avg(p.param)),
-                     slice(full.exp_avg_sq(p.param)));
+    shard_.set_state(k, slice(full.master(f)), slice(full.exp_avg(f)), slice(full.exp_avg_sq(f)));
   }
   shard_.set_step_count(full.step_count());
   // Every rank read the same file; a rank that read another one would diverge silently.
   if (group_.all_reduce_max(full.step_count()) != full.step_count() ||
       -group_.all_reduce_max(-full.step_count()) != full.step_count())
-    throw Error("the ranks restored optimizer states of different steps", dir.string(),
+    throw Error("the ranks restored optimizer states of different steps", where,
                 "give every rank the same output directory (a shared file system)");
 }
 

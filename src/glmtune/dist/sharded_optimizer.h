@@ -30,6 +30,7 @@
 // so a run saved with P ranks resumes with any other number.
 #include <filesystem>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "glmtune/dist/comm.h"
@@ -51,18 +52,29 @@ class ShardedAdamW {
 
   // Collective. `grads` as for train::AdamW::step: this rank's local sums, aligned with params(),
   // on the host or (with a device group) all on one GPU. Keeps this rank's reduced shard for
-  // step() and returns the global L2 norm.
-  double reduce_gradients(const std::vector<Tensor>& grads);
+  // step() and returns the global L2 norm. `other_sq_norm`: the squared norm of reduced gradients
+  // this rank holds outside this optimizer (ShardedLayers' slices), summed over the group with
+  // the shards'.
+  double reduce_gradients(const std::vector<Tensor>& grads, double other_sq_norm = 0);
   // Collective. Updates the shard from the last reduced gradients (a non-finite norm skips, as in
   // train::AdamW) and all-gathers the parameters.
   train::StepReport step(double lr, double global_grad_norm);
 
+  // Bytes of optimizer state on this rank, measured: masters, moments and the pieces' values.
+  int64_t state_bytes() const;
+
   // Collective. The full optimizer (state of every parameter, this step count) on group rank
   // `root`, nullptr on the others. Its parameters are params() themselves.
   std::unique_ptr<train::AdamW> gather(int root = 0) const;
+  // Collective. Sets in `full` (on group rank `root`; ignored elsewhere) the state of every
+  // trained parameter of params(), matched by name: `full` may hold more parameters.
+  void gather_into(train::AdamW* full, int root) const;
   // Collective. Restores this rank's shard from a state saved by train::AdamW::save (any
   // sharding), and sets every full parameter to its master rounded to the storage dtype.
   void load(const std::filesystem::path& dir);
+  // Collective. The same from a full state already loaded, whose parameters include params() by
+  // name (it may hold more).
+  void load(const train::AdamW& full);
 
  private:
   struct Piece {
@@ -72,6 +84,8 @@ class ShardedAdamW {
   };
   static std::vector<train::NamedParam> piece_params(const std::vector<train::NamedParam>& params,
                                                      const std::vector<Piece>& pieces);
+  // Keeps this rank's slices of `full`; `where` names its origin in errors.
+  void restore(const train::AdamW& full, const std::string& where);
   // The shard's f32 values of one state kind: 0 master, 1 exp_avg, 2 exp_avg_sq.
   Tensor shard_state(int kind) const;
   // All-gathers a shard-sized f32 buffer into the flat space and scatters it into per-parameter

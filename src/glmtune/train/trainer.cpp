@@ -66,13 +66,25 @@ model::ParamStore load_store(const fs::path& dir) {
 // Copies the store's (updated) parameters into the model's compute-dtype tensors. The forward
 // therefore always sees the stored values (bf16 weights rounded from the f32 masters), exactly
 // what a run resumed from a saved checkpoint sees.
-void refresh_model(TextModel& model, const model::ParamStore& store,
-                   dist::ShardedLayers* sharded_layers) {
-  // Sharded decoder layers are undefined between uses: their slices are set instead.
+void refresh_model(TextModel& model, const model::ParamStore& store) {
+  // Sharded decoder layers are undefined between uses: their slices are updated by their own
+  // optimizer and, for the router biases the store keeps, by refresh_sharded_biases.
   for (auto& [name, t] : model.weights().named)
     if (t.defined()) t.copy_(store.get(name).to(t.dtype()));
-  if (sharded_layers)
-    sharded_layers->refresh([&](const std::string& name) { return store.get(name); });
+}
+
+// Whether `name` is a tensor of one of the first `layers` decoder layers (not the MTP layer).
+bool in_decoder_layer(const std::string& name, int64_t layers) {
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string prefix = model::text::layer_prefix(l);
+    if (name.compare(0, prefix.size(), prefix) == 0) return true;
+  }
+  return false;
+}
+
+// The store's tensor `p` when it holds one (sharded decoder layers are dropped from it).
+const Tensor* stored_value(const model::InternalParam& p) {
+  return p.value.defined() ? &p.value : nullptr;
 }
 
 // The optimizer trains the text model's trainable tensors; the vision tower (kept in the store so
@@ -312,25 +324,58 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
                             tokenizer.vocab_size(), store.config().text().vocab_size),
                 tokenizer_file.string(), "use the tokenizer that came with the checkpoint");
+  // Fully sharded decoder layers (dist/fsdp.h): each rank keeps a slice of every decoder layer's
+  // compute weights, gradient, fp32 masters and moments over dp (a group of one without a
+  // launcher); the replicated tensors go through the sharded AdamW below.
+  const bool fsdp = recipe.fsdp;
+  if (fsdp) {
+    if (vl)
+      throw Error("train.fsdp does not shard the vision-language model",
+                  recipe.source() + ": train.fsdp", "set train.fsdp = false for data with media");
+    if (on_gpu)
+      throw Error("train.fsdp runs on the CPU only", recipe.source() + ": train.fsdp",
+                  "set train.fsdp = false, or device = \"cpu\"");
+    if (distributed && (par->sizes().ep > 1 || sequence_parallel))
+      throw Error("train.fsdp is not combined with expert or sequence parallelism yet",
+                  recipe.source() + ": train.fsdp",
+                  "set train.fsdp = false, or train.ep_size = train.sp_size = 1");
+  }
+  const int64_t num_layers = store.config().text().num_hidden_layers;
+  std::unique_ptr<dist::Communicator> self_group;
+  if (fsdp && !distributed) self_group = dist::make_self_communicator("dp");
+  dist::Communicator* const dp_group = distributed ? &par->dp() : self_group.get();
   std::vector<NamedParam> own_params =
-      distributed ? std::vector<NamedParam>{} : trainable_params(store);
+      dp_group ? std::vector<NamedParam>{} : trainable_params(store);
   // The vision tower and projector train in VL runs (unless frozen): their gradient buffers.
   const std::vector<Tensor> vision_grads =
       vl ? vl->attach(own_params, store) : std::vector<Tensor>{};
   AdamW optimizer(std::move(own_params), recipe.adamw_config());
   std::optional<dist::ShardedAdamW> sharded;
-  if (distributed)
-    sharded.emplace(trainable_params(store), recipe.adamw_config(), par->dp(),
-                    on_gpu ? par->dp_gpu() : nullptr);
+  if (dp_group) {
+    std::vector<NamedParam> replicated = trainable_params(store);
+    if (fsdp)
+      std::erase_if(replicated,
+                    [&](const NamedParam& p) { return in_decoder_layer(p.name, num_layers); });
+    sharded.emplace(std::move(replicated), recipe.adamw_config(), *dp_group,
+                    on_gpu && distributed ? par->dp_gpu() : nullptr);
+  }
   const std::vector<NamedParam>& opt_params = sharded ? sharded->params() : optimizer.params();
   TrainerState st;
   st.seed = recipe.seed;
   st.recipe_fingerprint = recipe.fingerprint(dp);
+  // With fsdp the full saved state is read once and kept until the decoder layers, built with
+  // the model below, have taken their pieces of it.
+  std::unique_ptr<AdamW> resumed_state;
   if (resume) {
-    if (sharded)
+    if (fsdp) {
+      resumed_state = std::make_unique<AdamW>(trainable_params(store), recipe.adamw_config());
+      resumed_state->load(resume->checkpoint.optimizer_dir());
+      sharded->load(*resumed_state);
+    } else if (sharded) {
       sharded->load(resume->checkpoint.optimizer_dir());
-    else
+    } else {
       optimizer.load(resume->checkpoint.optimizer_dir());
+    }
     sampler.restore_state(resume->state.sampler);
     st = resume->state;
     if (st.recipe_fingerprint != recipe.fingerprint(dp))
@@ -389,25 +434,40 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     topt.sequence_parallel = &*ulysses;
   }
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
-  // Fully sharded decoder layers (dist/fsdp.h): this rank keeps a slice of each layer's compute
-  // weights, gathered over dp around each use; layer gradients are reduce-scattered into slices
-  // during the backward.
-  std::unique_ptr<dist::Communicator> self_group;
+  // Fully sharded decoder layers: weights gathered over dp around each use (the next layer's
+  // transfer overlapping the current one), gradients reduce-scattered into slices right after
+  // each layer's backward, and AdamW on the slices. The store then drops the layers' tensors but
+  // the router correction biases, which the bias rule updates in place every step; the dropped
+  // ones come back on rank 0 for a checkpoint only.
   std::optional<dist::ShardedLayers> sharded_layers;
-  if (recipe.fsdp) {
-    if (vl)
-      throw Error("train.fsdp does not shard the vision-language model",
-                  recipe.source() + ": train.fsdp", "set train.fsdp = false for data with media");
-    if (on_gpu)
-      throw Error("train.fsdp runs on the CPU only", recipe.source() + ": train.fsdp",
-                  "set train.fsdp = false, or device = \"cpu\"");
-    if (expert_parallel || sequence_parallel)
-      throw Error("train.fsdp is not combined with expert or sequence parallelism yet",
-                  recipe.source() + ": train.fsdp",
-                  "set train.fsdp = false, or train.ep_size = train.sp_size = 1");
-    if (!distributed) self_group = dist::make_self_communicator("dp");
-    sharded_layers.emplace(model.weights(), grads, distributed ? par->dp() : *self_group);
+  std::optional<dist::ShardedLayerAdamW> layer_optimizer;
+  std::map<std::string, DType> dropped_from_store;  // name -> storage dtype
+  std::vector<std::string> biases_in_store;
+  if (fsdp) {
+    sharded_layers.emplace(model.weights(), grads, *dp_group);
+    std::vector<NamedParam> layer_params = named_params(store);
+    std::erase_if(layer_params,
+                  [&](const NamedParam& p) { return !in_decoder_layer(p.name, num_layers); });
+    layer_optimizer.emplace(*sharded_layers, layer_params, recipe.adamw_config());
+    if (resumed_state) layer_optimizer->load(*resumed_state);
+    resumed_state.reset();
+    for (const NamedParam& p : layer_params) {
+      if (!sharded_layers->holds(p.name))
+        throw InternalError(fmt::format("decoder-layer tensor '{}' has no slice", p.name));
+      if (p.name.ends_with("e_score_correction_bias")) {
+        biases_in_store.push_back(p.name);
+      } else {
+        dropped_from_store.emplace(p.name, p.value.dtype());
+        store.get(p.name) = Tensor();
+      }
+    }
     topt.layer_params = &*sharded_layers;
+    spdlog::info(
+        "fsdp: this rank holds {} of {} bytes of decoder-layer weights, {} of {} bytes of their "
+        "gradients and {} bytes of their optimizer state ({} for the replicated tensors)",
+        sharded_layers->resident_bytes(), sharded_layers->full_bytes(),
+        sharded_layers->gradient_bytes(), sharded_layers->full_gradient_bytes(),
+        layer_optimizer->state_bytes(), sharded->state_bytes());
   }
 
   // Gradients in the optimizer's parameter order (frozen ones stay undefined).
@@ -469,9 +529,12 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
 
   auto save = [&] {
     // Never a checkpoint of weights that are not finite (a run resumed from it could only fail).
-    const std::vector<std::string> bad = first_nonfinite(
-        released_views(store, [](const model::InternalParam& p) { return &p.value; }),
-        kNonFiniteNamed);
+    std::vector<std::string> bad =
+        first_nonfinite(released_views(store, stored_value), kNonFiniteNamed);
+    if (sharded_layers) {
+      const std::vector<std::string> layers = sharded_layers->nonfinite(false, kNonFiniteNamed);
+      bad.insert(bad.end(), layers.begin(), layers.end());
+    }
     if (!bad.empty())
       throw Error(fmt::format("not saving step {}: the weights hold non-finite values (in {})",
                               st.step, fmt::join(bad, ", ")),
@@ -488,22 +551,44 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
     };
     const auto t0 = Clock::now();
-    if (!distributed) {
+    if (!sharded) {
       const CheckpointDir ck = save_checkpoint(out_dir, st, writer, optimizer, recipe.keep_last);
       summary.checkpoint = ck.dir;
       spdlog::info("saved {} in {:.1f}s", ck.dir.string(), seconds_since(t0));
       return;
     }
     // The released layout whatever the sharding: rank 0 writes the gathered full state.
-    const std::unique_ptr<AdamW> full = sharded->gather(0);
+    std::unique_ptr<AdamW> full;
+    if (sharded_layers) {
+      // The decoder layers come back into rank 0's store one at a time (exact: the compute
+      // slices hold the stored values), then the full optimizer state is assembled there.
+      sharded_layers->gather_parameters([&](const std::string& name, const Tensor& value) {
+        const auto it = dropped_from_store.find(name);
+        if (!root || it == dropped_from_store.end()) return;
+        Tensor stored = Tensor::empty(value.shape(), it->second);
+        stored.copy_(value);
+        store.get(name) = std::move(stored);
+      });
+      if (root) full = std::make_unique<AdamW>(trainable_params(store), recipe.adamw_config());
+      sharded->gather_into(full.get(), 0);
+      layer_optimizer->gather_into(full.get(), 0);
+      if (root) full->set_step_count(sharded->step_count());
+    } else {
+      full = sharded->gather(0);
+    }
     if (root) {
       try {
         summary.checkpoint = save_checkpoint(out_dir, st, writer, *full, recipe.keep_last).dir;
       } catch (const std::exception& e) {
+        if (!distributed) throw;
         par->abort(fmt::format("saving step {} failed: {}", st.step, e.what()));
       }
       spdlog::info("saved {} in {:.1f}s", summary.checkpoint.string(), seconds_since(t0));
     }
+    full.reset();
+    if (sharded_layers && root)
+      for (const auto& [name, dtype] : dropped_from_store) store.get(name) = Tensor();
+    if (!distributed) return;
     par->world().barrier();
     if (!root)
       if (const auto last = load_latest_checkpoint(out_dir))
@@ -521,7 +606,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     for (int64_t n : batch.mtp_targets)
       topt.mtp_denominators.push_back(double(std::max<int64_t>(n, 1)));
 
-    grads.zero();
+    // Sharded decoder layers have no buffers between steps: their slices are zeroed instead.
+    for (auto& [name, g] : grads.named)
+      if (g.defined()) g.zero_();
     if (sharded_layers) sharded_layers->zero_gradients();
     if (vl) vl->step().zero();
     ExpertLoads loads;
@@ -545,9 +632,6 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       }
     }
     if (vl) vl->step().export_grads();
-    // The layers' reduced slices back into the buffers the optimizer reads (zeros outside this
-    // rank's slice, so that the optimizer's sum over dp is the reduced gradient exactly).
-    if (sharded_layers) sharded_layers->export_gradients();
     // Each rank of an sp group holds its shard's (and its heads') part of every gradient: their
     // sum is the pack's gradient, which the dp reduction below then treats as one rank's.
     if (sequence_parallel)
@@ -567,14 +651,17 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (options.on_gradients)
       options.on_gradients(st.step + 1, [&](const std::string& name) -> Tensor& {
         for (auto& [n, g] : grads.named)
-          if (n == name) return g;
+          if (n == name && g.defined()) return g;
         throw_internal(__FILE__, __LINE__, fmt::format("no gradient buffer for '{}'", name));
       });
     if (on_gpu && !distributed) copy_gradients_to_host();
     const double lr = schedule.lr(st.step);
     const double lm_loss = lm_sum / topt.lm_denominator;
-    const double grad_norm = sharded ? sharded->reduce_gradients(grad_list)
-                                     : std::sqrt(optimizer.grad_sq_norm(grad_list));
+    // The decoder-layer slices' part of the global norm joins the replicated shards' in one sum.
+    const double grad_norm =
+        sharded ? sharded->reduce_gradients(grad_list,
+                                            layer_optimizer ? layer_optimizer->grad_sq_norm() : 0.0)
+                : std::sqrt(optimizer.grad_sq_norm(grad_list));
     std::vector<std::string> nonfinite;
     if (!std::isfinite(lm_loss) || !std::isfinite(balancing) ||
         !std::all_of(mtp_sum.begin(), mtp_sum.end(), [](double v) { return std::isfinite(v); }))
@@ -584,16 +671,25 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
           released_views(store,
                          [&](const model::InternalParam& p) -> const Tensor* {
                            const auto it = optimizer_grad.find(p.name);
-                           return it != optimizer_grad.end() ? it->second : grads.find(p.name);
+                           const Tensor* g =
+                               it != optimizer_grad.end() ? it->second : grads.find(p.name);
+                           return g && g->defined() ? g : nullptr;
                          }),
           kNonFiniteNamed);
       nonfinite.insert(nonfinite.end(), names.begin(), names.end());
+      // Collective: every rank sees the same non-finite global norm.
+      if (sharded_layers) {
+        const std::vector<std::string> layers = sharded_layers->nonfinite(true, kNonFiniteNamed);
+        nonfinite.insert(nonfinite.end(), layers.begin(), layers.end());
+      }
     }
     // A non-finite loss with finite gradients is skipped too: its update would rest on nothing.
     const double applied_norm =
         nonfinite.empty() ? grad_norm : std::numeric_limits<double>::quiet_NaN();
     const StepReport rep =
         sharded ? sharded->step(lr, applied_norm) : optimizer.step(grad_list, lr, applied_norm);
+    // The same norm skips or applies both updates together.
+    if (layer_optimizer) layer_optimizer->step(lr, applied_norm);
     // The bias moves from the step's loads even when the update was skipped (docs/training.md).
     const double maxvio =
         update_router_biases(loads, recipe.router_bias_update_rate,
@@ -601,7 +697,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (vl)
       vl->model().refresh(store);
     else
-      refresh_model(model, store, sharded_layers ? &*sharded_layers : nullptr);
+      refresh_model(model, store);
+    for (const std::string& name : biases_in_store)
+      sharded_layers->set_parameter(name, store.get(name));
     ++st.step;
     if (rep.skipped) ++st.skipped_steps;
 

@@ -439,7 +439,10 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   // The last offloaded layer's copy to the host, running while the next layer computes.
   Transfer copying;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    if (sharded) sharded->gather(l);
+    if (sharded) {
+      sharded->gather(l);
+      if (l + 1 < c.num_hidden_layers) sharded->prefetch(l + 1);
+    }
     const LayerWeights& lw = w.layers[size_t(l)];
     if (sharded && lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.defined())
       throw Error("training a MoE layer without a shared expert is not supported",
@@ -635,7 +638,12 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
   // Decoder layers, last first.
   Tensor d_streams = ops::mhc_head_backward(d_hidden, tc.hc_mult);
   for (int64_t l = tc.num_hidden_layers - 1; l >= 0; --l) {
-    if (opt.layer_params) opt.layer_params->gather(l);
+    if (opt.layer_params) {
+      // The layer below is differentiated next: its transfer overlaps this layer's backward.
+      opt.layer_params->gather(l);
+      if (l > 0) opt.layer_params->prefetch(l - 1);
+      opt.layer_params->allocate_gradients(l);
+    }
     const LayerWeights& lw = w.layers[size_t(l)];
     const LayerContext& saved = fc.layers[size_t(l)];
     const ActivationPolicy policy = policy_of(l);
@@ -660,8 +668,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       d_streams = layer_grad(c, lw, full, d_streams, grads.layers[size_t(l)]);
     }
     if (opt.layer_params) {
-      // The layer's gradient is complete for this pack: reduce it into the slice now, per layer
-      // as fully sharded data parallel does, rather than once for the whole model at the end.
+      // The layer's gradient is complete for this pack: reduce it into the slice now and drop
+      // the full-size buffers, per layer as fully sharded data parallel does.
       opt.layer_params->release(l);
       opt.layer_params->reduce_gradients(l);
     }

@@ -119,10 +119,10 @@ struct TrainOptions {
   const SequenceParallel* sequence_parallel = nullptr;
 
   // Fully sharded data parallel (layer.h): decoder-layer parameters are gathered before each
-  // layer runs (forward and recompute) and released after, and each layer's gradients are
-  // reduced into this rank's slice right after its backward. The buffers of TextGrads for
-  // decoder layers are then zero when the backward returns; the provider holds the reduced
-  // slices. Null: the weights are whole and the gradients stay in TextGrads.
+  // layer runs (forward and recompute) and released after, and each layer's gradient buffers
+  // are provided right before its backward and reduced into this rank's slice right after. The
+  // buffers of TextGrads for decoder layers exist only in between; the provider holds the
+  // reduced slices. Null: the weights are whole and the gradients stay in TextGrads.
   LayerParamProvider* layer_params = nullptr;
 };
 

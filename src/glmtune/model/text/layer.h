@@ -84,19 +84,27 @@ class SequenceParallel {
 // Decoder-layer parameters held in shards over a data-parallel group (fully sharded data
 // parallel, dist/fsdp.h): between uses, the tensors of TextWeights::layers[l] are undefined and
 // each rank keeps only its slice. The layer loops (forward, recompute, backward) call gather
-// right before a layer runs and release right after, so that one layer's full parameters exist
-// at a time; the backward calls reduce_gradients once a layer's gradient is complete. Unset (the
-// default), the weights are always whole and nothing is called. Every call is collective over
-// the group: all its ranks must run the same layers in the same order.
+// right before a layer runs and release right after, and hint with prefetch which layer comes
+// next, so that at most the running layer and the next one are whole at a time. The backward
+// also holds each layer's gradient buffers only while that layer is differentiated:
+// allocate_gradients right before, reduce_gradients once the layer's gradient is complete. Unset
+// (the default), the weights and gradient buffers are always whole and nothing is called. Every
+// call is collective over the group: all its ranks must run the same layers in the same order.
 class LayerParamProvider {
  public:
   virtual ~LayerParamProvider() = default;
   // Fills TextWeights::layers[layer] with the full parameters.
   virtual void gather(int64_t layer) = 0;
+  // `layer` is gathered next (after the layer gathered last is released): its transfer may start
+  // now and overlap the running layer.
+  virtual void prefetch(int64_t layer) = 0;
   // Drops them again (the slice stays).
   virtual void release(int64_t layer) = 0;
+  // The layer's gradient buffers (TextGrads::layers[layer] and their TextGrads::named entries)
+  // exist and are zero from here until reduce_gradients.
+  virtual void allocate_gradients(int64_t layer) = 0;
   // The layer's gradient buffers hold this rank's complete contribution for the pack: they are
-  // reduced over the group into this rank's slice and zeroed.
+  // reduced over the group into this rank's slice and dropped.
   virtual void reduce_gradients(int64_t layer) = 0;
 };
 

@@ -123,8 +123,11 @@ ForwardOutput TextModel::forward(const PackInput& in, const ForwardOptions& opt)
   IndexerCarry carry;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     // Sharded parameters: whole only while the layer runs (its context keeps activations, never
-    // the weights, so the release frees them).
-    if (opt.layer_params) opt.layer_params->gather(l);
+    // the weights, so the release frees them); the next layer's transfer overlaps this one.
+    if (opt.layer_params) {
+      opt.layer_params->gather(l);
+      if (l + 1 < c.num_hidden_layers) opt.layer_params->prefetch(l + 1);
+    }
     const LayerWeights& w = weights_.layers[size_t(l)];
     Tensor counts;
     streams = decoder_layer_forward(ops_, c, w, streams, in.cu_seqlens, counted, carry, &counts,
