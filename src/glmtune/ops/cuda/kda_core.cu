@@ -56,6 +56,7 @@
 
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/kda.h"
+#include "glmtune/ops/cuda/tensor_core.cuh"
 
 namespace glmtune::cuda {
 namespace {
@@ -74,163 +75,7 @@ static_assert(kTile % kCT == 0, "the chunk kernels' tile loops run kTile / kCT t
 
 using detail::from_f;
 using detail::to_f;
-
-// ---- tensor-core pieces -----------------------------------------------------------------------
-// m16n8k16 fragments (g = lane/4, t = lane%4): A rows g, g+8 × cols 2t, 2t+1 (+8); B k 2t, 2t+1
-// (+8) × col g; C rows g, g+8 × cols 2t, 2t+1. The lower index sits in the low 16 bits.
-
-__device__ __forceinline__ uint32_t pack2(bf16 lo, bf16 hi) {
-  return uint32_t(__bfloat16_as_ushort(lo)) | (uint32_t(__bfloat16_as_ushort(hi)) << 16);
-}
-// (x0, x1) → a pair of bf16 hi parts and a pair of the lo parts (what hi rounded away).
-__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const bf16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
-  hi = pack2(h0, h1);
-  lo = pack2(__float2bfloat16_rn(x0 - __bfloat162float(h0)),
-             __float2bfloat16_rn(x1 - __bfloat162float(h1)));
-}
-
-struct FragA {
-  uint32_t hi[4], lo[4];
-};
-struct FragB {
-  uint32_t hi[2], lo[2];
-};
-
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// c += a·b with both operands in hi/lo form; the small cross terms go in first.
-__device__ __forceinline__ void mma3(float (&c)[4], const FragA& a, const FragB& b) {
-  mma(c, a.hi, b.lo);
-  mma(c, a.lo, b.hi);
-  mma(c, a.hi, b.hi);
-}
-
-// mma3 with an A operand stored in bf16 (dO in the bf16 mode): its lo part is exactly zero, so
-// the product that would add lo·hi (exact zeros) is left out and the bits equal mma3's.
-template <typename T>
-__device__ __forceinline__ void mma3_stored_a(float (&c)[4], const FragA& a, const FragB& b) {
-  mma(c, a.hi, b.lo);
-  if constexpr (!std::is_same_v<T, bf16>) mma(c, a.lo, b.hi);
-  mma(c, a.hi, b.hi);
-}
-
-// Two accumulator tiles (n-tiles 2j, 2j+1 of a product) as the A operand of the k-tile j of the
-// next product, times `sign`: the C layout of two 16×8 tiles is the A layout of one 16×16.
-__device__ __forceinline__ FragA frag_from_acc(const float (&c0)[4], const float (&c1)[4],
-                                               float sign) {
-  FragA f;
-  split2(sign * c0[0], sign * c0[1], f.hi[0], f.lo[0]);
-  split2(sign * c0[2], sign * c0[3], f.hi[1], f.lo[1]);
-  split2(sign * c1[0], sign * c1[1], f.hi[2], f.lo[2]);
-  split2(sign * c1[2], sign * c1[3], f.hi[3], f.lo[3]);
-  return f;
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16* p) {
-  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-// B operands of n-tiles n0 and n0+8 for k-tile k0 from a bf16 [k][n] tile (n contiguous).
-__device__ __forceinline__ void ldsm_b_kn(const bf16* tile, int ld, int k0, int n0,
-                                          uint32_t (&b0)[2], uint32_t (&b1)[2]) {
-  const int lane = threadIdx.x & 31;
-  uint32_t r[4];
-  ldsm_x4_trans(r,
-                tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + ((lane >> 4) & 1) * 8);
-  b0[0] = r[0];
-  b0[1] = r[1];
-  b1[0] = r[2];
-  b1[1] = r[3];
-}
-// The A operand (rows m0.., k-tile k0) from a bf16 [k][m] tile (m contiguous).
-__device__ __forceinline__ void ldsm_a_km(const bf16* tile, int ld, int k0, int m0,
-                                          uint32_t (&a)[4]) {
-  const int lane = threadIdx.x & 31;
-  ldsm_x4_trans(a,
-                tile + (k0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + m0 + ((lane >> 3) & 1) * 8);
-}
-// The B operand (n-tile n0, k-tile k0) from a bf16 [n][k] tile (k contiguous).
-__device__ __forceinline__ void lds_b_nk(const bf16* tile, int ld, int n0, int k0,
-                                         uint32_t (&b)[2]) {
-  const int lane = threadIdx.x & 31;
-  const bf16* p = tile + (n0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
-  b[0] = *reinterpret_cast<const uint32_t*>(p);
-  b[1] = *reinterpret_cast<const uint32_t*>(p + 8);
-}
-// The A operand (rows m0.., k-tile k0) from a bf16 [m][k] tile (k contiguous).
-__device__ __forceinline__ void lds_a_mk(const bf16* tile, int ld, int m0, int k0,
-                                         uint32_t (&a)[4]) {
-  const int lane = threadIdx.x & 31;
-  const bf16* p = tile + (m0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
-  a[0] = *reinterpret_cast<const uint32_t*>(p);
-  a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * ld);
-  a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
-  a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * ld + 8);
-}
-// The B operand (k-tile k0, n-tile n0) from an f32 [k][n] tile, split on the fly.
-__device__ __forceinline__ FragB load_b_f32(const float* __restrict__ tile, int ld, int k0,
-                                            int n0) {
-  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const float* p = tile + (k0 + 2 * t) * ld + n0 + g;
-  FragB f;
-  split2(p[0], p[ld], f.hi[0], f.lo[0]);
-  split2(p[8 * ld], p[9 * ld], f.hi[1], f.lo[1]);
-  return f;
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// The B operand (k-tile 0, n-tile n0) from a bf16 [k][n] tile (n contiguous): ldmatrix .x2 takes
-// the row addresses of lanes 0–15.
-__device__ __forceinline__ void ldsm_b_kn8(const bf16* tile, int ld, int n0, uint32_t (&b)[2]) {
-  const int lane = threadIdx.x & 31;
-  const auto addr = static_cast<uint32_t>(
-      __cvta_generic_to_shared(tile + ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(b[0]), "=r"(b[1])
-               : "r"(addr));
-}
-// The A operand of a 16×16 f32 matrix whose element (m, k) sits at src[m·sm + k·sk], split.
-__device__ __forceinline__ FragA load_a_f32(const float* src, int sm, int sk) {
-  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  auto at = [&](int m, int kx) { return src[m * sm + kx * sk]; };
-  FragA f;
-  split2(at(g, 2 * t), at(g, 2 * t + 1), f.hi[0], f.lo[0]);
-  split2(at(g + 8, 2 * t), at(g + 8, 2 * t + 1), f.hi[1], f.lo[1]);
-  split2(at(g, 2 * t + 8), at(g, 2 * t + 9), f.hi[2], f.lo[2]);
-  split2(at(g + 8, 2 * t + 8), at(g + 8, 2 * t + 9), f.hi[3], f.lo[3]);
-  return f;
-}
-// A B operand from four values of this lane (k rows 2t, 2t+1, 2t+8, 2t+9 of its column g).
-__device__ __forceinline__ FragB frag_b(const float (&x)[4]) {
-  FragB f;
-  split2(x[0], x[1], f.hi[0], f.lo[0]);
-  split2(x[2], x[3], f.hi[1], f.lo[1]);
-  return f;
-}
-template <typename T>
-__device__ __forceinline__ void store2(T* p, float x, float y) {
-  if constexpr (std::is_same_v<T, float>)
-    *reinterpret_cast<float2*>(p) = make_float2(x, y);
-  else
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
+using namespace tc;
 
 // Largest |Γ_i − ref| (per key channel, ref the mean of the chunk's first and last Γ) for which
 // bwd_chunk uses the factorised decay e^{Γ_i − Γ_j} = e^{Γ_i − ref}·e^{ref − Γ_j}: each factor
@@ -683,19 +528,6 @@ __global__ void __launch_bounds__(32 * kWarps)
     }
     __syncthreads();  // the stage is refilled by the next iteration's prefetch
   }
-}
-
-// movmatrix: the transpose of an 8×8 bf16 matrix held in the fragment layout (lane (g, t) holds
-// row g, columns 2t, 2t+1), returned in the same layout.
-__device__ __forceinline__ uint32_t mov_trans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
-// Prefetches `bytes` (a multiple of 16) at a 16-byte aligned global address into L2.
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 
 // state_bwd's shared memory: two stages, the per-warp partials of d kdec for 16 key columns
