@@ -4,6 +4,7 @@
 
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/mhc.h"
+#include "glmtune/ops/cuda/tensor_core.cuh"
 
 namespace glmtune::cuda {
 namespace {
@@ -15,9 +16,13 @@ constexpr int kM = (2 + kH) * kH;  // logits per token: pre, post, comb
 constexpr int kThreads = 256;
 constexpr int kMixTokens = 64;         // tokens per block of the mixing product
 constexpr int kMixK = 64;              // columns of X per shared-memory stage
-constexpr int kMixLd = kMixK + 4;      // padded row, keeps float4 rows 16-byte aligned
 constexpr int kFnTokenBlocks = 32;     // fixed token blocks of the d fn sums
+constexpr int kFnCols = 64;            // columns of X per block of the d fn sums (HD % 64 == 0)
+constexpr int kFnThreads = 128;        // four warps of 16 columns
+constexpr int kFnStageTokens = 32;     // tokens per shared-memory stage of the d fn sums
 constexpr int kDxTokens = 64;          // tokens per block of the dX kernel
+constexpr int kDxCols = 64;            // columns of X per block of the dX kernel
+constexpr int kMPad = 32;              // the 24 logits padded to two 16-wide MMA tiles
 constexpr int kSumChunks = 64;         // fixed row chunks of the small column sums
 constexpr int kSinkhornMaxIters = 64;  // replay scratch of the Sinkhorn backward
 
@@ -76,120 +81,139 @@ __device__ void sinkhorn_token(float* c, int iters, float eps, float* init) {
   }
 }
 
-// Backward of one token's projection: `start` = softmax + eps, `logits` the softmax input, `g`
-// the upstream gradient (overwritten), `dl` the result; `states` holds (2·iters − 1)·H² floats.
-__device__ void sinkhorn_backward_token(const float* start, const float* logits, int iters,
-                                        float eps, float* g, float* dl, float* states) {
-  constexpr int hh = kH * kH;
-  const int steps = 2 * iters - 1;
-  for (int k = 0; k < hh; ++k) states[k] = start[k];
-  for (int s = 0; s + 1 < steps; ++s) {
-    const bool column = s % 2 == 0;
-    const float* in = states + s * hh;
-    float* out = states + (s + 1) * hh;
-    for (int a = 0; a < kH; ++a) {
-      float sum = 0.0f;
-      for (int b = 0; b < kH; ++b) sum += column ? in[b * kH + a] : in[a * kH + b];
-      const float d = sum + eps;
-      for (int b = 0; b < kH; ++b) {
-        const int idx = column ? b * kH + a : a * kH + b;
-        out[idx] = in[idx] / d;
-      }
-    }
-  }
-  for (int s = steps - 1; s >= 0; --s) {
-    const float* in = states + s * hh;
-    const bool column = s % 2 == 0;
-    for (int a = 0; a < kH; ++a) {
-      float sum = 0.0f;
-      for (int b = 0; b < kH; ++b) sum += column ? in[b * kH + a] : in[a * kH + b];
-      const float d = sum + eps;
-      float dot = 0.0f;
-      for (int b = 0; b < kH; ++b) {
-        const int idx = column ? b * kH + a : a * kH + b;
-        dot += g[idx] * (in[idx] / d);
-      }
-      for (int b = 0; b < kH; ++b) {
-        const int idx = column ? b * kH + a : a * kH + b;
-        g[idx] = (g[idx] - dot) / d;
-      }
-    }
-  }
-  for (int i = 0; i < kH; ++i) {
-    const float* l = logits + i * kH;
-    float mx = l[0];
-    for (int j = 1; j < kH; ++j) mx = fmaxf(mx, l[j]);
-    float sum = 0.0f;
-    for (int j = 0; j < kH; ++j) sum += expf(l[j] - mx);
-    float dot = 0.0f;
-    for (int j = 0; j < kH; ++j) dot += g[i * kH + j] * (expf(l[j] - mx) / sum);
-    for (int j = 0; j < kH; ++j) dl[i * kH + j] = (expf(l[j] - mx) / sum) * (g[i * kH + j] - dot);
+// ---- pre: mixing product, statistics and Sinkhorn ----------------------------------------------
+
+// The mixing product's B operand: fn as bf16 hi and lo parts [M][HD] (hi + lo keeps about 16 bits
+// of each weight; the activations are bf16 already, or split the same way in the f32 mode).
+__global__ void split_fn_kernel(const float* __restrict__ fn, int64_t n, bf16* __restrict__ hi,
+                                bf16* __restrict__ lo) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const bf16 h = __float2bfloat16_rn(fn[i]);
+    hi[i] = h;
+    lo[i] = __float2bfloat16_rn(fn[i] - __bfloat162float(h));
   }
 }
 
-// ---- pre: mixing product, statistics and Sinkhorn ----------------------------------------------
+// The mixing product's staged operands (dynamic shared memory), three stages in flight: X tiles
+// of kMixTokens rows by kMixK columns and the same columns of fn's hi and lo parts, every row
+// padded by 16 bytes (16-byte aligned, and the fragment loads of eight rows fall in distinct
+// banks). fn goes through shared memory too, so no stage waits on L2 for its B operands.
+template <typename T>
+struct MixTiles {
+  static constexpr int kLd = kMixK + 16 / int(sizeof(T));
+  static constexpr int kFLd = kMixK + 8;
+  static constexpr int kStages = 3;
+  T x[kStages][kMixTokens * kLd];
+  bf16 fh[kStages][kM * kFLd], fl[kStages][kM * kFLd];
+};
 
+// One block per 64 tokens: raw logits X·fnᵀ on the tensor cores (warp w: tokens 16·(w mod 4) ..,
+// the stage's columns 32·(w / 4) .., all 24 logits; the two column halves added at the end), the
+// sum of squares for the RMS statistic, then per token the gates and the Sinkhorn projection.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    mhc_mix_kernel(const T* __restrict__ x, const float* __restrict__ fn,
-                   const float* __restrict__ base, const float* __restrict__ scale, int64_t tokens,
-                   int hd, float rms_eps, float hc_eps, int iters, float* __restrict__ mix_out,
+    mhc_mix_kernel(const T* __restrict__ x, const bf16* __restrict__ fn_hi,
+                   const bf16* __restrict__ fn_lo, const float* __restrict__ base,
+                   const float* __restrict__ scale, int64_t tokens, int hd, float rms_eps,
+                   float hc_eps, int iters, float* __restrict__ mix_out,
                    float* __restrict__ rstd_out, float* __restrict__ pre_out,
                    float* __restrict__ post_out, float* __restrict__ comb_out,
                    float* __restrict__ init_out) {
-  __shared__ __align__(16) float xs[kMixTokens * kMixLd];
-  __shared__ __align__(16) float fs[kM * kMixLd];
+  using Tiles = MixTiles<T>;
+  constexpr int kLd = Tiles::kLd, kFLd = Tiles::kFLd, kStages = Tiles::kStages;
+  constexpr int kPieces = 16 / int(sizeof(T));  // elements per 16-byte piece
+  constexpr int kRowPieces = kMixK / kPieces;   // pieces per staged row
+  extern __shared__ __align__(16) unsigned char mix_smem[];
+  Tiles& tiles = *reinterpret_cast<Tiles*>(mix_smem);
   __shared__ float raw[kMixTokens * kM];
   __shared__ float ss_tok[kMixTokens];
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int64_t t0 = int64_t(blockIdx.x) * kMixTokens;
-  // Loader role: token tid/4, 16 consecutive columns of the stage.
-  const int load_tok = tid >> 2, load_col = (tid & 3) * 16;
-  const bool load_ok = t0 + load_tok < tokens;
-  const T* xrow = x + (t0 + load_tok) * int64_t(hd);
-  // Compute role: tokens 2·(tid/8) + {0, 1}, logits tid%8 + {0, 8, 16}.
-  const int ct = (tid >> 3) * 2, cm = tid & 7;
-  float acc[2][3] = {};
+  const int rows = int(tokens - t0 < kMixTokens ? tokens - t0 : kMixTokens);
+  // Rows past the last token stay zero in every stage (nothing loads them).
+  for (int i = tid; i < kStages * kMixTokens * kLd; i += kThreads) {
+    const int row = (i % (kMixTokens * kLd)) / kLd;
+    if (row >= rows) (&tiles.x[0][0])[i] = from_f<T>(0.0f);
+  }
+  auto load_stage = [&](int stage, int k0) {
+    for (int piece = tid; piece < kMixTokens * kRowPieces; piece += kThreads) {
+      const int row = piece / kRowPieces, col = (piece % kRowPieces) * kPieces;
+      if (row < rows)
+        tc::cp_async16(&tiles.x[stage][row * kLd + col], x + (t0 + row) * int64_t(hd) + k0 + col);
+    }
+    for (int piece = tid; piece < 2 * kM * (kMixK / 8); piece += kThreads) {
+      const int part = piece / (kM * (kMixK / 8)), rest = piece % (kM * (kMixK / 8));
+      const int m = rest / (kMixK / 8), col = (rest % (kMixK / 8)) * 8;
+      bf16* dst = part == 0 ? tiles.fh[stage] : tiles.fl[stage];
+      tc::cp_async16(dst + m * kFLd + col,
+                     (part == 0 ? fn_hi : fn_lo) + int64_t(m) * hd + k0 + col);
+    }
+  };
+  const int stages = hd / kMixK;
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < stages) load_stage(s, s * kMixK);
+    tc::cp_async_commit();
+  }
+  const int m0 = 16 * (warp & 3), half = warp >> 2;
+  float acc[3][4] = {};
+  // Sum of squares: thread tid takes token tid / 4, columns 16·(tid mod 4) .. + 15 of each stage.
+  const int sq_row = tid >> 2, sq_col = (tid & 3) * 16;
   float ss = 0.0f;
-  for (int k0 = 0; k0 < hd; k0 += kMixK) {
-    float va[8] = {}, vb[8] = {};
-    if (load_ok) {
-      load8(xrow + k0 + load_col, va);
-      load8(xrow + k0 + load_col + 8, vb);
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      ss += va[i] * va[i];
-      ss += vb[i] * vb[i];
-      xs[load_tok * kMixLd + load_col + i] = va[i];
-      xs[load_tok * kMixLd + load_col + 8 + i] = vb[i];
-    }
-    for (int i = tid; i < kM * kMixK; i += kThreads) {
-      const int m = i / kMixK, k = i % kMixK;
-      fs[m * kMixLd + k] = fn[int64_t(m) * hd + k0 + k];
-    }
+  for (int c = 0; c < stages; ++c) {
+    tc::cp_async_wait<kStages - 2>();
     __syncthreads();
-#pragma unroll 4
-    for (int k = 0; k < kMixK; k += 4) {
-      const float4 xa = *reinterpret_cast<const float4*>(&xs[ct * kMixLd + k]);
-      const float4 xb = *reinterpret_cast<const float4*>(&xs[(ct + 1) * kMixLd + k]);
+    // The buffer refilled here was read in the previous iteration, before the barrier above.
+    if (c + kStages - 1 < stages)
+      load_stage((c + kStages - 1) % kStages, (c + kStages - 1) * kMixK);
+    tc::cp_async_commit();
+    const T* tile = tiles.x[c % kStages];
 #pragma unroll
-      for (int r = 0; r < 3; ++r) {
-        const float4 f = *reinterpret_cast<const float4*>(&fs[(cm + 8 * r) * kMixLd + k]);
-        acc[0][r] += xa.x * f.x + xa.y * f.y + xa.z * f.z + xa.w * f.w;
-        acc[1][r] += xb.x * f.x + xb.y * f.y + xb.z * f.z + xb.w * f.w;
+    for (int e = 0; e < 16; ++e) {
+      const float v = to_f(tile[sq_row * kLd + sq_col + e]);
+      ss += v * v;
+    }
+#pragma unroll
+    for (int kt = 0; kt < 2; ++kt) {
+      const int kl = 32 * half + 16 * kt;  // column in the stage
+      tc::FragA a;
+      if constexpr (std::is_same_v<T, bf16>)
+        tc::lds_a_mk(tile, kLd, m0, kl, a.hi);
+      else
+        a = tc::load_a_f32(tile + m0 * kLd + kl, kLd, 1);
+#pragma unroll
+      for (int nt = 0; nt < 3; ++nt) {
+        tc::FragB b;
+        tc::lds_b_nk(tiles.fh[c % kStages], kFLd, 8 * nt, kl, b.hi);
+        tc::lds_b_nk(tiles.fl[c % kStages], kFLd, 8 * nt, kl, b.lo);
+        if constexpr (std::is_same_v<T, bf16>) {  // bf16 activations are exact: no lo part
+          tc::mma(acc[nt], a.hi, b.lo);
+          tc::mma(acc[nt], a.hi, b.hi);
+        } else {
+          tc::mma3(acc[nt], a, b);
+        }
       }
     }
-    __syncthreads();
   }
+  // The second column half's partial sums, then the first half adds its own.
+  if (half == 1)
+#pragma unroll
+    for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        raw[(m0 + g + (r >> 1) * 8) * kM + 8 * nt + 2 * t4 + (r & 1)] = acc[nt][r];
+  __syncthreads();
+  if (half == 0)
+#pragma unroll
+    for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        float& slot = raw[(m0 + g + (r >> 1) * 8) * kM + 8 * nt + 2 * t4 + (r & 1)];
+        slot = acc[nt][r] + slot;
+      }
   ss += __shfl_xor_sync(0xffffffffu, ss, 1);
   ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-  if ((tid & 3) == 0) ss_tok[load_tok] = ss;
-#pragma unroll
-  for (int r = 0; r < 3; ++r) {
-    raw[ct * kM + cm + 8 * r] = acc[0][r];
-    raw[(ct + 1) * kM + cm + 8 * r] = acc[1][r];
-  }
+  if ((tid & 3) == 0) ss_tok[sq_row] = ss;
   __syncthreads();
   if (tid >= kMixTokens || t0 + tid >= tokens) return;
   const int64_t t = t0 + tid;
@@ -342,94 +366,188 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- pre backward -----------------------------------------------------------------------------
 
-// One block per token: dpre = ⟨dc, X_i⟩, then (thread 0) d logits through the sigmoids and the
-// Sinkhorn replay. Writes dmix [T, M] = dlogit·scale of its group, and rows [dlogit, dlogit·mix]
-// [T, 2M] for the base and scale sums.
+// One block per token: dpre[t][i] = ⟨dc[t], X_i[t]⟩.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    mhc_pre_bwd_token_kernel(const T* __restrict__ x, const T* __restrict__ dc,
-                             const float* __restrict__ dpost, const float* __restrict__ dcomb,
-                             const float* __restrict__ mix, const float* __restrict__ comb_init,
-                             const float* __restrict__ base, const float* __restrict__ scale, int d,
-                             int iters, float hc_eps, float* __restrict__ dmix_out,
-                             float* __restrict__ param_rows) {
+    mhc_pre_dots_kernel(const T* __restrict__ x, const T* __restrict__ dc, int d,
+                        float* __restrict__ dpre) {
   __shared__ float scratch[32 * kH];
-  __shared__ float dpre[kH];
-  __shared__ float states[kSinkhornMaxIters * 2 * kH * kH];
+  __shared__ float sums[kH];
   const int64_t t = blockIdx.x;
   float dots[kH] = {};
-  if (dc) {
-    for (int k = threadIdx.x * 8; k < d; k += blockDim.x * 8) {
-      float gv[8];
-      load8(dc + t * d + k, gv);
+  for (int k = threadIdx.x * 8; k < d; k += blockDim.x * 8) {
+    float gv[8];
+    load8(dc + t * d + k, gv);
 #pragma unroll
-      for (int i = 0; i < kH; ++i) {
-        float xv[8];
-        load8(x + (t * kH + i) * d + k, xv);
+    for (int i = 0; i < kH; ++i) {
+      float xv[8];
+      load8(x + (t * kH + i) * d + k, xv);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) dots[i] += gv[e] * xv[e];
-      }
+      for (int e = 0; e < 8; ++e) dots[i] += gv[e] * xv[e];
     }
   }
-  block_sums(dots, scratch, dpre);
-  if (threadIdx.x != 0) return;
-  const float* mt = mix + t * kM;
-  float dl[kM];
-  for (int i = 0; i < kH; ++i) {
-    const float sp = sigmoid_f(mt[i] * scale[0] + base[i]);
-    dl[i] = dc ? dpre[i] * sp * (1.0f - sp) : 0.0f;
-    const float so = sigmoid_f(mt[kH + i] * scale[1] + base[kH + i]);
-    dl[kH + i] = dpost ? dpost[t * kH + i] * 2.0f * so * (1.0f - so) : 0.0f;
-  }
-  if (dcomb) {
-    float logits[kH * kH], g[kH * kH];
-    for (int k = 0; k < kH * kH; ++k) {
-      logits[k] = mt[2 * kH + k] * scale[2] + base[2 * kH + k];
-      g[k] = dcomb[t * kH * kH + k];
-    }
-    sinkhorn_backward_token(comb_init + t * kH * kH, logits, iters, hc_eps, g, dl + 2 * kH, states);
-  } else {
-    for (int k = 0; k < kH * kH; ++k) dl[2 * kH + k] = 0.0f;
-  }
-  for (int m = 0; m < kM; ++m) {
-    const float s = scale[m < kH ? 0 : m < 2 * kH ? 1 : 2];
-    dmix_out[t * kM + m] = dl[m] * s;
-    param_rows[t * 2 * kM + m] = dl[m];
-    param_rows[t * 2 * kM + kM + m] = dl[m] * mt[m];
-  }
+  block_sums(dots, scratch, sums);
+  if (threadIdx.x < kH) dpre[t * kH + threadIdx.x] = sums[threadIdx.x];
 }
 
-// partial[blockIdx.y][m][k] = Σ_{t in block y} dmix[t][m] · X[t][k] · rstd[t]; one column k per
-// thread, the block's tokens staged in shared memory.
-template <typename T>
+// The sum of v over the four lanes of this lane's row (kRow) or column of a token's 4×4 matrix,
+// the matrix held by 16 consecutive lanes, lane j on element (j / 4, j mod 4); the same bits in
+// all four lanes.
+template <bool kRow>
+__device__ __forceinline__ float group4_sum(float v) {
+  constexpr int a = kRow ? 1 : 4, b = kRow ? 2 : 8;
+  v += __shfl_xor_sync(0xffffffffu, v, a);
+  return v + __shfl_xor_sync(0xffffffffu, v, b);
+}
+__device__ __forceinline__ float group4_sum(float v, bool row) {
+  return row ? group4_sum<true>(v) : group4_sum<false>(v);
+}
+
+// The logit gradients of the pre, post and comb maps, one token on 16 lanes: lane j takes comb
+// element j (the Sinkhorn replay and its reverse walk, each normalisation's sums over its row or
+// column by shuffles; the states of its own element in local memory), and lanes 0–3 pre_j, lanes
+// 4–7 post_{j−4}. Writes dmix [T, M] = dlogit·scale of its group, and rows [dlogit, dlogit·mix]
+// [T, 2M] for the base and scale sums. Lanes past the last token repeat the last one (every lane
+// of a warp takes part in the shuffles) and store nothing.
 __global__ void __launch_bounds__(kThreads)
+    mhc_pre_logit_grads_kernel(const float* __restrict__ dpre, const float* __restrict__ dpost,
+                               const float* __restrict__ dcomb, const float* __restrict__ mix,
+                               const float* __restrict__ comb_init, const float* __restrict__ base,
+                               const float* __restrict__ scale, int64_t tokens, int iters,
+                               float hc_eps, float* __restrict__ dmix_out,
+                               float* __restrict__ param_rows) {
+  constexpr int hh = kH * kH;
+  const int64_t gid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, token = gid / hh;
+  const int j = int(gid % hh);
+  const int64_t t = token < tokens ? token : tokens - 1;
+  const float* mt = mix + t * kM;
+  // pre (lanes 0–3) and post (lanes 4–7).
+  float dl_gate = 0.0f;
+  if (j < kH) {
+    const float sp = sigmoid_f(mt[j] * scale[0] + base[j]);
+    dl_gate = dpre ? dpre[t * kH + j] * sp * (1.0f - sp) : 0.0f;
+  } else if (j < 2 * kH) {
+    const float so = sigmoid_f(mt[j] * scale[1] + base[j]);
+    dl_gate = dpost ? dpost[t * kH + j - kH] * 2.0f * so * (1.0f - so) : 0.0f;
+  }
+  // comb: replay the 2·iters − 1 normalisations (column first) from softmax + eps, then walk
+  // them back, then the row softmax.
+  float dl_comb = 0.0f;
+  if (dcomb) {
+    float state[2 * kSinkhornMaxIters];
+    const int steps = 2 * iters - 1;
+    state[0] = comb_init[t * hh + j];
+    for (int s = 0; s + 1 < steps; ++s)
+      state[s + 1] = state[s] / (group4_sum(state[s], s % 2 != 0) + hc_eps);
+    float g = dcomb[t * hh + j];
+    for (int s = steps - 1; s >= 0; --s) {
+      const bool row = s % 2 != 0;
+      const float d = group4_sum(state[s], row) + hc_eps;
+      const float dot = group4_sum(g * (state[s] / d), row);
+      g = (g - dot) / d;
+    }
+    const float l = mt[2 * kH + j] * scale[2] + base[2 * kH + j];
+    float mx = fmaxf(l, __shfl_xor_sync(0xffffffffu, l, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float e = expf(l - mx);
+    const float p = e / group4_sum<true>(e);
+    dl_comb = p * (g - group4_sum<true>(g * p));
+  }
+  if (token >= tokens) return;
+  auto put = [&](int m, float dl) {
+    const float s = scale[m < kH ? 0 : m < 2 * kH ? 1 : 2];
+    dmix_out[t * kM + m] = dl * s;
+    param_rows[t * 2 * kM + m] = dl;
+    param_rows[t * 2 * kM + kM + m] = dl * mt[m];
+  };
+  if (j < 2 * kH) put(j, dl_gate);
+  put(2 * kH + j, dl_comb);
+}
+
+// partial[blockIdx.y][m][k] = Σ_{t in block y} dmix[t][m]·rstd[t]·X[t][k] on the tensor cores:
+// a [32 (24 logits, padded) × tokens] by [tokens × kFnCols] product per block, tokens staged
+// kFnStageTokens at a time (X by cp.async, dmix·rstd transposed), four warps, warp w on columns
+// 16w .. + 15 for both logit tiles. The scaled dmix is split into bf16 hi and lo parts; X is exact
+// in bf16 (split too in the f32 mode).
+template <typename T>
+__global__ void __launch_bounds__(kFnThreads)
     mhc_dfn_partial_kernel(const T* __restrict__ x, const float* __restrict__ dmix,
                            const float* __restrict__ rstd, int64_t tokens, int hd,
                            int64_t tokens_per_block, float* __restrict__ partial) {
-  constexpr int kStage = 32;
-  __shared__ float dm[kStage * kM];
-  const int k = blockIdx.x * kThreads + threadIdx.x;
+  constexpr int kXLd = kFnCols + 16 / int(sizeof(T));  // 16-byte padded rows
+  constexpr int kALd = kFnStageTokens + 4;
+  constexpr int kPieces = 16 / int(sizeof(T)), kRowPieces = kFnCols / kPieces;
+  __shared__ __align__(16) T xs[2][kFnStageTokens * kXLd];
+  __shared__ float as[2][kMPad * kALd];  // [m][t]: dmix·rstd, zero past the 24 logits
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int col0 = blockIdx.x * kFnCols;
   const int64_t t0 = int64_t(blockIdx.y) * tokens_per_block;
   const int64_t t1 = t0 + tokens_per_block < tokens ? t0 + tokens_per_block : tokens;
-  float acc[kM] = {};
-  for (int64_t s = t0; s < t1; s += kStage) {
-    const int n = int(t1 - s < kStage ? t1 - s : kStage);
-    __syncthreads();
-    for (int i = threadIdx.x; i < n * kM; i += kThreads) {
-      const int tt = i / kM;
-      dm[i] = dmix[(s + tt) * kM + i % kM] * rstd[s + tt];
-    }
-    __syncthreads();
-    if (k < hd) {
-      for (int tt = 0; tt < n; ++tt) {
-        const float xv = to_f(x[(s + tt) * hd + k]);
+  const int stages = int((t1 - t0 + kFnStageTokens - 1) / kFnStageTokens);
+  auto load_stage = [&](int buf, int64_t s0) {
+    const int n = int(t1 - s0 < kFnStageTokens ? t1 - s0 : kFnStageTokens);
+    for (int piece = tid; piece < kFnStageTokens * kRowPieces; piece += kFnThreads) {
+      const int row = piece / kRowPieces, col = (piece % kRowPieces) * kPieces;
+      T* dst = &xs[buf][row * kXLd + col];
+      if (row < n) {
+        tc::cp_async16(dst, x + (s0 + row) * int64_t(hd) + col0 + col);
+      } else {
 #pragma unroll
-        for (int m = 0; m < kM; ++m) acc[m] += dm[tt * kM + m] * xv;
+        for (int e = 0; e < kPieces; ++e) dst[e] = from_f<T>(0.0f);
+      }
+    }
+    for (int i = tid; i < kMPad * kFnStageTokens; i += kFnThreads) {
+      const int m = i / kFnStageTokens, tt = i % kFnStageTokens;
+      as[buf][m * kALd + tt] = m < kM && tt < n ? dmix[(s0 + tt) * kM + m] * rstd[s0 + tt] : 0.0f;
+    }
+  };
+  float acc[2][2][4] = {};
+  if (stages > 0) load_stage(0, t0);
+  tc::cp_async_commit();
+  for (int c = 0; c < stages; ++c) {
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    // The other buffer was read in the previous iteration, before the barrier above.
+    if (c + 1 < stages) load_stage((c + 1) & 1, t0 + int64_t(c + 1) * kFnStageTokens);
+    tc::cp_async_commit();
+    const T* xt = xs[c & 1];
+    const float* at = as[c & 1];
+#pragma unroll
+    for (int kt = 0; kt < kFnStageTokens / 16; ++kt) {
+      tc::FragB b[2];
+      if constexpr (std::is_same_v<T, bf16>) {
+        tc::ldsm_b_kn(xt, kXLd, 16 * kt, 16 * warp, b[0].hi, b[1].hi);
+      } else {
+        b[0] = tc::load_b_f32(xt, kXLd, 16 * kt, 16 * warp);
+        b[1] = tc::load_b_f32(xt, kXLd, 16 * kt, 16 * warp + 8);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const tc::FragA a = tc::load_a_f32(at + 16 * mt * kALd + 16 * kt, kALd, 1);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          if constexpr (std::is_same_v<T, bf16>) {  // X exact in bf16: no lo part
+            tc::mma(acc[mt][nt], a.lo, b[nt].hi);
+            tc::mma(acc[mt][nt], a.hi, b[nt].hi);
+          } else {
+            tc::mma3(acc[mt][nt], a, b[nt]);
+          }
+        }
       }
     }
   }
-  if (k < hd)
-    for (int m = 0; m < kM; ++m) partial[(int64_t(blockIdx.y) * kM + m) * hd + k] = acc[m];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = 16 * mt + g + 8 * half;
+        if (m < kM)
+          *reinterpret_cast<float2*>(partial + (int64_t(blockIdx.y) * kM + m) * hd + col0 +
+                                     16 * warp + 8 * nt + 2 * t4) =
+              make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+      }
 }
 
 // out[j] += Σ_b partial[b][j], blocks in order.
@@ -465,44 +583,84 @@ __global__ void fold_base_scale_kernel(const float* __restrict__ sums, float* __
 }
 
 // dX[t][k] = pre_i·dc[t][k mod D] + rstd·Σ_m dmix[t][m]·fn[m][k] − coef_t·X[t][k], with
-// coef_t = rstd²/(HD) · Σ_m dmix[t][m]·mix[t][m]. One column per thread (its fn column in
-// registers) over a tile of tokens.
+// coef_t = rstd²/(HD) · Σ_m dmix[t][m]·mix[t][m]. One block per kDxTokens tokens × kDxCols
+// columns: the product on the tensor cores ([tokens × 32] rstd·dmix, split into bf16 hi and lo,
+// by [32 × cols] fn from its hi/lo parts; warp w on tokens 16·(w mod 4) .., columns
+// 32·(w / 4) ..), through shared memory to a coalesced pass that adds the other two terms.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     mhc_pre_dx_kernel(const T* __restrict__ x, const T* __restrict__ dc,
-                      const float* __restrict__ fn, const float* __restrict__ dmix,
-                      const float* __restrict__ mix, const float* __restrict__ rstd,
-                      const float* __restrict__ pre, int64_t tokens, int d, T* __restrict__ dx) {
-  __shared__ float dm[kDxTokens * kM];
-  __shared__ float coef[kDxTokens], rs[kDxTokens];
+                      const bf16* __restrict__ fn_hi, const bf16* __restrict__ fn_lo,
+                      const float* __restrict__ dmix, const float* __restrict__ mix,
+                      const float* __restrict__ rstd, const float* __restrict__ pre, int64_t tokens,
+                      int d, T* __restrict__ dx) {
+  constexpr int kALd = kMPad + 4, kBLd = kDxCols + 8, kOLd = kDxCols + 4;
+  __shared__ float as[kDxTokens * kALd];              // rstd·dmix [t][m], zero past the 24 logits
+  __shared__ __align__(16) bf16 bs[2][kMPad * kBLd];  // fn hi, lo [m][col]
+  __shared__ __align__(16) float out[kDxTokens * kOLd];
+  __shared__ float coef[kDxTokens];
   const int hd = kH * d;
-  const int k = blockIdx.x * kThreads + threadIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int col0 = blockIdx.x * kDxCols;
   const int64_t t0 = int64_t(blockIdx.y) * kDxTokens;
   const int n = int(tokens - t0 < kDxTokens ? tokens - t0 : kDxTokens);
-  for (int i = threadIdx.x; i < n * kM; i += kThreads) dm[i] = dmix[t0 * kM + i];
-  if (threadIdx.x < n) {
-    const int64_t t = t0 + threadIdx.x;
+  for (int i = tid; i < kDxTokens * kMPad; i += kThreads) {
+    const int tt = i / kMPad, m = i % kMPad;
+    as[tt * kALd + m] = tt < n && m < kM ? dmix[(t0 + tt) * kM + m] * rstd[t0 + tt] : 0.0f;
+  }
+  for (int i = tid; i < kMPad * kDxCols; i += kThreads) {
+    const int m = i / kDxCols, col = i % kDxCols;
+    const bool real = m < kM;
+    bs[0][m * kBLd + col] = real ? fn_hi[int64_t(m) * hd + col0 + col] : bf16(0.0f);
+    bs[1][m * kBLd + col] = real ? fn_lo[int64_t(m) * hd + col0 + col] : bf16(0.0f);
+  }
+  if (tid < n) {
+    const int64_t t = t0 + tid;
     float dot = 0.0f;
     for (int m = 0; m < kM; ++m) dot += dmix[t * kM + m] * mix[t * kM + m];
     const float r = rstd[t];
-    rs[threadIdx.x] = r;
-    coef[threadIdx.x] = dot * r * r / float(hd);
+    coef[tid] = dot * r * r / float(hd);
   }
   __syncthreads();
-  if (k >= hd) return;
-  float f[kM];
+  const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+  float acc[4][4] = {};
 #pragma unroll
-  for (int m = 0; m < kM; ++m) f[m] = fn[int64_t(m) * hd + k];
-  const int stream_i = k / d, col = k % d;
-  for (int tt = 0; tt < n; ++tt) {
+  for (int kt = 0; kt < kMPad / 16; ++kt) {
+    const tc::FragA a = tc::load_a_f32(as + m0 * kALd + 16 * kt, kALd, 1);
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      tc::FragB b0, b1;
+      tc::ldsm_b_kn(bs[0], kBLd, 16 * kt, n0 + 16 * np, b0.hi, b1.hi);
+      tc::ldsm_b_kn(bs[1], kBLd, 16 * kt, n0 + 16 * np, b0.lo, b1.lo);
+      tc::mma3(acc[2 * np], a, b0);
+      tc::mma3(acc[2 * np + 1], a, b1);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      *reinterpret_cast<float2*>(&out[(m0 + g + 8 * half) * kOLd + n0 + 8 * nt + 2 * t4]) =
+          make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
+  __syncthreads();
+  // Eight columns a thread: token tt, columns c8 .. c8 + 7 (one stream: D is a multiple of 8).
+  for (int job = tid; job < kDxTokens * (kDxCols / 8); job += kThreads) {
+    const int tt = job / (kDxCols / 8), c8 = (job % (kDxCols / 8)) * 8;
+    if (tt >= n) continue;
     const int64_t t = t0 + tt;
-    float dn = 0.0f;
+    const int k = col0 + c8, stream_i = k / d, col = k % d;
+    float xv[8], v[8];
+    load8(x + t * hd + k, xv);
 #pragma unroll
-    for (int m = 0; m < kM; ++m) dn += dm[tt * kM + m] * f[m];
-    const float xv = to_f(x[t * hd + k]);
-    float v = rs[tt] * dn - coef[tt] * xv;
-    if (dc) v += pre[t * kH + stream_i] * to_f(dc[t * d + col]);
-    dx[t * hd + k] = from_f<T>(v);
+    for (int e = 0; e < 8; ++e) v[e] = out[tt * kOLd + c8 + e] - coef[tt] * xv[e];
+    if (dc) {
+      float cv[8];
+      load8(dc + t * d + col, cv);
+      const float p = pre[t * kH + stream_i];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] += p * cv[e];
+    }
+    store8(dx + t * hd + k, v);
   }
 }
 
@@ -564,6 +722,24 @@ T* mptr(const Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+// fn [M, HD] as bf16 hi and lo parts (the tensor-core kernels' operands), on the stream.
+struct FnSplit {
+  Tensor parts;
+  const bf16 *hi = nullptr, *lo = nullptr;
+};
+FnSplit split_fn(const Tensor& fn, int hd, cudaStream_t stream) {
+  FnSplit f;
+  const int64_t n = int64_t(kM) * hd;
+  f.parts = Tensor::empty({2, n}, DType::bf16, fn.device());
+  bf16* hi = mptr<bf16>(f.parts);
+  split_fn_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream>>>(fn.data<float>(), n, hi,
+                                                                    hi + n);
+  GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  f.hi = hi;
+  f.lo = hi + n;
+  return f;
+}
+
 template <typename T>
 void launch_pre(const Tensor& x, const Tensor& fn, const Tensor& base, const Tensor& scale,
                 const ops::MhcOptions& o, ops::MhcPreResult& res, ops::MhcPreSaved& sv,
@@ -571,10 +747,14 @@ void launch_pre(const Tensor& x, const Tensor& fn, const Tensor& base, const Ten
   const int64_t n = token_count(x);
   const int d = int(x.size(-1)), hd = kH * d;
   if (n == 0) return;
-  mhc_mix_kernel<T><<<unsigned((n + kMixTokens - 1) / kMixTokens), kThreads, 0, stream>>>(
-      cptr<T>(x), fn.data<float>(), base.data<float>(), scale.data<float>(), n, hd,
-      float(o.rms_eps), float(o.hc_eps), int(o.sinkhorn_iters), sv.mix.data<float>(),
-      sv.rstd.data<float>(), sv.pre.data<float>(), res.post.data<float>(), res.comb.data<float>(),
+  const FnSplit fs = split_fn(fn, hd, stream);
+  constexpr int mix_bytes = int(sizeof(MixTiles<T>));
+  GLMTUNE_CUDA_CHECK(cudaFuncSetAttribute(mhc_mix_kernel<T>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, mix_bytes));
+  mhc_mix_kernel<T><<<unsigned((n + kMixTokens - 1) / kMixTokens), kThreads, mix_bytes, stream>>>(
+      cptr<T>(x), fs.hi, fs.lo, base.data<float>(), scale.data<float>(), n, hd, float(o.rms_eps),
+      float(o.hc_eps), int(o.sinkhorn_iters), sv.mix.data<float>(), sv.rstd.data<float>(),
+      sv.pre.data<float>(), res.post.data<float>(), res.comb.data<float>(),
       sv.comb_init.data<float>());
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   mhc_collapse_kernel<T><<<blocks_for(n * (d / 8), kThreads), kThreads, 0, stream>>>(
@@ -693,9 +873,16 @@ void launch_pre_backward(const Tensor& x, const Tensor& fn, const ops::MhcOption
   const Device dev = x.device();
   Tensor dmix = Tensor::empty({n, kM}, DType::f32, dev);
   Tensor rows = Tensor::empty({n, 2 * kM}, DType::f32, dev);
-  mhc_pre_bwd_token_kernel<T><<<unsigned(n), kThreads, 0, stream>>>(
-      cptr<T>(x), cptr<T>(d_coll), cptr<float>(d_post), cptr<float>(d_comb), sv.mix.data<float>(),
-      sv.comb_init.data<float>(), base.data<float>(), scale.data<float>(), d, int(o.sinkhorn_iters),
+  Tensor dpre;
+  if (d_coll.defined()) {
+    dpre = Tensor::empty({n, kH}, DType::f32, dev);
+    mhc_pre_dots_kernel<T>
+        <<<unsigned(n), kThreads, 0, stream>>>(cptr<T>(x), cptr<T>(d_coll), d, dpre.data<float>());
+    GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  }
+  mhc_pre_logit_grads_kernel<<<blocks_for(n * kH * kH, kThreads), kThreads, 0, stream>>>(
+      cptr<float>(dpre), cptr<float>(d_post), cptr<float>(d_comb), sv.mix.data<float>(),
+      sv.comb_init.data<float>(), base.data<float>(), scale.data<float>(), n, int(o.sinkhorn_iters),
       float(o.hc_eps), dmix.data<float>(), rows.data<float>());
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 
@@ -709,18 +896,18 @@ void launch_pre_backward(const Tensor& x, const Tensor& fn, const ops::MhcOption
   const int64_t nblk = (n + per - 1) / per;
   Tensor partial = Tensor::empty({nblk, kM, hd}, DType::f32, dev);
   mhc_dfn_partial_kernel<T>
-      <<<dim3(unsigned((hd + kThreads - 1) / kThreads), unsigned(nblk)), kThreads, 0, stream>>>(
+      <<<dim3(unsigned(hd / kFnCols), unsigned(nblk)), kFnThreads, 0, stream>>>(
           cptr<T>(x), dmix.data<float>(), sv.rstd.data<float>(), n, hd, per, partial.data<float>());
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   sum_blocks_kernel<<<blocks_for(int64_t(kM) * hd, kThreads), kThreads, 0, stream>>>(
       partial.data<float>(), nblk, int64_t(kM) * hd, gfn.data<float>());
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 
-  mhc_pre_dx_kernel<T>
-      <<<dim3(unsigned((hd + kThreads - 1) / kThreads), unsigned((n + kDxTokens - 1) / kDxTokens)),
-         kThreads, 0, stream>>>(cptr<T>(x), cptr<T>(d_coll), fn.data<float>(), dmix.data<float>(),
-                                sv.mix.data<float>(), sv.rstd.data<float>(), sv.pre.data<float>(),
-                                n, d, mptr<T>(dx));
+  const FnSplit fs = split_fn(fn, hd, stream);
+  mhc_pre_dx_kernel<T><<<dim3(unsigned(hd / kDxCols), unsigned((n + kDxTokens - 1) / kDxTokens)),
+                         kThreads, 0, stream>>>(
+      cptr<T>(x), cptr<T>(d_coll), fs.hi, fs.lo, dmix.data<float>(), sv.mix.data<float>(),
+      sv.rstd.data<float>(), sv.pre.data<float>(), n, d, mptr<T>(dx));
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -5,20 +5,27 @@
 // Storage: the streams X [T, H, D], the sub-layer output y [T, D], the collapsed input c [T, D]
 // and their gradients are bf16 (or all f32, the tight-tolerance mode). The mixing parameters fn
 // [(2+H)·H, H·D], base [(2+H)·H] and scale [3], the per-token weights post [T, H] and comb
-// [T, H, H], the saved tensors and every parameter gradient are f32. Arithmetic is fp32 throughout;
-// H must be 4 and D a multiple of 16.
+// [T, H, H], the saved tensors and every parameter gradient are f32. Arithmetic is fp32, except
+// the three products with fn (X·fnᵀ, dmix·fn, dmixᵀ·X), which run on the tensor cores with every
+// f32 operand split into a bf16 hi and lo part (tensor_core.cuh: about 16 bits each, fp32
+// accumulation); H must be 4 and D a multiple of 16.
 //
 // Kernels (no [T, H, H, D] product is ever formed: every stream mix runs per token in registers):
-//   pre     1. mix = rstd · (X · fnᵀ) for 64 tokens per block (fn tiles staged in shared memory),
-//              rstd from the same pass; then, one thread per token, the sigmoids, the row softmax
-//              and the 20 Sinkhorn iterations exactly as the CPU op orders them
+//   pre     1. mix = rstd · (X · fnᵀ) for 64 tokens per block, X and fn's hi/lo parts staged in
+//              shared memory three column blocks ahead (cp.async), rstd from the same tiles; then,
+//              one thread per token, the sigmoids, the row softmax and the 20 Sinkhorn iterations
+//              exactly as the CPU op orders them
 //           2. c = Σ_i pre_i X_i
 //   post       X'_i = post_i · y + Σ_j comb[j][i] · X_j
-//   pre bwd 1. one block per token: dpre_i = ⟨dc, X_i⟩, then the Sinkhorn replay and its backward
-//              (one thread), giving d logits and d mix
-//           2. d fn partial sums over fixed token blocks, then summed over blocks in order
-//           3. dX = pre_i·dc + rstd·(dmix · fn) − X·rstd³/(HD)·⟨dmix · fn, X⟩, where the inner
-//              product reuses ⟨fn_m, X⟩ = mix_m / rstd (no second pass over X)
+//   pre bwd 1. one block per token: dpre_i = ⟨dc, X_i⟩
+//           2. the logit gradients, one token on 16 lanes (a lane per comb element): the
+//              Sinkhorn replay and its backward with the row and column sums by shuffles, the
+//              row softmax, the gate sigmoids
+//           3. d fn partial sums over fixed token blocks (tensor cores), then summed over blocks
+//              in order
+//           4. dX = pre_i·dc + rstd·(dmix · fn) − X·rstd³/(HD)·⟨dmix · fn, X⟩ (the product on the
+//              tensor cores, the rest in a coalesced pass), where the inner product reuses
+//              ⟨fn_m, X⟩ = mix_m / rstd (no second pass over X)
 //   post bwd   one block per token; the 20 inner products are block sums in a fixed order.
 // Every sum over tokens (d fn, d base, d scale) runs over fixed token blocks and then over blocks
 // in order: no atomics, bit-identical reruns.
