@@ -2,15 +2,22 @@
 // the step are split over the ranks (SPEC.md §4: global denominators, gradients summed), and the
 // summed loss terms, every parameter gradient, the expert loads and the sharded optimizer's
 // update equal what one process computes from all the packs. The same with the routed experts
-// split over ep groups of 2 (expert parallelism): tokens travel to their experts' ranks and back.
+// split over ep groups of 2 (expert parallelism): each rank holds its slice of the experts only,
+// tokens travel to their experts' ranks and back, a slice's gradient (summed over the ranks holding
+// it) equals the same experts' single-process gradient, and the slices' optimizer (sharded over
+// those ranks) gives the update of AdamW on the whole; and each rank's expert weight, gradient and
+// optimizer bytes are its share of the whole.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -18,6 +25,7 @@
 #include "dist_support.h"
 #include "glmtune/base/error.h"
 #include "glmtune/dist/expert_parallel.h"
+#include "glmtune/dist/expert_shards.h"
 #include "glmtune/dist/sharded_optimizer.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/init.h"
@@ -55,8 +63,17 @@ std::vector<train::NamedParam> trainable(const model::ParamStore& store) {
   return params;
 }
 
+// The parameters of `params` (trainable ones) with their gradients in `grads` found by name.
+std::vector<Tensor> grad_list(const model::text::TextGrads& grads,
+                              const std::vector<train::NamedParam>& params) {
+  std::vector<Tensor> out(params.size());
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].trainable) out[i] = *grads.find(params[i].name);
+  return out;
+}
+
 // One step on `par`: data parallel over every rank, and with `ep_size` > 1 the routed experts
-// split over the ep groups.
+// split over the ep groups, each rank holding its slice only.
 void check_one_step(ParallelContext& par, int64_t ep_size) {
   const int ranks = par.sizes().world, me = par.rank();
   ASSERT_GT(ranks, 1) << "run under mpirun with 2 or 4 ranks";
@@ -90,33 +107,35 @@ void check_one_step(ParallelContext& par, int64_t ep_size) {
   model::text::TextGrads ref_grads = model::text::TextGrads::zeros_like(m.weights());
   const Step ref = run_packs(m, all, topt, ref_grads);
 
-  // This rank's packs, then the sums over the ranks.
+  // This rank's packs, then the sums over the ranks. With expert parallelism this rank's model
+  // holds its slice of the routed experts only (weights and gradient buffers).
   const std::vector<PackInput> mine(all.begin() + me * kPacksPerRank,
                                     all.begin() + (me + 1) * kPacksPerRank);
+  model::ParamStore my_store = load_store(dir / "tiny");
   std::optional<ExpertParallel> experts;
+  std::optional<LocalExperts> local;
   if (ep_size > 1) {
     experts.emplace(par.ep(), m.text().n_routed_experts, "test");
+    local.emplace(my_store, *experts);
     topt.expert_dispatch = &*experts;
   }
-  model::text::TextGrads grads = model::text::TextGrads::zeros_like(m.weights());
-  Step got = run_packs(m, mine, topt, grads);
-  if (experts) {
-    // This rank computed its own experts only: the other slices of its expert gradients are
-    // untouched, and its slice received the tokens of the whole ep group.
+  const model::text::TextModel my_model(my_store);
+  model::text::TextGrads grads = model::text::TextGrads::zeros_like(my_model.weights());
+  Step got = run_packs(my_model, mine, topt, grads);
+  const auto is_slice = [&](const std::string& name) { return local && local->holds(name); };
+  if (local) {
+    // Every MoE layer's expert weights and gradients (decoder and MTP layers) are the slice.
     int64_t expert_tensors = 0;
     for (const auto& [name, g] : grads.named) {
-      if (name.find("mlp.experts.") == std::string::npos) continue;
+      if (!is_routed_expert_tensor(name)) continue;
       ++expert_tensors;
-      for (int64_t e = 0; e < g.size(0); ++e) {
-        const bool local =
-            e >= experts->first_expert() && e < experts->first_expert() + experts->local_experts();
-        const std::vector<double> v = g.select(0, e).contiguous().to_doubles();
-        if (!local)
-          EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](double x) { return x == 0; }))
-              << name << " expert " << e;
-      }
+      EXPECT_TRUE(is_slice(name)) << name;
+      EXPECT_EQ(g.size(0), experts->local_experts()) << name;
     }
-    EXPECT_GT(expert_tensors, 0);
+    int64_t moe_layers = 0;
+    for (const auto& l : my_model.weights().layers)
+      if (l.mlp == model::MlpKind::sparse) ++moe_layers;
+    EXPECT_EQ(expert_tensors, 2 * (moe_layers + (my_model.has_mtp() ? 1 : 0)));
   }
   std::vector<double> sums = {got.lm, got.balancing};
   sums.insert(sums.end(), got.mtp.begin(), got.mtp.end());
@@ -132,36 +151,72 @@ void check_one_step(ParallelContext& par, int64_t ep_size) {
     EXPECT_EQ(counts, ref.loads.at(name)) << name;
   }
 
-  // Every gradient, summed over the ranks.
+  // Every gradient, summed over the ranks holding it: a replicated tensor's over every rank, an
+  // expert slice's over the edp group (the other ranks hold other experts), compared with the same
+  // experts of the single-process gradient.
   ASSERT_FALSE(grads.named.empty());
-  model::text::TextGrads summed = model::text::TextGrads::zeros_like(m.weights());
+  model::text::TextGrads summed = model::text::TextGrads::zeros_like(my_model.weights());
+  double largest = 0, largest_slice = 0;
   for (size_t i = 0; i < grads.named.size(); ++i) {
+    const std::string& name = grads.named[i].first;
     Tensor& g = summed.named[i].second;
     g.copy_(grads.named[i].second);
-    par.world().all_reduce(g);
-    EXPECT_LE(rel_diff(g, ref_grads.named[i].second), 1e-6) << grads.named[i].first;
+    (is_slice(name) ? par.edp() : par.world()).all_reduce(g);
+    const Tensor& want = *ref_grads.find(name);
+    const double diff = rel_diff(g, is_slice(name) ? local->slice(want) : want);
+    EXPECT_LE(diff, 1e-6) << name;
+    largest = std::max(largest, diff);
+    if (is_slice(name)) largest_slice = std::max(largest_slice, diff);
+  }
+  largest = par.world().all_reduce_max(largest);
+  largest_slice = par.world().all_reduce_max(largest_slice);
+  if (par.is_root())
+    std::printf("ep_size %lld: largest relative gradient difference %.3g (expert slices %.3g)\n",
+                static_cast<long long>(ep_size), largest, largest_slice);
+  // The whole summed gradient of every tensor, the slices gathered over the ep group.
+  std::map<std::string, Tensor> whole;
+  for (const auto& [name, g] : summed.named) {
+    if (!is_slice(name)) {
+      whole[name] = g;
+      continue;
+    }
+    Shape shape = g.shape();
+    shape[0] = experts->experts();
+    Tensor full = Tensor::empty(shape, g.dtype());
+    par.ep().all_gather(g, full);
+    whole[name] = full;
   }
 
   // The sharded optimizer from the local gradients against AdamW on their sum: the same update.
   // (Against AdamW on the single-process gradients, elements whose gradient is near 0 may move
   // by up to lr: Adam's first step is about lr·sign(g), and fp32 reduction order can flip it.)
+  // With expert slices: the replicated tensors' optimizer over dp and the slices' over edp, one
+  // global norm (each element counted once), gathered into the unsharded optimizer on rank 0.
   model::ParamStore ref_store = load_store(dir / "tiny");
   train::AdamW ref_opt(trainable(ref_store));
-  dist::ShardedAdamW opt(trainable(store), {}, par.dp());
-  auto grad_list = [&](const model::text::TextGrads& gs, const std::vector<train::NamedParam>& ps) {
-    std::vector<Tensor> out(ps.size());
-    for (size_t i = 0; i < ps.size(); ++i)
-      if (ps[i].trainable) out[i] = *gs.find(ps[i].name);
-    return out;
-  };
+  std::vector<train::NamedParam> replicated = trainable(my_store);
+  std::erase_if(replicated, [&](const train::NamedParam& p) { return is_slice(p.name); });
+  dist::ShardedAdamW opt(replicated, {}, par.dp());
+  std::optional<ExpertAdamW> expert_opt;
+  if (local) expert_opt.emplace(*local, train::AdamWConfig{}, par.edp());
   const double ref_norm = std::sqrt(ref_opt.grad_sq_norm(grad_list(ref_grads, ref_opt.params())));
-  const double norm = opt.reduce_gradients(grad_list(grads, opt.params()));
+  const double expert_sq_norm =
+      expert_opt ? expert_opt->reduce_gradients(grad_list(grads, expert_opt->params())) : 0.0;
+  const double norm = opt.reduce_gradients(grad_list(grads, opt.params()), expert_sq_norm);
   EXPECT_NEAR(norm, ref_norm, 1e-6 * ref_norm);
-  ref_opt.step(grad_list(summed, ref_opt.params()), 1e-3, norm);
+  std::vector<Tensor> whole_grads;
+  for (const train::NamedParam& p : ref_opt.params())
+    whole_grads.push_back(p.trainable ? whole.at(p.name) : Tensor());
+  ref_opt.step(whole_grads, 1e-3, norm);
   opt.step(1e-3, norm);
-  const auto full = opt.gather(0);
-  ASSERT_EQ(full != nullptr, par.is_root());
+  if (expert_opt) expert_opt->step(1e-3, norm);
+  model::ParamStore full_store = load_store(dir / "tiny");
+  std::unique_ptr<train::AdamW> full;
+  if (par.is_root()) full = std::make_unique<train::AdamW>(trainable(full_store));
+  opt.gather_into(full.get(), 0);
+  if (expert_opt) expert_opt->gather_into(full.get());
   if (full) {
+    full->set_step_count(opt.step_count());
     for (size_t i = 0; i < ref_opt.params().size(); ++i) {
       if (!ref_opt.params()[i].trainable) continue;
       const std::string& name = ref_opt.params()[i].name;
@@ -197,6 +252,108 @@ TEST(DistExpertParallel, OneStepEqualsTheSingleProcessStep) {
   const std::unique_ptr<ParallelContext> par = ParallelContext::create(options);
   ASSERT_EQ(par->sizes().ep, 2);
   check_one_step(*par, 2);
+}
+
+// Bytes of AdamW state, measured as ShardedAdamW::state_bytes measures its shard: every storage
+// of the parameters, masters and moments once.
+int64_t adamw_state_bytes(const train::AdamW& opt) {
+  int64_t bytes = 0;
+  std::set<const Storage*> seen;
+  const auto count = [&](const Tensor& t) {
+    if (t.defined() && seen.insert(t.storage().get()).second)
+      bytes += int64_t(t.storage()->bytes());
+  };
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    count(opt.params()[i].value);
+    count(opt.master(i));
+    count(opt.exp_avg(i));
+    count(opt.exp_avg_sq(i));
+  }
+  return bytes;
+}
+
+int64_t routed_expert_bytes(const std::vector<std::pair<std::string, Tensor>>& named) {
+  int64_t bytes = 0;
+  for (const auto& [name, t] : named)
+    if (is_routed_expert_tensor(name)) bytes += int64_t(t.nbytes());
+  return bytes;
+}
+
+// With ep_size = E each rank holds 1/E of the routed experts' weights (parameter store and model)
+// and gradient buffers, exactly, and its share of their optimizer state: sharded over the edp
+// group, 1/dp of the whole up to the padding of the flat layout, the ranks' shares adding up to
+// the unsharded AdamW's state. A non-finite expert weight is named per expert on every rank.
+TEST(DistExpertParallel, EachRankHoldsItsShareOfTheExperts) {
+  const int world = testing::world_context()->sizes().world;
+  for (int64_t ep_size : std::set<int64_t>{2, world}) {
+    SCOPED_TRACE("ep_size " + std::to_string(ep_size));
+    ParallelOptions options;
+    options.ep_size = ep_size;
+    options.timeout_s = 300;
+    const std::unique_ptr<ParallelContext> par = ParallelContext::create(options);
+    test::TempDir dir("dist-grad-bytes-" + std::to_string(par->rank()));
+    model::InitOptions init;
+    init.seed = 5;
+    model::write_random_checkpoint(model::ModelConfig::preset("tiny"), dir / "tiny", init);
+    model::ParamStore whole_store = load_store(dir / "tiny");
+    model::ParamStore store = load_store(dir / "tiny");
+    const model::text::TextModel whole(whole_store);
+    const ExpertParallel experts(par->ep(), whole.text().n_routed_experts, "test");
+    const LocalExperts local(store, experts);
+    const model::text::TextModel mine(store);
+
+    int64_t whole_store_bytes = 0;
+    std::vector<train::NamedParam> whole_experts;
+    for (const train::NamedParam& p : trainable(whole_store))
+      if (is_routed_expert_tensor(p.name)) {
+        whole_store_bytes += int64_t(p.value.nbytes());
+        whole_experts.push_back(p);
+      }
+    ASSERT_GT(whole_store_bytes, 0);
+    EXPECT_EQ(local.full_bytes(), whole_store_bytes);
+    EXPECT_EQ(local.local_bytes() * ep_size, whole_store_bytes);
+    const int64_t whole_weights = routed_expert_bytes(whole.weights().named);
+    const int64_t my_weights = routed_expert_bytes(mine.weights().named);
+    EXPECT_EQ(my_weights * ep_size, whole_weights);
+    const int64_t whole_grads =
+        routed_expert_bytes(model::text::TextGrads::zeros_like(whole.weights()).named);
+    const int64_t my_grads =
+        routed_expert_bytes(model::text::TextGrads::zeros_like(mine.weights()).named);
+    EXPECT_EQ(my_grads * ep_size, whole_grads);
+
+    const ExpertAdamW opt(local, {}, par->edp());
+    const int64_t whole_state = adamw_state_bytes(train::AdamW(whole_experts));
+    const int64_t my_state = opt.state_bytes();
+    EXPECT_EQ(par->world().all_reduce_sum(my_state), whole_state);
+    // 16 bytes per element at most (a bf16 value, an f32 master and two moments), and a shard is
+    // at most dp − 1 elements of padding short of 1/dp.
+    const int64_t dp = par->sizes().dp;
+    EXPECT_NEAR(double(my_state), double(whole_state) / double(dp), 16.0 * double(dp));
+    EXPECT_LE(my_state * ep_size, whole_state + 16 * dp * ep_size);
+    // A non-finite element in the last rank's last expert (its up projection) is named on every
+    // rank under the released per-expert name.
+    const std::string layer = model::text::layer_prefix(1);
+    Tensor& gate_up = store.get(layer + "mlp.experts.gate_up_proj");
+    const int64_t n = experts.experts();
+    if (par->ep().rank() == par->ep().size() - 1 && par->edp().rank() == 0)
+      gate_up.select(0, experts.local_experts() - 1)
+          .select(0, gate_up.size(1) - 1)
+          .copy_(Tensor::full({gate_up.size(2)}, std::nan(""), gate_up.dtype()));
+    const std::vector<std::string> bad =
+        local.nonfinite([&](const std::string& name) { return &store.get(name); }, par->world(), 4);
+    EXPECT_EQ(
+        bad,
+        (std::vector<std::string>{fmt::format("{}mlp.experts.{}.up_proj.weight", layer, n - 1)}));
+    if (par->is_root())
+      std::printf(
+          "ep_size %lld, dp %lld: routed experts per rank: store %lld of %lld bytes, model %lld "
+          "of %lld, gradients %lld of %lld, optimizer state %lld of %lld\n",
+          static_cast<long long>(ep_size), static_cast<long long>(dp),
+          static_cast<long long>(local.local_bytes()), static_cast<long long>(whole_store_bytes),
+          static_cast<long long>(my_weights), static_cast<long long>(whole_weights),
+          static_cast<long long>(my_grads), static_cast<long long>(whole_grads),
+          static_cast<long long>(my_state), static_cast<long long>(whole_state));
+  }
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // `glmtune train` launched by mpirun: the data-parallel run follows the single-process loss
 // curve, logs once (rank 0) with a log file per rank, and a run saved at one layout resumes at
 // another (1 and 4 ranks from 2) with the same continuation; the same with expert parallelism
-// (ep_size 2 at 2 ranks, dp × ep at 4 ranks, saved at ep 2 and resumed at ep 1), and with sequence
+// (ep_size 2 at 2 ranks, dp × ep at 4 ranks; saved at ep 2 and resumed at ep 1 and at dp × ep,
+// saved at ep 1 and resumed at ep 2), and with sequence
 // parallelism (sp_size 2 at 2 ranks, dp × sp at 4 ranks), and with fully sharded decoder layers
 // (train.fsdp at 1, 2 and 4 ranks; saved at 2 ranks and resumed at 1 without it and at 4 with it).
 // The global batch is the same in every layout: micro_packs × ranks / sp_size = 4 packs per step.
@@ -97,6 +98,17 @@ std::vector<nlohmann::json> metrics(const fs::path& out) {
   return lines;
 }
 
+// The names, dtypes and shapes of every tensor of a checkpoint directory (model or optimizer).
+std::map<std::string, std::string> tensor_table(const fs::path& dir) {
+  const glmtune::io::CheckpointReader reader = glmtune::io::CheckpointReader::open(dir);
+  std::map<std::string, std::string> out;
+  for (const auto& name : reader.names()) {
+    const glmtune::io::TensorInfo& info = reader.info(name);
+    out[name] = std::string(glmtune::dtype_name(info.dtype)) + glmtune::shape_str(info.shape);
+  }
+  return out;
+}
+
 // The 10-step single-process run of `recipe` (under dir/single) that a parallel run follows.
 void run_single_process(const fs::path& dir, const fs::path& recipe,
                         std::vector<nlohmann::json>& steps) {
@@ -181,30 +193,54 @@ TEST(DistTrainExpertParallel, FollowsTheSingleProcessLossCurve) {
     EXPECT_TRUE(fs::exists(dir / name / "checkpoints/step-10/model/config.json"));
     const std::string rank1 = glmtune::test::read_text(dir / name / "logs/rank-1.log");
     EXPECT_NE(rank1.find("(ep_size 2)"), std::string::npos) << rank1;
+    EXPECT_NE(rank1.find("ep: this rank holds experts"), std::string::npos) << rank1;
   }
 }
 
-// Saved at ep = 2 (the full released layout, gathered) and resumed at ep = 1 on one process: the
-// same continuation, and no warning that the recipe changed.
-TEST(DistTrainExpertParallel, SavedAtEpTwoResumesAtEpOne) {
+// Resumes `saved`'s step-2 checkpoint under dir/name on `ranks` ranks at `ep_size`: the
+// continuation of `reference`, and no warning that the recipe changed.
+void expect_resumed_continuation(const fs::path& dir, const fs::path& recipe, const fs::path& saved,
+                                 const std::string& name, int ranks, int64_t ep_size,
+                                 const std::vector<nlohmann::json>& reference) {
+  SCOPED_TRACE(name + ": " + std::to_string(ranks) + " ranks, ep_size " + std::to_string(ep_size));
+  const fs::path out = dir / name, log = dir / (name + ".log");
+  fs::create_directories(out / "checkpoints");
+  fs::copy(saved / "checkpoints/step-2", out / "checkpoints/step-2", fs::copy_options::recursive);
+  ASSERT_EQ(train(recipe, ranks, true, out, log, ep_size), 0) << glmtune::test::read_text(log);
+  const std::string text = glmtune::test::read_text(log);
+  EXPECT_NE(text.find("resuming from"), std::string::npos);
+  EXPECT_EQ(text.find("the recipe differs"), std::string::npos) << text;
+  expect_same_steps(metrics(out), reference, 2);
+}
+
+// Saved at ep = 2 with each rank holding its expert slice: the checkpoint holds the tensors
+// (names, dtypes, shapes) of a single-process run's, model and optimizer, and resumes at ep = 1 on
+// one process and at ep = 2 with another dp (dp × ep = 2 × 2 on 4 ranks); a single-process
+// checkpoint resumes at ep = 2. Each continuation is the saving run's, without a warning that the
+// recipe changed. bf16 storage, as the data-parallel resume test: the checkpoint holds the rounded
+// weights, so both continuations start from the same values and route the same tokens (with f32
+// storage a last-bit difference can flip a near-tie in the routing, and maxvio is compared
+// exactly).
+TEST(DistTrainExpertParallel, ResumesAcrossExpertLayouts) {
   glmtune::test::TempDir dir("dist-train-ep-resume");
-  // bf16 storage, as the data-parallel resume test: the checkpoint holds the rounded weights, so
-  // both continuations start from the same values and route the same tokens (with f32 storage a
-  // last-bit difference can flip a near-tie in the routing, and maxvio is compared exactly).
   const fs::path recipe = write_recipe(dir.path(), 4, 2, false);
   ASSERT_EQ(train(recipe, 2, false, dir / "ep2", dir / "ep2.log", 2), 0)
       << glmtune::test::read_text(dir / "ep2.log");
-  const auto reference = metrics(dir / "ep2");
-  ASSERT_EQ(reference.size(), 4u);
-  const fs::path out = dir / "resumed";
-  fs::create_directories(out / "checkpoints");
-  fs::copy(dir / "ep2/checkpoints/step-2", out / "checkpoints/step-2", fs::copy_options::recursive);
-  ASSERT_EQ(train(recipe, 1, true, out, dir / "resumed.log"), 0)
-      << glmtune::test::read_text(dir / "resumed.log");
-  const std::string log = glmtune::test::read_text(dir / "resumed.log");
-  EXPECT_NE(log.find("resuming from"), std::string::npos);
-  EXPECT_EQ(log.find("the recipe differs"), std::string::npos) << log;
-  expect_same_steps(metrics(out), reference, 2);
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  const auto from_ep2 = metrics(dir / "ep2"), from_single = metrics(dir / "single");
+  ASSERT_EQ(from_ep2.size(), 4u);
+  ASSERT_EQ(from_single.size(), 4u);
+  for (const char* part : {"model", "optimizer"}) {
+    SCOPED_TRACE(part);
+    const auto got = tensor_table(dir / "ep2/checkpoints/step-2" / part);
+    EXPECT_EQ(got, tensor_table(dir / "single/checkpoints/step-2" / part));
+    EXPECT_GT(got.size(), 10u);
+  }
+  expect_resumed_continuation(dir.path(), recipe, dir / "ep2", "ep1-from-ep2", 1, 1, from_ep2);
+  expect_resumed_continuation(dir.path(), recipe, dir / "ep2", "ep2-np4-from-ep2", 4, 2, from_ep2);
+  expect_resumed_continuation(dir.path(), recipe, dir / "single", "ep2-from-ep1", 2, 2,
+                              from_single);
 }
 
 }  // namespace
@@ -234,22 +270,28 @@ void expect_close_curve(const std::vector<nlohmann::json>& got,
   }
 }
 
-// Sequence parallel: sp = 2 on 2 ranks (each pack split in two) and dp × sp = 2 × 2 on 4 ranks
-// follow the single-process curve (f32 storage, as the data-parallel curve); the rank logs name
-// the shard each rank holds, and the checkpoint is the usual released layout.
+// Sequence parallel: sp = 2 on 2 ranks (each pack split in two) and dp × sp = 2 × 2 on 4 ranks,
+// also with expert slices over ep groups of 2, follow the single-process curve (f32 storage, as
+// the data-parallel curve); the rank logs name the shard each rank holds, and the checkpoint is
+// the usual released layout.
 TEST(DistTrainSequenceParallel, FollowsTheSingleProcessLossCurve) {
   glmtune::test::TempDir dir("dist-train-sp-curve");
   const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
   std::vector<nlohmann::json> single;
   ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
-  for (int ranks : {2, 4}) {
-    SCOPED_TRACE(std::to_string(ranks) + " ranks, sp_size 2");
-    const std::string name = "sp2-np" + std::to_string(ranks);
+  for (const auto& [ranks, ep_size] :
+       std::vector<std::pair<int, int64_t>>{{2, 1}, {4, 1}, {4, 2}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, sp_size 2, ep_size " + std::to_string(ep_size));
+    const std::string name = "sp2-np" + std::to_string(ranks) + "-ep" + std::to_string(ep_size);
     const fs::path log = dir / (name + ".log");
-    ASSERT_EQ(train(recipe, ranks, false, dir / name, log, 1, 2), 0)
+    ASSERT_EQ(train(recipe, ranks, false, dir / name, log, ep_size, 2), 0)
         << glmtune::test::read_text(log);
     expect_close_curve(metrics(dir / name), single);
-    EXPECT_TRUE(fs::exists(dir / name / "checkpoints/step-10/model/config.json"));
+    // The released layout whatever the split (expert slices gathered from one sp index).
+    for (const char* part : {"model", "optimizer"})
+      EXPECT_EQ(tensor_table(dir / name / "checkpoints/step-10" / part),
+                tensor_table(dir / "single/checkpoints/step-10" / part))
+          << part;
     const std::string rank1 = glmtune::test::read_text(dir / name / "logs/rank-1.log");
     EXPECT_NE(rank1.find("sequence parallel over 2 (shard 1)"), std::string::npos) << rank1;
   }
@@ -284,17 +326,6 @@ TEST(DistTrainFsdp, FollowsTheSingleProcessLossCurve) {
   const std::string rank1 = glmtune::test::read_text(dir / "fsdp2/logs/rank-1.log");
   EXPECT_NE(rank1.find("decoder-layer weights sharded (fsdp)"), std::string::npos) << rank1;
   EXPECT_NE(rank1.find("fsdp: this rank holds"), std::string::npos) << rank1;
-}
-
-// The names, dtypes and shapes of every tensor of a checkpoint directory (model or optimizer).
-std::map<std::string, std::string> tensor_table(const fs::path& dir) {
-  const glmtune::io::CheckpointReader reader = glmtune::io::CheckpointReader::open(dir);
-  std::map<std::string, std::string> out;
-  for (const auto& name : reader.names()) {
-    const glmtune::io::TensorInfo& info = reader.info(name);
-    out[name] = std::string(glmtune::dtype_name(info.dtype)) + glmtune::shape_str(info.shape);
-  }
-  return out;
 }
 
 // Saved with fsdp at 2 ranks: the checkpoint has exactly the tensors (names, dtypes, shapes) of a

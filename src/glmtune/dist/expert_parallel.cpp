@@ -112,7 +112,7 @@ Tensor& grad_slot(Tensor& grad, const Tensor& param) {
 }
 
 template <typename T>
-Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank, int64_t first,
+Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank,
                     const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x_in,
                     const ops::Routing& routing) {
   const Tensor x = x_in.contiguous();
@@ -131,8 +131,8 @@ Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank, int64
   for (int64_t j = 0; j < per_rank; ++j)
     for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
       const ExpertForward f =
-          run_expert(cfg, params.gate_up_proj.select(0, first + j),
-                     params.down_proj.select(0, first + j), gather_rows<T>(recv, which, 0, dim));
+          run_expert(cfg, params.gate_up_proj.select(0, j), params.down_proj.select(0, j),
+                     gather_rows<T>(recv, which, 0, dim));
       const T* yp = f.y.data<T>();
       for (size_t r = 0; r < which.size(); ++r)
         std::copy_n(yp + int64_t(r) * dim, dim, reply.data<T>() + which[r] * dim);
@@ -156,8 +156,7 @@ Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank, int64
 
 template <typename T>
 model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_experts,
-                                                    int64_t per_rank, int64_t first,
-                                                    const ops::MoeConfig& cfg,
+                                                    int64_t per_rank, const ops::MoeConfig& cfg,
                                                     const ops::MoeParams& params,
                                                     const Tensor& x_in, const ops::Routing& routing,
                                                     const Tensor& dy_in, ops::MoeParams& grads) {
@@ -191,8 +190,8 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
   for (int64_t j = 0; j < per_rank; ++j)
     for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
       const int64_t n = int64_t(which.size());
-      const Tensor wgu = params.gate_up_proj.select(0, first + j);
-      const Tensor wd = params.down_proj.select(0, first + j);
+      const Tensor wgu = params.gate_up_proj.select(0, j);
+      const Tensor wd = params.down_proj.select(0, j);
       const Tensor xe = gather_rows<T>(recv, which, 0, dim);
       const Tensor dyr = gather_rows<T>(recv, which, dim, dim);
       const ExpertForward f = run_expert(cfg, wgu, wd, xe);
@@ -210,13 +209,13 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
         }
         reply_p[which[size_t(r)] * reply_width + dim] = dot;
       }
-      Tensor d_down_e = d_down.select(0, first + j);
+      Tensor d_down_e = d_down.select(0, j);
       const Tensor d_act = ops::linear_backward(dye, f.act, wd, &d_down_e);
       Tensor dh = Tensor::empty({n, 2 * inter}, x.dtype());
       Tensor dhg = dh.narrow(1, 0, inter), dhu = dh.narrow(1, inter, inter);
       ops::swiglu_clamped_backward(f.h.narrow(1, 0, inter), f.h.narrow(1, inter, inter), d_act,
                                    cfg.swiglu_limit, dhg, dhu);
-      Tensor d_gate_up_e = d_gate_up.select(0, first + j);
+      Tensor d_gate_up_e = d_gate_up.select(0, j);
       const Tensor dxe = ops::linear_backward(dh, xe, wgu, &d_gate_up_e);
       for (int64_t r = 0; r < n; ++r)
         std::copy_n(dxe.data<T>() + r * dim, dim, reply_p + which[size_t(r)] * reply_width);
@@ -238,8 +237,8 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
   return out;
 }
 
-void check_inputs(int64_t n_experts, const ops::MoeConfig& cfg, const ops::MoeParams& params,
-                  const Tensor& x, const ops::Routing& routing) {
+void check_inputs(int64_t n_experts, int64_t per_rank, int64_t first, const ops::MoeConfig& cfg,
+                  const ops::MoeParams& params, const Tensor& x, const ops::Routing& routing) {
   GLMTUNE_ASSERT(cfg.n_experts == n_experts,
                  "expert parallelism was set up for {} experts, the layer has {}", n_experts,
                  cfg.n_experts);
@@ -249,9 +248,11 @@ void check_inputs(int64_t n_experts, const ops::MoeConfig& cfg, const ops::MoePa
                  x.defined() ? x.str() : std::string("undefined"));
   GLMTUNE_ASSERT(
       params.gate_up_proj.defined() && params.down_proj.defined() &&
-          params.gate_up_proj.size(0) == n_experts && params.down_proj.size(0) == n_experts &&
+          params.gate_up_proj.size(0) == per_rank && params.down_proj.size(0) == per_rank &&
           params.gate_up_proj.dtype() == x.dtype() && params.down_proj.dtype() == x.dtype(),
-      "experts gate_up_proj / down_proj must hold {} experts in {}", n_experts, x.str());
+      "experts gate_up_proj / down_proj must hold this rank's {} experts ({} onwards, "
+      "expert_shards.h) in {}",
+      per_rank, first, x.str());
   GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
                      routing.indices.dim() == 2 && routing.indices.size(0) == x.size(0) &&
                      routing.weights.defined() &&
@@ -274,24 +275,22 @@ ExpertParallel::ExpertParallel(Communicator& ep, int64_t n_experts, const std::s
 
 Tensor ExpertParallel::forward(const ops::MoeConfig& cfg, const ops::MoeParams& params,
                                const Tensor& x, const ops::Routing& routing) const {
-  check_inputs(n_experts_, cfg, params, x, routing);
+  check_inputs(n_experts_, per_rank_, first_, cfg, params, x, routing);
   if (x.dtype() == DType::f32)
-    return forward_impl<float>(ep_, n_experts_, per_rank_, first_, cfg, params, x, routing);
-  return forward_impl<double>(ep_, n_experts_, per_rank_, first_, cfg, params, x, routing);
+    return forward_impl<float>(ep_, n_experts_, per_rank_, cfg, params, x, routing);
+  return forward_impl<double>(ep_, n_experts_, per_rank_, cfg, params, x, routing);
 }
 
 model::text::ExpertDispatch::Backward ExpertParallel::backward(
     const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
     const ops::Routing& routing, const Tensor& dy, ops::MoeParams& grads) const {
-  check_inputs(n_experts_, cfg, params, x, routing);
+  check_inputs(n_experts_, per_rank_, first_, cfg, params, x, routing);
   GLMTUNE_ASSERT(dy.defined() && dy.shape() == x.shape() && dy.dtype() == x.dtype(),
                  "expert-parallel backward: dy {} must match the input {}",
                  dy.defined() ? dy.str() : std::string("undefined"), x.str());
   if (x.dtype() == DType::f32)
-    return backward_impl<float>(ep_, n_experts_, per_rank_, first_, cfg, params, x, routing, dy,
-                                grads);
-  return backward_impl<double>(ep_, n_experts_, per_rank_, first_, cfg, params, x, routing, dy,
-                               grads);
+    return backward_impl<float>(ep_, n_experts_, per_rank_, cfg, params, x, routing, dy, grads);
+  return backward_impl<double>(ep_, n_experts_, per_rank_, cfg, params, x, routing, dy, grads);
 }
 
 }  // namespace glmtune::dist

@@ -2,9 +2,11 @@
 // Expert parallelism over the ep group (docs/distributed.md, "Expert parallel").
 //
 // The E routed experts of every MoE layer are split into ep contiguous slices: rank r of the ep
-// group computes experts [r·E/ep, (r+1)·E/ep). Each rank routes its own tokens (the router, the
-// shared expert and everything else are replicated and data parallel as without ep); the
-// (token, expert) pairs then travel to the rank owning the expert and the expert outputs come
+// group holds and computes experts [r·E/ep, (r+1)·E/ep). The layer's expert tensors are that
+// slice only, [E/ep, ...] with local expert j = global expert first_expert() + j
+// (expert_shards.h keeps them so in the parameter store). Each rank routes its own tokens (the
+// router, the shared expert and everything else are replicated and data parallel as without ep);
+// the (token, expert) pairs then travel to the rank owning the expert and the expert outputs come
 // back, with two variable-count all-to-alls in the forward and two in the backward:
 //
 //   forward   send x[row] per pair, grouped by owner rank then expert (ascending) then row;
@@ -12,13 +14,12 @@
 //             (gate_up, clamped SwiGLU, down: the CPU expert code's ops) and returns the rows;
 //             the sender adds w · y in ascending expert order, as ops::moe_experts does.
 //   backward  send [x[row] | dy[row] | w] per pair; the owner recomputes the expert, adds its
-//             weight gradients into its slices of the gradient buffers, and returns
+//             weight gradients into its (slice-sized) gradient buffers, and returns
 //             [dx_pair | ⟨dy[row], y_pair⟩] (the latter is the combine weight's gradient).
 //
 // The expert loads and the balancing loss come from each rank's own routing, exactly as in data
 // parallelism; an expert's weight gradient is complete once summed over the ranks holding its
-// slice (the dp reduction of sharded_optimizer.h sums every rank's buffers, in which the other
-// slices are zero).
+// slice (the edp group: ExpertAdamW of expert_shards.h reduces over it).
 #include <cstdint>
 
 #include "glmtune/dist/comm.h"
@@ -32,6 +33,8 @@ class ExpertParallel final : public model::text::ExpertDispatch {
   // divides it.
   ExpertParallel(Communicator& ep, int64_t n_experts, const std::string& where);
 
+  Communicator& group() const { return ep_; }
+  int64_t experts() const { return n_experts_; }
   int64_t first_expert() const { return first_; }
   int64_t local_experts() const { return per_rank_; }
 

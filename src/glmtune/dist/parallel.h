@@ -6,10 +6,12 @@
 //                             d: data-parallel index, 0 .. dp − 1 with dp = world / S
 //   sp group   ranks with the same d (S ranks, consecutive)
 //   dp group   ranks with the same s (dp ranks): they see different packs and hold replicas of
-//              every parameter; the sharded optimizer (sharded_optimizer.h) shards over it
+//              every parameter but the routed experts; the sharded optimizer
+//              (sharded_optimizer.h) shards over it
 //   ep group   E consecutive data indices with the same s: d = f · E + e, the group is the e's
 //              of one f; routed experts are split over it
-//   edp group  ranks with the same s and the same e (dp / E ranks): replicas of one expert slice
+//   edp group  ranks with the same s and the same e (dp / E ranks): replicas of one expert slice,
+//              over which its optimizer is sharded (expert_shards.h)
 // world must be a multiple of S, and dp of E; the recipe keys train.ep_size and train.sp_size
 // set E and S.
 //

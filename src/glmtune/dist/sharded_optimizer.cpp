@@ -72,6 +72,10 @@ ShardedAdamW::ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWCo
 }
 
 double ShardedAdamW::reduce_gradients(const std::vector<Tensor>& grads, double other_sq_norm) {
+  return std::sqrt(group_.all_reduce_sum(reduce_shard(grads) + other_sq_norm));
+}
+
+double ShardedAdamW::reduce_shard(const std::vector<Tensor>& grads) {
   GLMTUNE_ASSERT(grads.size() == params_.size(), "{} gradients for {} parameters", grads.size(),
                  params_.size());
   const int ranks = group_.size();
@@ -106,7 +110,7 @@ double ShardedAdamW::reduce_gradients(const std::vector<Tensor>& grads, double o
   for (const Piece& p : pieces_)
     piece_grads_.push_back(
         shard_grad.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length));
-  return std::sqrt(group_.all_reduce_sum(shard_.grad_sq_norm(piece_grads_) + other_sq_norm));
+  return shard_.grad_sq_norm(piece_grads_);
 }
 
 train::StepReport ShardedAdamW::step(double lr, double global_grad_norm) {

@@ -56,6 +56,10 @@ class ShardedAdamW {
   // this rank holds outside this optimizer (ShardedLayers' slices), summed over the group with
   // the shards'.
   double reduce_gradients(const std::vector<Tensor>& grads, double other_sq_norm = 0);
+  // Collective. The reduce-scatter of reduce_gradients without the norm's sum: returns the squared
+  // norm of this rank's reduced shard only, for a caller that sums it over a larger group (the
+  // routed experts' optimizer, whose group holds one expert slice: expert_shards.h).
+  double reduce_shard(const std::vector<Tensor>& grads);
   // Collective. Updates the shard from the last reduced gradients (a non-finite norm skips, as in
   // train::AdamW) and all-gathers the parameters.
   train::StepReport step(double lr, double global_grad_norm);

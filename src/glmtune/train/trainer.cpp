@@ -21,6 +21,7 @@
 #include "glmtune/data/token_cache.h"
 #include "glmtune/data/tokenizer.h"
 #include "glmtune/dist/expert_parallel.h"
+#include "glmtune/dist/expert_shards.h"
 #include "glmtune/dist/fsdp.h"
 #include "glmtune/dist/parallel.h"
 #include "glmtune/dist/sequence_parallel.h"
@@ -341,6 +342,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                   "set train.fsdp = false, or train.ep_size = train.sp_size = 1");
   }
   const int64_t num_layers = store.config().text().num_hidden_layers;
+  // Expert parallel: each rank keeps the routed experts of its ep slice only (weights, gradients,
+  // optimizer state: dist/expert_shards.h); the other tensors stay replicated as without it.
+  const bool expert_sharded = distributed && par->sizes().ep > 1;
   std::unique_ptr<dist::Communicator> self_group;
   if (fsdp && !distributed) self_group = dist::make_self_communicator("dp");
   dist::Communicator* const dp_group = distributed ? &par->dp() : self_group.get();
@@ -356,6 +360,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (fsdp)
       std::erase_if(replicated,
                     [&](const NamedParam& p) { return in_decoder_layer(p.name, num_layers); });
+    if (expert_sharded)
+      std::erase_if(replicated,
+                    [](const NamedParam& p) { return dist::is_routed_expert_tensor(p.name); });
     sharded.emplace(std::move(replicated), recipe.adamw_config(), *dp_group,
                     on_gpu && distributed ? par->dp_gpu() : nullptr);
   }
@@ -363,11 +370,11 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   TrainerState st;
   st.seed = recipe.seed;
   st.recipe_fingerprint = recipe.fingerprint(dp);
-  // With fsdp the full saved state is read once and kept until the decoder layers, built with
-  // the model below, have taken their pieces of it.
+  // With fsdp or expert slices the full saved state is read once and kept until the decoder layers
+  // (built with the model below) or the expert slices have taken their pieces of it.
   std::unique_ptr<AdamW> resumed_state;
   if (resume) {
-    if (fsdp) {
+    if (fsdp || expert_sharded) {
       resumed_state = std::make_unique<AdamW>(trainable_params(store), recipe.adamw_config());
       resumed_state->load(resume->checkpoint.optimizer_dir());
       sharded->load(*resumed_state);
@@ -386,6 +393,19 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     st.recipe_fingerprint = recipe.fingerprint(dp);
     summary.resumed = true;
     spdlog::info("resuming from {} (step {})", resume->checkpoint.dir.string(), st.step);
+  }
+  // The store keeps this rank's expert slices from here on, so the model built from it below holds
+  // them as its compute tensors and its gradient buffers are slice-sized too.
+  std::optional<dist::ExpertParallel> expert_parallel;
+  std::optional<dist::LocalExperts> local_experts;
+  std::optional<dist::ExpertAdamW> expert_optimizer;
+  if (expert_sharded) {
+    expert_parallel.emplace(par->ep(), store.config().text().n_routed_experts,
+                            recipe.source() + ": train.ep_size");
+    local_experts.emplace(store, *expert_parallel);
+    expert_optimizer.emplace(*local_experts, recipe.adamw_config(), par->edp());
+    if (resumed_state) expert_optimizer->load(*resumed_state);
+    resumed_state.reset();
   }
   std::optional<TextModel> text_model;
   if (vl && on_gpu)
@@ -419,12 +439,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   topt.mtp_loss_scale = recipe.mtp_scale;
   topt.balancing_alpha = recipe.balancing_alpha;
   topt.num_micro_packs = recipe.micro_packs * dp;
-  // Expert parallel: the routed experts split over the ep group; tokens travel to them.
-  std::optional<dist::ExpertParallel> expert_parallel;
-  if (distributed && par->sizes().ep > 1) {
-    expert_parallel.emplace(par->ep(), tc.n_routed_experts, recipe.source() + ": train.ep_size");
-    topt.expert_dispatch = &*expert_parallel;
-  }
+  // Expert parallel: tokens travel to the ranks holding their experts.
+  if (expert_parallel) topt.expert_dispatch = &*expert_parallel;
   // Sequence parallel: the ranks of an sp group share each pack, one contiguous shard of rows
   // each; the mixers exchange what crosses the shards (dist/sequence_parallel.h).
   std::optional<dist::UlyssesParallel> ulysses;
@@ -485,6 +501,32 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     // reduces them on the device and moves only this rank's shard (sharded_optimizer.h).
     grad_list[i] = on_gpu && !distributed ? Tensor::zeros(g->shape(), DType::f32) : *g;
   }
+  // This rank's expert-slice gradients, in the expert optimizer's order.
+  std::vector<Tensor> expert_grad_list;
+  if (expert_optimizer)
+    for (const NamedParam& p : expert_optimizer->params()) {
+      const Tensor* g = grads.find(p.name);
+      GLMTUNE_ASSERT(g != nullptr && g->shape() == p.value.shape(),
+                     "routed-expert tensor '{}' has no slice-sized gradient buffer", p.name);
+      expert_grad_list.push_back(*g);
+    }
+  if (local_experts) {
+    const auto expert_bytes = [](const std::vector<std::pair<std::string, Tensor>>& named) {
+      int64_t bytes = 0;
+      for (const auto& [name, t] : named)
+        if (t.defined() && dist::is_routed_expert_tensor(name)) bytes += int64_t(t.nbytes());
+      return bytes;
+    };
+    spdlog::info(
+        "ep: this rank holds experts {}..{} of {}: {} of {} bytes of routed-expert weights in the "
+        "parameter store, {} bytes of them in the model, {} bytes of their gradients and {} bytes "
+        "of their optimizer state",
+        expert_parallel->first_expert(),
+        expert_parallel->first_expert() + expert_parallel->local_experts() - 1,
+        expert_parallel->experts(), local_experts->local_bytes(), local_experts->full_bytes(),
+        expert_bytes(model.weights().named), expert_bytes(grads.named),
+        expert_optimizer->state_bytes());
+  }
   // The gradient the optimizer sees for a parameter (the host copy on a GPU run).
   std::map<std::string, Tensor*> optimizer_grad;
   for (size_t i = 0; i < opt_params.size(); ++i)
@@ -527,10 +569,22 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       layers_with(model::text::ActivationPolicy::recompute), tc.num_hidden_layers, offloaded,
       offloaded > 0 && !on_gpu ? "; on the CPU offloaded layers are kept" : "");
 
+  // Expert slices are named per expert by LocalExperts::nonfinite, not by released_views (which
+  // splits whole tensors).
+  const auto replicated_only = [&](const InternalLookup& lookup) -> InternalLookup {
+    return [&, lookup](const model::InternalParam& p) -> const Tensor* {
+      return local_experts && local_experts->holds(p.name) ? nullptr : lookup(p);
+    };
+  };
   auto save = [&] {
     // Never a checkpoint of weights that are not finite (a run resumed from it could only fail).
     std::vector<std::string> bad =
-        first_nonfinite(released_views(store, stored_value), kNonFiniteNamed);
+        first_nonfinite(released_views(store, replicated_only(stored_value)), kNonFiniteNamed);
+    if (local_experts) {
+      const std::vector<std::string> experts = local_experts->nonfinite(
+          [&](const std::string& name) { return &store.get(name); }, par->world(), kNonFiniteNamed);
+      bad.insert(bad.end(), experts.begin(), experts.end());
+    }
     if (sharded_layers) {
       const std::vector<std::string> layers = sharded_layers->nonfinite(false, kNonFiniteNamed);
       bad.insert(bad.end(), layers.begin(), layers.end());
@@ -573,6 +627,22 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       sharded->gather_into(full.get(), 0);
       layer_optimizer->gather_into(full.get(), 0);
       if (root) full->set_step_count(sharded->step_count());
+    } else if (local_experts) {
+      // The expert slices come back into rank 0's store one tensor at a time (over rank 0's ep
+      // group), then the full optimizer state is assembled there. The ranks of one sp index hold
+      // every slice and every replicated shard; the other sp indices hold copies and take no
+      // part.
+      const bool first_sp = par->sp().rank() == 0;
+      if (first_sp && par->edp().rank() == 0)
+        local_experts->gather([&](const std::string& name, const Tensor& value) {
+          if (root) store.get(name) = value;
+        });
+      if (root) full = std::make_unique<AdamW>(trainable_params(store), recipe.adamw_config());
+      if (first_sp) {
+        sharded->gather_into(full.get(), 0);
+        expert_optimizer->gather_into(full.get());
+      }
+      if (root) full->set_step_count(sharded->step_count());
     } else {
       full = sharded->gather(0);
     }
@@ -588,6 +658,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     full.reset();
     if (sharded_layers && root)
       for (const auto& [name, dtype] : dropped_from_store) store.get(name) = Tensor();
+    if (local_experts && root) local_experts->restore(store);
     if (!distributed) return;
     par->world().barrier();
     if (!root)
@@ -657,24 +728,25 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (on_gpu && !distributed) copy_gradients_to_host();
     const double lr = schedule.lr(st.step);
     const double lm_loss = lm_sum / topt.lm_denominator;
-    // The decoder-layer slices' part of the global norm joins the replicated shards' in one sum.
-    const double grad_norm =
-        sharded ? sharded->reduce_gradients(grad_list,
-                                            layer_optimizer ? layer_optimizer->grad_sq_norm() : 0.0)
-                : std::sqrt(optimizer.grad_sq_norm(grad_list));
+    // The decoder-layer slices' and the expert shards' parts of the global norm join the
+    // replicated shards' in one sum over dp, where each of them appears once.
+    const double other_sq_norm =
+        (layer_optimizer ? layer_optimizer->grad_sq_norm() : 0.0) +
+        (expert_optimizer ? expert_optimizer->reduce_gradients(expert_grad_list) : 0.0);
+    const double grad_norm = sharded ? sharded->reduce_gradients(grad_list, other_sq_norm)
+                                     : std::sqrt(optimizer.grad_sq_norm(grad_list));
     std::vector<std::string> nonfinite;
     if (!std::isfinite(lm_loss) || !std::isfinite(balancing) ||
         !std::all_of(mtp_sum.begin(), mtp_sum.end(), [](double v) { return std::isfinite(v); }))
       nonfinite.push_back("loss");
     if (!std::isfinite(grad_norm)) {
       const std::vector<std::string> names = first_nonfinite(
-          released_views(store,
-                         [&](const model::InternalParam& p) -> const Tensor* {
-                           const auto it = optimizer_grad.find(p.name);
-                           const Tensor* g =
-                               it != optimizer_grad.end() ? it->second : grads.find(p.name);
-                           return g && g->defined() ? g : nullptr;
-                         }),
+          released_views(
+              store, replicated_only([&](const model::InternalParam& p) -> const Tensor* {
+                const auto it = optimizer_grad.find(p.name);
+                const Tensor* g = it != optimizer_grad.end() ? it->second : grads.find(p.name);
+                return g && g->defined() ? g : nullptr;
+              })),
           kNonFiniteNamed);
       nonfinite.insert(nonfinite.end(), names.begin(), names.end());
       // Collective: every rank sees the same non-finite global norm.
@@ -682,14 +754,21 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
         const std::vector<std::string> layers = sharded_layers->nonfinite(true, kNonFiniteNamed);
         nonfinite.insert(nonfinite.end(), layers.begin(), layers.end());
       }
+      if (local_experts) {
+        const std::vector<std::string> experts =
+            local_experts->nonfinite([&](const std::string& name) { return grads.find(name); },
+                                     par->world(), kNonFiniteNamed);
+        nonfinite.insert(nonfinite.end(), experts.begin(), experts.end());
+      }
     }
     // A non-finite loss with finite gradients is skipped too: its update would rest on nothing.
     const double applied_norm =
         nonfinite.empty() ? grad_norm : std::numeric_limits<double>::quiet_NaN();
     const StepReport rep =
         sharded ? sharded->step(lr, applied_norm) : optimizer.step(grad_list, lr, applied_norm);
-    // The same norm skips or applies both updates together.
+    // The same norm skips or applies every update together.
     if (layer_optimizer) layer_optimizer->step(lr, applied_norm);
+    if (expert_optimizer) expert_optimizer->step(lr, applied_norm);
     // The bias moves from the step's loads even when the update was skipped (docs/training.md).
     const double maxvio =
         update_router_biases(loads, recipe.router_bias_update_rate,

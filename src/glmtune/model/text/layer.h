@@ -26,7 +26,9 @@ namespace glmtune::model::text {
 
 // Routed experts computed by someone else than this process alone: expert parallelism
 // (dist/expert_parallel.h) sends each (token, expert) pair to the rank that holds the expert and
-// brings the results back. Unset (the default), the MoE block runs every expert itself.
+// brings the results back. Unset (the default), the MoE block runs every expert itself. With it,
+// a layer's expert tensors (params.gate_up_proj / down_proj and their gradients) may hold only
+// the experts of this rank: the dispatch defines their layout.
 class ExpertDispatch {
  public:
   virtual ~ExpertDispatch() = default;

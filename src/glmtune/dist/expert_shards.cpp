@@ -1,0 +1,182 @@
+#include "glmtune/dist/expert_shards.h"
+
+#include <fmt/format.h>
+
+#include <map>
+#include <memory>
+
+#include "glmtune/base/error.h"
+#include "glmtune/train/released.h"
+
+namespace glmtune::dist {
+namespace {
+
+// Released tensors per expert: gate_up_proj splits into a gate and an up tensor (its sources list
+// every expert's gate, then every expert's up), down_proj into one.
+int64_t parts_per_expert(const std::string& name) { return name.ends_with("gate_up_proj") ? 2 : 1; }
+
+}  // namespace
+
+bool is_routed_expert_tensor(const std::string& name) {
+  return name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
+}
+
+LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& experts)
+    : experts_(experts) {
+  const int64_t n = experts.experts();
+  for (const model::InternalParam& p : store.params()) {
+    if (!is_routed_expert_tensor(p.name)) continue;
+    GLMTUNE_ASSERT(p.value.defined() && p.value.dim() == 3 && p.value.size(0) == n &&
+                       int64_t(p.sources.size()) == parts_per_expert(p.name) * n,
+                   "routed-expert tensor '{}' is {}, expected the full {} experts", p.name,
+                   p.value.defined() ? p.value.str() : std::string("undefined"), n);
+    full_bytes_ += int64_t(p.value.nbytes());
+    entries_.push_back({p.name, slice(p.value).clone(), p.sources});
+  }
+  if (entries_.empty())
+    throw Error("expert parallelism asked for, but the model has no routed experts",
+                "train.ep_size", "set train.ep_size = 1 for a model without MoE layers");
+  // Last: the loop above reads the full tensors.
+  for (const Entry& e : entries_) store.get(e.name) = e.local;
+}
+
+std::vector<train::NamedParam> LocalExperts::params() const {
+  std::vector<train::NamedParam> out;
+  for (const Entry& e : entries_) out.push_back({e.name, e.local, true});
+  return out;
+}
+
+bool LocalExperts::holds(const std::string& name) const {
+  for (const Entry& e : entries_)
+    if (e.name == name) return true;
+  return false;
+}
+
+Tensor LocalExperts::slice(const Tensor& full) const {
+  GLMTUNE_ASSERT(full.defined() && full.size(0) == experts_.experts(),
+                 "a full expert tensor holds {} experts, got {}", experts_.experts(),
+                 full.defined() ? full.str() : std::string("undefined"));
+  return full.narrow(0, experts_.first_expert(), experts_.local_experts());
+}
+
+int64_t LocalExperts::local_bytes() const {
+  int64_t bytes = 0;
+  for (const Entry& e : entries_) bytes += int64_t(e.local.storage()->bytes());
+  return bytes;
+}
+
+void LocalExperts::gather(
+    const std::function<void(const std::string& name, const Tensor& full)>& visit) const {
+  Communicator& ep = experts_.group();
+  for (const Entry& e : entries_) {
+    // Rank r's block is experts [r·n/E, (r+1)·n/E): the blocks in rank order are the full tensor.
+    Shape shape = e.local.shape();
+    shape[0] = experts_.experts();
+    Tensor full = Tensor::empty(shape, e.local.dtype());
+    ep.all_gather(e.local, full);
+    visit(e.name, full);
+  }
+}
+
+void LocalExperts::restore(model::ParamStore& store) const {
+  for (const Entry& e : entries_) store.get(e.name) = e.local;
+}
+
+std::vector<std::string> LocalExperts::nonfinite(
+    const std::function<const Tensor*(const std::string&)>& local, Communicator& everyone,
+    size_t limit) const {
+  const int64_t n = experts_.experts(), first = experts_.first_expert();
+  // One flag per released tensor: entry, then part (gate / up, or down), then expert.
+  std::vector<int64_t> flags;
+  std::vector<std::string> names;
+  for (const Entry& e : entries_) {
+    const Tensor* t = local(e.name);
+    const int64_t parts = parts_per_expert(e.name);
+    for (int64_t part = 0; part < parts; ++part)
+      for (int64_t x = 0; x < n; ++x) {
+        const int64_t j = x - first;
+        bool bad = false;
+        if (t != nullptr && j >= 0 && j < experts_.local_experts()) {
+          const Tensor expert = t->select(0, j);
+          const int64_t rows = expert.size(0) / parts;
+          bad = !train::all_finite(expert.slice(0, part * rows, (part + 1) * rows));
+        }
+        flags.push_back(bad ? 1 : 0);
+        names.push_back(e.sources[size_t(part * n + x)]);
+      }
+  }
+  everyone.all_reduce_sum(flags);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < flags.size() && out.size() < limit; ++i)
+    if (flags[i] > 0) out.push_back(names[i]);
+  return out;
+}
+
+// ---- ExpertAdamW
+
+ExpertAdamW::ExpertAdamW(const LocalExperts& experts, train::AdamWConfig config, Communicator& edp)
+    : experts_(experts), config_(config), edp_(edp), shards_(experts.params(), config, edp) {}
+
+double ExpertAdamW::reduce_gradients(const std::vector<Tensor>& grads) {
+  return shards_.reduce_shard(grads);
+}
+
+train::StepReport ExpertAdamW::step(double lr, double global_grad_norm) {
+  return shards_.step(lr, global_grad_norm);
+}
+
+void ExpertAdamW::gather_into(train::AdamW* full) const {
+  Communicator& ep = experts_.experts().group();
+  const bool here = full != nullptr;
+  GLMTUNE_ASSERT(!here || (edp_.rank() == 0 && ep.rank() == 0),
+                 "the full expert optimizer state goes to the first rank of the ep and edp groups, "
+                 "not to ep rank {} / edp rank {}",
+                 ep.rank(), edp_.rank());
+  // This slice's state on the first rank of each edp group; the first ranks of the edp groups
+  // form whole ep groups (they share the replica index), which gather the slices.
+  const std::unique_ptr<train::AdamW> slices = shards_.gather(0);
+  if (edp_.rank() != 0) return;
+  std::map<std::string, size_t> index;
+  if (here)
+    for (size_t i = 0; i < full->params().size(); ++i) index[full->params()[i].name] = i;
+  for (size_t i = 0; i < slices->params().size(); ++i) {
+    const train::NamedParam& p = slices->params()[i];
+    const int64_t numel = p.value.numel();
+    Tensor local = Tensor::empty({3, numel}, DType::f32);
+    local.select(0, 0).copy_(slices->master(i).reshape({-1}));
+    local.select(0, 1).copy_(slices->exp_avg(i).reshape({-1}));
+    local.select(0, 2).copy_(slices->exp_avg_sq(i).reshape({-1}));
+    Tensor gathered = Tensor::empty({ep.size(), 3, numel}, DType::f32);
+    ep.all_gather(local, gathered);
+    if (!here) continue;
+    const auto it = index.find(p.name);
+    GLMTUNE_ASSERT(it != index.end() && full->params()[it->second].trainable,
+                   "the full optimizer does not train '{}'", p.name);
+    // [rank, kind, element] -> per kind, the experts in rank order: the full tensor.
+    const Tensor by_kind = gathered.transpose(0, 1).contiguous().view({3, ep.size() * numel});
+    full->set_state(it->second, by_kind.select(0, 0), by_kind.select(0, 1), by_kind.select(0, 2));
+  }
+}
+
+void ExpertAdamW::load(const train::AdamW& full) {
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < full.params().size(); ++i) index[full.params()[i].name] = i;
+  // The slice's full state as an unsharded optimizer over the slices, from which each rank of the
+  // edp group keeps its range.
+  train::AdamW slices(params(), config_);
+  for (size_t i = 0; i < slices.params().size(); ++i) {
+    const std::string& name = slices.params()[i].name;
+    const auto it = index.find(name);
+    if (it == index.end() || !full.params()[it->second].trainable)
+      throw Error(fmt::format("the optimizer state has no trained routed-expert tensor '{}'", name),
+                  "the resumed optimizer state",
+                  "resume from a checkpoint of this model written by glmtune train");
+    const size_t f = it->second;
+    slices.set_state(i, experts_.slice(full.master(f)), experts_.slice(full.exp_avg(f)),
+                     experts_.slice(full.exp_avg_sq(f)));
+  }
+  slices.set_step_count(full.step_count());
+  shards_.load(slices);
+}
+
+}  // namespace glmtune::dist

@@ -1,0 +1,116 @@
+#pragma once
+// The routed experts' memory divided by the expert-parallel size (docs/distributed.md, "How
+// expert parallelism works"): weights, gradients and optimizer state of this rank's slice only.
+//
+// Every MoE layer (decoder layers and the MTP layer) fuses its routed experts into
+// `<layer>.mlp.experts.gate_up_proj` [n, 2I, D] and `<layer>.mlp.experts.down_proj` [n, D, I]
+// (param_store.h). With ep_size = E, LocalExperts replaces each of them in the parameter store by
+// this rank's slice, experts [first, first + n/E) as a tensor [n/E, ...] of its own (local expert j
+// is expert first + j, ExpertParallel's layout). The model built from that store then holds the
+// slice as its compute tensors, TextGrads::zeros_like sizes the gradient buffers the same way, and
+// ExpertParallel computes exactly these experts. The tensors keep their internal names, so a name
+// means the same parameter on every rank and in a checkpoint; only the shape differs.
+//
+// ExpertAdamW trains the slice: a ShardedAdamW over the edp group, the ranks holding the same
+// slice (same ep index, one per ep group): it sums their gradients (each is complete for the
+// tokens of its ep group) and shards the fp32 masters and moments over them (ZeRO), so a rank
+// keeps 1/dp of the experts' optimizer state, as for the replicated tensors. Its squared shard
+// norm joins the replicated optimizer's norm sum over dp, where every (ep index, edp rank) pair
+// appears once: each expert element is counted exactly once in the global norm.
+//
+// Checkpoints keep the released layout: the slices are gathered (one tensor at a time, over the ep
+// group) into full tensors on rank 0, and the optimizer state of the slices is gathered over edp
+// and then ep into the unsharded format; a resume takes this rank's slice of a full state, so the
+// expert layout may change between runs.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "glmtune/dist/comm.h"
+#include "glmtune/dist/expert_parallel.h"
+#include "glmtune/dist/sharded_optimizer.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/train/optimizer.h"
+
+namespace glmtune::dist {
+
+// Whether `name` is a fused routed-expert tensor (gate_up_proj or down_proj of a MoE layer).
+bool is_routed_expert_tensor(const std::string& name);
+
+class LocalExperts {
+ public:
+  // Replaces every routed-expert tensor of `store` (full, [n, ...], the same on every rank) by a
+  // copy of this rank's slice in the same dtype; the full tensors are released once nothing else
+  // holds them.
+  LocalExperts(model::ParamStore& store, const ExpertParallel& experts);
+
+  const ExpertParallel& experts() const { return experts_; }
+  // The slices in store order, trainable, sharing storage with the store's tensors.
+  std::vector<train::NamedParam> params() const;
+  bool holds(const std::string& name) const;
+  // This rank's slice [n/E, ...] of a full expert tensor [n, ...] (a view).
+  Tensor slice(const Tensor& full) const;
+
+  // Bytes of the routed-expert tensors of the store: whole (what every rank held before) and this
+  // rank's slices (measured).
+  int64_t full_bytes() const { return full_bytes_; }
+  int64_t local_bytes() const;
+
+  // Collective over the ep group, one tensor at a time: calls `visit` on every rank of the group
+  // with each expert tensor's name and its full value (storage dtype) assembled from the slices.
+  void gather(const std::function<void(const std::string& name, const Tensor& full)>& visit) const;
+  // Puts this rank's slices back into `store` (after a checkpoint replaced them with full
+  // tensors); they share storage with ExpertAdamW's parameters.
+  void restore(model::ParamStore& store) const;
+  // Collective over `everyone` (a group that holds every slice, e.g. the world): the released
+  // per-expert names (`...experts.<e>.gate_proj.weight`, at most `limit`) whose part of
+  // `local(name)`, a slice-shaped tensor or nullptr, holds a non-finite element on any rank.
+  std::vector<std::string> nonfinite(const std::function<const Tensor*(const std::string&)>& local,
+                                     Communicator& everyone, size_t limit) const;
+
+ private:
+  struct Entry {
+    std::string name;
+    Tensor local;                      // [n/E, ...], the store's tensor
+    std::vector<std::string> sources;  // released names, as in model::InternalParam
+  };
+  const ExpertParallel& experts_;
+  std::vector<Entry> entries_;
+  int64_t full_bytes_ = 0;
+};
+
+class ExpertAdamW {
+ public:
+  // Trains the slices of `experts` (the store's tensors: updates are written into them) with
+  // AdamW sharded over `edp`, the ranks holding the same slice.
+  ExpertAdamW(const LocalExperts& experts, train::AdamWConfig config, Communicator& edp);
+
+  // The slice parameters (names of the full tensors, slice shapes); gradients are given aligned
+  // with them.
+  const std::vector<train::NamedParam>& params() const { return shards_.params(); }
+  // Collective over edp. Reduce-scatters this rank's slice gradients and returns the squared norm
+  // of the reduced shard here (local part only: summed over dp with the replicated tensors' norm,
+  // ShardedAdamW::reduce_gradients(grads, other_sq_norm), it gives the global norm).
+  double reduce_gradients(const std::vector<Tensor>& grads);
+  // Local update of the shard, then an all-gather over edp into the slices.
+  train::StepReport step(double lr, double global_grad_norm);
+  // Bytes of optimizer state on this rank, measured.
+  int64_t state_bytes() const { return shards_.state_bytes(); }
+
+  // Collective over edp, then over ep among the edp groups' first ranks: sets in `full` (the
+  // unsharded optimizer over the full tensors, on the rank that is first in both groups; nullptr
+  // elsewhere) the state of every expert tensor. Called by every rank of one sp index at least.
+  void gather_into(train::AdamW* full) const;
+  // Collective over edp. Keeps this rank's part of a full optimizer state (train::AdamW over the
+  // full tensors, loaded from any layout), matched by name, and sets the slices from its masters.
+  void load(const train::AdamW& full);
+
+ private:
+  const LocalExperts& experts_;
+  train::AdamWConfig config_;
+  Communicator& edp_;
+  ShardedAdamW shards_;
+};
+
+}  // namespace glmtune::dist
