@@ -376,21 +376,7 @@ void ShardedLayerAdamW::refresh_slices() {
   }
 }
 
-int64_t ShardedLayerAdamW::state_bytes() const {
-  int64_t bytes = 0;
-  std::set<const Storage*> seen;
-  const auto count = [&](const Tensor& t) {
-    if (t.defined() && seen.insert(t.storage().get()).second)
-      bytes += int64_t(t.storage()->bytes());
-  };
-  for (size_t k = 0; k < slots_.size(); ++k) {
-    count(pieces_.params()[k].value);
-    count(pieces_.master(k));
-    count(pieces_.exp_avg(k));
-    count(pieces_.exp_avg_sq(k));
-  }
-  return bytes;
-}
+int64_t ShardedLayerAdamW::state_bytes() const { return pieces_.state_bytes(); }
 
 void ShardedLayerAdamW::gather_into(train::AdamW* full, int root) const {
   Communicator& group = layers_.group();

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <set>
 #include <string>
 
 #include "glmtune/base/error.h"
@@ -157,21 +156,7 @@ void ShardedAdamW::gather_flat(const Tensor& shard, Into&& into, bool on_device)
     if (params_[i].trainable) into(i, flat.narrow(0, offsets_[i], params_[i].value.numel()));
 }
 
-int64_t ShardedAdamW::state_bytes() const {
-  int64_t bytes = 0;
-  std::set<const Storage*> seen;
-  const auto count = [&](const Tensor& t) {
-    if (t.defined() && seen.insert(t.storage().get()).second)
-      bytes += int64_t(t.storage()->bytes());
-  };
-  for (size_t k = 0; k < pieces_.size(); ++k) {
-    count(shard_.params()[k].value);
-    count(shard_.master(k));
-    count(shard_.exp_avg(k));
-    count(shard_.exp_avg_sq(k));
-  }
-  return bytes;
-}
+int64_t ShardedAdamW::state_bytes() const { return shard_.state_bytes(); }
 
 std::unique_ptr<train::AdamW> ShardedAdamW::gather(int root) const {
   std::unique_ptr<train::AdamW> full;

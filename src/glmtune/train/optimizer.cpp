@@ -291,4 +291,20 @@ void AdamW::load(const std::filesystem::path& dir) {
   step_ = step;
 }
 
+int64_t AdamW::state_bytes() const {
+  int64_t bytes = 0;
+  std::set<const Storage*> seen;
+  const auto count = [&](const Tensor& t) {
+    if (t.defined() && seen.insert(t.storage().get()).second)
+      bytes += int64_t(t.storage()->bytes());
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    count(params_[i].value);
+    count(master(i));
+    count(exp_avg(i));
+    count(exp_avg_sq(i));
+  }
+  return bytes;
+}
+
 }  // namespace glmtune::train

@@ -101,6 +101,9 @@ class AdamW {
   const Tensor& master(size_t i) const { return state_[i].master; }
   const Tensor& exp_avg(size_t i) const { return state_[i].exp_avg; }
   const Tensor& exp_avg_sq(size_t i) const { return state_[i].exp_avg_sq; }
+  // Bytes of memory alive for the parameters and their state, measured: each distinct storage of
+  // a value, master or moment counted once (an f32 parameter is its own master).
+  int64_t state_bytes() const;
 
   // Replaces the state of trainable parameter `i` with f32 tensors of its element count, and
   // sets the parameter's storage to the master rounded to its dtype (the sharded optimizer
