@@ -261,6 +261,23 @@ __global__ void l2_fwd_kernel(const T* __restrict__ x, int64_t rows, int n, floa
 // Rows of kLanes 16-byte pieces (the 128-wide KDA heads: 16 lanes of eight bf16, or 32 of four
 // f32): a row on kLanes adjacent lanes, its sum by shuffles among them. Every lane of a warp takes
 // part in the shuffles; lanes past the last row hold zeros.
+// Sum of v over the kLanes adjacent lanes of a row (a butterfly: the same bits in each lane).
+template <int kLanes>
+__device__ __forceinline__ float row_lanes_sum(float v) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ν = sqrt(Σ x² + eps) of the row of which this lane holds kVec elements.
+template <int kLanes, int kVec>
+__device__ __forceinline__ float row_norm(const float (&v)[kVec], float eps) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) ss += v[j] * v[j];
+  return sqrtf(row_lanes_sum<kLanes>(ss) + eps);
+}
+
 template <typename T, int kLanes>
 __global__ void l2_fwd_vec_kernel(const T* __restrict__ x, int64_t rows, float eps,
                                   T* __restrict__ y, float* __restrict__ norm) {
@@ -270,12 +287,7 @@ __global__ void l2_fwd_vec_kernel(const T* __restrict__ x, int64_t rows, float e
   const bool valid = row < rows;
   float v[kVec] = {};
   if (valid) detail::load_vec<kVec>(x + off, v);
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) ss += v[j] * v[j];
-#pragma unroll
-  for (int o = kLanes / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float nu = sqrtf(ss + eps);
+  const float nu = row_norm<kLanes>(v, eps);
   if (!valid) return;
   if (norm && gid % kLanes == 0) norm[row] = nu;
 #pragma unroll
@@ -315,17 +327,11 @@ __global__ void l2_bwd_vec_kernel(const T* __restrict__ dy, const T* __restrict_
     detail::load_vec<kVec>(x + off, xv);
     detail::load_vec<kVec>(dy + off, gv);
   }
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) ss += xv[j] * xv[j];
-#pragma unroll
-  for (int o = kLanes / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  const float nu = sqrtf(ss + eps);
+  const float nu = row_norm<kLanes>(xv, eps);
   float dot = 0.0f;
 #pragma unroll
   for (int j = 0; j < kVec; ++j) dot += (xv[j] / nu) * gv[j];
-#pragma unroll
-  for (int o = kLanes / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+  dot = row_lanes_sum<kLanes>(dot);
   if (!valid) return;
 #pragma unroll
   for (int j = 0; j < kVec; ++j) gv[j] = (gv[j] - (xv[j] / nu) * dot) / nu;
