@@ -54,8 +54,8 @@ struct CoreCase {
   // slope 12 nearly every full chunk falls back.
   float floor = 0.0f;
   float slope = 2.0f;
-  // The backward keeps one chunk state per pair of chunks where the (head, document) walks are at
-  // least as many as the GPU's SMs, else one per chunk: 3 heads × 6 documents take the second
+  // The backward keeps one chunk state per pair of chunks where the walks (head, document, value
+  // slice) reach 90% of the GPU's SMs, else one per chunk: 3 heads × 6 documents take the second
   // path, 48 heads (288 walks, more than any current GPU has SMs) the first.
   int64_t heads = 3;
   // Value slices per walk (cuda::kda_chunked's value_slices; 0: automatic, which gives 4 for 3

@@ -17,7 +17,7 @@
 //              walk splits into 1, 2 or 4 slices of 8, 4 or 2 warps and few walks still fill the
 //              SMs): Vn = U − W S, O = qd S + A Vn, S ← e^{Γ_last} S +
 //              kdecᵀ Vn. The backward's replay forms no O; it stores Vn and the entry states:
-//              every chunk's, or (where the walks at least fill the SMs) every even chunk's of a
+//              every chunk's, or (where the walks reach 90% of the SMs) every even chunk's of a
 //              document, the odd chunk's state following from it as S0 e^{Γ_last} + kdecᵀ Vn of
 //              the even chunk.
 //   state_bwd  the same walk in reverse carrying d S: dVn = kdec dS + Aᵀ dO, dS ← e^{Γ_last} dS +
@@ -1492,14 +1492,15 @@ ops::KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const T
       Tensor::empty(v.shape(), q.dtype(), dev), Tensor::empty(g.shape(), DType::f32, dev),
       Tensor::empty(beta.shape(), DType::f32, dev)};
   if (a.tokens == 0) return r;
-  // One stored state per pair of chunks halves the states' traffic but lengthens state_bwd's
-  // sequential walk (every odd chunk rebuilds its state): a gain where the walks (value slices
-  // included) at least fill the SMs, a loss where one walk's latency is the whole time (on an
-  // H200: 1.2 ms faster at 256 walks, 0.5 ms slower at 64).
+  // One stored state per pair of chunks halves the states' memory and traffic but lengthens
+  // state_bwd's sequential walk (every odd chunk rebuilds its state): a gain where the walks
+  // (value slices included) reach 90% of the SMs, a loss where one walk's latency is the whole
+  // time (on an H200: 1.2 ms faster at 256 walks, 0.5 ms slower at 64, 0.07 ms faster at 64
+  // walks in two slices).
   const int sms = multiprocessors(dev);
   const int64_t walks = int64_t(a.heads) * a.ndoc;
   a.slices = value_slices(slices, walks, sms, op);
-  const bool pairs = walks * a.slices >= sms;
+  const bool pairs = walks * a.slices * 10 >= int64_t(sms) * 9;
   const float sc = float(scale);
   if (q.dtype() == DType::bf16) {
     if (pairs)
