@@ -3,7 +3,8 @@
 // another (1 and 4 ranks from 2) with the same continuation; the same with expert parallelism
 // (ep_size 2 at 2 ranks, dp × ep at 4 ranks; saved at ep 2 and resumed at ep 1 and at dp × ep,
 // saved at ep 1 and resumed at ep 2), and with sequence
-// parallelism (sp_size 2 at 2 ranks, dp × sp at 4 ranks), and with fully sharded decoder layers
+// parallelism (sp_size 2 at 2 ranks, dp × sp at 4 ranks; text, and vision-language data with the
+// tower split too), and with fully sharded decoder layers
 // (train.fsdp at 1, 2 and 4 ranks; saved at 2 ranks and resumed at 1 without it and at 4 with it).
 // The global batch is the same in every layout: micro_packs × ranks / sp_size = 4 packs per step.
 #include <gtest/gtest.h>
@@ -69,6 +70,25 @@ fs::path write_recipe(const fs::path& dir, int64_t steps, int64_t save_every, bo
     << "[loss]\nmtp_scale = 0.1\nbalancing_alpha = 0.001\nrouter_bias_update_rate = 0.001\n"
     << "[output]\ndir = \"" << (dir / "out").string() << "\"\nsave_every = " << save_every
     << "\nkeep_last = 0\nlog_every = 1\n";
+  const fs::path recipe = dir / "recipe.toml";
+  std::ofstream(recipe) << s.str();
+  return recipe;
+}
+
+// The same training on the examples/tiny-vl conversations (images and a video; data.media_root):
+// the tower and projector train too.
+fs::path write_vl_recipe(const fs::path& dir, int64_t steps) {
+  std::ostringstream s;
+  s << "[model]\npath = \"" << tiny_model(true).string() << "\"\n"
+    << "tokenizer = \"" << (kSource / "examples/tiny/tokenizer").string() << "\"\n"
+    << "[data]\nfiles = [\"" << (kSource / "examples/tiny-vl/chat.jsonl").string() << "\"]\n"
+    << "media_root = \"" << (kSource / "examples/tiny-vl").string() << "\"\n"
+    << "max_length = 1024\npack_max_length = 1024\n"
+    << "[train]\ntotal_steps = " << steps << "\nmicro_packs = 1\nseed = 3\nrecompute = 0.4\n"
+    << "[optimizer]\nlr = 1e-3\nlr_min = 1e-4\nwarmup_steps = 1\n"
+    << "[loss]\nmtp_scale = 0.1\nbalancing_alpha = 0.001\nrouter_bias_update_rate = 0.001\n"
+    << "[output]\ndir = \"" << (dir / "out").string() << "\"\nsave_every = 0\nkeep_last = 0\n"
+    << "log_every = 1\n";
   const fs::path recipe = dir / "recipe.toml";
   std::ofstream(recipe) << s.str();
   return recipe;
@@ -295,6 +315,44 @@ TEST(DistTrainSequenceParallel, FollowsTheSingleProcessLossCurve) {
     const std::string rank1 = glmtune::test::read_text(dir / name / "logs/rank-1.log");
     EXPECT_NE(rank1.find("sequence parallel over 2 (shard 1)"), std::string::npos) << rank1;
   }
+}
+
+// Vision-language data: sp = 2 on 2 ranks (each pack's patches split by whole merge blocks, its
+// rows by the text split), dp × sp = 2 × 2 on 4 ranks and plain data parallelism on 2 ranks follow
+// the single-process curve with the text sp bars; the checkpoint is the single-process layout,
+// tower included. 5 steps: at step 6 a near-tie in a routed expert goes the other way (maxvio
+// moves) in every layout, plain data parallelism included, which regroups whole packs only.
+// Expert parallelism with media is refused with a message naming the key.
+TEST(DistTrainSequenceParallel, VisionLanguageFollowsTheSingleProcessLossCurve) {
+  glmtune::test::TempDir dir("dist-train-vl-sp-curve");
+  constexpr int64_t kSteps = 5;
+  const fs::path recipe = write_vl_recipe(dir.path(), kSteps);
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  const std::vector<nlohmann::json> single = metrics(dir / "single");
+  ASSERT_EQ(single.size(), size_t(kSteps));
+  const std::string last = "checkpoints/step-" + std::to_string(kSteps);
+  for (const auto& [ranks, sp_size] :
+       std::vector<std::pair<int, int64_t>>{{2, 2}, {4, 2}, {2, 1}}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, sp_size " + std::to_string(sp_size));
+    const std::string name = "vl-sp" + std::to_string(sp_size) + "-np" + std::to_string(ranks);
+    const fs::path log = dir / (name + ".log");
+    ASSERT_EQ(train(recipe, ranks, false, dir / name, log, 1, sp_size), 0)
+        << glmtune::test::read_text(log);
+    expect_close_curve(metrics(dir / name), single);
+    for (const char* part : {"model", "optimizer"})
+      EXPECT_EQ(tensor_table(dir / name / last / part), tensor_table(dir / "single" / last / part))
+          << part;
+    if (sp_size == 1) continue;
+    const std::string rank1 = glmtune::test::read_text(dir / name / "logs/rank-1.log");
+    EXPECT_NE(rank1.find("sequence parallel over 2 (shard 1)"), std::string::npos) << rank1;
+  }
+  const fs::path log = dir / "vl-ep2.log";
+  EXPECT_NE(train(recipe, 2, false, dir / "vl-ep2", log, 2, 1), 0);
+  const std::string text = glmtune::test::read_text(log);
+  EXPECT_NE(text.find("expert parallelism does not train vision-language data"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("train.ep_size"), std::string::npos) << text;
 }
 
 }  // namespace

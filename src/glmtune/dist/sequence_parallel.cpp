@@ -190,39 +190,56 @@ int64_t UlyssesParallel::shard_rows(int64_t tokens) const {
 
 void UlyssesParallel::sum(std::vector<int64_t>& values) const { sp_.all_reduce_sum(values); }
 
-Tensor UlyssesParallel::all_gather_rows(const Tensor& shard_in, int64_t tokens) const {
+std::vector<int64_t> UlyssesParallel::shard_counts(int64_t tokens) const {
   const int ranks = sp_.size();
-  const Tensor shard = shard_in.contiguous();
-  GLMTUNE_ASSERT(shard.size(0) == shard_rows(tokens), "a shard of {} rows, expected {}",
-                 shard.size(0), shard_rows(tokens));
-  const int64_t width = shard.numel() / std::max<int64_t>(shard.size(0), 1);
+  std::vector<int64_t> counts(static_cast<size_t>(ranks));
+  for (int q = 0; q < ranks; ++q) counts[size_t(q)] = tokens * (q + 1) / ranks - tokens * q / ranks;
+  return counts;
+}
+
+Tensor UlyssesParallel::gather_rows(const Tensor& local_in, std::span<const int64_t> counts) const {
+  const int ranks = sp_.size();
+  GLMTUNE_ASSERT(int64_t(counts.size()) == ranks, "{} row counts for {} ranks", counts.size(),
+                 ranks);
+  const Tensor local = local_in.contiguous();
+  GLMTUNE_ASSERT(local.size(0) == counts[size_t(sp_.rank())], "a shard of {} rows, expected {}",
+                 local.size(0), counts[size_t(sp_.rank())]);
+  Shape out_shape = local.shape();
+  out_shape[0] = 0;
+  for (int64_t c : counts) out_shape[0] += c;
+  int64_t width = 1;
+  for (size_t i = 1; i < out_shape.size(); ++i) width *= out_shape[i];
   // The shard goes to every rank: its copies are the consecutive send blocks.
-  Shape send_shape = shard.shape();
+  Shape send_shape = local.shape();
   send_shape[0] *= ranks;
-  Tensor send = Tensor::empty(send_shape, shard.dtype());
+  Tensor send = Tensor::empty(send_shape, local.dtype());
   for (int q = 0; q < ranks; ++q)
-    std::memcpy(static_cast<char*>(send.data_ptr()) + size_t(q) * shard.nbytes(), shard.data_ptr(),
-                shard.nbytes());
-  Shape out_shape = shard.shape();
-  out_shape[0] = tokens;
-  Tensor out = Tensor::empty(out_shape, shard.dtype());
-  std::vector<int64_t> send_counts(size_t(ranks), shard.numel()),
+    std::memcpy(static_cast<char*>(send.data_ptr()) + size_t(q) * local.nbytes(), local.data_ptr(),
+                local.nbytes());
+  Tensor out = Tensor::empty(out_shape, local.dtype());
+  std::vector<int64_t> send_counts(size_t(ranks), local.numel()),
       recv_counts(static_cast<size_t>(ranks));
-  for (int q = 0; q < ranks; ++q)
-    recv_counts[size_t(q)] = (tokens * (q + 1) / ranks - tokens * q / ranks) * width;
+  for (int q = 0; q < ranks; ++q) recv_counts[size_t(q)] = counts[size_t(q)] * width;
   sp_.all_to_all(send, send_counts, out, recv_counts);
   return out;
 }
 
-Tensor UlyssesParallel::reduce_scatter_rows(const Tensor& full_in) const {
+Tensor UlyssesParallel::sum_scatter_rows(const Tensor& full_in,
+                                         std::span<const int64_t> counts) const {
   const int ranks = sp_.size();
+  GLMTUNE_ASSERT(int64_t(counts.size()) == ranks, "{} row counts for {} ranks", counts.size(),
+                 ranks);
   const Tensor full = full_in.contiguous();
-  const int64_t tokens = full.size(0), rows = shard_rows(tokens);
+  const int64_t tokens = full.size(0), rows = counts[size_t(sp_.rank())];
   const int64_t width = full.numel() / std::max<int64_t>(tokens, 1);
   std::vector<int64_t> send_counts(static_cast<size_t>(ranks)),
       recv_counts(size_t(ranks), rows * width);
-  for (int q = 0; q < ranks; ++q)
-    send_counts[size_t(q)] = (tokens * (q + 1) / ranks - tokens * q / ranks) * width;
+  int64_t total = 0;
+  for (int q = 0; q < ranks; ++q) {
+    send_counts[size_t(q)] = counts[size_t(q)] * width;
+    total += counts[size_t(q)];
+  }
+  GLMTUNE_ASSERT(total == tokens, "row counts add up to {}, the tensor has {} rows", total, tokens);
   Tensor parts = Tensor::empty({int64_t(ranks) * rows * width}, full.dtype());
   sp_.all_to_all(full, send_counts, parts, recv_counts);
   Shape shape = full.shape();
@@ -244,8 +261,16 @@ Tensor UlyssesParallel::reduce_scatter_rows(const Tensor& full_in) const {
   else if (full.dtype() == DType::f32)
     sum(float());
   else
-    GLMTUNE_ASSERT(false, "reduce_scatter_rows sums f32 or f64, got {}", full.str());
+    GLMTUNE_ASSERT(false, "sum_scatter_rows sums f32 or f64, got {}", full.str());
   return out;
+}
+
+Tensor UlyssesParallel::all_gather_rows(const Tensor& shard, int64_t tokens) const {
+  return gather_rows(shard, shard_counts(tokens));
+}
+
+Tensor UlyssesParallel::reduce_scatter_rows(const Tensor& full) const {
+  return sum_scatter_rows(full, shard_counts(full.size(0)));
 }
 
 Tensor UlyssesParallel::columns_to_rows(const Tensor& full_in) const {

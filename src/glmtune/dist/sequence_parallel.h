@@ -26,9 +26,15 @@
 //
 // Parameter gradients are partial on each rank (its heads, its tokens) and full-sized; their sum
 // over the sp group is the gradient (the trainer all-reduces them before the dp reduction).
+//
+// As a model::RowExchange the same object carries the vision tower's exchanges of a
+// vision-language pack (model/compose.h): its patches are split over the group too, and the
+// gathers and sums below move the tower's keys and values and the merged features.
 // CPU tensors only (the GPU trainer is single-process).
 #include <cstdint>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "glmtune/dist/comm.h"
 #include "glmtune/model/text/layer.h"
@@ -44,6 +50,11 @@ class UlyssesParallel final : public model::text::SequenceParallel {
   int64_t shard_begin(int64_t tokens) const override;
   int64_t shard_rows(int64_t tokens) const override;
   void sum(std::vector<int64_t>& values) const override;
+
+  int rank() const override { return sp_.rank(); }
+  int ranks() const override { return sp_.size(); }
+  Tensor gather_rows(const Tensor& local, std::span<const int64_t> counts) const override;
+  Tensor sum_scatter_rows(const Tensor& full, std::span<const int64_t> counts) const override;
 
   Tensor kda_forward(const ops::KdaParams& params, const Tensor& x, const Tensor& cu_seqlens,
                      const ops::KdaOptions& options, ops::KdaSaved* saved) const override;
@@ -66,6 +77,8 @@ class UlyssesParallel final : public model::text::SequenceParallel {
  private:
   // [T, W] of this rank's columns (heads) -> [rows, S·W] of every rank's columns for its rows.
   Tensor columns_to_rows(const Tensor& full) const;
+  // Rows of each rank's shard of a pack of `tokens` rows.
+  std::vector<int64_t> shard_counts(int64_t tokens) const;
 
   Communicator& sp_;
   int64_t kda_heads_ = 0, mla_heads_ = 0;

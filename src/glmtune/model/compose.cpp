@@ -156,17 +156,29 @@ void VisionLanguageModel::refresh(const ParamStore& store) {
 
 Tensor compose_embeddings(const VisionLanguageModel& model, const Tensor& input_ids,
                           const Tensor& cu_seqlens, const PackMedia& media, SpliceContext* context,
-                          bool keep_tower) {
+                          bool keep_tower, const RowExchange* sequence_parallel) {
   const std::vector<int64_t> cu = int_values(cu_seqlens);
   const SlotPlan plan = plan_slots(model, input_ids, cu, media);
   Tensor embeddings = model.text().embed(input_ids);
   if (context) *context = SpliceContext{};
   if (media.empty()) return embeddings;
   const TowerInput in = tower_input(model, media);
-  const vision::VisionOutput out =
-      vision::vision_forward(model.vision_config(), model.vision(), in.pixels, in.grid,
-                             context && keep_tower ? &context->tower : nullptr);
-  const Tensor features = out.pooler_output.to(embeddings.dtype());
+  vision::VisionContext* tower = context && keep_tower ? &context->tower : nullptr;
+  Tensor features;
+  if (sequence_parallel) {
+    const int64_t merge = model.vision_config().spatial_merge_size;
+    const vision::VisionShard shard =
+        vision::vision_shard(*sequence_parallel, in.pixels.size(0), merge, "train.sp_size");
+    const Tensor mine = in.pixels.narrow(0, shard.patch_begin, shard.patches()).contiguous();
+    const vision::VisionOutput out =
+        vision::vision_forward(model.vision_config(), model.vision(), mine, in.grid, tower, &shard);
+    features = sequence_parallel->gather_rows(out.pooler_output, shard.feature_counts(merge))
+                   .to(embeddings.dtype());
+  } else {
+    features =
+        vision::vision_forward(model.vision_config(), model.vision(), in.pixels, in.grid, tower)
+            .pooler_output.to(embeddings.dtype());
+  }
   scatter_rows(embeddings, features, 0, plan.image_positions);
   scatter_rows(embeddings, features, in.image_features, plan.video_positions);
   if (context) {
@@ -195,7 +207,7 @@ ComposeTrainForward compose_training_forward(const VisionLanguageModel& model,
     // Without a trained vision part the tower's forward keeps nothing for a backward.
     const bool train_vision = !options.freeze_vision || !options.freeze_projector;
     f.input.inputs_embeds = compose_embeddings(model, input.input_ids, input.cu_seqlens, media,
-                                               &f.splice, train_vision);
+                                               &f.splice, train_vision, train.sequence_parallel);
     f.spliced = true;
   }
   f.text = text::training_forward(model.text(), f.input, train);
@@ -230,6 +242,11 @@ text::BackwardResult compose_backward(const VisionLanguageModel& model,
     int64_t next = 0;
     for (const auto* positions : {&splice.image_positions, &splice.video_positions})
       for (int64_t p : *positions) d_pooler.select(0, next++).copy_(d_src.select(0, p));
+    // Sequence parallel: d_emb is this rank's part of the whole pack's gradient; each merged
+    // token's gradient is summed on the rank that produced it.
+    if (const vision::VisionShard& shard = splice.tower.shard; shard.exchange)
+      d_pooler = shard.exchange->sum_scatter_rows(
+          d_pooler, shard.feature_counts(model.vision_config().spatial_merge_size));
     vision::VisionBackwardOptions vopt;
     vopt.train_tower = !options.freeze_vision;
     vopt.train_projector = !options.freeze_projector;

@@ -21,6 +21,13 @@
 // projector and the tower. Frozen parts (freeze_vision: patch embed, blocks, post norm;
 // freeze_projector: downsample and merger) get no gradient and, when both are frozen, the vision
 // backward does not run at all.
+//
+// Sequence parallel (TrainOptions::sequence_parallel): every rank of the group holds the whole
+// pack and its media. The tower runs sharded (vision::VisionShard: contiguous whole merge blocks
+// per rank), the ranks' merged tokens are all-gathered into the whole pack's embeddings on every
+// rank, and the text model takes its shard of them. In the backward each rank's partial gradient
+// of the pack's embeddings (its rows and the MTP future rows its rows read) is summed back to the
+// ranks that produced each merged token, whose tower backward then runs on its own patches.
 
 #include <cstdint>
 #include <string>
@@ -90,10 +97,12 @@ struct SpliceContext {
 
 // The token embeddings of `input_ids` [T] with every image and video feature spliced in. The
 // counts are checked per document of `cu_seqlens`. `context` (optional) receives the media rows
-// and, with `keep_tower`, what the tower's backward needs.
+// and, with `keep_tower`, what the tower's backward needs. With `sequence_parallel` the tower runs
+// sharded over its group (collective) and every rank gets the whole pack's embeddings.
 Tensor compose_embeddings(const VisionLanguageModel& model, const Tensor& input_ids,
                           const Tensor& cu_seqlens, const PackMedia& media,
-                          SpliceContext* context = nullptr, bool keep_tower = true);
+                          SpliceContext* context = nullptr, bool keep_tower = true,
+                          const RowExchange* sequence_parallel = nullptr);
 
 // TextModel::forward on the spliced embeddings (evaluation: losses, logits).
 text::ForwardOutput compose_forward(const VisionLanguageModel& model, const text::PackInput& input,

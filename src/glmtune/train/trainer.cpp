@@ -69,7 +69,7 @@ model::ParamStore load_store(const fs::path& dir) {
 // what a run resumed from a saved checkpoint sees.
 void refresh_model(TextModel& model, const model::ParamStore& store) {
   // Sharded decoder layers are undefined between uses: their slices are updated by their own
-  // optimizer and, for the router biases the store keeps, by refresh_sharded_biases.
+  // optimizer and, for the router biases the store keeps, from the store after each step.
   for (auto& [name, t] : model.weights().named)
     if (t.defined()) t.copy_(store.get(name).to(t.dtype()));
 }
@@ -282,15 +282,13 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // Vision-language data (data.media_root set): conversations with images and videos.
   std::unique_ptr<VlTraining> vl;
   if (!recipe.media_root.empty()) {
-    if (sequence_parallel)
-      throw Error(
-          "sequence parallelism does not split vision-language packs (the vision tower "
-          "has no sequence-parallel path)",
-          recipe.source() + ": train.sp_size",
-          "set train.sp_size = 1 for data with media, and launch it without mpirun");
-    if (distributed)
-      throw Error("vision-language training runs in one process", recipe.source(),
-                  "launch it without mpirun");
+    // Data and sequence parallelism split packs and rows; routed experts held per rank are not
+    // combined with the vision-language model's gradients yet.
+    if (distributed && par->sizes().ep > 1)
+      throw Error("expert parallelism does not train vision-language data yet",
+                  recipe.source() + ": train.ep_size",
+                  "set train.ep_size = 1 for data with media (train.sp_size and data parallelism "
+                  "are available)");
     vl = std::make_unique<VlTraining>(recipe, tok_dir);
     if (vl->dataset().size() == 0)
       throw Error("no usable sample in the data", recipe.source() + ": data.files",
@@ -350,9 +348,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   dist::Communicator* const dp_group = distributed ? &par->dp() : self_group.get();
   std::vector<NamedParam> own_params =
       dp_group ? std::vector<NamedParam>{} : trainable_params(store);
-  // The vision tower and projector train in VL runs (unless frozen): their gradient buffers.
-  const std::vector<Tensor> vision_grads =
-      vl ? vl->attach(own_params, store) : std::vector<Tensor>{};
+  // The vision tower and projector train in VL runs (unless frozen): their gradient buffers,
+  // aligned with the optimizer's parameters (the sharded optimizer's when there is a dp group).
+  std::vector<Tensor> vision_grads =
+      vl && !dp_group ? vl->attach(own_params, store) : std::vector<Tensor>{};
   AdamW optimizer(std::move(own_params), recipe.adamw_config());
   std::optional<dist::ShardedAdamW> sharded;
   if (dp_group) {
@@ -363,6 +362,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (expert_sharded)
       std::erase_if(replicated,
                     [](const NamedParam& p) { return dist::is_routed_expert_tensor(p.name); });
+    if (vl) vision_grads = vl->attach(replicated, store);
     sharded.emplace(std::move(replicated), recipe.adamw_config(), *dp_group,
                     on_gpu && distributed ? par->dp_gpu() : nullptr);
   }
@@ -703,10 +703,14 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       }
     }
     if (vl) vl->step().export_grads();
-    // Each rank of an sp group holds its shard's (and its heads') part of every gradient: their
-    // sum is the pack's gradient, which the dp reduction below then treats as one rank's.
-    if (sequence_parallel)
+    // Each rank of an sp group holds its shard's (and its heads') part of every gradient, the
+    // vision tower's (its patches) included: their sum is the pack's gradient, which the dp
+    // reduction below then treats as one rank's.
+    if (sequence_parallel) {
       for (auto& [name, g] : grads.named) par->sp().all_reduce(g);
+      for (Tensor& g : vision_grads)
+        if (g.defined()) par->sp().all_reduce(g);
+    }
     if (distributed) {
       // SPEC.md §4: the step's losses and expert loads are sums over every rank's packs.
       std::vector<double> sums = {lm_sum, balancing};

@@ -272,6 +272,18 @@ Tensor shard(const Tensor& t, int64_t begin, int64_t rows) {
   return t.narrow(0, begin, rows).contiguous();
 }
 
+// The whole pack's [pack_rows, ...] tensor holding `t` at rows [begin, begin + t.size(0)) and
+// zeros elsewhere (`t` itself when it is the whole pack): a shard's partial gradient of pack-wide
+// rows.
+Tensor unshard(const Tensor& t, int64_t begin, int64_t pack_rows) {
+  if (begin == 0 && t.size(0) == pack_rows) return t;
+  Shape shape = t.shape();
+  shape[0] = pack_rows;
+  Tensor out = Tensor::zeros(shape, t.dtype(), t.device());
+  out.narrow(0, begin, t.size(0)).copy_(t);
+  return out;
+}
+
 // Targets (labels other than the ignore label) of the whole pack, summed over the sequence
 // parallel group from each rank's shard: the default denominator of a split pack.
 double pack_targets(const SequenceParallel& sp, const Tensor& labels) {
@@ -378,12 +390,15 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   ops.sequence_parallel = opt.sequence_parallel;
   const SequenceParallel* sp = opt.sequence_parallel;
   const TextWeights& w = model.weights();
-  if (sp && in.inputs_embeds.defined())
-    throw Error("sequence parallelism does not split input embeddings (vision-language packs)",
-                "train.sp_size", "train vision-language data with train.sp_size = 1");
   Tensor emb;
   int64_t tokens = 0;
-  if (sp) {
+  if (sp && in.inputs_embeds.defined()) {
+    // Every rank of the group holds the whole pack's embeddings (the vision splice, built on the
+    // whole pack); only its shard enters the layers (below), while MTP reads the whole pack.
+    GLMTUNE_ASSERT(in.inputs_embeds.dim() == 2 && in.inputs_embeds.size(1) == c.hidden_size,
+                   "inputs_embeds must be [T, {}], got {}", c.hidden_size, in.inputs_embeds.str());
+    tokens = in.inputs_embeds.size(0);
+  } else if (sp) {
     // Every rank of the group holds the whole pack's ids; only its shard is embedded (below).
     GLMTUNE_ASSERT(in.input_ids.defined() && in.input_ids.dim() == 1,
                    "input_ids must be a [T] vector, got {}",
@@ -420,7 +435,10 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   // document is the pack's tail, so the counted rows are a prefix of every shard too).
   const int64_t row_begin = sp ? sp->shard_begin(tokens) : 0;
   const int64_t rows = sp ? sp->shard_rows(tokens) : tokens;
-  if (sp) emb = model.embed(shard(in.input_ids, row_begin, rows));
+  if (sp)
+    emb = in.inputs_embeds.defined()
+              ? shard(in.inputs_embeds.to(model.dtype()).contiguous(), row_begin, rows)
+              : model.embed(shard(in.input_ids, row_begin, rows));
   const int64_t counted = std::clamp<int64_t>(tokens - in.padding_tokens - row_begin, 0, rows);
   const Tensor cu_t = Tensor::from_vector(cu, {int64_t(cu.size())});
 
@@ -539,6 +557,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
                                          ? std::optional<int64_t>(tc.pad_token_id)
                                          : std::nullopt;
   const bool supplied = in.inputs_embeds.defined();
+  const int64_t pack_rows = fc.cu_seqlens.back();
 
   // Offloaded layers come back one at a time, each copy running while the backward before it does
   // (the first one's behind the losses and the kept layers).
@@ -620,9 +639,12 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       // The future rows: token i + k of the same document (id 0, or a zero row, past its end).
       const std::vector<int64_t>& cu = fc.cu_seqlens;
       if (supplied) {
+        // Over the whole pack: under sequence parallelism a shard's future rows may lie in the
+        // next shard.
         if (!d_emb_future.defined())
-          d_emb_future = Tensor::zeros(g.d_future.shape(), g.d_future.dtype(), g.d_future.device());
-        add_shifted_rows(d_emb_future, g.d_future, cu, k);
+          d_emb_future = Tensor::zeros({pack_rows, g.d_future.size(1)}, g.d_future.dtype(),
+                                       g.d_future.device());
+        add_shifted_rows(d_emb_future, unshard(g.d_future, row_begin, pack_rows), cu, k);
       } else {
         std::vector<int64_t> future(ids.size(), 0);
         for (size_t d = 0; d + 1 < cu.size(); ++d)
@@ -678,6 +700,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
   // Embedding.
   Tensor d_emb = ops::mhc_expand_backward(d_streams);
   if (supplied) {
+    d_emb = unshard(d_emb, row_begin, pack_rows);
     if (d_emb_future.defined()) add_into(d_emb, d_emb_future);
   } else {
     ops::embedding_backward(w.embed_tokens, shard(in.input_ids, row_begin, tokens), d_emb, pad,

@@ -172,7 +172,10 @@ struct BackwardResult {
 // (built by TextGrads::zeros_like for this model). The gradient of embed_tokens includes the MTP
 // future-token lookups; the padding row (pad_token_id) gets none, as in the reference's
 // nn.Embedding(padding_idx). With `input.inputs_embeds` the token lookup is not differentiated
-// (only d_embeddings is returned) and MTP's future rows add into d_embeddings.
+// (only d_embeddings is returned) and MTP's future rows add into d_embeddings. Under sequence
+// parallelism with `inputs_embeds` (the whole pack's, on every rank), d_embeddings covers the whole
+// pack too: this rank's partial gradient (its shard's rows and the MTP future rows its shard
+// read, zero elsewhere), whose sum over the group is the gradient.
 BackwardResult backward(const TextModel& model, const PackInput& input,
                         const ForwardContext& context, const TrainOptions& options,
                         TextGrads& grads);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "glmtune/model/config.h"
+#include "glmtune/model/row_exchange.h"
 #include "glmtune/model/text/weights.h"
 #include "glmtune/ops/indexer.h"
 #include "glmtune/ops/kda.h"
@@ -50,8 +51,9 @@ class ExpertDispatch {
 // holds a contiguous shard of rows; per-token work runs on the shard alone, and the two mixers,
 // which read other tokens, exchange what they need with the other ranks of the group. Unset (the
 // default), the whole pack is here. Every call is collective over the group: all its ranks must
-// run the same layers in the same order.
-class SequenceParallel {
+// run the same layers in the same order. As a RowExchange it also carries the vision tower's
+// exchanges of a vision-language pack (model/compose.h).
+class SequenceParallel : public RowExchange {
  public:
   virtual ~SequenceParallel() = default;
   // Rows [shard_begin, shard_begin + shard_rows) of a pack of `tokens` rows are held here.

@@ -95,27 +95,29 @@ void apply_rope(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope)
   }
 }
 
-// Full softmax attention of every segment with itself, per head. q, k, v, out are [N, H·hd]
-// row-major (v may have a wider row stride). Scores accumulate in T, the softmax normaliser in
-// double.
+// Full softmax attention of every segment with itself, per head, for the query rows
+// [q_begin, q_begin + q_rows) of the pack (all of it unsharded). k and v are [N, H·hd] row-major
+// over the whole pack (v may have a wider row stride); q and out hold the query rows only. Scores
+// accumulate in T, the softmax normaliser in double.
 template <typename T>
-void segment_attention(const T* q, const T* k, const T* v, int64_t v_stride, T* out, int64_t heads,
-                       int64_t hd, const std::vector<int64_t>& cu_seqlens, double scale) {
+void segment_attention(const T* q, int64_t q_begin, int64_t q_rows, const T* k, const T* v,
+                       int64_t v_stride, T* out, int64_t heads, int64_t hd,
+                       const std::vector<int64_t>& cu_seqlens, double scale) {
   const int64_t d = heads * hd;
   std::vector<T> scores;
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
     const int64_t start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
-    if (len == 0) continue;
+    const int64_t first = std::max(start, q_begin), last = std::min(start + len, q_begin + q_rows);
+    if (first >= last) continue;
     for (int64_t h = 0; h < heads; ++h) {
-      const T* qh = q + start * d + h * hd;
       const T* kh = k + start * d + h * hd;
       const T* vh = v + start * v_stride + h * hd;
-      T* oh = out + start * d + h * hd;
-      for (int64_t q0 = 0; q0 < len; q0 += kQueryBlock) {
-        const int64_t rows = std::min(kQueryBlock, len - q0);
+      for (int64_t q0 = first; q0 < last; q0 += kQueryBlock) {
+        const int64_t rows = std::min(kQueryBlock, last - q0);
+        const int64_t local = (q0 - q_begin) * d + h * hd;
         scores.resize(size_t(rows * len));
-        ops::gemm<T>(false, true, rows, len, hd, T(scale), qh + q0 * d, d, kh, d, T(0),
-                     scores.data(), len);
+        ops::gemm<T>(false, true, rows, len, hd, T(scale), q + local, d, kh, d, T(0), scores.data(),
+                     len);
         for (int64_t i = 0; i < rows; ++i) {
           T* row = &scores[size_t(i * len)];
           const T mx = *std::max_element(row, row + len);
@@ -128,7 +130,7 @@ void segment_attention(const T* q, const T* k, const T* v, int64_t v_stride, T* 
           for (int64_t j = 0; j < len; ++j) row[j] *= inv;
         }
         ops::gemm<T>(false, false, rows, hd, len, T(1), scores.data(), len, vh, v_stride, T(0),
-                     oh + q0 * d, d);
+                     out + local, d);
       }
     }
   }
@@ -144,7 +146,7 @@ void gelu_erf(Tensor& x) {
 }
 
 void check_inputs(const VisionConfig& config, const Tensor& pixel_rows,
-                  std::span<const GridThw> grid) {
+                  std::span<const GridThw> grid, const VisionShard* shard) {
   const int64_t row =
       config.in_channels * config.temporal_patch_size * config.patch_size * config.patch_size;
   if (pixel_rows.dim() != 2 || pixel_rows.size(1) != row)
@@ -165,27 +167,46 @@ void check_inputs(const VisionConfig& config, const Tensor& pixel_rows,
                   "vision tower");
     total += t * h * w;
   }
+  if (shard) {
+    int64_t shards = 0;
+    for (int64_t c : shard->patch_counts) shards += c;
+    GLMTUNE_ASSERT(shards == total && pixel_rows.size(0) == shard->patches(),
+                   "a shard of {} pixel rows, expected {} of the {} rows grid_thw covers (shards "
+                   "of {} rows)",
+                   pixel_rows.size(0), shard->patches(), total, shards);
+    return;
+  }
   if (total != pixel_rows.size(0))
     throw Error(fmt::format("grid_thw covers {} rows but there are {} pixel rows", total,
                             pixel_rows.size(0)),
                 "vision tower", "pass the pixel_values and image_grid_thw of the same images");
 }
 
+// Rotary positions of the rows held here: the whole pack's, or the shard's range of them.
+Tensor local_positions(std::span<const GridThw> grid, int64_t merge_size,
+                       const VisionShard* shard) {
+  const Tensor all = vision_position_ids(grid, merge_size);
+  if (!shard) return all;
+  return all.narrow(0, shard->patch_begin, shard->patches()).contiguous();
+}
+
 template <typename T>
 VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params,
                           const Tensor& pixel_rows, std::span<const GridThw> grid,
-                          VisionContext* ctx) {
+                          VisionContext* ctx, const VisionShard* shard) {
   const int64_t n = pixel_rows.size(0);
   const int64_t d = config.hidden_size, heads = config.num_heads, hd = config.head_dim();
   const double eps = config.rms_norm_eps, limit = config.swiglu_limit;
   const std::vector<int64_t> cu_seqlens = vision_cu_seqlens(grid);
-  const Rope<T> rope =
-      rope_tables<T>(vision_position_ids(grid, config.spatial_merge_size), hd, config.rope_theta);
+  const Rope<T> rope = rope_tables<T>(local_positions(grid, config.spatial_merge_size, shard), hd,
+                                      config.rope_theta);
+  const int64_t row0 = shard ? shard->patch_begin : 0;
 
   const Tensor pixels = pixel_rows.to(params.dtype).contiguous();
   Tensor x = ops::linear(pixels, params.patch_embed_w, params.patch_embed_b);
   if (ctx) {
     ctx->grid.assign(grid.begin(), grid.end());
+    ctx->shard = shard ? *shard : VisionShard{};
     ctx->pixels = pixels;
     ctx->blocks.clear();
   }
@@ -203,8 +224,19 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
     apply_rope<T>(q.data<T>(), n, heads, hd, rope);
     apply_rope<T>(k.data<T>(), n, heads, hd, rope);
     Tensor attn = Tensor::empty({n, d}, params.dtype);
-    segment_attention<T>(q.data<T>(), k.data<T>(), qkv.data<T>() + 2 * d, 3 * d, attn.data<T>(),
-                         heads, hd, cu_seqlens, 1.0 / std::sqrt(double(hd)));
+    const double scale = 1.0 / std::sqrt(double(hd));
+    Tensor k_all, v_all;
+    if (shard) {
+      // The local queries attend to their segments' keys and values wherever these were computed.
+      k_all = shard->exchange->gather_rows(k.view({n, d}), shard->patch_counts);
+      v_all = shard->exchange->gather_rows(qkv.slice(1, 2 * d, 3 * d).contiguous(),
+                                           shard->patch_counts);
+      segment_attention<T>(q.data<T>(), row0, n, k_all.data<T>(), v_all.data<T>(), d,
+                           attn.data<T>(), heads, hd, cu_seqlens, scale);
+    } else {
+      segment_attention<T>(q.data<T>(), 0, n, k.data<T>(), qkv.data<T>() + 2 * d, 3 * d,
+                           attn.data<T>(), heads, hd, cu_seqlens, scale);
+    }
     ops::linear_out(x, attn, b.proj_w, b.proj_b, /*accumulate=*/true);
 
     const Tensor m = ops::rms_norm(x, b.norm2, eps, ctx ? &bc.rstd2 : nullptr);
@@ -221,6 +253,8 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
       bc.gate = gate;
       bc.up = up;
       bc.act = z;
+      bc.k_all = k_all;
+      bc.v_all = v_all;
       ctx->blocks.push_back(std::move(bc));
     }
     ops::linear_out(x, z, b.down_w, b.down_b, /*accumulate=*/true);
@@ -277,43 +311,45 @@ void apply_rope_backward(T* dx, int64_t n, int64_t heads, int64_t hd, const Rope
   }
 }
 
-// Backward of segment_attention. The probabilities of a query block are recomputed from q and k
-// exactly as the forward computed them; with O = P·V and dO its gradient:
+// Backward of segment_attention (same query rows and layouts). The probabilities of a query block
+// are recomputed from q and k exactly as the forward computed them; with O = P·V and dO its
+// gradient:
 //   dV += Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ⊙ (dP − rowsum(dO ⊙ O)),  dQ = scale·dS·K,  dK +=
 //   scale·dSᵀ·Q.
-// dq, dk, dv are written (not accumulated) with the layouts of q, k, v.
+// dq is written for the query rows; dk and dv (layouts of k and v, the whole pack) are written for
+// the segments that hold a query row and left alone elsewhere.
 template <typename T>
-void segment_attention_backward(const T* q, const T* k, const T* v, int64_t v_stride, const T* out,
-                                const T* dout, T* dq, T* dk, T* dv, int64_t dv_stride,
-                                int64_t heads, int64_t hd, const std::vector<int64_t>& cu_seqlens,
-                                double scale) {
+void segment_attention_backward(const T* q, int64_t q_begin, int64_t q_rows, const T* k, const T* v,
+                                int64_t v_stride, const T* out, const T* dout, T* dq, T* dk, T* dv,
+                                int64_t dv_stride, int64_t heads, int64_t hd,
+                                const std::vector<int64_t>& cu_seqlens, double scale) {
   const int64_t d = heads * hd;
   std::vector<T> probs, dprobs;
   std::vector<double> delta;
   for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
     const int64_t start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
-    if (len == 0) continue;
+    const int64_t first = std::max(start, q_begin), last = std::min(start + len, q_begin + q_rows);
+    if (first >= last) continue;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t off = start * d + h * hd;
-      const T* qh = q + off;
       const T* kh = k + off;
       const T* vh = v + start * v_stride + h * hd;
-      const T* oh = out + off;
-      const T* doh = dout + off;
-      T* dqh = dq + off;
       T* dkh = dk + off;
       T* dvh = dv + start * dv_stride + h * hd;
       for (int64_t r = 0; r < len; ++r) {
         std::fill(dkh + r * d, dkh + r * d + hd, T(0));
         std::fill(dvh + r * dv_stride, dvh + r * dv_stride + hd, T(0));
       }
-      for (int64_t q0 = 0; q0 < len; q0 += kQueryBlock) {
-        const int64_t rows = std::min(kQueryBlock, len - q0);
+      for (int64_t q0 = first; q0 < last; q0 += kQueryBlock) {
+        const int64_t rows = std::min(kQueryBlock, last - q0);
+        const int64_t local = (q0 - q_begin) * d + h * hd;
+        const T* qb = q + local;
+        const T* ob = out + local;
+        const T* dob = dout + local;
         probs.resize(size_t(rows * len));
         dprobs.resize(size_t(rows * len));
         delta.assign(size_t(rows), 0.0);
-        ops::gemm<T>(false, true, rows, len, hd, T(scale), qh + q0 * d, d, kh, d, T(0),
-                     probs.data(), len);
+        ops::gemm<T>(false, true, rows, len, hd, T(scale), qb, d, kh, d, T(0), probs.data(), len);
         for (int64_t i = 0; i < rows; ++i) {
           T* row = &probs[size_t(i * len)];
           const T mx = *std::max_element(row, row + len);
@@ -324,15 +360,15 @@ void segment_attention_backward(const T* q, const T* k, const T* v, int64_t v_st
           }
           const T inv = T(1.0 / sum);
           for (int64_t j = 0; j < len; ++j) row[j] *= inv;
-          const T* o_row = oh + (q0 + i) * d;
-          const T* do_row = doh + (q0 + i) * d;
+          const T* o_row = ob + i * d;
+          const T* do_row = dob + i * d;
           for (int64_t e = 0; e < hd; ++e) delta[size_t(i)] += double(o_row[e]) * double(do_row[e]);
         }
         // dV += Pᵀ dO ; dP = dO Vᵀ
-        ops::gemm<T>(true, false, len, hd, rows, T(1), probs.data(), len, doh + q0 * d, d, T(1),
-                     dvh, dv_stride);
-        ops::gemm<T>(false, true, rows, len, hd, T(1), doh + q0 * d, d, vh, v_stride, T(0),
-                     dprobs.data(), len);
+        ops::gemm<T>(true, false, len, hd, rows, T(1), probs.data(), len, dob, d, T(1), dvh,
+                     dv_stride);
+        ops::gemm<T>(false, true, rows, len, hd, T(1), dob, d, vh, v_stride, T(0), dprobs.data(),
+                     len);
         for (int64_t i = 0; i < rows; ++i) {
           T* dp = &dprobs[size_t(i * len)];
           const T* p = &probs[size_t(i * len)];
@@ -340,9 +376,8 @@ void segment_attention_backward(const T* q, const T* k, const T* v, int64_t v_st
           for (int64_t j = 0; j < len; ++j) dp[j] = p[j] * (dp[j] - dl);
         }
         ops::gemm<T>(false, false, rows, hd, len, T(scale), dprobs.data(), len, kh, d, T(0),
-                     dqh + q0 * d, d);
-        ops::gemm<T>(true, false, len, hd, rows, T(scale), dprobs.data(), len, qh + q0 * d, d, T(1),
-                     dkh, d);
+                     dq + local, d);
+        ops::gemm<T>(true, false, len, hd, rows, T(scale), dprobs.data(), len, qb, d, T(1), dkh, d);
       }
     }
   }
@@ -409,8 +444,10 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
   dx = ops::rms_norm_backward(dx, ctx.final_hidden, params.post_layernorm, eps, ctx.post_rstd,
                               grad_of(tower, g.post_layernorm));
   const std::vector<int64_t> cu_seqlens = vision_cu_seqlens(ctx.grid);
-  const Rope<T> rope = rope_tables<T>(vision_position_ids(ctx.grid, config.spatial_merge_size), hd,
-                                      config.rope_theta);
+  const VisionShard* shard = ctx.shard.exchange ? &ctx.shard : nullptr;
+  const Rope<T> rope = rope_tables<T>(local_positions(ctx.grid, config.spatial_merge_size, shard),
+                                      hd, config.rope_theta);
+  const double scale = 1.0 / std::sqrt(double(hd));
   for (int64_t l = int64_t(params.blocks.size()) - 1; l >= 0; --l) {
     const VisionBlockParams& b = params.blocks[size_t(l)];
     const VisionBlockContext& bc = ctx.blocks[size_t(l)];
@@ -431,12 +468,28 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     const Tensor dattn = ops::linear_backward(dx, bc.attn, b.proj_w, grad_of(tower, bg.proj_w),
                                               grad_of(tower && b.proj_b.defined(), bg.proj_b));
     Tensor dq = Tensor::empty({n * heads, hd}, params.dtype);
-    Tensor dk = Tensor::empty({n * heads, hd}, params.dtype);
+    Tensor dk;
     Tensor dqkv = Tensor::empty({n, 3 * d}, params.dtype);
-    segment_attention_backward<T>(bc.q.data<T>(), bc.k.data<T>(), bc.qkv.data<T>() + 2 * d, 3 * d,
-                                  bc.attn.data<T>(), dattn.data<T>(), dq.data<T>(), dk.data<T>(),
-                                  dqkv.data<T>() + 2 * d, 3 * d, heads, hd, cu_seqlens,
-                                  1.0 / std::sqrt(double(hd)));
+    if (shard) {
+      // Every rank's queries add into the keys' and values' gradients of the whole pack; each
+      // rank then takes its rows' sums.
+      const int64_t pack_rows = bc.k_all.size(0);
+      Tensor dk_all = Tensor::zeros({pack_rows, d}, params.dtype);
+      Tensor dv_all = Tensor::zeros({pack_rows, d}, params.dtype);
+      segment_attention_backward<T>(bc.q.data<T>(), shard->patch_begin, n, bc.k_all.data<T>(),
+                                    bc.v_all.data<T>(), d, bc.attn.data<T>(), dattn.data<T>(),
+                                    dq.data<T>(), dk_all.data<T>(), dv_all.data<T>(), d, heads, hd,
+                                    cu_seqlens, scale);
+      dk = shard->exchange->sum_scatter_rows(dk_all, shard->patch_counts).view({n * heads, hd});
+      dqkv.slice(1, 2 * d, 3 * d)
+          .copy_(shard->exchange->sum_scatter_rows(dv_all, shard->patch_counts));
+    } else {
+      dk = Tensor::empty({n * heads, hd}, params.dtype);
+      segment_attention_backward<T>(bc.q.data<T>(), 0, n, bc.k.data<T>(), bc.qkv.data<T>() + 2 * d,
+                                    3 * d, bc.attn.data<T>(), dattn.data<T>(), dq.data<T>(),
+                                    dk.data<T>(), dqkv.data<T>() + 2 * d, 3 * d, heads, hd,
+                                    cu_seqlens, scale);
+    }
     apply_rope_backward<T>(dq.data<T>(), n, heads, hd, rope);
     apply_rope_backward<T>(dk.data<T>(), n, heads, hd, rope);
     const Tensor dq_raw =
@@ -561,16 +614,40 @@ std::vector<int64_t> vision_cu_seqlens(std::span<const GridThw> grid) {
   return cu;
 }
 
+VisionShard vision_shard(const RowExchange& exchange, int64_t patches, int64_t merge_size,
+                         const std::string& where) {
+  const int64_t merge = merge_size * merge_size, blocks = patches / merge, ranks = exchange.ranks();
+  if (blocks < ranks)
+    throw Error(fmt::format("a pack's media give {} merged vision tokens, fewer than the {} "
+                            "sequence parallel ranks that split them",
+                            blocks, ranks),
+                where, "use train.sp_size of at most the merged tokens of every pack's media");
+  VisionShard shard;
+  shard.exchange = &exchange;
+  for (int64_t q = 0; q < ranks; ++q) {
+    const int64_t first = blocks * q / ranks, end = blocks * (q + 1) / ranks;
+    if (q == exchange.rank()) shard.patch_begin = first * merge;
+    shard.patch_counts.push_back((end - first) * merge);
+  }
+  return shard;
+}
+
+std::vector<int64_t> VisionShard::feature_counts(int64_t merge_size) const {
+  std::vector<int64_t> counts;
+  for (int64_t c : patch_counts) counts.push_back(c / (merge_size * merge_size));
+  return counts;
+}
+
 VisionOutput vision_forward(const VisionConfig& config, const VisionParams& params,
                             const Tensor& pixel_rows, std::span<const GridThw> grid,
-                            VisionContext* context) {
-  check_inputs(config, pixel_rows, grid);
+                            VisionContext* context, const VisionShard* shard) {
+  check_inputs(config, pixel_rows, grid, shard);
   if (int64_t(params.blocks.size()) != config.depth)
     throw InternalError(fmt::format("vision params hold {} blocks, config depth is {}",
                                     params.blocks.size(), config.depth));
   if (params.dtype == DType::f64)
-    return forward_impl<double>(config, params, pixel_rows, grid, context);
-  return forward_impl<float>(config, params, pixel_rows, grid, context);
+    return forward_impl<double>(config, params, pixel_rows, grid, context, shard);
+  return forward_impl<float>(config, params, pixel_rows, grid, context, shard);
 }
 
 Tensor vision_backward(const VisionConfig& config, const VisionParams& params,

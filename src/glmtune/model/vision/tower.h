@@ -20,6 +20,14 @@
 // merger output, into every released parameter and optionally the pixel rows. Attention
 // probabilities are not kept: the backward recomputes them per query block from the saved Q and K,
 // so memory stays linear in the segment length.
+//
+// Sequence parallel (VisionShard): the pack's patch rows are split over the ranks of a group in
+// contiguous ranges of whole merge blocks, so every merged token comes from one rank. Everything
+// per row (patch embed, norms, MLPs, the rotation at the row's global position, the downsample
+// and merger) runs on the local rows; the attention, the only step that reads other rows, takes
+// its queries from the local rows and all-gathers the keys and values of the pack (its segments
+// may span ranks), and the backward sums the keys' and values' gradients back to their rows'
+// ranks. Parameter gradients are then partial per rank; their sum over the group is the gradient.
 
 #include <array>
 #include <functional>
@@ -30,6 +38,7 @@
 
 #include "glmtune/model/config.h"
 #include "glmtune/model/param_store.h"
+#include "glmtune/model/row_exchange.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/tensor/tensor.h"
 
@@ -82,6 +91,22 @@ Tensor vision_position_ids(std::span<const GridThw> grid, int64_t merge_size);
 // Attention segment boundaries: 0, then the running sum of h·w repeated t times per grid row.
 std::vector<int64_t> vision_cu_seqlens(std::span<const GridThw> grid);
 
+// This rank's part of a pack's tower under sequence parallelism.
+struct VisionShard {
+  const RowExchange* exchange = nullptr;
+  std::vector<int64_t> patch_counts;  // patch rows of each rank, whole merge blocks each
+  int64_t patch_begin = 0;            // the pack's first patch row held here
+
+  int64_t patches() const { return patch_counts[size_t(exchange->rank())]; }
+  // Merged tokens (features) of each rank: patch_counts / merge².
+  std::vector<int64_t> feature_counts(int64_t merge_size) const;
+};
+
+// Rank r of `exchange` takes merge blocks [r·B/S, (r+1)·B/S) of the B = patches / merge² blocks
+// of a pack. glmtune::Error (naming `where`) when B < S: a rank would hold no patch.
+VisionShard vision_shard(const RowExchange& exchange, int64_t patches, int64_t merge_size,
+                         const std::string& where);
+
 struct VisionOutput {
   Tensor last_hidden_state;  // [N/4, O] the downsample output
   Tensor pooler_output;      // [N/4, O] the merger output: what replaces the <|image|> embeddings
@@ -101,12 +126,14 @@ struct VisionBlockContext {
   Tensor rstd2;           // [N]
   Tensor gate, up;        // [N, I] MLP projections before the clamps
   Tensor act;             // [N, I] silu(min(gate)) ⊙ clamp(up), the down_proj input
+  Tensor k_all, v_all;    // sharded: [pack rows, D] keys and values of every rank
 };
 
 // Everything vision_backward needs from one forward.
 struct VisionContext {
   std::vector<GridThw> grid;
-  Tensor pixels;  // [N, row] in the compute dtype (the patch-embed input)
+  VisionShard shard;  // exchange null: the whole pack here
+  Tensor pixels;      // [N, row] in the compute dtype (the patch-embed input)
   std::vector<VisionBlockContext> blocks;
   Tensor final_hidden;  // [N, D] last block output (the post norm input)
   Tensor post_rstd;     // [N]
@@ -120,10 +147,12 @@ struct VisionContext {
 
 // pixel_rows [N, C·T·p·p] (any floating dtype, converted to params.dtype); grid rows (t, h, w) with
 // h and w multiples of the merge size and Σ t·h·w = N. Invalid shapes are glmtune::Errors. With
-// `context`, the intermediates of the backward are kept there.
+// `context`, the intermediates of the backward are kept there. With `shard`, pixel_rows are this
+// rank's shard.patches() rows of the pack's N = Σ shard.patch_counts (grid: the whole pack's), the
+// outputs are this rank's merged tokens, and the call is collective over shard.exchange.
 VisionOutput vision_forward(const VisionConfig& config, const VisionParams& params,
                             const Tensor& pixel_rows, std::span<const GridThw> grid,
-                            VisionContext* context = nullptr);
+                            VisionContext* context = nullptr, const VisionShard* shard = nullptr);
 
 // ---- Backward ---------------------------------------------------------------------------------
 
@@ -155,7 +184,9 @@ struct VisionBackwardOptions {
 bool is_projector_param(const std::string& name);
 
 // Back-propagates d_pooler [N/4, O] (the gradient of pooler_output) through the forward recorded
-// in `context`, adding parameter gradients into `grads` as `options` asks. Returns the gradient of
+// in `context`, adding parameter gradients into `grads` as `options` asks. After a sharded forward
+// d_pooler holds this rank's merged tokens, the gradients added are this rank's partial sums, and
+// the call is collective over the shard's exchange (when the tower trains). Returns the gradient of
 // the pixel rows [N, row] with options.pixel_grad, else an undefined tensor.
 Tensor vision_backward(const VisionConfig& config, const VisionParams& params,
                        const VisionContext& context, const Tensor& d_pooler, VisionGrads& grads,
