@@ -2,7 +2,8 @@
 // the step are split over the ranks (SPEC.md §4: global denominators, gradients summed), and the
 // summed loss terms, every parameter gradient, the expert loads and the sharded optimizer's
 // update equal what one process computes from all the packs. The same with the routed experts
-// split over ep groups of 2 (expert parallelism): each rank holds its slice of the experts only,
+// split over ep groups of 2 (expert parallelism): each rank loads and holds its slice of the
+// experts only,
 // tokens travel to their experts' ranks and back, a slice's gradient (summed over the ranks holding
 // it) equals the same experts' single-process gradient, and the slices' optimizer (sharded over
 // those ranks) gives the update of AdamW on the whole; and each rank's expert weight, gradient and
@@ -49,9 +50,12 @@ using model::text::PackInput;
 
 constexpr int64_t kPacksPerRank = 2;
 
-model::ParamStore load_store(const fs::path& dir) {
+// `experts`: the routed experts to load (an expert-parallel rank's slice); nullopt for all.
+model::ParamStore load_store(const fs::path& dir,
+                             std::optional<model::ExpertRange> experts = std::nullopt) {
   const auto config = model::ModelConfig::from_file((dir / "config.json").string());
-  model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(dir), config);
+  model::ParamStore store =
+      model::ParamStore::load(io::CheckpointReader::open(dir), config, experts);
   train::make_params_writable(store);
   return store;
 }
@@ -111,11 +115,12 @@ void check_one_step(ParallelContext& par, int64_t ep_size) {
   // holds its slice of the routed experts only (weights and gradient buffers).
   const std::vector<PackInput> mine(all.begin() + me * kPacksPerRank,
                                     all.begin() + (me + 1) * kPacksPerRank);
-  model::ParamStore my_store = load_store(dir / "tiny");
   std::optional<ExpertParallel> experts;
+  if (ep_size > 1) experts.emplace(par.ep(), m.text().n_routed_experts, "test");
+  model::ParamStore my_store =
+      load_store(dir / "tiny", experts ? std::optional(local_range(*experts)) : std::nullopt);
   std::optional<LocalExperts> local;
-  if (ep_size > 1) {
-    experts.emplace(par.ep(), m.text().n_routed_experts, "test");
+  if (experts) {
     local.emplace(my_store, *experts);
     topt.expert_dispatch = &*experts;
   }
@@ -279,8 +284,10 @@ int64_t routed_expert_bytes(const std::vector<std::pair<std::string, Tensor>>& n
   return bytes;
 }
 
-// With ep_size = E each rank holds 1/E of the routed experts' weights (parameter store and model)
-// and gradient buffers, exactly, and its share of their optimizer state: sharded over the edp
+// With ep_size = E each rank loads 1/E of the routed experts' weights into its parameter store,
+// exactly (the allocated bytes of the store as loaded, before anything else touches it), and they
+// are the whole load's values of its experts; it holds 1/E of them in the model and of their
+// gradient buffers, and its share of their optimizer state: sharded over the edp
 // group, 1/dp of the whole up to the padding of the flat layout, the ranks' shares adding up to
 // the unsharded AdamW's state. A non-finite expert weight is named per expert on every rank.
 TEST(DistExpertParallel, EachRankHoldsItsShareOfTheExperts) {
@@ -296,20 +303,28 @@ TEST(DistExpertParallel, EachRankHoldsItsShareOfTheExperts) {
     init.seed = 5;
     model::write_random_checkpoint(model::ModelConfig::preset("tiny"), dir / "tiny", init);
     model::ParamStore whole_store = load_store(dir / "tiny");
-    model::ParamStore store = load_store(dir / "tiny");
     const model::text::TextModel whole(whole_store);
     const ExpertParallel experts(par->ep(), whole.text().n_routed_experts, "test");
-    const LocalExperts local(store, experts);
-    const model::text::TextModel mine(store);
+    model::ParamStore store = load_store(dir / "tiny", local_range(experts));
 
-    int64_t whole_store_bytes = 0;
+    // The store as loaded: its routed-expert tensors are this rank's experts, and the memory
+    // allocated for them is their share of the whole.
+    int64_t whole_store_bytes = 0, loaded_bytes = 0;
     std::vector<train::NamedParam> whole_experts;
     for (const train::NamedParam& p : trainable(whole_store))
       if (is_routed_expert_tensor(p.name)) {
-        whole_store_bytes += int64_t(p.value.nbytes());
+        whole_store_bytes += int64_t(p.value.storage()->bytes());
         whole_experts.push_back(p);
+        const Tensor& loaded = store.get(p.name);
+        loaded_bytes += int64_t(loaded.storage()->bytes());
+        EXPECT_EQ(loaded.to_doubles(),
+                  p.value.narrow(0, experts.first_expert(), experts.local_experts()).to_doubles())
+            << p.name;
       }
     ASSERT_GT(whole_store_bytes, 0);
+    EXPECT_EQ(loaded_bytes * ep_size, whole_store_bytes);
+    const LocalExperts local(store, experts);
+    const model::text::TextModel mine(store);
     EXPECT_EQ(local.full_bytes(), whole_store_bytes);
     EXPECT_EQ(local.local_bytes() * ep_size, whole_store_bytes);
     const int64_t whole_weights = routed_expert_bytes(whole.weights().named);
@@ -346,13 +361,14 @@ TEST(DistExpertParallel, EachRankHoldsItsShareOfTheExperts) {
         (std::vector<std::string>{fmt::format("{}mlp.experts.{}.up_proj.weight", layer, n - 1)}));
     if (par->is_root())
       std::printf(
-          "ep_size %lld, dp %lld: routed experts per rank: store %lld of %lld bytes, model %lld "
-          "of %lld, gradients %lld of %lld, optimizer state %lld of %lld\n",
+          "ep_size %lld, dp %lld: routed experts per rank: loaded %lld of %lld bytes, store %lld, "
+          "model %lld of %lld, gradients %lld of %lld, optimizer state %lld of %lld\n",
           static_cast<long long>(ep_size), static_cast<long long>(dp),
-          static_cast<long long>(local.local_bytes()), static_cast<long long>(whole_store_bytes),
-          static_cast<long long>(my_weights), static_cast<long long>(whole_weights),
-          static_cast<long long>(my_grads), static_cast<long long>(whole_grads),
-          static_cast<long long>(my_state), static_cast<long long>(whole_state));
+          static_cast<long long>(loaded_bytes), static_cast<long long>(whole_store_bytes),
+          static_cast<long long>(local.local_bytes()), static_cast<long long>(my_weights),
+          static_cast<long long>(whole_weights), static_cast<long long>(my_grads),
+          static_cast<long long>(whole_grads), static_cast<long long>(my_state),
+          static_cast<long long>(whole_state));
   }
 }
 

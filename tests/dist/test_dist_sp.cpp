@@ -83,6 +83,16 @@ struct Tiny {
   std::unique_ptr<model::text::TextModel> model;
 };
 
+// `experts`: the routed experts to load (an expert-parallel rank's slice); nullopt for all.
+std::unique_ptr<model::ParamStore> load_store(const fs::path& dir,
+                                              std::optional<model::ExpertRange> experts) {
+  auto store = std::make_unique<model::ParamStore>(model::ParamStore::load(
+      io::CheckpointReader::open(dir),
+      model::ModelConfig::from_file((dir / "config.json").string()), experts));
+  train::make_params_writable(*store);
+  return store;
+}
+
 // The tiny model; `variant` makes its last layer a DSA layer that reuses layer 3's selection (the
 // carried indices) and gives attention biases (the o_proj bias must count once over the heads).
 Tiny tiny_model(int rank, DType dtype, bool variant) {
@@ -98,10 +108,7 @@ Tiny tiny_model(int rank, DType dtype, bool variant) {
                     {"text_config.indexer_types", R"(["full", "full", "full", "full", "shared"])"},
                     {"text_config.attention_bias", "true"}});
   model::write_random_checkpoint(config, *t.dir / "tiny", init);
-  const fs::path p = *t.dir / "tiny";
-  t.store = std::make_unique<model::ParamStore>(model::ParamStore::load(
-      io::CheckpointReader::open(p), model::ModelConfig::from_file((p / "config.json").string())));
-  train::make_params_writable(*t.store);
+  t.store = load_store(*t.dir / "tiny", std::nullopt);
   t.model =
       std::make_unique<model::text::TextModel>(*t.store, model::text::TextModelOptions{dtype});
   return t;
@@ -163,13 +170,15 @@ void check_one_step(bool step_denominators, DType dtype, double tolerance, bool 
   topt.sequence_parallel = &ulysses;
   // With expert parallelism this rank's model holds its slice of the routed experts only.
   std::optional<ExpertParallel> experts;
+  std::unique_ptr<model::ParamStore> sliced_store;
   std::optional<LocalExperts> local;
   std::unique_ptr<model::text::TextModel> sliced;
   if (ep_size > 1) {
     experts.emplace(par->ep(), m.text().n_routed_experts, "test");
-    local.emplace(*tiny.store, *experts);
-    sliced =
-        std::make_unique<model::text::TextModel>(*tiny.store, model::text::TextModelOptions{dtype});
+    sliced_store = load_store(*tiny.dir / "tiny", local_range(*experts));
+    local.emplace(*sliced_store, *experts);
+    sliced = std::make_unique<model::text::TextModel>(*sliced_store,
+                                                      model::text::TextModelOptions{dtype});
     topt.expert_dispatch = &*experts;
   }
   const model::text::TextModel& my_model = sliced ? *sliced : m;

@@ -150,6 +150,88 @@ TEST(ParamStore, FusesOnLoadAndSplitsOnSave) {
   }
 }
 
+namespace {
+
+bool is_fused_expert(const std::string& name) {
+  return name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
+}
+
+}  // namespace
+
+// A load of experts [4, 6) of 8 equals the full load narrowed to them, bit for bit, and allocates
+// only their bytes; every other parameter, and every released name, is that of the full load. Such
+// a store refuses to save (its expert tensors would name the wrong experts).
+TEST(ParamStore, LoadsARangeOfTheRoutedExperts) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions options;
+  options.seed = test_seed();
+  write_random_checkpoint(config, dir / "ck", options);
+  auto reader = io::CheckpointReader::open(dir / "ck");
+  const ParamStore full = ParamStore::load(reader, config);
+  const int64_t n = config.text().n_routed_experts;
+  ASSERT_EQ(n, 8);
+  const ExpertRange range{4, 2};
+  const ParamStore part = ParamStore::load(reader, config, range);
+  EXPECT_EQ(part.expert_range(), range);
+  EXPECT_EQ(full.expert_range(), std::nullopt);
+  ASSERT_EQ(part.params().size(), full.params().size());
+  int64_t fused = 0, part_bytes = 0, full_bytes = 0;
+  for (size_t i = 0; i < part.params().size(); ++i) {
+    const InternalParam& got = part.params()[i];
+    const InternalParam& whole = full.params()[i];
+    ASSERT_EQ(got.name, whole.name);
+    EXPECT_EQ(got.sources, whole.sources) << got.name;
+    EXPECT_EQ(got.trainable, whole.trainable) << got.name;
+    if (!is_fused_expert(got.name)) {
+      EXPECT_EQ(got.value.shape(), whole.value.shape()) << got.name;
+      EXPECT_EQ(got.value.to_doubles(), whole.value.to_doubles()) << got.name;
+      continue;
+    }
+    ++fused;
+    const Tensor want = whole.value.narrow(0, range.first, range.count);
+    EXPECT_EQ(got.value.shape(), want.shape()) << got.name;
+    EXPECT_EQ(got.value.to_doubles(), want.to_doubles()) << got.name;
+    part_bytes += int64_t(got.value.storage()->bytes());
+    full_bytes += int64_t(whole.value.storage()->bytes());
+  }
+  EXPECT_GT(fused, 0);
+  EXPECT_EQ(part_bytes * (n / range.count), full_bytes);
+  EXPECT_THROW(part.save(dir / "saved"), InternalError);
+  EXPECT_FALSE(fs::exists(dir / "saved"));
+}
+
+// A range that is not one of the equal slices of the experts is refused by name; the tensors of
+// the experts outside the range are still checked.
+TEST(ParamStore, RefusesExpertRangesThatAreNotASlice) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions options;
+  options.seed = test_seed();
+  write_random_checkpoint(config, dir / "ck", options);
+  auto reader = io::CheckpointReader::open(dir / "ck");
+  for (const ExpertRange bad : {ExpertRange{8, 2}, ExpertRange{-2, 2}, ExpertRange{0, 0},
+                                ExpertRange{0, 3}, ExpertRange{1, 2}, ExpertRange{0, 16}}) {
+    SCOPED_TRACE(std::to_string(bad.first) + " +" + std::to_string(bad.count));
+    const std::string msg = message_of([&] { ParamStore::load(reader, config, bad); });
+    EXPECT_NE(msg.find("are not one of the equal slices of the 8 routed experts"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("expert range"), std::string::npos) << msg;
+  }
+
+  const std::string reshaped = "model.language_model.layers.1.mlp.experts.7.down_proj.weight";
+  rewrite(dir / "ck", dir / "bad",
+          [&](const std::string& name, const Tensor& t, io::CheckpointWriter& w) {
+            w.add(name, name == reshaped ? Tensor::full({3, 5}, 0.5, DType::bf16) : t);
+          });
+  auto bad_reader = io::CheckpointReader::open(dir / "bad");
+  const std::string msg = message_of([&] {
+    ParamStore::load(bad_reader, config, ExpertRange{0, 4});
+  });
+  EXPECT_NE(msg.find(reshaped), std::string::npos) << msg;
+}
+
 TEST(ParamStore, ReportsMissingUnexpectedAndMisshapedKeys) {
   TempDir dir;
   const ModelConfig config = ModelConfig::preset("tiny");

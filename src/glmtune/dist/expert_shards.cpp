@@ -21,23 +21,31 @@ bool is_routed_expert_tensor(const std::string& name) {
   return name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
 }
 
+model::ExpertRange local_range(const ExpertParallel& experts) {
+  return {experts.first_expert(), experts.local_experts()};
+}
+
 LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& experts)
     : experts_(experts) {
-  const int64_t n = experts.experts();
+  const int64_t n = experts.experts(), local = experts.local_experts();
+  const model::ExpertRange loaded = store.expert_range().value_or(model::ExpertRange{0, n});
+  GLMTUNE_ASSERT(loaded == local_range(experts),
+                 "the parameter store holds experts [{}, {}), this rank's slice is [{}, {}): load "
+                 "it with local_range",
+                 loaded.first, loaded.first + loaded.count, experts.first_expert(),
+                 experts.first_expert() + local);
   for (const model::InternalParam& p : store.params()) {
     if (!is_routed_expert_tensor(p.name)) continue;
-    GLMTUNE_ASSERT(p.value.defined() && p.value.dim() == 3 && p.value.size(0) == n &&
+    GLMTUNE_ASSERT(p.value.defined() && p.value.dim() == 3 && p.value.size(0) == local &&
                        int64_t(p.sources.size()) == parts_per_expert(p.name) * n,
-                   "routed-expert tensor '{}' is {}, expected the full {} experts", p.name,
-                   p.value.defined() ? p.value.str() : std::string("undefined"), n);
-    full_bytes_ += int64_t(p.value.nbytes());
-    entries_.push_back({p.name, slice(p.value).clone(), p.sources});
+                   "routed-expert tensor '{}' is {}, expected {} of the {} experts", p.name,
+                   p.value.defined() ? p.value.str() : std::string("undefined"), local, n);
+    full_bytes_ += int64_t(p.value.nbytes()) / local * n;
+    entries_.push_back({p.name, p.value, p.sources});
   }
   if (entries_.empty())
     throw Error("expert parallelism asked for, but the model has no routed experts",
                 "train.ep_size", "set train.ep_size = 1 for a model without MoE layers");
-  // Last: the loop above reads the full tensors.
-  for (const Entry& e : entries_) store.get(e.name) = e.local;
 }
 
 std::vector<train::NamedParam> LocalExperts::params() const {

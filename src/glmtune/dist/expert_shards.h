@@ -4,12 +4,13 @@
 //
 // Every MoE layer (decoder layers and the MTP layer) fuses its routed experts into
 // `<layer>.mlp.experts.gate_up_proj` [n, 2I, D] and `<layer>.mlp.experts.down_proj` [n, D, I]
-// (param_store.h). With ep_size = E, LocalExperts replaces each of them in the parameter store by
-// this rank's slice, experts [first, first + n/E) as a tensor [n/E, ...] of its own (local expert j
-// is expert first + j, ExpertParallel's layout). The model built from that store then holds the
-// slice as its compute tensors, TextGrads::zeros_like sizes the gradient buffers the same way, and
-// ExpertParallel computes exactly these experts. The tensors keep their internal names, so a name
-// means the same parameter on every rank and in a checkpoint; only the shape differs.
+// (param_store.h). With ep_size = E, each rank loads its parameter store with its slice only,
+// experts [first, first + n/E) as tensors [n/E, ...] (local_range; local expert j is expert
+// first + j, ExpertParallel's layout): the other experts are never read. LocalExperts trains these
+// slices in place. The model built from that store holds the slice as its compute tensors,
+// TextGrads::zeros_like sizes the gradient buffers the same way, and ExpertParallel computes
+// exactly these experts. The tensors keep their internal names, so a name means the same parameter
+// on every rank and in a checkpoint; only the shape differs.
 //
 // ExpertAdamW trains the slice: a ShardedAdamW over the edp group, the ranks holding the same
 // slice (same ep index, one per ep group): it sums their gradients (each is complete for the
@@ -38,11 +39,14 @@ namespace glmtune::dist {
 // Whether `name` is a fused routed-expert tensor (gate_up_proj or down_proj of a MoE layer).
 bool is_routed_expert_tensor(const std::string& name);
 
+// The routed experts this rank holds, [first_expert(), first_expert() + local_experts()): the range
+// to load its parameter store with (model::ParamStore::load).
+model::ExpertRange local_range(const ExpertParallel& experts);
+
 class LocalExperts {
  public:
-  // Replaces every routed-expert tensor of `store` (full, [n, ...], the same on every rank) by a
-  // copy of this rank's slice in the same dtype; the full tensors are released once nothing else
-  // holds them.
+  // Takes the routed-expert tensors of `store`, loaded with local_range(experts) so that they are
+  // this rank's slices [n/E, ...]; they stay the store's tensors and are updated in place.
   LocalExperts(model::ParamStore& store, const ExpertParallel& experts);
 
   const ExpertParallel& experts() const { return experts_; }
@@ -52,8 +56,8 @@ class LocalExperts {
   // This rank's slice [n/E, ...] of a full expert tensor [n, ...] (a view).
   Tensor slice(const Tensor& full) const;
 
-  // Bytes of the routed-expert tensors of the store: whole (what every rank held before) and this
-  // rank's slices (measured).
+  // Bytes of the routed-expert tensors: whole (what a rank holds without expert parallelism) and
+  // this rank's slices (measured).
   int64_t full_bytes() const { return full_bytes_; }
   int64_t local_bytes() const;
 

@@ -101,7 +101,20 @@ Tensor read_released(const io::CheckpointReader& reader, const std::string& name
 
 }  // namespace
 
-ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfig& config) {
+ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfig& config,
+                            std::optional<ExpertRange> experts) {
+  if (experts) {
+    const int64_t n = config.text().n_routed_experts;
+    const auto [first, count] = *experts;
+    if (count <= 0 || first < 0 || first + count > n || n % count != 0 || first % count != 0)
+      throw Error(fmt::format("experts [{}, {}) are not one of the equal slices of the {} routed "
+                              "experts of this model",
+                              first, first + count, n),
+                  reader.dir().string() + ": expert range of the load",
+                  fmt::format("load the slice of one expert-parallel rank: count = {} / ep_size "
+                              "for an ep_size dividing {}, first = rank · count",
+                              n, n));
+  }
   CheckpointReport report = check_checkpoint(reader, config);
   const auto layout = released_layout(config);
   if (report.missing.size() == layout.size())
@@ -121,16 +134,17 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
 
   ParamStore store;
   store.config_ = config;
+  store.expert_range_ = experts;
   struct Fused {
     std::vector<std::string> gate, up, down;  // per-expert names, expert order
     std::vector<std::string> conv;            // q, k, v
     bool trainable = true;
   };
-  std::map<std::string, Fused> experts, convs;
+  std::map<std::string, Fused> fused_experts, convs;
   std::smatch m;
   for (const auto& spec : layout) {
     if (std::regex_match(spec.name, m, kExpertRe)) {
-      Fused& f = experts[m[1].str()];
+      Fused& f = fused_experts[m[1].str()];
       const size_t e = std::stoul(m[2].str());
       auto& list = m[3] == "gate_proj" ? f.gate : m[3] == "up_proj" ? f.up : f.down;
       if (list.size() <= e) list.resize(e + 1);
@@ -144,17 +158,19 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
     store.params_.push_back(
         {spec.name, read_released(reader, spec.name), spec.trainable, {spec.name}});
   }
-  // Experts: [E, 2Im, D] with gate rows first, and [E, D, Im].
-  for (auto& [prefix, f] : experts) {
-    const int64_t E = int64_t(f.gate.size());
-    Tensor first = reader.tensor(f.gate[0]);
-    const int64_t Im = first.size(0), D = first.size(1);
+  // Experts: [E, 2Im, D] with gate rows first, and [E, D, Im], E the experts loaded. The released
+  // tensors are views of the checkpoint mapping, so an expert outside the range is never read.
+  for (auto& [prefix, f] : fused_experts) {
+    const ExpertRange range = experts.value_or(ExpertRange{0, int64_t(f.gate.size())});
+    const Shape& gate_shape = reader.info(f.gate[0]).shape;
+    const int64_t E = range.count, Im = gate_shape[0], D = gate_shape[1];
     Tensor gate_up = Tensor::empty({E, 2 * Im, D}, DType::bf16);
     Tensor down = Tensor::empty({E, D, Im}, DType::bf16);
-    for (int64_t e = 0; e < E; ++e) {
-      gate_up.select(0, e).slice(0, 0, Im).copy_(read_released(reader, f.gate[e]));
-      gate_up.select(0, e).slice(0, Im, 2 * Im).copy_(read_released(reader, f.up[e]));
-      down.select(0, e).copy_(read_released(reader, f.down[e]));
+    for (int64_t j = 0; j < E; ++j) {
+      const size_t e = size_t(range.first + j);
+      gate_up.select(0, j).slice(0, 0, Im).copy_(read_released(reader, f.gate[e]));
+      gate_up.select(0, j).slice(0, Im, 2 * Im).copy_(read_released(reader, f.up[e]));
+      down.select(0, j).copy_(read_released(reader, f.down[e]));
     }
     std::vector<std::string> gu_sources = f.gate;
     gu_sources.insert(gu_sources.end(), f.up.begin(), f.up.end());
@@ -203,16 +219,24 @@ void ParamStore::save(const std::filesystem::path& dir, uint64_t max_shard_bytes
   auto emit = [&](const std::string& name, const Tensor& t) {
     writer.add(name, t.to(stored.at(name)).contiguous());
   };
+  // A fused expert tensor names every expert of its layer, parts_per_expert released tensors each.
+  auto check_whole = [](const InternalParam& p, size_t parts_per_expert) {
+    GLMTUNE_ASSERT(p.sources.size() == parts_per_expert * size_t(p.value.size(0)),
+                   "'{}' holds {} of the {} experts; gather the whole tensor before saving", p.name,
+                   p.value.size(0), p.sources.size() / parts_per_expert);
+  };
   for (const auto& p : params_) {
     if (p.sources.size() == 1 && p.sources[0] == p.name) {
       emit(p.name, p.value);
     } else if (p.name.ends_with("gate_up_proj")) {
+      check_whole(p, 2);
       const int64_t E = p.value.size(0), Im = p.value.size(1) / 2;
       for (int64_t e = 0; e < E; ++e) {
         emit(p.sources[size_t(e)], p.value.select(0, e).slice(0, 0, Im));
         emit(p.sources[size_t(E + e)], p.value.select(0, e).slice(0, Im, 2 * Im));
       }
     } else if (p.name.ends_with("down_proj")) {
+      check_whole(p, 1);
       for (int64_t e = 0; e < p.value.size(0); ++e)
         emit(p.sources[size_t(e)], p.value.select(0, e));
     } else {

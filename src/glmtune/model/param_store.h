@@ -4,9 +4,12 @@
 //   <layer>.mlp.experts.gate_up_proj [E, 2*Im, D]  <- experts.{e}.gate_proj / up_proj (gate rows
 //   first) <layer>.mlp.experts.down_proj    [E, D, Im]    <- experts.{e}.down_proj
 //   <layer>.self_attn.conv1d.weight  [3*QL, 1, K]  <- q_conv1d / k_conv1d / v_conv1d
-// Saving splits them back, so what glmtune writes is always the released layout.
+// Saving splits them back, so what glmtune writes is always the released layout. With expert
+// parallelism a rank loads only its range of the routed experts: the fused expert tensors are then
+// [count, ...] and the other experts' released tensors are never read.
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,31 +43,51 @@ struct CheckpointReport {
 // count as present; the companions are not unexpected.
 CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const ModelConfig& config);
 
+// Routed experts [first, first + count) of every MoE layer: one rank's slice under expert
+// parallelism (docs/distributed.md, "How expert parallelism works").
+struct ExpertRange {
+  int64_t first = 0;
+  int64_t count = 0;
+  bool operator==(const ExpertRange&) const = default;
+};
+
 struct InternalParam {
   std::string name;
   Tensor value;
   bool trainable = true;
-  std::vector<std::string> sources;  // released names it was assembled from (itself when unfused)
+  // Released names it was assembled from (itself when unfused). A fused expert tensor names every
+  // expert even when the store holds a range of them: the whole tensor, gathered back from the
+  // ranks, saves under these names.
+  std::vector<std::string> sources;
 };
 
 class ParamStore {
  public:
   // Loads every parameter. Throws glmtune::Error listing missing, unexpected and mis-shaped keys by
-  // name, or refusing a checkpoint that is not GLM-5.3-shaped at all.
-  static ParamStore load(const io::CheckpointReader& reader, const ModelConfig& config);
+  // name, or refusing a checkpoint that is not GLM-5.3-shaped at all. With `experts`, the fused
+  // routed-expert tensors hold those experts only ([count, ...]); the other experts' tensors are
+  // still checked (names, shapes, dtypes) but their data is never read. The range must be one of
+  // the equal slices of the routed experts (count divides their number, first is a multiple of
+  // count); glmtune::Error otherwise.
+  static ParamStore load(const io::CheckpointReader& reader, const ModelConfig& config,
+                         std::optional<ExpertRange> experts = std::nullopt);
 
   const ModelConfig& config() const { return config_; }
+  // The routed experts the fused expert tensors were loaded with; nullopt when all of them.
+  const std::optional<ExpertRange>& expert_range() const { return expert_range_; }
   bool contains(const std::string& name) const { return index_.count(name) > 0; }
   // Throws InternalError naming the parameter when absent.
   const Tensor& get(const std::string& name) const;
   Tensor& get(const std::string& name);
   const std::vector<InternalParam>& params() const { return params_; }
 
-  // Writes the released layout (fused tensors split, stored dtypes per the fp32-kept policy).
+  // Writes the released layout (fused tensors split, stored dtypes per the fp32-kept policy). The
+  // fused expert tensors must hold every expert (gathered back when loaded with a range).
   void save(const std::filesystem::path& dir, uint64_t max_shard_bytes = 5'000'000'000) const;
 
  private:
   ModelConfig config_;
+  std::optional<ExpertRange> expert_range_;
   std::vector<InternalParam> params_;
   std::map<std::string, size_t> index_;
 };

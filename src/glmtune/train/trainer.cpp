@@ -51,14 +51,19 @@ double seconds_since(Clock::time_point start) {
 
 Tensor i32(const std::vector<int32_t>& v) { return Tensor::from_vector(v, {int64_t(v.size())}); }
 
-model::ParamStore load_store(const fs::path& dir) {
+model::ModelConfig read_model_config(const fs::path& dir) {
   const fs::path config_file = dir / "config.json";
   if (!fs::exists(config_file))
     throw Error("no config.json in the model directory", dir.string(),
                 "point [model] path at a checkpoint (glmtune init writes one)");
-  const model::ModelConfig config = model::ModelConfig::from_file(config_file.string());
+  return model::ModelConfig::from_file(config_file.string());
+}
+
+// `experts`: the routed experts this rank keeps (expert parallelism); nullopt loads all of them.
+model::ParamStore load_store(const fs::path& dir, const model::ModelConfig& config,
+                             std::optional<model::ExpertRange> experts) {
   const io::CheckpointReader reader = io::CheckpointReader::open(dir);
-  model::ParamStore store = model::ParamStore::load(reader, config);
+  model::ParamStore store = model::ParamStore::load(reader, config, experts);
   // The checkpoint mapping is read-only; the optimizer and the bias update write in place.
   make_params_writable(store);
   return store;
@@ -318,7 +323,18 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // Model and optimizer: from the checkpoint when resuming (its weights are the rounded masters
   // and its router biases the updated ones), else from [model] path.
   const fs::path weights_dir = resume ? resume->checkpoint.model_dir() : model_dir;
-  model::ParamStore store = load_store(weights_dir);
+  const model::ModelConfig model_config = read_model_config(weights_dir);
+  // Expert parallel: each rank loads and keeps the routed experts of its ep slice only (weights,
+  // gradients, optimizer state: dist/expert_shards.h); the other tensors stay replicated as without
+  // it.
+  const bool expert_sharded = distributed && par->sizes().ep > 1;
+  std::optional<dist::ExpertParallel> expert_parallel;
+  if (expert_sharded)
+    expert_parallel.emplace(par->ep(), model_config.text().n_routed_experts,
+                            recipe.source() + ": train.ep_size");
+  model::ParamStore store = load_store(
+      weights_dir, model_config,
+      expert_parallel ? std::optional(dist::local_range(*expert_parallel)) : std::nullopt);
   if (tokenizer.vocab_size() > store.config().text().vocab_size)
     throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
                             tokenizer.vocab_size(), store.config().text().vocab_size),
@@ -340,9 +356,6 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                   "set train.fsdp = false, or train.ep_size = train.sp_size = 1");
   }
   const int64_t num_layers = store.config().text().num_hidden_layers;
-  // Expert parallel: each rank keeps the routed experts of its ep slice only (weights, gradients,
-  // optimizer state: dist/expert_shards.h); the other tensors stay replicated as without it.
-  const bool expert_sharded = distributed && par->sizes().ep > 1;
   std::unique_ptr<dist::Communicator> self_group;
   if (fsdp && !distributed) self_group = dist::make_self_communicator("dp");
   dist::Communicator* const dp_group = distributed ? &par->dp() : self_group.get();
@@ -375,7 +388,17 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::unique_ptr<AdamW> resumed_state;
   if (resume) {
     if (fsdp || expert_sharded) {
-      resumed_state = std::make_unique<AdamW>(trainable_params(store), recipe.adamw_config());
+      std::vector<NamedParam> saved_params = trainable_params(store);
+      // The saved state holds the whole routed-expert tensors, the store this rank's slices: the
+      // state is read whole (into tensors of the whole shape) and the slices are taken from it.
+      if (expert_parallel)
+        for (NamedParam& p : saved_params)
+          if (dist::is_routed_expert_tensor(p.name)) {
+            Shape whole = p.value.shape();
+            whole[0] = expert_parallel->experts();
+            p.value = Tensor::empty(whole, p.value.dtype());
+          }
+      resumed_state = std::make_unique<AdamW>(std::move(saved_params), recipe.adamw_config());
       resumed_state->load(resume->checkpoint.optimizer_dir());
       sharded->load(*resumed_state);
     } else if (sharded) {
@@ -394,14 +417,11 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     summary.resumed = true;
     spdlog::info("resuming from {} (step {})", resume->checkpoint.dir.string(), st.step);
   }
-  // The store keeps this rank's expert slices from here on, so the model built from it below holds
-  // them as its compute tensors and its gradient buffers are slice-sized too.
-  std::optional<dist::ExpertParallel> expert_parallel;
+  // The store holds this rank's expert slices, so the model built from it below holds them as its
+  // compute tensors and its gradient buffers are slice-sized too.
   std::optional<dist::LocalExperts> local_experts;
   std::optional<dist::ExpertAdamW> expert_optimizer;
   if (expert_sharded) {
-    expert_parallel.emplace(par->ep(), store.config().text().n_routed_experts,
-                            recipe.source() + ": train.ep_size");
     local_experts.emplace(store, *expert_parallel);
     expert_optimizer.emplace(*local_experts, recipe.adamw_config(), par->edp());
     if (resumed_state) expert_optimizer->load(*resumed_state);
