@@ -537,11 +537,18 @@ __global__ void __launch_bounds__(32 * kWarps)
 constexpr int kRedCols = 16;
 template <int kWarps>
 struct StateBwdSmem {
+  // With fewer than eight warps (value slices: the walks of few documents, one block per SM) the
+  // block's rows of a chunk's stored entry state are staged here with the chunk's other operands,
+  // a chunk ahead, so no round waits on L2 for them. Rows padded by 8 floats: the float2 loads of
+  // eight rows then fall in the fewest wavefronts.
+  static constexpr bool kStageS0 = kWarps < 8;
+  static constexpr int kS0Ld = kK + 8;
   StageBwd stages[2];
   float red[2][kWarps][kC * kRedCols];
   float dot[kWarps][kK];
   bf16 kdb_hi[kC * kTs], kdb_lo[kC * kTs];
   float eglb[kK];
+  float s0[kStageS0 ? 2 : 1][kStageS0 ? 16 * kWarps * kS0Ld : 4];
 };
 
 // The reverse walk: warp w of value slice z owns rows e of d Sᵀ (as s in the forward). Before a
@@ -562,7 +569,8 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
                          float* __restrict__ dvnt, float* __restrict__ dkd, float* __restrict__ dgs,
                          int64_t kd_stride, int64_t gs_stride) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  StateBwdSmem<kWarps>& sm = *reinterpret_cast<StateBwdSmem<kWarps>*>(smem_raw);
+  using Smem = StateBwdSmem<kWarps>;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   StageBwd* stages = sm.stages;
   constexpr int kNT = 32 * kWarps, kRows = 16 * kWarps;  // threads, value rows of the slice
   const int h = blockIdx.x, doc = blockIdx.y, z = kWarps == 8 ? 0 : int(blockIdx.z), e0 = kRows * z;
@@ -599,6 +607,17 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
       *reinterpret_cast<uint32_t*>(st.x_lo + xr * kTs + xc + j) = lo;
     }
   };
+  // Chunk c's stored entry-state rows [e0, e0 + kRows) into s0[c & 1] (kStageS0).
+  auto stage_s0 = [&](int c) {
+    if constexpr (Smem::kStageS0) {
+      const float* src = state_at(c) + e0 * kK;
+      float* dst = sm.s0[c & 1];
+      for (int piece = tid; piece < kRows * (kK / 4); piece += kNT) {
+        const int r = piece / (kK / 4), col = (piece % (kK / 4)) * 4;
+        cp_async16(dst + r * Smem::kS0Ld + col, src + r * kK + col);
+      }
+    }
+  };
   // kdec and e^{Γ_last} of chunk c into kdb_hi, kdb_lo, eglb.
   auto load_before = [&](int c) {
     const int64_t shb = int64_t(first + c) * heads + h;
@@ -613,11 +632,12 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     stage_load<false, true, kNT>(stages[(nch - 1) & 1], p, int64_t(first + nch - 1) * heads + h,
                                  e0);
     if (kPairs && ((nch - 1) & 1)) load_before(nch - 2);
+    stage_s0(nch - 1);
     fetch_dout(nch - 1);
     put_dout(stages[(nch - 1) & 1]);
     if (tid == 0) {
       const int64_t sh = int64_t(first + nch - 1) * heads + h;
-      prefetch_l2(state_at(nch - 1) + e0 * kK, kRows * kK * sizeof(float));
+      if (!Smem::kStageS0) prefetch_l2(state_at(nch - 1) + e0 * kK, kRows * kK * sizeof(float));
       prefetch_l2(vnt + sh * kTile + e0 * kC, kRows * kC * sizeof(float));
       if (kPairs && nch > 1)
         prefetch_l2(vnt + (sh - heads) * kTile + e0 * kC, kRows * kC * sizeof(float));
@@ -632,6 +652,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     if (c > 0) {
       stage_load<false, true, kNT>(stages[(c - 1) & 1], p, sh - heads, e0);
       if (kPairs && c >= 2 && ((c - 1) & 1)) load_before(c - 2);
+      stage_s0(c - 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -643,7 +664,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     // and the dO rows that fetch_dout reads one iteration from now. With kPairs the stored state
     // changes every second chunk, and an odd chunk also reads the Vnᵀ of the chunk before.
     if (c > 0 && tid == 0) {
-      if (!kPairs || (c & 1) == 0)
+      if (!Smem::kStageS0 && (!kPairs || (c & 1) == 0))
         prefetch_l2(state_at(c - 1) + e0 * kK, kRows * kK * sizeof(float));
       prefetch_l2(vnt + (sh - heads) * kTile + e0 * kC, kRows * kC * sizeof(float));
       if (kPairs && c > 1 && (c & 1) == 0)
@@ -654,14 +675,15 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
       if (row < end) prefetch_l2(dout + (row * heads + h) * kK + e0, kRows * sizeof(T));
     }
     // S0ᵀ of this chunk in the accumulator layout (rows e, columns a: as state_fwd stored it),
-    // two n-tiles at a time, one round ahead.
-    const float* s0c = state_at(c);
+    // two n-tiles at a time, one round ahead: from shared memory when staged, else from L2.
+    const float* s0c = Smem::kStageS0 ? sm.s0[c & 1] : state_at(c);
+    const int s0_ld = Smem::kStageS0 ? Smem::kS0Ld : kK, s0_row = Smem::kStageS0 ? eb - e0 : eb;
     auto load_s0 = [&](int grp, float2(&x)[2][2]) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int a = 8 * (2 * grp + j) + 2 * t4;
-        x[j][0] = *reinterpret_cast<const float2*>(s0c + (eb + g) * kK + a);
-        x[j][1] = *reinterpret_cast<const float2*>(s0c + (eb + g + 8) * kK + a);
+        x[j][0] = *reinterpret_cast<const float2*>(s0c + (s0_row + g) * s0_ld + a);
+        x[j][1] = *reinterpret_cast<const float2*>(s0c + (s0_row + g + 8) * s0_ld + a);
       }
     };
     float2 xs0[2][2][2];
