@@ -132,7 +132,7 @@ void check_one_step(ParallelContext& par, int64_t ep_size) {
     // Every MoE layer's expert weights and gradients (decoder and MTP layers) are the slice.
     int64_t expert_tensors = 0;
     for (const auto& [name, g] : grads.named) {
-      if (!is_routed_expert_tensor(name)) continue;
+      if (!model::is_fused_expert_tensor(name)) continue;
       ++expert_tensors;
       EXPECT_TRUE(is_slice(name)) << name;
       EXPECT_EQ(g.size(0), experts->local_experts()) << name;
@@ -280,7 +280,7 @@ int64_t adamw_state_bytes(const train::AdamW& opt) {
 int64_t routed_expert_bytes(const std::vector<std::pair<std::string, Tensor>>& named) {
   int64_t bytes = 0;
   for (const auto& [name, t] : named)
-    if (is_routed_expert_tensor(name)) bytes += int64_t(t.nbytes());
+    if (model::is_fused_expert_tensor(name)) bytes += int64_t(t.nbytes());
   return bytes;
 }
 
@@ -312,7 +312,7 @@ TEST(DistExpertParallel, EachRankHoldsItsShareOfTheExperts) {
     int64_t whole_store_bytes = 0, loaded_bytes = 0;
     std::vector<train::NamedParam> whole_experts;
     for (const train::NamedParam& p : trainable(whole_store))
-      if (is_routed_expert_tensor(p.name)) {
+      if (model::is_fused_expert_tensor(p.name)) {
         whole_store_bytes += int64_t(p.value.storage()->bytes());
         whole_experts.push_back(p);
         const Tensor& loaded = store.get(p.name);

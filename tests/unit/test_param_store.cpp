@@ -150,14 +150,6 @@ TEST(ParamStore, FusesOnLoadAndSplitsOnSave) {
   }
 }
 
-namespace {
-
-bool is_fused_expert(const std::string& name) {
-  return name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
-}
-
-}  // namespace
-
 // A load of experts [4, 6) of 8 equals the full load narrowed to them, bit for bit, and allocates
 // only their bytes; every other parameter, and every released name, is that of the full load. Such
 // a store refuses to save (its expert tensors would name the wrong experts).
@@ -183,7 +175,7 @@ TEST(ParamStore, LoadsARangeOfTheRoutedExperts) {
     ASSERT_EQ(got.name, whole.name);
     EXPECT_EQ(got.sources, whole.sources) << got.name;
     EXPECT_EQ(got.trainable, whole.trainable) << got.name;
-    if (!is_fused_expert(got.name)) {
+    if (!is_fused_expert_tensor(got.name)) {
       EXPECT_EQ(got.value.shape(), whole.value.shape()) << got.name;
       EXPECT_EQ(got.value.to_doubles(), whole.value.to_doubles()) << got.name;
       continue;

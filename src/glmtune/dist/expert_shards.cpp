@@ -17,10 +17,6 @@ int64_t parts_per_expert(const std::string& name) { return name.ends_with("gate_
 
 }  // namespace
 
-bool is_routed_expert_tensor(const std::string& name) {
-  return name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
-}
-
 model::ExpertRange local_range(const ExpertParallel& experts) {
   return {experts.first_expert(), experts.local_experts()};
 }
@@ -35,7 +31,7 @@ LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& exper
                  loaded.first, loaded.first + loaded.count, experts.first_expert(),
                  experts.first_expert() + local);
   for (const model::InternalParam& p : store.params()) {
-    if (!is_routed_expert_tensor(p.name)) continue;
+    if (!model::is_fused_expert_tensor(p.name)) continue;
     GLMTUNE_ASSERT(p.value.defined() && p.value.dim() == 3 && p.value.size(0) == local &&
                        int64_t(p.sources.size()) == parts_per_expert(p.name) * n,
                    "routed-expert tensor '{}' is {}, expected {} of the {} experts", p.name,

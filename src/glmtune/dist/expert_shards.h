@@ -36,9 +36,6 @@
 
 namespace glmtune::dist {
 
-// Whether `name` is a fused routed-expert tensor (gate_up_proj or down_proj of a MoE layer).
-bool is_routed_expert_tensor(const std::string& name);
-
 // The routed experts this rank holds, [first_expert(), first_expert() + local_experts()): the range
 // to load its parameter store with (model::ParamStore::load).
 model::ExpertRange local_range(const ExpertParallel& experts);

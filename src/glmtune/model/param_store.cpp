@@ -45,6 +45,10 @@ std::string CheckpointReport::describe(size_t limit) const {
   return out;
 }
 
+bool is_fused_expert_tensor(const std::string& name) {
+  return name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
+}
+
 CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const ModelConfig& config) {
   CheckpointReport report;
   const auto layout = released_layout(config);

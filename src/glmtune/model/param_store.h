@@ -43,6 +43,10 @@ struct CheckpointReport {
 // count as present; the companions are not unexpected.
 CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const ModelConfig& config);
 
+// Whether `name` is a fused routed-expert tensor (a MoE layer's experts.gate_up_proj or
+// experts.down_proj above).
+bool is_fused_expert_tensor(const std::string& name);
+
 // Routed experts [first, first + count) of every MoE layer: one rank's slice under expert
 // parallelism (docs/distributed.md, "How expert parallelism works").
 struct ExpertRange {

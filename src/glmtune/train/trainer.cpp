@@ -374,7 +374,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                     [&](const NamedParam& p) { return in_decoder_layer(p.name, num_layers); });
     if (expert_sharded)
       std::erase_if(replicated,
-                    [](const NamedParam& p) { return dist::is_routed_expert_tensor(p.name); });
+                    [](const NamedParam& p) { return model::is_fused_expert_tensor(p.name); });
     if (vl) vision_grads = vl->attach(replicated, store);
     sharded.emplace(std::move(replicated), recipe.adamw_config(), *dp_group,
                     on_gpu && distributed ? par->dp_gpu() : nullptr);
@@ -393,7 +393,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       // state is read whole (into tensors of the whole shape) and the slices are taken from it.
       if (expert_parallel)
         for (NamedParam& p : saved_params)
-          if (dist::is_routed_expert_tensor(p.name)) {
+          if (model::is_fused_expert_tensor(p.name)) {
             Shape whole = p.value.shape();
             whole[0] = expert_parallel->experts();
             p.value = Tensor::empty(whole, p.value.dtype());
@@ -534,7 +534,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     const auto expert_bytes = [](const std::vector<std::pair<std::string, Tensor>>& named) {
       int64_t bytes = 0;
       for (const auto& [name, t] : named)
-        if (t.defined() && dist::is_routed_expert_tensor(name)) bytes += int64_t(t.nbytes());
+        if (t.defined() && model::is_fused_expert_tensor(name)) bytes += int64_t(t.nbytes());
       return bytes;
     };
     spdlog::info(
