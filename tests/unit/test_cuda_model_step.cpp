@@ -196,14 +196,18 @@ TEST(CudaModelStep, LossAndEveryGradientMatchTheCpuStep) {
 
   // Gradients: every activation of the GPU step is rounded to bf16 and the backward of five
   // layers (20 Sinkhorn iterations per mHC site among them) compounds those roundings, so the
-  // gradients land several percent from the f32 step: on the H200 (2026-11-29) 1.5e-2 .. 8.6e-2
-  // per tensor and 5e-2 .. 7.4e-2 for all of them together over two seeds, against 1e-3 .. 1e-2
-  // for a single op (test_cuda_dispatch, test_cuda_ops_*). The bars: all gradients together
-  // within 1e-1, each tensor of at least 1024 elements within 1.5e-1. Small tensors (mHC base and
-  // scale, A_log: a few to a few hundred sums over all tokens, where cancellation makes the
-  // relative error meaningless) are printed and held by the global bar; their op-level tests hold
-  // them tightly.
-  compare_gradients(both.cpu_grads, both.gpu_grads, 1.5e-1, 0, 1e-1);
+  // gradients land several percent from the f32 step: on the H200 (2026-11-29) 1.5e-2 .. 9.5e-2
+  // per tensor and 4.6e-2 .. 8.7e-2 for all of them together over five seeds, against 1e-3 ..
+  // 1e-2 for a single op (test_cuda_dispatch, test_cuda_ops_*). The first KDA layer's q and k
+  // projections (and the conv before them) go furthest: the L2 norm's backward keeps only the
+  // part of dq, dk across q, k, which can be a small part, so their relative error grows; at seed
+  // 3409662483 they measured 1.2e-1 .. 1.85e-1 with every version of the KDA kernels, those with
+  // bf16-operand products and those without. The bars: all gradients together within 1e-1, each
+  // tensor of at least 1024 elements within 2.5e-1 (a wrong gradient lands near 1 or above).
+  // Small tensors (mHC base and scale, A_log: a few to a few hundred sums over all tokens, where
+  // cancellation makes the relative error meaningless) are printed and held by the global bar;
+  // their op-level tests hold them tightly.
+  compare_gradients(both.cpu_grads, both.gpu_grads, 2.5e-1, 0, 1e-1);
 
   // A rerun on the GPU gives the same bits (deterministic mode is the only mode).
   TextGrads again = TextGrads::zeros_like(both.gpu.weights());

@@ -16,8 +16,10 @@
 // chunks of 16 tokens (any chunk size computes the same function; the CPU reference uses 64) on
 // the tensor cores: a token-parallel kernel forms each chunk's local quantities, a kernel per
 // (head, document) walks the chunks carrying the 128×128 state in MMA accumulators, and the
-// backward walks them in reverse carrying d S. The kernel overview, the notation and the
-// workspace sizes are at the top of kda_core.cu.
+// backward walks them in reverse carrying d S. In bf16 storage its large products take bf16
+// operands with fp32 accumulation (dg and dβ within about 2e-3 rel L2 of the f32 CPU op); the
+// f32 mode splits every operand into two bf16 parts (about 1e-5). The kernel overview, the
+// notation and the workspace sizes are at the top of kda_core.cu.
 
 #include <cuda_runtime.h>
 
@@ -66,7 +68,8 @@ ops::RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x
                                                Tensor* grad_weight, cudaStream_t stream = nullptr);
 
 // The chunk-local quantities kda_chunked forms before its walk (per chunk of 16 tokens and head:
-// W, U, qd, kdec, A, e^{Γ_last}, (I + L)^{-1}; 34.5 KB, so 2.3 GB at T = 16384 with 64 heads).
+// W, U, qd, kdec, A, e^{Γ_last}, (I + L)^{-1}; 22 KB in bf16, so 1.5 GB at T = 16384 with 64
+// heads; 34.5 KB in the f32 mode).
 // kda_chunked fills one when given it; kda_chunked_backward of the same inputs then reads them
 // instead of forming them again. Memory for time: the caller decides whether to hold it.
 struct KdaChunkCache {

@@ -8,8 +8,8 @@
 //
 // Four kernels, two token-parallel and two that walk a document's chunks in order:
 //   prep       one block per (chunk, head), 68 KB of shared memory (three blocks per SM): the
-//              chunk-local quantities W, qd, kdec, A as bf16 hi/lo pairs, U, e^{Γ_last} and (for
-//              the backward) Tm in f32. L = kb kᵀ and A = qc kᵀ with the per-element decay
+//              chunk-local quantities W, qd, kdec, A in bf16 (hi/lo pairs in the f32 mode), U,
+//              e^{Γ_last} and (for the backward) Tm in f32. L = kb kᵀ and A = qc kᵀ with the per-element decay
 //              e^{Γ_i − Γ_j} run as MMAs on the factorised decay (below); U = Tm vb and
 //              W = Tm kbe as MMAs; the 16×16 substitution in fp32 on one warp, a column per lane.
 //   state_fwd  one block per (head, document, value slice), a warp per 16 value rows of Sᵀ (fp32
@@ -41,15 +41,17 @@
 // whose |Γ − ref| exceeds kMaxExp anywhere (the gate's lower bound −5 keeps real chunks inside)
 // takes the exact per-element fp32 path instead, decided per block, so any gate stays correct.
 // The backward runs state_fwd again (the replay), and prep too unless the caller kept the
-// forward's prep output (KdaChunkCache). Workspace per (chunk, head): prep 34.5 KB; the backward
-// adds S0ᵀ in f32 (64 KB per chunk, or per pair of chunks) and Vnᵀ, dVnᵀ, d kdec, e^{Γ_last}
-// ⟨d S1, S0⟩ (24.5 KB, plus 8.5 KB per further value slice): about 2.3 GB forward and 6.0 GB
-// backward (8.1 GB with a state per chunk) at T = 16384, H = 64.
-// Matrix products run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) with
-// every fp32 operand split into a bf16 hi part and a bf16 lo part (the rounding error of hi):
-// hi·hi + hi·lo + lo·hi keeps about 16 bits of every operand, so the f32 mode and the f32 outputs
-// (dg, dβ) keep fp32-like accuracy. Every sum has a fixed order: no atomics, bit-identical
-// reruns.
+// forward's prep output (KdaChunkCache). Workspace per (chunk, head): prep 22 KB (34.5 KB in the
+// f32 mode); the backward adds S0ᵀ in f32 (64 KB per chunk, or per pair of chunks) and Vnᵀ,
+// dVnᵀ, d kdec, e^{Γ_last} ⟨d S1, S0⟩ (24.5 KB, plus 8.5 KB per further value slice): about
+// 1.5 GB forward and 6.0 GB backward (8.1 GB with a state per chunk) at T = 16384, H = 64, bf16.
+// Matrix products run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). In bf16
+// storage the walks' products and bwd_chunk's products over the key and value dims take bf16
+// operands (fp32 values rounded once; the state and every sum stay fp32), as bf16 chunked
+// delta-rule kernels commonly do; prep's products and bwd_chunk's decay products keep the split
+// below. In the f32 mode every fp32 operand is split into a bf16 hi part and a bf16 lo part (the
+// rounding error of hi): hi·hi + hi·lo + lo·hi keeps about 16 bits of every operand, so it keeps
+// fp32-like accuracy. Every sum has a fixed order: no atomics, bit-identical reruns.
 
 #include <array>
 #include <type_traits>
@@ -84,6 +86,15 @@ using namespace tc;
 // a chunk's span under 80, so real chunks take the MMA path; any wider chunk (any gate) takes the
 // exact per-element path.
 constexpr float kMaxExp = 40.0f;
+
+// The operand precision of the walks' products and of bwd_chunk's products over the key and value
+// dims. The f32 mode carries every fp32 operand as a bf16 hi + lo pair (three MMAs, about 16
+// bits each); the bf16 mode takes bf16 operands (the hi part alone: one MMA, fp32 accumulation,
+// the state itself still fp32 in the accumulators). A walk's per-chunk latency is its time at few
+// documents, and a third of the MMAs shortens each chunk's dependent chain to a third; prep then
+// writes no lo tiles (22 instead of 34.5 KB per chunk and head).
+template <typename T>
+constexpr bool kWalkSplit = std::is_same_v<T, float>;
 
 // ---- chunk bookkeeping ------------------------------------------------------------------------
 
@@ -161,7 +172,8 @@ struct Local {
 };
 
 // What prep hands to the state kernels, chunk-major: element (chunk s, head h) starts at
-// (s·H + h)·size. The bf16 tiles are hi/lo pairs of the f32 values.
+// (s·H + h)·size. The bf16 tiles are the f32 values rounded (hi), with their rounding errors (lo)
+// in the f32 mode only (null otherwise).
 struct Prep {
   bf16 *w_hi, *w_lo;    // W [C][K]
   bf16 *qd_hi, *qd_lo;  // qd [C][K]
@@ -172,11 +184,12 @@ struct Prep {
   float* tm;            // Tm [C][C], for the backward
 };
 
-// Stores x as a bf16 hi/lo pair.
+// Stores x as a bf16 hi/lo pair (the hi part alone without kLo).
+template <bool kLo>
 __device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int64_t off, float x) {
   const bf16 h = __float2bfloat16_rn(x);
   hi[off] = h;
-  lo[off] = __float2bfloat16_rn(x - __bfloat162float(h));
+  if constexpr (kLo) lo[off] = __float2bfloat16_rn(x - __bfloat162float(h));
 }
 
 // One block per (chunk, head): the chunk-local tiles that do not depend on the state, the 16×16
@@ -231,8 +244,8 @@ __global__ void __launch_bounds__(kCT, 3)
     const float kb = kv * t.beta[i];
     t.kbe[i * kLd + a] = kb * eg;
     const int64_t off = sh * kTile + idx;
-    put_split(p.qd_hi, p.qd_lo, off, qv * eg);
-    put_split(p.kd_hi, p.kd_lo, off, kv * __expf(gl - gm));
+    put_split<kWalkSplit<T>>(p.qd_hi, p.qd_lo, off, qv * eg);
+    put_split<kWalkSplit<T>>(p.kd_hi, p.kd_lo, off, kv * __expf(gl - gm));
     const float d = gm - 0.5f * (t.gam[a] + gl);
     wide |= !(fabsf(d) <= kMaxExp);  // NaN too
     const float eu = __expf(d), ed = __expf(-d);
@@ -313,7 +326,7 @@ __global__ void __launch_bounds__(kCT, 3)
     uint32_t hi, lo;
     split2(t.ain[idx], t.ain[idx + 1], hi, lo);
     *reinterpret_cast<uint32_t*>(p.a_hi + sh * kC * kC + idx) = hi;
-    *reinterpret_cast<uint32_t*>(p.a_lo + sh * kC * kC + idx) = lo;
+    if (kWalkSplit<T>) *reinterpret_cast<uint32_t*>(p.a_lo + sh * kC * kC + idx) = lo;
   }
   __syncthreads();
   if (tid < kC * kC) p.tm[sh * kC * kC + tid] = t.tri[tid];
@@ -338,7 +351,7 @@ __global__ void __launch_bounds__(kCT, 3)
       uint32_t hi, lo;
       split2(cw4[2 * half], cw4[2 * half + 1], hi, lo);
       *reinterpret_cast<uint32_t*>(p.w_hi + off) = hi;
-      *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
+      if (kWalkSplit<T>) *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
     }
   }
 }
@@ -369,23 +382,25 @@ __device__ __forceinline__ void stage_tile(bf16* dst, const bf16* src) {
   }
 }
 // kWithU: U (the forward walk), only the value columns [e0, e0 + kNT / 2) its block walks;
-// kWithQA: qd and A (every walk but the backward's replay, which forms no output). kNT threads.
-template <bool kWithU, bool kWithQA, int kNT, typename S>
+// kWithQA: qd and A (every walk but the backward's replay, which forms no output); kLo: the lo
+// parts of the bf16 tiles (the walks of the f32 mode). kNT threads.
+template <bool kWithU, bool kWithQA, bool kLo, int kNT, typename S>
 __device__ void stage_load(S& st, const Prep& p, int64_t sh, int e0) {
   const int tid = threadIdx.x;
   stage_tile<kNT>(st.w_hi, p.w_hi + sh * kTile);
-  stage_tile<kNT>(st.w_lo, p.w_lo + sh * kTile);
+  if constexpr (kLo) stage_tile<kNT>(st.w_lo, p.w_lo + sh * kTile);
   if constexpr (kWithQA) {
     stage_tile<kNT>(st.qd_hi, p.qd_hi + sh * kTile);
-    stage_tile<kNT>(st.qd_lo, p.qd_lo + sh * kTile);
+    if constexpr (kLo) stage_tile<kNT>(st.qd_lo, p.qd_lo + sh * kTile);
   }
   stage_tile<kNT>(st.kd_hi, p.kd_hi + sh * kTile);
-  stage_tile<kNT>(st.kd_lo, p.kd_lo + sh * kTile);
+  if constexpr (kLo) stage_tile<kNT>(st.kd_lo, p.kd_lo + sh * kTile);
   // 16-byte pieces: A's hi and lo rows (32 each, with kWithQA), then e^{Γ_last} (32).
   constexpr int kFirst = kWithQA ? 0 : 64;
 #pragma unroll
   for (int j = kFirst; j < 96; j += kNT) {
     const int piece = j + tid;
+    if (!kLo && piece >= 32 && piece < 64) continue;
     if (piece < 64) {
       const int r = (piece & 31) >> 1, col = (piece & 1) * 8;
       if (piece < 32)
@@ -421,6 +436,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stages = reinterpret_cast<Stage*>(smem_raw);
   constexpr int kNT = 32 * kWarps;
+  constexpr bool kSplit = kWalkSplit<T>;
   // One slice (kWarps = 8) starts at row 0: a constant keeps the registers of the unsliced walk.
   const int h = blockIdx.x, doc = blockIdx.y, e0 = kWarps == 8 ? 0 : 16 * kWarps * int(blockIdx.z);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -431,13 +447,13 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
   constexpr bool kOut = !kStore;  // the backward's replay forms no output
-  if (nch > 0) stage_load<true, kOut, kNT>(stages[0], p, int64_t(first) * heads + h, e0);
+  if (nch > 0) stage_load<true, kOut, kSplit, kNT>(stages[0], p, int64_t(first) * heads + h, e0);
   cp_async_commit();
   for (int c = 0; c < nch; ++c) {
     const int64_t sh = int64_t(first + c) * heads + h, c0 = start + int64_t(c) * kC;
     const int n = int(end - c0 < kC ? end - c0 : kC);
     if (c + 1 < nch) {
-      stage_load<true, kOut, kNT>(stages[(c + 1) & 1], p, sh + heads, e0);
+      stage_load<true, kOut, kSplit, kNT>(stages[(c + 1) & 1], p, sh + heads, e0);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -462,16 +478,9 @@ __global__ void __launch_bounds__(32 * kWarps)
       const FragA sa = frag_from_acc(s[2 * kk], s[2 * kk + 1], 1.0f);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        FragB bw;
-        lds_b_nk(st.w_hi, kTs, 8 * nt, 16 * kk, bw.hi);
-        lds_b_nk(st.w_lo, kTs, 8 * nt, 16 * kk, bw.lo);
-        mma3(vn[nt], sa, bw);
-        if constexpr (kOut) {
-          FragB bq;
-          lds_b_nk(st.qd_hi, kTs, 8 * nt, 16 * kk, bq.hi);
-          lds_b_nk(st.qd_lo, kTs, 8 * nt, 16 * kk, bq.lo);
-          mma3(o[nt], sa, bq);
-        }
+        mma_x<kSplit>(vn[nt], sa, lds_b_nk_x<kSplit>(st.w_hi, st.w_lo, kTs, 8 * nt, 16 * kk));
+        if constexpr (kOut)
+          mma_x<kSplit>(o[nt], sa, lds_b_nk_x<kSplit>(st.qd_hi, st.qd_lo, kTs, 8 * nt, 16 * kk));
       }
     }
 #pragma unroll
@@ -485,12 +494,8 @@ __global__ void __launch_bounds__(32 * kWarps)
     const FragA fv = frag_from_acc(vn[0], vn[1], 1.0f);
     if constexpr (kOut) {
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        FragB ba;
-        lds_b_nk(st.a_hi, kAs, 8 * nt, 0, ba.hi);
-        lds_b_nk(st.a_lo, kAs, 8 * nt, 0, ba.lo);
-        mma3(o[nt], fv, ba);
-      }
+      for (int nt = 0; nt < 2; ++nt)
+        mma_x<kSplit>(o[nt], fv, lds_b_nk_x<kSplit>(st.a_hi, st.a_lo, kAs, 8 * nt, 0));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -512,8 +517,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
       FragB b0, b1;
-      ldsm_b_kn(st.kd_hi, kTs, 0, 16 * np, b0.hi, b1.hi);
-      ldsm_b_kn(st.kd_lo, kTs, 0, 16 * np, b0.lo, b1.lo);
+      ldsm_b_kn_x<kSplit>(st.kd_hi, st.kd_lo, kTs, 0, 16 * np, b0, b1);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int a = 16 * np + 8 * j + 2 * t4;
@@ -523,8 +527,8 @@ __global__ void __launch_bounds__(32 * kWarps)
         s[2 * np + j][2] *= e0;
         s[2 * np + j][3] *= e1;
       }
-      mma3(s[2 * np], fv, b0);
-      mma3(s[2 * np + 1], fv, b1);
+      mma_x<kSplit>(s[2 * np], fv, b0);
+      mma_x<kSplit>(s[2 * np + 1], fv, b1);
     }
     __syncthreads();  // the stage is refilled by the next iteration's prefetch
   }
@@ -573,6 +577,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   StageBwd* stages = sm.stages;
   constexpr int kNT = 32 * kWarps, kRows = 16 * kWarps;  // threads, value rows of the slice
+  constexpr bool kSplit = kWalkSplit<T>;
   const int h = blockIdx.x, doc = blockIdx.y, z = kWarps == 8 ? 0 : int(blockIdx.z), e0 = kRows * z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int eb = e0 + 16 * warp;
@@ -604,7 +609,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
       uint32_t hi, lo;
       split2(xo[j], xo[j + 1], hi, lo);
       *reinterpret_cast<uint32_t*>(st.x_hi + xr * kTs + xc + j) = hi;
-      *reinterpret_cast<uint32_t*>(st.x_lo + xr * kTs + xc + j) = lo;
+      if constexpr (kSplit) *reinterpret_cast<uint32_t*>(st.x_lo + xr * kTs + xc + j) = lo;
     }
   };
   // Chunk c's stored entry-state rows [e0, e0 + kRows) into s0[c & 1] (kStageS0).
@@ -622,15 +627,15 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   auto load_before = [&](int c) {
     const int64_t shb = int64_t(first + c) * heads + h;
     stage_tile<kNT>(sm.kdb_hi, p.kd_hi + shb * kTile);
-    stage_tile<kNT>(sm.kdb_lo, p.kd_lo + shb * kTile);
+    if constexpr (kSplit) stage_tile<kNT>(sm.kdb_lo, p.kd_lo + shb * kTile);
     if (tid < 32) cp_async16(sm.eglb + tid * 4, p.egl + shb * kK + tid * 4);
   };
   float ds[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
   if (nch > 0) {
-    stage_load<false, true, kNT>(stages[(nch - 1) & 1], p, int64_t(first + nch - 1) * heads + h,
-                                 e0);
+    stage_load<false, true, kSplit, kNT>(stages[(nch - 1) & 1], p,
+                                         int64_t(first + nch - 1) * heads + h, e0);
     if (kPairs && ((nch - 1) & 1)) load_before(nch - 2);
     stage_s0(nch - 1);
     fetch_dout(nch - 1);
@@ -650,7 +655,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     // previous stage; the next odd chunk's go with this one).
     const bool rebuild = kPairs && (c & 1);
     if (c > 0) {
-      stage_load<false, true, kNT>(stages[(c - 1) & 1], p, sh - heads, e0);
+      stage_load<false, true, kSplit, kNT>(stages[(c - 1) & 1], p, sh - heads, e0);
       if (kPairs && c >= 2 && ((c - 1) & 1)) load_before(c - 2);
       stage_s0(c - 1);
       cp_async_commit();
@@ -713,8 +718,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
       }
       if (rebuild) {
         FragB b0, b1;
-        ldsm_b_kn(sm.kdb_hi, kTs, 0, 16 * grp, b0.hi, b1.hi);
-        ldsm_b_kn(sm.kdb_lo, kTs, 0, 16 * grp, b0.lo, b1.lo);
+        ldsm_b_kn_x<kSplit>(sm.kdb_hi, sm.kdb_lo, kTs, 0, 16 * grp, b0, b1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int a = 16 * grp + 8 * j + 2 * t4;
@@ -724,17 +728,13 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
           sv[j][2] *= e0;
           sv[j][3] *= e1;
         }
-        mma3(sv[0], fvb, b0);
-        mma3(sv[1], fvb, b1);
+        mma_x<kSplit>(sv[0], fvb, b0);
+        mma_x<kSplit>(sv[1], fvb, b1);
       }
       const FragA fa = frag_from_acc(ds[2 * grp], ds[2 * grp + 1], 1.0f);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        FragB b;
-        lds_b_nk(st.kd_hi, kTs, 8 * nt, 16 * grp, b.hi);
-        lds_b_nk(st.kd_lo, kTs, 8 * nt, 16 * grp, b.lo);
-        mma3(dvn[nt], fa, b);
-      }
+      for (int nt = 0; nt < 2; ++nt)
+        mma_x<kSplit>(dvn[nt], fa, lds_b_nk_x<kSplit>(st.kd_hi, st.kd_lo, kTs, 8 * nt, 16 * grp));
       float part[2][4] = {};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -754,9 +754,11 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
         FragB b;
         b.hi[0] = mov_trans(fa.hi[2 * j]);
         b.hi[1] = mov_trans(fa.hi[2 * j + 1]);
-        b.lo[0] = mov_trans(fa.lo[2 * j]);
-        b.lo[1] = mov_trans(fa.lo[2 * j + 1]);
-        mma3(part[j], fvn, b);
+        if constexpr (kSplit) {
+          b.lo[0] = mov_trans(fa.lo[2 * j]);
+          b.lo[1] = mov_trans(fa.lo[2 * j + 1]);
+        }
+        mma_x<kSplit>(part[j], fvn, b);
       }
       float* red = sm.red[grp & 1][warp];
 #pragma unroll
@@ -801,12 +803,11 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     {
       FragA fo;
       ldsm_a_km(st.x_hi, kTs, 0, eb, fo.hi);
-      ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
+      if constexpr (kSplit) ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
       FragB b0, b1;
-      ldsm_b_kn(st.a_hi, kAs, 0, 0, b0.hi, b1.hi);
-      ldsm_b_kn(st.a_lo, kAs, 0, 0, b0.lo, b1.lo);
-      mma3_stored_a<T>(dvn[0], fo, b0);
-      mma3_stored_a<T>(dvn[1], fo, b1);
+      ldsm_b_kn_x<kSplit>(st.a_hi, st.a_lo, kAs, 0, 0, b0, b1);
+      mma_x<kSplit>(dvn[0], fo, b0);
+      mma_x<kSplit>(dvn[1], fo, b1);
     }
     {
       float* dst = dvnt + sh * kTile;
@@ -821,15 +822,13 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     // d Sᵀ ← d Sᵀ ⊙ e^{Γ_last} + dOᵀ qd − dVnᵀ W.
     FragA fo;
     ldsm_a_km(st.x_hi, kTs, 0, eb, fo.hi);
-    ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
+    if constexpr (kSplit) ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
     const FragA fv = frag_from_acc(dvn[0], dvn[1], -1.0f);
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
       FragB q0, q1, w0, w1;
-      ldsm_b_kn(st.qd_hi, kTs, 0, 16 * np, q0.hi, q1.hi);
-      ldsm_b_kn(st.qd_lo, kTs, 0, 16 * np, q0.lo, q1.lo);
-      ldsm_b_kn(st.w_hi, kTs, 0, 16 * np, w0.hi, w1.hi);
-      ldsm_b_kn(st.w_lo, kTs, 0, 16 * np, w0.lo, w1.lo);
+      ldsm_b_kn_x<kSplit>(st.qd_hi, st.qd_lo, kTs, 0, 16 * np, q0, q1);
+      ldsm_b_kn_x<kSplit>(st.w_hi, st.w_lo, kTs, 0, 16 * np, w0, w1);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int a = 16 * np + 8 * j + 2 * t4;
@@ -839,10 +838,10 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
         ds[2 * np + j][2] *= e0;
         ds[2 * np + j][3] *= e1;
       }
-      mma3_stored_a<T>(ds[2 * np], fo, q0);
-      mma3_stored_a<T>(ds[2 * np + 1], fo, q1);
-      mma3(ds[2 * np], fv, w0);
-      mma3(ds[2 * np + 1], fv, w1);
+      mma_x<kSplit>(ds[2 * np], fo, q0);
+      mma_x<kSplit>(ds[2 * np + 1], fo, q1);
+      mma_x<kSplit>(ds[2 * np], fv, w0);
+      mma_x<kSplit>(ds[2 * np + 1], fv, w1);
     }
     __syncthreads();  // the other stage is refilled next; this one's dO is rewritten after
     if (c > 0) put_dout(stages[(c - 1) & 1]);
@@ -896,6 +895,7 @@ __global__ void __launch_bounds__(kCT, 2)
                          float* __restrict__ dbeta) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem& sm = *reinterpret_cast<BwdSmem*>(smem_raw);
+  constexpr bool kSplit = kWalkSplit<T>;
   const int slot = blockIdx.x, h = blockIdx.y;
   int64_t c0 = 0;
   int n = 0, doc = 0;
@@ -914,7 +914,7 @@ __global__ void __launch_bounds__(kCT, 2)
       prefetch_l2(dkdg + z * kd_stride + sh * kTile, kTile * sizeof(float));
     prefetch_l2(p.u + sh * kTile, kTile * sizeof(float));
     prefetch_l2(p.w_hi + sh * kTile, kTile * sizeof(bf16));
-    prefetch_l2(p.w_lo + sh * kTile, kTile * sizeof(bf16));
+    if (kSplit) prefetch_l2(p.w_lo + sh * kTile, kTile * sizeof(bf16));
   } else if (tid >= 32 && tid < 32 + n) {  // the v rows of phase 5
     prefetch_l2(v + ((c0 + tid - 32) * heads + h) * kK, kK * sizeof(T));
   }
@@ -923,7 +923,7 @@ __global__ void __launch_bounds__(kCT, 2)
   auto put = [&sm](int m, int i, int e, float x) {
     const bf16 hi = __float2bfloat16_rn(x);
     sm.xs[2 * m][i * kTs + e] = hi;
-    sm.xs[2 * m + 1][i * kTs + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
+    if (kSplit) sm.xs[2 * m + 1][i * kTs + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
   };
   for (int idx = tid; idx < kTile; idx += kCT) {
     const int i = idx / kK, a = idx % kK;
@@ -965,12 +965,9 @@ __global__ void __launch_bounds__(kCT, 2)
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       FragA fa;
-      FragB fb;
       lds_a_mk(sm.xs[2], kTs, 0, 16 * kk, fa.hi);
-      lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
-      lds_b_nk(sm.xs[0], kTs, n0, 16 * kk, fb.hi);
-      lds_b_nk(sm.xs[1], kTs, n0, 16 * kk, fb.lo);
-      mma3_stored_a<T>(c, fa, fb);
+      if constexpr (kSplit) lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
+      mma_x<kSplit>(c, fa, lds_b_nk_x<kSplit>(sm.xs[0], sm.xs[1], kTs, n0, 16 * kk));
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -985,12 +982,8 @@ __global__ void __launch_bounds__(kCT, 2)
     for (int kk = 0; kk < 8; ++kk) {
       FragA fa;
       lds_a_mk(sm.xs[2 + 2 * m], kTs, 0, 16 * kk, fa.hi);
-      lds_a_mk(sm.xs[3 + 2 * m], kTs, 0, 16 * kk, fa.lo);
-      const FragB fb = load_b_f32(vnb, kC, 16 * kk, 8 * nt);
-      if (m == 0)
-        mma3_stored_a<T>(c, fa, fb);
-      else
-        mma3(c, fa, fb);
+      if constexpr (kSplit) lds_a_mk(sm.xs[3 + 2 * m], kTs, 0, 16 * kk, fa.lo);
+      mma_x<kSplit>(c, fa, load_b_f32(vnb, kC, 16 * kk, 8 * nt));
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -1013,11 +1006,11 @@ __global__ void __launch_bounds__(kCT, 2)
     const FragB bs0 = frag_b(x0);
     FragA fa;
     lds_a_mk(sm.xs[2], kTs, 0, 16 * kk, fa.hi);
-    lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
-    mma3_stored_a<T>(dqd, fa, bs0);
+    if constexpr (kSplit) lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
+    mma_x<kSplit>(dqd, fa, bs0);
     lds_a_mk(sm.xs[4], kTs, 0, 16 * kk, fa.hi);
-    lds_a_mk(sm.xs[5], kTs, 0, 16 * kk, fa.lo);
-    mma3(dwa, fa, bs0);
+    if constexpr (kSplit) lds_a_mk(sm.xs[5], kTs, 0, 16 * kk, fa.lo);
+    mma_x<kSplit>(dwa, fa, bs0);
   }
   if (rebuild) {
     const int64_t shb = sh - heads;
@@ -1032,11 +1025,13 @@ __global__ void __launch_bounds__(kCT, 2)
     const int64_t kb = shb * kTile + int64_t(2 * t4) * kK + n0 + gg;
     bk.hi[0] = pack2(p.kd_hi[kb], p.kd_hi[kb + kK]);
     bk.hi[1] = pack2(p.kd_hi[kb + 8 * kK], p.kd_hi[kb + 9 * kK]);
-    bk.lo[0] = pack2(p.kd_lo[kb], p.kd_lo[kb + kK]);
-    bk.lo[1] = pack2(p.kd_lo[kb + 8 * kK], p.kd_lo[kb + 9 * kK]);
+    if constexpr (kSplit) {
+      bk.lo[0] = pack2(p.kd_lo[kb], p.kd_lo[kb + kK]);
+      bk.lo[1] = pack2(p.kd_lo[kb + 8 * kK], p.kd_lo[kb + 9 * kK]);
+    }
     __syncthreads();  // dO Vn'ᵀ and dVn Vn'ᵀ
-    mma3(dqd, load_a_f32(sm.dlp[0], kC, 1), bk);
-    mma3(dwa, load_a_f32(sm.dlp[1], kC, 1), bk);
+    mma_x<kSplit>(dqd, load_a_f32(sm.dlp[0], kC, 1), bk);
+    mma_x<kSplit>(dwa, load_a_f32(sm.dlp[1], kC, 1), bk);
   }
   // Through kdec = k e^{Γ_last − Γ} and qd = qc e^Γ; the accumulators of dq, dk and dΓ start here.
   float dqa[4], dka[4], dgm[4], tsum[2] = {0.0f, 0.0f};
@@ -1073,20 +1068,20 @@ __global__ void __launch_bounds__(kCT, 2)
     const FragA ta = load_a_f32(sm.tm, 1, kC);
     FragB bv;
     ldsm_b_kn8(sm.xs[4], kTs, n0, bv.hi);
-    ldsm_b_kn8(sm.xs[5], kTs, n0, bv.lo);
+    if constexpr (kSplit) ldsm_b_kn8(sm.xs[5], kTs, n0, bv.lo);
     const FragB bw = load_b_f32(sm.scr, kLd, 0, n0);
-    mma3(dvb, ta, bv);
-    mma3(dkbe, ta, bw);
+    mma_x<kSplit>(dvb, ta, bv);
+    mma_x<kSplit>(dkbe, ta, bw);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = gg + 8 * half, a = n0 + 2 * t4;
       uint32_t hi, lo;
       split2(dvb[2 * half], dvb[2 * half + 1], hi, lo);
       *reinterpret_cast<uint32_t*>(&sm.dx[0][i * kTs + a]) = hi;
-      *reinterpret_cast<uint32_t*>(&sm.dx[1][i * kTs + a]) = lo;
+      if (kSplit) *reinterpret_cast<uint32_t*>(&sm.dx[1][i * kTs + a]) = lo;
       split2(dkbe[2 * half], dkbe[2 * half + 1], hi, lo);
       *reinterpret_cast<uint32_t*>(&sm.dx[2][i * kTs + a]) = hi;
-      *reinterpret_cast<uint32_t*>(&sm.dx[3][i * kTs + a]) = lo;
+      if (kSplit) *reinterpret_cast<uint32_t*>(&sm.dx[3][i * kTs + a]) = lo;
     }
   }
   __syncthreads();
@@ -1097,17 +1092,16 @@ __global__ void __launch_bounds__(kCT, 2)
     for (int kk = 0; kk < 8; ++kk) {
       FragA fa;
       lds_a_mk(sm.dx[2 * prod], kTs, 0, 16 * kk, fa.hi);
-      lds_a_mk(sm.dx[2 * prod + 1], kTs, 0, 16 * kk, fa.lo);
+      if constexpr (kSplit) lds_a_mk(sm.dx[2 * prod + 1], kTs, 0, 16 * kk, fa.lo);
       FragB fb;
       if (prod == 0) {
         const float* pu = p.u + sh * kTile + (8 * nt + gg) * kK + 16 * kk + 2 * t4;
         const float x[4] = {pu[0], pu[1], pu[8], pu[9]};
         fb = frag_b(x);
       } else {
-        lds_b_nk(p.w_hi + sh * kTile, kK, 8 * nt, 16 * kk, fb.hi);
-        lds_b_nk(p.w_lo + sh * kTile, kK, 8 * nt, 16 * kk, fb.lo);
+        fb = lds_b_nk_x<kSplit>(p.w_hi + sh * kTile, p.w_lo + sh * kTile, kK, 8 * nt, 16 * kk);
       }
-      mma3(c, fa, fb);
+      mma_x<kSplit>(c, fa, fb);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -1291,7 +1285,13 @@ struct Workspace {
   Prep p{};
 };
 
-// Points w.p into w.tiles and w.f32s.
+// bf16 elements of prep's tiles per (chunk, head): W, qd, kdec and A, with their lo parts only
+// where the kernels read them (the f32 mode).
+template <typename T>
+constexpr int kPrepTiles = (kWalkSplit<T> ? 2 : 1) * (3 * kTile + kC * kC);
+
+// Points w.p into w.tiles and w.f32s (the lo tiles null where none are kept).
+template <typename T>
 void bind_prep(Workspace& w, int heads) {
   const int64_t sh = w.slots * heads;
   bf16* b = mptr<bf16>(w.tiles);
@@ -1300,14 +1300,15 @@ void bind_prep(Workspace& w, int heads) {
     b += sh * n;
     return r;
   };
+  auto take_lo = [&take](int64_t n) { return kWalkSplit<T> ? take(n) : nullptr; };
   w.p.w_hi = take(kTile);
-  w.p.w_lo = take(kTile);
+  w.p.w_lo = take_lo(kTile);
   w.p.qd_hi = take(kTile);
-  w.p.qd_lo = take(kTile);
+  w.p.qd_lo = take_lo(kTile);
   w.p.kd_hi = take(kTile);
-  w.p.kd_lo = take(kTile);
+  w.p.kd_lo = take_lo(kTile);
   w.p.a_hi = take(kC * kC);
-  w.p.a_lo = take(kC * kC);
+  w.p.a_lo = take_lo(kC * kC);
   w.p.u = w.f32s.data<float>();
   w.p.egl = w.p.u + sh * kTile;
   w.p.tm = w.p.egl + sh * kK;
@@ -1322,9 +1323,9 @@ Workspace run_prep(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   w.slots = a.tokens / kC + a.ndoc;
   const int64_t sh = w.slots * a.heads;
   w.dc = Tensor::empty({2 * (int64_t(a.ndoc) + 1)}, DType::i32, dev);  // dc, then pc
-  w.tiles = Tensor::empty({sh * (6 * kTile + 2 * kC * kC)}, DType::bf16, dev);
+  w.tiles = Tensor::empty({sh * int64_t(kPrepTiles<T>)}, DType::bf16, dev);
   w.f32s = Tensor::empty({sh * (kTile + kK + kC * kC)}, DType::f32, dev);
-  bind_prep(w, a.heads);
+  bind_prep<T>(w, a.heads);
   doc_chunks_kernel<<<1, 32, 0, stream>>>(cu.data<int32_t>(), a.ndoc, w.dc.data<int32_t>());
   constexpr int bytes = Local::floats() * int(sizeof(float));
   auto kernel = kda_prep_kernel<T>;
@@ -1401,7 +1402,7 @@ Workspace backward_prep(const Tensor& q, const Tensor& k, const Tensor& v, const
   w.dc = cached->chunks;
   w.tiles = cached->tiles;
   w.f32s = cached->f32s;
-  bind_prep(w, a.heads);
+  bind_prep<T>(w, a.heads);
   return w;
 }
 

@@ -51,13 +51,14 @@ __device__ __forceinline__ void mma3(float (&c)[4], const FragA& a, const FragB&
   mma(c, a.hi, b.hi);
 }
 
-// mma3 with an A operand stored in bf16 (dO in the bf16 mode): its lo part is exactly zero, so
-// the product that would add lo·hi (exact zeros) is left out and the bits equal mma3's.
-template <typename T>
-__device__ __forceinline__ void mma3_stored_a(float (&c)[4], const FragA& a, const FragB& b) {
-  mma(c, a.hi, b.lo);
-  if constexpr (!std::is_same_v<T, bf16>) mma(c, a.lo, b.hi);
-  mma(c, a.hi, b.hi);
+// c += a·b at the operand precision kSplit selects: hi + lo parts (mma3, about 16 bits each),
+// or the bf16 hi parts alone (one MMA: bf16 operands, fp32 accumulation).
+template <bool kSplit>
+__device__ __forceinline__ void mma_x(float (&c)[4], const FragA& a, const FragB& b) {
+  if constexpr (kSplit)
+    mma3(c, a, b);
+  else
+    mma(c, a.hi, b.hi);
 }
 
 // Two accumulator tiles (n-tiles 2j, 2j+1 of a product) as the A operand of the k-tile j of the
@@ -90,6 +91,13 @@ __device__ __forceinline__ void ldsm_b_kn(const bf16* tile, int ld, int k0, int 
   b1[0] = r[2];
   b1[1] = r[3];
 }
+// ldsm_b_kn from a staged hi/lo pair of tiles; the lo part only with kSplit.
+template <bool kSplit>
+__device__ __forceinline__ void ldsm_b_kn_x(const bf16* hi, const bf16* lo, int ld, int k0, int n0,
+                                            FragB& b0, FragB& b1) {
+  ldsm_b_kn(hi, ld, k0, n0, b0.hi, b1.hi);
+  if constexpr (kSplit) ldsm_b_kn(lo, ld, k0, n0, b0.lo, b1.lo);
+}
 // The A operand (rows m0.., k-tile k0) from a bf16 [k][m] tile (m contiguous).
 __device__ __forceinline__ void ldsm_a_km(const bf16* tile, int ld, int k0, int m0,
                                           uint32_t (&a)[4]) {
@@ -104,6 +112,15 @@ __device__ __forceinline__ void lds_b_nk(const bf16* tile, int ld, int n0, int k
   const bf16* p = tile + (n0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
   b[0] = *reinterpret_cast<const uint32_t*>(p);
   b[1] = *reinterpret_cast<const uint32_t*>(p + 8);
+}
+// lds_b_nk from a staged hi/lo pair of tiles; the lo part only with kSplit.
+template <bool kSplit>
+__device__ __forceinline__ FragB lds_b_nk_x(const bf16* hi, const bf16* lo, int ld, int n0,
+                                            int k0) {
+  FragB b;
+  lds_b_nk(hi, ld, n0, k0, b.hi);
+  if constexpr (kSplit) lds_b_nk(lo, ld, n0, k0, b.lo);
+  return b;
 }
 // The A operand (rows m0.., k-tile k0) from a bf16 [m][k] tile (k contiguous).
 __device__ __forceinline__ void lds_a_mk(const bf16* tile, int ld, int m0, int k0,
