@@ -11,9 +11,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -22,13 +25,16 @@
 #include "../unit/support/temp_dir.h"
 #include "dist_support.h"
 #include "glmtune/dist/fsdp.h"
+#include "glmtune/dist/sharded_optimizer.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/loss.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/tensor/allocator.h"
 #include "glmtune/train/optimizer.h"
+#include "glmtune/train/state.h"
 #include "mpi_main.h"
 
 namespace glmtune::dist {
@@ -391,6 +397,276 @@ TEST(DistFsdp, LayerOptimizerUpdatesTheSlicesAsTheUnshardedAdamW) {
       EXPECT_EQ(rel_diff(reloaded->exp_avg_sq(i), reference.exp_avg_sq(i)), 0.0)
           << layer_params[i].name;
     }
+}
+
+// Bytes of the distinct storages of the named tensors that `keep` selects and that own their memory
+// (a view of a mapped checkpoint is not allocated).
+int64_t owned_bytes(const std::vector<std::pair<std::string, Tensor>>& named,
+                    const std::function<bool(const std::string&)>& keep,
+                    std::set<const Storage*>& seen) {
+  int64_t bytes = 0;
+  for (const auto& [name, t] : named)
+    if (t.defined() && keep(name) && t.storage()->owns_memory() &&
+        seen.insert(t.storage().get()).second)
+      bytes += int64_t(t.storage()->bytes());
+  return bytes;
+}
+
+// Tensor memory allocated now and the most allocated since the last mark, relative to the mark.
+class HostBytes {
+ public:
+  HostBytes() { mark(); }
+  void mark() {
+    host_allocator().reset_peak();
+    base_ = int64_t(host_allocator().stats().allocated);
+  }
+  int64_t held() const { return int64_t(host_allocator().stats().allocated) - base_; }
+  int64_t peak() const { return int64_t(host_allocator().stats().peak_allocated) - base_; }
+
+ private:
+  int64_t base_ = 0;
+};
+
+// Start-up, resume and checkpoint save of fully sharded layers, streamed, against the whole
+// tensors they used to go through. A "run" is saved by one process (the whole parameter store and
+// the unsharded AdamW with a non-trivial state, written into each rank's own directory); then:
+//   start-up: every rank loads the store with the decoder layers deferred and reads only its
+//   slices'
+//     elements: its tensor memory stays within what it keeps (the replicated tensors, its slices,
+//     its optimizer pieces) plus one tensor, where the whole load held every decoder layer at once;
+//   resume: each rank reads its pieces of the saved optimizer state by ranges, allocating nothing
+//     beyond the state it already holds, where reading the whole state held all of it;
+//   save: rank 0 writes the model and the optimizer state from tensors gathered one at a time, its
+//     extra memory a few times the largest tensor, and the files are byte for byte the ones the
+//     single process wrote.
+// The memory is measured by the host allocator's accounting of live tensor bytes.
+TEST(DistFsdp, StartUpResumeAndSaveHoldSlicesAndOneTensorNotTheModel) {
+  ParallelContext& par = *testing::world_context();
+  Communicator& dp = par.dp();
+  const int ranks = dp.size(), me = dp.rank();
+  ASSERT_GT(ranks, 1) << "run under mpirun with 2 or 4 ranks";
+  test::TempDir dir("dist-fsdp-stream-" + std::to_string(par.rank()));
+  model::InitOptions init;
+  init.seed = 13;
+  model::write_random_checkpoint(model::ModelConfig::preset("tiny"), dir / "tiny", init);
+  const auto config = model::ModelConfig::from_file((dir / "tiny" / "config.json").string());
+  const int64_t layers = config.text().num_hidden_layers;
+  const train::AdamWConfig adamw{0.9, 0.95, 1e-8, 0.01, 1.0};
+  const auto in_layers = [&](const std::string& name) { return is_layer_name(name, layers); };
+  const auto trained = [](const model::InternalParam& p) {
+    return p.trainable && model::text::is_trainable_param(p.name);
+  };
+  const fs::path saved_model = dir / "ref" / "model", saved_optimizer = dir / "ref" / "optimizer";
+
+  // The single process's checkpoint: random moments and masters, the weights their rounding.
+  int64_t whole_state_bytes = 0, largest_tensor = 0;
+  std::vector<std::pair<std::string, Shape>> trained_shapes;
+  {
+    model::ParamStore store =
+        model::ParamStore::load(io::CheckpointReader::open(dir / "tiny"), config);
+    train::make_params_writable(store);
+    std::vector<train::NamedParam> params = train::named_params(store);
+    for (train::NamedParam& p : params) p.trainable = trained(store.param(p.name));
+    train::AdamW full(params, adamw);
+    std::mt19937_64 rng(17);
+    std::normal_distribution<float> normal(0.0f, 0.02f);
+    const auto random = [&](const Shape& shape, bool positive) {
+      std::vector<float> v(size_t(shape_numel(shape)));
+      for (float& x : v) x = positive ? std::abs(normal(rng)) : normal(rng);
+      return Tensor::from_vector(v, shape);
+    };
+    for (size_t i = 0; i < params.size(); ++i) {
+      largest_tensor = std::max(largest_tensor, params[i].value.numel());
+      if (!params[i].trainable) continue;
+      const Shape& shape = params[i].value.shape();
+      const Tensor master = random(shape, false);
+      full.set_state(i, master, random(shape, false), random(shape, true));
+      trained_shapes.emplace_back(params[i].name, shape);
+    }
+    full.set_step_count(5);
+    whole_state_bytes = full.state_bytes();
+    store.save(saved_model);
+    full.save(saved_optimizer);
+  }
+
+  // The whole load as it was: every rank built the whole model before keeping its slices.
+  HostBytes bytes;
+  int64_t whole_start_up = 0;
+  std::vector<Tensor> reference_slices;
+  {
+    model::ParamStore store =
+        model::ParamStore::load(io::CheckpointReader::open(saved_model), config);
+    train::make_params_writable(store);
+    model::text::TextModel m(store);
+    model::text::TextGrads grads = model::text::TextGrads::zeros_like(m.weights());
+    ShardedLayers fsdp(m.weights(), grads, dp);
+    std::vector<train::NamedParam> layer_params = train::named_params(store);
+    std::erase_if(layer_params, [&](const train::NamedParam& p) { return !in_layers(p.name); });
+    ShardedLayerAdamW layer_optimizer(fsdp, layer_params, adamw);
+    whole_start_up = bytes.peak();
+    for (int64_t l = 0; l < fsdp.layers(); ++l) reference_slices.push_back(fsdp.slice(l).clone());
+  }
+
+  // Streamed start-up, as the trainer does it.
+  bytes.mark();
+  std::optional<io::CheckpointReader> reader = io::CheckpointReader::open(saved_model);
+  model::ParamStore store =
+      model::ParamStore::load(*reader, config, std::nullopt, [&](const std::string& name) {
+        return in_layers(name) && !name.ends_with("e_score_correction_bias");
+      });
+  train::make_params_writable(store);
+  model::text::TextModel m(store);
+  model::text::TextGrads grads = model::text::TextGrads::zeros_like(m.weights());
+  const auto read_piece = [&](const std::string& name, int64_t begin, int64_t count) {
+    const model::InternalParam& p = store.param(name);
+    return p.deferred ? store.read_elements(*reader, name, begin, count)
+                      : p.value.reshape({-1}).narrow(0, begin, count).clone();
+  };
+  ShardedLayers fsdp(m.weights(), grads, dp,
+                     LayerSource{[&](const std::string& name) -> std::optional<Shape> {
+                                   const model::InternalParam& p = store.param(name);
+                                   return p.deferred ? std::optional(p.shape) : std::nullopt;
+                                 },
+                                 read_piece});
+  ShardedLayerAdamW layer_optimizer(fsdp, read_piece, adamw);
+  std::map<std::string, DType> dropped;
+  for (const model::InternalParam& p : store.params())
+    if (p.deferred) dropped.emplace(p.name, p.value.dtype());
+  for (const auto& [name, dtype] : dropped) store.get(name) = Tensor();
+  reader.reset();
+  const int64_t start_up_peak = bytes.peak(), start_up_held = bytes.held();
+
+  // What a rank keeps: the replicated tensors (store, model, gradients) and its decoder slices.
+  std::set<const Storage*> seen;
+  std::vector<std::pair<std::string, Tensor>> stored;
+  for (const model::InternalParam& p : store.params()) stored.emplace_back(p.name, p.value);
+  const auto everything = [](const std::string&) { return true; };
+  const int64_t replicated = owned_bytes(stored, everything, seen) +
+                             owned_bytes(m.weights().named, everything, seen) +
+                             owned_bytes(grads.named, everything, seen);
+  const int64_t slices =
+      fsdp.resident_bytes() + fsdp.gradient_bytes() + layer_optimizer.state_bytes();
+  int64_t largest_layer_tensor = 0, placeholders = 0;
+  for (int64_t l = 0; l < layers; ++l)
+    for (const ShardedLayers::Entry& e : fsdp.entries(l)) {
+      largest_layer_tensor = std::max(largest_layer_tensor, e.numel * 4);
+      placeholders += 3 * 8;  // the store's, the model's and the gradient's placeholder, at most
+    }
+  size_t layer_tensors = 0, biases = 0;
+  for (const auto& [name, t] : m.weights().named) {
+    layer_tensors += in_layers(name);
+    biases += in_layers(name) && name.ends_with("e_score_correction_bias");
+  }
+  EXPECT_EQ(dropped.size() + biases, layer_tensors)
+      << "every decoder-layer tensor but the router biases is deferred";
+  // Held after start-up: exactly what is kept (the allocator counts requested bytes).
+  EXPECT_EQ(start_up_held, replicated + slices);
+  // The peak: what is kept, the placeholders, and one tensor's piece in flight.
+  const int64_t start_up_bound = replicated + slices + placeholders + largest_layer_tensor;
+  EXPECT_LE(start_up_peak, start_up_bound);
+  EXPECT_GT(whole_start_up, start_up_bound);
+  EXPECT_GE(whole_start_up - replicated, fsdp.full_bytes() + fsdp.full_gradient_bytes())
+      << "the whole load held every decoder layer's weights and gradients (f32) at once";
+  EXPECT_LE(fsdp.resident_bytes(), fsdp.full_bytes() / ranks + layers * ranks * 4);
+  // The slices read piece by piece are the whole load's, bit for bit.
+  for (int64_t l = 0; l < layers; ++l)
+    EXPECT_EQ(rel_diff(fsdp.slice(l), reference_slices[size_t(l)]), 0.0) << "layer " << l;
+
+  // Resume: the replicated shards and the layer pieces read by ranges, then the same state loaded
+  // through a whole unsharded optimizer as it was.
+  std::vector<train::NamedParam> replicated_params = train::named_params(store);
+  std::erase_if(replicated_params, [&](const train::NamedParam& p) { return in_layers(p.name); });
+  for (train::NamedParam& p : replicated_params) p.trainable = trained(store.param(p.name));
+  ShardedAdamW replicated_optimizer(replicated_params, adamw, dp);
+  bytes.mark();
+  {
+    const train::SavedAdamWState saved = train::SavedAdamWState::open(saved_optimizer);
+    saved.check(trained_shapes);
+    replicated_optimizer.load(saved);
+    layer_optimizer.load(saved);
+  }
+  const int64_t resume_peak = bytes.peak(), resume_held = bytes.held();
+  EXPECT_EQ(resume_held, 0);
+  EXPECT_LE(resume_peak, 4096) << "a ranged read allocates no tensor";
+  int64_t whole_resume = 0;
+  {
+    bytes.mark();
+    std::vector<train::NamedParam> whole_params;
+    for (const auto& [name, shape] : trained_shapes)
+      whole_params.push_back(
+          {name,
+           Tensor::empty(shape, store.param(name).value.defined() ? store.param(name).value.dtype()
+                                                                  : dropped.at(name)),
+           true});
+    train::AdamW whole(whole_params, adamw);
+    whole.load(saved_optimizer);
+    whole_resume = bytes.peak();
+  }
+  int64_t trained_elements = 0;
+  for (const auto& [name, shape] : trained_shapes) trained_elements += shape_numel(shape);
+  EXPECT_GE(whole_resume, 12 * trained_elements) << "masters and moments of every tensor";
+
+  // Save: the weights gathered tensor by tensor into rank 0's writer, then the optimizer state.
+  const fs::path out = dir / "streamed";
+  const model::ParamStore::WholeValue whole_value = [&](const model::InternalParam& p) -> Tensor {
+    if (p.value.defined()) return p.value;
+    const Tensor whole = fsdp.gather_tensor(p.name, 0);
+    if (me != 0) return Tensor();
+    Tensor value = Tensor::empty(whole.shape(), dropped.at(p.name));
+    value.copy_(whole);
+    return value;
+  };
+  const train::WholeOptimizerState whole_state =
+      [&](const std::string& name) -> std::array<Tensor, 3> {
+    return in_layers(name) ? layer_optimizer.gather_state(name, 0)
+                           : replicated_optimizer.gather_state(name, 0);
+  };
+  ASSERT_EQ(layer_optimizer.step_count(), 5);
+  bytes.mark();
+  if (me == 0) {
+    store.save(out / "model", whole_value);
+    train::save_optimizer_state(out / "optimizer", trained_shapes, layer_optimizer.step_count(),
+                                whole_state);
+  } else {
+    store.visit_for_save(whole_value);
+    train::visit_optimizer_state(trained_shapes, whole_state);
+  }
+  const int64_t save_peak = bytes.peak();
+  // One tensor's three state vectors (f32) gathered whole, and a little: a small multiple of the
+  // largest tensor, whatever the model's size or the number of ranks.
+  const int64_t save_bound = 4 * largest_tensor * 4;
+  EXPECT_LE(save_peak, save_bound);
+  EXPECT_LT(save_bound, whole_state_bytes) << "the bound must not allow the whole state";
+  if (me == 0) {
+    const auto files_of = [](const fs::path& root) {
+      std::map<std::string, std::string> files;
+      for (const auto& entry : fs::recursive_directory_iterator(root))
+        if (entry.is_regular_file())
+          files[fs::relative(entry.path(), root).generic_string()] = test::read_text(entry.path());
+      return files;
+    };
+    for (const char* part : {"model", "optimizer"}) {
+      const auto want = files_of(dir / "ref" / part), got = files_of(out / part);
+      ASSERT_FALSE(want.empty()) << part;
+      ASSERT_EQ(got.size(), want.size()) << part;
+      for (const auto& [name, content] : want)
+        EXPECT_TRUE(got.count(name) && got.at(name) == content) << part << "/" << name;
+    }
+  }
+  ::testing::Test::RecordProperty("whole_start_up_peak", std::to_string(whole_start_up));
+  ::testing::Test::RecordProperty("streamed_start_up_peak", std::to_string(start_up_peak));
+  ::testing::Test::RecordProperty("streamed_start_up_held", std::to_string(start_up_held));
+  ::testing::Test::RecordProperty("whole_resume_peak", std::to_string(whole_resume));
+  ::testing::Test::RecordProperty("streamed_resume_peak", std::to_string(resume_peak));
+  ::testing::Test::RecordProperty("streamed_save_peak", std::to_string(save_peak));
+  if (par.is_root())
+    std::printf(
+        "fsdp over %d ranks, rank 0: start-up peak %lld bytes whole vs %lld streamed (held %lld: "
+        "%lld replicated, %lld slices); resume peak %lld whole vs %lld ranged; save peak %lld "
+        "(largest tensor %lld f32 bytes, whole optimizer state %lld)\n",
+        ranks, (long long)whole_start_up, (long long)start_up_peak, (long long)start_up_held,
+        (long long)replicated, (long long)slices, (long long)whole_resume, (long long)resume_peak,
+        (long long)save_peak, (long long)largest_tensor * 4, (long long)whole_state_bytes);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -34,7 +35,9 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/tensor/allocator.h"
 #include "glmtune/train/optimizer.h"
+#include "glmtune/train/state.h"
 #include "mpi_main.h"
 
 namespace glmtune::dist {
@@ -369,6 +372,122 @@ TEST(DistExpertParallel, EachRankHoldsItsShareOfTheExperts) {
           static_cast<long long>(whole_weights), static_cast<long long>(my_grads),
           static_cast<long long>(whole_grads), static_cast<long long>(my_state),
           static_cast<long long>(whole_state));
+  }
+}
+
+// Every file under `root` (relative name -> bytes).
+std::map<std::string, std::string> files_of(const fs::path& root) {
+  std::map<std::string, std::string> files;
+  for (const auto& entry : fs::recursive_directory_iterator(root))
+    if (entry.is_regular_file())
+      files[fs::relative(entry.path(), root).generic_string()] = test::read_text(entry.path());
+  return files;
+}
+
+// A single process's checkpoint (the whole store and the unsharded AdamW with a non-trivial
+// state) resumed with expert slices: each rank reads its pieces of the saved optimizer state by
+// ranges, allocating no tensor, and they are the saved values; saved again, the expert tensors and
+// their state gathered one at a time, rank 0's extra memory stays a small multiple of the largest
+// tensor and the files are byte for byte the single process's.
+TEST(DistExpertParallel, ResumeReadsRangesAndSaveGathersOneTensorAtATime) {
+  const int world = testing::world_context()->sizes().world;
+  for (int64_t ep_size : std::set<int64_t>{2, world}) {
+    SCOPED_TRACE("ep_size " + std::to_string(ep_size));
+    ParallelOptions options;
+    options.ep_size = ep_size;
+    options.timeout_s = 300;
+    const std::unique_ptr<ParallelContext> par = ParallelContext::create(options);
+    test::TempDir dir("dist-grad-stream-" + std::to_string(par->rank()));
+    model::InitOptions init;
+    init.seed = 9;
+    model::write_random_checkpoint(model::ModelConfig::preset("tiny"), dir / "tiny", init);
+    int64_t largest_tensor = 0, whole_state_bytes = 0;
+    std::vector<std::pair<std::string, Shape>> trained_shapes;
+    std::unique_ptr<train::AdamW> reference;
+    model::ParamStore whole_store = load_store(dir / "tiny");
+    {
+      reference = std::make_unique<train::AdamW>(trainable(whole_store));
+      std::mt19937_64 rng(23);
+      std::normal_distribution<float> normal(0.0f, 0.02f);
+      const auto random = [&](const Shape& shape, bool positive) {
+        std::vector<float> v(size_t(shape_numel(shape)));
+        for (float& x : v) x = positive ? std::abs(normal(rng)) : normal(rng);
+        return Tensor::from_vector(v, shape);
+      };
+      for (size_t i = 0; i < reference->params().size(); ++i) {
+        const train::NamedParam& p = reference->params()[i];
+        largest_tensor = std::max(largest_tensor, p.value.numel());
+        if (!p.trainable) continue;
+        reference->set_state(i, random(p.value.shape(), false), random(p.value.shape(), false),
+                             random(p.value.shape(), true));
+        trained_shapes.emplace_back(p.name, p.value.shape());
+      }
+      reference->set_step_count(3);
+      whole_state_bytes = reference->state_bytes();
+      whole_store.save(dir / "ref" / "model");
+      reference->save(dir / "ref" / "optimizer");
+    }
+    const model::text::TextModel whole(whole_store);
+    const ExpertParallel experts(par->ep(), whole.text().n_routed_experts, "test");
+    model::ParamStore store = load_store(dir / "ref" / "model", local_range(experts));
+    const LocalExperts local(store, experts);
+    ExpertAdamW expert_optimizer(local, {}, par->edp());
+    std::vector<train::NamedParam> replicated = trainable(store);
+    std::erase_if(replicated, [&](const train::NamedParam& p) { return local.holds(p.name); });
+    ShardedAdamW replicated_optimizer(replicated, {}, par->dp());
+
+    host_allocator().reset_peak();
+    const int64_t base = int64_t(host_allocator().stats().allocated);
+    {
+      const train::SavedAdamWState saved = train::SavedAdamWState::open(dir / "ref" / "optimizer");
+      saved.check(trained_shapes);
+      replicated_optimizer.load(saved);
+      expert_optimizer.load(saved);
+    }
+    const int64_t resume_peak = int64_t(host_allocator().stats().peak_allocated) - base;
+    EXPECT_EQ(int64_t(host_allocator().stats().allocated), base);
+    EXPECT_LE(resume_peak, 4096) << "a ranged read allocates no tensor";
+
+    const model::ParamStore::WholeValue whole_value = [&](const model::InternalParam& p) -> Tensor {
+      if (!local.holds(p.name)) return p.value;
+      return par->edp().rank() == 0 ? local.gather_one(p.name) : Tensor();
+    };
+    const train::WholeOptimizerState whole_state =
+        [&](const std::string& name) -> std::array<Tensor, 3> {
+      return local.holds(name) ? expert_optimizer.gather_state(name)
+                               : replicated_optimizer.gather_state(name, 0);
+    };
+    host_allocator().reset_peak();
+    const int64_t save_base = int64_t(host_allocator().stats().allocated);
+    if (par->is_root()) {
+      store.save(dir / "streamed" / "model", whole_value);
+      train::save_optimizer_state(dir / "streamed" / "optimizer", trained_shapes,
+                                  replicated_optimizer.step_count(), whole_state);
+    } else {
+      store.visit_for_save(whole_value);
+      train::visit_optimizer_state(trained_shapes, whole_state);
+    }
+    const int64_t save_peak = int64_t(host_allocator().stats().peak_allocated) - save_base;
+    // One tensor's three state vectors gathered whole (and, for an expert tensor, the slices they
+    // came from): a small multiple of the largest tensor, whatever the model's size.
+    const int64_t save_bound = 4 * largest_tensor * 4;
+    EXPECT_LT(save_bound, whole_state_bytes) << "the bound must not allow the whole state";
+    if (par->is_root()) {
+      EXPECT_LE(save_peak, save_bound);
+      for (const char* part : {"model", "optimizer"}) {
+        const auto want = files_of(dir / "ref" / part), got = files_of(dir / "streamed" / part);
+        ASSERT_FALSE(want.empty()) << part;
+        ASSERT_EQ(got.size(), want.size()) << part;
+        for (const auto& [name, content] : want)
+          EXPECT_TRUE(got.count(name) && got.at(name) == content) << part << "/" << name;
+      }
+      std::printf(
+          "ep_size %lld: resume peak %lld bytes (ranged), save peak on rank 0 %lld (largest "
+          "tensor %lld f32 bytes, whole optimizer state %lld)\n",
+          static_cast<long long>(ep_size), static_cast<long long>(resume_peak),
+          static_cast<long long>(save_peak), static_cast<long long>(largest_tensor * 4),
+          static_cast<long long>(whole_state_bytes));
+    }
   }
 }
 

@@ -5,7 +5,8 @@
 // saved at ep 1 and resumed at ep 2), and with sequence
 // parallelism (sp_size 2 at 2 ranks, dp × sp at 4 ranks; text, and vision-language data with the
 // tower split too), and with fully sharded decoder layers
-// (train.fsdp at 1, 2 and 4 ranks; saved at 2 ranks and resumed at 1 without it and at 4 with it).
+// (train.fsdp at 1, 2 and 4 ranks; saved at 2 ranks and resumed at 1 without it and at 4 with it,
+// saved by one process and resumed at 2 and 4 with it).
 // The global batch is the same in every layout: micro_packs × ranks / sp_size = 4 packs per step.
 #include <gtest/gtest.h>
 
@@ -418,6 +419,39 @@ TEST(DistTrainFsdp, SavedAtTwoRanksResumesAtOneWithoutAndAtFourWithFsdp) {
     EXPECT_NE(glmtune::test::read_text(log).find("resuming from"), std::string::npos);
     EXPECT_EQ(glmtune::test::read_text(log).find("the recipe differs"), std::string::npos);
     expect_same_steps(metrics(out), reference, 2);
+  }
+}
+
+// The other way round: a single process's checkpoint (no fsdp) resumes at 2 and 4 ranks with fsdp,
+// each rank reading only its slices of the weights and its pieces of the optimizer state from the
+// saved files, with the continuation of the uninterrupted run; the checkpoints those runs write
+// (gathered one tensor at a time) have the single process's tensors.
+TEST(DistTrainFsdp, SavedByOneProcessResumesAtTwoAndFourRanksWithFsdp) {
+  glmtune::test::TempDir dir("dist-train-fsdp-from-one");
+  const fs::path recipe = write_recipe(dir.path(), 4, 2, false);
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  const auto reference = metrics(dir / "single");
+  ASSERT_EQ(reference.size(), 4u);
+  const std::string fsdp = " --set train.fsdp=true";
+  for (int ranks : {2, 4}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks, fsdp");
+    const fs::path out = dir / ("fsdp" + std::to_string(ranks));
+    fs::create_directories(out / "checkpoints");
+    fs::copy(dir / "single/checkpoints/step-2", out / "checkpoints/step-2",
+             fs::copy_options::recursive);
+    const fs::path log = dir / ("fsdp" + std::to_string(ranks) + ".log");
+    ASSERT_EQ(train(recipe, ranks, true, out, log, 1, 1, fsdp), 0) << glmtune::test::read_text(log);
+    EXPECT_NE(glmtune::test::read_text(log).find("resuming from"), std::string::npos);
+    expect_same_steps(metrics(out), reference, 2);
+    for (const char* part : {"model", "optimizer"})
+      EXPECT_EQ(tensor_table(out / "checkpoints/step-4" / part),
+                tensor_table(dir / "single/checkpoints/step-4" / part))
+          << part;
+    const std::string rank1 = glmtune::test::read_text(out / "logs/rank-1.log");
+    EXPECT_NE(rank1.find("bytes of tensor memory allocated on this rank after start-up"),
+              std::string::npos)
+        << rank1;
   }
 }
 

@@ -82,8 +82,16 @@ void LocalExperts::gather(
   }
 }
 
-void LocalExperts::restore(model::ParamStore& store) const {
-  for (const Entry& e : entries_) store.get(e.name) = e.local;
+Tensor LocalExperts::gather_one(const std::string& name) const {
+  for (const Entry& e : entries_) {
+    if (e.name != name) continue;
+    Shape shape = e.local.shape();
+    shape[0] = experts_.experts();
+    Tensor full = Tensor::empty(shape, e.local.dtype());
+    experts_.group().all_gather(e.local, full);
+    return full;
+  }
+  throw InternalError(fmt::format("'{}' is not a routed-expert tensor of this rank", name));
 }
 
 std::vector<std::string> LocalExperts::nonfinite(
@@ -160,6 +168,30 @@ void ExpertAdamW::gather_into(train::AdamW* full) const {
     const Tensor by_kind = gathered.transpose(0, 1).contiguous().view({3, ep.size() * numel});
     full->set_state(it->second, by_kind.select(0, 0), by_kind.select(0, 1), by_kind.select(0, 2));
   }
+}
+
+std::array<Tensor, 3> ExpertAdamW::gather_state(const std::string& name) const {
+  Communicator& ep = experts_.experts().group();
+  const std::array<Tensor, 3> slice = shards_.gather_state(name, 0);
+  if (edp_.rank() != 0) return {};
+  const int64_t numel = slice[0].numel();
+  Tensor local = Tensor::empty({3, numel}, DType::f32);
+  for (int64_t kind = 0; kind < 3; ++kind) local.select(0, kind).copy_(slice[size_t(kind)]);
+  Tensor gathered = Tensor::empty({ep.size(), 3, numel}, DType::f32);
+  ep.all_gather(local, gathered);
+  if (ep.rank() != 0) return {};
+  // [rank, kind, element] -> per kind, the experts in rank order: the full tensor.
+  const Tensor by_kind = gathered.transpose(0, 1).contiguous().view({3, ep.size() * numel});
+  return {by_kind.select(0, 0), by_kind.select(0, 1), by_kind.select(0, 2)};
+}
+
+void ExpertAdamW::load(const train::SavedAdamWState& saved) {
+  // The slice is experts [first, first + local) of the saved tensor: its flattened elements start
+  // `first` experts in.
+  const int64_t first = experts_.experts().first_expert(),
+                local = experts_.experts().local_experts();
+  shards_.load(saved,
+               [&](const train::NamedParam& p) { return first * (p.value.numel() / local); });
 }
 
 void ExpertAdamW::load(const train::AdamW& full) {

@@ -19,10 +19,12 @@
 // norm joins the replicated optimizer's norm sum over dp, where every (ep index, edp rank) pair
 // appears once: each expert element is counted exactly once in the global norm.
 //
-// Checkpoints keep the released layout: the slices are gathered (one tensor at a time, over the ep
-// group) into full tensors on rank 0, and the optimizer state of the slices is gathered over edp
-// and then ep into the unsharded format; a resume takes this rank's slice of a full state, so the
-// expert layout may change between runs.
+// Checkpoints keep the released layout: the slices are gathered one tensor at a time (over the ep
+// group) and written before the next, and so is their optimizer state (over edp, then ep), in the
+// unsharded format; a resume reads this rank's range of each saved tensor straight from the mapped
+// files, so the expert layout may change between runs and no rank holds a whole expert tensor's
+// state.
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -61,9 +63,8 @@ class LocalExperts {
   // Collective over the ep group, one tensor at a time: calls `visit` on every rank of the group
   // with each expert tensor's name and its full value (storage dtype) assembled from the slices.
   void gather(const std::function<void(const std::string& name, const Tensor& full)>& visit) const;
-  // Puts this rank's slices back into `store` (after a checkpoint replaced them with full
-  // tensors); they share storage with ExpertAdamW's parameters.
-  void restore(model::ParamStore& store) const;
+  // Collective over the ep group: the full value of the expert tensor `name` (storage dtype).
+  Tensor gather_one(const std::string& name) const;
   // Collective over `everyone` (a group that holds every slice, e.g. the world): the released
   // per-expert names (`...experts.<e>.gate_proj.weight`, at most `limit`) whose part of
   // `local(name)`, a slice-shaped tensor or nullptr, holds a non-finite element on any rank.
@@ -103,9 +104,17 @@ class ExpertAdamW {
   // unsharded optimizer over the full tensors, on the rank that is first in both groups; nullptr
   // elsewhere) the state of every expert tensor. Called by every rank of one sp index at least.
   void gather_into(train::AdamW* full) const;
+  // The same for one expert tensor: its whole state {master, exp_avg, exp_avg_sq} ([numel] f32
+  // each) on the rank that is first in both groups, undefined elsewhere. Collective over edp, then
+  // over ep among the edp groups' first ranks; every rank asks for the same names in order.
+  std::array<Tensor, 3> gather_state(const std::string& name) const;
   // Collective over edp. Keeps this rank's part of a full optimizer state (train::AdamW over the
   // full tensors, loaded from any layout), matched by name, and sets the slices from its masters.
   void load(const train::AdamW& full);
+  // The same read from a saved state directly: each rank reads only its range of its slice of
+  // each saved expert tensor. The slices keep the values they were loaded with: a checkpoint's
+  // model holds the masters rounded to the storage dtype, as the saving run held them.
+  void load(const train::SavedAdamWState& saved);
 
  private:
   const LocalExperts& experts_;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "glmtune/base/error.h"
+#include "glmtune/dist/sharded_optimizer.h"
 #include "glmtune/model/text/elementwise.h"
 #include "glmtune/train/released.h"
 
@@ -67,18 +68,34 @@ int64_t live_bytes(const std::weak_ptr<Storage>& s, std::set<const Storage*>& se
 ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
                              Communicator& group)
     : weights_(weights), grads_(grads), group_(group) {
+  build(nullptr);
+}
+
+ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
+                             Communicator& group, const LayerSource& source)
+    : weights_(weights), grads_(grads), group_(group) {
+  build(&source);
+}
+
+void ShardedLayers::build(const LayerSource* source) {
+  model::text::TextWeights& weights = weights_;
+  model::text::TextGrads& grads = grads_;
   if (!weights.device.is_cpu())
     throw Error("fully sharded parameters run on the CPU only", "train.fsdp",
                 "set train.fsdp = false for GPU training");
   if (grads.layers.size() != weights.layers.size())
     throw InternalError(fmt::format("gradient buffers for {} layers, the model has {}",
                                     grads.layers.size(), weights.layers.size()));
-  const int64_t ranks = group.size(), rank = group.rank();
+  const int64_t ranks = group_.size(), rank = group_.rank();
+  const int64_t element = int64_t(dtype_size(weights.dtype));
   layers_.resize(weights.layers.size());
   for (size_t l = 0; l < weights.layers.size(); ++l) {
     Layer& L = layers_[l];
     const std::vector<Tensor*> fields = layer_fields(weights.layers[l]);
     const std::vector<Tensor*> grad_fields = layer_fields(grads.layers[l]);
+    // Placeholders of the weights (and the gradient buffers built from them) stand for tensors of
+    // the shape the source gives.
+    std::vector<bool> deferred(fields.size(), false);
     int64_t n = 0;
     for (size_t f = 0; f < fields.size(); ++f) {
       Tensor* t = fields[f];
@@ -94,16 +111,23 @@ ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::Tex
       if (p.named.empty())
         throw InternalError(
             fmt::format("layer {}: a tensor of shape {} without a name", l, shape_str(p.shape)));
+      if (source)
+        if (const std::optional<Shape> whole = source->deferred_shape(param_name(p))) {
+          p.shape = *whole;
+          deferred[L.params.size()] = true;
+        }
       if (Tensor* g = grad_fields[f]; g->defined()) {
-        if (g->dtype() != weights.dtype || g->shape() != p.shape)
+        const bool placeholder = deferred[L.params.size()];
+        if (g->dtype() != weights.dtype || (!placeholder && g->shape() != p.shape))
           throw InternalError(fmt::format("gradient of '{}' is {}, the parameter {} {}",
                                           param_name(p), g->str(), dtype_name(weights.dtype),
                                           shape_str(p.shape)));
         p.grad = g;
         p.grad_named = sharing(grads.named, *g);
-        full_gradient_bytes_ += int64_t(g->nbytes());
+        full_gradient_bytes_ += shape_numel(p.shape) * element;
       }
-      n += t->numel();
+      n += shape_numel(p.shape);
+      full_bytes_ += shape_numel(p.shape) * element;
       L.params.push_back(std::move(p));
     }
     // Every trained buffer of the layer must have found its parameter: a gradient left out of the
@@ -117,14 +141,18 @@ ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::Tex
         throw InternalError(
             fmt::format("gradient buffer '{}' matches no tensor of layer {}", name, l));
     L.padded = round_up(std::max<int64_t>(n, 1), ranks);
-    const int64_t per = L.padded / ranks;
-    // Every rank holds the same full weights: each copies its own range, no communication.
-    Tensor flat = Tensor::zeros({L.padded}, weights.dtype);
-    for (const Param& p : L.params) {
-      flat.slice(0, p.offset, p.offset + p.field->numel()).view(p.shape).copy_(*p.field);
-      full_bytes_ += int64_t(p.field->nbytes());
+    const int64_t per = L.padded / ranks, begin = rank * per;
+    // Each rank copies (or reads) the part of each tensor inside its own range, no communication.
+    L.shard = Tensor::zeros({per}, weights.dtype);
+    for (size_t i = 0; i < L.params.size(); ++i) {
+      const Param& p = L.params[i];
+      const int64_t numel = shape_numel(p.shape);
+      const int64_t lo = std::max(p.offset, begin), hi = std::min(p.offset + numel, begin + per);
+      if (lo >= hi) continue;
+      const Tensor part = deferred[i] ? source->read(param_name(p), lo - p.offset, hi - lo)
+                                      : p.field->reshape({-1}).narrow(0, lo - p.offset, hi - lo);
+      L.shard.narrow(0, lo - begin, hi - lo).copy_(part);
     }
-    L.shard = flat.slice(0, rank * per, (rank + 1) * per).clone();
     L.grad_shard = Tensor::zeros({per}, weights.dtype);
   }
   // Release last: the loops above read the full tensors and buffers.
@@ -136,6 +164,28 @@ ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::Tex
         for (size_t i : p.grad_named) grads_.named[i].second = Tensor();
       }
   }
+}
+
+std::pair<size_t, const ShardedLayers::Param*> ShardedLayers::find(const std::string& name) const {
+  for (size_t l = 0; l < layers_.size(); ++l)
+    for (const Param& p : layers_[l].params)
+      for (size_t i : p.named)
+        if (weights_.named[i].first == name) return {l, &p};
+  throw InternalError(fmt::format("'{}' is not a decoder-layer tensor held in slices", name));
+}
+
+Tensor ShardedLayers::gather_tensor(const std::string& name, int root) {
+  const auto [l, p] = find(name);
+  const Layer& L = layers_[l];
+  const int64_t begin = slice_begin(int64_t(l)), size = L.shard.numel();
+  const int64_t numel = shape_numel(p->shape);
+  const int64_t lo = std::max(p->offset, begin), hi = std::min(p->offset + numel, begin + size);
+  const int64_t length = std::max<int64_t>(hi - lo, 0);
+  const Tensor piece = length > 0 ? L.shard.narrow(0, lo - begin, length).view({1, length})
+                                  : Tensor::empty({1, 0}, weights_.dtype);
+  const Tensor whole = gather_pieces(group_, piece, length > 0 ? lo - p->offset : 0, numel, root);
+  if (!whole.defined()) return Tensor();
+  return whole.to(weights_.dtype).view(p->shape);
 }
 
 ShardedLayers::Layer& ShardedLayers::layer_at(int64_t layer, const char* what) {
@@ -337,6 +387,29 @@ ShardedLayerAdamW::ShardedLayerAdamW(ShardedLayers& layers,
     : layers_(layers), pieces_({}, config) {
   std::map<std::string, const Tensor*> by_name;
   for (const train::NamedParam& p : params) by_name[p.name] = &p.value;
+  for (int64_t l = 0; l < layers.layers(); ++l)
+    for (const ShardedLayers::Entry& e : layers.entries(l)) {
+      const auto it = by_name.find(e.name);
+      if (e.trained &&
+          (it == by_name.end() || !it->second->defined() || it->second->numel() != e.numel))
+        throw InternalError(fmt::format(
+            "decoder-layer parameter '{}' is missing from the parameter store", e.name));
+    }
+  init(
+      [&](const std::string& name, int64_t begin, int64_t count) {
+        return by_name.at(name)->reshape({-1}).narrow(0, begin, count).clone();
+      },
+      config);
+}
+
+ShardedLayerAdamW::ShardedLayerAdamW(ShardedLayers& layers, const PieceReader& read,
+                                     train::AdamWConfig config)
+    : layers_(layers), pieces_({}, config) {
+  init(read, config);
+}
+
+void ShardedLayerAdamW::init(const PieceReader& read, train::AdamWConfig config) {
+  ShardedLayers& layers = layers_;
   std::vector<train::NamedParam> piece_params;
   for (int64_t l = 0; l < layers.layers(); ++l) {
     const int64_t begin = layers.slice_begin(l), end = begin + layers.slice(l).numel();
@@ -344,16 +417,12 @@ ShardedLayerAdamW::ShardedLayerAdamW(ShardedLayers& layers,
       if (!e.trained) continue;
       const int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, end);
       if (lo >= hi) continue;
-      const auto it = by_name.find(e.name);
-      if (it == by_name.end() || !it->second->defined() || it->second->numel() != e.numel)
-        throw InternalError(fmt::format(
-            "decoder-layer parameter '{}' is missing from the parameter store", e.name));
       Slot s{l, e.name, lo - e.offset, hi - lo, lo - begin};
       // The piece in the parameter's storage dtype: AdamW keeps an f32 one as its own master and
       // rounds a bf16 one from its master, as for the whole tensor.
-      piece_params.push_back({fmt::format("{}@{}", e.name, s.begin),
-                              it->second->reshape({-1}).narrow(0, s.begin, s.length).clone(),
-                              true});
+      Tensor value = read(e.name, s.begin, s.length);
+      if (!value.storage()->owns_memory() || !value.is_contiguous()) value = value.clone();
+      piece_params.push_back({fmt::format("{}@{}", e.name, s.begin), value, true});
       grads_.push_back(layers.gradient_slice(l).narrow(0, s.slice_offset, s.length));
       slots_.push_back(std::move(s));
     }
@@ -412,6 +481,48 @@ void ShardedLayerAdamW::gather_into(train::AdamW* full, int root) const {
       full->set_state(it->second, part(0), part(1), part(2));
     }
   }
+}
+
+std::array<Tensor, 3> ShardedLayerAdamW::gather_state(const std::string& name, int root) const {
+  // A tensor lies in one layer, and this rank's part of it is at most one piece.
+  int64_t numel = -1;
+  for (int64_t l = 0; l < layers_.layers() && numel < 0; ++l)
+    for (const ShardedLayers::Entry& e : layers_.entries(l))
+      if (e.name == name && e.trained) numel = e.numel;
+  GLMTUNE_ASSERT(numel >= 0, "no trained decoder-layer tensor '{}'", name);
+  size_t piece = slots_.size();
+  for (size_t k = 0; k < slots_.size(); ++k)
+    if (slots_[k].name == name) piece = k;
+  const int64_t length = piece < slots_.size() ? slots_[piece].length : 0;
+  // One kind at a time, each sent straight from the pieces' state.
+  std::array<Tensor, 3> whole;
+  for (int kind = 0; kind < 3; ++kind) {
+    const Tensor local = length > 0 ? (kind == 0   ? pieces_.master(piece)
+                                       : kind == 1 ? pieces_.exp_avg(piece)
+                                                   : pieces_.exp_avg_sq(piece))
+                                          .view({1, length})
+                                    : Tensor::empty({1, 0}, DType::f32);
+    const Tensor gathered =
+        gather_pieces(layers_.group(), local, length > 0 ? slots_[piece].begin : 0, numel, root);
+    if (gathered.defined()) whole[size_t(kind)] = gathered.view({-1});
+  }
+  return whole;
+}
+
+void ShardedLayerAdamW::load(const train::SavedAdamWState& saved) {
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    const Slot& s = slots_[k];
+    pieces_.set_state(k, saved.range(0, s.name, s.begin, s.length),
+                      saved.range(1, s.name, s.begin, s.length),
+                      saved.range(2, s.name, s.begin, s.length));
+  }
+  pieces_.set_step_count(saved.step_count());
+  refresh_slices();
+  Communicator& group = layers_.group();
+  const int64_t step = saved.step_count();
+  if (group.all_reduce_max(step) != step || -group.all_reduce_max(-step) != step)
+    throw Error("the ranks restored optimizer states of different steps", saved.dir().string(),
+                "give every rank the same output directory (a shared file system)");
 }
 
 void ShardedLayerAdamW::load(const train::AdamW& full) {

@@ -25,8 +25,16 @@
 // pieces of each trainable tensor, with fp32 masters and moments of those pieces only; after an
 // update the pieces, rounded to their storage dtype, are written into the compute slice.
 //
+// Start-up and checkpoints never hold a whole layer either: built from a LayerSource, each rank
+// reads only its slices' elements from the checkpoint (the model holds placeholders for the
+// deferred tensors, model::ParamStore::load), and a checkpoint gathers one tensor, then its
+// optimizer state, at a time (gather_tensor, ShardedLayerAdamW::gather_state) for rank 0 to write
+// in the released layout; a resume reads each piece's state from the saved files
+// (ShardedLayerAdamW::load of a train::SavedAdamWState).
+//
 // Collective: every rank of the group must run the same layers in the same order. CPU weights
 // only: the flat vector has one dtype, and the GPU path keeps some tensors in f32 beside bf16.
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -42,6 +50,16 @@
 
 namespace glmtune::dist {
 
+// Where the decoder-layer tensors come from when the model holds only placeholders for them
+// (model::ParamStore::load with the decoder layers deferred): each rank reads only its elements.
+struct LayerSource {
+  // The whole shape of a tensor the model holds as a placeholder; nullopt for one it holds whole
+  // (the router correction biases, which the parameter store keeps).
+  std::function<std::optional<Shape>(const std::string& name)> deferred_shape;
+  // Elements [begin, begin + count) of such a tensor, flattened, in any float dtype.
+  std::function<Tensor(const std::string& name, int64_t begin, int64_t count)> read;
+};
+
 class ShardedLayers final : public model::text::LayerParamProvider {
  public:
   // Takes the full decoder-layer tensors of `weights` (the same on every rank), keeps this rank's
@@ -50,6 +68,11 @@ class ShardedLayers final : public model::text::LayerParamProvider {
   // between allocate_gradients and reduce_gradients.
   ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
                 Communicator& group);
+  // The same when `weights` holds placeholders for the decoder-layer tensors that `source` names:
+  // their layout comes from the whole shapes `source` gives, and this rank's slice is read from
+  // `source` piece by piece, so no rank ever holds a whole decoder layer at start-up.
+  ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
+                Communicator& group, const LayerSource& source);
   ~ShardedLayers() override = default;
 
   void gather(int64_t layer) override;
@@ -83,6 +106,11 @@ class ShardedLayers final : public model::text::LayerParamProvider {
   // (the group's sum of this step's contributions), under its TextGrads::named name.
   void gather_gradients(
       const std::function<void(const std::string& name, const Tensor& grad)>& visit);
+  // Collective: the whole value of one decoder-layer tensor (a TextWeights::named name) in the
+  // compute dtype and its shape, assembled from the ranks' slices; meaningful on group rank `root`,
+  // undefined elsewhere. Every rank asks for the same names in the same order. Memory: that tensor,
+  // not its layer.
+  Tensor gather_tensor(const std::string& name, int root);
   // Collective: the decoder-layer tensors (internal names, layer order, at most `limit`) whose
   // parameters (`gradients` false) or reduced gradients hold a non-finite element on any rank.
   std::vector<std::string> nonfinite(bool gradients, size_t limit);
@@ -130,6 +158,9 @@ class ShardedLayers final : public model::text::LayerParamProvider {
     Tensor grad_full;   // [padded] between allocate_gradients and reduce_gradients
     std::weak_ptr<Storage> grad_allocated;
   };
+  void build(const LayerSource* source);
+  // The layer and parameter holding the tensor `name`; InternalError when none does.
+  std::pair<size_t, const Param*> find(const std::string& name) const;
   Layer& layer_at(int64_t layer, const char* what);
   const Layer& layer_at(int64_t layer, const char* what) const;
   // The layer's full flat vector from one slice of it, all-gathered.
@@ -155,6 +186,11 @@ class ShardedLayerAdamW {
   // dtype, the same on every rank); pieces are copied from them, so the store may drop them after.
   ShardedLayerAdamW(ShardedLayers& layers, const std::vector<train::NamedParam>& params,
                     train::AdamWConfig config);
+  // Reads the pieces' values instead: `read(name, begin, count)` gives elements [begin, begin +
+  // count) of the trained tensor `name`, flattened, in its storage dtype (ParamStore::read_elements
+  // on the checkpoint of a store that deferred the decoder layers).
+  using PieceReader = std::function<Tensor(const std::string& name, int64_t begin, int64_t count)>;
+  ShardedLayerAdamW(ShardedLayers& layers, const PieceReader& read, train::AdamWConfig config);
 
   int64_t step_count() const { return pieces_.step_count(); }
   // Sum of squared elements of this rank's gradient pieces (the group sum is the decoder layers'
@@ -169,9 +205,16 @@ class ShardedLayerAdamW {
   // Collective, one layer at a time: sets in `full` (on group rank `root`; ignored elsewhere) the
   // state of every decoder-layer parameter, matched by name.
   void gather_into(train::AdamW* full, int root) const;
+  // Collective: the whole state {master, exp_avg, exp_avg_sq} ([numel] f32 each) of the trained
+  // decoder-layer tensor `name`, assembled from the ranks' pieces; meaningful on group rank `root`,
+  // undefined elsewhere (a streamed save, train/state.h).
+  std::array<Tensor, 3> gather_state(const std::string& name, int root) const;
   // Keeps this rank's pieces of a full optimizer state (train::AdamW::load of any sharding),
   // matched by name, and refreshes the compute slices. Local.
   void load(const train::AdamW& full);
+  // The same read from a saved state directly: only this rank's pieces are read from the mapping.
+  // Collective (the ranks check that they read the same step).
+  void load(const train::SavedAdamWState& saved);
 
  private:
   // One piece: elements [begin, begin + length) of tensor `name` (flattened), at
@@ -182,6 +225,7 @@ class ShardedLayerAdamW {
     int64_t begin = 0, length = 0, slice_offset = 0;
   };
   void refresh_slices();
+  void init(const PieceReader& read, train::AdamWConfig config);
 
   ShardedLayers& layers_;
   std::vector<Slot> slots_;  // aligned with pieces_.params()

@@ -32,6 +32,55 @@ Layout flat_layout(const std::vector<train::NamedParam>& params, int ranks, int 
 
 }  // namespace
 
+Tensor gather_pieces(Communicator& group, const Tensor& piece, int64_t begin, int64_t n, int root) {
+  GLMTUNE_ASSERT(piece.dim() == 2, "pieces are [rows, length], got {}", piece.str());
+  const DType dtype = piece.dtype();
+  const int ranks = group.size();
+  const int64_t rows = piece.size(0), length = piece.size(1);
+  GLMTUNE_ASSERT(begin >= 0 && begin + length <= n, "piece [{}, {}) of a vector of {}", begin,
+                 begin + length, n);
+  // Where each rank's piece goes.
+  Tensor where = Tensor::from_vector<int64_t>({begin, length}, {2});
+  Tensor all_where = Tensor::empty({ranks, 2}, DType::i64);
+  group.all_gather(where, all_where);
+  const int64_t* w = all_where.data<int64_t>();
+  const bool here = group.rank() == root;
+  std::vector<int64_t> send(size_t(ranks), 0), receive(size_t(ranks), 0);
+  send[size_t(root)] = rows * length;
+  int64_t received = 0;
+  if (here)
+    for (int r = 0; r < ranks; ++r) received += receive[size_t(r)] = rows * w[2 * r + 1];
+  // One element at least: the buffers are passed to the transport even when nothing moves.
+  Tensor in;
+  if (length > 0 && piece.is_contiguous()) {
+    in = piece.reshape({-1});
+  } else {
+    in = Tensor::empty({std::max<int64_t>(rows * length, 1)}, dtype);
+    if (length > 0) in.narrow(0, 0, rows * length).view({rows, length}).copy_(piece);
+  }
+  Tensor out = Tensor::empty({std::max<int64_t>(received, 1)}, dtype);
+  group.all_to_all(in, send, out, receive);
+  if (!here) return Tensor();
+  // Pieces of one row that follow each other in rank order and cover the vector arrive as the
+  // whole vector already: no second copy.
+  bool in_order = rows == 1 && received == n;
+  for (int64_t r = 0, next = 0; r < ranks && in_order; ++r) {
+    if (w[2 * r + 1] == 0) continue;
+    in_order = w[2 * r] == next;
+    next += w[2 * r + 1];
+  }
+  if (in_order && n > 0) return out.view({1, n});
+  Tensor whole = Tensor::zeros({rows, n}, dtype);
+  int64_t at = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t b = w[2 * r], len = w[2 * r + 1];
+    if (len == 0) continue;
+    whole.narrow(1, b, len).copy_(out.narrow(0, at, rows * len).view({rows, len}));
+    at += rows * len;
+  }
+  return whole;
+}
+
 std::vector<train::NamedParam> ShardedAdamW::piece_params(
     const std::vector<train::NamedParam>& params, const std::vector<Piece>& pieces) {
   std::vector<train::NamedParam> out;
@@ -196,12 +245,57 @@ void ShardedAdamW::gather_into(train::AdamW* full, int root) const {
   });
 }
 
+std::array<Tensor, 3> ShardedAdamW::gather_state(const std::string& name, int root) const {
+  size_t param = params_.size();
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].name == name) param = i;
+  GLMTUNE_ASSERT(param < params_.size() && params_[param].trainable,
+                 "the sharded optimizer does not train '{}'", name);
+  // The shard is contiguous, so this rank holds at most one piece of the parameter.
+  int64_t begin = 0, length = 0;
+  size_t piece = pieces_.size();
+  for (size_t k = 0; k < pieces_.size(); ++k)
+    if (pieces_[k].param == param) {
+      piece = k;
+      begin = pieces_[k].begin;
+      length = pieces_[k].length;
+    }
+  // One kind at a time, each sent straight from the shard's state.
+  std::array<Tensor, 3> whole;
+  for (int kind = 0; kind < 3; ++kind) {
+    const Tensor local = piece < pieces_.size() ? (kind == 0   ? shard_.master(piece)
+                                                   : kind == 1 ? shard_.exp_avg(piece)
+                                                               : shard_.exp_avg_sq(piece))
+                                                      .view({1, length})
+                                                : Tensor::empty({1, 0}, DType::f32);
+    const Tensor gathered = gather_pieces(group_, local, begin, params_[param].value.numel(), root);
+    if (gathered.defined()) whole[size_t(kind)] = gathered.view({-1});
+  }
+  return whole;
+}
+
 void ShardedAdamW::load(const std::filesystem::path& dir) {
-  // The full state is read (memory-mapped) and validated by the unsharded optimizer, which also
-  // rounds every full parameter from its master; each rank then keeps its slices.
-  train::AdamW full(params_, config_);
-  full.load(dir);
-  restore(full, dir.string());
+  const train::SavedAdamWState saved = train::SavedAdamWState::open(dir);
+  // The state must be exactly this optimizer's, as train::AdamW::load requires.
+  std::vector<std::pair<std::string, Shape>> trained;
+  for (const train::NamedParam& p : params_)
+    if (p.trainable) trained.emplace_back(p.name, p.value.shape());
+  saved.check(trained);
+  load(saved);
+}
+
+void ShardedAdamW::load(const train::SavedAdamWState& saved,
+                        const std::function<int64_t(const train::NamedParam&)>& offset_in_saved) {
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const Piece& p = pieces_[k];
+    const train::NamedParam& param = params_[p.param];
+    const int64_t at = (offset_in_saved ? offset_in_saved(param) : 0) + p.begin;
+    shard_.set_state(k, saved.range(0, param.name, at, p.length),
+                     saved.range(1, param.name, at, p.length),
+                     saved.range(2, param.name, at, p.length));
+  }
+  shard_.set_step_count(saved.step_count());
+  check_same_step(saved.step_count(), saved.dir().string());
 }
 
 void ShardedAdamW::load(const train::AdamW& full) { restore(full, "the optimizer state"); }
@@ -219,9 +313,12 @@ void ShardedAdamW::restore(const train::AdamW& full, const std::string& where) {
     shard_.set_state(k, slice(full.master(f)), slice(full.exp_avg(f)), slice(full.exp_avg_sq(f)));
   }
   shard_.set_step_count(full.step_count());
+  check_same_step(full.step_count(), where);
+}
+
+void ShardedAdamW::check_same_step(int64_t step, const std::string& where) const {
   // Every rank read the same file; a rank that read another one would diverge silently.
-  if (group_.all_reduce_max(full.step_count()) != full.step_count() ||
-      -group_.all_reduce_max(-full.step_count()) != full.step_count())
+  if (group_.all_reduce_max(step) != step || -group_.all_reduce_max(-step) != step)
     throw Error("the ranks restored optimizer states of different steps", where,
                 "give every rank the same output directory (a shared file system)");
 }

@@ -25,10 +25,14 @@
 // rank's shard crosses to the host, where the fp32 masters and moments live. The host group then
 // carries scalars alone (the norm, checkpoint gathers).
 //
-// Checkpoints are independent of the sharding: gather() assembles the full state (the
-// unsharded optimizer's on-disk format, optimizer.h) and load() takes each rank's slices of one,
-// so a run saved with P ranks resumes with any other number.
+// Checkpoints are independent of the sharding: gather_state() assembles one parameter's whole state
+// at a time for a streamed save (train/state.h, save_optimizer_state: the unsharded optimizer's
+// on-disk format, optimizer.h), and load() reads each rank's pieces straight from a saved state
+// (memory-mapped, ranged), so a run saved with P ranks resumes with any other number and no rank
+// holds more than its own pieces and one parameter's state.
+#include <array>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,6 +41,13 @@
 #include "glmtune/train/optimizer.h"
 
 namespace glmtune::dist {
+
+// Collective over `group`: the whole [rows, n] of vectors whose elements the ranks hold in
+// disjoint pieces, this rank's `piece` [rows, length] being elements [begin, begin + length)
+// (length 0 for none; any dtype), on group rank `root` (undefined elsewhere); elements no rank
+// holds are zero. The pieces travel to `root` only, so its memory is about twice the whole [rows,
+// n] and the other ranks' nothing beyond their piece, whatever the group size.
+Tensor gather_pieces(Communicator& group, const Tensor& piece, int64_t begin, int64_t n, int root);
 
 class ShardedAdamW {
  public:
@@ -73,12 +84,24 @@ class ShardedAdamW {
   // Collective. Sets in `full` (on group rank `root`; ignored elsewhere) the state of every
   // trained parameter of params(), matched by name: `full` may hold more parameters.
   void gather_into(train::AdamW* full, int root) const;
+  // Collective. The whole state {master, exp_avg, exp_avg_sq} ([numel] f32 each) of the trained
+  // parameter `name` of params(), assembled from the ranks' pieces; meaningful on group rank
+  // `root`, undefined elsewhere. Every rank asks for the same names in the same order.
+  std::array<Tensor, 3> gather_state(const std::string& name, int root) const;
   // Collective. Restores this rank's shard from a state saved by train::AdamW::save (any
-  // sharding), and sets every full parameter to its master rounded to the storage dtype.
+  // sharding; exactly its trained tensors, glmtune::Error otherwise), reading only its pieces (the
+  // load below). The full parameters keep their values: a checkpoint's model holds the masters
+  // rounded to the storage dtype, as the saving run held them.
   void load(const std::filesystem::path& dir);
   // Collective. The same from a full state already loaded, whose parameters include params() by
   // name (it may hold more).
   void load(const train::AdamW& full);
+  // Collective. The same read from a saved state directly: each piece's elements are read from the
+  // mapping, nothing else. `offset_in_saved` (default 0) gives, per parameter, where its flattened
+  // elements start in the saved tensor of that name (a slice of a larger saved tensor: the routed
+  // experts of one expert-parallel rank).
+  void load(const train::SavedAdamWState& saved,
+            const std::function<int64_t(const train::NamedParam&)>& offset_in_saved = {});
 
  private:
   struct Piece {
@@ -90,6 +113,8 @@ class ShardedAdamW {
                                                      const std::vector<Piece>& pieces);
   // Keeps this rank's slices of `full`; `where` names its origin in errors.
   void restore(const train::AdamW& full, const std::string& where);
+  // Every rank must have read the same step count.
+  void check_same_step(int64_t step, const std::string& where) const;
   // The shard's f32 values of one state kind: 0 master, 1 exp_avg, 2 exp_avg_sq.
   Tensor shard_state(int kind) const;
   // All-gathers a shard-sized f32 buffer into the flat space and scatters it into per-parameter

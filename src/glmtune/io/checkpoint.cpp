@@ -368,6 +368,48 @@ void CheckpointWriter::end_shard() {
   shards_.push_back(std::move(shard));
 }
 
+void CheckpointWriter::plan_in_order(std::vector<TensorSpec> specs) {
+  if (planned_ || !pending_.empty() || !streamed_shards_.empty())
+    throw Error("plan_in_order() after other tensors were added", dir_.string(),
+                "declare the whole sequence before writing any tensor");
+  // The grouping of add(): a shard is closed when the next tensor would take it past the limit.
+  uint64_t bytes = 0;
+  for (TensorSpec& spec : specs) {
+    check_new_name(spec.name);
+    if (streamed_shard_of_.count(spec.name))
+      throw Error("tensor " + quote(spec.name) + " is planned twice", dir_.string(),
+                  "every tensor of a checkpoint needs a distinct name");
+    const uint64_t size = spec.nbytes();
+    if (streamed_shards_.empty() ||
+        (!streamed_shards_.back().empty() && bytes + size > options_.max_shard_bytes)) {
+      streamed_shards_.emplace_back();
+      bytes = 0;
+    }
+    streamed_shard_of_.emplace(spec.name, streamed_shards_.size() - 1);
+    bytes += size;
+    streamed_shards_.back().push_back(std::move(spec));
+  }
+}
+
+void CheckpointWriter::put(std::string_view name, const Tensor& tensor) {
+  const auto it = streamed_shard_of_.find(name);
+  if (it == streamed_shard_of_.end())
+    throw Error("tensor " + quote(name) + " was not declared by plan_in_order()", dir_.string());
+  // Shards open in order; a tensor of an earlier shard after a later one opened is out of order.
+  if (planned_ && it->second + 1 != streamed_next_) {
+    if (it->second + 1 < streamed_next_)
+      throw Error("tensor " + quote(name) + " arrives after its shard was closed", dir_.string(),
+                  "give put() the tensors in the order plan_in_order() declared them");
+    end_shard();
+  }
+  while (!planned_) {
+    begin_shard(streamed_shards_[streamed_next_++]);
+    // A shard none of whose tensors came: closing it names them.
+    if (streamed_next_ - 1 != it->second) end_shard();
+  }
+  write(name, tensor);
+}
+
 void CheckpointWriter::check_file_name(const std::string& relative_name) const {
   if (finished_) throw Error("checkpoint already finished", dir_.string());
   if (!is_safe_relative(relative_name) || relative_name.find('/') != std::string::npos)
@@ -402,6 +444,17 @@ void CheckpointWriter::copy_file(const fs::path& source, const std::string& rela
 
 void CheckpointWriter::finish() {
   if (finished_) return;
+  if (!streamed_shards_.empty()) {
+    if (planned_) end_shard();
+    if (streamed_next_ != streamed_shards_.size()) {
+      std::string names;
+      for (size_t i = streamed_next_; i < streamed_shards_.size(); ++i)
+        for (const TensorSpec& spec : streamed_shards_[i])
+          names += (names.empty() ? "" : ", ") + quote(spec.name);
+      throw Error("planned tensors were never written: " + names, dir_.string(),
+                  "put() every tensor declared by plan_in_order()");
+    }
+  }
   if (planned_)
     throw Error("finish() while a planned shard is open; call end_shard()", dir_.string());
   flush_pending();

@@ -112,6 +112,14 @@ class CheckpointWriter {
   void write_part(std::string_view name, uint64_t offset, std::span<const uint8_t> bytes);
   void end_shard();
 
+  // Streaming mode, for producers that hold one whole tensor at a time (a tensor gathered from the
+  // ranks that hold its parts): declare every tensor up front, in the order add() would have been
+  // given them; put() then takes them in that order and each shard is written as soon as its last
+  // tensor arrives. The shards, their names and the index are exactly what add() makes of the same
+  // sequence, while memory holds one tensor instead of one shard's worth.
+  void plan_in_order(std::vector<TensorSpec> specs);
+  void put(std::string_view name, const Tensor& tensor);
+
   // A non-weight file (config.json, tokenizer, ...) to appear with the shards.
   void add_file(const std::string& relative_name, std::string_view content);
   void copy_file(const std::filesystem::path& source, const std::string& relative_name);
@@ -142,6 +150,10 @@ class CheckpointWriter {
   NamedTensors pending_;
   uint64_t pending_bytes_ = 0;
   std::unique_ptr<SafetensorsWriter> planned_;
+  // Streaming mode: the shards add() would make, and which of them is open.
+  std::vector<std::vector<TensorSpec>> streamed_shards_;
+  std::map<std::string, size_t, std::less<>> streamed_shard_of_;
+  size_t streamed_next_ = 0;
   std::map<std::string, size_t> name_to_shard_;
   std::vector<std::string> extra_files_;
   uint64_t total_bytes_ = 0;

@@ -106,7 +106,8 @@ Tensor read_released(const io::CheckpointReader& reader, const std::string& name
 }  // namespace
 
 ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfig& config,
-                            std::optional<ExpertRange> experts) {
+                            std::optional<ExpertRange> experts,
+                            const std::function<bool(const std::string& name)>& defer) {
   if (experts) {
     const int64_t n = config.text().n_routed_experts;
     const auto [first, count] = *experts;
@@ -145,6 +146,9 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
     bool trainable = true;
   };
   std::map<std::string, Fused> fused_experts, convs;
+  const auto deferred = [&](const std::string& name) { return defer && defer(name); };
+  // One element of the storage dtype in memory of its own: the placeholder of a deferred tensor.
+  const auto placeholder = [](DType dtype) { return Tensor::zeros({1}, dtype); };
   std::smatch m;
   for (const auto& spec : layout) {
     if (std::regex_match(spec.name, m, kExpertRe)) {
@@ -159,8 +163,15 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
       convs[m[1].str()].conv.push_back(spec.name);
       continue;
     }
+    const io::TensorInfo& info = reader.info(spec.name);
+    if (deferred(spec.name)) {
+      const DType dtype = info.dtype == DType::fp8e4m3 ? DType::bf16 : info.dtype;
+      store.params_.push_back(
+          {spec.name, placeholder(dtype), spec.trainable, {spec.name}, info.shape, true});
+      continue;
+    }
     store.params_.push_back(
-        {spec.name, read_released(reader, spec.name), spec.trainable, {spec.name}});
+        {spec.name, read_released(reader, spec.name), spec.trainable, {spec.name}, info.shape});
   }
   // Experts: [E, 2Im, D] with gate rows first, and [E, D, Im], E the experts loaded. The released
   // tensors are views of the checkpoint mapping, so an expert outside the range is never read.
@@ -168,6 +179,16 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
     const ExpertRange range = experts.value_or(ExpertRange{0, int64_t(f.gate.size())});
     const Shape& gate_shape = reader.info(f.gate[0]).shape;
     const int64_t E = range.count, Im = gate_shape[0], D = gate_shape[1];
+    const int64_t all = int64_t(f.gate.size());
+    std::vector<std::string> gu_sources = f.gate;
+    gu_sources.insert(gu_sources.end(), f.up.begin(), f.up.end());
+    if (deferred(prefix + "gate_up_proj")) {
+      store.params_.push_back({prefix + "gate_up_proj", placeholder(DType::bf16), true, gu_sources,
+                               Shape{all, 2 * Im, D}, true});
+      store.params_.push_back(
+          {prefix + "down_proj", placeholder(DType::bf16), true, f.down, Shape{all, D, Im}, true});
+      continue;
+    }
     Tensor gate_up = Tensor::empty({E, 2 * Im, D}, DType::bf16);
     Tensor down = Tensor::empty({E, D, Im}, DType::bf16);
     for (int64_t j = 0; j < E; ++j) {
@@ -176,10 +197,9 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
       gate_up.select(0, j).slice(0, Im, 2 * Im).copy_(read_released(reader, f.up[e]));
       down.select(0, j).copy_(read_released(reader, f.down[e]));
     }
-    std::vector<std::string> gu_sources = f.gate;
-    gu_sources.insert(gu_sources.end(), f.up.begin(), f.up.end());
-    store.params_.push_back({prefix + "gate_up_proj", gate_up, true, gu_sources});
-    store.params_.push_back({prefix + "down_proj", down, true, f.down});
+    store.params_.push_back(
+        {prefix + "gate_up_proj", gate_up, true, gu_sources, Shape{all, 2 * Im, D}});
+    store.params_.push_back({prefix + "down_proj", down, true, f.down, Shape{all, D, Im}});
   }
   // Short convolutions: q, k, v concatenated along the channel dimension, kept in fp32.
   for (auto& [prefix, f] : convs) {
@@ -191,12 +211,17 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
       };
       return rank(a) < rank(b);
     });
-    Tensor q = reader.tensor(f.conv[0]);
-    const int64_t QL = q.size(0), K = q.size(2);
+    const Shape& q = reader.info(f.conv[0]).shape;
+    const int64_t QL = q[0], K = q[2];
+    if (deferred(prefix + "conv1d.weight")) {
+      store.params_.push_back({prefix + "conv1d.weight", placeholder(DType::f32), true, f.conv,
+                               Shape{3 * QL, 1, K}, true});
+      continue;
+    }
     Tensor conv = Tensor::empty({3 * QL, 1, K}, DType::f32);
     for (int64_t i = 0; i < 3; ++i)
       conv.slice(0, i * QL, (i + 1) * QL).copy_(read_released(reader, f.conv[i]));
-    store.params_.push_back({prefix + "conv1d.weight", conv, true, f.conv});
+    store.params_.push_back({prefix + "conv1d.weight", conv, true, f.conv, Shape{3 * QL, 1, K}});
   }
   for (size_t i = 0; i < store.params_.size(); ++i) store.index_[store.params_[i].name] = i;
   return store;
@@ -214,43 +239,115 @@ Tensor& ParamStore::get(const std::string& name) {
   return params_[it->second].value;
 }
 
+const InternalParam& ParamStore::param(const std::string& name) const {
+  auto it = index_.find(name);
+  GLMTUNE_ASSERT(it != index_.end(), "no parameter named '{}'", name);
+  return params_[it->second];
+}
+
+namespace {
+
+// The released tensors of internal parameter `p` in the order they are written and laid out in its
+// flattened whole value: a fused expert tensor interleaves each expert's gate and up blocks.
+std::vector<std::string> released_parts(const InternalParam& p) {
+  if (p.sources.size() == 1 && p.sources[0] == p.name) return p.sources;
+  if (p.name.ends_with("gate_up_proj")) {
+    const size_t E = p.sources.size() / 2;
+    std::vector<std::string> out;
+    for (size_t e = 0; e < E; ++e) {
+      out.push_back(p.sources[e]);
+      out.push_back(p.sources[E + e]);
+    }
+    return out;
+  }
+  return p.sources;  // down_proj: per expert; conv1d: q, k, v
+}
+
+// Calls `emit` with each released tensor of `p` as a view of `whole`, its whole value.
+void for_each_released(const InternalParam& p, const Tensor& whole,
+                       const std::function<void(const std::string&, const Tensor&)>& emit) {
+  GLMTUNE_ASSERT(whole.defined() && whole.shape() == p.shape,
+                 "'{}' is {}, its whole tensor {}: gather the whole tensor before saving", p.name,
+                 whole.defined() ? whole.str() : std::string("undefined"), shape_str(p.shape));
+  if (p.sources.size() == 1 && p.sources[0] == p.name) {
+    emit(p.name, whole);
+  } else if (p.name.ends_with("gate_up_proj")) {
+    const int64_t E = whole.size(0), Im = whole.size(1) / 2;
+    for (int64_t e = 0; e < E; ++e) {
+      emit(p.sources[size_t(e)], whole.select(0, e).slice(0, 0, Im));
+      emit(p.sources[size_t(E + e)], whole.select(0, e).slice(0, Im, 2 * Im));
+    }
+  } else if (p.name.ends_with("down_proj")) {
+    for (int64_t e = 0; e < whole.size(0); ++e) emit(p.sources[size_t(e)], whole.select(0, e));
+  } else {
+    const int64_t QL = whole.size(0) / 3;
+    for (int64_t i = 0; i < 3; ++i)
+      emit(p.sources[size_t(i)], whole.slice(0, i * QL, (i + 1) * QL));
+  }
+}
+
+}  // namespace
+
+Tensor ParamStore::read_elements(const io::CheckpointReader& reader, const std::string& name,
+                                 int64_t begin, int64_t count) const {
+  const InternalParam& p = param(name);
+  const int64_t numel = shape_numel(p.shape);
+  if (begin < 0 || count < 0 || begin + count > numel)
+    throw Error(fmt::format("elements [{}, {}) asked of '{}', which has {} ({})", begin,
+                            begin + count, name, numel, shape_str(p.shape)),
+                reader.dir().string(), "read a range inside the tensor");
+  Tensor out = Tensor::empty({count}, p.value.dtype());
+  int64_t at = 0;  // first flat element of the current released part
+  for (const std::string& part : released_parts(p)) {
+    const int64_t n = shape_numel(reader.info(part).shape);
+    const int64_t lo = std::max(begin, at), hi = std::min(begin + count, at + n);
+    if (lo < hi)
+      out.narrow(0, lo - begin, hi - lo)
+          .copy_(read_released(reader, part).reshape({-1}).narrow(0, lo - at, hi - lo));
+    at += n;
+    if (at >= begin + count) break;
+  }
+  if (at < begin + count)
+    throw Error(fmt::format("the released tensors of '{}' hold {} elements, its shape {} needs {}",
+                            name, at, shape_str(p.shape), numel),
+                reader.dir().string(),
+                "use the config.json that came with these weights, or re-create the checkpoint");
+  return out;
+}
+
 void ParamStore::save(const std::filesystem::path& dir, uint64_t max_shard_bytes) const {
+  save(
+      dir, [](const InternalParam& p) { return p.value; }, max_shard_bytes);
+}
+
+void ParamStore::save(const std::filesystem::path& dir, const WholeValue& whole,
+                      uint64_t max_shard_bytes) const {
   io::CheckpointWriterOptions options;
   options.max_shard_bytes = max_shard_bytes;
   io::CheckpointWriter writer(dir, options);
-  std::map<std::string, DType> stored;
-  for (const auto& spec : released_layout(config_)) stored[spec.name] = spec.dtype;
-  auto emit = [&](const std::string& name, const Tensor& t) {
-    writer.add(name, t.to(stored.at(name)).contiguous());
-  };
-  // A fused expert tensor names every expert of its layer, parts_per_expert released tensors each.
-  auto check_whole = [](const InternalParam& p, size_t parts_per_expert) {
-    GLMTUNE_ASSERT(p.sources.size() == parts_per_expert * size_t(p.value.size(0)),
-                   "'{}' holds {} of the {} experts; gather the whole tensor before saving", p.name,
-                   p.value.size(0), p.sources.size() / parts_per_expert);
-  };
-  for (const auto& p : params_) {
-    if (p.sources.size() == 1 && p.sources[0] == p.name) {
-      emit(p.name, p.value);
-    } else if (p.name.ends_with("gate_up_proj")) {
-      check_whole(p, 2);
-      const int64_t E = p.value.size(0), Im = p.value.size(1) / 2;
-      for (int64_t e = 0; e < E; ++e) {
-        emit(p.sources[size_t(e)], p.value.select(0, e).slice(0, 0, Im));
-        emit(p.sources[size_t(E + e)], p.value.select(0, e).slice(0, Im, 2 * Im));
-      }
-    } else if (p.name.ends_with("down_proj")) {
-      check_whole(p, 1);
-      for (int64_t e = 0; e < p.value.size(0); ++e)
-        emit(p.sources[size_t(e)], p.value.select(0, e));
-    } else {
-      const int64_t QL = p.value.size(0) / 3;
-      for (int64_t i = 0; i < 3; ++i)
-        emit(p.sources[size_t(i)], p.value.slice(0, i * QL, (i + 1) * QL));
+  std::map<std::string, const ParamSpec*> released;
+  const std::vector<ParamSpec> layout = released_layout(config_);
+  for (const auto& spec : layout) released[spec.name] = &spec;
+  // The whole sequence up front, so that each tensor is written as soon as it exists.
+  std::vector<io::TensorSpec> specs;
+  for (const auto& p : params_)
+    for (const std::string& name : released_parts(p)) {
+      const ParamSpec& spec = *released.at(name);
+      specs.push_back({name, spec.dtype, spec.shape});
     }
+  writer.plan_in_order(std::move(specs));
+  for (const auto& p : params_) {
+    const Tensor value = whole(p);
+    for_each_released(p, value, [&](const std::string& name, const Tensor& t) {
+      writer.put(name, t.to(released.at(name)->dtype).contiguous());
+    });
   }
   writer.add_file("config.json", config_.document().dump(2) + "\n");
   writer.finish();
+}
+
+void ParamStore::visit_for_save(const WholeValue& whole) const {
+  for (const auto& p : params_) whole(p);
 }
 
 }  // namespace glmtune::model

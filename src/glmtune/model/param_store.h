@@ -6,8 +6,11 @@
 //   <layer>.self_attn.conv1d.weight  [3*QL, 1, K]  <- q_conv1d / k_conv1d / v_conv1d
 // Saving splits them back, so what glmtune writes is always the released layout. With expert
 // parallelism a rank loads only its range of the routed experts: the fused expert tensors are then
-// [count, ...] and the other experts' released tensors are never read.
+// [count, ...] and the other experts' released tensors are never read. With fully sharded layers a
+// rank defers the decoder-layer tensors: the store holds a placeholder for each and the rank reads
+// only the elements it keeps, straight from the mapped checkpoint (read_elements).
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -63,6 +66,12 @@ struct InternalParam {
   // expert even when the store holds a range of them: the whole tensor, gathered back from the
   // ranks, saves under these names.
   std::vector<std::string> sources;
+  // The whole tensor's shape (what save writes), also when `value` holds a range of the experts
+  // or is the placeholder of a deferred tensor.
+  Shape shape;
+  // Loaded as a placeholder: `value` is one element of the storage dtype (a distinct storage, so
+  // that code keying tensors by storage still tells them apart), not the tensor's data.
+  bool deferred = false;
 };
 
 class ParamStore {
@@ -73,8 +82,13 @@ class ParamStore {
   // still checked (names, shapes, dtypes) but their data is never read. The range must be one of
   // the equal slices of the routed experts (count divides their number, first is a multiple of
   // count); glmtune::Error otherwise.
+  //
+  // `defer` (given an internal name) picks tensors whose data is not read at all: they are checked
+  // like the others, then held as placeholders (InternalParam::deferred); read_elements reads any
+  // range of them later from the same checkpoint. Fully sharded layers defer the decoder layers.
   static ParamStore load(const io::CheckpointReader& reader, const ModelConfig& config,
-                         std::optional<ExpertRange> experts = std::nullopt);
+                         std::optional<ExpertRange> experts = std::nullopt,
+                         const std::function<bool(const std::string& name)>& defer = {});
 
   const ModelConfig& config() const { return config_; }
   // The routed experts the fused expert tensors were loaded with; nullopt when all of them.
@@ -84,10 +98,32 @@ class ParamStore {
   const Tensor& get(const std::string& name) const;
   Tensor& get(const std::string& name);
   const std::vector<InternalParam>& params() const { return params_; }
+  // Throws InternalError naming the parameter when absent.
+  const InternalParam& param(const std::string& name) const;
+
+  // Elements [begin, begin + count) of internal parameter `name` (the whole tensor, flattened),
+  // read from `reader`, the checkpoint this store was loaded from: a [count] tensor in the storage
+  // dtype. Only the mapped pages of those elements are touched (an FP8 weight is dequantised whole
+  // first, one tensor at a time). glmtune::Error naming the tensor for a range outside it.
+  Tensor read_elements(const io::CheckpointReader& reader, const std::string& name, int64_t begin,
+                       int64_t count) const;
 
   // Writes the released layout (fused tensors split, stored dtypes per the fp32-kept policy). The
   // fused expert tensors must hold every expert (gathered back when loaded with a range).
   void save(const std::filesystem::path& dir, uint64_t max_shard_bytes = 5'000'000'000) const;
+
+  // The whole value of a parameter in its storage dtype, produced right before it is written (a
+  // tensor gathered from the ranks holding its parts); may be undefined on a rank that writes
+  // nothing.
+  using WholeValue = std::function<Tensor(const InternalParam& param)>;
+  // The same files as save(dir), with each parameter taken from `whole` one at a time, in store
+  // order, and written before the next is asked for: memory holds one whole tensor, never the
+  // model. `whole` is called for every parameter, also those the store holds whole.
+  void save(const std::filesystem::path& dir, const WholeValue& whole,
+            uint64_t max_shard_bytes = 5'000'000'000) const;
+  // Calls `whole` exactly as save(dir, whole) does, writing nothing: what the other ranks run
+  // while one rank saves, when `whole` is collective.
+  void visit_for_save(const WholeValue& whole) const;
 
  private:
   ModelConfig config_;

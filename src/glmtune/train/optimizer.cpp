@@ -18,12 +18,15 @@ constexpr int64_t kNormBlock = int64_t(1) << 15;
 // Below this many elements the update runs on one thread (thread start-up would dominate).
 constexpr int64_t kParallelMin = int64_t(1) << 14;
 
-constexpr const char* kFormat = "glmtune-adamw";
-constexpr const char* kStepName = "optimizer/step";
+constexpr const char* kFormat = kOptimizerFormat;
+constexpr const char* kStepName = kOptimizerStepName;
 
-std::string master_name(const std::string& p) { return "optimizer/master/" + p; }
-std::string exp_avg_name(const std::string& p) { return "optimizer/exp_avg/" + p; }
-std::string exp_avg_sq_name(const std::string& p) { return "optimizer/exp_avg_sq/" + p; }
+std::string master_name(const std::string& p) { return optimizer_state_name(0, p); }
+std::string exp_avg_name(const std::string& p) { return optimizer_state_name(1, p); }
+std::string exp_avg_sq_name(const std::string& p) { return optimizer_state_name(2, p); }
+
+const std::string kResumeFix =
+    "resume from a checkpoint written by this model's training run, or start without resuming";
 
 // A gradient as contiguous f32: the tensor itself when it already is, else a converted copy.
 Tensor as_f32(const Tensor& g) {
@@ -46,6 +49,84 @@ void round_into(const float* master, const Tensor& storage) {
 }
 
 }  // namespace
+
+std::string optimizer_state_name(int kind, const std::string& param) {
+  GLMTUNE_ASSERT(kind >= 0 && kind < 3, "optimizer state kind {}", kind);
+  static const char* const prefixes[] = {"optimizer/master/", "optimizer/exp_avg/",
+                                         "optimizer/exp_avg_sq/"};
+  return prefixes[kind] + param;
+}
+
+SavedAdamWState SavedAdamWState::open(const std::filesystem::path& dir) {
+  const std::string where = dir.string();
+  SavedAdamWState saved(io::CheckpointReader::open(dir));
+  const io::CheckpointReader& reader = saved.reader_;
+  for (const auto& file : reader.shard_files()) {
+    const auto& meta = reader.shard(file).metadata();
+    auto it = meta.find("format");
+    if (it == meta.end() || it->second != kFormat)
+      throw Error(fmt::format("'{}' is not an optimizer state (its format is '{}', expected '{}')",
+                              file, it == meta.end() ? "" : it->second, kFormat),
+                  where, kResumeFix);
+  }
+  if (!reader.contains(kStepName))
+    throw Error(fmt::format("the optimizer state has no '{}'", kStepName), where, kResumeFix);
+  const io::TensorInfo& step_info = reader.info(kStepName);
+  if (step_info.dtype != DType::i64 || step_info.shape != Shape{1})
+    throw Error(fmt::format("'{}' must be i64 [1]", kStepName), where, kResumeFix);
+  saved.step_ = int64_t(reader.tensor(kStepName).item({0}));
+  if (saved.step_ < 0)
+    throw Error(fmt::format("negative step count {}", saved.step_), where, kResumeFix);
+  return saved;
+}
+
+void SavedAdamWState::check(const std::vector<std::pair<std::string, Shape>>& trained) const {
+  const std::string where = dir().string();
+  std::set<std::string> expected = {kStepName};
+  for (const auto& [name, shape] : trained)
+    for (int kind = 0; kind < 3; ++kind) expected.insert(optimizer_state_name(kind, name));
+  std::vector<std::string> missing, unexpected;
+  for (const auto& n : expected)
+    if (!reader_.contains(n)) missing.push_back(n);
+  for (const auto& n : reader_.names())
+    if (!expected.count(n)) unexpected.push_back(n);
+  if (!missing.empty() || !unexpected.empty()) {
+    auto head = [](const std::vector<std::string>& v) {
+      std::string s;
+      for (size_t i = 0; i < v.size() && i < 5; ++i) s += (i ? ", " : "") + v[i];
+      if (v.size() > 5) s += fmt::format(" and {} more", v.size() - 5);
+      return s;
+    };
+    std::string what = "the optimizer state does not match the model's trainable parameters:";
+    if (!missing.empty()) what += fmt::format(" {} missing ({})", missing.size(), head(missing));
+    if (!unexpected.empty())
+      what += fmt::format("{} {} unexpected ({})", missing.empty() ? "" : ";", unexpected.size(),
+                          head(unexpected));
+    throw Error(what, where, kResumeFix);
+  }
+  for (const auto& [name, shape] : trained)
+    for (int kind = 0; kind < 3; ++kind) {
+      const std::string n = optimizer_state_name(kind, name);
+      const io::TensorInfo& info = reader_.info(n);
+      if (info.dtype != DType::f32 || info.shape != shape)
+        throw Error(fmt::format("'{}' is {} {}, expected f32 {}", n, dtype_name(info.dtype),
+                                shape_str(info.shape), shape_str(shape)),
+                    where, kResumeFix);
+    }
+}
+
+Tensor SavedAdamWState::range(int kind, const std::string& name, int64_t begin,
+                              int64_t count) const {
+  const std::string n = optimizer_state_name(kind, name);
+  if (!reader_.contains(n))
+    throw Error(fmt::format("the optimizer state has no '{}'", n), dir().string(), kResumeFix);
+  const io::TensorInfo& info = reader_.info(n);
+  if (info.dtype != DType::f32 || begin < 0 || count < 0 || begin + count > info.numel())
+    throw Error(fmt::format("'{}' is {} {}; elements [{}, {}) of an f32 tensor were expected", n,
+                            dtype_name(info.dtype), shape_str(info.shape), begin, begin + count),
+                dir().string(), kResumeFix);
+  return reader_.tensor(n).reshape({-1}).narrow(0, begin, count);
+}
 
 std::vector<NamedParam> named_params(const model::ParamStore& store) {
   std::vector<NamedParam> out;
@@ -224,71 +305,23 @@ void AdamW::save(const std::filesystem::path& dir) const {
 }
 
 void AdamW::load(const std::filesystem::path& dir) {
-  const std::string where = dir.string();
-  io::CheckpointReader reader = io::CheckpointReader::open(dir);
-  const std::string fix =
-      "resume from a checkpoint written by this model's training run, or start without resuming";
-  for (const auto& file : reader.shard_files()) {
-    const auto& meta = reader.shard(file).metadata();
-    auto it = meta.find("format");
-    if (it == meta.end() || it->second != kFormat)
-      throw Error(fmt::format("'{}' is not an optimizer state (its format is '{}', expected '{}')",
-                              file, it == meta.end() ? "" : it->second, kFormat),
-                  where, fix);
-  }
-  std::set<std::string> expected = {kStepName};
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].trainable) continue;
-    for (const auto& n : {master_name(params_[i].name), exp_avg_name(params_[i].name),
-                          exp_avg_sq_name(params_[i].name)})
-      expected.insert(n);
-  }
-  std::vector<std::string> missing, unexpected;
-  for (const auto& n : expected)
-    if (!reader.contains(n)) missing.push_back(n);
-  for (const auto& n : reader.names())
-    if (!expected.count(n)) unexpected.push_back(n);
-  if (!missing.empty() || !unexpected.empty()) {
-    auto head = [](const std::vector<std::string>& v) {
-      std::string s;
-      for (size_t i = 0; i < v.size() && i < 5; ++i) s += (i ? ", " : "") + v[i];
-      if (v.size() > 5) s += fmt::format(" and {} more", v.size() - 5);
-      return s;
-    };
-    std::string what = "the optimizer state does not match the model's trainable parameters:";
-    if (!missing.empty()) what += fmt::format(" {} missing ({})", missing.size(), head(missing));
-    if (!unexpected.empty())
-      what += fmt::format("{} {} unexpected ({})", missing.empty() ? "" : ";", unexpected.size(),
-                          head(unexpected));
-    throw Error(what, where, fix);
-  }
-  const io::TensorInfo& step_info = reader.info(kStepName);
-  if (step_info.dtype != DType::i64 || step_info.shape != Shape{1})
-    throw Error(fmt::format("'{}' must be i64 [1]", kStepName), where, fix);
+  const SavedAdamWState saved = SavedAdamWState::open(dir);
+  std::vector<std::pair<std::string, Shape>> trained;
+  for (const NamedParam& p : params_)
+    if (p.trainable) trained.emplace_back(p.name, p.value.shape());
   // Validate everything before changing anything, so a bad directory leaves the state intact.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].trainable) continue;
-    for (const auto& n : {master_name(params_[i].name), exp_avg_name(params_[i].name),
-                          exp_avg_sq_name(params_[i].name)}) {
-      const io::TensorInfo& info = reader.info(n);
-      if (info.dtype != DType::f32 || info.shape != params_[i].value.shape())
-        throw Error(fmt::format("'{}' is {} {}, expected f32 {}", n, dtype_name(info.dtype),
-                                shape_str(info.shape), shape_str(params_[i].value.shape())),
-                    where, fix);
-    }
-  }
-  const int64_t step = int64_t(reader.tensor(kStepName).item({0}));
-  if (step < 0) throw Error(fmt::format("negative step count {}", step), where, fix);
+  saved.check(trained);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].trainable) continue;
     State& s = state_[i];
-    s.master.copy_(reader.tensor(master_name(params_[i].name)));
-    s.exp_avg.copy_(reader.tensor(exp_avg_name(params_[i].name)));
-    s.exp_avg_sq.copy_(reader.tensor(exp_avg_sq_name(params_[i].name)));
+    const int64_t n = s.master.numel();
+    s.master.view({-1}).copy_(saved.range(0, params_[i].name, 0, n));
+    s.exp_avg.view({-1}).copy_(saved.range(1, params_[i].name, 0, n));
+    s.exp_avg_sq.view({-1}).copy_(saved.range(2, params_[i].name, 0, n));
     if (params_[i].value.dtype() != DType::f32)
       round_into(s.master.data<float>(), params_[i].value);
   }
-  step_ = step;
+  step_ = saved.step_count();
 }
 
 int64_t AdamW::state_bytes() const {

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/io/checkpoint.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::model {
@@ -49,6 +50,37 @@ struct AdamWConfig {
   double weight_decay = 0.01;
   // Global-norm clipping threshold; 0 turns clipping off (the norm is still measured).
   double max_grad_norm = 1.0;
+};
+
+// The on-disk names of the saved state (see above), shared by AdamW::save and the writers that
+// stream the same files from sharded optimizers (train/state.h). `kind`: 0 master, 1 exp_avg,
+// 2 exp_avg_sq.
+inline constexpr const char* kOptimizerFormat = "glmtune-adamw";
+inline constexpr const char* kOptimizerStepName = "optimizer/step";
+std::string optimizer_state_name(int kind, const std::string& param);
+
+// A state saved by AdamW::save, opened for ranged reads: a sharded optimizer takes each of its
+// pieces straight from the memory-mapped files, so no rank ever holds a whole saved state (or a
+// whole tensor's) in memory; only the pages of its own elements are touched.
+class SavedAdamWState {
+ public:
+  // Reads the headers and the step count. glmtune::Error naming the directory when it is not an
+  // optimizer state (missing, another format, a malformed step count).
+  static SavedAdamWState open(const std::filesystem::path& dir);
+
+  const std::filesystem::path& dir() const { return reader_.dir(); }
+  int64_t step_count() const { return step_; }
+  // Checks that the state holds exactly the trained parameters `trained` (name and whole shape):
+  // glmtune::Error naming the missing, unexpected and mis-shaped tensors otherwise.
+  void check(const std::vector<std::pair<std::string, Shape>>& trained) const;
+  // Elements [begin, begin + count) of state `kind` of parameter `name`, flattened: a read-only
+  // view of the mapping. glmtune::Error naming the tensor when it is absent, not f32, or shorter.
+  Tensor range(int kind, const std::string& name, int64_t begin, int64_t count) const;
+
+ private:
+  explicit SavedAdamWState(io::CheckpointReader reader) : reader_(std::move(reader)) {}
+  io::CheckpointReader reader_;
+  int64_t step_ = 0;
 };
 
 // A parameter as the optimizer sees it. `value` shares storage with the model's tensor, so

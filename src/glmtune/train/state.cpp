@@ -9,6 +9,7 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/base/fs.h"
+#include "glmtune/io/checkpoint.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/train/optimizer.h"
 
@@ -129,9 +130,47 @@ TrainerState TrainerState::from_json(const nlohmann::json& j, const std::string&
   return s;
 }
 
+void save_optimizer_state(const fs::path& dir,
+                          const std::vector<std::pair<std::string, Shape>>& trained, int64_t step,
+                          const WholeOptimizerState& whole) {
+  io::CheckpointWriterOptions options;
+  options.shard_metadata = {{"format", kOptimizerFormat}};
+  io::CheckpointWriter writer(dir, options);
+  // AdamW::save's sequence: the step count, then each parameter's master and moments.
+  std::vector<io::TensorSpec> specs = {{kOptimizerStepName, DType::i64, Shape{1}}};
+  for (const auto& [name, shape] : trained)
+    for (int kind = 0; kind < 3; ++kind)
+      specs.push_back({optimizer_state_name(kind, name), DType::f32, shape});
+  writer.plan_in_order(std::move(specs));
+  writer.put(kOptimizerStepName, Tensor::from_vector<int64_t>({step}, {1}));
+  for (const auto& [name, shape] : trained) {
+    const std::array<Tensor, 3> state = whole(name);
+    for (int kind = 0; kind < 3; ++kind) {
+      const Tensor& t = state[size_t(kind)];
+      GLMTUNE_ASSERT(t.defined() && t.dtype() == DType::f32 && t.numel() == shape_numel(shape),
+                     "state {} of '{}' is {}, expected f32 {}", kind, name,
+                     t.defined() ? t.str() : std::string("undefined"), shape_str(shape));
+      writer.put(optimizer_state_name(kind, name), t.contiguous().view(shape));
+    }
+  }
+  writer.finish();
+}
+
+void visit_optimizer_state(const std::vector<std::pair<std::string, Shape>>& trained,
+                           const WholeOptimizerState& whole) {
+  for (const auto& [name, shape] : trained) whole(name);
+}
+
 CheckpointDir save_checkpoint(const fs::path& output_dir, const TrainerState& state,
                               const ModelWriter& write_model, const AdamW& optimizer,
                               int64_t keep_last) {
+  return save_checkpoint(
+      output_dir, state, write_model, [&](const fs::path& dir) { optimizer.save(dir); }, keep_last);
+}
+
+CheckpointDir save_checkpoint(const fs::path& output_dir, const TrainerState& state,
+                              const ModelWriter& write_model,
+                              const OptimizerWriter& write_optimizer, int64_t keep_last) {
   GLMTUNE_ASSERT(state.step >= 0, "checkpoint of negative step {}", state.step);
   const fs::path root = output_dir / kCheckpointsDir;
   std::error_code ec;
@@ -146,7 +185,7 @@ CheckpointDir save_checkpoint(const fs::path& output_dir, const TrainerState& st
   check_io(ec, "cannot create the temporary checkpoint directory", tmp);
   try {
     write_model(tmp / "model");
-    optimizer.save(tmp / "optimizer");
+    write_optimizer(tmp / "optimizer");
     write_file_atomic((tmp / kTrainerStateFile).string(), state.to_json().dump(2) + "\n");
     // The manifest is written last: its presence, with matching sizes, is what makes the
     // checkpoint complete.

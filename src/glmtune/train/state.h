@@ -19,6 +19,7 @@
 // manifest, not the pointer, is what makes a checkpoint usable. One process saves (rank 0 in a
 // distributed run).
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -27,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/tensor/tensor.h"
 #include "glmtune/train/metrics.h"
 
 namespace glmtune::model {
@@ -76,6 +78,26 @@ struct CheckpointDir {
 // yet).
 using ModelWriter = std::function<void(const std::filesystem::path& model_dir)>;
 
+// Writes the optimizer state into the directory it is given (which does not exist yet), in the
+// format of AdamW::save.
+using OptimizerWriter = std::function<void(const std::filesystem::path& optimizer_dir)>;
+
+// The whole state of one trained parameter, {master, exp_avg, exp_avg_sq} (f32, the parameter's
+// element count), produced right before it is written (gathered from the ranks holding its
+// pieces); may be undefined on a rank that writes nothing.
+using WholeOptimizerState = std::function<std::array<Tensor, 3>(const std::string& param)>;
+// Writes into `dir` exactly the files AdamW::save writes for an optimizer at step `step` whose
+// trained parameters are `trained` (name and whole shape, in the optimizer's order), taking each
+// parameter's state from `whole` one at a time and writing it before asking for the next: memory
+// holds one parameter's state, never the whole optimizer's.
+void save_optimizer_state(const std::filesystem::path& dir,
+                          const std::vector<std::pair<std::string, Shape>>& trained, int64_t step,
+                          const WholeOptimizerState& whole);
+// Calls `whole` exactly as save_optimizer_state does, writing nothing: what the other ranks run
+// while one rank saves, when `whole` is collective.
+void visit_optimizer_state(const std::vector<std::pair<std::string, Shape>>& trained,
+                           const WholeOptimizerState& whole);
+
 // Saves checkpoint step-<state.step> under OUT/checkpoints, replacing an existing one of the
 // same step, then prunes complete checkpoints beyond the newest `keep_last` (0 keeps all).
 // Returns the checkpoint. Throws glmtune::Error naming the path on I/O failure; what was there
@@ -83,6 +105,10 @@ using ModelWriter = std::function<void(const std::filesystem::path& model_dir)>;
 CheckpointDir save_checkpoint(const std::filesystem::path& output_dir, const TrainerState& state,
                               const ModelWriter& write_model, const AdamW& optimizer,
                               int64_t keep_last);
+// The same with the optimizer state written by `write_optimizer` (save_optimizer_state).
+CheckpointDir save_checkpoint(const std::filesystem::path& output_dir, const TrainerState& state,
+                              const ModelWriter& write_model,
+                              const OptimizerWriter& write_optimizer, int64_t keep_last);
 // The same with the model written by ParamStore::save.
 CheckpointDir save_checkpoint(const std::filesystem::path& output_dir, const TrainerState& state,
                               const model::ParamStore& store, const AdamW& optimizer,

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -31,6 +32,7 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/tensor/allocator.h"
 #include "glmtune/train/optimizer.h"
 #include "glmtune/train/released.h"
 #include "glmtune/train/router_bias.h"
@@ -60,10 +62,11 @@ model::ModelConfig read_model_config(const fs::path& dir) {
 }
 
 // `experts`: the routed experts this rank keeps (expert parallelism); nullopt loads all of them.
-model::ParamStore load_store(const fs::path& dir, const model::ModelConfig& config,
-                             std::optional<model::ExpertRange> experts) {
-  const io::CheckpointReader reader = io::CheckpointReader::open(dir);
-  model::ParamStore store = model::ParamStore::load(reader, config, experts);
+// `defer`: tensors held as placeholders, read later from `reader` piece by piece (fsdp).
+model::ParamStore load_store(const io::CheckpointReader& reader, const model::ModelConfig& config,
+                             std::optional<model::ExpertRange> experts,
+                             const std::function<bool(const std::string&)>& defer) {
+  model::ParamStore store = model::ParamStore::load(reader, config, experts, defer);
   // The checkpoint mapping is read-only; the optimizer and the bias update write in place.
   make_params_writable(store);
   return store;
@@ -91,6 +94,19 @@ bool in_decoder_layer(const std::string& name, int64_t layers) {
 // The store's tensor `p` when it holds one (sharded decoder layers are dropped from it).
 const Tensor* stored_value(const model::InternalParam& p) {
   return p.value.defined() ? &p.value : nullptr;
+}
+
+// The trained tensors of the optimizer state a sharded run saves and resumes (name and whole shape,
+// in the order of the unsharded optimizer's parameters): with fsdp or expert slices the store holds
+// placeholders or slices, whose whole shapes it keeps.
+std::vector<std::pair<std::string, Shape>> whole_trained(const std::vector<NamedParam>& params,
+                                                         const model::ParamStore& store) {
+  std::vector<std::pair<std::string, Shape>> out;
+  for (const NamedParam& p : params)
+    if (p.trainable)
+      out.emplace_back(p.name,
+                       store.contains(p.name) ? store.param(p.name).shape : p.value.shape());
+  return out;
 }
 
 // The optimizer trains the text model's trainable tensors; the vision tower (kept in the store so
@@ -332,13 +348,6 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   if (expert_sharded)
     expert_parallel.emplace(par->ep(), model_config.text().n_routed_experts,
                             recipe.source() + ": train.ep_size");
-  model::ParamStore store = load_store(
-      weights_dir, model_config,
-      expert_parallel ? std::optional(dist::local_range(*expert_parallel)) : std::nullopt);
-  if (tokenizer.vocab_size() > store.config().text().vocab_size)
-    throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
-                            tokenizer.vocab_size(), store.config().text().vocab_size),
-                tokenizer_file.string(), "use the tokenizer that came with the checkpoint");
   // Fully sharded decoder layers (dist/fsdp.h): each rank keeps a slice of every decoder layer's
   // compute weights, gradient, fp32 masters and moments over dp (a group of one without a
   // launcher); the replicated tensors go through the sharded AdamW below.
@@ -355,7 +364,23 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                   recipe.source() + ": train.fsdp",
                   "set train.fsdp = false, or train.ep_size = train.sp_size = 1");
   }
-  const int64_t num_layers = store.config().text().num_hidden_layers;
+  const int64_t num_layers = model_config.text().num_hidden_layers;
+  // With fsdp the decoder layers' tensors are not read here: the store holds placeholders and each
+  // rank reads only the elements of its slices from the mapped checkpoint once the layout is known
+  // (below). The router correction biases stay whole: the bias rule updates them in the store.
+  std::optional<io::CheckpointReader> weights_reader = io::CheckpointReader::open(weights_dir);
+  const auto sliced_later = [&](const std::string& name) {
+    return in_decoder_layer(name, num_layers) && !name.ends_with("e_score_correction_bias");
+  };
+  model::ParamStore store = load_store(
+      *weights_reader, model_config,
+      expert_parallel ? std::optional(dist::local_range(*expert_parallel)) : std::nullopt,
+      fsdp ? std::function<bool(const std::string&)>(sliced_later) : nullptr);
+  if (!fsdp) weights_reader.reset();
+  if (tokenizer.vocab_size() > store.config().text().vocab_size)
+    throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
+                            tokenizer.vocab_size(), store.config().text().vocab_size),
+                tokenizer_file.string(), "use the tokenizer that came with the checkpoint");
   std::unique_ptr<dist::Communicator> self_group;
   if (fsdp && !distributed) self_group = dist::make_self_communicator("dp");
   dist::Communicator* const dp_group = distributed ? &par->dp() : self_group.get();
@@ -383,26 +408,21 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   TrainerState st;
   st.seed = recipe.seed;
   st.recipe_fingerprint = recipe.fingerprint(dp);
-  // With fsdp or expert slices the full saved state is read once and kept until the decoder layers
-  // (built with the model below) or the expert slices have taken their pieces of it.
-  std::unique_ptr<AdamW> resumed_state;
+  // The trained tensors of the saved optimizer state, whole shapes, in the unsharded optimizer's
+  // order: what a sharded run checks when it resumes and writes when it saves.
+  const std::vector<std::pair<std::string, Shape>> saved_trained =
+      sharded ? whole_trained(fsdp || expert_sharded ? trainable_params(store) : sharded->params(),
+                              store)
+              : std::vector<std::pair<std::string, Shape>>{};
+  // A sharded run reads its pieces of the saved state straight from the mapped files (the
+  // replicated shards here, the decoder-layer and expert pieces once those optimizers exist below):
+  // no rank reads or holds the whole state.
+  std::optional<SavedAdamWState> saved_state;
   if (resume) {
-    if (fsdp || expert_sharded) {
-      std::vector<NamedParam> saved_params = trainable_params(store);
-      // The saved state holds the whole routed-expert tensors, the store this rank's slices: the
-      // state is read whole (into tensors of the whole shape) and the slices are taken from it.
-      if (expert_parallel)
-        for (NamedParam& p : saved_params)
-          if (model::is_fused_expert_tensor(p.name)) {
-            Shape whole = p.value.shape();
-            whole[0] = expert_parallel->experts();
-            p.value = Tensor::empty(whole, p.value.dtype());
-          }
-      resumed_state = std::make_unique<AdamW>(std::move(saved_params), recipe.adamw_config());
-      resumed_state->load(resume->checkpoint.optimizer_dir());
-      sharded->load(*resumed_state);
-    } else if (sharded) {
-      sharded->load(resume->checkpoint.optimizer_dir());
+    if (sharded) {
+      saved_state.emplace(SavedAdamWState::open(resume->checkpoint.optimizer_dir()));
+      saved_state->check(saved_trained);
+      sharded->load(*saved_state);
     } else {
       optimizer.load(resume->checkpoint.optimizer_dir());
     }
@@ -424,8 +444,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   if (expert_sharded) {
     local_experts.emplace(store, *expert_parallel);
     expert_optimizer.emplace(*local_experts, recipe.adamw_config(), par->edp());
-    if (resumed_state) expert_optimizer->load(*resumed_state);
-    resumed_state.reset();
+    if (saved_state) expert_optimizer->load(*saved_state);
   }
   std::optional<TextModel> text_model;
   if (vl && on_gpu)
@@ -473,20 +492,33 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // Fully sharded decoder layers: weights gathered over dp around each use (the next layer's
   // transfer overlapping the current one), gradients reduce-scattered into slices right after
   // each layer's backward, and AdamW on the slices. The store then drops the layers' tensors but
-  // the router correction biases, which the bias rule updates in place every step; the dropped
-  // ones come back on rank 0 for a checkpoint only.
+  // the router correction biases, which the bias rule updates in place every step (the others were
+  // placeholders: the slices were read from the checkpoint piece by piece); a checkpoint gathers
+  // them back one tensor at a time.
   std::optional<dist::ShardedLayers> sharded_layers;
   std::optional<dist::ShardedLayerAdamW> layer_optimizer;
   std::map<std::string, DType> dropped_from_store;  // name -> storage dtype
   std::vector<std::string> biases_in_store;
   if (fsdp) {
-    sharded_layers.emplace(model.weights(), grads, *dp_group);
+    // The model holds placeholders for the deferred tensors: each rank reads its slices' elements.
+    const auto read_piece = [&](const std::string& name, int64_t begin, int64_t count) {
+      const model::InternalParam& p = store.param(name);
+      return p.deferred ? store.read_elements(*weights_reader, name, begin, count)
+                        : p.value.reshape({-1}).narrow(0, begin, count).clone();
+    };
+    sharded_layers.emplace(model.weights(), grads, *dp_group,
+                           dist::LayerSource{[&](const std::string& name) -> std::optional<Shape> {
+                                               const model::InternalParam& p = store.param(name);
+                                               return p.deferred ? std::optional(p.shape)
+                                                                 : std::nullopt;
+                                             },
+                                             read_piece});
     std::vector<NamedParam> layer_params = named_params(store);
     std::erase_if(layer_params,
                   [&](const NamedParam& p) { return !in_decoder_layer(p.name, num_layers); });
-    layer_optimizer.emplace(*sharded_layers, layer_params, recipe.adamw_config());
-    if (resumed_state) layer_optimizer->load(*resumed_state);
-    resumed_state.reset();
+    layer_optimizer.emplace(*sharded_layers, read_piece, recipe.adamw_config());
+    if (saved_state) layer_optimizer->load(*saved_state);
+    weights_reader.reset();
     for (const NamedParam& p : layer_params) {
       if (!sharded_layers->holds(p.name))
         throw InternalError(fmt::format("decoder-layer tensor '{}' has no slice", p.name));
@@ -498,6 +530,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       }
     }
     topt.layer_params = &*sharded_layers;
+    spdlog::info("fsdp: {} bytes of tensor memory allocated on this rank after start-up",
+                 host_allocator().stats().allocated);
     spdlog::info(
         "fsdp: this rank holds {} of {} bytes of decoder-layer weights, {} of {} bytes of their "
         "gradients and {} bytes of their optimizer state ({} for the replicated tensors)",
@@ -631,54 +665,61 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       spdlog::info("saved {} in {:.1f}s", ck.dir.string(), seconds_since(t0));
       return;
     }
-    // The released layout whatever the sharding: rank 0 writes the gathered full state.
-    std::unique_ptr<AdamW> full;
-    if (sharded_layers) {
-      // The decoder layers come back into rank 0's store one at a time (exact: the compute
-      // slices hold the stored values), then the full optimizer state is assembled there.
-      sharded_layers->gather_parameters([&](const std::string& name, const Tensor& value) {
-        const auto it = dropped_from_store.find(name);
-        if (!root || it == dropped_from_store.end()) return;
-        Tensor stored = Tensor::empty(value.shape(), it->second);
-        stored.copy_(value);
-        store.get(name) = std::move(stored);
-      });
-      if (root) full = std::make_unique<AdamW>(trainable_params(store), recipe.adamw_config());
-      sharded->gather_into(full.get(), 0);
-      layer_optimizer->gather_into(full.get(), 0);
-      if (root) full->set_step_count(sharded->step_count());
-    } else if (local_experts) {
-      // The expert slices come back into rank 0's store one tensor at a time (over rank 0's ep
-      // group), then the full optimizer state is assembled there. The ranks of one sp index hold
-      // every slice and every replicated shard; the other sp indices hold copies and take no
-      // part.
-      const bool first_sp = par->sp().rank() == 0;
-      if (first_sp && par->edp().rank() == 0)
-        local_experts->gather([&](const std::string& name, const Tensor& value) {
-          if (root) store.get(name) = value;
-        });
-      if (root) full = std::make_unique<AdamW>(trainable_params(store), recipe.adamw_config());
-      if (first_sp) {
-        sharded->gather_into(full.get(), 0);
-        expert_optimizer->gather_into(full.get());
+    // The released layout whatever the sharding, streamed: every tensor that is sharded (decoder
+    // layers with fsdp, expert slices) is gathered whole, with its optimizer state, right before
+    // rank 0 writes it, one tensor at a time in the order a single process writes them, so rank 0
+    // never holds the whole model or optimizer state beyond what it keeps for training. The other
+    // ranks run the same sequence of gathers without writing.
+    const bool first_sp = !distributed || par->sp().rank() == 0;
+    const model::ParamStore::WholeValue whole_value = [&](const model::InternalParam& p) -> Tensor {
+      if (sharded_layers && !p.value.defined() && sharded_layers->holds(p.name)) {
+        const Tensor whole = sharded_layers->gather_tensor(p.name, 0);
+        if (!root) return Tensor();
+        // Exact: the compute slices hold the stored values.
+        Tensor stored = Tensor::empty(whole.shape(), dropped_from_store.at(p.name));
+        stored.copy_(whole);
+        return stored;
       }
-      if (root) full->set_step_count(sharded->step_count());
-    } else {
-      full = sharded->gather(0);
-    }
+      if (local_experts && local_experts->holds(p.name)) {
+        // The ranks of one sp index hold every slice; the other sp indices hold copies.
+        if (!first_sp || par->edp().rank() != 0) return Tensor();
+        return local_experts->gather_one(p.name);
+      }
+      return p.value;
+    };
+    const WholeOptimizerState whole_state = [&](const std::string& name) -> std::array<Tensor, 3> {
+      if (layer_optimizer && sharded_layers->holds(name))
+        return layer_optimizer->gather_state(name, 0);
+      if (expert_optimizer && local_experts->holds(name)) {
+        if (!first_sp) return {};
+        return expert_optimizer->gather_state(name);
+      }
+      return sharded->gather_state(name, 0);
+    };
     if (root) {
       try {
-        summary.checkpoint = save_checkpoint(out_dir, st, writer, *full, recipe.keep_last).dir;
+        summary.checkpoint =
+            save_checkpoint(
+                out_dir, st,
+                [&](const fs::path& dir) {
+                  store.save(dir, whole_value);
+                  copy_tokenizer_files(tok_dir, dir);
+                  if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+                },
+                [&](const fs::path& dir) {
+                  save_optimizer_state(dir, saved_trained, sharded->step_count(), whole_state);
+                },
+                recipe.keep_last)
+                .dir;
       } catch (const std::exception& e) {
         if (!distributed) throw;
         par->abort(fmt::format("saving step {} failed: {}", st.step, e.what()));
       }
       spdlog::info("saved {} in {:.1f}s", summary.checkpoint.string(), seconds_since(t0));
+    } else {
+      store.visit_for_save(whole_value);
+      visit_optimizer_state(saved_trained, whole_state);
     }
-    full.reset();
-    if (sharded_layers && root)
-      for (const auto& [name, dtype] : dropped_from_store) store.get(name) = Tensor();
-    if (local_experts && root) local_experts->restore(store);
     if (!distributed) return;
     par->world().barrier();
     if (!root)
