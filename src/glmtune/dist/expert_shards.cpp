@@ -2,9 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <map>
-#include <memory>
-
 #include "glmtune/base/error.h"
 #include "glmtune/train/released.h"
 
@@ -56,35 +53,16 @@ bool LocalExperts::holds(const std::string& name) const {
   return false;
 }
 
-Tensor LocalExperts::slice(const Tensor& full) const {
-  GLMTUNE_ASSERT(full.defined() && full.size(0) == experts_.experts(),
-                 "a full expert tensor holds {} experts, got {}", experts_.experts(),
-                 full.defined() ? full.str() : std::string("undefined"));
-  return full.narrow(0, experts_.first_expert(), experts_.local_experts());
-}
-
 int64_t LocalExperts::local_bytes() const {
   int64_t bytes = 0;
   for (const Entry& e : entries_) bytes += int64_t(e.local.storage()->bytes());
   return bytes;
 }
 
-void LocalExperts::gather(
-    const std::function<void(const std::string& name, const Tensor& full)>& visit) const {
-  Communicator& ep = experts_.group();
-  for (const Entry& e : entries_) {
-    // Rank r's block is experts [r·n/E, (r+1)·n/E): the blocks in rank order are the full tensor.
-    Shape shape = e.local.shape();
-    shape[0] = experts_.experts();
-    Tensor full = Tensor::empty(shape, e.local.dtype());
-    ep.all_gather(e.local, full);
-    visit(e.name, full);
-  }
-}
-
 Tensor LocalExperts::gather_one(const std::string& name) const {
   for (const Entry& e : entries_) {
     if (e.name != name) continue;
+    // Rank r's block is experts [r·n/E, (r+1)·n/E): the blocks in rank order are the full tensor.
     Shape shape = e.local.shape();
     shape[0] = experts_.experts();
     Tensor full = Tensor::empty(shape, e.local.dtype());
@@ -127,7 +105,7 @@ std::vector<std::string> LocalExperts::nonfinite(
 // ---- ExpertAdamW
 
 ExpertAdamW::ExpertAdamW(const LocalExperts& experts, train::AdamWConfig config, Communicator& edp)
-    : experts_(experts), config_(config), edp_(edp), shards_(experts.params(), config, edp) {}
+    : experts_(experts), edp_(edp), shards_(experts.params(), config, edp) {}
 
 double ExpertAdamW::reduce_gradients(const std::vector<Tensor>& grads) {
   return shards_.reduce_shard(grads);
@@ -135,39 +113,6 @@ double ExpertAdamW::reduce_gradients(const std::vector<Tensor>& grads) {
 
 train::StepReport ExpertAdamW::step(double lr, double global_grad_norm) {
   return shards_.step(lr, global_grad_norm);
-}
-
-void ExpertAdamW::gather_into(train::AdamW* full) const {
-  Communicator& ep = experts_.experts().group();
-  const bool here = full != nullptr;
-  GLMTUNE_ASSERT(!here || (edp_.rank() == 0 && ep.rank() == 0),
-                 "the full expert optimizer state goes to the first rank of the ep and edp groups, "
-                 "not to ep rank {} / edp rank {}",
-                 ep.rank(), edp_.rank());
-  // This slice's state on the first rank of each edp group; the first ranks of the edp groups
-  // form whole ep groups (they share the replica index), which gather the slices.
-  const std::unique_ptr<train::AdamW> slices = shards_.gather(0);
-  if (edp_.rank() != 0) return;
-  std::map<std::string, size_t> index;
-  if (here)
-    for (size_t i = 0; i < full->params().size(); ++i) index[full->params()[i].name] = i;
-  for (size_t i = 0; i < slices->params().size(); ++i) {
-    const train::NamedParam& p = slices->params()[i];
-    const int64_t numel = p.value.numel();
-    Tensor local = Tensor::empty({3, numel}, DType::f32);
-    local.select(0, 0).copy_(slices->master(i).reshape({-1}));
-    local.select(0, 1).copy_(slices->exp_avg(i).reshape({-1}));
-    local.select(0, 2).copy_(slices->exp_avg_sq(i).reshape({-1}));
-    Tensor gathered = Tensor::empty({ep.size(), 3, numel}, DType::f32);
-    ep.all_gather(local, gathered);
-    if (!here) continue;
-    const auto it = index.find(p.name);
-    GLMTUNE_ASSERT(it != index.end() && full->params()[it->second].trainable,
-                   "the full optimizer does not train '{}'", p.name);
-    // [rank, kind, element] -> per kind, the experts in rank order: the full tensor.
-    const Tensor by_kind = gathered.transpose(0, 1).contiguous().view({3, ep.size() * numel});
-    full->set_state(it->second, by_kind.select(0, 0), by_kind.select(0, 1), by_kind.select(0, 2));
-  }
 }
 
 std::array<Tensor, 3> ExpertAdamW::gather_state(const std::string& name) const {
@@ -192,27 +137,6 @@ void ExpertAdamW::load(const train::SavedAdamWState& saved) {
                 local = experts_.experts().local_experts();
   shards_.load(saved,
                [&](const train::NamedParam& p) { return first * (p.value.numel() / local); });
-}
-
-void ExpertAdamW::load(const train::AdamW& full) {
-  std::map<std::string, size_t> index;
-  for (size_t i = 0; i < full.params().size(); ++i) index[full.params()[i].name] = i;
-  // The slice's full state as an unsharded optimizer over the slices, from which each rank of the
-  // edp group keeps its range.
-  train::AdamW slices(params(), config_);
-  for (size_t i = 0; i < slices.params().size(); ++i) {
-    const std::string& name = slices.params()[i].name;
-    const auto it = index.find(name);
-    if (it == index.end() || !full.params()[it->second].trainable)
-      throw Error(fmt::format("the optimizer state has no trained routed-expert tensor '{}'", name),
-                  "the resumed optimizer state",
-                  "resume from a checkpoint of this model written by glmtune train");
-    const size_t f = it->second;
-    slices.set_state(i, experts_.slice(full.master(f)), experts_.slice(full.exp_avg(f)),
-                     experts_.slice(full.exp_avg_sq(f)));
-  }
-  slices.set_step_count(full.step_count());
-  shards_.load(slices);
 }
 
 }  // namespace glmtune::dist

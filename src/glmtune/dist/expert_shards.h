@@ -52,17 +52,12 @@ class LocalExperts {
   // The slices in store order, trainable, sharing storage with the store's tensors.
   std::vector<train::NamedParam> params() const;
   bool holds(const std::string& name) const;
-  // This rank's slice [n/E, ...] of a full expert tensor [n, ...] (a view).
-  Tensor slice(const Tensor& full) const;
 
   // Bytes of the routed-expert tensors: whole (what a rank holds without expert parallelism) and
   // this rank's slices (measured).
   int64_t full_bytes() const { return full_bytes_; }
   int64_t local_bytes() const;
 
-  // Collective over the ep group, one tensor at a time: calls `visit` on every rank of the group
-  // with each expert tensor's name and its full value (storage dtype) assembled from the slices.
-  void gather(const std::function<void(const std::string& name, const Tensor& full)>& visit) const;
   // Collective over the ep group: the full value of the expert tensor `name` (storage dtype).
   Tensor gather_one(const std::string& name) const;
   // Collective over `everyone` (a group that holds every slice, e.g. the world): the released
@@ -100,25 +95,19 @@ class ExpertAdamW {
   // Bytes of optimizer state on this rank, measured.
   int64_t state_bytes() const { return shards_.state_bytes(); }
 
-  // Collective over edp, then over ep among the edp groups' first ranks: sets in `full` (the
-  // unsharded optimizer over the full tensors, on the rank that is first in both groups; nullptr
-  // elsewhere) the state of every expert tensor. Called by every rank of one sp index at least.
-  void gather_into(train::AdamW* full) const;
-  // The same for one expert tensor: its whole state {master, exp_avg, exp_avg_sq} ([numel] f32
-  // each) on the rank that is first in both groups, undefined elsewhere. Collective over edp, then
-  // over ep among the edp groups' first ranks; every rank asks for the same names in order.
+  // Collective over edp, then over ep among the edp groups' first ranks: the whole state
+  // {master, exp_avg, exp_avg_sq} ([numel] f32 each) of the expert tensor `name` on the rank that
+  // is first in both groups, undefined elsewhere. Called by every rank of one sp index at least;
+  // every rank asks for the same names in order.
   std::array<Tensor, 3> gather_state(const std::string& name) const;
-  // Collective over edp. Keeps this rank's part of a full optimizer state (train::AdamW over the
-  // full tensors, loaded from any layout), matched by name, and sets the slices from its masters.
-  void load(const train::AdamW& full);
-  // The same read from a saved state directly: each rank reads only its range of its slice of
-  // each saved expert tensor. The slices keep the values they were loaded with: a checkpoint's
-  // model holds the masters rounded to the storage dtype, as the saving run held them.
+  // Collective over edp. Restores this rank's part of the slices' state from a saved state
+  // directly: each rank reads only its range of its slice of each saved expert tensor. The slices
+  // keep the values they were loaded with: a checkpoint's model holds the masters rounded to the
+  // storage dtype, as the saving run held them.
   void load(const train::SavedAdamWState& saved);
 
  private:
   const LocalExperts& experts_;
-  train::AdamWConfig config_;
   Communicator& edp_;
   ShardedAdamW shards_;
 };

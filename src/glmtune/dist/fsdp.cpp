@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
 #include <set>
 #include <string>
 
@@ -66,18 +65,12 @@ int64_t live_bytes(const std::weak_ptr<Storage>& s, std::set<const Storage*>& se
 }  // namespace
 
 ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
-                             Communicator& group)
-    : weights_(weights), grads_(grads), group_(group) {
-  build(nullptr);
-}
-
-ShardedLayers::ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
                              Communicator& group, const LayerSource& source)
     : weights_(weights), grads_(grads), group_(group) {
-  build(&source);
+  build(source);
 }
 
-void ShardedLayers::build(const LayerSource* source) {
+void ShardedLayers::build(const LayerSource& source) {
   model::text::TextWeights& weights = weights_;
   model::text::TextGrads& grads = grads_;
   if (!weights.device.is_cpu())
@@ -111,11 +104,10 @@ void ShardedLayers::build(const LayerSource* source) {
       if (p.named.empty())
         throw InternalError(
             fmt::format("layer {}: a tensor of shape {} without a name", l, shape_str(p.shape)));
-      if (source)
-        if (const std::optional<Shape> whole = source->deferred_shape(param_name(p))) {
-          p.shape = *whole;
-          deferred[L.params.size()] = true;
-        }
+      if (const std::optional<Shape> whole = source.deferred_shape(param_name(p))) {
+        p.shape = *whole;
+        deferred[L.params.size()] = true;
+      }
       if (Tensor* g = grad_fields[f]; g->defined()) {
         const bool placeholder = deferred[L.params.size()];
         if (g->dtype() != weights.dtype || (!placeholder && g->shape() != p.shape))
@@ -149,7 +141,7 @@ void ShardedLayers::build(const LayerSource* source) {
       const int64_t numel = shape_numel(p.shape);
       const int64_t lo = std::max(p.offset, begin), hi = std::min(p.offset + numel, begin + per);
       if (lo >= hi) continue;
-      const Tensor part = deferred[i] ? source->read(param_name(p), lo - p.offset, hi - lo)
+      const Tensor part = deferred[i] ? source.read(param_name(p), lo - p.offset, hi - lo)
                                       : p.field->reshape({-1}).narrow(0, lo - p.offset, hi - lo);
       L.shard.narrow(0, lo - begin, hi - lo).copy_(part);
     }
@@ -292,17 +284,6 @@ void ShardedLayers::zero_gradients() {
   for (Layer& L : layers_) L.grad_shard.zero_();
 }
 
-void ShardedLayers::gather_parameters(
-    const std::function<void(const std::string& name, const Tensor& value)>& visit) {
-  for (Layer& L : layers_) {
-    const Tensor full = all_gather_flat(L, L.shard);
-    for (const Param& p : L.params) {
-      const Tensor value = full.slice(0, p.offset, p.offset + shape_numel(p.shape)).view(p.shape);
-      for (size_t i : p.named) visit(weights_.named[i].first, value);
-    }
-  }
-}
-
 void ShardedLayers::gather_gradients(
     const std::function<void(const std::string& name, const Tensor& grad)>& visit) {
   for (Layer& L : layers_) {
@@ -381,35 +362,9 @@ int64_t ShardedLayers::slice_begin(int64_t layer) const {
 // ---- ShardedLayerAdamW
 // ---------------------------------------------------------------------------
 
-ShardedLayerAdamW::ShardedLayerAdamW(ShardedLayers& layers,
-                                     const std::vector<train::NamedParam>& params,
-                                     train::AdamWConfig config)
-    : layers_(layers), pieces_({}, config) {
-  std::map<std::string, const Tensor*> by_name;
-  for (const train::NamedParam& p : params) by_name[p.name] = &p.value;
-  for (int64_t l = 0; l < layers.layers(); ++l)
-    for (const ShardedLayers::Entry& e : layers.entries(l)) {
-      const auto it = by_name.find(e.name);
-      if (e.trained &&
-          (it == by_name.end() || !it->second->defined() || it->second->numel() != e.numel))
-        throw InternalError(fmt::format(
-            "decoder-layer parameter '{}' is missing from the parameter store", e.name));
-    }
-  init(
-      [&](const std::string& name, int64_t begin, int64_t count) {
-        return by_name.at(name)->reshape({-1}).narrow(0, begin, count).clone();
-      },
-      config);
-}
-
 ShardedLayerAdamW::ShardedLayerAdamW(ShardedLayers& layers, const PieceReader& read,
                                      train::AdamWConfig config)
     : layers_(layers), pieces_({}, config) {
-  init(read, config);
-}
-
-void ShardedLayerAdamW::init(const PieceReader& read, train::AdamWConfig config) {
-  ShardedLayers& layers = layers_;
   std::vector<train::NamedParam> piece_params;
   for (int64_t l = 0; l < layers.layers(); ++l) {
     const int64_t begin = layers.slice_begin(l), end = begin + layers.slice(l).numel();
@@ -446,42 +401,6 @@ void ShardedLayerAdamW::refresh_slices() {
 }
 
 int64_t ShardedLayerAdamW::state_bytes() const { return pieces_.state_bytes(); }
-
-void ShardedLayerAdamW::gather_into(train::AdamW* full, int root) const {
-  Communicator& group = layers_.group();
-  const bool here = group.rank() == root;
-  GLMTUNE_ASSERT(!here || full != nullptr, "gather_into without a target on rank {}", root);
-  std::map<std::string, size_t> index;
-  if (here)
-    for (size_t i = 0; i < full->params().size(); ++i) index[full->params()[i].name] = i;
-  size_t k = 0;
-  for (int64_t l = 0; l < layers_.layers(); ++l) {
-    const int64_t size = layers_.slice(l).numel();
-    // Masters, then both moments, of this rank's pieces at their slice positions (zero at
-    // frozen tensors and padding), gathered into the layer's flat layout.
-    Tensor local = Tensor::zeros({3, size}, DType::f32);
-    for (; k < slots_.size() && slots_[k].layer == l; ++k) {
-      const Slot& s = slots_[k];
-      const Tensor* state[] = {&pieces_.master(k), &pieces_.exp_avg(k), &pieces_.exp_avg_sq(k)};
-      for (int64_t kind = 0; kind < 3; ++kind)
-        local.select(0, kind).narrow(0, s.slice_offset, s.length).copy_(*state[kind]);
-    }
-    Tensor gathered = Tensor::empty({group.size(), 3, size}, DType::f32);
-    group.all_gather(local, gathered);
-    if (!here) continue;
-    // [rank, kind, element] -> per kind, the flat layout.
-    const Tensor by_kind = gathered.transpose(0, 1).contiguous().view({3, group.size() * size});
-    for (const ShardedLayers::Entry& e : layers_.entries(l)) {
-      if (!e.trained) continue;
-      const auto it = index.find(e.name);
-      GLMTUNE_ASSERT(it != index.end(), "the full optimizer has no parameter '{}'", e.name);
-      const auto part = [&](int64_t kind) {
-        return by_kind.select(0, kind).narrow(0, e.offset, e.numel);
-      };
-      full->set_state(it->second, part(0), part(1), part(2));
-    }
-  }
-}
 
 std::array<Tensor, 3> ShardedLayerAdamW::gather_state(const std::string& name, int root) const {
   // A tensor lies in one layer, and this rank's part of it is at most one piece.
@@ -523,24 +442,6 @@ void ShardedLayerAdamW::load(const train::SavedAdamWState& saved) {
   if (group.all_reduce_max(step) != step || -group.all_reduce_max(-step) != step)
     throw Error("the ranks restored optimizer states of different steps", saved.dir().string(),
                 "give every rank the same output directory (a shared file system)");
-}
-
-void ShardedLayerAdamW::load(const train::AdamW& full) {
-  std::map<std::string, size_t> index;
-  for (size_t i = 0; i < full.params().size(); ++i) index[full.params()[i].name] = i;
-  for (size_t k = 0; k < slots_.size(); ++k) {
-    const Slot& s = slots_[k];
-    const auto it = index.find(s.name);
-    GLMTUNE_ASSERT(it != index.end() && full.params()[it->second].trainable,
-                   "the optimizer state has no trained parameter '{}'", s.name);
-    const auto piece = [&](const Tensor& t) {
-      return t.reshape({-1}).narrow(0, s.begin, s.length);
-    };
-    pieces_.set_state(k, piece(full.master(it->second)), piece(full.exp_avg(it->second)),
-                      piece(full.exp_avg_sq(it->second)));
-  }
-  pieces_.set_step_count(full.step_count());
-  refresh_slices();
 }
 
 }  // namespace glmtune::dist

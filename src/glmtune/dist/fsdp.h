@@ -54,7 +54,8 @@ namespace glmtune::dist {
 // (model::ParamStore::load with the decoder layers deferred): each rank reads only its elements.
 struct LayerSource {
   // The whole shape of a tensor the model holds as a placeholder; nullopt for one it holds whole
-  // (the router correction biases, which the parameter store keeps).
+  // (the router correction biases, which the parameter store keeps), whose slice is copied from the
+  // model's tensor.
   std::function<std::optional<Shape>(const std::string& name)> deferred_shape;
   // Elements [begin, begin + count) of such a tensor, flattened, in any float dtype.
   std::function<Tensor(const std::string& name, int64_t begin, int64_t count)> read;
@@ -62,15 +63,12 @@ struct LayerSource {
 
 class ShardedLayers final : public model::text::LayerParamProvider {
  public:
-  // Takes the full decoder-layer tensors of `weights` (the same on every rank), keeps this rank's
-  // slices and releases the tensors; drops the decoder-layer buffers of `grads`
-  // (TextGrads::zeros_like of the full weights, built before this), which exist from then on only
-  // between allocate_gradients and reduce_gradients.
-  ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
-                Communicator& group);
-  // The same when `weights` holds placeholders for the decoder-layer tensors that `source` names:
-  // their layout comes from the whole shapes `source` gives, and this rank's slice is read from
-  // `source` piece by piece, so no rank ever holds a whole decoder layer at start-up.
+  // Keeps this rank's slices of the decoder-layer tensors of `weights` (the same on every rank)
+  // and releases the tensors; drops the decoder-layer buffers of `grads` (TextGrads::zeros_like of
+  // `weights`, built before this), which exist from then on only between allocate_gradients and
+  // reduce_gradients. For the placeholders that `source` names, the layout comes from the whole
+  // shapes it gives and this rank's slice is read from it piece by piece, so no rank ever holds a
+  // whole decoder layer at start-up.
   ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
                 Communicator& group, const LayerSource& source);
   ~ShardedLayers() override = default;
@@ -98,12 +96,8 @@ class ShardedLayers final : public model::text::LayerParamProvider {
 
   // Zeroes the gradient slices (the start of an optimizer step).
   void zero_gradients();
-  // Collective, one layer at a time: calls `visit` with every decoder-layer parameter name (every
-  // TextWeights::named entry of the layers) and its full value in the compute dtype.
-  void gather_parameters(
-      const std::function<void(const std::string& name, const Tensor& value)>& visit);
-  // Collective, one layer at a time: the same for every trained tensor and its reduced gradient
-  // (the group's sum of this step's contributions), under its TextGrads::named name.
+  // Collective, one layer at a time: calls `visit` with every trained tensor's TextGrads::named
+  // name and its reduced gradient (the group's sum of this step's contributions).
   void gather_gradients(
       const std::function<void(const std::string& name, const Tensor& grad)>& visit);
   // Collective: the whole value of one decoder-layer tensor (a TextWeights::named name) in the
@@ -158,7 +152,7 @@ class ShardedLayers final : public model::text::LayerParamProvider {
     Tensor grad_full;   // [padded] between allocate_gradients and reduce_gradients
     std::weak_ptr<Storage> grad_allocated;
   };
-  void build(const LayerSource* source);
+  void build(const LayerSource& source);
   // The layer and parameter holding the tensor `name`; InternalError when none does.
   std::pair<size_t, const Param*> find(const std::string& name) const;
   Layer& layer_at(int64_t layer, const char* what);
@@ -182,13 +176,11 @@ class ShardedLayers final : public model::text::LayerParamProvider {
 // exactly as train::AdamW does), and the compute slice holds that value converted.
 class ShardedLayerAdamW {
  public:
-  // `params`: the decoder-layer parameters of the parameter store (full tensors in their storage
-  // dtype, the same on every rank); pieces are copied from them, so the store may drop them after.
-  ShardedLayerAdamW(ShardedLayers& layers, const std::vector<train::NamedParam>& params,
-                    train::AdamWConfig config);
-  // Reads the pieces' values instead: `read(name, begin, count)` gives elements [begin, begin +
-  // count) of the trained tensor `name`, flattened, in its storage dtype (ParamStore::read_elements
-  // on the checkpoint of a store that deferred the decoder layers).
+  // `read(name, begin, count)` gives elements [begin, begin + count) of the trained tensor `name`,
+  // flattened, in its storage dtype (ParamStore::read_elements on the checkpoint of a store that
+  // deferred the decoder layers). A view of a mapped checkpoint is copied; any other tensor it
+  // returns becomes the piece's value, updated in place, so it must not share memory with a tensor
+  // that lives on.
   using PieceReader = std::function<Tensor(const std::string& name, int64_t begin, int64_t count)>;
   ShardedLayerAdamW(ShardedLayers& layers, const PieceReader& read, train::AdamWConfig config);
 
@@ -202,18 +194,13 @@ class ShardedLayerAdamW {
   // Bytes of optimizer state on this rank, measured: masters, moments and the pieces' values.
   int64_t state_bytes() const;
 
-  // Collective, one layer at a time: sets in `full` (on group rank `root`; ignored elsewhere) the
-  // state of every decoder-layer parameter, matched by name.
-  void gather_into(train::AdamW* full, int root) const;
   // Collective: the whole state {master, exp_avg, exp_avg_sq} ([numel] f32 each) of the trained
   // decoder-layer tensor `name`, assembled from the ranks' pieces; meaningful on group rank `root`,
   // undefined elsewhere (a streamed save, train/state.h).
   std::array<Tensor, 3> gather_state(const std::string& name, int root) const;
-  // Keeps this rank's pieces of a full optimizer state (train::AdamW::load of any sharding),
-  // matched by name, and refreshes the compute slices. Local.
-  void load(const train::AdamW& full);
-  // The same read from a saved state directly: only this rank's pieces are read from the mapping.
-  // Collective (the ranks check that they read the same step).
+  // Restores this rank's pieces from a state saved by train::AdamW::save (any sharding), reading
+  // only their elements from the mapping, and refreshes the compute slices. Collective (the ranks
+  // check that they read the same step).
   void load(const train::SavedAdamWState& saved);
 
  private:
@@ -225,7 +212,6 @@ class ShardedLayerAdamW {
     int64_t begin = 0, length = 0, slice_offset = 0;
   };
   void refresh_slices();
-  void init(const PieceReader& read, train::AdamWConfig config);
 
   ShardedLayers& layers_;
   std::vector<Slot> slots_;  // aligned with pieces_.params()

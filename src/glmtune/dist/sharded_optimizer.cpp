@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <string>
 
 #include "glmtune/base/error.h"
@@ -95,11 +94,7 @@ std::vector<train::NamedParam> ShardedAdamW::piece_params(
 
 ShardedAdamW::ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWConfig config,
                            Communicator& group, Communicator* device_group)
-    : params_(std::move(params)),
-      config_(config),
-      group_(group),
-      device_group_(device_group),
-      shard_({}, config) {
+    : params_(std::move(params)), group_(group), device_group_(device_group), shard_({}, config) {
   GLMTUNE_ASSERT(device_group_ == nullptr || (device_group_->size() == group_.size() &&
                                               device_group_->rank() == group_.rank()),
                  "the device group '{}' must hold the ranks of '{}' in the same order",
@@ -116,7 +111,7 @@ ShardedAdamW::ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWCo
     const int64_t hi = std::min(offsets_[i] + params_[i].value.numel(), end);
     if (hi > lo) pieces_.push_back({i, lo - offsets_[i], hi - lo});
   }
-  shard_ = train::AdamW(piece_params(params_, pieces_), config_);
+  shard_ = train::AdamW(piece_params(params_, pieces_), config);
 }
 
 double ShardedAdamW::reduce_gradients(const std::vector<Tensor>& grads, double other_sq_norm) {
@@ -168,7 +163,7 @@ train::StepReport ShardedAdamW::step(double lr, double global_grad_norm) {
   piece_grads_.clear();
   if (report.skipped) return report;
   gather_flat(
-      shard_state(0),
+      shard_masters(),
       [&](size_t i, const Tensor& values) {
         Tensor dst = params_[i].value.view({-1});
         dst.copy_(values);
@@ -177,15 +172,12 @@ train::StepReport ShardedAdamW::step(double lr, double global_grad_norm) {
   return report;
 }
 
-Tensor ShardedAdamW::shard_state(int kind) const {
+Tensor ShardedAdamW::shard_masters() const {
   Tensor out = Tensor::zeros({shard_numel_}, DType::f32);
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const Piece& p = pieces_[k];
-    const Tensor& s = kind == 0   ? shard_.master(k)
-                      : kind == 1 ? shard_.exp_avg(k)
-                                  : shard_.exp_avg_sq(k);
     Tensor dst = out.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length);
-    dst.copy_(s);
+    dst.copy_(shard_.master(k));
   }
   return out;
 }
@@ -206,44 +198,6 @@ void ShardedAdamW::gather_flat(const Tensor& shard, Into&& into, bool on_device)
 }
 
 int64_t ShardedAdamW::state_bytes() const { return shard_.state_bytes(); }
-
-std::unique_ptr<train::AdamW> ShardedAdamW::gather(int root) const {
-  std::unique_ptr<train::AdamW> full;
-  if (group_.rank() == root) {
-    full = std::make_unique<train::AdamW>(params_, config_);
-    full->set_step_count(shard_.step_count());
-  }
-  gather_into(full.get(), root);
-  return full;
-}
-
-void ShardedAdamW::gather_into(train::AdamW* full, int root) const {
-  const bool here = group_.rank() == root;
-  GLMTUNE_ASSERT(!here || full != nullptr, "gather_into without a target on rank {}", root);
-  // Where each of params() sits in `full`.
-  std::vector<size_t> target(params_.size(), 0);
-  if (here) {
-    std::map<std::string, size_t> index;
-    for (size_t i = 0; i < full->params().size(); ++i) index[full->params()[i].name] = i;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!params_[i].trainable) continue;
-      const auto it = index.find(params_[i].name);
-      GLMTUNE_ASSERT(it != index.end() && full->params()[it->second].trainable,
-                     "the full optimizer does not train '{}'", params_[i].name);
-      target[i] = it->second;
-    }
-  }
-  std::vector<Tensor> master(params_.size()), exp_avg(params_.size());
-  gather_flat(shard_state(0), [&](size_t i, const Tensor& v) {
-    if (here) master[i] = v.clone();
-  });
-  gather_flat(shard_state(1), [&](size_t i, const Tensor& v) {
-    if (here) exp_avg[i] = v.clone();
-  });
-  gather_flat(shard_state(2), [&](size_t i, const Tensor& v) {
-    if (here) full->set_state(target[i], master[i], exp_avg[i], v);
-  });
-}
 
 std::array<Tensor, 3> ShardedAdamW::gather_state(const std::string& name, int root) const {
   size_t param = params_.size();
@@ -274,16 +228,6 @@ std::array<Tensor, 3> ShardedAdamW::gather_state(const std::string& name, int ro
   return whole;
 }
 
-void ShardedAdamW::load(const std::filesystem::path& dir) {
-  const train::SavedAdamWState saved = train::SavedAdamWState::open(dir);
-  // The state must be exactly this optimizer's, as train::AdamW::load requires.
-  std::vector<std::pair<std::string, Shape>> trained;
-  for (const train::NamedParam& p : params_)
-    if (p.trainable) trained.emplace_back(p.name, p.value.shape());
-  saved.check(trained);
-  load(saved);
-}
-
 void ShardedAdamW::load(const train::SavedAdamWState& saved,
                         const std::function<int64_t(const train::NamedParam&)>& offset_in_saved) {
   for (size_t k = 0; k < pieces_.size(); ++k) {
@@ -296,24 +240,6 @@ void ShardedAdamW::load(const train::SavedAdamWState& saved,
   }
   shard_.set_step_count(saved.step_count());
   check_same_step(saved.step_count(), saved.dir().string());
-}
-
-void ShardedAdamW::load(const train::AdamW& full) { restore(full, "the optimizer state"); }
-
-void ShardedAdamW::restore(const train::AdamW& full, const std::string& where) {
-  std::map<std::string, size_t> index;
-  for (size_t i = 0; i < full.params().size(); ++i) index[full.params()[i].name] = i;
-  for (size_t k = 0; k < pieces_.size(); ++k) {
-    const Piece& p = pieces_[k];
-    const auto it = index.find(params_[p.param].name);
-    GLMTUNE_ASSERT(it != index.end() && full.params()[it->second].trainable,
-                   "the optimizer state has no trained parameter '{}'", params_[p.param].name);
-    const size_t f = it->second;
-    auto slice = [&](const Tensor& t) { return t.reshape({-1}).narrow(0, p.begin, p.length); };
-    shard_.set_state(k, slice(full.master(f)), slice(full.exp_avg(f)), slice(full.exp_avg_sq(f)));
-  }
-  shard_.set_step_count(full.step_count());
-  check_same_step(full.step_count(), where);
 }
 
 void ShardedAdamW::check_same_step(int64_t step, const std::string& where) const {

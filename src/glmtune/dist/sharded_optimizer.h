@@ -31,9 +31,7 @@
 // (memory-mapped, ranged), so a run saved with P ranks resumes with any other number and no rank
 // holds more than its own pieces and one parameter's state.
 #include <array>
-#include <filesystem>
 #include <functional>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -78,28 +76,17 @@ class ShardedAdamW {
   // Bytes of optimizer state on this rank, measured: masters, moments and the pieces' values.
   int64_t state_bytes() const;
 
-  // Collective. The full optimizer (state of every parameter, this step count) on group rank
-  // `root`, nullptr on the others. Its parameters are params() themselves.
-  std::unique_ptr<train::AdamW> gather(int root = 0) const;
-  // Collective. Sets in `full` (on group rank `root`; ignored elsewhere) the state of every
-  // trained parameter of params(), matched by name: `full` may hold more parameters.
-  void gather_into(train::AdamW* full, int root) const;
   // Collective. The whole state {master, exp_avg, exp_avg_sq} ([numel] f32 each) of the trained
   // parameter `name` of params(), assembled from the ranks' pieces; meaningful on group rank
   // `root`, undefined elsewhere. Every rank asks for the same names in the same order.
   std::array<Tensor, 3> gather_state(const std::string& name, int root) const;
   // Collective. Restores this rank's shard from a state saved by train::AdamW::save (any
-  // sharding; exactly its trained tensors, glmtune::Error otherwise), reading only its pieces (the
-  // load below). The full parameters keep their values: a checkpoint's model holds the masters
-  // rounded to the storage dtype, as the saving run held them.
-  void load(const std::filesystem::path& dir);
-  // Collective. The same from a full state already loaded, whose parameters include params() by
-  // name (it may hold more).
-  void load(const train::AdamW& full);
-  // Collective. The same read from a saved state directly: each piece's elements are read from the
-  // mapping, nothing else. `offset_in_saved` (default 0) gives, per parameter, where its flattened
-  // elements start in the saved tensor of that name (a slice of a larger saved tensor: the routed
-  // experts of one expert-parallel rank).
+  // sharding), reading only its pieces' elements from the mapping; SavedAdamWState::check
+  // beforehand names every missing or extra tensor, where a read here stops at the first. The full
+  // parameters keep their values: a checkpoint's model holds the masters rounded to the storage
+  // dtype, as the saving run held them. `offset_in_saved` (default 0) gives, per parameter, where
+  // its flattened elements start in the saved tensor of that name (a slice of a larger saved
+  // tensor: the routed experts of one expert-parallel rank).
   void load(const train::SavedAdamWState& saved,
             const std::function<int64_t(const train::NamedParam&)>& offset_in_saved = {});
 
@@ -111,12 +98,10 @@ class ShardedAdamW {
   };
   static std::vector<train::NamedParam> piece_params(const std::vector<train::NamedParam>& params,
                                                      const std::vector<Piece>& pieces);
-  // Keeps this rank's slices of `full`; `where` names its origin in errors.
-  void restore(const train::AdamW& full, const std::string& where);
   // Every rank must have read the same step count.
   void check_same_step(int64_t step, const std::string& where) const;
-  // The shard's f32 values of one state kind: 0 master, 1 exp_avg, 2 exp_avg_sq.
-  Tensor shard_state(int kind) const;
+  // The shard's f32 masters in the flat layout (zero where it holds no piece).
+  Tensor shard_masters() const;
   // All-gathers a shard-sized f32 buffer into the flat space and scatters it into per-parameter
   // tensors through `into(param_index, flat_slice)`.
   // `on_device`: through the device group (the shard travels to the GPU of the gradients).
@@ -124,7 +109,6 @@ class ShardedAdamW {
   void gather_flat(const Tensor& shard, Into&& into, bool on_device = false) const;
 
   std::vector<train::NamedParam> params_;
-  train::AdamWConfig config_;
   Communicator& group_;
   Communicator* device_group_ = nullptr;
   Device grad_device_;            // where the last reduced gradients came from
