@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -33,15 +35,16 @@ fs::path source_dir() {
   return env ? fs::path(env) : fs::path(GLMTUNE_SOURCE_DIR);
 }
 
-std::string recipe_text(const fs::path& model, const fs::path& out, const std::string& device) {
+std::string recipe_text(const fs::path& model, const fs::path& out, const std::string& device,
+                        int total_steps = 50) {
   const fs::path src = source_dir();
   std::ostringstream s;
   s << "[model]\npath = \"" << model.string() << "\"\n"
     << "tokenizer = \"" << (src / "examples/tiny/tokenizer").string() << "\"\n"
     << "[data]\nfiles = [\"" << (src / "examples/tiny/data/chat.jsonl").string() << "\"]\n"
     << "format = \"chat\"\nmax_length = 192\npack_max_length = 192\n"
-    << "[train]\ntotal_steps = 50\nmicro_packs = 2\nseed = " << test_seed() % 1000
-    << "\ndevice = \"" << device << "\"\n"
+    << "[train]\ntotal_steps = " << total_steps
+    << "\nmicro_packs = 2\nseed = " << test_seed() % 1000 << "\ndevice = \"" << device << "\"\n"
     << "[optimizer]\nlr = 3e-3\nlr_min = 3e-4\nwarmup_steps = 2\n"
     << "[loss]\nmtp_scale = 0.1\nbalancing_alpha = 0.001\nrouter_bias_update_rate = 0.001\n"
     << "[output]\ndir = \"" << out.string()
@@ -84,6 +87,94 @@ TEST(CudaTrain, FiftyStepsFollowTheCpuLossCurve) {
               gpu.steps.back().loss, worst);
   // Training did something: the loss fell on both devices.
   EXPECT_LT(gpu.steps.back().loss, 0.8 * gpu.steps.front().loss);
+#endif
+}
+
+// The optimizer of a one-GPU run lives on the device (train/device_adamw.h) and saves the host
+// optimizer's format: a run stopped at step 3 and resumed on the GPU continues bit for bit as the
+// uninterrupted run does (the masters, moments and step count come back exactly), and the same
+// checkpoint resumed on the CPU follows within bf16 tolerance.
+TEST(CudaTrain, StoppedOnTheGpuResumesOnTheGpuExactlyAndOnTheCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  TempDir dir("cuda-resume");
+  const model::ModelConfig config = gpu_tiny_config();
+  model::InitOptions init;
+  init.seed = test_seed();
+  model::write_random_checkpoint(config, dir.path() / "model", init);
+  const auto recipe = [&](const fs::path& out, const std::string& device) {
+    return train::Recipe::parse(recipe_text(dir.path() / "model", out, device, 6), device);
+  };
+
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const train::TrainSummary straight =
+      train::run_training(recipe(dir.path() / "a", "cuda:0"), quiet);
+  ASSERT_EQ(straight.steps.size(), 6u);
+
+  std::atomic<bool> stop{false};
+  train::TrainerOptions stopping = quiet;
+  stopping.stop = &stop;
+  stopping.on_step = [&](const train::StepMetrics& m) {
+    if (m.step == 3) stop = true;
+  };
+  const train::TrainSummary first =
+      train::run_training(recipe(dir.path() / "b", "cuda:0"), stopping);
+  ASSERT_TRUE(first.interrupted);
+  ASSERT_EQ(first.end_step, 3);
+  fs::copy(dir.path() / "b", dir.path() / "c", fs::copy_options::recursive);
+
+  train::TrainerOptions resuming = quiet;
+  resuming.resume = true;
+  const train::TrainSummary gpu = train::run_training(recipe(dir.path() / "b", "cuda:0"), resuming);
+  const train::TrainSummary cpu = train::run_training(recipe(dir.path() / "c", "cpu"), resuming);
+  ASSERT_EQ(gpu.steps.size(), 3u);
+  ASSERT_EQ(cpu.steps.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    const train::StepMetrics& want = straight.steps[3 + i];
+    EXPECT_EQ(gpu.steps[i].loss, want.loss) << "step " << want.step << " resumed on the GPU";
+    EXPECT_EQ(gpu.steps[i].grad_norm, want.grad_norm) << "step " << want.step;
+    const double rel = std::abs(cpu.steps[i].loss - want.loss) / want.loss;
+    EXPECT_LE(rel, 2e-2) << "step " << want.step << " resumed on the CPU: " << cpu.steps[i].loss
+                         << " against " << want.loss;
+  }
+  std::printf(
+      "[ measure  ] steps 4-6 straight %.6f %.6f %.6f, resumed on the GPU %.6f %.6f %.6f, "
+      "on the CPU %.6f %.6f %.6f\n",
+      straight.steps[3].loss, straight.steps[4].loss, straight.steps[5].loss, gpu.steps[0].loss,
+      gpu.steps[1].loss, gpu.steps[2].loss, cpu.steps[0].loss, cpu.steps[1].loss,
+      cpu.steps[2].loss);
+#endif
+}
+
+// A non-finite gradient on the GPU skips the whole update (the device optimizer's clip becomes
+// NaN), names the tensor, and the run goes on.
+TEST(CudaTrain, NonFiniteGradientSkipsTheGpuStepAndNamesTheTensor) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  TempDir dir("cuda-nonfinite");
+  const model::ModelConfig config = gpu_tiny_config();
+  model::InitOptions init;
+  init.seed = test_seed();
+  model::write_random_checkpoint(config, dir.path() / "model", init);
+  train::TrainerOptions options;
+  options.print_steps = false;
+  options.on_gradients = [](int64_t step, const std::function<Tensor&(const std::string&)>& grad) {
+    if (step == 2) grad("model.language_model.norm.weight").fill_(std::nan(""));
+  };
+  const train::TrainSummary run = train::run_training(
+      train::Recipe::parse(recipe_text(dir.path() / "model", dir.path() / "out", "cuda:0", 4),
+                           "gpu"),
+      options);
+  ASSERT_EQ(run.steps.size(), 4u);
+  EXPECT_FALSE(run.steps[0].skipped);
+  EXPECT_TRUE(run.steps[1].skipped);
+  EXPECT_FALSE(run.steps[2].skipped);
+  EXPECT_EQ(run.skipped_steps, 1);
+  const std::vector<std::string>& named = run.steps[1].nonfinite;
+  EXPECT_NE(std::find(named.begin(), named.end(), "model.language_model.norm.weight"), named.end())
+      << "named: " << ::testing::PrintToString(named);
+  for (const train::StepMetrics& m : run.steps) EXPECT_TRUE(std::isfinite(m.loss));
 #endif
 }
 

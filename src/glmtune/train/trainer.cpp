@@ -14,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <thread>
+#include <utility>
 
 #include "glmtune/base/error.h"
 #include "glmtune/base/fs.h"
@@ -34,6 +35,9 @@
 #include "glmtune/model/text/model.h"
 #include "glmtune/tensor/allocator.h"
 #include "glmtune/train/optimizer.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/train/device_adamw.h"
+#endif
 #include "glmtune/train/released.h"
 #include "glmtune/train/router_bias.h"
 #include "glmtune/train/schedule.h"
@@ -80,6 +84,50 @@ void refresh_model(TextModel& model, const model::ParamStore& store) {
   // optimizer and, for the router biases the store keeps, from the store after each step.
   for (auto& [name, t] : model.weights().named)
     if (t.defined()) t.copy_(store.get(name).to(t.dtype()));
+}
+
+// With the optimizer on the GPU the model's trained tensors are updated in place; of the store's
+// values only the router correction biases change on the host (the bias rule) and are copied.
+void refresh_router_biases(TextModel& model, const model::ParamStore& store) {
+  for (auto& [name, t] : model.weights().named)
+    if (t.defined() && name.ends_with("e_score_correction_bias"))
+      t.copy_(store.get(name).to(t.dtype()));
+}
+
+// The one-GPU optimizer (train/device_adamw.h) as the trainer uses it; empty when the optimizer
+// runs on the host. Function members keep the CUDA-only type out of the CPU build.
+struct GpuOptimizer {
+  std::function<double()> grad_norm;
+  std::function<StepReport(double lr, double grad_norm, bool skip)> step;
+  std::function<int64_t()> step_count;
+  std::function<void(const SavedAdamWState&)> load;
+  // {master, exp_avg, exp_avg_sq} of one trained parameter, on the host (a checkpoint).
+  WholeOptimizerState state;
+  // Writes every master into the store's value, rounded to its storage dtype (a checkpoint).
+  std::function<void(model::ParamStore&)> to_store;
+  std::function<int64_t()> state_bytes;
+  explicit operator bool() const { return bool(step); }
+};
+
+GpuOptimizer make_gpu_optimizer(const std::vector<NamedParam>& params, TextModel& model,
+                                model::text::TextGrads& grads, const AdamWConfig& config) {
+#ifdef GLMTUNE_WITH_CUDA
+  auto opt = std::make_shared<DeviceAdamW>(params, model.weights(), grads, config);
+  GpuOptimizer g;
+  g.grad_norm = [opt] { return opt->grad_norm(); };
+  g.step = [opt](double lr, double norm, bool skip) { return opt->step(lr, norm, skip); };
+  g.step_count = [opt] { return opt->step_count(); };
+  g.load = [opt](const SavedAdamWState& saved) { opt->load(saved); };
+  g.state = [opt](const std::string& name) { return opt->state(name); };
+  g.to_store = [opt](model::ParamStore& store) {
+    for (const auto& [name, master] : opt->masters()) store.get(name).copy_(master);
+  };
+  g.state_bytes = [opt] { return opt->state_bytes(); };
+  return g;
+#else
+  (void)params, (void)model, (void)grads, (void)config;
+  throw_internal(__FILE__, __LINE__, "a GPU optimizer in a build without CUDA");
+#endif
 }
 
 // Whether `name` is a tensor of one of the first `layers` decoder layers (not the MTP layer).
@@ -390,6 +438,12 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // aligned with the optimizer's parameters (the sharded optimizer's when there is a dp group).
   std::vector<Tensor> vision_grads =
       vl && !dp_group ? vl->attach(own_params, store) : std::vector<Tensor>{};
+  // On one GPU the optimizer runs on the device beside the model (train/device_adamw.h; built with
+  // the model below) and the host optimizer gets no parameters: no gradient or weight crosses the
+  // host link in a step.
+  const bool gpu_optimizer = on_gpu && !distributed;
+  std::vector<NamedParam> device_params;
+  if (gpu_optimizer) device_params = std::exchange(own_params, {});
   AdamW optimizer(std::move(own_params), recipe.adamw_config());
   std::optional<dist::ShardedAdamW> sharded;
   if (dp_group) {
@@ -413,16 +467,17 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   const std::vector<std::pair<std::string, Shape>> saved_trained =
       sharded ? whole_trained(fsdp || expert_sharded ? trainable_params(store) : sharded->params(),
                               store)
-              : std::vector<std::pair<std::string, Shape>>{};
+      : gpu_optimizer ? whole_trained(device_params, store)
+                      : std::vector<std::pair<std::string, Shape>>{};
   // A sharded run reads its pieces of the saved state straight from the mapped files (the
   // replicated shards here, the decoder-layer and expert pieces once those optimizers exist below):
   // no rank reads or holds the whole state.
   std::optional<SavedAdamWState> saved_state;
   if (resume) {
-    if (sharded) {
+    if (sharded || gpu_optimizer) {
       saved_state.emplace(SavedAdamWState::open(resume->checkpoint.optimizer_dir()));
       saved_state->check(saved_trained);
-      sharded->load(*saved_state);
+      if (sharded) sharded->load(*saved_state);
     } else {
       optimizer.load(resume->checkpoint.optimizer_dir());
     }
@@ -454,8 +509,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   if (vl)
     vl->load_model(store);
   else if (on_gpu)
-    // bf16 weights on the device (fp32-kept parameters in f32); the optimizer keeps its fp32
-    // masters and moments on the host and the updated weights are copied back after each step.
+    // bf16 weights on the device (fp32-kept parameters in f32). On one GPU the optimizer updates
+    // them in place; a distributed GPU run's sharded optimizer updates its shards on the host and
+    // the weights are copied back after each step.
     text_model.emplace(store, model::text::TextModelOptions{DType::bf16, device});
   else
     text_model.emplace(store);
@@ -489,6 +545,13 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     topt.sequence_parallel = &*ulysses;
   }
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
+  GpuOptimizer gpu_adamw;
+  if (gpu_optimizer) {
+    gpu_adamw = make_gpu_optimizer(device_params, model, grads, recipe.adamw_config());
+    if (saved_state) gpu_adamw.load(*saved_state);
+    spdlog::info("optimizer on {}: {} bytes of fp32 masters and moments there", device.str(),
+                 gpu_adamw.state_bytes());
+  }
   // Fully sharded decoder layers: weights gathered over dp around each use (the next layer's
   // transfer overlapping the current one), gradients reduce-scattered into slices right after
   // each layer's backward, and AdamW on the slices. The store then drops the layers' tensors but
@@ -551,9 +614,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     }
     const Tensor* g = grads.find(p.name);
     GLMTUNE_ASSERT(g != nullptr, "trainable parameter '{}' has no gradient buffer", p.name);
-    // On one GPU the gradients are copied here for the host optimizer; a distributed GPU run
-    // reduces them on the device and moves only this rank's shard (sharded_optimizer.h).
-    grad_list[i] = on_gpu && !distributed ? Tensor::zeros(g->shape(), DType::f32) : *g;
+    // A distributed GPU run reduces them on the device and moves only this rank's shard
+    // (sharded_optimizer.h); one GPU's optimizer reads them where they are.
+    grad_list[i] = *g;
   }
   // This rank's expert-slice gradients, in the expert optimizer's order.
   std::vector<Tensor> expert_grad_list;
@@ -581,15 +644,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
         expert_bytes(model.weights().named), expert_bytes(grads.named),
         expert_optimizer->state_bytes());
   }
-  // The gradient the optimizer sees for a parameter (the host copy on a GPU run).
+  // The gradient the optimizer sees for a parameter (the vision tower's live outside `grads`).
   std::map<std::string, Tensor*> optimizer_grad;
   for (size_t i = 0; i < opt_params.size(); ++i)
     if (grad_list[i].defined()) optimizer_grad[opt_params[i].name] = &grad_list[i];
-  const auto copy_gradients_to_host = [&] {
-    for (auto& [name, g] : grads.named)
-      if (const auto it = optimizer_grad.find(name); it != optimizer_grad.end())
-        it->second->copy_(g);
-  };
 
   fs::create_directories(out_dir);
   if (root) write_file_atomic((out_dir / "recipe.toml").string(), recipe.to_toml());
@@ -631,6 +689,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     };
   };
   auto save = [&] {
+    // The store's values are the checkpoint's: with the optimizer on the GPU they are brought up
+    // to date here, one tensor at a time.
+    if (gpu_adamw) gpu_adamw.to_store(store);
     // Never a checkpoint of weights that are not finite (a run resumed from it could only fail).
     std::vector<std::string> bad =
         first_nonfinite(released_views(store, replicated_only(stored_value)), kNonFiniteNamed);
@@ -659,6 +720,17 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
     };
     const auto t0 = Clock::now();
+    if (gpu_adamw) {
+      const CheckpointDir ck = save_checkpoint(
+          out_dir, st, writer,
+          [&](const fs::path& dir) {
+            save_optimizer_state(dir, saved_trained, gpu_adamw.step_count(), gpu_adamw.state);
+          },
+          recipe.keep_last);
+      summary.checkpoint = ck.dir;
+      spdlog::info("saved {} in {:.1f}s", ck.dir.string(), seconds_since(t0));
+      return;
+    }
     if (!sharded) {
       const CheckpointDir ck = save_checkpoint(out_dir, st, writer, optimizer, recipe.keep_last);
       summary.checkpoint = ck.dir;
@@ -790,7 +862,6 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
           if (n == name && g.defined()) return g;
         throw_internal(__FILE__, __LINE__, fmt::format("no gradient buffer for '{}'", name));
       });
-    if (on_gpu && !distributed) copy_gradients_to_host();
     const double lr = schedule.lr(st.step);
     const double lm_loss = lm_sum / topt.lm_denominator;
     // The decoder-layer slices' and the expert shards' parts of the global norm join the
@@ -798,19 +869,24 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     const double other_sq_norm =
         (layer_optimizer ? layer_optimizer->grad_sq_norm() : 0.0) +
         (expert_optimizer ? expert_optimizer->reduce_gradients(expert_grad_list) : 0.0);
-    const double grad_norm = sharded ? sharded->reduce_gradients(grad_list, other_sq_norm)
-                                     : std::sqrt(optimizer.grad_sq_norm(grad_list));
+    const double grad_norm = sharded     ? sharded->reduce_gradients(grad_list, other_sq_norm)
+                             : gpu_adamw ? gpu_adamw.grad_norm()
+                                         : std::sqrt(optimizer.grad_sq_norm(grad_list));
     std::vector<std::string> nonfinite;
     if (!std::isfinite(lm_loss) || !std::isfinite(balancing) ||
         !std::all_of(mtp_sum.begin(), mtp_sum.end(), [](double v) { return std::isfinite(v); }))
       nonfinite.push_back("loss");
     if (!std::isfinite(grad_norm)) {
+      // Gradients on a GPU are scanned from host copies, made only here.
+      std::map<std::string, Tensor> host_copies;
       const std::vector<std::string> names = first_nonfinite(
           released_views(
               store, replicated_only([&](const model::InternalParam& p) -> const Tensor* {
                 const auto it = optimizer_grad.find(p.name);
                 const Tensor* g = it != optimizer_grad.end() ? it->second : grads.find(p.name);
-                return g && g->defined() ? g : nullptr;
+                if (!g || !g->defined()) return nullptr;
+                if (g->device().is_cpu()) return g;
+                return &(host_copies[p.name] = g->to(Device::cpu()));
               })),
           kNonFiniteNamed);
       nonfinite.insert(nonfinite.end(), names.begin(), names.end());
@@ -829,8 +905,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     // A non-finite loss with finite gradients is skipped too: its update would rest on nothing.
     const double applied_norm =
         nonfinite.empty() ? grad_norm : std::numeric_limits<double>::quiet_NaN();
-    const StepReport rep =
-        sharded ? sharded->step(lr, applied_norm) : optimizer.step(grad_list, lr, applied_norm);
+    const StepReport rep = sharded     ? sharded->step(lr, applied_norm)
+                           : gpu_adamw ? gpu_adamw.step(lr, grad_norm, !nonfinite.empty())
+                                       : optimizer.step(grad_list, lr, applied_norm);
     // The same norm skips or applies every update together.
     if (layer_optimizer) layer_optimizer->step(lr, applied_norm);
     if (expert_optimizer) expert_optimizer->step(lr, applied_norm);
@@ -840,6 +917,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                              [&](const std::string& name) -> Tensor& { return store.get(name); });
     if (vl)
       vl->model().refresh(store);
+    else if (gpu_adamw)
+      refresh_router_biases(model, store);
     else
       refresh_model(model, store);
     for (const std::string& name : biases_in_store)
