@@ -274,7 +274,9 @@ TEST(Checkpoint, ParamStoreRoundTripInTheReleasedLayout) {
   Tensor& bias = store.get(bias_name);
   bias.set_item({0}, bias.item({0}) + 0.25);
 
-  save_checkpoint(out, sample_state(seed, 1), store, opt, 1);
+  save_checkpoint(
+      out, sample_state(seed, 1), [&](const std::filesystem::path& dir) { store.save(dir); }, opt,
+      1);
   const auto resume = load_latest_checkpoint(out);
   ASSERT_TRUE(resume.has_value());
   model::ParamStore loaded =

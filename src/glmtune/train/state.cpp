@@ -10,7 +10,6 @@
 #include "glmtune/base/error.h"
 #include "glmtune/base/fs.h"
 #include "glmtune/io/checkpoint.h"
-#include "glmtune/model/param_store.h"
 #include "glmtune/train/optimizer.h"
 
 namespace glmtune::train {
@@ -211,13 +210,6 @@ CheckpointDir save_checkpoint(const fs::path& output_dir, const TrainerState& st
   write_file_atomic((root / kLatestFile).string(), name + "\n");
   prune(output_dir, keep_last, state.step);
   return {final_dir};
-}
-
-CheckpointDir save_checkpoint(const fs::path& output_dir, const TrainerState& state,
-                              const model::ParamStore& store, const AdamW& optimizer,
-                              int64_t keep_last) {
-  return save_checkpoint(
-      output_dir, state, [&](const fs::path& dir) { store.save(dir); }, optimizer, keep_last);
 }
 
 bool is_complete_checkpoint(const fs::path& dir, std::string* why) {

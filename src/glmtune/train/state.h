@@ -31,10 +31,6 @@
 #include "glmtune/tensor/tensor.h"
 #include "glmtune/train/metrics.h"
 
-namespace glmtune::model {
-class ParamStore;
-}
-
 namespace glmtune::train {
 
 class AdamW;
@@ -109,10 +105,6 @@ CheckpointDir save_checkpoint(const std::filesystem::path& output_dir, const Tra
 CheckpointDir save_checkpoint(const std::filesystem::path& output_dir, const TrainerState& state,
                               const ModelWriter& write_model,
                               const OptimizerWriter& write_optimizer, int64_t keep_last);
-// The same with the model written by ParamStore::save.
-CheckpointDir save_checkpoint(const std::filesystem::path& output_dir, const TrainerState& state,
-                              const model::ParamStore& store, const AdamW& optimizer,
-                              int64_t keep_last);
 
 struct ResumePoint {
   CheckpointDir checkpoint;
