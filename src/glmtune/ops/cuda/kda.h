@@ -18,7 +18,7 @@
 // (head, document) walks the chunks carrying the 128×128 state in MMA accumulators, and the
 // backward walks them in reverse carrying d S. In bf16 storage its large products take bf16
 // operands with fp32 accumulation (dg and dβ within about 2e-3 rel L2 of the f32 CPU op); the
-// f32 mode splits every operand into two bf16 parts (about 1e-5). The kernel overview, the
+// f32 mode splits every operand into three bf16 parts (about 1e-6). The kernel overview, the
 // notation and the workspace sizes are at the top of kda_core.cu.
 
 #include <cuda_runtime.h>
@@ -69,7 +69,7 @@ ops::RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x
 
 // The chunk-local quantities kda_chunked forms before its walk (per chunk of 16 tokens and head:
 // W, U, qd, kdec, A, e^{Γ_last}, (I + L)^{-1}; 22 KB in bf16, so 1.5 GB at T = 16384 with 64
-// heads; 34.5 KB in the f32 mode).
+// heads; 47 KB in the f32 mode).
 // kda_chunked fills one when given it; kda_chunked_backward of the same inputs then reads them
 // instead of forming them again. Memory for time: the caller decides whether to hold it.
 struct KdaChunkCache {

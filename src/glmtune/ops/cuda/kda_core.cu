@@ -8,10 +8,11 @@
 //
 // Four kernels, two token-parallel and two that walk a document's chunks in order:
 //   prep       one block per (chunk, head), 68 KB of shared memory (three blocks per SM): the
-//              chunk-local quantities W, qd, kdec, A in bf16 (hi/lo pairs in the f32 mode), U,
-//              e^{Γ_last} and (for the backward) Tm in f32. L = kb kᵀ and A = qc kᵀ with the per-element decay
-//              e^{Γ_i − Γ_j} run as MMAs on the factorised decay (below); U = Tm vb and
-//              W = Tm kbe as MMAs; the 16×16 substitution in fp32 on one warp, a column per lane.
+//              chunk-local quantities W, qd, kdec, A in bf16 (three parts in the f32 mode), U,
+//              e^{Γ_last} and (for the backward) Tm in f32. L = kb kᵀ and A = qc kᵀ with the
+//              per-element decay e^{Γ_i − Γ_j} run as MMAs on the factorised decay (below); U = Tm
+//              vb and W = Tm kbe as MMAs; the 16×16 substitution in fp32 on one warp, a column per
+//              lane.
 //   state_fwd  one block per (head, document, value slice), a warp per 16 value rows of Sᵀ (fp32
 //              in the warp's MMA accumulators; the value columns of S evolve independently, so a
 //              walk splits into 1, 2 or 4 slices of 8, 4 or 2 warps and few walks still fill the
@@ -41,17 +42,19 @@
 // whose |Γ − ref| exceeds kMaxExp anywhere (the gate's lower bound −5 keeps real chunks inside)
 // takes the exact per-element fp32 path instead, decided per block, so any gate stays correct.
 // The backward runs state_fwd again (the replay), and prep too unless the caller kept the
-// forward's prep output (KdaChunkCache). Workspace per (chunk, head): prep 22 KB (34.5 KB in the
+// forward's prep output (KdaChunkCache). Workspace per (chunk, head): prep 22 KB (47 KB in the
 // f32 mode); the backward adds S0ᵀ in f32 (64 KB per chunk, or per pair of chunks) and Vnᵀ,
 // dVnᵀ, d kdec, e^{Γ_last} ⟨d S1, S0⟩ (24.5 KB, plus 8.5 KB per further value slice): about
 // 1.5 GB forward and 6.0 GB backward (8.1 GB with a state per chunk) at T = 16384, H = 64, bf16.
 // Matrix products run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate). In bf16
 // storage the walks' products and bwd_chunk's products over the key and value dims take bf16
 // operands (fp32 values rounded once; the state and every sum stay fp32), as bf16 chunked
-// delta-rule kernels commonly do; prep's products and bwd_chunk's decay products keep the split
-// below. In the f32 mode every fp32 operand is split into a bf16 hi part and a bf16 lo part (the
-// rounding error of hi): hi·hi + hi·lo + lo·hi keeps about 16 bits of every operand, so it keeps
-// fp32-like accuracy. Every sum has a fixed order: no atomics, bit-identical reruns.
+// delta-rule kernels commonly do; prep's products and bwd_chunk's decay products split their f32
+// operands into a bf16 hi part and a bf16 lo part (the rounding error of hi: hi·hi + hi·lo +
+// lo·hi keeps about 16 bits). In the f32 mode every product splits its operands into three
+// parts (hi, lo and the rounding error of hi + lo; six MMAs keep about fp32's 24 bits), so it
+// matches the f32 CPU op to about 1e-6. Every sum has a fixed order: no atomics, bit-identical
+// reruns.
 
 #include <array>
 #include <type_traits>
@@ -87,14 +90,19 @@ using namespace tc;
 // exact per-element path.
 constexpr float kMaxExp = 40.0f;
 
-// The operand precision of the walks' products and of bwd_chunk's products over the key and value
-// dims. The f32 mode carries every fp32 operand as a bf16 hi + lo pair (three MMAs, about 16
-// bits each); the bf16 mode takes bf16 operands (the hi part alone: one MMA, fp32 accumulation,
-// the state itself still fp32 in the accumulators). A walk's per-chunk latency is its time at few
-// documents, and a third of the MMAs shortens each chunk's dependent chain to a third; prep then
-// writes no lo tiles (22 instead of 34.5 KB per chunk and head).
+// The operand precision (bf16 parts per fp32 operand, tensor_core.cuh's mma_x) of the walks'
+// products and of bwd_chunk's products over the key and value dims. The f32 mode carries every
+// fp32 operand as three bf16 parts (six MMAs, about fp32's 24 bits); the bf16 mode takes bf16
+// operands (the hi part alone: one MMA, fp32 accumulation, the state itself still fp32 in the
+// accumulators). A walk's per-chunk latency is its time at few documents, and one MMA a product
+// shortens each chunk's dependent chain; prep then writes no lo tiles (22 KB per chunk and head,
+// 47 KB in the f32 mode).
 template <typename T>
-constexpr bool kWalkSplit = std::is_same_v<T, float>;
+constexpr int kWalkParts = std::is_same_v<T, float> ? 3 : 1;
+// prep's products and bwd_chunk's 16×16×16 decay products: two parts in bf16 storage (the f32
+// values they combine are not bf16-exact), three in the f32 mode.
+template <typename T>
+constexpr int kPrepParts = std::is_same_v<T, float> ? 3 : 2;
 
 // ---- chunk bookkeeping ------------------------------------------------------------------------
 
@@ -172,24 +180,29 @@ struct Local {
 };
 
 // What prep hands to the state kernels, chunk-major: element (chunk s, head h) starts at
-// (s·H + h)·size. The bf16 tiles are the f32 values rounded (hi), with their rounding errors (lo)
-// in the f32 mode only (null otherwise).
+// (s·H + h)·size. The bf16 tiles are the f32 values rounded (hi), with their rounding errors (lo,
+// then lo2) in the f32 mode only (null otherwise).
 struct Prep {
-  bf16 *w_hi, *w_lo;    // W [C][K]
-  bf16 *qd_hi, *qd_lo;  // qd [C][K]
-  bf16 *kd_hi, *kd_lo;  // kdec [C][K]
-  bf16 *a_hi, *a_lo;    // A [C][C]
-  float* u;             // U [C][K]
-  float* egl;           // e^{Γ_last} [K]
-  float* tm;            // Tm [C][C], for the backward
+  bf16 *w_hi, *w_lo, *w_lo2;     // W [C][K]
+  bf16 *qd_hi, *qd_lo, *qd_lo2;  // qd [C][K]
+  bf16 *kd_hi, *kd_lo, *kd_lo2;  // kdec [C][K]
+  bf16 *a_hi, *a_lo, *a_lo2;     // A [C][C]
+  float* u;                      // U [C][K]
+  float* egl;                    // e^{Γ_last} [K]
+  float* tm;                     // Tm [C][C], for the backward
 };
 
-// Stores x as a bf16 hi/lo pair (the hi part alone without kLo).
-template <bool kLo>
-__device__ __forceinline__ void put_split(bf16* hi, bf16* lo, int64_t off, float x) {
+// Stores the first kParts bf16 parts of x.
+template <int kParts>
+__device__ __forceinline__ void put_parts(bf16* hi, bf16* lo, bf16* lo2, int64_t off, float x) {
   const bf16 h = __float2bfloat16_rn(x);
   hi[off] = h;
-  if constexpr (kLo) lo[off] = __float2bfloat16_rn(x - __bfloat162float(h));
+  if constexpr (kParts > 1) {
+    const float r = x - __bfloat162float(h);
+    const bf16 l = __float2bfloat16_rn(r);
+    lo[off] = l;
+    if constexpr (kParts > 2) lo2[off] = __float2bfloat16_rn(r - __bfloat162float(l));
+  }
 }
 
 // One block per (chunk, head): the chunk-local tiles that do not depend on the state, the 16×16
@@ -244,8 +257,8 @@ __global__ void __launch_bounds__(kCT, 3)
     const float kb = kv * t.beta[i];
     t.kbe[i * kLd + a] = kb * eg;
     const int64_t off = sh * kTile + idx;
-    put_split<kWalkSplit<T>>(p.qd_hi, p.qd_lo, off, qv * eg);
-    put_split<kWalkSplit<T>>(p.kd_hi, p.kd_lo, off, kv * __expf(gl - gm));
+    put_parts<kWalkParts<T>>(p.qd_hi, p.qd_lo, p.qd_lo2, off, qv * eg);
+    put_parts<kWalkParts<T>>(p.kd_hi, p.kd_lo, p.kd_lo2, off, kv * __expf(gl - gm));
     const float d = gm - 0.5f * (t.gam[a] + gl);
     wide |= !(fabsf(d) <= kMaxExp);  // NaN too
     const float eu = __expf(d), ed = __expf(-d);
@@ -265,7 +278,7 @@ __global__ void __launch_bounds__(kCT, 3)
         const FragA fa = load_a_f32(at + 16 * kk, kLd, 1);
         const float* bp = t.kp + (8 * nt + gg) * kLd + 16 * kk + 2 * t4;
         const float x[4] = {bp[0], bp[1], bp[8], bp[9]};
-        mma3(c, fa, frag_b(x));
+        mma_x<kPrepParts<T>>(c, fa, frag_b(x));
       }
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
@@ -323,10 +336,11 @@ __global__ void __launch_bounds__(kCT, 3)
     p.egl[sh * kK + a] = expf(t.gam[(kC - 1) * kLd + a]);
   } else if (tid >= 32 && tid < 32 + kC * kC / 2) {
     const int idx = 2 * (tid - 32);
-    uint32_t hi, lo;
-    split2(t.ain[idx], t.ain[idx + 1], hi, lo);
+    uint32_t hi, lo, lo2;
+    split3(t.ain[idx], t.ain[idx + 1], hi, lo, lo2);
     *reinterpret_cast<uint32_t*>(p.a_hi + sh * kC * kC + idx) = hi;
-    if (kWalkSplit<T>) *reinterpret_cast<uint32_t*>(p.a_lo + sh * kC * kC + idx) = lo;
+    if (kWalkParts < T >> 1) *reinterpret_cast<uint32_t*>(p.a_lo + sh * kC * kC + idx) = lo;
+    if (kWalkParts < T >> 2) *reinterpret_cast<uint32_t*>(p.a_lo2 + sh * kC * kC + idx) = lo2;
   }
   __syncthreads();
   if (tid < kC * kC) p.tm[sh * kC * kC + tid] = t.tri[tid];
@@ -342,16 +356,17 @@ __global__ void __launch_bounds__(kCT, 3)
       xw[u] = t.kbe[j * kLd + a];
     }
     float cu4[4] = {}, cw4[4] = {};
-    mma3(cu4, ft, frag_b(xv));
-    mma3(cw4, ft, frag_b(xw));
+    mma_x<kPrepParts<T>>(cu4, ft, frag_b(xv));
+    mma_x<kPrepParts<T>>(cw4, ft, frag_b(xw));
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t off = sh * kTile + (gg + 8 * half) * kK + n0 + 2 * t4;
       *reinterpret_cast<float2*>(p.u + off) = make_float2(cu4[2 * half], cu4[2 * half + 1]);
-      uint32_t hi, lo;
-      split2(cw4[2 * half], cw4[2 * half + 1], hi, lo);
+      uint32_t hi, lo, lo2;
+      split3(cw4[2 * half], cw4[2 * half + 1], hi, lo, lo2);
       *reinterpret_cast<uint32_t*>(p.w_hi + off) = hi;
-      if (kWalkSplit<T>) *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
+      if (kWalkParts < T >> 1) *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
+      if (kWalkParts < T >> 2) *reinterpret_cast<uint32_t*>(p.w_lo2 + off) = lo2;
     }
   }
 }
@@ -368,7 +383,22 @@ struct StageBwd {
   bf16 a_hi[kC * kAs], a_lo[kC * kAs];
   float egl[kK];
 };
-struct Stage : StageBwd {
+// The lo2 parts of a stage's tiles, for three-part operands (the f32 mode); without them the
+// names the kernels read in every mode are null constants (x_lo2 is only read with three parts).
+struct StageLo2 {
+  bf16 w_lo2[kC * kTs], qd_lo2[kC * kTs], kd_lo2[kC * kTs], x_lo2[kC * kTs];
+  bf16 a_lo2[kC * kAs];
+};
+struct NoLo2 {
+  static constexpr bf16* w_lo2 = nullptr;
+  static constexpr bf16* qd_lo2 = nullptr;
+  static constexpr bf16* kd_lo2 = nullptr;
+  static constexpr bf16* a_lo2 = nullptr;
+};
+template <int kParts>
+struct StageBwdP : StageBwd, std::conditional_t<kParts == 3, StageLo2, NoLo2> {};
+template <int kParts>
+struct Stage : StageBwdP<kParts> {
   float u[kTile];
 };
 
@@ -382,33 +412,33 @@ __device__ __forceinline__ void stage_tile(bf16* dst, const bf16* src) {
   }
 }
 // kWithU: U (the forward walk), only the value columns [e0, e0 + kNT / 2) its block walks;
-// kWithQA: qd and A (every walk but the backward's replay, which forms no output); kLo: the lo
-// parts of the bf16 tiles (the walks of the f32 mode). kNT threads.
-template <bool kWithU, bool kWithQA, bool kLo, int kNT, typename S>
+// kWithQA: qd and A (every walk but the backward's replay, which forms no output); kParts: the
+// bf16 parts of the tiles that the walk's products read. kNT threads.
+template <bool kWithU, bool kWithQA, int kParts, int kNT, typename S>
 __device__ void stage_load(S& st, const Prep& p, int64_t sh, int e0) {
   const int tid = threadIdx.x;
-  stage_tile<kNT>(st.w_hi, p.w_hi + sh * kTile);
-  if constexpr (kLo) stage_tile<kNT>(st.w_lo, p.w_lo + sh * kTile);
-  if constexpr (kWithQA) {
-    stage_tile<kNT>(st.qd_hi, p.qd_hi + sh * kTile);
-    if constexpr (kLo) stage_tile<kNT>(st.qd_lo, p.qd_lo + sh * kTile);
-  }
-  stage_tile<kNT>(st.kd_hi, p.kd_hi + sh * kTile);
-  if constexpr (kLo) stage_tile<kNT>(st.kd_lo, p.kd_lo + sh * kTile);
-  // 16-byte pieces: A's hi and lo rows (32 each, with kWithQA), then e^{Γ_last} (32).
-  constexpr int kFirst = kWithQA ? 0 : 64;
+  const auto tiles = [&](bf16* hi, bf16* lo, bf16* lo2, const bf16* src_hi, const bf16* src_lo,
+                         const bf16* src_lo2) {
+    stage_tile<kNT>(hi, src_hi + sh * kTile);
+    if constexpr (kParts > 1) stage_tile<kNT>(lo, src_lo + sh * kTile);
+    if constexpr (kParts > 2) stage_tile<kNT>(lo2, src_lo2 + sh * kTile);
+  };
+  tiles(st.w_hi, st.w_lo, st.w_lo2, p.w_hi, p.w_lo, p.w_lo2);
+  if constexpr (kWithQA) tiles(st.qd_hi, st.qd_lo, st.qd_lo2, p.qd_hi, p.qd_lo, p.qd_lo2);
+  tiles(st.kd_hi, st.kd_lo, st.kd_lo2, p.kd_hi, p.kd_lo, p.kd_lo2);
+  // 16-byte pieces: e^{Γ_last} (32), then with kWithQA the rows of A's parts (32 each).
+  constexpr int kPieces = 32 + (kWithQA ? 32 * kParts : 0);
 #pragma unroll
-  for (int j = kFirst; j < 96; j += kNT) {
+  for (int j = 0; j < kPieces; j += kNT) {
     const int piece = j + tid;
-    if (!kLo && piece >= 32 && piece < 64) continue;
-    if (piece < 64) {
-      const int r = (piece & 31) >> 1, col = (piece & 1) * 8;
-      if (piece < 32)
-        cp_async16(st.a_hi + r * kAs + col, p.a_hi + sh * kC * kC + r * kC + col);
-      else
-        cp_async16(st.a_lo + r * kAs + col, p.a_lo + sh * kC * kC + r * kC + col);
-    } else if (piece < 96) {
-      cp_async16(st.egl + (piece - 64) * 4, p.egl + sh * kK + (piece - 64) * 4);
+    if (piece >= kPieces) break;
+    if (piece < 32) {
+      cp_async16(st.egl + piece * 4, p.egl + sh * kK + piece * 4);
+    } else {
+      const int part = (piece - 32) >> 5, r = (piece & 31) >> 1, col = (piece & 1) * 8;
+      bf16* dst = part == 0 ? st.a_hi : part == 1 ? st.a_lo : st.a_lo2;
+      const bf16* src = part == 0 ? p.a_hi : part == 1 ? p.a_lo : p.a_lo2;
+      cp_async16(dst + r * kAs + col, src + sh * kC * kC + r * kC + col);
     }
   }
   if constexpr (kWithU) {
@@ -433,10 +463,10 @@ __global__ void __launch_bounds__(32 * kWarps)
     kda_state_fwd_kernel(Prep p, const int* __restrict__ cu, const int* __restrict__ dc,
                          const int* __restrict__ pc, int heads, T* __restrict__ out,
                          float* __restrict__ s0, float* __restrict__ vnt) {
+  constexpr int kParts = kWalkParts<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+  Stage<kParts>* stages = reinterpret_cast<Stage<kParts>*>(smem_raw);
   constexpr int kNT = 32 * kWarps;
-  constexpr bool kSplit = kWalkSplit<T>;
   // One slice (kWarps = 8) starts at row 0: a constant keeps the registers of the unsliced walk.
   const int h = blockIdx.x, doc = blockIdx.y, e0 = kWarps == 8 ? 0 : 16 * kWarps * int(blockIdx.z);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -447,20 +477,20 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
   constexpr bool kOut = !kStore;  // the backward's replay forms no output
-  if (nch > 0) stage_load<true, kOut, kSplit, kNT>(stages[0], p, int64_t(first) * heads + h, e0);
+  if (nch > 0) stage_load<true, kOut, kParts, kNT>(stages[0], p, int64_t(first) * heads + h, e0);
   cp_async_commit();
   for (int c = 0; c < nch; ++c) {
     const int64_t sh = int64_t(first + c) * heads + h, c0 = start + int64_t(c) * kC;
     const int n = int(end - c0 < kC ? end - c0 : kC);
     if (c + 1 < nch) {
-      stage_load<true, kOut, kSplit, kNT>(stages[(c + 1) & 1], p, sh + heads, e0);
+      stage_load<true, kOut, kParts, kNT>(stages[(c + 1) & 1], p, sh + heads, e0);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const Stage& st = stages[c & 1];
+    const Stage<kParts>& st = stages[c & 1];
     if (kStore && (!kPairs || (c & 1) == 0)) {
       float* dst = s0 + (kPairs ? int64_t(pc[doc] + c / 2) * heads + h : sh) * kK * kK;
 #pragma unroll
@@ -478,9 +508,11 @@ __global__ void __launch_bounds__(32 * kWarps)
       const FragA sa = frag_from_acc(s[2 * kk], s[2 * kk + 1], 1.0f);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        mma_x<kSplit>(vn[nt], sa, lds_b_nk_x<kSplit>(st.w_hi, st.w_lo, kTs, 8 * nt, 16 * kk));
+        mma_x<kParts>(vn[nt], sa,
+                      lds_b_nk_x<kParts>({st.w_hi, st.w_lo, st.w_lo2}, kTs, 8 * nt, 16 * kk));
         if constexpr (kOut)
-          mma_x<kSplit>(o[nt], sa, lds_b_nk_x<kSplit>(st.qd_hi, st.qd_lo, kTs, 8 * nt, 16 * kk));
+          mma_x<kParts>(o[nt], sa,
+                        lds_b_nk_x<kParts>({st.qd_hi, st.qd_lo, st.qd_lo2}, kTs, 8 * nt, 16 * kk));
       }
     }
 #pragma unroll
@@ -495,7 +527,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     if constexpr (kOut) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
-        mma_x<kSplit>(o[nt], fv, lds_b_nk_x<kSplit>(st.a_hi, st.a_lo, kAs, 8 * nt, 0));
+        mma_x<kParts>(o[nt], fv, lds_b_nk_x<kParts>({st.a_hi, st.a_lo, st.a_lo2}, kAs, 8 * nt, 0));
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -517,7 +549,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
       FragB b0, b1;
-      ldsm_b_kn_x<kSplit>(st.kd_hi, st.kd_lo, kTs, 0, 16 * np, b0, b1);
+      ldsm_b_kn_x<kParts>({st.kd_hi, st.kd_lo, st.kd_lo2}, kTs, 0, 16 * np, b0, b1);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int a = 16 * np + 8 * j + 2 * t4;
@@ -527,8 +559,8 @@ __global__ void __launch_bounds__(32 * kWarps)
         s[2 * np + j][2] *= e0;
         s[2 * np + j][3] *= e1;
       }
-      mma_x<kSplit>(s[2 * np], fv, b0);
-      mma_x<kSplit>(s[2 * np + 1], fv, b1);
+      mma_x<kParts>(s[2 * np], fv, b0);
+      mma_x<kParts>(s[2 * np + 1], fv, b1);
     }
     __syncthreads();  // the stage is refilled by the next iteration's prefetch
   }
@@ -539,15 +571,22 @@ __global__ void __launch_bounds__(32 * kWarps)
 // writes from the accumulator layout and reads by row), the per-warp ⟨d S1, S0⟩ columns, and
 // kdec and e^{Γ_last} of the chunk before an odd chunk (loaded one chunk ahead, with the stage).
 constexpr int kRedCols = 16;
-template <int kWarps>
-struct StateBwdSmem {
+// kdec of the chunk before an odd chunk: its lo2 part with three-part operands (null otherwise).
+struct KdbLo2 {
+  bf16 kdb_lo2[kC * kTs];
+};
+struct NoKdbLo2 {
+  static constexpr bf16* kdb_lo2 = nullptr;
+};
+template <int kWarps, int kParts>
+struct StateBwdSmem : std::conditional_t<kParts == 3, KdbLo2, NoKdbLo2> {
   // With fewer than eight warps (value slices: the walks of few documents, one block per SM) the
   // block's rows of a chunk's stored entry state are staged here with the chunk's other operands,
   // a chunk ahead, so no round waits on L2 for them. Rows padded by 8 floats: the float2 loads of
   // eight rows then fall in the fewest wavefronts.
   static constexpr bool kStageS0 = kWarps < 8;
   static constexpr int kS0Ld = kK + 8;
-  StageBwd stages[2];
+  StageBwdP<kParts> stages[2];
   float red[2][kWarps][kC * kRedCols];
   float dot[kWarps][kK];
   bf16 kdb_hi[kC * kTs], kdb_lo[kC * kTs];
@@ -572,12 +611,13 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
                          const float* __restrict__ s0, const float* __restrict__ vnt,
                          float* __restrict__ dvnt, float* __restrict__ dkd, float* __restrict__ dgs,
                          int64_t kd_stride, int64_t gs_stride) {
+  constexpr int kParts = kWalkParts<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  using Smem = StateBwdSmem<kWarps>;
+  using Smem = StateBwdSmem<kWarps, kParts>;
+  using StageT = StageBwdP<kParts>;
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
-  StageBwd* stages = sm.stages;
+  StageT* stages = sm.stages;
   constexpr int kNT = 32 * kWarps, kRows = 16 * kWarps;  // threads, value rows of the slice
-  constexpr bool kSplit = kWalkSplit<T>;
   const int h = blockIdx.x, doc = blockIdx.y, z = kWarps == 8 ? 0 : int(blockIdx.z), e0 = kRows * z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int eb = e0 + 16 * warp;
@@ -603,13 +643,14 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     for (int j = 0; j < 8; ++j)
       xo[j] = row < end ? to_f(dout[(row * heads + h) * kK + xc + j]) : 0.0f;
   };
-  auto put_dout = [&](StageBwd& st) {
+  auto put_dout = [&](StageT& st) {
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
-      uint32_t hi, lo;
-      split2(xo[j], xo[j + 1], hi, lo);
+      uint32_t hi, lo, lo2;
+      split3(xo[j], xo[j + 1], hi, lo, lo2);
       *reinterpret_cast<uint32_t*>(st.x_hi + xr * kTs + xc + j) = hi;
-      if constexpr (kSplit) *reinterpret_cast<uint32_t*>(st.x_lo + xr * kTs + xc + j) = lo;
+      if constexpr (kParts > 1) *reinterpret_cast<uint32_t*>(st.x_lo + xr * kTs + xc + j) = lo;
+      if constexpr (kParts > 2) *reinterpret_cast<uint32_t*>(st.x_lo2 + xr * kTs + xc + j) = lo2;
     }
   };
   // Chunk c's stored entry-state rows [e0, e0 + kRows) into s0[c & 1] (kStageS0).
@@ -627,14 +668,15 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   auto load_before = [&](int c) {
     const int64_t shb = int64_t(first + c) * heads + h;
     stage_tile<kNT>(sm.kdb_hi, p.kd_hi + shb * kTile);
-    if constexpr (kSplit) stage_tile<kNT>(sm.kdb_lo, p.kd_lo + shb * kTile);
+    if constexpr (kParts > 1) stage_tile<kNT>(sm.kdb_lo, p.kd_lo + shb * kTile);
+    if constexpr (kParts > 2) stage_tile<kNT>(sm.kdb_lo2, p.kd_lo2 + shb * kTile);
     if (tid < 32) cp_async16(sm.eglb + tid * 4, p.egl + shb * kK + tid * 4);
   };
   float ds[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.0f;
   if (nch > 0) {
-    stage_load<false, true, kSplit, kNT>(stages[(nch - 1) & 1], p,
+    stage_load<false, true, kParts, kNT>(stages[(nch - 1) & 1], p,
                                          int64_t(first + nch - 1) * heads + h, e0);
     if (kPairs && ((nch - 1) & 1)) load_before(nch - 2);
     stage_s0(nch - 1);
@@ -655,7 +697,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     // previous stage; the next odd chunk's go with this one).
     const bool rebuild = kPairs && (c & 1);
     if (c > 0) {
-      stage_load<false, true, kSplit, kNT>(stages[(c - 1) & 1], p, sh - heads, e0);
+      stage_load<false, true, kParts, kNT>(stages[(c - 1) & 1], p, sh - heads, e0);
       if (kPairs && c >= 2 && ((c - 1) & 1)) load_before(c - 2);
       stage_s0(c - 1);
       cp_async_commit();
@@ -664,7 +706,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
       cp_async_wait<0>();
     }
     __syncthreads();
-    const StageBwd& st = stages[c & 1];
+    const StageT& st = stages[c & 1];
     // The next chunk's S0ᵀ and Vnᵀ head for L2 now (this chunk's were sent one iteration ago),
     // and the dO rows that fetch_dout reads one iteration from now. With kPairs the stored state
     // changes every second chunk, and an odd chunk also reads the Vnᵀ of the chunk before.
@@ -718,7 +760,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
       }
       if (rebuild) {
         FragB b0, b1;
-        ldsm_b_kn_x<kSplit>(sm.kdb_hi, sm.kdb_lo, kTs, 0, 16 * grp, b0, b1);
+        ldsm_b_kn_x<kParts>({sm.kdb_hi, sm.kdb_lo, sm.kdb_lo2}, kTs, 0, 16 * grp, b0, b1);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int a = 16 * grp + 8 * j + 2 * t4;
@@ -728,13 +770,14 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
           sv[j][2] *= e0;
           sv[j][3] *= e1;
         }
-        mma_x<kSplit>(sv[0], fvb, b0);
-        mma_x<kSplit>(sv[1], fvb, b1);
+        mma_x<kParts>(sv[0], fvb, b0);
+        mma_x<kParts>(sv[1], fvb, b1);
       }
       const FragA fa = frag_from_acc(ds[2 * grp], ds[2 * grp + 1], 1.0f);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
-        mma_x<kSplit>(dvn[nt], fa, lds_b_nk_x<kSplit>(st.kd_hi, st.kd_lo, kTs, 8 * nt, 16 * grp));
+        mma_x<kParts>(dvn[nt], fa,
+                      lds_b_nk_x<kParts>({st.kd_hi, st.kd_lo, st.kd_lo2}, kTs, 8 * nt, 16 * grp));
       float part[2][4] = {};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -754,11 +797,15 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
         FragB b;
         b.hi[0] = mov_trans(fa.hi[2 * j]);
         b.hi[1] = mov_trans(fa.hi[2 * j + 1]);
-        if constexpr (kSplit) {
+        if constexpr (kParts > 1) {
           b.lo[0] = mov_trans(fa.lo[2 * j]);
           b.lo[1] = mov_trans(fa.lo[2 * j + 1]);
         }
-        mma_x<kSplit>(part[j], fvn, b);
+        if constexpr (kParts > 2) {
+          b.lo2[0] = mov_trans(fa.lo2[2 * j]);
+          b.lo2[1] = mov_trans(fa.lo2[2 * j + 1]);
+        }
+        mma_x<kParts>(part[j], fvn, b);
       }
       float* red = sm.red[grp & 1][warp];
 #pragma unroll
@@ -803,11 +850,12 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     {
       FragA fo;
       ldsm_a_km(st.x_hi, kTs, 0, eb, fo.hi);
-      if constexpr (kSplit) ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
+      if constexpr (kParts > 1) ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
+      if constexpr (kParts > 2) ldsm_a_km(st.x_lo2, kTs, 0, eb, fo.lo2);
       FragB b0, b1;
-      ldsm_b_kn_x<kSplit>(st.a_hi, st.a_lo, kAs, 0, 0, b0, b1);
-      mma_x<kSplit>(dvn[0], fo, b0);
-      mma_x<kSplit>(dvn[1], fo, b1);
+      ldsm_b_kn_x<kParts>({st.a_hi, st.a_lo, st.a_lo2}, kAs, 0, 0, b0, b1);
+      mma_x<kParts>(dvn[0], fo, b0);
+      mma_x<kParts>(dvn[1], fo, b1);
     }
     {
       float* dst = dvnt + sh * kTile;
@@ -822,13 +870,14 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
     // d Sᵀ ← d Sᵀ ⊙ e^{Γ_last} + dOᵀ qd − dVnᵀ W.
     FragA fo;
     ldsm_a_km(st.x_hi, kTs, 0, eb, fo.hi);
-    if constexpr (kSplit) ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
+    if constexpr (kParts > 1) ldsm_a_km(st.x_lo, kTs, 0, eb, fo.lo);
+    if constexpr (kParts > 2) ldsm_a_km(st.x_lo2, kTs, 0, eb, fo.lo2);
     const FragA fv = frag_from_acc(dvn[0], dvn[1], -1.0f);
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
       FragB q0, q1, w0, w1;
-      ldsm_b_kn_x<kSplit>(st.qd_hi, st.qd_lo, kTs, 0, 16 * np, q0, q1);
-      ldsm_b_kn_x<kSplit>(st.w_hi, st.w_lo, kTs, 0, 16 * np, w0, w1);
+      ldsm_b_kn_x<kParts>({st.qd_hi, st.qd_lo, st.qd_lo2}, kTs, 0, 16 * np, q0, q1);
+      ldsm_b_kn_x<kParts>({st.w_hi, st.w_lo, st.w_lo2}, kTs, 0, 16 * np, w0, w1);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int a = 16 * np + 8 * j + 2 * t4;
@@ -838,10 +887,10 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
         ds[2 * np + j][2] *= e0;
         ds[2 * np + j][3] *= e1;
       }
-      mma_x<kSplit>(ds[2 * np], fo, q0);
-      mma_x<kSplit>(ds[2 * np + 1], fo, q1);
-      mma_x<kSplit>(ds[2 * np], fv, w0);
-      mma_x<kSplit>(ds[2 * np + 1], fv, w1);
+      mma_x<kParts>(ds[2 * np], fo, q0);
+      mma_x<kParts>(ds[2 * np + 1], fo, q1);
+      mma_x<kParts>(ds[2 * np], fv, w0);
+      mma_x<kParts>(ds[2 * np + 1], fv, w1);
     }
     __syncthreads();  // the other stage is refilled next; this one's dO is rewritten after
     if (c > 0) put_dout(stages[(c - 1) & 1]);
@@ -853,13 +902,16 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
 // bwd_chunk's shared memory (81 KB: two blocks per SM). Every gradient tile of the chunk lives in
 // registers in the m16n8k16 accumulator layout: warp w owns key/value columns [8w, 8w + 8) of all
 // 16 rows in every phase, so only the operands that cross warps go through here.
+// kSm bf16 parts per staged operand (two in bf16 storage, where only hi is read, so the layout and
+// the two blocks per SM stay; three in the f32 mode).
+template <int kSm>
 struct BwdSmem {
   float qc[kC * kLd], kc[kC * kLd], gam[kC * kLd];  // scale·q, k, Γ
-  float scr[kC * kLd];    // per-warp columns: dW (as a B operand), then dΓ (for the cumsum)
-  bf16 xs[6][kC * kTs];   // Vn, dO, dVn as hi/lo pairs
-  bf16 dx[4][kC * kTs];   // dvb, dkbe as hi/lo pairs (the A operands of dL)
-  float tm[kC * kC];      // Tm
-  float da[kC * kC];      // dA (lower, diagonal included)
+  float scr[kC * kLd];         // per-warp columns: dW (as a B operand), then dΓ (for the cumsum)
+  bf16 xs[3 * kSm][kC * kTs];  // Vn, dO, dVn: the parts of operand m at [kSm·m, kSm·m + kSm)
+  bf16 dx[2 * kSm][kC * kTs];  // dvb, dkbe likewise (the A operands of dL)
+  float tm[kC * kC];           // Tm
+  float da[kC * kC];           // dA (lower, diagonal included)
   float dlp[2][kC * kC];  // −dL's two products; before them dO Vn'ᵀ, dVn Vn'ᵀ (odd chunks)
   float dl[kC * kC];      // dL (strictly lower)
   float beta[kC];
@@ -893,9 +945,18 @@ __global__ void __launch_bounds__(kCT, 2)
                          int64_t kd_stride, int64_t gs_stride, T* __restrict__ dq,
                          T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dg,
                          float* __restrict__ dbeta) {
+  constexpr int kParts = kWalkParts<T>, kSm = kParts > 2 ? 3 : 2, kDecayParts = kPrepParts<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  BwdSmem& sm = *reinterpret_cast<BwdSmem*>(smem_raw);
-  constexpr bool kSplit = kWalkSplit<T>;
+  BwdSmem<kSm>& sm = *reinterpret_cast<BwdSmem<kSm>*>(smem_raw);
+  // The staged parts of operand m of xs / dx, and the first of them as an A operand.
+  const auto xs_parts = [&sm](int m) {
+    return Parts{sm.xs[kSm * m], sm.xs[kSm * m + 1], kSm > 2 ? sm.xs[kSm * m + kSm - 1] : nullptr};
+  };
+  const auto lds_a_parts = [](const Parts& t, int k0, FragA& a) {
+    lds_a_mk(t.hi, kTs, 0, k0, a.hi);
+    if constexpr (kParts > 1) lds_a_mk(t.lo, kTs, 0, k0, a.lo);
+    if constexpr (kParts > 2) lds_a_mk(t.lo2, kTs, 0, k0, a.lo2);
+  };
   const int slot = blockIdx.x, h = blockIdx.y;
   int64_t c0 = 0;
   int n = 0, doc = 0;
@@ -914,16 +975,15 @@ __global__ void __launch_bounds__(kCT, 2)
       prefetch_l2(dkdg + z * kd_stride + sh * kTile, kTile * sizeof(float));
     prefetch_l2(p.u + sh * kTile, kTile * sizeof(float));
     prefetch_l2(p.w_hi + sh * kTile, kTile * sizeof(bf16));
-    if (kSplit) prefetch_l2(p.w_lo + sh * kTile, kTile * sizeof(bf16));
+    if (kParts > 1) prefetch_l2(p.w_lo + sh * kTile, kTile * sizeof(bf16));
+    if (kParts > 2) prefetch_l2(p.w_lo2 + sh * kTile, kTile * sizeof(bf16));
   } else if (tid >= 32 && tid < 32 + n) {  // the v rows of phase 5
     prefetch_l2(v + ((c0 + tid - 32) * heads + h) * kK, kK * sizeof(T));
   }
 
   // ---- 1. staging. dO row by row, Vnᵀ and dVnᵀ ([e][i] blocks) column by column: coalesced.
   auto put = [&sm](int m, int i, int e, float x) {
-    const bf16 hi = __float2bfloat16_rn(x);
-    sm.xs[2 * m][i * kTs + e] = hi;
-    if (kSplit) sm.xs[2 * m + 1][i * kTs + e] = __float2bfloat16_rn(x - __bfloat162float(hi));
+    put_parts<kParts>(sm.xs[kSm * m], sm.xs[kSm * m + 1], sm.xs[kSm * m + kSm - 1], i * kTs + e, x);
   };
   for (int idx = tid; idx < kTile; idx += kCT) {
     const int i = idx / kK, a = idx % kK;
@@ -965,9 +1025,8 @@ __global__ void __launch_bounds__(kCT, 2)
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       FragA fa;
-      lds_a_mk(sm.xs[2], kTs, 0, 16 * kk, fa.hi);
-      if constexpr (kSplit) lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
-      mma_x<kSplit>(c, fa, lds_b_nk_x<kSplit>(sm.xs[0], sm.xs[1], kTs, n0, 16 * kk));
+      lds_a_parts(xs_parts(1), 16 * kk, fa);
+      mma_x<kParts>(c, fa, lds_b_nk_x<kParts>(xs_parts(0), kTs, n0, 16 * kk));
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -981,9 +1040,8 @@ __global__ void __launch_bounds__(kCT, 2)
 #pragma unroll 4
     for (int kk = 0; kk < 8; ++kk) {
       FragA fa;
-      lds_a_mk(sm.xs[2 + 2 * m], kTs, 0, 16 * kk, fa.hi);
-      if constexpr (kSplit) lds_a_mk(sm.xs[3 + 2 * m], kTs, 0, 16 * kk, fa.lo);
-      mma_x<kSplit>(c, fa, load_b_f32(vnb, kC, 16 * kk, 8 * nt));
+      lds_a_parts(xs_parts(1 + m), 16 * kk, fa);
+      mma_x<kParts>(c, fa, load_b_f32(vnb, kC, 16 * kk, 8 * nt));
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -1005,12 +1063,10 @@ __global__ void __launch_bounds__(kCT, 2)
     const float x0[4] = {s0c[base], s0c[base + kK], s0c[base + 8 * kK], s0c[base + 9 * kK]};
     const FragB bs0 = frag_b(x0);
     FragA fa;
-    lds_a_mk(sm.xs[2], kTs, 0, 16 * kk, fa.hi);
-    if constexpr (kSplit) lds_a_mk(sm.xs[3], kTs, 0, 16 * kk, fa.lo);
-    mma_x<kSplit>(dqd, fa, bs0);
-    lds_a_mk(sm.xs[4], kTs, 0, 16 * kk, fa.hi);
-    if constexpr (kSplit) lds_a_mk(sm.xs[5], kTs, 0, 16 * kk, fa.lo);
-    mma_x<kSplit>(dwa, fa, bs0);
+    lds_a_parts(xs_parts(1), 16 * kk, fa);
+    mma_x<kParts>(dqd, fa, bs0);
+    lds_a_parts(xs_parts(2), 16 * kk, fa);
+    mma_x<kParts>(dwa, fa, bs0);
   }
   if (rebuild) {
     const int64_t shb = sh - heads;
@@ -1025,13 +1081,17 @@ __global__ void __launch_bounds__(kCT, 2)
     const int64_t kb = shb * kTile + int64_t(2 * t4) * kK + n0 + gg;
     bk.hi[0] = pack2(p.kd_hi[kb], p.kd_hi[kb + kK]);
     bk.hi[1] = pack2(p.kd_hi[kb + 8 * kK], p.kd_hi[kb + 9 * kK]);
-    if constexpr (kSplit) {
+    if constexpr (kParts > 1) {
       bk.lo[0] = pack2(p.kd_lo[kb], p.kd_lo[kb + kK]);
       bk.lo[1] = pack2(p.kd_lo[kb + 8 * kK], p.kd_lo[kb + 9 * kK]);
     }
+    if constexpr (kParts > 2) {
+      bk.lo2[0] = pack2(p.kd_lo2[kb], p.kd_lo2[kb + kK]);
+      bk.lo2[1] = pack2(p.kd_lo2[kb + 8 * kK], p.kd_lo2[kb + 9 * kK]);
+    }
     __syncthreads();  // dO Vn'ᵀ and dVn Vn'ᵀ
-    mma_x<kSplit>(dqd, load_a_f32(sm.dlp[0], kC, 1), bk);
-    mma_x<kSplit>(dwa, load_a_f32(sm.dlp[1], kC, 1), bk);
+    mma_x<kParts>(dqd, load_a_f32(sm.dlp[0], kC, 1), bk);
+    mma_x<kParts>(dwa, load_a_f32(sm.dlp[1], kC, 1), bk);
   }
   // Through kdec = k e^{Γ_last − Γ} and qd = qc e^Γ; the accumulators of dq, dk and dΓ start here.
   float dqa[4], dka[4], dgm[4], tsum[2] = {0.0f, 0.0f};
@@ -1067,21 +1127,26 @@ __global__ void __launch_bounds__(kCT, 2)
   {
     const FragA ta = load_a_f32(sm.tm, 1, kC);
     FragB bv;
-    ldsm_b_kn8(sm.xs[4], kTs, n0, bv.hi);
-    if constexpr (kSplit) ldsm_b_kn8(sm.xs[5], kTs, n0, bv.lo);
+    const Parts dvn_parts = xs_parts(2);
+    ldsm_b_kn8(dvn_parts.hi, kTs, n0, bv.hi);
+    if constexpr (kParts > 1) ldsm_b_kn8(dvn_parts.lo, kTs, n0, bv.lo);
+    if constexpr (kParts > 2) ldsm_b_kn8(dvn_parts.lo2, kTs, n0, bv.lo2);
     const FragB bw = load_b_f32(sm.scr, kLd, 0, n0);
-    mma_x<kSplit>(dvb, ta, bv);
-    mma_x<kSplit>(dkbe, ta, bw);
+    mma_x<kParts>(dvb, ta, bv);
+    mma_x<kParts>(dkbe, ta, bw);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = gg + 8 * half, a = n0 + 2 * t4;
-      uint32_t hi, lo;
-      split2(dvb[2 * half], dvb[2 * half + 1], hi, lo);
-      *reinterpret_cast<uint32_t*>(&sm.dx[0][i * kTs + a]) = hi;
-      if (kSplit) *reinterpret_cast<uint32_t*>(&sm.dx[1][i * kTs + a]) = lo;
-      split2(dkbe[2 * half], dkbe[2 * half + 1], hi, lo);
-      *reinterpret_cast<uint32_t*>(&sm.dx[2][i * kTs + a]) = hi;
-      if (kSplit) *reinterpret_cast<uint32_t*>(&sm.dx[3][i * kTs + a]) = lo;
+#pragma unroll
+      for (int prod = 0; prod < 2; ++prod) {
+        const float* x = prod == 0 ? dvb : dkbe;
+        uint32_t part[3];
+        split3(x[2 * half], x[2 * half + 1], part[0], part[1], part[2]);
+#pragma unroll
+        for (int q = 0; q < kParts; ++q)
+          *reinterpret_cast<uint32_t*>(&sm.dx[kSm * prod + (q == 2 ? kSm - 1 : q)][i * kTs + a]) =
+              part[q];
+      }
     }
   }
   __syncthreads();
@@ -1091,17 +1156,20 @@ __global__ void __launch_bounds__(kCT, 2)
 #pragma unroll 4
     for (int kk = 0; kk < 8; ++kk) {
       FragA fa;
-      lds_a_mk(sm.dx[2 * prod], kTs, 0, 16 * kk, fa.hi);
-      if constexpr (kSplit) lds_a_mk(sm.dx[2 * prod + 1], kTs, 0, 16 * kk, fa.lo);
+      lds_a_parts({sm.dx[kSm * prod], sm.dx[kSm * prod + 1], sm.dx[kSm * prod + kSm - 1]}, 16 * kk,
+                  fa);
       FragB fb;
       if (prod == 0) {
         const float* pu = p.u + sh * kTile + (8 * nt + gg) * kK + 16 * kk + 2 * t4;
         const float x[4] = {pu[0], pu[1], pu[8], pu[9]};
         fb = frag_b(x);
       } else {
-        fb = lds_b_nk_x<kSplit>(p.w_hi + sh * kTile, p.w_lo + sh * kTile, kK, 8 * nt, 16 * kk);
+        const int64_t off = sh * kTile;
+        fb = lds_b_nk_x<kParts>({p.w_hi + off, kParts > 1 ? p.w_lo + off : nullptr,
+                                 kParts > 2 ? p.w_lo2 + off : nullptr},
+                                kK, 8 * nt, 16 * kk);
       }
-      mma_x<kSplit>(c, fa, fb);
+      mma_x<kParts>(c, fa, fb);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -1136,10 +1204,10 @@ __global__ void __launch_bounds__(kCT, 2)
     }
     const FragB bk = frag_b(kp), bkb = frag_b(kbp), bq = frag_b(qp);
     float x[4] = {}, y[4] = {}, z[4] = {};
-    mma3(x, adl, bk);
-    mma3(y, ada, bk);
-    mma3(z, adlt, bkb);
-    mma3(z, adat, bq);
+    mma_x<kDecayParts>(x, adl, bk);
+    mma_x<kDecayParts>(y, ada, bk);
+    mma_x<kDecayParts>(z, adlt, bkb);
+    mma_x<kDecayParts>(z, adat, bq);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = gg + (r >> 1) * 8, ac = n0 + 2 * t4 + (r & 1);
@@ -1285,12 +1353,12 @@ struct Workspace {
   Prep p{};
 };
 
-// bf16 elements of prep's tiles per (chunk, head): W, qd, kdec and A, with their lo parts only
-// where the kernels read them (the f32 mode).
+// bf16 elements of prep's tiles per (chunk, head): W, qd, kdec and A, with as many parts as the
+// kernels read (three in the f32 mode, one in bf16 storage).
 template <typename T>
-constexpr int kPrepTiles = (kWalkSplit<T> ? 2 : 1) * (3 * kTile + kC * kC);
+constexpr int kPrepTiles = kWalkParts<T>*(3 * kTile + kC * kC);
 
-// Points w.p into w.tiles and w.f32s (the lo tiles null where none are kept).
+// Points w.p into w.tiles and w.f32s (the part tiles past kWalkParts null).
 template <typename T>
 void bind_prep(Workspace& w, int heads) {
   const int64_t sh = w.slots * heads;
@@ -1300,15 +1368,15 @@ void bind_prep(Workspace& w, int heads) {
     b += sh * n;
     return r;
   };
-  auto take_lo = [&take](int64_t n) { return kWalkSplit<T> ? take(n) : nullptr; };
-  w.p.w_hi = take(kTile);
-  w.p.w_lo = take_lo(kTile);
-  w.p.qd_hi = take(kTile);
-  w.p.qd_lo = take_lo(kTile);
-  w.p.kd_hi = take(kTile);
-  w.p.kd_lo = take_lo(kTile);
-  w.p.a_hi = take(kC * kC);
-  w.p.a_lo = take_lo(kC * kC);
+  auto take_part = [&take](int part, int64_t n) {
+    return part < kWalkParts<T> ? take(n) : nullptr;
+  };
+  for (auto [parts, n] :
+       {std::pair{std::array{&w.p.w_hi, &w.p.w_lo, &w.p.w_lo2}, int64_t(kTile)},
+        std::pair{std::array{&w.p.qd_hi, &w.p.qd_lo, &w.p.qd_lo2}, int64_t(kTile)},
+        std::pair{std::array{&w.p.kd_hi, &w.p.kd_lo, &w.p.kd_lo2}, int64_t(kTile)},
+        std::pair{std::array{&w.p.a_hi, &w.p.a_lo, &w.p.a_lo2}, int64_t(kC * kC)}})
+    for (int part = 0; part < 3; ++part) *parts[size_t(part)] = take_part(part, n);
   w.p.u = w.f32s.data<float>();
   w.p.egl = w.p.u + sh * kTile;
   w.p.tm = w.p.egl + sh * kK;
@@ -1356,7 +1424,8 @@ template <typename T, bool kStore, bool kPairs>
 void run_state_fwd(const Workspace& w, const Tensor& cu, const CoreArgs& a, T* out, float* s0,
                    float* vnt, cudaStream_t stream) {
   with_warps(a.slices, [&](auto warps) {
-    constexpr int kWarps = decltype(warps)::value, bytes = 2 * int(sizeof(Stage));
+    constexpr int kWarps = decltype(warps)::value;
+    constexpr int bytes = 2 * int(sizeof(Stage<kWalkParts<T>>));
     auto kernel = kda_state_fwd_kernel<T, kStore, kPairs, kWarps>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -1431,7 +1500,8 @@ void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   const int64_t kd_stride = sh * kTile, gs_stride = sh * kK;
   run_state_fwd<T, true, kPairs>(w, cu, a, nullptr, s0, vnt, stream);
   with_warps(a.slices, [&](auto warps) {
-    constexpr int kWarps = decltype(warps)::value, bytes = int(sizeof(StateBwdSmem<kWarps>));
+    constexpr int kWarps = decltype(warps)::value;
+    constexpr int bytes = int(sizeof(StateBwdSmem<kWarps, kWalkParts<T>>));
     auto kernel = kda_state_bwd_kernel<T, kPairs, kWarps>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -1444,7 +1514,7 @@ void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   });
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   with_warps(a.slices, [&](auto warps) {
-    constexpr int bytes = int(sizeof(BwdSmem));
+    constexpr int bytes = int(sizeof(BwdSmem<(kWalkParts < T >> 2 ? 3 : 2)>));
     auto kernel = kda_bwd_chunk_kernel<T, kPairs, 8 / decltype(warps)::value>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));

@@ -1,9 +1,11 @@
 #pragma once
 // Tensor-core building blocks of the hand-written CUDA kernels (KDA core, mHC): mma.sync
-// m16n8k16 (bf16 in, fp32 accumulate) on fragments whose fp32 operands are split into a bf16 hi
-// part and a bf16 lo part (the rounding error of hi), so hi·hi + hi·lo + lo·hi keeps about 16
-// bits of every operand; shared-memory fragment loads (ldmatrix and plain 32-bit loads), cp.async
-// staging and L2 prefetch.
+// m16n8k16 (bf16 in, fp32 accumulate) on fragments whose fp32 operands are split into bf16
+// parts: a hi part, a lo part (the rounding error of hi) and, where fp32 accuracy is wanted, a
+// lo2 part (the rounding error of hi + lo). hi·hi + hi·lo + lo·hi keeps about 16 bits of every
+// operand; the six products of three parts keep about 24, fp32's own precision. Also
+// shared-memory fragment loads (ldmatrix and plain 32-bit loads), cp.async staging and L2
+// prefetch.
 
 #include <cuda_bf16.h>
 
@@ -30,11 +32,26 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
              __float2bfloat16_rn(x1 - __bfloat162float(h1)));
 }
 
+// (x0, x1) → pairs of the three parts: what split2 gives, then the bf16 rounding of what hi + lo
+// left.
+__device__ __forceinline__ void split3(float x0, float x1, uint32_t& hi, uint32_t& lo,
+                                       uint32_t& lo2) {
+  const bf16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+  const float r0 = x0 - __bfloat162float(h0), r1 = x1 - __bfloat162float(h1);
+  const bf16 l0 = __float2bfloat16_rn(r0), l1 = __float2bfloat16_rn(r1);
+  hi = pack2(h0, h1);
+  lo = pack2(l0, l1);
+  lo2 = pack2(__float2bfloat16_rn(r0 - __bfloat162float(l0)),
+              __float2bfloat16_rn(r1 - __bfloat162float(l1)));
+}
+
+// Fragments carry every part; a product reads the ones its precision needs (the compiler drops
+// the others).
 struct FragA {
-  uint32_t hi[4], lo[4];
+  uint32_t hi[4], lo[4], lo2[4];
 };
 struct FragB {
-  uint32_t hi[2], lo[2];
+  uint32_t hi[2], lo[2], lo2[2];
 };
 
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -51,14 +68,22 @@ __device__ __forceinline__ void mma3(float (&c)[4], const FragA& a, const FragB&
   mma(c, a.hi, b.hi);
 }
 
-// c += a·b at the operand precision kSplit selects: hi + lo parts (mma3, about 16 bits each),
-// or the bf16 hi parts alone (one MMA: bf16 operands, fp32 accumulation).
-template <bool kSplit>
+// c += a·b at the operand precision of kParts parts: 1, the bf16 hi parts alone (one MMA: bf16
+// operands, fp32 accumulation); 2, hi + lo (mma3, about 16 bits each); 3, hi + lo + lo2 (six
+// MMAs, the terms below 2^-24 of the product left out: about fp32's 24 bits).
+template <int kParts>
 __device__ __forceinline__ void mma_x(float (&c)[4], const FragA& a, const FragB& b) {
-  if constexpr (kSplit)
-    mma3(c, a, b);
-  else
+  static_assert(kParts >= 1 && kParts <= 3, "one, two or three parts per operand");
+  if constexpr (kParts == 1) {
     mma(c, a.hi, b.hi);
+  } else if constexpr (kParts == 2) {
+    mma3(c, a, b);
+  } else {
+    mma(c, a.hi, b.lo2);
+    mma(c, a.lo2, b.hi);
+    mma(c, a.lo, b.lo);
+    mma3(c, a, b);
+  }
 }
 
 // Two accumulator tiles (n-tiles 2j, 2j+1 of a product) as the A operand of the k-tile j of the
@@ -66,10 +91,10 @@ __device__ __forceinline__ void mma_x(float (&c)[4], const FragA& a, const FragB
 __device__ __forceinline__ FragA frag_from_acc(const float (&c0)[4], const float (&c1)[4],
                                                float sign) {
   FragA f;
-  split2(sign * c0[0], sign * c0[1], f.hi[0], f.lo[0]);
-  split2(sign * c0[2], sign * c0[3], f.hi[1], f.lo[1]);
-  split2(sign * c1[0], sign * c1[1], f.hi[2], f.lo[2]);
-  split2(sign * c1[2], sign * c1[3], f.hi[3], f.lo[3]);
+  split3(sign * c0[0], sign * c0[1], f.hi[0], f.lo[0], f.lo2[0]);
+  split3(sign * c0[2], sign * c0[3], f.hi[1], f.lo[1], f.lo2[1]);
+  split3(sign * c1[0], sign * c1[1], f.hi[2], f.lo[2], f.lo2[2]);
+  split3(sign * c1[2], sign * c1[3], f.hi[3], f.lo[3], f.lo2[3]);
   return f;
 }
 
@@ -91,12 +116,18 @@ __device__ __forceinline__ void ldsm_b_kn(const bf16* tile, int ld, int k0, int 
   b1[0] = r[2];
   b1[1] = r[3];
 }
-// ldsm_b_kn from a staged hi/lo pair of tiles; the lo part only with kSplit.
-template <bool kSplit>
-__device__ __forceinline__ void ldsm_b_kn_x(const bf16* hi, const bf16* lo, int ld, int k0, int n0,
-                                            FragB& b0, FragB& b1) {
-  ldsm_b_kn(hi, ld, k0, n0, b0.hi, b1.hi);
-  if constexpr (kSplit) ldsm_b_kn(lo, ld, k0, n0, b0.lo, b1.lo);
+// The parts of a staged operand: tiles of its hi, lo and lo2 parts (those past the precision in
+// use may be null).
+struct Parts {
+  const bf16 *hi, *lo, *lo2;
+};
+// ldsm_b_kn from staged part tiles, the first kParts of them.
+template <int kParts>
+__device__ __forceinline__ void ldsm_b_kn_x(const Parts& t, int ld, int k0, int n0, FragB& b0,
+                                            FragB& b1) {
+  ldsm_b_kn(t.hi, ld, k0, n0, b0.hi, b1.hi);
+  if constexpr (kParts > 1) ldsm_b_kn(t.lo, ld, k0, n0, b0.lo, b1.lo);
+  if constexpr (kParts > 2) ldsm_b_kn(t.lo2, ld, k0, n0, b0.lo2, b1.lo2);
 }
 // The A operand (rows m0.., k-tile k0) from a bf16 [k][m] tile (m contiguous).
 __device__ __forceinline__ void ldsm_a_km(const bf16* tile, int ld, int k0, int m0,
@@ -113,13 +144,13 @@ __device__ __forceinline__ void lds_b_nk(const bf16* tile, int ld, int n0, int k
   b[0] = *reinterpret_cast<const uint32_t*>(p);
   b[1] = *reinterpret_cast<const uint32_t*>(p + 8);
 }
-// lds_b_nk from a staged hi/lo pair of tiles; the lo part only with kSplit.
-template <bool kSplit>
-__device__ __forceinline__ FragB lds_b_nk_x(const bf16* hi, const bf16* lo, int ld, int n0,
-                                            int k0) {
+// lds_b_nk from staged part tiles, the first kParts of them.
+template <int kParts>
+__device__ __forceinline__ FragB lds_b_nk_x(const Parts& t, int ld, int n0, int k0) {
   FragB b;
-  lds_b_nk(hi, ld, n0, k0, b.hi);
-  if constexpr (kSplit) lds_b_nk(lo, ld, n0, k0, b.lo);
+  lds_b_nk(t.hi, ld, n0, k0, b.hi);
+  if constexpr (kParts > 1) lds_b_nk(t.lo, ld, n0, k0, b.lo);
+  if constexpr (kParts > 2) lds_b_nk(t.lo2, ld, n0, k0, b.lo2);
   return b;
 }
 // The A operand (rows m0.., k-tile k0) from a bf16 [m][k] tile (k contiguous).
@@ -138,8 +169,8 @@ __device__ __forceinline__ FragB load_b_f32(const float* __restrict__ tile, int 
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float* p = tile + (k0 + 2 * t) * ld + n0 + g;
   FragB f;
-  split2(p[0], p[ld], f.hi[0], f.lo[0]);
-  split2(p[8 * ld], p[9 * ld], f.hi[1], f.lo[1]);
+  split3(p[0], p[ld], f.hi[0], f.lo[0], f.lo2[0]);
+  split3(p[8 * ld], p[9 * ld], f.hi[1], f.lo[1], f.lo2[1]);
   return f;
 }
 
@@ -168,17 +199,17 @@ __device__ __forceinline__ FragA load_a_f32(const float* src, int sm, int sk) {
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   auto at = [&](int m, int kx) { return src[m * sm + kx * sk]; };
   FragA f;
-  split2(at(g, 2 * t), at(g, 2 * t + 1), f.hi[0], f.lo[0]);
-  split2(at(g + 8, 2 * t), at(g + 8, 2 * t + 1), f.hi[1], f.lo[1]);
-  split2(at(g, 2 * t + 8), at(g, 2 * t + 9), f.hi[2], f.lo[2]);
-  split2(at(g + 8, 2 * t + 8), at(g + 8, 2 * t + 9), f.hi[3], f.lo[3]);
+  split3(at(g, 2 * t), at(g, 2 * t + 1), f.hi[0], f.lo[0], f.lo2[0]);
+  split3(at(g + 8, 2 * t), at(g + 8, 2 * t + 1), f.hi[1], f.lo[1], f.lo2[1]);
+  split3(at(g, 2 * t + 8), at(g, 2 * t + 9), f.hi[2], f.lo[2], f.lo2[2]);
+  split3(at(g + 8, 2 * t + 8), at(g + 8, 2 * t + 9), f.hi[3], f.lo[3], f.lo2[3]);
   return f;
 }
 // A B operand from four values of this lane (k rows 2t, 2t+1, 2t+8, 2t+9 of its column g).
 __device__ __forceinline__ FragB frag_b(const float (&x)[4]) {
   FragB f;
-  split2(x[0], x[1], f.hi[0], f.lo[0]);
-  split2(x[2], x[3], f.hi[1], f.lo[1]);
+  split3(x[0], x[1], f.hi[0], f.lo[0], f.lo2[0]);
+  split3(x[2], x[3], f.hi[1], f.lo[1], f.lo2[1]);
   return f;
 }
 template <typename T>
