@@ -215,6 +215,7 @@ __global__ void __launch_bounds__(kCT, 3)
                     const float* __restrict__ g, const float* __restrict__ beta,
                     const int* __restrict__ cu, const int* __restrict__ dc, int ndoc, int heads,
                     float scale, Prep p) {
+  constexpr int kParts = kWalkParts<T>;  // parts of the tiles this writes
   extern __shared__ float smem[];
   const Local t(smem);
   const int slot = blockIdx.x, h = blockIdx.y;
@@ -257,8 +258,8 @@ __global__ void __launch_bounds__(kCT, 3)
     const float kb = kv * t.beta[i];
     t.kbe[i * kLd + a] = kb * eg;
     const int64_t off = sh * kTile + idx;
-    put_parts<kWalkParts<T>>(p.qd_hi, p.qd_lo, p.qd_lo2, off, qv * eg);
-    put_parts<kWalkParts<T>>(p.kd_hi, p.kd_lo, p.kd_lo2, off, kv * __expf(gl - gm));
+    put_parts<kParts>(p.qd_hi, p.qd_lo, p.qd_lo2, off, qv * eg);
+    put_parts<kParts>(p.kd_hi, p.kd_lo, p.kd_lo2, off, kv * __expf(gl - gm));
     const float d = gm - 0.5f * (t.gam[a] + gl);
     wide |= !(fabsf(d) <= kMaxExp);  // NaN too
     const float eu = __expf(d), ed = __expf(-d);
@@ -339,8 +340,8 @@ __global__ void __launch_bounds__(kCT, 3)
     uint32_t hi, lo, lo2;
     split3(t.ain[idx], t.ain[idx + 1], hi, lo, lo2);
     *reinterpret_cast<uint32_t*>(p.a_hi + sh * kC * kC + idx) = hi;
-    if (kWalkParts < T >> 1) *reinterpret_cast<uint32_t*>(p.a_lo + sh * kC * kC + idx) = lo;
-    if (kWalkParts < T >> 2) *reinterpret_cast<uint32_t*>(p.a_lo2 + sh * kC * kC + idx) = lo2;
+    if constexpr (kParts > 1) *reinterpret_cast<uint32_t*>(p.a_lo + sh * kC * kC + idx) = lo;
+    if constexpr (kParts > 2) *reinterpret_cast<uint32_t*>(p.a_lo2 + sh * kC * kC + idx) = lo2;
   }
   __syncthreads();
   if (tid < kC * kC) p.tm[sh * kC * kC + tid] = t.tri[tid];
@@ -365,8 +366,8 @@ __global__ void __launch_bounds__(kCT, 3)
       uint32_t hi, lo, lo2;
       split3(cw4[2 * half], cw4[2 * half + 1], hi, lo, lo2);
       *reinterpret_cast<uint32_t*>(p.w_hi + off) = hi;
-      if (kWalkParts < T >> 1) *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
-      if (kWalkParts < T >> 2) *reinterpret_cast<uint32_t*>(p.w_lo2 + off) = lo2;
+      if constexpr (kParts > 1) *reinterpret_cast<uint32_t*>(p.w_lo + off) = lo;
+      if constexpr (kParts > 2) *reinterpret_cast<uint32_t*>(p.w_lo2 + off) = lo2;
     }
   }
 }
@@ -1514,7 +1515,7 @@ void launch_bwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   });
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   with_warps(a.slices, [&](auto warps) {
-    constexpr int bytes = int(sizeof(BwdSmem<(kWalkParts < T >> 2 ? 3 : 2)>));
+    constexpr int kSm = kWalkParts<T> == 3 ? 3 : 2, bytes = int(sizeof(BwdSmem<kSm>));
     auto kernel = kda_bwd_chunk_kernel<T, kPairs, 8 / decltype(warps)::value>;
     GLMTUNE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
