@@ -35,6 +35,13 @@ fs::path source_dir() {
   return env ? fs::path(env) : fs::path(GLMTUNE_SOURCE_DIR);
 }
 
+// A random tiny model with the GPU kernels' geometry (support/gpu_tiny_model.h) at `path`.
+void write_gpu_tiny_model(const fs::path& path) {
+  model::InitOptions init;
+  init.seed = test_seed();
+  model::write_random_checkpoint(gpu_tiny_config(), path, init);
+}
+
 std::string recipe_text(const fs::path& model, const fs::path& out, const std::string& device,
                         int total_steps = 50) {
   const fs::path src = source_dir();
@@ -57,10 +64,7 @@ TEST(CudaTrain, FiftyStepsFollowTheCpuLossCurve) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
   TempDir dir("cuda-train");
-  const model::ModelConfig config = gpu_tiny_config();
-  model::InitOptions init;
-  init.seed = test_seed();
-  model::write_random_checkpoint(config, dir.path() / "model", init);
+  write_gpu_tiny_model(dir.path() / "model");
 
   train::TrainerOptions quiet;
   quiet.print_steps = false;
@@ -98,10 +102,7 @@ TEST(CudaTrain, StoppedOnTheGpuResumesOnTheGpuExactlyAndOnTheCpu) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
   TempDir dir("cuda-resume");
-  const model::ModelConfig config = gpu_tiny_config();
-  model::InitOptions init;
-  init.seed = test_seed();
-  model::write_random_checkpoint(config, dir.path() / "model", init);
+  write_gpu_tiny_model(dir.path() / "model");
   const auto recipe = [&](const fs::path& out, const std::string& device) {
     return train::Recipe::parse(recipe_text(dir.path() / "model", out, device, 6), device);
   };
@@ -153,10 +154,7 @@ TEST(CudaTrain, NonFiniteGradientSkipsTheGpuStepAndNamesTheTensor) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
   TempDir dir("cuda-nonfinite");
-  const model::ModelConfig config = gpu_tiny_config();
-  model::InitOptions init;
-  init.seed = test_seed();
-  model::write_random_checkpoint(config, dir.path() / "model", init);
+  write_gpu_tiny_model(dir.path() / "model");
   train::TrainerOptions options;
   options.print_steps = false;
   options.on_gradients = [](int64_t step, const std::function<Tensor&(const std::string&)>& grad) {
