@@ -6,7 +6,9 @@
 // holds about 1/P of the decoder-layer weights and gradients, at most two gathered layers at a
 // time (measured from the storage that is still alive, not computed from the layout). The
 // optimizer on the slices updates exactly as the unsharded AdamW, keeps 1/P of its state per
-// rank, and its state gathers back to the unsharded format and loads from it.
+// rank, and its state gathers back to the unsharded format and loads from it. With expert
+// parallelism the routed-expert slices stay out of the layout, and a start-up, resume and save as
+// the trainer does them write the single process's files.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <set>
@@ -24,6 +27,8 @@
 
 #include "../unit/support/temp_dir.h"
 #include "dist_support.h"
+#include "glmtune/dist/expert_parallel.h"
+#include "glmtune/dist/expert_shards.h"
 #include "glmtune/dist/fsdp.h"
 #include "glmtune/dist/sharded_optimizer.h"
 #include "glmtune/io/checkpoint.h"
@@ -685,6 +690,166 @@ TEST(DistFsdp, StartUpResumeAndSaveHoldSlicesAndOneTensorNotTheModel) {
         ranks, (long long)whole_start_up, (long long)start_up_peak, (long long)start_up_held,
         (long long)replicated, (long long)slices, (long long)whole_resume, (long long)resume_peak,
         (long long)save_peak, (long long)largest_tensor * 4, (long long)whole_state_bytes);
+}
+
+// A single process's checkpoint of `model_dir` under `out` (model/, optimizer/): random masters
+// and moments (the weights their rounding) at step 5. Returns the trained tensors' whole shapes.
+std::vector<std::pair<std::string, Shape>> write_trained_checkpoint(
+    const fs::path& model_dir, const model::ModelConfig& config, const train::AdamWConfig& adamw,
+    const fs::path& out) {
+  model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(model_dir), config);
+  train::make_params_writable(store);
+  std::vector<train::NamedParam> params = train::named_params(store);
+  for (train::NamedParam& p : params)
+    p.trainable = store.param(p.name).trainable && model::text::is_trainable_param(p.name);
+  train::AdamW full(params, adamw);
+  std::mt19937_64 rng(23);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  const auto random = [&](const Shape& shape, bool positive) {
+    std::vector<float> v(size_t(shape_numel(shape)));
+    for (float& x : v) x = positive ? std::abs(normal(rng)) : normal(rng);
+    return Tensor::from_vector(v, shape);
+  };
+  std::vector<std::pair<std::string, Shape>> trained;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].trainable) continue;
+    const Shape& shape = params[i].value.shape();
+    full.set_state(i, random(shape, false), random(shape, false), random(shape, true));
+    trained.emplace_back(params[i].name, shape);
+  }
+  full.set_step_count(5);
+  store.save(out / "model");
+  full.save(out / "optimizer");
+  return trained;
+}
+
+// Fully sharded layers with expert parallelism (ep = 2 over dp = 2 or 4), started, resumed and
+// saved as the trainer does: each rank loads its experts' slices whole and defers every other
+// decoder-layer tensor, the layout leaves the expert slices out (they stay in the model and the
+// store, trained by the expert optimizer over edp), each optimizer reads its pieces of a single
+// process's saved state, and the streamed save (decoder-layer tensors gathered over dp, expert
+// slices over ep, their states over dp, edp and ep) writes byte for byte the single process's
+// files.
+TEST(DistFsdp, WithExpertSlicesResumeAndSaveGiveTheSingleProcessFiles) {
+  ParallelOptions options;
+  options.ep_size = 2;
+  options.timeout_s = 300;
+  const std::unique_ptr<ParallelContext> par = ParallelContext::create(options);
+  ASSERT_EQ(par->sizes().ep, 2);
+  Communicator& dp = par->dp();
+  test::TempDir dir("dist-fsdp-ep-" + std::to_string(par->rank()));
+  model::InitOptions init;
+  init.seed = 19;
+  model::write_random_checkpoint(model::ModelConfig::preset("tiny"), dir / "tiny", init);
+  const auto config = model::ModelConfig::from_file((dir / "tiny" / "config.json").string());
+  const int64_t layers = config.text().num_hidden_layers;
+  const train::AdamWConfig adamw{0.9, 0.95, 1e-8, 0.01, 1.0};
+  const auto in_layers = [&](const std::string& name) { return is_layer_name(name, layers); };
+  const std::vector<std::pair<std::string, Shape>> trained_shapes =
+      write_trained_checkpoint(dir / "tiny", config, adamw, dir / "ref");
+
+  const ExpertParallel experts(par->ep(), config.text().n_routed_experts, "test");
+  std::optional<io::CheckpointReader> reader = io::CheckpointReader::open(dir / "ref" / "model");
+  model::ParamStore store =
+      model::ParamStore::load(*reader, config, local_range(experts), [&](const std::string& name) {
+        return in_layers(name) && !name.ends_with("e_score_correction_bias") &&
+               !model::is_fused_expert_tensor(name);
+      });
+  train::make_params_writable(store);
+  const LocalExperts local(store, experts);
+  model::text::TextModel m(store);
+  model::text::TextGrads grads = model::text::TextGrads::zeros_like(m.weights());
+  const auto read_piece = [&](const std::string& name, int64_t begin, int64_t count) {
+    const model::InternalParam& p = store.param(name);
+    return p.deferred ? store.read_elements(*reader, name, begin, count)
+                      : p.value.reshape({-1}).narrow(0, begin, count).clone();
+  };
+  ShardedLayers fsdp(
+      m.weights(), grads, dp,
+      LayerSource{[&](const std::string& name) -> std::optional<Shape> {
+                    const model::InternalParam& p = store.param(name);
+                    return p.deferred ? std::optional(p.shape) : std::nullopt;
+                  },
+                  read_piece, [&](const std::string& name) { return local.holds(name); }});
+  ShardedLayerAdamW layer_optimizer(fsdp, read_piece, adamw);
+  std::map<std::string, DType> dropped;
+  for (const model::InternalParam& p : store.params())
+    if (p.deferred) dropped.emplace(p.name, p.value.dtype());
+  for (const auto& [name, dtype] : dropped) store.get(name) = Tensor();
+  reader.reset();
+  // The expert slices are the only decoder-layer tensors left whole in the model, slice-sized, with
+  // slice-sized gradient buffers; the layout holds every other one.
+  int64_t expert_tensors = 0;
+  for (const auto& [name, t] : m.weights().named) {
+    if (!in_layers(name)) continue;
+    EXPECT_EQ(t.defined(), local.holds(name)) << name;
+    EXPECT_EQ(fsdp.holds(name), !local.holds(name)) << name;
+    if (!local.holds(name)) continue;
+    ++expert_tensors;
+    EXPECT_EQ(t.size(0), experts.local_experts()) << name;
+    const Tensor* g = grads.find(name);
+    EXPECT_TRUE(g != nullptr && g->defined() && g->shape() == t.shape()) << name;
+  }
+  EXPECT_GT(expert_tensors, 0);
+
+  // Resume: every optimizer reads its pieces of the single process's state.
+  std::vector<train::NamedParam> replicated_params = train::named_params(store);
+  std::erase_if(replicated_params, [&](const train::NamedParam& p) {
+    return in_layers(p.name) || local.holds(p.name);
+  });
+  for (train::NamedParam& p : replicated_params)
+    p.trainable = store.param(p.name).trainable && model::text::is_trainable_param(p.name);
+  ShardedAdamW replicated_optimizer(replicated_params, adamw, dp);
+  ExpertAdamW expert_optimizer(local, adamw, par->edp());
+  {
+    const train::SavedAdamWState saved = train::SavedAdamWState::open(dir / "ref" / "optimizer");
+    saved.check(trained_shapes);
+    replicated_optimizer.load(saved);
+    layer_optimizer.load(saved);
+    expert_optimizer.load(saved);
+  }
+
+  // Save as the trainer does: rank 0 writes, the others run the same gathers.
+  const bool root = par->is_root();
+  const fs::path out = dir / "streamed";
+  const model::ParamStore::WholeValue whole_value = [&](const model::InternalParam& p) -> Tensor {
+    if (local.holds(p.name)) return par->edp().rank() == 0 ? local.gather_one(p.name) : Tensor();
+    if (p.value.defined()) return p.value;
+    const Tensor whole = fsdp.gather_tensor(p.name, 0);
+    if (!root) return Tensor();
+    Tensor value = Tensor::empty(whole.shape(), dropped.at(p.name));
+    value.copy_(whole);
+    return value;
+  };
+  const train::WholeOptimizerState whole_state =
+      [&](const std::string& name) -> std::array<Tensor, 3> {
+    if (fsdp.holds(name)) return layer_optimizer.gather_state(name, 0);
+    if (local.holds(name)) return expert_optimizer.gather_state(name);
+    return replicated_optimizer.gather_state(name, 0);
+  };
+  if (root) {
+    store.save(out / "model", whole_value);
+    train::save_optimizer_state(out / "optimizer", trained_shapes, layer_optimizer.step_count(),
+                                whole_state);
+    const auto files_of = [](const fs::path& root_dir) {
+      std::map<std::string, std::string> files;
+      for (const auto& entry : fs::recursive_directory_iterator(root_dir))
+        if (entry.is_regular_file())
+          files[fs::relative(entry.path(), root_dir).generic_string()] =
+              test::read_text(entry.path());
+      return files;
+    };
+    for (const char* part : {"model", "optimizer"}) {
+      const auto want = files_of(dir / "ref" / part), got = files_of(out / part);
+      ASSERT_FALSE(want.empty()) << part;
+      ASSERT_EQ(got.size(), want.size()) << part;
+      for (const auto& [name, content] : want)
+        EXPECT_TRUE(got.count(name) && got.at(name) == content) << part << "/" << name;
+    }
+  } else {
+    store.visit_for_save(whole_value);
+    train::visit_optimizer_state(trained_shapes, whole_state);
+  }
 }
 
 }  // namespace

@@ -3,11 +3,13 @@
 // border inside a document, odd pack lengths, a trailing padding document), KDA and DSA exchange
 // across the shards, and the summed loss terms, expert loads and every parameter gradient equal
 // what one process computes from whole packs. On 4 ranks the same with dp = 2 × sp = 2, and with
-// expert parallelism on top (ep groups of 2).
+// expert parallelism on top (ep groups of 2); and with fully sharded decoder layers over dp (the sp
+// group's partial gradients summed into the slices), alone and with expert parallelism.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <optional>
@@ -20,6 +22,7 @@
 #include "glmtune/base/error.h"
 #include "glmtune/dist/expert_parallel.h"
 #include "glmtune/dist/expert_shards.h"
+#include "glmtune/dist/fsdp.h"
 #include "glmtune/dist/sequence_parallel.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/init.h"
@@ -116,8 +119,10 @@ Tiny tiny_model(int rank, DType dtype, bool variant) {
 
 // `step_denominators`: the step's global counts (as the trainer passes them); false: none, so that
 // each split pack counts its own targets over the sp group (compared relative to the sums).
+// `fsdp`: the decoder layers (but the routed-expert slices) held in slices over the dp group
+// (dist/fsdp.h), the sp group's partial gradients summed into the slices.
 void check_one_step(bool step_denominators, DType dtype, double tolerance, bool variant = false,
-                    int64_t ep_size = 1) {
+                    int64_t ep_size = 1, bool fsdp = false) {
   ParallelOptions options;
   options.sp_size = 2;
   options.ep_size = ep_size;
@@ -181,9 +186,18 @@ void check_one_step(bool step_denominators, DType dtype, double tolerance, bool 
                                                       model::text::TextModelOptions{dtype});
     topt.expert_dispatch = &*experts;
   }
-  const model::text::TextModel& my_model = sliced ? *sliced : m;
+  model::text::TextModel& my_model = sliced ? *sliced : *tiny.model;
   const auto is_slice = [&](const std::string& name) { return local && local->holds(name); };
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(my_model.weights());
+  // The reference ran already: the whole model may give its decoder layers to the slices now.
+  std::optional<ShardedLayers> layers;
+  if (fsdp) {
+    layers.emplace(
+        my_model.weights(), grads, par->dp(),
+        LayerSource{[](const std::string&) -> std::optional<Shape> { return std::nullopt; },
+                    nullptr, is_slice});
+    topt.layer_params = &*layers;
+  }
   const Step got = run_packs(my_model, mine, topt, grads);
 
   // The shards really split the pack: this rank's part of the LM loss is not the whole.
@@ -221,15 +235,24 @@ void check_one_step(bool step_denominators, DType dtype, double tolerance, bool 
     exact = model::text::TextGrads::zeros_like(wide.model->weights());
     model::text::TrainOptions wide_opt = topt;
     wide_opt.sequence_parallel = nullptr;
+    wide_opt.layer_params = nullptr;
+    wide_opt.expert_dispatch = nullptr;
     run_packs(*wide.model, all, wide_opt, exact);
     for (size_t i = 0; i < ref_grads.named.size(); ++i)
       ref_error = std::max(ref_error, rel_diff(ref_grads.named[i].second, exact.named[i].second));
     EXPECT_LT(ref_error, 1e-4);
   }
   // An expert slice's gradient is summed over the ranks holding it (sp, then edp) and compared
-  // with the same experts of the single-process gradient.
+  // with the same experts of the single-process gradient. With fsdp the decoder layers' gradients
+  // were reduce-scattered over dp in the backward; summed over sp (as the trainer does once per
+  // step) and gathered, they are the whole step's.
+  std::map<std::string, Tensor> summed;
   for (size_t i = 0; i < grads.named.size(); ++i) {
     const std::string& name = grads.named[i].first;
+    if (!grads.named[i].second.defined()) {
+      EXPECT_TRUE(layers.has_value()) << name << " has no gradient";
+      continue;
+    }
     Tensor g = grads.named[i].second.clone();
     if (is_slice(name)) {
       par->sp().all_reduce(g);
@@ -237,6 +260,29 @@ void check_one_step(bool step_denominators, DType dtype, double tolerance, bool 
     } else {
       par->world().all_reduce(g);
     }
+    summed[name] = g;
+  }
+  if (layers) {
+    layers->all_reduce_gradients(par->sp());
+    layers->gather_gradients([&](const std::string& name, const Tensor& g) {
+      EXPECT_FALSE(is_slice(name)) << name;
+      EXPECT_TRUE(summed.emplace(name, g.clone()).second) << name << " twice";
+    });
+    // Bytes per rank: 1/dp of the layers (the sp ranks of a group hold the same slices), up to the
+    // layout's padding of fewer than dp elements per layer.
+    const int64_t dp = par->sizes().dp, num_layers = layers->layers();
+    const int64_t padding = num_layers * dp * int64_t(dtype_size(dtype));
+    EXPECT_GE(layers->resident_bytes(), layers->full_bytes() / dp);
+    EXPECT_LE(layers->resident_bytes(), layers->full_bytes() / dp + padding);
+    EXPECT_EQ(layers->gradient_bytes(), layers->resident_bytes());
+    if (par->is_root())
+      std::printf("fsdp, dp %lld x sp 2%s: %lld of %lld bytes of decoder-layer weights per rank\n",
+                  static_cast<long long>(dp), ep_size > 1 ? " x ep 2" : "",
+                  static_cast<long long>(layers->resident_bytes()),
+                  static_cast<long long>(layers->full_bytes()));
+  }
+  ASSERT_EQ(summed.size(), ref_grads.named.size());
+  for (const auto& [name, g] : summed) {
     const auto part = [&](const Tensor& whole) {
       return is_slice(name) ? whole.narrow(0, experts->first_expert(), experts->local_experts())
                             : whole;
@@ -244,6 +290,19 @@ void check_one_step(bool step_denominators, DType dtype, double tolerance, bool 
     EXPECT_LE(rel_diff(g, part(*ref_grads.find(name))), tolerance) << name;
     if (dtype == DType::f32) EXPECT_LE(rel_diff(g, part(*exact.find(name))), 3 * ref_error) << name;
   }
+}
+
+// Fully sharded decoder layers over dp (a group of one on 2 ranks, dp 2 × sp 2 on 4): the sp
+// group's ranks gather the same slices and add their partial gradients into them.
+TEST(DistSequenceParallel, WithFsdpInF64) {
+  check_one_step(true, DType::f64, 1e-10, false, 1, true);
+}
+
+TEST(DistSequenceParallel, WithFsdp) { check_one_step(true, DType::f32, 1e-4, false, 1, true); }
+
+TEST(DistSequenceParallel, WithFsdpAndExpertParallelInF64) {
+  if (testing::world_context()->sizes().world != 4) GTEST_SKIP() << "needs 4 ranks";
+  check_one_step(true, DType::f64, 1e-10, false, 2, true);
 }
 
 // In f64 the split step is the single-process step up to rounding: a row, head or boundary that

@@ -6,7 +6,8 @@
 // parallelism (sp_size 2 at 2 ranks, dp × sp at 4 ranks; text, and vision-language data with the
 // tower split too), and with fully sharded decoder layers
 // (train.fsdp at 1, 2 and 4 ranks; saved at 2 ranks and resumed at 1 without it and at 4 with it,
-// saved by one process and resumed at 2 and 4 with it).
+// saved by one process and resumed at 2 and 4 with it), also combined with expert and sequence
+// parallelism at 4 ranks (curves, and checkpoints resumed on one process and the other way round).
 // The global batch is the same in every layout: micro_packs × ranks / sp_size = 4 packs per step.
 #include <gtest/gtest.h>
 
@@ -385,6 +386,88 @@ TEST(DistTrainFsdp, FollowsTheSingleProcessLossCurve) {
   const std::string rank1 = glmtune::test::read_text(dir / "fsdp2/logs/rank-1.log");
   EXPECT_NE(rank1.find("decoder-layer weights sharded (fsdp)"), std::string::npos) << rank1;
   EXPECT_NE(rank1.find("fsdp: this rank holds"), std::string::npos) << rank1;
+}
+
+// Fully sharded decoder layers combined with the other splits, at 4 ranks: with expert slices
+// (dp 2 × ep 2: the routed experts stay per ep rank, everything else of the layers sharded over
+// dp) the curve follows the single process's as data parallelism does; with sequence parallelism
+// (dp 2 × sp 2, and with ep 2 as well) it follows with the sequence-parallel bars. The rank logs
+// give each rank's share of the decoder layers and of the experts, and the checkpoint is the
+// single process's layout.
+TEST(DistTrainFsdp, FollowsTheSingleProcessLossCurveWithExpertAndSequenceParallel) {
+  glmtune::test::TempDir dir("dist-train-fsdp-combined");
+  const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
+  std::vector<nlohmann::json> single;
+  ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
+  const std::string fsdp = " --set train.fsdp=true";
+  for (const auto& [ep_size, sp_size] :
+       std::vector<std::pair<int64_t, int64_t>>{{2, 1}, {1, 2}, {2, 2}}) {
+    SCOPED_TRACE("4 ranks, fsdp, ep_size " + std::to_string(ep_size) + ", sp_size " +
+                 std::to_string(sp_size));
+    const std::string name = "fsdp-ep" + std::to_string(ep_size) + "-sp" + std::to_string(sp_size);
+    const fs::path log = dir / (name + ".log");
+    ASSERT_EQ(train(recipe, 4, false, dir / name, log, ep_size, sp_size, fsdp), 0)
+        << glmtune::test::read_text(log);
+    if (sp_size == 1)
+      expect_same_steps(metrics(dir / name), single, 0);
+    else
+      expect_close_curve(metrics(dir / name), single);
+    for (const char* part : {"model", "optimizer"})
+      EXPECT_EQ(tensor_table(dir / name / "checkpoints/step-10" / part),
+                tensor_table(dir / "single/checkpoints/step-10" / part))
+          << part;
+    const std::string rank1 = glmtune::test::read_text(dir / name / "logs/rank-1.log");
+    EXPECT_NE(rank1.find("decoder-layer weights sharded (fsdp)"), std::string::npos) << rank1;
+    EXPECT_NE(rank1.find("fsdp: this rank holds"), std::string::npos) << rank1;
+    if (ep_size > 1)
+      EXPECT_NE(rank1.find("ep: this rank holds experts"), std::string::npos) << rank1;
+    if (sp_size > 1)
+      EXPECT_NE(rank1.find("sequence parallel over 2 (shard 1)"), std::string::npos) << rank1;
+  }
+}
+
+// A run saved with fsdp × ep (dp 2 × ep 2) or fsdp × sp (dp 2 × sp 2) at step 2 has the single
+// process's tensors and resumes in a plain single process with the saving run's continuation; a
+// plain single process's checkpoint resumes in each of those layouts with its continuation (bf16
+// storage, as the other resume tests).
+TEST(DistTrainFsdp, SavedWithExpertOrSequenceParallelResumesInOneProcessAndBack) {
+  glmtune::test::TempDir dir("dist-train-fsdp-combined-resume");
+  const fs::path recipe = write_recipe(dir.path(), 4, 2, false);
+  const std::string fsdp = " --set train.fsdp=true";
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  const auto from_single = metrics(dir / "single");
+  ASSERT_EQ(from_single.size(), 4u);
+  const auto resume = [&](const fs::path& saved, const std::string& name, int ranks,
+                          int64_t ep_size, int64_t sp_size, const std::string& extra,
+                          const std::vector<nlohmann::json>& reference) {
+    SCOPED_TRACE(name);
+    const fs::path out = dir / name, log = dir / (name + ".log");
+    fs::create_directories(out / "checkpoints");
+    fs::copy(saved / "checkpoints/step-2", out / "checkpoints/step-2", fs::copy_options::recursive);
+    ASSERT_EQ(train(recipe, ranks, true, out, log, ep_size, sp_size, extra), 0)
+        << glmtune::test::read_text(log);
+    const std::string text = glmtune::test::read_text(log);
+    EXPECT_NE(text.find("resuming from"), std::string::npos);
+    EXPECT_EQ(text.find("the recipe differs"), std::string::npos) << text;
+    expect_same_steps(metrics(out), reference, 2);
+  };
+  for (const auto& [ep_size, sp_size] : std::vector<std::pair<int64_t, int64_t>>{{2, 1}, {1, 2}}) {
+    const std::string name = "fsdp-ep" + std::to_string(ep_size) + "-sp" + std::to_string(sp_size);
+    SCOPED_TRACE(name);
+    ASSERT_EQ(train(recipe, 4, false, dir / name, dir / (name + ".log"), ep_size, sp_size, fsdp), 0)
+        << glmtune::test::read_text(dir / (name + ".log"));
+    const auto saved = metrics(dir / name);
+    ASSERT_EQ(saved.size(), 4u);
+    for (const char* part : {"model", "optimizer"}) {
+      SCOPED_TRACE(part);
+      const auto got = tensor_table(dir / name / "checkpoints/step-2" / part);
+      EXPECT_EQ(got, tensor_table(dir / "single/checkpoints/step-2" / part));
+      EXPECT_GT(got.size(), 10u);
+    }
+    resume(dir / name, "single-from-" + name, 1, 1, 1, "", saved);
+    resume(dir / "single", name + "-from-single", 4, ep_size, sp_size, fsdp, from_single);
+  }
 }
 
 // Saved with fsdp at 2 ranks: the checkpoint has exactly the tensors (names, dtypes, shapes) of a

@@ -89,6 +89,7 @@ void ShardedLayers::build(const LayerSource& source) {
     // Placeholders of the weights (and the gradient buffers built from them) stand for tensors of
     // the shape the source gives.
     std::vector<bool> deferred(fields.size(), false);
+    std::vector<std::shared_ptr<Storage>> outside_grads;
     int64_t n = 0;
     for (size_t f = 0; f < fields.size(); ++f) {
       Tensor* t = fields[f];
@@ -104,6 +105,12 @@ void ShardedLayers::build(const LayerSource& source) {
       if (p.named.empty())
         throw InternalError(
             fmt::format("layer {}: a tensor of shape {} without a name", l, shape_str(p.shape)));
+      if (source.outside && source.outside(param_name(p))) {
+        // Held whole by this rank, with its own gradient buffer: the checks below must not ask
+        // for it in the layout either.
+        if (Tensor* g = grad_fields[f]; g->defined()) outside_grads.push_back(g->storage());
+        continue;
+      }
       if (const std::optional<Shape> whole = source.deferred_shape(param_name(p))) {
         p.shape = *whole;
         deferred[L.params.size()] = true;
@@ -126,7 +133,9 @@ void ShardedLayers::build(const LayerSource& source) {
     // layout would silently never reach the optimizer.
     const std::string prefix = model::text::layer_prefix(int64_t(l));
     for (const auto& [name, buffer] : grads.named)
-      if (name.compare(0, prefix.size(), prefix) == 0 &&
+      if (name.compare(0, prefix.size(), prefix) == 0 && buffer.defined() &&
+          std::find(outside_grads.begin(), outside_grads.end(), buffer.storage()) ==
+              outside_grads.end() &&
           std::none_of(L.params.begin(), L.params.end(), [&](const Param& p) {
             return p.grad && p.grad->storage() == buffer.storage();
           }))
@@ -282,6 +291,11 @@ int64_t ShardedLayers::gradient_bytes() const {
 
 void ShardedLayers::zero_gradients() {
   for (Layer& L : layers_) L.grad_shard.zero_();
+}
+
+void ShardedLayers::all_reduce_gradients(Communicator& replicas) {
+  if (replicas.size() == 1) return;
+  for (Layer& L : layers_) replicas.all_reduce(L.grad_shard);
 }
 
 void ShardedLayers::gather_gradients(

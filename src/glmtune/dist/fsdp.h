@@ -19,7 +19,8 @@
 //                          gradient slice (a step's micro-packs accumulate), then dropped.
 // Between layers a rank therefore holds its slices only, and while a layer runs that layer's
 // buffer plus the next layer's in flight. Embeddings, the final norm, the head and the MTP layer
-// stay replicated (ShardedAdamW trains them).
+// stay replicated (ShardedAdamW trains them), and so do the tensors LayerSource::outside names
+// (routed-expert slices, which expert_shards.h trains).
 //
 // ShardedLayerAdamW trains the slices: AdamW (train::AdamW, the same arithmetic) on this rank's
 // pieces of each trainable tensor, with fp32 masters and moments of those pieces only; after an
@@ -59,6 +60,11 @@ struct LayerSource {
   std::function<std::optional<Shape>(const std::string& name)> deferred_shape;
   // Elements [begin, begin + count) of such a tensor, flattened, in any float dtype.
   std::function<Tensor(const std::string& name, int64_t begin, int64_t count)> read;
+  // Decoder-layer tensors left out of the layout (null: none): their values differ between the
+  // ranks of the group (the routed-expert slices of expert parallelism, each rank its ep slice), so
+  // a slice of them would mix different parameters. They stay whole in the model, with their own
+  // gradient buffers, and another optimizer trains them.
+  std::function<bool(const std::string& name)> outside;
 };
 
 class ShardedLayers final : public model::text::LayerParamProvider {
@@ -96,6 +102,11 @@ class ShardedLayers final : public model::text::LayerParamProvider {
 
   // Zeroes the gradient slices (the start of an optimizer step).
   void zero_gradients();
+  // Collective over `replicas`: sums the gradient slices over ranks that hold the same slices (the
+  // same rank of an equal-sized group) and differentiated parts of the same packs: the ranks of an
+  // sp group, whose reduce-scatters over their own dp groups each summed only their rows' and
+  // heads' share. Once per step, after the last backward; 1/P of the layers' elements.
+  void all_reduce_gradients(Communicator& replicas);
   // Collective, one layer at a time: calls `visit` with every trained tensor's TextGrads::named
   // name and its reduced gradient (the group's sum of this step's contributions).
   void gather_gradients(

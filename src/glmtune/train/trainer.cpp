@@ -407,18 +407,17 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (on_gpu)
       throw Error("train.fsdp runs on the CPU only", recipe.source() + ": train.fsdp",
                   "set train.fsdp = false, or device = \"cpu\"");
-    if (distributed && (par->sizes().ep > 1 || sequence_parallel))
-      throw Error("train.fsdp is not combined with expert or sequence parallelism yet",
-                  recipe.source() + ": train.fsdp",
-                  "set train.fsdp = false, or train.ep_size = train.sp_size = 1");
   }
   const int64_t num_layers = model_config.text().num_hidden_layers;
   // With fsdp the decoder layers' tensors are not read here: the store holds placeholders and each
   // rank reads only the elements of its slices from the mapped checkpoint once the layout is known
-  // (below). The router correction biases stay whole: the bias rule updates them in the store.
+  // (below). The router correction biases stay whole: the bias rule updates them in the store. So
+  // do the routed-expert slices of expert parallelism: they differ per ep rank, so they stay out of
+  // the dp layout and are loaded (this rank's experts) and trained as without fsdp.
   std::optional<io::CheckpointReader> weights_reader = io::CheckpointReader::open(weights_dir);
   const auto sliced_later = [&](const std::string& name) {
-    return in_decoder_layer(name, num_layers) && !name.ends_with("e_score_correction_bias");
+    return in_decoder_layer(name, num_layers) && !name.ends_with("e_score_correction_bias") &&
+           !(expert_sharded && model::is_fused_expert_tensor(name));
   };
   model::ParamStore store = load_store(
       *weights_reader, model_config,
@@ -569,13 +568,15 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       return p.deferred ? store.read_elements(*weights_reader, name, begin, count)
                         : p.value.reshape({-1}).narrow(0, begin, count).clone();
     };
-    sharded_layers.emplace(model.weights(), grads, *dp_group,
-                           dist::LayerSource{[&](const std::string& name) -> std::optional<Shape> {
-                                               const model::InternalParam& p = store.param(name);
-                                               return p.deferred ? std::optional(p.shape)
-                                                                 : std::nullopt;
-                                             },
-                                             read_piece});
+    sharded_layers.emplace(
+        model.weights(), grads, *dp_group,
+        dist::LayerSource{
+            [&](const std::string& name) -> std::optional<Shape> {
+              const model::InternalParam& p = store.param(name);
+              return p.deferred ? std::optional(p.shape) : std::nullopt;
+            },
+            read_piece,
+            [&](const std::string& name) { return local_experts && local_experts->holds(name); }});
     std::vector<NamedParam> layer_params = named_params(store);
     std::erase_if(layer_params,
                   [&](const NamedParam& p) { return !in_decoder_layer(p.name, num_layers); });
@@ -583,6 +584,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (saved_state) layer_optimizer->load(*saved_state);
     weights_reader.reset();
     for (const NamedParam& p : layer_params) {
+      if (local_experts && local_experts->holds(p.name)) continue;
       if (!sharded_layers->holds(p.name))
         throw InternalError(fmt::format("decoder-layer tensor '{}' has no slice", p.name));
       if (p.name.ends_with("e_score_correction_bias")) {
@@ -596,9 +598,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     spdlog::info("fsdp: {} bytes of tensor memory allocated on this rank after start-up",
                  host_allocator().stats().allocated);
     spdlog::info(
-        "fsdp: this rank holds {} of {} bytes of decoder-layer weights, {} of {} bytes of their "
+        "fsdp: this rank holds {} of {} bytes of decoder-layer weights{}, {} of {} bytes of their "
         "gradients and {} bytes of their optimizer state ({} for the replicated tensors)",
         sharded_layers->resident_bytes(), sharded_layers->full_bytes(),
+        local_experts ? " (the routed experts apart: see ep)" : "",
         sharded_layers->gradient_bytes(), sharded_layers->full_gradient_bytes(),
         layer_optimizer->state_bytes(), sharded->state_bytes());
   }
@@ -838,9 +841,13 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (vl) vl->step().export_grads();
     // Each rank of an sp group holds its shard's (and its heads') part of every gradient, the
     // vision tower's (its patches) included: their sum is the pack's gradient, which the dp
-    // reduction below then treats as one rank's.
+    // reduction below then treats as one rank's. With fsdp the decoder layers' parts were
+    // reduce-scattered over dp in the backward already: the sp group's ranks hold the same slices,
+    // and adding them gives each the whole step's slice.
     if (sequence_parallel) {
-      for (auto& [name, g] : grads.named) par->sp().all_reduce(g);
+      for (auto& [name, g] : grads.named)
+        if (g.defined()) par->sp().all_reduce(g);
+      if (sharded_layers) sharded_layers->all_reduce_gradients(par->sp());
       for (Tensor& g : vision_grads)
         if (g.defined()) par->sp().all_reduce(g);
     }
