@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -9,6 +10,7 @@
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
+#include "glmtune/tensor/allocator.h"
 #include "support/temp_dir.h"
 
 using namespace glmtune;
@@ -319,4 +321,68 @@ TEST(ParamStore, DequantisesFp8BlockWeights) {
       const double rounded = Tensor::from_doubles({want}, {1}, DType::bf16).item({0});
       ASSERT_EQ(w.item({r, c}), rounded) << r << "," << c << " seed " << test_seed();
     }
+}
+
+// A range of an FP8 weight is read by dequantising only the 128-row blocks that hold it (an fsdp
+// rank reads its slice of every decoder-layer tensor so): the elements are the whole load's, bit
+// for bit, and a few elements cost one block of rows, not the tensor.
+TEST(ParamStore, ReadsRangesOfFp8WeightsBlockByBlock) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions options;
+  options.seed = test_seed();
+  write_random_checkpoint(config, dir / "ck", options);
+  const std::string target = "model.language_model.embed_tokens.weight";  // [V, D]: 16 row blocks
+  std::mt19937_64 gen(test_seed());
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(0.001f, 0.05f);
+  int64_t cols = 0;
+  rewrite(dir / "ck", dir / "fp8",
+          [&](const std::string& name, const Tensor& t, io::CheckpointWriter& w) {
+            if (name != target) {
+              w.add(name, t);
+              return;
+            }
+            cols = t.size(1);
+            Tensor fp8 = Tensor::empty(t.shape(), DType::fp8e4m3);
+            auto* p = static_cast<uint8_t*>(fp8.data_ptr());
+            for (int64_t i = 0; i < fp8.numel(); ++i) {
+              const int b = byte(gen);
+              p[i] = uint8_t((b & 0x7f) == 0x7f ? b - 1 : b);  // no NaN encodings
+            }
+            Tensor scales =
+                Tensor::empty({(t.size(0) + 127) / 128, (t.size(1) + 127) / 128}, DType::f32);
+            for (int64_t r = 0; r < scales.size(0); ++r)
+              for (int64_t c = 0; c < scales.size(1); ++c) scales.set_item({r, c}, scale(gen));
+            w.add(name, fp8);
+            w.add(name.substr(0, name.size() - 7) + ".weight_scale_inv", scales);
+          });
+  auto reader = io::CheckpointReader::open(dir / "fp8");
+  const ParamStore store = ParamStore::load(reader, config);
+  const Tensor whole = store.get(target).reshape({-1});
+  const int64_t n = whole.numel();
+  ASSERT_GT(n, 4 * 128 * cols) << "the test needs a weight of several row blocks";
+  const std::vector<std::pair<int64_t, int64_t>> ranges = {
+      {0, n},                         // everything
+      {5, 10},                        // inside the first row
+      {127 * cols + 3, 2 * cols},     // across the first block boundary
+      {128 * cols - 1, 2},            // the last element of a block and the first of the next
+      {300 * cols + 11, 200 * cols},  // from inside a block over whole blocks
+      {n - 7, 7}};                    // the tensor's end
+  for (const auto& [begin, count] : ranges) {
+    const Tensor got = store.read_elements(reader, target, begin, count);
+    ASSERT_EQ(got.dtype(), DType::bf16);
+    const Tensor want = whole.narrow(0, begin, count).contiguous();
+    ASSERT_EQ(got.numel(), count);
+    EXPECT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), size_t(count) * 2), 0)
+        << "elements [" << begin << ", " << begin + count << ") seed " << test_seed();
+  }
+  // A few elements in the middle allocate one block of rows (and the result), not the tensor.
+  Allocator& host = host_allocator();
+  host.reset_peak();
+  const size_t before = host.stats().allocated;
+  store.read_elements(reader, target, 1000 * cols + 5, 10);
+  const size_t extra = host.stats().peak_allocated - before;
+  EXPECT_LE(extra, size_t(128 * cols * 2 + 4096))
+      << "the whole weight in bf16 is " << n * 2 << " bytes";
 }

@@ -20,6 +20,11 @@ std::string base_of_companion(const std::string& name) {
   return name.substr(0, name.size() - std::string(".weight_scale_inv").size()) + ".weight";
 }
 
+// The block-scale companion of FP8 weight `name` (…weight → …weight_scale_inv).
+std::string scale_companion(const std::string& name) {
+  return name.substr(0, name.size() - 7) + ".weight_scale_inv";
+}
+
 Shape block_scale_shape(const Shape& weight) { return io::fp8_scale_shape(weight); }
 
 }  // namespace
@@ -79,9 +84,8 @@ CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const Mode
     if (info.shape != it->second->shape)
       report.misshaped.push_back({name, it->second->shape, info.shape});
     if (info.dtype == DType::fp8e4m3) {
-      if (info.shape.size() != 2 ||
-          !reader.contains(name.substr(0, name.size() - 7) + ".weight_scale_inv"))
-        report.missing.push_back(name.substr(0, name.size() - 7) + ".weight_scale_inv");
+      if (info.shape.size() != 2 || !reader.contains(scale_companion(name)))
+        report.missing.push_back(scale_companion(name));
       else
         report.fp8_weights.push_back(name);
     }
@@ -98,9 +102,26 @@ namespace {
 Tensor read_released(const io::CheckpointReader& reader, const std::string& name) {
   Tensor t = reader.tensor(name);
   if (t.dtype() != DType::fp8e4m3) return t;
-  const std::string scale = name.substr(0, name.size() - 7) + ".weight_scale_inv";
-  return io::dequantize_fp8_block(t, reader.tensor(scale), io::kFp8BlockSize, io::kFp8BlockSize,
-                                  name);
+  return io::dequantize_fp8_block(t, reader.tensor(scale_companion(name)), io::kFp8BlockSize,
+                                  io::kFp8BlockSize, name);
+}
+
+// Elements [begin, begin + count) of released tensor `name`, flattened: a view of the mapping, or
+// for an FP8 weight only the 128-row blocks holding them dequantised (a rank reading its slice of
+// every tensor would otherwise dequantise every whole tensor).
+Tensor read_released_range(const io::CheckpointReader& reader, const std::string& name,
+                           int64_t begin, int64_t count) {
+  Tensor t = reader.tensor(name);
+  if (t.dtype() != DType::fp8e4m3) return t.reshape({-1}).narrow(0, begin, count);
+  constexpr int64_t kBlock = io::kFp8BlockSize;
+  const int64_t rows = t.size(0), cols = t.size(1);
+  const int64_t r0 = begin / cols / kBlock * kBlock;
+  const int64_t r1 = std::min(rows, (begin + count + cols - 1) / cols);
+  const Tensor scale = reader.tensor(scale_companion(name));
+  const Tensor block = io::dequantize_fp8_block(
+      t.narrow(0, r0, r1 - r0), scale.narrow(0, r0 / kBlock, (r1 - r0 + kBlock - 1) / kBlock),
+      kBlock, kBlock, name);
+  return block.reshape({-1}).narrow(0, begin - r0 * cols, count);
 }
 
 }  // namespace
@@ -302,8 +323,7 @@ Tensor ParamStore::read_elements(const io::CheckpointReader& reader, const std::
     const int64_t n = shape_numel(reader.info(part).shape);
     const int64_t lo = std::max(begin, at), hi = std::min(begin + count, at + n);
     if (lo < hi)
-      out.narrow(0, lo - begin, hi - lo)
-          .copy_(read_released(reader, part).reshape({-1}).narrow(0, lo - at, hi - lo));
+      out.narrow(0, lo - begin, hi - lo).copy_(read_released_range(reader, part, lo - at, hi - lo));
     at += n;
     if (at >= begin + count) break;
   }

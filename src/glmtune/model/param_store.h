@@ -103,8 +103,9 @@ class ParamStore {
 
   // Elements [begin, begin + count) of internal parameter `name` (the whole tensor, flattened),
   // read from `reader`, the checkpoint this store was loaded from: a [count] tensor in the storage
-  // dtype. Only the mapped pages of those elements are touched (an FP8 weight is dequantised whole
-  // first, one tensor at a time). glmtune::Error naming the tensor for a range outside it.
+  // dtype. Only the mapped pages of those elements are touched (of an FP8 weight, the 128-row
+  // blocks that hold them are dequantised). glmtune::Error naming the tensor for a range outside
+  // it.
   Tensor read_elements(const io::CheckpointReader& reader, const std::string& name, int64_t begin,
                        int64_t count) const;
 
