@@ -8,6 +8,7 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/io/checkpoint.h"
+#include "glmtune/io/fp8.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/tensor/allocator.h"
@@ -276,35 +277,48 @@ TEST(ParamStore, RefusesCheckpointsOfOtherModels) {
   EXPECT_NE(msg.find("no GLM-5.3-Flash tensor found"), std::string::npos) << msg;
 }
 
-TEST(ParamStore, DequantisesFp8BlockWeights) {
-  TempDir dir;
-  const ModelConfig config = ModelConfig::preset("tiny");
+// The random checkpoint of `config` under dir/ck, and a copy under dir/fp8 with `target` stored as
+// FP8: random e4m3 bytes (no NaN encodings) and a random scale per 128×128 block.
+struct Fp8Weight {
+  Tensor fp8, scales;
+};
+Fp8Weight write_with_fp8_weight(const TempDir& dir, const ModelConfig& config,
+                                const std::string& target) {
   InitOptions options;
   options.seed = test_seed();
   write_random_checkpoint(config, dir / "ck", options);
-  const std::string target =
-      "model.language_model.layers.0.mlp.gate_proj.weight";  // [96, 64]: a partial edge block
   std::mt19937_64 gen(test_seed());
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.001f, 0.05f);
-  Tensor fp8, scales;
+  Fp8Weight out;
   rewrite(dir / "ck", dir / "fp8",
           [&](const std::string& name, const Tensor& t, io::CheckpointWriter& w) {
             if (name != target) {
               w.add(name, t);
               return;
             }
-            fp8 = Tensor::empty(t.shape(), DType::fp8e4m3);
-            auto* p = static_cast<uint8_t*>(fp8.data_ptr());
-            for (int64_t i = 0; i < fp8.numel(); ++i) {
-              int b = byte(gen);
-              p[i] = uint8_t((b & 0x7f) == 0x7f ? b - 1 : b);  // no NaN encodings
+            out.fp8 = Tensor::empty(t.shape(), DType::fp8e4m3);
+            auto* p = static_cast<uint8_t*>(out.fp8.data_ptr());
+            for (int64_t i = 0; i < out.fp8.numel(); ++i) {
+              const int b = byte(gen);
+              p[i] = uint8_t((b & 0x7f) == 0x7f ? b - 1 : b);
             }
-            scales = Tensor::empty({1, 1}, DType::f32);
-            scales.set_item({0, 0}, scale(gen));
-            w.add(name, fp8);
-            w.add(name.substr(0, name.size() - 7) + ".weight_scale_inv", scales);
+            out.scales = Tensor::empty(io::fp8_scale_shape(t.shape()), DType::f32);
+            for (int64_t r = 0; r < out.scales.size(0); ++r)
+              for (int64_t c = 0; c < out.scales.size(1); ++c)
+                out.scales.set_item({r, c}, scale(gen));
+            w.add(name, out.fp8);
+            w.add(name.substr(0, name.size() - 7) + ".weight_scale_inv", out.scales);
           });
+  return out;
+}
+
+TEST(ParamStore, DequantisesFp8BlockWeights) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  const std::string target =
+      "model.language_model.layers.0.mlp.gate_proj.weight";  // [96, 64]: a partial edge block
+  const auto [fp8, scales] = write_with_fp8_weight(dir, config, target);
   auto reader = io::CheckpointReader::open(dir / "fp8");
   CheckpointReport report = check_checkpoint(reader, config);
   EXPECT_TRUE(report.ok()) << report.describe();
@@ -329,34 +343,8 @@ TEST(ParamStore, DequantisesFp8BlockWeights) {
 TEST(ParamStore, ReadsRangesOfFp8WeightsBlockByBlock) {
   TempDir dir;
   const ModelConfig config = ModelConfig::preset("tiny");
-  InitOptions options;
-  options.seed = test_seed();
-  write_random_checkpoint(config, dir / "ck", options);
   const std::string target = "model.language_model.embed_tokens.weight";  // [V, D]: 16 row blocks
-  std::mt19937_64 gen(test_seed());
-  std::uniform_int_distribution<int> byte(0, 255);
-  std::uniform_real_distribution<float> scale(0.001f, 0.05f);
-  int64_t cols = 0;
-  rewrite(dir / "ck", dir / "fp8",
-          [&](const std::string& name, const Tensor& t, io::CheckpointWriter& w) {
-            if (name != target) {
-              w.add(name, t);
-              return;
-            }
-            cols = t.size(1);
-            Tensor fp8 = Tensor::empty(t.shape(), DType::fp8e4m3);
-            auto* p = static_cast<uint8_t*>(fp8.data_ptr());
-            for (int64_t i = 0; i < fp8.numel(); ++i) {
-              const int b = byte(gen);
-              p[i] = uint8_t((b & 0x7f) == 0x7f ? b - 1 : b);  // no NaN encodings
-            }
-            Tensor scales =
-                Tensor::empty({(t.size(0) + 127) / 128, (t.size(1) + 127) / 128}, DType::f32);
-            for (int64_t r = 0; r < scales.size(0); ++r)
-              for (int64_t c = 0; c < scales.size(1); ++c) scales.set_item({r, c}, scale(gen));
-            w.add(name, fp8);
-            w.add(name.substr(0, name.size() - 7) + ".weight_scale_inv", scales);
-          });
+  const int64_t cols = write_with_fp8_weight(dir, config, target).fp8.size(1);
   auto reader = io::CheckpointReader::open(dir / "fp8");
   const ParamStore store = ParamStore::load(reader, config);
   const Tensor whole = store.get(target).reshape({-1});
