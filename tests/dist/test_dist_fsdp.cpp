@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "../unit/support/same_files.h"
 #include "../unit/support/temp_dir.h"
 #include "dist_support.h"
 #include "glmtune/dist/expert_parallel.h"
@@ -661,20 +662,8 @@ TEST(DistFsdp, StartUpResumeAndSaveHoldSlicesAndOneTensorNotTheModel) {
   EXPECT_LE(save_peak, save_bound);
   EXPECT_LT(save_bound, whole_state_bytes) << "the bound must not allow the whole state";
   if (me == 0) {
-    const auto files_of = [](const fs::path& root) {
-      std::map<std::string, std::string> files;
-      for (const auto& entry : fs::recursive_directory_iterator(root))
-        if (entry.is_regular_file())
-          files[fs::relative(entry.path(), root).generic_string()] = test::read_text(entry.path());
-      return files;
-    };
-    for (const char* part : {"model", "optimizer"}) {
-      const auto want = files_of(dir / "ref" / part), got = files_of(out / part);
-      ASSERT_FALSE(want.empty()) << part;
-      ASSERT_EQ(got.size(), want.size()) << part;
-      for (const auto& [name, content] : want)
-        EXPECT_TRUE(got.count(name) && got.at(name) == content) << part << "/" << name;
-    }
+    for (const char* part : {"model", "optimizer"})
+      test::expect_same_files(out / part, dir / "ref" / part);
   }
   ::testing::Test::RecordProperty("whole_start_up_peak", std::to_string(whole_start_up));
   ::testing::Test::RecordProperty("streamed_start_up_peak", std::to_string(start_up_peak));
@@ -831,21 +820,8 @@ TEST(DistFsdp, WithExpertSlicesResumeAndSaveGiveTheSingleProcessFiles) {
     store.save(out / "model", whole_value);
     train::save_optimizer_state(out / "optimizer", trained_shapes, layer_optimizer.step_count(),
                                 whole_state);
-    const auto files_of = [](const fs::path& root_dir) {
-      std::map<std::string, std::string> files;
-      for (const auto& entry : fs::recursive_directory_iterator(root_dir))
-        if (entry.is_regular_file())
-          files[fs::relative(entry.path(), root_dir).generic_string()] =
-              test::read_text(entry.path());
-      return files;
-    };
-    for (const char* part : {"model", "optimizer"}) {
-      const auto want = files_of(dir / "ref" / part), got = files_of(out / part);
-      ASSERT_FALSE(want.empty()) << part;
-      ASSERT_EQ(got.size(), want.size()) << part;
-      for (const auto& [name, content] : want)
-        EXPECT_TRUE(got.count(name) && got.at(name) == content) << part << "/" << name;
-    }
+    for (const char* part : {"model", "optimizer"})
+      test::expect_same_files(out / part, dir / "ref" / part);
   } else {
     store.visit_for_save(whole_value);
     train::visit_optimizer_state(trained_shapes, whole_state);

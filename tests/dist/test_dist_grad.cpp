@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "../unit/support/same_files.h"
 #include "../unit/support/temp_dir.h"
 #include "dist_support.h"
 #include "glmtune/base/error.h"
@@ -504,15 +505,6 @@ TEST(DistExpertParallel, EachRankHoldsItsShareOfTheExperts) {
   }
 }
 
-// Every file under `root` (relative name -> bytes).
-std::map<std::string, std::string> files_of(const fs::path& root) {
-  std::map<std::string, std::string> files;
-  for (const auto& entry : fs::recursive_directory_iterator(root))
-    if (entry.is_regular_file())
-      files[fs::relative(entry.path(), root).generic_string()] = test::read_text(entry.path());
-  return files;
-}
-
 // A single process's checkpoint (the whole store and the unsharded AdamW with a non-trivial
 // state) resumed with expert slices: each rank reads its pieces of the saved optimizer state by
 // ranges, allocating no tensor, and they are the saved values; saved again, the expert tensors and
@@ -603,13 +595,8 @@ TEST(DistExpertParallel, ResumeReadsRangesAndSaveGathersOneTensorAtATime) {
     EXPECT_LT(save_bound, whole_state_bytes) << "the bound must not allow the whole state";
     if (par->is_root()) {
       EXPECT_LE(save_peak, save_bound);
-      for (const char* part : {"model", "optimizer"}) {
-        const auto want = files_of(dir / "ref" / part), got = files_of(dir / "streamed" / part);
-        ASSERT_FALSE(want.empty()) << part;
-        ASSERT_EQ(got.size(), want.size()) << part;
-        for (const auto& [name, content] : want)
-          EXPECT_TRUE(got.count(name) && got.at(name) == content) << part << "/" << name;
-      }
+      for (const char* part : {"model", "optimizer"})
+        test::expect_same_files(dir / "streamed" / part, dir / "ref" / part);
       std::printf(
           "ep_size %lld: resume peak %lld bytes (ranged), save peak on rank 0 %lld (largest "
           "tensor %lld f32 bytes, whole optimizer state %lld)\n",

@@ -24,6 +24,7 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/train/optimizer.h"
 #include "glmtune/train/state.h"
+#include "support/same_files.h"
 #include "support/temp_dir.h"
 
 using namespace glmtune;
@@ -42,25 +43,6 @@ std::string message_of(const std::function<void()>& fn) {
   }
   ADD_FAILURE() << "expected a glmtune::Error";
   return "";
-}
-
-// Every file under `dir` (relative name -> bytes).
-std::map<std::string, std::string> files_of(const fs::path& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& entry : fs::recursive_directory_iterator(dir))
-    if (entry.is_regular_file())
-      out[fs::relative(entry.path(), dir).generic_string()] = read_text(entry.path());
-  return out;
-}
-
-void expect_same_files(const fs::path& got, const fs::path& want) {
-  const auto a = files_of(got), b = files_of(want);
-  ASSERT_FALSE(b.empty());
-  ASSERT_EQ(a.size(), b.size());
-  for (const auto& [name, bytes] : b) {
-    ASSERT_TRUE(a.count(name)) << name << " missing";
-    EXPECT_TRUE(a.at(name) == bytes) << name << " differs";
-  }
 }
 
 Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, bool positive = false) {
@@ -109,7 +91,7 @@ TEST(CheckpointWriter, StreamedShardsAreTheBufferedOnes) {
     streamed.finish();
     EXPECT_GT(streamed.num_shards(), 5u);
   }
-  expect_same_files(dir / "streamed", dir / "buffered");
+  test::expect_same_files(dir / "streamed", dir / "buffered");
 }
 
 TEST(CheckpointWriter, StreamedTensorsOutOfOrderOrMissingAreNamed) {
@@ -261,7 +243,7 @@ TEST(ParamStore, StreamedSaveWritesTheBufferedSavesFiles) {
       kShard);
   EXPECT_EQ(asked.size(), store.params().size());
   EXPECT_GT(io::CheckpointReader::open(dir / "streamed").shard_files().size(), 3u);
-  expect_same_files(dir / "streamed", dir / "buffered");
+  test::expect_same_files(dir / "streamed", dir / "buffered");
   // A value that is not the whole tensor is refused by name.
   const std::string expert = [&] {
     for (const auto& p : store.params())
@@ -319,7 +301,7 @@ TEST(OptimizerState, StreamedSaveWritesAdamWsFilesAndRangesReadThemBack) {
                                 return {};
                               });
   EXPECT_EQ(asked, (std::vector<std::string>{"a.weight", "b.bias", "d.weight"}));
-  expect_same_files(dir / "streamed", dir / "whole");
+  test::expect_same_files(dir / "streamed", dir / "whole");
 
   const train::SavedAdamWState saved = train::SavedAdamWState::open(dir / "streamed");
   EXPECT_EQ(saved.step_count(), 7);
