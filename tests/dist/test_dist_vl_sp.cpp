@@ -3,18 +3,24 @@
 // media are split over an sp group of 2 (the tower by whole merge blocks, the text by rows), the
 // tower's attention reads the keys and values of every shard, the merged tokens are spliced at
 // their global positions, and the summed losses and every gradient (text and vision) equal what
-// one process computes from whole packs. On 4 ranks the same with dp = 2 × sp = 2.
+// one process computes from whole packs. On 4 ranks the same with dp = 2 × sp = 2. Expert
+// parallelism with the same data: ep = 2 on 2 ranks, dp × ep = 2 × 2 and sp × ep = 2 × 2 on 4, each
+// rank holding its slice of the routed experts while the tower and projector stay replicated.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "../unit/support/temp_dir.h"
 #include "dist_support.h"
+#include "glmtune/dist/expert_parallel.h"
+#include "glmtune/dist/expert_shards.h"
 #include "glmtune/dist/sequence_parallel.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/compose.h"
@@ -112,6 +118,7 @@ model::text::TrainOptions step_options(const model::VisionLanguageModel& m,
 struct VlStep {
   double lm = 0, balancing = 0;
   std::vector<double> mtp;
+  std::map<std::string, std::vector<int64_t>> loads;
   model::text::TextGrads text;
   model::vision::VisionGrads vision;
 };
@@ -127,6 +134,12 @@ VlStep run_packs(const model::VisionLanguageModel& m, const std::vector<VlPack>&
     s.lm += r.backward.lm_loss_sum;
     s.balancing += r.backward.balancing_loss;
     for (size_t k = 0; k < s.mtp.size(); ++k) s.mtp[k] += r.backward.mtp_loss_sum[k];
+    for (const auto& l : r.loads) {
+      std::vector<int64_t>& counts = s.loads[l.bias_name];
+      counts.resize(size_t(l.counts.numel()), 0);
+      for (int64_t e = 0; e < l.counts.numel(); ++e)
+        counts[size_t(e)] += l.counts.data<int64_t>()[e];
+    }
   }
   return s;
 }
@@ -143,16 +156,21 @@ std::vector<std::pair<std::string, Tensor>> all_grads(const model::VisionLanguag
   return out;
 }
 
-// One step of 2 packs per sp group against the single-process step. In f64 every gradient to
-// `tolerance`; in f32 (the conventions of test_dist_sp) each gradient's error against the f64
-// gradient within 3× the single-process f32 run's largest error, and within `tolerance` of the
-// single-process f32 gradient.
-void check_one_step(DType dtype, double tolerance) {
+// One step of 2 packs per data-parallel index (an sp group, or one rank without sp) against the
+// single-process step. In f64 every gradient to `tolerance`; in f32 (the conventions of
+// test_dist_sp) each gradient's error against the f64 gradient within 3× the single-process f32
+// run's largest error, and within `tolerance` of the single-process f32 gradient. With
+// `ep_size` > 1 each rank's model is built from a store holding its slice of the routed experts
+// only: a slice's gradient, summed over the ranks holding that slice, is compared with the same
+// experts of the single-process gradient.
+void check_one_step(DType dtype, double tolerance, int64_t sp_size, int64_t ep_size = 1) {
   ParallelOptions options;
-  options.sp_size = 2;
+  options.sp_size = sp_size;
+  options.ep_size = ep_size;
   options.timeout_s = 300;
   const std::unique_ptr<ParallelContext> par = ParallelContext::create(options);
-  ASSERT_EQ(par->sizes().sp, 2) << "run under mpirun with 2 or 4 ranks";
+  ASSERT_EQ(par->sizes().sp, sp_size) << "run under mpirun with 2 or 4 ranks";
+  ASSERT_EQ(par->sizes().ep, ep_size);
   const int64_t packs_total = kPacksPerGroup * par->sizes().dp;
   const VlSetup setup(par->rank(), packs_total);
   for (const VlPack& p : setup.packs) ASSERT_FALSE(p.media.empty()) << "every pack has media";
@@ -166,22 +184,58 @@ void check_one_step(DType dtype, double tolerance) {
   const int64_t d = par->dp().rank();
   const std::vector<VlPack> mine(setup.packs.begin() + d * kPacksPerGroup,
                                  setup.packs.begin() + (d + 1) * kPacksPerGroup);
-  const UlyssesParallel ulysses(par->sp(), m.text().text().linear_num_heads,
-                                m.text().text().num_attention_heads, "test");
   model::text::TrainOptions split = topt;
-  split.sequence_parallel = &ulysses;
-  const VlStep got = run_packs(m, mine, split);
+  std::optional<UlyssesParallel> ulysses;
+  if (sp_size > 1) {
+    ulysses.emplace(par->sp(), m.text().text().linear_num_heads,
+                    m.text().text().num_attention_heads, "test");
+    split.sequence_parallel = &*ulysses;
+  }
+  std::optional<ExpertParallel> experts;
+  std::optional<model::ParamStore> slice_store;
+  std::optional<LocalExperts> local;
+  if (ep_size > 1) {
+    experts.emplace(par->ep(), m.text().text().n_routed_experts, "test");
+    slice_store.emplace(
+        model::ParamStore::load(io::CheckpointReader::open(setup.dir->path() / "ck"),
+                                setup.store->config(), local_range(*experts)));
+    local.emplace(*slice_store, *experts);
+    split.expert_dispatch = &*experts;
+  }
+  const auto is_slice = [&](const std::string& name) { return local && local->holds(name); };
+  const std::optional<model::VisionLanguageModel> sliced =
+      slice_store ? std::optional<model::VisionLanguageModel>(std::in_place, *slice_store,
+                                                              model::text::TextModelOptions{dtype})
+                  : std::nullopt;
+  const model::VisionLanguageModel& my_model = sliced ? *sliced : m;
+  const VlStep got = run_packs(my_model, mine, split);
+  if (local) {
+    int64_t slices = 0;
+    for (const auto& [name, g] : got.text.named) {
+      if (!model::is_fused_expert_tensor(name)) continue;
+      ++slices;
+      EXPECT_TRUE(is_slice(name)) << name;
+      EXPECT_EQ(g.size(0), experts->local_experts()) << name;
+    }
+    EXPECT_GT(slices, 0);
+  }
 
   std::vector<double> sums = {got.lm, got.balancing};
   sums.insert(sums.end(), got.mtp.begin(), got.mtp.end());
   par->world().all_reduce_sum(sums);
-  EXPECT_NE(got.lm, sums[0]) << "the shards split the pack's loss";
+  EXPECT_NE(got.lm, sums[0]) << "the ranks split the step's loss";
   EXPECT_NEAR(sums[0] / topt.lm_denominator, ref.lm / topt.lm_denominator, 1e-6);
   EXPECT_GT(ref.balancing, 0);
   EXPECT_NEAR(sums[1], ref.balancing, 1e-6 * std::max(1.0, ref.balancing));
   for (size_t k = 0; k < got.mtp.size(); ++k)
     EXPECT_NEAR(sums[2 + k] / topt.mtp_denominators[k], ref.mtp[k] / topt.mtp_denominators[k],
                 1e-6);
+  ASSERT_EQ(got.loads.size(), ref.loads.size());
+  for (const auto& [name, counts] : got.loads) {
+    std::vector<int64_t> total = counts;
+    par->world().all_reduce_sum(total);
+    EXPECT_EQ(total, ref.loads.at(name)) << name;
+  }
 
   std::vector<std::pair<std::string, Tensor>> exact;
   double ref_error = 0;
@@ -193,36 +247,85 @@ void check_one_step(DType dtype, double tolerance) {
       ref_error = std::max(ref_error, rel_diff(want[i].second, exact[i].second));
     EXPECT_LT(ref_error, 1e-4);
   }
-  // This rank's vision gradient is a part of the sum: the tower really ran on a shard.
-  const auto mine_vision = got.vision.released(m.vision_config());
+  // This rank's vision gradient is a part of the sum: the tower really ran on this rank's share
+  // (a shard of the pack's patches with sp, its own packs without).
+  const auto mine_vision = got.vision.released(my_model.vision_config());
   const auto patch_embed = [](const std::vector<std::pair<std::string, Tensor>>& grads) {
     for (const auto& [name, g] : grads)
       if (name == "model.visual.patch_embed.proj.weight") return g;
     return Tensor();
   };
-  const std::vector<std::pair<std::string, Tensor>> summed = all_grads(m, got, &par->world());
+  // Summed over the sp group (each rank holds its rows' part of every gradient), then over the
+  // ranks holding the same tensor: every data index for a replicated one, the edp group for an
+  // expert slice (the other ep indices hold other experts).
+  std::vector<std::pair<std::string, Tensor>> summed = all_grads(my_model, got, &par->sp());
+  for (auto& [name, g] : summed) (is_slice(name) ? par->edp() : par->dp()).all_reduce(g);
   ASSERT_EQ(summed.size(), want.size());
   EXPECT_GT(rel_diff(patch_embed(mine_vision), patch_embed(summed)), 1e-3);
+  const auto part = [&](const std::string& name, const Tensor& whole) {
+    return is_slice(name) ? whole.narrow(0, experts->first_expert(), experts->local_experts())
+                          : whole;
+  };
   int64_t vision_tensors = 0;
+  double largest = 0, largest_slice = 0, largest_vision = 0;
   for (size_t i = 0; i < summed.size(); ++i) {
     const std::string& name = summed[i].first;
     ASSERT_EQ(name, want[i].first);
     vision_tensors += name.starts_with("model.visual.") ? 1 : 0;
-    EXPECT_LE(rel_diff(summed[i].second, want[i].second), tolerance) << name;
+    const double diff = rel_diff(summed[i].second, part(name, want[i].second));
+    EXPECT_LE(diff, tolerance) << name;
     if (dtype == DType::f32)
-      EXPECT_LE(rel_diff(summed[i].second, exact[i].second), 3 * ref_error) << name;
+      EXPECT_LE(rel_diff(summed[i].second, part(name, exact[i].second)), 3 * ref_error) << name;
+    largest = std::max(largest, diff);
+    if (is_slice(name)) largest_slice = std::max(largest_slice, diff);
+    if (name.starts_with("model.visual.")) largest_vision = std::max(largest_vision, diff);
   }
   EXPECT_GT(vision_tensors, 10);
+  largest = par->world().all_reduce_max(largest);
+  largest_slice = par->world().all_reduce_max(largest_slice);
+  largest_vision = par->world().all_reduce_max(largest_vision);
+  if (par->is_root())
+    std::printf(
+        "%s, sp_size %lld, ep_size %lld, dp %lld: largest relative gradient difference %.3g "
+        "(expert slices %.3g, vision %.3g)\n",
+        dtype == DType::f64 ? "f64" : "f32", static_cast<long long>(sp_size),
+        static_cast<long long>(ep_size), static_cast<long long>(par->sizes().dp), largest,
+        largest_slice, largest_vision);
 }
 
 // In f64 the split step is the single-process step up to rounding: a patch, key, merged token or
 // gradient that went to the wrong rank or row would show as an O(1) difference.
 TEST(DistVisionSequenceParallel, OneStepEqualsTheSingleProcessStepInF64) {
-  check_one_step(DType::f64, 1e-10);
+  check_one_step(DType::f64, 1e-10, 2);
 }
 
 TEST(DistVisionSequenceParallel, OneStepEqualsTheSingleProcessStep) {
-  check_one_step(DType::f32, 1e-4);
+  check_one_step(DType::f32, 1e-4, 2);
+}
+
+// Expert parallelism with media: ep = 2 (on 4 ranks dp × ep = 2 × 2: two ep groups of 2). In f64 a
+// token routed to the wrong rank, or an expert gradient added to the wrong slice, would show as an
+// O(1) difference; the tower's gradients come from each rank's own packs, as in data parallelism.
+TEST(DistVisionExpertParallel, OneStepEqualsTheSingleProcessStepInF64) {
+  check_one_step(DType::f64, 1e-10, 1, 2);
+}
+
+// Without sp each pack runs whole on one rank, so the f32 bar is the text ep test's
+// (test_dist_grad.cpp): only whole packs and the experts' rows are regrouped.
+TEST(DistVisionExpertParallel, OneStepEqualsTheSingleProcessStep) {
+  check_one_step(DType::f32, 1e-6, 1, 2);
+}
+
+// sp × ep = 2 × 2 (4 ranks): each pack and its media split over an sp group, the routed experts
+// over the ep group of the two data indices.
+TEST(DistVisionExpertParallel, WithSequenceParallelOneStepEqualsTheSingleProcessStepInF64) {
+  if (testing::world_context()->sizes().world < 4) GTEST_SKIP() << "sp × ep needs 4 ranks";
+  check_one_step(DType::f64, 1e-10, 2, 2);
+}
+
+TEST(DistVisionExpertParallel, WithSequenceParallelOneStepEqualsTheSingleProcessStep) {
+  if (testing::world_context()->sizes().world < 4) GTEST_SKIP() << "sp × ep needs 4 ranks";
+  check_one_step(DType::f32, 1e-4, 2, 2);
 }
 
 // The tower's shards are whole merge blocks that tile the pack's patches in rank order, and the

@@ -351,13 +351,6 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // Vision-language data (data.media_root set): conversations with images and videos.
   std::unique_ptr<VlTraining> vl;
   if (!recipe.media_root.empty()) {
-    // Data and sequence parallelism split packs and rows; routed experts held per rank are not
-    // combined with the vision-language model's gradients yet.
-    if (distributed && par->sizes().ep > 1)
-      throw Error("expert parallelism does not train vision-language data yet",
-                  recipe.source() + ": train.ep_size",
-                  "set train.ep_size = 1 for data with media (train.sp_size and data parallelism "
-                  "are available)");
     vl = std::make_unique<VlTraining>(recipe, tok_dir);
     if (vl->dataset().size() == 0)
       throw Error("no usable sample in the data", recipe.source() + ": data.files",
@@ -458,14 +451,21 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                     on_gpu && distributed ? par->dp_gpu() : nullptr);
   }
   const std::vector<NamedParam>& opt_params = sharded ? sharded->params() : optimizer.params();
+  // Every trained tensor, the sharded ones included, with the vision tower and projector marked as
+  // the VL step trains them (the text rule alone would leave their state out of a checkpoint).
+  const auto all_trained_params = [&] {
+    std::vector<NamedParam> params = trainable_params(store);
+    if (vl) vl->step().attach(params);
+    return params;
+  };
   TrainerState st;
   st.seed = recipe.seed;
   st.recipe_fingerprint = recipe.fingerprint(dp);
   // The trained tensors of the saved optimizer state, whole shapes, in the unsharded optimizer's
   // order: what a sharded run checks when it resumes and writes when it saves.
   const std::vector<std::pair<std::string, Shape>> saved_trained =
-      sharded ? whole_trained(fsdp || expert_sharded ? trainable_params(store) : sharded->params(),
-                              store)
+      sharded
+          ? whole_trained(fsdp || expert_sharded ? all_trained_params() : sharded->params(), store)
       : gpu_optimizer ? whole_trained(device_params, store)
                       : std::vector<std::pair<std::string, Shape>>{};
   // A sharded run reads its pieces of the saved state straight from the mapped files (the
