@@ -342,15 +342,27 @@ TEST(DistTrainSequenceParallel, VisionLanguageFollowsTheSingleProcessLossCurve) 
   struct Layout {
     int ranks;
     int64_t sp_size, ep_size;
+    bool fsdp = false;
   };
-  for (const Layout& l :
-       std::vector<Layout>{{2, 2, 1}, {4, 2, 1}, {2, 1, 1}, {2, 1, 2}, {4, 1, 2}, {4, 2, 2}}) {
+  // fsdp: over dp 2, over dp 2 × sp 2 and beside ep 2 (dp 4).
+  for (const Layout& l : std::vector<Layout>{{2, 2, 1},
+                                             {4, 2, 1},
+                                             {2, 1, 1},
+                                             {2, 1, 2},
+                                             {4, 1, 2},
+                                             {4, 2, 2},
+                                             {2, 1, 1, true},
+                                             {4, 2, 1, true},
+                                             {4, 1, 2, true}}) {
     SCOPED_TRACE(std::to_string(l.ranks) + " ranks, sp_size " + std::to_string(l.sp_size) +
-                 ", ep_size " + std::to_string(l.ep_size));
+                 ", ep_size " + std::to_string(l.ep_size) + (l.fsdp ? ", fsdp" : ""));
     const std::string name = "vl-sp" + std::to_string(l.sp_size) + "-ep" +
-                             std::to_string(l.ep_size) + "-np" + std::to_string(l.ranks);
+                             std::to_string(l.ep_size) + "-np" + std::to_string(l.ranks) +
+                             (l.fsdp ? "-fsdp" : "");
     const fs::path log = dir / (name + ".log");
-    ASSERT_EQ(train(recipe, l.ranks, false, dir / name, log, l.ep_size, l.sp_size), 0)
+    ASSERT_EQ(train(recipe, l.ranks, false, dir / name, log, l.ep_size, l.sp_size,
+                    l.fsdp ? " --set train.fsdp=true" : ""),
+              0)
         << glmtune::test::read_text(log);
     expect_close_curve(metrics(dir / name), single);
     for (const char* part : {"model", "optimizer"})
@@ -363,6 +375,8 @@ TEST(DistTrainSequenceParallel, VisionLanguageFollowsTheSingleProcessLossCurve) 
       EXPECT_NE(rank1.find("(ep_size 2)"), std::string::npos) << rank1;
       EXPECT_NE(rank1.find("ep: this rank holds experts"), std::string::npos) << rank1;
     }
+    if (l.fsdp)
+      EXPECT_NE(rank1.find("decoder-layer weights sharded (fsdp)"), std::string::npos) << rank1;
   }
 }
 
@@ -392,6 +406,35 @@ TEST(DistTrainExpertParallel, VisionLanguageSavedAtEpTwoResumesInOneProcess) {
               10);
   }
   expect_resumed_continuation(dir.path(), recipe, dir / "ep2", "vl-ep1-from-ep2", 1, 1, from_ep2);
+}
+
+// The same with fsdp at 2 ranks (dp 2): the decoder layers gathered one tensor at a time for the
+// checkpoint, the tower and projector from the replicated sharded optimizer; a plain single
+// process resumes it with the saving run's continuation.
+TEST(DistTrainFsdp, SavedOnVisionLanguageDataResumesInOneProcess) {
+  glmtune::test::TempDir dir("dist-train-vl-fsdp-resume");
+  const fs::path recipe = write_vl_recipe(dir.path(), 4, 2, false);
+  ASSERT_EQ(
+      train(recipe, 2, false, dir / "fsdp2", dir / "fsdp2.log", 1, 1, " --set train.fsdp=true"), 0)
+      << glmtune::test::read_text(dir / "fsdp2.log");
+  EXPECT_NE(glmtune::test::read_text(dir / "fsdp2/logs/rank-1.log")
+                .find("decoder-layer weights sharded (fsdp)"),
+            std::string::npos);
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  const auto from_fsdp = metrics(dir / "fsdp2");
+  ASSERT_EQ(from_fsdp.size(), 4u);
+  for (const char* part : {"model", "optimizer"}) {
+    SCOPED_TRACE(part);
+    const auto got = tensor_table(dir / "fsdp2/checkpoints/step-2" / part);
+    EXPECT_EQ(got, tensor_table(dir / "single/checkpoints/step-2" / part));
+    EXPECT_GT(std::count_if(
+                  got.begin(), got.end(),
+                  [](const auto& t) { return t.first.find("model.visual.") != std::string::npos; }),
+              10);
+  }
+  expect_resumed_continuation(dir.path(), recipe, dir / "fsdp2", "vl-single-from-fsdp2", 1, 1,
+                              from_fsdp);
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 // their global positions, and the summed losses and every gradient (text and vision) equal what
 // one process computes from whole packs. On 4 ranks the same with dp = 2 × sp = 2. Expert
 // parallelism with the same data: ep = 2 on 2 ranks, dp × ep = 2 × 2 and sp × ep = 2 × 2 on 4, each
-// rank holding its slice of the routed experts while the tower and projector stay replicated.
+// rank holding its slice of the routed experts while the tower and projector stay replicated. Fully
+// sharded decoder layers (fsdp) with the same data: over dp = 2 on 2 ranks and 4 on 4, and with sp
+// (dp 2 × sp 2 on 4 ranks) and ep (dp 2 × ep 2 on 4), the tower and projector again replicated.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include "dist_support.h"
 #include "glmtune/dist/expert_parallel.h"
 #include "glmtune/dist/expert_shards.h"
+#include "glmtune/dist/fsdp.h"
 #include "glmtune/dist/sequence_parallel.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/compose.h"
@@ -123,12 +126,16 @@ struct VlStep {
   model::vision::VisionGrads vision;
 };
 
-VlStep run_packs(const model::VisionLanguageModel& m, const std::vector<VlPack>& packs,
-                 const model::text::TrainOptions& topt) {
-  VlStep s;
+// Buffers of a step of `m`, made before any ShardedLayers of `m` (which takes the layers' ones).
+void start_step(const model::VisionLanguageModel& m, const model::text::TrainOptions& topt,
+                VlStep& s) {
   s.mtp.assign(size_t(topt.mtp_depths), 0.0);
   s.text = model::text::TextGrads::zeros_like(m.text().weights());
   s.vision = model::vision::VisionGrads::zeros_like(m.vision());
+}
+
+void add_packs(const model::VisionLanguageModel& m, const std::vector<VlPack>& packs,
+               const model::text::TrainOptions& topt, VlStep& s) {
   for (const VlPack& p : packs) {
     const auto r = model::compose_forward_backward(m, p.input, p.media, topt, {}, s.text, s.vision);
     s.lm += r.backward.lm_loss_sum;
@@ -141,6 +148,13 @@ VlStep run_packs(const model::VisionLanguageModel& m, const std::vector<VlPack>&
         counts[size_t(e)] += l.counts.data<int64_t>()[e];
     }
   }
+}
+
+VlStep run_packs(const model::VisionLanguageModel& m, const std::vector<VlPack>& packs,
+                 const model::text::TrainOptions& topt) {
+  VlStep s;
+  start_step(m, topt, s);
+  add_packs(m, packs, topt, s);
   return s;
 }
 
@@ -162,8 +176,11 @@ std::vector<std::pair<std::string, Tensor>> all_grads(const model::VisionLanguag
 // run's largest error, and within `tolerance` of the single-process f32 gradient. With
 // `ep_size` > 1 each rank's model is built from a store holding its slice of the routed experts
 // only: a slice's gradient, summed over the ranks holding that slice, is compared with the same
-// experts of the single-process gradient.
-void check_one_step(DType dtype, double tolerance, int64_t sp_size, int64_t ep_size = 1) {
+// experts of the single-process gradient. With `fsdp` the decoder layers (the routed-expert slices
+// apart) are sharded over dp: their gradients are reduce-scattered in the backward and gathered
+// whole for the comparison.
+void check_one_step(DType dtype, double tolerance, int64_t sp_size, int64_t ep_size = 1,
+                    bool fsdp = false) {
   ParallelOptions options;
   options.sp_size = sp_size;
   options.ep_size = ep_size;
@@ -203,12 +220,32 @@ void check_one_step(DType dtype, double tolerance, int64_t sp_size, int64_t ep_s
     split.expert_dispatch = &*experts;
   }
   const auto is_slice = [&](const std::string& name) { return local && local->holds(name); };
-  const std::optional<model::VisionLanguageModel> sliced =
-      slice_store ? std::optional<model::VisionLanguageModel>(std::in_place, *slice_store,
-                                                              model::text::TextModelOptions{dtype})
-                  : std::nullopt;
-  const model::VisionLanguageModel& my_model = sliced ? *sliced : m;
-  const VlStep got = run_packs(my_model, mine, split);
+  std::optional<model::VisionLanguageModel> own;
+  if (slice_store || fsdp)
+    own.emplace(slice_store ? *slice_store : *setup.store, model::text::TextModelOptions{dtype});
+  const model::VisionLanguageModel& my_model = own ? *own : m;
+  VlStep got;
+  start_step(my_model, split, got);
+  std::optional<ShardedLayers> layers;
+  if (fsdp) {
+    layers.emplace(
+        own->text().weights(), got.text, par->dp(),
+        LayerSource{[](const std::string&) -> std::optional<Shape> { return std::nullopt; },
+                    nullptr, is_slice});
+    split.layer_params = &*layers;
+  }
+  add_packs(my_model, mine, split, got);
+  // The sharded layers' gradients, summed over the sp group and dp like the replicated ones below.
+  std::map<std::string, Tensor> layer_grads;
+  if (layers) {
+    if (sp_size > 1) layers->all_reduce_gradients(par->sp());
+    layers->gather_gradients([&](const std::string& name, const Tensor& g) {
+      EXPECT_TRUE(layer_grads.emplace(name, g.clone()).second) << name;
+    });
+    EXPECT_GT(layer_grads.size(), 10u);
+    for (const auto& [name, g] : got.text.named)
+      EXPECT_FALSE(g.defined() && layer_grads.count(name)) << name << " still whole";
+  }
   if (local) {
     int64_t slices = 0;
     for (const auto& [name, g] : got.text.named) {
@@ -260,6 +297,14 @@ void check_one_step(DType dtype, double tolerance, int64_t sp_size, int64_t ep_s
   // expert slice (the other ep indices hold other experts).
   std::vector<std::pair<std::string, Tensor>> summed = all_grads(my_model, got, &par->sp());
   for (auto& [name, g] : summed) (is_slice(name) ? par->edp() : par->dp()).all_reduce(g);
+  if (layers) {
+    std::map<std::string, Tensor> by_name(summed.begin(), summed.end());
+    by_name.merge(layer_grads);
+    EXPECT_TRUE(layer_grads.empty()) << "a sharded gradient also held whole";
+    summed.clear();
+    for (const auto& [name, g] : want)
+      if (by_name.count(name)) summed.emplace_back(name, by_name.at(name));
+  }
   ASSERT_EQ(summed.size(), want.size());
   EXPECT_GT(rel_diff(patch_embed(mine_vision), patch_embed(summed)), 1e-3);
   const auto part = [&](const std::string& name, const Tensor& whole) {
@@ -286,11 +331,11 @@ void check_one_step(DType dtype, double tolerance, int64_t sp_size, int64_t ep_s
   largest_vision = par->world().all_reduce_max(largest_vision);
   if (par->is_root())
     std::printf(
-        "%s, sp_size %lld, ep_size %lld, dp %lld: largest relative gradient difference %.3g "
+        "%s, sp_size %lld, ep_size %lld, dp %lld%s: largest relative gradient difference %.3g "
         "(expert slices %.3g, vision %.3g)\n",
         dtype == DType::f64 ? "f64" : "f32", static_cast<long long>(sp_size),
-        static_cast<long long>(ep_size), static_cast<long long>(par->sizes().dp), largest,
-        largest_slice, largest_vision);
+        static_cast<long long>(ep_size), static_cast<long long>(par->sizes().dp),
+        fsdp ? ", fsdp" : "", largest, largest_slice, largest_vision);
 }
 
 // In f64 the split step is the single-process step up to rounding: a patch, key, merged token or
@@ -326,6 +371,35 @@ TEST(DistVisionExpertParallel, WithSequenceParallelOneStepEqualsTheSingleProcess
 TEST(DistVisionExpertParallel, WithSequenceParallelOneStepEqualsTheSingleProcessStep) {
   if (testing::world_context()->sizes().world < 4) GTEST_SKIP() << "sp × ep needs 4 ranks";
   check_one_step(DType::f32, 1e-4, 2, 2);
+}
+
+// Fully sharded decoder layers over dp (2 or 4 ranks) with media: in f64 a layer gradient
+// reduce-scattered to the wrong slice, or a layer gathered from the wrong pieces, would show as an
+// O(1) difference; the tower and projector stay replicated and are summed as in data parallelism.
+TEST(DistVisionFsdp, OneStepEqualsTheSingleProcessStepInF64) {
+  check_one_step(DType::f64, 1e-10, 1, 1, true);
+}
+
+// Whole packs per rank: the bar of the text fsdp test (test_dist_fsdp.cpp).
+TEST(DistVisionFsdp, OneStepEqualsTheSingleProcessStep) {
+  check_one_step(DType::f32, 1e-6, 1, 1, true);
+}
+
+// dp × sp = 2 × 2 with fsdp: the sp group's ranks hold the same slices, each with its rows' share.
+TEST(DistVisionFsdp, WithSequenceParallelOneStepEqualsTheSingleProcessStepInF64) {
+  if (testing::world_context()->sizes().world < 4) GTEST_SKIP() << "dp × sp needs 4 ranks";
+  check_one_step(DType::f64, 1e-10, 2, 1, true);
+}
+
+TEST(DistVisionFsdp, WithSequenceParallelOneStepEqualsTheSingleProcessStep) {
+  if (testing::world_context()->sizes().world < 4) GTEST_SKIP() << "dp × sp needs 4 ranks";
+  check_one_step(DType::f32, 1e-4, 2, 1, true);
+}
+
+// dp × ep = 2 × 2 with fsdp: the routed-expert slices stay out of the sharded layout.
+TEST(DistVisionFsdp, WithExpertParallelOneStepEqualsTheSingleProcessStepInF64) {
+  if (testing::world_context()->sizes().world < 4) GTEST_SKIP() << "dp × ep needs 4 ranks";
+  check_one_step(DType::f64, 1e-10, 1, 2, true);
 }
 
 // The tower's shards are whole merge blocks that tile the pack's patches in rank order, and the

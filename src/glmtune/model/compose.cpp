@@ -150,7 +150,8 @@ VisionLanguageModel::VisionLanguageModel(const ParamStore& store, text::TextMode
 }
 
 void VisionLanguageModel::refresh(const ParamStore& store) {
-  for (auto& [name, t] : text_.weights().named) t.copy_(store.get(name).to(t.dtype()));
+  for (auto& [name, t] : text_.weights().named)
+    if (t.defined()) t.copy_(store.get(name).to(t.dtype()));
   vision_ = vision::VisionParams::from_store(store, vision_.dtype);
 }
 

@@ -78,7 +78,9 @@ class VisionLanguageModel {
   const vision::VisionParams& vision() const { return vision_; }
   vision::VisionParams& vision() { return vision_; }
 
-  // Re-reads every weight (text and vision) from `store` after an optimizer step.
+  // Re-reads every weight (text and vision) from `store` after an optimizer step; text weights the
+  // model holds undefined (fsdp's sharded decoder layers, updated as slices by their own
+  // optimizer) are left so.
   void refresh(const ParamStore& store);
 
  private:

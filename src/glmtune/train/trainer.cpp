@@ -391,12 +391,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                             recipe.source() + ": train.ep_size");
   // Fully sharded decoder layers (dist/fsdp.h): each rank keeps a slice of every decoder layer's
   // compute weights, gradient, fp32 masters and moments over dp (a group of one without a
-  // launcher); the replicated tensors go through the sharded AdamW below.
+  // launcher); the replicated tensors, the vision tower and projector included, go through the
+  // sharded AdamW below.
   const bool fsdp = recipe.fsdp;
   if (fsdp) {
-    if (vl)
-      throw Error("train.fsdp does not shard the vision-language model",
-                  recipe.source() + ": train.fsdp", "set train.fsdp = false for data with media");
     if (on_gpu)
       throw Error("train.fsdp runs on the CPU only", recipe.source() + ": train.fsdp",
                   "set train.fsdp = false, or device = \"cpu\"");
