@@ -380,6 +380,20 @@ TEST(DistTrainSequenceParallel, VisionLanguageFollowsTheSingleProcessLossCurve) 
   }
 }
 
+// A distributed run's VL checkpoint holds the single process's tensors (names, dtypes, shapes), the
+// vision tower's model and optimizer tensors among them.
+void expect_vl_checkpoint_as_single(const fs::path& got_dir, const fs::path& single_dir) {
+  for (const char* part : {"model", "optimizer"}) {
+    SCOPED_TRACE(part);
+    const auto got = tensor_table(got_dir / part);
+    EXPECT_EQ(got, tensor_table(single_dir / part));
+    EXPECT_GT(std::count_if(
+                  got.begin(), got.end(),
+                  [](const auto& t) { return t.first.find("model.visual.") != std::string::npos; }),
+              10);
+  }
+}
+
 // Saved at ep = 2 on vision-language data (each rank holding its expert slice, the tower and
 // projector replicated): the checkpoint holds a single-process run's tensors, model and optimizer
 // (the tower's state included), and resumes on one process with the saving run's continuation.
@@ -396,15 +410,7 @@ TEST(DistTrainExpertParallel, VisionLanguageSavedAtEpTwoResumesInOneProcess) {
       << glmtune::test::read_text(dir / "single.log");
   const auto from_ep2 = metrics(dir / "ep2");
   ASSERT_EQ(from_ep2.size(), 4u);
-  for (const char* part : {"model", "optimizer"}) {
-    SCOPED_TRACE(part);
-    const auto got = tensor_table(dir / "ep2/checkpoints/step-2" / part);
-    EXPECT_EQ(got, tensor_table(dir / "single/checkpoints/step-2" / part));
-    EXPECT_GT(std::count_if(
-                  got.begin(), got.end(),
-                  [](const auto& t) { return t.first.find("model.visual.") != std::string::npos; }),
-              10);
-  }
+  expect_vl_checkpoint_as_single(dir / "ep2/checkpoints/step-2", dir / "single/checkpoints/step-2");
   expect_resumed_continuation(dir.path(), recipe, dir / "ep2", "vl-ep1-from-ep2", 1, 1, from_ep2);
 }
 
@@ -424,15 +430,8 @@ TEST(DistTrainFsdp, SavedOnVisionLanguageDataResumesInOneProcess) {
       << glmtune::test::read_text(dir / "single.log");
   const auto from_fsdp = metrics(dir / "fsdp2");
   ASSERT_EQ(from_fsdp.size(), 4u);
-  for (const char* part : {"model", "optimizer"}) {
-    SCOPED_TRACE(part);
-    const auto got = tensor_table(dir / "fsdp2/checkpoints/step-2" / part);
-    EXPECT_EQ(got, tensor_table(dir / "single/checkpoints/step-2" / part));
-    EXPECT_GT(std::count_if(
-                  got.begin(), got.end(),
-                  [](const auto& t) { return t.first.find("model.visual.") != std::string::npos; }),
-              10);
-  }
+  expect_vl_checkpoint_as_single(dir / "fsdp2/checkpoints/step-2",
+                                 dir / "single/checkpoints/step-2");
   expect_resumed_continuation(dir.path(), recipe, dir / "fsdp2", "vl-single-from-fsdp2", 1, 1,
                               from_fsdp);
 }
