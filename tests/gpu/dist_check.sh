@@ -8,7 +8,10 @@
 #     run with two packs per step (the same packs) for 20 steps: every step's loss within 1e-2
 #     (bf16 compute; the two runs sum the same gradients in another order), and the saved
 #     checkpoint of the 2-rank run resumes on one GPU for 2 more steps.
-#  2. bench_cuda_nccl under mpirun: the dispatch all-to-all and the FSDP overlap (numbers only).
+#  2. Expert parallel over NCCL: the same two ranks with train.ep_size = 2 (each GPU holds half of
+#     the routed experts; tokens travel to them and back through NCCL all-to-alls) follow the
+#     same one-GPU run within the same bar, and the ep checkpoint resumes on one GPU.
+#  3. bench_cuda_nccl under mpirun: the dispatch all-to-all and the FSDP overlap (numbers only).
 #
 # Usage (from the repository root): tests/gpu/dist_check.sh CARRY_DIR WORK_DIR
 # Environment: GLMTUNE_MPIRUN (the launcher, default mpirun; an Open MPI one takes -x).
@@ -78,6 +81,37 @@ cp -r "$work/dist-two" "$work/dist-resumed"
 }
 [[ $fail == 0 ]] && grep -c '"step"' "$work/dist-resumed/metrics.jsonl" |
   xargs -I{} echo "resumed run: metrics.jsonl now holds {} steps"
+
+echo "== two ranks on two GPUs, expert parallel (ep_size 2), one pack each per step"
+if "${launcher[@]}" "$bin" train "${common[@]}" --set train.micro_packs=1 --set train.ep_size=2 \
+  --set "output.dir=$work/dist-ep" >"$work/dist-ep.log" 2>&1; then
+  grep -h "distributed:\|ep: this rank" "$work/dist-ep.log" | head -n 2
+  python3 - "$work/dist-one/metrics.jsonl" "$work/dist-ep/metrics.jsonl" <<'EOF' || fail=1
+import json, sys
+def losses(path):
+    return [json.loads(line)["loss"] for line in open(path) if line.strip()]
+one, ep = losses(sys.argv[1]), losses(sys.argv[2])
+if len(one) != 20 or len(ep) != 20:
+    sys.exit(f"dist_check: expected 20 steps, got {len(one)} and {len(ep)}")
+worst = max(abs(a - b) for a, b in zip(one, ep))
+print(f"expert parallel over NCCL: loss {ep[0]:.4f} -> {ep[-1]:.4f} with ep 2; worst step "
+      f"difference from one GPU {worst:.2e} (bar 1e-2)")
+if worst > 1e-2:
+    sys.exit("dist_check: the expert-parallel losses left the one-GPU curve")
+EOF
+  echo "== the ep checkpoint resumed on one GPU"
+  cp -r "$work/dist-ep" "$work/dist-ep-resumed"
+  "$bin" train "${common[@]}" --set train.micro_packs=2 --set train.total_steps=22 \
+    --set "output.dir=$work/dist-ep-resumed" --resume >"$work/dist-ep-resumed.log" 2>&1 || {
+    echo "dist_check: resuming the ep checkpoint on one GPU failed"
+    tail -n 20 "$work/dist-ep-resumed.log"
+    fail=1
+  }
+else
+  echo "dist_check: the expert-parallel run failed"
+  tail -n 30 "$work/dist-ep.log"
+  fail=1
+fi
 
 echo "== bench_cuda_nccl (2 ranks)"
 if [[ -x "$carry/bench_cuda_nccl" ]]; then

@@ -7,11 +7,51 @@
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/dist/expert_exchange.h"
 #include "glmtune/ops/cpu/moe_common.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mlp.h"
 
 namespace glmtune::dist {
+
+detail::PairCounts detail::exchange_counts(Communicator& ep,
+                                           std::span<const int64_t> send_per_expert,
+                                           int64_t per_rank) {
+  const int ranks = ep.size();
+  const int64_t n_experts = int64_t(send_per_expert.size());
+  GLMTUNE_ASSERT(n_experts == ranks * per_rank, "{} experts' pair counts for {} ranks of {}",
+                 n_experts, ranks, per_rank);
+  Tensor send_counts = Tensor::empty({n_experts}, DType::i64);
+  std::copy(send_per_expert.begin(), send_per_expert.end(), send_counts.data<int64_t>());
+  Tensor recv_counts = Tensor::empty({n_experts}, DType::i64);
+  const std::vector<int64_t> block(size_t(ranks), per_rank);
+  ep.all_to_all(send_counts, block, recv_counts, block);
+  PairCounts c;
+  c.send_pairs.assign(size_t(ranks), 0);
+  c.recv_pairs.assign(size_t(ranks), 0);
+  c.recv_per_expert.assign(recv_counts.data<int64_t>(), recv_counts.data<int64_t>() + n_experts);
+  for (int q = 0; q < ranks; ++q)
+    for (int64_t j = 0; j < per_rank; ++j) {
+      c.send_pairs[size_t(q)] += send_per_expert[size_t(q * per_rank + j)];
+      c.recv_pairs[size_t(q)] += c.recv_per_expert[size_t(q * per_rank + j)];
+    }
+  return c;
+}
+
+Tensor detail::exchange_rows(Communicator& group, const Tensor& rows, int64_t width,
+                             const std::vector<int64_t>& send_pairs,
+                             const std::vector<int64_t>& recv_pairs) {
+  std::vector<int64_t> send_counts(send_pairs.size()), recv_counts(recv_pairs.size());
+  for (size_t q = 0; q < send_pairs.size(); ++q) {
+    send_counts[q] = send_pairs[q] * width;
+    recv_counts[q] = recv_pairs[q] * width;
+  }
+  const int64_t total = std::accumulate(recv_pairs.begin(), recv_pairs.end(), int64_t(0));
+  Tensor out = Tensor::empty({total, width}, rows.dtype(), rows.device());
+  group.all_to_all(rows, send_counts, out, recv_counts);
+  return out;
+}
+
 namespace {
 
 // Who sends what to whom for one routing: the same on the forward and the backward of a layer.
@@ -29,48 +69,28 @@ struct Plan {
 };
 
 Plan make_plan(Communicator& ep, const ops::Routing& routing, int64_t n_experts, int64_t per_rank) {
-  const int ranks = ep.size();
   const Tensor idx_t = routing.indices.contiguous();
   const int64_t pairs = idx_t.numel();
   const ops::cpu_detail::ExpertBuckets buckets =
       ops::cpu_detail::bucket_by_expert(idx_t.data<int32_t>(), pairs, n_experts);
   Plan p;
   p.slots = buckets.slot;
-  // Pairs per expert; experts [q·per_rank, (q+1)·per_rank) are rank q's block of the exchange.
-  Tensor send_counts = Tensor::empty({n_experts}, DType::i64);
+  std::vector<int64_t> per_expert(size_t(n_experts), 0);
   for (int64_t e = 0; e < n_experts; ++e)
-    send_counts.data<int64_t>()[e] = buckets.start[size_t(e) + 1] - buckets.start[size_t(e)];
-  Tensor recv_counts = Tensor::empty({int64_t(ranks) * per_rank}, DType::i64);
-  const std::vector<int64_t> block(size_t(ranks), per_rank);
-  ep.all_to_all(send_counts, block, recv_counts, block);
-  p.send_pairs.assign(size_t(ranks), 0);
-  p.recv_pairs.assign(size_t(ranks), 0);
+    per_expert[size_t(e)] = buckets.start[size_t(e) + 1] - buckets.start[size_t(e)];
+  detail::PairCounts counts = detail::exchange_counts(ep, per_expert, per_rank);
+  p.send_pairs = std::move(counts.send_pairs);
+  p.recv_pairs = std::move(counts.recv_pairs);
   p.local_rows.resize(size_t(per_rank));
   int64_t position = 0;
-  for (int q = 0; q < ranks; ++q)
+  for (int q = 0; q < ep.size(); ++q)
     for (int64_t j = 0; j < per_rank; ++j) {
-      p.send_pairs[size_t(q)] += send_counts.data<int64_t>()[q * per_rank + j];
-      const int64_t n = recv_counts.data<int64_t>()[q * per_rank + j];
-      p.recv_pairs[size_t(q)] += n;
+      const int64_t n = counts.recv_per_expert[size_t(q * per_rank + j)];
       if (n == 0) continue;
       std::vector<int64_t>& block = p.local_rows[size_t(j)].emplace_back();
       for (int64_t r = 0; r < n; ++r) block.push_back(position++);
     }
   return p;
-}
-
-// Variable-count exchange of rows of `width` elements.
-Tensor exchange(Communicator& ep, const Tensor& rows, int64_t width,
-                const std::vector<int64_t>& send_pairs, const std::vector<int64_t>& recv_pairs) {
-  std::vector<int64_t> send_counts(send_pairs.size()), recv_counts(recv_pairs.size());
-  for (size_t q = 0; q < send_pairs.size(); ++q) {
-    send_counts[q] = send_pairs[q] * width;
-    recv_counts[q] = recv_pairs[q] * width;
-  }
-  const int64_t total = std::accumulate(recv_pairs.begin(), recv_pairs.end(), int64_t(0));
-  Tensor out = Tensor::empty({total, width}, rows.dtype());
-  ep.all_to_all(rows, send_counts, out, recv_counts);
-  return out;
 }
 
 // Copies rows `which` of `src` (row length `width`, first `cols` elements) into a new [n, cols].
@@ -124,7 +144,7 @@ Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank,
   const T* xp = x.data<T>();
   for (int64_t i = 0; i < pairs; ++i)
     std::copy_n(xp + (plan.slots[size_t(i)] / k) * dim, dim, send.data<T>() + i * dim);
-  const Tensor recv = exchange(ep, send, dim, plan.send_pairs, plan.recv_pairs);
+  const Tensor recv = detail::exchange_rows(ep, send, dim, plan.send_pairs, plan.recv_pairs);
 
   // The local experts on each sender's block of rows; results go back in place.
   Tensor reply = Tensor::empty(recv.shape(), x.dtype());
@@ -137,7 +157,7 @@ Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank,
       for (size_t r = 0; r < which.size(); ++r)
         std::copy_n(yp + int64_t(r) * dim, dim, reply.data<T>() + which[r] * dim);
     }
-  const Tensor back = exchange(ep, reply, dim, plan.recv_pairs, plan.send_pairs);
+  const Tensor back = detail::exchange_rows(ep, reply, dim, plan.recv_pairs, plan.send_pairs);
 
   // Weighted combine in ascending expert order per row, as the single-process kernel sums.
   const Tensor w_t = routing.weights.contiguous();
@@ -180,7 +200,7 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
     std::copy_n(dy.data<T>() + row * dim, dim, s + dim);
     s[2 * dim] = w[slot];
   }
-  const Tensor recv = exchange(ep, send, width, plan.send_pairs, plan.recv_pairs);
+  const Tensor recv = detail::exchange_rows(ep, send, width, plan.send_pairs, plan.recv_pairs);
 
   // [dx | dw] per pair.
   const int64_t reply_width = dim + 1;
@@ -220,7 +240,8 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
       for (int64_t r = 0; r < n; ++r)
         std::copy_n(dxe.data<T>() + r * dim, dim, reply_p + which[size_t(r)] * reply_width);
     }
-  const Tensor back = exchange(ep, reply, reply_width, plan.recv_pairs, plan.send_pairs);
+  const Tensor back =
+      detail::exchange_rows(ep, reply, reply_width, plan.recv_pairs, plan.send_pairs);
 
   model::text::ExpertDispatch::Backward out;
   out.dx = Tensor::zeros({rows, dim}, x.dtype());
@@ -263,8 +284,13 @@ void check_inputs(int64_t n_experts, int64_t per_rank, int64_t first, const ops:
 
 }  // namespace
 
-ExpertParallel::ExpertParallel(Communicator& ep, int64_t n_experts, const std::string& where)
-    : ep_(ep), n_experts_(n_experts) {
+ExpertParallel::ExpertParallel(Communicator& ep, int64_t n_experts, const std::string& where,
+                               Communicator* device_group)
+    : ep_(ep), device_group_(device_group), n_experts_(n_experts) {
+  GLMTUNE_ASSERT(device_group == nullptr ||
+                     (device_group->size() == ep.size() && device_group->rank() == ep.rank()),
+                 "the device group '{}' must hold the ranks of '{}' in the same order",
+                 device_group ? device_group->name() : std::string(), ep.name());
   if (n_experts <= 0 || n_experts % ep.size() != 0)
     throw Error(fmt::format("{} routed experts do not split over {} expert-parallel ranks",
                             n_experts, ep.size()),
@@ -273,8 +299,21 @@ ExpertParallel::ExpertParallel(Communicator& ep, int64_t n_experts, const std::s
   first_ = per_rank_ * ep.rank();
 }
 
+Communicator& ExpertParallel::device_group(const Tensor& x) const {
+  GLMTUNE_ASSERT(
+      device_group_ != nullptr,
+      "expert parallelism on {} needs a device group over '{}' (ParallelContext::use_gpu)",
+      x.device().str(), ep_.name());
+  return *device_group_;
+}
+
 Tensor ExpertParallel::forward(const ops::MoeConfig& cfg, const ops::MoeParams& params,
                                const Tensor& x, const ops::Routing& routing) const {
+#ifdef GLMTUNE_WITH_CUDA
+  if (x.defined() && x.device().is_cuda())
+    return detail::forward_on_device(ep_, device_group(x), n_experts_, per_rank_, cfg, params, x,
+                                     routing);
+#endif
   check_inputs(n_experts_, per_rank_, first_, cfg, params, x, routing);
   if (x.dtype() == DType::f32)
     return forward_impl<float>(ep_, n_experts_, per_rank_, cfg, params, x, routing);
@@ -284,6 +323,11 @@ Tensor ExpertParallel::forward(const ops::MoeConfig& cfg, const ops::MoeParams& 
 model::text::ExpertDispatch::Backward ExpertParallel::backward(
     const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
     const ops::Routing& routing, const Tensor& dy, ops::MoeParams& grads) const {
+#ifdef GLMTUNE_WITH_CUDA
+  if (x.defined() && x.device().is_cuda())
+    return detail::backward_on_device(ep_, device_group(x), n_experts_, per_rank_, cfg, params, x,
+                                      routing, dy, grads);
+#endif
   check_inputs(n_experts_, per_rank_, first_, cfg, params, x, routing);
   GLMTUNE_ASSERT(dy.defined() && dy.shape() == x.shape() && dy.dtype() == x.dtype(),
                  "expert-parallel backward: dy {} must match the input {}",

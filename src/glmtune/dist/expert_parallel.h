@@ -20,6 +20,16 @@
 // The expert loads and the balancing loss come from each rank's own routing, exactly as in data
 // parallelism; an expert's weight gradient is complete once summed over the ranks holding its
 // slice (the edp group: ExpertAdamW of expert_shards.h reduces over it).
+//
+// On the GPU (inputs on a CUDA device; expert_parallel_cuda.cpp) the same exchange runs on device
+// buffers through `device_group` (NCCL over the ep ranks); only the pair counts travel through the
+// host group. The sender orders its pairs with the MoE block's permutation (ops/cuda/moe.h: by
+// expert, rows ascending), the owner runs its experts as one grouped GEMM over every sender's rows
+// (cuda::moe_experts with the local expert of each row as a top-1 routing) and the sender combines
+// the returned rows as the one-GPU block does, in fp32 with the combine weights, k in order. In
+// the backward the owner gets [x | dy | w] per pair (three exchanges) and returns the pair's dx
+// (w included) and ⟨dy, y⟩ (two); the sender sums each token's rows in fp32 and hands dx to
+// ops::moe_backward_routed_elsewhere in f32, so it is rounded once.
 #include <cstdint>
 
 #include "glmtune/dist/comm.h"
@@ -30,8 +40,10 @@ namespace glmtune::dist {
 class ExpertParallel final : public model::text::ExpertDispatch {
  public:
   // `n_experts` split over the ranks of `ep`; glmtune::Error naming `where` unless ep.size()
-  // divides it.
-  ExpertParallel(Communicator& ep, int64_t n_experts, const std::string& where);
+  // divides it. `device_group`: the same ranks in the same order for GPU tensors (NCCL), needed
+  // when the MoE inputs live on a GPU.
+  ExpertParallel(Communicator& ep, int64_t n_experts, const std::string& where,
+                 Communicator* device_group = nullptr);
 
   Communicator& group() const { return ep_; }
   int64_t experts() const { return n_experts_; }
@@ -45,7 +57,10 @@ class ExpertParallel final : public model::text::ExpertDispatch {
                     ops::MoeParams& grads) const override;
 
  private:
+  Communicator& device_group(const Tensor& x) const;
+
   Communicator& ep_;
+  Communicator* device_group_ = nullptr;
   int64_t n_experts_ = 0, per_rank_ = 0, first_ = 0;
 };
 

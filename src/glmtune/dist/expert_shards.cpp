@@ -104,8 +104,9 @@ std::vector<std::string> LocalExperts::nonfinite(
 
 // ---- ExpertAdamW
 
-ExpertAdamW::ExpertAdamW(const LocalExperts& experts, train::AdamWConfig config, Communicator& edp)
-    : experts_(experts), edp_(edp), shards_(experts.params(), config, edp) {}
+ExpertAdamW::ExpertAdamW(const LocalExperts& experts, train::AdamWConfig config, Communicator& edp,
+                         Communicator* edp_device)
+    : experts_(experts), edp_(edp), shards_(experts.params(), config, edp, edp_device) {}
 
 double ExpertAdamW::reduce_gradients(const std::vector<Tensor>& grads) {
   return shards_.reduce_shard(grads);

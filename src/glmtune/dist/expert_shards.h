@@ -80,8 +80,10 @@ class LocalExperts {
 class ExpertAdamW {
  public:
   // Trains the slices of `experts` (the store's tensors: updates are written into them) with
-  // AdamW sharded over `edp`, the ranks holding the same slice.
-  ExpertAdamW(const LocalExperts& experts, train::AdamWConfig config, Communicator& edp);
+  // AdamW sharded over `edp`, the ranks holding the same slice. `edp_device`: the same ranks for
+  // GPU gradients (NCCL), as ShardedAdamW's device group.
+  ExpertAdamW(const LocalExperts& experts, train::AdamWConfig config, Communicator& edp,
+              Communicator* edp_device = nullptr);
 
   // The slice parameters (names of the full tensors, slice shapes); gradients are given aligned
   // with them.

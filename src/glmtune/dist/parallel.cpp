@@ -96,6 +96,10 @@ void ParallelContext::use_gpu(int device) {
 #ifdef GLMTUNE_WITH_CUDA
   use_cuda_device(device);
   if (!dp_gpu_) dp_gpu_ = make_nccl_communicator(*dp_, device, timeout_s_);
+  if (sizes_.ep > 1 && !ep_gpu_) {
+    ep_gpu_ = make_nccl_communicator(*ep_, device, timeout_s_);
+    edp_gpu_ = make_nccl_communicator(*edp_, device, timeout_s_);
+  }
 #else
   throw Error(fmt::format("GPU {} asked for, but this glmtune was built without CUDA", device),
               "the glmtune build", "build with -DGLMTUNE_CUDA=ON, or train on the CPU");

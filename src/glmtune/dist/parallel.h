@@ -75,6 +75,10 @@ class ParallelContext {
   // parameter all-gather, on device tensors), created by use_gpu(); null before, and in a CPU run.
   // MPI stays the bootstrap and carries the small host-side sums (losses, loads, norms).
   Communicator* dp_gpu() const { return dp_gpu_.get(); }
+  // With expert parallelism (ep > 1), the same for the ep and edp groups: the token exchange and
+  // the expert slices' gradient reduce-scatter and parameter all-gather.
+  Communicator* ep_gpu() const { return ep_gpu_.get(); }
+  Communicator* edp_gpu() const { return edp_gpu_.get(); }
   // Collective. Makes `device` this process's current GPU and creates the NCCL groups on it.
   void use_gpu(int device);
 
@@ -88,7 +92,7 @@ class ParallelContext {
   double timeout_s_ = 600;
   int local_rank_ = 0, local_size_ = 1;
   std::unique_ptr<Communicator> world_, dp_, ep_, sp_, edp_;
-  std::unique_ptr<Communicator> dp_gpu_;
+  std::unique_ptr<Communicator> dp_gpu_, ep_gpu_, edp_gpu_;
 };
 
 }  // namespace glmtune::dist

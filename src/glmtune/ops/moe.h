@@ -107,4 +107,15 @@ Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Te
 Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeContext& ctx,
                     const Tensor& dy, MoeParams& grads, const Tensor& d_router_logits = Tensor());
 
+// moe_backward when the routed experts were differentiated elsewhere (expert parallelism:
+// dist/expert_parallel.h): `routed_dx` [T, D] and `routed_d_weights` [T, K] are their input and
+// combine-weight gradients; the router and the shared expert are differentiated here from x, as
+// moe_backward does, and only their gradients accumulate into `grads`. Returns dx [T, D]. On the
+// GPU both routed gradients are f32 (dx then rounds once to x's dtype); on the CPU they are in x's
+// dtype.
+Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
+                                     const Routing& routing, const Tensor& dy,
+                                     const Tensor& routed_dx, const Tensor& routed_d_weights,
+                                     MoeParams& grads, const Tensor& d_router_logits = Tensor());
+
 }  // namespace glmtune::ops

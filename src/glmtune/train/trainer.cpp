@@ -302,13 +302,14 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   const Device device = on_gpu ? training_device(recipe, par) : Device::cpu();
   const bool root = par == nullptr || par->is_root();
   if (on_gpu && distributed) {
-    // Data parallel over NCCL; the other splits have CPU paths only.
-    if (par->sizes().ep > 1 || par->sizes().sp > 1 || recipe.fsdp)
+    // Data and expert parallel over NCCL; sequence parallelism and fsdp have CPU paths only.
+    if (par->sizes().sp > 1 || recipe.fsdp)
       throw Error(
-          "a distributed GPU run splits the data only: expert parallel, sequence parallel and "
+          "a distributed GPU run splits the data and the experts only: sequence parallel and "
           "train.fsdp run on the CPU for now",
-          recipe.source() + ": train.ep_size / train.sp_size / train.fsdp",
-          "set train.ep_size = train.sp_size = 1 and train.fsdp = false, or device = \"cpu\"");
+          recipe.source() + ": train.sp_size / train.fsdp",
+          "set train.sp_size = 1 and train.fsdp = false (train.ep_size may stay), or device = "
+          "\"cpu\"");
     par->use_gpu(device.index);
   } else if (on_gpu) {
     use_cuda_device(device.index);
@@ -388,7 +389,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::optional<dist::ExpertParallel> expert_parallel;
   if (expert_sharded)
     expert_parallel.emplace(par->ep(), model_config.text().n_routed_experts,
-                            recipe.source() + ": train.ep_size");
+                            recipe.source() + ": train.ep_size", on_gpu ? par->ep_gpu() : nullptr);
   // Fully sharded decoder layers (dist/fsdp.h): each rank keeps a slice of every decoder layer's
   // compute weights, gradient, fp32 masters and moments over dp (a group of one without a
   // launcher); the replicated tensors, the vision tower and projector included, go through the
@@ -495,7 +496,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::optional<dist::ExpertAdamW> expert_optimizer;
   if (expert_sharded) {
     local_experts.emplace(store, *expert_parallel);
-    expert_optimizer.emplace(*local_experts, recipe.adamw_config(), par->edp());
+    expert_optimizer.emplace(*local_experts, recipe.adamw_config(), par->edp(),
+                             on_gpu ? par->edp_gpu() : nullptr);
     if (saved_state) expert_optimizer->load(*saved_state);
   }
   std::optional<TextModel> text_model;
@@ -901,9 +903,13 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
         nonfinite.insert(nonfinite.end(), layers.begin(), layers.end());
       }
       if (local_experts) {
-        const std::vector<std::string> experts =
-            local_experts->nonfinite([&](const std::string& name) { return grads.find(name); },
-                                     par->world(), kNonFiniteNamed);
+        const std::vector<std::string> experts = local_experts->nonfinite(
+            [&](const std::string& name) -> const Tensor* {
+              const Tensor* g = grads.find(name);
+              if (!g || !g->defined() || g->device().is_cpu()) return g;
+              return &(host_copies[name] = g->to(Device::cpu()));
+            },
+            par->world(), kNonFiniteNamed);
         nonfinite.insert(nonfinite.end(), experts.begin(), experts.end());
       }
     }

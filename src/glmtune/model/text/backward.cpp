@@ -149,16 +149,10 @@ Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Rou
   Tensor d_logits = balancing_grad(c, routing, p.e_score_correction_bias);
   if (const ExpertDispatch* dispatch = c.ops.expert_dispatch) {
     // Expert parallel: the routed experts' part comes back from their ranks; the router and the
-    // shared expert are differentiated here as in ops::moe_backward.
-    ExpertDispatch::Backward routed = dispatch->backward(c.ops.moe, p, x, routing, dy, g);
-    Tensor d_route = ops::moe_route_backward(c.ops.moe, routing, routed.d_weights);
-    if (d_logits.defined()) d_route = add(d_route, d_logits);
-    const Tensor d_router_x = ops::linear_backward(d_route, x, p.router_weight, &g.router_weight);
-    ops::MlpContext shared;
-    ops::mlp_forward(p.shared, x, c.ops.moe.swiglu_limit, shared);
-    const Tensor d_shared =
-        ops::mlp_backward(p.shared, shared, dy, c.ops.moe.swiglu_limit, g.shared);
-    return add(routed.dx, add(d_router_x, d_shared));
+    // shared expert are differentiated here.
+    const ExpertDispatch::Backward routed = dispatch->backward(c.ops.moe, p, x, routing, dy, g);
+    return ops::moe_backward_routed_elsewhere(c.ops.moe, p, x, routing, dy, routed.dx,
+                                              routed.d_weights, g, d_logits);
   }
   ops::MoeContext mc;
   mc.x = x;

@@ -36,6 +36,7 @@ class ExpertDispatch {
   // Σ_k w_k · expert_{idx_k}(x) per row, [T, D]: what ops::moe_experts computes over all experts.
   virtual Tensor forward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
                          const ops::Routing& routing) const = 0;
+  // In the dtypes ops::moe_backward_routed_elsewhere takes: x's on the CPU, f32 on the GPU.
   struct Backward {
     Tensor dx;         // [T, D] through the routed experts only
     Tensor d_weights;  // [T, K] gradient of the combine weights

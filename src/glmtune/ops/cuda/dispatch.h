@@ -114,5 +114,9 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
 Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights);
 Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeContext& ctx,
                     const Tensor& dy, MoeParams& grads, const Tensor& d_router_logits);
+Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
+                                     const Routing& routing, const Tensor& dy,
+                                     const Tensor& routed_dx, const Tensor& routed_d_weights,
+                                     MoeParams& grads, const Tensor& d_router_logits);
 
 }  // namespace glmtune::ops::cuda_path

@@ -663,4 +663,15 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
   return cuda::moe_backward(cfg, params, cc, dy, grads, d_logits);
 }
 
+Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
+                                     const Routing& routing, const Tensor& dy,
+                                     const Tensor& routed_dx, const Tensor& routed_d_weights,
+                                     MoeParams& grads, const Tensor& d_router_logits) {
+  OpTimer timer("moe_backward");
+  const Tensor d_logits =
+      d_router_logits.defined() ? d_router_logits.to(dy.device()).to(DType::f32) : Tensor();
+  return cuda::moe_backward_routed_elsewhere(cfg, params, x, routing, dy, routed_dx,
+                                             routed_d_weights, grads, d_logits);
+}
+
 }  // namespace glmtune::ops::cuda_path

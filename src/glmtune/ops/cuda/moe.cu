@@ -191,11 +191,12 @@ __global__ void combine_kernel(const T* __restrict__ yp, const float* __restrict
   }
 }
 
-// dx[t] = T(extra[t] + Σ_k dxp[pos[t·K+k]]): one block per token, k in order.
-template <int VEC, typename T>
+// dx[t] = Out(extra[t] + Σ_k dxp[pos[t·K+k]]): one block per token, k in order (extra may be
+// null).
+template <int VEC, typename T, typename Out>
 __global__ void unpermute_sum_kernel(const T* __restrict__ dxp,
                                      const int32_t* __restrict__ position, int k, int cols,
-                                     const float* __restrict__ extra, T* __restrict__ dx) {
+                                     const float* __restrict__ extra, Out* __restrict__ dx) {
   const int64_t t = blockIdx.x;
   for (int j = threadIdx.x * VEC; j < cols; j += blockDim.x * VEC) {
     float acc[VEC] = {};
@@ -205,9 +206,16 @@ __global__ void unpermute_sum_kernel(const T* __restrict__ dxp,
 #pragma unroll
       for (int q = 0; q < VEC; ++q) acc[q] += v[q];
     }
+    if (extra) {
 #pragma unroll
-    for (int q = 0; q < VEC; ++q) acc[q] += extra[t * cols + j + q];
-    detail::store_vec<VEC>(dx + t * cols + j, acc);
+      for (int q = 0; q < VEC; ++q) acc[q] += extra[t * cols + j + q];
+    }
+    if constexpr (std::is_same_v<Out, T>) {
+      detail::store_vec<VEC>(dx + t * cols + j, acc);
+    } else {
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) dx[t * cols + j + q] = acc[q];
+    }
   }
 }
 
@@ -635,47 +643,34 @@ Tensor moe_route_backward(const ops::MoeConfig& cfg, const ops::Routing& routing
   return d_logits;
 }
 
-Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const MoeContext& ctx,
-                    const Tensor& dy, ops::MoeParams& grads, const Tensor& d_router_logits,
-                    GroupedGemmBackend backend, cudaStream_t stream) {
-  check_config(cfg);
-  const Tensor& x = ctx.x;
-  GLMTUNE_CUDA_OP_REQUIRE(x.defined() && ctx.shared_gate_up.defined(),
-                          "cuda::moe_backward needs the context filled by cuda::moe_forward");
+namespace {
+
+// The routed experts' backward on the permuted rows: the activations recomputed, d_weights f32
+// [T, K] and the permuted input gradient dxp [T·K, D] (x's dtype); the expert weight gradients
+// accumulate into d_gate_up / d_down.
+struct RoutedBackward {
+  Tensor d_weights, dxp;
+};
+
+RoutedBackward routed_backward(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
+                               const Tensor& x, const ops::Routing& routing,
+                               const ExpertPermutation& perm, const Tensor& dy, Tensor& d_gate_up,
+                               Tensor& d_down, GroupedGemmBackend backend, cudaStream_t stream) {
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
-  const int64_t inter = params.down_proj.size(2);
-  const int64_t shared_inter = ctx.shared_gate_up.size(1) / 2;
-  check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
-  check_like_x(dy, x.shape(), x, "dy");
-  check_routing(ctx.routing, rows, cfg.n_experts, k, dev);
-  if (d_router_logits.defined())
-    GLMTUNE_CUDA_OP_REQUIRE(d_router_logits.dtype() == DType::f32 &&
-                                d_router_logits.is_contiguous() &&
-                                d_router_logits.shape() == ctx.routing.logits.shape(),
-                            "cuda::moe_backward: d_router_logits must be f32 like the logits");
-  detail::DeviceGuard guard(dev.index);
-  Tensor& d_gate_up = grad_buffer(grads.gate_up_proj, params.gate_up_proj, "gate_up_proj");
-  Tensor& d_down = grad_buffer(grads.down_proj, params.down_proj, "down_proj");
-  Tensor& d_router = grad_buffer(grads.router_weight, params.router_weight, "router weight");
-  Tensor& d_sg = grad_buffer(grads.shared.gate_proj, params.shared.gate_proj, "shared gate_proj");
-  Tensor& d_su = grad_buffer(grads.shared.up_proj, params.shared.up_proj, "shared up_proj");
-  Tensor& d_sd = grad_buffer(grads.shared.down_proj, params.shared.down_proj, "shared down_proj");
-  const ExpertPermutation& perm = ctx.permutation;
+  const int64_t inter = down.size(2);
   const int64_t n = perm.sorted_slots.numel();
-
-  // Routed experts, recomputed, then their GEMM gradients.
-  const ExpertActivations a =
-      run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
+  const ExpertActivations a = run_experts(cfg, gate_up, down, x, perm, backend, stream);
   const DType st = x.dtype();
-  Tensor d_weights = Tensor::empty({rows, k}, DType::f32, dev);
+  RoutedBackward r;
+  r.d_weights = Tensor::empty({rows, k}, DType::f32, dev);
   Tensor dyp = Tensor::empty({n, dim}, st, dev);
   if (n > 0) {
     auto launch = [&]<typename T>(auto kernel, T*) {
       kernel<<<unsigned(n), kThreads, 0, stream>>>(
           static_cast<const T*>(dy.data_ptr()), static_cast<const T*>(a.yp.data_ptr()),
-          ctx.routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k), int(dim),
-          d_weights.data<float>(), static_cast<T*>(dyp.data_ptr()));
+          routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k), int(dim),
+          r.d_weights.data<float>(), static_cast<T*>(dyp.data_ptr()));
     };
     if (st == DType::f32)
       launch(expert_output_grad_kernel<1, float>, static_cast<float*>(nullptr));
@@ -687,7 +682,7 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
   }
   grouped_linear_backward_weight(d_down, dyp, a.act, perm.offsets, backend, stream);
   Tensor d_act = Tensor::empty({n, inter}, st, dev);
-  grouped_linear_backward_input(d_act, dyp, params.down_proj, perm.offsets, backend, stream);
+  grouped_linear_backward_input(d_act, dyp, down, perm.offsets, backend, stream);
   Tensor dh = Tensor::empty({n, 2 * inter}, st, dev);
   if (n > 0) {
     Tensor dhg = dh.slice(1, 0, inter), dhu = dh.slice(1, inter, 2 * inter);
@@ -695,82 +690,269 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
                             cfg.swiglu_limit, dhg, dhu, stream);
   }
   grouped_linear_backward_weight(d_gate_up, dh, a.x_perm, perm.offsets, backend, stream);
-  Tensor dxp = Tensor::empty({n, dim}, st, dev);
-  grouped_linear_backward_input(dxp, dh, params.gate_up_proj, perm.offsets, backend, stream);
+  r.dxp = Tensor::empty({n, dim}, st, dev);
+  grouped_linear_backward_input(r.dxp, dh, gate_up, perm.offsets, backend, stream);
+  return r;
+}
 
+// dx[t] = Out(extra[t] + Σ_k dxp[pos(t, k)]), k in order (extra may be null).
+void unpermute_sum(const Tensor& dxp, const Tensor& position, int k, const float* extra, Tensor& dx,
+                   cudaStream_t stream) {
+  const int64_t rows = dx.size(0), dim = dx.size(1);
+  if (rows == 0) return;
+  if (dx.dtype() == DType::f32 && dxp.dtype() != DType::f32) {
+    const bool vec = vec8_ok(dxp, dim);
+    auto launch = [&](auto kernel) {
+      kernel<<<unsigned(rows), 128, 0, stream>>>(static_cast<const bf16*>(dxp.data_ptr()),
+                                                 position.data<int32_t>(), k, int(dim), extra,
+                                                 dx.data<float>());
+    };
+    if (vec)
+      launch(unpermute_sum_kernel<8, bf16, float>);
+    else
+      launch(unpermute_sum_kernel<1, bf16, float>);
+  } else {
+    dispatch_rows(dxp, dx, dim, [&]<typename T>(auto vec, T*) {
+      unpermute_sum_kernel<decltype(vec)::value, T, T><<<unsigned(rows), 128, 0, stream>>>(
+          static_cast<const T*>(dxp.data_ptr()), position.data<int32_t>(), k, int(dim), extra,
+          static_cast<T*>(dx.data_ptr()));
+    });
+  }
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+// The router (from the combine weights' gradient d_weights, plus d_router_logits when defined)
+// and the shared expert (from shared_gate_up, its pre-clamp gate | up): their input gradients
+// added into dx_f32, their weight gradients into grads.
+void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params,
+                                const Tensor& x, const ops::Routing& routing,
+                                const Tensor& shared_gate_up, const Tensor& dy,
+                                const Tensor& d_weights, const Tensor& d_router_logits,
+                                ops::MoeParams& grads, Tensor& dx_f32, cudaStream_t stream) {
+  const Device dev = x.device();
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const int64_t shared_inter = shared_gate_up.size(1) / 2;
+  const DType st = x.dtype();
+  Tensor& d_router = grad_buffer(grads.router_weight, params.router_weight, "router weight");
+  Tensor& d_sg = grad_buffer(grads.shared.gate_proj, params.shared.gate_proj, "shared gate_proj");
+  Tensor& d_su = grad_buffer(grads.shared.up_proj, params.shared.up_proj, "shared up_proj");
+  Tensor& d_sd = grad_buffer(grads.shared.down_proj, params.shared.down_proj, "shared down_proj");
   // Router: combine weights → logits → GEMMs into fp32. bf16 operands take the fp32 logit
   // gradient as two bf16 parts (hi + lo); f32 operands take it whole.
-  Tensor d_logits = moe_route_backward(cfg, ctx.routing, d_weights, stream);
-  Tensor dx_f32 = Tensor::zeros({rows, dim}, DType::f32, dev);
-  if (rows > 0) {
-    const int64_t ne = rows * cfg.n_experts;
-    const float* extra = d_router_logits.defined() ? d_router_logits.data<float>() : nullptr;
-    std::vector<const void*> parts;
-    Tensor split;
-    if (st == DType::f32) {
-      if (extra) {
-        accumulate_kernel<float>
-            <<<blocks_for(ne), kThreads, 0, stream>>>(extra, ne, d_logits.data<float>());
-        GLMTUNE_CUDA_CHECK_LAUNCH();
-      }
-      parts = {d_logits.data_ptr()};
-    } else {
-      split = Tensor::empty({2, rows, cfg.n_experts}, DType::bf16, dev);
-      auto* hi = static_cast<bf16*>(split.data_ptr());
-      split_hi_lo_kernel<<<blocks_for(ne), kThreads, 0, stream>>>(d_logits.data<float>(), extra, ne,
-                                                                  hi, hi + ne);
+  Tensor d_logits = moe_route_backward(cfg, routing, d_weights, stream);
+  if (rows == 0) return;
+  const int64_t ne = rows * cfg.n_experts;
+  const float* extra = d_router_logits.defined() ? d_router_logits.data<float>() : nullptr;
+  std::vector<const void*> parts;
+  Tensor split;
+  if (st == DType::f32) {
+    if (extra) {
+      accumulate_kernel<float>
+          <<<blocks_for(ne), kThreads, 0, stream>>>(extra, ne, d_logits.data<float>());
       GLMTUNE_CUDA_CHECK_LAUNCH();
-      parts = {hi, hi + ne};
     }
-    Tensor d_router_f32 = d_router.dtype() == DType::f32
-                              ? d_router
-                              : Tensor::zeros(d_router.shape(), DType::f32, dev);
-    for (const void* dl : parts) {
-      GemmArgs g;
-      g.device = dev.index;
-      g.m = rows, g.n = dim, g.k = cfg.n_experts;
-      g.a = dl, g.lda = cfg.n_experts;
-      g.b = params.router_weight.data_ptr(), g.ldb = dim;
-      g.c = dx_f32.data_ptr(), g.ldc = dim, g.c_dtype = DType::f32, g.beta = 1.0f;
-      g.ab_dtype = st;
-      gemm(g, stream);
-      GemmArgs w;
-      w.device = dev.index;
-      w.trans_a = true;
-      w.m = cfg.n_experts, w.n = dim, w.k = rows;
-      w.a = dl, w.lda = cfg.n_experts;
-      w.b = x.data_ptr(), w.ldb = dim;
-      w.c = d_router_f32.data_ptr(), w.ldc = dim, w.c_dtype = DType::f32, w.beta = 1.0f;
-      w.ab_dtype = st;
-      gemm(w, stream);
-    }
-    if (d_router.dtype() != DType::f32) accumulate(d_router, d_router_f32, stream);
-
-    // Shared expert, into the same fp32 dx.
-    const Tensor gate = ctx.shared_gate_up.slice(1, 0, shared_inter);
-    const Tensor up = ctx.shared_gate_up.slice(1, shared_inter, 2 * shared_inter);
-    const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
-    const Tensor d_sact = linear_backward_input(dy, params.shared.down_proj, st, stream);
-    linear_backward_weight(d_sd, dy, act, stream);
-    Tensor d_sgu = Tensor::empty({rows, 2 * shared_inter}, st, dev);
-    Tensor dsg = d_sgu.slice(1, 0, shared_inter),
-           dsu = d_sgu.slice(1, shared_inter, 2 * shared_inter);
-    swiglu_clamped_backward(gate, up, d_sact, cfg.swiglu_limit, dsg, dsu, stream);
-    linear_backward_weight(d_sg, dsg, x, stream);
-    linear_backward_weight(d_su, dsu, x, stream);
-    linear_backward_input_out(dx_f32, dsg, params.shared.gate_proj, true, stream);
-    linear_backward_input_out(dx_f32, dsu, params.shared.up_proj, true, stream);
+    parts = {d_logits.data_ptr()};
+  } else {
+    split = Tensor::empty({2, rows, cfg.n_experts}, DType::bf16, dev);
+    auto* hi = static_cast<bf16*>(split.data_ptr());
+    split_hi_lo_kernel<<<blocks_for(ne), kThreads, 0, stream>>>(d_logits.data<float>(), extra, ne,
+                                                                hi, hi + ne);
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+    parts = {hi, hi + ne};
   }
+  Tensor d_router_f32 =
+      d_router.dtype() == DType::f32 ? d_router : Tensor::zeros(d_router.shape(), DType::f32, dev);
+  for (const void* dl : parts) {
+    GemmArgs g;
+    g.device = dev.index;
+    g.m = rows, g.n = dim, g.k = cfg.n_experts;
+    g.a = dl, g.lda = cfg.n_experts;
+    g.b = params.router_weight.data_ptr(), g.ldb = dim;
+    g.c = dx_f32.data_ptr(), g.ldc = dim, g.c_dtype = DType::f32, g.beta = 1.0f;
+    g.ab_dtype = st;
+    gemm(g, stream);
+    GemmArgs w;
+    w.device = dev.index;
+    w.trans_a = true;
+    w.m = cfg.n_experts, w.n = dim, w.k = rows;
+    w.a = dl, w.lda = cfg.n_experts;
+    w.b = x.data_ptr(), w.ldb = dim;
+    w.c = d_router_f32.data_ptr(), w.ldc = dim, w.c_dtype = DType::f32, w.beta = 1.0f;
+    w.ab_dtype = st;
+    gemm(w, stream);
+  }
+  if (d_router.dtype() != DType::f32) accumulate(d_router, d_router_f32, stream);
 
-  Tensor dx = Tensor::empty({rows, dim}, st, dev);
-  if (rows > 0) {
-    dispatch_rows(dxp, dx, dim, [&]<typename T>(auto vec, T*) {
-      unpermute_sum_kernel<decltype(vec)::value, T><<<unsigned(rows), 128, 0, stream>>>(
-          static_cast<const T*>(dxp.data_ptr()), perm.slot_position.data<int32_t>(), int(k),
-          int(dim), dx_f32.data<float>(), static_cast<T*>(dx.data_ptr()));
-    });
+  // Shared expert, into the same fp32 dx.
+  const Tensor gate = shared_gate_up.slice(1, 0, shared_inter);
+  const Tensor up = shared_gate_up.slice(1, shared_inter, 2 * shared_inter);
+  const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
+  const Tensor d_sact = linear_backward_input(dy, params.shared.down_proj, st, stream);
+  linear_backward_weight(d_sd, dy, act, stream);
+  Tensor d_sgu = Tensor::empty({rows, 2 * shared_inter}, st, dev);
+  Tensor dsg = d_sgu.slice(1, 0, shared_inter),
+         dsu = d_sgu.slice(1, shared_inter, 2 * shared_inter);
+  swiglu_clamped_backward(gate, up, d_sact, cfg.swiglu_limit, dsg, dsu, stream);
+  linear_backward_weight(d_sg, dsg, x, stream);
+  linear_backward_weight(d_su, dsu, x, stream);
+  linear_backward_input_out(dx_f32, dsg, params.shared.gate_proj, true, stream);
+  linear_backward_input_out(dx_f32, dsu, params.shared.up_proj, true, stream);
+}
+
+void check_router_logit_grad(const Tensor& d_router_logits, const ops::Routing& routing) {
+  if (d_router_logits.defined())
+    GLMTUNE_CUDA_OP_REQUIRE(d_router_logits.dtype() == DType::f32 &&
+                                d_router_logits.is_contiguous() &&
+                                d_router_logits.shape() == routing.logits.shape(),
+                            "cuda::moe_backward: d_router_logits must be f32 like the logits");
+}
+
+// The shared expert's gate | up before the clamps, [T, 2·Is] in x's dtype.
+Tensor shared_gate_up_of(const ops::MlpParams& shared, const Tensor& x, cudaStream_t stream) {
+  const int64_t shared_inter = shared.gate_proj.size(0);
+  Tensor gate_up = Tensor::empty({x.size(0), 2 * shared_inter}, x.dtype(), x.device());
+  Tensor gate = gate_up.slice(1, 0, shared_inter),
+         up = gate_up.slice(1, shared_inter, 2 * shared_inter);
+  linear_out(gate, x, shared.gate_proj, Tensor(), false, stream);
+  linear_out(up, x, shared.up_proj, Tensor(), false, stream);
+  return gate_up;
+}
+
+void check_shared(const ops::MlpParams& shared, const Tensor& x) {
+  const int64_t dim = x.size(1);
+  const int64_t shared_inter = shared.gate_proj.defined() ? shared.gate_proj.size(0) : 0;
+  check_like_x(shared.gate_proj, {shared_inter, dim}, x, "shared gate_proj");
+  check_like_x(shared.up_proj, {shared_inter, dim}, x, "shared up_proj");
+  check_like_x(shared.down_proj, {dim, shared_inter}, x, "shared down_proj");
+}
+
+}  // namespace
+
+Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const MoeContext& ctx,
+                    const Tensor& dy, ops::MoeParams& grads, const Tensor& d_router_logits,
+                    GroupedGemmBackend backend, cudaStream_t stream) {
+  check_config(cfg);
+  const Tensor& x = ctx.x;
+  GLMTUNE_CUDA_OP_REQUIRE(x.defined() && ctx.shared_gate_up.defined(),
+                          "cuda::moe_backward needs the context filled by cuda::moe_forward");
+  const Device dev = x.device();
+  const int64_t rows = x.size(0), dim = x.size(1);
+  check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
+  check_like_x(dy, x.shape(), x, "dy");
+  check_routing(ctx.routing, rows, cfg.n_experts, cfg.top_k, dev);
+  check_router_logit_grad(d_router_logits, ctx.routing);
+  detail::DeviceGuard guard(dev.index);
+  Tensor& d_gate_up = grad_buffer(grads.gate_up_proj, params.gate_up_proj, "gate_up_proj");
+  Tensor& d_down = grad_buffer(grads.down_proj, params.down_proj, "down_proj");
+  const RoutedBackward r =
+      routed_backward(cfg, params.gate_up_proj, params.down_proj, x, ctx.routing, ctx.permutation,
+                      dy, d_gate_up, d_down, backend, stream);
+  Tensor dx_f32 = Tensor::zeros({rows, dim}, DType::f32, dev);
+  router_and_shared_backward(cfg, params, x, ctx.routing, ctx.shared_gate_up, dy, r.d_weights,
+                             d_router_logits, grads, dx_f32, stream);
+  Tensor dx = Tensor::empty({rows, dim}, x.dtype(), dev);
+  unpermute_sum(r.dxp, ctx.permutation.slot_position, int(cfg.top_k),
+                rows > 0 ? dx_f32.data<float>() : nullptr, dx, stream);
+  return dx;
+}
+
+ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const Tensor& gate_up_proj,
+                                     const Tensor& down_proj, const Tensor& x,
+                                     const ops::Routing& routing, const Tensor& dy,
+                                     ops::MoeParams& grads, GroupedGemmBackend backend,
+                                     cudaStream_t stream) {
+  check_config(cfg);
+  check_x(x, "cuda::moe_experts_backward");
+  check_expert_weights(cfg, gate_up_proj, down_proj, x);
+  check_like_x(dy, x.shape(), x, "dy");
+  check_routing(routing, x.size(0), cfg.n_experts, cfg.top_k, x.device());
+  detail::DeviceGuard guard(x.device().index);
+  Tensor& d_gate_up = grad_buffer(grads.gate_up_proj, gate_up_proj, "gate_up_proj");
+  Tensor& d_down = grad_buffer(grads.down_proj, down_proj, "down_proj");
+  const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream);
+  RoutedBackward r = routed_backward(cfg, gate_up_proj, down_proj, x, routing, perm, dy, d_gate_up,
+                                     d_down, backend, stream);
+  ExpertsBackward out;
+  out.dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  unpermute_sum(r.dxp, perm.slot_position, int(cfg.top_k), nullptr, out.dx, stream);
+  out.d_weights = std::move(r.d_weights);
+  return out;
+}
+
+Tensor moe_backward_routed_elsewhere(const ops::MoeConfig& cfg, const ops::MoeParams& params,
+                                     const Tensor& x, const ops::Routing& routing, const Tensor& dy,
+                                     const Tensor& routed_dx, const Tensor& routed_d_weights,
+                                     ops::MoeParams& grads, const Tensor& d_router_logits,
+                                     cudaStream_t stream) {
+  check_config(cfg);
+  check_x(x, "cuda::moe_backward_routed_elsewhere");
+  const Device dev = x.device();
+  const int64_t rows = x.size(0), dim = x.size(1);
+  check_like_x(dy, x.shape(), x, "dy");
+  check_shared(params.shared, x);
+  check_routing(routing, rows, cfg.n_experts, cfg.top_k, dev);
+  check_router_logit_grad(d_router_logits, routing);
+  GLMTUNE_CUDA_OP_REQUIRE(routed_dx.defined() && routed_dx.dtype() == DType::f32 &&
+                              routed_dx.is_contiguous() && routed_dx.device() == dev &&
+                              routed_dx.shape() == x.shape(),
+                          "cuda::moe_backward_routed_elsewhere: routed dx " +
+                              detail::describe(routed_dx) + " must be f32 shaped like x");
+  detail::DeviceGuard guard(dev.index);
+  Tensor dx_f32 = routed_dx.clone();
+  router_and_shared_backward(cfg, params, x, routing, shared_gate_up_of(params.shared, x, stream),
+                             dy, routed_d_weights, d_router_logits, grads, dx_f32, stream);
+  if (x.dtype() == DType::f32) return dx_f32;
+  Tensor dx = Tensor::empty({rows, dim}, x.dtype(), dev);
+  const int64_t n = dx.numel();
+  if (n > 0) {
+    GLMTUNE_CUDA_CHECK(cudaMemsetAsync(dx.data_ptr(), 0, size_t(n) * sizeof(bf16), stream));
+    accumulate_kernel<bf16><<<blocks_for(n), kThreads, 0, stream>>>(
+        dx_f32.data<float>(), n, static_cast<bf16*>(dx.data_ptr()));
     GLMTUNE_CUDA_CHECK_LAUNCH();
   }
+  return dx;
+}
+
+Tensor moe_gather_rows(const Tensor& src, const Tensor& index, int64_t k, cudaStream_t stream) {
+  GLMTUNE_CUDA_OP_REQUIRE(src.defined() && src.dim() == 2 && src.is_contiguous() &&
+                              src.device().is_cuda() &&
+                              (src.dtype() == DType::bf16 || src.dtype() == DType::f32),
+                          "cuda::moe_gather_rows: src must be a contiguous bf16/f32 CUDA [n, c], "
+                          "got " +
+                              detail::describe(src));
+  GLMTUNE_CUDA_OP_REQUIRE(index.defined() && index.dtype() == DType::i32 && index.dim() == 1 &&
+                              index.is_contiguous() && index.device() == src.device() && k >= 1,
+                          "cuda::moe_gather_rows: index must be int32 [m] on " +
+                              src.device().str() + ", got " + detail::describe(index));
+  detail::DeviceGuard guard(src.device().index);
+  Tensor out = Tensor::empty({index.numel(), src.size(1)}, src.dtype(), src.device());
+  gather_rows(src, index, int(k), out, stream);
+  return out;
+}
+
+Tensor moe_combine(const Tensor& yp, const Tensor& weights, const ExpertPermutation& perm,
+                   cudaStream_t stream) {
+  GLMTUNE_CUDA_OP_REQUIRE(
+      weights.defined() && weights.dim() == 2 && weights.dtype() == DType::f32 &&
+          weights.is_contiguous() && yp.defined() && yp.dim() == 2 && yp.is_contiguous() &&
+          yp.size(0) == weights.numel() && perm.slot_position.numel() == weights.numel(),
+      "cuda::moe_combine: yp " + detail::describe(yp) + " must hold one row per slot of weights " +
+          detail::describe(weights));
+  detail::DeviceGuard guard(yp.device().index);
+  Tensor y = Tensor::empty({weights.size(0), yp.size(1)}, yp.dtype(), yp.device());
+  combine(yp, weights, perm.slot_position, int(weights.size(1)), nullptr, y, stream);
+  return y;
+}
+
+Tensor moe_sum_slots(const Tensor& dxp, const ExpertPermutation& perm, int64_t k,
+                     cudaStream_t stream) {
+  GLMTUNE_CUDA_OP_REQUIRE(
+      dxp.defined() && dxp.dim() == 2 && dxp.is_contiguous() && k >= 1 &&
+          dxp.size(0) == perm.slot_position.numel() && dxp.size(0) % k == 0,
+      "cuda::moe_sum_slots: dxp " + detail::describe(dxp) + " must hold one row per slot");
+  detail::DeviceGuard guard(dxp.device().index);
+  Tensor dx = Tensor::empty({dxp.size(0) / k, dxp.size(1)}, DType::f32, dxp.device());
+  unpermute_sum(dxp, perm.slot_position, int(k), nullptr, dx, stream);
   return dx;
 }
 

@@ -91,4 +91,47 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
                     GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
                     cudaStream_t stream = nullptr);
 
+// ---- The pieces expert parallelism runs on either side of its token exchange
+// (dist/expert_parallel.h)
+
+struct ExpertsBackward {
+  Tensor dx;         // [T, D] x's dtype: Σ_k w_k · (∂expert_{idx_k} / ∂x)ᵀ dy, k in order
+  Tensor d_weights;  // f32 [T, K]: ⟨dy[t], expert_{idx_k}(x[t])⟩
+};
+
+// The backward of moe_experts alone (no router, no shared expert): the activations recomputed,
+// the expert weight gradients accumulated into grads.gate_up_proj / grads.down_proj (created as f32
+// zeros when undefined; the other entries are not touched).
+ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const Tensor& gate_up_proj,
+                                     const Tensor& down_proj, const Tensor& x,
+                                     const ops::Routing& routing, const Tensor& dy,
+                                     ops::MoeParams& grads,
+                                     GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
+                                     cudaStream_t stream = nullptr);
+
+// moe_backward when the routed experts were differentiated elsewhere: `routed_dx` (f32 [T, D]) and
+// `routed_d_weights` (f32 [T, K]) are their input and combine-weight gradients; the router and
+// the shared expert (its gate | up recomputed from x) are differentiated here, their gradients
+// accumulate into `grads` (the expert entries are not touched). Returns dx in x's dtype, rounded
+// once from the fp32 sum.
+Tensor moe_backward_routed_elsewhere(const ops::MoeConfig& cfg, const ops::MoeParams& params,
+                                     const Tensor& x, const ops::Routing& routing, const Tensor& dy,
+                                     const Tensor& routed_dx, const Tensor& routed_d_weights,
+                                     ops::MoeParams& grads,
+                                     const Tensor& d_router_logits = Tensor(),
+                                     cudaStream_t stream = nullptr);
+
+// out[r] = src[index[r] / k]: [m, c] from src [n, c] (bf16 or f32) and int32 index [m].
+Tensor moe_gather_rows(const Tensor& src, const Tensor& index, int64_t k,
+                       cudaStream_t stream = nullptr);
+
+// y[t] = Σ_k w[t, k] · yp[pos(t, k)] in fp32, rounded once: [T, D] in yp's dtype, from the expert
+// outputs yp [T·K, D] in the order of `perm` (moe_permute of the same routing).
+Tensor moe_combine(const Tensor& yp, const Tensor& weights, const ExpertPermutation& perm,
+                   cudaStream_t stream = nullptr);
+
+// dx[t] = Σ_k dxp[pos(t, k)] in fp32: f32 [T, D] from rows dxp [T·K, D] in the order of `perm`.
+Tensor moe_sum_slots(const Tensor& dxp, const ExpertPermutation& perm, int64_t k,
+                     cudaStream_t stream = nullptr);
+
 }  // namespace glmtune::cuda
