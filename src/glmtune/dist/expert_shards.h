@@ -96,6 +96,10 @@ class ExpertAdamW {
   train::StepReport step(double lr, double global_grad_norm);
   // Bytes of optimizer state on this rank, measured.
   int64_t state_bytes() const { return shards_.state_bytes(); }
+  // GPU runs: ShardedAdamW::keep_on_device / write_params for the slices (`compute` aligned with
+  // params(): the model's slice tensors).
+  void keep_on_device(std::vector<Tensor> compute) { shards_.keep_on_device(std::move(compute)); }
+  void write_params() { shards_.write_params(); }
 
   // Collective over edp, then over ep among the edp groups' first ranks: the whole state
   // {master, exp_avg, exp_avg_sq} ([numel] f32 each) of the expert tensor `name` on the rank that

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "glmtune/base/error.h"
+#include "glmtune/dist/sharded_optimizer_device.h"
 
 namespace glmtune::dist {
 namespace {
@@ -94,7 +95,11 @@ std::vector<train::NamedParam> ShardedAdamW::piece_params(
 
 ShardedAdamW::ShardedAdamW(std::vector<train::NamedParam> params, train::AdamWConfig config,
                            Communicator& group, Communicator* device_group)
-    : params_(std::move(params)), group_(group), device_group_(device_group), shard_({}, config) {
+    : params_(std::move(params)),
+      config_(config),
+      group_(group),
+      device_group_(device_group),
+      shard_({}, config) {
   GLMTUNE_ASSERT(device_group_ == nullptr || (device_group_->size() == group_.size() &&
                                               device_group_->rank() == group_.rank()),
                  "the device group '{}' must hold the ranks of '{}' in the same order",
@@ -147,18 +152,99 @@ double ShardedAdamW::reduce_shard(const std::vector<Tensor>& grads) {
     group_.reduce_scatter(flat, shard_grad);
   } else {
     device_group_->reduce_scatter(flat, shard_grad);
-    shard_grad = shard_grad.to(Device::cpu());
+    if (!on_device()) shard_grad = shard_grad.to(Device::cpu());
   }
   piece_grads_.clear();
   for (const Piece& p : pieces_)
     piece_grads_.push_back(
         shard_grad.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length));
-  return shard_.grad_sq_norm(piece_grads_);
+  if (!on_device()) return shard_.grad_sq_norm(piece_grads_);
+  GLMTUNE_ASSERT(grad_device_.is_cuda(),
+                 "the sharded optimizer's state is on a GPU, its gradients "
+                 "on {}",
+                 grad_device_.str());
+#ifdef GLMTUNE_WITH_CUDA
+  return detail::device_sq_norm(piece_grads_);
+#else
+  return 0;
+#endif
+}
+
+void ShardedAdamW::keep_on_device(std::vector<Tensor> compute) {
+  GLMTUNE_ASSERT(device_group_ != nullptr && compute.size() == params_.size(),
+                 "keep_on_device needs a device group and a compute tensor per parameter ({} for "
+                 "{})",
+                 compute.size(), params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].trainable) continue;
+    const Tensor& c = compute[i];
+    GLMTUNE_ASSERT(c.defined() && c.device().is_cuda() && c.is_contiguous() &&
+                       c.numel() == params_[i].value.numel() &&
+                       (c.dtype() == DType::f32 || c.dtype() == DType::bf16),
+                   "trained parameter '{}' has no contiguous f32/bf16 compute tensor of {} "
+                   "elements on a GPU",
+                   params_[i].name, params_[i].value.numel());
+  }
+  Device device = Device::cpu();
+  for (const Tensor& c : compute)
+    if (c.defined()) device = c.device();
+  device_state_.clear();
+  for (size_t k = 0; k < pieces_.size(); ++k)
+    device_state_.push_back({shard_.master(k).to(device).contiguous(),
+                             shard_.exp_avg(k).to(device).contiguous(),
+                             shard_.exp_avg_sq(k).to(device).contiguous()});
+  device_step_ = shard_.step_count();
+  shard_ = train::AdamW({}, config_);
+  compute_ = std::move(compute);
+  on_device_ = true;
+}
+
+void ShardedAdamW::write_params() {
+  if (!on_device()) return;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].trainable) params_[i].value.copy_(compute_[i].view(params_[i].value.shape()));
+}
+
+train::StepReport ShardedAdamW::step_on_device(double lr, double global_grad_norm) {
+  train::StepReport r;
+  r.grad_norm = global_grad_norm;
+  if (!std::isfinite(global_grad_norm)) {
+    r.skipped = true;
+    r.step = device_step_;
+    piece_grads_.clear();
+    return r;
+  }
+  r.clip_coef = train::clip_coefficient(global_grad_norm, config_.max_grad_norm);
+  r.step = ++device_step_;
+#ifdef GLMTUNE_WITH_CUDA
+  detail::device_adamw(device_state_, piece_grads_, config_, lr, r.clip_coef, device_step_);
+#endif
+  piece_grads_.clear();
+  Tensor shard = Tensor::zeros({shard_numel_}, DType::f32, grad_device_);
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    const Piece& p = pieces_[k];
+    Tensor dst = shard.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length);
+    dst.copy_(device_state_[k][0].view({p.length}));
+  }
+  Tensor flat = Tensor::empty({shard_numel_ * group_.size()}, DType::f32, grad_device_);
+  device_group_->all_gather(shard, flat);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].trainable) continue;
+    const Tensor values = flat.narrow(0, offsets_[i], params_[i].value.numel());
+    Tensor dst = compute_[i].view({-1});
+    // The forward sees the stored value: the master rounded to the storage dtype.
+    if (params_[i].value.dtype() == DType::f32)
+      dst.copy_(values);
+    else
+      dst.copy_(values.to(params_[i].value.dtype()));
+  }
+  return r;
 }
 
 train::StepReport ShardedAdamW::step(double lr, double global_grad_norm) {
   GLMTUNE_ASSERT(piece_grads_.size() == pieces_.size(),
                  "ShardedAdamW::step without reduce_gradients first");
+  if (on_device()) return step_on_device(lr, global_grad_norm);
   const train::StepReport report = shard_.step(piece_grads_, lr, global_grad_norm);
   piece_grads_.clear();
   if (report.skipped) return report;
@@ -197,7 +283,13 @@ void ShardedAdamW::gather_flat(const Tensor& shard, Into&& into, bool on_device)
     if (params_[i].trainable) into(i, flat.narrow(0, offsets_[i], params_[i].value.numel()));
 }
 
-int64_t ShardedAdamW::state_bytes() const { return shard_.state_bytes(); }
+int64_t ShardedAdamW::state_bytes() const {
+  if (!on_device()) return shard_.state_bytes();
+  int64_t bytes = 0;
+  for (const std::array<Tensor, 3>& s : device_state_)
+    for (const Tensor& t : s) bytes += int64_t(t.nbytes());
+  return bytes;
+}
 
 std::array<Tensor, 3> ShardedAdamW::gather_state(const std::string& name, int root) const {
   size_t param = params_.size();
@@ -217,11 +309,13 @@ std::array<Tensor, 3> ShardedAdamW::gather_state(const std::string& name, int ro
   // One kind at a time, each sent straight from the shard's state.
   std::array<Tensor, 3> whole;
   for (int kind = 0; kind < 3; ++kind) {
-    const Tensor local = piece < pieces_.size() ? (kind == 0   ? shard_.master(piece)
-                                                   : kind == 1 ? shard_.exp_avg(piece)
-                                                               : shard_.exp_avg_sq(piece))
-                                                      .view({1, length})
-                                                : Tensor::empty({1, 0}, DType::f32);
+    const Tensor local =
+        piece >= pieces_.size() ? Tensor::empty({1, 0}, DType::f32)
+        : on_device() ? device_state_[piece][size_t(kind)].to(Device::cpu()).view({1, length})
+                      : (kind == 0   ? shard_.master(piece)
+                         : kind == 1 ? shard_.exp_avg(piece)
+                                     : shard_.exp_avg_sq(piece))
+                            .view({1, length});
     const Tensor gathered = gather_pieces(group_, local, begin, params_[param].value.numel(), root);
     if (gathered.defined()) whole[size_t(kind)] = gathered.view({-1});
   }
@@ -230,6 +324,7 @@ std::array<Tensor, 3> ShardedAdamW::gather_state(const std::string& name, int ro
 
 void ShardedAdamW::load(const train::SavedAdamWState& saved,
                         const std::function<int64_t(const train::NamedParam&)>& offset_in_saved) {
+  GLMTUNE_ASSERT(!on_device(), "ShardedAdamW::load after keep_on_device");
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const Piece& p = pieces_[k];
     const train::NamedParam& param = params_[p.param];

@@ -21,9 +21,13 @@
 //
 // GPU runs: the gradients live on the device. Given `device_group` (a communicator over the same
 // ranks, in the same order, for device tensors: NCCL), reduce_gradients packs them into a device
-// buffer and reduce-scatters there, and step all-gathers the updated masters there too; only this
-// rank's shard crosses to the host, where the fp32 masters and moments live. The host group then
-// carries scalars alone (the norm, checkpoint gathers).
+// buffer and reduce-scatters there, and step all-gathers the updated masters there too. After
+// keep_on_device() the shard's fp32 masters and moments live on the GPU as well (the update runs
+// there with the multi-tensor AdamW kernel of ops/cuda/adamw.h) and step() writes the gathered
+// weights straight into the model's compute tensors: no gradient or weight crosses to the host in
+// a step, and params()' host values are brought up to date by write_params() when a checkpoint
+// needs them. Without it only this rank's shard crosses to the host, where its state lives. The
+// host group then carries scalars alone (the norm, checkpoint gathers).
 //
 // Checkpoints are independent of the sharding: gather_state() assembles one parameter's whole state
 // at a time for a streamed save (train/state.h, save_optimizer_state: the unsharded optimizer's
@@ -55,7 +59,16 @@ class ShardedAdamW {
                Communicator& group, Communicator* device_group = nullptr);
 
   const std::vector<train::NamedParam>& params() const { return params_; }
-  int64_t step_count() const { return shard_.step_count(); }
+  int64_t step_count() const { return on_device() ? device_step_ : shard_.step_count(); }
+
+  // GPU runs (a device group given): moves the shard's state to the GPU of `compute`, the model's
+  // compute tensors aligned with params() (undefined for the frozen ones), which every later
+  // step() then sets to the updated weights (the masters rounded to the storage dtype, widened
+  // again where the compute tensor is f32). Call after load().
+  void keep_on_device(std::vector<Tensor> compute);
+  // After keep_on_device: copies the compute tensors into params()' host values (storage dtype),
+  // for a checkpoint. A no-op otherwise.
+  void write_params();
   // Elements of the flat space this rank owns (including padding at the end of the last rank).
   int64_t shard_numel() const { return shard_numel_; }
 
@@ -86,7 +99,7 @@ class ShardedAdamW {
   // parameters keep their values: a checkpoint's model holds the masters rounded to the storage
   // dtype, as the saving run held them. `offset_in_saved` (default 0) gives, per parameter, where
   // its flattened elements start in the saved tensor of that name (a slice of a larger saved
-  // tensor: the routed experts of one expert-parallel rank).
+  // tensor: the routed experts of one expert-parallel rank). Before keep_on_device only.
   void load(const train::SavedAdamWState& saved,
             const std::function<int64_t(const train::NamedParam&)>& offset_in_saved = {});
 
@@ -108,7 +121,11 @@ class ShardedAdamW {
   template <typename Into>
   void gather_flat(const Tensor& shard, Into&& into, bool on_device = false) const;
 
+  bool on_device() const { return on_device_; }
+  train::StepReport step_on_device(double lr, double global_grad_norm);
+
   std::vector<train::NamedParam> params_;
+  train::AdamWConfig config_;
   Communicator& group_;
   Communicator* device_group_ = nullptr;
   Device grad_device_;            // where the last reduced gradients came from
@@ -117,6 +134,12 @@ class ShardedAdamW {
   std::vector<Piece> pieces_;
   train::AdamW shard_;
   std::vector<Tensor> piece_grads_;  // views of the last reduced shard gradient
+  // After keep_on_device: the pieces' {master, exp_avg, exp_avg_sq} on the GPU (shard_ is then
+  // empty), the update count, and the compute tensors step() writes (aligned with params_).
+  bool on_device_ = false;
+  std::vector<std::array<Tensor, 3>> device_state_;
+  int64_t device_step_ = 0;
+  std::vector<Tensor> compute_;
 };
 
 }  // namespace glmtune::dist

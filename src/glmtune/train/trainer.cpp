@@ -509,8 +509,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     vl->load_model(store);
   else if (on_gpu)
     // bf16 weights on the device (fp32-kept parameters in f32). On one GPU the optimizer updates
-    // them in place; a distributed GPU run's sharded optimizer updates its shards on the host and
-    // the weights are copied back after each step.
+    // them in place; a distributed GPU run's sharded optimizers update their shards on the device
+    // and all-gather the weights into it.
     text_model.emplace(store, model::text::TextModelOptions{DType::bf16, device});
   else
     text_model.emplace(store);
@@ -544,6 +544,24 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     topt.sequence_parallel = &*ulysses;
   }
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
+  // Several GPUs: the sharded optimizers keep their state on the device too and write the
+  // gathered weights straight into the model (dist/sharded_optimizer.h), so the store's values
+  // are brought up to date only for a checkpoint.
+  const auto compute_tensors = [&](const std::vector<NamedParam>& params) {
+    std::vector<Tensor> compute;
+    for (const NamedParam& p : params) {
+      compute.emplace_back();
+      if (!p.trainable) continue;
+      for (const auto& [name, t] : model.weights().named)
+        if (name == p.name) compute.back() = t;
+    }
+    return compute;
+  };
+  if (on_gpu && distributed) {
+    sharded->keep_on_device(compute_tensors(sharded->params()));
+    if (expert_optimizer)
+      expert_optimizer->keep_on_device(compute_tensors(expert_optimizer->params()));
+  }
   GpuOptimizer gpu_adamw;
   if (gpu_optimizer) {
     gpu_adamw = make_gpu_optimizer(device_params, model, grads, recipe.adamw_config());
@@ -695,6 +713,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     // The store's values are the checkpoint's: with the optimizer on the GPU they are brought up
     // to date here, one tensor at a time.
     if (gpu_adamw) gpu_adamw.to_store(store);
+    if (on_gpu && distributed) {
+      sharded->write_params();
+      if (expert_optimizer) expert_optimizer->write_params();
+    }
     // Never a checkpoint of weights that are not finite (a run resumed from it could only fail).
     std::vector<std::string> bad =
         first_nonfinite(released_views(store, replicated_only(stored_value)), kNonFiniteNamed);
@@ -928,7 +950,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
                              [&](const std::string& name) -> Tensor& { return store.get(name); });
     if (vl)
       vl->model().refresh(store);
-    else if (gpu_adamw)
+    else if (on_gpu)
       refresh_router_biases(model, store);
     else
       refresh_model(model, store);
