@@ -301,6 +301,38 @@ TEST(Recipe, SetOverridesAndRevalidates) {
   }
 }
 
+// Keys checked against each other may come in any order on the command line: the recipe is
+// validated once, after every --set; a refused combination leaves it as it was.
+TEST(Recipe, SetsAreValidatedTogether) {
+  const Recipe base = Recipe::parse(with({{"optimizer", "warmup_steps = 5"}}), "r.toml");
+  Recipe r = base;
+  // Alone, each of these is refused: a 32768-token sample in the default pack of 16384, or a
+  // run shorter than the warmup.
+  EXPECT_RECIPE_ERROR(set_error(r, "data.max_length", "32768"), "cannot fit a pack",
+                      "--set data.max_length", "");
+  EXPECT_RECIPE_ERROR(set_error(r, "train.total_steps", "3"), "does not fit a run of 3 steps",
+                      "optimizer.warmup_steps", "");
+  r.apply_sets({"data.max_length=32768", "data.pack_max_length=32768", "train.total_steps=3",
+                "optimizer.warmup_steps=1"});
+  EXPECT_EQ(r.max_length, 32768);
+  EXPECT_EQ(r.pack_max_length, 32768);
+  EXPECT_EQ(r.total_steps, std::optional<int64_t>(3));
+  EXPECT_EQ(r.warmup_steps, std::optional<int64_t>(1));
+  // The last of a key given twice wins.
+  r.apply_sets({"optimizer.lr=1e-4", "optimizer.lr=2e-4"});
+  EXPECT_EQ(r.lr, 2e-4);
+  // A set of overrides that does not fit together changes nothing.
+  Recipe unchanged = base;
+  try {
+    unchanged.apply_sets({"data.pack_max_length=4096", "data.max_length=8192"});
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_TRUE(has(e.problem(), "cannot fit a pack")) << e.what();
+  }
+  EXPECT_EQ(unchanged.fingerprint(), base.fingerprint());
+  EXPECT_EQ(unchanged.pack_max_length, base.pack_max_length);
+}
+
 TEST(Recipe, ErrorsNameFileLineKeyAndFix) {
   // Unknown key, with a suggestion; the line is the key's.
   EXPECT_RECIPE_ERROR(error_of(with({{"optimizer", "learning_rate = 1e-5"}})),

@@ -599,6 +599,13 @@ void Recipe::parse_doc() {
 }
 
 void Recipe::set(const std::string& dotted_key, const std::string& value) {
+  Recipe next = *this;
+  next.insert_override(dotted_key, value);
+  next.parse_doc();
+  *this = std::move(next);
+}
+
+void Recipe::insert_override(const std::string& dotted_key, const std::string& value) {
   const std::string flag = "--set " + dotted_key;
   const auto dot = dotted_key.find('.');
   if (dot == std::string::npos || dot == 0 || dot + 1 == dotted_key.size() ||
@@ -631,20 +638,23 @@ void Recipe::set(const std::string& dotted_key, const std::string& value) {
     target.insert_or_assign(key, value);
   }
   doc->overrides[dotted_key] = flag;
-  Recipe next = *this;
-  next.doc_ = std::move(doc);
-  next.parse_doc();
-  *this = std::move(next);
+  doc_ = std::move(doc);
 }
 
 void Recipe::apply_sets(const std::vector<std::string>& key_values) {
+  // Every override first, then one validation: keys that constrain each other (a pack length and
+  // the sample length it must hold, a warmup and the run length) may come in any order.
+  Recipe next = *this;
   for (const auto& kv : key_values) {
     const auto eq = kv.find('=');
     if (eq == std::string::npos || eq == 0)
       throw Error(fmt::format("expected section.key=value, got '{}'", kv), "--set",
                   "write e.g. --set optimizer.lr=1e-5");
-    set(kv.substr(0, eq), kv.substr(eq + 1));
+    next.insert_override(kv.substr(0, eq), kv.substr(eq + 1));
   }
+  if (key_values.empty()) return;
+  next.parse_doc();
+  *this = std::move(next);
 }
 
 data::DatasetConfig Recipe::dataset_config() const {

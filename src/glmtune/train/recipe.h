@@ -110,7 +110,9 @@ struct Recipe {
   // true, ["a.jsonl"], "text") and taken as a string otherwise (runs/x, cuda:0); then
   // re-validates the whole recipe. Errors name "--set section.key".
   void set(const std::string& dotted_key, const std::string& value);
-  // Applies "section.key=value" overrides in order (the CLI's repeatable --set).
+  // Applies "section.key=value" overrides in order (the CLI's repeatable --set; a key given twice
+  // takes the last value), then validates the whole recipe once, so that keys checked against
+  // each other may be given in any order. Nothing changes when any of them is refused.
   void apply_sets(const std::vector<std::string>& key_values);
 
   // Where the values came from (a file path, or the `source` given to parse()).
@@ -140,6 +142,8 @@ struct Recipe {
  private:
   struct Doc;
   void parse_doc();
+  // Writes one --set value into the document, unvalidated (set and apply_sets validate).
+  void insert_override(const std::string& dotted_key, const std::string& value);
   std::shared_ptr<const Doc> doc_;
   std::string source_;
 };
