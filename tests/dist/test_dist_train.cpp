@@ -412,6 +412,35 @@ TEST(DistTrainExpertParallel, VisionLanguageSavedAtEpTwoResumesInOneProcess) {
   ASSERT_EQ(from_ep2.size(), 4u);
   expect_vl_checkpoint_as_single(dir / "ep2/checkpoints/step-2", dir / "single/checkpoints/step-2");
   expect_resumed_continuation(dir.path(), recipe, dir / "ep2", "vl-ep1-from-ep2", 1, 1, from_ep2);
+  // And the other way: the single process's checkpoint resumes at ep = 2, each rank reading its
+  // slice of the experts' state and the whole tower's.
+  expect_resumed_continuation(dir.path(), recipe, dir / "single", "vl-ep2-from-single", 2, 2,
+                              metrics(dir / "single"));
+}
+
+// Expert parallel on vision-language data with the tower and the projector frozen: the curve
+// follows the single process's with the same freeze, and both checkpoints leave the frozen
+// tensors out of the optimizer state alike (and keep them in the model).
+TEST(DistTrainExpertParallel, VisionLanguageWithAFrozenTowerFollowsTheSingleProcess) {
+  glmtune::test::TempDir dir("dist-train-vl-ep-frozen");
+  const fs::path recipe = write_vl_recipe(dir.path(), 4);
+  const std::string frozen = " --set model.freeze_vision=true --set model.freeze_projector=true";
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log", 1, 1, frozen), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  ASSERT_EQ(train(recipe, 2, false, dir / "ep2", dir / "ep2.log", 2, 1, frozen), 0)
+      << glmtune::test::read_text(dir / "ep2.log");
+  const auto single = metrics(dir / "single");
+  ASSERT_EQ(single.size(), 4u);
+  expect_same_steps(metrics(dir / "ep2"), single, 0);
+  const fs::path got = dir / "ep2/checkpoints/step-4", want = dir / "single/checkpoints/step-4";
+  EXPECT_EQ(tensor_table(got / "model"), tensor_table(want / "model"));
+  const auto state = tensor_table(got / "optimizer");
+  EXPECT_EQ(state, tensor_table(want / "optimizer"));
+  EXPECT_EQ(
+      std::count_if(state.begin(), state.end(),
+                    [](const auto& t) { return t.first.find("visual") != std::string::npos; }),
+      0);
+  EXPECT_GT(state.size(), 10u);
 }
 
 // The same with fsdp at 2 ranks (dp 2): the decoder layers gathered one tensor at a time for the
