@@ -160,13 +160,12 @@ double ShardedAdamW::reduce_shard(const std::vector<Tensor>& grads) {
         shard_grad.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length));
   if (!on_device()) return shard_.grad_sq_norm(piece_grads_);
   GLMTUNE_ASSERT(grad_device_.is_cuda(),
-                 "the sharded optimizer's state is on a GPU, its gradients "
-                 "on {}",
+                 "the sharded optimizer's state is on a GPU, its gradients on {}",
                  grad_device_.str());
 #ifdef GLMTUNE_WITH_CUDA
   return detail::device_sq_norm(piece_grads_);
 #else
-  return 0;
+  throw InternalError("a sharded optimizer state on a GPU in a build without CUDA");
 #endif
 }
 
@@ -218,6 +217,8 @@ train::StepReport ShardedAdamW::step_on_device(double lr, double global_grad_nor
   r.step = ++device_step_;
 #ifdef GLMTUNE_WITH_CUDA
   detail::device_adamw(device_state_, piece_grads_, config_, lr, r.clip_coef, device_step_);
+#else
+  throw InternalError("a sharded optimizer state on a GPU in a build without CUDA");
 #endif
   piece_grads_.clear();
   Tensor shard = Tensor::zeros({shard_numel_}, DType::f32, grad_device_);
