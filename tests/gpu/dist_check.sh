@@ -3,8 +3,8 @@
 # tests/gpu/run.sh runs it there after the single-GPU binaries, with the library path set.
 #
 #  1. Data parallel over NCCL: `mpirun -np 2 glmtune train` on the tiny preset with the GPU
-#     kernels' head dims (one pack per rank
-#     and step, gradients reduce-scattered over NCCL, the optimizer sharded) follows the one-GPU
+#     kernels' head dims (one pack per rank and step, gradients reduce-scattered over NCCL, the
+#     optimizer sharded and updated on the GPUs) follows the one-GPU
 #     run with two packs per step (the same packs) for 20 steps: every step's loss within 1e-2
 #     (bf16 compute; the two runs sum the same gradients in another order), and the saved
 #     checkpoint of the 2-rank run resumes on one GPU for 2 more steps.
@@ -48,70 +48,55 @@ echo "== one GPU, two packs per step"
   tail -n 20 "$work/dist-one.log"
   exit 1
 }
-echo "== two ranks on two GPUs, one pack each per step"
-"${launcher[@]}" "$bin" train "${common[@]}" --set train.micro_packs=1 \
-  --set "output.dir=$work/dist-two" >"$work/dist-two.log" 2>&1 || {
-  echo "dist_check: the 2-rank run failed"
-  tail -n 30 "$work/dist-two.log"
-  exit 1
-}
-grep -h "distributed:" "$work/dist-two.log" | head -n 2
-
-python3 - "$work/dist-one/metrics.jsonl" "$work/dist-two/metrics.jsonl" <<'EOF' || fail=1
+# follows_one_gpu LABEL DIR: every step's loss of the run in DIR within 1e-2 of the one-GPU run.
+follows_one_gpu() {
+  python3 - "$1" "$work/dist-one/metrics.jsonl" "$2/metrics.jsonl" <<'EOF'
 import json, sys
 def losses(path):
     return [json.loads(line)["loss"] for line in open(path) if line.strip()]
-one, two = losses(sys.argv[1]), losses(sys.argv[2])
+label, one, two = sys.argv[1], losses(sys.argv[2]), losses(sys.argv[3])
 if len(one) != 20 or len(two) != 20:
-    sys.exit(f"dist_check: expected 20 steps, got {len(one)} and {len(two)}")
+    sys.exit(f"dist_check: {label}: expected 20 steps, got {len(one)} and {len(two)}")
 worst = max(abs(a - b) for a, b in zip(one, two))
-print(f"data parallel over NCCL: loss {one[0]:.4f} -> {one[-1]:.4f} on one GPU, "
-      f"{two[0]:.4f} -> {two[-1]:.4f} on two; worst step difference {worst:.2e} (bar 1e-2)")
+print(f"{label}: loss {one[0]:.4f} -> {one[-1]:.4f} on one GPU, {two[0]:.4f} -> {two[-1]:.4f} "
+      f"on two; worst step difference {worst:.2e} (bar 1e-2)")
 if worst > 1e-2:
-    sys.exit("dist_check: the 2-rank losses left the one-GPU curve")
+    sys.exit(f"dist_check: {label}: the 2-rank losses left the one-GPU curve")
 EOF
-
-echo "== the 2-rank checkpoint resumed on one GPU"
-cp -r "$work/dist-two" "$work/dist-resumed"
-"$bin" train "${common[@]}" --set train.micro_packs=2 --set train.total_steps=22 \
-  --set "output.dir=$work/dist-resumed" --resume >"$work/dist-resumed.log" 2>&1 || {
-  echo "dist_check: resuming the 2-rank checkpoint on one GPU failed"
-  tail -n 20 "$work/dist-resumed.log"
-  fail=1
 }
-[[ $fail == 0 ]] && grep -c '"step"' "$work/dist-resumed/metrics.jsonl" |
-  xargs -I{} echo "resumed run: metrics.jsonl now holds {} steps"
 
-echo "== two ranks on two GPUs, expert parallel (ep_size 2), one pack each per step"
-if "${launcher[@]}" "$bin" train "${common[@]}" --set train.micro_packs=1 --set train.ep_size=2 \
-  --set "output.dir=$work/dist-ep" >"$work/dist-ep.log" 2>&1; then
-  grep -h "distributed:\|ep: this rank" "$work/dist-ep.log" | head -n 2
-  python3 - "$work/dist-one/metrics.jsonl" "$work/dist-ep/metrics.jsonl" <<'EOF' || fail=1
-import json, sys
-def losses(path):
-    return [json.loads(line)["loss"] for line in open(path) if line.strip()]
-one, ep = losses(sys.argv[1]), losses(sys.argv[2])
-if len(one) != 20 or len(ep) != 20:
-    sys.exit(f"dist_check: expected 20 steps, got {len(one)} and {len(ep)}")
-worst = max(abs(a - b) for a, b in zip(one, ep))
-print(f"expert parallel over NCCL: loss {ep[0]:.4f} -> {ep[-1]:.4f} with ep 2; worst step "
-      f"difference from one GPU {worst:.2e} (bar 1e-2)")
-if worst > 1e-2:
-    sys.exit("dist_check: the expert-parallel losses left the one-GPU curve")
-EOF
-  echo "== the ep checkpoint resumed on one GPU"
-  cp -r "$work/dist-ep" "$work/dist-ep-resumed"
+# resumes_on_one_gpu DIR: the checkpoint of the 2-rank run in DIR trains 2 more steps on one GPU.
+resumes_on_one_gpu() {
+  cp -r "$1" "$1-resumed"
   "$bin" train "${common[@]}" --set train.micro_packs=2 --set train.total_steps=22 \
-    --set "output.dir=$work/dist-ep-resumed" --resume >"$work/dist-ep-resumed.log" 2>&1 || {
-    echo "dist_check: resuming the ep checkpoint on one GPU failed"
-    tail -n 20 "$work/dist-ep-resumed.log"
-    fail=1
+    --set "output.dir=$1-resumed" --resume >"$1-resumed.log" 2>&1 || {
+    echo "dist_check: resuming the checkpoint of $1 on one GPU failed"
+    tail -n 20 "$1-resumed.log"
+    return 1
   }
-else
-  echo "dist_check: the expert-parallel run failed"
-  tail -n 30 "$work/dist-ep.log"
-  fail=1
-fi
+  echo "resumed run: metrics.jsonl now holds $(grep -c '"step"' "$1-resumed/metrics.jsonl") steps"
+}
+
+# run_two_ranks NAME LABEL [--set ...]: the 2-rank run with one pack per rank and step, compared
+# with the one-GPU run, then resumed on one GPU.
+run_two_ranks() {
+  local name="$1" label="$2"
+  shift 2
+  echo "== two ranks on two GPUs, $label, one pack each per step"
+  "${launcher[@]}" "$bin" train "${common[@]}" --set train.micro_packs=1 "$@" \
+    --set "output.dir=$work/$name" >"$work/$name.log" 2>&1 || {
+    echo "dist_check: the 2-rank run ($label) failed"
+    tail -n 30 "$work/$name.log"
+    return 1
+  }
+  grep -h "distributed:\|ep: this rank" "$work/$name.log" | head -n 2
+  follows_one_gpu "$label over NCCL" "$work/$name" || return 1
+  echo "== the 2-rank checkpoint ($label) resumed on one GPU"
+  resumes_on_one_gpu "$work/$name"
+}
+
+run_two_ranks dist-two "data parallel" || fail=1
+run_two_ranks dist-ep "expert parallel (ep_size 2)" --set train.ep_size=2 || fail=1
 
 echo "== bench_cuda_nccl (2 ranks)"
 if [[ -x "$carry/bench_cuda_nccl" ]]; then

@@ -17,6 +17,7 @@
 #include "glmtune/dist/expert_parallel.h"
 #include "glmtune/ops/moe.h"
 #include "glmtune/tensor/tensor.h"
+#include "support/cuda_moe_data.h"
 #include "support/cuda_test_support.h"
 #ifdef GLMTUNE_WITH_CUDA
 #include "glmtune/dist/comm_nccl.h"
@@ -29,66 +30,16 @@ using namespace glmtune::test;
 namespace {
 
 #ifdef GLMTUNE_WITH_CUDA
-struct Case {
-  ops::MoeConfig cfg;
-  int64_t tokens, dim, inter, shared_inter;
-  std::string name;
-};
-
-std::vector<Case> cases() {
-  Case grouped;
-  grouped.cfg.n_experts = 16;
-  grouped.cfg.top_k = 4;
-  grouped.cfg.n_group = 4;
-  grouped.cfg.topk_group = 2;
-  grouped.tokens = 203;
-  grouped.dim = 256;
-  grouped.inter = 128;
-  grouped.shared_inter = 96;
-  grouped.name = "E16 K4 G4/2 T203";
-  Case glm;
-  glm.cfg.n_experts = 36;
-  glm.cfg.top_k = 8;
-  glm.tokens = 301;
-  glm.dim = 512;
-  glm.inter = 256;
-  glm.shared_inter = 256;
-  glm.name = "E36 K8 T301";
-  return {grouped, glm};
-}
-
+// Parameters and input as test_cuda_ops_moe makes them (on the GPU and as f32 CPU copies), and
+// a dy.
 struct Data {
-  ops::MoeParams gpu, cpu;  // cpu: f32 copies of the same values
-  Tensor x, dy;             // on the GPU, in the storage dtype
+  ops::MoeParams gpu, cpu;
+  Tensor x, dy;  // on the GPU, in the storage dtype
 };
 
-Data make_data(const Case& c, uint64_t seed, DType storage) {
-  Data d;
-  const int64_t e = c.cfg.n_experts;
-  auto both = [&](Tensor& gpu, Tensor& cpu, const Shape& shape, double std) {
-    const Tensor t = random_cpu(shape, storage, seed++, std);
-    gpu = t.to(kGpu);
-    cpu = f32(t);
-  };
-  both(d.gpu.router_weight, d.cpu.router_weight, {e, c.dim}, 2.0 / std::sqrt(double(c.dim)));
-  d.cpu.e_score_correction_bias = random_cpu({e}, DType::f32, seed++, 0.05);
-  d.gpu.e_score_correction_bias = d.cpu.e_score_correction_bias.to(kGpu);
-  both(d.gpu.gate_up_proj, d.cpu.gate_up_proj, {e, 2 * c.inter, c.dim},
-       3.0 / std::sqrt(double(c.dim)));
-  both(d.gpu.down_proj, d.cpu.down_proj, {e, c.dim, c.inter}, 1.0 / std::sqrt(double(c.inter)));
-  both(d.gpu.shared.gate_proj, d.cpu.shared.gate_proj, {c.shared_inter, c.dim},
-       3.0 / std::sqrt(double(c.dim)));
-  both(d.gpu.shared.up_proj, d.cpu.shared.up_proj, {c.shared_inter, c.dim},
-       3.0 / std::sqrt(double(c.dim)));
-  both(d.gpu.shared.down_proj, d.cpu.shared.down_proj, {c.dim, c.shared_inter},
-       1.0 / std::sqrt(double(c.shared_inter)));
-  d.x = random_cpu({c.tokens, c.dim}, storage, seed++).to(kGpu);
-  d.dy = random_cpu({c.tokens, c.dim}, storage, seed++).to(kGpu);
-  return d;
-}
-
-ops::Routing to_cpu(const ops::Routing& r) {
-  return {r.logits.to(Device::cpu()), r.weights.to(Device::cpu()), r.indices.to(Device::cpu())};
+Data make_data(const MoeCase& c, uint64_t seed, DType storage) {
+  MoeData m = make_moe_data(c, seed, storage);
+  return {m.gpu, m.cpu, m.x.to(kGpu), random_cpu({c.tokens, c.dim}, storage, seed + 11).to(kGpu)};
 }
 
 // a + b in f32 on the host.
@@ -118,8 +69,8 @@ TEST(CudaExpertParallel, OneRankGroupMatchesTheBlock) {
   uint64_t seed = 40;
   for (const DType storage : {DType::bf16, DType::f32}) {
     const double tol = storage == DType::f32 ? 1e-5 : 1e-2;
-    for (const Case& c : cases()) {
-      const std::string what = c.name + " " + std::string(dtype_name(storage));
+    for (const MoeCase& c : moe_cases()) {
+      const std::string what = case_name(c) + " " + std::string(dtype_name(storage));
       const Data d = make_data(c, seed += 20, storage);
       const dist::ExpertParallel ep(*group.host, c.cfg.n_experts, "test", group.device.get());
       ASSERT_EQ(ep.local_experts(), c.cfg.n_experts);
@@ -186,7 +137,7 @@ TEST(CudaExpertParallel, ExpertsBackwardMatchesCpu) {
 #ifdef GLMTUNE_WITH_CUDA
   std::unique_ptr<dist::Communicator> self = dist::make_self_communicator("ep");
   uint64_t seed = 400;
-  for (const Case& c : cases()) {
+  for (const MoeCase& c : moe_cases()) {
     const Data d = make_data(c, seed += 20, DType::bf16);
     const ops::Routing routing =
         ops::moe_route(c.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, d.x);
@@ -197,10 +148,10 @@ TEST(CudaExpertParallel, ExpertsBackwardMatchesCpu) {
     ops::MoeParams cgrads;
     const model::text::ExpertDispatch::Backward ref =
         cpu_ep.backward(c.cfg, d.cpu, f32(d.x), to_cpu(routing), f32(d.dy), cgrads);
-    EXPECT_CLOSE(got.dx, ref.dx, 2e-2, "routed dx " + c.name);
-    EXPECT_CLOSE(got.d_weights, ref.d_weights, 2e-2, "combine-weight gradient " + c.name);
-    EXPECT_CLOSE(ggrads.gate_up_proj, cgrads.gate_up_proj, 2e-2, "d gate_up " + c.name);
-    EXPECT_CLOSE(ggrads.down_proj, cgrads.down_proj, 2e-2, "d down " + c.name);
+    EXPECT_CLOSE(got.dx, ref.dx, 2e-2, "routed dx " + case_name(c));
+    EXPECT_CLOSE(got.d_weights, ref.d_weights, 2e-2, "combine-weight gradient " + case_name(c));
+    EXPECT_CLOSE(ggrads.gate_up_proj, cgrads.gate_up_proj, 2e-2, "d gate_up " + case_name(c));
+    EXPECT_CLOSE(ggrads.down_proj, cgrads.down_proj, 2e-2, "d down " + case_name(c));
     EXPECT_FALSE(ggrads.router_weight.defined()) << "the router got a gradient";
   }
 #endif

@@ -1,5 +1,6 @@
 #include "glmtune/dist/sharded_optimizer_device.h"
 #include "glmtune/ops/cuda/adamw.h"
+#include "glmtune/train/device_adamw.h"
 
 namespace glmtune::dist::detail {
 
@@ -21,15 +22,9 @@ void device_adamw(std::vector<std::array<Tensor, 3>>& state, const std::vector<T
     p.grad = grads[k];
     params.push_back(std::move(p));
   }
-  cuda::AdamWConfig c;
-  c.lr = lr;
-  c.beta1 = config.beta1;
-  c.beta2 = config.beta2;
-  c.eps = config.eps;
-  c.weight_decay = config.weight_decay;
-  c.step = step;
   const Device device = state.front()[0].device();
-  cuda::adamw_step(params, c, Tensor::full({1}, clip, DType::f32, device));
+  cuda::adamw_step(params, train::kernel_config(config, lr, step),
+                   Tensor::full({1}, clip, DType::f32, device));
 }
 
 }  // namespace glmtune::dist::detail

@@ -23,6 +23,10 @@
 
 namespace glmtune::train {
 
+// The kernel's settings (ops/cuda/adamw.h) for one update at `lr` as update number `step`
+// (1-based).
+cuda::AdamWConfig kernel_config(const AdamWConfig& config, double lr, int64_t step);
+
 class DeviceAdamW {
  public:
   // `params`: the optimizer's parameters in its order (the store's values on the host; the

@@ -17,6 +17,17 @@ Tensor* find_named(std::vector<std::pair<std::string, Tensor>>& named, const std
 
 }  // namespace
 
+cuda::AdamWConfig kernel_config(const AdamWConfig& config, double lr, int64_t step) {
+  cuda::AdamWConfig c;
+  c.lr = lr;
+  c.beta1 = config.beta1;
+  c.beta2 = config.beta2;
+  c.eps = config.eps;
+  c.weight_decay = config.weight_decay;
+  c.step = step;
+  return c;
+}
+
 DeviceAdamW::DeviceAdamW(const std::vector<NamedParam>& params, model::text::TextWeights& weights,
                          model::text::TextGrads& grads, AdamWConfig config)
     : config_(config) {
@@ -83,14 +94,7 @@ StepReport DeviceAdamW::step(double lr, double grad_norm, bool skip) {
     return r;
   }
   GLMTUNE_ASSERT(clip_.defined(), "DeviceAdamW::step before grad_norm");
-  cuda::AdamWConfig c;
-  c.lr = lr;
-  c.beta1 = config_.beta1;
-  c.beta2 = config_.beta2;
-  c.eps = config_.eps;
-  c.weight_decay = config_.weight_decay;
-  c.step = step_ + 1;
-  cuda::adamw_step(params_, c, clip_);
+  cuda::adamw_step(params_, kernel_config(config_, lr, step_ + 1), clip_);
   for (auto& [rounded, compute] : widened_) compute.copy_(rounded);
   ++step_;
   r.clip_coef = clip_coefficient(grad_norm, config_.max_grad_norm);
