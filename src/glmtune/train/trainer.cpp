@@ -561,6 +561,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     sharded->keep_on_device(compute_tensors(sharded->params()));
     if (expert_optimizer)
       expert_optimizer->keep_on_device(compute_tensors(expert_optimizer->params()));
+    spdlog::info("optimizer on {}: {} bytes of this rank's fp32 masters and moments there",
+                 device.str(),
+                 sharded->state_bytes() + (expert_optimizer ? expert_optimizer->state_bytes() : 0));
   }
   GpuOptimizer gpu_adamw;
   if (gpu_optimizer) {
