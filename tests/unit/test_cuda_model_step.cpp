@@ -204,13 +204,12 @@ TEST(CudaModelStep, LossAndEveryGradientMatchTheCpuStep) {
   // 3409662483 they measured 1.2e-1 .. 1.85e-1 with every version of the KDA kernels, those with
   // bf16-operand products and those without. Over 36 seeds (2026-11-30) all gradients together
   // measured 4.5e-2 .. 1.34e-1, the last at seed 380315147, whose first-layer q projection lands
-  // at 3.1e-1: the same bits with the kernels before and after the MoE backward's split for
-  // expert parallelism. The bars: all gradients together within 2e-1, each tensor of at least
-  // 1024 elements within 4e-1 (a wrong gradient lands near 1 or above; the fp32 mode below holds
-  // every tensor to 1e-4).
-  // Small tensors (mHC base and scale, A_log: a few to a few hundred sums over all tokens, where
-  // cancellation makes the relative error meaningless) are printed and held by the global bar;
-  // their op-level tests hold them tightly.
+  // at 3.1e-1, to every printed digit the same with the kernels before and after the MoE
+  // backward's split for expert parallelism. The bars: all gradients together within 2e-1, each
+  // tensor of at least 1024 elements within 4e-1 (a wrong gradient lands near 1 or above; the fp32
+  // mode below holds every tensor to 1e-4). Small tensors (mHC base and scale, A_log: a few to a
+  // few hundred sums over all tokens, where cancellation makes the relative error meaningless) are
+  // printed and held by the global bar; their op-level tests hold them tightly.
   compare_gradients(both.cpu_grads, both.gpu_grads, 4e-1, 0, 2e-1);
 
   // A rerun on the GPU gives the same bits (deterministic mode is the only mode).
