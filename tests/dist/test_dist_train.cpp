@@ -239,6 +239,17 @@ void expect_resumed_continuation(const fs::path& dir, const fs::path& recipe, co
   expect_same_steps(metrics(out), reference, 2);
 }
 
+// The 4-step run of `recipe` at ep = 2 on 2 ranks (dir/ep2) and on one process (dir/single),
+// each saving at step 2: what the resume tests continue from.
+void train_at_ep2_and_single(const fs::path& dir, const fs::path& recipe) {
+  ASSERT_EQ(train(recipe, 2, false, dir / "ep2", dir / "ep2.log", 2), 0)
+      << glmtune::test::read_text(dir / "ep2.log");
+  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
+      << glmtune::test::read_text(dir / "single.log");
+  ASSERT_EQ(metrics(dir / "ep2").size(), 4u);
+  ASSERT_EQ(metrics(dir / "single").size(), 4u);
+}
+
 // Saved at ep = 2 with each rank holding its expert slice: the checkpoint holds the tensors
 // (names, dtypes, shapes) of a single-process run's, model and optimizer, and resumes at ep = 1 on
 // one process and at ep = 2 with another dp (dp × ep = 2 × 2 on 4 ranks); a single-process
@@ -250,13 +261,8 @@ void expect_resumed_continuation(const fs::path& dir, const fs::path& recipe, co
 TEST(DistTrainExpertParallel, ResumesAcrossExpertLayouts) {
   glmtune::test::TempDir dir("dist-train-ep-resume");
   const fs::path recipe = write_recipe(dir.path(), 4, 2, false);
-  ASSERT_EQ(train(recipe, 2, false, dir / "ep2", dir / "ep2.log", 2), 0)
-      << glmtune::test::read_text(dir / "ep2.log");
-  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
-      << glmtune::test::read_text(dir / "single.log");
+  ASSERT_NO_FATAL_FAILURE(train_at_ep2_and_single(dir.path(), recipe));
   const auto from_ep2 = metrics(dir / "ep2"), from_single = metrics(dir / "single");
-  ASSERT_EQ(from_ep2.size(), 4u);
-  ASSERT_EQ(from_single.size(), 4u);
   for (const char* part : {"model", "optimizer"}) {
     SCOPED_TRACE(part);
     const auto got = tensor_table(dir / "ep2/checkpoints/step-2" / part);
@@ -404,12 +410,8 @@ void expect_vl_checkpoint_as_single(const fs::path& got_dir, const fs::path& sin
 TEST(DistTrainExpertParallel, VisionLanguageSavedAtEpTwoResumesInOneProcess) {
   glmtune::test::TempDir dir("dist-train-vl-ep-resume");
   const fs::path recipe = write_vl_recipe(dir.path(), 4, 2, false);
-  ASSERT_EQ(train(recipe, 2, false, dir / "ep2", dir / "ep2.log", 2), 0)
-      << glmtune::test::read_text(dir / "ep2.log");
-  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log"), 0)
-      << glmtune::test::read_text(dir / "single.log");
+  ASSERT_NO_FATAL_FAILURE(train_at_ep2_and_single(dir.path(), recipe));
   const auto from_ep2 = metrics(dir / "ep2");
-  ASSERT_EQ(from_ep2.size(), 4u);
   expect_vl_checkpoint_as_single(dir / "ep2/checkpoints/step-2", dir / "single/checkpoints/step-2");
   expect_resumed_continuation(dir.path(), recipe, dir / "ep2", "vl-ep1-from-ep2", 1, 1, from_ep2);
   // And the other way: the single process's checkpoint resumes at ep = 2, each rank reading its

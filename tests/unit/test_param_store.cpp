@@ -12,6 +12,7 @@
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/tensor/allocator.h"
+#include "support/error_message.h"
 #include "support/temp_dir.h"
 
 using namespace glmtune;
@@ -27,15 +28,7 @@ uint64_t test_seed() {
   return seed;
 }
 
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a glmtune::Error";
-  return "";
-}
+using glmtune::test::message_of;
 
 // Rewrites checkpoint `src` into `dst`, letting `edit` drop or replace tensors.
 void rewrite(

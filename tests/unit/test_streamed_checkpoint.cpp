@@ -24,6 +24,7 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/train/optimizer.h"
 #include "glmtune/train/state.h"
+#include "support/error_message.h"
 #include "support/same_files.h"
 #include "support/temp_dir.h"
 
@@ -32,18 +33,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using glmtune::test::message_of;
 using glmtune::test::read_text;
 using glmtune::test::TempDir;
-
-std::string message_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a glmtune::Error";
-  return "";
-}
 
 Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, bool positive = false) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
