@@ -51,6 +51,17 @@ TEST(CudaNccl, EveryCollectiveOfAOneRankGroup) {
     nccl->all_gather(host.to(kGpu), out);
     EXPECT_TRUE(bit_identical(out, host)) << "all_gather";
 
+    // The started forms: queued behind the work already on the GPU, complete once waited for.
+    out = nan.clone();
+    std::unique_ptr<dist::PendingCollective> pending = nccl->start_all_gather(host.to(kGpu), out);
+    pending->wait();
+    pending->wait();  // idempotent
+    EXPECT_TRUE(bit_identical(out, host)) << "start_all_gather";
+    out = nan.clone();
+    pending = nccl->start_reduce_scatter(host.to(kGpu), out);
+    pending.reset();  // an abandoned one completes before its tensors can go
+    EXPECT_TRUE(bit_identical(out, host)) << "start_reduce_scatter";
+
     out = nan.clone();
     const std::vector<int64_t> counts = {1000};
     nccl->all_to_all(host.to(kGpu), counts, out, counts);

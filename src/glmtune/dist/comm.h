@@ -61,10 +61,13 @@ class Communicator {
   virtual void broadcast(Tensor& t, int root) = 0;
   virtual void barrier() = 0;
 
-  // all_gather that returns once started, so the exchange can overlap other work. Every rank
-  // must start it at the same point of its sequence of collectives; others may run before its
-  // wait(). Backends without an asynchronous path (self, NCCL) complete it here.
+  // all_gather and reduce_scatter that return once started, so the exchange can overlap other
+  // work. Every rank must start them at the same point of its sequence of collectives; others may
+  // run before their wait(). MPI has an asynchronous all_gather, NCCL both (queued on its stream
+  // behind the work the GPU already has); the other cases complete here.
   virtual std::unique_ptr<PendingCollective> start_all_gather(const Tensor& in, Tensor& out);
+  virtual std::unique_ptr<PendingCollective> start_reduce_scatter(const Tensor& in, Tensor& out,
+                                                                  ReduceOp op = ReduceOp::sum);
 
   // Convenience over all_reduce for scalars and host vectors.
   double all_reduce_sum(double v);

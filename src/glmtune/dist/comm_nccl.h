@@ -5,7 +5,9 @@
 // ranks) creates the unique id and broadcasts it. Collectives run on a dedicated stream that
 // first waits for the work already queued on the default stream, and each call returns once its
 // result is complete, polled against the timeout like the MPI backend (the NCCL communicator is
-// aborted, then the job).
+// aborted, then the job). start_all_gather and start_reduce_scatter return once queued; their
+// wait() polls an event recorded behind them against the same timeout, so the GPU runs them beside
+// the work queued afterwards (fsdp's prefetch and its gradient reductions).
 #include <memory>
 #include <string>
 

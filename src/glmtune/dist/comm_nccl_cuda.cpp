@@ -123,29 +123,40 @@ class NcclCommunicator final : public Communicator {
   }
 
   void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override {
-    check(in, "reduce_scatter");
-    check(out, "reduce_scatter");
-    GLMTUNE_ASSERT(in.dtype() == out.dtype() && in.numel() == out.numel() * size_,
-                   "reduce_scatter on group '{}': {} into {} over {} ranks", name_, in.str(),
-                   out.str(), size_);
-    begin();
-    check_nccl(ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()),
-                                 reduce_type(in.dtype(), name_), nccl_op(op), comm_, stream_),
-               "ncclReduceScatter");
+    enqueue_reduce_scatter(in, out, op);
     finish("reduce_scatter");
   }
 
+  std::unique_ptr<PendingCollective> start_reduce_scatter(const Tensor& in, Tensor& out,
+                                                          ReduceOp op) override {
+    enqueue_reduce_scatter(in, out, op);
+    return pending("reduce_scatter", in, out);
+  }
+
   void all_gather(const Tensor& in, Tensor& out) override {
-    check(in, "all_gather");
-    check(out, "all_gather");
-    GLMTUNE_ASSERT(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
-                   "all_gather on group '{}': {} into {} over {} ranks", name_, in.str(), out.str(),
-                   size_);
-    begin();
-    check_nccl(ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()),
-                             move_type(in.dtype()), comm_, stream_),
-               "ncclAllGather");
+    enqueue_all_gather(in, out);
     finish("all_gather");
+  }
+
+  std::unique_ptr<PendingCollective> start_all_gather(const Tensor& in, Tensor& out) override {
+    enqueue_all_gather(in, out);
+    return pending("all_gather", in, out);
+  }
+
+  // Waits for a collective queued by start_* (its event recorded behind it on the stream),
+  // against the deadline like the blocking ones.
+  void wait_event(cudaEvent_t done, const char* op) {
+    const auto end = deadline();
+    for (int64_t polls = 0;; ++polls) {
+      const cudaError_t q = cudaEventQuery(done);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) GLMTUNE_CUDA_CHECK(q);
+      ncclResult_t state = ncclSuccess;
+      check_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
+      check_nccl(state, op);
+      if (Clock::now() > end) timed_out(op);
+      pause(polls);
+    }
   }
 
   void all_to_all(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
@@ -195,6 +206,32 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  void enqueue_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
+    check(in, "reduce_scatter");
+    check(out, "reduce_scatter");
+    GLMTUNE_ASSERT(in.dtype() == out.dtype() && in.numel() == out.numel() * size_,
+                   "reduce_scatter on group '{}': {} into {} over {} ranks", name_, in.str(),
+                   out.str(), size_);
+    begin();
+    check_nccl(ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()),
+                                 reduce_type(in.dtype(), name_), nccl_op(op), comm_, stream_),
+               "ncclReduceScatter");
+  }
+
+  void enqueue_all_gather(const Tensor& in, Tensor& out) {
+    check(in, "all_gather");
+    check(out, "all_gather");
+    GLMTUNE_ASSERT(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
+                   "all_gather on group '{}': {} into {} over {} ranks", name_, in.str(), out.str(),
+                   size_);
+    begin();
+    check_nccl(ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()),
+                             move_type(in.dtype()), comm_, stream_),
+               "ncclAllGather");
+  }
+
+  std::unique_ptr<PendingCollective> pending(const char* op, const Tensor& in, const Tensor& out);
+
   void check(const Tensor& t, const char* op) const {
     GLMTUNE_ASSERT(t.defined() && t.is_contiguous() && t.device().is_cuda(),
                    "{} on group '{}' (nccl): tensors must be contiguous GPU tensors, got {}", op,
@@ -265,6 +302,40 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr;
 };
+
+// A collective queued on the communicator's stream and not yet waited for: it keeps its tensors
+// alive, and the event recorded behind it tells when it is done. An abandoned one is waited for
+// first, so NCCL never writes into freed memory.
+class NcclPending final : public PendingCollective {
+ public:
+  NcclPending(NcclCommunicator& comm, const char* op, Tensor in, Tensor out, cudaEvent_t done)
+      : comm_(comm), op_(op), in_(std::move(in)), out_(std::move(out)), done_(done) {}
+  ~NcclPending() override {
+    wait();
+    cudaEventDestroy(done_);
+  }
+  void wait() override {
+    if (waited_) return;
+    comm_.wait_event(done_, op_);
+    waited_ = true;
+  }
+
+ private:
+  NcclCommunicator& comm_;
+  const char* op_;
+  Tensor in_, out_;
+  cudaEvent_t done_;
+  bool waited_ = false;
+};
+
+std::unique_ptr<PendingCollective> NcclCommunicator::pending(const char* op, const Tensor& in,
+                                                             const Tensor& out) {
+  wait_comm(op);  // a non-blocking communicator may still be enqueueing
+  cudaEvent_t done = nullptr;
+  GLMTUNE_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  GLMTUNE_CUDA_CHECK(cudaEventRecord(done, stream_));
+  return std::make_unique<NcclPending>(*this, op, in, out, done);
+}
 
 }  // namespace
 
