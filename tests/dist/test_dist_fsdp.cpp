@@ -331,17 +331,16 @@ TEST(DistFsdp, LayerOptimizerUpdatesTheSlicesAsTheUnshardedAdamW) {
     for (float& x : v) x = normal(rng);
     whole[p.name] = Tensor::from_vector(v, p.value.shape());
   }
-  for (int64_t l = 0; l < fsdp.layers(); ++l) {
-    const int64_t begin = fsdp.slice_begin(l), size = fsdp.slice(l).numel();
+  for (int64_t l = 0; l < fsdp.layers(); ++l)
     for (const ShardedLayers::Entry& e : fsdp.entries(l)) {
       if (!e.trained) continue;
+      const int64_t begin = fsdp.slice_begin(l, e.flat), size = fsdp.slice(l, e.flat).numel();
       const int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, begin + size);
       if (lo < hi)
-        fsdp.gradient_slice(l)
+        fsdp.gradient_slice(l, e.flat)
             .slice(0, lo - begin, hi - begin)
             .copy_(whole.at(e.name).view({e.numel}).slice(0, lo - e.offset, hi - e.offset));
     }
-  }
   train::AdamW reference(layer_params, adamw);
   std::vector<Tensor> ref_grads;
   for (const auto& p : layer_params) ref_grads.push_back(p.trainable ? whole.at(p.name) : Tensor());
@@ -528,7 +527,8 @@ TEST(DistFsdp, StartUpResumeAndSaveHoldSlicesAndOneTensorNotTheModel) {
     std::erase_if(layer_params, [&](const train::NamedParam& p) { return !in_layers(p.name); });
     ShardedLayerAdamW layer_optimizer(fsdp, copy_pieces(layer_params), adamw);
     whole_start_up = bytes.peak();
-    for (int64_t l = 0; l < fsdp.layers(); ++l) reference_slices.push_back(fsdp.slice(l).clone());
+    for (int64_t l = 0; l < fsdp.layers(); ++l)
+      reference_slices.push_back(fsdp.slice(l, 0).clone());
   }
 
   // Streamed start-up, as the trainer does it.
@@ -594,7 +594,7 @@ TEST(DistFsdp, StartUpResumeAndSaveHoldSlicesAndOneTensorNotTheModel) {
   EXPECT_LE(fsdp.resident_bytes(), fsdp.full_bytes() / ranks + layers * ranks * 4);
   // The slices read piece by piece are the whole load's, bit for bit.
   for (int64_t l = 0; l < layers; ++l)
-    EXPECT_EQ(rel_diff(fsdp.slice(l), reference_slices[size_t(l)]), 0.0) << "layer " << l;
+    EXPECT_EQ(rel_diff(fsdp.slice(l, 0), reference_slices[size_t(l)]), 0.0) << "layer " << l;
 
   // Resume: the replicated shards and the layer pieces read by ranges, then the same state loaded
   // through a whole unsharded optimizer as it was.

@@ -11,7 +11,11 @@
 #  2. Expert parallel over NCCL: the same two ranks with train.ep_size = 2 (each GPU holds half of
 #     the routed experts; tokens travel to them and back through NCCL all-to-alls) follow the
 #     same one-GPU run within the same bar, and the ep checkpoint resumes on one GPU.
-#  3. bench_cuda_nccl under mpirun: the dispatch all-to-all and the FSDP overlap (numbers only).
+#  3. Fully sharded decoder layers over NCCL: the same two ranks with train.fsdp = true (each GPU
+#     keeps half of every decoder layer's weights, gradients and optimizer state; layers are
+#     all-gathered around each use and their gradients reduce-scattered) follow the same run, and
+#     so does fsdp with ep_size = 2; both checkpoints resume on one GPU.
+#  4. bench_cuda_nccl under mpirun: the dispatch all-to-all and the FSDP overlap (numbers only).
 #
 # Usage (from the repository root): tests/gpu/dist_check.sh CARRY_DIR WORK_DIR
 # Environment: GLMTUNE_MPIRUN (the launcher, default mpirun; an Open MPI one takes -x).
@@ -89,7 +93,7 @@ run_two_ranks() {
     tail -n 30 "$work/$name.log"
     return 1
   }
-  grep -h "distributed:\|ep: this rank" "$work/$name.log" | head -n 2
+  grep -h "distributed:\|ep: this rank\|fsdp: this rank" "$work/$name.log" | head -n 3
   follows_one_gpu "$label over NCCL" "$work/$name" || return 1
   echo "== the 2-rank checkpoint ($label) resumed on one GPU"
   resumes_on_one_gpu "$work/$name"
@@ -97,6 +101,9 @@ run_two_ranks() {
 
 run_two_ranks dist-two "data parallel" || fail=1
 run_two_ranks dist-ep "expert parallel (ep_size 2)" --set train.ep_size=2 || fail=1
+run_two_ranks dist-fsdp "fully sharded layers (fsdp)" --set train.fsdp=true || fail=1
+run_two_ranks dist-fsdp-ep "fsdp with ep_size 2" --set train.fsdp=true --set train.ep_size=2 ||
+  fail=1
 
 echo "== bench_cuda_nccl (2 ranks)"
 if [[ -x "$carry/bench_cuda_nccl" ]]; then

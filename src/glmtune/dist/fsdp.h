@@ -3,28 +3,36 @@
 // docs/distributed.md, "Fully sharded parameters"): parameters, gradients and optimizer state.
 //
 // Each decoder layer's tensors (every defined tensor of TextWeights::layers[l], trained or not),
-// in a fixed order, form one flat vector of N elements in the compute dtype, padded to a multiple
-// of the group size P; rank r keeps elements [r·N'/P, (r+1)·N'/P) and the layer's tensors are
-// left undefined. The same layout holds the layer's gradient (zero at the frozen tensors and the
-// padding), so a rank's gradient slice, compute slice and optimizer state cover the same elements
-// and an update needs no communication. The layer loops (model::text::LayerParamProvider) call:
-//   gather(l)              the slices are all-gathered into one full buffer (or the prefetched
-//                          one is waited for); the layer's tensors (and their TextWeights::named
-//                          entries) become views of it;
-//   prefetch(l)            the all-gather of the layer that runs next starts without waiting;
-//   release(l)             those views are dropped: the buffer is freed once nothing holds it;
-//   allocate_gradients(l)  one zero buffer in the flat layout; the layer's TextGrads buffers
-//                          (TextGrads::layers[l] and their named entries) become views of it;
-//   reduce_gradients(l)    that buffer is reduce-scattered (SUM) and added to this rank's
-//                          gradient slice (a step's micro-packs accumulate), then dropped.
+// in a fixed order, form one flat vector per dtype (a "flat": one on the CPU, where every tensor
+// has the compute dtype; on a GPU a bf16 one and an f32 one for the fp32-kept tensors) of N
+// elements, padded to a multiple of the group size P; rank r keeps elements [r·N'/P, (r+1)·N'/P)
+// of each flat and the layer's tensors are left undefined. On a GPU every tensor starts at a
+// multiple of 128 elements, so the views the kernels read are aligned as whole tensors are. The
+// same layout holds the layer's gradient (in the gradients' dtype: f32 on a GPU; zero at the
+// frozen tensors and the padding), so a rank's gradient slice, compute slice and optimizer state
+// cover the same elements and an update needs no communication. The layer loops
+// (model::text::LayerParamProvider) call:
+//   gather(l)              the slices are all-gathered into one full buffer per flat (or the
+//                          prefetched ones are waited for); the layer's tensors (and their
+//                          TextWeights::named entries) become views of them;
+//   prefetch(l)            the all-gathers of the layer that runs next start without waiting;
+//   release(l)             those views are dropped: a buffer is freed once nothing holds it;
+//   allocate_gradients(l)  one zero buffer per flat; the layer's TextGrads buffers
+//                          (TextGrads::layers[l] and their named entries) become views of them;
+//   reduce_gradients(l)    those buffers are reduce-scattered (SUM) and added to this rank's
+//                          gradient slices (a step's micro-packs accumulate), then dropped. Where
+//                          the backend runs it asynchronously (NCCL) the reduction completes
+//                          while the next layer's backward runs, and finish_reductions() (which
+//                          every reader of the gradient slices calls) waits for the last one.
 // Between layers a rank therefore holds its slices only, and while a layer runs that layer's
-// buffer plus the next layer's in flight. Embeddings, the final norm, the head and the MTP layer
+// buffers plus the next layer's in flight. Embeddings, the final norm, the head and the MTP layer
 // stay replicated (ShardedAdamW trains them), and so do the tensors LayerSource::outside names
 // (routed-expert slices, which expert_shards.h trains).
 //
 // ShardedLayerAdamW trains the slices: AdamW (train::AdamW, the same arithmetic) on this rank's
 // pieces of each trainable tensor, with fp32 masters and moments of those pieces only; after an
-// update the pieces, rounded to their storage dtype, are written into the compute slice.
+// update the pieces, rounded to their storage dtype, are written into the compute slice. On a GPU
+// (keep_on_device) that state lives on the device and the update is the multi-tensor AdamW kernel.
 //
 // Start-up and checkpoints never hold a whole layer either: built from a LayerSource, each rank
 // reads only its slices' elements from the checkpoint (the model holds placeholders for the
@@ -33,8 +41,7 @@
 // in the released layout; a resume reads each piece's state from the saved files
 // (ShardedLayerAdamW::load of a train::SavedAdamWState).
 //
-// Collective: every rank of the group must run the same layers in the same order. CPU weights
-// only: the flat vector has one dtype, and the GPU path keeps some tensors in f32 beside bf16.
+// Collective: every rank of the group must run the same layers in the same order.
 #include <array>
 #include <cstdint>
 #include <functional>
@@ -74,9 +81,12 @@ class ShardedLayers final : public model::text::LayerParamProvider {
   // `weights`, built before this), which exist from then on only between allocate_gradients and
   // reduce_gradients. For the placeholders that `source` names, the layout comes from the whole
   // shapes it gives and this rank's slice is read from it piece by piece, so no rank ever holds a
-  // whole decoder layer at start-up.
+  // whole decoder layer at start-up. GPU weights: `device_group` (the same ranks in the same order,
+  // for device tensors: NCCL) moves the layers; `group` then carries the host side (checkpoint
+  // gathers, flags). Without it `group` does both (MPI on the CPU, or a group of one).
   ShardedLayers(model::text::TextWeights& weights, model::text::TextGrads& grads,
-                Communicator& group, const LayerSource& source);
+                Communicator& group, const LayerSource& source,
+                Communicator* device_group = nullptr);
   ~ShardedLayers() override = default;
 
   void gather(int64_t layer) override;
@@ -87,6 +97,10 @@ class ShardedLayers final : public model::text::LayerParamProvider {
 
   int64_t layers() const { return int64_t(layers_.size()); }
   Communicator& group() const { return group_; }
+  const Device& device() const { return weights_.device; }
+
+  // Waits for the gradient reductions still in flight and adds them into the slices.
+  void finish_reductions();
 
   // Bytes of decoder-layer parameter memory alive on this rank now, measured: the slices plus
   // every gathered or prefetched buffer that something still references (a released layer whose
@@ -126,19 +140,22 @@ class ShardedLayers final : public model::text::LayerParamProvider {
   bool holds(const std::string& name) const;
 
   // The tensors of one decoder layer in the flat layout: the tensor's elements (flattened) are
-  // flat elements [offset, offset + numel); `trained`: it has a gradient. This rank's slices hold
-  // flat elements [slice_begin(), slice_begin() + slice(layer).numel()).
+  // elements [offset, offset + numel) of the layer's flat number `flat`; `trained`: it has a
+  // gradient. This rank's slices hold elements [slice_begin(l, f), slice_begin(l, f) +
+  // slice(l, f).numel()) of flat f.
   struct Entry {
     std::string name;
+    size_t flat = 0;
     int64_t offset = 0, numel = 0;
     bool trained = false;
   };
   std::vector<Entry> entries(int64_t layer) const;
-  int64_t slice_begin(int64_t layer) const;
-  // The layer's compute slice and gradient slice ([N'/P], compute dtype); they live as long as
-  // this object, so views of them stay valid.
-  Tensor& slice(int64_t layer) { return layer_at(layer, "slice").shard; }
-  Tensor& gradient_slice(int64_t layer) { return layer_at(layer, "gradient_slice").grad_shard; }
+  size_t flats(int64_t layer) const { return layer_at(layer, "flats").flats.size(); }
+  int64_t slice_begin(int64_t layer, size_t flat) const;
+  // The layer's compute slice ([N'/P], the flat's dtype) and gradient slice ([N'/P], the
+  // gradients' dtype) of one flat; they live as long as this object, so views of them stay valid.
+  Tensor& slice(int64_t layer, size_t flat) { return flat_at(layer, flat).shard; }
+  Tensor& gradient_slice(int64_t layer, size_t flat) { return flat_at(layer, flat).grad_shard; }
 
  private:
   struct Param {
@@ -147,15 +164,24 @@ class ShardedLayers final : public model::text::LayerParamProvider {
     Tensor* grad = nullptr;          // in TextGrads::layers[l]; null for a frozen tensor
     std::vector<size_t> grad_named;  // entries of TextGrads::named sharing its storage
     Shape shape;
+    size_t flat = 0;
     int64_t offset = 0;
   };
   struct Prefetch {
     Tensor buffer;
     std::unique_ptr<PendingCollective> pending;
   };
-  struct Layer {
-    std::vector<Param> params;
-    int64_t padded = 0;  // flat elements, a multiple of the group size
+  // A reduce-scatter in flight: the full gradient buffer it reads, the part it writes for this
+  // rank, and the slice that part is added into once it is done.
+  struct Reduction {
+    Tensor full, mine;
+    Tensor* slice = nullptr;
+    std::unique_ptr<PendingCollective> pending;
+  };
+  // The tensors of one dtype of a layer.
+  struct Flat {
+    DType dtype = DType::f32, grad_dtype = DType::f32;
+    int64_t padded = 0;  // elements, a multiple of the group size
     Tensor shard;        // [padded / P]
     std::weak_ptr<Storage> gathered;
     std::optional<Prefetch> prefetched;
@@ -163,19 +189,28 @@ class ShardedLayers final : public model::text::LayerParamProvider {
     Tensor grad_full;   // [padded] between allocate_gradients and reduce_gradients
     std::weak_ptr<Storage> grad_allocated;
   };
+  struct Layer {
+    std::vector<Param> params;
+    std::vector<Flat> flats;
+  };
   void build(const LayerSource& source);
   // The layer and parameter holding the tensor `name`; InternalError when none does.
   std::pair<size_t, const Param*> find(const std::string& name) const;
   Layer& layer_at(int64_t layer, const char* what);
   const Layer& layer_at(int64_t layer, const char* what) const;
-  // The layer's full flat vector from one slice of it, all-gathered.
-  Tensor all_gather_flat(const Layer& layer, const Tensor& local);
+  Flat& flat_at(int64_t layer, size_t flat);
+  // A flat's full vector from one slice of it, all-gathered.
+  Tensor all_gather_flat(const Flat& flat, const Tensor& local);
   const std::string& param_name(const Param& p) const;
+  // The communicator of the layers' tensors.
+  Communicator& movers() const { return device_group_ ? *device_group_ : group_; }
 
   model::text::TextWeights& weights_;
   model::text::TextGrads& grads_;
   Communicator& group_;
+  Communicator* device_group_ = nullptr;
   std::vector<Layer> layers_;
+  std::vector<Reduction> reductions_;  // in flight, oldest first
   int64_t full_bytes_ = 0, full_gradient_bytes_ = 0;
 };
 
@@ -195,9 +230,14 @@ class ShardedLayerAdamW {
   using PieceReader = std::function<Tensor(const std::string& name, int64_t begin, int64_t count)>;
   ShardedLayerAdamW(ShardedLayers& layers, const PieceReader& read, train::AdamWConfig config);
 
-  int64_t step_count() const { return pieces_.step_count(); }
+  // GPU layers: moves the pieces' masters and moments to the slices' device, where every later
+  // step updates them with the multi-tensor AdamW kernel and writes the compute slices. Call after
+  // load().
+  void keep_on_device();
+
+  int64_t step_count() const { return on_device_ ? device_step_ : pieces_.step_count(); }
   // Sum of squared elements of this rank's gradient pieces (the group sum is the decoder layers'
-  // part of the global norm). Local.
+  // part of the global norm). Local, once the layers' reductions are finished (it finishes them).
   double grad_sq_norm() const;
   // Updates the pieces from the gradient slices with the global norm (clipping; a non-finite norm
   // skips, as in train::AdamW) and refreshes the compute slices from them. Local.
@@ -211,7 +251,7 @@ class ShardedLayerAdamW {
   std::array<Tensor, 3> gather_state(const std::string& name, int root) const;
   // Restores this rank's pieces from a state saved by train::AdamW::save (any sharding), reading
   // only their elements from the mapping, and refreshes the compute slices. Collective (the ranks
-  // check that they read the same step).
+  // check that they read the same step). Before keep_on_device only.
   void load(const train::SavedAdamWState& saved);
 
  private:
@@ -219,15 +259,27 @@ class ShardedLayerAdamW {
   // [slice_offset, slice_offset + length) of its layer's slices.
   struct Slot {
     int64_t layer = 0;
+    size_t flat = 0;
     std::string name;
     int64_t begin = 0, length = 0, slice_offset = 0;
+    DType storage = DType::f32;  // the stored tensor's dtype: the forward sees the master rounded
   };
   void refresh_slices();
+  Tensor compute_piece(size_t k) {
+    const Slot& s = slots_[k];
+    return layers_.slice(s.layer, s.flat).narrow(0, s.slice_offset, s.length);
+  }
 
   ShardedLayers& layers_;
   std::vector<Slot> slots_;  // aligned with pieces_.params()
   train::AdamW pieces_;
   std::vector<Tensor> grads_;  // views of the gradient slices, aligned with slots_
+  // After keep_on_device: each piece's {master, exp_avg, exp_avg_sq} (f32) on the device
+  // (pieces_ is then empty) and the update count.
+  bool on_device_ = false;
+  std::vector<std::array<Tensor, 3>> device_state_;
+  int64_t device_step_ = 0;
+  train::AdamWConfig config_;
 };
 
 }  // namespace glmtune::dist

@@ -302,14 +302,13 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   const Device device = on_gpu ? training_device(recipe, par) : Device::cpu();
   const bool root = par == nullptr || par->is_root();
   if (on_gpu && distributed) {
-    // Data and expert parallel over NCCL; sequence parallelism and fsdp have CPU paths only.
-    if (par->sizes().sp > 1 || recipe.fsdp)
+    // Data, expert and fully sharded parallel over NCCL; sequence parallelism has a CPU path only.
+    if (par->sizes().sp > 1)
       throw Error(
-          "a distributed GPU run splits the data and the experts only: sequence parallel and "
-          "train.fsdp run on the CPU for now",
-          recipe.source() + ": train.sp_size / train.fsdp",
-          "set train.sp_size = 1 and train.fsdp = false (train.ep_size may stay), or device = "
-          "\"cpu\"");
+          "a distributed GPU run splits the data, the experts and the decoder layers' parameters "
+          "(train.fsdp), not the sequence: sequence parallel runs on the CPU for now",
+          recipe.source() + ": train.sp_size",
+          "set train.sp_size = 1 (train.ep_size and train.fsdp may stay), or device = \"cpu\"");
     par->use_gpu(device.index);
   } else if (on_gpu) {
     use_cuda_device(device.index);
@@ -395,11 +394,6 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // launcher); the replicated tensors, the vision tower and projector included, go through the
   // sharded AdamW below.
   const bool fsdp = recipe.fsdp;
-  if (fsdp) {
-    if (on_gpu)
-      throw Error("train.fsdp runs on the CPU only", recipe.source() + ": train.fsdp",
-                  "set train.fsdp = false, or device = \"cpu\"");
-  }
   const int64_t num_layers = model_config.text().num_hidden_layers;
   // With fsdp the decoder layers' tensors are not read here: the store holds placeholders and each
   // rank reads only the elements of its slices from the mapped checkpoint once the layout is known
@@ -423,6 +417,11 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::unique_ptr<dist::Communicator> self_group;
   if (fsdp && !distributed) self_group = dist::make_self_communicator("dp");
   dist::Communicator* const dp_group = distributed ? &par->dp() : self_group.get();
+  // On GPUs the sharded optimizers and layers move device tensors through NCCL (a group of one
+  // moves them locally).
+  dist::Communicator* const device_dp_group = !on_gpu       ? nullptr
+                                              : distributed ? par->dp_gpu()
+                                                            : self_group.get();
   std::vector<NamedParam> own_params =
       dp_group ? std::vector<NamedParam>{} : trainable_params(store);
   // The vision tower and projector train in VL runs (unless frozen): their gradient buffers,
@@ -432,7 +431,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   // On one GPU the optimizer runs on the device beside the model (train/device_adamw.h; built with
   // the model below) and the host optimizer gets no parameters: no gradient or weight crosses the
   // host link in a step.
-  const bool gpu_optimizer = on_gpu && !distributed;
+  const bool gpu_optimizer = on_gpu && !dp_group;
   std::vector<NamedParam> device_params;
   if (gpu_optimizer) device_params = std::exchange(own_params, {});
   AdamW optimizer(std::move(own_params), recipe.adamw_config());
@@ -446,8 +445,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       std::erase_if(replicated,
                     [](const NamedParam& p) { return model::is_fused_expert_tensor(p.name); });
     if (vl) vision_grads = vl->attach(replicated, store);
-    sharded.emplace(std::move(replicated), recipe.adamw_config(), *dp_group,
-                    on_gpu && distributed ? par->dp_gpu() : nullptr);
+    sharded.emplace(std::move(replicated), recipe.adamw_config(), *dp_group, device_dp_group);
   }
   const std::vector<NamedParam>& opt_params = sharded ? sharded->params() : optimizer.params();
   // Every trained tensor, the sharded ones included, with the vision tower and projector marked as
@@ -557,7 +555,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     }
     return compute;
   };
-  if (on_gpu && distributed) {
+  if (on_gpu && sharded) {
     sharded->keep_on_device(compute_tensors(sharded->params()));
     if (expert_optimizer)
       expert_optimizer->keep_on_device(compute_tensors(expert_optimizer->params()));
@@ -597,12 +595,14 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
               return p.deferred ? std::optional(p.shape) : std::nullopt;
             },
             read_piece,
-            [&](const std::string& name) { return local_experts && local_experts->holds(name); }});
+            [&](const std::string& name) { return local_experts && local_experts->holds(name); }},
+        device_dp_group);
     std::vector<NamedParam> layer_params = named_params(store);
     std::erase_if(layer_params,
                   [&](const NamedParam& p) { return !in_decoder_layer(p.name, num_layers); });
     layer_optimizer.emplace(*sharded_layers, read_piece, recipe.adamw_config());
     if (saved_state) layer_optimizer->load(*saved_state);
+    if (on_gpu) layer_optimizer->keep_on_device();
     weights_reader.reset();
     for (const NamedParam& p : layer_params) {
       if (local_experts && local_experts->holds(p.name)) continue;
@@ -616,8 +616,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       }
     }
     topt.layer_params = &*sharded_layers;
-    spdlog::info("fsdp: {} bytes of tensor memory allocated on this rank after start-up",
-                 host_allocator().stats().allocated);
+    spdlog::info("fsdp: {} bytes of tensor memory allocated on this rank after start-up ({})",
+                 allocator_for(device).stats().allocated, on_gpu ? device.str() : "host");
     spdlog::info(
         "fsdp: this rank holds {} of {} bytes of decoder-layer weights{}, {} of {} bytes of their "
         "gradients and {} bytes of their optimizer state ({} for the replicated tensors)",
@@ -716,7 +716,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     // The store's values are the checkpoint's: with the optimizer on the GPU they are brought up
     // to date here, one tensor at a time.
     if (gpu_adamw) gpu_adamw.to_store(store);
-    if (on_gpu && distributed) {
+    if (on_gpu && sharded) {
       sharded->write_params();
       if (expert_optimizer) expert_optimizer->write_params();
     }
