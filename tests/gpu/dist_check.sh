@@ -5,9 +5,9 @@
 #  1. Data parallel over NCCL: `mpirun -np 2 glmtune train` on the tiny preset with the GPU
 #     kernels' head dims (one pack per rank and step, gradients reduce-scattered over NCCL, the
 #     optimizer sharded and updated on the GPUs) follows the one-GPU
-#     run with two packs per step (the same packs) for 20 steps: every step's loss within 1e-2
-#     (bf16 compute; the two runs sum the same gradients in another order), and the saved
-#     checkpoint of the 2-rank run resumes on one GPU for 2 more steps.
+#     run with two packs per step (the same packs) for 20 steps (bars in follows_one_gpu: bf16
+#     compute, the two runs sum the same gradients in another order), and the saved checkpoint of
+#     the 2-rank run resumes on one GPU for 2 more steps.
 #  2. Expert parallel over NCCL: the same two ranks with train.ep_size = 2 (each GPU holds half of
 #     the routed experts; tokens travel to them and back through NCCL all-to-alls) follow the
 #     same one-GPU run within the same bar, and the ep checkpoint resumes on one GPU.
@@ -15,7 +15,11 @@
 #     keeps half of every decoder layer's weights, gradients and optimizer state; layers are
 #     all-gathered around each use and their gradients reduce-scattered) follow the same run, and
 #     so does fsdp with ep_size = 2; both checkpoints resume on one GPU.
-#  4. bench_cuda_nccl under mpirun: the dispatch all-to-all and the FSDP overlap (numbers only).
+#  4. Sequence parallel over NCCL: the same two ranks with train.sp_size = 2 (each pack split into
+#     two shards of rows, the mixers' heads split over the GPUs) and two packs per step follow the
+#     same run, and so does sp with fsdp (the layers' partial gradients summed over sp on NCCL);
+#     both checkpoints resume on one GPU.
+#  5. bench_cuda_nccl under mpirun: the dispatch all-to-all and the FSDP overlap (numbers only).
 #
 # Usage (from the repository root): tests/gpu/dist_check.sh CARRY_DIR WORK_DIR
 # Environment: GLMTUNE_MPIRUN (the launcher, default mpirun; an Open MPI one takes -x).
@@ -52,7 +56,11 @@ echo "== one GPU, two packs per step"
   tail -n 20 "$work/dist-one.log"
   exit 1
 }
-# follows_one_gpu LABEL DIR: every step's loss of the run in DIR within 1e-2 of the one-GPU run.
+# follows_one_gpu LABEL DIR: the run in DIR against the one-GPU run. The first 3 steps within 2e-3
+# (the same weights but for updates whose gradients were summed in another order), every step
+# within 3e-2: bf16 rounding differences grow over a run at this learning rate (measured on two
+# H200s at four model seeds: up to 8.1e-3 for data parallel and 1.3e-2 for sequence parallel,
+# with the first steps below 1e-3).
 follows_one_gpu() {
   python3 - "$1" "$work/dist-one/metrics.jsonl" "$2/metrics.jsonl" <<'EOF'
 import json, sys
@@ -61,10 +69,11 @@ def losses(path):
 label, one, two = sys.argv[1], losses(sys.argv[2]), losses(sys.argv[3])
 if len(one) != 20 or len(two) != 20:
     sys.exit(f"dist_check: {label}: expected 20 steps, got {len(one)} and {len(two)}")
-worst = max(abs(a - b) for a, b in zip(one, two))
+diffs = [abs(a - b) for a, b in zip(one, two)]
+first, worst = max(diffs[:3]), max(diffs)
 print(f"{label}: loss {one[0]:.4f} -> {one[-1]:.4f} on one GPU, {two[0]:.4f} -> {two[-1]:.4f} "
-      f"on two; worst step difference {worst:.2e} (bar 1e-2)")
-if worst > 1e-2:
+      f"on two; first 3 steps within {first:.2e} (bar 2e-3), worst step {worst:.2e} (bar 3e-2)")
+if first > 2e-3 or worst > 3e-2:
     sys.exit(f"dist_check: {label}: the 2-rank losses left the one-GPU curve")
 EOF
 }
@@ -81,12 +90,12 @@ resumes_on_one_gpu() {
   echo "resumed run: metrics.jsonl now holds $(grep -c '"step"' "$1-resumed/metrics.jsonl") steps"
 }
 
-# run_two_ranks NAME LABEL [--set ...]: the 2-rank run with one pack per rank and step, compared
-# with the one-GPU run, then resumed on one GPU.
+# run_two_ranks NAME LABEL [--set ...]: the 2-rank run (one pack per rank and step unless the flags
+# say otherwise), compared with the one-GPU run, then resumed on one GPU.
 run_two_ranks() {
   local name="$1" label="$2"
   shift 2
-  echo "== two ranks on two GPUs, $label, one pack each per step"
+  echo "== two ranks on two GPUs, $label"
   "${launcher[@]}" "$bin" train "${common[@]}" --set train.micro_packs=1 "$@" \
     --set "output.dir=$work/$name" >"$work/$name.log" 2>&1 || {
     echo "dist_check: the 2-rank run ($label) failed"
@@ -104,6 +113,11 @@ run_two_ranks dist-ep "expert parallel (ep_size 2)" --set train.ep_size=2 || fai
 run_two_ranks dist-fsdp "fully sharded layers (fsdp)" --set train.fsdp=true || fail=1
 run_two_ranks dist-fsdp-ep "fsdp with ep_size 2" --set train.fsdp=true --set train.ep_size=2 ||
   fail=1
+# dp = 1: both ranks share every pack, so the step takes both packs as the one-GPU run does.
+run_two_ranks dist-sp "sequence parallel (sp_size 2)" --set train.sp_size=2 \
+  --set train.micro_packs=2 || fail=1
+run_two_ranks dist-sp-fsdp "sp with fsdp (a dp group of one)" --set train.sp_size=2 \
+  --set train.fsdp=true --set train.micro_packs=2 || fail=1
 
 echo "== bench_cuda_nccl (2 ranks)"
 if [[ -x "$carry/bench_cuda_nccl" ]]; then

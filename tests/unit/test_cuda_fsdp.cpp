@@ -14,7 +14,6 @@
 #include <cmath>
 #include <map>
 #include <memory>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -29,6 +28,7 @@
 #include "glmtune/train/optimizer.h"
 #include "support/cuda_test_support.h"
 #include "support/gpu_tiny_model.h"
+#include "support/random_pack.h"
 #include "support/temp_dir.h"
 #ifdef GLMTUNE_WITH_CUDA
 #include "glmtune/dist/comm_nccl.h"
@@ -48,24 +48,6 @@ bool in_layers(const std::string& name, const model::ModelConfig& config) {
   return std::stoll(name.substr(prefix.size())) < config.text().num_hidden_layers;
 }
 
-// Three documents and a padding document, random tokens, next-token labels.
-PackInput random_pack(const model::ModelConfig& config, uint64_t seed) {
-  const std::vector<int32_t> cu_values = {0, 45, 110, 160, 168};
-  const int64_t tokens = cu_values.back();
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> token(1, int32_t(config.text().vocab_size) - 1);
-  std::vector<int32_t> ids(static_cast<size_t>(tokens)), labels(static_cast<size_t>(tokens), -100);
-  for (int32_t& id : ids) id = token(rng);
-  for (size_t d = 0; d + 2 < cu_values.size(); ++d)
-    for (int32_t i = cu_values[d]; i + 1 < cu_values[d + 1]; ++i)
-      labels[size_t(i)] = ids[size_t(i + 1)];
-  PackInput in;
-  in.input_ids = Tensor::from_vector(ids, {tokens});
-  in.cu_seqlens = Tensor::from_vector(cu_values, {int64_t(cu_values.size())});
-  in.labels = Tensor::from_vector(labels, {tokens});
-  in.padding_tokens = 8;
-  return in;
-}
 #endif
 
 TEST(CudaFsdp, ShardedLayersGiveTheWholeStepAndTheDeviceOptimizerFollowsTheHost) {
@@ -78,7 +60,7 @@ TEST(CudaFsdp, ShardedLayersGiveTheWholeStepAndTheDeviceOptimizerFollowsTheHost)
   model::write_random_checkpoint(config, dir.path() / "ck", init);
   const model::ParamStore store =
       model::ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config);
-  const PackInput in = random_pack(config, test_seed());
+  const PackInput in = random_pack(config, test_seed(), {0, 45, 110, 160, 168}, 8);
   TrainOptions opt;
   opt.balancing_alpha = 0.01;
 

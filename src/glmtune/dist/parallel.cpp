@@ -100,6 +100,7 @@ void ParallelContext::use_gpu(int device) {
     ep_gpu_ = make_nccl_communicator(*ep_, device, timeout_s_);
     edp_gpu_ = make_nccl_communicator(*edp_, device, timeout_s_);
   }
+  if (sizes_.sp > 1 && !sp_gpu_) sp_gpu_ = make_nccl_communicator(*sp_, device, timeout_s_);
 #else
   throw Error(fmt::format("GPU {} asked for, but this glmtune was built without CUDA", device),
               "the glmtune build", "build with -DGLMTUNE_CUDA=ON, or train on the CPU");

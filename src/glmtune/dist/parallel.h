@@ -79,6 +79,9 @@ class ParallelContext {
   // the expert slices' gradient reduce-scatter and parameter all-gather.
   Communicator* ep_gpu() const { return ep_gpu_.get(); }
   Communicator* edp_gpu() const { return edp_gpu_.get(); }
+  // With sequence parallelism (sp > 1), the same for the sp group: the mixers' row and head
+  // exchanges and the sum of the shards' partial gradients.
+  Communicator* sp_gpu() const { return sp_gpu_.get(); }
   // Collective. Makes `device` this process's current GPU and creates the NCCL groups on it.
   void use_gpu(int device);
 
@@ -92,7 +95,7 @@ class ParallelContext {
   double timeout_s_ = 600;
   int local_rank_ = 0, local_size_ = 1;
   std::unique_ptr<Communicator> world_, dp_, ep_, sp_, edp_;
-  std::unique_ptr<Communicator> dp_gpu_, ep_gpu_, edp_gpu_;
+  std::unique_ptr<Communicator> dp_gpu_, ep_gpu_, edp_gpu_, sp_gpu_;
 };
 
 }  // namespace glmtune::dist

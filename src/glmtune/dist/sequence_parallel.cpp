@@ -3,10 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/model/text/elementwise.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::dist {
@@ -29,31 +29,30 @@ Tensor cols_of(const Tensor& t, int64_t begin, int64_t n) {
 }
 
 // grad[row0 + i, col0 + j] += part[i, j], both seen as [size(0), numel / size(0)]; `grad` is
-// created as zeros shaped like `param` when the caller left it undefined.
-template <typename T>
-void add_block_impl(Tensor& grad, const Tensor& part, int64_t row0, int64_t col0) {
-  const int64_t rows = part.size(0), cols = part.numel() / std::max<int64_t>(rows, 1);
-  const int64_t stride = grad.numel() / grad.size(0);
-  GLMTUNE_ASSERT(row0 + rows <= grad.size(0) && col0 + cols <= stride,
-                 "a gradient block {} at ({}, {}) does not fit {}", part.str(), row0, col0,
-                 grad.str());
-  T* g = grad.data<T>();
-  const T* p = part.data<T>();
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) g[(row0 + i) * stride + col0 + j] += p[i * cols + j];
-}
-
+// created as zeros shaped like `param` (in the part's dtype: f32 on a GPU) when the caller left it
+// undefined. On either device: a block of whole rows is added in place, a block of columns through
+// a contiguous copy (the same sum per element).
 void add_block(Tensor& grad, const Tensor& param, const Tensor& part_in, int64_t row0 = 0,
                int64_t col0 = 0) {
   if (!part_in.defined()) return;
-  if (!grad.defined()) grad = Tensor::zeros(param.shape(), param.dtype(), param.device());
-  GLMTUNE_ASSERT(grad.is_contiguous() && grad.dtype() == part_in.dtype(),
-                 "gradient buffer {} cannot take {}", grad.str(), part_in.str());
-  const Tensor part = part_in.contiguous();
-  if (grad.dtype() == DType::f64)
-    add_block_impl<double>(grad, part, row0, col0);
-  else
-    add_block_impl<float>(grad, part, row0, col0);
+  if (!grad.defined()) grad = Tensor::zeros(param.shape(), part_in.dtype(), param.device());
+  GLMTUNE_ASSERT(
+      grad.is_contiguous() && grad.dtype() == part_in.dtype() && grad.device() == part_in.device(),
+      "gradient buffer {} cannot take {}", grad.str(), part_in.str());
+  const int64_t rows = part_in.size(0), cols = part_in.numel() / std::max<int64_t>(rows, 1);
+  const int64_t stride = grad.numel() / grad.size(0);
+  GLMTUNE_ASSERT(row0 + rows <= grad.size(0) && col0 + cols <= stride,
+                 "a gradient block {} at ({}, {}) does not fit {}", part_in.str(), row0, col0,
+                 grad.str());
+  const Tensor part = part_in.contiguous().view({rows, cols});
+  Tensor block = grad.view({grad.size(0), stride}).narrow(0, row0, rows).narrow(1, col0, cols);
+  if (block.is_contiguous()) {
+    model::text::add_into(block, part);
+    return;
+  }
+  Tensor sum = block.contiguous();
+  model::text::add_into(sum, part);
+  block.copy_(sum);
 }
 
 // Rows [begin, begin + n) of each of `blocks` consecutive row blocks of `t` (each `stride` rows),
@@ -166,8 +165,12 @@ void add_mla_grads(const ops::MlaConfig& c, const ops::MlaParams& p, const MlaHe
 }  // namespace
 
 UlyssesParallel::UlyssesParallel(Communicator& sp, int64_t kda_heads, int64_t mla_heads,
-                                 const std::string& where)
-    : sp_(sp), kda_heads_(kda_heads), mla_heads_(mla_heads) {
+                                 const std::string& where, Communicator* device_sp)
+    : sp_(sp), device_sp_(device_sp), kda_heads_(kda_heads), mla_heads_(mla_heads) {
+  if (device_sp && (device_sp->size() != sp.size() || device_sp->rank() != sp.rank()))
+    throw InternalError(
+        fmt::format("device group '{}' is rank {} of {}, the sp group rank {} of {}",
+                    device_sp->name(), device_sp->rank(), device_sp->size(), sp.rank(), sp.size()));
   const int64_t s = sp.size();
   if (kda_heads % s != 0 || mla_heads % s != 0)
     throw Error(fmt::format("the attention heads ({} KDA, {} MLA) do not split over {} sequence "
@@ -212,15 +215,13 @@ Tensor UlyssesParallel::gather_rows(const Tensor& local_in, std::span<const int6
   // The shard goes to every rank: its copies are the consecutive send blocks.
   Shape send_shape = local.shape();
   send_shape[0] *= ranks;
-  Tensor send = Tensor::empty(send_shape, local.dtype());
-  for (int q = 0; q < ranks; ++q)
-    std::memcpy(static_cast<char*>(send.data_ptr()) + size_t(q) * local.nbytes(), local.data_ptr(),
-                local.nbytes());
-  Tensor out = Tensor::empty(out_shape, local.dtype());
+  Tensor send = Tensor::empty(send_shape, local.dtype(), local.device());
+  for (int q = 0; q < ranks; ++q) send.narrow(0, q * local.size(0), local.size(0)).copy_(local);
+  Tensor out = Tensor::empty(out_shape, local.dtype(), local.device());
   std::vector<int64_t> send_counts(size_t(ranks), local.numel()),
       recv_counts(static_cast<size_t>(ranks));
   for (int q = 0; q < ranks; ++q) recv_counts[size_t(q)] = counts[size_t(q)] * width;
-  sp_.all_to_all(send, send_counts, out, recv_counts);
+  movers(local).all_to_all(send, send_counts, out, recv_counts);
   return out;
 }
 
@@ -240,29 +241,27 @@ Tensor UlyssesParallel::sum_scatter_rows(const Tensor& full_in,
     total += counts[size_t(q)];
   }
   GLMTUNE_ASSERT(total == tokens, "row counts add up to {}, the tensor has {} rows", total, tokens);
-  Tensor parts = Tensor::empty({int64_t(ranks) * rows * width}, full.dtype());
-  sp_.all_to_all(full, send_counts, parts, recv_counts);
+  GLMTUNE_ASSERT(full.dtype() == DType::f32 || full.dtype() == DType::f64 ||
+                     (full.dtype() == DType::bf16 && full.device().is_cuda()),
+                 "sum_scatter_rows sums f32 or f64 (or bf16 on a GPU), got {}", full.str());
+  Tensor parts = Tensor::empty({int64_t(ranks), rows * width}, full.dtype(), full.device());
+  movers(full).all_to_all(full, send_counts, parts, recv_counts);
+  // Summed in rank order, so every run adds in the same order; the GPU's bf16 partial gradients
+  // are added in f32 and rounded once.
   Shape shape = full.shape();
   shape[0] = rows;
-  Tensor out = Tensor::empty(shape, full.dtype());
-  const auto sum = [&](auto tag) {
-    using T = decltype(tag);
-    const T* p = parts.data<T>();
-    T* o = out.data<T>();
-    const int64_t n = rows * width;
-    for (int64_t i = 0; i < n; ++i) {
-      T acc = p[i];
-      for (int q = 1; q < ranks; ++q) acc += p[int64_t(q) * n + i];
-      o[i] = acc;
-    }
-  };
-  if (full.dtype() == DType::f64)
-    sum(double());
-  else if (full.dtype() == DType::f32)
-    sum(float());
-  else
-    GLMTUNE_ASSERT(false, "sum_scatter_rows sums f32 or f64, got {}", full.str());
-  return out;
+  const DType sum_dtype = full.dtype() == DType::bf16 ? DType::f32 : full.dtype();
+  Tensor out = parts.select(0, 0).to(sum_dtype).contiguous().clone().view(shape);
+  for (int q = 1; q < ranks; ++q)
+    model::text::add_into(out, parts.select(0, q).to(sum_dtype).contiguous().view(shape));
+  return out.to(full.dtype());
+}
+
+Communicator& UlyssesParallel::movers(const Tensor& t) const {
+  if (!t.device().is_cuda()) return sp_;
+  GLMTUNE_ASSERT(device_sp_ != nullptr || sp_.size() == 1,
+                 "a GPU tensor {} to exchange over sp without a device group", t.str());
+  return device_sp_ ? *device_sp_ : sp_;
 }
 
 Tensor UlyssesParallel::all_gather_rows(const Tensor& shard, int64_t tokens) const {
@@ -283,17 +282,11 @@ Tensor UlyssesParallel::columns_to_rows(const Tensor& full_in) const {
       recv_counts(size_t(ranks), rows * width);
   for (int q = 0; q < ranks; ++q)
     send_counts[size_t(q)] = (tokens * (q + 1) / ranks - tokens * q / ranks) * width;
-  Tensor parts = Tensor::empty({int64_t(ranks), rows, width}, full.dtype());
-  sp_.all_to_all(full, send_counts, parts, recv_counts);
+  Tensor parts = Tensor::empty({int64_t(ranks), rows, width}, full.dtype(), full.device());
+  movers(full).all_to_all(full, send_counts, parts, recv_counts);
   // [S, rows, W] -> [rows, S·W]: rank q's columns (heads) sit at q·W, as in the unsplit layout.
-  Tensor out = Tensor::empty({rows, int64_t(ranks) * width}, full.dtype());
-  const size_t es = full.element_size(), row_bytes = size_t(width) * es;
-  const char* src = static_cast<const char*>(parts.data_ptr());
-  char* dst = static_cast<char*>(out.data_ptr());
-  for (int q = 0; q < ranks; ++q)
-    for (int64_t i = 0; i < rows; ++i)
-      std::memcpy(dst + (size_t(i) * size_t(ranks) + size_t(q)) * row_bytes,
-                  src + (size_t(q) * size_t(rows) + size_t(i)) * row_bytes, row_bytes);
+  Tensor out = Tensor::empty({rows, int64_t(ranks) * width}, full.dtype(), full.device());
+  for (int q = 0; q < ranks; ++q) out.narrow(1, q * width, width).copy_(parts.select(0, q));
   return out;
 }
 

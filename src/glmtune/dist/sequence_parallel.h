@@ -30,7 +30,9 @@
 // As a model::RowExchange the same object carries the vision tower's exchanges of a
 // vision-language pack (model/compose.h): its patches are split over the group too, and the
 // gathers and sums below move the tower's keys and values and the merged features.
-// CPU tensors only (the GPU trainer is single-process).
+//
+// GPU tensors travel through `device_sp` (NCCL over the same ranks), host tensors and the scalar
+// sums through `sp` (MPI); the block copies and sums run on the tensors' device.
 #include <cstdint>
 #include <span>
 #include <string>
@@ -45,7 +47,8 @@ class UlyssesParallel final : public model::text::SequenceParallel {
  public:
   // Heads of every mixer split over the ranks of `sp`; glmtune::Error naming `where` unless the
   // group size divides the KDA heads (`kda_heads`) and the MLA heads (`mla_heads`).
-  UlyssesParallel(Communicator& sp, int64_t kda_heads, int64_t mla_heads, const std::string& where);
+  UlyssesParallel(Communicator& sp, int64_t kda_heads, int64_t mla_heads, const std::string& where,
+                  Communicator* device_sp = nullptr);
 
   int64_t shard_begin(int64_t tokens) const override;
   int64_t shard_rows(int64_t tokens) const override;
@@ -80,7 +83,11 @@ class UlyssesParallel final : public model::text::SequenceParallel {
   // Rows of each rank's shard of a pack of `tokens` rows.
   std::vector<int64_t> shard_counts(int64_t tokens) const;
 
+  // The group that moves `t`: the device group for a GPU tensor.
+  Communicator& movers(const Tensor& t) const;
+
   Communicator& sp_;
+  Communicator* device_sp_ = nullptr;
   int64_t kda_heads_ = 0, mla_heads_ = 0;
 };
 

@@ -302,13 +302,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   const Device device = on_gpu ? training_device(recipe, par) : Device::cpu();
   const bool root = par == nullptr || par->is_root();
   if (on_gpu && distributed) {
-    // Data, expert and fully sharded parallel over NCCL; sequence parallelism has a CPU path only.
-    if (par->sizes().sp > 1)
-      throw Error(
-          "a distributed GPU run splits the data, the experts and the decoder layers' parameters "
-          "(train.fsdp), not the sequence: sequence parallel runs on the CPU for now",
-          recipe.source() + ": train.sp_size",
-          "set train.sp_size = 1 (train.ep_size and train.fsdp may stay), or device = \"cpu\"");
+    // Every layout over NCCL, one rank per GPU.
     par->use_gpu(device.index);
   } else if (on_gpu) {
     use_cuda_device(device.index);
@@ -538,7 +532,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::optional<dist::UlyssesParallel> ulysses;
   if (sequence_parallel) {
     ulysses.emplace(par->sp(), tc.linear_num_heads, tc.num_attention_heads,
-                    recipe.source() + ": train.sp_size");
+                    recipe.source() + ": train.sp_size", on_gpu ? par->sp_gpu() : nullptr);
     topt.sequence_parallel = &*ulysses;
   }
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
@@ -870,9 +864,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     // reduce-scattered over dp in the backward already: the sp group's ranks hold the same slices,
     // and adding them gives each the whole step's slice.
     if (sequence_parallel) {
+      dist::Communicator& sp_sum = on_gpu ? *par->sp_gpu() : par->sp();
       for (auto& [name, g] : grads.named)
-        if (g.defined()) par->sp().all_reduce(g);
-      if (sharded_layers) sharded_layers->all_reduce_gradients(par->sp());
+        if (g.defined()) sp_sum.all_reduce(g);
+      if (sharded_layers) sharded_layers->all_reduce_gradients(sp_sum);
       for (Tensor& g : vision_grads)
         if (g.defined()) par->sp().all_reduce(g);
     }
