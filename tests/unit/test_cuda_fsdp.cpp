@@ -20,9 +20,6 @@
 
 #include "glmtune/dist/comm.h"
 #include "glmtune/dist/fsdp.h"
-#include "glmtune/io/checkpoint.h"
-#include "glmtune/model/init.h"
-#include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
 #include "glmtune/train/optimizer.h"
@@ -54,12 +51,8 @@ TEST(CudaFsdp, ShardedLayersGiveTheWholeStepAndTheDeviceOptimizerFollowsTheHost)
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
   TempDir dir("cuda-fsdp");
-  const model::ModelConfig config = gpu_tiny_config();
-  model::InitOptions init;
-  init.seed = test_seed();
-  model::write_random_checkpoint(config, dir.path() / "ck", init);
-  const model::ParamStore store =
-      model::ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config);
+  const model::ParamStore store = random_gpu_tiny_store(dir.path() / "ck", test_seed());
+  const model::ModelConfig& config = store.config();
   const PackInput in = random_pack(config, test_seed(), {0, 45, 110, 160, 168}, 8);
   TrainOptions opt;
   opt.balancing_alpha = 0.01;

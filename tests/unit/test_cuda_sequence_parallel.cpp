@@ -14,9 +14,6 @@
 
 #include "glmtune/dist/comm.h"
 #include "glmtune/dist/sequence_parallel.h"
-#include "glmtune/io/checkpoint.h"
-#include "glmtune/model/init.h"
-#include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
 #include "support/cuda_test_support.h"
@@ -35,12 +32,8 @@ TEST(CudaSequenceParallel, OneRankGroupGivesThePlainStep) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
   TempDir dir("cuda-sp");
-  const model::ModelConfig config = gpu_tiny_config();
-  model::InitOptions init;
-  init.seed = test_seed();
-  model::write_random_checkpoint(config, dir.path() / "ck", init);
-  const model::ParamStore store =
-      model::ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config);
+  const model::ParamStore store = random_gpu_tiny_store(dir.path() / "ck", test_seed());
+  const model::ModelConfig& config = store.config();
   const PackInput in = random_pack(config, test_seed(), {0, 60, 61, 150, 160}, 10);
   TrainOptions opt;
   opt.balancing_alpha = 0.01;

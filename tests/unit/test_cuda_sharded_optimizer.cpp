@@ -3,8 +3,9 @@
 // and weights gathered through NCCL. Over four steps (clipping active, one step skipped on a
 // non-finite gradient) the compute tensors it writes (bf16, f32, and a bf16-stored tensor read in
 // f32) must hold the host run's stored values, the norms and the gathered state must agree, and
-// write_params must hand the compute tensors back to the host values. The multi-rank layout is the
-// host path's, tested over MPI in tests/dist/; tests/gpu/dist_check.sh trains with it on two GPUs.
+// write_params must hand the compute tensors back to the host values, with the masters gathered
+// in small chunks. The multi-rank layout is the host path's, tested over MPI in tests/dist/;
+// tests/gpu/dist_check.sh trains with it on two GPUs.
 // Skipped where no GPU is visible.
 
 #include <gtest/gtest.h>
@@ -57,7 +58,9 @@ TEST(CudaShardedOptimizer, StateOnTheGpuFollowsTheHostOptimizer) {
   config.max_grad_norm = 0.5;  // the gradients below have norms of a few units: clipped
   dist::ShardedAdamW on_host(host_params, config, *host_group);
   dist::ShardedAdamW on_device(device_params, config, *host_group, device_group.get());
-  on_device.keep_on_device(compute);
+  // Chunks of 100 elements: the masters' all-gather runs in 22 pieces, most tensors straddling
+  // their borders.
+  on_device.keep_on_device(compute, 100);
 
   for (int step = 1; step <= 4; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));

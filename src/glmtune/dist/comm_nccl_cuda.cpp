@@ -97,6 +97,7 @@ class NcclCommunicator final : public Communicator {
     GLMTUNE_CUDA_CHECK(cudaSetDevice(device_));
     GLMTUNE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     GLMTUNE_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    GLMTUNE_CUDA_CHECK(cudaEventCreateWithFlags(&finished_, cudaEventDisableTiming));
     // Non-blocking initialisation, so that a rank that never joins is caught by the deadline.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
@@ -106,6 +107,7 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override {
     if (comm_) ncclCommDestroy(comm_);
     if (ready_) cudaEventDestroy(ready_);
+    if (finished_) cudaEventDestroy(finished_);
     if (stream_) cudaStreamDestroy(stream_);
   }
   int rank() const override { return rank_; }
@@ -281,17 +283,8 @@ class NcclCommunicator final : public Communicator {
 
   void finish(const char* op) {
     wait_comm(op);  // a non-blocking communicator may still be enqueueing
-    const auto end = deadline();
-    for (int64_t polls = 0;; ++polls) {
-      const cudaError_t q = cudaStreamQuery(stream_);
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady) GLMTUNE_CUDA_CHECK(q);
-      ncclResult_t state = ncclSuccess;
-      check_nccl(ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
-      check_nccl(state, op);
-      if (Clock::now() > end) timed_out(op);
-      pause(polls);
-    }
+    GLMTUNE_CUDA_CHECK(cudaEventRecord(finished_, stream_));
+    wait_event(finished_, op);
   }
 
   std::string name_;
@@ -301,6 +294,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr;
+  cudaEvent_t finished_ = nullptr;  // recorded behind a blocking collective, waited for
 };
 
 // A collective queued on the communicator's stream and not yet waited for: it keeps its tensors

@@ -503,21 +503,9 @@ train::StepReport ShardedLayerAdamW::step(double lr, double global_grad_norm) {
     if (!report.skipped) refresh_slices();
     return report;
   }
-  train::StepReport r;
-  r.grad_norm = global_grad_norm;
-  if (!std::isfinite(global_grad_norm)) {
-    r.skipped = true;
-    r.step = device_step_;
-    return r;
-  }
-  r.clip_coef = train::clip_coefficient(global_grad_norm, config_.max_grad_norm);
-  r.step = ++device_step_;
-#ifdef GLMTUNE_WITH_CUDA
-  detail::device_adamw(device_state_, grads_, config_, lr, r.clip_coef, device_step_);
-#else
-  throw InternalError("decoder-layer optimizer state on a GPU in a build without CUDA");
-#endif
-  refresh_slices();
+  const train::StepReport r =
+      detail::device_update(device_state_, grads_, config_, lr, global_grad_norm, device_step_);
+  if (!r.skipped) refresh_slices();
   return r;
 }
 

@@ -169,7 +169,9 @@ double ShardedAdamW::reduce_shard(const std::vector<Tensor>& grads) {
 #endif
 }
 
-void ShardedAdamW::keep_on_device(std::vector<Tensor> compute) {
+void ShardedAdamW::keep_on_device(std::vector<Tensor> compute, int64_t gather_chunk) {
+  GLMTUNE_ASSERT(gather_chunk > 0, "keep_on_device with chunks of {} elements", gather_chunk);
+  gather_chunk_ = gather_chunk;
   GLMTUNE_ASSERT(device_group_ != nullptr && compute.size() == params_.size(),
                  "keep_on_device needs a device group and a compute tensor per parameter ({} for "
                  "{})",
@@ -204,40 +206,63 @@ void ShardedAdamW::write_params() {
     if (params_[i].trainable) params_[i].value.copy_(compute_[i].view(params_[i].value.shape()));
 }
 
-train::StepReport ShardedAdamW::step_on_device(double lr, double global_grad_norm) {
+train::StepReport detail::device_update(std::vector<std::array<Tensor, 3>>& state,
+                                        const std::vector<Tensor>& grads,
+                                        const train::AdamWConfig& config, double lr,
+                                        double global_grad_norm, int64_t& step) {
   train::StepReport r;
   r.grad_norm = global_grad_norm;
   if (!std::isfinite(global_grad_norm)) {
     r.skipped = true;
-    r.step = device_step_;
-    piece_grads_.clear();
+    r.step = step;
     return r;
   }
-  r.clip_coef = train::clip_coefficient(global_grad_norm, config_.max_grad_norm);
-  r.step = ++device_step_;
+  r.clip_coef = train::clip_coefficient(global_grad_norm, config.max_grad_norm);
+  r.step = ++step;
 #ifdef GLMTUNE_WITH_CUDA
-  detail::device_adamw(device_state_, piece_grads_, config_, lr, r.clip_coef, device_step_);
+  device_adamw(state, grads, config, lr, r.clip_coef, step);
 #else
-  throw InternalError("a sharded optimizer state on a GPU in a build without CUDA");
+  (void)state, (void)grads, (void)lr;
+  throw InternalError("an optimizer state on a GPU in a build without CUDA");
 #endif
+  return r;
+}
+
+train::StepReport ShardedAdamW::step_on_device(double lr, double global_grad_norm) {
+  const train::StepReport r = detail::device_update(device_state_, piece_grads_, config_, lr,
+                                                    global_grad_norm, device_step_);
   piece_grads_.clear();
+  if (r.skipped) return r;
   Tensor shard = Tensor::zeros({shard_numel_}, DType::f32, grad_device_);
   for (size_t k = 0; k < pieces_.size(); ++k) {
     const Piece& p = pieces_[k];
     Tensor dst = shard.narrow(0, offsets_[p.param] + p.begin - shard_begin_, p.length);
     dst.copy_(device_state_[k][0].view({p.length}));
   }
-  Tensor flat = Tensor::empty({shard_numel_ * group_.size()}, DType::f32, grad_device_);
-  device_group_->all_gather(shard, flat);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].trainable) continue;
-    const Tensor values = flat.narrow(0, offsets_[i], params_[i].value.numel());
-    Tensor dst = compute_[i].view({-1});
-    // The forward sees the stored value: the master rounded to the storage dtype.
-    if (params_[i].value.dtype() == DType::f32)
-      dst.copy_(values);
-    else
-      dst.copy_(values.to(params_[i].value.dtype()));
+  // The masters travel in chunks of at most gather_chunk_ elements per rank: the transient f32
+  // copy is P chunks, not the whole flat space (4 bytes a parameter). Chunk [c0, c1) of every
+  // rank's shard holds flat elements [q·S + c0, q·S + c1) of rank q.
+  const int64_t ranks = group_.size();
+  for (int64_t c0 = 0; c0 < shard_numel_; c0 += gather_chunk_) {
+    const int64_t length = std::min(gather_chunk_, shard_numel_ - c0);
+    Tensor gathered = Tensor::empty({ranks * length}, DType::f32, grad_device_);
+    device_group_->all_gather(shard.narrow(0, c0, length), gathered);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].trainable) continue;
+      const int64_t begin = offsets_[i], end = begin + params_[i].value.numel();
+      for (int64_t q = 0; q < ranks; ++q) {
+        const int64_t from = q * shard_numel_ + c0;
+        const int64_t lo = std::max(begin, from), hi = std::min(end, from + length);
+        if (lo >= hi) continue;
+        const Tensor values = gathered.narrow(0, q * length + lo - from, hi - lo);
+        Tensor dst = compute_[i].view({-1}).narrow(0, lo - begin, hi - lo);
+        // The forward sees the stored value: the master rounded to the storage dtype.
+        if (params_[i].value.dtype() == DType::f32)
+          dst.copy_(values);
+        else
+          dst.copy_(values.to(params_[i].value.dtype()));
+      }
+    }
   }
   return r;
 }

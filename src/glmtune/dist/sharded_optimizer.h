@@ -26,8 +26,9 @@
 // there with the multi-tensor AdamW kernel of ops/cuda/adamw.h) and step() writes the gathered
 // weights straight into the model's compute tensors: no gradient or weight crosses to the host in
 // a step, and params()' host values are brought up to date by write_params() when a checkpoint
-// needs them. Without it only this rank's shard crosses to the host, where its state lives. The
-// host group then carries scalars alone (the norm, checkpoint gathers).
+// needs them; the masters cross NCCL in f32, in chunks (keep_on_device). Without it only this
+// rank's shard crosses to the host, where its state lives. The host group then carries scalars
+// alone (the norm, checkpoint gathers).
 //
 // Checkpoints are independent of the sharding: gather_state() assembles one parameter's whole state
 // at a time for a streamed save (train/state.h, save_optimizer_state: the unsharded optimizer's
@@ -64,8 +65,10 @@ class ShardedAdamW {
   // GPU runs (a device group given): moves the shard's state to the GPU of `compute`, the model's
   // compute tensors aligned with params() (undefined for the frozen ones), which every later
   // step() then sets to the updated weights (the masters rounded to the storage dtype, widened
-  // again where the compute tensor is f32). Call after load().
-  void keep_on_device(std::vector<Tensor> compute);
+  // again where the compute tensor is f32). Call after load(). The updated masters are
+  // all-gathered `gather_chunk` elements of each rank's shard at a time (the transient copy: 4
+  // bytes × ranks × gather_chunk; the default, 2^25, is 128 MiB per rank).
+  void keep_on_device(std::vector<Tensor> compute, int64_t gather_chunk = int64_t(1) << 25);
   // After keep_on_device: copies the compute tensors into params()' host values (storage dtype),
   // for a checkpoint. A no-op otherwise.
   void write_params();
@@ -140,6 +143,7 @@ class ShardedAdamW {
   std::vector<std::array<Tensor, 3>> device_state_;
   int64_t device_step_ = 0;
   std::vector<Tensor> compute_;
+  int64_t gather_chunk_ = int64_t(1) << 25;
 };
 
 }  // namespace glmtune::dist

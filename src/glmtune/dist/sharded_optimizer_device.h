@@ -1,6 +1,7 @@
 #pragma once
-// The GPU arithmetic of ShardedAdamW's device-resident shard (sharded_optimizer.h), in
-// sharded_optimizer_cuda.cpp: CUDA builds only.
+// The GPU arithmetic of the device-resident optimizer states (ShardedAdamW's shard,
+// sharded_optimizer.h; ShardedLayerAdamW's pieces, fsdp.h): the kernels' wrappers in
+// sharded_optimizer_cuda.cpp (CUDA builds only), device_update in sharded_optimizer.cpp.
 #include <array>
 #include <vector>
 
@@ -8,6 +9,13 @@
 #include "glmtune/train/optimizer.h"
 
 namespace glmtune::dist::detail {
+
+// One update of a device-resident state with the global norm: a non-finite norm skips (nothing
+// changes, `step` included), as in train::AdamW; otherwise device_adamw with the clip coefficient
+// as update number ++step. Throws in a build without CUDA (no device state can exist there).
+train::StepReport device_update(std::vector<std::array<Tensor, 3>>& state,
+                                const std::vector<Tensor>& grads, const train::AdamWConfig& config,
+                                double lr, double global_grad_norm, int64_t& step);
 
 #ifdef GLMTUNE_WITH_CUDA
 // Σ g² over `grads` (f32 on one GPU), in f64, deterministic.

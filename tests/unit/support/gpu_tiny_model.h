@@ -4,11 +4,16 @@
 // key. A near-tie broken differently by the CPU and the GPU would otherwise route a token
 // elsewhere and say nothing about the arithmetic; the selection kernels have their own exact tests.
 
+#include <cstdint>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "glmtune/io/checkpoint.h"
 #include "glmtune/model/config.h"
+#include "glmtune/model/init.h"
+#include "glmtune/model/param_store.h"
 
 namespace glmtune::test {
 
@@ -24,6 +29,15 @@ inline model::ModelConfig gpu_tiny_config() {
            {"text_config.num_experts_per_tok", "8"}})
     config.set(key, value);
   return config;
+}
+
+// A random checkpoint of gpu_tiny_config() written to `dir` (weights drawn from `seed`), loaded.
+inline model::ParamStore random_gpu_tiny_store(const std::filesystem::path& dir, uint64_t seed) {
+  const model::ModelConfig config = gpu_tiny_config();
+  model::InitOptions init;
+  init.seed = seed;
+  model::write_random_checkpoint(config, dir, init);
+  return model::ParamStore::load(io::CheckpointReader::open(dir), config);
 }
 
 }  // namespace glmtune::test
