@@ -19,7 +19,10 @@
 #     two shards of rows, the mixers' heads split over the GPUs) and two packs per step follow the
 #     same run, and so does sp with fsdp (the layers' partial gradients summed over sp on NCCL);
 #     both checkpoints resume on one GPU.
-#  5. bench_cuda_nccl under mpirun: the dispatch all-to-all and the FSDP overlap (numbers only).
+#  5. A rank that stops (SIGSTOP) in the middle of an fsdp run on the GPUs: every rank must exit
+#     non-zero within the --dist-timeout, the survivor naming the NCCL collective that did not
+#     complete.
+#  6. bench_cuda_nccl under mpirun: the dispatch all-to-all and the FSDP overlap (numbers only).
 #
 # Usage (from the repository root): tests/gpu/dist_check.sh CARRY_DIR WORK_DIR
 # Environment: GLMTUNE_MPIRUN (the launcher, default mpirun; an Open MPI one takes -x).
@@ -33,6 +36,10 @@ launcher=("${GLMTUNE_MPIRUN:-mpirun}" -np 2 --bind-to none)
 [[ "$(id -u)" == 0 ]] && launcher+=(--allow-run-as-root)
 # Every rank sees the library path of this shell (local ranks inherit it; -x says so explicitly).
 launcher+=(-x LD_LIBRARY_PATH -x PATH)
+# NVLink multicast stays as the machine sets it (off on shared hosts) in every rank.
+for v in NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS; do
+  [[ -n "${!v:-}" ]] && launcher+=(-x "$v")
+done
 
 fail=0
 model="$work/dist-model"
@@ -118,6 +125,53 @@ run_two_ranks dist-sp "sequence parallel (sp_size 2)" --set train.sp_size=2 \
   --set train.micro_packs=2 || fail=1
 run_two_ranks dist-sp-fsdp "sp with fsdp (a dp group of one)" --set train.sp_size=2 \
   --set train.fsdp=true --set train.micro_packs=2 || fail=1
+
+# A stopped rank: rank 1 is frozen after two steps; rank 0 waits in an NCCL collective until the
+# deadline, then the job ends.
+stopped_rank() {
+  local out="$work/dist-stopped" timeout=15
+  echo "== a rank stopped during a 2-rank fsdp run (--dist-timeout $timeout)"
+  local start=$SECONDS
+  "${launcher[@]}" "$bin" train "${common[@]}" --set train.micro_packs=1 --set train.fsdp=true \
+    --set train.total_steps=100000 --set output.log_every=1 --set "output.dir=$out" \
+    --dist-timeout "$timeout" >"$out.log" 2>&1 &
+  local job=$!
+  local frozen=""
+  while kill -0 "$job" 2>/dev/null && ((SECONDS - start < 120)); do
+    if [[ -z "$frozen" && "$(cat "$out/metrics.jsonl" 2>/dev/null | grep -c step)" -ge 2 ]]; then
+      for pid in $(pgrep -f "$bin train"); do
+        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1"; then
+          kill -STOP "$pid" && frozen=$pid
+        fi
+      done
+      [[ -n "$frozen" ]] && echo "rank 1 (pid $frozen) stopped after step 2"
+    fi
+    sleep 0.5
+  done
+  local rc=0
+  if kill -0 "$job" 2>/dev/null; then
+    kill -9 "$job"
+    rc=1
+    echo "dist_check: the job did not end within 120 s of a stopped rank"
+  fi
+  wait "$job"
+  local status=$?
+  [[ -n "$frozen" ]] && kill -9 "$frozen" 2>/dev/null
+  if [[ -z "$frozen" ]]; then
+    echo "dist_check: rank 1 was never found to stop"
+    tail -n 20 "$out.log"
+    return 1
+  fi
+  echo "job exit status $status after $((SECONDS - start)) s"
+  grep -h "did not complete within" "$out.log" "$out"/logs/rank-*.log 2>/dev/null | head -n 2
+  if [[ "$status" == 0 ]] || ! grep -qh "did not complete within" "$out.log" "$out"/logs/rank-*.log; then
+    echo "dist_check: the stopped rank did not end the job with a message"
+    tail -n 20 "$out.log"
+    return 1
+  fi
+  return $rc
+}
+stopped_rank || fail=1
 
 echo "== bench_cuda_nccl (2 ranks)"
 if [[ -x "$carry/bench_cuda_nccl" ]]; then

@@ -1,11 +1,12 @@
 // Fully sharded decoder layers on a GPU (dist/fsdp.h) against the whole model on the same GPU:
 // a one-rank group whose layers move through NCCL (the prefetching all-gather and the
-// asynchronous reduce-scatter of the real backend). The sharded step must give the whole model's
-// loss and every gradient, the layout must keep the bf16 and the fp32-kept tensors in flats of
-// their own with every tensor 128 elements aligned, and the layer optimizer with its state on the
-// device must follow train::AdamW over the whole tensors on the host (clipping active, one step
-// skipped on a non-finite norm), its checkpoint gathers included. The multi-rank layout is the CPU
-// path's, tested over MPI in tests/dist/; tests/gpu/dist_check.sh trains with it on two GPUs.
+// asynchronous reduce-scatter of the real backend). The sharded step, with layers kept,
+// recomputed and offloaded, must give the whole model's loss and every gradient; the layout must
+// keep the bf16 and the fp32-kept tensors in flats of their own with every tensor 128 elements
+// aligned; and the layer optimizer with its state on the device must follow train::AdamW over the
+// whole tensors on the host (clipping active, one step skipped on a non-finite norm), its
+// checkpoint gathers included. The multi-rank layout is the CPU path's, tested over MPI in
+// tests/dist/; tests/gpu/dist_check.sh trains with it on two GPUs.
 // Skipped where no GPU is visible.
 
 #include <gtest/gtest.h>
@@ -56,6 +57,12 @@ TEST(CudaFsdp, ShardedLayersGiveTheWholeStepAndTheDeviceOptimizerFollowsTheHost)
   const PackInput in = random_pack(config, test_seed(), {0, 45, 110, 160, 168}, 8);
   TrainOptions opt;
   opt.balancing_alpha = 0.01;
+  // Every activation policy: a recomputed layer is gathered once for its rerun and its backward,
+  // an offloaded one comes back from the host between the gathers.
+  const ActivationPolicy policies[] = {ActivationPolicy::recompute, ActivationPolicy::offload,
+                                       ActivationPolicy::keep};
+  for (int64_t l = 0; l < config.text().num_hidden_layers; ++l)
+    opt.activations.push_back(policies[l % 3]);
 
   // The whole model.
   TextModel whole(store, TextModelOptions{DType::bf16, kGpu});
