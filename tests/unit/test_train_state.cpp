@@ -15,6 +15,7 @@
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/tensor/rng.h"
+#include "glmtune/train/flops.h"
 #include "glmtune/train/optimizer.h"
 #include "glmtune/train/state.h"
 
@@ -312,9 +313,15 @@ TEST(Metrics, RecordsUseTheSeedSystemsNames) {
     EXPECT_TRUE(j.contains(key)) << key;
   EXPECT_TRUE(j["grad_norm"].is_null());  // non-finite values are null, never invalid JSON
   EXPECT_EQ(j["loss"], 2.5);
+  EXPECT_TRUE(j["mfu"].is_null()) << "a CPU run has no MFU";
   const std::string line = m.log_line();
   EXPECT_NE(line.find("step 3/10"), std::string::npos) << line;
   EXPECT_NE(line.find("skipped"), std::string::npos) << line;
+  EXPECT_EQ(line.find("mfu"), std::string::npos) << line;
+  m.model_tflops = 250.0;
+  m.mfu = 250.0 / 989.4;
+  EXPECT_NE(m.log_line().find("model_tflops 250.0 mfu 25.3%"), std::string::npos) << m.log_line();
+  EXPECT_DOUBLE_EQ(m.to_json()["mfu"].get<double>(), 250.0 / 989.4);
   EXPECT_EQ(format_eta(3723.4), "1:02:03");
 }
 
@@ -382,4 +389,32 @@ TEST(Metrics, LogAppendsAndDropsRedoneSteps) {
     EXPECT_EQ(steps_in_file(), (std::vector<int64_t>{1, 2, 3, 4}));
   }
   fs::remove_all(out);
+}
+// The FLOP count behind model_tflops / mfu (train/flops.h): per-token terms add up over documents,
+// attention counts only the keys a query sees in its own document (at most index_topk of them),
+// the indexer is counted once (no backward), and MTP adds its layer.
+TEST(FlopCount, FollowsTheDocumentsAndTheSelection) {
+  const model::TextConfig c = model::ModelConfig::preset("tiny").text();
+  ASSERT_GT(c.index_topk, 4);
+  const int64_t topk = c.index_topk;
+  // Two documents of 3 tokens cost twice one, whole step included.
+  const FlopCount one = count_flops(c, {3}, true), two = count_flops(c, {3, 3}, true);
+  EXPECT_NEAR(two.step(6), 2 * one.step(3), 1e-9 * two.step(6));
+  // A document of 2·topk tokens: its second half attends topk keys per query, more than the
+  // first; the per-token work grows with it and never shrinks.
+  const FlopCount short_doc = count_flops(c, {topk}, false);
+  const FlopCount long_doc = count_flops(c, {2 * topk}, false);
+  EXPECT_GT(long_doc.trained, short_doc.trained);
+  EXPECT_GT(long_doc.step(2 * topk), 2 * short_doc.step(topk));
+  // Keys per query are capped at topk: doubling the document again adds half as much attention
+  // per token as the first doubling did ((topk − 1)/8 keys against (topk − 1)/4).
+  const FlopCount longer = count_flops(c, {4 * topk}, false);
+  EXPECT_GT(longer.trained, long_doc.trained);
+  EXPECT_LT(longer.trained - long_doc.trained, long_doc.trained - short_doc.trained + 1e-9);
+  // The indexer runs forward only: it is not part of the × 3.
+  EXPECT_GT(one.forward_only, 0);
+  EXPECT_DOUBLE_EQ(one.step(3), 3 * (3 * one.trained) + one.forward_only);
+  // MTP adds work; no document, no work.
+  EXPECT_GT(count_flops(c, {3}, true).trained, count_flops(c, {3}, false).trained);
+  EXPECT_EQ(count_flops(c, {}, true).step(0), 0.0);
 }

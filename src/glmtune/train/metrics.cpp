@@ -36,6 +36,8 @@ nlohmann::json StepMetrics::to_json() const {
           {"reserved_memory", reserved_memory},
           {"maxvio", maxvio},
           {"eta", eta},
+          {"model_tflops", model_tflops},
+          {"mfu", finite_or_null(mfu)},
           {"step_time", step_time},
           {"text_tokens", text_tokens},
           {"seqlen_tokens", seqlen_tokens},
@@ -57,6 +59,8 @@ std::string StepMetrics::log_line() const {
       "maxvio {:.4f} eta {}",
       step, total_steps, loss, mtp_loss, balancing_loss, grad_norm, lr, tgs, seqlen_tgs, exp_tgs,
       max_memory, reserved_memory, maxvio, format_eta(eta));
+  if (std::isfinite(mfu))
+    line += fmt::format(" model_tflops {:.1f} mfu {:.1f}%", model_tflops, 100 * mfu);
   if (skipped) {
     std::string what;
     for (const std::string& n : nonfinite) what += (what.empty() ? "" : ", ") + n;

@@ -13,6 +13,9 @@
 //   reserved_memory peak bytes reserved by the allocator during the step, GB
 //   maxvio          mean over MoE routers of (max expert load − mean load) / mean load
 //   eta             seconds left at the mean step time so far
+//   model_tflops    model FLOPs of the step's packs (train/flops.h: the text model, non-padding
+//                   documents, backward = 2 × forward) per rank and second, in TFLOP/s
+//   mfu             model_tflops / the H200's dense bf16 peak (989.4 TFLOP/s); GPU runs only
 //
 // Each step is one JSON object appended to OUT/metrics.jsonl (flushed at once, so a killed run
 // loses nothing already logged) and, every log_every steps, one human-readable log line.
@@ -20,6 +23,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -38,7 +42,9 @@ struct StepMetrics {
   double max_memory = 0, reserved_memory = 0;
   double maxvio = 0;
   double eta = 0;
-  double step_time = 0;         // seconds
+  double model_tflops = 0;
+  double mfu = std::numeric_limits<double>::quiet_NaN();  // null in JSON: a CPU run
+  double step_time = 0;                                   // seconds
   int64_t text_tokens = 0;      // non-padding tokens of this rank in the step
   int64_t seqlen_tokens = 0;    // all token slots of this rank in the step
   int64_t consumed_tokens = 0;  // cumulative non-padding tokens of this rank

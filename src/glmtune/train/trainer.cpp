@@ -38,6 +38,7 @@
 #ifdef GLMTUNE_WITH_CUDA
 #include "glmtune/train/device_adamw.h"
 #endif
+#include "glmtune/train/flops.h"
 #include "glmtune/train/released.h"
 #include "glmtune/train/router_bias.h"
 #include "glmtune/train/schedule.h"
@@ -976,6 +977,22 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     m.reserved_memory = peaks.reserved_memory;
     // Throughput per rank (tgs is per GPU-second): this rank's share of the step's tokens.
     meter.record(m, batch.text_tokens / dp, batch.slots / dp, seconds_since(step_start));
+    // Model FLOPs per rank and second: the step's packs (their documents, padding left out) over
+    // every rank of the job.
+    double step_flops = 0;
+    for (const model::text::PackInput& in : batch.inputs) {
+      const Tensor cu = in.cu_seqlens.to(DType::i64).contiguous();
+      std::vector<int64_t> lengths;
+      for (int64_t d = 0; d + 1 < cu.numel(); ++d)
+        lengths.push_back(cu.data<int64_t>()[d + 1] - cu.data<int64_t>()[d]);
+      if (in.padding_tokens > 0 && !lengths.empty()) lengths.pop_back();
+      int64_t tokens = 0;
+      for (int64_t n : lengths) tokens += n;
+      step_flops += count_flops(tc, lengths, topt.mtp).step(tokens);
+    }
+    const int64_t ranks = distributed ? par->sizes().world : 1;
+    m.model_tflops = m.step_time > 0 ? step_flops / double(ranks) / m.step_time / 1e12 : 0.0;
+    if (on_gpu) m.mfu = m.model_tflops / kH200Bf16PeakTflops;
     if (log) log->write(m);
     summary.steps.push_back(m);
     summary.text_tokens += batch.text_tokens;
