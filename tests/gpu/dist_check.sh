@@ -70,7 +70,7 @@ echo "== one GPU, two packs per step"
 # with the first steps below 1e-3).
 follows_one_gpu() {
   python3 - "$1" "$work/dist-one/metrics.jsonl" "$2/metrics.jsonl" <<'EOF'
-import json, sys
+import json, statistics, sys
 def losses(path):
     return [json.loads(line)["loss"] for line in open(path) if line.strip()]
 label, one, two = sys.argv[1], losses(sys.argv[2]), losses(sys.argv[3])
@@ -78,8 +78,15 @@ if len(one) != 20 or len(two) != 20:
     sys.exit(f"dist_check: {label}: expected 20 steps, got {len(one)} and {len(two)}")
 diffs = [abs(a - b) for a, b in zip(one, two)]
 first, worst = max(diffs[:3]), max(diffs)
+# The GPUs' time in NCCL collectives is logged for every step of a 2-rank run.
+comm = [json.loads(line).get("comm_time") for line in open(sys.argv[3]) if line.strip()]
+if any(c is None or c <= 0 for c in comm):
+    sys.exit(f"dist_check: {label}: a step without its comm_time: {comm}")
+steps = [json.loads(line)["step_time"] for line in open(sys.argv[3]) if line.strip()]
+share = statistics.median(c / t for c, t in zip(comm[1:], steps[1:]))
 print(f"{label}: loss {one[0]:.4f} -> {one[-1]:.4f} on one GPU, {two[0]:.4f} -> {two[-1]:.4f} "
-      f"on two; first 3 steps within {first:.2e} (bar 2e-3), worst step {worst:.2e} (bar 3e-2)")
+      f"on two; first 3 steps within {first:.2e} (bar 2e-3), worst step {worst:.2e} (bar 3e-2); "
+      f"NCCL busy {100 * share:.0f}% of the step (median)")
 if first > 2e-3 or worst > 3e-2:
     sys.exit(f"dist_check: {label}: the 2-rank losses left the one-GPU curve")
 EOF

@@ -15,7 +15,8 @@
 #     GLMTUNE_MULTI_PACK tokens (16384) of the bundled chat data, fsdp on, every layer recomputed,
 #     for each ep ∈ {1, 2, 4, 8} that divides N: the medians over steps 2.. of tokens per
 #     GPU-second (tgs: non-padding; seqlen_tgs: every slot), step time, the model TFLOP/s and MFU
-#     per GPU (train/flops.h) and the peak memory, from metrics.jsonl. A run that fails (out of
+#     per GPU (train/flops.h), the share of the step the GPU spent in NCCL collectives (comm_time,
+#     overlapped or not) and the peak memory, from metrics.jsonl. A run that fails (out of
 #     memory, say) is a row with its error, not a failure of the script.
 #
 # Usage (from the repository root): tests/gpu/multi.sh CARRY_DIR [WORK_DIR]
@@ -113,8 +114,8 @@ if [[ "$skip" != throughput ]]; then
     --set text_config.n_routed_experts="$experts" >"$work/crop-init.log" 2>&1 ||
     { tail -n 5 "$work/crop-init.log"; exit 1; }
   echo "written in $((SECONDS - start)) s"
-  printf '\n%-16s %10s %10s %9s %12s %7s %12s  %s\n' "crop25b E=$experts" tgs seqlen_tgs step \
-    "TFLOP/s/GPU" MFU "peak GiB" result >>"$summary"
+  printf '\n%-16s %10s %10s %9s %12s %7s %7s %12s  %s\n' "crop25b E=$experts" tgs seqlen_tgs \
+    step "TFLOP/s/GPU" MFU comm "peak GiB" result >>"$summary"
   for ep in 1 2 4 8; do
     ((ep <= gpus && gpus % ep == 0 && experts % ep == 0)) || continue
     name="crop-ep$ep"
@@ -143,14 +144,18 @@ except OSError:
     rows = []
 if len(rows) < 2:
     errors = [l.strip() for l in open(log, errors="replace") if "error" in l.lower()]
-    print(f"{name:<16} {'':>10} {'':>10} {'':>9} {'':>12} {'':>7} {'':>12}  "
+    print(f"{name:<16} {'':>10} {'':>10} {'':>9} {'':>12} {'':>7} {'':>7} {'':>12}  "
           f"no steady step: {(errors[:1] or ['see ' + log])[0][:160]}")
     sys.exit(0)
 steady = rows[1:]
 med = lambda key: statistics.median(r[key] for r in steady if r.get(key) is not None)
 mfu = med("mfu") if any(r.get("mfu") is not None for r in steady) else float("nan")
+comm = statistics.median(r["comm_time"] / r["step_time"] for r in steady
+                         if r.get("comm_time") is not None) if any(
+    r.get("comm_time") is not None for r in steady) else float("nan")
 print(f"{name:<16} {med('tgs'):10.0f} {med('seqlen_tgs'):10.0f} {med('step_time'):8.3f}s "
-      f"{med('model_tflops'):12.1f} {100 * mfu:6.1f}% {max(r['max_memory'] for r in rows):12.1f}  "
+      f"{med('model_tflops'):12.1f} {100 * mfu:6.1f}% {100 * comm:6.1f}% "
+      f"{max(r['max_memory'] for r in rows):12.1f}  "
       f"{len(rows)} steps")
 EOF
     tail -n 1 "$summary"

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <vector>
 
@@ -72,6 +73,20 @@ TEST(CudaNccl, EveryCollectiveOfAOneRankGroup) {
     EXPECT_TRUE(bit_identical(t, host)) << "broadcast";
   }
   nccl->barrier();
+
+  // Busy time: every collective above counted once, then nothing until the next one; a queued
+  // all-gather of 256 MiB (a copy on one rank) takes measurable time on the GPU.
+  EXPECT_GE(nccl->take_busy_seconds(), 0.0);
+  EXPECT_EQ(nccl->take_busy_seconds(), 0.0);
+  Tensor big = Tensor::zeros({int64_t(1) << 26}, DType::f32, kGpu);
+  nccl->all_reduce(big, dist::ReduceOp::sum);
+  Tensor gathered = Tensor::empty({int64_t(1) << 26}, DType::f32, kGpu);
+  nccl->start_all_gather(big, gathered)->wait();
+  const double busy = nccl->take_busy_seconds();
+  std::printf("[ measure  ] 256 MiB all_reduce + all_gather on one rank: %.3f ms busy\n",
+              1e3 * busy);
+  EXPECT_GT(busy, 0.0);
+  EXPECT_LT(busy, 10.0);
 #endif
 }
 

@@ -314,6 +314,7 @@ TEST(Metrics, RecordsUseTheSeedSystemsNames) {
   EXPECT_TRUE(j["grad_norm"].is_null());  // non-finite values are null, never invalid JSON
   EXPECT_EQ(j["loss"], 2.5);
   EXPECT_TRUE(j["mfu"].is_null()) << "a CPU run has no MFU";
+  EXPECT_TRUE(j["comm_time"].is_null()) << "nor GPU communication";
   const std::string line = m.log_line();
   EXPECT_NE(line.find("step 3/10"), std::string::npos) << line;
   EXPECT_NE(line.find("skipped"), std::string::npos) << line;
@@ -322,6 +323,9 @@ TEST(Metrics, RecordsUseTheSeedSystemsNames) {
   m.mfu = 250.0 / 989.4;
   EXPECT_NE(m.log_line().find("model_tflops 250.0 mfu 25.3%"), std::string::npos) << m.log_line();
   EXPECT_DOUBLE_EQ(m.to_json()["mfu"].get<double>(), 250.0 / 989.4);
+  m.comm_time = 0.125;
+  EXPECT_NE(m.log_line().find("comm_time 0.125s"), std::string::npos) << m.log_line();
+  EXPECT_DOUBLE_EQ(m.to_json()["comm_time"].get<double>(), 0.125);
   EXPECT_EQ(format_eta(3723.4), "1:02:03");
 }
 

@@ -69,6 +69,11 @@ class Communicator {
   virtual std::unique_ptr<PendingCollective> start_reduce_scatter(const Tensor& in, Tensor& out,
                                                                   ReduceOp op = ReduceOp::sum);
 
+  // Seconds the GPU spent in this group's collectives since the last call, counting those complete
+  // by now: each from the moment it could start (the work it waits for done) to its end, a late
+  // peer's wait included. The host backends (MPI, self) report 0.
+  virtual double take_busy_seconds() { return 0; }
+
   // Convenience over all_reduce for scalars and host vectors.
   double all_reduce_sum(double v);
   int64_t all_reduce_sum(int64_t v);

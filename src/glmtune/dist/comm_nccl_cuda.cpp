@@ -108,6 +108,10 @@ class NcclCommunicator final : public Communicator {
     if (comm_) ncclCommDestroy(comm_);
     if (ready_) cudaEventDestroy(ready_);
     if (finished_) cudaEventDestroy(finished_);
+    for (const Timed& t : timed_) {
+      cudaEventDestroy(t.start);
+      cudaEventDestroy(t.end);
+    }
     if (stream_) cudaStreamDestroy(stream_);
   }
   int rank() const override { return rank_; }
@@ -207,6 +211,27 @@ class NcclCommunicator final : public Communicator {
     all_reduce(one, ReduceOp::sum);
   }
 
+  double take_busy_seconds() override {
+    double ms = 0;
+    std::vector<Timed> open;
+    for (const Timed& t : timed_) {
+      if (cudaEventQuery(t.end) != cudaSuccess) {
+        open.push_back(t);
+        continue;
+      }
+      // A collective whose enqueue failed never recorded its end: it counts nothing.
+      float elapsed = 0;
+      if (cudaEventElapsedTime(&elapsed, t.start, t.end) == cudaSuccess)
+        ms += elapsed;
+      else
+        cudaGetLastError();
+      cudaEventDestroy(t.start);
+      cudaEventDestroy(t.end);
+    }
+    timed_ = std::move(open);
+    return ms / 1e3;
+  }
+
  private:
   void enqueue_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
     check(in, "reduce_scatter");
@@ -240,12 +265,21 @@ class NcclCommunicator final : public Communicator {
                    name_, t.defined() ? t.str() : std::string("an undefined tensor"));
   }
 
-  // The collective reads what the default stream produced: order it after that work.
+  // The collective reads what the default stream produced: order it after that work. Its busy
+  // time starts there.
   void begin() {
     GLMTUNE_CUDA_CHECK(cudaSetDevice(device_));
     GLMTUNE_CUDA_CHECK(cudaEventRecord(ready_, cudaStreamLegacy));
     GLMTUNE_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+    Timed t;
+    GLMTUNE_CUDA_CHECK(cudaEventCreate(&t.start));
+    GLMTUNE_CUDA_CHECK(cudaEventCreate(&t.end));
+    GLMTUNE_CUDA_CHECK(cudaEventRecord(t.start, stream_));
+    timed_.push_back(t);
   }
+
+  // Marks the end of the collective just enqueued (finish and pending call it).
+  void end_timing() { GLMTUNE_CUDA_CHECK(cudaEventRecord(timed_.back().end, stream_)); }
 
   Clock::time_point deadline() const {
     return Clock::now() +
@@ -283,6 +317,7 @@ class NcclCommunicator final : public Communicator {
 
   void finish(const char* op) {
     wait_comm(op);  // a non-blocking communicator may still be enqueueing
+    end_timing();
     GLMTUNE_CUDA_CHECK(cudaEventRecord(finished_, stream_));
     wait_event(finished_, op);
   }
@@ -295,6 +330,11 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr;
   cudaEvent_t finished_ = nullptr;  // recorded behind a blocking collective, waited for
+  // The collectives not yet counted by take_busy_seconds: events around each on the stream.
+  struct Timed {
+    cudaEvent_t start = nullptr, end = nullptr;
+  };
+  std::vector<Timed> timed_;
 };
 
 // A collective queued on the communicator's stream and not yet waited for: it keeps its tensors
@@ -325,6 +365,7 @@ class NcclPending final : public PendingCollective {
 std::unique_ptr<PendingCollective> NcclCommunicator::pending(const char* op, const Tensor& in,
                                                              const Tensor& out) {
   wait_comm(op);  // a non-blocking communicator may still be enqueueing
+  end_timing();
   cudaEvent_t done = nullptr;
   GLMTUNE_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   GLMTUNE_CUDA_CHECK(cudaEventRecord(done, stream_));

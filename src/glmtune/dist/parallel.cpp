@@ -107,6 +107,13 @@ void ParallelContext::use_gpu(int device) {
 #endif
 }
 
+double ParallelContext::take_gpu_busy_seconds() const {
+  double seconds = 0;
+  for (const auto* group : {&dp_gpu_, &ep_gpu_, &edp_gpu_, &sp_gpu_})
+    if (*group) seconds += (*group)->take_busy_seconds();
+  return seconds;
+}
+
 void ParallelContext::abort(const std::string& message) const {
 #if GLMTUNE_WITH_MPI
   if (distributed()) mpi::abort_job(message, 2);

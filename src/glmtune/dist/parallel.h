@@ -84,6 +84,10 @@ class ParallelContext {
   Communicator* sp_gpu() const { return sp_gpu_.get(); }
   // Collective. Makes `device` this process's current GPU and creates the NCCL groups on it.
   void use_gpu(int device);
+  // Seconds this rank's GPU spent in the NCCL groups' collectives since the last call
+  // (Communicator::take_busy_seconds, summed over the groups; collectives of different groups
+  // that ran at once count each). 0 before use_gpu.
+  double take_gpu_busy_seconds() const;
 
   // Ends every rank of the job with `message` (MPI_Abort), or throws it as an Error in a
   // single-rank world.

@@ -38,6 +38,7 @@ nlohmann::json StepMetrics::to_json() const {
           {"eta", eta},
           {"model_tflops", model_tflops},
           {"mfu", finite_or_null(mfu)},
+          {"comm_time", finite_or_null(comm_time)},
           {"step_time", step_time},
           {"text_tokens", text_tokens},
           {"seqlen_tokens", seqlen_tokens},
@@ -61,6 +62,7 @@ std::string StepMetrics::log_line() const {
       max_memory, reserved_memory, maxvio, format_eta(eta));
   if (std::isfinite(mfu))
     line += fmt::format(" model_tflops {:.1f} mfu {:.1f}%", model_tflops, 100 * mfu);
+  if (std::isfinite(comm_time)) line += fmt::format(" comm_time {:.3f}s", comm_time);
   if (skipped) {
     std::string what;
     for (const std::string& n : nonfinite) what += (what.empty() ? "" : ", ") + n;

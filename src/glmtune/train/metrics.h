@@ -16,6 +16,9 @@
 //   model_tflops    model FLOPs of the step's packs (train/flops.h: the text model, non-padding
 //                   documents, backward = 2 × forward) per rank and second, in TFLOP/s
 //   mfu             model_tflops / the H200's dense bf16 peak (989.4 TFLOP/s); GPU runs only
+//   comm_time       seconds this rank's GPU spent in NCCL collectives during the step (each from
+//                   when it could start to its end; overlapped with compute or not); runs of
+//                   several GPUs only
 //
 // Each step is one JSON object appended to OUT/metrics.jsonl (flushed at once, so a killed run
 // loses nothing already logged) and, every log_every steps, one human-readable log line.
@@ -43,8 +46,9 @@ struct StepMetrics {
   double maxvio = 0;
   double eta = 0;
   double model_tflops = 0;
-  double mfu = std::numeric_limits<double>::quiet_NaN();  // null in JSON: a CPU run
-  double step_time = 0;                                   // seconds
+  double mfu = std::numeric_limits<double>::quiet_NaN();        // null in JSON: a CPU run
+  double comm_time = std::numeric_limits<double>::quiet_NaN();  // null: not several GPUs
+  double step_time = 0;                                         // seconds
   int64_t text_tokens = 0;      // non-padding tokens of this rank in the step
   int64_t seqlen_tokens = 0;    // all token slots of this rank in the step
   int64_t consumed_tokens = 0;  // cumulative non-padding tokens of this rank

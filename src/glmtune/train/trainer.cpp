@@ -823,6 +823,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   };
 
   const auto run_start = Clock::now();
+  // The start-up's collectives are not the first step's.
+  if (on_gpu && distributed) par->take_gpu_busy_seconds();
   while (st.step < total) {
     const auto step_start = Clock::now();
     PackBatch batch = next_batch(sampler, recipe.micro_packs * dp, topt.mtp_depths);
@@ -993,6 +995,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     const int64_t ranks = distributed ? par->sizes().world : 1;
     m.model_tflops = m.step_time > 0 ? step_flops / double(ranks) / m.step_time / 1e12 : 0.0;
     if (on_gpu) m.mfu = m.model_tflops / kH200Bf16PeakTflops;
+    if (on_gpu && distributed) m.comm_time = par->take_gpu_busy_seconds();
     if (log) log->write(m);
     summary.steps.push_back(m);
     summary.text_tokens += batch.text_tokens;
