@@ -212,24 +212,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   double take_busy_seconds() override {
-    double ms = 0;
-    std::vector<Timed> open;
-    for (const Timed& t : timed_) {
-      if (cudaEventQuery(t.end) != cudaSuccess) {
-        open.push_back(t);
-        continue;
-      }
-      // A collective whose enqueue failed never recorded its end: it counts nothing.
-      float elapsed = 0;
-      if (cudaEventElapsedTime(&elapsed, t.start, t.end) == cudaSuccess)
-        ms += elapsed;
-      else
-        cudaGetLastError();
-      cudaEventDestroy(t.start);
-      cudaEventDestroy(t.end);
-    }
-    timed_ = std::move(open);
-    return ms / 1e3;
+    collect_timing();
+    const double seconds = busy_ms_ / 1e3;
+    busy_ms_ = 0;
+    return seconds;
   }
 
  private:
@@ -279,7 +265,31 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Marks the end of the collective just enqueued (finish and pending call it).
-  void end_timing() { GLMTUNE_CUDA_CHECK(cudaEventRecord(timed_.back().end, stream_)); }
+  void end_timing() {
+    GLMTUNE_CUDA_CHECK(cudaEventRecord(timed_.back().end, stream_));
+    // A caller that never takes the busy time must not pile up events.
+    if (timed_.size() > 1024) collect_timing();
+  }
+
+  // Adds the finished collectives' times to busy_ms_ and frees their events.
+  void collect_timing() {
+    std::vector<Timed> open;
+    for (const Timed& t : timed_) {
+      if (cudaEventQuery(t.end) != cudaSuccess) {
+        open.push_back(t);
+        continue;
+      }
+      // A collective whose enqueue failed never recorded its end: it counts nothing.
+      float elapsed = 0;
+      if (cudaEventElapsedTime(&elapsed, t.start, t.end) == cudaSuccess)
+        busy_ms_ += elapsed;
+      else
+        cudaGetLastError();
+      cudaEventDestroy(t.start);
+      cudaEventDestroy(t.end);
+    }
+    timed_ = std::move(open);
+  }
 
   Clock::time_point deadline() const {
     return Clock::now() +
@@ -335,6 +345,7 @@ class NcclCommunicator final : public Communicator {
     cudaEvent_t start = nullptr, end = nullptr;
   };
   std::vector<Timed> timed_;
+  double busy_ms_ = 0;  // of collectives collected but not yet taken
 };
 
 // A collective queued on the communicator's stream and not yet waited for: it keeps its tensors
