@@ -149,10 +149,10 @@ if len(rows) < 2:
     sys.exit(0)
 steady = rows[1:]
 med = lambda key: statistics.median(r[key] for r in steady if r.get(key) is not None)
-mfu = med("mfu") if any(r.get("mfu") is not None for r in steady) else float("nan")
-comm = statistics.median(r["comm_time"] / r["step_time"] for r in steady
-                         if r.get("comm_time") is not None) if any(
-    r.get("comm_time") is not None for r in steady) else float("nan")
+mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+comms = [r["comm_time"] / r["step_time"] for r in steady if r.get("comm_time") is not None]
+mfu = statistics.median(mfus) if mfus else float("nan")
+comm = statistics.median(comms) if comms else float("nan")
 print(f"{name:<16} {med('tgs'):10.0f} {med('seqlen_tgs'):10.0f} {med('step_time'):8.3f}s "
       f"{med('model_tflops'):12.1f} {100 * mfu:6.1f}% {100 * comm:6.1f}% "
       f"{max(r['max_memory'] for r in rows):12.1f}  "
