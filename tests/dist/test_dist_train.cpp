@@ -144,7 +144,39 @@ void run_single_process(const fs::path& dir, const fs::path& recipe,
   ASSERT_EQ(steps.size(), 10u);
 }
 
-void expect_same_steps(const std::vector<nlohmann::json>& got,
+// How far two runs of one recipe in different layouts may be apart, step by step. Both compute
+// every pack with the same arithmetic, but they add the packs' (and, with sequence parallelism, the
+// shards') gradient contributions in another order, so after the first update their weights differ
+// by f32 roundings: about 1e-8 of a gradient when whole packs are regrouped (data, expert and fully
+// sharded parallelism), about 1e-6 when a pack is split (sequence parallelism). Those differences
+// stay far below every bar except where they decide a discrete choice: a router score within about
+// 1e-7 of a tie sends a token to another expert (or an indexer pool is chosen the other way). Which
+// choices come that close depends on the CPU's BLAS kernels, so whether it happens, and at which
+// step, differs between machines; the bars below hold on any of them:
+//  - the first compared step starts from the same weights in both runs: the same routing (maxvio
+//    equal), losses and gradient norm equal up to the order of the final sums;
+//  - later steps: each token sent to another expert changes one expert's load by one, so maxvio (a
+//    mean over the L routers of (max load − n̄) / n̄, with n̄ = K·T/E) moves by at most one quantum
+//    E / (L·K·T) per move; a few moves are allowed. A move shifts a step's loss by a few 1e-5, so
+//    the losses are held to 1e-4 and the gradient norm to 1e-3 of itself.
+// A wrong exchange (a rank's gradients lost or counted twice, a shard misplaced) moves the first
+// step's gradient norm and the second step's losses by orders of magnitude more.
+constexpr int kMovedAssignments = 3;
+
+double maxvio_quantum(const nlohmann::json& step) {
+  static const glmtune::model::ModelConfig config = glmtune::model::ModelConfig::preset("tiny");
+  const glmtune::model::TextConfig& text = config.text();
+  // Every MoE layer and the MTP layer route. text_tokens counts the step's non-padding tokens,
+  // at most the routed ones, so the quantum is an upper bound.
+  const int64_t routers =
+      text.count(glmtune::model::MlpKind::sparse) + text.num_nextn_predict_layers;
+  const double tokens = step["text_tokens"].get<double>();
+  return double(text.n_routed_experts) /
+         (double(routers) * double(text.num_experts_per_tok) * tokens);
+}
+
+// `got` against `want` from `want`'s step `first` + 1 on.
+void expect_same_curve(const std::vector<nlohmann::json>& got,
                        const std::vector<nlohmann::json>& want, size_t first) {
   ASSERT_EQ(got.size() + first, want.size());
   for (size_t i = 0; i < got.size(); ++i) {
@@ -152,11 +184,16 @@ void expect_same_steps(const std::vector<nlohmann::json>& got,
     const nlohmann::json& w = want[first + i];
     SCOPED_TRACE("step " + g["step"].dump());
     EXPECT_EQ(g["step"], w["step"]);
+    const bool same_weights = i == 0;
+    const double tol = same_weights ? 1e-6 : 1e-4, norm_tol = same_weights ? 1e-6 : 1e-3;
     for (const char* key : {"loss", "mtp_loss", "balancing_loss"})
-      EXPECT_NEAR(g[key].get<double>(), w[key].get<double>(), 1e-5) << key;
+      EXPECT_NEAR(g[key].get<double>(), w[key].get<double>(), tol) << key;
     EXPECT_NEAR(g["grad_norm"].get<double>(), w["grad_norm"].get<double>(),
-                1e-5 * w["grad_norm"].get<double>());
-    EXPECT_NEAR(g["maxvio"].get<double>(), w["maxvio"].get<double>(), 1e-12);
+                norm_tol * w["grad_norm"].get<double>());
+    const double moves = same_weights ? 0 : kMovedAssignments;
+    EXPECT_NEAR(g["maxvio"].get<double>(), w["maxvio"].get<double>(),
+                moves * maxvio_quantum(w) + 1e-12)
+        << "one expert assignment moves maxvio by at most " << maxvio_quantum(w);
   }
 }
 
@@ -169,7 +206,7 @@ TEST(DistTrain, DataParallelRunFollowsTheSingleProcessLossCurve) {
       << glmtune::test::read_text(dir / "dp2.log");
   const auto single = metrics(dir / "single"), dp2 = metrics(dir / "dp2");
   ASSERT_EQ(single.size(), 10u);
-  expect_same_steps(dp2, single, 0);
+  expect_same_curve(dp2, single, 0);
   // Rank 0 logs and saves; every rank has its own log file.
   EXPECT_TRUE(fs::exists(dir / "dp2/logs/rank-0.log"));
   EXPECT_TRUE(fs::exists(dir / "dp2/logs/rank-1.log"));
@@ -195,7 +232,7 @@ TEST(DistTrain, SavedAtTwoRanksResumesAtOneAndAtFourWithTheSameContinuation) {
     EXPECT_NE(glmtune::test::read_text(log).find("resuming from"), std::string::npos);
     // The same global batch at another rank count is the same recipe.
     EXPECT_EQ(glmtune::test::read_text(log).find("the recipe differs"), std::string::npos);
-    expect_same_steps(metrics(out), reference, 2);
+    expect_same_curve(metrics(out), reference, 2);
   }
 }
 
@@ -215,7 +252,7 @@ TEST(DistTrainExpertParallel, FollowsTheSingleProcessLossCurve) {
     const std::string name = "ep2-np" + std::to_string(ranks);
     const fs::path log = dir / (name + ".log");
     ASSERT_EQ(train(recipe, ranks, false, dir / name, log, 2), 0) << glmtune::test::read_text(log);
-    expect_same_steps(metrics(dir / name), single, 0);
+    expect_same_curve(metrics(dir / name), single, 0);
     EXPECT_TRUE(fs::exists(dir / name / "checkpoints/step-10/model/config.json"));
     const std::string rank1 = glmtune::test::read_text(dir / name / "logs/rank-1.log");
     EXPECT_NE(rank1.find("(ep_size 2)"), std::string::npos) << rank1;
@@ -236,7 +273,7 @@ void expect_resumed_continuation(const fs::path& dir, const fs::path& recipe, co
   const std::string text = glmtune::test::read_text(log);
   EXPECT_NE(text.find("resuming from"), std::string::npos);
   EXPECT_EQ(text.find("the recipe differs"), std::string::npos) << text;
-  expect_same_steps(metrics(out), reference, 2);
+  expect_same_curve(metrics(out), reference, 2);
 }
 
 // The 4-step run of `recipe` at ep = 2 on 2 ranks (dir/ep2) and on one process (dir/single),
@@ -279,29 +316,6 @@ TEST(DistTrainExpertParallel, ResumesAcrossExpertLayouts) {
 
 namespace {
 
-// The sequence-parallel curve against the single-process one. A split pack sums each gradient
-// per shard, then over the shards: an f32 grouping that differs from one pass over the pack by
-// about 1e-6 of a gradient (data parallelism only regroups whole packs, about 1e-8). The first
-// steps agree to 1e-6; over 10 steps such differences grow until a near-tie in a discrete choice
-// (an indexer pool or a routed expert) goes the other way, which moves a step's loss by a few
-// 1e-5 (step 10 of this run), so the whole curve is held to 1e-4 and the gradient norm to 1e-3.
-void expect_close_curve(const std::vector<nlohmann::json>& got,
-                        const std::vector<nlohmann::json>& want) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    const nlohmann::json& g = got[i];
-    const nlohmann::json& w = want[i];
-    SCOPED_TRACE("step " + g["step"].dump());
-    const double tol = i < 3 ? 1e-6 : 1e-4, norm_tol = i < 3 ? 1e-6 : 1e-3;
-    EXPECT_EQ(g["step"], w["step"]);
-    for (const char* key : {"loss", "mtp_loss", "balancing_loss"})
-      EXPECT_NEAR(g[key].get<double>(), w[key].get<double>(), tol) << key;
-    EXPECT_NEAR(g["grad_norm"].get<double>(), w["grad_norm"].get<double>(),
-                norm_tol * w["grad_norm"].get<double>());
-    EXPECT_NEAR(g["maxvio"].get<double>(), w["maxvio"].get<double>(), 1e-12);
-  }
-}
-
 // Sequence parallel: sp = 2 on 2 ranks (each pack split in two) and dp × sp = 2 × 2 on 4 ranks,
 // also with expert slices over ep groups of 2, follow the single-process curve (f32 storage, as
 // the data-parallel curve); the rank logs name the shard each rank holds, and the checkpoint is
@@ -318,7 +332,7 @@ TEST(DistTrainSequenceParallel, FollowsTheSingleProcessLossCurve) {
     const fs::path log = dir / (name + ".log");
     ASSERT_EQ(train(recipe, ranks, false, dir / name, log, ep_size, 2), 0)
         << glmtune::test::read_text(log);
-    expect_close_curve(metrics(dir / name), single);
+    expect_same_curve(metrics(dir / name), single, 0);
     // The released layout whatever the split (expert slices gathered from one sp index).
     for (const char* part : {"model", "optimizer"})
       EXPECT_EQ(tensor_table(dir / name / "checkpoints/step-10" / part),
@@ -370,7 +384,7 @@ TEST(DistTrainSequenceParallel, VisionLanguageFollowsTheSingleProcessLossCurve) 
                     l.fsdp ? " --set train.fsdp=true" : ""),
               0)
         << glmtune::test::read_text(log);
-    expect_close_curve(metrics(dir / name), single);
+    expect_same_curve(metrics(dir / name), single, 0);
     for (const char* part : {"model", "optimizer"})
       EXPECT_EQ(tensor_table(dir / name / last / part), tensor_table(dir / "single" / last / part))
           << part;
@@ -433,7 +447,7 @@ TEST(DistTrainExpertParallel, VisionLanguageWithAFrozenTowerFollowsTheSingleProc
       << glmtune::test::read_text(dir / "ep2.log");
   const auto single = metrics(dir / "single");
   ASSERT_EQ(single.size(), 4u);
-  expect_same_steps(metrics(dir / "ep2"), single, 0);
+  expect_same_curve(metrics(dir / "ep2"), single, 0);
   const fs::path got = dir / "ep2/checkpoints/step-4", want = dir / "single/checkpoints/step-4";
   EXPECT_EQ(tensor_table(got / "model"), tensor_table(want / "model"));
   const auto state = tensor_table(got / "optimizer");
@@ -490,7 +504,7 @@ TEST(DistTrainFsdp, FollowsTheSingleProcessLossCurve) {
     const fs::path log = dir / (name + ".log");
     ASSERT_EQ(train(recipe, ranks, false, dir / name, log, 1, 1, fsdp), 0)
         << glmtune::test::read_text(log);
-    expect_same_steps(metrics(dir / name), single, 0);
+    expect_same_curve(metrics(dir / name), single, 0);
     EXPECT_TRUE(fs::exists(dir / name / "checkpoints/step-10/model/config.json"));
   }
   const std::string rank1 = glmtune::test::read_text(dir / "fsdp2/logs/rank-1.log");
@@ -518,10 +532,7 @@ TEST(DistTrainFsdp, FollowsTheSingleProcessLossCurveWithExpertAndSequenceParalle
     const fs::path log = dir / (name + ".log");
     ASSERT_EQ(train(recipe, 4, false, dir / name, log, ep_size, sp_size, fsdp), 0)
         << glmtune::test::read_text(log);
-    if (sp_size == 1)
-      expect_same_steps(metrics(dir / name), single, 0);
-    else
-      expect_close_curve(metrics(dir / name), single);
+    expect_same_curve(metrics(dir / name), single, 0);
     for (const char* part : {"model", "optimizer"})
       EXPECT_EQ(tensor_table(dir / name / "checkpoints/step-10" / part),
                 tensor_table(dir / "single/checkpoints/step-10" / part))
@@ -560,7 +571,7 @@ TEST(DistTrainFsdp, SavedWithExpertOrSequenceParallelResumesInOneProcessAndBack)
     const std::string text = glmtune::test::read_text(log);
     EXPECT_NE(text.find("resuming from"), std::string::npos);
     EXPECT_EQ(text.find("the recipe differs"), std::string::npos) << text;
-    expect_same_steps(metrics(out), reference, 2);
+    expect_same_curve(metrics(out), reference, 2);
   };
   for (const auto& [ep_size, sp_size] : std::vector<std::pair<int64_t, int64_t>>{{2, 1}, {1, 2}}) {
     const std::string name = "fsdp-ep" + std::to_string(ep_size) + "-sp" + std::to_string(sp_size);
@@ -593,7 +604,7 @@ TEST(DistTrainFsdp, SavedAtTwoRanksResumesAtOneWithoutAndAtFourWithFsdp) {
       << glmtune::test::read_text(dir / "dp2.log");
   const auto reference = metrics(dir / "fsdp2");
   ASSERT_EQ(reference.size(), 4u);
-  expect_same_steps(reference, metrics(dir / "dp2"), 0);
+  expect_same_curve(reference, metrics(dir / "dp2"), 0);
   for (const char* part : {"model", "optimizer"}) {
     SCOPED_TRACE(part);
     const auto got = tensor_table(dir / "fsdp2/checkpoints/step-2" / part);
@@ -611,7 +622,7 @@ TEST(DistTrainFsdp, SavedAtTwoRanksResumesAtOneWithoutAndAtFourWithFsdp) {
         << glmtune::test::read_text(log);
     EXPECT_NE(glmtune::test::read_text(log).find("resuming from"), std::string::npos);
     EXPECT_EQ(glmtune::test::read_text(log).find("the recipe differs"), std::string::npos);
-    expect_same_steps(metrics(out), reference, 2);
+    expect_same_curve(metrics(out), reference, 2);
   }
 }
 
@@ -636,7 +647,7 @@ TEST(DistTrainFsdp, SavedByOneProcessResumesAtTwoAndFourRanksWithFsdp) {
     const fs::path log = dir / ("fsdp" + std::to_string(ranks) + ".log");
     ASSERT_EQ(train(recipe, ranks, true, out, log, 1, 1, fsdp), 0) << glmtune::test::read_text(log);
     EXPECT_NE(glmtune::test::read_text(log).find("resuming from"), std::string::npos);
-    expect_same_steps(metrics(out), reference, 2);
+    expect_same_curve(metrics(out), reference, 2);
     for (const char* part : {"model", "optimizer"})
       EXPECT_EQ(tensor_table(out / "checkpoints/step-4" / part),
                 tensor_table(dir / "single/checkpoints/step-4" / part))

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "glmtune/ops/cpu/common.h"
@@ -49,6 +50,15 @@ CrossEntropyResult make_result(const CrossEntropyOptions& opts, int64_t n_tokens
   return r;
 }
 
+// The rows' losses added in row order. An OpenMP reduction combines the threads' partial sums in
+// the order the threads finish, so with three or more threads the logged loss could change in its
+// last bits from run to run; resume and layout comparisons need it to be a function of the data.
+double sum_in_order(std::span<const double> values) {
+  double total = 0;
+  for (double v : values) total += v;
+  return total;
+}
+
 // One row: returns −log softmax(z)[label]; when `grad` is given, writes
 // coef · (softmax(z) − onehot(label)) into it (it may alias z: each entry is read before it is
 // written). The log-sum-exp accumulates in double: V is up to ~155k terms.
@@ -73,17 +83,17 @@ double logits_pass(const Tensor& logits, const std::vector<int64_t>& labels, dou
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const T* z = logits.data<T>();
   T* g = dlogits ? dlogits->data<T>() : nullptr;
-  double total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total) if (rows * vocab > 65536)
+  std::vector<double> row(size_t(rows), 0.0);
+#pragma omp parallel for schedule(static) if (rows * vocab > 65536)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t label = labels[size_t(r)];
     if (label == kIgnoreIndex) {
       if (g) std::fill_n(g + r * vocab, vocab, T(0));
       continue;
     }
-    total += row_loss<T>(z + r * vocab, vocab, label, coef, g ? g + r * vocab : nullptr);
+    row[size_t(r)] = row_loss<T>(z + r * vocab, vocab, label, coef, g ? g + r * vocab : nullptr);
   }
-  return total;
+  return sum_in_order(row);
 }
 
 template <typename T>
@@ -100,6 +110,7 @@ double fused_pass(const Tensor& hidden, const Tensor& weight, const std::vector<
   const bool want_grad = dhidden || dweight;
   std::vector<T> hc(size_t(chunk * dim)), z(size_t(chunk * vocab));
   std::vector<T> dh(dhidden ? size_t(chunk * dim) : 0);
+  std::vector<double> row(size_t(chunk), 0.0);
   double total = 0;
   for (int64_t c0 = 0; c0 < n; c0 += chunk) {
     const int64_t m = std::min(chunk, n - c0);
@@ -107,12 +118,12 @@ double fused_pass(const Tensor& hidden, const Tensor& weight, const std::vector<
       std::copy_n(h + rows[size_t(c0 + r)] * dim, dim, hc.data() + r * dim);
     // z = h_c · W^T, then turned into its own gradient in place.
     gemm<T>(false, true, m, vocab, dim, T(1), hc.data(), dim, w, dim, T(0), z.data(), vocab);
-    double part = 0;
-#pragma omp parallel for schedule(static) reduction(+ : part) if (m * vocab > 65536)
+#pragma omp parallel for schedule(static) if (m * vocab > 65536)
     for (int64_t r = 0; r < m; ++r)
-      part += row_loss<T>(z.data() + r * vocab, vocab, labels[size_t(rows[size_t(c0 + r)])], coef,
-                          want_grad ? z.data() + r * vocab : nullptr);
-    total += part;
+      row[size_t(r)] =
+          row_loss<T>(z.data() + r * vocab, vocab, labels[size_t(rows[size_t(c0 + r)])], coef,
+                      want_grad ? z.data() + r * vocab : nullptr);
+    total += sum_in_order(std::span<const double>(row.data(), size_t(m)));
     if (dhidden) {
       gemm<T>(false, false, m, dim, vocab, T(1), z.data(), vocab, w, dim, T(0), dh.data(), dim);
       T* out = dhidden->data<T>();
