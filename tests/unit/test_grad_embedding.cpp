@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -106,4 +107,31 @@ TEST(GradEmbedding, AccumulatesAndValidates) {
       Error);
   const Tensor negative = Tensor::from_vector(std::vector<int64_t>{-1}, {1});
   EXPECT_THROW(ops::embedding_forward(table, negative), Error);
+}
+
+// A row's gradient sums every token of its id: for a frequent token that is a long sum, which an
+// f32 running sum would get wrong by ~sqrt(n) ulps (~200 ulps here). Summed in double and rounded
+// once, the f32 result is within one rounding of the exact sum (the terms are the f32 dy values
+// themselves, positive, so the exact sum is their double sum up to n·2^-53 relative).
+TEST(GradEmbedding, LongTokenSumsAreRoundedOnce) {
+  SCOPED_TRACE(seed_note());
+  const int64_t vocab = 7, dim = 3, n = int64_t(1) << 20;
+  std::vector<int64_t> idv(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) idv[size_t(t)] = t % 3 == 0 ? 2 : 5;
+  const Tensor ids = Tensor::from_vector(idv, {n});
+  const Tensor table = random_normal({vocab, dim}, 1, DType::f32);
+  const Tensor dy = random_uniform({n, dim}, 2, DType::f32, 0.5, 1.5);
+  Tensor grad;
+  ops::embedding_backward(table, ids, dy, std::nullopt, grad);
+  std::vector<double> want(size_t(vocab * dim), 0.0);
+  const float* d = dy.data<float>();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < dim; ++c)
+      want[size_t(idv[size_t(t)] * dim + c)] += double(d[t * dim + c]);
+  const double u = std::ldexp(1.0, -24);
+  for (int64_t v = 0; v < vocab; ++v)
+    for (int64_t c = 0; c < dim; ++c) {
+      const double w = want[size_t(v * dim + c)];
+      EXPECT_LE(std::abs(grad.item({v, c}) - w), 1.01 * u * w) << "row " << v << " column " << c;
+    }
 }

@@ -71,6 +71,39 @@ TEST(GradKda, ConvFiniteDifferences) {
   EXPECT_EQ(gw1.to_doubles(), gw2.to_doubles());
 }
 
+// Each conv weight's gradient sums over every token of every document. With positive terms an
+// f32 running sum over 2^20 tokens is off by ~sqrt(n) ulps (~300 here); summed in double, the
+// only errors are the f32 product of each term (<= u each) and the final rounding (<= u), so
+// |error| <= 2u · Σ terms (+ n·2^-53, negligible), whatever the threads.
+TEST(GradKda, ConvWeightGradientOfLongSequencesIsRoundedOnce) {
+  SCOPED_TRACE(seed_note());
+  const std::vector<int64_t> docs{(int64_t(1) << 19) + 3, (int64_t(1) << 19) - 3};
+  const Tensor cu = cu_seqlens(docs);
+  const int64_t t = total_tokens(docs), c = 2, kc = 4;
+  const Tensor x = random_uniform({t, c}, 1, DType::f32, 0.5, 1.5);
+  const Tensor w = random_normal({c, 1, kc}, 2, DType::f32);
+  const Tensor dy = random_uniform({t, c}, 3, DType::f32, 0.5, 1.5);
+  Tensor gw;
+  ops::causal_conv1d_backward(x, w, cu, false, dy, &gw);
+  const float* xp = x.data<float>();
+  const float* gp = dy.data<float>();
+  const double u = std::ldexp(1.0, -24);
+  for (int64_t ch = 0; ch < c; ++ch)
+    for (int64_t tau = 0; tau < kc; ++tau) {
+      double want = 0;
+      int64_t start = 0;
+      for (int64_t n : docs) {
+        for (int64_t s = start; s < start + n; ++s) {
+          const int64_t src = s - (kc - 1) + tau;
+          if (src >= start) want += double(gp[s * c + ch]) * double(xp[src * c + ch]);
+        }
+        start += n;
+      }
+      EXPECT_LE(std::abs(gw.item({ch, 0, tau}) - want), 2.01 * u * want)
+          << "channel " << ch << " tap " << tau;
+    }
+}
+
 TEST(GradKda, GateFiniteDifferences) {
   SCOPED_TRACE(seed_note());
   const int64_t t = 6, nl = 3, hl = 4, ql = nl * hl;

@@ -146,6 +146,59 @@ TEST(ParamStore, FusesOnLoadAndSplitsOnSave) {
   }
 }
 
+// A checkpoint exported in float32 is used as stored: its fused experts keep the f32 values (not
+// rounded to bf16, the released dtype), like every unfused tensor; the report names the f32
+// tensors the release stores in bf16, which a save writes back in bf16.
+TEST(ParamStore, KeepsTheValuesOfAFloat32Checkpoint) {
+  TempDir dir;
+  const ModelConfig config = ModelConfig::preset("tiny");
+  InitOptions options;
+  options.seed = test_seed();
+  write_random_checkpoint(config, dir / "ck", options);
+  // Every tensor widened to f32, plus a nudge of 2^-12 relative that bf16 cannot hold.
+  rewrite(dir / "ck", dir / "f32",
+          [&](const std::string& name, const Tensor& t, io::CheckpointWriter& w) {
+            Tensor v = t.to(DType::f32);
+            float* p = v.data<float>();
+            for (int64_t i = 0; i < v.numel(); ++i) p[i] *= 1.0f + std::ldexp(1.0f, -12);
+            w.add(name, v);
+          });
+  auto reader = io::CheckpointReader::open(dir / "f32");
+  const CheckpointReport report = check_checkpoint(reader, config);
+  int64_t bf16_released = 0;
+  for (const ParamSpec& spec : released_layout(config)) bf16_released += spec.dtype == DType::bf16;
+  EXPECT_EQ(int64_t(report.f32_not_bf16.size()), bf16_released);
+  EXPECT_TRUE(
+      check_checkpoint(io::CheckpointReader::open(dir / "ck"), config).f32_not_bf16.empty());
+
+  const ParamStore store = ParamStore::load(reader, config);
+  const std::string l1 = "model.language_model.layers.1.";
+  const Tensor& gate_up = store.get(l1 + "mlp.experts.gate_up_proj");
+  const Tensor& down = store.get(l1 + "mlp.experts.down_proj");
+  EXPECT_EQ(gate_up.dtype(), DType::f32);
+  EXPECT_EQ(down.dtype(), DType::f32);
+  const int64_t e = 3, Im = config.text().moe_intermediate_size;
+  EXPECT_EQ(gate_up.select(0, e).slice(0, 0, Im).to_doubles(),
+            reader.tensor(l1 + "mlp.experts.3.gate_proj.weight").to_doubles());
+  EXPECT_EQ(gate_up.select(0, e).slice(0, Im, 2 * Im).to_doubles(),
+            reader.tensor(l1 + "mlp.experts.3.up_proj.weight").to_doubles());
+  EXPECT_EQ(down.select(0, e).to_doubles(),
+            reader.tensor(l1 + "mlp.experts.3.down_proj.weight").to_doubles());
+  for (const InternalParam& p : store.params()) EXPECT_EQ(p.value.dtype(), DType::f32) << p.name;
+  // Deferred (fully sharded) loads read the same f32 values.
+  const ParamStore deferred =
+      ParamStore::load(reader, config, std::nullopt, [](const std::string&) { return true; });
+  const int64_t count = down.numel() / 2;
+  EXPECT_EQ(deferred.read_elements(reader, l1 + "mlp.experts.down_proj", 5, count).to_doubles(),
+            down.reshape({-1}).narrow(0, 5, count).to_doubles());
+
+  // Saving writes the released dtypes: what was f32 but released as bf16 is rounded there.
+  store.save(dir / "saved");
+  auto saved = io::CheckpointReader::open(dir / "saved");
+  for (const std::string& name : report.f32_not_bf16)
+    EXPECT_EQ(saved.info(name).dtype, DType::bf16) << name;
+}
+
 // A load of experts [4, 6) of 8 equals the full load narrowed to them, bit for bit, and allocates
 // only their bytes; every other parameter, and every released name, is that of the full load. Such
 // a store refuses to save (its expert tensors would name the wrong experts).

@@ -83,6 +83,8 @@ CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const Mode
     seen.insert(name);
     if (info.shape != it->second->shape)
       report.misshaped.push_back({name, it->second->shape, info.shape});
+    if (info.dtype == DType::f32 && it->second->dtype == DType::bf16)
+      report.f32_not_bf16.push_back(name);
     if (info.dtype == DType::fp8e4m3) {
       if (info.shape.size() != 2 || !reader.contains(scale_companion(name)))
         report.missing.push_back(scale_companion(name));
@@ -196,6 +198,14 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
   }
   // Experts: [E, 2Im, D] with gate rows first, and [E, D, Im], E the experts loaded. The released
   // tensors are views of the checkpoint mapping, so an expert outside the range is never read.
+  // The fused tensors are bf16, the released dtype, unless the file holds an expert in f32: then
+  // f32, so that they keep the file's values as every unfused tensor does (bf16 and FP8-dequantised
+  // values are exact in f32; rounding them to bf16 would silently change the model).
+  const auto fused_dtype = [&](const std::vector<std::string>& names) {
+    for (const std::string& n : names)
+      if (reader.info(n).dtype == DType::f32) return DType::f32;
+    return DType::bf16;
+  };
   for (auto& [prefix, f] : fused_experts) {
     const ExpertRange range = experts.value_or(ExpertRange{0, int64_t(f.gate.size())});
     const Shape& gate_shape = reader.info(f.gate[0]).shape;
@@ -203,15 +213,16 @@ ParamStore ParamStore::load(const io::CheckpointReader& reader, const ModelConfi
     const int64_t all = int64_t(f.gate.size());
     std::vector<std::string> gu_sources = f.gate;
     gu_sources.insert(gu_sources.end(), f.up.begin(), f.up.end());
+    const DType gu_dtype = fused_dtype(gu_sources), down_dtype = fused_dtype(f.down);
     if (deferred(prefix + "gate_up_proj")) {
-      store.params_.push_back({prefix + "gate_up_proj", placeholder(DType::bf16), true, gu_sources,
+      store.params_.push_back({prefix + "gate_up_proj", placeholder(gu_dtype), true, gu_sources,
                                Shape{all, 2 * Im, D}, true});
       store.params_.push_back(
-          {prefix + "down_proj", placeholder(DType::bf16), true, f.down, Shape{all, D, Im}, true});
+          {prefix + "down_proj", placeholder(down_dtype), true, f.down, Shape{all, D, Im}, true});
       continue;
     }
-    Tensor gate_up = Tensor::empty({E, 2 * Im, D}, DType::bf16);
-    Tensor down = Tensor::empty({E, D, Im}, DType::bf16);
+    Tensor gate_up = Tensor::empty({E, 2 * Im, D}, gu_dtype);
+    Tensor down = Tensor::empty({E, D, Im}, down_dtype);
     for (int64_t j = 0; j < E; ++j) {
       const size_t e = size_t(range.first + j);
       gate_up.select(0, j).slice(0, 0, Im).copy_(read_released(reader, f.gate[e]));

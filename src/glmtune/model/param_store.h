@@ -32,6 +32,10 @@ struct CheckpointReport {
   std::vector<std::string> unexpected;
   std::vector<Mismatch> misshaped;
   std::vector<std::string> fp8_weights;  // weights stored as FP8 with a weight_scale_inv companion
+  // Tensors stored in f32 that the released layout stores in bf16 (an export in float32). glmtune
+  // loads and computes with their f32 values; a checkpoint it writes (ParamStore::save) stores
+  // them in bf16, the released dtype, so saving rounds them.
+  std::vector<std::string> f32_not_bf16;
   std::map<std::string, int64_t> dtype_tensors;  // dtype name -> tensor count
   std::map<std::string, int64_t> dtype_bytes;
   int64_t tensors = 0;

@@ -45,22 +45,37 @@ void gather(const T* table, const std::vector<int64_t>& ids, int64_t dim, T* out
 }
 
 template <typename T>
-void scatter_add(const std::vector<int64_t>& ids, const T* dout, int64_t dim, int64_t skip,
-                 T* dtable) {
+void scatter_add(const std::vector<int64_t>& ids, const T* dout, int64_t dim, int64_t vocab,
+                 int64_t skip, T* dtable) {
   const int64_t n = int64_t(ids.size());
-  // Threads own disjoint column blocks, so tokens sharing an id never race; within a block the
-  // tokens are added in order, which keeps the result deterministic.
-  constexpr int64_t kBlock = 64;
-  const int64_t blocks = (dim + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (n * dim > 65536)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t c0 = b * kBlock, c1 = std::min(dim, c0 + kBlock);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t id = ids[size_t(t)];
-      if (id == skip) continue;
-      const T* src = dout + t * dim;
-      T* dst = dtable + id * dim;
-      for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
+  // The positions of every id, in token order (a counting sort): one row's gradient is the sum
+  // over the tokens of that id, which for a frequent token is thousands of terms. It is summed in
+  // double, in token order, and rounded once into the row; one thread owns a row, so neither the
+  // order nor the result depends on the threads.
+  std::vector<int64_t> first(size_t(vocab) + 1, 0), pos(static_cast<size_t>(n));
+  for (int64_t id : ids) ++first[size_t(id) + 1];
+  for (int64_t v = 0; v < vocab; ++v) first[size_t(v) + 1] += first[size_t(v)];
+  {
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    for (int64_t t = 0; t < n; ++t) pos[size_t(next[size_t(ids[size_t(t)])]++)] = t;
+  }
+  std::vector<int64_t> rows;
+  for (int64_t v = 0; v < vocab; ++v)
+    if (v != skip && first[size_t(v) + 1] > first[size_t(v)]) rows.push_back(v);
+  const int64_t nrows = int64_t(rows.size());
+#pragma omp parallel if (n * dim > 65536)
+  {
+    std::vector<double> acc(static_cast<size_t>(dim));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < nrows; ++r) {
+      const int64_t v = rows[size_t(r)];
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t i = first[size_t(v)]; i < first[size_t(v) + 1]; ++i) {
+        const T* src = dout + pos[size_t(i)] * dim;
+        for (int64_t c = 0; c < dim; ++c) acc[size_t(c)] += double(src[c]);
+      }
+      T* dst = dtable + v * dim;
+      for (int64_t c = 0; c < dim; ++c) dst[c] += T(acc[size_t(c)]);
     }
   }
 }
@@ -107,9 +122,9 @@ void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& do
   const int64_t skip = padding_idx ? *padding_idx : -1;
   const Tensor d = dout.contiguous();
   if (table.dtype() == DType::f32)
-    scatter_add<float>(id, d.data<float>(), dim, skip, dtable.data<float>());
+    scatter_add<float>(id, d.data<float>(), dim, vocab, skip, dtable.data<float>());
   else
-    scatter_add<double>(id, d.data<double>(), dim, skip, dtable.data<double>());
+    scatter_add<double>(id, d.data<double>(), dim, vocab, skip, dtable.data<double>());
 }
 
 }  // namespace glmtune::ops

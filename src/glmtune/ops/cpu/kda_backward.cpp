@@ -25,12 +25,16 @@ void conv_backward_kernel(const T* x, const T* w, const std::vector<int64_t>& cu
                           int64_t kc, bool silu, const T* pre, const T* dy, T* dx, T* dw) {
   const int64_t ndoc = int64_t(cu.size()) - 1;
   // One channel per iteration: channels are independent (depthwise), and each channel's weight
-  // gradient sums its tokens in order.
+  // gradient sums all its tokens, every document in order, in double and is rounded once: an f32
+  // running sum over thousands of tokens would lose ~sqrt(T) ulps, more than the reference's
+  // float32 reduction does. One thread owns a channel, so the order never depends on threads.
 #pragma omp parallel if (cu.back() * c > 65536)
   {
     std::vector<T> dp;
+    std::vector<double> acc_w(static_cast<size_t>(kc));
 #pragma omp for schedule(static)
     for (int64_t ch = 0; ch < c; ++ch) {
+      std::fill(acc_w.begin(), acc_w.end(), 0.0);
       for (int64_t doc = 0; doc < ndoc; ++doc) {
         const int64_t start = cu[doc], end = cu[doc + 1];
         // d pre-activation of this channel over the document: SiLU' = σ(1 + p(1 − σ)).
@@ -54,15 +58,16 @@ void conv_backward_kernel(const T* x, const T* w, const std::vector<int64_t>& cu
           }
           dx[t * c + ch] = acc;
         }
-        for (int64_t tau = 0; tau < kc; ++tau) {
-          T acc = 0;
-          for (int64_t t = start; t < end; ++t) {
-            const int64_t src = t - (kc - 1) + tau;
-            if (src >= start) acc += dp[size_t(t - start)] * x[src * c + ch];
-          }
-          if (dw) dw[ch * kc + tau] += acc;
-        }
+        if (dw)
+          for (int64_t tau = 0; tau < kc; ++tau)
+            for (int64_t t = start; t < end; ++t) {
+              const int64_t src = t - (kc - 1) + tau;
+              if (src >= start)
+                acc_w[size_t(tau)] += double(dp[size_t(t - start)] * x[src * c + ch]);
+            }
       }
+      if (dw)
+        for (int64_t tau = 0; tau < kc; ++tau) dw[ch * kc + tau] += T(acc_w[size_t(tau)]);
     }
   }
 }
