@@ -98,6 +98,7 @@ int prepare(const PrepareArgs& a) {
       "%ld dropped with nothing to train\n",
       stats.lines, stats.skipped_total(), stats.truncated, stats.dropped_overlong,
       stats.dropped_untrained);
+  if (stats.skipped_total() > 0) std::printf("  %s\n", stats.skipped_report().c_str());
   for (const auto& e : stats.first_errors) std::printf("  skipped: %s\n", e.c_str());
   return 0;
 }

@@ -166,15 +166,20 @@ struct ChatFileScan {
 // naming file:line.
 std::optional<std::vector<EvalSample>> read_pretokenised(const std::string& file, int64_t vocab,
                                                          ChatFileScan& scan) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error("cannot open the data file", file, "check the path");
+  // The dataset reader's line reading: a directory, a read error or an oversized line is an
+  // error here, not the end of the file.
+  data::LineReader in(file);
   std::vector<EvalSample> samples;
   std::optional<Error> first_error;
   bool pretokenised = false;
   std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
+  for (data::LineReader::Status status;
+       (status = in.next(line)) != data::LineReader::Status::kEnd;) {
+    const std::string where = fmt::format("{}:{}", file, in.line_number());
+    if (status == data::LineReader::Status::kTooLong)
+      throw Error(fmt::format("the line has more than {} bytes", in.max_line_bytes()), where,
+                  "write one JSON object per line, each under the limit (docs/data.md)");
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = fmt::format("{}:{}", file, n);
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
     const bool has_ids = j.is_object() && j.contains("input_ids");
     pretokenised |= has_ids;

@@ -1,13 +1,19 @@
 // Datasets: chat and plain-text JSONL lines to samples, bad lines with file and line numbers under
 // both policies, truncation and drop counts, streaming across batch and file boundaries, and the
-// indexed dataset's random access.
+// indexed dataset's random access; the line reader's limits and read errors.
 
 #include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <streambuf>
 #include <string>
 #include <vector>
 
@@ -27,6 +33,7 @@ using glmtune::data::DatasetStats;
 using glmtune::data::JsonlDataset;
 using glmtune::data::JsonlSampleReader;
 using glmtune::data::kIgnoreIndex;
+using glmtune::data::LineReader;
 using glmtune::data::OrderedJson;
 using glmtune::data::OverlongPolicy;
 using glmtune::data::Sample;
@@ -391,6 +398,271 @@ TEST_F(DatasetTest, IndexedDatasetLoadsByOffset) {
   }
 }
 
+// Captures what spdlog logs while it lives.
+class LogCapture {
+ public:
+  LogCapture() : previous_(spdlog::default_logger()) {
+    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out_);
+    sink->set_pattern("%l %v");
+    spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
+  }
+  ~LogCapture() { spdlog::set_default_logger(previous_); }
+  std::string text() const { return out_.str(); }
+
+ private:
+  std::shared_ptr<spdlog::logger> previous_;
+  std::ostringstream out_;
+};
+
+size_t count_of(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t p = text.find(part); p != std::string::npos; p = text.find(part, p + 1)) ++n;
+  return n;
+}
+
+TEST_F(DatasetTest, NumberBeyondADoubleIsABadLineNamingItsPlace) {
+  // nlohmann reports it as out_of_range.406, not as a parse error.
+  const std::string overflow = R"({"messages": [{"role":"user","content":"x","n": 1e999}]})";
+  const std::string path = write("num.jsonl", kChat1 + "\n" + overflow + "\n" + kText1 + "\n");
+  DatasetConfig cfg;
+  cfg.files = {path};
+  try {
+    read_all(cfg);
+    ADD_FAILURE() << "no error";
+  } catch (const glmtune::Error& e) {
+    EXPECT_EQ(e.where(), path + ":2");
+    EXPECT_EQ(e.problem().rfind("not valid JSON: number overflow parsing '1e999'", 0), 0u)
+        << e.problem();
+    EXPECT_NE(e.fix().find("within a double's range"), std::string::npos) << e.fix();
+    EXPECT_NE(e.fix().find("on_bad_line"), std::string::npos) << e.fix();
+  }
+  cfg.on_bad_line = BadLinePolicy::kSkip;
+  DatasetStats st;
+  auto samples = read_all(cfg, &st);
+  ASSERT_EQ(samples.size(), 2u);
+  EXPECT_EQ(samples[1].line, 3);
+  EXPECT_EQ(st.skipped[static_cast<size_t>(BadLineReason::kNotJson)], 1);
+  ASSERT_EQ(st.first_errors.size(), 1u);
+  EXPECT_EQ(st.first_errors[0].rfind(path + ":2: not valid JSON: number overflow", 0), 0u)
+      << st.first_errors[0];
+}
+
+TEST_F(DatasetTest, MediaTokensWrittenInTheTextAreBadLines) {
+  struct Case {
+    std::string line;
+    std::string found;  // where the message says the token is
+  };
+  const std::vector<Case> cases = {
+      {R"({"messages":[{"role":"user","content":"look <|image|> here"},{"role":"assistant","content":"ok"}]})",
+       "`<|image|>` in messages[0].content"},
+      {R"({"messages":[{"role":"user","content":[{"type":"text","text":"a"}]},{"role":"assistant","content":"<|video|>"}]})",
+       "`<|video|>` in messages[1].content"},
+      {R"({"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"}],"tools":[{"name":"f","description":"<|begin_of_image|>"}]})",
+       "`<|begin_of_image|>` in tools[0].description"},
+      {R"({"text":"caption <|end_of_video|>"})", "`<|end_of_video|>` in text"},
+      // Escaped in a JSON-string argument, the token only appears once the template renders it.
+      {R"({"messages":[{"role":"user","content":"q"},{"role":"assistant","tool_calls":[{"name":"f","arguments":"{\"x\": \"\\u003c|image|>\"}"}]}]})",
+       "`<|image|>` in the rendered text"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.line);
+    const std::string path = write("media.jsonl", kChat1 + "\n" + c.line + "\n" + kText1 + "\n");
+    DatasetConfig cfg;
+    cfg.files = {path};
+    try {
+      read_all(cfg);
+      ADD_FAILURE() << "no error";
+    } catch (const glmtune::Error& e) {
+      EXPECT_EQ(e.where(), path + ":2");
+      EXPECT_EQ(e.problem().rfind(c.found + ": a media token written in the text", 0), 0u)
+          << e.problem();
+      EXPECT_NE(e.fix().find("content items"), std::string::npos) << e.fix();
+    }
+    cfg.on_bad_line = BadLinePolicy::kSkip;
+    DatasetStats st;
+    auto samples = read_all(cfg, &st);
+    ASSERT_EQ(samples.size(), 2u);
+    EXPECT_EQ(st.skipped[static_cast<size_t>(BadLineReason::kMedia)], 1);
+    const int32_t image = tiny_tokenizer().require_id("<|image|>");
+    for (const auto& s : samples)
+      EXPECT_EQ(std::count(s.tokens.input_ids.begin(), s.tokens.input_ids.end(), image), 0);
+  }
+  // Other special tokens written in the text stay their ids, as Hugging Face encodes them.
+  const std::string box =
+      R"({"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"<|begin_of_box|>1<|end_of_box|>"}]})";
+  DatasetConfig cfg;
+  cfg.files = {write("box.jsonl", box + "\n")};
+  auto samples = read_all(cfg);
+  ASSERT_EQ(samples.size(), 1u);
+  EXPECT_EQ(samples[0].tokens.input_ids, expected_chat(box).input_ids);
+}
+
+TEST_F(DatasetTest, ALineOverTheByteLimitIsABadLine) {
+  const std::string long_line = R"({"text":")" + std::string(300, 'a') + R"("})";
+  const std::string path =
+      write("long.jsonl", kChat1 + "\n" + long_line + "\n" + kText1 + "\n" + kChat2);
+  DatasetConfig cfg;
+  cfg.files = {path};
+  cfg.max_line_bytes = 200;
+  try {
+    read_all(cfg);
+    ADD_FAILURE() << "no error";
+  } catch (const glmtune::Error& e) {
+    EXPECT_EQ(e.where(), path + ":2");
+    EXPECT_EQ(e.problem().rfind("the line has more than 200 bytes", 0), 0u) << e.problem();
+    EXPECT_NE(e.fix().find("one JSON object per line"), std::string::npos) << e.fix();
+  }
+  cfg.on_bad_line = BadLinePolicy::kSkip;
+  DatasetStats st;
+  auto samples = read_all(cfg, &st);
+  ASSERT_EQ(samples.size(), 3u);
+  EXPECT_EQ(st.lines, 4);
+  EXPECT_EQ(st.skipped[static_cast<size_t>(BadLineReason::kTooLong)], 1);
+  EXPECT_EQ(st.to_json()["skipped_by_reason"]["too_long"], 1);
+  EXPECT_EQ(samples[1].line, 3);
+  EXPECT_EQ(samples[1].offset, kChat1.size() + 1 + long_line.size() + 1);
+  // The index keeps working past the line read over.
+  JsonlDataset ds = JsonlDataset::scan(cfg, tiny_tokenizer());
+  auto loaded = ds.load({2, 1});
+  EXPECT_EQ(loaded[0].input_ids, samples[2].tokens.input_ids);
+  EXPECT_EQ(loaded[1].input_ids, samples[1].tokens.input_ids);
+}
+
+TEST_F(DatasetTest, ADirectoryInTheFilesIsRefused) {
+  const std::string sub = (dir_ / "folder.jsonl").string();
+  fs::create_directories(sub);
+  DatasetConfig cfg;
+  cfg.files = {write("ok.jsonl", kChat1 + "\n"), sub};
+  for (bool indexed : {false, true}) {
+    try {
+      if (indexed)
+        JsonlDataset::scan(cfg, tiny_tokenizer());
+      else
+        read_all(cfg);
+      ADD_FAILURE() << "no error";
+    } catch (const glmtune::Error& e) {
+      EXPECT_EQ(e.where(), sub);
+      EXPECT_EQ(e.problem(), "is a directory, not a JSONL file");
+      EXPECT_NE(e.fix().find("JSONL files inside it"), std::string::npos) << e.fix();
+    }
+  }
+}
+
+// Serves `data`, then fails the way a file system does: the read raises an error.
+class FailingBuf : public std::streambuf {
+ public:
+  explicit FailingBuf(std::string data) : data_(std::move(data)) {
+    setg(data_.data(), data_.data(), data_.data() + data_.size());
+  }
+
+ protected:
+  int_type underflow() override { throw std::runtime_error("EIO"); }
+
+ private:
+  std::string data_;
+};
+
+class FailingStream : public std::istream {
+ public:
+  explicit FailingStream(std::string data) : std::istream(nullptr), buf_(std::move(data)) {
+    rdbuf(&buf_);
+  }
+
+ private:
+  FailingBuf buf_;
+};
+
+TEST(LineReaderTest, AReadErrorIsNotTheEndOfTheFile) {
+  for (const std::string& data : {std::string("one\ntwo\n"), std::string("one\ntwo\nthr")}) {
+    LineReader in(std::make_unique<FailingStream>(data), "broken.jsonl");
+    std::string line;
+    ASSERT_EQ(in.next(line), LineReader::Status::kLine);
+    EXPECT_EQ(line, "one");
+    ASSERT_EQ(in.next(line), LineReader::Status::kLine);
+    EXPECT_EQ(line, "two");
+    try {
+      in.next(line);
+      ADD_FAILURE() << "a failed read ended the file";
+    } catch (const glmtune::Error& e) {
+      EXPECT_EQ(e.where(), "broken.jsonl:3");
+      EXPECT_NE(e.problem().find("reading the file failed in line 3"), std::string::npos)
+          << e.problem();
+      EXPECT_NE(e.fix().find("readable"), std::string::npos) << e.fix();
+    }
+  }
+}
+
+TEST(LineReaderTest, LinesAroundTheReadChunkSizeComeBackWhole) {
+  // The reader assembles lines from 64 KiB reads: lengths around multiples of the chunk, a last
+  // line without a newline, CRLF, an empty line and a byte-order mark.
+  const std::vector<size_t> lengths = {65534, 65535, 65536, 65537, 0, 131070, 131071, 131072, 5};
+  std::string data = "\xEF\xBB\xBF";
+  std::vector<std::string> lines;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    lines.push_back(std::string(lengths[i], static_cast<char>('a' + i)));
+    data += lines.back() + (i == 3 ? "\r\n" : i + 1 < lengths.size() ? "\n" : "");
+  }
+  lines[3] += "\r";
+  LineReader in(std::make_unique<std::istringstream>(data), "chunks.jsonl");
+  std::string line;
+  uint64_t offset = 3;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_EQ(in.next(line), LineReader::Status::kLine);
+    EXPECT_EQ(line.size(), lines[i].size());
+    EXPECT_TRUE(line == lines[i]);
+    EXPECT_EQ(in.line_number(), static_cast<int64_t>(i) + 1);
+    EXPECT_EQ(in.line_offset(), offset);
+    offset += lines[i].size() + 1;
+  }
+  EXPECT_EQ(in.next(line), LineReader::Status::kEnd);
+  EXPECT_EQ(in.next(line), LineReader::Status::kEnd);
+
+  // With a limit, a longer line is read past and the next one comes back whole. The first line
+  // has exactly the limit's bytes with its byte-order mark, the fourth one more with its '\r'.
+  LineReader capped(std::make_unique<std::istringstream>(data), "chunks.jsonl", 65537);
+  std::vector<LineReader::Status> got;
+  while (true) {
+    const auto s = capped.next(line);
+    if (s == LineReader::Status::kEnd) break;
+    got.push_back(s);
+    if (s == LineReader::Status::kTooLong) EXPECT_TRUE(line.empty());
+  }
+  using S = LineReader::Status;
+  EXPECT_EQ(got, (std::vector<S>{S::kLine, S::kLine, S::kLine, S::kTooLong, S::kLine, S::kTooLong,
+                                 S::kTooLong, S::kTooLong, S::kLine}));
+  EXPECT_EQ(capped.line_offset(), offset - lines.back().size() - 1);
+}
+
+TEST_F(DatasetTest, SkippedLinesAreCountedPerFileAndLoggedUpToTen) {
+  // 7 bad lines in one file and 5 in another: ten messages, then one note, and the totals.
+  std::string a = kChat1 + "\n", b = kText1 + "\n";
+  for (int i = 0; i < 7; ++i) a += "{broken\n";
+  for (int i = 0; i < 5; ++i) b += "[1]\n";
+  const std::string pa = write("a.jsonl", a), pb = write("b.jsonl", b);
+  DatasetConfig cfg;
+  cfg.files = {pa, pb};
+  cfg.on_bad_line = BadLinePolicy::kSkip;
+  DatasetStats st;
+  std::string log;
+  {
+    LogCapture capture;
+    read_all(cfg, &st);
+    log = capture.text();
+  }
+  EXPECT_EQ(st.skipped_total(), 12);
+  EXPECT_EQ(st.first_errors.size(), 10u);
+  EXPECT_EQ(count_of(log, "warning skipping "), 10u) << log;
+  EXPECT_EQ(count_of(log, "further bad lines are skipped without a message"), 1u) << log;
+  EXPECT_EQ(count_of(log, pb + ":4:"), 1u) << log;  // the tenth
+  EXPECT_EQ(count_of(log, pb + ":5:"), 0u) << log;
+  EXPECT_EQ(st.skipped_by_file, (std::vector<std::pair<std::string, int64_t>>{{pa, 7}, {pb, 5}}));
+  EXPECT_EQ(st.skipped_report(),
+            "12 bad lines of 14 skipped (not_json 7, not_object 5): " + pa + " 7, " + pb + " 5");
+  EXPECT_EQ(st.to_json()["skipped_by_file"][pb], 5);
+  EXPECT_EQ(DatasetStats{}.skipped_report(), "");
+}
+
 TEST_F(DatasetTest, ConfigErrors) {
   DatasetConfig cfg;
   EXPECT_THROW(JsonlSampleReader(cfg, tiny_tokenizer()), glmtune::Error);
@@ -465,13 +737,16 @@ TEST(DatasetStatsTest, MergeAddsCounts) {
   a.lines = 3;
   a.skipped[1] = 2;
   a.first_errors = {"x"};
+  a.skipped_by_file = {{"f", 2}};
   b.lines = 4;
   b.skipped[1] = 1;
   b.tokens = 9;
   b.first_errors = {"y"};
+  b.skipped_by_file = {{"g", 1}, {"f", 3}};
   a.merge(b);
   EXPECT_EQ(a.lines, 7);
   EXPECT_EQ(a.skipped[1], 3);
+  EXPECT_EQ(a.skipped_by_file, (std::vector<std::pair<std::string, int64_t>>{{"f", 5}, {"g", 1}}));
   EXPECT_EQ(a.tokens, 9);
   EXPECT_EQ(a.first_errors, (std::vector<std::string>{"x", "y"}));
 }

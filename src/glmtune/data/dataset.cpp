@@ -4,7 +4,12 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <map>
+#include <new>
+#include <stdexcept>
 #include <utility>
 
 #include "glmtune/base/error.h"
@@ -63,12 +68,11 @@ bool prepare_line(const DatasetConfig& cfg, const LineInput& in, Prepared& out, 
   OrderedJson doc;
   try {
     doc = OrderedJson::parse(in.text);
-  } catch (const nlohmann::json::parse_error& e) {
-    // nlohmann prefixes "[json.exception.parse_error.N] "; the rest says where and why.
-    std::string what = e.what();
-    size_t p = what.find("] ");
-    return reject(BadLineReason::kNotJson,
-                  "not valid JSON: " + (p == std::string::npos ? what : what.substr(p + 2)));
+  } catch (const nlohmann::json::exception& e) {
+    // Not only parse errors: a number beyond a double's range is out_of_range.406.
+    if (e.id == 406)
+      bad.fix = "write the number within a double's range (about ±1.8e308), or as a string";
+    return reject(BadLineReason::kNotJson, "not valid JSON: " + json_error_text(e));
   }
   if (!doc.is_object())
     return reject(BadLineReason::kNotObject,
@@ -96,11 +100,20 @@ bool prepare_line(const DatasetConfig& cfg, const LineInput& in, Prepared& out, 
       chat = has_messages;
   }
 
+  auto literal_media = [&](const char* key) {
+    if (!doc.contains(key)) return false;
+    const auto found = find_literal_media_token(doc[key], key);
+    if (!found) return false;
+    bad.fix = kLiteralMediaTokenFix;
+    reject(BadLineReason::kMedia, literal_media_token_problem(*found));
+    return true;
+  };
   if (!chat) {
     const OrderedJson& text = doc["text"];
     if (!text.is_string())
       return reject(BadLineReason::kWrongType,
                     fmt::format("\"text\" must be a string, got {}", text.type_name()));
+    if (literal_media("text")) return false;
     out.is_text = true;
     out.text = text.get<std::string>();
     return true;
@@ -137,6 +150,10 @@ bool prepare_line(const DatasetConfig& cfg, const LineInput& in, Prepared& out, 
   } catch (const Error& e) {
     bad.fix = e.fix();
     return reject(BadLineReason::kTemplate, e.where() + ": " + e.problem());
+  } catch (const nlohmann::json::exception& e) {
+    return reject(BadLineReason::kTemplate,
+                  fmt::format("sample {}: the conversation cannot be rendered: {}", in.sample_index,
+                              json_error_text(e)));
   }
   if (rendered.num_images + rendered.num_videos > 0)
     return reject(
@@ -144,6 +161,9 @@ bool prepare_line(const DatasetConfig& cfg, const LineInput& in, Prepared& out, 
         fmt::format("{} image(s) and {} video(s): the text data pipeline has no pixels to "
                     "attach to their placeholders",
                     rendered.num_images, rendered.num_videos));
+  // Written in the text, a media token would be trained as a placeholder with no features behind
+  // it; the vision pipeline refuses the same lines.
+  if (literal_media("messages") || literal_media("tools")) return false;
   out.segments = std::move(rendered.segments);
   return true;
 }
@@ -166,10 +186,31 @@ std::vector<LineOutcome> process_lines(const DatasetConfig& cfg, const Tokenizer
     }
   }
   std::vector<std::vector<int32_t>> encoded = tokenizer.encode_batch(texts);
+  std::vector<std::pair<int32_t, std::string_view>> media_ids;
+  for (std::string_view name : kMediaTokens)
+    if (auto id = tokenizer.token_to_id(name)) media_ids.emplace_back(*id, name);
 
   for (size_t i = 0; i < lines.size(); ++i) {
     LineOutcome& o = outcomes[i];
     if (o.kind == LineOutcome::Kind::kBad) continue;
+    // The text was searched before rendering; this catches a token that only rendering spells
+    // out (tool-call arguments given as a JSON string with escapes, say).
+    const size_t n_texts = prepared[i].is_text ? 1 : prepared[i].segments.size();
+    std::string_view media_token;
+    for (size_t t = first_text[i]; t < first_text[i] + n_texts && media_token.empty(); ++t)
+      for (const auto& [id, name] : media_ids)
+        if (std::find(encoded[t].begin(), encoded[t].end(), id) != encoded[t].end()) {
+          media_token = name;
+          break;
+        }
+    if (!media_token.empty()) {
+      o.kind = LineOutcome::Kind::kBad;
+      o.reason = BadLineReason::kMedia;
+      o.message =
+          literal_media_token_problem(fmt::format("`{}` in the rendered text", media_token));
+      o.fix = kLiteralMediaTokenFix;
+      continue;
+    }
     TokenizedSample ts;
     if (prepared[i].is_text) {
       ts.input_ids = std::move(encoded[first_text[i]]);
@@ -217,19 +258,39 @@ void validate_config(const DatasetConfig& cfg) {
                 "data.batch_lines");
 }
 
-std::unique_ptr<std::ifstream> open_data_file(const std::string& path) {
-  auto in = std::make_unique<std::ifstream>(path, std::ios::binary);
-  if (!*in) throw Error("cannot open data file", path, "check the path in data.files");
-  return in;
+std::string where_of(const LineInput& in, const DatasetConfig& cfg) {
+  return fmt::format("{}:{}", cfg.files[static_cast<size_t>(in.file)], in.line);
 }
 
-// Strips a UTF-8 byte-order mark some editors write at the start of a file; returns its size.
-size_t strip_bom(std::string& line) {
-  if (line.size() >= 3 && line.compare(0, 3, "\xEF\xBB\xBF") == 0) {
-    line.erase(0, 3);
-    return 3;
+std::string too_long_problem(uint64_t max_bytes) {
+  return fmt::format(
+      "the line has more than {} bytes: the file probably lacks newlines between its samples, or "
+      "the sample is far longer than any context",
+      max_bytes);
+}
+constexpr std::string_view kTooLongFix =
+    "write one JSON object per line, each under the limit (docs/data.md, \"Bad lines\")";
+
+void find_media(const OrderedJson& v, const std::string& path, std::optional<std::string>& found) {
+  auto check = [&](const std::string& s, const std::string& at) {
+    for (std::string_view t : kMediaTokens)
+      if (s.find(t) != std::string::npos) {
+        found = fmt::format("`{}` in {}", t, at);
+        return;
+      }
+  };
+  if (v.is_string()) {
+    check(v.get_ref<const std::string&>(), path);
+  } else if (v.is_array()) {
+    for (size_t i = 0; i < v.size() && !found; ++i)
+      find_media(v[i], fmt::format("{}[{}]", path, i), found);
+  } else if (v.is_object()) {
+    for (auto it = v.begin(); it != v.end() && !found; ++it) {
+      const std::string at = path + "." + it.key();
+      check(it.key(), at + " (a key)");
+      if (!found) find_media(it.value(), at, found);
+    }
   }
-  return 0;
 }
 
 template <typename Enum, size_t N>
@@ -280,8 +341,133 @@ std::string_view bad_line_reason_name(BadLineReason reason) {
       return "template";
     case BadLineReason::kMedia:
       return "media";
+    case BadLineReason::kTooLong:
+      return "too_long";
   }
   return "unknown";
+}
+
+std::optional<std::string> find_literal_media_token(const OrderedJson& value,
+                                                    const std::string& path) {
+  std::optional<std::string> found;
+  find_media(value, path, found);
+  return found;
+}
+
+std::string literal_media_token_problem(const std::string& found) {
+  return found +
+         ": a media token written in the text would be trained with no image or video behind "
+         "it; only image and video content items may produce these tokens";
+}
+
+std::string json_error_text(const std::exception& e) {
+  // nlohmann prefixes "[json.exception.KIND.N] "; the rest says where and why.
+  std::string what = e.what();
+  if (what.starts_with("[json.exception.")) {
+    const size_t p = what.find("] ");
+    if (p != std::string::npos) what.erase(0, p + 2);
+  }
+  return what;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+// Bytes read per call: long lines are assembled from such pieces, and a line over the limit is
+// read past without being held.
+constexpr std::streamsize kReadChunk = 64 << 10;
+}  // namespace
+
+LineReader::LineReader(const std::string& path, uint64_t max_line_bytes)
+    : name_(path), max_line_bytes_(max_line_bytes) {
+  std::error_code ec;
+  // An ifstream opens a directory without complaint and then reads nothing: it would pass for an
+  // empty file.
+  if (std::filesystem::is_directory(path, ec))
+    throw Error("is a directory, not a JSONL file", path,
+                "list the JSONL files inside it one by one (a folder is not expanded)");
+  auto in = std::make_unique<std::ifstream>(path, std::ios::binary);
+  if (!*in)
+    throw Error("cannot open data file", path,
+                "check the path (data.files in a recipe, --input or --data on the command line) "
+                "and that the file is readable");
+  in_ = std::move(in);
+}
+
+LineReader::LineReader(std::unique_ptr<std::istream> in, std::string name, uint64_t max_line_bytes)
+    : in_(std::move(in)), name_(std::move(name)), max_line_bytes_(max_line_bytes) {}
+
+LineReader::~LineReader() = default;
+LineReader::LineReader(LineReader&&) noexcept = default;
+LineReader& LineReader::operator=(LineReader&&) noexcept = default;
+
+LineReader::Status LineReader::next(std::string& line) {
+  line.clear();
+  if (chunk_.empty()) chunk_.resize(static_cast<size_t>(kReadChunk));
+  const int64_t number = line_ + 1;
+  uint64_t bytes = 0;  // consumed, the newline included
+  bool too_long = false;
+  auto read_error = [&](const std::string& why) {
+    return Error(fmt::format("reading the file failed in line {} ({}); the lines after it were "
+                             "not read",
+                             number, why),
+                 fmt::format("{}:{}", name_, number),
+                 "check that the file is complete and readable (not a folder, disk or network "
+                 "errors), then run again");
+  };
+  try {
+    for (;;) {
+      errno = 0;
+      // std::getline into a string would grow it without bound, and its failure looks like the
+      // end of the file; the chunked form lets bad() and eof() tell them apart.
+      in_->getline(chunk_.data(), kReadChunk);
+      const auto got = static_cast<uint64_t>(in_->gcount());
+      if (in_->bad())
+        throw read_error(errno != 0 ? std::strerror(errno) : "the stream reported an error");
+      uint64_t stored = got;
+      bool more = false;
+      if (in_->eof()) {
+        // The last line, without a newline (or nothing at all).
+      } else if (in_->fail()) {
+        more = true;  // the chunk filled up: the line goes on
+        in_->clear();
+      } else {
+        stored = got - 1;  // gcount counts the newline it extracted
+      }
+      bytes += got;
+      if (!too_long && line.size() + stored > max_line_bytes_) {
+        too_long = true;
+        std::string().swap(line);
+      }
+      if (!too_long) line.append(chunk_.data(), static_cast<size_t>(stored));
+      if (!more) break;
+    }
+  } catch (const std::bad_alloc&) {
+    throw read_error(fmt::format("out of memory after {} bytes of the line", bytes));
+  } catch (const std::length_error&) {
+    throw read_error(fmt::format("out of memory after {} bytes of the line", bytes));
+  }
+  if (bytes == 0) return Status::kEnd;
+  line_ = number;
+  offset_ = next_offset_;
+  next_offset_ += bytes;
+  if (too_long) return Status::kTooLong;
+  // A UTF-8 byte-order mark, which some editors write at the start of a file.
+  if (offset_ == 0 && line.starts_with("\xEF\xBB\xBF")) {
+    line.erase(0, 3);
+    offset_ = 3;
+  }
+  return Status::kLine;
+}
+
+void LineReader::seek(uint64_t offset, int64_t line_number) {
+  in_->clear();
+  in_->seekg(static_cast<std::streamoff>(offset));
+  if (in_->fail())
+    throw Error(fmt::format("cannot seek to byte {} (line {})", offset, line_number), name_,
+                "the file changed since it was scanned; restart to rescan it");
+  line_ = line_number - 1;
+  offset_ = next_offset_ = offset;
 }
 
 int64_t DatasetStats::skipped_total() const {
@@ -290,10 +476,49 @@ int64_t DatasetStats::skipped_total() const {
   return n;
 }
 
+void DatasetStats::add_skipped(BadLineReason reason, const std::string& file, std::string message) {
+  ++skipped[static_cast<size_t>(reason)];
+  auto it = std::find_if(skipped_by_file.begin(), skipped_by_file.end(),
+                         [&](const auto& f) { return f.first == file; });
+  if (it == skipped_by_file.end())
+    skipped_by_file.emplace_back(file, 1);
+  else
+    ++it->second;
+  if (first_errors.size() >= kMaxReportedErrors) return;
+  spdlog::warn("skipping {}", message);
+  first_errors.push_back(std::move(message));
+  if (first_errors.size() == kMaxReportedErrors)
+    spdlog::warn(
+        "further bad lines are skipped without a message; their count follows once "
+        "the data is read");
+}
+
+std::string DatasetStats::skipped_report() const {
+  const int64_t total = skipped_total();
+  if (total == 0) return {};
+  std::string by_reason, by_file;
+  for (size_t i = 0; i < skipped.size(); ++i)
+    if (skipped[i] > 0)
+      by_reason += fmt::format("{}{} {}", by_reason.empty() ? "" : ", ",
+                               bad_line_reason_name(static_cast<BadLineReason>(i)), skipped[i]);
+  for (const auto& [file, n] : skipped_by_file)
+    by_file += fmt::format("{}{} {}", by_file.empty() ? "" : ", ", file, n);
+  return fmt::format("{} bad line{} of {} skipped ({}): {}", total, total == 1 ? "" : "s", lines,
+                     by_reason, by_file);
+}
+
 void DatasetStats::merge(const DatasetStats& o) {
   lines += o.lines;
   samples += o.samples;
   for (size_t i = 0; i < skipped.size(); ++i) skipped[i] += o.skipped[i];
+  for (const auto& [file, n] : o.skipped_by_file) {
+    auto it = std::find_if(skipped_by_file.begin(), skipped_by_file.end(),
+                           [&](const auto& f) { return f.first == file; });
+    if (it == skipped_by_file.end())
+      skipped_by_file.emplace_back(file, n);
+    else
+      it->second += n;
+  }
   truncated += o.truncated;
   dropped_overlong += o.dropped_overlong;
   dropped_untrained += o.dropped_untrained;
@@ -308,10 +533,13 @@ nlohmann::json DatasetStats::to_json() const {
   for (size_t i = 0; i < skipped.size(); ++i)
     skipped_by_reason[std::string(bad_line_reason_name(static_cast<BadLineReason>(i)))] =
         skipped[i];
+  nlohmann::json skipped_files = nlohmann::json::object();
+  for (const auto& [file, n] : skipped_by_file) skipped_files[file] = n;
   return {{"lines", lines},
           {"samples", samples},
           {"skipped", skipped_total()},
           {"skipped_by_reason", skipped_by_reason},
+          {"skipped_by_file", skipped_files},
           {"truncated", truncated},
           {"dropped_overlong", dropped_overlong},
           {"dropped_untrained", dropped_untrained},
@@ -326,7 +554,7 @@ JsonlSampleReader::JsonlSampleReader(DatasetConfig config, const Tokenizer& toke
     : config_(std::move(config)), tokenizer_(tokenizer) {
   validate_config(config_);
   // Open every file up front so that a wrong path fails before any work is done.
-  for (const auto& f : config_.files) open_data_file(f);
+  for (const auto& f : config_.files) LineReader check(f, config_.max_line_bytes);
 }
 
 JsonlSampleReader::~JsonlSampleReader() = default;
@@ -342,48 +570,55 @@ std::optional<Sample> JsonlSampleReader::next() {
 
 bool JsonlSampleReader::fill() {
   std::vector<LineInput> batch;
+  // A line over the byte limit has no text to process, so it is a bad line found while reading;
+  // it stays in the batch (with its outcome set) so that bad lines are still reported in order.
+  std::vector<size_t> too_long;
   std::string text;
   while (static_cast<int64_t>(batch.size()) < config_.batch_lines) {
     if (!in_) {
       if (file_ + 1 >= static_cast<int32_t>(config_.files.size())) break;
       ++file_;
-      in_ = open_data_file(config_.files[static_cast<size_t>(file_)]);
-      line_ = 0;
-      offset_ = 0;
+      in_ = std::make_unique<LineReader>(config_.files[static_cast<size_t>(file_)],
+                                         config_.max_line_bytes);
     }
-    if (!std::getline(*in_, text)) {
+    const LineReader::Status status = in_->next(text);
+    if (status == LineReader::Status::kEnd) {
       in_.reset();
       continue;
     }
-    const uint64_t line_offset = offset_;
-    // getline consumed a newline unless it stopped at the end of the file.
-    offset_ += text.size() + (in_->eof() ? 0 : 1);
-    ++line_;
     ++stats_.lines;
-    size_t bom = line_ == 1 ? strip_bom(text) : 0;
+    if (status == LineReader::Status::kTooLong) {
+      too_long.push_back(batch.size());
+      batch.push_back({file_, in_->line_number(), in_->line_offset(), sample_counter_++, {}});
+      continue;
+    }
     if (is_blank(text)) continue;
-    batch.push_back({file_, line_, line_offset + bom, sample_counter_++, std::move(text)});
+    batch.push_back(
+        {file_, in_->line_number(), in_->line_offset(), sample_counter_++, std::move(text)});
     text.clear();
   }
   if (batch.empty()) return false;
 
   const int32_t eos = tokenizer_.require_id("<|endoftext|>");
   std::vector<LineOutcome> outcomes = process_lines(config_, tokenizer_, eos, batch);
+  for (size_t i : too_long) {
+    outcomes[i] = {};
+    outcomes[i].kind = LineOutcome::Kind::kBad;
+    outcomes[i].reason = BadLineReason::kTooLong;
+    outcomes[i].message = too_long_problem(config_.max_line_bytes);
+    outcomes[i].fix = kTooLongFix;
+  }
   for (size_t i = 0; i < batch.size(); ++i) {
     LineOutcome& o = outcomes[i];
     switch (o.kind) {
       case LineOutcome::Kind::kBad: {
-        std::string where =
-            fmt::format("{}:{}", config_.files[static_cast<size_t>(batch[i].file)], batch[i].line);
+        const std::string where = where_of(batch[i], config_);
         if (config_.on_bad_line == BadLinePolicy::kFail)
           throw Error(o.message, where,
                       (o.fix.empty() ? std::string("fix or remove the line") : o.fix) +
                           "; or set on_bad_line = \"skip\" to skip and count such lines");
-        ++stats_.skipped[static_cast<size_t>(o.reason)];
-        if (stats_.first_errors.size() < kMaxReportedErrors) {
-          spdlog::warn("skipping {}: {}", where, o.message);
-          stats_.first_errors.push_back(where + ": " + o.message);
-        }
+        stats_.add_skipped(o.reason, config_.files[static_cast<size_t>(batch[i].file)],
+                           where + ": " + o.message);
         break;
       }
       case LineOutcome::Kind::kOverlong:
@@ -469,18 +704,19 @@ int64_t JsonlDataset::length(int64_t i) const {
 
 std::vector<TokenizedSample> JsonlDataset::load(const std::vector<int64_t>& indices) const {
   // Read the requested lines, one open stream per file, then process them as one batch.
-  std::map<int32_t, std::unique_ptr<std::ifstream>> streams;
+  std::map<int32_t, std::unique_ptr<LineReader>> streams;
   std::vector<LineInput> lines;
   lines.reserve(indices.size());
   for (int64_t idx : indices) {
     GLMTUNE_ASSERT(idx >= 0 && idx < size(), "sample index {} out of range [0, {})", idx, size());
     const Entry& e = entries_[static_cast<size_t>(idx)];
     auto& in = streams[e.file];
-    if (!in) in = open_data_file(config_.files[static_cast<size_t>(e.file)]);
-    in->clear();
-    in->seekg(static_cast<std::streamoff>(e.offset));
+    if (!in)
+      in = std::make_unique<LineReader>(config_.files[static_cast<size_t>(e.file)],
+                                        config_.max_line_bytes);
+    in->seek(e.offset, e.line);
     std::string text;
-    if (!std::getline(*in, text))
+    if (in->next(text) != LineReader::Status::kLine)
       throw Error(fmt::format("cannot read line {} any more", e.line),
                   config_.files[static_cast<size_t>(e.file)],
                   "the file changed since the dataset was scanned; restart to rescan it");

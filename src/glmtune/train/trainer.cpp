@@ -371,6 +371,12 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   spdlog::info("data: {} samples, {} tokens ({} trained) in {:.1f}s; {} packs of {} per epoch",
                source.size(), data_tokens, trained_tokens, seconds_since(data_start),
                sampler.packs_in_epoch(), recipe.pack_max_length);
+  // Only the first bad lines were logged one by one while reading; the totals come once.
+  if (const data::DatasetStats* read = vl        ? &vl->dataset().stats()
+                                       : dataset ? &dataset->stats()
+                                                 : nullptr;
+      read && read->skipped_total() > 0)
+    spdlog::warn("data: {}", read->skipped_report());
 
   // Model and optimizer: from the checkpoint when resuming (its weights are the rounded masters
   // and its router biases the updated ones), else from [model] path.

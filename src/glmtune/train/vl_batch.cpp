@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include <fstream>
+#include <utility>
 
 #include "glmtune/base/error.h"
 
@@ -12,8 +12,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using data::media::VlSample;
-
-constexpr size_t kReportedErrors = 5;
 
 // Trained tokens some earlier token predicts (what the shifted labels hold).
 int64_t targets(const std::vector<int32_t>& labels) {
@@ -37,26 +35,36 @@ VlDataset VlDataset::scan(const VlDataConfig& config, const data::media::VlProce
   if (config.files.empty())
     throw Error("no data files", "data.files", "list the JSONL files of the conversations");
   for (const std::string& file : config.files) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) throw Error("cannot open the data file", file, "check the path in data.files");
+    data::LineReader in(file, config.max_line_bytes);
     std::string text;
-    int64_t line = 0;
-    while (std::getline(in, text)) {
-      ++line;
+    for (;;) {
+      const data::LineReader::Status status = in.next(text);
+      if (status == data::LineReader::Status::kEnd) break;
+      const int64_t line = in.line_number();
       ++ds.stats_.lines;
-      if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+      if (status == data::LineReader::Status::kLine &&
+          text.find_first_not_of(" \t\r") == std::string::npos)
+        continue;
       const std::string where = fmt::format("{}:{}", file, line);
       Entry e;
       e.file = file;
       e.line = line;
-      data::BadLineReason reason = data::BadLineReason::kNotJson;
+      data::BadLineReason reason = data::BadLineReason::kTooLong;
       try {
+        if (status == data::LineReader::Status::kTooLong)
+          throw Error(fmt::format("the line has more than {} bytes: the file probably lacks "
+                                  "newlines between its samples",
+                                  config.max_line_bytes),
+                      where, "write one JSON object per line, each under the limit");
+        reason = data::BadLineReason::kNotJson;
         data::OrderedJson doc;
         try {
           doc = data::OrderedJson::parse(text);
-        } catch (const std::exception& ex) {
-          throw Error(fmt::format("not valid JSON: {}", ex.what()), where,
-                      "write one JSON object per line");
+        } catch (const data::OrderedJson::exception& ex) {
+          throw Error("not valid JSON: " + data::json_error_text(ex), where,
+                      ex.id == 406 ? "write the number within a double's range (about ±1.8e308), "
+                                     "or as a string"
+                                   : "write one JSON object per line");
         }
         reason = data::BadLineReason::kMissingField;
         if (!doc.is_object() || !doc.contains("messages") || !doc["messages"].is_array())
@@ -65,18 +73,23 @@ VlDataset VlDataset::scan(const VlDataConfig& config, const data::media::VlProce
         e.messages = doc["messages"];
         e.tools = doc.contains("tools") ? doc["tools"] : data::OrderedJson();
         reason = data::BadLineReason::kMedia;
+        for (const auto& [value, key] : {std::pair{&e.messages, "messages"}, {&e.tools, "tools"}})
+          if (auto found = data::find_literal_media_token(*value, key))
+            throw Error(data::literal_media_token_problem(*found), where,
+                        std::string(data::kLiteralMediaTokenFix));
         try {
           e.tokens = processor.process(e.messages, e.tools, config.chat, config.media_root, where,
                                        /*with_pixels=*/false);
         } catch (const Error& ex) {
           throw at_line(ex, where);
+        } catch (const data::OrderedJson::exception& ex) {
+          throw Error("the conversation cannot be rendered: " + data::json_error_text(ex), where,
+                      "fix the line against docs/vision.md");
         }
       } catch (const Error& ex) {
         if (config.on_bad_line == data::BadLinePolicy::kFail) throw;
-        ++ds.stats_.skipped[size_t(reason)];
-        if (ds.stats_.first_errors.size() < kReportedErrors)
-          ds.stats_.first_errors.push_back(fmt::format("{}: {}", where, ex.what()));
-        spdlog::warn("skipping {}: {}", where, ex.what());
+        // what() would repeat the place: it starts with where() already.
+        ds.stats_.add_skipped(reason, file, fmt::format("{}: {}", ex.where(), ex.problem()));
         continue;
       }
       const int64_t length = int64_t(e.tokens.input_ids.size());

@@ -38,13 +38,17 @@ struct VlDataConfig {
   data::OverlongPolicy on_overlong = data::OverlongPolicy::kDrop;
   data::BadLinePolicy on_bad_line = data::BadLinePolicy::kFail;
   data::ChatTemplateOptions chat;
+  // Longer lines are bad lines (data::BadLineReason::kTooLong).
+  uint64_t max_line_bytes = data::kMaxLineBytes;
 };
 
 class VlDataset : public data::SampleSource {
  public:
   // Reads, renders and tokenizes every line once (media probed, not decoded). `processor` must
-  // outlive the dataset. Bad lines (not JSON, no "messages", a missing or undecodable media file)
-  // are glmtune::Errors naming "file:line", or skipped under BadLinePolicy::kSkip.
+  // outlive the dataset. Bad lines (not JSON, no "messages", a missing or undecodable media file,
+  // a media token written in the text, over the byte limit) are glmtune::Errors naming
+  // "file:line", or skipped and counted under BadLinePolicy::kSkip; a file that cannot be read
+  // to its end is an error either way.
   static VlDataset scan(const VlDataConfig& config, const data::media::VlProcessor& processor);
 
   int64_t size() const override { return int64_t(samples_.size()); }
