@@ -52,6 +52,7 @@ echo "soak-resume: $kills kills, seed $seed, work dir $work"
 # The tiny model and a recipe over the bundled data: short packs so that a step is quick, a save
 # every 2 steps (every save also sleeps, so that many kills land inside one), the last 3 kept.
 steps=$((kills * 4 + 20))
+[ "$steps" -ge 60 ] || steps=60  # short soaks too need runs longer than the longest kill delay
 "$bin" init --preset tiny --seed 1 --out "$work/model" --tokenizer examples/tiny/tokenizer \
   >"$work/init.log" 2>&1 || fail "init: $(tail -3 "$work/init.log")"
 recipe_for() {
