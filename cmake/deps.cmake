@@ -8,6 +8,9 @@ find_package(spdlog REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
 pkg_check_modules(TOMLPP REQUIRED IMPORTED_TARGET tomlplusplus)
+# xxHash (libxxhash-dev) for the per-tensor checksums of checkpoints. Used header-only
+# (XXH_INLINE_ALL in io/checkpoint.cpp), so binaries do not need libxxhash at run time.
+pkg_check_modules(XXHASH REQUIRED libxxhash)
 # toml++ reports bad TOML by throwing. A binary with the C++ runtime linked in statically
 # (GLMTUNE_STATIC_RUNTIME) cannot catch an exception thrown inside the shared libtomlplusplus (the
 # two unwinders do not mix: the process aborts), so such builds compile toml++ into themselves.

@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
   libopenblas-dev nlohmann-json3-dev libpcre2-dev libcli11-dev libtomlplusplus-dev
-  libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev jq
   libopenmpi-dev openmpi-bin
   clang-14 libclang-rt-14-dev clang-format
   libjpeg62-turbo-dev libpng-dev libwebp-dev libgif-dev libexif-dev

@@ -11,6 +11,7 @@
 
 #include "command.h"
 #include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
 #include "glmtune/base/progress.h"
 #include "glmtune/io/crop.h"
 
@@ -107,6 +108,7 @@ GLMTUNE_COMMAND(
           io::print_crop_plan(plan, stdout);
           return 0;
         }
+        create_parent_directory(a->out, "--out");
         spdlog::info("crop {} -> {}: {} tensors, {} parameters, {} in {} shards", a->source, a->out,
                      plan.tensors.size(), plan.output_parameters,
                      format_bytes(double(plan.output_bytes)), plan.shard_starts.size());

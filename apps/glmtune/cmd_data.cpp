@@ -16,6 +16,7 @@
 
 #include "command.h"
 #include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
 #include "glmtune/base/progress.h"
 #include "glmtune/data/dataset.h"
 #include "glmtune/data/token_cache.h"
@@ -62,6 +63,11 @@ int prepare(const PrepareArgs& a) {
   config.batch_lines = a.batch_lines;
 
   data::JsonlSampleReader reader(config, tok);
+  // The cache's directory, cleared of what killed runs of `data prepare` left there.
+  create_parent_directory(a.out, "--out");
+  const fs::path cache_dir =
+      fs::path(a.out).has_parent_path() ? fs::path(a.out).parent_path() : fs::path(".");
+  remove_stale_temporary_files(cache_dir);
   data::TokenCacheWriter writer(a.out, config, tokenizer_json);
   // Progress counts input bytes: a sample's position is the size of the files before its own
   // plus its line's byte offset.

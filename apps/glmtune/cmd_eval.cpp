@@ -36,6 +36,7 @@
 
 #include "command.h"
 #include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
 #include "glmtune/data/dataset.h"
 #include "glmtune/data/media/vl_processor.h"
 #include "glmtune/data/packing.h"
@@ -289,6 +290,9 @@ GLMTUNE_COMMAND(
           throw Error("nothing to evaluate", "glmtune eval", "give --data FILE.jsonl or --text");
         // Progress goes to stdout through the default logger; --json keeps stdout one object.
         if (a->json) spdlog::set_level(spdlog::level::warn);
+        // Output locations that cannot be written fail before the model is loaded.
+        if (!a->dump_logits.empty()) create_parent_directory(a->dump_logits, "--dump-logits");
+        if (!a->dump_grads.empty()) create_parent_directory(a->dump_grads, "--dump-grads");
         const fs::path dir(a->model);
         const model::ModelConfig config =
             model::ModelConfig::from_file((dir / "config.json").string());

@@ -8,6 +8,7 @@
 #include "command.h"
 #include "config_options.h"
 #include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/layout.h"
@@ -47,6 +48,7 @@ GLMTUNE_COMMAND(
         if (fs::exists(a->out) && !fs::is_empty(a->out) && !a->force)
           throw Error("output directory is not empty", a->out,
                       "choose a new --out, or pass --force to replace it");
+        create_parent_directory(a->out, "--out");
         const auto counts = model::count_params(config, model::released_layout(config));
         spdlog::info("init {}: {:.3f}B parameters, {:.2f} GB in {} tensors -> {}", a->config.preset,
                      counts.total / 1e9, counts.bytes / 1e9, counts.tensors, a->out);

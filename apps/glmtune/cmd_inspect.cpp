@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 
@@ -12,6 +14,7 @@
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/layout.h"
 #include "glmtune/model/param_store.h"
+#include "glmtune/train/state.h"
 
 namespace {
 
@@ -22,6 +25,7 @@ struct InspectArgs {
   cli::ConfigOptions config;
   std::string dir;
   bool json = false;
+  bool verify = false;
 };
 
 Json counts_json(const model::ParamCounts& n) {
@@ -53,6 +57,64 @@ std::string billions(int64_t n) {
   return n >= 100'000'000 ? fmt::format("{:.2f}B", n / 1e9) : fmt::format("{:.3f}M", n / 1e6);
 }
 
+// `--verify`: a training checkpoint (step-N, with its COMPLETE manifest), every checkpoint of a
+// run's output directory, or a model directory. Exit 1 when anything fails.
+int verify(const std::string& dir, bool json) {
+  namespace fs = std::filesystem;
+  std::vector<std::pair<fs::path, io::VerifyReport>> reports;
+  const fs::path path(dir);
+  std::error_code ec;
+  if (fs::is_directory(path / train::kCheckpointsDir, ec) &&
+      !fs::exists(path / io::kIndexFileName, ec)) {
+    std::vector<fs::path> steps;
+    for (const auto& e : fs::directory_iterator(path / train::kCheckpointsDir, ec))
+      if (e.is_directory() && e.path().filename().string().starts_with("step-"))
+        steps.push_back(e.path());
+    std::sort(steps.begin(), steps.end());
+    if (steps.empty())
+      throw Error("no checkpoint to verify", (path / train::kCheckpointsDir).string(),
+                  "give a checkpoint directory (step-N) or a model directory");
+    for (const auto& s : steps) reports.emplace_back(s, train::verify_training_checkpoint(s));
+  } else if (fs::exists(path / train::kCompleteFile, ec) ||
+             fs::exists(path / train::kTrainerStateFile, ec)) {
+    reports.emplace_back(path, train::verify_training_checkpoint(path));
+  } else {
+    if (!fs::exists(path, ec)) throw Error("checkpoint not found", dir, "check the path");
+    reports.emplace_back(path, io::verify_checkpoint(path));
+  }
+  bool all_ok = true;
+  Json out = Json::array();
+  for (const auto& [p, r] : reports) {
+    all_ok = all_ok && r.ok();
+    if (json) {
+      Json problems = Json::array();
+      for (const auto& q : r.problems)
+        problems.push_back({{"file", q.file}, {"tensor", q.tensor}, {"problem", q.problem}});
+      out.push_back({{"dir", p.string()},
+                     {"ok", r.ok()},
+                     {"verified", r.ok() && r.has_checksums},
+                     {"has_checksums", r.has_checksums},
+                     {"tensors_verified", r.tensors_verified},
+                     {"bytes_verified", r.bytes_verified},
+                     {"problems", problems}});
+      continue;
+    }
+    if (!r.ok())
+      std::printf("%s: CORRUPT, %zu problem%s:\n%s", p.string().c_str(), r.problems.size(),
+                  r.problems.size() == 1 ? "" : "s", r.describe(SIZE_MAX, "  ").c_str());
+    else if (r.has_checksums)
+      std::printf("%s: OK, %ld tensors (%.3f GB) match their checksums\n", p.string().c_str(),
+                  long(r.tensors_verified), double(r.bytes_verified) / 1e9);
+    else
+      std::printf(
+          "%s: UNVERIFIED, no checksums (written by another tool or an older glmtune); "
+          "its index and shard headers are consistent\n",
+          p.string().c_str());
+  }
+  if (json) std::puts((reports.size() == 1 ? out[0] : out).dump(2).c_str());
+  return all_ok ? 0 : 1;
+}
+
 }  // namespace
 
 GLMTUNE_COMMAND(
@@ -67,8 +129,18 @@ GLMTUNE_COMMAND(
       dir->excludes(preset);
       a->config.add_set_option(app);
       app.add_flag("--json", a->json, "Print one JSON object");
+      app.add_flag("--verify", a->verify,
+                   "Check every tensor against the checksums written with the checkpoint (a "
+                   "model directory, a training checkpoint step-N, or a run's output directory); "
+                   "exit 1 naming each bad tensor and file")
+          ->excludes(preset);
       return [a] {
         namespace fs = std::filesystem;
+        if (a->verify) {
+          if (a->dir.empty())
+            throw Error("nothing to verify", "glmtune inspect --verify", "give a directory");
+          return verify(a->dir, a->json);
+        }
         if (a->dir.empty() && a->config.preset.empty())
           throw Error("nothing to inspect", "glmtune inspect",
                       "give a checkpoint directory or --preset tiny|crop25b|full");

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "command.h"
+#include "glmtune/base/fs.h"
 #include "glmtune/dist/parallel.h"
 #include "glmtune/train/recipe.h"
 #include "glmtune/train/trainer.h"
@@ -32,10 +33,11 @@ struct TrainArgs {
 
 // Every rank of a distributed run logs to OUT/logs/rank-N.log; only rank 0 also prints its
 // progress, the others print warnings and errors.
-void log_per_rank(const dist::ParallelContext& par, const std::filesystem::path& out_dir) {
+void log_per_rank(const dist::ParallelContext& par, const std::filesystem::path& out_dir,
+                  const std::string& key) {
   const std::filesystem::path file =
       out_dir / "logs" / ("rank-" + std::to_string(par.rank()) + ".log");
-  std::filesystem::create_directories(file.parent_path());
+  create_output_directory(file.parent_path(), key);
   auto console = std::make_shared<spdlog::sinks::stderr_color_sink_mt>();
   console->set_level(par.is_root() ? spdlog::get_level() : spdlog::level::warn);
   auto to_file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(file.string());
@@ -125,7 +127,8 @@ GLMTUNE_COMMAND(
         popt.sp_size = recipe.sp_size;
         popt.where = recipe.source() + ": train.ep_size / train.sp_size";
         const std::unique_ptr<dist::ParallelContext> par = dist::ParallelContext::create(popt);
-        if (par->distributed()) log_per_rank(*par, recipe.output_dir);
+        if (par->distributed())
+          log_per_rank(*par, recipe.output_dir, recipe.source() + ": output.dir");
         train::TrainerOptions options;
         options.resume = a->resume;
         options.stop = &g_stop;

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
 #include "glmtune/io/checkpoint.h"
 #include "support/temp_dir.h"
 
@@ -90,9 +93,9 @@ TEST(CheckpointWriter, ShardsBySizeAndWritesTheIndex) {
   }
   EXPECT_EQ(dir_entries(dir),
             (std::vector<std::string>{
-                "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
-                "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors",
-                "model.safetensors.index.json"}));
+                "glmtune-checksums.json", "model-00001-of-00004.safetensors",
+                "model-00002-of-00004.safetensors", "model-00003-of-00004.safetensors",
+                "model-00004-of-00004.safetensors", "model.safetensors.index.json"}));
   // Nothing temporary is left beside the checkpoint.
   EXPECT_EQ(dir_entries(tmp.path()), (std::vector<std::string>{"ckpt"}));
 
@@ -204,8 +207,9 @@ TEST(CheckpointWriter, ReplacesPreviousContentOnlyOnFinish) {
     w.finish();
   }
   // The whole directory is replaced: no shard or file of the old checkpoint survives.
-  EXPECT_EQ(dir_entries(dir), (std::vector<std::string>{"model-00001-of-00001.safetensors",
-                                                        "model.safetensors.index.json"}));
+  EXPECT_EQ(dir_entries(dir),
+            (std::vector<std::string>{"glmtune-checksums.json", "model-00001-of-00001.safetensors",
+                                      "model.safetensors.index.json"}));
   EXPECT_EQ(dir_entries(tmp.path()), (std::vector<std::string>{"ckpt"}));
   auto reader = CheckpointReader::open(dir);
   EXPECT_EQ(reader.names(), (std::vector<std::string>{"new"}));
@@ -331,4 +335,121 @@ TEST(CheckpointReader, ClosingAShardKeepsTensorsValid) {
   EXPECT_EQ(bytes_of(c), bytes_of(filled(8, 3)));
   // The shard reopens on demand.
   EXPECT_EQ(bytes_of(reader.tensor("c")), bytes_of(filled(8, 3)));
+}
+
+// Flips one bit of byte `at` of `file` in place: the size stays, only the content changes.
+void flip_bit(const fs::path& file, uint64_t at) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(std::streamoff(at));
+  char c = 0;
+  f.read(&c, 1);
+  c = char(c ^ 0x10);
+  f.seekp(std::streamoff(at));
+  f.write(&c, 1);
+}
+
+// Where tensor `name`'s bytes start in its shard.
+uint64_t data_offset_of(const fs::path& dir, const std::string& name) {
+  const auto reader = CheckpointReader::open(dir);
+  const SafetensorsFile& sf = reader.shard(reader.shard_of(name));
+  return sf.data_offset() + sf.info(name).begin;
+}
+
+TEST(CheckpointChecksums, EveryTensorIsRecordedAndVerifies) {
+  TempDir tmp("ckpt");
+  const fs::path dir = tmp / "ckpt";
+  write_two_shards(dir);
+  const auto sums = nlohmann::json::parse(read_text(dir / kChecksumsFileName));
+  EXPECT_EQ(sums["algorithm"], "xxh3-64");
+  const auto& shard1 = sums["files"]["model-00001-of-00002.safetensors"];
+  EXPECT_EQ(shard1["bytes"].get<uint64_t>(),
+            fs::file_size(dir / "model-00001-of-00002.safetensors"));
+  // The recorded hash is that of the tensor's bytes.
+  const Tensor a = filled(8, 1);
+  EXPECT_EQ(shard1["tensors"]["a"], hash_hex(content_hash(bytes_of(a))));
+  EXPECT_EQ(sums["files"]["model-00002-of-00002.safetensors"]["tensors"].size(), 1u);
+
+  const VerifyReport r = verify_checkpoint(dir);
+  EXPECT_TRUE(r.ok()) << r.describe();
+  EXPECT_TRUE(r.has_checksums);
+  EXPECT_EQ(r.tensors_verified, 3);
+  EXPECT_EQ(r.bytes_verified, 96u);
+  // The index ignores the checksums file: the directory is an ordinary Hugging Face checkpoint.
+  EXPECT_EQ(CheckpointReader::open(dir).names(), (std::vector<std::string>{"a", "b", "c"}));
+}
+
+TEST(CheckpointChecksums, AFlippedBitNamesTheTensorAndTheFile) {
+  TempDir tmp("ckpt");
+  const fs::path dir = tmp / "ckpt";
+  write_two_shards(dir);
+  const fs::path shard = dir / "model-00001-of-00002.safetensors";
+  const auto size = fs::file_size(shard);
+  // Bit 4 of a byte of "b" (a float32 of 2.0..3.75): still a finite number, same file size.
+  flip_bit(shard, data_offset_of(dir, "b") + 5);
+  ASSERT_EQ(fs::file_size(shard), size);
+  // The header-level check alone does not see it...
+  EXPECT_NO_THROW(CheckpointReader::open(dir).validate());
+  // ...the checksums do.
+  const VerifyReport r = verify_checkpoint(dir);
+  ASSERT_EQ(r.problems.size(), 1u) << r.describe();
+  EXPECT_EQ(r.problems[0].file, "model-00001-of-00002.safetensors");
+  EXPECT_EQ(r.problems[0].tensor, "b");
+  EXPECT_NE(r.problems[0].problem.find("checksum mismatch"), std::string::npos);
+  EXPECT_EQ(r.tensors_verified, 2);
+}
+
+TEST(CheckpointChecksums, TruncatedAndMissingShardsAreNamed) {
+  TempDir tmp("ckpt");
+  const fs::path dir = tmp / "ckpt";
+  write_two_shards(dir);
+  const fs::path shard2 = dir / "model-00002-of-00002.safetensors";
+  fs::resize_file(shard2, fs::file_size(shard2) - 4);
+  VerifyReport r = verify_checkpoint(dir);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.problems[0].file, "model-00002-of-00002.safetensors");
+  EXPECT_NE(r.problems[0].problem.find("truncated"), std::string::npos) << r.describe();
+
+  fs::remove(shard2);
+  r = verify_checkpoint(dir);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.problems[0].file, "model-00002-of-00002.safetensors");
+  EXPECT_NE(r.problems[0].problem.find("missing"), std::string::npos) << r.describe();
+  EXPECT_NE(r.problems[0].problem.find("\"c\""), std::string::npos) << r.describe();
+}
+
+TEST(CheckpointChecksums, WithoutChecksumsTheStructureIsCheckedAndReportedUnverified) {
+  TempDir tmp("ckpt");
+  const fs::path dir = tmp / "ckpt";
+  write_two_shards(dir);
+  fs::remove(dir / kChecksumsFileName);  // as a released model or an older glmtune writes it
+  VerifyReport r = verify_checkpoint(dir);
+  EXPECT_TRUE(r.ok()) << r.describe();
+  EXPECT_FALSE(r.has_checksums);
+  EXPECT_EQ(r.tensors_verified, 0);
+  // A truncated shard is still found, from its header.
+  const fs::path shard2 = dir / "model-00002-of-00002.safetensors";
+  fs::resize_file(shard2, fs::file_size(shard2) - 4);
+  r = verify_checkpoint(dir);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.problems[0].file, "model-00002-of-00002.safetensors");
+}
+
+TEST(CheckpointWriter, AKilledWritersTemporaryDirectoryIsRemovedByTheNextWriter) {
+  TempDir tmp("ckpt");
+  // What a writer of the same directory killed mid-way left: its pid is no longer running.
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const fs::path stale = tmp / (".ckpt.tmp." + temporary_host_tag() + "." + std::to_string(dead));
+  fs::create_directories(stale);
+  write_text(stale / "shard-00001.safetensors.partial", std::string(1000, 'x'));
+  // Another directory's, and another host's, are not this writer's to remove.
+  const fs::path other = tmp / (".other.tmp." + temporary_host_tag() + "." + std::to_string(dead));
+  const fs::path remote = tmp / (".ckpt.tmp.otherhost." + std::to_string(dead));
+  fs::create_directories(other);
+  fs::create_directories(remote);
+  write_two_shards(tmp / "ckpt");
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(other));
+  EXPECT_TRUE(fs::exists(remote));
 }

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/base/fs.h"
 #include "glmtune/data/chat_template.h"
 #include "glmtune/data/dataset.h"
 #include "glmtune/data/token_cache.h"
@@ -281,4 +282,48 @@ TEST_F(CliDataTest, PrepareAndInspectErrors) {
   EXPECT_NE(cut.code, 0);
   EXPECT_CONTAINS(cut.err, path("cut.cache"));
   EXPECT_CONTAINS(cut.err, "truncated");
+}
+
+TEST_F(CliDataTest, PrepareRemovesTheTemporaryFilesOfAKilledPrepare) {
+  const std::string data = write("d.jsonl", "{\"text\": \"hello there\"}\n");
+  // What a `data prepare` killed mid-way left: its pid is no longer running.
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const std::string host = glmtune::temporary_host_tag();
+  const std::string stale = "old.cache.tmp." + host + "." + std::to_string(dead);
+  const std::string stale_mask = "old.cache.mask.tmp." + std::to_string(dead);  // older naming
+  const std::string live = "busy.cache.tmp." + host + "." + std::to_string(::getpid());
+  const std::string remote = "far.cache.tmp.otherhost." + std::to_string(dead);
+  for (const auto& n : {stale, stale_mask, live, remote}) write(n, std::string(4096, 'x'));
+
+  const Result r = run("data prepare --tokenizer " + kTokenizerDir + " --input " + data +
+                       " --out " + path("new.cache") + " --format text");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(path(stale)));
+  EXPECT_FALSE(fs::exists(path(stale_mask)));
+  EXPECT_TRUE(fs::exists(path(live)));    // a running process's
+  EXPECT_TRUE(fs::exists(path(remote)));  // another machine's: its pid means nothing here
+  // The log says what went and why.
+  EXPECT_CONTAINS(r.out + r.err, "removed " + path(stale) + " (4096 bytes)");
+  EXPECT_CONTAINS(r.out + r.err, "no longer running");
+
+  // A prepare that fails leaves no temporary file of its own.
+  const std::string bad = write("bad.jsonl", "{\"text\": \"fine\"}\nnot json\n");
+  const Result fail = run("data prepare --tokenizer " + kTokenizerDir + " --input " + bad +
+                          " --out " + path("b.cache"));
+  EXPECT_NE(fail.code, 0);
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_FALSE(e.path().filename().string().starts_with("b.cache")) << e.path();
+}
+
+TEST_F(CliDataTest, PrepareIntoADirectoryThatCannotBeMadeNamesTheFlag) {
+  const std::string data = write("d.jsonl", "{\"text\": \"hello there\"}\n");
+  write("file", "x");
+  const Result r = run("data prepare --tokenizer " + kTokenizerDir + " --input " + data +
+                       " --out " + path("file") + "/caches/new.cache --format text");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_CONTAINS(r.err, "--out: cannot create the directory " + path("file") + "/caches");
+  EXPECT_CONTAINS(r.err, "is a file, not a directory");
+  EXPECT_CONTAINS(r.err, "fix:");
 }

@@ -10,6 +10,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "glmtune/io/checkpoint.h"
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -137,4 +139,58 @@ TEST_F(CliTest, BadInputsGetClearErrors) {
   Result nothing = run("inspect");
   EXPECT_EQ(nothing.code, 2);
   EXPECT_CONTAINS(nothing.output, "nothing to inspect");
+}
+
+TEST_F(CliTest, InspectVerifyNamesTheCorruptTensorAndItsFile) {
+  ASSERT_EQ(run("init --preset tiny --seed 5 --out " + path("m")).code, 0);
+  Result ok = run("inspect --verify " + path("m"));
+  EXPECT_EQ(ok.code, 0) << ok.output;
+  EXPECT_CONTAINS(ok.output, "OK");
+  EXPECT_CONTAINS(ok.output, "match their checksums");
+
+  // One bit of the embedding table, in the middle of its data: same size, still a finite bf16.
+  const std::string name = "model.language_model.embed_tokens.weight";
+  std::string shard;
+  uint64_t at = 0;
+  {
+    const auto reader = glmtune::io::CheckpointReader::open(path("m"));
+    shard = reader.shard_of(name);
+    const auto& sf = reader.shard(shard);
+    at = sf.data_offset() + sf.info(name).begin + sf.info(name).nbytes() / 2;
+  }
+  {
+    std::fstream f(path("m/" + shard), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(std::streamoff(at));
+    char c = 0;
+    f.read(&c, 1);
+    c = char(c ^ 0x01);
+    f.seekp(std::streamoff(at));
+    f.write(&c, 1);
+  }
+  Result bad = run("inspect --verify " + path("m"));
+  EXPECT_EQ(bad.code, 1) << bad.output;
+  EXPECT_CONTAINS(bad.output, "CORRUPT");
+  EXPECT_CONTAINS(bad.output, shard + ": tensor \"" + name + "\": checksum mismatch");
+  Result json = run("inspect --verify --json " + path("m"));
+  EXPECT_EQ(json.code, 1);
+  const auto j = nlohmann::json::parse(json.output);
+  ASSERT_EQ(j["problems"].size(), 1u) << json.output;
+  EXPECT_EQ(j["problems"][0]["tensor"], name);
+  EXPECT_EQ(j["problems"][0]["file"], shard);
+
+  // Without the checksums file (a released model): structure only, said to be unverified.
+  fs::remove(path("m/glmtune-checksums.json"));
+  Result unverified = run("inspect --verify " + path("m"));
+  EXPECT_EQ(unverified.code, 0) << unverified.output;
+  EXPECT_CONTAINS(unverified.output, "UNVERIFIED");
+}
+
+TEST_F(CliTest, AnOutputPathThroughAFileNamesTheFlag) {
+  std::ofstream(path("file")) << "x";
+  Result r = run("init --preset tiny --out " + path("file") + "/sub/m");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_CONTAINS(r.output, "--out: cannot create the directory " + path("file") + "/sub");
+  EXPECT_CONTAINS(r.output, path("file") + " is a file, not a directory");
+  EXPECT_CONTAINS(r.output, "fix:");
+  EXPECT_EQ(r.output.find("filesystem error"), std::string::npos) << r.output;
 }

@@ -209,6 +209,21 @@ TEST(TrainLoop, LossGoesDown) {
   std::printf("loss %.4f -> %.4f in %.1fs\n", s.steps.front().loss, s.steps.back().loss, s.seconds);
 }
 
+TEST(TrainLoop, AnOutputDirThatCannotBeCreatedNamesTheKey) {
+  TempDir dir("outdir");
+  std::ofstream(dir.path() / "file") << "x";
+  const fs::path out = dir.path() / "file" / "run";
+  try {
+    train::run_training(make_recipe(out, 2, 0), {});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.where(), "test recipe: output.dir") << e.what();
+    EXPECT_NE(e.problem().find(out.string()), std::string::npos) << e.what();
+    EXPECT_NE(e.problem().find("is a file, not a directory"), std::string::npos) << e.what();
+    EXPECT_FALSE(e.fix().empty());
+  }
+}
+
 TEST(TrainLoop, InterruptedAndResumedRunIsBitIdentical) {
   SCOPED_TRACE("data seed " + std::to_string(test_seed()));
   const train::TrainSummary& ref = reference_run();

@@ -72,6 +72,34 @@ ModelWriter writer_for(const std::vector<NamedParam>& params) {
   };
 }
 
+// The same through the checkpoint writer, which records every tensor's checksum.
+ModelWriter checksummed_writer_for(const std::vector<NamedParam>& params) {
+  return [&params](const fs::path& dir) {
+    io::CheckpointWriter w(dir);
+    for (const auto& p : params) w.add(p.name, p.value);
+    w.finish();
+  };
+}
+
+void flip_bit(const fs::path& file, uint64_t at) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(std::streamoff(at));
+  char c = 0;
+  f.read(&c, 1);
+  c = char(c ^ 0x01);  // the lowest mantissa bit: the value stays finite
+  f.seekp(std::streamoff(at));
+  f.write(&c, 1);
+}
+
+// Flips a bit of the first byte of tensor `name` in the checkpoint directory `dir`.
+fs::path flip_tensor_bit(const fs::path& dir, const std::string& name) {
+  const auto reader = io::CheckpointReader::open(dir);
+  const std::string file = reader.shard_of(name);
+  const uint64_t at = reader.shard(file).data_offset() + reader.info(name).begin;
+  flip_bit(dir / file, at);
+  return dir / file;
+}
+
 TrainerState sample_state(uint64_t seed, int64_t step) {
   TrainerState s;
   s.step = step;
@@ -239,6 +267,117 @@ TEST(Checkpoint, AFailedSaveLeavesThePreviousOne) {
   EXPECT_EQ(entries, 2u);  // step-5 and latest
   EXPECT_EQ(load_latest_checkpoint(out)->state.step, 5);
   EXPECT_EQ(read_text_file((out / "checkpoints" / "latest").string(), "latest"), "step-5\n");
+  fs::remove_all(out);
+}
+
+TEST(Checkpoint, ResumeFallsBackFromACorruptNewestCheckpointAndKeepsIt) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const fs::path out = temp_dir("corrupt");
+  const fs::path root = out / "checkpoints";
+  auto params = small_params(seed);
+  AdamW opt(params, {});
+  save_checkpoint(out, sample_state(seed, 10), checksummed_writer_for(params), opt, 0);
+  opt.step(grads_for(params, seed, 1), 1e-2);
+  save_checkpoint(out, sample_state(seed, 20), checksummed_writer_for(params), opt, 0);
+  const io::VerifyReport good = verify_training_checkpoint(root / "step-20");
+  EXPECT_TRUE(good.ok()) << good.describe();
+  EXPECT_TRUE(good.has_checksums);
+  EXPECT_EQ(good.tensors_verified, 3 + 1 + 3 * 2);  // model; optimizer step + 3 per trained one
+
+  // One bit of one weight, the file size unchanged: the manifest's sizes still match.
+  const auto size = fs::file_size(root / "step-20" / "model" / "model-00001-of-00001.safetensors");
+  flip_tensor_bit(root / "step-20" / "model", "w2");
+  EXPECT_EQ(fs::file_size(root / "step-20" / "model" / "model-00001-of-00001.safetensors"), size);
+  EXPECT_TRUE(is_complete_checkpoint(root / "step-20"));
+  const io::VerifyReport bad = verify_training_checkpoint(root / "step-20");
+  ASSERT_EQ(bad.problems.size(), 1u) << bad.describe();
+  EXPECT_EQ(bad.problems[0].file, "model/model-00001-of-00001.safetensors");
+  EXPECT_EQ(bad.problems[0].tensor, "w2");
+
+  LoadCheckpointOptions options;
+  options.set_aside_failed = true;
+  const auto resume = load_latest_checkpoint(out, options);
+  ASSERT_TRUE(resume.has_value());
+  EXPECT_EQ(resume->state.step, 10);
+  // Not deleted: set aside under a name no save, prune or resume touches.
+  EXPECT_FALSE(fs::exists(root / "step-20"));
+  ASSERT_TRUE(fs::exists(root / "step-20.corrupt"));
+  EXPECT_EQ(verify_training_checkpoint(root / "step-20.corrupt").problems.size(), 1u);
+  save_checkpoint(out, sample_state(seed, 20), checksummed_writer_for(params), opt, 1);
+  EXPECT_TRUE(fs::exists(root / "step-20.corrupt"));
+  EXPECT_EQ(complete_checkpoint_steps(out), std::vector<int64_t>{20});
+  fs::remove_all(out);
+}
+
+TEST(Checkpoint, ResumeFallsBackFromACorruptOrTruncatedOrMissingOptimizerShard) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const std::string damage : {"flip", "truncate", "remove"}) {
+    SCOPED_TRACE(damage);
+    const fs::path out = temp_dir("optimizer_" + damage);
+    const fs::path root = out / "checkpoints";
+    auto params = small_params(seed);
+    AdamW opt(params, {});
+    save_checkpoint(out, sample_state(seed, 1), checksummed_writer_for(params), opt, 0);
+    save_checkpoint(out, sample_state(seed, 2), checksummed_writer_for(params), opt, 0);
+    const fs::path odir = root / "step-2" / "optimizer";
+    const fs::path shard = odir / io::CheckpointReader::open(odir).shard_files().front();
+    if (damage == "flip")
+      flip_tensor_bit(odir, optimizer_state_name(1, "w1"));
+    else if (damage == "truncate")
+      fs::resize_file(shard, fs::file_size(shard) - 8);
+    else
+      fs::remove(shard);
+    const io::VerifyReport bad = verify_training_checkpoint(root / "step-2");
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.problems[0].file, "optimizer/" + shard.filename().string()) << bad.describe();
+    if (damage == "flip") EXPECT_EQ(bad.problems[0].tensor, optimizer_state_name(1, "w1"));
+    const auto resume = load_latest_checkpoint(out);
+    ASSERT_TRUE(resume.has_value());
+    EXPECT_EQ(resume->state.step, 1);
+    EXPECT_TRUE(fs::exists(root / "step-2"));  // without set_aside_failed it stays as it is
+    fs::remove_all(out);
+  }
+}
+
+TEST(Checkpoint, NoCheckpointVerifyingIsAnErrorThatKeepsThem) {
+  const uint64_t seed = fresh_seed();
+  const fs::path out = temp_dir("allbad");
+  const fs::path root = out / "checkpoints";
+  auto params = small_params(seed);
+  AdamW opt(params, {});
+  save_checkpoint(out, sample_state(seed, 1), checksummed_writer_for(params), opt, 0);
+  flip_tensor_bit(root / "step-1" / "model", "w1");
+  LoadCheckpointOptions options;
+  options.set_aside_failed = true;
+  try {
+    load_latest_checkpoint(out, options);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("step-1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("\"w1\""), std::string::npos) << msg;
+    EXPECT_NE(msg.find("inspect --verify"), std::string::npos) << msg;
+    // A training checkpoint cannot be downloaded again: the advice must not suggest it.
+    EXPECT_EQ(msg.find("download"), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(fs::exists(root / "step-1.corrupt"));
+  fs::remove_all(out);
+}
+
+TEST(Checkpoint, ACheckpointWithoutChecksumsStillResumesUnverified) {
+  const uint64_t seed = fresh_seed();
+  const fs::path out = temp_dir("unverified");
+  auto params = small_params(seed);
+  AdamW opt(params, {});
+  // writer_for writes a lone model.safetensors, as older glmtune versions and other tools do.
+  save_checkpoint(out, sample_state(seed, 4), writer_for(params), opt, 0);
+  const io::VerifyReport r = verify_training_checkpoint(out / "checkpoints" / "step-4");
+  EXPECT_TRUE(r.ok()) << r.describe();
+  EXPECT_FALSE(r.has_checksums);
+  ASSERT_TRUE(load_latest_checkpoint(out).has_value());
+  EXPECT_EQ(load_latest_checkpoint(out)->state.step, 4);
   fs::remove_all(out);
 }
 

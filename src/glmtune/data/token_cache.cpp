@@ -9,6 +9,7 @@
 #include <system_error>
 
 #include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
 #include "glmtune/io/mmap_file.h"
 
 namespace glmtune::data {
@@ -143,8 +144,8 @@ fs::path resolve_tokenizer_json(const fs::path& path) {
 TokenCacheWriter::TokenCacheWriter(fs::path path, const DatasetConfig& config,
                                    const fs::path& tokenizer_json)
     : path_(std::move(path)),
-      tmp_path_(io::temporary_sibling(path_)),
-      mask_tmp_path_(io::temporary_sibling(path_.string() + ".mask")),
+      tmp_path_(temporary_path(path_)),
+      mask_tmp_path_(temporary_path(path_.string() + ".mask")),
       tokenizer_hash_(tokenizer_file_hash(tokenizer_json)),
       ids_hash_(kFnvOffset),
       mask_hash_(kFnvOffset) {
@@ -167,11 +168,16 @@ TokenCacheWriter::TokenCacheWriter(fs::path path, const DatasetConfig& config,
              {"reasoning_effort", config.reasoning_effort ? nlohmann::json(*config.reasoning_effort)
                                                           : nlohmann::json()},
              {"clear_thinking", config.clear_thinking}}}};
+  // The destructor does not run for a constructor that throws: these guards remove what was
+  // created by then.
+  RemoveOnExit ids_guard(tmp_path_), mask_guard(mask_tmp_path_);
   out_ = std::make_unique<io::OutputFile>(tmp_path_);
   mask_ = std::make_unique<io::OutputFile>(mask_tmp_path_);
   // The header is written last (finish), once the offsets are known.
   std::array<uint8_t, kHeaderSize> zeros{};
   out_->write(zeros.data(), zeros.size());
+  ids_guard.release();
+  mask_guard.release();
 }
 
 TokenCacheWriter::~TokenCacheWriter() {

@@ -3,6 +3,9 @@
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
+// Header-only: no run-time dependency on libxxhash.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,6 +16,7 @@
 #include <system_error>
 
 #include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
 
 namespace glmtune::io {
 namespace fs = std::filesystem;
@@ -35,6 +39,182 @@ bool is_safe_relative(const std::string& name) {
 }
 
 }  // namespace
+
+uint64_t content_hash(std::span<const uint8_t> bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+std::string hash_hex(uint64_t hash) { return fmt::format("{:016x}", hash); }
+
+std::string VerifyProblem::str() const {
+  std::string s = file;
+  if (!tensor.empty()) s += (s.empty() ? "" : ": ") + std::string("tensor ") + quote(tensor);
+  return s + (s.empty() ? "" : ": ") + problem;
+}
+
+std::string VerifyReport::describe(size_t max, const std::string& indent) const {
+  std::string out;
+  for (size_t i = 0; i < problems.size() && i < max; ++i) out += indent + problems[i].str() + "\n";
+  if (problems.size() > max)
+    out += indent + fmt::format("... and {} more problems\n", problems.size() - max);
+  return out;
+}
+
+void VerifyReport::merge(const VerifyReport& other, const std::string& prefix) {
+  for (VerifyProblem p : other.problems) {
+    p.file = prefix + p.file;
+    problems.push_back(std::move(p));
+  }
+  tensors_verified += other.tensors_verified;
+  bytes_verified += other.bytes_verified;
+}
+
+namespace {
+
+constexpr const char* kChecksumsFormat = "glmtune-checksums";
+constexpr int kChecksumsVersion = 1;
+
+// The hash of every tensor of a finished shard, read back from the file.
+std::map<std::string, uint64_t> hash_shard(const fs::path& file) {
+  const SafetensorsFile sf = SafetensorsFile::open(file);
+  std::map<std::string, uint64_t> out;
+  for (const TensorInfo& t : sf.tensors()) {
+    out.emplace(t.name, content_hash(sf.bytes(t.name)));
+    sf.release(t.name);
+  }
+  return out;
+}
+
+// The checked part of verify_checkpoint: `dir` has a checksums file.
+// Returns the names the checksums file lists.
+std::set<std::string> verify_against_checksums(const fs::path& dir, VerifyReport& r) {
+  std::set<std::string> listed;
+  const std::string sums_name(kChecksumsFileName);
+  nlohmann::json sums;
+  try {
+    sums = parse_json_strict(read_text_file(dir / kChecksumsFileName), sums_name, "");
+  } catch (const Error& e) {
+    r.problems.push_back({sums_name, "", "unreadable checksums file: " + e.problem()});
+    return listed;
+  }
+  if (!sums.is_object() || sums.value("format", "") != kChecksumsFormat ||
+      !sums.contains("files") || !sums["files"].is_object()) {
+    r.problems.push_back({sums_name, "", "malformed checksums file"});
+    return listed;
+  }
+  if (sums.value("format_version", 0) != kChecksumsVersion) {
+    r.problems.push_back({sums_name, "",
+                          fmt::format("checksums format {} is not the supported {}",
+                                      sums.value("format_version", 0), kChecksumsVersion)});
+    return listed;
+  }
+  for (const auto& [file, entry] : sums["files"].items()) {
+    if (!is_safe_relative(file) || !entry.is_object() || !entry.contains("tensors") ||
+        !entry["tensors"].is_object()) {
+      r.problems.push_back({sums_name, "", "malformed entry for " + quote(file)});
+      continue;
+    }
+    const nlohmann::json& tensors = entry["tensors"];
+    for (const auto& [name, hash] : tensors.items()) listed.insert(name);
+    const fs::path path = dir / file;
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec)) {
+      r.problems.push_back(
+          {file, "",
+           fmt::format("missing: the shard is gone, with its {} tensors{}", tensors.size(),
+                       tensors.empty() ? "" : " (" + quote(tensors.begin().key()) + ", ...)")});
+      continue;
+    }
+    const uint64_t size = fs::file_size(path, ec);
+    if (entry.contains("bytes") && entry["bytes"].is_number_unsigned() &&
+        entry["bytes"].get<uint64_t>() != size) {
+      r.problems.push_back(
+          {file, "",
+           fmt::format("{} bytes, but {} were written: {} (its {} tensors are not checked)", size,
+                       entry["bytes"].get<uint64_t>(),
+                       size < entry["bytes"].get<uint64_t>() ? "truncated" : "grown",
+                       tensors.size())});
+      continue;
+    }
+    std::optional<SafetensorsFile> sf;
+    try {
+      sf.emplace(SafetensorsFile::open(path));
+    } catch (const Error& e) {
+      r.problems.push_back({file, "", "unreadable shard: " + e.problem()});
+      continue;
+    }
+    sf->mapping()->advise_sequential();
+    for (const auto& [name, want] : tensors.items()) {
+      const TensorInfo* t = sf->find(name);
+      if (!t) {
+        r.problems.push_back({file, name, "missing from the shard"});
+        continue;
+      }
+      const uint64_t got = content_hash(sf->bytes(name));
+      sf->release(name);
+      if (!want.is_string() || want.get<std::string>() != hash_hex(got)) {
+        r.problems.push_back(
+            {file, name,
+             fmt::format("checksum mismatch: the bytes changed since they were written (xxh3 {}, "
+                         "recorded {})",
+                         hash_hex(got), want.is_string() ? want.get<std::string>() : "?")});
+        continue;
+      }
+      ++r.tensors_verified;
+      r.bytes_verified += t->nbytes();
+    }
+    for (const TensorInfo& t : sf->tensors())
+      if (!tensors.contains(t.name))
+        r.problems.push_back({file, t.name, "not in the checksums file"});
+  }
+  return listed;
+}
+
+}  // namespace
+
+VerifyReport verify_checkpoint(const fs::path& path) {
+  VerifyReport r;
+  std::error_code ec;
+  const bool dir = fs::is_directory(path, ec);
+  r.has_checksums = dir && fs::exists(path / kChecksumsFileName, ec);
+  std::set<std::string> listed;
+  if (r.has_checksums) listed = verify_against_checksums(path, r);
+  // The structure: what the index says against what the shards hold (also for a checksummed
+  // directory, whose index could have been damaged on its own).
+  std::optional<CheckpointReader> reader;
+  const std::string index_name =
+      dir ? (fs::exists(path / kIndexFileName, ec) ? std::string(kIndexFileName)
+                                                   : std::string(kSingleFileName))
+          : path.filename().string();
+  try {
+    reader.emplace(CheckpointReader::open(path));
+  } catch (const Error& e) {
+    // A missing shard is already named by the checksums check.
+    if (!r.has_checksums || r.problems.empty()) r.problems.push_back({index_name, "", e.problem()});
+    return r;
+  }
+  if (!r.has_checksums || r.problems.empty()) {
+    for (const std::string& file : reader->shard_files()) {
+      try {
+        reader->shard(file);
+      } catch (const Error& e) {
+        r.problems.push_back({file, "", "unreadable shard: " + e.problem()});
+      }
+    }
+    if (r.problems.empty()) {
+      try {
+        reader->validate();
+      } catch (const Error& e) {
+        r.problems.push_back({index_name, "", e.problem()});
+      }
+    }
+  }
+  if (r.has_checksums)
+    for (const std::string& name : reader->names())
+      if (!listed.count(name))
+        r.problems.push_back({reader->shard_of(name), name, "not in the checksums file"});
+  return r;
+}
 
 std::string shard_file_name(size_t index, size_t count) {
   return fmt::format("model-{:05d}-of-{:05d}.safetensors", index, count);
@@ -270,11 +450,12 @@ CheckpointWriter::CheckpointWriter(fs::path dir, CheckpointWriterOptions options
     throw Error("exists and is not a directory", dir_.string(),
                 "choose another output path or remove the file");
   fs::path parent = dir_.parent_path().empty() ? fs::path(".") : dir_.parent_path();
-  fs::create_directories(parent, ec);
-  if (ec) throw Error("cannot create directory (" + ec.message() + ")", parent.string());
+  create_output_directory(parent, "the parent of the checkpoint directory " + dir_.string());
   // A sibling of the final directory, so that the final rename stays on one filesystem; hidden and
   // tagged with the pid so that it is never mistaken for a checkpoint.
-  tmp_ = parent / ("." + dir_.filename().string() + ".tmp." + std::to_string(::getpid()));
+  tmp_ = temporary_path(parent / ("." + dir_.filename().string()));
+  // What a killed writer of the same directory left (a whole model's worth, possibly).
+  remove_stale_temporary_files(parent, {"." + dir_.filename().string()});
   fs::remove_all(tmp_, ec);
   fs::create_directory(tmp_, ec);
   if (ec)
@@ -326,7 +507,7 @@ void CheckpointWriter::flush_pending() {
     t = Tensor();  // let go of the memory as soon as it is on disk
   }
   writer.finish();
-  shards_.push_back(std::move(shard));
+  close_shard(std::move(shard));
   pending_.clear();
   pending_bytes_ = 0;
 }
@@ -365,6 +546,12 @@ void CheckpointWriter::end_shard() {
     total_parameters_ += uint64_t(t.numel());
   }
   planned_.reset();
+  close_shard(std::move(shard));
+}
+
+void CheckpointWriter::close_shard(Shard shard) {
+  // Hashed from the file as written, so that the checksum vouches for the bytes a reader gets.
+  shard.hashes = hash_shard(shard.temp_name);
   shards_.push_back(std::move(shard));
 }
 
@@ -415,8 +602,8 @@ void CheckpointWriter::check_file_name(const std::string& relative_name) const {
   if (!is_safe_relative(relative_name) || relative_name.find('/') != std::string::npos)
     throw Error("extra file name " + quote(relative_name) + " must be a plain file name",
                 dir_.string());
-  if (relative_name == kIndexFileName || relative_name.ends_with(".safetensors") ||
-      relative_name.ends_with(".partial"))
+  if (relative_name == kIndexFileName || relative_name == kChecksumsFileName ||
+      relative_name.ends_with(".safetensors") || relative_name.ends_with(".partial"))
     throw Error("extra file " + quote(relative_name) + " would clash with the weights",
                 dir_.string());
   if (std::find(extra_files_.begin(), extra_files_.end(), relative_name) != extra_files_.end())
@@ -462,13 +649,29 @@ void CheckpointWriter::finish() {
 
   const size_t count = shards_.size();
   nlohmann::json weight_map = nlohmann::json::object();
+  nlohmann::json sums = nlohmann::json::object();
   for (size_t i = 0; i < count; ++i) {
     const std::string final_name = shard_file_name(i + 1, count);
     std::error_code ec;
+    const uint64_t bytes = fs::file_size(shards_[i].temp_name, ec);
+    if (ec) throw Error("cannot stat shard (" + ec.message() + ")", shards_[i].temp_name.string());
     fs::rename(shards_[i].temp_name, tmp_ / final_name, ec);
     if (ec)
       throw Error("cannot rename shard (" + ec.message() + ")", shards_[i].temp_name.string());
     for (const auto& name : shards_[i].names) weight_map[name] = final_name;
+    nlohmann::json tensors = nlohmann::json::object();
+    for (const auto& [name, hash] : shards_[i].hashes) tensors[name] = hash_hex(hash);
+    sums[final_name] = {{"bytes", bytes}, {"tensors", std::move(tensors)}};
+  }
+  {
+    const nlohmann::json checksums = {{"format", kChecksumsFormat},
+                                      {"format_version", kChecksumsVersion},
+                                      {"algorithm", "xxh3-64"},
+                                      {"files", std::move(sums)}};
+    OutputFile out(tmp_ / kChecksumsFileName);
+    out.write(checksums.dump(1) + "\n");
+    out.sync();
+    out.close();
   }
   // As transformers writes it: json.dumps(index, indent=2, sort_keys=True) + "\n".
   nlohmann::json index = {

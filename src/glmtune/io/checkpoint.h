@@ -8,6 +8,14 @@
 // tensors (with planned shards, one tensor or one part of one), and the directory is replaced
 // atomically on finish(): until then a crash or an exception leaves the previous content
 // untouched.
+//
+// Checksums: the writer records the XXH3-64 hash of every tensor's stored bytes, computed from the
+// finished shard as it lies on disk, in `glmtune-checksums.json` beside the index (a file
+// transformers ignores, so the directory stays a plain Hugging Face checkpoint):
+//   {"format": "glmtune-checksums", "format_version": 1, "algorithm": "xxh3-64",
+//    "files": {"model-00001-of-00002.safetensors": {"bytes": N, "tensors": {"NAME": "<16 hex>"}}}}
+// verify_checkpoint() checks a directory against it; one without it (a released model, a
+// checkpoint of an older glmtune) is checked for structure only and reported as unverified.
 
 #include <cstdint>
 #include <filesystem>
@@ -25,6 +33,41 @@ namespace glmtune::io {
 
 inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
 inline constexpr std::string_view kSingleFileName = "model.safetensors";
+inline constexpr std::string_view kChecksumsFileName = "glmtune-checksums.json";
+
+// XXH3-64 of `bytes`, and how glmtune prints it (16 lower-case hex digits).
+uint64_t content_hash(std::span<const uint8_t> bytes);
+std::string hash_hex(uint64_t hash);
+
+// One thing wrong with a checkpoint: `file` relative to the checkpoint directory, `tensor` empty
+// when the problem is the file's as a whole.
+struct VerifyProblem {
+  std::string file;
+  std::string tensor;
+  std::string problem;
+  std::string str() const;  // "FILE: tensor \"NAME\": PROBLEM"
+};
+
+struct VerifyReport {
+  // False when the directory has no checksums file: only its structure (index, shard headers and
+  // sizes) was checked, and its tensors are unverified.
+  bool has_checksums = false;
+  int64_t tensors_verified = 0;
+  uint64_t bytes_verified = 0;
+  std::vector<VerifyProblem> problems;
+
+  bool ok() const { return problems.empty(); }
+  // The first `max` problems, one a line, each prefixed by `indent`.
+  std::string describe(size_t max = 20, const std::string& indent = "  ") const;
+  // Appends `other`'s problems with `prefix` ("model/") put before their file names.
+  void merge(const VerifyReport& other, const std::string& prefix);
+};
+
+// Checks a checkpoint directory (or a single .safetensors file) without loading it: the index
+// against the shards, every shard's header and size, and, when the checksums file is there, the
+// hash of every tensor's bytes against the recorded one. Reads every tensor once (mapped, pages
+// released as it goes). Never throws for a damaged checkpoint: every problem is in the report.
+VerifyReport verify_checkpoint(const std::filesystem::path& path);
 
 class CheckpointReader {
  public:
@@ -137,8 +180,10 @@ class CheckpointWriter {
   struct Shard {
     std::filesystem::path temp_name;
     std::vector<std::string> names;
+    std::map<std::string, uint64_t> hashes;  // of the finished file's tensors
   };
   void flush_pending();
+  void close_shard(Shard shard);
   std::filesystem::path next_shard_path();
   void check_new_name(const std::string& name);
   void check_file_name(const std::string& relative_name) const;

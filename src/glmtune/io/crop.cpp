@@ -492,9 +492,10 @@ CropPlan plan_crop(const fs::path& source, const fs::path& output, const CropOpt
   for (const auto& entry : fs::directory_iterator(source)) {
     if (!entry.is_regular_file()) continue;
     const std::string name = entry.path().filename().string();
-    if (name.starts_with(".") || name == "config.json" || name.ends_with(".safetensors") ||
-        name.ends_with(".index.json") || name.ends_with(".bin") || name.ends_with(".pt") ||
-        name.ends_with(".pth") || name.ends_with(".gguf"))
+    // The source's checksums describe its shards; the crop's writer records its own.
+    if (name.starts_with(".") || name == "config.json" || name == kChecksumsFileName ||
+        name.ends_with(".safetensors") || name.ends_with(".index.json") || name.ends_with(".bin") ||
+        name.ends_with(".pt") || name.ends_with(".pth") || name.ends_with(".gguf"))
       continue;
     plan.extra_files.push_back(name);
   }

@@ -1,10 +1,12 @@
 #include "glmtune/train/state.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <regex>
 
 #include "glmtune/base/error.h"
@@ -30,16 +32,75 @@ void check_io(const std::error_code& ec, const std::string& what, const fs::path
                 "check free disk space and the permissions of the output directory");
 }
 
+// Tensor shards are hashed tensor by tensor (glmtune-checksums.json); every other file as a whole.
+bool hashed_whole(const std::string& file) { return !file.ends_with(".safetensors"); }
+
+uint64_t file_hash(const fs::path& path) {
+  const std::string bytes = read_text_file(path.string(), "checkpoint");
+  return io::content_hash({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()});
+}
+
 nlohmann::json manifest_of(const fs::path& dir, int64_t step) {
   nlohmann::json files = nlohmann::json::object();
+  nlohmann::json hashes = nlohmann::json::object();
   std::error_code ec;
   for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::end(it);
        it.increment(ec)) {
     if (!it->is_regular_file()) continue;
-    files[fs::relative(it->path(), dir).generic_string()] = uint64_t(it->file_size());
+    const std::string name = fs::relative(it->path(), dir).generic_string();
+    files[name] = uint64_t(it->file_size());
+    if (hashed_whole(name)) hashes[name] = io::hash_hex(file_hash(it->path()));
   }
   check_io(ec, "cannot list the checkpoint being written", dir);
-  return {{"format_version", kFormatVersion}, {"step", step}, {"files", files}};
+  return {{"format_version", kFormatVersion}, {"step", step}, {"files", files}, {"xxh3", hashes}};
+}
+
+// The manifest's checks; adds what is wrong to `r` and returns the manifest when it is readable.
+std::optional<nlohmann::json> check_manifest(const fs::path& dir, io::VerifyReport& r) {
+  auto no = [&](std::string file, std::string reason) {
+    r.problems.push_back({std::move(file), "", std::move(reason)});
+    return std::nullopt;
+  };
+  std::error_code ec;
+  const fs::path marker = dir / kCompleteFile;
+  if (!fs::is_regular_file(marker, ec))
+    return no(kCompleteFile, "no COMPLETE manifest (the save did not finish)");
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(read_text_file(marker.string(), "checkpoint manifest"));
+  } catch (const std::exception& e) {
+    return no(kCompleteFile, std::string("unreadable manifest: ") + e.what());
+  }
+  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object() ||
+      manifest["files"].empty() || !manifest.contains("step") ||
+      !manifest["step"].is_number_integer())
+    return no(kCompleteFile, "malformed manifest");
+  for (const auto& [file, size] : manifest["files"].items()) {
+    const fs::path p = dir / file;
+    if (!size.is_number_unsigned()) return no(kCompleteFile, "malformed manifest");
+    if (!fs::is_regular_file(p, ec)) {
+      no(file, "missing (the manifest lists it)");
+      continue;
+    }
+    if (fs::file_size(p, ec) != size.get<uint64_t>())
+      no(file, fmt::format("{} bytes, the manifest says {} ({})", fs::file_size(p, ec),
+                           size.get<uint64_t>(),
+                           fs::file_size(p, ec) < size.get<uint64_t>() ? "truncated" : "grown"));
+  }
+  if (!r.problems.empty()) return std::nullopt;
+  try {
+    const fs::path state_path = dir / kTrainerStateFile;
+    const TrainerState s = TrainerState::from_json(
+        nlohmann::json::parse(read_text_file(state_path.string(), "trainer state")),
+        state_path.string());
+    if (s.step != manifest["step"].get<int64_t>())
+      return no(kTrainerStateFile,
+                fmt::format("trainer state step {} differs from the manifest's {}", s.step,
+                            manifest["step"].get<int64_t>()));
+  } catch (const std::exception& e) {
+    return no(kTrainerStateFile, std::string("unreadable trainer state: ") + e.what());
+  }
+  return manifest;
 }
 
 void remove_leftovers(const fs::path& root) {
@@ -63,8 +124,17 @@ void prune(const fs::path& output_dir, int64_t keep_last, int64_t just_saved) {
   for (size_t i = 0; i < drop; ++i) {
     if (steps[i] == just_saved) continue;
     const fs::path dir = output_dir / kCheckpointsDir / step_dir_name(steps[i]);
+    // Renamed first: a kill in the middle of the removal leaves a leftover the next save clears,
+    // never a half-deleted step directory that would look corrupt.
+    const fs::path doomed = output_dir / kCheckpointsDir /
+                            fmt::format(".{}.old-{}", step_dir_name(steps[i]), ::getpid());
     std::error_code ec;
-    fs::remove_all(dir, ec);
+    fs::rename(dir, doomed, ec);
+    if (ec) {
+      spdlog::warn("could not remove the old checkpoint {}: {}", dir.string(), ec.message());
+      continue;
+    }
+    fs::remove_all(doomed, ec);
     if (ec) spdlog::warn("could not remove the old checkpoint {}: {}", dir.string(), ec.message());
   }
 }
@@ -213,43 +283,39 @@ CheckpointDir save_checkpoint(const fs::path& output_dir, const TrainerState& st
 }
 
 bool is_complete_checkpoint(const fs::path& dir, std::string* why) {
-  auto no = [&](std::string reason) {
-    if (why) *why = std::move(reason);
-    return false;
-  };
-  std::error_code ec;
-  const fs::path marker = dir / kCompleteFile;
-  if (!fs::is_regular_file(marker, ec)) return no("no COMPLETE manifest (the save did not finish)");
-  nlohmann::json manifest;
-  try {
-    manifest = nlohmann::json::parse(read_text_file(marker.string(), "checkpoint manifest"));
-  } catch (const std::exception& e) {
-    return no(std::string("unreadable COMPLETE manifest: ") + e.what());
-  }
-  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object() ||
-      manifest["files"].empty() || !manifest.contains("step") ||
-      !manifest["step"].is_number_integer())
-    return no("malformed COMPLETE manifest");
-  for (const auto& [file, size] : manifest["files"].items()) {
-    const fs::path p = dir / file;
-    if (!size.is_number_unsigned()) return no("malformed COMPLETE manifest");
-    if (!fs::is_regular_file(p, ec)) return no("missing file " + file);
-    if (fs::file_size(p, ec) != size.get<uint64_t>())
-      return no(fmt::format("{} has {} bytes, the manifest says {}", file, fs::file_size(p, ec),
-                            size.get<uint64_t>()));
-  }
-  try {
-    const fs::path state_path = dir / kTrainerStateFile;
-    const TrainerState s = TrainerState::from_json(
-        nlohmann::json::parse(read_text_file(state_path.string(), "trainer state")),
-        state_path.string());
-    if (s.step != manifest["step"].get<int64_t>())
-      return no(fmt::format("trainer state step {} differs from the manifest's {}", s.step,
-                            manifest["step"].get<int64_t>()));
-  } catch (const std::exception& e) {
-    return no(std::string("unreadable trainer state: ") + e.what());
-  }
-  return true;
+  io::VerifyReport r;
+  if (check_manifest(dir, r)) return true;
+  if (why) *why = r.problems.front().str();
+  return false;
+}
+
+io::VerifyReport verify_training_checkpoint(const fs::path& dir) {
+  io::VerifyReport r;
+  const std::optional<nlohmann::json> manifest = check_manifest(dir, r);
+  if (!manifest) return r;
+  bool files_hashed = manifest->contains("xxh3") && (*manifest)["xxh3"].is_object();
+  if (files_hashed)
+    for (const auto& [file, want] : (*manifest)["xxh3"].items()) {
+      std::string got;
+      try {
+        got = io::hash_hex(file_hash(dir / file));
+      } catch (const Error& e) {
+        r.problems.push_back({file, "", "unreadable: " + e.problem()});
+        continue;
+      }
+      if (!want.is_string() || want.get<std::string>() != got)
+        r.problems.push_back(
+            {file, "",
+             fmt::format("the content changed since it was written (xxh3 {}, recorded {})", got,
+                         want.is_string() ? want.get<std::string>() : "?")});
+    }
+  const CheckpointDir ck{dir};
+  const io::VerifyReport model = io::verify_checkpoint(ck.model_dir());
+  const io::VerifyReport optimizer = io::verify_checkpoint(ck.optimizer_dir());
+  r.merge(model, "model/");
+  r.merge(optimizer, "optimizer/");
+  r.has_checksums = files_hashed && model.has_checksums && optimizer.has_checksums;
+  return r;
 }
 
 std::vector<int64_t> complete_checkpoint_steps(const fs::path& output_dir) {
@@ -267,32 +333,96 @@ std::vector<int64_t> complete_checkpoint_steps(const fs::path& output_dir) {
   return steps;
 }
 
-std::optional<ResumePoint> load_latest_checkpoint(const fs::path& output_dir) {
+namespace {
+
+// Renames a checkpoint that failed verification out of the way of saves, pruning and resumes.
+void set_aside(const fs::path& dir) {
+  fs::path target;
+  for (int i = 1;; ++i) {
+    target = dir.string() + (i == 1 ? ".corrupt" : ".corrupt." + std::to_string(i));
+    std::error_code ec;
+    if (!fs::exists(target, ec)) break;
+  }
+  std::error_code ec;
+  fs::rename(dir, target, ec);
+  if (ec) {
+    spdlog::warn("could not rename {} to {} ({}): it stays where it is", dir.string(),
+                 target.string(), ec.message());
+    return;
+  }
+  fsync_directory(dir.parent_path().string());
+  spdlog::warn(
+      "{} is kept, renamed to {}, for inspection (`glmtune inspect --verify {}`); "
+      "nothing was deleted: remove it when you are done with it",
+      dir.filename().string(), target.string(), target.string());
+}
+
+}  // namespace
+
+std::optional<ResumePoint> load_latest_checkpoint(const fs::path& output_dir,
+                                                  const LoadCheckpointOptions& options) {
   const fs::path root = output_dir / kCheckpointsDir;
   std::error_code ec;
   if (!fs::is_directory(root, ec)) return std::nullopt;
-  std::optional<int64_t> best;
+  std::vector<std::pair<int64_t, fs::path>> candidates;
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     std::smatch m;
     const std::string name = entry.path().filename().string();
     if (!entry.is_directory() || !std::regex_match(name, m, kStepDirRe)) continue;
-    std::string why;
-    if (!is_complete_checkpoint(entry.path(), &why)) {
-      spdlog::warn("ignoring incomplete checkpoint {}: {}", entry.path().string(), why);
+    candidates.emplace_back(std::stoll(m[1].str()), entry.path());
+  }
+  std::sort(candidates.begin(), candidates.end(), std::greater<>());
+  std::optional<int64_t> best;
+  std::vector<std::string> failed;  // "step-N (why)", newest first
+  for (const auto& [step, path] : candidates) {
+    io::VerifyReport report;
+    const bool started = fs::exists(path / kCompleteFile, ec);
+    if (options.verify) {
+      report = verify_training_checkpoint(path);
+    } else if (std::string why; !is_complete_checkpoint(path, &why)) {
+      report.problems.push_back({"", "", why});
+    }
+    if (report.ok()) {
+      if (options.verify && !report.has_checksums)
+        spdlog::warn(
+            "{} has no checksums (written by an older glmtune): its contents are "
+            "unverified",
+            path.string());
+      best = step;
+      break;
+    }
+    if (!started) {
+      // Never saved completely (a save builds its directory under another name): not a
+      // checkpoint, and a later save of the same step replaces it.
+      spdlog::warn("ignoring incomplete checkpoint {}: {}", path.string(),
+                   report.problems.front().str());
       continue;
     }
-    const int64_t step = std::stoll(m[1].str());
-    if (!best || step > *best) best = step;
+    spdlog::error("checkpoint {} is corrupt ({} problem{}), not resuming from it:\n{}",
+                  path.string(), report.problems.size(), report.problems.size() == 1 ? "" : "s",
+                  report.describe(8, "  ").substr(0, report.describe(8, "  ").size() - 1));
+    failed.push_back(
+        fmt::format("{} ({})", path.filename().string(), report.problems.front().str()));
+    if (options.set_aside_failed) set_aside(path);
   }
-  if (!best) return std::nullopt;
+  if (!best) {
+    if (failed.empty()) return std::nullopt;
+    throw Error(fmt::format("no checkpoint to resume from verifies: {}", fmt::join(failed, "; ")),
+                root.string(),
+                "inspect them with `glmtune inspect --verify DIR` (they were kept); to train "
+                "from the start instead, run without --resume into another [output] dir");
+  }
   ResumePoint r;
   r.checkpoint.dir = root / step_dir_name(*best);
   const fs::path state_path = r.checkpoint.trainer_state_path();
   r.state = TrainerState::from_json(
       nlohmann::json::parse(read_text_file(state_path.string(), "trainer state")),
       state_path.string());
+  if (!failed.empty())
+    spdlog::warn("falling back to {}, the newest checkpoint that verifies, instead of {}",
+                 step_dir_name(*best), fmt::join(failed, "; "));
   const fs::path latest = root / kLatestFile;
-  if (fs::exists(latest, ec)) {
+  if (fs::exists(latest, ec) && failed.empty()) {
     std::string named = read_text_file(latest.string(), "latest pointer");
     while (!named.empty() && (named.back() == '\n' || named.back() == '\r')) named.pop_back();
     if (named != step_dir_name(*best))

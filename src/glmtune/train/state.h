@@ -6,7 +6,9 @@
 //                        safetensors shards, as `glmtune init` writes them
 //   optimizer/           AdamW state (master weights, moments, step count), see optimizer.h
 //   trainer_state.json   step, sampler position, seeds, throughput totals, recipe fingerprint
-//   COMPLETE             written last: the manifest of every file above with its size
+//   COMPLETE             written last: the manifest of every file above with its size, and the
+//                        XXH3-64 hash of each file that is not a tensor shard (the shards' tensors
+//                        are hashed one by one in model/ and optimizer/glmtune-checksums.json)
 //
 // Saving builds everything in a temporary sibling (checkpoints/.step-N.tmp-PID), writes the
 // COMPLETE manifest, renames the directory into place (atomic), then rewrites the
@@ -14,10 +16,12 @@
 // moment leaves either no step-N or a complete one; leftovers are a temporary directory, which the
 // next save removes, or a step directory without a valid manifest, which resume ignores.
 //
-// Resume picks the highest-numbered checkpoint whose manifest matches its files. `latest` names
-// the same one except when a run was killed between the rename and the pointer update; the
-// manifest, not the pointer, is what makes a checkpoint usable. One process saves (rank 0 in a
-// distributed run).
+// Resume picks the highest-numbered checkpoint whose manifest matches its files and whose
+// contents verify (every tensor against its checksum, every other file against its hash). `latest`
+// names the same one except when a run was killed between the rename and the pointer update; the
+// manifest, not the pointer, is what makes a checkpoint usable. A newer checkpoint that fails is
+// named in the log with the file and tensor at fault, and set aside as step-N.corrupt: nothing is
+// deleted. One process saves (rank 0 in a distributed run).
 
 #include <array>
 #include <cstdint>
@@ -28,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/io/checkpoint.h"
 #include "glmtune/tensor/tensor.h"
 #include "glmtune/train/metrics.h"
 
@@ -111,9 +116,21 @@ struct ResumePoint {
   TrainerState state;
 };
 
-// The newest complete checkpoint under OUT/checkpoints, or nullopt when there is none (a fresh
-// run). Incomplete directories are skipped with a warning.
-std::optional<ResumePoint> load_latest_checkpoint(const std::filesystem::path& output_dir);
+struct LoadCheckpointOptions {
+  // Check the contents (verify_training_checkpoint) and fall back to an older checkpoint when the
+  // newest does not verify. Without it only the manifest is checked (sizes, no reading).
+  bool verify = true;
+  // Rename a checkpoint that failed to step-N.corrupt (step-N.corrupt.2, ...), so that neither a
+  // later save of the same step nor pruning deletes it, and no later resume picks it. One process
+  // of a distributed run does it.
+  bool set_aside_failed = false;
+};
+
+// The newest usable checkpoint under OUT/checkpoints, or nullopt when there is none (a fresh
+// run). Incomplete or corrupt directories are skipped with a warning naming what is wrong; when
+// complete checkpoints exist but none verifies, throws glmtune::Error listing them.
+std::optional<ResumePoint> load_latest_checkpoint(const std::filesystem::path& output_dir,
+                                                  const LoadCheckpointOptions& options = {});
 
 // Steps of the complete checkpoints under OUT/checkpoints, ascending.
 std::vector<int64_t> complete_checkpoint_steps(const std::filesystem::path& output_dir);
@@ -121,5 +138,11 @@ std::vector<int64_t> complete_checkpoint_steps(const std::filesystem::path& outp
 // Whether `dir` is a complete checkpoint: a manifest naming files that all exist with their
 // recorded sizes, and a readable trainer state. `why` (if given) receives the reason when not.
 bool is_complete_checkpoint(const std::filesystem::path& dir, std::string* why = nullptr);
+
+// Everything a resume reads, checked without loading it: the manifest (is_complete_checkpoint),
+// the hash of every file it lists that is not a tensor shard, and model/ and optimizer/ with
+// io::verify_checkpoint. Problems name files relative to `dir` ("model/model-00001-of-00001...").
+// has_checksums is false for a checkpoint of an older glmtune (unverified, structure checked).
+io::VerifyReport verify_training_checkpoint(const std::filesystem::path& dir);
 
 }  // namespace glmtune::train

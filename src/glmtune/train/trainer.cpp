@@ -312,10 +312,19 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   const int64_t dp_rank = distributed ? par->dp().rank() : 0;
   const bool sequence_parallel = distributed && par->sizes().sp > 1;
 
-  // Resume point, decided before anything heavy is loaded.
+  // A path that cannot hold the output fails now, not after loading everything.
+  create_output_directory(out_dir, recipe.source() + ": output.dir");
+  if (root) {
+    remove_stale_temporary_files(out_dir, {"metrics.jsonl", "recipe.toml"});
+    remove_stale_temporary_files(out_dir / kCheckpointsDir, {kLatestFile});
+  }
+
+  // Resume point, decided before anything heavy is loaded: the newest checkpoint that verifies.
   std::optional<ResumePoint> resume;
   if (options.resume) {
-    resume = load_latest_checkpoint(out_dir);
+    LoadCheckpointOptions load;
+    load.set_aside_failed = root;
+    resume = load_latest_checkpoint(out_dir, load);
     if (!resume)
       spdlog::info("no complete checkpoint under {}: starting from step 0",
                    (out_dir / kCheckpointsDir).string());
@@ -674,7 +683,6 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   for (size_t i = 0; i < opt_params.size(); ++i)
     if (grad_list[i].defined()) optimizer_grad[opt_params[i].name] = &grad_list[i];
 
-  fs::create_directories(out_dir);
   if (root) write_file_atomic((out_dir / "recipe.toml").string(), recipe.to_toml());
   ThroughputMeter meter(st.totals);
   std::optional<MetricsLog> log;
@@ -824,7 +832,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     if (!distributed) return;
     par->world().barrier();
     if (!root)
-      if (const auto last = load_latest_checkpoint(out_dir))
+      if (const auto last = load_latest_checkpoint(out_dir, {.verify = false}))
         summary.checkpoint = last->checkpoint.dir;
   };
 
