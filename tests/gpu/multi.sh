@@ -31,12 +31,9 @@ carry="${1:?usage: tests/gpu/multi.sh CARRY_DIR [WORK_DIR]}"
 work="${2:-$(mktemp -d)}"
 mkdir -p "$work"
 bin="$carry/glmtune"
-# The carried libraries first on the library path, the large ones unpacked (as run.sh does).
-mkdir -p "$work/lib"
-for f in "$carry"/lib/*.xz; do
-  [[ -e "$f" ]] && xz -dc "$f" >"$work/lib/$(basename "${f%.xz}")"
-done
-export LD_LIBRARY_PATH="$work/lib:$(cd "$carry" && pwd)/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The carried libraries first on the library path, the large ones unpacked.
+source "$(dirname "${BASH_SOURCE[0]}")/carry_env.sh"
+carry_env "$carry" "$work" || exit 2
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if ((gpus < 2)); then
   echo "multi.sh: $gpus GPU(s) visible; this run needs two or more" >&2

@@ -36,25 +36,8 @@ summary="$logdir/gpu_tests_summary.txt"
 : >"$full"
 
 # Large libraries are carried xz-compressed; unpack them next to the run.
-mkdir -p "$work/lib"
-for f in "$carry"/lib/*.xz; do
-  [[ -e "$f" ]] || continue
-  name="$(basename "${f%.xz}")"
-  if command -v xz >/dev/null; then
-    xz -dc "$f" >"$work/lib/$name"
-  else
-    python3 -c 'import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst: shutil.copyfileobj(src, dst)' \
-      "$f" "$work/lib/$name"
-  fi || {
-    echo "run.sh: cannot unpack $f" >&2
-    exit 2
-  }
-done
-# Tests that read repository files (recipes, the bundled data) find them here, not at the path
-# the binaries were built under.
-export GLMTUNE_SOURCE_DIR="$PWD"
-export LD_LIBRARY_PATH="$work/lib:$PWD/$carry/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/carry_env.sh"
+carry_env "$carry" "$work" || exit 2
 
 {
   echo "== glmtune GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"

@@ -19,6 +19,17 @@ std::string format_bytes(double bytes) {
   return unit == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, kUnits[unit]);
 }
 
+std::string format_count(double count, const std::string& unit) {
+  static constexpr const char* kPrefixes[] = {"", "k", "M", "G", "T"};
+  int prefix = 0;
+  while (std::abs(count) >= 1000.0 && prefix < 4) {
+    count /= 1000.0;
+    ++prefix;
+  }
+  return prefix == 0 ? fmt::format("{:.0f} {}", count, unit)
+                     : fmt::format("{:.3g}{} {}", count, kPrefixes[prefix], unit);
+}
+
 std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
   auto s = int64_t(std::llround(seconds));
@@ -60,11 +71,13 @@ std::string Progress::status_locked(Clock::time_point now) const {
   const double secs = std::chrono::duration<double>(now - start_).count();
   const double rate = secs > 0 ? double(done_) / secs : 0.0;
   const double fraction = total_ ? std::min(1.0, double(done_) / double(total_)) : 1.0;
-  std::string text = fmt::format("{}: {} / {} ({:.0f}%)", label_, format_bytes(double(done_)),
-                                 format_bytes(double(total_)), 100.0 * fraction);
-  if (finished_)
-    return text + fmt::format(" in {}, {}/s", format_duration(secs), format_bytes(rate));
-  text += fmt::format(", {}/s", format_bytes(rate));
+  const auto amount = [&](double v) {
+    return options_.unit.empty() ? format_bytes(v) : format_count(v, options_.unit);
+  };
+  std::string text = fmt::format("{}: {} / {} ({:.0f}%)", label_, amount(double(done_)),
+                                 amount(double(total_)), 100.0 * fraction);
+  if (finished_) return text + fmt::format(" in {}, {}/s", format_duration(secs), amount(rate));
+  text += fmt::format(", {}/s", amount(rate));
   if (rate > 0 && done_ < total_) text += ", ETA " + format_duration(double(total_ - done_) / rate);
   return text;
 }

@@ -1,5 +1,6 @@
 #pragma once
-// A byte-counting progress report for long jobs (checkpoint conversion, downloads, writes).
+// A progress report for long jobs: bytes (checkpoint conversion, writes) or any other count
+// (tokens evaluated).
 //
 // On a terminal it redraws one line in place (bar, bytes done / total, rate, ETA) at most ten
 // times a second. When stderr is a file or a pipe (batch jobs, CI logs) redrawing would only litter
@@ -15,6 +16,8 @@ namespace glmtune {
 
 // "0 B", "512 B", "1.50 KB", "3.21 GB" (decimal units, as disk sizes are quoted).
 std::string format_bytes(double bytes);
+// "950 tokens", "12.3k tokens", "4.56M tokens" (decimal prefixes).
+std::string format_count(double count, const std::string& unit);
 // "42s", "3m05s", "2h07m".
 std::string format_duration(double seconds);
 
@@ -26,6 +29,8 @@ class Progress {
     // Forces terminal (true) or log (false) mode; by default decided by isatty(stderr).
     int force_tty = -1;
     FILE* out = stderr;
+    // The counted unit: empty for bytes ("1.50 GB"), else a word ("12.3k tokens").
+    std::string unit;
   };
 
   Progress(std::string label, uint64_t total_bytes);
