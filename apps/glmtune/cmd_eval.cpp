@@ -438,6 +438,9 @@ GLMTUNE_COMMAND(
           }
           for (int64_t i : alone) plan.push_back({{first + i}, vl_dataset->length(i), true});
         }
+        // Checked before the checkpoint is read, not at the first pack with media.
+        if (vl_dataset && vl_dataset->has_media())
+          config.require_media_tokens("the --media-root data has images or videos");
         if (a->max_packs > 0 && int64_t(plan.size()) > a->max_packs)
           plan.resize(size_t(a->max_packs));
 

@@ -239,4 +239,64 @@ save_every = 0
   EXPECT_EQ(moved("model.visual.downsample.weight"), 0.0);
 }
 
+TEST(VisionTrain, ReleasedMediaIdsTrainTextAndStopMediaBeforeTheFirstStep) {
+  // A config as transformers writes it for a small vocabulary: the released media ids stay.
+  test::TempDir dir("vl-released-ids");
+  model::Json doc = model::ModelConfig::preset("tiny").document();
+  for (const auto& [key, id] : {std::pair{"image_token_id", 154854},
+                                {"video_token_id", 154855},
+                                {"image_start_token_id", 154830},
+                                {"image_end_token_id", 154831},
+                                {"video_start_token_id", 154832},
+                                {"video_end_token_id", 154833}})
+    doc[key] = id;
+  const model::ModelConfig config = model::ModelConfig::from_json(doc, "released ids");
+  model::InitOptions init;
+  init.seed = 11;
+  model::write_random_checkpoint(config, dir.path() / "model", init);
+  auto recipe = [&](const fs::path& data, const std::string& media_root, const std::string& out) {
+    return Recipe::parse(
+        fmt::format(
+            R"(
+[model]
+path = "{model}"
+tokenizer = "{tokenizer}"
+[data]
+files = ["{data}"]
+{media}
+max_length = 512
+pack_max_length = 512
+[train]
+total_steps = 2
+seed = 5
+recompute = "none"
+[output]
+dir = "{out}"
+save_every = 0
+)",
+            fmt::arg("model", (dir.path() / "model").string()),
+            fmt::arg("tokenizer", kProcessor.string()), fmt::arg("data", data.string()),
+            fmt::arg("media", media_root.empty() ? "" : "media_root = \"" + media_root + "\""),
+            fmt::arg("out", (dir.path() / out).string())),
+        "recipe");
+  };
+  TrainerOptions options;
+  options.print_steps = false;
+  const fs::path text_data =
+      fs::path(GLMTUNE_SOURCE_DIR) / "examples" / "tiny" / "data" / "chat.jsonl";
+  const TrainSummary text = run_training(recipe(text_data, "", "text"), options);
+  ASSERT_EQ(text.steps.size(), 2u);
+  for (const auto& m : text.steps) EXPECT_TRUE(std::isfinite(m.loss));
+
+  try {
+    run_training(recipe(kExample / "chat.jsonl", kExample.string(), "vl"), options);
+    FAIL() << "expected a glmtune::Error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const char* part : {"image_token_id", "154854", "2048", "images or videos"})
+      EXPECT_NE(what.find(part), std::string::npos) << what;
+  }
+  EXPECT_FALSE(fs::exists(dir.path() / "vl" / "metrics.jsonl"));
+}
+
 }  // namespace
