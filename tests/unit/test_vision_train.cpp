@@ -182,6 +182,40 @@ TEST(VisionTrain, OverlongSampleIsAnErrorNamingTheLine) {
   EXPECT_EQ(dropped.stats().dropped_overlong, 6);
 }
 
+TEST(VisionTrain, AnImagePathThatIsAFolderIsABadLine) {
+  // A folder named like an image is a bad line like any unreadable image: fatal with its file,
+  // line and path, or skipped and counted under on_bad_line = "skip".
+  const VlSetup& s = shared();
+  test::TempDir dir("vl-folder-image");
+  fs::create_directories(dir / "media" / "folder.jpg");
+  fs::copy_file(kExample / "media" / "chelsea.jpg", dir / "media" / "chelsea.jpg");
+  auto line = [](const std::string& image) {
+    return R"({"messages": [{"role": "user", "content": [{"type": "image", "image": ")" + image +
+           R"("}, {"type": "text", "text": "What is it?"}]}, {"role": "assistant", "content": )"
+           R"("A cat."}]})"
+           "\n";
+  };
+  test::write_text(dir / "data.jsonl", line("media/chelsea.jpg") + line("media/folder.jpg"));
+  VlDataConfig dc;
+  dc.files = {(dir / "data.jsonl").string()};
+  dc.media_root = dir.path();
+  dc.max_length = 1024;
+  try {
+    VlDataset::scan(dc, s.processor);
+    FAIL() << "expected a glmtune::Error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const std::string& part :
+         {(dir / "data.jsonl").string() + ":2", (dir / "media" / "folder.jpg").string(),
+          std::string("is a directory")})
+      EXPECT_NE(what.find(part), std::string::npos) << what;
+  }
+  dc.on_bad_line = data::BadLinePolicy::kSkip;
+  const VlDataset skipped = VlDataset::scan(dc, s.processor);
+  EXPECT_EQ(skipped.size(), 1);
+  EXPECT_EQ(skipped.stats().skipped[size_t(data::BadLineReason::kMedia)], 1);
+}
+
 TEST(VisionTrain, GlmtuneTrainRunsAVisionLanguageRecipe) {
   // The whole `glmtune train` path: a recipe with data.media_root and a frozen projector, three
   // steps, a checkpoint whose tower moved and whose projector did not.
