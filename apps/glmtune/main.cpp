@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 
 #include "command.h"
+#include "glmtune/base/blas_buffers.h"
 #include "glmtune/base/error.h"
 
 namespace glmtune::cli {
@@ -17,6 +19,8 @@ std::vector<CommandInfo>& registry() {
 
 int main(int argc, char** argv) {
   using namespace glmtune;
+  // The helper that prepare_blas_buffers() runs to measure OpenBLAS's buffer.
+  if (std::getenv(kBlasProbeVariable) != nullptr) return blas_probe_main();
   CLI::App app{"glmtune: fine-tune and evaluate GLM-5.3-Flash", "glmtune"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "glmtune 0.1.0");
@@ -39,6 +43,18 @@ int main(int argc, char** argv) {
   }
   spdlog::set_level(verbose ? spdlog::level::debug : spdlog::level::info);
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  // The commands that compute: under `ulimit -v` OpenBLAS's buffers are mapped now or the limit is
+  // reported. _Exit: OpenBLAS's exit handlers would wait for workers stuck retrying a mapping.
+  for (const char* name : {"train", "eval", "bench"}) {
+    if (!app.got_subcommand(name)) continue;
+    try {
+      prepare_blas_buffers();
+    } catch (const Error& e) {
+      std::fprintf(stderr, "error: %s\n", e.what());
+      std::fflush(nullptr);
+      std::_Exit(2);
+    }
+  }
   try {
     return to_run ? to_run() : 0;
   } catch (const Error& e) {

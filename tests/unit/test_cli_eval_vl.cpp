@@ -417,3 +417,39 @@ TEST(CliEvalVl, BadMediaAreErrorsNamingFileAndLine) {
   EXPECT_NE(not_dir.code, 0);
   EXPECT_CONTAINS(not_dir.err, "--media-root");
 }
+
+TEST(CliEvalVl, ReleasedMediaIdsInASmallVocabularyEvaluateTextAndNameTheKeyForMedia) {
+  // The checkpoint with the media ids that transformers writes by default whatever the vocabulary:
+  // inspect and text evaluation work as with the tiny preset's ids, and media data is refused
+  // before the checkpoint is read, naming the key, its value and the vocabulary.
+  const Checkpoint& c = checkpoint();
+  TempDir dir("eval-vl-released-ids");
+  const fs::path model = dir / "model";
+  fs::copy(c.model, model, fs::copy_options::recursive);
+  nlohmann::json config = nlohmann::json::parse(test::read_text(model / "config.json"));
+  config["image_token_id"] = 154854;
+  config["video_token_id"] = 154855;
+  config["image_start_token_id"] = 154830;
+  config["image_end_token_id"] = 154831;
+  config["video_start_token_id"] = 154832;
+  config["video_end_token_id"] = 154833;
+  test::write_text(model / "config.json", config.dump(2));
+
+  const Result inspect = run("inspect " + model.string(), dir);
+  EXPECT_EQ(inspect.code, 0) << inspect.err;
+  const std::string text = " --text \"A short line of plain text to score.\" --json";
+  const Result ours = run("eval --model " + model.string() + text, dir);
+  ASSERT_EQ(ours.code, 0) << ours.err;
+  const Result preset = run(c.eval(text), dir);
+  ASSERT_EQ(preset.code, 0) << preset.err;
+  EXPECT_EQ(ours.json().at("loss"), preset.json().at("loss"));
+
+  const Result media =
+      run("eval --model " + model.string() + " --tokenizer " + kProcessor.string() + " --data " +
+              kChat + " --media-root " + kExample.string(),
+          dir);
+  EXPECT_EQ(media.code, 2) << media.err;
+  EXPECT_CONTAINS(media.err, "image_token_id");
+  EXPECT_CONTAINS(media.err, "154854");
+  EXPECT_CONTAINS(media.err, "2048");
+}

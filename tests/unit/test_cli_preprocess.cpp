@@ -180,6 +180,29 @@ TEST_F(CliPreprocessTest, BadMediaAreErrorsNamingTheFile) {
   EXPECT_CONTAINS(r4.err, "placeholder");
 }
 
+TEST_F(CliPreprocessTest, MediaPathsThatAreFoldersAreErrorsNamingThem) {
+  // With or without --pixels, a folder where an image or a video should be is named, not read.
+  fs::create_directories(dir_ / "album.jpg");
+  fs::create_directories(dir_ / "clip.mp4");
+  const std::string image =
+      write("i.json", R"({"messages": [{"role": "user", "content": [{"type": "image", "image": )"
+                      R"("album.jpg"}]}, {"role": "assistant", "content": "A folder."}]})");
+  const std::string video =
+      write("v.json", R"({"messages": [{"role": "user", "content": [{"type": "video", "video": )"
+                      R"("clip.mp4"}]}, {"role": "assistant", "content": "A folder."}]})");
+  std::vector<std::pair<std::string, std::string>> cases = {{image, "album.jpg"}};
+  if (glmtune::data::media::video_decoding_available()) cases.push_back({video, "clip.mp4"});
+  for (const auto& [messages, name] : cases)
+    for (const std::string& pixels :
+         {std::string(), " --pixels " + (dir_ / "px.safetensors").string()}) {
+      const Result r =
+          run("preprocess --processor " + kProcessor + " --messages " + messages + pixels);
+      EXPECT_EQ(r.code, 2) << r.err;
+      EXPECT_CONTAINS(r.err, (dir_ / name).string());
+      EXPECT_CONTAINS(r.err, "is a directory");
+    }
+}
+
 TEST_F(CliPreprocessTest, ProcessorFolderNeedsItsConfig) {
   fs::create_directories(dir_ / "proc");
   fs::copy_file(kProcessor + "/tokenizer.json", dir_ / "proc" / "tokenizer.json");

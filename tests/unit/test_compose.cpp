@@ -195,6 +195,32 @@ TEST(Compose, PlaceholderMismatchNamesTheDocument) {
   EXPECT_THROW(compose_embeddings(model, g.input.input_ids, g.input.cu_seqlens, g.media), Error);
 }
 
+TEST(Compose, MediaIdsOutsideTheVocabularyAreNamedWhenMediaArrive) {
+  // transformers keeps the released media ids in a config of any vocabulary size: such a model
+  // runs text, and a pack with media says which key to fix.
+  FixtureModel& fixture = shared_model();
+  Json doc = fixture.store->config().document();
+  doc["image_token_id"] = 154854;
+  doc["video_token_id"] = 154855;
+  const ModelConfig config = ModelConfig::from_json(doc, "released-ids/config.json");
+  const ParamStore store =
+      ParamStore::load(io::CheckpointReader::open(fixture.dir.path() / "ck"), config);
+  const VisionLanguageModel model(store);
+  const Fixture f;
+  try {
+    compose_embeddings(model, f.input.input_ids, f.input.cu_seqlens, f.media);
+    FAIL() << "expected a glmtune::Error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const std::string& part :
+         {std::string("released-ids/config.json: image_token_id"), std::string("154854"),
+          std::to_string(config.text().vocab_size)})
+      EXPECT_NE(what.find(part), std::string::npos) << what;
+  }
+  const Tensor text = compose_embeddings(model, f.input.input_ids, f.input.cu_seqlens, PackMedia{});
+  EXPECT_EQ(text.size(0), f.input.input_ids.numel());
+}
+
 TEST(Compose, FrozenPartsKeepZeroGradients) {
   const VisionLanguageModel& model = *shared_model().model;
   const Fixture f;

@@ -172,6 +172,35 @@ TEST(Config, ValidationNamesFieldAndRule) {
   EXPECT_ERROR(Json::array(), "must be a JSON object");
 }
 
+TEST(Config, ReleasedMediaIdsInASmallVocabularyLoad) {
+  // What transformers writes for a small vocabulary: its defaults keep the released media ids.
+  Json doc = ModelConfig::preset("tiny").document();
+  const std::vector<std::pair<std::string, int64_t>> released_ids = {
+      {"image_token_id", 154854},       {"video_token_id", 154855},
+      {"image_start_token_id", 154830}, {"image_end_token_id", 154831},
+      {"video_start_token_id", 154832}, {"video_end_token_id", 154833}};
+  for (const auto& [key, id] : released_ids) doc[key] = id;
+  const ModelConfig config = ModelConfig::from_json(doc, "cfg.json");
+  EXPECT_EQ(config.text().vocab_size, 2048);
+  EXPECT_EQ(config.media().image_token_id, 154854);
+  // Only placing an image or a video needs them: then the error names the key, the value, the
+  // vocabulary and the file.
+  try {
+    config.require_media_tokens("the pack has images");
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const char* part : {"cfg.json: image_token_id", "154854", "2048", "the pack has images"})
+      EXPECT_NE(what.find(part), std::string::npos) << what;
+    EXPECT_NE(e.fix().find("image_token_id"), std::string::npos) << e.fix();
+  }
+  // The ids that text uses are still checked when the config is read.
+  doc["text_config"]["pad_token_id"] = 5000;
+  EXPECT_ERROR(doc, "pad_token_id");
+  // The tiny preset's own ids lie inside its vocabulary.
+  EXPECT_NO_THROW(ModelConfig::preset("tiny").require_media_tokens("images"));
+}
+
 TEST(Config, BadFileErrors) {
   auto dir = std::filesystem::temp_directory_path() / ("glmtune_cfg_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);

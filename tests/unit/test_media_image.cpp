@@ -3,6 +3,7 @@
 // every bad file gets.
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
@@ -16,6 +17,7 @@
 #include "glmtune/base/error.h"
 #include "glmtune/data/media/image.h"
 #include "glmtune/io/safetensors.h"
+#include "support/temp_dir.h"
 
 namespace glmtune::data::media {
 namespace {
@@ -244,6 +246,49 @@ TEST(MediaImage, BadFilesAreErrorsNamingTheSource) {
   const std::string what = error_of([&] { load_image(empty); });
   fs::remove(empty);
   EXPECT_NE(what.find("empty"), std::string::npos) << what;
+}
+
+TEST(MediaImage, PathsThatAreNotImageFilesAreErrorsNamingThem) {
+  // A directory opens on Linux and reports an absurd size; a FIFO blocks the open; a device never
+  // ends. Each is refused before it is read, naming the path and what to do.
+  test::TempDir dir("media-image-paths");
+  fs::create_directories(dir / "folder.png");
+  ASSERT_EQ(::mkfifo((dir / "pipe.png").c_str(), 0600), 0);
+  struct Case {
+    fs::path path;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {dir / "folder.png", "is a directory"},
+      {dir / "pipe.png", "not a regular file"},
+      {"/dev/zero", "not a regular file"},
+      {dir / "missing.png", "no such file"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.path.string());
+    for (bool probe : {false, true}) {
+      try {
+        if (probe)
+          probe_image_file(c.path);
+        else
+          load_image(c.path);
+        ADD_FAILURE() << "expected a glmtune::Error";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.where(), c.path.string());
+        EXPECT_NE(e.problem().find(c.expect), std::string::npos) << e.what();
+        EXPECT_FALSE(e.fix().empty()) << e.what();
+      }
+    }
+  }
+  // A file that cannot be opened (permissions do not stop the superuser).
+  const fs::path locked = dir / "locked.png";
+  std::ofstream(locked, std::ios::binary) << "x";
+  fs::permissions(locked, fs::perms::none);
+  if (::access(locked.c_str(), R_OK) != 0) {
+    const std::string what = error_of([&] { load_image(locked); });
+    EXPECT_NE(what.find("locked.png"), std::string::npos) << what;
+    EXPECT_NE(what.find("cannot open"), std::string::npos) << what;
+  }
 }
 
 TEST(MediaImage, CorruptedFilesNeverCrash) {

@@ -4,6 +4,7 @@
 // the failure modes of untrusted files. Fixtures: tools/golden/media_video.py.
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <filesystem>
@@ -316,6 +317,24 @@ TEST(MediaVideo, BadFilesAreErrorsNamingTheFile) {
             (dir / "missing.mp4").string());
   EXPECT_EQ(error_of([&] { VideoReader::open_file(dir.path()); }).where(), dir.path().string());
   EXPECT_EQ(error_of([&] { VideoReader::open_bytes({}, "no bytes"); }).where(), "no bytes");
+}
+
+TEST(MediaVideo, PathsThatAreNotVideoFilesAreErrorsNamingThem) {
+  REQUIRE_VIDEO();
+  // A FIFO would block the open and a device would be read without end: both are refused first.
+  test::TempDir dir("media-video-paths");
+  fs::create_directories(dir / "clip.mp4");
+  ASSERT_EQ(::mkfifo((dir / "pipe.mp4").c_str(), 0600), 0);
+  for (const auto& [path, expect] : {std::pair{dir / "clip.mp4", "is a directory"},
+                                     {dir / "pipe.mp4", "not a regular file"},
+                                     {fs::path("/dev/zero"), "not a regular file"},
+                                     {dir / "missing.mp4", "no such file"}}) {
+    SCOPED_TRACE(path.string());
+    const Error e = error_of([&] { VideoReader::open_file(path); });
+    EXPECT_EQ(e.where(), path.string());
+    EXPECT_NE(e.problem().find(expect), std::string::npos) << e.what();
+    EXPECT_FALSE(e.fix().empty()) << e.what();
+  }
 }
 
 TEST(MediaVideo, LimitsAreEnforcedBeforeDecoding) {

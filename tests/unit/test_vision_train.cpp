@@ -182,6 +182,40 @@ TEST(VisionTrain, OverlongSampleIsAnErrorNamingTheLine) {
   EXPECT_EQ(dropped.stats().dropped_overlong, 6);
 }
 
+TEST(VisionTrain, AnImagePathThatIsAFolderIsABadLine) {
+  // A folder named like an image is a bad line like any unreadable image: fatal with its file,
+  // line and path, or skipped and counted under on_bad_line = "skip".
+  const VlSetup& s = shared();
+  test::TempDir dir("vl-folder-image");
+  fs::create_directories(dir / "media" / "folder.jpg");
+  fs::copy_file(kExample / "media" / "chelsea.jpg", dir / "media" / "chelsea.jpg");
+  auto line = [](const std::string& image) {
+    return R"({"messages": [{"role": "user", "content": [{"type": "image", "image": ")" + image +
+           R"("}, {"type": "text", "text": "What is it?"}]}, {"role": "assistant", "content": )"
+           R"("A cat."}]})"
+           "\n";
+  };
+  test::write_text(dir / "data.jsonl", line("media/chelsea.jpg") + line("media/folder.jpg"));
+  VlDataConfig dc;
+  dc.files = {(dir / "data.jsonl").string()};
+  dc.media_root = dir.path();
+  dc.max_length = 1024;
+  try {
+    VlDataset::scan(dc, s.processor);
+    FAIL() << "expected a glmtune::Error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const std::string& part :
+         {(dir / "data.jsonl").string() + ":2", (dir / "media" / "folder.jpg").string(),
+          std::string("is a directory")})
+      EXPECT_NE(what.find(part), std::string::npos) << what;
+  }
+  dc.on_bad_line = data::BadLinePolicy::kSkip;
+  const VlDataset skipped = VlDataset::scan(dc, s.processor);
+  EXPECT_EQ(skipped.size(), 1);
+  EXPECT_EQ(skipped.stats().skipped[size_t(data::BadLineReason::kMedia)], 1);
+}
+
 TEST(VisionTrain, GlmtuneTrainRunsAVisionLanguageRecipe) {
   // The whole `glmtune train` path: a recipe with data.media_root and a frozen projector, three
   // steps, a checkpoint whose tower moved and whose projector did not.
@@ -237,6 +271,66 @@ save_every = 0
   EXPECT_GT(moved("model.visual.patch_embed.proj.weight"), 0.0);
   EXPECT_EQ(moved("model.visual.merger.gate_proj.weight"), 0.0);  // frozen projector
   EXPECT_EQ(moved("model.visual.downsample.weight"), 0.0);
+}
+
+TEST(VisionTrain, ReleasedMediaIdsTrainTextAndStopMediaBeforeTheFirstStep) {
+  // A config as transformers writes it for a small vocabulary: the released media ids stay.
+  test::TempDir dir("vl-released-ids");
+  model::Json doc = model::ModelConfig::preset("tiny").document();
+  for (const auto& [key, id] : {std::pair{"image_token_id", 154854},
+                                {"video_token_id", 154855},
+                                {"image_start_token_id", 154830},
+                                {"image_end_token_id", 154831},
+                                {"video_start_token_id", 154832},
+                                {"video_end_token_id", 154833}})
+    doc[key] = id;
+  const model::ModelConfig config = model::ModelConfig::from_json(doc, "released ids");
+  model::InitOptions init;
+  init.seed = 11;
+  model::write_random_checkpoint(config, dir.path() / "model", init);
+  auto recipe = [&](const fs::path& data, const std::string& media_root, const std::string& out) {
+    return Recipe::parse(
+        fmt::format(
+            R"(
+[model]
+path = "{model}"
+tokenizer = "{tokenizer}"
+[data]
+files = ["{data}"]
+{media}
+max_length = 512
+pack_max_length = 512
+[train]
+total_steps = 2
+seed = 5
+recompute = "none"
+[output]
+dir = "{out}"
+save_every = 0
+)",
+            fmt::arg("model", (dir.path() / "model").string()),
+            fmt::arg("tokenizer", kProcessor.string()), fmt::arg("data", data.string()),
+            fmt::arg("media", media_root.empty() ? "" : "media_root = \"" + media_root + "\""),
+            fmt::arg("out", (dir.path() / out).string())),
+        "recipe");
+  };
+  TrainerOptions options;
+  options.print_steps = false;
+  const fs::path text_data =
+      fs::path(GLMTUNE_SOURCE_DIR) / "examples" / "tiny" / "data" / "chat.jsonl";
+  const TrainSummary text = run_training(recipe(text_data, "", "text"), options);
+  ASSERT_EQ(text.steps.size(), 2u);
+  for (const auto& m : text.steps) EXPECT_TRUE(std::isfinite(m.loss));
+
+  try {
+    run_training(recipe(kExample / "chat.jsonl", kExample.string(), "vl"), options);
+    FAIL() << "expected a glmtune::Error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const char* part : {"image_token_id", "154854", "2048", "images or videos"})
+      EXPECT_NE(what.find(part), std::string::npos) << what;
+  }
+  EXPECT_FALSE(fs::exists(dir.path() / "vl" / "metrics.jsonl"));
 }
 
 }  // namespace

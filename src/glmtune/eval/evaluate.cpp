@@ -384,6 +384,8 @@ EvalData read_data(const EvalOptions& o, const model::ModelConfig& config) {
   for (auto& file_samples : pretokenised) add_pretokenised(d, file_samples, o.pack_length);
   if (!dataset_files.empty()) add_text_dataset(d, dataset_files, o.pack_length);
   if (!vl_files.empty()) add_vl_dataset(d, vl_files, o.media_root, tokenizer_dir, o.pack_length);
+  // Checked before the checkpoint is read, not at the first pack with media.
+  if (d.has_media()) config.require_media_tokens("the --media-root data has images or videos");
   if (o.max_packs > 0 && int64_t(d.plan.size()) > o.max_packs) d.plan.resize(size_t(o.max_packs));
 
   d.out_index.assign(d.samples.size(), -1);

@@ -54,6 +54,7 @@ SlotPlan plan_slots(const VisionLanguageModel& model, const Tensor& input_ids,
   GLMTUNE_ASSERT(media.image_documents.size() == media.image_grid.size() &&
                      media.video_documents.size() == media.video_grid.size(),
                  "every image and video needs its document index");
+  if (!media.empty()) model.text().config().require_media_tokens("the pack has images or videos");
   const std::vector<int64_t> types = int_values(media.mm_token_type_ids);
   const std::vector<int64_t> ids = int_values(input_ids);
   const int64_t image_token = model.text().config().media().image_token_id;

@@ -570,17 +570,27 @@ void ModelConfig::parse() {
   top.integer("image_end_token_id", media_.image_end_token_id);
   top.integer("video_start_token_id", media_.video_start_token_id);
   top.integer("video_end_token_id", media_.video_end_token_id);
-  if (vision_) {
-    for (auto [key, id] : {std::pair{"image_token_id", media_.image_token_id},
-                           {"video_token_id", media_.video_token_id},
-                           {"image_start_token_id", media_.image_start_token_id},
-                           {"image_end_token_id", media_.image_end_token_id},
-                           {"video_start_token_id", media_.video_start_token_id},
-                           {"video_end_token_id", media_.video_end_token_id}})
-      if (id >= text_.vocab_size)
-        top.fail(key, fmt::format("{} is outside the vocabulary of {}", id, text_.vocab_size),
-                 "set it to the tokenizer's id of that token");
-  }
+  // Media ids outside the vocabulary are accepted here: transformers writes its released media ids
+  // into configs of any vocabulary size and runs them on text. They only matter once an image or a
+  // video is spliced in (require_media_tokens).
+}
+
+void ModelConfig::require_media_tokens(const std::string& where) const {
+  for (auto [key, id] : {std::pair{"image_token_id", media_.image_token_id},
+                         {"video_token_id", media_.video_token_id},
+                         {"image_start_token_id", media_.image_start_token_id},
+                         {"image_end_token_id", media_.image_end_token_id},
+                         {"video_start_token_id", media_.video_start_token_id},
+                         {"video_end_token_id", media_.video_end_token_id}})
+    if (id >= text_.vocab_size)
+      throw Error(fmt::format("{}: {} {} is outside the vocabulary of {} tokens (vocab_size), so "
+                              "images and videos cannot be placed in the text; text alone runs "
+                              "with this config",
+                              where, key, id, text_.vocab_size),
+                  source_ + ": " + key,
+                  fmt::format("set \"{}\" in config.json to the tokenizer's id of that token "
+                              "(the ids of the processor's tokenizer.json), below {}",
+                              key, text_.vocab_size));
 }
 
 Json ModelConfig::to_json_with_schedules() const {

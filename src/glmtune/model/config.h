@@ -117,6 +117,10 @@ class ModelConfig {
   const TextConfig& text() const { return text_; }
   const std::optional<VisionConfig>& vision() const { return vision_; }
   const MediaTokens& media() const { return media_; }
+  // Throws an Error naming the key, its value and the vocabulary size when a media token id lies
+  // outside the vocabulary. Configs are accepted with such ids (text runs without them); this is
+  // called where an image or a video is about to be spliced in. `where` names that work.
+  void require_media_tokens(const std::string& where) const;
   bool is_flat() const { return flat_; }
   const std::string& source() const { return source_; }
 

@@ -260,6 +260,9 @@ std::vector<Tensor> VlTraining::attach(std::vector<NamedParam>& params,
   if (!config)
     throw Error("data.media_root is set but the model has no vision tower", store.config().source(),
                 "train a vision-language checkpoint, or drop media_root");
+  // Before the first step, not at the first pack with media: no step is spent on a doomed run.
+  if (dataset_->has_media())
+    store.config().require_media_tokens("the training data has images or videos");
   step_ = std::make_unique<VlTrainStep>(*config, model::vision::VisionParams::from_store(store),
                                         options_);
   return step_->attach(params);

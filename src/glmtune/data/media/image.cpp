@@ -14,9 +14,10 @@
 #include <webp/demux.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <memory>
+#include <new>
 
 #include "glmtune/base/error.h"
 
@@ -599,20 +600,56 @@ RgbImage decode_any(std::span<const uint8_t> bytes, const std::string& source,
 }
 
 std::vector<uint8_t> read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    fail(path.string(), "cannot open the image file", "check that the path exists and is readable");
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  if (size < 0) fail(path.string(), "cannot read the image file");
-  in.seekg(0, std::ios::beg);
-  std::vector<uint8_t> bytes(static_cast<size_t>(size));
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size))
-    fail(path.string(), "cannot read the image file");
+  const std::string source = path.string();
+  const uint64_t size = media_file_size(path, "an image file");
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"),
+                                                       &std::fclose);
+  if (!file)
+    fail(source, fmt::format("cannot open the image file: {}", std::strerror(errno)),
+         "check that the file is readable (its permissions)");
+  std::vector<uint8_t> bytes;
+  try {
+    bytes.resize(size_t(size));
+  } catch (const std::bad_alloc&) {
+    fail(source, fmt::format("the image file is {} bytes, too large to read into memory", size),
+         "check that the path names an image, not some other large file");
+  }
+  // Reads what is there: a file that shrank since the size was taken ends early, not in garbage.
+  const size_t got = std::fread(bytes.data(), 1, bytes.size(), file.get());
+  if (std::ferror(file.get()))
+    fail(source, fmt::format("cannot read the image file: {}", std::strerror(errno)),
+         "check the file and the disk it is on (an I/O error)");
+  bytes.resize(got);
   return bytes;
 }
 
 }  // namespace
+
+uint64_t media_file_size(const std::filesystem::path& path, const std::string& expected) {
+  namespace fs = std::filesystem;
+  const std::string source = path.string();
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (status.type() == fs::file_type::not_found)
+    fail(source, "no such file",
+         "check the path (relative paths resolve against the media root or the data's folder)");
+  if (ec)
+    fail(source, fmt::format("cannot read the file: {}", ec.message()),
+         "check the path and the permissions of its folders");
+  if (status.type() == fs::file_type::directory)
+    fail(source, fmt::format("is a directory; {} was expected", expected),
+         "name the file inside the folder, not the folder itself");
+  // A FIFO would block the open, a device would be read without end.
+  if (status.type() != fs::file_type::regular)
+    fail(source,
+         fmt::format("is not a regular file (a device, pipe or socket); {} was expected", expected),
+         "copy the data into a regular file and name that");
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec)
+    fail(source, fmt::format("cannot read the file's size: {}", ec.message()),
+         "check the path and the permissions of its folders");
+  return uint64_t(size);
+}
 
 const char* to_string(ImageFormat format) {
   switch (format) {

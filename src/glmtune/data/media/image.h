@@ -68,6 +68,11 @@ ImageInfo probe_image(std::span<const uint8_t> bytes, const std::string& source,
 RgbImage load_image(const std::filesystem::path& path, const DecodeOptions& options = {});
 ImageInfo probe_image_file(const std::filesystem::path& path, const DecodeOptions& options = {});
 
+// The size of a media file, after checking that `path` names a regular file: a directory, a FIFO
+// or a device is an Error naming the path (a directory would otherwise "open" and report an absurd
+// size, a FIFO would block). `expected` completes the message ("an image file", "a video file").
+uint64_t media_file_size(const std::filesystem::path& path, const std::string& expected);
+
 // Applies an EXIF orientation (1-8) to an interleaved RGB image, as PIL's exif_transpose does.
 RgbImage apply_orientation(const RgbImage& image, int orientation);
 

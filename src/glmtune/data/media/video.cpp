@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -66,6 +67,8 @@ struct ByteSource {
     size_t got = 0;
     if (self->file) {
       got = std::fread(buf, 1, size_t(buf_size), self->file);
+      // A read error is not the end of the file: the demuxer reports it instead of a truncation.
+      if (got == 0 && std::ferror(self->file)) return AVERROR(EIO);
     } else {
       const int64_t left = self->size - self->position;
       got = size_t(std::clamp<int64_t>(left, 0, buf_size));
@@ -428,15 +431,11 @@ VideoReader VideoReader::open_file(const std::filesystem::path& path, const Vide
   auto impl = std::make_unique<Impl>();
   impl->source = path.string();
   impl->limits = limits;
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    throw Error("is a directory, not a video file", impl->source);
+  const uint64_t size = media_file_size(path, "a video file");
   impl->bytes.file = std::fopen(path.c_str(), "rb");
   if (!impl->bytes.file)
     throw Error(fmt::format("cannot open the video: {}", std::strerror(errno)), impl->source,
-                "check the path (relative paths resolve against the media root)");
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) throw Error("cannot read the video's size", impl->source);
+                "check that the file is readable (its permissions)");
   if (size == 0) throw Error("the video file is empty", impl->source, kCorruptFix);
   impl->bytes.size = int64_t(size);
   impl->scan();
