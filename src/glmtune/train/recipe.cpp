@@ -693,8 +693,14 @@ int64_t Recipe::resolve_total_steps(int64_t packs_per_epoch, int64_t data_parall
                  "packs_per_epoch {} / data_parallel_ranks {}", packs_per_epoch,
                  data_parallel_ranks);
   const double packs_per_step = double(micro_packs) * double(data_parallel_ranks);
-  return std::max<int64_t>(
-      1, int64_t(std::ceil(*epochs * double(packs_per_epoch) / packs_per_step - 1e-9)));
+  const double steps = std::ceil(*epochs * double(packs_per_epoch) / packs_per_step - 1e-9);
+  // From 2^63 on the conversion to int64 is undefined (on x86 it gives a run of one step).
+  if (!(steps < 9223372036854775808.0))
+    throw Error(fmt::format("train.epochs = {} over {} packs per epoch is {} optimizer steps, more "
+                            "than a run can count",
+                            *epochs, packs_per_epoch, steps),
+                source_ + ": train.epochs", "lower train.epochs, or set train.total_steps");
+  return std::max<int64_t>(1, int64_t(steps));
 }
 
 int64_t Recipe::resolve_warmup_steps(int64_t total) const {
