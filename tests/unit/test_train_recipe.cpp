@@ -276,6 +276,19 @@ TEST(Recipe, RunLengthBeyondInt64IsRefused) {
   EXPECT_EQ(with_epochs("4e18").resolve_total_steps(2), int64_t{8'000'000'000'000'000'000});
 }
 
+// -0.0 passes a ">= 0" check; it must be the same setting as 0, or the effective recipe (which
+// prints it as -0, read back as the integer 0) and the fingerprint would change between runs.
+// Found by fuzz_recipe.
+TEST(Recipe, NegativeZeroIsZero) {
+  const Recipe neg = Recipe::parse(
+      with({{"optimizer", "betas = [-0.0, 0.95]"}, {"loss", "balancing_alpha = -0.0"}}), "r.toml");
+  const Recipe zero = Recipe::parse(
+      with({{"optimizer", "betas = [0, 0.95]"}, {"loss", "balancing_alpha = 0"}}), "r.toml");
+  EXPECT_EQ(neg.to_toml(), zero.to_toml());
+  EXPECT_EQ(neg.fingerprint(), zero.fingerprint());
+  EXPECT_EQ(Recipe::parse(neg.to_toml(), "effective.toml").to_toml(), neg.to_toml());
+}
+
 TEST(Recipe, SetOverridesAndRevalidates) {
   Recipe r = Recipe::parse(kMinimal, "r.toml");
   const std::string before = r.fingerprint();

@@ -284,7 +284,8 @@ class Reader {
     else
       wrong_type(section, key, "a number");
     check_range(section, key, v, min, max, min_exclusive, max_exclusive);
-    return v;
+    // -0.0 is the setting 0: without this it would print as -0 and hash unlike 0.
+    return v == 0 ? 0.0 : v;
   }
 
   void check_range(const std::string& section, const std::string& key, double v, double min,
@@ -560,7 +561,9 @@ void Recipe::parse_doc() {
                           a ? fmt::format("an array of {} entries", a->size()) : type_name(*n)),
               rd.example_fix("optimizer", "betas"));
     auto as_double = [](const toml::node& e) {
-      return e.is_integer() ? double(e.as_integer()->get()) : e.as_floating_point()->get();
+      const double v =
+          e.is_integer() ? double(e.as_integer()->get()) : e.as_floating_point()->get();
+      return v == 0 ? 0.0 : v;  // -0.0 is 0, as in number()
     };
     const double b[2] = {as_double((*a)[0]), as_double((*a)[1])};
     for (int i = 0; i < 2; ++i)
