@@ -44,9 +44,12 @@ done
 export CC="${CC:-clang-14}" CXX="${CXX:-clang++-14}"
 # CUDA, the benchmarks and glmtune_core are not needed: each fuzzer compiles the parsers it
 # reaches (tests/fuzz/CMakeLists.txt), so only the fuzz targets are built.
-cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGLMTUNE_FUZZ=ON \
+# -O1 with line tables only: sanitizer reports keep file:line, and the build is about twice as fast
+# as -O2 -g.
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only -DNDEBUG" -DGLMTUNE_FUZZ=ON \
   -DGLMTUNE_CUDA=OFF -DGLMTUNE_BENCH=OFF >/dev/null
-cmake --build "$build_dir" -j "$(nproc)" --target "${ordered[@]/#/fuzz_}"
+nice -n "$nice_level" cmake --build "$build_dir" -j "$(nproc)" --target "${ordered[@]/#/fuzz_}"
 
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=0}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
