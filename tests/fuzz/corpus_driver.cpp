@@ -1,6 +1,6 @@
 // Replays a corpus through the libFuzzer entry point without libFuzzer, so that every build (any
 // compiler, no sanitizers needed) runs the seed corpus and past crashers as an ordinary test.
-// Usage: fuzz_safetensors_corpus FILE_OR_DIR...
+// Usage: fuzz_<corpus>_corpus FILE_OR_DIR...
 
 #include <algorithm>
 #include <cstdint>
@@ -12,9 +12,12 @@
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+// Optional, as in libFuzzer: targets that load fixed inputs once (a tokenizer) define it.
+extern "C" __attribute__((weak)) int LLVMFuzzerInitialize(int* argc, char*** argv);
 
 int main(int argc, char** argv) {
   namespace fs = std::filesystem;
+  if (LLVMFuzzerInitialize) LLVMFuzzerInitialize(&argc, &argv);
   std::vector<fs::path> inputs;
   for (int i = 1; i < argc; ++i) {
     fs::path p(argv[i]);

@@ -717,6 +717,9 @@ TEST(TokenizerErrors, UnreadableOrNonJsonFiles) {
   expect_error(dir.path(), {"is a directory"});
   expect_error(dir.write("garbage.json", "{ \"model\": nope }"), {"not valid JSON", "line 1"});
   expect_error(dir.write("empty.json", ""), {"not valid JSON"});
+  // Valid syntax, but no double holds the number: nlohmann throws out_of_range, not parse_error.
+  expect_error(dir.write("huge_number.json", R"({"model": {"vocab": {"a": 1e999}}})"),
+               {"number overflow", "1e999"});
   expect_error(dir.write("array.json", "[1, 2]"), {"expected a JSON object at the top level"});
   expect_error(dir.write("truncated.json", minimal_tokenizer().dump().substr(0, 500)),
                {"not valid JSON"});

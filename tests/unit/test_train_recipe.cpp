@@ -257,6 +257,38 @@ dir = "o"
   EXPECT_EQ(r.resolve_total_steps(1), 1);  // at least one step
 }
 
+// A run length that int64 cannot hold (found by fuzz_recipe) is an error naming train.epochs,
+// not undefined behaviour (in practice a run of one step).
+TEST(Recipe, RunLengthBeyondInt64IsRefused) {
+  const auto with_epochs = [](const std::string& epochs) {
+    return Recipe::parse("[model]\npath = \"m\"\n[data]\nfiles = \"a.jsonl\"\n[train]\nepochs = " +
+                             epochs + "\n[output]\ndir = \"o\"\n",
+                         "r.toml");
+  };
+  const Recipe r = with_epochs("1e300");
+  try {
+    r.resolve_total_steps(53);
+    ADD_FAILURE() << "expected an error for epochs = 1e300";
+  } catch (const Error& e) {
+    EXPECT_RECIPE_ERROR(e, "optimizer steps", "r.toml: train.epochs", "lower train.epochs");
+  }
+  // Just below the limit the run length is still computed: 4e18 epochs of 2 packs.
+  EXPECT_EQ(with_epochs("4e18").resolve_total_steps(2), int64_t{8'000'000'000'000'000'000});
+}
+
+// -0.0 passes a ">= 0" check; it must be the same setting as 0, or the effective recipe (which
+// prints it as -0, read back as the integer 0) and the fingerprint would change between runs.
+// Found by fuzz_recipe.
+TEST(Recipe, NegativeZeroIsZero) {
+  const Recipe neg = Recipe::parse(
+      with({{"optimizer", "betas = [-0.0, 0.95]"}, {"loss", "balancing_alpha = -0.0"}}), "r.toml");
+  const Recipe zero = Recipe::parse(
+      with({{"optimizer", "betas = [0, 0.95]"}, {"loss", "balancing_alpha = 0"}}), "r.toml");
+  EXPECT_EQ(neg.to_toml(), zero.to_toml());
+  EXPECT_EQ(neg.fingerprint(), zero.fingerprint());
+  EXPECT_EQ(Recipe::parse(neg.to_toml(), "effective.toml").to_toml(), neg.to_toml());
+}
+
 TEST(Recipe, SetOverridesAndRevalidates) {
   Recipe r = Recipe::parse(kMinimal, "r.toml");
   const std::string before = r.fingerprint();

@@ -433,7 +433,7 @@ Tokenizer Tokenizer::from_json(std::string_view json_text, const std::string& so
   json root;
   try {
     root = json::parse(json_text.begin(), json_text.end());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
     std::string msg = e.what();
     // Drop nlohmann's "[json.exception.parse_error.101] " tag; the rest says where and why.
     if (const auto close = msg.find("] ");

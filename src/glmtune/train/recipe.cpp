@@ -284,7 +284,8 @@ class Reader {
     else
       wrong_type(section, key, "a number");
     check_range(section, key, v, min, max, min_exclusive, max_exclusive);
-    return v;
+    // -0.0 is the setting 0: without this it would print as -0 and hash unlike 0.
+    return v == 0 ? 0.0 : v;
   }
 
   void check_range(const std::string& section, const std::string& key, double v, double min,
@@ -560,7 +561,9 @@ void Recipe::parse_doc() {
                           a ? fmt::format("an array of {} entries", a->size()) : type_name(*n)),
               rd.example_fix("optimizer", "betas"));
     auto as_double = [](const toml::node& e) {
-      return e.is_integer() ? double(e.as_integer()->get()) : e.as_floating_point()->get();
+      const double v =
+          e.is_integer() ? double(e.as_integer()->get()) : e.as_floating_point()->get();
+      return v == 0 ? 0.0 : v;  // -0.0 is 0, as in number()
     };
     const double b[2] = {as_double((*a)[0]), as_double((*a)[1])};
     for (int i = 0; i < 2; ++i)
@@ -693,8 +696,14 @@ int64_t Recipe::resolve_total_steps(int64_t packs_per_epoch, int64_t data_parall
                  "packs_per_epoch {} / data_parallel_ranks {}", packs_per_epoch,
                  data_parallel_ranks);
   const double packs_per_step = double(micro_packs) * double(data_parallel_ranks);
-  return std::max<int64_t>(
-      1, int64_t(std::ceil(*epochs * double(packs_per_epoch) / packs_per_step - 1e-9)));
+  const double steps = std::ceil(*epochs * double(packs_per_epoch) / packs_per_step - 1e-9);
+  // From 2^63 on the conversion to int64 is undefined (on x86 it gives a run of one step).
+  if (!(steps < 9223372036854775808.0))
+    throw Error(fmt::format("train.epochs = {} over {} packs per epoch is {} optimizer steps, more "
+                            "than a run can count",
+                            *epochs, packs_per_epoch, steps),
+                source_ + ": train.epochs", "lower train.epochs, or set train.total_steps");
+  return std::max<int64_t>(1, int64_t(steps));
 }
 
 int64_t Recipe::resolve_warmup_steps(int64_t total) const {

@@ -125,6 +125,7 @@ struct Recipe {
 
   // Optimizer steps of the run: total_steps, or ceil(epochs · packs_per_epoch / (micro_packs ·
   // data_parallel_ranks)) where packs_per_epoch is the sampler's plan for the first epoch.
+  // Throws glmtune::Error naming train.epochs when that many steps do not fit an int64.
   int64_t resolve_total_steps(int64_t packs_per_epoch, int64_t data_parallel_ranks = 1) const;
   // warmup_steps, or floor(warmup_ratio · total_steps).
   int64_t resolve_warmup_steps(int64_t total_steps) const;
