@@ -184,6 +184,7 @@ GLMTUNE_COMMAND(
                                  {"dtype_tensors", report->dtype_tensors},
                                  {"dtype_bytes", report->dtype_bytes},
                                  {"fp8_weights", report->fp8_weights.size()},
+                                 {"f32_not_bf16", report->f32_not_bf16},
                                  {"missing", report->missing},
                                  {"unexpected", report->unexpected},
                                  {"misshaped", Json::array()}};
@@ -235,6 +236,13 @@ GLMTUNE_COMMAND(
                         report->dtype_bytes.at(dtype) / 1e9);
           if (!report->fp8_weights.empty())
             std::printf("  %zu FP8 weights with block scales\n", report->fp8_weights.size());
+          // An export in float32: glmtune keeps the values, but its checkpoints store the
+          // released dtypes, so a model trained from it is saved rounded (docs/checkpoints.md).
+          if (!report->f32_not_bf16.empty())
+            std::printf(
+                "  %zu tensors stored in f32 that the release stores in bf16 (e.g. %s): computed "
+                "with their f32 values; a glmtune train checkpoint stores them in bf16\n",
+                report->f32_not_bf16.size(), report->f32_not_bf16.front().c_str());
           if (report->ok())
             std::printf("  layout: complete, no unexpected or mis-shaped tensors\n");
           else

@@ -194,3 +194,26 @@ TEST_F(CliTest, AnOutputPathThroughAFileNamesTheFlag) {
   EXPECT_CONTAINS(r.output, "fix:");
   EXPECT_EQ(r.output.find("filesystem error"), std::string::npos) << r.output;
 }
+
+// A checkpoint exported in float32 (every tensor f32): inspect says which tensors the release
+// stores in bf16, that glmtune computes with their f32 values, and that its own checkpoints store
+// them rounded; a released-dtype checkpoint gets no such line.
+TEST_F(CliTest, InspectNamesFloat32TensorsOfBf16Parameters) {
+  ASSERT_EQ(run("init --preset tiny --seed 3 --out " + path("m")).code, 0);
+  {
+    const glmtune::io::CheckpointReader reader = glmtune::io::CheckpointReader::open(path("m"));
+    glmtune::io::CheckpointWriter writer(path("f32"));
+    for (const auto& name : reader.names())
+      writer.add(name, reader.tensor(name).to(glmtune::DType::f32));
+    writer.finish();
+  }
+  fs::copy_file(path("m/config.json"), path("f32/config.json"));
+  Result text = run("inspect " + path("f32"));
+  ASSERT_EQ(text.code, 0) << text.output;
+  EXPECT_CONTAINS(text.output, "tensors stored in f32 that the release stores in bf16");
+  Result json = run("inspect " + path("f32") + " --json");
+  ASSERT_EQ(json.code, 0) << json.output;
+  EXPECT_GT(nlohmann::json::parse(json.output)["checkpoint"]["f32_not_bf16"].size(), 10u);
+  Result released = run("inspect " + path("m"));
+  EXPECT_EQ(released.output.find("stored in f32 that the release"), std::string::npos);
+}
