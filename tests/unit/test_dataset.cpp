@@ -3,7 +3,6 @@
 // indexed dataset's random access; the line reader's limits and read errors.
 
 #include <gtest/gtest.h>
-#include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -21,6 +20,7 @@
 #include "glmtune/data/dataset.h"
 #include "glmtune/data/packing.h"
 #include "glmtune/data/tokenizer.h"
+#include "support/log_capture.h"
 
 namespace {
 
@@ -40,6 +40,8 @@ using glmtune::data::Sample;
 using glmtune::data::SampleFormat;
 using glmtune::data::TokenizedSample;
 using glmtune::data::Tokenizer;
+using glmtune::test::count_of;
+using glmtune::test::LogCapture;
 
 const Tokenizer& tiny_tokenizer() {
   static const std::unique_ptr<Tokenizer> tok = std::make_unique<Tokenizer>(Tokenizer::from_file(
@@ -396,28 +398,6 @@ TEST_F(DatasetTest, IndexedDatasetLoadsByOffset) {
     EXPECT_NE(e.problem().find("no longer gives the sample"), std::string::npos);
     EXPECT_EQ(e.where(), (dir_ / "idx2.jsonl").string() + ":1");
   }
-}
-
-// Captures what spdlog logs while it lives.
-class LogCapture {
- public:
-  LogCapture() : previous_(spdlog::default_logger()) {
-    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out_);
-    sink->set_pattern("%l %v");
-    spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
-  }
-  ~LogCapture() { spdlog::set_default_logger(previous_); }
-  std::string text() const { return out_.str(); }
-
- private:
-  std::shared_ptr<spdlog::logger> previous_;
-  std::ostringstream out_;
-};
-
-size_t count_of(const std::string& text, const std::string& part) {
-  size_t n = 0;
-  for (size_t p = text.find(part); p != std::string::npos; p = text.find(part, p + 1)) ++n;
-  return n;
 }
 
 TEST_F(DatasetTest, NumberBeyondADoubleIsABadLineNamingItsPlace) {

@@ -3,7 +3,6 @@
 // listed as files.
 
 #include <gtest/gtest.h>
-#include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
 
 #include <filesystem>
@@ -16,11 +15,14 @@
 #include "glmtune/base/error.h"
 #include "glmtune/data/dataset.h"
 #include "glmtune/train/vl_batch.h"
+#include "support/log_capture.h"
 #include "support/temp_dir.h"
 
 using namespace glmtune;
 using glmtune::data::BadLinePolicy;
 using glmtune::data::BadLineReason;
+using glmtune::test::count_of;
+using glmtune::test::LogCapture;
 using glmtune::train::VlDataConfig;
 using glmtune::train::VlDataset;
 namespace fs = std::filesystem;
@@ -40,27 +42,6 @@ const data::media::VlProcessor& processor() {
 const std::string kGood =
     R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "media/chelsea.jpg"}, )"
     R"({"type": "text", "text": "What animal is this?"}]}, {"role": "assistant", "content": "A cat."}]})";
-
-class LogCapture {
- public:
-  LogCapture() : previous_(spdlog::default_logger()) {
-    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out_);
-    sink->set_pattern("%l %v");
-    spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
-  }
-  ~LogCapture() { spdlog::set_default_logger(previous_); }
-  std::string text() const { return out_.str(); }
-
- private:
-  std::shared_ptr<spdlog::logger> previous_;
-  std::ostringstream out_;
-};
-
-size_t count_of(const std::string& text, const std::string& part) {
-  size_t n = 0;
-  for (size_t p = text.find(part); p != std::string::npos; p = text.find(part, p + 1)) ++n;
-  return n;
-}
 
 struct Bad {
   std::string line;
