@@ -29,12 +29,26 @@ t0=$(date +%s)
   --seed 5 --out "$work/model" >"$work/init.log"
 echo "init: $(($(date +%s) - t0)) s"
 "$python" "$here/eval_reference.py" samples --model "$work/model" --out "$work/samples.jsonl"
+run_eval() {
+  local device="$1" data="$2" out="$3"
+  shift 3
+  local t0=$(date +%s)
+  "$bin" eval --model "$work/model" --data "$data" --device "$device" --pack-length 4096 --json \
+    "$@" >"$out"
+  echo "eval on $device ($(basename "$data")$([[ $# -gt 0 ]] && echo ", logits dumped")):" \
+    "$(($(date +%s) - t0)) s"
+}
+# Accuracy: every position's logits dumped.
 for device in cuda cpu; do
-  t0=$(date +%s)
-  "$bin" eval --model "$work/model" --data "$work/samples.jsonl" --device "$device" \
-    --pack-length 4096 --json --dump-logits "$work/$device.safetensors" >"$work/$device.json"
-  echo "eval on $device: $(($(date +%s) - t0)) s"
+  run_eval "$device" "$work/samples.jsonl" "$work/$device.json" \
+    --dump-logits "$work/$device.safetensors"
 done
+# Speed, without the dump: the samples eight times on the GPU (its first pack pays the start-up),
+# once on the CPU.
+for i in 1 2 3 4 5 6 7 8; do cat "$work/samples.jsonl"; done >"$work/samples8.jsonl"
+run_eval cuda "$work/samples8.jsonl" "$work/cuda_speed.json"
+run_eval cpu "$work/samples.jsonl" "$work/cpu_speed.json"
 "$python" "$here/eval_reference.py" compare --model "$work/model" --samples "$work/samples.jsonl" \
   --gpu "$work/cuda.json" --gpu-logits "$work/cuda.safetensors" \
-  --cpu "$work/cpu.json" --cpu-logits "$work/cpu.safetensors" --out "$report"
+  --cpu "$work/cpu.json" --cpu-logits "$work/cpu.safetensors" \
+  --gpu-speed "$work/cuda_speed.json" --cpu-speed "$work/cpu_speed.json" --out "$report"

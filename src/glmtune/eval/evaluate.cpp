@@ -530,9 +530,11 @@ void score_documents(EvalRun& r, const PackPlan& p, const data::Pack& pack, cons
         int32_tensor(std::vector<int32_t>(pack.labels.begin() + b, pack.labels.begin() + e));
     ops::CrossEntropyResult ce;
     if (r.writer) {
-      // On a GPU the bf16 product's logits, widened on the host; the loss from those.
-      const Tensor logits =
-          ops::linear(rows, weights.lm_head).to(Device::cpu()).to(DType::f32).contiguous();
+      // The head's product in f32 (on a GPU: bf16 operands, f32 accumulation and output), so
+      // the dump holds no rounding the loss does not see; the loss from those logits.
+      Tensor logits = Tensor::empty({e - b, weights.lm_head.size(0)}, DType::f32, rows.device());
+      ops::linear_out(logits, rows, weights.lm_head);
+      logits = logits.to(Device::cpu());
       ce = ops::cross_entropy_forward(logits, labels);
       r.writer->write(fmt::format("logits.{}", r.data.out_index[size_t(p.samples[d])]), logits);
     } else {
