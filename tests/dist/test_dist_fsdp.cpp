@@ -236,9 +236,14 @@ TEST(DistFsdp, OneStepEqualsTheSingleProcessStepWithShardedLayers) {
     EXPECT_TRUE(got.emplace(name, g.clone()).second) << name << " twice";
   });
   ASSERT_EQ(got.size(), ref_grads.named.size());
+  // Each pack's layer gradient is summed on its own and then added to the step's slice, where the
+  // plain run adds every contribution into one buffer: an f32 regrouping, about 1e-8 of a
+  // gradient, except for the few-element per-head and per-stream parameters whose sums over every
+  // token cancel (mHC base and scale, dt_bias, A_log): a regrouping moves those by up to a few 1e-6
+  // of themselves, depending on the CPU's rounding (1.3e-6 measured on one, under 1e-6 on another).
   for (const auto& [name, want] : ref_grads.named) {
     ASSERT_TRUE(got.count(name)) << name;
-    EXPECT_LE(rel_diff(got.at(name), want), 1e-6) << name;
+    EXPECT_LE(rel_diff(got.at(name), want), want.numel() >= 1024 ? 1e-6 : 1e-5) << name;
   }
 
   // Memory after the step: this rank's slices only (1/P of the layers, plus padding of fewer

@@ -224,9 +224,10 @@ void check_one_step(bool step_denominators, DType dtype, double tolerance, bool 
   ASSERT_FALSE(grads.named.empty());
   // In f32, the split changes how sums over tokens are grouped (per shard, then over the shards),
   // so the gradients are held to the accuracy f32 has here at all: measured against the f64
-  // gradients of the same step, the split run's error stays within 3× the largest error of the
-  // single-process f32 run (which reaches 1e-5 where per-token terms cancel, e.g. the mHC scale
-  // gradients), and each gradient within `tolerance` of the single-process f32 gradient (the two
+  // gradients of the same step, the split run's error stays within regrouped_f32_bar (3× the
+  // largest error of the single-process f32 run, which reaches 1e-5 where per-token terms cancel,
+  // e.g. the mHC scale gradients, and at least 1e-4), and each gradient within `tolerance` of the
+  // single-process f32 gradient (the two
   // f32 runs can both be 1e-5 away from the f64 values, in different directions).
   model::text::TextGrads exact;
   double ref_error = 0;
@@ -288,7 +289,9 @@ void check_one_step(bool step_denominators, DType dtype, double tolerance, bool 
                             : whole;
     };
     EXPECT_LE(rel_diff(g, part(*ref_grads.find(name))), tolerance) << name;
-    if (dtype == DType::f32) EXPECT_LE(rel_diff(g, part(*exact.find(name))), 3 * ref_error) << name;
+    if (dtype == DType::f32)
+      EXPECT_LE(rel_diff(g, part(*exact.find(name))), dist_test::regrouped_f32_bar(ref_error))
+          << name;
   }
 }
 
