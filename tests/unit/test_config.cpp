@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "glmtune/base/error.h"
 #include "glmtune/base/fs.h"
@@ -215,6 +216,72 @@ TEST(Config, BadFileErrors) {
   EXPECT_THROW(ModelConfig::from_file((dir / "missing.json").string()), Error);
   EXPECT_THROW(ModelConfig::from_file(dir.string()), Error);
   std::filesystem::remove_all(dir);
+}
+
+TEST(Config, RefusesNumbersBeyondTheirRange) {
+  // A number no double holds is an error naming the file, not an nlohmann exception.
+  auto dir =
+      std::filesystem::temp_directory_path() / ("glmtune_cfgn_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "huge.json") << "{\"vocab_size\": 1e999}";
+  try {
+    ModelConfig::from_file((dir / "huge.json").string());
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("1e999"), std::string::npos) << e.what();
+    EXPECT_NE(e.where().find("huge.json"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+
+  // Integer fields: a float beyond int64 (undefined to convert) or an unsigned beyond int64 (it
+  // would wrap to a negative number).
+  Json doc = released();
+  doc["text_config"]["num_hidden_layers"] = 1e300;
+  EXPECT_ERROR(doc, "text_config.num_hidden_layers", "beyond the 64-bit integer range");
+  doc = released();
+  doc["text_config"]["qk_rope_head_dim"] = std::numeric_limits<uint64_t>::max();
+  EXPECT_ERROR(doc, "text_config.qk_rope_head_dim", "beyond the 64-bit integer range");
+  // Sizes that allocate per item are capped far above the release.
+  doc = released();
+  doc["text_config"]["num_hidden_layers"] = 2000000000;
+  EXPECT_ERROR(doc, "text_config.num_hidden_layers", "must be at most 1024");
+  doc = released();
+  doc["text_config"]["num_hidden_layers"] = 1024;
+  doc["text_config"].erase("layer_types");
+  doc["text_config"].erase("mlp_layer_types");
+  doc["text_config"].erase("indexer_types");
+  EXPECT_EQ(ModelConfig::from_json(doc, "cfg.json").text().layer_types.size(), 1024u);
+  doc = released();
+  doc["text_config"]["vocab_size"] = int64_t{1} << 40;
+  EXPECT_ERROR(doc, "text_config.vocab_size", "must be at most 16777216");
+  doc = released();
+  doc["text_config"]["n_routed_experts"] = 1 << 20;
+  EXPECT_ERROR(doc, "text_config.n_routed_experts", "must be at most 16384");
+  doc = released();
+  doc["vision_config"]["depth"] = 5000;
+  EXPECT_ERROR(doc, "vision_config.depth", "must be at most 1024");
+  // `i - offset + 1` of the indexer schedule must not overflow.
+  EXPECT_ERROR(Json({{"index_skip_topk_offset", std::numeric_limits<int64_t>::min()}}),
+               "index_skip_topk_offset", "must be at least -2147483648");
+
+  // --set: a value nlohmann cannot hold, and a key below a field that is not an object.
+  ModelConfig c = ModelConfig::preset("tiny");
+  try {
+    c.set("text_config.vocab_size", "1e999");
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.where(), "--set text_config.vocab_size");
+    EXPECT_NE(std::string(e.what()).find("1e999"), std::string::npos) << e.what();
+  }
+  try {
+    c.set("text_config.hidden_size.x", "1");
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'hidden_size' is not an object"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(c.set("text_config.num_hidden_layers", "2000000000"), Error);
+  EXPECT_EQ(c.text().num_hidden_layers, 5);
 }
 
 TEST(Config, WritesBackLosslessly) {

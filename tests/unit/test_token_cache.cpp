@@ -261,6 +261,79 @@ TEST_F(TokenCacheTest, DetectsCorruptContents) {
   EXPECT_CONTAINS(open_error(path("meta.cache")), "metadata is corrupt");
 }
 
+// Header fields by byte offset (token_cache.cpp, encode_header).
+constexpr size_t kNumSamplesAt = 24, kMetaOffsetAt = 64, kMetaSizeAt = 72, kFileSizeAt = 80;
+
+uint64_t header_field(const std::string& bytes, size_t at) {
+  uint64_t v;
+  std::memcpy(&v, bytes.data() + at, 8);
+  return v;
+}
+void set_header_field(std::string& bytes, size_t at, uint64_t v) {
+  std::memcpy(bytes.data() + at, &v, 8);
+}
+
+TEST_F(TokenCacheTest, RefusesAMetadataOffsetPastTheEnd) {
+  std::string bytes = read_bytes(example_cache());
+  const uint64_t size = bytes.size();
+  const uint64_t meta_offset = header_field(bytes, kMetaOffsetAt);
+  // More samples move the metadata past the end of the file; a metadata size of
+  // `size - meta_offset` (wrapped around) makes `meta_offset + meta_size` equal the file size.
+  const uint64_t extra = (size - meta_offset) / 40 + 1;
+  set_header_field(bytes, kNumSamplesAt, header_field(bytes, kNumSamplesAt) + extra);
+  set_header_field(bytes, kMetaOffsetAt, meta_offset + 40 * extra);
+  set_header_field(bytes, kMetaSizeAt, size - (meta_offset + 40 * extra));
+  ASSERT_GT(meta_offset + 40 * extra, size);
+  write_bytes(path("past.cache"), bytes);
+  EXPECT_CONTAINS(open_error(path("past.cache")), "header is corrupt");
+}
+
+TEST_F(TokenCacheTest, RefusesMetadataOfTheWrongShape) {
+  const std::string bytes = read_bytes(example_cache());
+  const uint64_t meta_offset = header_field(bytes, kMetaOffsetAt);
+  const auto meta = nlohmann::json::parse(bytes.substr(meta_offset));
+  ASSERT_EQ(meta["sources"].size(), 2u);  // the index refers to two files
+  // The cache with its metadata replaced (the checksum does not cover the metadata).
+  auto with_meta = [&](const nlohmann::json& m, const std::string& name) {
+    const std::string text = m.dump();
+    std::string out = bytes.substr(0, meta_offset) + text;
+    set_header_field(out, kMetaSizeAt, text.size());
+    set_header_field(out, kFileSizeAt, out.size());
+    write_bytes(path(name), out);
+    return path(name);
+  };
+  // The error of opening the cache and checking its sources, or "" when both pass.
+  auto error = [](const std::string& file) -> std::string {
+    try {
+      (void)TokenCache::open(file).stale_sources();
+    } catch (const glmtune::Error& e) {
+      EXPECT_EQ(e.where(), file);
+      EXPECT_CONTAINS(std::string(e.what()), "glmtune data prepare");
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(error(with_meta(meta, "same.cache")), "");
+
+  nlohmann::json m = meta;
+  m["sources"] = {1, 2};
+  EXPECT_CONTAINS(error(with_meta(m, "number.cache")), "sources[0] is number, not an object");
+  m = meta;
+  m["sources"][1]["size"] = "12";
+  EXPECT_CONTAINS(error(with_meta(m, "size.cache")), "sources[1].size is string");
+  m = meta;
+  m["sources"][0]["path"] = 3;
+  EXPECT_CONTAINS(error(with_meta(m, "path.cache")), "sources[0].path is number");
+  m = meta;
+  m["sources"][0]["mtime_ns"] = nlohmann::json::array();
+  EXPECT_CONTAINS(error(with_meta(m, "mtime.cache")), "sources[0].mtime_ns is array");
+  m = meta;
+  m["config"] = "auto";
+  EXPECT_CONTAINS(error(with_meta(m, "config.cache")), "\"config\" is string");
+  EXPECT_CONTAINS(error(with_meta(nlohmann::json::array(), "array.cache")),
+                  "expected a JSON object");
+}
+
 TEST_F(TokenCacheTest, RefusesACacheBuiltWithAnotherTokenizer) {
   const std::string good = example_cache();
   // A tokenizer.json differing in one byte (formatting) is a different tokenizer file.

@@ -115,6 +115,33 @@ Header decode_header(const uint8_t* b) {
 
 constexpr const char* kRebuildFix = "run `glmtune data prepare` again to rebuild the cache";
 
+// The metadata is read with nlohmann's typed accessors (the staleness check of the sources, the
+// trainer's comparison of the config), which throw on another type: check the shape once here so
+// that a damaged cache is refused by name instead.
+void check_metadata(const nlohmann::json& meta, const std::string& where) {
+  auto corrupt = [&](const std::string& what) {
+    throw Error("token cache metadata is corrupt: " + what, where, kRebuildFix);
+  };
+  if (!meta.is_object()) corrupt(fmt::format("expected a JSON object, got {}", meta.type_name()));
+  if (meta.contains("config") && !meta["config"].is_object())
+    corrupt(fmt::format("\"config\" is {}, not an object", meta["config"].type_name()));
+  if (!meta.contains("sources")) return;
+  const nlohmann::json& sources = meta["sources"];
+  if (!sources.is_array())
+    corrupt(fmt::format("\"sources\" is {}, not a list", sources.type_name()));
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const nlohmann::json& s = sources[i];
+    if (!s.is_object()) corrupt(fmt::format("sources[{}] is {}, not an object", i, s.type_name()));
+    auto field = [&](const char* key, bool ok, const char* type) {
+      if (s.contains(key) && !ok)
+        corrupt(fmt::format("sources[{}].{} is {}, not {}", i, key, s[key].type_name(), type));
+    };
+    field("path", s.contains("path") && s["path"].is_string(), "a string");
+    field("size", s.contains("size") && s["size"].is_number_unsigned(), "a byte count");
+    field("mtime_ns", s.contains("mtime_ns") && s["mtime_ns"].is_number_integer(), "an integer");
+  }
+}
+
 }  // namespace
 
 uint64_t tokenizer_file_hash(const fs::path& tokenizer_json) {
@@ -309,7 +336,10 @@ TokenCache TokenCache::open(const fs::path& path, std::optional<uint64_t> expect
       h.mask_offset != h.ids_offset + 4 * h.num_tokens ||
       h.index_offset != h.mask_offset + align8(h.num_tokens) ||
       h.meta_offset != h.index_offset + kEntrySize * h.num_samples ||
-      h.meta_offset + h.meta_size != h.file_size)
+      // Not `meta_offset + meta_size == size`: a huge meta_size wraps that sum around to the file
+      // size and lets an offset past the end through. The counts bound the offsets above (no
+      // wrap-around: < 2^62), and they grow section by section up to meta_offset.
+      h.meta_offset > size || h.meta_size != size - h.meta_offset)
     throw Error("token cache header is corrupt (section offsets do not match the counts)", where,
                 kRebuildFix);
   if (expected_tokenizer_hash && *expected_tokenizer_hash != h.tokenizer_hash)
@@ -322,6 +352,7 @@ TokenCache TokenCache::open(const fs::path& path, std::optional<uint64_t> expect
   } catch (const nlohmann::json::exception& e) {
     throw Error(std::string("token cache metadata is corrupt: ") + e.what(), where, kRebuildFix);
   }
+  check_metadata(c.meta_, where);
   c.num_samples_ = static_cast<int64_t>(h.num_samples);
   c.num_tokens_ = static_cast<int64_t>(h.num_tokens);
   c.tokenizer_hash_ = h.tokenizer_hash;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -13,6 +14,18 @@
 
 namespace glmtune::model {
 namespace {
+
+// Upper bounds on the sizes glmtune allocates per item (docs/checkpoints.md). Each is far above
+// the released model, so no real config meets them; they exist so that a damaged or hostile file
+// (2e9 layers) is refused with an error instead of allocating gigabytes of schedules and weights,
+// and so that the parameter counts derived from them stay inside int64.
+constexpr int64_t kMaxLayers = 1024;    // released: 45 text layers, 24 vision blocks
+constexpr int64_t kMaxHeads = 1024;     // released: 64 attention / KDA heads, 32 indexer heads
+constexpr int64_t kMaxExperts = 16384;  // released: 288 routed experts, 1 shared
+constexpr int64_t kMaxVocab = 1 << 24;  // released: 154,880 tokens
+constexpr int64_t kMaxWidth = 1 << 18;  // widths, ranks, head dims; released: at most 12,288
+constexpr int64_t kMaxPatch = 1024;     // vision channels, patch and merge sizes; released: <= 14
+constexpr int64_t kMaxStreams = 64;     // hc_mult residual streams; released: 4
 
 // Reads typed fields from one JSON object, naming `<source>: <section>.<field>` in every error, and
 // remembers which keys it knows so that --set can reject typos.
@@ -35,14 +48,26 @@ class FieldReader {
     return object_.contains(key) ? &object_.at(key) : nullptr;
   }
 
-  void integer(const std::string& key, int64_t& out, int64_t min_value = 0) const {
+  void integer(const std::string& key, int64_t& out, int64_t min_value = 0,
+               int64_t max_value = std::numeric_limits<int64_t>::max()) const {
     const Json* v = get(key);
     if (!v || v->is_null()) return;
     if (v->is_number_float()) {
       double d = v->get<double>();
       if (std::floor(d) != d)
         fail(key, fmt::format("expected an integer, got {}", v->dump()), "write a whole number");
+      // Converting a double outside int64 is undefined behaviour: refuse it before the cast.
+      if (!(d >= -0x1p63 && d < 0x1p63))
+        fail(key, fmt::format("{} is beyond the 64-bit integer range", v->dump()),
+             fmt::format("write a whole number between {} and {}", min_value, max_value));
       out = int64_t(d);
+    } else if (v->is_number_unsigned()) {
+      // nlohmann keeps 2^63..2^64-1 as unsigned; get<int64_t> would wrap them to negatives.
+      const uint64_t u = v->get<uint64_t>();
+      if (u > uint64_t(std::numeric_limits<int64_t>::max()))
+        fail(key, fmt::format("{} is beyond the 64-bit integer range", u),
+             fmt::format("write a whole number between {} and {}", min_value, max_value));
+      out = int64_t(u);
     } else if (v->is_number_integer()) {
       out = v->get<int64_t>();
     } else {
@@ -51,6 +76,12 @@ class FieldReader {
     if (out < min_value)
       fail(key, fmt::format("must be at least {}, got {}", min_value, out),
            fmt::format("set it to a value >= {}", min_value));
+    if (out > max_value)
+      fail(key, fmt::format("must be at most {}, got {}", max_value, out),
+           fmt::format("set it to a value <= {} (glmtune caps the sizes it allocates per layer, "
+                       "head, expert or token far above the released model, so that a damaged "
+                       "config is refused instead of exhausting memory)",
+                       max_value));
   }
   void number(const std::string& key, double& out) const {
     const Json* v = get(key);
@@ -225,26 +256,26 @@ TextConfig parse_text(const Json& t, const std::string& source, const std::strin
                 "text_config must be an object of model fields");
   FieldReader r(t, source, section);
   TextConfig c;
-  r.integer("vocab_size", c.vocab_size, 1);
-  r.integer("hidden_size", c.hidden_size, 1);
-  r.integer("intermediate_size", c.intermediate_size, 1);
-  r.integer("moe_intermediate_size", c.moe_intermediate_size, 1);
-  r.integer("num_hidden_layers", c.num_hidden_layers, 1);
-  r.integer("num_attention_heads", c.num_attention_heads, 1);
+  r.integer("vocab_size", c.vocab_size, 1, kMaxVocab);
+  r.integer("hidden_size", c.hidden_size, 1, kMaxWidth);
+  r.integer("intermediate_size", c.intermediate_size, 1, kMaxWidth);
+  r.integer("moe_intermediate_size", c.moe_intermediate_size, 1, kMaxWidth);
+  r.integer("num_hidden_layers", c.num_hidden_layers, 1, kMaxLayers);
+  r.integer("num_attention_heads", c.num_attention_heads, 1, kMaxHeads);
   c.num_key_value_heads = c.num_attention_heads;
-  r.integer("num_key_value_heads", c.num_key_value_heads, 1);
-  r.integer("n_shared_experts", c.n_shared_experts, 0);
-  r.integer("num_local_experts", c.n_routed_experts, 1);
-  r.integer("n_routed_experts", c.n_routed_experts, 1);
+  r.integer("num_key_value_heads", c.num_key_value_heads, 1, kMaxHeads);
+  r.integer("n_shared_experts", c.n_shared_experts, 0, kMaxExperts);
+  r.integer("num_local_experts", c.n_routed_experts, 1, kMaxExperts);
+  r.integer("n_routed_experts", c.n_routed_experts, 1, kMaxExperts);
   r.number("routed_scaling_factor", c.routed_scaling_factor);
-  r.integer("kv_lora_rank", c.kv_lora_rank, 1);
+  r.integer("kv_lora_rank", c.kv_lora_rank, 1, kMaxWidth);
   if (r.get("q_lora_rank") && r.get("q_lora_rank")->is_null())
     r.fail("q_lora_rank", "must not be null: GLM-5.3 always uses the low-rank query path",
            "set q_lora_rank to an integer (1536 in the release)");
-  r.integer("q_lora_rank", c.q_lora_rank, 1);
+  r.integer("q_lora_rank", c.q_lora_rank, 1, kMaxWidth);
   r.integer("qk_rope_head_dim", c.qk_rope_head_dim, std::numeric_limits<int64_t>::min());
-  r.integer("v_head_dim", c.v_head_dim, 1);
-  r.integer("qk_nope_head_dim", c.qk_nope_head_dim, 1);
+  r.integer("v_head_dim", c.v_head_dim, 1, kMaxWidth);
+  r.integer("qk_nope_head_dim", c.qk_nope_head_dim, 1, kMaxWidth);
   r.integer("n_group", c.n_group, 1);
   r.integer("topk_group", c.topk_group, 1);
   r.integer("num_experts_per_tok", c.num_experts_per_tok, 1);
@@ -257,14 +288,14 @@ TextConfig parse_text(const Json& t, const std::string& source, const std::strin
   r.boolean("attention_bias", c.attention_bias);
   r.number("attention_dropout", c.attention_dropout);
   r.integer("index_topk", c.index_topk, 1);
-  r.integer("index_head_dim", c.index_head_dim, 1);
-  r.integer("index_n_heads", c.index_n_heads, 1);
+  r.integer("index_head_dim", c.index_head_dim, 1, kMaxWidth);
+  r.integer("index_n_heads", c.index_n_heads, 1, kMaxHeads);
   r.integer("index_kpool", c.index_kpool, std::numeric_limits<int64_t>::min());
   r.boolean("index_kpool_always_select_tail", c.index_kpool_always_select_tail);
   r.number("swiglu_limit", c.swiglu_limit);
-  r.integer("linear_head_dim", c.linear_head_dim, 1);
-  r.integer("linear_num_heads", c.linear_num_heads, 1);
-  r.integer("linear_conv_kernel_dim", c.linear_conv_kernel_dim, 1);
+  r.integer("linear_head_dim", c.linear_head_dim, 1, kMaxWidth);
+  r.integer("linear_num_heads", c.linear_num_heads, 1, kMaxHeads);
+  r.integer("linear_conv_kernel_dim", c.linear_conv_kernel_dim, 1, kMaxWidth);
   if (r.get("linear_lower_bound")) {
     if (r.get("linear_lower_bound")->is_null()) {
       c.linear_lower_bound.reset();
@@ -274,7 +305,7 @@ TextConfig parse_text(const Json& t, const std::string& source, const std::strin
       c.linear_lower_bound = lb;
     }
   }
-  r.integer("hc_mult", c.hc_mult, 1);
+  r.integer("hc_mult", c.hc_mult, 1, kMaxStreams);
   r.number("hc_eps", c.hc_eps);
   r.integer("hc_sinkhorn_iters", c.hc_sinkhorn_iters, 1);
   r.boolean("output_router_logits", c.output_router_logits);
@@ -344,7 +375,10 @@ TextConfig parse_text(const Json& t, const std::string& source, const std::strin
   } else {
     int64_t freq = 1, offset = 2;
     r.integer("index_topk_freq", freq, std::numeric_limits<int64_t>::min());
-    r.integer("index_skip_topk_offset", offset, std::numeric_limits<int64_t>::min());
+    // Bounded so that `i - offset + 1` cannot overflow; every schedule of at most kMaxLayers
+    // layers has an offset inside the int32 range.
+    r.integer("index_skip_topk_offset", offset, std::numeric_limits<int32_t>::min(),
+              std::numeric_limits<int32_t>::max());
     freq = std::max<int64_t>(freq, 1);
     for (int64_t i = 0; i < L; ++i)
       c.indexer_types.push_back(std::max<int64_t>(i - offset + 1, 0) % freq == 0
@@ -355,9 +389,9 @@ TextConfig parse_text(const Json& t, const std::string& source, const std::strin
     const Json& la = t.at("linear_attn_config");
     if (!la.is_object()) r.fail("linear_attn_config", "expected an object", "write a JSON object");
     FieldReader lr(la, source, r.path("linear_attn_config"));
-    lr.integer("head_dim", c.linear_head_dim, 1);
-    lr.integer("num_heads", c.linear_num_heads, 1);
-    lr.integer("short_conv_kernel_size", c.linear_conv_kernel_dim, 1);
+    lr.integer("head_dim", c.linear_head_dim, 1, kMaxWidth);
+    lr.integer("num_heads", c.linear_num_heads, 1, kMaxHeads);
+    lr.integer("short_conv_kernel_size", c.linear_conv_kernel_dim, 1, kMaxWidth);
     if (lr.get("gate_lower_bound")) {
       if (lr.get("gate_lower_bound")->is_null()) {
         c.linear_lower_bound.reset();
@@ -450,23 +484,23 @@ VisionConfig parse_vision(const Json& v, const std::string& source, int64_t text
                 "vision_config must be an object");
   FieldReader r(v, source, "vision_config");
   VisionConfig c;
-  r.integer("depth", c.depth, 0);
-  r.integer("hidden_size", c.hidden_size, 1);
-  r.integer("num_attention_heads", c.num_heads, 1);
-  r.integer("num_heads", c.num_heads, 1);
-  r.integer("intermediate_size", c.intermediate_size, 1);
+  r.integer("depth", c.depth, 0, kMaxLayers);
+  r.integer("hidden_size", c.hidden_size, 1, kMaxWidth);
+  r.integer("num_attention_heads", c.num_heads, 1, kMaxHeads);
+  r.integer("num_heads", c.num_heads, 1, kMaxHeads);
+  r.integer("intermediate_size", c.intermediate_size, 1, kMaxWidth);
   r.string("hidden_act", c.hidden_act);
   r.boolean("attention_bias", c.attention_bias);
   r.number("attention_dropout", c.attention_dropout);
-  r.integer("in_channels", c.in_channels, 1);
-  r.integer("patch_size", c.patch_size, 1);
-  r.integer("temporal_patch_size", c.temporal_patch_size, 1);
-  r.integer("spatial_merge_size", c.spatial_merge_size, 1);
-  r.integer("out_hidden_size", c.out_hidden_size, 1);
-  r.integer("projection_intermediate_size", c.projection_intermediate_size, 1);
+  r.integer("in_channels", c.in_channels, 1, kMaxPatch);
+  r.integer("patch_size", c.patch_size, 1, kMaxPatch);
+  r.integer("temporal_patch_size", c.temporal_patch_size, 1, kMaxPatch);
+  r.integer("spatial_merge_size", c.spatial_merge_size, 1, kMaxPatch);
+  r.integer("out_hidden_size", c.out_hidden_size, 1, kMaxWidth);
+  r.integer("projection_intermediate_size", c.projection_intermediate_size, 1, kMaxWidth);
   r.number("rms_norm_eps", c.rms_norm_eps);
   r.number("swiglu_limit", c.swiglu_limit);
-  r.integer("image_size", c.image_size, 1);
+  r.integer("image_size", c.image_size, 1, kMaxWidth);
   r.number("initializer_range", c.initializer_range);
   if (r.has("rope_parameters")) {
     const Json& rp = v.at("rope_parameters");
@@ -535,6 +569,10 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
   } catch (const Json::parse_error& e) {
     throw Error(fmt::format("not valid JSON: {}", e.what()), path,
                 "fix the JSON syntax (a trailing comma or missing quote?)");
+  } catch (const Json::exception& e) {
+    // out_of_range: a number no double holds (1e999); nothing else of nlohmann may escape either.
+    throw Error(fmt::format("unreadable JSON: {}", e.what()), path,
+                "write every number within the range of a double (about 1.8e308)");
   }
   return from_json(doc, path);
 }
@@ -629,6 +667,10 @@ bool ModelConfig::edit(const std::string& dotted_key, const std::string& value) 
     parsed = Json::parse(value);
   } catch (const Json::parse_error&) {
     parsed = value;
+  } catch (const Json::exception& e) {
+    // Valid JSON syntax that nlohmann cannot hold, e.g. 1e999: taking it as a string would hide it.
+    throw Error(fmt::format("the value '{}' cannot be read: {}", value, e.what()), where,
+                "write a number within the range of a double (about 1.8e308)");
   }
   // Flat text-only configs have no text_config section: accept the nested spelling for them too.
   if (flat_ && parts.size() > 1 && parts[0] == "text_config") parts.erase(parts.begin());
@@ -654,6 +696,9 @@ bool ModelConfig::edit(const std::string& dotted_key, const std::string& value) 
     }
     node = &(*node)[parts[i]];
   }
+  if (parts.size() > 1 && !node->is_object() && !node->is_null())
+    throw Error(fmt::format("'{}' is not an object", parts[parts.size() - 2]), where,
+                "check the key path");
   if (!known && !node->contains(parts.back()))
     throw Error(
         fmt::format("unknown field '{}'", parts.back()), where,
