@@ -511,13 +511,13 @@ void DatasetStats::merge(const DatasetStats& o) {
   lines += o.lines;
   samples += o.samples;
   for (size_t i = 0; i < skipped.size(); ++i) skipped[i] += o.skipped[i];
-  for (const auto& [file, n] : o.skipped_by_file) {
+  for (const auto& entry : o.skipped_by_file) {
     auto it = std::find_if(skipped_by_file.begin(), skipped_by_file.end(),
-                           [&](const auto& f) { return f.first == file; });
+                           [&](const auto& f) { return f.first == entry.first; });
     if (it == skipped_by_file.end())
-      skipped_by_file.emplace_back(file, n);
+      skipped_by_file.push_back(entry);
     else
-      it->second += n;
+      it->second += entry.second;
   }
   truncated += o.truncated;
   dropped_overlong += o.dropped_overlong;
