@@ -183,8 +183,11 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
   const Tensor x = x_in.contiguous();
   const Tensor dy = dy_in.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1), k = routing.indices.size(1);
-  Tensor& d_gate_up = grad_slot(grads.gate_up_proj, params.gate_up_proj);
-  Tensor& d_down = grad_slot(grads.down_proj, params.down_proj);
+  // Frozen experts: no buffers, and the owners compute the input gradients only.
+  const Tensor d_gate_up =
+      params.gate_up_proj.frozen() ? Tensor() : grad_slot(grads.gate_up_proj, params.gate_up_proj);
+  const Tensor d_down =
+      params.down_proj.frozen() ? Tensor() : grad_slot(grads.down_proj, params.down_proj);
   const Plan plan = make_plan(ep, routing, n_experts, per_rank);
   const int64_t pairs = int64_t(plan.slots.size());
   const Tensor w_t = routing.weights.contiguous();
@@ -229,14 +232,16 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
         }
         reply_p[which[size_t(r)] * reply_width + dim] = dot;
       }
-      Tensor d_down_e = d_down.select(0, j);
-      const Tensor d_act = ops::linear_backward(dye, f.act, wd, &d_down_e);
+      Tensor d_down_e = d_down.defined() ? d_down.select(0, j) : Tensor();
+      const Tensor d_act =
+          ops::linear_backward(dye, f.act, wd, d_down.defined() ? &d_down_e : nullptr);
       Tensor dh = Tensor::empty({n, 2 * inter}, x.dtype());
       Tensor dhg = dh.narrow(1, 0, inter), dhu = dh.narrow(1, inter, inter);
       ops::swiglu_clamped_backward(f.h.narrow(1, 0, inter), f.h.narrow(1, inter, inter), d_act,
                                    cfg.swiglu_limit, dhg, dhu);
-      Tensor d_gate_up_e = d_gate_up.select(0, j);
-      const Tensor dxe = ops::linear_backward(dh, xe, wgu, &d_gate_up_e);
+      Tensor d_gate_up_e = d_gate_up.defined() ? d_gate_up.select(0, j) : Tensor();
+      const Tensor dxe =
+          ops::linear_backward(dh, xe, wgu, d_gate_up.defined() ? &d_gate_up_e : nullptr);
       for (int64_t r = 0; r < n; ++r)
         std::copy_n(dxe.data<T>() + r * dim, dim, reply_p + which[size_t(r)] * reply_width);
     }

@@ -34,7 +34,7 @@ LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& exper
                    "routed-expert tensor '{}' is {}, expected {} of the {} experts", p.name,
                    p.value.defined() ? p.value.str() : std::string("undefined"), local, n);
     full_bytes_ += int64_t(p.value.nbytes()) / local * n;
-    entries_.push_back({p.name, p.value, p.sources});
+    entries_.push_back({p.name, p.value, p.sources, p.trainable});
   }
   if (entries_.empty())
     throw Error("expert parallelism asked for, but the model has no routed experts",
@@ -43,7 +43,7 @@ LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& exper
 
 std::vector<train::NamedParam> LocalExperts::params() const {
   std::vector<train::NamedParam> out;
-  for (const Entry& e : entries_) out.push_back({e.name, e.local, true});
+  for (const Entry& e : entries_) out.push_back({e.name, e.local, e.trainable});
   return out;
 }
 

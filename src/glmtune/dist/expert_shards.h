@@ -49,7 +49,8 @@ class LocalExperts {
   LocalExperts(model::ParamStore& store, const ExpertParallel& experts);
 
   const ExpertParallel& experts() const { return experts_; }
-  // The slices in store order, trainable, sharing storage with the store's tensors.
+  // The slices in store order, sharing storage with the store's tensors; frozen ones are marked
+  // not trainable.
   std::vector<train::NamedParam> params() const;
   bool holds(const std::string& name) const;
 
@@ -71,6 +72,7 @@ class LocalExperts {
     std::string name;
     Tensor local;                      // [n/E, ...], the store's tensor
     std::vector<std::string> sources;  // released names, as in model::InternalParam
+    bool trainable = true;             // false when train.freeze froze it
   };
   const ExpertParallel& experts_;
   std::vector<Entry> entries_;

@@ -107,6 +107,7 @@ void ShardedLayers::build(const LayerSource& source) {
                                         dtype_name(t->dtype()), dtype_name(weights.dtype)));
       Param p;
       p.field = t;
+      p.frozen = t->frozen();
       p.shape = t->shape();
       p.named = sharing(weights.named, *t);
       if (p.named.empty())
@@ -124,13 +125,15 @@ void ShardedLayers::build(const LayerSource& source) {
       }
       // Gradients accumulate in the compute dtype on the CPU, in f32 on a GPU.
       const DType grad_dtype = on_gpu ? DType::f32 : t->dtype();
+      const bool trained = grad_fields[f]->defined();
       p.flat = L.flats.size();
       for (size_t k = 0; k < L.flats.size(); ++k)
-        if (L.flats[k].dtype == t->dtype()) p.flat = k;
+        if (L.flats[k].dtype == t->dtype() && L.flats[k].trained == trained) p.flat = k;
       if (p.flat == L.flats.size()) {
         Flat fl;
         fl.dtype = t->dtype();
         fl.grad_dtype = grad_dtype;
+        fl.trained = trained;
         L.flats.push_back(std::move(fl));
         used.push_back(0);
       }
@@ -165,7 +168,8 @@ void ShardedLayers::build(const LayerSource& source) {
       Flat& fl = L.flats[k];
       fl.padded = round_up(std::max<int64_t>(used[k], 1), ranks * align);
       fl.shard = Tensor::zeros({fl.padded / ranks}, fl.dtype, weights.device);
-      fl.grad_shard = Tensor::zeros({fl.padded / ranks}, fl.grad_dtype, weights.device);
+      if (fl.trained)
+        fl.grad_shard = Tensor::zeros({fl.padded / ranks}, fl.grad_dtype, weights.device);
     }
     // Each rank copies (or reads) the part of each tensor inside its own range, no communication.
     for (size_t i = 0; i < L.params.size(); ++i) {
@@ -258,6 +262,7 @@ void ShardedLayers::gather(int64_t layer) {
   }
   for (Param& p : L.params) {
     *p.field = full[p.flat].slice(0, p.offset, p.offset + shape_numel(p.shape)).view(p.shape);
+    p.field->set_frozen(p.frozen);
     for (size_t i : p.named) weights_.named[i].second = *p.field;
   }
 }
@@ -283,6 +288,7 @@ void ShardedLayers::release(int64_t layer) {
 void ShardedLayers::allocate_gradients(int64_t layer) {
   Layer& L = layer_at(layer, "allocate_gradients");
   for (Flat& fl : L.flats) {
+    if (!fl.trained) continue;
     GLMTUNE_ASSERT(!fl.grad_full.defined(), "gradient buffers of layer {} allocated twice", layer);
     fl.grad_full = Tensor::zeros({fl.padded}, fl.grad_dtype, weights_.device);
     fl.grad_allocated = fl.grad_full.storage();
@@ -306,6 +312,7 @@ void ShardedLayers::reduce_gradients(int64_t layer) {
   // start, so at most two layers' full gradient buffers exist.
   finish_reductions();
   for (Flat& fl : L.flats) {
+    if (!fl.trained) continue;
     GLMTUNE_ASSERT(fl.grad_full.defined(), "reduce_gradients of layer {} without its buffers",
                    layer);
     Reduction r;
@@ -345,7 +352,8 @@ int64_t ShardedLayers::gradient_bytes() const {
   std::set<const Storage*> seen;
   for (const Layer& L : layers_)
     for (const Flat& fl : L.flats)
-      bytes += int64_t(fl.grad_shard.nbytes()) + live_bytes(fl.grad_allocated, seen);
+      if (fl.trained)
+        bytes += int64_t(fl.grad_shard.nbytes()) + live_bytes(fl.grad_allocated, seen);
   for (const Reduction& r : reductions_) bytes += live_bytes(r.full.storage(), seen);
   return bytes;
 }
@@ -353,14 +361,16 @@ int64_t ShardedLayers::gradient_bytes() const {
 void ShardedLayers::zero_gradients() {
   finish_reductions();
   for (Layer& L : layers_)
-    for (Flat& fl : L.flats) fl.grad_shard.zero_();
+    for (Flat& fl : L.flats)
+      if (fl.trained) fl.grad_shard.zero_();
 }
 
 void ShardedLayers::all_reduce_gradients(Communicator& replicas) {
   finish_reductions();
   if (replicas.size() == 1) return;
   for (Layer& L : layers_)
-    for (Flat& fl : L.flats) replicas.all_reduce(fl.grad_shard);
+    for (Flat& fl : L.flats)
+      if (fl.trained) replicas.all_reduce(fl.grad_shard);
 }
 
 void ShardedLayers::gather_gradients(
@@ -368,7 +378,8 @@ void ShardedLayers::gather_gradients(
   finish_reductions();
   for (Layer& L : layers_) {
     std::vector<Tensor> full;
-    for (const Flat& fl : L.flats) full.push_back(all_gather_flat(fl, fl.grad_shard));
+    for (const Flat& fl : L.flats)
+      full.push_back(fl.trained ? all_gather_flat(fl, fl.grad_shard) : Tensor());
     for (const Param& p : L.params) {
       if (!p.grad) continue;
       const Tensor grad =

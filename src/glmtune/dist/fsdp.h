@@ -166,6 +166,7 @@ class ShardedLayers final : public model::text::LayerParamProvider {
     Shape shape;
     size_t flat = 0;
     int64_t offset = 0;
+    bool frozen = false;  // the model's tensor is frozen: so is every gathered view of it
   };
   struct Prefetch {
     Tensor buffer;
@@ -181,6 +182,9 @@ class ShardedLayers final : public model::text::LayerParamProvider {
   // The tensors of one dtype of a layer.
   struct Flat {
     DType dtype = DType::f32, grad_dtype = DType::f32;
+    // Whether its tensors are trained. Frozen tensors (and the indexer's) have flats of their own,
+    // which have no gradient buffers and take part in no reduction.
+    bool trained = true;
     int64_t padded = 0;  // elements, a multiple of the group size
     Tensor shard;        // [padded / P]
     std::weak_ptr<Storage> gathered;

@@ -21,11 +21,12 @@ int64_t pack_tokens(const Tensor& cu_seqlens) {
   return c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[n - 1]) : c.data<int64_t>()[n - 1];
 }
 
+// The slices are frozen like the parameter, so a frozen one gets no gradient on any rank.
 Tensor rows_of(const Tensor& t, int64_t begin, int64_t n) {
-  return t.narrow(0, begin, n).contiguous();
+  return t.narrow(0, begin, n).contiguous().set_frozen(t.frozen());
 }
 Tensor cols_of(const Tensor& t, int64_t begin, int64_t n) {
-  return t.narrow(1, begin, n).contiguous();
+  return t.narrow(1, begin, n).contiguous().set_frozen(t.frozen());
 }
 
 // grad[row0 + i, col0 + j] += part[i, j], both seen as [size(0), numel / size(0)]; `grad` is
@@ -63,7 +64,7 @@ Tensor stacked_rows(const Tensor& t, int64_t blocks, int64_t stride, int64_t beg
   Tensor out = Tensor::empty(shape, t.dtype(), t.device());
   for (int64_t b = 0; b < blocks; ++b)
     out.narrow(0, b * n, n).copy_(t.narrow(0, b * stride + begin, n));
-  return out;
+  return out.set_frozen(t.frozen());
 }
 
 // This rank's heads of one KDA layer: the parameters restricted to them and the options that

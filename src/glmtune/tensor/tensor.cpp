@@ -162,7 +162,7 @@ Tensor Tensor::view(const Shape& shape) const {
     out[infer] = numel() / known;
   }
   GLMTUNE_ASSERT(shape_numel(out) == numel(), "cannot view {} as {}", str(), shape_str(shape));
-  return Tensor(storage_, offset_, out, contiguous_strides(out), dtype_);
+  return derived(offset_, out, contiguous_strides(out));
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end) const {
@@ -171,7 +171,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end) const {
                  start, end, d, str());
   Shape shape = shape_;
   shape[d] = end - start;
-  return Tensor(storage_, offset_ + start * strides_[d], shape, strides_, dtype_);
+  return derived(offset_ + start * strides_[d], shape, strides_);
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
@@ -181,7 +181,7 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   Shape shape = shape_, strides = strides_;
   shape.erase(shape.begin() + d);
   strides.erase(strides.begin() + d);
-  return Tensor(storage_, offset_ + index * strides_[d], shape, strides, dtype_);
+  return derived(offset_ + index * strides_[d], shape, strides);
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
@@ -190,7 +190,7 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   Shape shape = shape_, strides = strides_;
   std::swap(shape[d0], shape[d1]);
   std::swap(strides[d0], strides[d1]);
-  return Tensor(storage_, offset_, shape, strides, dtype_);
+  return derived(offset_, shape, strides);
 }
 
 Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
@@ -204,7 +204,7 @@ Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
     shape[i] = shape_[d];
     strides[i] = strides_[d];
   }
-  return Tensor(storage_, offset_, shape, strides, dtype_);
+  return derived(offset_, shape, strides);
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
@@ -213,7 +213,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
   int64_t stride = d < dim() ? strides_[d] * shape_[d] : 1;
   shape.insert(shape.begin() + d, 1);
   strides.insert(strides.begin() + d, stride);
-  return Tensor(storage_, offset_, shape, strides, dtype_);
+  return derived(offset_, shape, strides);
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
@@ -222,7 +222,13 @@ Tensor Tensor::squeeze(int64_t d) const {
   Shape shape = shape_, strides = strides_;
   shape.erase(shape.begin() + d);
   strides.erase(strides.begin() + d);
-  return Tensor(storage_, offset_, shape, strides, dtype_);
+  return derived(offset_, shape, strides);
+}
+
+Tensor Tensor::derived(int64_t offset, Shape shape, Shape strides) const {
+  Tensor t(storage_, offset, std::move(shape), std::move(strides), dtype_);
+  t.frozen_ = frozen_;
+  return t;
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {

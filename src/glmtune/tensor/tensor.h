@@ -118,6 +118,15 @@ class Tensor {
   // All elements as doubles in row-major order (CPU or CUDA; copies to host).
   std::vector<double> to_doubles() const;
 
+  // A frozen tensor is a parameter that receives no gradient: the backward passes skip its
+  // gradient (they neither compute nor allocate one) when given it as a weight. Views of it are
+  // frozen too; copies (clone, to, contiguous of a strided view) are not. Off by default.
+  bool frozen() const { return frozen_; }
+  Tensor& set_frozen(bool frozen = true) {
+    frozen_ = frozen;
+    return *this;
+  }
+
   // "f32[2, 3] cpu"
   std::string str() const;
 
@@ -126,12 +135,15 @@ class Tensor {
   void check_dtype(DType expected) const;
   int64_t normalize_dim(int64_t d, int64_t ndim_for_insert = -1) const;
   int64_t linear_offset(std::initializer_list<int64_t> index) const;
+  // A view of this tensor's storage (offset, shape and strides in elements), frozen like it.
+  Tensor derived(int64_t offset, Shape shape, Shape strides) const;
 
   std::shared_ptr<Storage> storage_;
   int64_t offset_ = 0;
   Shape shape_;
   Shape strides_;
   DType dtype_ = DType::f32;
+  bool frozen_ = false;
 };
 
 template <typename T>

@@ -43,7 +43,7 @@ class GradBuilder {
     const auto it = by_ptr_.find(w.data_ptr());
     GLMTUNE_ASSERT(it != by_ptr_.end(), "a text weight of shape {} is missing from the name table",
                    shape_str(w.shape()));
-    if (!is_trainable_param(it->second)) return;
+    if (w.frozen() || !is_trainable_param(it->second)) return;
     // Gradients accumulate in the compute dtype on the CPU and in f32 on the GPU (bf16 weights).
     g = Tensor::zeros(w.shape(), w.device().is_cuda() ? DType::f32 : w.dtype(), w.device());
     g_.named.emplace_back(it->second, g);

@@ -45,6 +45,9 @@ class Loader {
   Tensor get(const std::string& name) {
     Tensor t = w_.device.is_cuda() ? to_device(store_.get(name), name, w_.device, w_.dtype)
                                    : to_compute(store_.get(name), w_.dtype);
+    // A tensor the store does not train (the indexer, the router bias, `train.freeze`) is frozen:
+    // the backward passes give it no gradient.
+    t.set_frozen(!store_.param(name).trainable);
     w_.named.emplace_back(name, t);
     return t;
   }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/grad.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops::cpu_detail {

@@ -177,6 +177,7 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& labels,
 CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden_in, const Tensor& weight_in,
                                          const Tensor& labels, const CrossEntropyOptions& opts,
                                          Tensor* dhidden, Tensor* dweight) {
+  dweight = grad_if_trained(dweight, weight_in);
   GLMTUNE_DISPATCH_CUDA(hidden_in, cuda_path::lm_head_cross_entropy(hidden_in, weight_in, labels,
                                                                     opts, dhidden, dweight));
   GLMTUNE_ASSERT(hidden_in.defined() && hidden_in.dim() == 2 && hidden_in.device().is_cpu() &&

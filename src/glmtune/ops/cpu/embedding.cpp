@@ -101,6 +101,7 @@ Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
 
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
                         std::optional<int64_t> padding_idx, Tensor& dtable) {
+  if (table.frozen()) return;  // a frozen table gets no gradient
   GLMTUNE_DISPATCH_CUDA(table,
                         cuda_path::embedding_backward(table, ids, dout, padding_idx, dtable));
   check_table(table);

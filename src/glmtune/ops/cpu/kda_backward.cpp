@@ -486,7 +486,7 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
   Tensor xc = x.contiguous(), wc = weight.contiguous(), gc = dy.contiguous();
   Tensor dx = Tensor::empty(x.shape(), x.dtype());
   Tensor* gw = nullptr;
-  if (grad_weight) gw = &grad_slot(*grad_weight, weight, "weight", op);
+  if (grad_if_trained(grad_weight, weight)) gw = &grad_slot(*grad_weight, weight, "weight", op);
   if (x.dtype() == DType::f32)
     conv_backward_kernel<float>(xc.data<float>(), wc.data<float>(), cu, c, kc, silu,
                                 silu ? pre.data<float>() : nullptr, gc.data<float>(),
@@ -520,8 +520,11 @@ Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor
   Tensor gc = graw.contiguous(), dc = dt_bias.contiguous(), ac = A_log.contiguous(),
          dgc = dg.contiguous();
   Tensor dz = Tensor::empty(graw.shape(), graw.dtype());
-  Tensor* gdt = grad_dt_bias ? &grad_slot(*grad_dt_bias, dt_bias, "dt_bias", op) : nullptr;
-  Tensor* gal = grad_A_log ? &grad_slot(*grad_A_log, A_log, "A_log", op) : nullptr;
+  Tensor* gdt = grad_if_trained(grad_dt_bias, dt_bias)
+                    ? &grad_slot(*grad_dt_bias, dt_bias, "dt_bias", op)
+                    : nullptr;
+  Tensor* gal =
+      grad_if_trained(grad_A_log, A_log) ? &grad_slot(*grad_A_log, A_log, "A_log", op) : nullptr;
   if (graw.dtype() == DType::f32)
     gate_backward_kernel<float>(gc.data<float>(), dc.data<float>(), ac.data<float>(), n, nl, hl,
                                 lower_bound, dgc.data<float>(), dz.data<float>(),
@@ -638,10 +641,11 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
 
   // q, k: l2norm, then (with v) SiLU + conv per stream of channels, then the projections. The
   // fused conv weight's gradient is written through row slices of one [3QL, Kc] view.
-  Tensor& gconv = grad_slot(grads.conv1d, p.conv1d, "conv1d", op);
+  const bool conv_trained = !p.conv1d.frozen();
   const int64_t kc = p.conv1d.size(-1);
   const Tensor conv_w = p.conv1d.reshape({3 * ql, kc});
-  Tensor gconv2 = gconv.view({3 * ql, kc});
+  Tensor gconv2 =
+      conv_trained ? grad_slot(grads.conv1d, p.conv1d, "conv1d", op).view({3 * ql, kc}) : Tensor();
   const Tensor dq = l2_norm_backward(dc.dq, s.q, o.l2_eps, s.q_norm);
   const Tensor dk = l2_norm_backward(dc.dk, s.k, o.l2_eps, s.k_norm);
   struct Stream {
@@ -654,10 +658,10 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
                              {&s.k_conv_in, dk.view({t, ql}), &p.k_proj, &grads.k_proj},
                              {&s.v_conv_in, dc.dv.view({t, ql}), &p.v_proj, &grads.v_proj}};
   for (int64_t i = 0; i < 3; ++i) {
-    Tensor gslice = gconv2.slice(0, i * ql, (i + 1) * ql);
-    const Tensor d_in =
-        causal_conv1d_backward(*streams[i].conv_in, conv_w.slice(0, i * ql, (i + 1) * ql),
-                               cu_seqlens, true, streams[i].d_out, &gslice);
+    Tensor gslice = conv_trained ? gconv2.slice(0, i * ql, (i + 1) * ql) : Tensor();
+    const Tensor d_in = causal_conv1d_backward(
+        *streams[i].conv_in, conv_w.slice(0, i * ql, (i + 1) * ql), cu_seqlens, true,
+        streams[i].d_out, conv_trained ? &gslice : nullptr);
     add_into(dx, linear_backward(d_in, x, *streams[i].proj, streams[i].grad_proj));
   }
   return dx;

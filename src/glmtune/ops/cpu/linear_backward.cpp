@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "glmtune/ops/dispatch.h"
+#include "glmtune/ops/grad.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
@@ -63,6 +64,7 @@ Tensor backward_impl(const Tensor& dy_in, const Tensor& x_in, const Tensor& w_in
 
 Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
                        Tensor* grad_bias, bool need_input_grad) {
+  grad_weight = grad_if_trained(grad_weight, weight);
   GLMTUNE_DISPATCH_CUDA(
       x, cuda_path::linear_backward(dy, x, weight, grad_weight, grad_bias, need_input_grad));
   GLMTUNE_ASSERT(dy.defined() && x.defined() && weight.defined(),

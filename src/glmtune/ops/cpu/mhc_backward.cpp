@@ -157,9 +157,11 @@ Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Ten
   }
 
   // base and scale: sums over tokens in order (double accumulators).
-  Tensor& gbase = grad_slot(grads.base, base_in, "base", op);
-  Tensor& gscale = grad_slot(grads.scale, scale_in, "scale", op);
-  {
+  Tensor* gbase = grad_if_trained(grads.base, base_in);
+  Tensor* gscale = grad_if_trained(grads.scale, scale_in);
+  if (gbase) grad_slot(*gbase, base_in, "base", op);
+  if (gscale) grad_slot(*gscale, scale_in, "scale", op);
+  if (gbase || gscale) {
     std::vector<double> ab(size_t(m), 0.0), as(3, 0.0);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t k = 0; k < m; ++k) {
@@ -167,10 +169,14 @@ Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Ten
         ab[size_t(k)] += v;
         as[size_t(k < h ? 0 : k < 2 * h ? 1 : 2)] += v * double(mx[t * m + k]);
       }
-    T* gb = gbase.data<T>();
-    T* gs = gscale.data<T>();
-    for (int64_t k = 0; k < m; ++k) gb[k] += T(ab[size_t(k)]);
-    for (int64_t k = 0; k < 3; ++k) gs[k] += T(as[size_t(k)]);
+    if (gbase) {
+      T* gb = gbase->data<T>();
+      for (int64_t k = 0; k < m; ++k) gb[k] += T(ab[size_t(k)]);
+    }
+    if (gscale) {
+      T* gs = gscale->data<T>();
+      for (int64_t k = 0; k < 3; ++k) gs[k] += T(as[size_t(k)]);
+    }
   }
   // dmix = dlogit · scale of the logit's group, in place.
   for (int64_t t = 0; t < n; ++t)
@@ -182,8 +188,9 @@ Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Ten
   T* nr = normed.data<T>();
   for (int64_t t = 0; t < n; ++t)
     for (int64_t k = 0; k < hd; ++k) nr[t * hd + k] = x[t * hd + k] * rs[t];
-  Tensor& gfn = grad_slot(grads.fn, fn_in, "fn", op);
-  gemm<T>(true, false, m, hd, n, T(1), dl, m, nr, hd, T(1), gfn.data<T>(), hd);
+  if (!fn_in.frozen())
+    gemm<T>(true, false, m, hd, n, T(1), dl, m, nr, hd, T(1),
+            grad_slot(grads.fn, fn_in, "fn", op).data<T>(), hd);
   Tensor dn = Tensor::empty({n, hd}, streams.dtype());
   T* dnp = dn.data<T>();
   gemm<T>(false, false, n, hd, m, T(1), dl, m, fn.data<T>(), hd, T(0), dnp, hd);

@@ -117,7 +117,9 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
 }
 
 // The bias gradient slot when the parameter has a bias, else nothing to differentiate.
-Tensor* bias_grad(const Tensor& bias, Tensor& grad) { return bias.defined() ? &grad : nullptr; }
+Tensor* bias_grad(const Tensor& bias, Tensor& grad) {
+  return bias.defined() ? grad_if_trained(grad, bias) : nullptr;
+}
 
 Tensor mla_backward_impl(const MlaConfig& cfg, const MlaParams& params, const MlaContext& ctx,
                          const Tensor& dy, MlaParams& grads) {

@@ -100,8 +100,12 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
   const Tensor down = params.down_proj.contiguous();
   const Tensor router = params.router_weight.contiguous();
   const int64_t inter = down.size(2);
-  Tensor& d_gate_up = moe_grad_slot(grads.gate_up_proj, gate_up, "experts.gate_up_proj");
-  Tensor& d_down = moe_grad_slot(grads.down_proj, down, "experts.down_proj");
+  // Frozen experts: no buffer, and each expert's backward computes its input gradient only.
+  const Tensor d_gate_up = gate_up.frozen()
+                               ? Tensor()
+                               : moe_grad_slot(grads.gate_up_proj, gate_up, "experts.gate_up_proj");
+  const Tensor d_down =
+      down.frozen() ? Tensor() : moe_grad_slot(grads.down_proj, down, "experts.down_proj");
 
   const Tensor idx_t = ctx.routing.indices.contiguous();
   const Tensor w_t = ctx.routing.weights.contiguous();
@@ -147,15 +151,15 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
       dwp[sel[r]] = dot;
     }
     // ye = act · Wd^T; the expert's slice of the gradient buffer accumulates in place.
-    Tensor d_down_e = d_down.select(0, e);
-    const Tensor d_act = linear_backward(dye, act, wd, &d_down_e);
+    Tensor d_down_e = d_down.defined() ? d_down.select(0, e) : Tensor();
+    const Tensor d_act = linear_backward(dye, act, wd, d_down.defined() ? &d_down_e : nullptr);
     // Through the clamped SwiGLU into the fused [n, 2Im] gradient (gate half first).
     Tensor dh = Tensor::empty({n, 2 * inter}, x.dtype());
     Tensor dhg = dh.narrow(1, 0, inter), dhu = dh.narrow(1, inter, inter);
     swiglu_clamped_backward(hg, hu, d_act, cfg.swiglu_limit, dhg, dhu);
     // h = xe · Wgu^T.
-    Tensor d_gate_up_e = d_gate_up.select(0, e);
-    const Tensor dxe = linear_backward(dh, xe, wgu, &d_gate_up_e);
+    Tensor d_gate_up_e = d_gate_up.defined() ? d_gate_up.select(0, e) : Tensor();
+    const Tensor dxe = linear_backward(dh, xe, wgu, d_gate_up.defined() ? &d_gate_up_e : nullptr);
     const T* dxep = dxe.data<T>();
     // A row picks an expert at most once, so the rows of one bucket never collide.
 #pragma omp parallel for schedule(static) if (n * dim > 65536)

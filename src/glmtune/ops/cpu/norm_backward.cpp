@@ -194,6 +194,7 @@ void l2_backward_kernel(const T* dy, const T* x, const T* norm_in, double eps, i
 
 Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                          const Tensor& rstd, Tensor* grad_weight) {
+  grad_weight = grad_if_trained(grad_weight, weight);
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_backward(dy, x, weight, eps, rstd, grad_weight));
   const char* op = "rms_norm_backward";
   const RowsOf r = check_rows(dy, x, op);
@@ -221,6 +222,7 @@ RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, con
                                           const Tensor& gate, double eps, GateActivation activation,
                                           const Tensor& rstd, Tensor* grad_weight) {
   const char* op = "rms_norm_gated_backward";
+  grad_weight = grad_if_trained(grad_weight, weight);
   const RowsOf r = check_rows(dy, x, op);
   check_vector(weight, x, "weight", op);
   GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: no weight, so no weight gradient", op);

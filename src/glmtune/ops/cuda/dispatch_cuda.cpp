@@ -18,6 +18,7 @@
 #include "glmtune/ops/cuda/norm.h"
 #include "glmtune/ops/cuda/streams.h"
 #include "glmtune/ops/cuda/swiglu.h"
+#include "glmtune/ops/grad.h"
 #include "glmtune/tensor/cuda_check.h"
 
 namespace glmtune::ops::cuda_path {
@@ -34,10 +35,19 @@ Tensor& grad_slot(Tensor* slot, const Tensor& param, const char* op, const char*
   return *slot;
 }
 
+// grad_slot for a trained parameter; nullptr (no buffer, no gradient) for a null slot or a
+// frozen parameter.
+Tensor* trained_slot(Tensor* slot, const Tensor& param, const char* op, const char* what) {
+  return grad_if_trained(slot, param) ? &grad_slot(slot, param, op, what) : nullptr;
+}
+
 // The f32 form the kernels take for small parameters (mHC mixing, KDA gate and norm weights)
-// whatever dtype the model stores them in; free when they already are f32.
+// whatever dtype the model stores them in; free when they already are f32. Frozen like `t`.
 Tensor as_f32(const Tensor& t) {
-  return t.defined() && t.dtype() != DType::f32 ? t.to(DType::f32) : t;
+  if (!t.defined() || t.dtype() == DType::f32) return t;
+  Tensor f = t.to(DType::f32);
+  f.set_frozen(t.frozen());
+  return f;
 }
 
 // cu_seqlens as the kernels take them: int32 on the device.
@@ -53,7 +63,8 @@ Tensor device_cu_seqlens(const Tensor& cu, Device device) {
 // keeps dx as close to the reference as one bf16 rounding allows.
 void linear_backward_into(Tensor& dx32, bool accumulate, const Tensor& dy, const Tensor& x,
                           const Tensor& weight, Tensor* grad_weight, const char* op) {
-  cuda::linear_backward_weight(grad_slot(grad_weight, weight, op, "projection"), dy, x);
+  if (Tensor* g = trained_slot(grad_weight, weight, op, "projection"))
+    cuda::linear_backward_weight(*g, dy, x);
   cuda::linear_backward_input_out(dx32, dy, weight, accumulate);
 }
 
@@ -124,6 +135,7 @@ void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor
 Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
                        Tensor* grad_bias, bool need_input_grad) {
   OpTimer timer("linear_backward");
+  grad_weight = grad_if_trained(grad_weight, weight);
   if (grad_weight)
     cuda::linear_backward_weight(grad_slot(grad_weight, weight, "linear_backward", "weight"), dy,
                                  x);
@@ -145,6 +157,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd)
 Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                          const Tensor& rstd, Tensor* grad_weight) {
   OpTimer timer("rms_norm_backward");
+  grad_weight = grad_if_trained(grad_weight, weight);
   if (grad_weight) grad_slot(grad_weight, weight, "rms_norm_backward", "weight");
   return cuda::rms_norm_backward(dy, x, weight, eps, rstd, grad_weight);
 }
@@ -176,16 +189,16 @@ Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor
   OpTimer timer("mlp_backward");
   // The activation is recomputed from the saved projections, as on the CPU.
   const Tensor act = cuda::swiglu_clamped(ctx.gate, ctx.up, swiglu_limit);
-  cuda::linear_backward_weight(
-      grad_slot(&grads.down_proj, params.down_proj, "mlp_backward", "down"), dy, act);
+  if (Tensor* g = trained_slot(&grads.down_proj, params.down_proj, "mlp_backward", "down"))
+    cuda::linear_backward_weight(*g, dy, act);
   const Tensor d_act = cuda::linear_backward_input(dy, params.down_proj);
   Tensor d_gate = Tensor::empty(ctx.gate.shape(), ctx.gate.dtype(), dy.device());
   Tensor d_up = Tensor::empty(ctx.up.shape(), ctx.up.dtype(), dy.device());
   cuda::swiglu_clamped_backward(ctx.gate, ctx.up, d_act, swiglu_limit, d_gate, d_up);
-  cuda::linear_backward_weight(
-      grad_slot(&grads.gate_proj, params.gate_proj, "mlp_backward", "gate"), d_gate, ctx.x);
-  cuda::linear_backward_weight(grad_slot(&grads.up_proj, params.up_proj, "mlp_backward", "up"),
-                               d_up, ctx.x);
+  if (Tensor* g = trained_slot(&grads.gate_proj, params.gate_proj, "mlp_backward", "gate"))
+    cuda::linear_backward_weight(*g, d_gate, ctx.x);
+  if (Tensor* g = trained_slot(&grads.up_proj, params.up_proj, "mlp_backward", "up"))
+    cuda::linear_backward_weight(*g, d_up, ctx.x);
   // dx = d_gate Wg + d_up Wu, the second product accumulated in f32 inside the GEMM and rounded
   // once: a bf16 dx of the first would round twice.
   Tensor dx32 = Tensor::empty(ctx.x.shape(), DType::f32, dy.device());
@@ -202,6 +215,7 @@ Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
                         std::optional<int64_t> padding_idx, Tensor& dtable) {
   OpTimer timer("embedding_backward");
+  if (table.frozen()) return;
   grad_slot(&dtable, table, "embedding_backward", "table");
   const cuda::EmbeddingGradPlan plan =
       cuda::make_embedding_grad_plan(ids, table.size(0), padding_idx, table.device());
@@ -212,6 +226,7 @@ CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor& wei
                                          const Tensor& labels, const CrossEntropyOptions& opts,
                                          Tensor* dhidden, Tensor* dweight) {
   OpTimer timer("lm_head_cross_entropy");
+  dweight = grad_if_trained(dweight, weight);
   if (dweight) grad_slot(dweight, weight, "lm_head_cross_entropy", "head weight");
   return cuda::lm_head_cross_entropy(hidden, weight, labels, opts, dhidden, dweight);
 }
@@ -329,7 +344,7 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
                               .view({t, nl, hl});
   const RmsNormGatedGrads dn =
       cuda::rms_norm_gated_backward(d_normed, s.core, as_f32(p.o_norm), s.gate, o.rms_eps,
-                                    &grad_slot(&grads.o_norm, p.o_norm, op, "o_norm"));
+                                    trained_slot(&grads.o_norm, p.o_norm, op, "o_norm"));
   // gate = g_b(g_a(x)); g_a(x) is HL wide and recomputed.
   Tensor dx32 = Tensor::empty(x.shape(), DType::f32, x.device());
   const Tensor ga = cuda::linear(x, p.g_a_proj);
@@ -352,8 +367,8 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
     const Tensor graw = cuda::linear(fa, p.f_b_proj);
     const Tensor dz =
         cuda::kda_gate_backward(graw, as_f32(p.dt_bias), as_f32(p.A_log), o.lower_bound, dc.dg,
-                                &grad_slot(&grads.dt_bias, p.dt_bias, op, "dt_bias"),
-                                &grad_slot(&grads.A_log, p.A_log, op, "A_log"));
+                                trained_slot(&grads.dt_bias, p.dt_bias, op, "dt_bias"),
+                                trained_slot(&grads.A_log, p.A_log, op, "A_log"));
     const Tensor d_fa =
         cuda_path::linear_backward(dz, fa, p.f_b_proj, &grads.f_b_proj, nullptr, true);
     linear_backward_into(dx32, true, d_fa, x, p.f_a_proj, &grads.f_a_proj, op);
@@ -361,10 +376,10 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
 
   // q, k through their L2 norm, then q, k, v through SiLU + conv and the projections; the fused
   // conv weight's gradient is written through row slices of one [3QL, Kc] view.
-  Tensor& gconv = grad_slot(&grads.conv1d, p.conv1d, op, "conv1d");
+  Tensor* gconv = trained_slot(&grads.conv1d, p.conv1d, op, "conv1d");
   const int64_t kc = p.conv1d.size(-1);
   const Tensor conv_w = p.conv1d.to(x.dtype()).reshape({3 * ql, kc});
-  Tensor gconv2 = gconv.view({3 * ql, kc});
+  Tensor gconv2 = gconv ? gconv->view({3 * ql, kc}) : Tensor();
   const Tensor dq = cuda::l2_norm_backward(dc.dq, s.q, o.l2_eps);
   const Tensor dk = cuda::l2_norm_backward(dc.dk, s.k, o.l2_eps);
   const Tensor* conv_in[3] = {&s.q_conv_in, &s.k_conv_in, &s.v_conv_in};
@@ -372,9 +387,10 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
   const Tensor* proj[3] = {&p.q_proj, &p.k_proj, &p.v_proj};
   Tensor* grad_proj[3] = {&grads.q_proj, &grads.k_proj, &grads.v_proj};
   for (int64_t i = 0; i < 3; ++i) {
-    Tensor gslice = gconv2.slice(0, i * ql, (i + 1) * ql);
-    const Tensor d_in = cuda::causal_conv1d_backward(
-        *conv_in[i], conv_w.slice(0, i * ql, (i + 1) * ql), cu, true, d_out[i], &gslice);
+    Tensor gslice = gconv ? gconv2.slice(0, i * ql, (i + 1) * ql) : Tensor();
+    const Tensor d_in =
+        cuda::causal_conv1d_backward(*conv_in[i], conv_w.slice(0, i * ql, (i + 1) * ql), cu, true,
+                                     d_out[i], gconv ? &gslice : nullptr);
     linear_backward_into(dx32, true, d_in, x, *proj[i], grad_proj[i], op);
   }
   return dx32.to(x.dtype());
@@ -395,7 +411,9 @@ void split_kv(const Tensor& kv, int64_t dn, int64_t dv, MlaProjections& p) {
   p.v = kv.narrow(2, dn, dv).contiguous();
 }
 
-Tensor* bias_grad(const Tensor& bias, Tensor& grad) { return bias.defined() ? &grad : nullptr; }
+Tensor* bias_grad(const Tensor& bias, Tensor& grad) {
+  return bias.defined() ? grad_if_trained(grad, bias) : nullptr;
+}
 
 // The absorbed-latent attention (ops/cuda/mla.h) covers the released shape in bf16: Rkv = 512 and
 // at most 64 heads. Anything else keeps the per-head path, and so does the fp32 mode: the absorbed
@@ -551,10 +569,10 @@ Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaCont
     // d W_kb[h] = q_hᵀ d q_abs_h). q_abs is recomputed rather than kept.
     const int64_t rkv = cfg.kv_lora_rank;
     const KvbHeads kvb{cfg, params.kv_b_proj, tokens};
-    Tensor& g_kvb = grad_slot(&grads.kv_b_proj, params.kv_b_proj, op, "kv_b_proj");
+    Tensor* g_kvb = trained_slot(&grads.kv_b_proj, params.kv_b_proj, op, "kv_b_proj");
     Tensor d_olat = Tensor::empty({tokens, nh, rkv}, DType::bf16, dy.device());
     kvb.absorb(true, d_attn, d_olat);
-    kvb.grad(true, d_attn, ctx.attn_latent, g_kvb);
+    if (g_kvb) kvb.grad(true, d_attn, ctx.attn_latent, *g_kvb);
     Tensor q_abs = Tensor::empty({tokens, nh, rkv}, DType::bf16, dy.device());
     kvb.absorb(false, ctx.proj.q, q_abs);
     const cuda::SparseKeySets sets =
@@ -563,7 +581,7 @@ Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaCont
         q_abs, ctx.latent, ctx.attn_latent, ctx.attn_lse2, sets, cfg.softmax_scale(), d_olat);
     d_q = Tensor::empty({tokens, nh * dn}, DType::bf16, dy.device());
     kvb.expand(false, ga.q_abs, d_q);
-    kvb.grad(false, ctx.proj.q, ga.q_abs, g_kvb);
+    if (g_kvb) kvb.grad(false, ctx.proj.q, ga.q_abs, *g_kvb);
     d_latent = ga.latent.to(DType::bf16);
   } else {
     const AttentionGrads ga = cuda_path::sparse_attention_backward(
@@ -588,14 +606,12 @@ Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaCont
   Tensor dx32 = Tensor::empty(ctx.x.shape(), DType::f32, dy.device());
   linear_backward_into(dx32, false, d_kv_a, ctx.x, params.kv_a_proj_with_mqa,
                        &grads.kv_a_proj_with_mqa, op);
-  if (params.kv_a_proj_with_mqa_bias.defined())
-    cuda::linear_backward_bias(
-        grad_slot(&grads.kv_a_proj_with_mqa_bias, params.kv_a_proj_with_mqa_bias, op, "kv_a bias"),
-        d_kv_a);
+  if (Tensor* g = bias_grad(params.kv_a_proj_with_mqa_bias, grads.kv_a_proj_with_mqa_bias))
+    cuda::linear_backward_bias(grad_slot(g, params.kv_a_proj_with_mqa_bias, op, "kv_a bias"),
+                               d_kv_a);
   linear_backward_into(dx32, true, d_q_a, ctx.x, params.q_a_proj, &grads.q_a_proj, op);
-  if (params.q_a_proj_bias.defined())
-    cuda::linear_backward_bias(
-        grad_slot(&grads.q_a_proj_bias, params.q_a_proj_bias, op, "q_a bias"), d_q_a);
+  if (Tensor* g = bias_grad(params.q_a_proj_bias, grads.q_a_proj_bias))
+    cuda::linear_backward_bias(grad_slot(g, params.q_a_proj_bias, op, "q_a bias"), d_q_a);
   return dx32.to(ctx.x.dtype());
 }
 

@@ -938,9 +938,13 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
   check_like(saved->comb_init, lead_with(streams, {kH, kH}), DType::f32, streams, "saved comb_init",
              op);
   detail::DeviceGuard guard(streams.device().index);
-  Tensor& gfn = grad_buffer(grads.fn, fn, "fn gradient", op);
-  Tensor& gbase = grad_buffer(grads.base, base, "base gradient", op);
-  Tensor& gscale = grad_buffer(grads.scale, scale, "scale gradient", op);
+  // One kernel pass yields all three parameter gradients: a frozen parameter's goes to a scratch
+  // buffer of this call (the mixing parameters are small) and never reaches the caller's slot.
+  Tensor scratch_fn, scratch_base, scratch_scale;
+  Tensor& gfn = grad_buffer(fn.frozen() ? scratch_fn : grads.fn, fn, "fn gradient", op);
+  Tensor& gbase = grad_buffer(base.frozen() ? scratch_base : grads.base, base, "base gradient", op);
+  Tensor& gscale =
+      grad_buffer(scale.frozen() ? scratch_scale : grads.scale, scale, "scale gradient", op);
   Tensor dx = Tensor::empty(streams.shape(), streams.dtype(), streams.device());
   if (token_count(streams) == 0) return dx;
   if (streams.dtype() == DType::bf16)

@@ -362,6 +362,11 @@ Tensor& grad_buffer(Tensor& grad, const Tensor& param, const char* what) {
   return grad;
 }
 
+// grad_buffer for a trained parameter; nullptr (no buffer, no gradient) for a frozen one.
+Tensor* trained_buffer(Tensor& grad, const Tensor& param, const char* what) {
+  return param.frozen() ? nullptr : &grad_buffer(grad, param, what);
+}
+
 void accumulate(Tensor& grad, const Tensor& src, cudaStream_t stream) {
   const int64_t n = src.numel();
   if (n == 0) return;
@@ -654,8 +659,8 @@ struct RoutedBackward {
 
 RoutedBackward routed_backward(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
                                const Tensor& x, const ops::Routing& routing,
-                               const ExpertPermutation& perm, const Tensor& dy, Tensor& d_gate_up,
-                               Tensor& d_down, GroupedGemmBackend backend, cudaStream_t stream) {
+                               const ExpertPermutation& perm, const Tensor& dy, Tensor* d_gate_up,
+                               Tensor* d_down, GroupedGemmBackend backend, cudaStream_t stream) {
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
   const int64_t inter = down.size(2);
@@ -680,7 +685,7 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const Tensor& gate_up,
       launch(expert_output_grad_kernel<1, bf16>, static_cast<bf16*>(nullptr));
     GLMTUNE_CUDA_CHECK_LAUNCH();
   }
-  grouped_linear_backward_weight(d_down, dyp, a.act, perm.offsets, backend, stream);
+  if (d_down) grouped_linear_backward_weight(*d_down, dyp, a.act, perm.offsets, backend, stream);
   Tensor d_act = Tensor::empty({n, inter}, st, dev);
   grouped_linear_backward_input(d_act, dyp, down, perm.offsets, backend, stream);
   Tensor dh = Tensor::empty({n, 2 * inter}, st, dev);
@@ -689,7 +694,8 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const Tensor& gate_up,
     swiglu_clamped_backward(a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter), d_act,
                             cfg.swiglu_limit, dhg, dhu, stream);
   }
-  grouped_linear_backward_weight(d_gate_up, dh, a.x_perm, perm.offsets, backend, stream);
+  if (d_gate_up)
+    grouped_linear_backward_weight(*d_gate_up, dh, a.x_perm, perm.offsets, backend, stream);
   r.dxp = Tensor::empty({n, dim}, st, dev);
   grouped_linear_backward_input(r.dxp, dh, gate_up, perm.offsets, backend, stream);
   return r;
@@ -733,10 +739,12 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
   const int64_t rows = x.size(0), dim = x.size(1);
   const int64_t shared_inter = shared_gate_up.size(1) / 2;
   const DType st = x.dtype();
-  Tensor& d_router = grad_buffer(grads.router_weight, params.router_weight, "router weight");
-  Tensor& d_sg = grad_buffer(grads.shared.gate_proj, params.shared.gate_proj, "shared gate_proj");
-  Tensor& d_su = grad_buffer(grads.shared.up_proj, params.shared.up_proj, "shared up_proj");
-  Tensor& d_sd = grad_buffer(grads.shared.down_proj, params.shared.down_proj, "shared down_proj");
+  Tensor* d_router = trained_buffer(grads.router_weight, params.router_weight, "router weight");
+  Tensor* d_sg =
+      trained_buffer(grads.shared.gate_proj, params.shared.gate_proj, "shared gate_proj");
+  Tensor* d_su = trained_buffer(grads.shared.up_proj, params.shared.up_proj, "shared up_proj");
+  Tensor* d_sd =
+      trained_buffer(grads.shared.down_proj, params.shared.down_proj, "shared down_proj");
   // Router: combine weights → logits → GEMMs into fp32. bf16 operands take the fp32 logit
   // gradient as two bf16 parts (hi + lo); f32 operands take it whole.
   Tensor d_logits = moe_route_backward(cfg, routing, d_weights, stream);
@@ -760,8 +768,11 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
     GLMTUNE_CUDA_CHECK_LAUNCH();
     parts = {hi, hi + ne};
   }
-  Tensor d_router_f32 =
-      d_router.dtype() == DType::f32 ? d_router : Tensor::zeros(d_router.shape(), DType::f32, dev);
+  Tensor d_router_f32;
+  if (d_router)
+    d_router_f32 = d_router->dtype() == DType::f32
+                       ? *d_router
+                       : Tensor::zeros(d_router->shape(), DType::f32, dev);
   for (const void* dl : parts) {
     GemmArgs g;
     g.device = dev.index;
@@ -771,6 +782,7 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
     g.c = dx_f32.data_ptr(), g.ldc = dim, g.c_dtype = DType::f32, g.beta = 1.0f;
     g.ab_dtype = st;
     gemm(g, stream);
+    if (!d_router) continue;
     GemmArgs w;
     w.device = dev.index;
     w.trans_a = true;
@@ -781,20 +793,20 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
     w.ab_dtype = st;
     gemm(w, stream);
   }
-  if (d_router.dtype() != DType::f32) accumulate(d_router, d_router_f32, stream);
+  if (d_router && d_router->dtype() != DType::f32) accumulate(*d_router, d_router_f32, stream);
 
   // Shared expert, into the same fp32 dx.
   const Tensor gate = shared_gate_up.slice(1, 0, shared_inter);
   const Tensor up = shared_gate_up.slice(1, shared_inter, 2 * shared_inter);
   const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
   const Tensor d_sact = linear_backward_input(dy, params.shared.down_proj, st, stream);
-  linear_backward_weight(d_sd, dy, act, stream);
+  if (d_sd) linear_backward_weight(*d_sd, dy, act, stream);
   Tensor d_sgu = Tensor::empty({rows, 2 * shared_inter}, st, dev);
   Tensor dsg = d_sgu.slice(1, 0, shared_inter),
          dsu = d_sgu.slice(1, shared_inter, 2 * shared_inter);
   swiglu_clamped_backward(gate, up, d_sact, cfg.swiglu_limit, dsg, dsu, stream);
-  linear_backward_weight(d_sg, dsg, x, stream);
-  linear_backward_weight(d_su, dsu, x, stream);
+  if (d_sg) linear_backward_weight(*d_sg, dsg, x, stream);
+  if (d_su) linear_backward_weight(*d_su, dsu, x, stream);
   linear_backward_input_out(dx_f32, dsg, params.shared.gate_proj, true, stream);
   linear_backward_input_out(dx_f32, dsu, params.shared.up_proj, true, stream);
 }
@@ -842,8 +854,8 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
   check_routing(ctx.routing, rows, cfg.n_experts, cfg.top_k, dev);
   check_router_logit_grad(d_router_logits, ctx.routing);
   detail::DeviceGuard guard(dev.index);
-  Tensor& d_gate_up = grad_buffer(grads.gate_up_proj, params.gate_up_proj, "gate_up_proj");
-  Tensor& d_down = grad_buffer(grads.down_proj, params.down_proj, "down_proj");
+  Tensor* d_gate_up = trained_buffer(grads.gate_up_proj, params.gate_up_proj, "gate_up_proj");
+  Tensor* d_down = trained_buffer(grads.down_proj, params.down_proj, "down_proj");
   const RoutedBackward r =
       routed_backward(cfg, params.gate_up_proj, params.down_proj, x, ctx.routing, ctx.permutation,
                       dy, d_gate_up, d_down, backend, stream);
@@ -867,8 +879,8 @@ ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const Tensor& ga
   check_like_x(dy, x.shape(), x, "dy");
   check_routing(routing, x.size(0), cfg.n_experts, cfg.top_k, x.device());
   detail::DeviceGuard guard(x.device().index);
-  Tensor& d_gate_up = grad_buffer(grads.gate_up_proj, gate_up_proj, "gate_up_proj");
-  Tensor& d_down = grad_buffer(grads.down_proj, down_proj, "down_proj");
+  Tensor* d_gate_up = trained_buffer(grads.gate_up_proj, gate_up_proj, "gate_up_proj");
+  Tensor* d_down = trained_buffer(grads.down_proj, down_proj, "down_proj");
   const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream);
   RoutedBackward r = routed_backward(cfg, gate_up_proj, down_proj, x, routing, perm, dy, d_gate_up,
                                      d_down, backend, stream);
