@@ -9,15 +9,20 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/io/safetensors.h"
 #include "glmtune/model/init.h"
 #include "glmtune/train/recipe.h"
+#include "glmtune/train/state.h"
 #include "glmtune/train/trainer.h"
 #include "support/cuda_test_support.h"
 #include "support/gpu_tiny_model.h"
@@ -230,6 +235,59 @@ TEST(CudaTrain, FullyShardedLayersOnOneGpuFollowTheWholeRunAndResumeWithout) {
       "rel diff %.2e\n",
       whole.steps.front().loss, whole.steps.back().loss, sharded.steps.front().loss,
       resumed.steps.back().loss, worst);
+#endif
+}
+
+// train.freeze on the GPU, whole layers and fully sharded ones: the frozen routed experts leave
+// the checkpoint byte-identical to the initial one, every other trained tensor moves, and the
+// optimizer state holds nothing of them.
+TEST(CudaTrain, FrozenExpertsStayByteIdenticalWholeAndSharded) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  TempDir dir("cuda-freeze");
+  write_gpu_tiny_model(dir.path() / "model");
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  for (const std::string fsdp : {"false", "true"}) {
+    SCOPED_TRACE("fsdp = " + fsdp);
+    const fs::path out = dir.path() / ("out-" + fsdp);
+    const train::TrainSummary s = train::run_training(
+        train::Recipe::parse(recipe_text(dir.path() / "model", out, "cuda:0", 3,
+                                         "fsdp = " + fsdp + "\nfreeze = ['mlp\\.experts\\.']\n"),
+                             "gpu freeze"),
+        quiet);
+    ASSERT_EQ(s.steps.size(), 3u);
+    const io::CheckpointReader before = io::CheckpointReader::open(dir.path() / "model");
+    const fs::path step = out / train::kCheckpointsDir / "step-3";
+    const io::CheckpointReader after = io::CheckpointReader::open(step / "model");
+    int64_t experts = 0, others = 0, changed = 0;
+    for (const std::string& name : before.names()) {
+      const auto a = before.bytes(name), b = after.bytes(name);
+      const bool same = a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
+      if (name.find(".mlp.experts.") != std::string::npos) {
+        ++experts;
+        EXPECT_TRUE(same) << name << " is frozen but changed";
+      } else if (name.find(".indexer.") == std::string::npos &&
+                 !name.ends_with("e_score_correction_bias") && !name.starts_with("model.visual.")) {
+        ++others;
+        changed += same ? 0 : 1;
+      }
+    }
+    EXPECT_GT(experts, 0);
+    EXPECT_EQ(changed, others);
+    int64_t state = 0;
+    for (const auto& e : fs::directory_iterator(step / "optimizer"))
+      if (e.path().extension() == ".safetensors")
+        for (const std::string& n : io::SafetensorsFile::open(e.path()).names()) {
+          EXPECT_EQ(n.find(".mlp.experts."), std::string::npos) << "optimizer state " << n;
+          ++state;
+        }
+    EXPECT_GT(state, 0);
+    std::printf(
+        "[ measure  ] fsdp = %s: %ld frozen expert tensors unchanged, %ld of %ld others "
+        "changed, %ld optimizer tensors\n",
+        fsdp.c_str(), long(experts), long(changed), long(others), long(state));
+  }
 #endif
 }
 

@@ -277,6 +277,12 @@ const InternalParam& ParamStore::param(const std::string& name) const {
   return params_[it->second];
 }
 
+void ParamStore::set_trainable(const std::string& name, bool trainable) {
+  auto it = index_.find(name);
+  GLMTUNE_ASSERT(it != index_.end(), "no parameter named '{}'", name);
+  params_[it->second].trainable = trainable;
+}
+
 namespace {
 
 // The released tensors of internal parameter `p` in the order they are written and laid out in its

@@ -104,6 +104,8 @@ class ParamStore {
   const std::vector<InternalParam>& params() const { return params_; }
   // Throws InternalError naming the parameter when absent.
   const InternalParam& param(const std::string& name) const;
+  // Whether the optimizer trains parameter `name` (train.freeze turns it off).
+  void set_trainable(const std::string& name, bool trainable);
 
   // Elements [begin, begin + count) of internal parameter `name` (the whole tensor, flattened),
   // read from `reader`, the checkpoint this store was loaded from: a [count] tensor in the storage

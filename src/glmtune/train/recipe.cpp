@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "glmtune/base/error.h"
 #include "glmtune/base/fs.h"
@@ -63,6 +64,8 @@ const std::vector<SectionSpec>& schema() {
         {"ep_size", "1", "ranks the routed experts are split over"},
         {"sp_size", "1", "ranks a sequence is split over"},
         {"fsdp", "false", "shard the decoder layers' parameters over the data-parallel ranks"},
+        {"freeze", "[\"mlp\\\\.experts\\\\.\"]",
+         "regular expressions searched in the released parameter names"},
         {"dist_timeout", "600", "seconds a collective may wait for the other ranks"}}},
       {"optimizer",
        {{"lr", "1e-5"},
@@ -524,6 +527,25 @@ void Recipe::parse_doc() {
   r.ep_size = rd.integer("train", "ep_size", 1, 1'000'000).value_or(1);
   r.sp_size = rd.integer("train", "sp_size", 1, 1'000'000).value_or(1);
   r.fsdp = rd.boolean("train", "fsdp").value_or(false);
+  if (const toml::node* n = rd.find("train", "freeze")) {
+    if (!n->is_array()) rd.wrong_type("train", "freeze", "an array of regular expressions");
+    for (const auto& e : *n->as_array()) {
+      if (!e.is_string() || e.as_string()->get().empty())
+        rd.fail("train", "freeze",
+                fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
+                rd.example_fix("train", "freeze"));
+      const std::string& pattern = e.as_string()->get();
+      try {
+        (void)std::regex(pattern, std::regex::ECMAScript);
+      } catch (const std::regex_error& err) {
+        rd.fail("train", "freeze",
+                fmt::format("'{}' is not a regular expression ({})", pattern, err.what()),
+                "write an ECMAScript regular expression; in TOML a literal dot is \"\\\\.\" "
+                "(or '\\.' in a literal string)");
+      }
+      r.freeze.push_back(pattern);
+    }
+  }
   r.dist_timeout_s =
       rd.number("train", "dist_timeout", 0.0, std::numeric_limits<double>::infinity(), true)
           .value_or(600);
@@ -761,6 +783,11 @@ std::string Recipe::to_toml() const {
   out += fmt::format("ep_size = {}\n", ep_size);
   out += fmt::format("sp_size = {}\n", sp_size);
   out += fmt::format("fsdp = {}\n", fsdp);
+  if (!freeze.empty()) {
+    std::string patterns;
+    for (const auto& f : freeze) patterns += (patterns.empty() ? "" : ", ") + str(f);
+    out += "freeze = [" + patterns + "]\n";
+  }
   out += "dist_timeout = " + num(dist_timeout_s) + "\n";
   out += "\n[optimizer]\n";
   out += "lr = " + num(lr) + "\n";
@@ -817,6 +844,8 @@ std::string Recipe::fingerprint(int64_t data_parallel_ranks) const {
         {"balancing_alpha", balancing_alpha},
         {"router_bias_update_rate", router_bias_update_rate}}},
   };
+  // What is trained changes the run; recipes without freezing keep the fingerprints they had.
+  if (!freeze.empty()) j["train"]["freeze"] = freeze;
   return fmt::format("{:016x}", fnv1a64(j.dump()));
 }
 

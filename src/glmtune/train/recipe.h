@@ -5,7 +5,7 @@
 //   [data]      files | cache, format, on_bad_line, on_overlong, max_length, pack_max_length,
 //               pack_lookahead, shuffle, media_root
 //   [train]     total_steps | epochs, micro_packs, seed, device, recompute, offload, on_nonfinite,
-//               ep_size, sp_size, fsdp, dist_timeout
+//               ep_size, sp_size, fsdp, dist_timeout, freeze
 //   [optimizer] lr, lr_min, warmup_steps | warmup_ratio, betas, eps, weight_decay, clip_grad_norm
 //   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
 //   [output]    dir, save_every, keep_last, log_every
@@ -79,6 +79,10 @@ struct Recipe {
   // (dist/fsdp.h). The arithmetic is unchanged, so the fingerprint leaves it out.
   bool fsdp = false;
   double dist_timeout_s = 600;
+  // Parameters kept fixed (train/freeze.h): ECMAScript regular expressions searched in the
+  // released parameter names. Frozen tensors get no gradient and no optimizer state; checkpoints
+  // still hold them, unchanged.
+  std::vector<std::string> freeze;
 
   // [optimizer]
   double lr = 1e-6;

@@ -39,6 +39,7 @@
 #include "glmtune/train/device_adamw.h"
 #endif
 #include "glmtune/train/flops.h"
+#include "glmtune/train/freeze.h"
 #include "glmtune/train/released.h"
 #include "glmtune/train/router_bias.h"
 #include "glmtune/train/schedule.h"
@@ -165,6 +166,22 @@ std::vector<NamedParam> trainable_params(const model::ParamStore& store) {
   for (NamedParam& p : params)
     if (!model::text::is_trainable_param(p.name)) p.trainable = false;
   return params;
+}
+
+// Applies train.freeze (with the model.freeze_vision / freeze_projector shorthands, which a model
+// without a vision tower ignores) to the store, and says what it froze.
+FreezePlan freeze_parameters(const Recipe& recipe, model::ParamStore& store) {
+  std::vector<std::string> patterns = recipe.freeze;
+  const bool has_vision =
+      std::any_of(store.params().begin(), store.params().end(),
+                  [](const auto& p) { return p.name.starts_with("model.visual."); });
+  if (has_vision && recipe.freeze_vision) patterns.push_back(vision_tower_pattern());
+  if (has_vision && recipe.freeze_projector) patterns.push_back(projector_pattern());
+  FreezePlan plan = apply_freeze(store, patterns, recipe.source() + ": train.freeze");
+  if (!recipe.freeze.empty())
+    spdlog::info("train.freeze: {} tensors ({} parameters) frozen", plan.frozen.size(),
+                 plan.frozen_elements);
+  return plan;
 }
 
 // Files `glmtune eval` and the data pipeline expect next to the weights.
@@ -420,6 +437,18 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       expert_parallel ? std::optional(dist::local_range(*expert_parallel)) : std::nullopt,
       fsdp ? std::function<bool(const std::string&)>(sliced_later) : nullptr);
   if (!fsdp) weights_reader.reset();
+  const FreezePlan freeze = freeze_parameters(recipe, store);
+  if (vl) vl->freeze(freeze.vision_tower, freeze.projector);
+  {
+    const std::vector<NamedParam> text = trainable_params(store);
+    const bool text_trains =
+        std::any_of(text.begin(), text.end(), [](const NamedParam& p) { return p.trainable; });
+    const bool vision_trains = vl && !((recipe.freeze_vision || freeze.vision_tower) &&
+                                       (recipe.freeze_projector || freeze.projector));
+    if (!text_trains && !vision_trains)
+      throw Error("the freeze patterns leave no parameter to train",
+                  recipe.source() + ": train.freeze", "freeze fewer parameters");
+  }
   if (tokenizer.vocab_size() > store.config().text().vocab_size)
     throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
                             tokenizer.vocab_size(), store.config().text().vocab_size),
@@ -656,6 +685,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::vector<Tensor> expert_grad_list;
   if (expert_optimizer)
     for (const NamedParam& p : expert_optimizer->params()) {
+      if (!p.trainable) {  // frozen experts: no buffer
+        expert_grad_list.emplace_back();
+        continue;
+      }
       const Tensor* g = grads.find(p.name);
       GLMTUNE_ASSERT(g != nullptr && g->shape() == p.value.shape(),
                      "routed-expert tensor '{}' has no slice-sized gradient buffer", p.name);

@@ -128,6 +128,13 @@ class VlTraining {
 
   const VlDataset& dataset() const { return *dataset_; }
 
+  // Freezes the whole vision tower and/or projector as well (train.freeze patterns covering
+  // them); before attach.
+  void freeze(bool tower, bool projector) {
+    options_.freeze_vision = options_.freeze_vision || tower;
+    options_.freeze_projector = options_.freeze_projector || projector;
+  }
+
   // Before the optimizer is built: the vision gradient buffers, attached to `params` (see
   // VlTrainStep::attach).
   std::vector<Tensor> attach(std::vector<NamedParam>& params, const model::ParamStore& store);

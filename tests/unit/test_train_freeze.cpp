@@ -1,0 +1,326 @@
+// train.freeze: which parameters the patterns freeze and the errors for patterns that cannot be
+// honoured; frozen parameters get no gradient while every other gradient stays bit for bit what it
+// was; and training runs (whole layers and fully sharded ones) that leave the frozen tensors
+// byte-identical in their checkpoints, train the rest and keep no optimizer state for them.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <random>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/io/safetensors.h"
+#include "glmtune/model/init.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/model/text/backward.h"
+#include "glmtune/model/text/model.h"
+#include "glmtune/train/freeze.h"
+#include "glmtune/train/recipe.h"
+#include "glmtune/train/state.h"
+#include "glmtune/train/trainer.h"
+#include "support/temp_dir.h"
+
+using namespace glmtune;
+namespace fs = std::filesystem;
+using glmtune::test::TempDir;
+
+namespace {
+
+const fs::path kSource = GLMTUNE_SOURCE_DIR;
+const char* const kExperts = "mlp\\.experts\\.";
+
+// One tiny checkpoint for the whole binary (init is deterministic for a seed).
+const fs::path& tiny_model() {
+  static TempDir dir("freeze-model");
+  static const fs::path path = [] {
+    const fs::path p = dir.path() / "tiny";
+    model::InitOptions options;
+    options.seed = 5;
+    model::write_random_checkpoint(model::ModelConfig::preset("tiny"), p, options);
+    return p;
+  }();
+  return path;
+}
+
+model::ParamStore load_tiny() {
+  return model::ParamStore::load(
+      io::CheckpointReader::open(tiny_model()),
+      model::ModelConfig::from_file((tiny_model() / "config.json").string()));
+}
+
+std::string error_text(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return std::string(e.what()) + " | " + e.where() + " | " + e.fix();
+  }
+  return "no error";
+}
+
+TEST(Freeze, PatternsFreezeWholeInternalTensors) {
+  model::ParamStore store = load_tiny();
+  const train::FreezePlan plan =
+      train::apply_freeze(store, {kExperts, "embed_tokens"}, "recipe: train.freeze");
+  std::set<std::string> frozen(plan.frozen.begin(), plan.frozen.end());
+  int64_t experts = 0;
+  for (const model::InternalParam& p : store.params()) {
+    const bool want = model::is_fused_expert_tensor(p.name) ||
+                      p.name == "model.language_model.embed_tokens.weight";
+    EXPECT_EQ(frozen.count(p.name) == 1, want) << p.name;
+    if (want) EXPECT_FALSE(p.trainable) << p.name;
+    experts += model::is_fused_expert_tensor(p.name) ? 1 : 0;
+  }
+  EXPECT_GT(experts, 0);
+  EXPECT_EQ(int64_t(plan.frozen.size()), experts + 1);
+  EXPECT_FALSE(plan.vision_tower);
+}
+
+TEST(Freeze, PatternsThatCannotBeHonouredAreErrorsNamingTheKey) {
+  {
+    model::ParamStore store = load_tiny();
+    const std::string e =
+        error_text([&] { train::apply_freeze(store, {"no_such_tensor"}, "r.toml: train.freeze"); });
+    EXPECT_NE(e.find("matches no parameter"), std::string::npos) << e;
+    EXPECT_NE(e.find("r.toml: train.freeze"), std::string::npos) << e;
+  }
+  {
+    // One expert of a layer: the layer's experts are one fused tensor.
+    model::ParamStore store = load_tiny();
+    const std::string e = error_text(
+        [&] { train::apply_freeze(store, {"mlp\\.experts\\.0\\."}, "r.toml: train.freeze"); });
+    EXPECT_NE(e.find("one fused tensor"), std::string::npos) << e;
+    EXPECT_NE(e.find("experts.0."), std::string::npos) << e;
+  }
+  {
+    // q's conv weight only: q, k, v conv weights are one fused tensor.
+    model::ParamStore store = load_tiny();
+    const std::string e =
+        error_text([&] { train::apply_freeze(store, {"q_conv1d"}, "r.toml: train.freeze"); });
+    EXPECT_NE(e.find("k_conv1d"), std::string::npos) << e;
+  }
+  {
+    model::ParamStore store = load_tiny();
+    const std::string e = error_text([&] {
+      train::apply_freeze(store, {"model\\.visual\\.blocks\\.0\\."}, "r.toml: train.freeze");
+    });
+    if (std::any_of(store.params().begin(), store.params().end(),
+                    [](const auto& p) { return p.name.starts_with("model.visual."); }))
+      EXPECT_NE(e.find("vision tower"), std::string::npos) << e;
+  }
+  {
+    model::ParamStore store = load_tiny();
+    const std::string e =
+        error_text([&] { train::apply_freeze(store, {"("}, "r.toml: train.freeze"); });
+    EXPECT_NE(e.find("not a regular expression"), std::string::npos) << e;
+  }
+}
+
+TEST(Freeze, RecipeReadsWritesAndFingerprintsThePatterns) {
+  const std::string base =
+      "[model]\npath = \"m\"\n[data]\nfiles = [\"d.jsonl\"]\n[output]\ndir = "
+      "\"o\"\n[train]\ntotal_steps = 2\n";
+  const train::Recipe plain = train::Recipe::parse(base, "plain");
+  const train::Recipe frozen = train::Recipe::parse(
+      base + "freeze = [\"mlp\\\\.experts\\\\.\", 'embed_tokens']\n", "frozen");
+  ASSERT_EQ(frozen.freeze.size(), 2u);
+  EXPECT_EQ(frozen.freeze[0], "mlp\\.experts\\.");
+  EXPECT_EQ(frozen.freeze[1], "embed_tokens");
+  EXPECT_NE(plain.fingerprint(1), frozen.fingerprint(1));
+  const train::Recipe again = train::Recipe::parse(frozen.to_toml(), "written");
+  EXPECT_EQ(again.freeze, frozen.freeze);
+  EXPECT_EQ(again.fingerprint(1), frozen.fingerprint(1));
+  const std::string bad =
+      error_text([&] { train::Recipe::parse(base + "freeze = [\"[unclosed\"]\n", "bad.toml"); });
+  EXPECT_NE(bad.find("not a regular expression"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("bad.toml"), std::string::npos) << bad;
+  const std::string not_array =
+      error_text([&] { train::Recipe::parse(base + "freeze = \"experts\"\n", "bad.toml"); });
+  EXPECT_NE(not_array.find("freeze"), std::string::npos) << not_array;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  const Tensor x = a.contiguous(), y = b.contiguous();
+  return std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+Tensor i32(const std::vector<int32_t>& v) { return Tensor::from_vector(v, {int64_t(v.size())}); }
+
+// Freezing one parameter of every kind the backward handles removes exactly those gradients: every
+// other gradient, the input-embedding gradient and the objective are bit-identical to the run
+// without freezing (the frozen weights still shape the forward and the input gradients).
+TEST(Freeze, FrozenParametersGetNoGradientAndTheRestIsUnchanged) {
+  const std::vector<std::string> patterns = {kExperts,
+                                             "self_attn\\.[qkv]_conv1d",
+                                             "layers\\.0\\.hc_attn_",
+                                             "embed_tokens",
+                                             "lm_head",
+                                             "layers\\.[0-9]+\\.mlp\\.gate\\.weight",
+                                             "shared_experts\\.down_proj",
+                                             "kv_b_proj",
+                                             "o_norm",
+                                             "layers\\.1\\.input_layernorm",
+                                             "q_a_layernorm",
+                                             "dt_bias",
+                                             "A_log",
+                                             "f_b_proj",
+                                             "eh_proj"};
+  model::ParamStore all = load_tiny();
+  model::ParamStore some = load_tiny();
+  const train::FreezePlan plan = train::apply_freeze(some, patterns, "test");
+  const model::text::TextModel full(all), frozen(some);
+  const model::TextConfig& c = full.text();
+
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int32_t> tok(1, int32_t(c.vocab_size) - 1);
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 40; ++i) ids.push_back(tok(rng));
+  model::text::PackInput in;
+  in.input_ids = i32(ids);
+  in.cu_seqlens = i32({0, 23, 40});
+  std::vector<int32_t> labels(ids.begin() + 1, ids.end());
+  labels.push_back(-100);
+  labels[22] = -100;
+  in.labels = i32(labels);
+  model::text::TrainOptions opt;
+  opt.balancing_alpha = 0.001;
+  opt.mtp = full.has_mtp();
+  opt.mtp_depths = opt.mtp ? c.num_nextn_predict_layers : 0;
+  opt.mtp_loss_scale = 0.1;
+
+  model::text::TextGrads g_all = model::text::TextGrads::zeros_like(full.weights());
+  model::text::TextGrads g_some = model::text::TextGrads::zeros_like(frozen.weights());
+  const model::text::StepPackResult r_all = forward_backward(full, in, opt, g_all);
+  const model::text::StepPackResult r_some = forward_backward(frozen, in, opt, g_some);
+  EXPECT_EQ(r_all.backward.objective(), r_some.backward.objective());
+  EXPECT_TRUE(same_bits(r_all.backward.d_embeddings, r_some.backward.d_embeddings));
+
+  const std::set<std::string> frozen_names(plan.frozen.begin(), plan.frozen.end());
+  std::map<std::string, Tensor> kept;
+  for (const auto& [name, g] : g_some.named) kept[name] = g;
+  int64_t compared = 0;
+  for (const auto& [name, g] : g_all.named) {
+    if (frozen_names.count(name)) {
+      EXPECT_EQ(kept.count(name), 0u) << name << " is frozen but has a gradient buffer";
+      continue;
+    }
+    ASSERT_EQ(kept.count(name), 1u) << name;
+    EXPECT_TRUE(same_bits(g, kept[name])) << name;
+    ++compared;
+  }
+  EXPECT_GT(compared, 10);
+  // Every frozen tensor had a gradient in the unfrozen run.
+  for (const std::string& name : plan.frozen)
+    EXPECT_TRUE(std::any_of(g_all.named.begin(), g_all.named.end(), [&](const auto& n) {
+      return n.first == name;
+    })) << name;
+  EXPECT_GE(plan.frozen.size(), patterns.size());
+  // The backward allocated nothing for them either: the struct fields stay without a buffer.
+  for (const model::text::LayerGrads& l : g_some.layers) {
+    EXPECT_FALSE(l.moe.gate_up_proj.defined());
+    EXPECT_FALSE(l.moe.down_proj.defined());
+    EXPECT_FALSE(l.kda.conv1d.defined());
+    EXPECT_FALSE(l.moe.router_weight.defined());
+  }
+  EXPECT_FALSE(g_some.embed_tokens.defined());
+  EXPECT_FALSE(g_some.lm_head.defined());
+}
+
+// ---- Training runs ----------------------------------------------------------------------------
+
+std::string recipe_text(const fs::path& out, const std::string& train_lines) {
+  std::ostringstream s;
+  s << "[model]\npath = \"" << tiny_model().string() << "\"\n"
+    << "tokenizer = \"" << (kSource / "examples/tiny/tokenizer").string() << "\"\n"
+    << "[data]\nfiles = [\"" << (kSource / "examples/tiny/data/chat.jsonl").string() << "\"]\n"
+    << "format = \"chat\"\nmax_length = 192\npack_max_length = 192\n"
+    << "[train]\ntotal_steps = 3\nmicro_packs = 2\nseed = 3\n"
+    << train_lines << "[optimizer]\nlr = 3e-3\nlr_min = 3e-4\nwarmup_steps = 1\n"
+    << "[output]\ndir = \"" << out.string() << "\"\nsave_every = 3\nkeep_last = 0\nlog_every = 1\n";
+  return s.str();
+}
+
+// Names of the optimizer state a checkpoint holds.
+std::vector<std::string> optimizer_state_names(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".safetensors")
+      for (const std::string& n : io::SafetensorsFile::open(e.path()).names()) names.push_back(n);
+  return names;
+}
+
+void expect_frozen_experts(const fs::path& out) {
+  const fs::path step = out / train::kCheckpointsDir / "step-3";
+  const io::CheckpointReader before = io::CheckpointReader::open(tiny_model());
+  const io::CheckpointReader after = io::CheckpointReader::open(step / "model");
+  int64_t experts = 0, changed = 0, others = 0;
+  for (const std::string& name : before.names()) {
+    ASSERT_TRUE(after.contains(name)) << name;
+    const auto a = before.bytes(name), b = after.bytes(name);
+    const bool same = a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
+    if (name.find(".mlp.experts.") != std::string::npos) {
+      ++experts;
+      EXPECT_TRUE(same) << name << " is frozen but changed";
+    } else if (name.find(".indexer.") == std::string::npos &&
+               !name.ends_with("e_score_correction_bias") && !name.starts_with("model.visual.")) {
+      ++others;
+      changed += same ? 0 : 1;
+    }
+  }
+  EXPECT_GT(experts, 0);
+  // Every trained tensor moves in three steps at this learning rate.
+  EXPECT_EQ(changed, others);
+  int64_t state = 0;
+  for (const std::string& n : optimizer_state_names(step / "optimizer")) {
+    EXPECT_EQ(n.find(".mlp.experts."), std::string::npos) << "optimizer state " << n;
+    ++state;
+  }
+  EXPECT_GT(state, 0);
+}
+
+TEST(Freeze, FrozenExpertsStayByteIdenticalAndHaveNoOptimizerState) {
+  TempDir dir("freeze-run");
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const train::TrainSummary s = train::run_training(
+      train::Recipe::parse(recipe_text(dir.path() / "out", "freeze = [\"mlp\\\\.experts\\\\.\"]\n"),
+                           "freeze recipe"),
+      quiet);
+  ASSERT_EQ(s.steps.size(), 3u);
+  expect_frozen_experts(dir.path() / "out");
+}
+
+TEST(Freeze, FullyShardedLayersFreezeTheSame) {
+  TempDir dir("freeze-fsdp");
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const train::TrainSummary s = train::run_training(
+      train::Recipe::parse(
+          recipe_text(dir.path() / "out", "fsdp = true\nfreeze = [\"mlp\\\\.experts\\\\.\"]\n"),
+          "freeze recipe"),
+      quiet);
+  ASSERT_EQ(s.steps.size(), 3u);
+  expect_frozen_experts(dir.path() / "out");
+}
+
+TEST(Freeze, FreezingEverythingIsAnError) {
+  TempDir dir("freeze-all");
+  const std::string e = error_text([&] {
+    train::run_training(
+        train::Recipe::parse(recipe_text(dir.path() / "out", "freeze = [\".\"]\n"), "all.toml"));
+  });
+  EXPECT_NE(e.find("no parameter to train"), std::string::npos) << e;
+  EXPECT_NE(e.find("all.toml"), std::string::npos) << e;
+}
+
+}  // namespace
