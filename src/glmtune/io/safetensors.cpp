@@ -225,45 +225,6 @@ bool is_valid_utf8(std::string_view text, size_t* bad_offset) {
   return true;
 }
 
-std::string json_quote(std::string_view text) {
-  std::string out;
-  out.reserve(text.size() + 2);
-  out += '"';
-  for (unsigned char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          out += fmt::format("\\u{:04x}", c);
-        } else {
-          out += char(c);
-        }
-    }
-  }
-  out += '"';
-  return out;
-}
-
 int safetensors_dtype_rank(DType dtype) {
   // The reference implementation's Dtype enum order (BOOL < ... < F8_E4M3 < ... < F16 < BF16 <
   // I32 < ... < F32 < F64 < I64), restricted to the dtypes glmtune has.
@@ -464,22 +425,22 @@ SafetensorsLayout plan_safetensors(std::vector<TensorSpec> specs, const Metadata
     return ra != rb ? ra > rb : a.name < b.name;
   });
 
+  // The reference writer's serde_json output: compact, metadata first, then the tensors in the
+  // order above. nlohmann's compact dump without ensure_ascii writes the same bytes (strings
+  // escaped alike); the names and metadata are valid UTF-8 (checked above), so the strict handler
+  // never throws. The top-level object is joined entry by entry: an ordered_json object looks its
+  // keys up linearly, quadratic in the thousands of tensors of a shard.
+  using ordered_json = nlohmann::ordered_json;
+  const auto dump = [](const ordered_json& j) {
+    return j.dump(-1, ' ', false, ordered_json::error_handler_t::strict);
+  };
   SafetensorsLayout layout;
   std::string& h = layout.header;
   h += '{';
-  bool first = true;
   if (!metadata.empty()) {
-    h += "\"__metadata__\":{";
-    bool first_meta = true;
-    for (const auto& [k, v] : metadata) {
-      if (!first_meta) h += ',';
-      first_meta = false;
-      h += json_quote(k);
-      h += ':';
-      h += json_quote(v);
-    }
-    h += '}';
-    first = false;
+    ordered_json meta = ordered_json::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    h += dump("__metadata__") + ':' + dump(meta);
   }
   uint64_t offset = 0;
   for (auto& s : specs) {
@@ -490,21 +451,11 @@ SafetensorsLayout plan_safetensors(std::vector<TensorSpec> specs, const Metadata
     info.begin = offset;
     info.end = offset + uint64_t(shape_numel(info.shape)) * dtype_size(info.dtype);
     offset = info.end;
-    if (!first) h += ',';
-    first = false;
-    h += json_quote(info.name);
-    h += ":{\"dtype\":\"";
-    h += dtype_safetensors_name(info.dtype);
-    h += "\",\"shape\":[";
-    for (size_t i = 0; i < info.shape.size(); ++i) {
-      if (i) h += ',';
-      h += std::to_string(info.shape[i]);
-    }
-    h += "],\"data_offsets\":[";
-    h += std::to_string(info.begin);
-    h += ',';
-    h += std::to_string(info.end);
-    h += "]}";
+    const ordered_json entry = {{"dtype", dtype_safetensors_name(info.dtype)},
+                                {"shape", info.shape},
+                                {"data_offsets", {info.begin, info.end}}};
+    if (h.size() > 1) h += ',';
+    h += dump(info.name) + ':' + dump(entry);
     layout.tensors.push_back(std::move(info));
   }
   h += '}';

@@ -172,9 +172,6 @@ std::vector<uint8_t> serialize_safetensors(const NamedTensors& tensors,
 // sorts tensors by descending rank.
 int safetensors_dtype_rank(DType dtype);
 
-// JSON string literal (quotes included) escaped exactly as serde_json escapes it.
-std::string json_quote(std::string_view text);
-
 // Parses JSON text, failing (glmtune::Error naming `source`, with `fix` as the advice) on invalid
 // JSON and on a key repeated within one object: nlohmann keeps the last value of a repeated key
 // silently, which would hide a tensor listed twice.
