@@ -386,6 +386,39 @@ TEST(Safetensors, FailedAtomicWriteLeavesNoFiles) {
   EXPECT_EQ(file.tensor("y").to_doubles(), (std::vector<double>{2, 2, 2}));
 }
 
+TEST(Safetensors, AnAtomicWriterTouchesThePathOnlyWhenFinished) {
+  TempDir dir;
+  const fs::path path = dir / "w.safetensors";
+  save_safetensors(path, {{"old", Tensor::zeros({2}, DType::f32)}});
+  const auto before = read_bytes(path);
+  {
+    SafetensorsWriter w(path, {{"a", DType::f32, {3}}}, {}, WriteMode::kAtomic);
+    EXPECT_EQ(w.path(), path);
+    w.write("a", Tensor::full({3}, 1.0, DType::f32));
+    EXPECT_EQ(read_bytes(path), before);
+  }  // never finished: the old file stays, the temporary file goes
+  EXPECT_EQ(read_bytes(path), before);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
+  {
+    SafetensorsWriter w(path, {{"a", DType::f32, {3}}}, {}, WriteMode::kAtomic);
+    w.write("a", Tensor::full({3}, 1.0, DType::f32));
+    w.finish();
+  }
+  EXPECT_EQ(read_bytes(path), serialize_safetensors({{"a", Tensor::full({3}, 1.0, DType::f32)}}));
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
+  // A directory in the way: the error names the path and nothing is left behind.
+  fs::create_directories(dir / "d.safetensors" / "x");
+  try {
+    SafetensorsWriter w(dir / "d.safetensors", {{"a", DType::f32, {1}}}, {}, WriteMode::kAtomic);
+    w.write("a", Tensor::zeros({1}, DType::f32));
+    w.finish();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.where(), (dir / "d.safetensors").string());
+  }
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 2);
+}
+
 TEST(MappedFile, ClearErrors) {
   TempDir dir;
   auto expect_error = [](const fs::path& p, const std::string& what) {
