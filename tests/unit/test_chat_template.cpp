@@ -371,6 +371,31 @@ TEST(ChatTemplateHelpers, PythonJsonDumps) {
       "{}, [], {\"b\": 1, \"a\": [1, {\"c\": null}]}]");
 }
 
+TEST(ChatTemplateHelpers, PythonJsonDumpsStrings) {
+  // Every control character, DEL, quotes, backslashes, '/' and non-ASCII text, as a value and as
+  // a key; expected bytes printed by CPython's json.dumps(..., ensure_ascii=False).
+  std::string all;
+  for (int c = 0; c < 0x20; ++c) all += char(c);
+  all += "\x7f\"\\/ \u00e9\u2028\U0001F600";
+  const std::string want =
+      "\"\\u0000\\u0001\\u0002\\u0003\\u0004\\u0005\\u0006\\u0007\\b\\t\\n\\u000b\\f\\r\\u000e"
+      "\\u000f\\u0010\\u0011\\u0012\\u0013\\u0014\\u0015\\u0016\\u0017\\u0018\\u0019\\u001a"
+      "\\u001b\\u001c\\u001d\\u001e\\u001f\x7f\\\"\\\\/ \u00e9\u2028\U0001F600\"";
+  EXPECT_EQ(glmtune::data::python_json_dumps(OrderedJson(all)), want);
+  OrderedJson keyed = OrderedJson::object();
+  keyed["k\"\\\n"] = OrderedJson::array({std::string(1, '\0')});
+  EXPECT_EQ(glmtune::data::python_json_dumps(keyed), "{\"k\\\"\\\\\\n\": [\"\\u0000\"]}");
+  // A Python string cannot hold invalid UTF-8: such bytes (only reachable through the C++ API,
+  // the JSON parser rejects them) are an error, not text the reference would never write.
+  try {
+    glmtune::data::python_json_dumps(OrderedJson::array({"ok", "bad \xff byte"}));
+    ADD_FAILURE() << "no error";
+  } catch (const glmtune::Error& e) {
+    EXPECT_NE(e.problem().find("not valid UTF-8"), std::string::npos) << e.what();
+    EXPECT_EQ(e.where(), "chat template");
+  }
+}
+
 TEST(ChatTemplateHelpers, PythonStrip) {
   using glmtune::data::python_strip;
   EXPECT_EQ(python_strip(" \u3000\u00a0\x1c x y \u200b\u2029\u0085"), "x y \u200b");

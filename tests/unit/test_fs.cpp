@@ -1,13 +1,17 @@
 // File-system helpers: temporary files of killed processes are found and removed (and nothing
-// else is), and an output directory that cannot be created is an error naming the key, the path,
-// the reason and the fix.
+// else is), an AtomicFile replaces its target whole or not at all, and an output directory that
+// cannot be created is an error naming the key, the path, the reason and the fix.
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <csignal>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "glmtune/base/error.h"
 #include "glmtune/base/fs.h"
@@ -84,6 +88,124 @@ TEST(TemporaryFiles, AtomicWriteLeavesNoTemporaryFileOnError) {
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   }
   EXPECT_EQ(entries, 2u);
+}
+
+namespace {
+
+// The names in `dir`, sorted.
+std::vector<std::string> entries(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+TEST(AtomicFile, TheTargetStaysOldUntilCommitThenIsTheNewFileWhole) {
+  TempDir dir("fs");
+  const fs::path target = dir / "data.bin";
+  write_text(target, "old content");
+  {
+    AtomicFile file(target);
+    EXPECT_EQ(file.target(), target);
+    EXPECT_EQ(file.path(), temporary_path(target));
+    // A streamed write: a placeholder header, the body, then the header patched in place.
+    file.write("....");
+    file.write(std::string("body"));
+    file.pwrite("HEAD", 4, 0);
+    file.truncate(10);
+    EXPECT_EQ(read_text(target), "old content");
+    EXPECT_EQ(entries(dir.path()),
+              (std::vector<std::string>{"data.bin", temporary_path(target).filename().string()}));
+    file.commit();
+    EXPECT_TRUE(file.committed());
+  }
+  EXPECT_EQ(read_text(target), std::string("HEADbody\0\0", 10));
+  EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{"data.bin"}));
+}
+
+TEST(AtomicFile, WithoutCommitTheTemporaryFileGoesAndTheTargetStays) {
+  TempDir dir("fs");
+  write_text(dir / "kept", "old");
+  {
+    AtomicFile file(dir / "kept");
+    file.write("half of the new");
+  }
+  {
+    AtomicFile file(dir / "never");
+    file.write("x");
+  }
+  EXPECT_EQ(read_text(dir / "kept"), "old");
+  EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{"kept"}));
+}
+
+TEST(AtomicFile, AFailedRenameNamesTheTargetAndLeavesNoTemporaryFile) {
+  TempDir dir("fs");
+  fs::create_directories(dir / "taken" / "inside");  // rename cannot replace a non-empty directory
+  try {
+    AtomicFile file(dir / "taken");
+    file.write("new");
+    file.commit();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.where(), (dir / "taken").string());
+    EXPECT_NE(e.problem().find("cannot rename"), std::string::npos) << e.what();
+    EXPECT_NE(e.fix().find("directory"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{"taken"}));
+  EXPECT_TRUE(fs::is_directory(dir / "taken" / "inside"));
+}
+
+TEST(AtomicFile, AMissingDirectoryIsAnErrorNamingThePathAndTheFix) {
+  TempDir dir("fs");
+  const fs::path target = dir / "missing" / "out.json";
+  try {
+    AtomicFile file(target);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.where().rfind(target.string(), 0), 0u) << e.what();  // the temporary name
+    EXPECT_NE(e.fix().find("parent directory"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(entries(dir.path()).empty());
+}
+
+TEST(AtomicFile, AFailedWriteNamesTheFileAndLeavesTheOldTarget) {
+  TempDir dir("fs");
+  const fs::path target = dir / "big.bin";
+  write_text(target, "old");
+  // A file-size limit makes the write fail part-way (EFBIG) as a full disk would; SIGXFSZ is
+  // ignored so that it is an error, not a kill.
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  rlimit small = saved;
+  small.rlim_cur = 4096;
+  auto* old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  bool threw = false;
+  try {
+    AtomicFile file(target);
+    file.write(std::string(10000, 'x'));
+    file.commit();
+  } catch (const Error& e) {
+    threw = true;
+    EXPECT_EQ(e.where(), temporary_path(target).string());
+    EXPECT_NE(e.problem().find("write failed"), std::string::npos) << e.what();
+    EXPECT_NE(e.fix().find("ulimit -f"), std::string::npos) << e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_TRUE(threw);
+  EXPECT_EQ(read_text(target), "old");
+  EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{"big.bin"}));
+}
+
+TEST(AtomicFile, WriteFileAtomicReplacesAnExistingFile) {
+  TempDir dir("fs");
+  write_file_atomic((dir / "f.txt").string(), "first, longer content");
+  write_file_atomic((dir / "f.txt").string(), "second");
+  EXPECT_EQ(read_text(dir / "f.txt"), "second");
+  EXPECT_EQ(entries(dir.path()), (std::vector<std::string>{"f.txt"}));
 }
 
 TEST(TemporaryFiles, RemoveOnExitRemovesUnlessReleased) {

@@ -21,12 +21,12 @@
 
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/io/safetensors.h"
+#include "glmtune/model/balancing_loss.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/loss.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
-#include "glmtune/train/router_bias.h"
 #include "support/temp_dir.h"
 
 using namespace glmtune;
@@ -222,12 +222,12 @@ double objective(const TextModel& model, const PackInput& in, const TrainOptions
   const int64_t tokens = out.hidden.size(0);
   std::vector<uint8_t> valid(size_t(tokens), 0);
   for (int64_t i = 0; i < tokens - in.padding_tokens; ++i) valid[size_t(i)] = 1;
-  train::BalancingLossOptions bo;
+  model::BalancingLossOptions bo;
   bo.alpha = opt.balancing_alpha;
   bo.num_micro_packs = opt.num_micro_packs;
   bo.valid = valid;
   auto add_router = [&](const ops::Routing& r, const Tensor& bias) {
-    total += train::balancing_loss(r.logits, bias, r.indices, bo, false).loss;
+    total += model::balancing_loss(r.logits, bias, r.indices, bo, false).loss;
   };
   for (size_t l = 0; l < model.weights().layers.size(); ++l) {
     const LayerWeights& w = model.weights().layers[l];

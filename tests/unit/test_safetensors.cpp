@@ -231,12 +231,28 @@ TEST(Safetensors, HeaderLayoutMatchesTheReferenceWriter) {
   EXPECT_EQ(std::string(empty.begin(), empty.end()), std::string("\x08\0\0\0\0\0\0\0{}      ", 16));
 }
 
-TEST(Safetensors, JsonEscapingMatchesSerde) {
-  EXPECT_EQ(json_quote("plain.name"), "\"plain.name\"");
-  EXPECT_EQ(json_quote("a\"b\\c"), "\"a\\\"b\\\\c\"");
-  EXPECT_EQ(json_quote(std::string("\b\f\n\r\t\x01\x1f\x7f", 8)),
-            "\"\\b\\f\\n\\r\\t\\u0001\\u001f\x7f\"");
-  EXPECT_EQ(json_quote("é/ü"), "\"é/ü\"");  // non-ASCII and '/' are written as is
+TEST(Safetensors, HeaderStringsAreEscapedAsSerdeEscapesThem) {
+  // serde_json (the reference writer): `"` `\` and \b \f \n \r \t by their short escapes, the
+  // other control characters as \u00xx in lowercase hex, DEL, '/' and non-ASCII text as is.
+  const std::string name("q\"b\\s/\b\f\n\r\t\x00\x01\x1f\x7f é日😀", 25);
+  const Metadata metadata = {{"k\"\\\x02", "v\n\x1e\xc3\xbc"}};
+  const auto layout =
+      plan_safetensors({{name, DType::f32, {1}}, {"plain", DType::bf16, {}}}, metadata);
+  EXPECT_EQ(layout.header,
+            "{\"__metadata__\":{\"k\\\"\\\\\\u0002\":\"v\\n\\u001e\xc3\xbc\"},"
+            "\"q\\\"b\\\\s/\\b\\f\\n\\r\\t\\u0000\\u0001\\u001f\x7f "
+            "\xc3\xa9\xe6\x97\xa5\xf0\x9f\x98\x80\":"
+            "{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+            "\"plain\":{\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[4,6]}}      ");
+  // Every control character survives the round trip through the reader.
+  for (int c = 0; c < 0x20; ++c) {
+    SCOPED_TRACE(c);
+    const std::string n = "t" + std::string(1, char(c));
+    auto bytes = serialize_safetensors({{n, Tensor::zeros({1}, DType::f32)}}, {{n, n}});
+    auto file = SafetensorsFile::parse(bytes, "escaped");
+    EXPECT_TRUE(file.contains(n));
+    EXPECT_EQ(file.metadata().at(n), n);
+  }
 }
 
 TEST(Safetensors, Utf8Validation) {
@@ -351,6 +367,7 @@ TEST(Safetensors, WriterRejectsBadNames) {
   }
   EXPECT_THROW(save_safetensors(dir / "m.safetensors", {{"__metadata__", t}}), Error);
   EXPECT_THROW(save_safetensors(dir / "u.safetensors", {{"bad\xff", t}}), Error);
+  EXPECT_THROW(save_safetensors(dir / "v.safetensors", {{"x", t}}, {{"key", "bad\xc3"}}), Error);
   // A failed write leaves nothing behind.
   EXPECT_TRUE(fs::is_empty(dir.path()));
 }
@@ -367,6 +384,39 @@ TEST(Safetensors, FailedAtomicWriteLeavesNoFiles) {
   auto file = SafetensorsFile::open(dir / "x.safetensors");
   EXPECT_FALSE(file.contains("x"));
   EXPECT_EQ(file.tensor("y").to_doubles(), (std::vector<double>{2, 2, 2}));
+}
+
+TEST(Safetensors, AnAtomicWriterTouchesThePathOnlyWhenFinished) {
+  TempDir dir;
+  const fs::path path = dir / "w.safetensors";
+  save_safetensors(path, {{"old", Tensor::zeros({2}, DType::f32)}});
+  const auto before = read_bytes(path);
+  {
+    SafetensorsWriter w(path, {{"a", DType::f32, {3}}}, {}, WriteMode::kAtomic);
+    EXPECT_EQ(w.path(), path);
+    w.write("a", Tensor::full({3}, 1.0, DType::f32));
+    EXPECT_EQ(read_bytes(path), before);
+  }  // never finished: the old file stays, the temporary file goes
+  EXPECT_EQ(read_bytes(path), before);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
+  {
+    SafetensorsWriter w(path, {{"a", DType::f32, {3}}}, {}, WriteMode::kAtomic);
+    w.write("a", Tensor::full({3}, 1.0, DType::f32));
+    w.finish();
+  }
+  EXPECT_EQ(read_bytes(path), serialize_safetensors({{"a", Tensor::full({3}, 1.0, DType::f32)}}));
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
+  // A directory in the way: the error names the path and nothing is left behind.
+  fs::create_directories(dir / "d.safetensors" / "x");
+  try {
+    SafetensorsWriter w(dir / "d.safetensors", {{"a", DType::f32, {1}}}, {}, WriteMode::kAtomic);
+    w.write("a", Tensor::zeros({1}, DType::f32));
+    w.finish();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.where(), (dir / "d.safetensors").string());
+  }
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 2);
 }
 
 TEST(MappedFile, ClearErrors) {

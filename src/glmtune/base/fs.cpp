@@ -13,6 +13,7 @@
 #include <fstream>
 #include <regex>
 #include <sstream>
+#include <system_error>
 
 #include "glmtune/base/error.h"
 
@@ -107,38 +108,138 @@ size_t remove_stale_temporary_files(const fs::path& dir, const std::vector<std::
   return removed;
 }
 
-void write_file_atomic(const std::string& path, const std::string& content) {
-  const fs::path target(path);
-  const fs::path tmp = temporary_path(target);
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0)
-    throw Error(std::string("cannot create: ") + std::strerror(errno), tmp.string(),
-                "check that the directory exists and is writable");
-  RemoveOnExit guard(tmp);
-  size_t done = 0;
-  while (done < content.size()) {
-    ssize_t n = ::write(fd, content.data() + done, content.size() - done);
+namespace {
+
+std::string errno_text(int err) { return std::system_category().message(err); }
+
+void close_fd_quietly(int fd) {
+  if (fd >= 0) ::close(fd);
+}
+
+// The fix line for a failed write, fsync or close, by cause.
+std::string write_fix(int err) {
+  if (err == ENOSPC || err == EDQUOT) return "free disk space or write elsewhere";
+  if (err == EFBIG) return "raise the file-size limit (ulimit -f) or write elsewhere";
+  return {};
+}
+
+}  // namespace
+
+OutputFile::OutputFile(const fs::path& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    const int err = errno;
+    std::string fix;
+    if (err == ENOENT)
+      fix = "create the parent directory first";
+    else if (err == EACCES || err == EPERM || err == EROFS)
+      fix = "make the directory writable by this user, or write elsewhere";
+    else if (err == EISDIR)
+      fix = "a directory has this name: remove it or write elsewhere";
+    else if (err == EMFILE || err == ENFILE)
+      fix = "raise the open-file limit (ulimit -n)";
+    else if (err == ENOSPC || err == EDQUOT)
+      fix = "free disk space or write elsewhere";
+    throw Error("cannot create file (" + errno_text(err) + ")", path.string(), fix);
+  }
+}
+
+OutputFile::~OutputFile() { close_quietly(); }
+
+void OutputFile::close_quietly() noexcept {
+  close_fd_quietly(fd_);
+  fd_ = -1;
+}
+
+void OutputFile::write(const void* data, size_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    ssize_t n = ::write(fd_, p, std::min<size_t>(bytes, size_t(1) << 30));
     if (n < 0) {
       if (errno == EINTR) continue;
-      int err = errno;
-      ::close(fd);
-      throw Error(std::string("write failed: ") + std::strerror(err), tmp.string(),
-                  "check free disk space");
+      const int err = errno;
+      throw Error("write failed (" + errno_text(err) + ")", path_.string(), write_fix(err));
     }
-    done += size_t(n);
+    p += n;
+    bytes -= size_t(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    int err = errno;
-    throw Error(std::string("cannot flush: ") + std::strerror(err), tmp.string(),
-                "check free disk space");
+}
+
+void OutputFile::pwrite(const void* data, size_t bytes, uint64_t offset) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    ssize_t n = ::pwrite(fd_, p, std::min<size_t>(bytes, size_t(1) << 30), off_t(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      throw Error("write failed (" + errno_text(err) + ")", path_.string(), write_fix(err));
+    }
+    p += n;
+    bytes -= size_t(n);
+    offset += uint64_t(n);
   }
-  if (::rename(tmp.c_str(), target.c_str()) != 0) {
-    int err = errno;
-    throw Error(std::string("cannot rename into place: ") + std::strerror(err), path,
-                "check the directory's permissions");
+}
+
+void OutputFile::truncate(uint64_t length) {
+  if (::ftruncate(fd_, off_t(length)) != 0) {
+    const int err = errno;
+    throw Error("cannot set file length (" + errno_text(err) + ")", path_.string(), write_fix(err));
   }
-  guard.release();
-  fsync_directory(target.parent_path().string());
+}
+
+void OutputFile::sync() {
+  if (::fsync(fd_) != 0) {
+    const int err = errno;
+    throw Error("fsync failed (" + errno_text(err) + ")", path_.string(), write_fix(err));
+  }
+}
+
+void OutputFile::close() {
+  if (fd_ < 0) return;
+  const int fd = fd_;
+  fd_ = -1;
+  // A failing close can report a delayed write error (NFS); it must not be ignored.
+  if (::close(fd) != 0) {
+    const int err = errno;
+    throw Error("close failed (" + errno_text(err) + ")", path_.string(), write_fix(err));
+  }
+}
+
+AtomicFile::AtomicFile(fs::path target)
+    : OutputFile(temporary_path(target)), target_(std::move(target)) {}
+
+AtomicFile::~AtomicFile() {
+  if (committed_) return;
+  close_quietly();
+  std::error_code ec;
+  fs::remove(path(), ec);
+}
+
+void AtomicFile::commit() {
+  GLMTUNE_ASSERT(!committed_, "{} committed twice", target_.string());
+  sync();
+  close();
+  if (::rename(path().c_str(), target_.c_str()) != 0) {
+    const int err = errno;
+    std::string fix;
+    if (err == EISDIR || err == ENOTEMPTY || err == EEXIST)
+      fix = "a directory has this name: remove it or write elsewhere";
+    else if (err == EACCES || err == EPERM || err == EROFS)
+      fix = "make the directory writable by this user, or write elsewhere";
+    else
+      fix = "check the directory's permissions and free space";
+    throw Error(fmt::format("cannot rename the finished {} into place ({})", path().string(),
+                            errno_text(err)),
+                target_.string(), fix);
+  }
+  committed_ = true;
+  fsync_directory(target_.parent_path().string());
+}
+
+void write_file_atomic(const std::string& path, std::string_view content) {
+  AtomicFile file(path);
+  file.write(content);
+  file.commit();
 }
 
 void create_output_directory(const fs::path& dir, const std::string& key) {

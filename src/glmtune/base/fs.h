@@ -1,17 +1,20 @@
 #pragma once
 // Small file-system helpers with errors that name the file.
 
+#include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace glmtune {
 
 // Reads a whole (small) file; `what` names it in errors ("config", "recipe", ...).
 std::string read_text_file(const std::string& path, const std::string& what);
-// Writes `content` to `path` atomically: a temporary file in the same directory, fsync, rename,
-// fsync of the directory. A crash leaves either the old file or the new one, never a torn file.
-void write_file_atomic(const std::string& path, const std::string& content);
+// Writes `content` to `path` atomically (an AtomicFile written whole and committed). A crash
+// leaves either the old file or the new one, never a torn file.
+void write_file_atomic(const std::string& path, std::string_view content);
 // fsync of a directory, so that renames inside it are durable.
 void fsync_directory(const std::string& dir);
 
@@ -45,6 +48,55 @@ class RemoveOnExit {
 
  private:
   std::filesystem::path path_;
+};
+
+// A file opened for writing; closes on destruction. All writes are complete writes (retrying
+// after short writes and EINTR) and fail with a glmtune::Error naming the file.
+class OutputFile {
+ public:
+  // Creates or truncates `path` (mode 0644).
+  explicit OutputFile(const std::filesystem::path& path);
+  virtual ~OutputFile();
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+
+  void write(const void* data, size_t bytes);
+  void write(std::string_view text) { write(text.data(), text.size()); }
+  void pwrite(const void* data, size_t bytes, uint64_t offset);
+  // Sets the file length (reserves the data region of a planned file).
+  void truncate(uint64_t length);
+  void sync();
+  void close();
+  // The file written to (for an AtomicFile, its temporary name).
+  const std::filesystem::path& path() const { return path_; }
+
+ protected:
+  void close_quietly() noexcept;
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+};
+
+// The one way glmtune replaces a single file: the content is written to temporary_path(target)
+// in the target's directory, and commit() fsyncs it, renames it over `target` and fsyncs the
+// directory. Until commit() returns, `target` is untouched (the old file, or none); after it,
+// `target` is the new file whole. A crash in between leaves a temporary file that
+// remove_stale_temporary_files recognises; an error or a destruction without commit() removes it.
+// Whole directories (checkpoints) are swapped in by their writers instead.
+class AtomicFile : public OutputFile {
+ public:
+  explicit AtomicFile(std::filesystem::path target);
+  ~AtomicFile() override;
+
+  // Errors name the file and the fix; the temporary file is removed on failure.
+  void commit();
+  bool committed() const { return committed_; }
+  const std::filesystem::path& target() const { return target_; }
+
+ private:
+  std::filesystem::path target_;
+  bool committed_ = false;
 };
 
 // Creates the directory `dir` (and its parents) for output named by `key` (a recipe key such as

@@ -83,44 +83,22 @@ std::string python_float_repr(double value) {
   return out;
 }
 
+// Python's json.dumps(s, ensure_ascii=False) of one string, which is nlohmann's dump without
+// ensure_ascii byte for byte: `"` `\\` \b \f \n \r \t by their short escapes, the other control
+// characters as \u00xx (lowercase hex), DEL and all non-ASCII text as is. A Python string cannot
+// hold invalid UTF-8 (the reference renders no such text), so such bytes are an error here.
 void append_python_json_string(std::string& out, std::string_view s) {
-  out.push_back('"');
-  for (char ch : s) {
-    auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      default:
-        // ensure_ascii=False: only control characters are escaped; everything else (DEL and all
-        // non-ASCII text included) is written as is.
-        if (c < 0x20)
-          out += fmt::format("\\u{:04x}", c);
-        else
-          out.push_back(ch);
-    }
+  try {
+    out += Json(s).dump(-1, ' ', false, Json::error_handler_t::strict);
+  } catch (const Json::type_error& e) {
+    throw Error(fmt::format("a string written as JSON is not valid UTF-8 ({})", e.what()),
+                "chat template", "give the conversation's text in UTF-8");
   }
-  out.push_back('"');
 }
 
+// Containers and numbers are written here rather than by nlohmann's dump: Python separates items
+// with ", " and keys with ": ", and writes floats by repr (python_float_repr), none of which
+// nlohmann's dump can be told to do.
 void append_python_json(std::string& out, const Json& v) {
   switch (v.type()) {
     case Json::value_t::null:

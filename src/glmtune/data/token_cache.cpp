@@ -171,7 +171,6 @@ fs::path resolve_tokenizer_json(const fs::path& path) {
 TokenCacheWriter::TokenCacheWriter(fs::path path, const DatasetConfig& config,
                                    const fs::path& tokenizer_json)
     : path_(std::move(path)),
-      tmp_path_(temporary_path(path_)),
       mask_tmp_path_(temporary_path(path_.string() + ".mask")),
       tokenizer_hash_(tokenizer_file_hash(tokenizer_json)),
       ids_hash_(kFnvOffset),
@@ -195,24 +194,22 @@ TokenCacheWriter::TokenCacheWriter(fs::path path, const DatasetConfig& config,
              {"reasoning_effort", config.reasoning_effort ? nlohmann::json(*config.reasoning_effort)
                                                           : nlohmann::json()},
              {"clear_thinking", config.clear_thinking}}}};
-  // The destructor does not run for a constructor that throws: these guards remove what was
-  // created by then.
-  RemoveOnExit ids_guard(tmp_path_), mask_guard(mask_tmp_path_);
-  out_ = std::make_unique<io::OutputFile>(tmp_path_);
-  mask_ = std::make_unique<io::OutputFile>(mask_tmp_path_);
+  // The destructor does not run for a constructor that throws: the mask's guard removes its
+  // file; the cache itself is an AtomicFile (a member), which removes its own temporary file.
+  out_ = std::make_unique<AtomicFile>(path_);
+  RemoveOnExit mask_guard(mask_tmp_path_);
+  mask_ = std::make_unique<OutputFile>(mask_tmp_path_);
   // The header is written last (finish), once the offsets are known.
   std::array<uint8_t, kHeaderSize> zeros{};
   out_->write(zeros.data(), zeros.size());
-  ids_guard.release();
   mask_guard.release();
 }
 
 TokenCacheWriter::~TokenCacheWriter() {
   std::error_code ec;
-  out_.reset();
+  out_.reset();  // an unfinished cache's temporary file goes with it
   mask_.reset();
   fs::remove(mask_tmp_path_, ec);
-  if (!finished_) fs::remove(tmp_path_, ec);
 }
 
 void TokenCacheWriter::add(const Sample& sample) {
@@ -292,15 +289,8 @@ void TokenCacheWriter::finish(const DatasetStats& stats) {
   h.checksum = combine_checksum(ids_hash_, mask_hash_, index_hash);
   const auto header = encode_header(h);
   out_->pwrite(header.data(), header.size(), 0);
-  out_->sync();
-  out_->close();
+  out_->commit();
   out_.reset();
-  std::error_code ec;
-  fs::rename(tmp_path_, path_, ec);
-  if (ec)
-    throw Error("cannot move the finished cache into place: " + ec.message(), path_.string(),
-                "check that the output directory is writable");
-  io::sync_directory(path_.has_parent_path() ? path_.parent_path() : fs::path("."));
   finished_ = true;
 }
 

@@ -29,9 +29,12 @@
 
 #include "glmtune/data/dataset.h"
 
+namespace glmtune {
+class AtomicFile;
+class OutputFile;
+}  // namespace glmtune
 namespace glmtune::io {
 class MappedFile;
-class OutputFile;
 }  // namespace glmtune::io
 
 namespace glmtune::data {
@@ -71,11 +74,11 @@ class TokenCacheWriter {
   int64_t tokens() const { return tokens_; }
 
  private:
-  std::filesystem::path path_, tmp_path_, mask_tmp_path_;
+  std::filesystem::path path_, mask_tmp_path_;
   nlohmann::json meta_;
   uint64_t tokenizer_hash_ = 0;
-  std::unique_ptr<io::OutputFile> out_;   // header placeholder, then the ids as they come
-  std::unique_ptr<io::OutputFile> mask_;  // the mask, appended to `out_` by finish()
+  std::unique_ptr<AtomicFile> out_;   // header placeholder, then the ids as they come
+  std::unique_ptr<OutputFile> mask_;  // the mask, appended to `out_` by finish()
   std::vector<uint8_t> packed_index_;
   int64_t samples_ = 0;
   int64_t tokens_ = 0;

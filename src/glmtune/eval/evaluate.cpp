@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -22,7 +21,6 @@
 #include "glmtune/data/packing.h"
 #include "glmtune/data/tokenizer.h"
 #include "glmtune/io/checkpoint.h"
-#include "glmtune/io/mmap_file.h"
 #include "glmtune/io/safetensors.h"
 #include "glmtune/model/compose.h"
 #include "glmtune/model/layout.h"
@@ -188,28 +186,6 @@ std::optional<std::vector<EvalSample>> read_pretokenised(const std::string& file
   if (first_error) throw *first_error;
   return samples;
 }
-
-// Deletes a partly written output file unless it was completed and renamed.
-class TempFile {
- public:
-  explicit TempFile(fs::path final_path)
-      : final_(std::move(final_path)),
-        tmp_(final_.string() + ".tmp." + std::to_string(::getpid())) {}
-  ~TempFile() {
-    std::error_code ec;
-    if (!committed_) fs::remove(tmp_, ec);
-  }
-  const fs::path& path() const { return tmp_; }
-  void commit() {
-    fs::rename(tmp_, final_);
-    io::sync_directory(final_.parent_path().empty() ? fs::path(".") : final_.parent_path());
-    committed_ = true;
-  }
-
- private:
-  fs::path final_, tmp_;
-  bool committed_ = false;
-};
 
 // What is evaluated: the samples in output order, the packs they go to, and the readers of the
 // samples that are loaded pack by pack.
@@ -465,8 +441,7 @@ struct EvalRun {
   Totals totals;
   int64_t images = 0, videos = 0;
   // Logits are written one sample at a time into a file whose layout is planned up front, under
-  // a temporary name renamed into place once complete.
-  std::optional<TempFile> dump_file;
+  // a temporary name renamed into place once complete (WriteMode::kAtomic).
   std::optional<io::SafetensorsWriter> writer;
   // Gradients add up over the packs as sums of CE; divided by the label count at the end.
   std::optional<model::text::TextGrads> grads;
@@ -485,8 +460,8 @@ void open_outputs(EvalRun& r) {
         specs.push_back({fmt::format("logits.{}", r.data.out_index[i]),
                          DType::f32,
                          {r.data.samples[i].length, vocab}});
-    r.dump_file.emplace(o.dump_logits);
-    r.writer.emplace(r.dump_file->path(), std::move(specs), io::Metadata{{"format", "pt"}});
+    r.writer.emplace(o.dump_logits, std::move(specs), io::Metadata{{"format", "pt"}},
+                     io::WriteMode::kAtomic);
   }
   if (!o.dump_grads.empty()) {
     r.grads.emplace(model::text::TextGrads::zeros_like(r.loaded.model().weights()));
@@ -630,12 +605,12 @@ void write_grads(EvalRun& r, int64_t label_tokens) {
   }
   std::vector<io::TensorSpec> specs;
   for (const auto& [name, g] : views) specs.push_back({name, DType::f32, g.shape()});
-  TempFile file(r.options.dump_grads);
   io::SafetensorsWriter grad_writer(
-      file.path(), std::move(specs),
+      r.options.dump_grads, std::move(specs),
       io::Metadata{{"format", "pt"},
                    {"objective", "mean LM cross-entropy (no MTP, no balancing loss)"},
-                   {"tokens", std::to_string(label_tokens)}});
+                   {"tokens", std::to_string(label_tokens)}},
+      io::WriteMode::kAtomic);
   for (const auto& [name, g] : views) {
     const Tensor mean = g.to(DType::f32).contiguous();
     float* v = mean.data<float>();
@@ -643,7 +618,6 @@ void write_grads(EvalRun& r, int64_t label_tokens) {
     grad_writer.write(name, mean);
   }
   grad_writer.finish();
-  file.commit();
 }
 
 // The result of the packs run so far: per-sample losses and the totals.
@@ -759,7 +733,6 @@ EvalResult evaluate(const EvalOptions& o) {
   if (run.writer) {
     run.writer->finish();
     run.writer.reset();
-    run.dump_file->commit();
   }
   if (run.grads) write_grads(run, result.tokens);
   return result;

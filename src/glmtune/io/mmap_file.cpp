@@ -102,74 +102,6 @@ void MappedFile::advise_sequential() const {
   if (data_) ::madvise(const_cast<uint8_t*>(data_), size_, MADV_SEQUENTIAL);
 }
 
-OutputFile::OutputFile(const std::filesystem::path& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) {
-    int err = errno;
-    throw Error("cannot create file (" + errno_text(err) + ")", path.string(),
-                err == ENOENT ? "create the parent directory first" : open_fix(err));
-  }
-}
-
-OutputFile::~OutputFile() { close_quietly(fd_); }
-
-void OutputFile::write(const void* data, size_t bytes) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::write(fd_, p, std::min<size_t>(bytes, size_t(1) << 30));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int err = errno;
-      throw Error("write failed (" + errno_text(err) + ")", path_.string(),
-                  err == ENOSPC ? "free disk space or write elsewhere" : "");
-    }
-    p += n;
-    bytes -= size_t(n);
-  }
-}
-
-void OutputFile::pwrite(const void* data, size_t bytes, uint64_t offset) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::pwrite(fd_, p, std::min<size_t>(bytes, size_t(1) << 30), off_t(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int err = errno;
-      throw Error("write failed (" + errno_text(err) + ")", path_.string(),
-                  err == ENOSPC ? "free disk space or write elsewhere" : "");
-    }
-    p += n;
-    bytes -= size_t(n);
-    offset += uint64_t(n);
-  }
-}
-
-void OutputFile::truncate(uint64_t length) {
-  if (::ftruncate(fd_, off_t(length)) != 0) {
-    int err = errno;
-    throw Error("cannot set file length (" + errno_text(err) + ")", path_.string(),
-                err == ENOSPC || err == EFBIG ? "free disk space or write elsewhere" : "");
-  }
-}
-
-void OutputFile::sync() {
-  if (::fsync(fd_) != 0) {
-    int err = errno;
-    throw Error("fsync failed (" + errno_text(err) + ")", path_.string());
-  }
-}
-
-void OutputFile::close() {
-  if (fd_ < 0) return;
-  int fd = fd_;
-  fd_ = -1;
-  // A failing close can report a delayed write error (NFS); it must not be ignored.
-  if (::close(fd) != 0) {
-    int err = errno;
-    throw Error("close failed (" + errno_text(err) + ")", path_.string());
-  }
-}
-
 void sync_directory(const std::filesystem::path& dir) {
   std::filesystem::path d = dir.empty() ? std::filesystem::path(".") : dir;
   int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -184,30 +116,6 @@ void sync_directory(const std::filesystem::path& dir) {
     throw Error("fsync of directory failed (" + errno_text(err) + ")", d.string());
   }
   close_quietly(fd);
-}
-
-std::filesystem::path temporary_sibling(const std::filesystem::path& path) {
-  return std::filesystem::path(path.string() + ".tmp." + std::to_string(::getpid()));
-}
-
-void write_file_atomic(const std::filesystem::path& path, std::string_view content) {
-  const auto tmp = temporary_sibling(path);
-  try {
-    OutputFile out(tmp);
-    out.write(content);
-    out.sync();
-    out.close();
-    std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    if (ec)
-      throw Error("cannot rename " + tmp.string() + " into place (" + ec.message() + ")",
-                  path.string());
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw;
-  }
-  sync_directory(path.parent_path());
 }
 
 std::string read_text_file(const std::filesystem::path& path) {

@@ -1,6 +1,6 @@
 #pragma once
-// Read-only memory maps of whole files, plus the small POSIX write helpers that the checkpoint
-// writers share (full writes, fsync, atomic replace).
+// Read-only memory maps of whole files, plus the directory fsync that the checkpoint writers
+// share. Files are written through OutputFile / AtomicFile of base/fs.h.
 //
 // A mapping is held through std::shared_ptr so that tensors viewing the file (Tensor::from_external
 // with the mapping as owner) keep it alive after the reader that created them is gone.
@@ -48,41 +48,10 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// A file opened for writing; closes on destruction. All writes are complete writes (retrying
-// after short writes and EINTR) and fail with a glmtune::Error naming the file.
-class OutputFile {
- public:
-  // Creates or truncates `path` (mode 0644).
-  explicit OutputFile(const std::filesystem::path& path);
-  ~OutputFile();
-  OutputFile(const OutputFile&) = delete;
-  OutputFile& operator=(const OutputFile&) = delete;
-
-  void write(const void* data, size_t bytes);
-  void write(std::string_view text) { write(text.data(), text.size()); }
-  void pwrite(const void* data, size_t bytes, uint64_t offset);
-  // Sets the file length (reserves the data region of a planned file).
-  void truncate(uint64_t length);
-  void sync();
-  void close();
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-  int fd_ = -1;
-};
-
 // Flushes a directory entry change (create, rename) of `dir` to disk.
 void sync_directory(const std::filesystem::path& dir);
 
-// Writes `content` to `path` atomically: `path.tmp.<pid>` is written and fsync'd, then renamed
-// over `path`, then the directory is fsync'd. A crash leaves either the old or the new content.
-void write_file_atomic(const std::filesystem::path& path, std::string_view content);
-
 // Reads a whole (small) file into a string; glmtune::Error naming the path on failure.
 std::string read_text_file(const std::filesystem::path& path);
-
-// "<path>.tmp.<pid>": the temporary name used by atomic writes, unique per process.
-std::filesystem::path temporary_sibling(const std::filesystem::path& path);
 
 }  // namespace glmtune::io

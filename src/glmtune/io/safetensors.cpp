@@ -225,45 +225,6 @@ bool is_valid_utf8(std::string_view text, size_t* bad_offset) {
   return true;
 }
 
-std::string json_quote(std::string_view text) {
-  std::string out;
-  out.reserve(text.size() + 2);
-  out += '"';
-  for (unsigned char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          out += fmt::format("\\u{:04x}", c);
-        } else {
-          out += char(c);
-        }
-    }
-  }
-  out += '"';
-  return out;
-}
-
 int safetensors_dtype_rank(DType dtype) {
   // The reference implementation's Dtype enum order (BOOL < ... < F8_E4M3 < ... < F16 < BF16 <
   // I32 < ... < F32 < F64 < I64), restricted to the dtypes glmtune has.
@@ -464,22 +425,22 @@ SafetensorsLayout plan_safetensors(std::vector<TensorSpec> specs, const Metadata
     return ra != rb ? ra > rb : a.name < b.name;
   });
 
+  // The reference writer's serde_json output: compact, metadata first, then the tensors in the
+  // order above. nlohmann's compact dump without ensure_ascii writes the same bytes (strings
+  // escaped alike); the names and metadata are valid UTF-8 (checked above), so the strict handler
+  // never throws. The top-level object is joined entry by entry: an ordered_json object looks its
+  // keys up linearly, quadratic in the thousands of tensors of a shard.
+  using ordered_json = nlohmann::ordered_json;
+  const auto dump = [](const ordered_json& j) {
+    return j.dump(-1, ' ', false, ordered_json::error_handler_t::strict);
+  };
   SafetensorsLayout layout;
   std::string& h = layout.header;
   h += '{';
-  bool first = true;
   if (!metadata.empty()) {
-    h += "\"__metadata__\":{";
-    bool first_meta = true;
-    for (const auto& [k, v] : metadata) {
-      if (!first_meta) h += ',';
-      first_meta = false;
-      h += json_quote(k);
-      h += ':';
-      h += json_quote(v);
-    }
-    h += '}';
-    first = false;
+    ordered_json meta = ordered_json::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    h += dump("__metadata__") + ':' + dump(meta);
   }
   uint64_t offset = 0;
   for (auto& s : specs) {
@@ -490,21 +451,11 @@ SafetensorsLayout plan_safetensors(std::vector<TensorSpec> specs, const Metadata
     info.begin = offset;
     info.end = offset + uint64_t(shape_numel(info.shape)) * dtype_size(info.dtype);
     offset = info.end;
-    if (!first) h += ',';
-    first = false;
-    h += json_quote(info.name);
-    h += ":{\"dtype\":\"";
-    h += dtype_safetensors_name(info.dtype);
-    h += "\",\"shape\":[";
-    for (size_t i = 0; i < info.shape.size(); ++i) {
-      if (i) h += ',';
-      h += std::to_string(info.shape[i]);
-    }
-    h += "],\"data_offsets\":[";
-    h += std::to_string(info.begin);
-    h += ',';
-    h += std::to_string(info.end);
-    h += "]}";
+    const ordered_json entry = {{"dtype", dtype_safetensors_name(info.dtype)},
+                                {"shape", info.shape},
+                                {"data_offsets", {info.begin, info.end}}};
+    if (h.size() > 1) h += ',';
+    h += dump(info.name) + ':' + dump(entry);
     layout.tensors.push_back(std::move(info));
   }
   h += '}';
@@ -519,16 +470,21 @@ SafetensorsLayout plan_safetensors(std::vector<TensorSpec> specs, const Metadata
 }
 
 SafetensorsWriter::SafetensorsWriter(const std::filesystem::path& path,
-                                     std::vector<TensorSpec> specs, const Metadata& metadata)
-    : layout_(plan_safetensors(std::move(specs), metadata)), out_(path) {
+                                     std::vector<TensorSpec> specs, const Metadata& metadata,
+                                     WriteMode mode)
+    : layout_(plan_safetensors(std::move(specs), metadata)), path_(path), mode_(mode) {
+  if (mode_ == WriteMode::kAtomic)
+    out_ = std::make_unique<AtomicFile>(path);
+  else
+    out_ = std::make_unique<OutputFile>(path);
   for (size_t i = 0; i < layout_.tensors.size(); ++i) index_.emplace(layout_.tensors[i].name, i);
   written_.assign(layout_.tensors.size(), 0);
   uint8_t prefix[8];
   uint64_t n = layout_.header.size();
   for (int i = 0; i < 8; ++i) prefix[i] = uint8_t(n >> (8 * i));
-  out_.write(prefix, 8);
-  out_.write(layout_.header);
-  out_.truncate(layout_.file_bytes());
+  out_->write(prefix, 8);
+  out_->write(layout_.header);
+  out_->truncate(layout_.file_bytes());
 }
 
 SafetensorsWriter::~SafetensorsWriter() = default;
@@ -537,12 +493,12 @@ size_t SafetensorsWriter::slot(std::string_view name, uint64_t nbytes) {
   auto it = index_.find(name);
   if (it == index_.end())
     throw Error("tensor \"" + std::string(name) + "\" was not planned for this file",
-                out_.path().string());
+                path_.string());
   const TensorInfo& t = layout_.tensors[it->second];
   if (nbytes != t.nbytes())
     throw Error("tensor \"" + std::string(name) + "\" has " + std::to_string(nbytes) +
                     " bytes; the plan says " + std::to_string(t.nbytes()),
-                out_.path().string());
+                path_.string());
   return it->second;
 }
 
@@ -554,7 +510,7 @@ void SafetensorsWriter::write(std::string_view name, const Tensor& tensor) {
       throw Error("tensor \"" + std::string(name) + "\" is " +
                       std::string(dtype_name(tensor.dtype())) + shape_str(tensor.shape()) +
                       "; the plan says " + std::string(dtype_name(t.dtype)) + shape_str(t.shape),
-                  out_.path().string());
+                  path_.string());
   }
   if (tensor.numel() == 0) {
     slot(name, 0);  // nothing to write, but the name must be planned
@@ -567,7 +523,7 @@ void SafetensorsWriter::write(std::string_view name, const Tensor& tensor) {
 void SafetensorsWriter::write_bytes(std::string_view name, std::span<const uint8_t> bytes) {
   size_t i = slot(name, bytes.size());
   if (written_[i] != 0)
-    throw Error("tensor \"" + std::string(name) + "\" is written twice", out_.path().string());
+    throw Error("tensor \"" + std::string(name) + "\" is written twice", path_.string());
   write_part(name, 0, bytes);
 }
 
@@ -576,7 +532,7 @@ void SafetensorsWriter::write_part(std::string_view name, uint64_t offset,
   auto it = index_.find(name);
   if (it == index_.end())
     throw Error("tensor \"" + std::string(name) + "\" was not planned for this file",
-                out_.path().string());
+                path_.string());
   const size_t i = it->second;
   const TensorInfo& t = layout_.tensors[i];
   if (offset > t.nbytes() || bytes.size() > t.nbytes() - offset ||
@@ -584,9 +540,9 @@ void SafetensorsWriter::write_part(std::string_view name, uint64_t offset,
     throw Error("bytes [" + std::to_string(offset) + ", " + std::to_string(offset + bytes.size()) +
                     ") of tensor \"" + std::string(name) + "\" fall outside its " +
                     std::to_string(t.nbytes()) + " bytes or were written before",
-                out_.path().string());
+                path_.string());
   if (!bytes.empty())
-    out_.pwrite(bytes.data(), bytes.size(), layout_.data_offset() + t.begin + offset);
+    out_->pwrite(bytes.data(), bytes.size(), layout_.data_offset() + t.begin + offset);
   written_[i] += bytes.size();
 }
 
@@ -595,9 +551,13 @@ void SafetensorsWriter::finish() {
   for (size_t i = 0; i < written_.size(); ++i)
     if (written_[i] != layout_.tensors[i].nbytes())
       throw Error("tensor \"" + layout_.tensors[i].name + "\" was planned but never written",
-                  out_.path().string());
-  out_.sync();
-  out_.close();
+                  path_.string());
+  if (mode_ == WriteMode::kAtomic) {
+    static_cast<AtomicFile&>(*out_).commit();
+  } else {
+    out_->sync();
+    out_->close();
+  }
   finished_ = true;
 }
 
@@ -615,22 +575,9 @@ std::vector<TensorSpec> specs_of(const NamedTensors& tensors) {
 
 void save_safetensors(const std::filesystem::path& path, const NamedTensors& tensors,
                       const Metadata& metadata) {
-  const auto tmp = temporary_sibling(path);
-  try {
-    SafetensorsWriter writer(tmp, specs_of(tensors), metadata);
-    for (const auto& [name, t] : tensors) writer.write(name, t);
-    writer.finish();
-    std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    if (ec)
-      throw Error("cannot rename " + tmp.string() + " into place (" + ec.message() + ")",
-                  path.string());
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw;
-  }
-  sync_directory(path.parent_path());
+  SafetensorsWriter writer(path, specs_of(tensors), metadata, WriteMode::kAtomic);
+  for (const auto& [name, t] : tensors) writer.write(name, t);
+  writer.finish();
 }
 
 std::vector<uint8_t> serialize_safetensors(const NamedTensors& tensors, const Metadata& metadata) {

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "glmtune/base/fs.h"
 #include "glmtune/io/mmap_file.h"
 #include "glmtune/tensor/tensor.h"
 
@@ -126,13 +127,17 @@ struct SafetensorsLayout {
 // that are not valid UTF-8, and negative dimensions.
 SafetensorsLayout plan_safetensors(std::vector<TensorSpec> specs, const Metadata& metadata = {});
 
+// How a SafetensorsWriter puts its file at `path`: written there directly (a file inside a
+// directory that is itself swapped in whole, such as a checkpoint's shards), or as an AtomicFile
+// renamed over `path` by finish() (an unfinished writer leaves `path` as it was).
+enum class WriteMode { kInPlace, kAtomic };
+
 // Writes a safetensors file whose layout is fixed up front, taking the tensors one at a time in
-// any order, so that memory holds at most one tensor. The file is written in place; callers that
-// need atomic replacement write to a temporary name and rename (save_safetensors does).
+// any order, so that memory holds at most one tensor.
 class SafetensorsWriter {
  public:
   SafetensorsWriter(const std::filesystem::path& path, std::vector<TensorSpec> specs,
-                    const Metadata& metadata = {});
+                    const Metadata& metadata = {}, WriteMode mode = WriteMode::kInPlace);
   ~SafetensorsWriter();
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
@@ -144,11 +149,13 @@ class SafetensorsWriter {
   // Bytes [offset, offset + size) of a tensor, for producers that stream a large tensor in parts.
   // The parts of a tensor must not overlap; it counts as written once they cover it.
   void write_part(std::string_view name, uint64_t offset, std::span<const uint8_t> bytes);
-  // Fails naming any tensor that was not written; then fsyncs and closes the file.
+  // Fails naming any tensor that was not written; then fsyncs and closes the file (kAtomic: and
+  // renames it into place).
   void finish();
 
   const SafetensorsLayout& layout() const { return layout_; }
-  const std::filesystem::path& path() const { return out_.path(); }
+  // The file's final name.
+  const std::filesystem::path& path() const { return path_; }
 
  private:
   size_t slot(std::string_view name, uint64_t nbytes);
@@ -156,7 +163,9 @@ class SafetensorsWriter {
   SafetensorsLayout layout_;
   std::map<std::string, size_t, std::less<>> index_;
   std::vector<uint64_t> written_;  // bytes written per tensor
-  OutputFile out_;
+  std::filesystem::path path_;
+  WriteMode mode_;
+  std::unique_ptr<OutputFile> out_;  // an AtomicFile in WriteMode::kAtomic
   bool finished_ = false;
 };
 
@@ -171,9 +180,6 @@ std::vector<uint8_t> serialize_safetensors(const NamedTensors& tensors,
 // Safetensors' dtype order (the reference implementation's enum order, by alignment); the writer
 // sorts tensors by descending rank.
 int safetensors_dtype_rank(DType dtype);
-
-// JSON string literal (quotes included) escaped exactly as serde_json escapes it.
-std::string json_quote(std::string_view text);
 
 // Parses JSON text, failing (glmtune::Error naming `source`, with `fix` as the advice) on invalid
 // JSON and on a key repeated within one object: nlohmann keeps the last value of a repeated key

@@ -11,12 +11,8 @@
 //    The comparison is exact (n_e · E against Σ n), and the f32 bias adds the f32 value of ±u.
 //    The bias only steers which experts are chosen; it is a buffer, saved with the model.
 //
-// 2. The balancing (aux) loss, per layer, over the T non-padding tokens with top-K routing:
-//        loss = α · E / (T·K) · Σ_e n_e · mean_t(w̃_{t,e})
-//        w̃_{t,e} = (σ(l_{t,e}) + b_e) / Σ_e' (σ(l_{t,e'}) + b_e')
-//    summed over layers (and averaged over micro-packs, see BalancingLossOptions). n_e are the
-//    selection counts (no gradient flows through them); the gradient flows through w̃ into the
-//    router logits l.
+// 2. The balancing (aux) loss, part of the model's objective: model/balancing_loss.h, which also
+//    counts the loads (count_expert_loads) that both mechanisms use.
 //
 // The logged statistic is maxvio = mean over layers of (max_e n_e − n̄) / n̄.
 
@@ -26,15 +22,10 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/model/balancing_loss.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::train {
-
-// Selections per expert: `selected` is [T, K] (i32 or i64) expert ids; rows whose `valid` entry is
-// 0 (padding) are not counted. `valid` may be empty (every row counts). Throws InternalError for
-// an id outside [0, num_experts).
-std::vector<int64_t> count_expert_loads(const Tensor& selected, int64_t num_experts,
-                                        std::span<const uint8_t> valid = {});
 
 // (max_e n_e − n̄) / n̄ for one layer; 0 when the layer routed no token.
 double max_violation(std::span<const int64_t> loads);
@@ -76,30 +67,5 @@ double update_router_biases(const ExpertLoads& loads, double rate, BiasLookup&& 
   }
   return loads.maxvio();
 }
-
-struct BalancingLossOptions {
-  // α of the recipe (loss.balancing_alpha).
-  double alpha = 0.001;
-  // The seed system averages the per-micro-pack losses over the step's micro-packs.
-  int64_t num_micro_packs = 1;
-  // Global averaging across ranks: this micro-pack's expert loads summed over all ranks. Empty:
-  // this pack's own loads (single process). The token count is Σ_e n_e / K, so with global loads
-  // the function returns this rank's share of the global loss (the shares sum to the loss over
-  // ranks) and the gradient of that share, which is what the ranks' summed gradients need.
-  std::vector<int64_t> global_loads;
-  // Rows of the pack that are real tokens (1) or padding (0); empty: all rows are tokens.
-  std::span<const uint8_t> valid;
-};
-
-struct BalancingLossResult {
-  double loss = 0.0;
-  Tensor grad_logits;  // d loss / d logits, [T, E], the logits' dtype (zero on padding rows)
-};
-
-// One router layer's balancing loss for one micro-pack. `logits` is [T, E] (f32 or f64),
-// `bias` [E] (f32 or f64), `selected` [T, K] (i32 or i64) the experts chosen per token. Computes
-// in f64; the gradient is returned only when `with_grad`.
-BalancingLossResult balancing_loss(const Tensor& logits, const Tensor& bias, const Tensor& selected,
-                                   const BalancingLossOptions& options, bool with_grad = true);
 
 }  // namespace glmtune::train

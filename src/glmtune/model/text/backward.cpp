@@ -7,6 +7,7 @@
 #include <map>
 
 #include "glmtune/base/error.h"
+#include "glmtune/model/balancing_loss.h"
 #include "glmtune/model/loss.h"
 #include "glmtune/model/text/elementwise.h"
 #include "glmtune/ops/cross_entropy.h"
@@ -18,7 +19,6 @@
 #include "glmtune/ops/moe.h"
 #include "glmtune/ops/norm.h"
 #include "glmtune/tensor/host_offload.h"
-#include "glmtune/train/router_bias.h"
 
 namespace glmtune::model::text {
 namespace {

@@ -24,7 +24,7 @@
 //
 //   objective = Σ_rows CE_lm / lm_denominator
 //             + mtp_scale / K · Σ_k Σ_rows CE_k / mtp_denominator_k          (K MTP depths)
-//             + α / M · Σ_routers balancing_loss(router) (train/router_bias.h)
+//             + α / M · Σ_routers balancing_loss(router) (model/balancing_loss.h)
 //
 // The denominators are those of the optimizer step (SPEC.md §4: the token count over every
 // micro-pack of the step), so the gradients of a step's micro-packs simply add up.
