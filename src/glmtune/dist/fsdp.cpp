@@ -16,35 +16,14 @@
 namespace glmtune::dist {
 namespace {
 
-// Every tensor field of a decoder layer, in a fixed order (the flat layout). LayerWeights and
-// LayerGrads have the same fields, so field i of the gradients is the gradient of field i of the
-// weights. Undefined fields (the other mixer or MLP kind, a shared indexer, absent biases, frozen
-// tensors' gradients) are skipped by the caller.
+// Every tensor field of a decoder layer, in the order of the parameter list (model/text/weights.h),
+// which is the flat layout. LayerWeights and LayerGrads have the same fields, so field i of the
+// gradients is the gradient of field i of the weights. Undefined fields (the other mixer or MLP
+// kind, a shared indexer, absent biases, frozen tensors' gradients) are skipped by the caller.
 template <typename Layer>
 std::vector<Tensor*> layer_fields(Layer& w) {
-  std::vector<Tensor*> f = {&w.input_layernorm, &w.post_attention_layernorm,
-                            &w.attn_hc.fn,      &w.attn_hc.base,
-                            &w.attn_hc.scale,   &w.ffn_hc.fn,
-                            &w.ffn_hc.base,     &w.ffn_hc.scale};
-  auto& k = w.kda;
-  for (Tensor* t :
-       {&k.q_proj, &k.k_proj, &k.v_proj, &k.conv1d, &k.f_a_proj, &k.f_b_proj, &k.dt_bias, &k.A_log,
-        &k.b_proj, &k.g_a_proj, &k.g_b_proj, &k.o_norm, &k.o_proj})
-    f.push_back(t);
-  ops::MlaParams& m = w.dsa.mla;
-  for (Tensor* t :
-       {&m.q_a_proj, &m.q_a_proj_bias, &m.q_a_layernorm, &m.q_b_proj, &m.kv_a_proj_with_mqa,
-        &m.kv_a_proj_with_mqa_bias, &m.kv_a_layernorm, &m.kv_b_proj, &m.o_proj, &m.o_proj_bias})
-    f.push_back(t);
-  ops::IndexerParams& x = w.dsa.indexer;
-  for (Tensor* t : {&x.wq_b, &x.wk, &x.k_norm_weight, &x.k_norm_bias, &x.weights_proj, &x.kpool_ape,
-                    &x.kpool_gate})
-    f.push_back(t);
-  for (Tensor* t : {&w.dense.gate_proj, &w.dense.up_proj, &w.dense.down_proj}) f.push_back(t);
-  ops::MoeParams& e = w.moe;
-  for (Tensor* t : {&e.router_weight, &e.e_score_correction_bias, &e.gate_up_proj, &e.down_proj,
-                    &e.shared.gate_proj, &e.shared.up_proj, &e.shared.down_proj})
-    f.push_back(t);
+  std::vector<Tensor*> f;
+  model::text::for_each_layer_param(w, [&](const std::string&, Tensor& t) { f.push_back(&t); });
   return f;
 }
 

@@ -49,11 +49,3 @@ BalancingLossResult balancing_loss(const Tensor& logits, const Tensor& bias, con
                                    const BalancingLossOptions& options, bool with_grad = true);
 
 }  // namespace glmtune::model
-
-// The training code has always spelled these train::...; they are the same declarations.
-namespace glmtune::train {
-using model::balancing_loss;
-using model::BalancingLossOptions;
-using model::BalancingLossResult;
-using model::count_expert_loads;
-}  // namespace glmtune::train

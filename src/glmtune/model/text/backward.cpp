@@ -48,51 +48,6 @@ class GradBuilder {
     g = Tensor::zeros(w.shape(), w.device().is_cuda() ? DType::f32 : w.dtype(), w.device());
     g_.named.emplace_back(it->second, g);
   }
-  void kda(const ops::KdaParams& w, ops::KdaGrads& g) {
-    for (auto [a, b] : {std::pair{&w.q_proj, &g.q_proj},
-                        {&w.k_proj, &g.k_proj},
-                        {&w.v_proj, &g.v_proj},
-                        {&w.conv1d, &g.conv1d},
-                        {&w.f_a_proj, &g.f_a_proj},
-                        {&w.f_b_proj, &g.f_b_proj},
-                        {&w.dt_bias, &g.dt_bias},
-                        {&w.A_log, &g.A_log},
-                        {&w.b_proj, &g.b_proj},
-                        {&w.g_a_proj, &g.g_a_proj},
-                        {&w.g_b_proj, &g.g_b_proj},
-                        {&w.o_norm, &g.o_norm},
-                        {&w.o_proj, &g.o_proj}})
-      add(*a, *b);
-  }
-  void mla(const ops::MlaParams& w, ops::MlaParams& g) {
-    for (auto [a, b] : {std::pair{&w.q_a_proj, &g.q_a_proj},
-                        {&w.q_a_proj_bias, &g.q_a_proj_bias},
-                        {&w.q_a_layernorm, &g.q_a_layernorm},
-                        {&w.q_b_proj, &g.q_b_proj},
-                        {&w.kv_a_proj_with_mqa, &g.kv_a_proj_with_mqa},
-                        {&w.kv_a_proj_with_mqa_bias, &g.kv_a_proj_with_mqa_bias},
-                        {&w.kv_a_layernorm, &g.kv_a_layernorm},
-                        {&w.kv_b_proj, &g.kv_b_proj},
-                        {&w.o_proj, &g.o_proj},
-                        {&w.o_proj_bias, &g.o_proj_bias}})
-      add(*a, *b);
-  }
-  void mlp(const ops::MlpParams& w, ops::MlpParams& g) {
-    add(w.gate_proj, g.gate_proj);
-    add(w.up_proj, g.up_proj);
-    add(w.down_proj, g.down_proj);
-  }
-  void moe(const ops::MoeParams& w, ops::MoeParams& g) {
-    add(w.router_weight, g.router_weight);
-    add(w.gate_up_proj, g.gate_up_proj);
-    add(w.down_proj, g.down_proj);
-    mlp(w.shared, g.shared);
-  }
-  void hc(const HcParams& w, ops::MhcGrads& g) {
-    add(w.fn, g.fn);
-    add(w.base, g.base);
-    add(w.scale, g.scale);
-  }
   void finish() {
     std::sort(g_.named.begin(), g_.named.end(),
               [&](const auto& a, const auto& b) { return order_[a.first] < order_[b.first]; });
@@ -120,22 +75,22 @@ struct Ctx {
 // value joins the result.
 Tensor balancing_grad(Ctx& c, const ops::Routing& routing, const Tensor& bias) {
   if (c.opt.balancing_alpha <= 0) return Tensor();
-  train::BalancingLossOptions bo;
+  BalancingLossOptions bo;
   bo.alpha = c.opt.balancing_alpha;
   bo.num_micro_packs = c.opt.num_micro_packs;
   bo.valid = c.valid;
   if (const SequenceParallel* sp = c.ops.sequence_parallel) {
     // The pack's rows are spread over the group: the loss takes the loads of the whole pack, and
-    // each rank returns its share of it (router_bias.h, global_loads).
+    // each rank returns its share of it (balancing_loss.h, global_loads).
     bo.global_loads =
-        train::count_expert_loads(routing.indices.to(Device::cpu()), c.ops.moe.n_experts, c.valid);
+        count_expert_loads(routing.indices.to(Device::cpu()), c.ops.moe.n_experts, c.valid);
     sp->sum(bo.global_loads);
   }
   // The loss is a few [T, E] reductions: on the GPU path its inputs come to the host (in f32, the
   // router's dtype there) and the logit gradient goes back.
   const Device device = routing.logits.device();
   const Device cpu = Device::cpu();
-  train::BalancingLossResult r = train::balancing_loss(
+  BalancingLossResult r = balancing_loss(
       routing.logits.to(cpu), bias.to(cpu).to(routing.logits.dtype()), routing.indices.to(cpu), bo);
   c.result.balancing_loss += r.loss;
   return r.grad_logits.to(device);
@@ -317,31 +272,12 @@ TextGrads TextGrads::zeros_like(const TextWeights& w) {
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& lw = w.layers[l];
     LayerGrads& lg = g.layers[l];
-    b.add(lw.input_layernorm, lg.input_layernorm);
-    b.add(lw.post_attention_layernorm, lg.post_attention_layernorm);
-    b.hc(lw.attn_hc, lg.attn_hc);
-    b.hc(lw.ffn_hc, lg.ffn_hc);
-    if (lw.attn == AttnKind::kda)
-      b.kda(lw.kda, lg.kda);
-    else
-      b.mla(lw.dsa.mla, lg.dsa.mla);
-    if (lw.mlp == MlpKind::dense)
-      b.mlp(lw.dense, lg.dense);
-    else
-      b.moe(lw.moe, lg.moe);
+    zip_layer_params(lw, lg, [&](const std::string&, const Tensor& a, Tensor& o) { b.add(a, o); });
   }
   if (w.mtp) {
     const MtpWeights& m = *w.mtp;
     MtpGrads& mg = g.mtp.emplace();
-    for (auto [a, o] : {std::pair{&m.eh_proj, &mg.eh_proj},
-                        {&m.enorm, &mg.enorm},
-                        {&m.hnorm, &mg.hnorm},
-                        {&m.input_layernorm, &mg.input_layernorm},
-                        {&m.post_attention_layernorm, &mg.post_attention_layernorm},
-                        {&m.shared_head_norm, &mg.shared_head_norm}})
-      b.add(*a, *o);
-    b.mla(m.dsa.mla, mg.dsa.mla);
-    b.moe(m.moe, mg.moe);
+    zip_mtp_params(m, mg, [&](const std::string&, const Tensor& a, Tensor& o) { b.add(a, o); });
   }
   b.finish();
   return g;

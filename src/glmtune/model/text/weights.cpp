@@ -51,74 +51,15 @@ class Loader {
     w_.named.emplace_back(name, t);
     return t;
   }
-  Tensor optional(const std::string& name) { return store_.contains(name) ? get(name) : Tensor(); }
 
-  ops::MlaParams mla(const std::string& p) {
-    const std::string a = p + "self_attn.";
-    ops::MlaParams m;
-    m.q_a_proj = get(a + "q_a_proj.weight");
-    m.q_a_proj_bias = optional(a + "q_a_proj.bias");
-    m.q_a_layernorm = get(a + "q_a_layernorm.weight");
-    m.q_b_proj = get(a + "q_b_proj.weight");
-    m.kv_a_proj_with_mqa = get(a + "kv_a_proj_with_mqa.weight");
-    m.kv_a_proj_with_mqa_bias = optional(a + "kv_a_proj_with_mqa.bias");
-    m.kv_a_layernorm = get(a + "kv_a_layernorm.weight");
-    m.kv_b_proj = get(a + "kv_b_proj.weight");
-    m.o_proj = get(a + "o_proj.weight");
-    m.o_proj_bias = optional(a + "o_proj.bias");
-    return m;
-  }
-
-  ops::IndexerParams indexer(const std::string& p) {
-    const std::string x = p + "self_attn.indexer.";
-    ops::IndexerParams ix;
-    ix.wq_b = get(x + "wq_b.weight");
-    ix.wk = get(x + "wk.weight");
-    ix.k_norm_weight = get(x + "k_norm.weight");
-    ix.k_norm_bias = get(x + "k_norm.bias");
-    ix.weights_proj = get(x + "weights_proj.weight");
-    ix.kpool_ape = get(x + "index_kpool_compress_ape");
-    ix.kpool_gate = get(x + "index_kpool_compress_gate");
-    return ix;
-  }
-
-  ops::KdaParams kda(const std::string& p) {
-    const std::string a = p + "self_attn.";
-    ops::KdaParams k;
-    k.q_proj = get(a + "q_proj.weight");
-    k.k_proj = get(a + "k_proj.weight");
-    k.v_proj = get(a + "v_proj.weight");
-    k.conv1d = get(a + "conv1d.weight");
-    k.f_a_proj = get(a + "f_a_proj.weight");
-    k.f_b_proj = get(a + "f_b_proj.weight");
-    k.dt_bias = get(a + "dt_bias");
-    k.A_log = get(a + "A_log");
-    k.b_proj = get(a + "b_proj.weight");
-    k.g_a_proj = get(a + "g_a_proj.weight");
-    k.g_b_proj = get(a + "g_b_proj.weight");
-    k.o_norm = get(a + "o_norm.weight");
-    k.o_proj = get(a + "o_proj.weight");
-    return k;
-  }
-
-  ops::MlpParams mlp(const std::string& p) {
-    return {get(p + "gate_proj.weight"), get(p + "up_proj.weight"), get(p + "down_proj.weight")};
-  }
-
-  ops::MoeParams moe(const std::string& p) {
-    ops::MoeParams m;
-    m.router_weight = get(p + "mlp.gate.weight");
-    m.e_score_correction_bias = get(p + "mlp.gate.e_score_correction_bias");
-    m.gate_up_proj = get(p + "mlp.experts.gate_up_proj");
-    m.down_proj = get(p + "mlp.experts.down_proj");
-    if (store_.contains(p + "mlp.shared_experts.gate_proj.weight"))
-      m.shared = mlp(p + "mlp.shared_experts.");
-    return m;
-  }
-
-  HcParams hc(const std::string& p, const char* site) {
-    return {get(fmt::format("{}hc_{}_fn", p, site)), get(fmt::format("{}hc_{}_base", p, site)),
-            get(fmt::format("{}hc_{}_scale", p, site))};
+  // Every field of the list (weights.h) that the store holds under `prefix`: the store has
+  // exactly the tensors of the layer's kinds (mixer, MLP, own or shared indexer, biases), checked
+  // against the config when it was loaded.
+  template <typename Params, typename Visit>
+  void fields(const std::string& prefix, Params& params, Visit visit) {
+    visit(params, [&](const std::string& name, Tensor& field) {
+      if (store_.contains(prefix + name)) field = get(prefix + name);
+    });
   }
 
  private:
@@ -178,35 +119,14 @@ TextWeights load_text_weights(const ParamStore& store, DType dtype, Device devic
     lw.index = l;
     lw.attn = c.layer_types[l];
     lw.mlp = c.mlp_layer_types[l];
-    lw.input_layernorm = load.get(p + "input_layernorm.weight");
-    lw.post_attention_layernorm = load.get(p + "post_attention_layernorm.weight");
-    lw.attn_hc = load.hc(p, "attn");
-    lw.ffn_hc = load.hc(p, "ffn");
-    if (lw.attn == AttnKind::kda) {
-      lw.kda = load.kda(p);
-    } else {
-      lw.dsa.mla = load.mla(p);
-      if (c.indexer_types[l] == IndexerKind::full) lw.dsa.indexer = load.indexer(p);
-    }
-    if (lw.mlp == MlpKind::dense)
-      lw.dense = load.mlp(p + "mlp.");
-    else
-      lw.moe = load.moe(p);
+    load.fields(p, lw, [](LayerWeights& l, auto f) { for_each_layer_param(l, f); });
     w.layers.push_back(std::move(lw));
   }
   w.final_norm = load.get("model.language_model.norm.weight");
   if (c.has_mtp()) {
     const std::string p = layer_prefix(c.num_hidden_layers);
     MtpWeights m;
-    m.eh_proj = load.get(p + "eh_proj.weight");
-    m.enorm = load.get(p + "enorm.weight");
-    m.hnorm = load.get(p + "hnorm.weight");
-    m.input_layernorm = load.get(p + "input_layernorm.weight");
-    m.post_attention_layernorm = load.get(p + "post_attention_layernorm.weight");
-    m.shared_head_norm = load.get(p + "shared_head.norm.weight");
-    m.dsa.mla = load.mla(p);
-    m.dsa.indexer = load.indexer(p);
-    m.moe = load.moe(p);
+    load.fields(p, m, [](MtpWeights& x, auto f) { for_each_mtp_param(x, f); });
     w.mtp = std::move(m);
   }
   // A tied head is the embedding matrix itself (same storage, one entry in `named`).
