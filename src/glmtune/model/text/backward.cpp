@@ -272,12 +272,14 @@ TextGrads TextGrads::zeros_like(const TextWeights& w) {
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& lw = w.layers[l];
     LayerGrads& lg = g.layers[l];
-    zip_layer_params(lw, lg, [&](const std::string&, const Tensor& a, Tensor& o) { b.add(a, o); });
+    zip_layer_params(
+        lw, lg, [&](const std::string&, ParamGroup, const Tensor& a, Tensor& o) { b.add(a, o); });
   }
   if (w.mtp) {
     const MtpWeights& m = *w.mtp;
     MtpGrads& mg = g.mtp.emplace();
-    zip_mtp_params(m, mg, [&](const std::string&, const Tensor& a, Tensor& o) { b.add(a, o); });
+    zip_mtp_params(
+        m, mg, [&](const std::string&, ParamGroup, const Tensor& a, Tensor& o) { b.add(a, o); });
   }
   b.finish();
   return g;

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <set>
+
 #include "glmtune/model/layout.h"
 #include "glmtune/tensor/convert.h"
 
@@ -38,11 +40,29 @@ Tensor to_device(const Tensor& src, const std::string& name, Device device, DTyp
   return src.contiguous().to(keep_f32 ? DType::f32 : DType::bf16).to(device);
 }
 
+// Whether parameters of `group` belong to a layer of lw's mixer and MLP kinds.
+bool of_layer_kind(ParamGroup group, const LayerWeights& lw) {
+  switch (group) {
+    case ParamGroup::layer:
+      return true;
+    case ParamGroup::kda:
+      return lw.attn == AttnKind::kda;
+    case ParamGroup::dsa:
+      return lw.attn != AttnKind::kda;
+    case ParamGroup::dense_mlp:
+      return lw.mlp == MlpKind::dense;
+    case ParamGroup::moe:
+      return lw.mlp != MlpKind::dense;
+  }
+  return false;
+}
+
 class Loader {
  public:
   Loader(const ParamStore& store, TextWeights& w) : store_(store), w_(w) {}
 
   Tensor get(const std::string& name) {
+    GLMTUNE_ASSERT(loaded_.insert(name).second, "text parameter '{}' loaded twice", name);
     Tensor t = w_.device.is_cuda() ? to_device(store_.get(name), name, w_.device, w_.dtype)
                                    : to_compute(store_.get(name), w_.dtype);
     // A tensor the store does not train (the indexer, the router bias, `train.freeze`) is frozen:
@@ -52,12 +72,18 @@ class Loader {
     return t;
   }
 
-  // Every field of the list (weights.h) that the store holds under `prefix`: the store has
-  // exactly the tensors of the layer's kinds (mixer, MLP, own or shared indexer, biases), checked
-  // against the config when it was loaded.
-  template <typename Params, typename Visit>
-  void fields(const std::string& prefix, Params& params, Visit visit) {
-    visit(params, [&](const std::string& name, Tensor& field) {
+  // Every field of the list (weights.h) of the layer's own mixer and MLP kinds that the store
+  // holds under `prefix` (the store has exactly the tensors of the layer: own or shared indexer,
+  // biases, shared expert; checked against the config when it was loaded).
+  void layer(const std::string& prefix, LayerWeights& lw) {
+    zip_layer_params(lw, lw,
+                     [&](const std::string& name, ParamGroup group, Tensor& field, Tensor&) {
+                       if (of_layer_kind(group, lw) && store_.contains(prefix + name))
+                         field = get(prefix + name);
+                     });
+  }
+  void mtp(const std::string& prefix, MtpWeights& m) {
+    for_each_mtp_param(m, [&](const std::string& name, Tensor& field) {
       if (store_.contains(prefix + name)) field = get(prefix + name);
     });
   }
@@ -65,6 +91,7 @@ class Loader {
  private:
   const ParamStore& store_;
   TextWeights& w_;
+  std::set<std::string> loaded_;
 };
 
 // The GPU kernels are built for the released geometry's head dimensions (the KDA core for 128,
@@ -119,14 +146,14 @@ TextWeights load_text_weights(const ParamStore& store, DType dtype, Device devic
     lw.index = l;
     lw.attn = c.layer_types[l];
     lw.mlp = c.mlp_layer_types[l];
-    load.fields(p, lw, [](LayerWeights& l, auto f) { for_each_layer_param(l, f); });
+    load.layer(p, lw);
     w.layers.push_back(std::move(lw));
   }
   w.final_norm = load.get("model.language_model.norm.weight");
   if (c.has_mtp()) {
     const std::string p = layer_prefix(c.num_hidden_layers);
     MtpWeights m;
-    load.fields(p, m, [](MtpWeights& x, auto f) { for_each_mtp_param(x, f); });
+    load.mtp(p, m);
     w.mtp = std::move(m);
   }
   // A tied head is the embedding matrix itself (same storage, one entry in `named`).

@@ -68,90 +68,99 @@ struct TextWeights {
 };
 
 // ---- The parameter list ------------------------------------------------------------------------
-// Every parameter tensor of a decoder layer, written once: `f(name, a_field, b_field)` for each
-// field of two structs with LayerWeights' fields (LayerWeights, or the gradients' LayerGrads) in a
-// fixed order, `name` being the internal name under the layer's prefix. Fields a layer does not
-// use (the other mixer or MLP kind, a shared indexer, absent biases or shared expert) are visited
-// too, undefined. The loader, the gradient buffers and fsdp's flat layout all read this list.
-// The MLA projections and the indexer of a DSA layer (or of the MTP layer).
+// Which part of a layer a parameter belongs to: the loader takes only the mixer and MLP kinds a
+// layer has (the KDA and MLA output projections share the name self_attn.o_proj.weight).
+enum class ParamGroup { layer, kda, dsa, dense_mlp, moe };
+
+// Every parameter tensor of a decoder layer, written once: `f(name, group, a_field, b_field)` for
+// each field of two structs with LayerWeights' fields (LayerWeights, or the gradients' LayerGrads)
+// in a fixed order, `name` being the internal name under the layer's prefix. Fields a layer does
+// not use (the other mixer or MLP kind, a shared indexer, absent biases or shared expert) are
+// visited too, undefined. The loader, the gradient buffers and fsdp's flat layout all read this
+// list. The MLA projections and the indexer of a DSA layer (or of the MTP layer).
 template <typename A, typename B, typename F>
 void zip_dsa_params(A& a, B& b, F&& f) {
+  const ParamGroup g = ParamGroup::dsa;
   auto &ma = a.mla, &mb = b.mla;
-  f("self_attn.q_a_proj.weight", ma.q_a_proj, mb.q_a_proj);
-  f("self_attn.q_a_proj.bias", ma.q_a_proj_bias, mb.q_a_proj_bias);
-  f("self_attn.q_a_layernorm.weight", ma.q_a_layernorm, mb.q_a_layernorm);
-  f("self_attn.q_b_proj.weight", ma.q_b_proj, mb.q_b_proj);
-  f("self_attn.kv_a_proj_with_mqa.weight", ma.kv_a_proj_with_mqa, mb.kv_a_proj_with_mqa);
-  f("self_attn.kv_a_proj_with_mqa.bias", ma.kv_a_proj_with_mqa_bias, mb.kv_a_proj_with_mqa_bias);
-  f("self_attn.kv_a_layernorm.weight", ma.kv_a_layernorm, mb.kv_a_layernorm);
-  f("self_attn.kv_b_proj.weight", ma.kv_b_proj, mb.kv_b_proj);
-  f("self_attn.o_proj.weight", ma.o_proj, mb.o_proj);
-  f("self_attn.o_proj.bias", ma.o_proj_bias, mb.o_proj_bias);
+  f("self_attn.q_a_proj.weight", g, ma.q_a_proj, mb.q_a_proj);
+  f("self_attn.q_a_proj.bias", g, ma.q_a_proj_bias, mb.q_a_proj_bias);
+  f("self_attn.q_a_layernorm.weight", g, ma.q_a_layernorm, mb.q_a_layernorm);
+  f("self_attn.q_b_proj.weight", g, ma.q_b_proj, mb.q_b_proj);
+  f("self_attn.kv_a_proj_with_mqa.weight", g, ma.kv_a_proj_with_mqa, mb.kv_a_proj_with_mqa);
+  f("self_attn.kv_a_proj_with_mqa.bias", g, ma.kv_a_proj_with_mqa_bias, mb.kv_a_proj_with_mqa_bias);
+  f("self_attn.kv_a_layernorm.weight", g, ma.kv_a_layernorm, mb.kv_a_layernorm);
+  f("self_attn.kv_b_proj.weight", g, ma.kv_b_proj, mb.kv_b_proj);
+  f("self_attn.o_proj.weight", g, ma.o_proj, mb.o_proj);
+  f("self_attn.o_proj.bias", g, ma.o_proj_bias, mb.o_proj_bias);
   auto &xa = a.indexer, &xb = b.indexer;
-  f("self_attn.indexer.wq_b.weight", xa.wq_b, xb.wq_b);
-  f("self_attn.indexer.wk.weight", xa.wk, xb.wk);
-  f("self_attn.indexer.k_norm.weight", xa.k_norm_weight, xb.k_norm_weight);
-  f("self_attn.indexer.k_norm.bias", xa.k_norm_bias, xb.k_norm_bias);
-  f("self_attn.indexer.weights_proj.weight", xa.weights_proj, xb.weights_proj);
-  f("self_attn.indexer.index_kpool_compress_ape", xa.kpool_ape, xb.kpool_ape);
-  f("self_attn.indexer.index_kpool_compress_gate", xa.kpool_gate, xb.kpool_gate);
+  f("self_attn.indexer.wq_b.weight", g, xa.wq_b, xb.wq_b);
+  f("self_attn.indexer.wk.weight", g, xa.wk, xb.wk);
+  f("self_attn.indexer.k_norm.weight", g, xa.k_norm_weight, xb.k_norm_weight);
+  f("self_attn.indexer.k_norm.bias", g, xa.k_norm_bias, xb.k_norm_bias);
+  f("self_attn.indexer.weights_proj.weight", g, xa.weights_proj, xb.weights_proj);
+  f("self_attn.indexer.index_kpool_compress_ape", g, xa.kpool_ape, xb.kpool_ape);
+  f("self_attn.indexer.index_kpool_compress_gate", g, xa.kpool_gate, xb.kpool_gate);
 }
 
 // A clamped SwiGLU MLP under `prefix` ("mlp." dense, "mlp.shared_experts." the shared expert).
 template <typename A, typename B, typename F>
-void zip_mlp_params(const std::string& prefix, A& a, B& b, F&& f) {
-  f(prefix + "gate_proj.weight", a.gate_proj, b.gate_proj);
-  f(prefix + "up_proj.weight", a.up_proj, b.up_proj);
-  f(prefix + "down_proj.weight", a.down_proj, b.down_proj);
+void zip_mlp_params(const std::string& prefix, ParamGroup g, A& a, B& b, F&& f) {
+  f(prefix + "gate_proj.weight", g, a.gate_proj, b.gate_proj);
+  f(prefix + "up_proj.weight", g, a.up_proj, b.up_proj);
+  f(prefix + "down_proj.weight", g, a.down_proj, b.down_proj);
 }
 
 template <typename A, typename B, typename F>
 void zip_moe_params(A& a, B& b, F&& f) {
-  f("mlp.gate.weight", a.router_weight, b.router_weight);
-  f("mlp.gate.e_score_correction_bias", a.e_score_correction_bias, b.e_score_correction_bias);
-  f("mlp.experts.gate_up_proj", a.gate_up_proj, b.gate_up_proj);
-  f("mlp.experts.down_proj", a.down_proj, b.down_proj);
-  zip_mlp_params("mlp.shared_experts.", a.shared, b.shared, f);
+  const ParamGroup g = ParamGroup::moe;
+  f("mlp.gate.weight", g, a.router_weight, b.router_weight);
+  f("mlp.gate.e_score_correction_bias", g, a.e_score_correction_bias, b.e_score_correction_bias);
+  f("mlp.experts.gate_up_proj", g, a.gate_up_proj, b.gate_up_proj);
+  f("mlp.experts.down_proj", g, a.down_proj, b.down_proj);
+  zip_mlp_params("mlp.shared_experts.", g, a.shared, b.shared, f);
 }
 
 template <typename A, typename B, typename F>
 void zip_layer_params(A& a, B& b, F&& f) {
-  f("input_layernorm.weight", a.input_layernorm, b.input_layernorm);
-  f("post_attention_layernorm.weight", a.post_attention_layernorm, b.post_attention_layernorm);
-  f("hc_attn_fn", a.attn_hc.fn, b.attn_hc.fn);
-  f("hc_attn_base", a.attn_hc.base, b.attn_hc.base);
-  f("hc_attn_scale", a.attn_hc.scale, b.attn_hc.scale);
-  f("hc_ffn_fn", a.ffn_hc.fn, b.ffn_hc.fn);
-  f("hc_ffn_base", a.ffn_hc.base, b.ffn_hc.base);
-  f("hc_ffn_scale", a.ffn_hc.scale, b.ffn_hc.scale);
+  ParamGroup g = ParamGroup::layer;
+  f("input_layernorm.weight", g, a.input_layernorm, b.input_layernorm);
+  f("post_attention_layernorm.weight", g, a.post_attention_layernorm, b.post_attention_layernorm);
+  f("hc_attn_fn", g, a.attn_hc.fn, b.attn_hc.fn);
+  f("hc_attn_base", g, a.attn_hc.base, b.attn_hc.base);
+  f("hc_attn_scale", g, a.attn_hc.scale, b.attn_hc.scale);
+  f("hc_ffn_fn", g, a.ffn_hc.fn, b.ffn_hc.fn);
+  f("hc_ffn_base", g, a.ffn_hc.base, b.ffn_hc.base);
+  f("hc_ffn_scale", g, a.ffn_hc.scale, b.ffn_hc.scale);
+  g = ParamGroup::kda;
   auto &ka = a.kda, &kb = b.kda;
-  f("self_attn.q_proj.weight", ka.q_proj, kb.q_proj);
-  f("self_attn.k_proj.weight", ka.k_proj, kb.k_proj);
-  f("self_attn.v_proj.weight", ka.v_proj, kb.v_proj);
-  f("self_attn.conv1d.weight", ka.conv1d, kb.conv1d);
-  f("self_attn.f_a_proj.weight", ka.f_a_proj, kb.f_a_proj);
-  f("self_attn.f_b_proj.weight", ka.f_b_proj, kb.f_b_proj);
-  f("self_attn.dt_bias", ka.dt_bias, kb.dt_bias);
-  f("self_attn.A_log", ka.A_log, kb.A_log);
-  f("self_attn.b_proj.weight", ka.b_proj, kb.b_proj);
-  f("self_attn.g_a_proj.weight", ka.g_a_proj, kb.g_a_proj);
-  f("self_attn.g_b_proj.weight", ka.g_b_proj, kb.g_b_proj);
-  f("self_attn.o_norm.weight", ka.o_norm, kb.o_norm);
-  f("self_attn.o_proj.weight", ka.o_proj, kb.o_proj);
+  f("self_attn.q_proj.weight", g, ka.q_proj, kb.q_proj);
+  f("self_attn.k_proj.weight", g, ka.k_proj, kb.k_proj);
+  f("self_attn.v_proj.weight", g, ka.v_proj, kb.v_proj);
+  f("self_attn.conv1d.weight", g, ka.conv1d, kb.conv1d);
+  f("self_attn.f_a_proj.weight", g, ka.f_a_proj, kb.f_a_proj);
+  f("self_attn.f_b_proj.weight", g, ka.f_b_proj, kb.f_b_proj);
+  f("self_attn.dt_bias", g, ka.dt_bias, kb.dt_bias);
+  f("self_attn.A_log", g, ka.A_log, kb.A_log);
+  f("self_attn.b_proj.weight", g, ka.b_proj, kb.b_proj);
+  f("self_attn.g_a_proj.weight", g, ka.g_a_proj, kb.g_a_proj);
+  f("self_attn.g_b_proj.weight", g, ka.g_b_proj, kb.g_b_proj);
+  f("self_attn.o_norm.weight", g, ka.o_norm, kb.o_norm);
+  f("self_attn.o_proj.weight", g, ka.o_proj, kb.o_proj);
   zip_dsa_params(a.dsa, b.dsa, f);
-  zip_mlp_params("mlp.", a.dense, b.dense, f);
+  zip_mlp_params("mlp.", ParamGroup::dense_mlp, a.dense, b.dense, f);
   zip_moe_params(a.moe, b.moe, f);
 }
 
 // The MTP layer's parameters (MtpWeights' fields, or MtpGrads'), names under its layer prefix.
 template <typename A, typename B, typename F>
 void zip_mtp_params(A& a, B& b, F&& f) {
-  f("eh_proj.weight", a.eh_proj, b.eh_proj);
-  f("enorm.weight", a.enorm, b.enorm);
-  f("hnorm.weight", a.hnorm, b.hnorm);
-  f("input_layernorm.weight", a.input_layernorm, b.input_layernorm);
-  f("post_attention_layernorm.weight", a.post_attention_layernorm, b.post_attention_layernorm);
-  f("shared_head.norm.weight", a.shared_head_norm, b.shared_head_norm);
+  const ParamGroup g = ParamGroup::layer;
+  f("eh_proj.weight", g, a.eh_proj, b.eh_proj);
+  f("enorm.weight", g, a.enorm, b.enorm);
+  f("hnorm.weight", g, a.hnorm, b.hnorm);
+  f("input_layernorm.weight", g, a.input_layernorm, b.input_layernorm);
+  f("post_attention_layernorm.weight", g, a.post_attention_layernorm, b.post_attention_layernorm);
+  f("shared_head.norm.weight", g, a.shared_head_norm, b.shared_head_norm);
   zip_dsa_params(a.dsa, b.dsa, f);
   zip_moe_params(a.moe, b.moe, f);
 }
@@ -159,12 +168,14 @@ void zip_mtp_params(A& a, B& b, F&& f) {
 // One struct's fields: f(name, field).
 template <typename L, typename F>
 void for_each_layer_param(L& layer, F&& f) {
-  zip_layer_params(layer, layer,
-                   [&](const std::string& name, auto& field, auto&) { f(name, field); });
+  zip_layer_params(layer, layer, [&](const std::string& name, ParamGroup, auto& field, auto&) {
+    f(name, field);
+  });
 }
 template <typename M, typename F>
 void for_each_mtp_param(M& mtp, F&& f) {
-  zip_mtp_params(mtp, mtp, [&](const std::string& name, auto& field, auto&) { f(name, field); });
+  zip_mtp_params(mtp, mtp,
+                 [&](const std::string& name, ParamGroup, auto& field, auto&) { f(name, field); });
 }
 
 // Copies and converts the text parameters of `store` (vision tensors are left alone). On the CPU
