@@ -5,8 +5,9 @@
 //
 //   op, shape, median time, achieved rate, share of the measured dense bf16 rate
 //
-// The grouped expert GEMMs run at the shapes of the performance anchors (36 groups of ~910 and
-// ~3641 rows; gate_up N 4096 K 4096, down N 4096 K 2048) through both backends of
+// The grouped expert GEMMs run at the expert-parallel training shapes (36 groups of ~910 and ~3641
+// rows, what an expert receives from 8 ranks' 4096- and 16384-token packs at top-8 of 288; gate_up
+// N 4096 K 4096, down N 4096 K 2048) through both backends of
 // ops/cuda/grouped_gemm.h; bench/grouped_mm_vs_torch.py times torch._grouped_mm at the same
 // shapes in the same call. The ceiling is an 8192³ bf16 product timed in this run. Each time is
 // the median of event-timed runs after warm-up runs; inputs are random (never zeros).

@@ -1,13 +1,12 @@
-// One data-parallel training step under mpirun against the single-process step: the packs of
-// the step are split over the ranks (SPEC.md §4: global denominators, gradients summed), and the
-// summed loss terms, every parameter gradient, the expert loads and the sharded optimizer's
-// update equal what one process computes from all the packs. The same with the routed experts
-// split over ep groups of 2 (expert parallelism): each rank loads and holds its slice of the
-// experts only,
-// tokens travel to their experts' ranks and back, a slice's gradient (summed over the ranks holding
-// it) equals the same experts' single-process gradient, and the slices' optimizer (sharded over
-// those ranks) gives the update of AdamW on the whole; and each rank's expert weight, gradient and
-// optimizer bytes are its share of the whole. With fully sharded decoder layers on top, the
+// One data-parallel training step under mpirun against the single-process step: the packs of the
+// step are split over the ranks (the step's label counts as denominators, gradients summed), and
+// the summed loss terms, every parameter gradient, the expert loads and the sharded optimizer's
+// update equal what one process computes from all the packs. The same with the routed experts split
+// over ep groups of 2 (expert parallelism): each rank loads and holds its slice of the experts
+// only, tokens travel to their experts' ranks and back, a slice's gradient (summed over the ranks
+// holding it) equals the same experts' single-process gradient, and the slices' optimizer (sharded
+// over those ranks) gives the update of AdamW on the whole; and each rank's expert weight, gradient
+// and optimizer bytes are its share of the whole. With fully sharded decoder layers on top, the
 // layers' other tensors in slices over dp and the expert slices left out of them: the same step,
 // and the slices at 1/dp of the layers, the experts at 1/E.
 #include <fmt/format.h>

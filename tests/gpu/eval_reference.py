@@ -13,9 +13,9 @@ Two steps, driven by tests/gpu/eval_reference.sh on a GPU machine:
       and holds glmtune's results to it: the GPU evaluation's loss within 1e-2 relative and each
       document's logits ([length, vocab] as one tensor) within 3e-2 relative L2, the worst and
       median single position reported beside it; the CPU evaluation's loss within 1e-5 and its
-      logits within 1e-4 of the reference's largest logit (SPEC.md §7). The speed runs (no logits
-      dumped) give the tokens per second. Prints a table, writes the numbers to REPORT.json, exits
-      1 when a bar is missed.
+      logits within 1e-4 of the reference's largest logit (docs/testing.md, "Parity measures").
+      The speed runs (no logits dumped) give the tokens per second. Prints a table, writes the
+      numbers to REPORT.json, exits 1 when a bar is missed.
 """
 import argparse
 import json

@@ -58,7 +58,7 @@ TEST(ActivationPolicy, RecomputeFirstThenOffloadThenKeep) {
   EXPECT_EQ(activation_policy(5, 0, 1), (std::vector{O, O, O, O, O}));
   EXPECT_EQ(activation_policy(5, 1, 0), (std::vector{R, R, R, R, R}));
   EXPECT_EQ(activation_policy(5, 0, 0), (std::vector{K, K, K, K, K}));
-  // Each fraction rounds down on its own, as the seed system's recompute_ratio does.
+  // Each fraction rounds down on its own, as the reference trainer's recompute_ratio does.
   EXPECT_EQ(activation_policy(5, 0.5, 0.5), (std::vector{R, R, O, O, K}));
   EXPECT_EQ(activation_policy(4, 0.3, 0.7), (std::vector{R, O, O, K}));
   EXPECT_EQ(activation_policy(3, 0.2), (std::vector{K, K, K}));

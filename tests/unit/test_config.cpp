@@ -344,14 +344,15 @@ TEST(Config, SetAllValidatesOverridesTogether) {
 }
 
 TEST(Layout, CountsMatchTheRelease) {
-  // SPEC.md: 24.95B for the 5-layer crop in 3100 tensors (0.56B vision, 1.27B embeddings + head,
-  // 7.43B MTP), 321.02B for the full model (313.03B text + 7.43B MTP + 0.56B vision), each
-  // within 0.5%. Counting reads shapes only: nothing is allocated.
+  // The published sizes (docs/checkpoints.md, "Presets"): 24.95B for the 5-layer crop in 3100
+  // tensors (0.56B vision, 1.27B embeddings + head, 7.43B MTP), 321.02B for the full model
+  // (313.03B text + 7.43B MTP + 0.56B vision), each within 0.5%. Counting reads shapes only:
+  // nothing is allocated.
   auto within = [](double got, double want) { return std::abs(got / want - 1.0) < 0.005; };
   ModelConfig crop = ModelConfig::preset("crop25b");
   ParamCounts n = count_params(crop, released_layout(crop));
   EXPECT_TRUE(within(n.total, 24.95e9)) << n.total;
-  EXPECT_EQ(n.vision, 563'627'008);  // spec/vision-and-media.md §2, exact
+  EXPECT_EQ(n.vision, 563'627'008);  // the released vision tower + projector, exact
   EXPECT_TRUE(within(n.embeddings_and_head, 1.27e9)) << n.embeddings_and_head;
   EXPECT_TRUE(within(n.mtp, 7.43e9)) << n.mtp;
   EXPECT_EQ(n.tensors, 3100);

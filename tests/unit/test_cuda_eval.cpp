@@ -1,9 +1,9 @@
 // `glmtune eval --device cuda` (eval/evaluate.h) against the CPU reference evaluation of the same
 // checkpoint and data: the tiny model with the GPU kernels' geometry (support/gpu_tiny_model.h) on
 // the bundled chat data, packed as training packs it. The GPU runs bf16 weights and compute with
-// fp32 accumulation, so its numbers are held to the bars of SPEC.md §7 for the bf16 path: loss
-// within 1e-2 relative, logits within 1e-2 relative L2. What a GPU evaluation refuses (gradients,
-// a GPU that is not there) is checked on every machine.
+// fp32 accumulation, so its numbers are held to the bars of the bf16 path (docs/testing.md, "Parity
+// measures"): loss within 1e-2 relative, logits within 1e-2 relative L2. What a GPU evaluation
+// refuses (gradients, a GPU that is not there) is checked on every machine.
 
 #include <gtest/gtest.h>
 

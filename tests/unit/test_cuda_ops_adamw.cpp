@@ -1,8 +1,8 @@
-// CUDA parity for the optimizer step (ops/cuda/adamw.h) against a float64 reference written
-// here from the formulas of SPEC.md §4 (torch.optim.AdamW with decoupled weight decay, clip
-// coefficient min(1, max_norm / (norm + 1e-6))): the global gradient norm over f32 and bf16
-// gradients, the clipped multi-tensor update of master weights and moments (relative L2 ≤ 1e-6,
-// the update itself too), the bf16 storage refresh (bit-exact rounding of the new master),
+// CUDA parity for the optimizer step (ops/cuda/adamw.h) against a float64 reference written here
+// from the formulas of docs/training.md, "Optimizer" (torch.optim.AdamW with decoupled weight
+// decay, clip coefficient min(1, max_norm / (norm + 1e-6))): the global gradient norm over f32 and
+// bf16 gradients, the clipped multi-tensor update of master weights and moments (relative L2 ≤
+// 1e-6, the update itself too), the bf16 storage refresh (bit-exact rounding of the new master),
 // unaligned tensors on the scalar path, the skipped step on a non-finite norm, and bit-identical
 // reruns. Fresh random inputs (seed printed; GLMTUNE_TEST_SEED reproduces a run). Skipped (not
 // failed) where no GPU is visible or CUDA is not built.

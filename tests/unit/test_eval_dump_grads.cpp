@@ -29,7 +29,7 @@ namespace {
 const fs::path kGolden =
     fs::path(GLMTUNE_SOURCE_DIR) / "tests" / "golden" / "model" / "tiny_backward.safetensors";
 
-// max |a − ref| / max |ref| (SPEC.md §7).
+// max |a − ref| / max |ref|, the relative error of docs/testing.md, "Parity measures".
 double rel_err(const Tensor& a, const Tensor& ref) {
   const std::vector<double> x = a.to_doubles(), y = ref.to_doubles();
   EXPECT_EQ(x.size(), y.size());

@@ -80,7 +80,8 @@ TEST(MediaProcessor, GeometryMatchesReference) {
     EXPECT_EQ(canvas[0], geo.canvas_height);
     EXPECT_EQ(canvas[1], geo.canvas_width);
   }
-  // The worked examples of the spec (vision-and-media §6.6).
+  // Worked examples of the sizing: a mid-size image, one above the pixel limit (scaled down) and
+  // a small one.
   ProcessorConfig config;
   EXPECT_EQ(num_image_tokens(config, 700, 1000), 900);
   EXPECT_EQ(num_image_tokens(config, 3000, 4000), 7931);

@@ -52,7 +52,7 @@ uint64_t test_seed() {
 
 Tensor i32(const std::vector<int32_t>& v) { return Tensor::from_vector(v, {int64_t(v.size())}); }
 
-// max |a − ref| / max |ref| (SPEC.md §7).
+// max |a − ref| / max |ref|, the relative error of docs/testing.md, "Parity measures".
 double rel_err(const Tensor& a, const Tensor& ref) {
   const std::vector<double> x = a.to_doubles(), y = ref.to_doubles();
   EXPECT_EQ(x.size(), y.size());

@@ -1,5 +1,6 @@
-// The MoE balancing loss against a direct float64 evaluation of SPEC's formula, its gradient
-// against central finite differences, and the expert load counts it takes.
+// The MoE balancing loss against a direct float64 evaluation of its formula (docs/training.md,
+// "Balancing loss"), its gradient against central finite differences, and the expert load counts
+// it takes.
 
 #include <gtest/gtest.h>
 
@@ -36,7 +37,7 @@ Tensor top_k(const Tensor& logits, const Tensor& bias, int64_t K) {
   return Tensor::from_vector<int32_t>(out, {T, K});
 }
 
-// SPEC.md §4 literally: α · E/(T·K) · Σ_e n_e · mean_t(w̃_{t,e}) over the valid tokens.
+// The formula literally: α · E/(T·K) · Σ_e n_e · mean_t(w̃_{t,e}) over the valid tokens.
 double spec_balancing_loss(const std::vector<double>& logits, const std::vector<double>& bias,
                            const std::vector<int64_t>& n, int64_t T_all, int64_t E, int64_t K,
                            double alpha, const std::vector<uint8_t>& valid) {

@@ -58,7 +58,7 @@ std::vector<int32_t> ints(const Tensor& t) {
   return std::vector<int32_t>(c.data<int32_t>(), c.data<int32_t>() + c.numel());
 }
 
-// max |a − ref| / max |ref| (SPEC.md §7).
+// max |a − ref| / max |ref|, the relative error of docs/testing.md, "Parity measures".
 double rel_err(const Tensor& a, const Tensor& ref) {
   const std::vector<double> x = a.to_doubles(), y = ref.to_doubles();
   EXPECT_EQ(x.size(), y.size());
@@ -318,7 +318,8 @@ TEST(ModelForward, SuppliedEmbeddingsReplaceTheLookup) {
 
 namespace {
 
-// Direct f64 composition of MTP (SPEC.md §3) for one document alone, written with plain loops
+// Direct f64 composition of MTP (docs/model/text_model.md, "MTP") for one document alone, written
+// with plain loops
 // around the module-level ops: returns the per-depth head-norm outputs and logits, and the CE sum
 // and count of each depth.
 struct DirectMtp {

@@ -22,8 +22,8 @@ namespace {
 constexpr const char* kGolden = "kda_mhc";
 constexpr RelErr rel_err{.zero_reference_fails = true};
 
-// The spec's Sinkhorn (text-model §3.4 step 6) on one H×H matrix of logits, in double;
-// iters = 0 stops after softmax + eps (the projection's starting point).
+// The reference's Sinkhorn (docs/model/kda_mhc.md, "mHC", step 4) on one H×H matrix of logits, in
+// double; iters = 0 stops after softmax + eps (the projection's starting point).
 std::vector<double> sinkhorn_spec(std::vector<double> c, int64_t h, int64_t iters, double eps) {
   for (int64_t i = 0; i < h; ++i) {
     double mx = -INFINITY, s = 0;

@@ -82,7 +82,7 @@ TEST(OpsMlp, StridedHalvesOfAFusedProductMatchContiguousInputs) {
 
 TEST(OpsMlp, OutputFollowsTheClampedFormula) {
   SCOPED_TRACE(seed_note());
-  // A small MLP in f64 against a per-element evaluation of the spec formula.
+  // A small MLP in f64 against a per-element evaluation of the formula in ops/mlp.h.
   const int64_t d = 6, inter = 5, t = 4;
   const double limit = 0.7;
   ops::MlpParams p{random_normal({inter, d}, 1, DType::f64),

@@ -1,5 +1,5 @@
 // Normalisations: parity with the transformers reference modules (fixtures from
-// tools/golden/ops_kda_mhc.py) and the formulas of spec text-model §3.1 on random inputs.
+// tools/golden/ops_kda_mhc.py) and the formulas of ops/norm.h on random inputs.
 
 #include <gtest/gtest.h>
 

@@ -111,8 +111,8 @@ TEST(BuildPack, ExactlyFullHasNoPaddingDocument) {
 }
 
 TEST(BuildPack, PerDocumentShiftEqualsWholePackShiftWhenDocumentsStartIgnored) {
-  // SPEC §2: with every document starting with an ignored label (chat samples start with
-  // [gMASK]), the seed system's whole-pack shift gives the same targets.
+  // Labels are shifted per document; with every document starting with an ignored label (chat
+  // samples start with [gMASK]), the reference trainer's whole-pack shift gives the same targets.
   auto docs = random_docs(11, 6, 2, 9);
   std::vector<int64_t> idx(docs.size());
   int64_t total = 0;

@@ -3,7 +3,8 @@
 // clipping and weight decay as the recipe sets them, MTP, balancing loss and the router bias
 // update off. Every sample fills one pack alone (max_length = pack_max_length, longer texts cut),
 // and a step takes two packs; the reference runs each document alone and divides the step's CE
-// sum by the step's label count, which is glmtune's reduction (SPEC.md §4).
+// sum by the step's label count, which is glmtune's reduction (docs/training.md, "The model
+// backward").
 
 #include <gtest/gtest.h>
 

@@ -158,7 +158,7 @@ TEST(AdamW, ClipsByTheGlobalNorm) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   ParamSet setup(seed);
-  AdamWConfig cfg;  // max_grad_norm 1.0 (SPEC: coefficient min(1, 1/(norm + 1e-6)))
+  AdamWConfig cfg;  // max_grad_norm 1.0 (torch's clip coefficient min(1, 1/(norm + 1e-6)))
   AdamW opt(setup.clone(), cfg);
   std::vector<RefAdamW> ref;
   for (const auto& p : opt.params()) ref.emplace_back(p.value.to_doubles());

@@ -102,7 +102,7 @@ TEST(Recipe, DefaultsFollowTheSpec) {
   EXPECT_EQ(r.seed, 0u);
   EXPECT_TRUE(r.device.is_cpu());
   EXPECT_EQ(r.recompute, 1.0);
-  // SPEC.md §4 and the seed system's defaults.
+  // The reference trainer's defaults (docs/training.md, "Reference").
   EXPECT_EQ(r.lr, 1e-6);
   EXPECT_EQ(r.lr_min, 1e-6);
   EXPECT_FALSE(r.warmup_steps.has_value());

@@ -1,5 +1,5 @@
-// The learning-rate schedule: values at the boundaries, agreement with the seed system's chained
-// PyTorch schedulers, and validation.
+// The learning-rate schedule: values at the boundaries, agreement with the reference trainer's
+// chained PyTorch schedulers, and validation.
 
 #include <gtest/gtest.h>
 
@@ -17,7 +17,7 @@ namespace {
 
 uint64_t fresh_seed() { return std::random_device{}(); }
 
-// PyTorch's CosineAnnealingLR in its recursive (chainable) form, as the seed system steps it
+// PyTorch's CosineAnnealingLR in its recursive (chainable) form, as the reference trainer steps it
 // after LambdaLR(s / W) warmup: lr_t from lr_{t-1}. Our closed form must agree with it.
 std::vector<double> chained_reference(double lr, double lr_min, int64_t warmup, int64_t total) {
   std::vector<double> out;
@@ -48,7 +48,7 @@ TEST(Schedule, BoundaryValues) {
   const double lr_min = lr * std::uniform_real_distribution<double>(0.01, 0.5)(gen);
   const int64_t W = 4, N = 20;
   Schedule s(lr, lr_min, W, N);
-  EXPECT_EQ(s.lr(0), 0.0);  // warmup starts from 0, as in the seed system
+  EXPECT_EQ(s.lr(0), 0.0);  // warmup starts from 0, as in the reference trainer
   EXPECT_DOUBLE_EQ(s.lr(1), lr / 4);
   EXPECT_DOUBLE_EQ(s.lr(3), 3 * lr / 4);
   EXPECT_EQ(s.lr(W), lr);  // the peak, exactly

@@ -35,7 +35,7 @@ VisionParams fixture_params(const io::SafetensorsFile& file, DType dtype) {
       dtype);
 }
 
-// max |a − b| / max |b|, the SPEC's relative error.
+// max |a − b| / max |b|, the relative error of docs/testing.md, "Parity measures".
 double rel_error(const Tensor& a, const Tensor& b) {
   const std::vector<double> x = a.to_doubles(), y = b.to_doubles();
   EXPECT_EQ(x.size(), y.size());

@@ -66,7 +66,10 @@ ROUTER_GAP = 1e-4
 
 
 def released_name(module_name):
-    """transformers module parameter name -> released on-disk name (spec text-model §2.2)."""
+    """transformers module parameter name -> released on-disk name.
+
+    The released layout is described in docs/checkpoints.md, "The released layout".
+    """
     name = module_name
     for a, b in (("attn_hc.", "hc_attn_"), ("ffn_hc.", "hc_ffn_")):
         name = name.replace(a, b)

@@ -3,7 +3,7 @@
 // GLM-5.3-Flash `chat_template.jinja` produces (as transformers renders it), split into segments
 // that carry the loss mask, and turns those segments into token ids and labels.
 //
-// The loss mask follows the seed system (docs/data.md, "Chat template"): the prompt prefix and
+// The loss mask follows the reference trainer (docs/data.md, "Loss mask"): the prompt prefix and
 // system / user / tool text are context; an assistant turn trains its reasoning with `</think>`,
 // its content and its tool calls; the `<|user|>` / `<|observation|>` token right after a trained
 // assistant turn is trained as that turn's stop, and a final trained assistant turn gets a trained
@@ -41,8 +41,8 @@ struct ChatTemplateOptions {
   bool clear_thinking = false;
   // Append `<|assistant|><think>` (an inference prompt). Nothing after it is trained.
   bool add_generation_prompt = false;
-  // Append a trained `<|endoftext|>` after a final trained assistant turn, as the seed system does
-  // for training. With false the text is byte-identical to the released template's output.
+  // Append a trained `<|endoftext|>` after a final trained assistant turn, as the reference trainer
+  // does for training. With false the text is byte-identical to the released template's output.
   bool final_stop = true;
 };
 

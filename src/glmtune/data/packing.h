@@ -53,7 +53,8 @@ std::vector<int64_t> shuffled_order(int64_t n, uint64_t seed, int64_t epoch);
 
 struct PackingConfig {
   int64_t pack_max_length = 16384;
-  // Pending samples searched to fill a pack's tail (the seed system's pack_extra_buffer_size).
+  // Pending samples searched to fill a pack's tail (pack_extra_buffer_size in the reference
+  // trainer).
   int64_t lookahead = 100;
   bool shuffle = true;
   uint64_t seed = 0;

@@ -1,5 +1,6 @@
 #pragma once
-// The MoE balancing (aux) loss (SPEC.md §4, seed system §2.3), part of the model's objective.
+// The MoE balancing (aux) loss of the reference trainer (docs/training.md, "Balancing loss"), part
+// of the model's objective.
 //
 // Per router layer, over the T non-padding tokens with top-K routing:
 //     loss = α · E / (T·K) · Σ_e n_e · mean_t(w̃_{t,e})
@@ -26,7 +27,7 @@ std::vector<int64_t> count_expert_loads(const Tensor& selected, int64_t num_expe
 struct BalancingLossOptions {
   // α of the recipe (loss.balancing_alpha).
   double alpha = 0.001;
-  // The seed system averages the per-micro-pack losses over the step's micro-packs.
+  // The reference trainer averages the per-micro-pack losses over the step's micro-packs.
   int64_t num_micro_packs = 1;
   // Global averaging across ranks: this micro-pack's expert loads summed over all ranks. Empty:
   // this pack's own loads (single process). The token count is Σ_e n_e / K, so with global loads

@@ -1,7 +1,7 @@
 #pragma once
 // The vision-language model: the vision tower's features spliced into the text model's token
-// embeddings (spec vision-and-media §4–§5, `Glm5NextModel.forward`), forward and backward over
-// packed sequences.
+// embeddings as transformers' `Glm5NextModel.forward` does (docs/vision.md, "The splice"), forward
+// and backward over packed sequences.
 //
 //   e = embed_tokens[input_ids]                         [T, D]
 //   F = tower+projector(image rows ++ video rows)       one call for the whole pack, every image

@@ -1,7 +1,8 @@
 #pragma once
-// Random initialisation by the reference's rules (spec/text-model.md §4). Every tensor draws from
-// its own counter-based stream, keyed by the seed and the tensor's name, so a tensor's values do
-// not depend on which other tensors exist, on the order they are made in, or on sharding.
+// Random initialisation by the reference's rules (InitRule in layout.h; docs/checkpoints.md,
+// "glmtune init"). Every tensor draws from its own counter-based stream, keyed by the seed and the
+// tensor's name, so a tensor's values do not depend on which other tensors exist, on the order
+// they are made in, or on sharding.
 
 #include <cstdint>
 #include <filesystem>

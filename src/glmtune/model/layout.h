@@ -39,8 +39,9 @@ struct ParamSpec {
   int64_t numel() const { return shape_numel(shape); }
 };
 
-// The fp32-kept policy of SPEC.md §1: A_log, dt_bias, KDA conv weights, router correction bias, mHC
-// base and scale.
+// The parameters the release stores in f32 and glmtune keeps in f32 on every device (everything
+// else is bf16; docs/checkpoints.md, "The released layout"): A_log, dt_bias, the KDA conv weights,
+// the router correction bias, mHC base and scale.
 bool is_fp32_kept(const std::string& name);
 
 std::vector<ParamSpec> released_layout(const ModelConfig& config);

@@ -1,12 +1,12 @@
 #pragma once
-// Label bookkeeping of packed sequences for the text model's losses (spec text-model §3.11,
-// SPEC.md §2–§3). The cross-entropy itself is ops/cross_entropy.h.
+// Label bookkeeping of packed sequences for the text model's losses (docs/model/text_model.md,
+// "Losses" and "MTP"). The cross-entropy itself is ops/cross_entropy.h.
 //
 // Labels are always pre-aligned: label[i] is the token position i must predict, or kIgnoreLabel.
-// In a pack the alignment is per document (SPEC.md §2): label[i] = input_ids[i + 1] when i + 1 is
-// in the same document and trained, so a document's last token never predicts the next
-// document's first. The reference shifts inside its loss (`labels[..., 1:]` against
-// `logits[..., :-1]`); for a document alone both give the same targets.
+// In a pack the alignment is per document: label[i] = input_ids[i + 1] when i + 1 is in the same
+// document and trained, so a document's last token never predicts the next document's first. The
+// reference shifts inside its loss (`labels[..., 1:]` against `logits[..., :-1]`); for a document
+// alone both give the same targets.
 
 #include <cstdint>
 

@@ -1,8 +1,8 @@
 #pragma once
 // The model's parameters under glmtune's internal names. Most internal tensors are the released
 // tensors themselves (memory-mapped, not copied); two families are fused for fast kernels:
-//   <layer>.mlp.experts.gate_up_proj [E, 2*Im, D]  <- experts.{e}.gate_proj / up_proj (gate rows
-//   first) <layer>.mlp.experts.down_proj    [E, D, Im]    <- experts.{e}.down_proj
+//   <layer>.mlp.experts.gate_up_proj [E, 2*Im, D]  <- experts.{e}.gate_proj / up_proj (gate first)
+//   <layer>.mlp.experts.down_proj    [E, D, Im]    <- experts.{e}.down_proj
 //   <layer>.self_attn.conv1d.weight  [3*QL, 1, K]  <- q_conv1d / k_conv1d / v_conv1d
 // Saving splits them back, so what glmtune writes is always the released layout. With expert
 // parallelism a rank loads only its range of the routed experts: the fused expert tensors are then

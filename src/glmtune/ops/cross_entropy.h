@@ -1,10 +1,11 @@
 #pragma once
-// Token cross-entropy of the LM head (spec text-model §3.11, SPEC.md §4): logits in the compute
-// dtype (fp32 on the reference path, as the reference upcasts them), labels aligned per row
-// (the caller shifts per document), ignore index −100, summed over label tokens and divided by a
-// denominator: the number of label tokens of the call (the reference's mean) or one supplied by
-// the caller (the reference's num_items_in_batch; the training loop passes the global number of
-// label tokens of the optimizer step, so micro-packs and ranks add up to the global mean).
+// Token cross-entropy of the LM head (docs/model/backward_dsa_moe.md, "Cross-entropy and the fused
+// lm_head"): logits in the compute dtype (fp32 on the reference path, as the reference upcasts
+// them), labels aligned per row (the caller shifts per document), ignore index −100, summed over
+// label tokens and divided by a denominator: the number of label tokens of the call (the
+// reference's mean) or one supplied by the caller (the reference's num_items_in_batch; the
+// training loop passes the global number of label tokens of the optimizer step, so micro-packs
+// and ranks add up to the global mean).
 //
 //   loss = Σ_{t: label_t ≠ −100} (logsumexp(z_t) − z_t[label_t]) / denominator
 //   dz_t = grad_scale · (softmax(z_t) − onehot(label_t)) / denominator   (0 on ignored rows)

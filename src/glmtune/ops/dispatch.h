@@ -5,9 +5,9 @@
 // therefore runs unchanged on either device.
 //
 // On the GPU the op contract is the same with the storage policy of the CUDA backend: activations
-// and weights bf16 (the fp32-kept parameters of SPEC.md stay f32), reductions and parameter
-// gradients f32. A CUDA tensor cannot exist in a build without the backend, so the macro is empty
-// there.
+// and weights bf16 (the fp32-kept parameters, model::is_fp32_kept, stay f32), reductions and
+// parameter gradients f32. A CUDA tensor cannot exist in a build without the backend, so the macro
+// is empty there.
 
 #ifdef GLMTUNE_WITH_CUDA
 #include "glmtune/ops/cuda/dispatch.h"

@@ -1,5 +1,5 @@
 #pragma once
-// Token embedding (spec text-model §3.2 step 1; nn.Embedding with padding_idx = pad_token_id).
+// Token embedding, the model's first step (nn.Embedding with padding_idx = pad_token_id).
 //
 //   forward   out[t, :] = table[ids[t], :]
 //   backward  dtable[v, :] += Σ_{t : ids[t] = v} dout[t, :]   for every v except the padding row

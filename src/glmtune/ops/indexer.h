@@ -1,6 +1,6 @@
 #pragma once
-// KPool DSA indexer (spec text-model §3.8): chooses, for every query token, which keys the sparse
-// MLA attention may see. It runs without gradient and its parameters are frozen.
+// KPool DSA indexer (docs/model/dsa_moe.md, "Indexer"): chooses, for every query token, which
+// keys the sparse MLA attention may see. It runs without gradient and its parameters are frozen.
 //
 // Packed layout: x [T, D] and q_resid [T, Rq] hold the documents of a pack back to back, split by
 // cu_seqlens (int32 or int64 [ndoc + 1]). Each document is computed as the reference computes it

@@ -1,6 +1,6 @@
 #pragma once
-// Kimi Delta Attention (KDA), the linear-attention mixer of GLM-5.3-Flash (spec text-model
-// §3.5–§3.6). Inputs are packed: x [T, D] holds several documents back to back and `cu_seqlens`
+// Kimi Delta Attention (KDA), the linear-attention mixer of GLM-5.3-Flash (docs/model/kda_mhc.md,
+// "KDA mixer"). Inputs are packed: x [T, D] holds several documents back to back and `cu_seqlens`
 // (int32 or int64, [ndoc + 1], cu[0] = 0, cu[ndoc] = T) marks their boundaries. The short conv
 // and the recurrent state restart at every document, so each document is computed exactly as
 // the reference computes it alone (batch of one, no padding).

@@ -1,6 +1,6 @@
 #pragma once
-// Manifold-constrained hyper-connections (mHC), spec text-model §3.3–§3.4. The residual stream is
-// H parallel copies ("streams") of the hidden state, X [..., H, D]. Around every sub-layer:
+// Manifold-constrained hyper-connections (mHC; docs/model/kda_mhc.md, "mHC"). The residual stream
+// is H parallel copies ("streams") of the hidden state, X [..., H, D]. Around every sub-layer:
 //
 //   (post, comb, c) = mhc_pre(X)          mixing weights from the RMS-normalised flattened streams,
 //                                         c = Σ_i pre_i X_i is the sub-layer input

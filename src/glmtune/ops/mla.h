@@ -1,5 +1,6 @@
 #pragma once
-// NoPE multi-head latent attention with DSA sparse selection (spec text-model §3.7).
+// NoPE multi-head latent attention with DSA sparse selection (docs/model/dsa_moe.md, "NoPE
+// MLA").
 //
 //   q_resid = RMSNorm_q(x Wqa^T (+bqa))                 [T, Rq]   (also the indexer's input)
 //   q       = q_resid Wqb^T                             [T, NH, Dqk]

@@ -1,6 +1,6 @@
 #pragma once
-// Clamped SwiGLU MLP (spec text-model §3.9): the dense FFN of the first layers and the MoE's
-// shared expert (width moe_intermediate_size · n_shared_experts).
+// Clamped SwiGLU MLP (docs/model/dsa_moe.md, "Clamped SwiGLU MLP"): the dense FFN of the first
+// layers and the MoE's shared expert (width moe_intermediate_size · n_shared_experts).
 //
 //   gate = x Wg^T,  up = x Wu^T
 //   y    = ( silu(min(gate, lim)) ⊙ clamp(up, −lim, lim) ) Wd^T

@@ -1,5 +1,5 @@
 #pragma once
-// Mixture of experts of the sparse layers (spec text-model §3.10): sigmoid router with a
+// Mixture of experts of the sparse layers (docs/model/dsa_moe.md, "MoE"): sigmoid router with a
 // selection-only correction bias and group-limited top-k, routed experts in the fused internal
 // layout, clamped SwiGLU, weighted combine, plus the shared expert.
 //
@@ -70,8 +70,8 @@ struct MoeOutput {
 };
 
 // The whole MoE block. `counted_rows` limits the expert counts to the leading rows, so that a
-// trailing padding document (spec SPEC.md §2) can be left out of the load statistics; < 0 counts
-// every row.
+// trailing padding document (the packer puts padding last, data/packing.h) can be left out of the
+// load statistics; < 0 counts every row.
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows = -1);
 

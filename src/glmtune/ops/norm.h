@@ -1,10 +1,10 @@
 #pragma once
-// Normalisations over the last dimension, as the reference computes them (spec text-model §3.1):
-//   rms_norm        y = w ⊙ (x / sqrt(mean(x²) + eps))          (w undefined: un-weighted, as in
-//   mHC) rms_norm_gated  y = (w ⊙ x / sqrt(mean(x²) + eps)) ⊙ act(z)   (KDA o_norm; act is sigmoid
-//   there) layer_norm      y = (x − mean) / sqrt(var + eps) ⊙ w + b      (biased variance, as
-//   torch) l2_norm         y = x / sqrt(Σ x² + eps)                      (KDA q/k; eps inside the
-//   sqrt)
+// Normalisations over the last dimension, as the reference computes them (docs/model/kda_mhc.md,
+// "Norms"):
+//   rms_norm        y = w ⊙ (x / sqrt(mean(x²) + eps))            (w undefined: un-weighted, mHC)
+//   rms_norm_gated  y = (w ⊙ x / sqrt(mean(x²) + eps)) ⊙ act(z)   (KDA o_norm; act: sigmoid)
+//   layer_norm      y = (x − mean) / sqrt(var + eps) ⊙ w + b      (biased variance, as torch)
+//   l2_norm         y = x / sqrt(Σ x² + eps)                      (KDA q/k; eps inside the sqrt)
 // CPU tensors in f32 (reference path) or f64 (finite-difference tests); all operands share the
 // dtype. Reductions accumulate in double. In the bf16 model the reference rounds the weighted
 // RMSNorm's normalised value to bf16 before the weight multiply, and the gated norm only once at

@@ -1,5 +1,5 @@
 #pragma once
-// Per-step training metrics, under the names users of the seed system know:
+// Per-step training metrics, under the names users of the reference trainer know:
 //
 //   loss            LM cross-entropy of the step (token mean over all micro-packs and ranks)
 //   mtp_loss        scaled MTP loss (mtp_scale × mean CE of the next-next token)
@@ -9,7 +9,8 @@
 //   tgs             non-padding tokens per GPU-second (this rank's tokens / step time)
 //   seqlen_tgs      all token slots, padding included, per GPU-second
 //   exp_tgs         cumulative non-padding tokens / cumulative training time (survives resume)
-//   max_memory      peak bytes allocated during the step, GB (2^30 bytes, as the seed system)
+//   max_memory      peak bytes allocated during the step, GB (2^30 bytes, as the reference
+//                   trainer counts)
 //   reserved_memory peak bytes reserved by the allocator during the step, GB
 //   maxvio          mean over MoE routers of (max expert load − mean load) / mean load
 //   eta             seconds left at the mean step time so far
@@ -93,7 +94,7 @@ struct MemoryPeaks {
   double reserved_memory = 0;  // GB
 };
 // Peak allocated / reserved memory of `device`'s allocator since the last call, then resets the
-// peaks (the seed system resets them at each step).
+// peaks (the reference trainer resets them at each step).
 MemoryPeaks take_memory_peaks(Device device);
 
 class MetricsLog {

@@ -1,5 +1,5 @@
 #pragma once
-// AdamW with fp32 master weights and fp32 moments (SPEC.md §4), on the CPU.
+// AdamW with fp32 master weights and fp32 moments (docs/training.md, "Optimizer"), on the CPU.
 //
 // Each trainable parameter keeps an f32 master copy, a first moment `exp_avg` and a second moment
 // `exp_avg_sq`. A parameter stored in f32 is its own master (no second copy); a bf16 / f16
@@ -20,8 +20,8 @@
 //
 // Gradient clipping: the global L2 norm over all trainable gradients is accumulated in f64 in
 // fixed blocks (the result does not depend on the thread count, so a resumed run reproduces it
-// bit for bit); the gradients are scaled by min(1, max_norm / (norm + 1e-6)) — SPEC's
-// `min(1, 1/(norm + 1e-6))` with the default max_norm 1.0. A non-finite norm skips the update:
+// bit for bit); the gradients are scaled by min(1, max_norm / (norm + 1e-6)), the coefficient of
+// torch.nn.utils.clip_grad_norm_ (default max_norm 1.0). A non-finite norm skips the update:
 // parameters, moments and the step counter are left as they were and the report says so.
 //
 // State on disk: a sharded safetensors directory (CheckpointWriter) holding, per trainable

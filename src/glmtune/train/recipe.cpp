@@ -560,7 +560,7 @@ void Recipe::parse_doc() {
               "set optimizer.lr_min to at most optimizer.lr");
     r.lr_min = *v;
   } else {
-    // The seed default 1e-6, but never above the peak of a run with a smaller lr.
+    // The reference trainer's default 1e-6, but never above the peak of a run with a smaller lr.
     r.lr_min = std::min(1e-6, r.lr);
   }
   r.warmup_steps = rd.integer("optimizer", "warmup_steps", 0);

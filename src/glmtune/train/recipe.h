@@ -10,11 +10,11 @@
 //   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
 //   [output]    dir, save_every, keep_last, log_every
 //
-// docs/training.md has the full table (type, default, meaning). Defaults follow SPEC.md §4 and the
-// seed system's training defaults. Every unknown section or key, wrong type, out-of-range value or
-// contradiction is a glmtune::Error whose where() names the file, the line and the key (or the
-// --set flag that supplied it) and whose fix() says what to write instead. Relative paths are
-// kept as written: they are relative to the directory glmtune runs in.
+// docs/training.md has the full table (type, default, meaning). The defaults of the optimizer,
+// the losses and the lengths are the reference trainer's. Every unknown section or key, wrong
+// type, out-of-range value or contradiction is a glmtune::Error whose where() names the file, the
+// line and the key (or the --set flag that supplied it) and whose fix() says what to write
+// instead. Relative paths are kept as written: they are relative to the directory glmtune runs in.
 
 #include <cstdint>
 #include <memory>

@@ -1,5 +1,6 @@
 #pragma once
-// Load balancing of the MoE routers (SPEC.md §4, seed system §2.2–2.3).
+// Load balancing of the MoE routers, as the reference trainer balances them (docs/training.md,
+// "Load balancing").
 //
 // Two mechanisms, both fed by each router's expert selections:
 //

@@ -8,11 +8,11 @@
 //   lr(s) = lr_min + (lr − lr_min) · (1 + cos(π · (s − W) / (N − W))) / 2   for W <= s < N
 //   lr(s) = lr_min                                                  for s >= N
 //
-// This is the seed system's schedule (a LambdaLR warmup `s / W` chained with
+// This is the reference trainer's schedule (a LambdaLR warmup `s / W` chained with
 // CosineAnnealingLR(T_max = N − W, eta_min = lr_min)) written as a closed form, so the value at
 // any step is a pure function of the step: a resumed run needs no scheduler state. Note that with
-// warmup the very first update has lr 0 (it only seeds AdamW's moments), exactly as in the seed
-// system; the last update (s = N − 1) is one cosine step above lr_min.
+// warmup the very first update has lr 0 (it only seeds AdamW's moments), exactly as in the
+// reference trainer; the last update (s = N − 1) is one cosine step above lr_min.
 
 #include <cstdint>
 
@@ -36,8 +36,8 @@ class Schedule {
   int64_t warmup_, total_;
 };
 
-// Warmup steps from a fraction of the run: floor(ratio · total_steps), as the seed system computes
-// int(warmup_ratio · total_steps). `ratio` must be in [0, 1).
+// Warmup steps from a fraction of the run: floor(ratio · total_steps), as the reference trainer
+// computes int(warmup_ratio · total_steps). `ratio` must be in [0, 1).
 int64_t warmup_steps_from_ratio(double ratio, int64_t total_steps);
 
 }  // namespace glmtune::train

@@ -563,7 +563,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   model::text::TrainOptions topt;
   topt.activations =
       model::text::activation_policy(tc.num_hidden_layers, recipe.recompute, recipe.offload);
-  // The seed system checkpoints the MTP layer whenever it recomputes at all.
+  // The reference trainer checkpoints the MTP layer whenever it recomputes at all.
   topt.recompute_mtp = recipe.recompute > 0;
   topt.mtp = model.has_mtp() && recipe.mtp_scale > 0;
   topt.mtp_depths = topt.mtp ? tc.num_nextn_predict_layers : 0;
@@ -875,8 +875,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   while (st.step < total) {
     const auto step_start = Clock::now();
     PackBatch batch = next_batch(sampler, recipe.micro_packs * dp, topt.mtp_depths);
-    // Denominators of the whole step (SPEC.md §4); a step without any target gets 1 so that
-    // every term is 0 rather than NaN.
+    // Denominators of the whole step: the targets of every rank's packs, so that the ranks'
+    // gradients sum to the gradient of one batch (docs/distributed.md, "How a data-parallel step
+    // works"); a step without any target gets 1 so that every term is 0 rather than NaN.
     topt.lm_denominator = double(std::max<int64_t>(batch.lm_targets, 1));
     topt.mtp_denominators.clear();
     for (int64_t n : batch.mtp_targets)
@@ -922,7 +923,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
         if (g.defined()) par->sp().all_reduce(g);
     }
     if (distributed) {
-      // SPEC.md §4: the step's losses and expert loads are sums over every rank's packs.
+      // The step's losses and expert loads are sums over every rank's packs, like the
+      // denominators above.
       std::vector<double> sums = {lm_sum, balancing};
       sums.insert(sums.end(), mtp_sum.begin(), mtp_sum.end());
       par->world().all_reduce_sum(sums);

@@ -1,7 +1,7 @@
 #pragma once
 // Supervised fine-tuning of the text model on the CPU reference path: `glmtune train`.
 //
-// One optimizer step (SPEC.md §4, docs/training.md "Running"):
+// One optimizer step (docs/training.md, "Running"):
 //   1. take `micro_packs` packs from the sampler;
 //   2. count the step's label tokens (the LM denominator) and, per MTP depth, its MTP targets;
 //   3. per pack: forward (activations kept or recomputed per layer, recipe `recompute`) and

@@ -112,9 +112,9 @@ inline MaxAbs max_abs_diff(const std::vector<double>& a, const std::vector<doubl
   return m;
 }
 
-// max |a − b| / max |b|, the parity measure of SPEC.md §7 (the plain max |a − b| where b is all
-// zero); a and b must have one shape. Whether an all-zero reference is acceptable depends on what
-// a test file compares, so each file declares its measure once:
+// max |a − b| / max |b|, the parity measure of docs/testing.md (the plain max |a − b| where b is
+// all zero); a and b must have one shape. Whether an all-zero reference is acceptable depends on
+// what a test file compares, so each file declares its measure once:
 //   constexpr RelErr rel_err{};                              // a zero reference is legitimate
 //   constexpr RelErr rel_err{.zero_reference_fails = true};  // it would prove nothing: fail
 struct RelErr {

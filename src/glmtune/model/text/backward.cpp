@@ -302,7 +302,8 @@ std::vector<ActivationPolicy> activation_policy(int64_t layers, double recompute
     throw Error(fmt::format("recompute {} and offload {} add up to more than every layer",
                             recompute, offload),
                 "activation policy", "give fractions whose sum is at most 1");
-  // The seed system's recompute_ratio: the leading int(ratio · layers) layers are checkpointed.
+  // As the reference trainer's recompute_ratio: the leading int(ratio · layers) layers are
+  // checkpointed.
   const auto leading = [&](double fraction) {
     return std::min<int64_t>(layers, int64_t(std::floor(fraction * double(layers) + 1e-9)));
   };

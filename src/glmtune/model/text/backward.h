@@ -26,8 +26,8 @@
 //             + mtp_scale / K · Σ_k Σ_rows CE_k / mtp_denominator_k          (K MTP depths)
 //             + α / M · Σ_routers balancing_loss(router) (model/balancing_loss.h)
 //
-// The denominators are those of the optimizer step (SPEC.md §4: the token count over every
-// micro-pack of the step), so the gradients of a step's micro-packs simply add up.
+// The denominators are those of the optimizer step (the label count over every micro-pack of the
+// step, and over every rank), so the gradients of a step's micro-packs simply add up.
 
 #include <cstdint>
 #include <memory>
@@ -127,10 +127,10 @@ struct TrainOptions {
 };
 
 // The per-layer policy of `layers` decoder layers from the recipe's two fractions: the first
-// R = floor(recompute · layers) layers are recomputed (the seed system's recompute_ratio), the next
-// O = floor(offload · layers) are offloaded, the rest are kept. Recompute goes first because the
-// first layers' backward comes last, when nothing is left to overlap a copy with; the last layers
-// are kept because their backward comes first. recompute + offload must not exceed 1.
+// R = floor(recompute · layers) layers are recomputed (the reference trainer's recompute_ratio),
+// the next O = floor(offload · layers) are offloaded, the rest are kept. Recompute goes first
+// because the first layers' backward comes last, when nothing is left to overlap a copy with; the
+// last layers are kept because their backward comes first. recompute + offload must not exceed 1.
 std::vector<ActivationPolicy> activation_policy(int64_t layers, double recompute,
                                                 double offload = 0);
 

@@ -266,7 +266,7 @@ MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, cons
   Tensor e_rstd, h_rstd;
   Tensor e = ops::rms_norm(future, w.enorm, cfg.rms_eps, ctx ? &e_rstd : nullptr);
   Tensor h = ops::rms_norm(hidden, w.hnorm, cfg.rms_eps, ctx ? &h_rstd : nullptr);
-  // Embedding first, hidden second (the seed system's eh_proj input order).
+  // Embedding first, hidden second (the reference trainer's eh_proj input order).
   Tensor x = ops::linear(concat_columns(e, h), w.eh_proj);
 
   LayerContext* lc = ctx ? &ctx->layer : nullptr;

@@ -1,7 +1,7 @@
 #pragma once
-// One decoder layer of the text model and the MTP layer, on a packed token stream (spec
-// text-model §3.3, SPEC.md §3). Both are compositions of the CPU ops; what they save for a
-// backward goes into a per-layer context when the caller asks for one.
+// One decoder layer of the text model and the MTP layer, on a packed token stream
+// (docs/model/text_model.md, "Forward" and "MTP"). Both are compositions of the CPU ops; what they
+// save for a backward goes into a per-layer context when the caller asks for one.
 //
 // Decoder layer, streams X [T, H, D]:
 //   (post, comb, c) = mhc_pre_attn(X);  y = mixer(input_layernorm(c))      KDA or DSA

@@ -68,7 +68,7 @@ Tensor TextModel::future_embeddings(const Tensor& input_ids, const Tensor& input
       for (int64_t i = cu[d]; i + depth < cu[d + 1]; ++i) rows[i] = i + depth;
     return gather_rows(inputs_embeds.to(dtype()).contiguous(), rows);
   }
-  // Token path: ids rolled per document, token id 0 past its end (the seed system embeds id 0
+  // Token path: ids rolled per document, token id 0 past its end (the reference trainer embeds id 0
   // there, so that row of the table, not a zero vector, enters enorm).
   const std::vector<int64_t> ids = token_ids(input_ids);
   std::vector<int64_t> future(ids.size(), 0);
@@ -164,7 +164,7 @@ ForwardOutput TextModel::forward(const PackInput& in, const ForwardOptions& opt)
       Tensor logits;
       if (opt.mtp_logits) logits = ops::linear(r.hidden, weights_.lm_head);
       if (in.labels.defined()) {
-        // The seed system rolls the already aligned labels once more per depth: depth k at
+        // The reference trainer rolls the already aligned labels once more per depth: depth k at
         // position i predicts t_{i+k+1} of the same document.
         const Tensor labels = shift_labels(in.labels, in.cu_seqlens, k);
         m.ce.push_back(lm_loss(logits, r.hidden, weights_.lm_head, labels, opt.loss_chunk_rows));

@@ -1,7 +1,8 @@
 #pragma once
-// The GLM-5.3-Flash text model forward on the CPU, over packed sequences (spec text-model §3.2,
-// SPEC.md §2–§3), equal per document to transformers 5.17.0 `Glm5NextForConditionalGeneration`
-// run on that document alone in fp32.
+// The GLM-5.3-Flash text model forward on the CPU, over packed sequences
+// (docs/model/text_model.md), equal per document to transformers 5.17.0
+// `Glm5NextForConditionalGeneration` run on that document alone in fp32; MTP, which transformers
+// does not run, follows the reference trainer.
 //
 //   e = embed_tokens[input_ids]              (or caller-supplied embeddings, for the vision splice)
 //   X = H copies of e                         [T, H, D]
@@ -52,7 +53,7 @@ struct PackInput {
   Tensor cu_seqlens;  // int32 or int64 [ndoc + 1], 0 .. T
   // Optional [T, D] embeddings replacing the lookup (any float dtype; converted). When given, MTP
   // reads its future embeddings from these rows too, with zero vectors past a document's end (the
-  // seed system's supplied-embedding path).
+  // reference trainer's supplied-embedding path).
   Tensor inputs_embeds;
   // Optional int32 [T] aligned labels (next_token_labels): enables the LM and MTP losses.
   Tensor labels;

@@ -180,9 +180,9 @@ void for_each_mtp_param(M& mtp, F&& f) {
 
 // Copies and converts the text parameters of `store` (vision tensors are left alone). On the CPU
 // dtype is f32 or f64 and every parameter is converted to it. On a CUDA device dtype is bf16: the
-// parameters are stored in bf16 there, except those kept in f32 (SPEC.md's fp32-kept list and the
-// mHC mixing matrices, which the GPU kernels read in f32); or f32, the fp32 mode (parity tests),
-// where every parameter is f32.
+// parameters are stored in bf16 there, except those kept in f32 (model::is_fp32_kept's list and
+// the mHC mixing matrices, which the GPU kernels read in f32); or f32, the fp32 mode (parity
+// tests), where every parameter is f32.
 TextWeights load_text_weights(const ParamStore& store, DType dtype, Device device = Device::cpu());
 
 // Prefix of decoder layer `layer`'s parameters: "model.language_model.layers.<layer>.".

@@ -1,6 +1,6 @@
 #pragma once
-// The GLM-5.3 vision tower and projector, forward and backward on the CPU (spec vision-and-media
-// §3):
+// The GLM-5.3 vision tower and projector, forward and backward on the CPU (docs/vision.md, "The
+// tower" and "Tower backward"):
 //
 //   pixel rows [N, 3·T·p·p] -> patch embed (the Conv3d is one GEMM per row) -> depth × block
 //   { x += proj(attn(rope(qk_norm(qkv(rms(x)))))) per image ; x += swiglu_clamped(rms(x)) }
@@ -16,10 +16,10 @@
 // Computes in the parameters' dtype: f32 (the reference path; the reference's fp32 forward with
 // eager attention) or f64 (tests). The bf16 roundings of the released bf16 run are not modelled.
 //
-// The backward (spec §3.11) differentiates the same chain in reverse from the gradient of the
-// merger output, into every released parameter and optionally the pixel rows. Attention
-// probabilities are not kept: the backward recomputes them per query block from the saved Q and K,
-// so memory stays linear in the segment length.
+// The backward differentiates the same chain in reverse from the gradient of the merger output,
+// into every released parameter and optionally the pixel rows. Attention probabilities are not
+// kept: the backward recomputes them per query block from the saved Q and K, so memory stays
+// linear in the segment length.
 //
 // Sequence parallel (VisionShard): the pack's patch rows are split over the ranks of a group in
 // contiguous ranges of whole merge blocks, so every merged token comes from one rank. Everything

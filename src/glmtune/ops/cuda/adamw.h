@@ -1,7 +1,7 @@
 #pragma once
-// The optimizer step on the GPU (SPEC.md §4): global gradient norm with clipping, and a
-// multi-tensor AdamW with fp32 master weights and moments whose bf16 parameter storage is
-// refreshed from the master in the same pass.
+// The optimizer step on the GPU (docs/training.md, "Optimizer"): global gradient norm with
+// clipping, and a multi-tensor AdamW with fp32 master weights and moments whose bf16 parameter
+// storage is refreshed from the master in the same pass.
 //
 // Multi-tensor: all tensors of a call are cut into fixed chunks of 65536 elements, described in
 // one table uploaded per call, and one launch covers every chunk (thousands of parameters, one
@@ -13,7 +13,7 @@
 // depend on the GPU's SM count. The same pass computes the clipping coefficient
 // min(1, max_norm / (norm + 1e-6)), left on the device so the step needs no host round trip; a
 // non-finite norm makes it NaN, and the AdamW kernel then leaves every tensor untouched (the step
-// is skipped, as the seed system does).
+// is skipped, as the reference trainer does).
 //
 // AdamW (torch.optim.AdamW semantics, decoupled weight decay), per element in fp32 with
 // g = grad · clip and t = step (1-based):

@@ -2,7 +2,7 @@
 // The CUDA paths of the ops in ops/*.h (see ops/dispatch.h): the same signatures and semantics as
 // the ops of the same names, for tensors on a CUDA device, with the GPU storage policy:
 //
-//   - activations and weights bf16; the fp32-kept parameters of SPEC.md stay f32;
+//   - activations and weights bf16; the fp32-kept parameters (model::is_fp32_kept) stay f32;
 //   - per-row statistics (rstd) f32;
 //   - parameter gradients accumulate into f32 buffers (an undefined one is created as f32 zeros on
 //     the device; a defined bf16 one is accepted where the kernel supports it);

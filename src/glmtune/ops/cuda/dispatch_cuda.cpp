@@ -286,7 +286,8 @@ Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens
   const int64_t t = x.size(0), nl = o.num_heads, hl = o.head_dim, ql = nl * hl;
   const Tensor cu = device_cu_seqlens(cu_seqlens, x.device());
   // The depthwise conv channels are independent: the fused [3QL, Kc] weight is used in slices.
-  // The conv weight is kept in f32 (SPEC.md); the conv kernel reads it in the activation dtype.
+  // The conv weight is kept in f32 (model::is_fp32_kept); the conv kernel reads it in the
+  // activation dtype.
   const int64_t kc = p.conv1d.size(-1);
   const Tensor conv_w = p.conv1d.to(x.dtype()).reshape({3 * ql, kc});
   Tensor q_in = cuda::linear(x, p.q_proj), k_in = cuda::linear(x, p.k_proj),

@@ -11,10 +11,10 @@
 // bf16 operands (f32 in the fp32 mode, always per group), fp32 accumulation inside the GEMMs. Two
 // backends, picked per call:
 //   kLtPerGroup    — one cuBLASLt GEMM per group through cuda::gemm (bf16 or f32 results): the
-//                    default. Measured on an H200 (2026-11-29) at the anchor shapes (36 groups of
-//                    910 / 3641 rows, gate_up N 4096 K 4096, down N 4096 K 2048) it runs the
-//                    forward and dX at 605-681 TFLOP/s, level with or above torch._grouped_mm
-//                    (544-673), and about twice the grouped cuBLAS call;
+//                    default. Measured on an H200 (2026-11-29) at the expert-parallel shapes (36
+//                    groups of 910 / 3641 rows, gate_up N 4096 K 4096, down N 4096 K 2048) it
+//                    runs the forward and dX at 605-681 TFLOP/s, level with or above
+//                    torch._grouped_mm (544-673), and about twice the grouped cuBLAS call;
 //   kCublasGrouped — one cublasGemmGroupedBatchedEx launch for all groups (bf16 results only):
 //                    274-304 TFLOP/s for the forward and dX there (462-609 for dW), kept as the
 //                    measured alternative.
