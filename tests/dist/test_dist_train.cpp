@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -657,6 +658,61 @@ TEST(DistTrainFsdp, SavedByOneProcessResumesAtTwoAndFourRanksWithFsdp) {
               std::string::npos)
         << rank1;
   }
+}
+
+// train.freeze in every parallel layout: the routed experts and all of layer 1's KDA attention
+// (whose heads sequence parallelism splits) frozen. Each layout at 4 ranks follows the single
+// process's curve with the same bars as without freezing, saves the same tensors and optimizer
+// state (none for the frozen ones), and leaves the frozen tensors byte-identical to the initial
+// checkpoint (whose bf16 values the f32 copy holds exactly, so saving rounds them back unchanged).
+TEST(DistTrainFreeze, EveryLayoutFollowsTheSingleProcessAndKeepsTheFrozenTensors) {
+  glmtune::test::TempDir dir("dist-train-freeze");
+  const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
+  {
+    std::string text = glmtune::test::read_text(recipe);
+    const std::string freeze = "freeze = ['mlp\\.experts\\.', 'layers\\.1\\.self_attn\\.']\n";
+    text.replace(text.find("[optimizer]"), 0, freeze);
+    std::ofstream(recipe) << text;
+  }
+  std::vector<nlohmann::json> single;
+  ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
+  const auto frozen = [](const std::string& name) {
+    return name.find(".mlp.experts.") != std::string::npos ||
+           name.starts_with("model.language_model.layers.1.self_attn.");
+  };
+  const glmtune::io::CheckpointReader initial =
+      glmtune::io::CheckpointReader::open(tiny_model(false));
+  struct Layout {
+    int64_t ep_size, sp_size;
+    bool fsdp;
+  };
+  for (const Layout& l :
+       std::vector<Layout>{{1, 1, false}, {2, 1, false}, {1, 2, false}, {2, 2, true}}) {
+    const std::string name = "ep" + std::to_string(l.ep_size) + "-sp" + std::to_string(l.sp_size) +
+                             (l.fsdp ? "-fsdp" : "");
+    SCOPED_TRACE("4 ranks, " + name);
+    const fs::path log = dir / (name + ".log");
+    ASSERT_EQ(train(recipe, 4, false, dir / name, log, l.ep_size, l.sp_size,
+                    l.fsdp ? " --set train.fsdp=true" : ""),
+              0)
+        << glmtune::test::read_text(log);
+    expect_same_curve(metrics(dir / name), single, 0);
+    const fs::path step = dir / name / "checkpoints/step-10";
+    EXPECT_EQ(tensor_table(step / "optimizer"),
+              tensor_table(dir / "single/checkpoints/step-10/optimizer"));
+    const glmtune::io::CheckpointReader saved = glmtune::io::CheckpointReader::open(step / "model");
+    int64_t checked = 0;
+    for (const std::string& t : initial.names()) {
+      if (!frozen(t)) continue;
+      const auto a = initial.bytes(t), b = saved.bytes(t);
+      EXPECT_TRUE(a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0)
+          << t << " is frozen but changed";
+      ++checked;
+    }
+    EXPECT_GT(checked, 10);
+  }
+  for (const auto& [t, what] : tensor_table(dir / "single/checkpoints/step-10/optimizer"))
+    EXPECT_FALSE(frozen(t.substr(t.find('/', t.find('/') + 1) + 1))) << t << " has optimizer state";
 }
 
 }  // namespace
