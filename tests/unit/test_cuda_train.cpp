@@ -11,20 +11,18 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "glmtune/io/checkpoint.h"
-#include "glmtune/io/safetensors.h"
 #include "glmtune/model/init.h"
 #include "glmtune/train/recipe.h"
 #include "glmtune/train/state.h"
 #include "glmtune/train/trainer.h"
 #include "support/cuda_test_support.h"
+#include "support/frozen_experts.h"
 #include "support/gpu_tiny_model.h"
 #include "support/temp_dir.h"
 
@@ -257,36 +255,12 @@ TEST(CudaTrain, FrozenExpertsStayByteIdenticalWholeAndSharded) {
                              "gpu freeze"),
         quiet);
     ASSERT_EQ(s.steps.size(), 3u);
-    const io::CheckpointReader before = io::CheckpointReader::open(dir.path() / "model");
-    const fs::path step = out / train::kCheckpointsDir / "step-3";
-    const io::CheckpointReader after = io::CheckpointReader::open(step / "model");
-    int64_t experts = 0, others = 0, changed = 0;
-    for (const std::string& name : before.names()) {
-      const auto a = before.bytes(name), b = after.bytes(name);
-      const bool same = a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
-      if (name.find(".mlp.experts.") != std::string::npos) {
-        ++experts;
-        EXPECT_TRUE(same) << name << " is frozen but changed";
-      } else if (name.find(".indexer.") == std::string::npos &&
-                 !name.ends_with("e_score_correction_bias") && !name.starts_with("model.visual.")) {
-        ++others;
-        changed += same ? 0 : 1;
-      }
-    }
-    EXPECT_GT(experts, 0);
-    EXPECT_EQ(changed, others);
-    int64_t state = 0;
-    for (const auto& e : fs::directory_iterator(step / "optimizer"))
-      if (e.path().extension() == ".safetensors")
-        for (const std::string& n : io::SafetensorsFile::open(e.path()).names()) {
-          EXPECT_EQ(n.find(".mlp.experts."), std::string::npos) << "optimizer state " << n;
-          ++state;
-        }
-    EXPECT_GT(state, 0);
+    const test::FrozenExpertsCheck c =
+        test::expect_frozen_experts(dir.path() / "model", out / train::kCheckpointsDir / "step-3");
     std::printf(
         "[ measure  ] fsdp = %s: %ld frozen expert tensors unchanged, %ld of %ld others "
         "changed, %ld optimizer tensors\n",
-        fsdp.c_str(), long(experts), long(changed), long(others), long(state));
+        fsdp.c_str(), long(c.experts), long(c.changed), long(c.others), long(c.optimizer));
   }
 #endif
 }

@@ -19,7 +19,6 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/io/checkpoint.h"
-#include "glmtune/io/safetensors.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
@@ -28,6 +27,7 @@
 #include "glmtune/train/recipe.h"
 #include "glmtune/train/state.h"
 #include "glmtune/train/trainer.h"
+#include "support/frozen_experts.h"
 #include "support/temp_dir.h"
 
 using namespace glmtune;
@@ -250,67 +250,23 @@ std::string recipe_text(const fs::path& out, const std::string& train_lines) {
   return s.str();
 }
 
-// Names of the optimizer state a checkpoint holds.
-std::vector<std::string> optimizer_state_names(const fs::path& dir) {
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().extension() == ".safetensors")
-      for (const std::string& n : io::SafetensorsFile::open(e.path()).names()) names.push_back(n);
-  return names;
-}
-
-void expect_frozen_experts(const fs::path& out) {
-  const fs::path step = out / train::kCheckpointsDir / "step-3";
-  const io::CheckpointReader before = io::CheckpointReader::open(tiny_model());
-  const io::CheckpointReader after = io::CheckpointReader::open(step / "model");
-  int64_t experts = 0, changed = 0, others = 0;
-  for (const std::string& name : before.names()) {
-    ASSERT_TRUE(after.contains(name)) << name;
-    const auto a = before.bytes(name), b = after.bytes(name);
-    const bool same = a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
-    if (name.find(".mlp.experts.") != std::string::npos) {
-      ++experts;
-      EXPECT_TRUE(same) << name << " is frozen but changed";
-    } else if (name.find(".indexer.") == std::string::npos &&
-               !name.ends_with("e_score_correction_bias") && !name.starts_with("model.visual.")) {
-      ++others;
-      changed += same ? 0 : 1;
-    }
-  }
-  EXPECT_GT(experts, 0);
-  // Every trained tensor moves in three steps at this learning rate.
-  EXPECT_EQ(changed, others);
-  int64_t state = 0;
-  for (const std::string& n : optimizer_state_names(step / "optimizer")) {
-    EXPECT_EQ(n.find(".mlp.experts."), std::string::npos) << "optimizer state " << n;
-    ++state;
-  }
-  EXPECT_GT(state, 0);
-}
-
+// Three steps with the routed experts frozen, with whole decoder layers and with fsdp.
 TEST(Freeze, FrozenExpertsStayByteIdenticalAndHaveNoOptimizerState) {
-  TempDir dir("freeze-run");
   train::TrainerOptions quiet;
   quiet.print_steps = false;
-  const train::TrainSummary s = train::run_training(
-      train::Recipe::parse(recipe_text(dir.path() / "out", "freeze = [\"mlp\\\\.experts\\\\.\"]\n"),
-                           "freeze recipe"),
-      quiet);
-  ASSERT_EQ(s.steps.size(), 3u);
-  expect_frozen_experts(dir.path() / "out");
-}
-
-TEST(Freeze, FullyShardedLayersFreezeTheSame) {
-  TempDir dir("freeze-fsdp");
-  train::TrainerOptions quiet;
-  quiet.print_steps = false;
-  const train::TrainSummary s = train::run_training(
-      train::Recipe::parse(
-          recipe_text(dir.path() / "out", "fsdp = true\nfreeze = [\"mlp\\\\.experts\\\\.\"]\n"),
-          "freeze recipe"),
-      quiet);
-  ASSERT_EQ(s.steps.size(), 3u);
-  expect_frozen_experts(dir.path() / "out");
+  for (const std::string fsdp : {"false", "true"}) {
+    SCOPED_TRACE("fsdp = " + fsdp);
+    TempDir dir("freeze-run");
+    const train::TrainSummary s = train::run_training(
+        train::Recipe::parse(
+            recipe_text(dir.path() / "out",
+                        "fsdp = " + fsdp + "\nfreeze = [\"mlp\\\\.experts\\\\.\"]\n"),
+            "freeze recipe"),
+        quiet);
+    ASSERT_EQ(s.steps.size(), 3u);
+    test::expect_frozen_experts(tiny_model(),
+                                dir.path() / "out" / train::kCheckpointsDir / "step-3");
+  }
 }
 
 TEST(Freeze, FreezingEverythingIsAnError) {

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <system_error>
@@ -151,33 +152,35 @@ void OutputFile::close_quietly() noexcept {
   fd_ = -1;
 }
 
-void OutputFile::write(const void* data, size_t bytes) {
+namespace {
+
+// Writes all of `bytes` to `fd`, at `offset` when given (pwrite) or at the file position,
+// retrying short writes and interrupted calls.
+void write_fully(int fd, const std::filesystem::path& path, const void* data, size_t bytes,
+                 std::optional<uint64_t> offset) {
   const auto* p = static_cast<const uint8_t*>(data);
   while (bytes > 0) {
-    ssize_t n = ::write(fd_, p, std::min<size_t>(bytes, size_t(1) << 30));
+    const size_t chunk = std::min<size_t>(bytes, size_t(1) << 30);
+    const ssize_t n = offset ? ::pwrite(fd, p, chunk, off_t(*offset)) : ::write(fd, p, chunk);
     if (n < 0) {
       if (errno == EINTR) continue;
       const int err = errno;
-      throw Error("write failed (" + errno_text(err) + ")", path_.string(), write_fix(err));
+      throw Error("write failed (" + errno_text(err) + ")", path.string(), write_fix(err));
     }
     p += n;
     bytes -= size_t(n);
+    if (offset) *offset += uint64_t(n);
   }
 }
 
+}  // namespace
+
+void OutputFile::write(const void* data, size_t bytes) {
+  write_fully(fd_, path_, data, bytes, std::nullopt);
+}
+
 void OutputFile::pwrite(const void* data, size_t bytes, uint64_t offset) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::pwrite(fd_, p, std::min<size_t>(bytes, size_t(1) << 30), off_t(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      throw Error("write failed (" + errno_text(err) + ")", path_.string(), write_fix(err));
-    }
-    p += n;
-    bytes -= size_t(n);
-    offset += uint64_t(n);
-  }
+  write_fully(fd_, path_, data, bytes, offset);
 }
 
 void OutputFile::truncate(uint64_t length) {
