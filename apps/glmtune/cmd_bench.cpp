@@ -27,6 +27,7 @@
 #include "glmtune/tensor/device.h"
 #include "glmtune/tensor/host_offload.h"
 #include "glmtune/train/flops.h"
+#include "glmtune/train/freeze.h"
 #ifdef GLMTUNE_WITH_CUDA
 #include <cuda_runtime.h>
 
@@ -54,6 +55,7 @@ struct BenchArgs {
   bool optimizer = true;
   uint64_t seed = 1;
   bool json = false;
+  std::vector<std::string> freeze;  // train.freeze patterns
 };
 
 #ifdef GLMTUNE_WITH_CUDA
@@ -103,7 +105,8 @@ int run_bench_step(const BenchArgs& a) {
   model::ModelConfig config = model::ModelConfig::preset("tiny");
   const fs::path dir = prepare_model(a, config);
   const auto load_start = std::chrono::steady_clock::now();
-  const model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(dir), config);
+  model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(dir), config);
+  const train::FreezePlan frozen = train::apply_freeze(store, a.freeze, "--freeze");
   model::text::TextModel model(store, {DType::bf16, device});
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
@@ -225,6 +228,8 @@ int run_bench_step(const BenchArgs& a) {
                           {"offload", a.offload},
                           {"peak_pinned_host_gib", pinned_gib},
                           {"loss", loss},
+                          {"frozen_tensors", frozen.frozen.size()},
+                          {"frozen_parameters", frozen.frozen_elements},
                           {"op_ms", op_ms}};
     std::puts(out.dump(2).c_str());
     return 0;
@@ -239,6 +244,11 @@ int run_bench_step(const BenchArgs& a) {
               optim, double(a.pack) / step);
   std::printf("model FLOP/step %.3e: %.1f TFLOP/s, MFU %.1f%% of %.1f TFLOP/s bf16\n",
               flops.step(a.pack), tflops, 100 * tflops / kPeakTflops, kPeakTflops);
+  if (!frozen.frozen.empty())
+    std::printf(
+        "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
+        "the FLOP count above still includes their weight gradients)\n",
+        frozen.frozen.size(), long(frozen.frozen_elements));
   std::printf(
       "peak memory: %.1f GiB allocated, %.1f GiB reserved, %.1f GiB pinned host (offload); loss "
       "%.4f\n",
@@ -294,6 +304,9 @@ GLMTUNE_COMMAND(
       step->add_flag("!--no-mtp", a->mtp, "Leave the MTP layer out");
       step->add_flag("!--no-optimizer", a->optimizer, "Time forward + backward only");
       step->add_flag("--json", a->json, "Print one JSON object");
+      step->add_option("--freeze", a->freeze,
+                       "Freeze the parameters whose released names match this regular "
+                       "expression, as train.freeze does (repeatable)");
       const cli::BenchSubcommand ops = cli::add_bench_ops(app);
       return [a, ops]() -> int {
         if (ops.app->parsed()) return ops.run();
