@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/train/freeze.h"
 #include "glmtune/train/optimizer.h"
 #include "support/cuda_test_support.h"
 #include "support/gpu_tiny_model.h"
@@ -219,6 +221,61 @@ TEST(CudaModelStep, LossAndEveryGradientMatchTheCpuStep) {
   for (size_t i = 0; i < again.named.size(); ++i)
     EXPECT_TRUE(bit_identical(again.named[i].second, both.gpu_grads.named[i].second))
         << again.named[i].first;
+#endif
+}
+
+// train.freeze on the GPU step: the frozen parameters (one of every kind the GPU backward
+// handles: routed experts, the q/k/v conv, an mHC site, embedding and head, router, shared expert,
+// MLA kv_b_proj (the absorbed path) and norms, the KDA gate's dt_bias / A_log / f_b_proj, the MTP
+// input mixer) get no gradient buffer, and every other gradient, the input-embedding gradient and
+// the objective are bit-identical to the step without freezing (the GPU step is deterministic).
+TEST(CudaModelStep, FrozenParametersGetNoGradientAndTheRestIsBitIdentical) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  std::mt19937_64 rng(test_seed() + 5);
+  const ModelConfig config = gpu_tiny_config();
+  TempDir dir("cuda-step-freeze");
+  ParamStore all = random_store(config, dir, rng, DType::bf16);
+  ParamStore some = ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config);
+  for (const InternalParam& p : all.params()) some.get(p.name) = p.value;  // the same redraw
+  const train::FreezePlan plan = train::apply_freeze(
+      some,
+      {"mlp\\.experts\\.", "self_attn\\.[qkv]_conv1d", "layers\\.0\\.hc_attn_", "embed_tokens",
+       "lm_head", "mlp\\.gate\\.weight", "shared_experts\\.down_proj", "kv_b_proj", "q_a_layernorm",
+       "o_norm", "dt_bias", "A_log", "f_b_proj", "eh_proj"},
+      "test");
+  const TextModel full(all, TextModelOptions{DType::bf16, kGpu});
+  const TextModel frozen(some, TextModelOptions{DType::bf16, kGpu});
+  const PackInput in = random_pack(config, rng);
+  TrainOptions opt;
+  opt.balancing_alpha = 0.01;
+  TextGrads g_all = TextGrads::zeros_like(full.weights());
+  TextGrads g_some = TextGrads::zeros_like(frozen.weights());
+  const StepPackResult r_all = forward_backward(full, in, opt, g_all);
+  const StepPackResult r_some = forward_backward(frozen, in, opt, g_some);
+  EXPECT_EQ(r_all.backward.objective(), r_some.backward.objective());
+  EXPECT_TRUE(bit_identical(r_all.backward.d_embeddings, r_some.backward.d_embeddings));
+  const std::set<std::string> frozen_names(plan.frozen.begin(), plan.frozen.end());
+  std::map<std::string, Tensor> kept(g_some.named.begin(), g_some.named.end());
+  int64_t compared = 0, skipped = 0;
+  for (const auto& [name, g] : g_all.named) {
+    if (frozen_names.count(name)) {
+      EXPECT_EQ(kept.count(name), 0u) << name << " is frozen but has a gradient buffer";
+      ++skipped;
+      continue;
+    }
+    ASSERT_EQ(kept.count(name), 1u) << name;
+    EXPECT_TRUE(bit_identical(g, kept[name])) << name;
+    ++compared;
+  }
+  for (const LayerGrads& l : g_some.layers) {
+    EXPECT_FALSE(l.moe.gate_up_proj.defined());
+    EXPECT_FALSE(l.kda.conv1d.defined());
+  }
+  EXPECT_EQ(skipped, int64_t(plan.frozen.size()));
+  EXPECT_GT(compared, 10);
+  std::printf("[ measure  ] %ld frozen tensors without gradients, %ld others bit-identical\n",
+              long(skipped), long(compared));
 #endif
 }
 
