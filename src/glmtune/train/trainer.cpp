@@ -169,8 +169,9 @@ std::vector<NamedParam> trainable_params(const model::ParamStore& store) {
 }
 
 // Applies train.freeze (with the model.freeze_vision / freeze_projector shorthands, which a model
-// without a vision tower ignores) to the store, and says what it froze.
-FreezePlan freeze_parameters(const Recipe& recipe, model::ParamStore& store) {
+// without a vision tower ignores) to the store, and says what it froze; glmtune::Error when nothing
+// is left to train (the vision tower and projector train only in a vision-language run).
+FreezePlan freeze_parameters(const Recipe& recipe, model::ParamStore& store, bool vision_language) {
   std::vector<std::string> patterns = recipe.freeze;
   const bool has_vision =
       std::any_of(store.params().begin(), store.params().end(),
@@ -178,6 +179,14 @@ FreezePlan freeze_parameters(const Recipe& recipe, model::ParamStore& store) {
   if (has_vision && recipe.freeze_vision) patterns.push_back(vision_tower_pattern());
   if (has_vision && recipe.freeze_projector) patterns.push_back(projector_pattern());
   FreezePlan plan = apply_freeze(store, patterns, recipe.source() + ": train.freeze");
+  const std::vector<NamedParam> text = trainable_params(store);
+  const bool text_trains =
+      std::any_of(text.begin(), text.end(), [](const NamedParam& p) { return p.trainable; });
+  const bool vision_trains = vision_language && !((recipe.freeze_vision || plan.vision_tower) &&
+                                                  (recipe.freeze_projector || plan.projector));
+  if (!text_trains && !vision_trains)
+    throw Error("the freeze patterns leave no parameter to train",
+                recipe.source() + ": train.freeze", "freeze fewer parameters");
   if (!recipe.freeze.empty())
     spdlog::info("train.freeze: {} tensors ({} parameters) frozen", plan.frozen.size(),
                  plan.frozen_elements);
@@ -437,18 +446,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
       expert_parallel ? std::optional(dist::local_range(*expert_parallel)) : std::nullopt,
       fsdp ? std::function<bool(const std::string&)>(sliced_later) : nullptr);
   if (!fsdp) weights_reader.reset();
-  const FreezePlan freeze = freeze_parameters(recipe, store);
+  const FreezePlan freeze = freeze_parameters(recipe, store, vl != nullptr);
   if (vl) vl->freeze(freeze.vision_tower, freeze.projector);
-  {
-    const std::vector<NamedParam> text = trainable_params(store);
-    const bool text_trains =
-        std::any_of(text.begin(), text.end(), [](const NamedParam& p) { return p.trainable; });
-    const bool vision_trains = vl && !((recipe.freeze_vision || freeze.vision_tower) &&
-                                       (recipe.freeze_projector || freeze.projector));
-    if (!text_trains && !vision_trains)
-      throw Error("the freeze patterns leave no parameter to train",
-                  recipe.source() + ": train.freeze", "freeze fewer parameters");
-  }
   if (tokenizer.vocab_size() > store.config().text().vocab_size)
     throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
                             tokenizer.vocab_size(), store.config().text().vocab_size),
