@@ -269,6 +269,26 @@ TEST(Freeze, FrozenExpertsStayByteIdenticalAndHaveNoOptimizerState) {
   }
 }
 
+// The optimizer state of a checkpoint holds the parameters its run trained: resuming with other
+// freeze patterns is refused, and the fix names train.freeze.
+TEST(Freeze, ResumingWithOtherPatternsNamesTrainFreeze) {
+  TempDir dir("freeze-resume");
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  train::run_training(train::Recipe::parse(recipe_text(dir.path() / "out", ""), "plain.toml"),
+                      quiet);
+  train::TrainerOptions resuming = quiet;
+  resuming.resume = true;
+  const std::string e = error_text([&] {
+    train::run_training(
+        train::Recipe::parse(recipe_text(dir.path() / "out", "freeze = ['mlp\\.experts\\.']\n"),
+                             "frozen.toml"),
+        resuming);
+  });
+  EXPECT_NE(e.find("optimizer state does not match"), std::string::npos) << e;
+  EXPECT_NE(e.find("train.freeze"), std::string::npos) << e;
+}
+
 TEST(Freeze, FreezingEverythingIsAnError) {
   TempDir dir("freeze-all");
   const std::string e = error_text([&] {

@@ -26,7 +26,8 @@ std::string exp_avg_name(const std::string& p) { return optimizer_state_name(1, 
 std::string exp_avg_sq_name(const std::string& p) { return optimizer_state_name(2, p); }
 
 const std::string kResumeFix =
-    "resume from a checkpoint written by this model's training run, or start without resuming";
+    "resume from a checkpoint written by this model's training run with the same train.freeze "
+    "patterns, or start without resuming";
 
 // A gradient as contiguous f32: the tensor itself when it already is, else a converted copy.
 Tensor as_f32(const Tensor& g) {
