@@ -27,6 +27,7 @@
 #include "glmtune/train/recipe.h"
 #include "glmtune/train/state.h"
 #include "glmtune/train/trainer.h"
+#include "support/error_message.h"
 #include "support/frozen_experts.h"
 #include "support/temp_dir.h"
 
@@ -58,15 +59,6 @@ model::ParamStore load_tiny() {
       model::ModelConfig::from_file((tiny_model() / "config.json").string()));
 }
 
-std::string error_text(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return std::string(e.what()) + " | " + e.where() + " | " + e.fix();
-  }
-  return "no error";
-}
-
 TEST(Freeze, PatternsFreezeWholeInternalTensors) {
   model::ParamStore store = load_tiny();
   const train::FreezePlan plan =
@@ -88,15 +80,15 @@ TEST(Freeze, PatternsFreezeWholeInternalTensors) {
 TEST(Freeze, PatternsThatCannotBeHonouredAreErrorsNamingTheKey) {
   {
     model::ParamStore store = load_tiny();
-    const std::string e =
-        error_text([&] { train::apply_freeze(store, {"no_such_tensor"}, "r.toml: train.freeze"); });
+    const std::string e = test::message_of(
+        [&] { train::apply_freeze(store, {"no_such_tensor"}, "r.toml: train.freeze"); });
     EXPECT_NE(e.find("matches no parameter"), std::string::npos) << e;
     EXPECT_NE(e.find("r.toml: train.freeze"), std::string::npos) << e;
   }
   {
     // One expert of a layer: the layer's experts are one fused tensor.
     model::ParamStore store = load_tiny();
-    const std::string e = error_text(
+    const std::string e = test::message_of(
         [&] { train::apply_freeze(store, {"mlp\\.experts\\.0\\."}, "r.toml: train.freeze"); });
     EXPECT_NE(e.find("one fused tensor"), std::string::npos) << e;
     EXPECT_NE(e.find("experts.0."), std::string::npos) << e;
@@ -105,12 +97,12 @@ TEST(Freeze, PatternsThatCannotBeHonouredAreErrorsNamingTheKey) {
     // q's conv weight only: q, k, v conv weights are one fused tensor.
     model::ParamStore store = load_tiny();
     const std::string e =
-        error_text([&] { train::apply_freeze(store, {"q_conv1d"}, "r.toml: train.freeze"); });
+        test::message_of([&] { train::apply_freeze(store, {"q_conv1d"}, "r.toml: train.freeze"); });
     EXPECT_NE(e.find("k_conv1d"), std::string::npos) << e;
   }
   {
     model::ParamStore store = load_tiny();
-    const std::string e = error_text([&] {
+    const std::string e = test::message_of([&] {
       train::apply_freeze(store, {"model\\.visual\\.blocks\\.0\\."}, "r.toml: train.freeze");
     });
     if (std::any_of(store.params().begin(), store.params().end(),
@@ -120,7 +112,7 @@ TEST(Freeze, PatternsThatCannotBeHonouredAreErrorsNamingTheKey) {
   {
     model::ParamStore store = load_tiny();
     const std::string e =
-        error_text([&] { train::apply_freeze(store, {"("}, "r.toml: train.freeze"); });
+        test::message_of([&] { train::apply_freeze(store, {"("}, "r.toml: train.freeze"); });
     EXPECT_NE(e.find("not a regular expression"), std::string::npos) << e;
   }
 }
@@ -139,12 +131,12 @@ TEST(Freeze, RecipeReadsWritesAndFingerprintsThePatterns) {
   const train::Recipe again = train::Recipe::parse(frozen.to_toml(), "written");
   EXPECT_EQ(again.freeze, frozen.freeze);
   EXPECT_EQ(again.fingerprint(1), frozen.fingerprint(1));
-  const std::string bad =
-      error_text([&] { train::Recipe::parse(base + "freeze = [\"[unclosed\"]\n", "bad.toml"); });
+  const std::string bad = test::message_of(
+      [&] { train::Recipe::parse(base + "freeze = [\"[unclosed\"]\n", "bad.toml"); });
   EXPECT_NE(bad.find("not a regular expression"), std::string::npos) << bad;
   EXPECT_NE(bad.find("bad.toml"), std::string::npos) << bad;
   const std::string not_array =
-      error_text([&] { train::Recipe::parse(base + "freeze = \"experts\"\n", "bad.toml"); });
+      test::message_of([&] { train::Recipe::parse(base + "freeze = \"experts\"\n", "bad.toml"); });
   EXPECT_NE(not_array.find("freeze"), std::string::npos) << not_array;
 }
 
@@ -279,7 +271,7 @@ TEST(Freeze, ResumingWithOtherPatternsNamesTrainFreeze) {
                       quiet);
   train::TrainerOptions resuming = quiet;
   resuming.resume = true;
-  const std::string e = error_text([&] {
+  const std::string e = test::message_of([&] {
     train::run_training(
         train::Recipe::parse(recipe_text(dir.path() / "out", "freeze = ['mlp\\.experts\\.']\n"),
                              "frozen.toml"),
@@ -291,7 +283,7 @@ TEST(Freeze, ResumingWithOtherPatternsNamesTrainFreeze) {
 
 TEST(Freeze, FreezingEverythingIsAnError) {
   TempDir dir("freeze-all");
-  const std::string e = error_text([&] {
+  const std::string e = test::message_of([&] {
     train::run_training(
         train::Recipe::parse(recipe_text(dir.path() / "out", "freeze = [\".\"]\n"), "all.toml"));
   });
