@@ -12,7 +12,9 @@
 // training); both compute the same function up to rounding.
 //
 // CPU tensors in f32 (the reference path) or f64 (finite-difference tests); all floating
-// operands share one dtype.
+// operands share one dtype. On a GPU (ops/dispatch.h) activations are bf16 and g, β, the q/k norms
+// and the core's inputs f32, as the CUDA kernels take them; the chunked core runs chunks of 64 and
+// the token-by-token recurrence is CPU-only.
 
 #include <cstdint>
 #include <optional>
@@ -35,6 +37,10 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
 // Returns g [T, NL, HL].
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound);
+
+// Write strength β = σ(logits) [T, NL] from the b projection. On a GPU β is f32 (it feeds the f32
+// delta-rule core), whatever the logits' dtype.
+Tensor kda_beta(const Tensor& logits);
 
 // Delta-rule core. q, k [T, NL, K] (already L2-normalised), v [T, NL, V], g [T, NL, K] (log
 // decay), beta [T, NL]; q is multiplied by `scale` inside. Returns o [T, NL, V]. `final_state`
@@ -84,7 +90,7 @@ struct KdaSaved {
   Tensor core;                             // [T, NL, HL] delta-rule output
   Tensor gate;                             // [T, NL, HL] output gate g_b(g_a(x))
   Tensor normed;                           // [T, NL, HL] o_norm(core, gate)
-  Tensor o_rstd;                           // [T, NL] o_norm's 1/sqrt(mean + eps)
+  Tensor o_rstd;                           // [T, NL] o_norm's 1/sqrt(mean + eps); GPU: undefined
 };
 
 // The whole KDA mixer: x [T, D] (the layer's input_layernorm output) → y [T, D].
@@ -109,6 +115,9 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
 Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                          std::optional<double> lower_bound, const Tensor& dg, Tensor* grad_dt_bias,
                          Tensor* grad_A_log);
+
+// Backward of kda_beta: d logits = d β · β (1 − β), in β's dtype.
+Tensor kda_beta_backward(const Tensor& beta, const Tensor& d_beta);
 
 struct KdaCoreGrads {
   Tensor dq, dk;  // [T, NL, K] (dq with respect to the unscaled q)

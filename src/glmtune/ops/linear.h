@@ -36,4 +36,12 @@ void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor
 Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
                        Tensor* grad_bias = nullptr, bool need_input_grad = true);
 
+// Backward of a projection whose input gradient is one term of a sum (the input feeds several
+// projections): dW (and db) accumulate as in linear_backward, and dy W is added to `dx_sum`.
+// `dx_sum` undefined: it becomes dy W, in gradient_sum_dtype (ops/dispatch.h: x's dtype on the
+// CPU, f32 on a GPU, where the GEMM accumulates into it so that the sum is rounded to bf16 once,
+// by the caller). The terms are added in call order.
+void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Tensor& weight,
+                         Tensor* grad_weight, Tensor* grad_bias = nullptr);
+
 }  // namespace glmtune::ops

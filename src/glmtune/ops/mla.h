@@ -98,7 +98,7 @@ DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg
                       const DsaParams& params, const Tensor& x, const Tensor& cu_seqlens,
                       const Tensor& prev_indices = Tensor());
 
-// ---- Backward (ops/cpu/mla_backward.cpp) ----
+// ---- Backward ----
 //
 // The selection is an input: no gradient flows through the indexer (the reference runs it under
 // no_grad), so its parameters get none and it adds nothing to the gradient of x or of q_resid,
@@ -119,9 +119,9 @@ struct MlaContext {
   Tensor latent;      // [T, Rkv] kv_a_layernorm output (kv_b_proj's input)
   MlaProjections proj;
   Tensor attn;  // [T, NH·Dv] attention output (o_proj's input)
-  // The GPU path's absorbed-latent attention (ops/cuda/mla.h; never set by the CPU path): the
-  // latent-space output o_lat [T, NH, Rkv] and its base-2 log-sum-exp [T, NH]. When set, proj.k
-  // and proj.v are undefined: the per-head keys and values are never formed.
+  // mla_attention's absorbed-latent form (a GPU's; never set on the CPU): the latent-space output
+  // o_lat [T, NH, Rkv] and its base-2 log-sum-exp [T, NH]. When set, proj.k and proj.v are
+  // undefined: the per-head keys and values are never formed.
   Tensor attn_latent;
   Tensor attn_lse2;
 };
@@ -132,6 +132,26 @@ MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tenso
 DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg,
                       const DsaParams& params, const Tensor& x, const Tensor& cu_seqlens,
                       const Tensor& prev_indices, MlaContext& ctx);
+
+// The attention of the MLA block, from ctx.proj.q [T, NH, Dn] and ctx.latent [T, Rkv] over
+// `indices` → [T, NH·Dv] (o_proj's input). Per head it forms k | v = latent kv_b_projᵀ
+// (ctx.proj.k, ctx.proj.v) and runs sparse_attention. On a GPU in bf16 with the released geometry
+// (Rkv = 512, at most 64 heads) it attends on the latent instead: q_abs = W_kbᵀ q per head, the
+// attention over the shared latent keys, o = W_vb o_lat (ctx.attn_latent, ctx.attn_lse2) — the
+// same function in real arithmetic, without ever forming per-head keys and values.
+Tensor mla_attention(const MlaConfig& cfg, const Tensor& kv_b_proj, const Tensor& indices,
+                     const Tensor& cu_seqlens, MlaContext& ctx);
+
+struct MlaAttentionGrads {
+  Tensor q;       // [T, NH·Dn]
+  Tensor latent;  // [T, Rkv]
+};
+
+// Backward of mla_attention for d attn [T, NH·Dv], in the form its forward ran (read from ctx);
+// kv_b_proj's gradient accumulates into *grad_kv_b_proj (null or frozen: skipped).
+MlaAttentionGrads mla_attention_backward(const MlaConfig& cfg, const Tensor& kv_b_proj,
+                                         const MlaContext& ctx, const Tensor& d_attn,
+                                         Tensor* grad_kv_b_proj);
 
 struct AttentionGrads {
   Tensor q;  // [T, NH, Dqk]

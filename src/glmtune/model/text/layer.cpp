@@ -119,37 +119,6 @@ MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Te
   return r;
 }
 
-namespace {
-
-// The DSA mixer on the GPU. There the MLA block attends in the absorbed-latent form
-// (ops/cuda/mla.h), which never forms per-head keys and values, so the block runs as one op
-// (ops::mla_forward) once the selection is known; only q_resid, the indexer's input, is computed
-// ahead of it. The values equal the CPU composition's up to rounding; ctx->mla keeps q_resid and q
-// (k and v stay undefined, nothing downstream reads them: the backward reruns the block).
-Tensor dsa_block_gpu(const OpConfigs& cfg, const ops::DsaParams& params, const Tensor& u,
-                     const Tensor& cu_seqlens, const Tensor& carried_indices, Tensor* indices_out,
-                     LayerContext* ctx) {
-  Tensor indices = carried_indices;
-  if (params.indexer.defined()) {
-    const Tensor q_resid =
-        ops::rms_norm(ops::linear(u, params.mla.q_a_proj, params.mla.q_a_proj_bias),
-                      params.mla.q_a_layernorm, cfg.mla.rms_norm_eps);
-    indices = ops::indexer_forward(cfg.indexer, params.indexer, u, q_resid, cu_seqlens);
-  }
-  GLMTUNE_ASSERT(indices.defined(),
-                 "a DSA layer without its own indexer needs the previous layer's selection");
-  ops::MlaOutput out = ops::mla_forward(cfg.mla, params.mla, u, indices, cu_seqlens);
-  if (indices_out) *indices_out = indices;
-  if (ctx) {
-    ctx->mla = std::move(out.proj);
-    ctx->attn_core = std::move(out.attn);
-    ctx->indices = indices;
-  }
-  return out.y;
-}
-
-}  // namespace
-
 Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tensor& u,
                  const Tensor& cu_seqlens, const Tensor& carried_indices, Tensor* indices_out,
                  LayerContext* ctx) {
@@ -166,31 +135,18 @@ Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tenso
     if (ctx) ctx->indices = std::move(indices);
     return y;
   }
-  if (u.device().is_cuda())
-    return dsa_block_gpu(cfg, params, u, cu_seqlens, carried_indices, indices_out, ctx);
-  ops::MlaProjections proj = ops::mla_project(cfg.mla, params.mla, u);
-  Tensor indices;
-  if (params.indexer.defined()) {
-    indices = ops::indexer_forward(cfg.indexer, params.indexer, u, proj.q_resid, cu_seqlens);
-  } else {
-    // The model validates the schedule at construction, so this only fires on a misuse of the
-    // function itself.
-    GLMTUNE_ASSERT(carried_indices.defined(),
-                   "a DSA layer without its own indexer needs the previous layer's selection");
-    indices = carried_indices;
-  }
-  const int64_t tokens = u.size(0);
-  Tensor core =
-      ops::sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, cfg.mla.softmax_scale())
-          .view({tokens, cfg.mla.n_heads * cfg.mla.v_head_dim});
-  Tensor y = ops::linear(core, params.mla.o_proj, params.mla.o_proj_bias);
-  if (indices_out) *indices_out = indices;
+  ops::MlaContext mla;
+  ops::DsaOutput out =
+      ops::dsa_forward(cfg.mla, cfg.indexer, params, u, cu_seqlens, carried_indices, mla);
+  if (indices_out) *indices_out = out.indices;
   if (ctx) {
-    ctx->mla = std::move(proj);
-    ctx->attn_core = std::move(core);
-    ctx->indices = indices;
+    // On a GPU the attention runs on the latent (ops::mla_attention) and mla.proj's k and v stay
+    // undefined; nothing downstream reads them (the backward reruns the block).
+    ctx->mla = std::move(mla.proj);
+    ctx->attn_core = std::move(mla.attn);
+    ctx->indices = std::move(out.indices);
   }
-  return y;
+  return out.y;
 }
 
 Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, const LayerWeights& w,

@@ -151,6 +151,7 @@ std::vector<int64_t> read_logits_labels(const Tensor& logits, const Tensor& labe
 
 CrossEntropyResult cross_entropy_forward(const Tensor& logits, const Tensor& labels,
                                          const CrossEntropyOptions& opts) {
+  GLMTUNE_CPU_ONLY("cross_entropy_forward", logits);
   const std::vector<int64_t> lab = read_logits_labels(logits, labels);
   CrossEntropyResult r = make_result(opts, count_labels(lab));
   const Tensor z = logits.contiguous();
@@ -162,6 +163,7 @@ CrossEntropyResult cross_entropy_forward(const Tensor& logits, const Tensor& lab
 
 Tensor cross_entropy_backward(const Tensor& logits, const Tensor& labels,
                               const CrossEntropyOptions& opts) {
+  GLMTUNE_CPU_ONLY("cross_entropy_backward", logits);
   const std::vector<int64_t> lab = read_logits_labels(logits, labels);
   const CrossEntropyResult r = make_result(opts, count_labels(lab));
   const double coef = r.denominator > 0 ? opts.grad_scale / r.denominator : 0.0;

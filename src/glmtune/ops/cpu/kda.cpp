@@ -270,16 +270,11 @@ Tensor sigmoid_tensor(const Tensor& x) {
   return y;
 }
 
-void expect_shape(const Tensor& t, const Shape& shape, const char* name) {
-  GLMTUNE_ASSERT(t.defined(), "kda_forward: parameter {} is missing", name);
-  GLMTUNE_ASSERT(t.shape() == shape, "kda_forward: parameter {} is {}, expected {}", name, t.str(),
-                 shape_str(shape));
-}
-
 }  // namespace
 
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
                      Tensor* pre_activation) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::causal_conv1d(x, weight, cu_seqlens, silu, pre_activation));
   const char* op = "causal_conv1d";
   check_float(x, "x", op);
   check_float(weight, "weight", op);
@@ -307,6 +302,7 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
 
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound) {
+  GLMTUNE_DISPATCH_CUDA(graw, cuda_path::kda_gate(graw, dt_bias, A_log, lower_bound));
   const char* op = "kda_gate";
   check_float(graw, "graw", op);
   check_float(dt_bias, "dt_bias", op);
@@ -335,6 +331,8 @@ Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
 Tensor kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                    const Tensor& beta, const Tensor& cu_seqlens, double scale, int64_t chunk_size,
                    Tensor* final_state) {
+  GLMTUNE_DISPATCH_CUDA(
+      q, cuda_path::kda_chunked(q, k, v, g, beta, cu_seqlens, scale, chunk_size, final_state));
   return core_dispatch(true, q, k, v, g, beta, cu_seqlens, scale, chunk_size, final_state,
                        "kda_chunked");
 }
@@ -342,78 +340,14 @@ Tensor kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
 Tensor kda_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                      const Tensor& beta, const Tensor& cu_seqlens, double scale,
                      Tensor* final_state) {
+  GLMTUNE_CPU_ONLY("kda_recurrent", q);
   return core_dispatch(false, q, k, v, g, beta, cu_seqlens, scale, 1, final_state, "kda_recurrent");
 }
 
-Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens,
-                   const KdaOptions& o, KdaSaved* saved) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::kda_forward(p, x, cu_seqlens, o, saved));
-  check_float(x, "x", "kda_forward");
-  GLMTUNE_ASSERT(x.dim() == 2, "kda_forward: x {} must be [T, D]", x.str());
-  const int64_t t = x.size(0), d = x.size(1), nl = o.num_heads, hl = o.head_dim, ql = nl * hl;
-  GLMTUNE_ASSERT(nl >= 1 && hl >= 1, "kda_forward: heads {} × head_dim {}", nl, hl);
-  expect_shape(p.q_proj, {ql, d}, "q_proj.weight");
-  expect_shape(p.k_proj, {ql, d}, "k_proj.weight");
-  expect_shape(p.v_proj, {ql, d}, "v_proj.weight");
-  GLMTUNE_ASSERT(p.conv1d.defined() && p.conv1d.size(0) == 3 * ql &&
-                     (p.conv1d.dim() == 2 || (p.conv1d.dim() == 3 && p.conv1d.size(1) == 1)),
-                 "kda_forward: conv1d.weight {} must be [{}, 1, Kc]",
-                 p.conv1d.defined() ? p.conv1d.str() : "-", 3 * ql);
-  expect_shape(p.f_a_proj, {hl, d}, "forget_gate.f_a_proj.weight");
-  expect_shape(p.f_b_proj, {ql, hl}, "forget_gate.f_b_proj.weight");
-  expect_shape(p.dt_bias, {ql}, "forget_gate.dt_bias");
-  expect_shape(p.A_log, {nl}, "forget_gate.A_log");
-  expect_shape(p.b_proj, {nl, d}, "b_proj.weight");
-  expect_shape(p.g_a_proj, {hl, d}, "g_a_proj.weight");
-  expect_shape(p.g_b_proj, {ql, hl}, "g_b_proj.weight");
-  expect_shape(p.o_norm, {hl}, "o_norm.weight");
-  expect_shape(p.o_proj, {d, ql}, "o_proj.weight");
-
-  // Projections, then the depthwise conv per stream of channels: the fused [3QL, Kc] weight is
-  // sliced rather than the three projections concatenated (depthwise channels are independent).
-  const int64_t kc = p.conv1d.size(-1);
-  Tensor conv_w = p.conv1d.reshape({3 * ql, kc});
-  Tensor q_in = linear(x, p.q_proj), k_in = linear(x, p.k_proj), v_in = linear(x, p.v_proj);
-  Tensor q = causal_conv1d(q_in, conv_w.slice(0, 0, ql), cu_seqlens, true).view({t, nl, hl});
-  Tensor k = causal_conv1d(k_in, conv_w.slice(0, ql, 2 * ql), cu_seqlens, true).view({t, nl, hl});
-  Tensor v =
-      causal_conv1d(v_in, conv_w.slice(0, 2 * ql, 3 * ql), cu_seqlens, true).view({t, nl, hl});
-
-  Tensor g = kda_gate(linear(linear(x, p.f_a_proj), p.f_b_proj), p.dt_bias, p.A_log, o.lower_bound);
-  Tensor beta = sigmoid_tensor(linear(x, p.b_proj));
-
-  // The reference normalises q and k inside the kernel, in fp32, after the conv output was
-  // rounded to the activation dtype; then scales q by HL^-1/2.
-  Tensor q_norm, k_norm;
-  Tensor qn = l2_norm(q, o.l2_eps, &q_norm);
-  Tensor kn = l2_norm(k, o.l2_eps, &k_norm);
-  const double scale = 1.0 / std::sqrt(double(hl));
-  Tensor core = o.core == KdaCore::chunked
-                    ? kda_chunked(qn, kn, v, g, beta, cu_seqlens, scale, o.chunk_size)
-                    : kda_recurrent(qn, kn, v, g, beta, cu_seqlens, scale);
-
-  Tensor gate = linear(linear(x, p.g_a_proj), p.g_b_proj).view({t, nl, hl});
-  Tensor o_rstd;
-  Tensor normed = rms_norm_gated(core, p.o_norm, gate, o.rms_eps, GateActivation::sigmoid, &o_rstd);
-  Tensor y = linear(normed.view({t, ql}), p.o_proj);
-
-  if (saved) {
-    saved->q_conv_in = q_in;
-    saved->k_conv_in = k_in;
-    saved->v_conv_in = v_in;
-    saved->q = q;
-    saved->k = k;
-    saved->v = v;
-    saved->q_norm = q_norm;
-    saved->k_norm = k_norm;
-    saved->g = g;
-    saved->beta = beta;
-    saved->core = core;
-    saved->gate = gate;
-    saved->normed = normed;
-    saved->o_rstd = o_rstd;
-  }
-  return y;
+Tensor kda_beta(const Tensor& logits) {
+  GLMTUNE_DISPATCH_CUDA(logits, cuda_path::kda_beta(logits));
+  check_float(logits, "logits", "kda_beta");
+  return sigmoid_tensor(logits);
 }
 
 }  // namespace glmtune::ops

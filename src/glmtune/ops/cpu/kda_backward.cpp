@@ -448,20 +448,13 @@ KdaCoreGrads core_backward_impl(const Tensor& q_in, const Tensor& k_in, const Te
   return r;
 }
 
-// ---- whole mixer ------------------------------------------------------------------------------
-
-void expect_saved(const Tensor& t, const Shape& shape, DType dt, const char* name) {
-  GLMTUNE_ASSERT(t.defined() && t.shape() == shape && t.dtype() == dt,
-                 "kda_backward: saved {} is {}, expected {}{} (run kda_forward with `saved` on the "
-                 "same inputs)",
-                 name, t.defined() ? t.str() : "missing", dtype_name(dt), shape_str(shape));
-}
-
 }  // namespace
 
 Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                               bool silu, const Tensor& dy, Tensor* grad_weight,
                               const Tensor& pre_activation) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::causal_conv1d_backward(x, weight, cu_seqlens, silu, dy,
+                                                             grad_weight, pre_activation));
   const char* op = "causal_conv1d_backward";
   check_float(x, "x", op);
   check_float(weight, "weight", op);
@@ -501,6 +494,8 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
 Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                          std::optional<double> lower_bound, const Tensor& dg, Tensor* grad_dt_bias,
                          Tensor* grad_A_log) {
+  GLMTUNE_DISPATCH_CUDA(graw, cuda_path::kda_gate_backward(graw, dt_bias, A_log, lower_bound, dg,
+                                                           grad_dt_bias, grad_A_log));
   const char* op = "kda_gate_backward";
   check_float(graw, "graw", op);
   check_float(dt_bias, "dt_bias", op);
@@ -541,6 +536,8 @@ Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor
 KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
                                   double scale, const Tensor& d_out, int64_t chunk_size) {
+  GLMTUNE_DISPATCH_CUDA(
+      q, cuda_path::kda_chunked_backward(q, k, v, g, beta, cu_seqlens, scale, d_out, chunk_size));
   const char* op = "kda_chunked_backward";
   check_core(q, k, v, g, beta, op);
   check_float(d_out, "operand", op);
@@ -555,116 +552,28 @@ KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor
   return core_backward_impl<double>(q, k, v, g, beta, d_out, cu, scale, chunk_size);
 }
 
-Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens,
-                    const KdaOptions& o, const KdaSaved* saved, const Tensor& dy, KdaGrads& grads) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::kda_backward(p, x, cu_seqlens, o, saved, dy, grads));
-  const char* op = "kda_backward";
-  check_float(x, "x", op);
-  check_float(dy, "dy", op);
-  GLMTUNE_ASSERT(x.dim() == 2 && dy.shape() == x.shape() && dy.dtype() == x.dtype(),
-                 "{}: dy {} must match x {} ([T, D])", op, dy.str(), x.str());
-  const int64_t t = x.size(0), nl = o.num_heads, hl = o.head_dim, ql = nl * hl;
-  const DType dt = x.dtype();
-  // Without saved intermediates the forward is rerun; it also validates every parameter.
-  KdaSaved fresh;
-  if (!saved) {
-    kda_forward(p, x, cu_seqlens, o, &fresh);
-    saved = &fresh;
+Tensor kda_beta_backward(const Tensor& beta, const Tensor& d_beta) {
+  GLMTUNE_DISPATCH_CUDA(beta, cuda_path::kda_beta_backward(beta, d_beta));
+  const char* op = "kda_beta_backward";
+  check_float(beta, "beta", op);
+  check_float(d_beta, "d_beta", op);
+  GLMTUNE_ASSERT(d_beta.shape() == beta.shape() && d_beta.dtype() == beta.dtype(),
+                 "{}: d_beta {} must match beta {}", op, d_beta.str(), beta.str());
+  Tensor d_logits = Tensor::empty(beta.shape(), beta.dtype());
+  const int64_t n = beta.numel();
+  const Tensor b_c = beta.contiguous(), g_c = d_beta.contiguous();
+  if (beta.dtype() == DType::f32) {
+    const float* b = b_c.data<float>();
+    const float* g = g_c.data<float>();
+    float* o = d_logits.data<float>();
+    for (int64_t i = 0; i < n; ++i) o[i] = g[i] * b[i] * (1.0f - b[i]);
   } else {
-    GLMTUNE_ASSERT(p.conv1d.defined() && p.conv1d.size(0) == 3 * ql && p.o_proj.defined() &&
-                       p.o_proj.dim() == 2 && p.o_proj.size(1) == ql,
-                   "{}: parameters do not fit {} heads × {}", op, nl, hl);
-    const Shape proj{t, ql}, heads{t, nl, hl}, per_head{t, nl};
-    expect_saved(saved->q_conv_in, proj, dt, "q_conv_in");
-    expect_saved(saved->k_conv_in, proj, dt, "k_conv_in");
-    expect_saved(saved->v_conv_in, proj, dt, "v_conv_in");
-    expect_saved(saved->q, heads, dt, "q");
-    expect_saved(saved->k, heads, dt, "k");
-    expect_saved(saved->v, heads, dt, "v");
-    expect_saved(saved->g, heads, dt, "g");
-    expect_saved(saved->core, heads, dt, "core");
-    expect_saved(saved->gate, heads, dt, "gate");
-    expect_saved(saved->normed, heads, dt, "normed");
-    expect_saved(saved->q_norm, per_head, dt, "q_norm");
-    expect_saved(saved->k_norm, per_head, dt, "k_norm");
-    expect_saved(saved->beta, per_head, dt, "beta");
-    expect_saved(saved->o_rstd, per_head, dt, "o_rstd");
+    const double* b = b_c.data<double>();
+    const double* g = g_c.data<double>();
+    double* o = d_logits.data<double>();
+    for (int64_t i = 0; i < n; ++i) o[i] = g[i] * b[i] * (1.0 - b[i]);
   }
-  const KdaSaved& s = *saved;
-
-  // y = normed · Wo^T.
-  const Tensor d_normed =
-      linear_backward(dy, s.normed.reshape({t, ql}), p.o_proj, &grads.o_proj).view({t, nl, hl});
-  // normed = o_norm(core, gate) per head.
-  const RmsNormGatedGrads dn =
-      rms_norm_gated_backward(d_normed, s.core, p.o_norm, s.gate, o.rms_eps,
-                              GateActivation::sigmoid, s.o_rstd, &grads.o_norm);
-  // gate = g_b(g_a(x)); g_a(x) is HL wide and recomputed.
-  const Tensor ga = linear(x, p.g_a_proj);
-  const Tensor d_ga = linear_backward(dn.dgate.view({t, ql}), ga, p.g_b_proj, &grads.g_b_proj);
-  Tensor dx = linear_backward(d_ga, x, p.g_a_proj, &grads.g_a_proj);
-
-  // Core on the normalised q, k (recomputed by the same l2_norm the forward ran).
-  const Tensor qn = l2_norm(s.q, o.l2_eps), kn = l2_norm(s.k, o.l2_eps);
-  const double scale = 1.0 / std::sqrt(double(hl));
-  const KdaCoreGrads dc =
-      kda_chunked_backward(qn, kn, s.v, s.g, s.beta, cu_seqlens, scale, dn.dx, o.chunk_size);
-
-  // β = σ(x Wb^T).
-  {
-    Tensor dlogit = Tensor::empty({t, nl}, dt);
-    const int64_t n = t * nl;
-    Tensor bc = s.beta.contiguous();
-    if (dt == DType::f32) {
-      const float* b = bc.data<float>();
-      const float* g = dc.dbeta.data<float>();
-      float* o_ = dlogit.data<float>();
-      for (int64_t i = 0; i < n; ++i) o_[i] = g[i] * b[i] * (1.0f - b[i]);
-    } else {
-      const double* b = bc.data<double>();
-      const double* g = dc.dbeta.data<double>();
-      double* o_ = dlogit.data<double>();
-      for (int64_t i = 0; i < n; ++i) o_[i] = g[i] * b[i] * (1.0 - b[i]);
-    }
-    add_into(dx, linear_backward(dlogit, x, p.b_proj, &grads.b_proj));
-  }
-
-  // g = gate(f_b(f_a(x)) + dt_bias, A_log): the two narrow projections are recomputed.
-  {
-    const Tensor fa = linear(x, p.f_a_proj);
-    const Tensor graw = linear(fa, p.f_b_proj);
-    const Tensor dz = kda_gate_backward(graw, p.dt_bias, p.A_log, o.lower_bound, dc.dg,
-                                        &grads.dt_bias, &grads.A_log);
-    const Tensor d_fa = linear_backward(dz, fa, p.f_b_proj, &grads.f_b_proj);
-    add_into(dx, linear_backward(d_fa, x, p.f_a_proj, &grads.f_a_proj));
-  }
-
-  // q, k: l2norm, then (with v) SiLU + conv per stream of channels, then the projections. The
-  // fused conv weight's gradient is written through row slices of one [3QL, Kc] view.
-  const bool conv_trained = !p.conv1d.frozen();
-  const int64_t kc = p.conv1d.size(-1);
-  const Tensor conv_w = p.conv1d.reshape({3 * ql, kc});
-  Tensor gconv2 =
-      conv_trained ? grad_slot(grads.conv1d, p.conv1d, "conv1d", op).view({3 * ql, kc}) : Tensor();
-  const Tensor dq = l2_norm_backward(dc.dq, s.q, o.l2_eps, s.q_norm);
-  const Tensor dk = l2_norm_backward(dc.dk, s.k, o.l2_eps, s.k_norm);
-  struct Stream {
-    const Tensor* conv_in;
-    Tensor d_out;
-    const Tensor* proj;
-    Tensor* grad_proj;
-  };
-  const Stream streams[3] = {{&s.q_conv_in, dq.view({t, ql}), &p.q_proj, &grads.q_proj},
-                             {&s.k_conv_in, dk.view({t, ql}), &p.k_proj, &grads.k_proj},
-                             {&s.v_conv_in, dc.dv.view({t, ql}), &p.v_proj, &grads.v_proj}};
-  for (int64_t i = 0; i < 3; ++i) {
-    Tensor gslice = conv_trained ? gconv2.slice(0, i * ql, (i + 1) * ql) : Tensor();
-    const Tensor d_in = causal_conv1d_backward(
-        *streams[i].conv_in, conv_w.slice(0, i * ql, (i + 1) * ql), cu_seqlens, true,
-        streams[i].d_out, conv_trained ? &gslice : nullptr);
-    add_into(dx, linear_backward(d_in, x, *streams[i].proj, streams[i].grad_proj));
-  }
-  return dx;
+  return d_logits;
 }
 
 }  // namespace glmtune::ops

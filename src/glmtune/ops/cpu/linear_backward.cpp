@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/grad.h"
 #include "glmtune/ops/linear.h"
@@ -87,6 +88,23 @@ Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, 
   if (x.dtype() == DType::f32)
     return backward_impl<float>(dy, x, weight, grad_weight, grad_bias, need_input_grad);
   return backward_impl<double>(dy, x, weight, grad_weight, grad_bias, need_input_grad);
+}
+
+void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Tensor& weight,
+                         Tensor* grad_weight, Tensor* grad_bias) {
+  grad_weight = grad_if_trained(grad_weight, weight);
+  GLMTUNE_DISPATCH_CUDA(
+      x, cuda_path::linear_backward_add(dx_sum, dy, x, weight, grad_weight, grad_bias));
+  Tensor dx = linear_backward(dy, x, weight, grad_weight, grad_bias);
+  if (!dx_sum.defined()) {
+    dx_sum = std::move(dx);
+    return;
+  }
+  GLMTUNE_ASSERT(dx_sum.shape() == dx.shape() && dx_sum.dtype() == dx.dtype() &&
+                     dx_sum.device().is_cpu() && dx_sum.is_contiguous(),
+                 "linear_backward_add: the running input gradient {} must be a contiguous {}",
+                 dx_sum.str(), dx.str());
+  cpu_detail::add_into(dx_sum, dx);
 }
 
 }  // namespace glmtune::ops

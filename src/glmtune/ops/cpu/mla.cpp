@@ -163,32 +163,6 @@ Tensor attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, con
 
 }  // namespace
 
-double MlaConfig::softmax_scale() const { return 1.0 / std::sqrt(double(qk_nope_head_dim)); }
-
-MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const Tensor& x) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mla_project(cfg, params, x));
-  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.device().is_cpu() &&
-                     (x.dtype() == DType::f32 || x.dtype() == DType::f64),
-                 "MLA input must be a CPU [T, D] tensor in f32 or f64, got {}", describe(x));
-  check_mla_params(cfg, params, x.size(1), x.dtype());
-  const int64_t tokens = x.size(0), nh = cfg.n_heads;
-  const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-
-  MlaProjections p;
-  p.q_resid = rms_norm(linear(x, params.q_a_proj, params.q_a_proj_bias), params.q_a_layernorm,
-                       cfg.rms_norm_eps);
-  p.q = linear(p.q_resid, params.q_b_proj).view({tokens, nh, dn});
-  // With qk_rope_head_dim = 0 the latent is all of kv_a's output and no shared rotary key is
-  // appended: every head's key is just its k_nope slice.
-  const Tensor latent =
-      rms_norm(linear(x, params.kv_a_proj_with_mqa, params.kv_a_proj_with_mqa_bias),
-               params.kv_a_layernorm, cfg.rms_norm_eps);
-  const Tensor kv = linear(latent, params.kv_b_proj).view({tokens, nh, dn + dv});
-  p.k = kv.narrow(2, 0, dn).contiguous();
-  p.v = kv.narrow(2, dn, dv).contiguous();
-  return p;
-}
-
 Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                         const Tensor& cu_seqlens, double scale) {
   GLMTUNE_DISPATCH_CUDA(q, cuda_path::sparse_attention(q, k, v, indices, cu_seqlens, scale));
@@ -197,23 +171,8 @@ Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 Tensor dense_masked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& indices, const Tensor& cu_seqlens, double scale) {
+  GLMTUNE_CPU_ONLY("dense_masked_attention", q);
   return attention(q, k, v, indices, cu_seqlens, scale, /*dense=*/true);
-}
-
-MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
-                      const Tensor& indices, const Tensor& cu_seqlens) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mla_forward(cfg, params, x, indices, cu_seqlens, nullptr));
-  return attend(cfg, params, mla_project(cfg, params, x), indices, cu_seqlens);
-}
-
-DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg,
-                      const DsaParams& params, const Tensor& x, const Tensor& cu_seqlens,
-                      const Tensor& prev_indices) {
-  MlaProjections proj = mla_project(mla_cfg, params.mla, x);
-  DsaOutput out;
-  out.indices = dsa_indices(indexer_cfg, params.indexer, x, proj.q_resid, cu_seqlens, prev_indices);
-  out.y = attend(mla_cfg, params.mla, std::move(proj), out.indices, cu_seqlens).y;
-  return out;
 }
 
 }  // namespace glmtune::ops

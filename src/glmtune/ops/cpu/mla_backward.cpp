@@ -116,99 +116,7 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
   }
 }
 
-// The bias gradient slot when the parameter has a bias, else nothing to differentiate.
-Tensor* bias_grad(const Tensor& bias, Tensor& grad) {
-  return bias.defined() ? grad_if_trained(grad, bias) : nullptr;
-}
-
-Tensor mla_backward_impl(const MlaConfig& cfg, const MlaParams& params, const MlaContext& ctx,
-                         const Tensor& dy, MlaParams& grads) {
-  const int64_t tokens = ctx.x.size(0), nh = cfg.n_heads;
-  const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-
-  // o_proj.
-  const Tensor d_attn = linear_backward(dy, ctx.attn, params.o_proj, &grads.o_proj,
-                                        bias_grad(params.o_proj_bias, grads.o_proj_bias));
-
-  // Sparse attention, then [dk | dv] per head, reassembled in kv_b_proj's output layout.
-  const AttentionGrads ga =
-      sparse_attention_backward(ctx.proj.q, ctx.proj.k, ctx.proj.v, ctx.indices, ctx.cu_seqlens,
-                                cfg.softmax_scale(), d_attn.view({tokens, nh, dv}));
-  Tensor d_kv = Tensor::empty({tokens, nh, dn + dv}, ctx.x.dtype());
-  d_kv.narrow(2, 0, dn).copy_(ga.k);
-  d_kv.narrow(2, dn, dv).copy_(ga.v);
-
-  // kv_b_proj, kv_a_layernorm (with the forward's saved statistic), kv_a_proj_with_mqa.
-  const Tensor d_latent = linear_backward(d_kv.view({tokens, nh * (dn + dv)}), ctx.latent,
-                                          params.kv_b_proj, &grads.kv_b_proj);
-  const Tensor d_kv_a = rms_norm_backward(d_latent, ctx.kv_a, params.kv_a_layernorm,
-                                          cfg.rms_norm_eps, ctx.kv_rstd, &grads.kv_a_layernorm);
-  Tensor dx =
-      linear_backward(d_kv_a, ctx.x, params.kv_a_proj_with_mqa, &grads.kv_a_proj_with_mqa,
-                      bias_grad(params.kv_a_proj_with_mqa_bias, grads.kv_a_proj_with_mqa_bias));
-
-  // q_b_proj, q_a_layernorm, q_a_proj. The indexer also reads q_resid (and x) but, running
-  // without gradient, adds nothing to either.
-  const Tensor d_qresid = linear_backward(ga.q.view({tokens, nh * dn}), ctx.proj.q_resid,
-                                          params.q_b_proj, &grads.q_b_proj);
-  const Tensor d_q_a = rms_norm_backward(d_qresid, ctx.q_a, params.q_a_layernorm, cfg.rms_norm_eps,
-                                         ctx.q_rstd, &grads.q_a_layernorm);
-  const Tensor dx_q = linear_backward(d_q_a, ctx.x, params.q_a_proj, &grads.q_a_proj,
-                                      bias_grad(params.q_a_proj_bias, grads.q_a_proj_bias));
-  add_into(dx, dx_q);
-  return dx;
-}
-
-// The projections of mla_project, keeping the norms' inputs and statistics for the backward.
-// Same calls in the same order, so the values equal mla_project's bit for bit.
-MlaProjections project_with_context(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
-                                    MlaContext& ctx) {
-  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.device().is_cpu() && is_compute_dtype(x.dtype()),
-                 "MLA input must be a CPU [T, D] tensor in f32 or f64, got {}", describe(x));
-  check_mla_params(cfg, params, x.size(1), x.dtype());
-  const int64_t tokens = x.size(0), nh = cfg.n_heads;
-  const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-  ctx.x = x;
-  MlaProjections p;
-  ctx.q_a = linear(x, params.q_a_proj, params.q_a_proj_bias);
-  p.q_resid = rms_norm(ctx.q_a, params.q_a_layernorm, cfg.rms_norm_eps, &ctx.q_rstd);
-  p.q = linear(p.q_resid, params.q_b_proj).view({tokens, nh, dn});
-  ctx.kv_a = linear(x, params.kv_a_proj_with_mqa, params.kv_a_proj_with_mqa_bias);
-  ctx.latent = rms_norm(ctx.kv_a, params.kv_a_layernorm, cfg.rms_norm_eps, &ctx.kv_rstd);
-  const Tensor kv = linear(ctx.latent, params.kv_b_proj).view({tokens, nh, dn + dv});
-  p.k = kv.narrow(2, 0, dn).contiguous();
-  p.v = kv.narrow(2, dn, dv).contiguous();
-  return p;
-}
-
-MlaOutput attend_with_context(const MlaConfig& cfg, const MlaParams& params, MlaProjections proj,
-                              const Tensor& indices, const Tensor& cu_seqlens, MlaContext& ctx) {
-  MlaOutput out = attend(cfg, params, std::move(proj), indices, cu_seqlens);
-  ctx.indices = indices;
-  ctx.cu_seqlens = cu_seqlens;
-  ctx.proj = out.proj;
-  ctx.attn = out.attn;
-  return out;
-}
-
 }  // namespace
-
-MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
-                      const Tensor& indices, const Tensor& cu_seqlens, MlaContext& ctx) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mla_forward(cfg, params, x, indices, cu_seqlens, &ctx));
-  return attend_with_context(cfg, params, project_with_context(cfg, params, x, ctx), indices,
-                             cu_seqlens, ctx);
-}
-
-DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg,
-                      const DsaParams& params, const Tensor& x, const Tensor& cu_seqlens,
-                      const Tensor& prev_indices, MlaContext& ctx) {
-  MlaProjections proj = project_with_context(mla_cfg, params.mla, x, ctx);
-  DsaOutput out;
-  out.indices = dsa_indices(indexer_cfg, params.indexer, x, proj.q_resid, cu_seqlens, prev_indices);
-  out.y = attend_with_context(mla_cfg, params.mla, std::move(proj), out.indices, cu_seqlens, ctx).y;
-  return out;
-}
 
 AttentionGrads sparse_attention_backward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const Tensor& indices, const Tensor& cu_seqlens,
@@ -229,26 +137,6 @@ AttentionGrads sparse_attention_backward(const Tensor& q_in, const Tensor& k_in,
   else
     attention_backward_kernel<double>(q, k, v, d, sets, scale, g);
   return g;
-}
-
-Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaContext& ctx,
-                    const Tensor& dy, MlaParams& grads) {
-  GLMTUNE_DISPATCH_CUDA(dy, cuda_path::mla_backward(cfg, params, ctx, dy, grads));
-  GLMTUNE_ASSERT(ctx.x.defined() && ctx.x.dim() == 2 && is_compute_dtype(ctx.x.dtype()) &&
-                     ctx.x.device().is_cpu() && ctx.q_a.defined() && ctx.q_rstd.defined() &&
-                     ctx.kv_a.defined() && ctx.kv_rstd.defined() && ctx.latent.defined() &&
-                     ctx.proj.q.defined() && ctx.attn.defined() && ctx.indices.defined(),
-                 "mla_backward needs the context filled by mla_forward or dsa_forward");
-  check_mla_params(cfg, params, ctx.x.size(1), ctx.x.dtype());
-  GLMTUNE_ASSERT(dy.defined() && dy.shape() == ctx.x.shape() && dy.dtype() == ctx.x.dtype(),
-                 "mla_backward: dy {} must match the input {}", describe(dy), ctx.x.str());
-  return mla_backward_impl(cfg, params, ctx, dy, grads);
-}
-
-Tensor dsa_backward(const MlaConfig& mla_cfg, const DsaParams& params, const MlaContext& ctx,
-                    const Tensor& dy, DsaParams& grads) {
-  // The indexer ran without gradient: only the MLA parameters and x are differentiated.
-  return mla_backward(mla_cfg, params.mla, ctx, dy, grads.mla);
 }
 
 }  // namespace glmtune::ops

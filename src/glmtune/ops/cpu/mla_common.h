@@ -1,8 +1,7 @@
 #pragma once
-// Private helpers shared by the sparse MLA / DSA forward (mla.cpp) and the forward with context
-// and backward (mla_backward.cpp): the parameter and operand checks, the attention + output
-// projection and the choice of a DSA layer's selection. Both files must compute the forward the
-// same way, bit for bit, so that the backward differentiates exactly the function the forward
+// Private helpers shared by the CPU sparse attention's forward (mla.cpp) and backward
+// (mla_backward.cpp): the operand checks and the softmax numerators, which both files must compute
+// the same way, bit for bit, so that the backward differentiates exactly the function the forward
 // ran.
 
 #include <algorithm>
@@ -17,38 +16,6 @@
 #include "glmtune/ops/mla.h"
 
 namespace glmtune::ops::cpu_detail {
-
-inline void check_mla_param(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
-  GLMTUNE_ASSERT(t.defined() && t.shape() == shape && t.dtype() == dtype && t.device().is_cpu(),
-                 "MLA parameter {} must be a CPU {} tensor of shape {}, got {}", name,
-                 dtype_name(dtype), shape_str(shape), describe(t));
-}
-
-// A bias: checked when present.
-inline void check_optional_mla_param(const Tensor& t, const Shape& shape, DType dtype,
-                                     const char* name) {
-  if (t.defined()) check_mla_param(t, shape, dtype, name);
-}
-
-// The configuration's dimensions and every parameter's shape, for an input of width `dim` in
-// dtype `dt`.
-inline void check_mla_params(const MlaConfig& cfg, const MlaParams& params, int64_t dim, DType dt) {
-  GLMTUNE_ASSERT(cfg.n_heads > 0 && cfg.q_lora_rank > 0 && cfg.kv_lora_rank > 0 &&
-                     cfg.qk_nope_head_dim > 0 && cfg.v_head_dim > 0,
-                 "MLA config dimensions must be positive");
-  const int64_t nh = cfg.n_heads, rq = cfg.q_lora_rank, rkv = cfg.kv_lora_rank;
-  const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-  check_mla_param(params.q_a_proj, {rq, dim}, dt, "q_a_proj.weight");
-  check_optional_mla_param(params.q_a_proj_bias, {rq}, dt, "q_a_proj.bias");
-  check_mla_param(params.q_a_layernorm, {rq}, dt, "q_a_layernorm.weight");
-  check_mla_param(params.q_b_proj, {nh * dn, rq}, dt, "q_b_proj.weight");
-  check_mla_param(params.kv_a_proj_with_mqa, {rkv, dim}, dt, "kv_a_proj_with_mqa.weight");
-  check_optional_mla_param(params.kv_a_proj_with_mqa_bias, {rkv}, dt, "kv_a_proj_with_mqa.bias");
-  check_mla_param(params.kv_a_layernorm, {rkv}, dt, "kv_a_layernorm.weight");
-  check_mla_param(params.kv_b_proj, {nh * (dn + dv), rkv}, dt, "kv_b_proj.weight");
-  check_mla_param(params.o_proj, {dim, nh * dv}, dt, "o_proj.weight");
-  check_optional_mla_param(params.o_proj_bias, {dim}, dt, "o_proj.bias");
-}
 
 // The attention operands: q, k [T, NH, Dqk] and v [T, NH, Dv], CPU tensors of one compute dtype.
 inline void check_attention_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -82,31 +49,6 @@ T softmax_numerators(const T* qh, const T* k, const int64_t* keys, size_t n, int
     sum += prob[j];
   }
   return sum;
-}
-
-// Attention and output projection over precomputed projections.
-inline MlaOutput attend(const MlaConfig& cfg, const MlaParams& params, MlaProjections proj,
-                        const Tensor& indices, const Tensor& cu_seqlens) {
-  MlaOutput out;
-  const int64_t tokens = proj.q.size(0);
-  out.attn = sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, cfg.softmax_scale())
-                 .view({tokens, cfg.n_heads * cfg.v_head_dim});
-  out.y = linear(out.attn, params.o_proj, params.o_proj_bias);
-  out.proj = std::move(proj);
-  return out;
-}
-
-// The keys a DSA layer attends to: its own indexer's selection, or, for a layer without an
-// indexer, the selection of the layer before it.
-inline Tensor dsa_indices(const IndexerConfig& indexer_cfg, const IndexerParams& indexer,
-                          const Tensor& x, const Tensor& q_resid, const Tensor& cu_seqlens,
-                          const Tensor& prev_indices) {
-  if (indexer.defined()) return indexer_forward(indexer_cfg, indexer, x, q_resid, cu_seqlens);
-  if (!prev_indices.defined())
-    throw Error("a DSA layer without its own indexer got no indices from the layer before it",
-                "indexer_types",
-                "mark the layer \"full\", or place it right after a \"full\" DSA layer");
-  return prev_indices;
 }
 
 }  // namespace glmtune::ops::cpu_detail

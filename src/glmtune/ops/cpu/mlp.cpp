@@ -55,12 +55,4 @@ Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit) {
   return out;
 }
 
-Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mlp_forward(params, x, swiglu_limit, nullptr));
-  check_mlp_params(params);
-  const Tensor gate = linear(x, params.gate_proj);
-  const Tensor up = linear(x, params.up_proj);
-  return linear(swiglu_clamped(gate, up, swiglu_limit), params.down_proj);
-}
-
 }  // namespace glmtune::ops

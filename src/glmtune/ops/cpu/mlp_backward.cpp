@@ -54,15 +54,6 @@ void swiglu_backward_kernel(const RowView& g, const RowView& u, const T* dout, T
 
 }  // namespace
 
-Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit, MlpContext& ctx) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mlp_forward(params, x, swiglu_limit, &ctx));
-  check_mlp_params(params);
-  ctx.x = x;
-  ctx.gate = linear(x, params.gate_proj);
-  ctx.up = linear(x, params.up_proj);
-  return linear(swiglu_clamped(ctx.gate, ctx.up, swiglu_limit), params.down_proj);
-}
-
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup) {
   GLMTUNE_DISPATCH_CUDA(gate,
@@ -89,31 +80,6 @@ void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor&
   else
     swiglu_backward_kernel<double>(g, u, d.data<double>(), limit, dgate.data<double>(), dg_stride,
                                    dup.data<double>(), du_stride);
-}
-
-Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor& dy,
-                    double swiglu_limit, MlpParams& grads) {
-  GLMTUNE_DISPATCH_CUDA(dy, cuda_path::mlp_backward(params, ctx, dy, swiglu_limit, grads));
-  check_mlp_params(params);
-  GLMTUNE_ASSERT(ctx.x.defined() && ctx.gate.defined() && ctx.up.defined(),
-                 "mlp_backward needs the context filled by mlp_forward");
-  const DType dt = ctx.x.dtype();
-  GLMTUNE_ASSERT(is_compute_dtype(dt) && ctx.x.device().is_cpu() && ctx.x.dim() >= 1 &&
-                     ctx.x.size(-1) == params.gate_proj.size(1) && params.gate_proj.dtype() == dt &&
-                     params.up_proj.dtype() == dt && params.down_proj.dtype() == dt,
-                 "mlp_backward: input {} does not match the parameters {}", ctx.x.str(),
-                 params.gate_proj.str());
-  GLMTUNE_ASSERT(dy.defined() && dy.shape() == ctx.x.shape() && dy.dtype() == dt,
-                 "mlp_backward: dy {} must match the input {}",
-                 dy.defined() ? dy.str() : std::string("undefined"), ctx.x.str());
-  // down_proj: y = act · Wd^T, with act recomputed from the saved projections.
-  const Tensor act = swiglu_clamped(ctx.gate, ctx.up, swiglu_limit);
-  const Tensor d_act = linear_backward(dy, act, params.down_proj, &grads.down_proj);
-  Tensor d_gate, d_up;
-  swiglu_clamped_backward(ctx.gate, ctx.up, d_act, swiglu_limit, d_gate, d_up);
-  Tensor dx = linear_backward(d_gate, ctx.x, params.gate_proj, &grads.gate_proj);
-  add_into(dx, linear_backward(d_up, ctx.x, params.up_proj, &grads.up_proj));
-  return dx;
 }
 
 }  // namespace glmtune::ops

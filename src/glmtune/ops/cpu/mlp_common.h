@@ -30,17 +30,4 @@ inline RowView row_view(const Tensor& x) {
   return r;
 }
 
-// The three projections are present and agree on I and D: gate, up [I, D], down [D, I].
-inline void check_mlp_params(const MlpParams& params) {
-  GLMTUNE_ASSERT(
-      params.gate_proj.defined() && params.up_proj.defined() && params.down_proj.defined(),
-      "MLP parameters are incomplete");
-  GLMTUNE_ASSERT(params.gate_proj.shape() == params.up_proj.shape() &&
-                     params.down_proj.dim() == 2 &&
-                     params.down_proj.size(1) == params.gate_proj.size(0) &&
-                     params.down_proj.size(0) == params.gate_proj.size(1),
-                 "MLP shapes disagree: gate {} up {} down {}", params.gate_proj.str(),
-                 params.up_proj.str(), params.down_proj.str());
-}
-
 }  // namespace glmtune::ops::cpu_detail

@@ -132,6 +132,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd)
 
 Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate, double eps,
                       GateActivation activation, Tensor* rstd) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_gated(x, weight, gate, eps, activation, rstd));
   Rows r = as_rows(x, "rms_norm_gated");
   check_vector(weight, x, "weight", "rms_norm_gated");
   GLMTUNE_ASSERT(gate.defined() && gate.dtype() == x.dtype() && gate.shape() == x.shape(),
@@ -149,6 +150,7 @@ Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate,
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                   Tensor* mean, Tensor* rstd) {
+  GLMTUNE_CPU_ONLY("layer_norm", x);
   Rows r = as_rows(x, "layer_norm");
   check_vector(weight, x, "weight", "layer_norm");
   check_vector(bias, x, "bias", "layer_norm");
@@ -165,6 +167,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 }
 
 Tensor l2_norm(const Tensor& x, double eps, Tensor* norm) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::l2_norm(x, eps, norm));
   Rows r = as_rows(x, "l2_norm");
   Tensor out = Tensor::empty(x.shape(), x.dtype());
   Tensor ns = make_stat(norm, x);

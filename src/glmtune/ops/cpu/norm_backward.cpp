@@ -221,8 +221,10 @@ Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight
 RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                           const Tensor& gate, double eps, GateActivation activation,
                                           const Tensor& rstd, Tensor* grad_weight) {
-  const char* op = "rms_norm_gated_backward";
   grad_weight = grad_if_trained(grad_weight, weight);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_gated_backward(dy, x, weight, gate, eps, activation,
+                                                              rstd, grad_weight));
+  const char* op = "rms_norm_gated_backward";
   const RowsOf r = check_rows(dy, x, op);
   check_vector(weight, x, "weight", op);
   GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: no weight, so no weight gradient", op);
@@ -249,6 +251,7 @@ RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, con
 Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                            const Tensor& mean, const Tensor& rstd, Tensor* grad_weight,
                            Tensor* grad_bias) {
+  GLMTUNE_CPU_ONLY("layer_norm_backward", x);
   const char* op = "layer_norm_backward";
   const RowsOf r = check_rows(dy, x, op);
   check_vector(weight, x, "weight", op);
@@ -273,6 +276,7 @@ Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weig
 }
 
 Tensor l2_norm_backward(const Tensor& dy, const Tensor& x, double eps, const Tensor& norm) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::l2_norm_backward(dy, x, eps, norm));
   const char* op = "l2_norm_backward";
   const RowsOf r = check_rows(dy, x, op);
   const Tensor ns = check_stat(norm, x, "norm", op);

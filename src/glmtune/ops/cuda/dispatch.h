@@ -1,6 +1,7 @@
 #pragma once
-// The CUDA paths of the ops in ops/*.h (see ops/dispatch.h): the same signatures and semantics as
-// the ops of the same names, for tensors on a CUDA device, with the GPU storage policy:
+// The CUDA bodies of the leaf ops in ops/*.h (see ops/dispatch.h): the same signatures and
+// semantics as the ops of the same names, for tensors on a CUDA device, with the GPU storage
+// policy:
 //
 //   - activations and weights bf16; the fp32-kept parameters (model::is_fp32_kept) stay f32;
 //   - per-row statistics (rstd) f32;
@@ -11,6 +12,8 @@
 //
 // Each function checks what it needs and throws glmtune::Error (via the kernels) for tensors the
 // GPU path cannot take, naming the op and the tensor.
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <map>
@@ -31,30 +34,58 @@
 
 namespace glmtune::ops::cuda_path {
 
-// Per-op GPU time, for the step benchmark's breakdown. While enabled, every outermost call of a
-// function below records a pair of CUDA events on the default stream (ops called from inside
-// another op count towards the outer one); take_op_times waits for the device and returns the
-// milliseconds per op name since the last call. Off by default: it costs two event records per op.
+// Per-op GPU time, for the step benchmark's breakdown. While enabled, every outermost op on the
+// device (a leaf op below, or a composite through GLMTUNE_TIME_OP) records a pair of CUDA events
+// on the default stream (ops called from inside another op count towards the outer one);
+// take_op_times waits for the device and returns the milliseconds per op name since the last
+// call. Off by default: it costs two event records per op.
 void enable_op_timing(bool on);
 std::map<std::string, double> take_op_times();
+
+// Times its scope under `name` (when on_device and timing is on and no other op is timing).
+class OpTimer {
+ public:
+  explicit OpTimer(const char* name, bool on_device = true);
+  ~OpTimer();
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+
+  struct Timed {
+    const char* name;
+    cudaEvent_t start, stop;
+  };
+
+ private:
+  bool outermost_;
+  bool counted_ = false;
+  Timed op_{};
+};
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);
 void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                 bool accumulate);
 Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
                        Tensor* grad_bias, bool need_input_grad);
+void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Tensor& weight,
+                         Tensor* grad_weight, Tensor* grad_bias);
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd);
 Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                          const Tensor& rstd, Tensor* grad_weight);
 
+// The gated norm keeps no statistic (*rstd stays undefined: the backward recomputes it); the
+// sigmoid gate only.
+Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate, double eps,
+                      GateActivation activation, Tensor* rstd);
+RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                          const Tensor& gate, double eps, GateActivation activation,
+                                          const Tensor& rstd, Tensor* grad_weight);
+Tensor l2_norm(const Tensor& x, double eps, Tensor* norm);
+Tensor l2_norm_backward(const Tensor& dy, const Tensor& x, double eps, const Tensor& norm);
+
 Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit);
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup);
-Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit, MlpContext* ctx);
-Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor& dy,
-                    double swiglu_limit, MlpParams& grads);
-
 Tensor embedding_forward(const Tensor& table, const Tensor& ids);
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
                         std::optional<int64_t> padding_idx, Tensor& dtable);
@@ -77,30 +108,46 @@ Tensor mhc_head(const Tensor& streams);
 Tensor mhc_expand_backward(const Tensor& d_streams);
 Tensor mhc_head_backward(const Tensor& d_out, int64_t hc_mult);
 
-// The whole KDA mixer, composed from cuBLASLt projections and the KDA kernels. On the GPU the
-// saved o_rstd stays undefined (the gated norm's backward recomputes it) and g, beta, q_norm,
-// k_norm are f32.
-Tensor kda_forward(const KdaParams& params, const Tensor& x, const Tensor& cu_seqlens,
-                   const KdaOptions& options, KdaSaved* saved);
-Tensor kda_backward(const KdaParams& params, const Tensor& x, const Tensor& cu_seqlens,
-                    const KdaOptions& options, const KdaSaved* saved, const Tensor& dy,
-                    KdaGrads& grads);
+// The KDA leaves. The conv keeps no pre-activation; the chunked core runs chunks of 64 and
+// returns no final state; g, β and the q/k norms are f32.
+Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
+                     Tensor* pre_activation);
+Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                              bool silu, const Tensor& dy, Tensor* grad_weight,
+                              const Tensor& pre_activation);
+Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
+                std::optional<double> lower_bound);
+Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
+                         std::optional<double> lower_bound, const Tensor& dg, Tensor* grad_dt_bias,
+                         Tensor* grad_A_log);
+Tensor kda_beta(const Tensor& logits);
+Tensor kda_beta_backward(const Tensor& beta, const Tensor& d_beta);
+Tensor kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                   const Tensor& beta, const Tensor& cu_seqlens, double scale, int64_t chunk_size,
+                   Tensor* final_state);
+KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
+                                  double scale, const Tensor& d_out, int64_t chunk_size);
 
 Tensor indexer_forward(const IndexerConfig& cfg, const IndexerParams& params, const Tensor& x,
                        const Tensor& q_resid, const Tensor& cu_seqlens);
 
-// Sparse attention and the MLA block. The backward recomputes the attention's log-sum-exp (one
-// forward pass over the selected keys) instead of keeping it in the context.
-MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const Tensor& x);
+// Sparse attention over per-head keys. The backward recomputes the attention's log-sum-exp (one
+// forward pass over the selected keys) instead of keeping it.
 Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                         const Tensor& cu_seqlens, double scale);
 AttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const Tensor& indices, const Tensor& cu_seqlens,
                                          double scale, const Tensor& dout);
-MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
-                      const Tensor& indices, const Tensor& cu_seqlens, MlaContext* ctx);
-Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaContext& ctx,
-                    const Tensor& dy, MlaParams& grads);
+
+// mla_attention's absorbed-latent form (ops/mla.h), which it chooses where
+// absorbed_attention_fits: bf16, Rkv = 512, at most 64 heads.
+bool absorbed_attention_fits(const MlaConfig& cfg, DType dtype);
+Tensor mla_attention_absorbed(const MlaConfig& cfg, const Tensor& kv_b_proj, const Tensor& indices,
+                              const Tensor& cu_seqlens, MlaContext& ctx);
+MlaAttentionGrads mla_attention_absorbed_backward(const MlaConfig& cfg, const Tensor& kv_b_proj,
+                                                  const MlaContext& ctx, const Tensor& d_attn,
+                                                  Tensor* grad_kv_b_proj);
 
 // The MoE block. Routing tensors stay on the device (logits and weights f32, indices int32);
 // expert counts are returned on the host, where the load-balancing update reads them.
