@@ -1,9 +1,11 @@
-// The ops of ops/*.h called with CUDA tensors (ops/dispatch.h) against the same ops on the CPU:
-// the model code calls only these entry points, so the GPU step is the CPU step with the device
-// changed. Inputs are fresh random bf16 values (seed printed; GLMTUNE_TEST_SEED reproduces a run)
-// and the CPU reference runs in f32 on the same values. Parameter gradients accumulate into
-// pre-filled buffers on both sides, so a path that overwrites instead of adding fails. Skipped
-// (not failed) where no GPU is visible or CUDA is not built.
+// The composite ops (ops/composite/: written once on the leaf ops) called with CUDA tensors
+// against the same composites on the CPU: the model code calls only these entry points, so the
+// GPU step is the CPU step with the device changed. The leaf ops have their own table
+// (test_cuda_leaf_ops.cpp); the MLA block's composite is checked in test_cuda_ops_mla.cpp. Inputs
+// are fresh random bf16 values (seed printed; GLMTUNE_TEST_SEED reproduces a run) and the CPU
+// reference runs in f32 on the same values. Parameter gradients accumulate into pre-filled buffers
+// on both sides, so a path that overwrites instead of adding fails. Skipped (not failed) where no
+// GPU is visible or CUDA is not built.
 
 #include <gtest/gtest.h>
 
@@ -12,13 +14,8 @@
 #include <utility>
 #include <vector>
 
-#include "glmtune/ops/cross_entropy.h"
-#include "glmtune/ops/embedding.h"
 #include "glmtune/ops/kda.h"
-#include "glmtune/ops/linear.h"
-#include "glmtune/ops/mhc.h"
 #include "glmtune/ops/mlp.h"
-#include "glmtune/ops/norm.h"
 #include "glmtune/tensor/tensor.h"
 #include "support/cuda_test_support.h"
 
@@ -43,43 +40,6 @@ Pair prefilled(const Shape& shape, uint64_t stream) {
 }
 #endif
 
-TEST(CudaDispatch, LinearForwardAndBackward) {
-  REQUIRE_GPU();
-#ifdef GLMTUNE_WITH_CUDA
-  const int64_t T = 37, D = 96, N = 80;
-  const Pair x = draw({T, D}, 1), w = draw({N, D}, 2, 0.1), b = draw({N}, 3), dy = draw({T, N}, 4);
-  EXPECT_CLOSE(ops::linear(x.gpu, w.gpu, b.gpu), ops::linear(x.cpu, w.cpu, b.cpu), 1e-2, "y");
-  Pair gw = prefilled({N, D}, 5), gb = prefilled({N}, 6);
-  const Tensor dx_g = ops::linear_backward(dy.gpu, x.gpu, w.gpu, &gw.gpu, &gb.gpu);
-  const Tensor dx_c = ops::linear_backward(dy.cpu, x.cpu, w.cpu, &gw.cpu, &gb.cpu);
-  EXPECT_EQ(dx_g.device(), kGpu);
-  EXPECT_CLOSE(dx_g, dx_c, 1e-2, "dx");
-  EXPECT_CLOSE(gw.gpu, gw.cpu, 1e-4, "dW (accumulated)");
-  EXPECT_CLOSE(gb.gpu, gb.cpu, 1e-5, "db (accumulated)");
-  // An undefined slot is created as f32 zeros on the device.
-  Tensor fresh;
-  ops::linear_backward(dy.gpu, x.gpu, w.gpu, &fresh, nullptr, /*need_input_grad=*/false);
-  EXPECT_EQ(fresh.dtype(), DType::f32);
-  EXPECT_EQ(fresh.device(), kGpu);
-#endif
-}
-
-TEST(CudaDispatch, RmsNormForwardAndBackward) {
-  REQUIRE_GPU();
-#ifdef GLMTUNE_WITH_CUDA
-  const int64_t T = 29, D = 128;
-  const Pair x = draw({T, D}, 10), w = draw({D}, 11), dy = draw({T, D}, 12);
-  Tensor rstd_g, rstd_c;
-  EXPECT_CLOSE(ops::rms_norm(x.gpu, w.gpu, 1e-5, &rstd_g),
-               ops::rms_norm(x.cpu, w.cpu, 1e-5, &rstd_c), 1e-2, "y");
-  EXPECT_CLOSE(rstd_g, rstd_c, 1e-5, "rstd");
-  Pair gw = prefilled({D}, 13);
-  EXPECT_CLOSE(ops::rms_norm_backward(dy.gpu, x.gpu, w.gpu, 1e-5, rstd_g, &gw.gpu),
-               ops::rms_norm_backward(dy.cpu, x.cpu, w.cpu, 1e-5, rstd_c, &gw.cpu), 1e-2, "dx");
-  EXPECT_CLOSE(gw.gpu, gw.cpu, 1e-4, "dw (accumulated)");
-#endif
-}
-
 TEST(CudaDispatch, MlpForwardAndBackward) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
@@ -101,63 +61,6 @@ TEST(CudaDispatch, MlpForwardAndBackward) {
   EXPECT_CLOSE(grads_g.gate_proj, grads_c.gate_proj, 2e-2, "d gate_proj");
   EXPECT_CLOSE(grads_g.up_proj, grads_c.up_proj, 2e-2, "d up_proj");
   EXPECT_CLOSE(grads_g.down_proj, grads_c.down_proj, 1e-2, "d down_proj");
-#endif
-}
-
-TEST(CudaDispatch, EmbeddingForwardAndBackward) {
-  REQUIRE_GPU();
-#ifdef GLMTUNE_WITH_CUDA
-  const int64_t V = 50, D = 32, T = 70;
-  const Pair table = draw({V, D}, 30), dout = draw({T, D}, 31);
-  std::vector<int32_t> id_values(T);
-  for (int64_t t = 0; t < T; ++t) id_values[size_t(t)] = int32_t((t * 7 + t / 5) % V);
-  const Tensor ids = Tensor::from_vector(id_values, {T});
-  EXPECT_CLOSE(ops::embedding_forward(table.gpu, ids), ops::embedding_forward(table.cpu, ids), 0.0,
-               "gather");
-  Pair grad = prefilled({V, D}, 32);
-  ops::embedding_backward(table.gpu, ids, dout.gpu, 3, grad.gpu);
-  ops::embedding_backward(table.cpu, ids, dout.cpu, 3, grad.cpu);
-  EXPECT_CLOSE(grad.gpu, grad.cpu, 1e-5, "d table (accumulated, padding row 3 untouched)");
-#endif
-}
-
-TEST(CudaDispatch, LmHeadCrossEntropy) {
-  REQUIRE_GPU();
-#ifdef GLMTUNE_WITH_CUDA
-  const int64_t T = 45, D = 64, V = 300;
-  const Pair h = draw({T, D}, 40), w = draw({V, D}, 41, 0.2);
-  std::vector<int32_t> label_values(T);
-  for (int64_t t = 0; t < T; ++t)
-    label_values[size_t(t)] = t % 6 == 0 ? int32_t(ops::kIgnoreIndex) : int32_t((t * 13) % V);
-  const Tensor labels = Tensor::from_vector(label_values, {T});
-  ops::CrossEntropyOptions opts;
-  opts.denominator = 50;
-  opts.grad_scale = 0.5;
-  opts.chunk_rows = 16;
-  Tensor dh_g, dh_c;
-  Pair dw = prefilled({V, D}, 42);
-  const ops::CrossEntropyResult rg =
-      ops::lm_head_cross_entropy(h.gpu, w.gpu, labels, opts, &dh_g, &dw.gpu);
-  const ops::CrossEntropyResult rc =
-      ops::lm_head_cross_entropy(h.cpu, w.cpu, labels, opts, &dh_c, &dw.cpu);
-  EXPECT_EQ(rg.n_tokens, rc.n_tokens);
-  EXPECT_NEAR(rg.loss, rc.loss, 1e-3 * std::abs(rc.loss));
-  EXPECT_CLOSE(dh_g, dh_c, 1e-2, "d hidden");
-  EXPECT_CLOSE(dw.gpu, dw.cpu, 1e-3, "d head (accumulated)");
-#endif
-}
-
-TEST(CudaDispatch, MhcStreamReshapes) {
-  REQUIRE_GPU();
-#ifdef GLMTUNE_WITH_CUDA
-  const int64_t T = 23, H = 4, D = 48;
-  const Pair x = draw({T, D}, 50), streams = draw({T, H, D}, 51);
-  EXPECT_CLOSE(ops::mhc_expand(x.gpu, H), ops::mhc_expand(x.cpu, H), 0.0, "expand");
-  EXPECT_CLOSE(ops::mhc_head(streams.gpu), ops::mhc_head(streams.cpu), 1e-2, "head");
-  EXPECT_CLOSE(ops::mhc_expand_backward(streams.gpu), ops::mhc_expand_backward(streams.cpu), 1e-2,
-               "expand backward");
-  EXPECT_CLOSE(ops::mhc_head_backward(x.gpu, H), ops::mhc_head_backward(x.cpu, H), 1e-2,
-               "head backward");
 #endif
 }
 
