@@ -86,13 +86,7 @@ fs::path prepare_model(const BenchArgs& a, model::ModelConfig& config) {
   return dir;
 }
 
-int run_bench_step(const BenchArgs& a) {
-  if (a.recompute + a.offload > 1 + 1e-9)
-    throw Error(fmt::format("--recompute {} with --offload {}", a.recompute, a.offload),
-                "--recompute / --offload",
-                "the two fractions share the decoder layers (recompute the first, offload the "
-                "next): give fractions whose sum is at most 1");
-  const Device device = Device::parse(a.device);
+void check_step_args(const BenchArgs& a, const Device& device) {
   if (!device.is_cuda())
     throw Error(fmt::format("bench step measures a GPU, got device {}", a.device), "--device",
                 "pass --device cuda or cuda:N");
@@ -102,36 +96,38 @@ int run_bench_step(const BenchArgs& a) {
   if (a.pack < 2 || a.docs < 1 || a.docs > a.pack)
     throw Error(fmt::format("--pack {} with --docs {}", a.pack, a.docs), "--pack / --docs",
                 "give at least one document and at least one token per document");
-  model::ModelConfig config = model::ModelConfig::preset("tiny");
-  const fs::path dir = prepare_model(a, config);
-  const auto load_start = std::chrono::steady_clock::now();
-  model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(dir), config);
-  const train::FreezePlan frozen = train::apply_freeze(store, a.freeze, "--freeze");
-  model::text::TextModel model(store, {DType::bf16, device});
-  const double load_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
-  const model::TextConfig& c = model.text();
+}
 
-  // One pack of `docs` documents of random tokens (random text is what the timing needs: the
-  // routing spreads over the experts) with next-token labels inside each document.
-  std::vector<int64_t> lengths(size_t(a.docs), a.pack / a.docs);
-  lengths.back() += a.pack % a.docs;
+// One pack of `docs` documents of random tokens (random text is what the timing needs: the
+// routing spreads over the experts) with next-token labels inside each document.
+struct BenchPack {
+  std::vector<int64_t> lengths;  // of the documents
+  model::text::PackInput in;
+};
+
+BenchPack random_pack(const BenchArgs& a, const model::TextConfig& c) {
+  BenchPack b;
+  b.lengths.assign(size_t(a.docs), a.pack / a.docs);
+  b.lengths.back() += a.pack % a.docs;
   std::mt19937_64 rng(a.seed);
   std::uniform_int_distribution<int32_t> token(
       0, int32_t(std::min<int64_t>(c.vocab_size, 150000)) - 1);
   std::vector<int32_t> ids(size_t(a.pack)), labels(size_t(a.pack), -100), cu = {0};
   for (int32_t& id : ids) id = token(rng);
-  for (int64_t len : lengths) {
+  for (int64_t len : b.lengths) {
     const int32_t start = cu.back();
     for (int32_t i = start; i + 1 < start + int32_t(len); ++i)
       labels[size_t(i)] = ids[size_t(i + 1)];
     cu.push_back(start + int32_t(len));
   }
-  model::text::PackInput in;
-  in.input_ids = Tensor::from_vector(ids, {a.pack});
-  in.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
-  in.labels = Tensor::from_vector(labels, {a.pack});
+  b.in.input_ids = Tensor::from_vector(ids, {a.pack});
+  b.in.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
+  b.in.labels = Tensor::from_vector(labels, {a.pack});
+  return b;
+}
 
+model::text::TrainOptions step_options(const BenchArgs& a, const model::text::TextModel& model) {
+  const model::TextConfig& c = model.text();
   model::text::TrainOptions opt;
   opt.mtp = a.mtp && model.has_mtp();
   opt.mtp_depths = opt.mtp ? c.num_nextn_predict_layers : 0;
@@ -141,32 +137,47 @@ int run_bench_step(const BenchArgs& a) {
   opt.loss_chunk_rows = 4096;
   opt.lm_denominator = double(a.pack - a.docs);
   opt.mtp_denominators.assign(size_t(opt.mtp_depths), double(a.pack - 2 * a.docs));
+  return opt;
+}
 
-  model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
-  // The optimizer state of a GPU run: f32 masters and moments for every trained tensor.
-  std::vector<cuda::AdamWParam> adam;
-  std::vector<Tensor> grad_list;
-  if (a.optimizer)
-    for (auto& [name, g] : grads.named) {
-      Tensor* w = nullptr;
-      for (auto& [n, t] : model.weights().named)
-        if (n == name) w = &t;
-      cuda::AdamWParam p;
-      p.master = w->to(DType::f32).contiguous();
-      if (p.master.data_ptr() == w->data_ptr()) p.master = w->clone();
-      p.exp_avg = Tensor::zeros(g.shape(), DType::f32, device);
-      p.exp_avg_sq = Tensor::zeros(g.shape(), DType::f32, device);
-      p.grad = g;
-      p.param = w->dtype() == DType::bf16 ? *w : Tensor();
-      adam.push_back(std::move(p));
-      grad_list.push_back(g);
-    }
+// The optimizer state of a GPU run: f32 masters and moments for every trained tensor.
+struct BenchAdamW {
+  std::vector<cuda::AdamWParam> params;
+  std::vector<Tensor> grads;
+};
 
-  Allocator& alloc = allocator_for(device);
-  Allocator& pinned = HostOffload::of(device).pinned_memory();
+BenchAdamW bench_adamw(model::text::TextModel& model, model::text::TextGrads& grads,
+                       const Device& device) {
+  BenchAdamW adam;
+  for (auto& [name, g] : grads.named) {
+    Tensor* w = nullptr;
+    for (auto& [n, t] : model.weights().named)
+      if (n == name) w = &t;
+    cuda::AdamWParam p;
+    p.master = w->to(DType::f32).contiguous();
+    if (p.master.data_ptr() == w->data_ptr()) p.master = w->clone();
+    p.exp_avg = Tensor::zeros(g.shape(), DType::f32, device);
+    p.exp_avg_sq = Tensor::zeros(g.shape(), DType::f32, device);
+    p.grad = g;
+    p.param = w->dtype() == DType::bf16 ? *w : Tensor();
+    adam.params.push_back(std::move(p));
+    adam.grads.push_back(g);
+  }
+  return adam;
+}
+
+// The timed steps' wall times (seconds) and GPU time per op (ms per step), and the last loss.
+struct BenchTimes {
   std::vector<double> step_s, fb_s, opt_s;
   std::map<std::string, double> op_ms;
   double loss = 0;
+};
+
+BenchTimes time_steps(const BenchArgs& a, model::text::TextModel& model,
+                      const model::text::PackInput& in, const model::text::TrainOptions& opt,
+                      model::text::TextGrads& grads, BenchAdamW& adam, Allocator& alloc,
+                      Allocator& pinned) {
+  BenchTimes bt;
   for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
     const bool timed = s >= a.warmup;
     if (timed && s == a.warmup) {
@@ -181,87 +192,142 @@ int run_bench_step(const BenchArgs& a) {
     cudaDeviceSynchronize();
     const auto t1 = std::chrono::steady_clock::now();
     if (a.optimizer) {
-      const cuda::GradNorm norm = cuda::grad_norm(grad_list, 1.0);
+      const cuda::GradNorm norm = cuda::grad_norm(adam.grads, 1.0);
       cuda::AdamWConfig cfg;
       cfg.lr = 1e-6;
       cfg.step = s + 1;
-      cuda::adamw_step(adam, cfg, norm.clip);
+      cuda::adamw_step(adam.params, cfg, norm.clip);
     }
     cudaDeviceSynchronize();
     const auto t2 = std::chrono::steady_clock::now();
     ops::cuda_path::enable_op_timing(false);
     const std::map<std::string, double> times = ops::cuda_path::take_op_times();
-    loss = r.backward.lm_loss;
+    bt.loss = r.backward.lm_loss;
     if (!timed) continue;
-    for (const auto& [name, ms] : times) op_ms[name] += ms / double(a.steps);
-    fb_s.push_back(std::chrono::duration<double>(t1 - t0).count());
-    opt_s.push_back(std::chrono::duration<double>(t2 - t1).count());
-    step_s.push_back(std::chrono::duration<double>(t2 - t0).count());
+    for (const auto& [name, ms] : times) bt.op_ms[name] += ms / double(a.steps);
+    bt.fb_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    bt.opt_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    bt.step_s.push_back(std::chrono::duration<double>(t2 - t0).count());
   }
+  return bt;
+}
+
+// What bench step reports.
+struct BenchStepReport {
+  fs::path dir;
+  double load_s = 0;
+  bool mtp = false;
+  double step = 0, fb = 0, optim = 0;  // medians, seconds
+  FlopCount flops;
+  double tflops = 0;
+  MemoryStats mem;
+  double pinned_gib = 0;
+  double loss = 0;
+  train::FreezePlan frozen;
+  std::map<std::string, double> op_ms;
+};
+
+void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
+  nlohmann::json out = {{"model", r.dir.string()},
+                        {"pack", a.pack},
+                        {"docs", a.docs},
+                        {"steps", a.steps},
+                        {"tokens_per_s", double(a.pack) / r.step},
+                        {"step_s", r.step},
+                        {"forward_backward_s", r.fb},
+                        {"optimizer_s", r.optim},
+                        {"model_tflops", r.tflops},
+                        {"mfu", r.tflops / kPeakTflops},
+                        {"flop_per_step", r.flops.step(a.pack)},
+                        {"peak_allocated_gib", double(r.mem.peak_allocated) / (1 << 30)},
+                        {"peak_reserved_gib", double(r.mem.peak_reserved) / (1 << 30)},
+                        {"recompute", a.recompute},
+                        {"offload", a.offload},
+                        {"peak_pinned_host_gib", r.pinned_gib},
+                        {"loss", r.loss},
+                        {"frozen_tensors", r.frozen.frozen.size()},
+                        {"frozen_parameters", r.frozen.frozen_elements},
+                        {"op_ms", r.op_ms}};
+  std::puts(out.dump(2).c_str());
+}
+
+void print_step_text(const BenchArgs& a, const model::TextConfig& c, const BenchStepReport& r) {
+  std::printf("model %s (loaded in %.1f s): %ld layers, hidden %ld, %ld routed experts\n",
+              r.dir.string().c_str(), r.load_s, c.num_hidden_layers, c.hidden_size,
+              c.n_routed_experts);
+  std::printf(
+      "pack %ld tokens in %ld documents, MTP %s, recompute %.2f, offload %.2f; median of %ld "
+      "steps\n",
+      a.pack, a.docs, r.mtp ? "on" : "off", a.recompute, a.offload, a.steps);
+  std::printf("step %.3f s (forward+backward %.3f s, optimizer %.3f s): %.0f tokens/s\n", r.step,
+              r.fb, r.optim, double(a.pack) / r.step);
+  std::printf("model FLOP/step %.3e: %.1f TFLOP/s, MFU %.1f%% of %.1f TFLOP/s bf16\n",
+              r.flops.step(a.pack), r.tflops, 100 * r.tflops / kPeakTflops, kPeakTflops);
+  if (!r.frozen.frozen.empty())
+    std::printf(
+        "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
+        "the FLOP count above still includes their weight gradients)\n",
+        r.frozen.frozen.size(), long(r.frozen.frozen_elements));
+  std::printf(
+      "peak memory: %.1f GiB allocated, %.1f GiB reserved, %.1f GiB pinned host (offload); loss "
+      "%.4f\n",
+      double(r.mem.peak_allocated) / (1 << 30), double(r.mem.peak_reserved) / (1 << 30),
+      r.pinned_gib, r.loss);
+  double op_total = 0;
+  for (const auto& [name, ms] : r.op_ms) op_total += ms;
+  std::vector<std::pair<double, std::string>> rows;
+  for (const auto& [name, ms] : r.op_ms) rows.emplace_back(ms, name);
+  std::sort(rows.rbegin(), rows.rend());
+  std::printf("%-28s %10s %7s\n", "op (GPU time per step)", "ms", "share");
+  for (const auto& [ms, name] : rows)
+    std::printf("%-28s %10.2f %6.1f%%\n", name.c_str(), ms, 100 * ms / (r.fb * 1e3));
+  std::printf("%-28s %10.2f %6.1f%%\n", "(timed ops together)", op_total,
+              100 * op_total / (r.fb * 1e3));
+}
+
+int run_bench_step(const BenchArgs& a) {
+  if (a.recompute + a.offload > 1 + 1e-9)
+    throw Error(fmt::format("--recompute {} with --offload {}", a.recompute, a.offload),
+                "--recompute / --offload",
+                "the two fractions share the decoder layers (recompute the first, offload the "
+                "next): give fractions whose sum is at most 1");
+  const Device device = Device::parse(a.device);
+  check_step_args(a, device);
+  model::ModelConfig config = model::ModelConfig::preset("tiny");
+  BenchStepReport r;
+  r.dir = prepare_model(a, config);
+  const auto load_start = std::chrono::steady_clock::now();
+  model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(r.dir), config);
+  r.frozen = train::apply_freeze(store, a.freeze, "--freeze");
+  model::text::TextModel model(store, {DType::bf16, device});
+  r.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+  const model::TextConfig& c = model.text();
+  const BenchPack pack = random_pack(a, c);
+  const model::text::TrainOptions opt = step_options(a, model);
+  model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
+  BenchAdamW adam = a.optimizer ? bench_adamw(model, grads, device) : BenchAdamW{};
+
+  Allocator& alloc = allocator_for(device);
+  Allocator& pinned = HostOffload::of(device).pinned_memory();
+  BenchTimes times = time_steps(a, model, pack.in, opt, grads, adam, alloc, pinned);
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  const double step = median(step_s), fb = median(fb_s), optim = median(opt_s);
-  const FlopCount flops = count_flops(c, lengths, opt.mtp);
-  const double tflops = flops.step(a.pack) / step / 1e12;
-  const MemoryStats mem = alloc.stats();
-  const double pinned_gib = double(pinned.stats().peak_allocated) / (1 << 30);
-  double op_total = 0;
-  for (const auto& [name, ms] : op_ms) op_total += ms;
-
-  if (a.json) {
-    nlohmann::json out = {{"model", dir.string()},
-                          {"pack", a.pack},
-                          {"docs", a.docs},
-                          {"steps", a.steps},
-                          {"tokens_per_s", double(a.pack) / step},
-                          {"step_s", step},
-                          {"forward_backward_s", fb},
-                          {"optimizer_s", optim},
-                          {"model_tflops", tflops},
-                          {"mfu", tflops / kPeakTflops},
-                          {"flop_per_step", flops.step(a.pack)},
-                          {"peak_allocated_gib", double(mem.peak_allocated) / (1 << 30)},
-                          {"peak_reserved_gib", double(mem.peak_reserved) / (1 << 30)},
-                          {"recompute", a.recompute},
-                          {"offload", a.offload},
-                          {"peak_pinned_host_gib", pinned_gib},
-                          {"loss", loss},
-                          {"frozen_tensors", frozen.frozen.size()},
-                          {"frozen_parameters", frozen.frozen_elements},
-                          {"op_ms", op_ms}};
-    std::puts(out.dump(2).c_str());
-    return 0;
-  }
-  std::printf("model %s (loaded in %.1f s): %ld layers, hidden %ld, %ld routed experts\n",
-              dir.string().c_str(), load_s, c.num_hidden_layers, c.hidden_size, c.n_routed_experts);
-  std::printf(
-      "pack %ld tokens in %ld documents, MTP %s, recompute %.2f, offload %.2f; median of %ld "
-      "steps\n",
-      a.pack, a.docs, opt.mtp ? "on" : "off", a.recompute, a.offload, a.steps);
-  std::printf("step %.3f s (forward+backward %.3f s, optimizer %.3f s): %.0f tokens/s\n", step, fb,
-              optim, double(a.pack) / step);
-  std::printf("model FLOP/step %.3e: %.1f TFLOP/s, MFU %.1f%% of %.1f TFLOP/s bf16\n",
-              flops.step(a.pack), tflops, 100 * tflops / kPeakTflops, kPeakTflops);
-  if (!frozen.frozen.empty())
-    std::printf(
-        "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
-        "the FLOP count above still includes their weight gradients)\n",
-        frozen.frozen.size(), long(frozen.frozen_elements));
-  std::printf(
-      "peak memory: %.1f GiB allocated, %.1f GiB reserved, %.1f GiB pinned host (offload); loss "
-      "%.4f\n",
-      double(mem.peak_allocated) / (1 << 30), double(mem.peak_reserved) / (1 << 30), pinned_gib,
-      loss);
-  std::vector<std::pair<double, std::string>> rows;
-  for (const auto& [name, ms] : op_ms) rows.emplace_back(ms, name);
-  std::sort(rows.rbegin(), rows.rend());
-  std::printf("%-28s %10s %7s\n", "op (GPU time per step)", "ms", "share");
-  for (const auto& [ms, name] : rows)
-    std::printf("%-28s %10.2f %6.1f%%\n", name.c_str(), ms, 100 * ms / (fb * 1e3));
-  std::printf("%-28s %10.2f %6.1f%%\n", "(timed ops together)", op_total,
-              100 * op_total / (fb * 1e3));
+  r.mtp = opt.mtp;
+  r.step = median(times.step_s);
+  r.fb = median(times.fb_s);
+  r.optim = median(times.opt_s);
+  r.flops = count_flops(c, pack.lengths, opt.mtp);
+  r.tflops = r.flops.step(a.pack) / r.step / 1e12;
+  r.mem = alloc.stats();
+  r.pinned_gib = double(pinned.stats().peak_allocated) / (1 << 30);
+  r.loss = times.loss;
+  r.op_ms = std::move(times.op_ms);
+  if (a.json)
+    print_step_json(a, r);
+  else
+    print_step_text(a, c, r);
   return 0;
 }
 #endif

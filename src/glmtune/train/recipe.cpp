@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -412,25 +413,22 @@ Recipe Recipe::parse(std::string_view text, const std::string& source) {
   return r;
 }
 
-void Recipe::parse_doc() {
-  const toml::table& t = doc_->table;
-  const Reader rd(t, doc_->overrides, source_);
-  check_known_keys(t, rd);
-  Recipe r;  // fresh defaults; copied over *this at the end so a failure changes nothing
-  auto missing = [&](const char* section, const char* key) {
-    const KeySpec* k = find_key(*find_section(section), key);
-    throw Error(fmt::format("missing required key {}.{}", section, key), source_,
-                fmt::format("add `{} = {}` under [{}]", key, k->example, section));
-  };
+namespace {
 
-  // [model]
+// Throws the error of a required key that is absent.
+using MissingKey = std::function<void(const char* section, const char* key)>;
+
+// [model] path and tokenizer.
+void parse_model(const Reader& rd, Recipe& r, const MissingKey& missing) {
   if (auto v = rd.string("model", "path"))
     r.model_path = *v;
   else
     missing("model", "path");
   r.tokenizer_path = rd.string("model", "tokenizer").value_or(r.model_path);
+}
 
-  // [data]
+// [data], and the model.freeze_* shorthands that come with vision data.
+void parse_data(const Reader& rd, Recipe& r) {
   if (const toml::node* n = rd.find("data", "files")) {
     if (n->is_string()) {
       r.data_files = {*rd.string("data", "files")};
@@ -455,7 +453,7 @@ void Recipe::parse_doc() {
     r.data_cache = *v;
   }
   if (r.data_files.empty() && r.data_cache.empty())
-    throw Error("missing required key data.files", source_,
+    throw Error("missing required key data.files", r.source(),
                 "add `files = [\"data/train.jsonl\"]` (JSONL) or `cache = \"runs/train.cache\"` "
                 "(from glmtune data prepare) under [data]");
   if (auto v = rd.choice("data", "format", {"auto", "chat", "text"}))
@@ -482,15 +480,17 @@ void Recipe::parse_doc() {
   if (auto v = rd.string("data", "media_root")) r.media_root = *v;
   r.freeze_vision = rd.boolean("model", "freeze_vision").value_or(false);
   r.freeze_projector = rd.boolean("model", "freeze_projector").value_or(false);
+}
 
-  // [train]
+// [train].
+void parse_train(const Reader& rd, Recipe& r) {
   r.total_steps = rd.integer("train", "total_steps", 1);
   r.epochs = rd.number("train", "epochs", 0.0, std::numeric_limits<double>::infinity(), true);
   if (r.total_steps && r.epochs)
     rd.fail("train", "epochs", "total_steps and epochs are both set",
             "keep one of train.total_steps and train.epochs");
   if (!r.total_steps && !r.epochs)
-    throw Error("the run length is not set", source_,
+    throw Error("the run length is not set", r.source(),
                 "add `total_steps = 1000` (optimizer steps) or `epochs = 1` under [train]");
   r.micro_packs = rd.integer("train", "micro_packs", 1, 1'000'000).value_or(1);
   r.seed = uint64_t(rd.integer("train", "seed", 0).value_or(0));
@@ -549,8 +549,10 @@ void Recipe::parse_doc() {
   r.dist_timeout_s =
       rd.number("train", "dist_timeout", 0.0, std::numeric_limits<double>::infinity(), true)
           .value_or(600);
+}
 
-  // [optimizer]
+// [optimizer].
+void parse_optimizer(const Reader& rd, Recipe& r) {
   const double inf = std::numeric_limits<double>::infinity();
   r.lr = rd.number("optimizer", "lr", 0.0, inf, true).value_or(1e-6);
   if (auto v = rd.number("optimizer", "lr_min", 0.0, inf)) {
@@ -602,7 +604,11 @@ void Recipe::parse_doc() {
                         r.lr * r.weight_decay),
             "lower optimizer.weight_decay (the default is 0.01)");
   r.clip_grad_norm = rd.number("optimizer", "clip_grad_norm", 0.0, inf).value_or(1.0);
+}
 
+// [loss] and [output].
+void parse_loss_and_output(const Reader& rd, Recipe& r, const MissingKey& missing) {
+  const double inf = std::numeric_limits<double>::infinity();
   // [loss]
   r.mtp_scale = rd.number("loss", "mtp_scale", 0.0, inf).value_or(0.1);
   r.balancing_alpha = rd.number("loss", "balancing_alpha", 0.0, inf).value_or(0.001);
@@ -617,9 +623,27 @@ void Recipe::parse_doc() {
   r.save_every = rd.integer("output", "save_every", 0).value_or(200);
   r.keep_last = rd.integer("output", "keep_last", 0).value_or(3);
   r.log_every = rd.integer("output", "log_every", 1).value_or(1);
+}
 
-  r.doc_ = doc_;
+}  // namespace
+
+void Recipe::parse_doc() {
+  const toml::table& t = doc_->table;
+  const Reader rd(t, doc_->overrides, source_);
+  check_known_keys(t, rd);
+  Recipe r;  // fresh defaults; copied over *this at the end so a failure changes nothing
   r.source_ = source_;
+  const MissingKey missing = [&](const char* section, const char* key) {
+    const KeySpec* k = find_key(*find_section(section), key);
+    throw Error(fmt::format("missing required key {}.{}", section, key), source_,
+                fmt::format("add `{} = {}` under [{}]", key, k->example, section));
+  };
+  parse_model(rd, r, missing);
+  parse_data(rd, r);
+  parse_train(rd, r);
+  parse_optimizer(rd, r);
+  parse_loss_and_output(rd, r, missing);
+  r.doc_ = doc_;
   *this = std::move(r);
 }
 

@@ -16,6 +16,10 @@
 // A resumed run continues bit for bit: the model is rebuilt from the checkpoint's weights, the
 // optimizer from its masters and moments, the sampler from its position, and the schedule is a
 // pure function of the step.
+//
+// The pieces (trainer.cpp puts them in order): trainer_setup.h (output, resume point, data,
+// weights, model), parallelize.h (ep, sp, fsdp), trainer_optimizer.h (the optimizer, and who owns
+// the weights), step_loop.h (the steps), step_metrics.h, checkpointer.h.
 
 #include <atomic>
 #include <cstdint>

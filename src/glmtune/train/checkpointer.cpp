@@ -1,0 +1,97 @@
+#include "glmtune/train/checkpointer.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "glmtune/base/error.h"
+#include "glmtune/train/trainer.h"
+
+namespace glmtune::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Files `glmtune eval` and the data pipeline expect next to the weights.
+void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                           "processor_config.json"}) {
+    const fs::path src = from / name;
+    if (fs::exists(src)) fs::copy_file(src, to / name, fs::copy_options::overwrite_existing);
+  }
+}
+
+int64_t save_delay_ms() {
+  const char* v = std::getenv(kSaveDelayEnv);
+  return v ? std::atoll(v) : 0;
+}
+
+}  // namespace
+
+Checkpointer::Checkpointer(const Recipe& recipe, const ParallelLayout& layout,
+                           model::ParamStore& store, Optimizer& optimizer,
+                           std::filesystem::path tokenizer_dir)
+    : recipe_(recipe),
+      layout_(layout),
+      store_(store),
+      optimizer_(optimizer),
+      tokenizer_dir_(std::move(tokenizer_dir)) {}
+
+std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSampler& sampler,
+                                           const ThroughputTotals& totals) {
+  const fs::path out_dir = recipe_.output_dir;
+  // The store's values are the checkpoint's: where the optimizer owns the weights elsewhere they
+  // are brought up to date here, one tensor at a time.
+  optimizer_.write_weights(store_);
+  // Never a checkpoint of weights that are not finite (a run resumed from it could only fail).
+  const std::vector<std::string> bad = optimizer_.nonfinite_weights(store_, kNonFiniteNamed);
+  if (!bad.empty())
+    throw Error(fmt::format("not saving step {}: the weights hold non-finite values (in {})",
+                            st.step, fmt::join(bad, ", ")),
+                (out_dir / kCheckpointsDir).string(),
+                "check the model checkpoint the run started from, or resume from an earlier "
+                "checkpoint with a lower optimizer.lr");
+  st.epoch = sampler.epoch();
+  st.sampler = sampler.save_state();
+  st.totals = totals;
+  const int64_t delay = save_delay_ms();
+  const model::ParamStore::WholeValue whole_value = optimizer_.weights_for_save();
+  const ModelWriter writer = [&](const fs::path& dir) {
+    if (whole_value)
+      store_.save(dir, whole_value);
+    else
+      store_.save(dir);
+    copy_tokenizer_files(tokenizer_dir_, dir);
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  std::optional<fs::path> written;
+  if (layout_.root) {
+    try {
+      written = save_checkpoint(
+                    out_dir, st, writer, [&](const fs::path& dir) { optimizer_.write_state(dir); },
+                    recipe_.keep_last)
+                    .dir;
+    } catch (const std::exception& e) {
+      if (!layout_.distributed) throw;
+      layout_.par->abort(fmt::format("saving step {} failed: {}", st.step, e.what()));
+    }
+    spdlog::info("saved {} in {:.1f}s", written->string(),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  } else {
+    store_.visit_for_save(whole_value);
+    optimizer_.visit_state();
+  }
+  if (!layout_.distributed) return written;
+  layout_.par->world().barrier();
+  if (!layout_.root)
+    if (const auto last = load_latest_checkpoint(out_dir, {.verify = false}))
+      written = last->checkpoint.dir;
+  return written;
+}
+
+}  // namespace glmtune::train
