@@ -7,6 +7,7 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/model/text/elementwise.h"
+#include "glmtune/model/text/weights.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::dist {
@@ -67,6 +68,91 @@ Tensor stacked_rows(const Tensor& t, int64_t blocks, int64_t stride, int64_t beg
   return out.set_frozen(t.frozen());
 }
 
+// How a mixer parameter is split over the heads: the block [first·unit, (first + count)·unit)
+// of dim 0 (`rows`) or dim 1 (`cols`), that block in each third of dim 0 (`rows_of_3`: the fused
+// q/k/v conv), held whole by every rank (`whole`: the narrow projections and norms the heads
+// share), or by rank 0 only (`first_rank`: an output bias, which the ranks' partial outputs must
+// count once). The parameters themselves come from the one parameter list (zip_kda_params,
+// zip_mla_params); only the split is named here.
+enum class HeadSplit { whole, rows, cols, rows_of_3, first_rank };
+struct Slicing {
+  HeadSplit split = HeadSplit::whole;
+  int64_t unit = 0;  // rows or columns per head
+};
+
+Slicing kda_slicing(const std::string& name, int64_t head_dim) {
+  const std::string n = name.substr(std::string("self_attn.").size());
+  if (n == "q_proj.weight" || n == "k_proj.weight" || n == "v_proj.weight" ||
+      n == "f_b_proj.weight" || n == "dt_bias" || n == "g_b_proj.weight")
+    return {HeadSplit::rows, head_dim};
+  if (n == "conv1d.weight") return {HeadSplit::rows_of_3, head_dim};
+  if (n == "A_log" || n == "b_proj.weight") return {HeadSplit::rows, 1};
+  if (n == "o_proj.weight") return {HeadSplit::cols, head_dim};
+  return {};
+}
+
+Slicing mla_slicing(const std::string& name, const ops::MlaConfig& c) {
+  const std::string n = name.substr(std::string("self_attn.").size());
+  if (n == "q_b_proj.weight") return {HeadSplit::rows, c.qk_nope_head_dim};
+  if (n == "kv_b_proj.weight") return {HeadSplit::rows, c.qk_nope_head_dim + c.v_head_dim};
+  if (n == "o_proj.weight") return {HeadSplit::cols, c.v_head_dim};
+  if (n == "o_proj.bias") return {HeadSplit::first_rank, 0};
+  return {};
+}
+
+// Heads [first, first + count) of a parameter, on this rank.
+Tensor slice_heads(const Tensor& t, Slicing s, int64_t first, int64_t count, int rank) {
+  if (!t.defined()) return t;
+  const int64_t begin = first * s.unit, n = count * s.unit;
+  switch (s.split) {
+    case HeadSplit::whole:
+      return t;
+    case HeadSplit::rows:
+      return rows_of(t, begin, n);
+    case HeadSplit::cols:
+      return cols_of(t, begin, n);
+    case HeadSplit::rows_of_3:
+      return stacked_rows(t, 3, t.size(0) / 3, begin, n);
+    case HeadSplit::first_rank:
+      return rank == 0 ? t : Tensor();
+  }
+  return t;
+}
+
+// Adds the gradient of this rank's heads of a parameter (`part`, shaped like slice_heads' result)
+// into its full-sized buffer.
+void add_head_grad(Tensor& grad, const Tensor& param, const Tensor& part, Slicing s, int64_t first,
+                   int64_t count) {
+  const int64_t begin = first * s.unit, n = count * s.unit;
+  switch (s.split) {
+    case HeadSplit::whole:
+    case HeadSplit::first_rank:
+      add_block(grad, param, part);
+      return;
+    case HeadSplit::rows:
+      add_block(grad, param, part, begin);
+      return;
+    case HeadSplit::cols:
+      add_block(grad, param, part, 0, begin);
+      return;
+    case HeadSplit::rows_of_3:
+      if (part.defined())
+        for (int64_t b = 0; b < 3; ++b)
+          add_block(grad, param, part.narrow(0, b * n, n), b * (param.size(0) / 3) + begin);
+      return;
+  }
+}
+
+// The fields of `p` in the parameter list's order.
+template <typename Params, typename Zip>
+std::vector<const Tensor*> fields_of(const Params& p, Zip zip) {
+  std::vector<const Tensor*> fields;
+  zip(p, p, [&](const std::string&, model::text::ParamGroup, const Tensor& t, const Tensor&) {
+    fields.push_back(&t);
+  });
+  return fields;
+}
+
 // This rank's heads of one KDA layer: the parameters restricted to them and the options that
 // describe them.
 struct KdaHeads {
@@ -76,27 +162,20 @@ struct KdaHeads {
   int64_t count = 0;  // heads here
 };
 
+const auto zip_kda = [](auto& a, auto& b, auto&& f) { model::text::zip_kda_params(a, b, f); };
+const auto zip_mla = [](auto& a, auto& b, auto&& f) { model::text::zip_mla_params(a, b, f); };
+
 KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, int ranks) {
   KdaHeads h;
   h.count = o.num_heads / ranks;
   h.first = int64_t(rank) * h.count;
-  const int64_t hl = o.head_dim, ql = o.num_heads * hl, c0 = h.first * hl, cn = h.count * hl;
   h.options = o;
   h.options.num_heads = h.count;
-  ops::KdaParams& s = h.params;
-  s.q_proj = rows_of(p.q_proj, c0, cn);
-  s.k_proj = rows_of(p.k_proj, c0, cn);
-  s.v_proj = rows_of(p.v_proj, c0, cn);
-  s.conv1d = stacked_rows(p.conv1d, 3, ql, c0, cn);
-  s.f_a_proj = p.f_a_proj;  // HL wide, shared by the heads
-  s.f_b_proj = rows_of(p.f_b_proj, c0, cn);
-  s.dt_bias = rows_of(p.dt_bias, c0, cn);
-  s.A_log = rows_of(p.A_log, h.first, h.count);
-  s.b_proj = rows_of(p.b_proj, h.first, h.count);
-  s.g_a_proj = p.g_a_proj;
-  s.g_b_proj = rows_of(p.g_b_proj, c0, cn);
-  s.o_norm = p.o_norm;
-  s.o_proj = cols_of(p.o_proj, c0, cn);
+  model::text::zip_kda_params(
+      p, h.params,
+      [&](const std::string& name, model::text::ParamGroup, const Tensor& full, Tensor& mine) {
+        mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first, h.count, rank);
+      });
   return h;
 }
 
@@ -104,26 +183,16 @@ KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, 
 // full-sized buffers.
 void add_kda_grads(const ops::KdaParams& p, const ops::KdaOptions& o, const KdaHeads& h,
                    const ops::KdaGrads& part, ops::KdaGrads& g) {
-  const int64_t hl = o.head_dim, ql = o.num_heads * hl, c0 = h.first * hl, cn = h.count * hl;
-  add_block(g.q_proj, p.q_proj, part.q_proj, c0);
-  add_block(g.k_proj, p.k_proj, part.k_proj, c0);
-  add_block(g.v_proj, p.v_proj, part.v_proj, c0);
-  if (part.conv1d.defined())
-    for (int64_t b = 0; b < 3; ++b)
-      add_block(g.conv1d, p.conv1d, part.conv1d.narrow(0, b * cn, cn), b * ql + c0);
-  add_block(g.f_a_proj, p.f_a_proj, part.f_a_proj);
-  add_block(g.f_b_proj, p.f_b_proj, part.f_b_proj, c0);
-  add_block(g.dt_bias, p.dt_bias, part.dt_bias, c0);
-  add_block(g.A_log, p.A_log, part.A_log, h.first);
-  add_block(g.b_proj, p.b_proj, part.b_proj, h.first);
-  add_block(g.g_a_proj, p.g_a_proj, part.g_a_proj);
-  add_block(g.g_b_proj, p.g_b_proj, part.g_b_proj, c0);
-  add_block(g.o_norm, p.o_norm, part.o_norm);
-  add_block(g.o_proj, p.o_proj, part.o_proj, 0, c0);
+  const std::vector<const Tensor*> parts = fields_of(part, zip_kda);
+  size_t i = 0;
+  model::text::zip_kda_params(
+      p, g,
+      [&](const std::string& name, model::text::ParamGroup, const Tensor& param, Tensor& grad) {
+        add_head_grad(grad, param, *parts[i++], kda_slicing(name, o.head_dim), h.first, h.count);
+      });
 }
 
-// This rank's MLA heads. The o_proj bias stays with rank 0 only: the ranks' partial outputs (and
-// the gradients of their slices) add up over the group, and the bias must count once.
+// This rank's MLA heads. The o_proj bias stays with rank 0 only (mla_slicing).
 struct MlaHeads {
   ops::DsaParams params;
   ops::MlaConfig config;
@@ -136,31 +205,24 @@ MlaHeads mla_heads(const ops::MlaConfig& c, const ops::DsaParams& p, int rank, i
   h.first = int64_t(rank) * h.count;
   h.config = c;
   h.config.n_heads = h.count;
-  const int64_t dn = c.qk_nope_head_dim, dv = c.v_head_dim;
-  const ops::MlaParams& m = p.mla;
-  ops::MlaParams& s = h.params.mla;
-  s = m;
-  s.q_b_proj = rows_of(m.q_b_proj, h.first * dn, h.count * dn);
-  s.kv_b_proj = rows_of(m.kv_b_proj, h.first * (dn + dv), h.count * (dn + dv));
-  s.o_proj = cols_of(m.o_proj, h.first * dv, h.count * dv);
-  if (rank != 0) s.o_proj_bias = Tensor();
+  model::text::zip_mla_params(
+      p.mla, h.params.mla,
+      [&](const std::string& name, model::text::ParamGroup, const Tensor& full, Tensor& mine) {
+        mine = slice_heads(full, mla_slicing(name, c), h.first, h.count, rank);
+      });
   h.params.indexer = p.indexer;
   return h;
 }
 
 void add_mla_grads(const ops::MlaConfig& c, const ops::MlaParams& p, const MlaHeads& h,
                    const ops::MlaParams& part, ops::MlaParams& g) {
-  const int64_t dn = c.qk_nope_head_dim, dv = c.v_head_dim;
-  add_block(g.q_a_proj, p.q_a_proj, part.q_a_proj);
-  add_block(g.q_a_proj_bias, p.q_a_proj_bias, part.q_a_proj_bias);
-  add_block(g.q_a_layernorm, p.q_a_layernorm, part.q_a_layernorm);
-  add_block(g.q_b_proj, p.q_b_proj, part.q_b_proj, h.first * dn);
-  add_block(g.kv_a_proj_with_mqa, p.kv_a_proj_with_mqa, part.kv_a_proj_with_mqa);
-  add_block(g.kv_a_proj_with_mqa_bias, p.kv_a_proj_with_mqa_bias, part.kv_a_proj_with_mqa_bias);
-  add_block(g.kv_a_layernorm, p.kv_a_layernorm, part.kv_a_layernorm);
-  add_block(g.kv_b_proj, p.kv_b_proj, part.kv_b_proj, h.first * (dn + dv));
-  add_block(g.o_proj, p.o_proj, part.o_proj, 0, h.first * dv);
-  add_block(g.o_proj_bias, p.o_proj_bias, part.o_proj_bias);
+  const std::vector<const Tensor*> parts = fields_of(part, zip_mla);
+  size_t i = 0;
+  model::text::zip_mla_params(
+      p, g,
+      [&](const std::string& name, model::text::ParamGroup, const Tensor& param, Tensor& grad) {
+        add_head_grad(grad, param, *parts[i++], mla_slicing(name, c), h.first, h.count);
+      });
 }
 
 }  // namespace

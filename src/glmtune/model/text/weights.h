@@ -76,22 +76,30 @@ enum class ParamGroup { layer, kda, dsa, dense_mlp, moe };
 // each field of two structs with LayerWeights' fields (LayerWeights, or the gradients' LayerGrads)
 // in a fixed order, `name` being the internal name under the layer's prefix. Fields a layer does
 // not use (the other mixer or MLP kind, a shared indexer, absent biases or shared expert) are
-// visited too, undefined. The loader, the gradient buffers and fsdp's flat layout all read this
-// list. The MLA projections and the indexer of a DSA layer (or of the MTP layer).
+// visited too, undefined. The loader, the gradient buffers, fsdp's flat layout and sequence
+// parallel's head slicing all read this list.
+
+// The MLA projections of a DSA layer (or of the MTP layer).
+template <typename A, typename B, typename F>
+void zip_mla_params(A& a, B& b, F&& f) {
+  const ParamGroup g = ParamGroup::dsa;
+  f("self_attn.q_a_proj.weight", g, a.q_a_proj, b.q_a_proj);
+  f("self_attn.q_a_proj.bias", g, a.q_a_proj_bias, b.q_a_proj_bias);
+  f("self_attn.q_a_layernorm.weight", g, a.q_a_layernorm, b.q_a_layernorm);
+  f("self_attn.q_b_proj.weight", g, a.q_b_proj, b.q_b_proj);
+  f("self_attn.kv_a_proj_with_mqa.weight", g, a.kv_a_proj_with_mqa, b.kv_a_proj_with_mqa);
+  f("self_attn.kv_a_proj_with_mqa.bias", g, a.kv_a_proj_with_mqa_bias, b.kv_a_proj_with_mqa_bias);
+  f("self_attn.kv_a_layernorm.weight", g, a.kv_a_layernorm, b.kv_a_layernorm);
+  f("self_attn.kv_b_proj.weight", g, a.kv_b_proj, b.kv_b_proj);
+  f("self_attn.o_proj.weight", g, a.o_proj, b.o_proj);
+  f("self_attn.o_proj.bias", g, a.o_proj_bias, b.o_proj_bias);
+}
+
+// A DSA layer's MLA projections and indexer.
 template <typename A, typename B, typename F>
 void zip_dsa_params(A& a, B& b, F&& f) {
   const ParamGroup g = ParamGroup::dsa;
-  auto &ma = a.mla, &mb = b.mla;
-  f("self_attn.q_a_proj.weight", g, ma.q_a_proj, mb.q_a_proj);
-  f("self_attn.q_a_proj.bias", g, ma.q_a_proj_bias, mb.q_a_proj_bias);
-  f("self_attn.q_a_layernorm.weight", g, ma.q_a_layernorm, mb.q_a_layernorm);
-  f("self_attn.q_b_proj.weight", g, ma.q_b_proj, mb.q_b_proj);
-  f("self_attn.kv_a_proj_with_mqa.weight", g, ma.kv_a_proj_with_mqa, mb.kv_a_proj_with_mqa);
-  f("self_attn.kv_a_proj_with_mqa.bias", g, ma.kv_a_proj_with_mqa_bias, mb.kv_a_proj_with_mqa_bias);
-  f("self_attn.kv_a_layernorm.weight", g, ma.kv_a_layernorm, mb.kv_a_layernorm);
-  f("self_attn.kv_b_proj.weight", g, ma.kv_b_proj, mb.kv_b_proj);
-  f("self_attn.o_proj.weight", g, ma.o_proj, mb.o_proj);
-  f("self_attn.o_proj.bias", g, ma.o_proj_bias, mb.o_proj_bias);
+  zip_mla_params(a.mla, b.mla, f);
   auto &xa = a.indexer, &xb = b.indexer;
   f("self_attn.indexer.wq_b.weight", g, xa.wq_b, xb.wq_b);
   f("self_attn.indexer.wk.weight", g, xa.wk, xb.wk);
@@ -100,6 +108,25 @@ void zip_dsa_params(A& a, B& b, F&& f) {
   f("self_attn.indexer.weights_proj.weight", g, xa.weights_proj, xb.weights_proj);
   f("self_attn.indexer.index_kpool_compress_ape", g, xa.kpool_ape, xb.kpool_ape);
   f("self_attn.indexer.index_kpool_compress_gate", g, xa.kpool_gate, xb.kpool_gate);
+}
+
+// A KDA mixer's parameters (KdaParams' fields; the q/k/v convs as the fused conv1d).
+template <typename A, typename B, typename F>
+void zip_kda_params(A& a, B& b, F&& f) {
+  const ParamGroup g = ParamGroup::kda;
+  f("self_attn.q_proj.weight", g, a.q_proj, b.q_proj);
+  f("self_attn.k_proj.weight", g, a.k_proj, b.k_proj);
+  f("self_attn.v_proj.weight", g, a.v_proj, b.v_proj);
+  f("self_attn.conv1d.weight", g, a.conv1d, b.conv1d);
+  f("self_attn.f_a_proj.weight", g, a.f_a_proj, b.f_a_proj);
+  f("self_attn.f_b_proj.weight", g, a.f_b_proj, b.f_b_proj);
+  f("self_attn.dt_bias", g, a.dt_bias, b.dt_bias);
+  f("self_attn.A_log", g, a.A_log, b.A_log);
+  f("self_attn.b_proj.weight", g, a.b_proj, b.b_proj);
+  f("self_attn.g_a_proj.weight", g, a.g_a_proj, b.g_a_proj);
+  f("self_attn.g_b_proj.weight", g, a.g_b_proj, b.g_b_proj);
+  f("self_attn.o_norm.weight", g, a.o_norm, b.o_norm);
+  f("self_attn.o_proj.weight", g, a.o_proj, b.o_proj);
 }
 
 // A clamped SwiGLU MLP under `prefix` ("mlp." dense, "mlp.shared_experts." the shared expert).
@@ -122,7 +149,7 @@ void zip_moe_params(A& a, B& b, F&& f) {
 
 template <typename A, typename B, typename F>
 void zip_layer_params(A& a, B& b, F&& f) {
-  ParamGroup g = ParamGroup::layer;
+  const ParamGroup g = ParamGroup::layer;
   f("input_layernorm.weight", g, a.input_layernorm, b.input_layernorm);
   f("post_attention_layernorm.weight", g, a.post_attention_layernorm, b.post_attention_layernorm);
   f("hc_attn_fn", g, a.attn_hc.fn, b.attn_hc.fn);
@@ -131,21 +158,7 @@ void zip_layer_params(A& a, B& b, F&& f) {
   f("hc_ffn_fn", g, a.ffn_hc.fn, b.ffn_hc.fn);
   f("hc_ffn_base", g, a.ffn_hc.base, b.ffn_hc.base);
   f("hc_ffn_scale", g, a.ffn_hc.scale, b.ffn_hc.scale);
-  g = ParamGroup::kda;
-  auto &ka = a.kda, &kb = b.kda;
-  f("self_attn.q_proj.weight", g, ka.q_proj, kb.q_proj);
-  f("self_attn.k_proj.weight", g, ka.k_proj, kb.k_proj);
-  f("self_attn.v_proj.weight", g, ka.v_proj, kb.v_proj);
-  f("self_attn.conv1d.weight", g, ka.conv1d, kb.conv1d);
-  f("self_attn.f_a_proj.weight", g, ka.f_a_proj, kb.f_a_proj);
-  f("self_attn.f_b_proj.weight", g, ka.f_b_proj, kb.f_b_proj);
-  f("self_attn.dt_bias", g, ka.dt_bias, kb.dt_bias);
-  f("self_attn.A_log", g, ka.A_log, kb.A_log);
-  f("self_attn.b_proj.weight", g, ka.b_proj, kb.b_proj);
-  f("self_attn.g_a_proj.weight", g, ka.g_a_proj, kb.g_a_proj);
-  f("self_attn.g_b_proj.weight", g, ka.g_b_proj, kb.g_b_proj);
-  f("self_attn.o_norm.weight", g, ka.o_norm, kb.o_norm);
-  f("self_attn.o_proj.weight", g, ka.o_proj, kb.o_proj);
+  zip_kda_params(a.kda, b.kda, f);
   zip_dsa_params(a.dsa, b.dsa, f);
   zip_mlp_params("mlp.", ParamGroup::dense_mlp, a.dense, b.dense, f);
   zip_moe_params(a.moe, b.moe, f);
