@@ -10,7 +10,7 @@
 #include "glmtune/base/error.h"
 #include "glmtune/dist/sharded_optimizer.h"
 #include "glmtune/dist/sharded_optimizer_device.h"
-#include "glmtune/model/text/elementwise.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/train/released.h"
 
 namespace glmtune::dist {
@@ -309,7 +309,7 @@ void ShardedLayers::reduce_gradients(int64_t layer) {
 void ShardedLayers::finish_reductions() {
   for (Reduction& r : reductions_) {
     r.pending->wait();
-    model::text::add_into(*r.slice, r.mine);
+    ops::add_into(*r.slice, r.mine);
   }
   reductions_.clear();
 }

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "glmtune/base/error.h"
-#include "glmtune/model/text/elementwise.h"
 #include "glmtune/model/text/weights.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::dist {
@@ -49,11 +49,11 @@ void add_block(Tensor& grad, const Tensor& param, const Tensor& part_in, int64_t
   const Tensor part = part_in.contiguous().view({rows, cols});
   Tensor block = grad.view({grad.size(0), stride}).narrow(0, row0, rows).narrow(1, col0, cols);
   if (block.is_contiguous()) {
-    model::text::add_into(block, part);
+    ops::add_into(block, part);
     return;
   }
   Tensor sum = block.contiguous();
-  model::text::add_into(sum, part);
+  ops::add_into(sum, part);
   block.copy_(sum);
 }
 
@@ -316,7 +316,7 @@ Tensor UlyssesParallel::sum_scatter_rows(const Tensor& full_in,
   const DType sum_dtype = full.dtype() == DType::bf16 ? DType::f32 : full.dtype();
   Tensor out = parts.select(0, 0).to(sum_dtype).contiguous().clone().view(shape);
   for (int q = 1; q < ranks; ++q)
-    model::text::add_into(out, parts.select(0, q).to(sum_dtype).contiguous().view(shape));
+    ops::add_into(out, parts.select(0, q).to(sum_dtype).contiguous().view(shape));
   return out.to(full.dtype());
 }
 

@@ -9,8 +9,8 @@
 #include "glmtune/base/error.h"
 #include "glmtune/model/balancing_loss.h"
 #include "glmtune/model/loss.h"
-#include "glmtune/model/text/elementwise.h"
 #include "glmtune/ops/cross_entropy.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/embedding.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mhc.h"
@@ -148,7 +148,7 @@ Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const T
   Tensor d_mid =
       ops::mhc_pre_backward(lc.streams_mid, w.ffn_hc.fn, w.ffn_hc.base, w.ffn_hc.scale, c.ops.mhc,
                             &lc.ffn_hc_saved, pf.d_post, pf.d_comb, d_cf, g.ffn_hc);
-  add_into(d_mid, pf.d_streams);
+  ops::add_into(d_mid, pf.d_streams);
 
   // Attention site: X' = post ⊗ y + combᵀ X.
   ops::MhcPostGrads pa =
@@ -166,7 +166,7 @@ Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const T
   Tensor d_in =
       ops::mhc_pre_backward(lc.streams_in, w.attn_hc.fn, w.attn_hc.base, w.attn_hc.scale, c.ops.mhc,
                             &lc.attn_hc_saved, pa.d_post, pa.d_comb, d_ca, g.attn_hc);
-  add_into(d_in, pa.d_streams);
+  ops::add_into(d_in, pa.d_streams);
   return d_in;
 }
 
@@ -186,15 +186,15 @@ MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, const T
   const Tensor d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, d_b, g.moe);
   Tensor d_a = ops::rms_norm_backward(d_v, lc.streams_mid, w.post_attention_layernorm, eps,
                                       lc.ffn_in_rstd, &g.post_attention_layernorm);
-  add_into(d_a, d_b);
+  ops::add_into(d_a, d_b);
   // a = x + dsa(input_layernorm(x)).
   const Tensor d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, d_a, g.dsa);
   Tensor d_x = ops::rms_norm_backward(d_u, lc.streams_in, w.input_layernorm, eps, lc.attn_in_rstd,
                                       &g.input_layernorm);
-  add_into(d_x, d_a);
+  ops::add_into(d_x, d_a);
   // x = eh_proj([enorm(future) ; hnorm(hidden)]).
   const int64_t dim = d_x.size(1);
-  const Tensor cat = concat_columns(m.future_normed, m.hidden_normed);
+  const Tensor cat = ops::concat_columns(m.future_normed, m.hidden_normed);
   const Tensor d_cat = ops::linear_backward(d_x, cat, w.eh_proj, &g.eh_proj);
   MtpInputGrads r;
   r.d_future = ops::rms_norm_backward(d_cat.narrow(1, 0, dim).contiguous(), m.future, w.enorm, eps,
@@ -211,7 +211,7 @@ void add_shifted_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>
   std::vector<int64_t> rows(size_t(dst.size(0)), -1);
   for (size_t d = 0; d + 1 < cu.size(); ++d)
     for (int64_t i = cu[d]; i + shift < cu[d + 1]; ++i) rows[size_t(i + shift)] = i;
-  add_into(dst, gather_rows(src, rows));
+  ops::add_into(dst, ops::gather_rows(src, rows));
 }
 
 // Rows [begin, begin + rows) of a packed per-token tensor (the whole tensor when it is exactly
@@ -563,10 +563,10 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       result.mtp_loss_sum[size_t(k - 1)] = r.loss_sum;
       result.mtp_tokens[size_t(k - 1)] = r.n_tokens;
       result.mtp_loss += mce.grad_scale * r.loss;
-      if (d_next.defined()) add_into(d_out, d_next);
+      if (d_next.defined()) ops::add_into(d_out, d_next);
       const MtpInputGrads g = mtp_grad(c, *w.mtp, *m, d_out, *grads.mtp);
       if (k == 1)
-        add_into(d_hidden, g.d_hidden);
+        ops::add_into(d_hidden, g.d_hidden);
       else
         d_next = g.d_hidden;
       // The future rows: token i + k of the same document (id 0, or a zero row, past its end).
@@ -634,7 +634,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
   Tensor d_emb = ops::mhc_expand_backward(d_streams);
   if (supplied) {
     d_emb = unshard(d_emb, row_begin, pack_rows);
-    if (d_emb_future.defined()) add_into(d_emb, d_emb_future);
+    if (d_emb_future.defined()) ops::add_into(d_emb, d_emb_future);
   } else {
     ops::embedding_backward(w.embed_tokens, shard(in.input_ids, row_begin, tokens), d_emb, pad,
                             grads.embed_tokens);

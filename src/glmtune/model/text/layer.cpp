@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "glmtune/model/text/elementwise.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
@@ -101,7 +101,7 @@ MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Te
     r.routing = ops::moe_route(cfg.moe, params.router_weight, params.e_score_correction_bias, x);
     r.y = cfg.expert_dispatch->forward(cfg.moe, params, x, r.routing);
     if (params.shared.gate_proj.defined())
-      r.y = add(r.y, ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit));
+      r.y = ops::add(r.y, ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit));
     r.expert_counts = ops::moe_expert_counts(r.routing, cfg.moe.n_experts, counted_rows);
     return r;
   }
@@ -223,17 +223,17 @@ MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, cons
   Tensor e = ops::rms_norm(future, w.enorm, cfg.rms_eps, ctx ? &e_rstd : nullptr);
   Tensor h = ops::rms_norm(hidden, w.hnorm, cfg.rms_eps, ctx ? &h_rstd : nullptr);
   // Embedding first, hidden second (the reference trainer's eh_proj input order).
-  Tensor x = ops::linear(concat_columns(e, h), w.eh_proj);
+  Tensor x = ops::linear(ops::concat_columns(e, h), w.eh_proj);
 
   LayerContext* lc = ctx ? &ctx->layer : nullptr;
   Tensor attn_rstd;
   Tensor u = ops::rms_norm(x, w.input_layernorm, cfg.rms_eps, ctx ? &attn_rstd : nullptr);
   Tensor y = dsa_block(cfg, w.dsa, u, cu_seqlens, Tensor(), nullptr, lc);
-  Tensor a = add(x, y);
+  Tensor a = ops::add(x, y);
   Tensor ffn_rstd;
   Tensor v = ops::rms_norm(a, w.post_attention_layernorm, cfg.rms_eps, ctx ? &ffn_rstd : nullptr);
   MoeResult m = moe_block(cfg, w.moe, v, counted_rows);
-  Tensor b = add(a, m.y);
+  Tensor b = ops::add(a, m.y);
   Tensor out_rstd;
   MtpLayerResult r;
   r.hidden = ops::rms_norm(b, w.shared_head_norm, cfg.rms_eps, ctx ? &out_rstd : nullptr);

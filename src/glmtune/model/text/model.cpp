@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "glmtune/model/loss.h"
-#include "glmtune/model/text/elementwise.h"
 #include "glmtune/ops/cross_entropy.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/embedding.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mhc.h"
@@ -66,7 +66,7 @@ Tensor TextModel::future_embeddings(const Tensor& input_ids, const Tensor& input
     std::vector<int64_t> rows(size_t(tokens), -1);
     for (size_t d = 0; d + 1 < cu.size(); ++d)
       for (int64_t i = cu[d]; i + depth < cu[d + 1]; ++i) rows[i] = i + depth;
-    return gather_rows(inputs_embeds.to(dtype()).contiguous(), rows);
+    return ops::gather_rows(inputs_embeds.to(dtype()).contiguous(), rows);
   }
   // Token path: ids rolled per document, token id 0 past its end (the reference trainer embeds id 0
   // there, so that row of the table, not a zero vector, enters enorm).

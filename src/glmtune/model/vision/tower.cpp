@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
@@ -284,14 +285,6 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
 
 // ---- Backward helpers -------------------------------------------------------------------------
 
-// Adds `src` into `dst` elementwise (same shape, both contiguous).
-template <typename T>
-void add_into(Tensor& dst, const Tensor& src) {
-  T* a = dst.data<T>();
-  const T* b = src.data<T>();
-  for (int64_t i = 0; i < dst.numel(); ++i) a[i] += b[i];
-}
-
 // Transpose of apply_rope (the rotation is orthogonal): with d' the gradient of the rotated pair,
 // da = d'[m]·cos + d'[m+hd/2]·sin and db = d'[m+hd/2]·cos − d'[m]·sin.
 template <typename T>
@@ -427,7 +420,7 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
                                  ops::linear_backward(dy, act, params.merger_down, nullptr), limit,
                                  dgate, dup);
     dh = ops::linear_backward(dgate, ctx.merger.x, params.merger_gate, nullptr);
-    add_into<T>(dh, ops::linear_backward(dup, ctx.merger.x, params.merger_up, nullptr));
+    ops::add_into(dh, ops::linear_backward(dup, ctx.merger.x, params.merger_up, nullptr));
   }
   gelu_erf_backward<T>(ctx.ln_out, dh);
   dh = ops::layer_norm_backward(dh, ctx.projected, params.merger_norm_w, kLayerNormEps, ctx.ln_mean,
@@ -459,9 +452,9 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     ops::swiglu_clamped_backward(bc.gate, bc.up, dact, limit, dgate, dup);
     Tensor dm = ops::linear_backward(dgate, bc.normed2, b.gate_w, grad_of(tower, bg.gate_w),
                                      grad_of(tower && b.gate_b.defined(), bg.gate_b));
-    add_into<T>(dm, ops::linear_backward(dup, bc.normed2, b.up_w, grad_of(tower, bg.up_w),
-                                         grad_of(tower && b.up_b.defined(), bg.up_b)));
-    add_into<T>(
+    ops::add_into(dm, ops::linear_backward(dup, bc.normed2, b.up_w, grad_of(tower, bg.up_w),
+                                           grad_of(tower && b.up_b.defined(), bg.up_b)));
+    ops::add_into(
         dx, ops::rms_norm_backward(dm, bc.mid, b.norm2, eps, bc.rstd2, grad_of(tower, bg.norm2)));
 
     // Attention branch: mid = input + proj(attn(rope(qnorm(Q)), rope(knorm(K)), V)).
@@ -502,7 +495,7 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     dqkv.slice(1, d, 2 * d).copy_(dk_raw.view({n, d}));
     const Tensor da = ops::linear_backward(dqkv, bc.normed1, b.qkv_w, grad_of(tower, bg.qkv_w),
                                            grad_of(tower && b.qkv_b.defined(), bg.qkv_b));
-    add_into<T>(
+    ops::add_into(
         dx, ops::rms_norm_backward(da, bc.input, b.norm1, eps, bc.rstd1, grad_of(tower, bg.norm1)));
   }
   return ops::linear_backward(dx, ctx.pixels, params.patch_embed_w, grad_of(tower, g.patch_embed_w),

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/grad.h"
 #include "glmtune/tensor/tensor.h"
 
@@ -40,20 +41,6 @@ T sigmoid(T v) {
 template <typename T>
 const T* ptr_or_null(const Tensor& t) {
   return t.defined() ? t.data<T>() : nullptr;
-}
-
-// acc += t, both contiguous of one shape and dtype (f32 or f64).
-inline void add_into(Tensor& acc, const Tensor& t) {
-  const int64_t n = acc.numel();
-  if (acc.dtype() == DType::f32) {
-    float* a = acc.data<float>();
-    const float* b = t.data<float>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  } else {
-    double* a = acc.data<double>();
-    const double* b = t.data<double>();
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  }
 }
 
 // The caller's gradient buffer for `param`: zeros shaped like it on first use, else checked so

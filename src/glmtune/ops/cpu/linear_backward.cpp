@@ -3,8 +3,8 @@
 
 #include <vector>
 
-#include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/dispatch.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/grad.h"
 #include "glmtune/ops/linear.h"
 
@@ -104,7 +104,7 @@ void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, cons
                      dx_sum.device().is_cpu() && dx_sum.is_contiguous(),
                  "linear_backward_add: the running input gradient {} must be a contiguous {}",
                  dx_sum.str(), dx.str());
-  cpu_detail::add_into(dx_sum, dx);
+  add_into(dx_sum, dx);
 }
 
 }  // namespace glmtune::ops

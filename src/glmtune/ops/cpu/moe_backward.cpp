@@ -260,27 +260,7 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeCont
   return moe_backward_impl<double>(cfg, params, ctx, dy, grads, d_router_logits);
 }
 
-namespace {
-
-// a + b elementwise, in a new tensor (same shape and compute dtype).
-Tensor sum_of(const Tensor& a, const Tensor& b) {
-  GLMTUNE_ASSERT(a.shape() == b.shape() && a.dtype() == b.dtype(),
-                 "moe_backward_routed_elsewhere: adding {} and {}", a.str(), b.str());
-  Tensor out = a.contiguous().clone();
-  const Tensor bc = b.contiguous();
-  const auto add = [&]<typename T>(T*) {
-    T* o = out.data<T>();
-    const T* p = bc.data<T>();
-    for (int64_t i = 0; i < out.numel(); ++i) o[i] += p[i];
-  };
-  if (out.dtype() == DType::f32)
-    add(static_cast<float*>(nullptr));
-  else
-    add(static_cast<double*>(nullptr));
-  return out;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                                      const Routing& routing, const Tensor& dy,
@@ -292,12 +272,12 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && is_compute_dtype(x.dtype()) && x.device().is_cpu(),
                  "moe_backward_routed_elsewhere: input {}", describe(x));
   Tensor d_route = moe_route_backward(cfg, routing, routed_d_weights);
-  if (d_router_logits.defined()) d_route = sum_of(d_route, d_router_logits);
+  if (d_router_logits.defined()) d_route = ops::add(d_route, d_router_logits);
   const Tensor d_router_x = linear_backward(d_route, x, params.router_weight, &grads.router_weight);
   MlpContext shared;
   mlp_forward(params.shared, x, cfg.swiglu_limit, shared);
   const Tensor d_shared = mlp_backward(params.shared, shared, dy, cfg.swiglu_limit, grads.shared);
-  return sum_of(routed_dx, sum_of(d_router_x, d_shared));
+  return ops::add(routed_dx, ops::add(d_router_x, d_shared));
 }
 
 }  // namespace glmtune::ops

@@ -19,6 +19,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/embedding.h"
@@ -86,6 +87,9 @@ Tensor l2_norm_backward(const Tensor& dy, const Tensor& x, double eps, const Ten
 Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit);
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup);
+void add_into(Tensor& a, const Tensor& b);
+Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows);
+
 Tensor embedding_forward(const Tensor& table, const Tensor& ids);
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
                         std::optional<int64_t> padding_idx, Tensor& dtable);

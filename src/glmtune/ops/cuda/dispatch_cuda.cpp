@@ -168,6 +168,16 @@ void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor&
   cuda::swiglu_clamped_backward(gate, up, dout, limit, dgate, dup);
 }
 
+void add_into(Tensor& a, const Tensor& b) {
+  OpTimer timer("add_into");
+  cuda::add_inplace(a, b.contiguous());
+}
+
+Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows) {
+  OpTimer timer("gather_rows");
+  return cuda::gather_rows(x, rows);
+}
+
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
   OpTimer timer("embedding_forward");
   return cuda::embedding_forward(table, ids);

@@ -1,14 +1,14 @@
 #pragma once
-// The few tensor manipulations the text model does itself, between ops: residual and gradient
-// sums, the MTP input concatenation, and row gathers. Each works on the CPU (f32 / f64) and on a
-// CUDA device (bf16 / f32), so the model code above them is the same for both.
+// Elementwise leaf ops the model and the parallel layers use between the other ops: residual and
+// gradient sums, the MTP input concatenation, and row gathers. CPU tensors in f32 / f64; on a CUDA
+// device (ops/dispatch.h) bf16 / f32.
 
 #include <cstdint>
 #include <vector>
 
 #include "glmtune/tensor/tensor.h"
 
-namespace glmtune::model::text {
+namespace glmtune::ops {
 
 // a += b (one shape; a contiguous). On the CPU both share a dtype; on the GPU b may be bf16 or
 // f32 and the sum is rounded once into a's dtype.
@@ -20,4 +20,4 @@ Tensor concat_columns(const Tensor& a, const Tensor& b);
 // out[i] = x[rows[i]] for x [N, D]; a negative index gives a zero row.
 Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows);
 
-}  // namespace glmtune::model::text
+}  // namespace glmtune::ops

@@ -1,13 +1,11 @@
-#include "glmtune/model/text/elementwise.h"
+#include "glmtune/ops/elementwise.h"
 
 #include <cstring>
 
 #include "glmtune/base/error.h"
-#ifdef GLMTUNE_WITH_CUDA
-#include "glmtune/ops/cuda/streams.h"
-#endif
+#include "glmtune/ops/dispatch.h"
 
-namespace glmtune::model::text {
+namespace glmtune::ops {
 namespace {
 
 template <typename T>
@@ -21,12 +19,7 @@ void add_kernel(T* a, const T* b, int64_t n) {
 void add_into(Tensor& a, const Tensor& b) {
   GLMTUNE_ASSERT(a.shape() == b.shape() && a.device() == b.device() && a.is_contiguous(),
                  "add: {} and {} differ", a.str(), b.str());
-#ifdef GLMTUNE_WITH_CUDA
-  if (a.device().is_cuda()) {
-    cuda::add_inplace(a, b.contiguous());
-    return;
-  }
-#endif
+  GLMTUNE_DISPATCH_CUDA(a, cuda_path::add_into(a, b));
   GLMTUNE_ASSERT(a.dtype() == b.dtype() && (a.dtype() == DType::f32 || a.dtype() == DType::f64),
                  "add on the CPU: {} and {} must share f32 or f64", a.str(), b.str());
   const Tensor bc = b.contiguous();
@@ -55,9 +48,7 @@ Tensor concat_columns(const Tensor& a, const Tensor& b) {
 Tensor gather_rows(const Tensor& x_in, const std::vector<int64_t>& rows) {
   GLMTUNE_ASSERT(x_in.dim() == 2, "gather_rows: x {} must be [N, D]", x_in.str());
   const Tensor x = x_in.contiguous();
-#ifdef GLMTUNE_WITH_CUDA
-  if (x.device().is_cuda()) return cuda::gather_rows(x, rows);
-#endif
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::gather_rows(x, rows));
   const int64_t dim = x.size(1), n = int64_t(rows.size());
   Tensor out = Tensor::empty({n, dim}, x.dtype());
   const size_t row_bytes = size_t(dim) * x.element_size();
@@ -74,4 +65,4 @@ Tensor gather_rows(const Tensor& x_in, const std::vector<int64_t>& rows) {
   return out;
 }
 
-}  // namespace glmtune::model::text
+}  // namespace glmtune::ops
