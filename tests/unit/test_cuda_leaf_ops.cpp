@@ -139,6 +139,34 @@ std::vector<LeafRow> leaf_rows() {
              dy, x, w, gate, 1e-5, ops::GateActivation::sigmoid, rstd, &gw);
          return {{"y", y, 1e-2}, {"dx", g.dx, 1e-2}, {"dgate", g.dgate, 1e-2}, {"dw", gw, 1e-4}};
        }});
+  rows.push_back({"layer_norm", [](const Side& s) -> std::vector<Output> {
+                    // The vision tower's width with rows off zero mean, and a width that is no
+                    // multiple of the block.
+                    const int64_t T = 37;
+                    std::vector<Output> out;
+                    for (const int64_t D : {1024, 300}) {
+                      const std::string d = " D=" + std::to_string(D);
+                      const Tensor x = s.value({T, D}, 150 + uint64_t(D), 1.0, 0.5),
+                                   w = s.value({D}, 151, 0.1, 1.0), b = s.value({D}, 152, 0.1),
+                                   dy = s.value({T, D}, 153);
+                      Tensor mean, rstd, gw = s.f32({D}, 154), gb = s.f32({D}, 155);
+                      const Tensor y = ops::layer_norm(x, w, b, 1e-6, &mean, &rstd);
+                      const Tensor dx =
+                          ops::layer_norm_backward(dy, x, w, 1e-6, mean, rstd, &gw, &gb);
+                      Tensor gw2 = s.f32({D}, 154), gb2 = s.f32({D}, 155);
+                      const Tensor dx2 =
+                          ops::layer_norm_backward(dy, x, w, 1e-6, Tensor(), Tensor(), &gw2, &gb2);
+                      out.push_back({"y" + d, y, 1e-2});
+                      out.push_back({"mean" + d, mean, 1e-5});
+                      out.push_back({"rstd" + d, rstd, 1e-5});
+                      out.push_back({"dx" + d, dx, 1e-2});
+                      out.push_back({"dw" + d, gw, 1e-4});
+                      out.push_back({"db" + d, gb, 1e-5});
+                      out.push_back({"dx, statistics recomputed" + d, dx2, 1e-2});
+                      out.push_back({"dw, statistics recomputed" + d, gw2, 1e-4});
+                    }
+                    return out;
+                  }});
   rows.push_back({"l2_norm", [](const Side& s) -> std::vector<Output> {
                     const int64_t T = 27, NL = 2, K = 128;
                     const Tensor x = s.value({T, NL, K}, 40), dy = s.value({T, NL, K}, 41);
@@ -302,6 +330,29 @@ TEST_P(CudaLeafOp, MatchesTheCpuOp) {
     ASSERT_TRUE(gpu[i].value.defined()) << what;
     EXPECT_CLOSE(gpu[i].value, cpu[i].value, gpu[i].bar, what);
   }
+}
+
+// A leaf op without a CUDA body refuses GPU tensors with a message instead of reading device
+// memory on the host.
+TEST(CudaLeafOps, CpuOnlyOpsRefuseGpuTensors) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const Side gpu{true};
+  const int64_t T = 8, NL = 1, K = 128;
+  const Tensor q = gpu.value({T, NL, K}, 160), g = gpu.f32({T, NL, K}, 161),
+               beta = gpu.f32({T, NL}, 162), cu = offsets({0, int32_t(T)});
+  try {
+    ops::kda_recurrent(q, q, q, g, beta, cu, 1.0);
+    ADD_FAILURE() << "kda_recurrent took GPU tensors";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("kda_recurrent has no GPU implementation"),
+              std::string::npos)
+        << e.what();
+  }
+  const Tensor logits = gpu.value({T, 16}, 163);
+  const Tensor labels = Tensor::from_vector(std::vector<int32_t>(size_t(T), 1), {T});
+  EXPECT_THROW(ops::cross_entropy_forward(logits, labels), Error);
+#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaLeafOp, ::testing::ValuesIn(leaf_rows()),

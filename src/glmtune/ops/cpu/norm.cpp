@@ -150,7 +150,7 @@ Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate,
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                   Tensor* mean, Tensor* rstd) {
-  GLMTUNE_CPU_ONLY("layer_norm", x);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::layer_norm(x, weight, bias, eps, mean, rstd));
   Rows r = as_rows(x, "layer_norm");
   check_vector(weight, x, "weight", "layer_norm");
   check_vector(bias, x, "bias", "layer_norm");

@@ -251,7 +251,9 @@ RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, con
 Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                            const Tensor& mean, const Tensor& rstd, Tensor* grad_weight,
                            Tensor* grad_bias) {
-  GLMTUNE_CPU_ONLY("layer_norm_backward", x);
+  grad_weight = grad_if_trained(grad_weight, weight);
+  GLMTUNE_DISPATCH_CUDA(
+      x, cuda_path::layer_norm_backward(dy, x, weight, eps, mean, rstd, grad_weight, grad_bias));
   const char* op = "layer_norm_backward";
   const RowsOf r = check_rows(dy, x, op);
   check_vector(weight, x, "weight", op);

@@ -81,6 +81,12 @@ Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate,
 RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                           const Tensor& gate, double eps, GateActivation activation,
                                           const Tensor& rstd, Tensor* grad_weight);
+// LayerNorm in fp32 on bf16 / f32 storage (weight and bias in any float dtype: used in x's).
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                  Tensor* mean, Tensor* rstd);
+Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
+                           const Tensor& mean, const Tensor& rstd, Tensor* grad_weight,
+                           Tensor* grad_bias);
 Tensor l2_norm(const Tensor& x, double eps, Tensor* norm);
 Tensor l2_norm_backward(const Tensor& dy, const Tensor& x, double eps, const Tensor& norm);
 

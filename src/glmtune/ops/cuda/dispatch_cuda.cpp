@@ -44,6 +44,9 @@ Tensor as_f32(const Tensor& t) {
   return f;
 }
 
+// A norm's weight or bias in the dtype of the rows it scales (the kernels read both alike).
+Tensor like_rows(const Tensor& v, const Tensor& x) { return v.defined() ? v.to(x.dtype()) : v; }
+
 // The chunked delta rule's kernels run chunks of this many tokens.
 constexpr int64_t kKdaChunk = 64;
 
@@ -267,6 +270,20 @@ RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, con
   return cuda::rms_norm_gated_backward(
       dy, x, as_f32(weight), gate, eps,
       trained_slot(grad_weight, weight, "rms_norm_gated_backward", "weight"));
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                  Tensor* mean, Tensor* rstd) {
+  OpTimer timer("layer_norm");
+  return cuda::layer_norm(x, like_rows(weight, x), like_rows(bias, x), eps, mean, rstd);
+}
+
+Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
+                           const Tensor& mean, const Tensor& rstd, Tensor* grad_weight,
+                           Tensor* grad_bias) {
+  OpTimer timer("layer_norm_backward");
+  return cuda::layer_norm_backward(dy, x, like_rows(weight, x), eps, mean, rstd, grad_weight,
+                                   grad_bias);
 }
 
 Tensor l2_norm(const Tensor& x, double eps, Tensor* norm) {

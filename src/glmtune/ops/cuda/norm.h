@@ -1,6 +1,7 @@
 #pragma once
-// RMSNorm on the GPU: the CUDA side of ops::rms_norm / ops::rms_norm_backward (ops/norm.h), with
-// bf16 storage and fp32 statistics.
+// RMSNorm (and, at the end, LayerNorm) on the GPU: the CUDA side of ops::rms_norm /
+// ops::rms_norm_backward and ops::layer_norm / ops::layer_norm_backward (ops/norm.h), with bf16
+// storage and fp32 statistics.
 //
 //   rstd = 1 / sqrt(mean(x²) + eps)                 fp32, per row
 //   y    = bf16( w ⊙ bf16(x · rstd) )               the reference's bf16 casts: the normalised
@@ -41,5 +42,18 @@ void rms_norm_backward_out(Tensor& dx, const Tensor& dy, const Tensor& x, const 
 Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                          const Tensor& rstd = Tensor(), Tensor* grad_weight = nullptr,
                          cudaStream_t stream = nullptr);
+
+// LayerNorm (ops::layer_norm): y = (x − μ)·r ⊙ w + b with μ the row mean and
+// r = 1 / sqrt(var + eps) (biased variance, two passes), computed in fp32 on bf16 or f32 storage;
+// `mean` / `rstd` (optional) receive the f32 per-row statistics. The backward takes them (both or
+// neither: recomputed as the forward does) and accumulates the f32 weight and bias gradients
+// through per-block partial sums added in block order: bit-identical reruns. One block per row in
+// the forward; weight and bias (either may be undefined) in x's dtype.
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                  Tensor* mean = nullptr, Tensor* rstd = nullptr, cudaStream_t stream = nullptr);
+Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
+                           const Tensor& mean = Tensor(), const Tensor& rstd = Tensor(),
+                           Tensor* grad_weight = nullptr, Tensor* grad_bias = nullptr,
+                           cudaStream_t stream = nullptr);
 
 }  // namespace glmtune::cuda
