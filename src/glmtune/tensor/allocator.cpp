@@ -55,34 +55,80 @@ class HostAllocator final : public Allocator {
 
 }  // namespace
 
+CachingAllocator::~CachingAllocator() {
+  for (const auto& [ptr, block] : blocks_) delete block;
+}
+
+void CachingAllocator::insert_free(Block* b) {
+  b->free = true;
+  pool(b->small).emplace(b->size, b->ptr);
+}
+
+void CachingAllocator::erase_free(Block* b) {
+  pool(b->small).erase({b->size, b->ptr});
+  b->free = false;
+}
+
 void* CachingAllocator::allocate(size_t bytes) {
-  size_t size = std::max(round_, (bytes + round_ - 1) / round_ * round_);
+  const size_t size = std::max(round_, (bytes + round_ - 1) / round_ * round_);
+  const bool small = size < kSmallRequest;
   std::lock_guard lock(mu_);
   stats_.num_allocs++;
-  void* ptr = nullptr;
-  if (auto it = free_.lower_bound(size); it != free_.end() && it->first <= 2 * size) {
-    size = it->first;
-    ptr = it->second;
-    free_.erase(it);
+  FreeSet& free = pool(small);
+  Block* block = nullptr;
+  if (auto it = free.lower_bound({size, nullptr}); it != free.end()) {
+    block = blocks_.at(it->second);
+    erase_free(block);
   } else {
-    ptr = system_alloc(size);
-    stats_.reserved += size;
+    const size_t segment = small ? kSmallSegment : size;
+    char* ptr = static_cast<char*>(system_alloc(segment));
+    stats_.reserved += segment;
     stats_.peak_reserved = std::max(stats_.peak_reserved, stats_.reserved);
     stats_.num_system_allocs++;
+    block = new Block{ptr, segment, small, false, nullptr, nullptr};
+    blocks_.emplace(ptr, block);
   }
-  in_use_[ptr] = size;
-  stats_.allocated += size;
+  // Split off the rest where it can serve a request of the block's own pool.
+  const size_t rest = block->size - size;
+  if (rest >= (small ? round_ : kSmallRequest)) {
+    Block* tail = new Block{block->ptr + size, rest, small, false, block, block->next};
+    if (block->next) block->next->prev = tail;
+    block->next = tail;
+    block->size = size;
+    blocks_.emplace(tail->ptr, tail);
+    insert_free(tail);
+  }
+  stats_.allocated += block->size;
   stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
-  return ptr;
+  return block->ptr;
 }
 
 void CachingAllocator::deallocate(void* ptr, size_t) {
   std::lock_guard lock(mu_);
-  const auto it = in_use_.find(ptr);
-  GLMTUNE_ASSERT(it != in_use_.end(), "free of a block this allocator did not hand out");
-  stats_.allocated -= it->second;
-  free_.emplace(it->second, ptr);
-  in_use_.erase(it);
+  const auto it = blocks_.find(static_cast<char*>(ptr));
+  GLMTUNE_ASSERT(it != blocks_.end() && !it->second->free,
+                 "free of a block this allocator did not hand out");
+  Block* block = it->second;
+  stats_.allocated -= block->size;
+  // Merge with free neighbours, so that the segment's free space stays in one piece.
+  if (Block* next = block->next; next && next->free) {
+    erase_free(next);
+    block->size += next->size;
+    block->next = next->next;
+    if (next->next) next->next->prev = block;
+    blocks_.erase(next->ptr);
+    delete next;
+  }
+  if (Block* prev = block->prev; prev && prev->free) {
+    erase_free(prev);
+    prev->size += block->size;
+    prev->next = block->next;
+    if (block->next) block->next->prev = prev;
+    blocks_.erase(block->ptr);
+    delete block;
+    block = prev;
+  }
+  insert_free(block);
 }
 
 MemoryStats CachingAllocator::stats() const {
@@ -101,14 +147,31 @@ void CachingAllocator::release_cached() {
   release_cached_locked();
 }
 
+bool CachingAllocator::has_cached() const {
+  for (const FreeSet* set : {&free_small_, &free_large_})
+    for (const auto& [size, ptr] : *set) {
+      const Block* b = blocks_.at(ptr);
+      if (!b->prev && !b->next) return true;
+    }
+  return false;
+}
+
 void CachingAllocator::release_cached_locked() {
-  if (free_.empty()) return;
+  if (!has_cached()) return;
   before_release();
-  for (const auto& [size, ptr] : free_) {
-    system_free(ptr);
-    stats_.reserved -= size;
-  }
-  free_.clear();
+  for (FreeSet* set : {&free_small_, &free_large_})
+    for (auto it = set->begin(); it != set->end();) {
+      Block* b = blocks_.at(it->second);
+      if (b->prev || b->next) {
+        ++it;
+        continue;
+      }
+      system_free(b->ptr);
+      stats_.reserved -= b->size;
+      blocks_.erase(b->ptr);
+      delete b;
+      it = set->erase(it);
+    }
 }
 
 Allocator& host_allocator() {

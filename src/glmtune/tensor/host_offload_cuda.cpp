@@ -19,8 +19,7 @@ namespace {
 // Spans copied start at this boundary, the alignment the device allocator gives every block, so
 // a view keeps the alignment its kernels may assume.
 constexpr size_t kSpanAlign = 512;
-// Pinned blocks are rounded to pages; a cached block serves requests it fits without wasting more
-// than half of it.
+// Pinned blocks are rounded to pages.
 constexpr size_t kPinnedRound = 4096;
 
 class DeviceScope {
