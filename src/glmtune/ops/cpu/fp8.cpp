@@ -1,0 +1,99 @@
+#include "glmtune/ops/fp8.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "glmtune/base/error.h"
+#include "glmtune/io/fp8.h"
+#include "glmtune/ops/dispatch.h"
+#include "glmtune/tensor/dtype.h"
+
+namespace glmtune::ops {
+namespace {
+
+int64_t blocks_of(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+void check_blocks(int64_t block_rows, int64_t block_cols, const char* op) {
+  GLMTUNE_ASSERT(block_rows >= 1 && block_cols >= 1, "{}: blocks of {} x {} must be positive", op,
+                 block_rows, block_cols);
+}
+
+}  // namespace
+
+Fp8Blocks quantize_fp8_blocks(const Tensor& x_in, int64_t block_rows, int64_t block_cols) {
+  const char* op = "quantize_fp8_blocks";
+  GLMTUNE_CPU_ONLY(op, x_in);
+  check_blocks(block_rows, block_cols, op);
+  GLMTUNE_ASSERT(
+      x_in.defined() && x_in.dim() == 2 &&
+          (x_in.dtype() == DType::f32 || x_in.dtype() == DType::bf16 || x_in.dtype() == DType::f64),
+      "{}: x must be a [rows, cols] tensor in f32, bf16 or f64, got {}", op,
+      x_in.defined() ? x_in.str() : "undefined");
+  const Tensor x = x_in.to(DType::f32).contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t brs = blocks_of(rows, block_rows), bcs = blocks_of(cols, block_cols);
+  Fp8Blocks q;
+  q.block_rows = block_rows;
+  q.block_cols = block_cols;
+  q.values = Tensor::empty({rows, cols}, DType::fp8e4m3);
+  q.scales = Tensor::empty({brs, bcs}, DType::f32);
+  const float* xp = x.data<float>();
+  auto* vp = static_cast<uint8_t*>(q.values.data_ptr());
+  float* sp = q.scales.data<float>();
+#pragma omp parallel for schedule(static) collapse(2) if (rows * cols > (1 << 16))
+  for (int64_t br = 0; br < brs; ++br)
+    for (int64_t bc = 0; bc < bcs; ++bc) {
+      const int64_t r0 = br * block_rows, r1 = std::min(rows, r0 + block_rows);
+      const int64_t c0 = bc * block_cols, c1 = std::min(cols, c0 + block_cols);
+      // fmax would skip a NaN; the block's amax must carry it.
+      double amax = 0.0;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) {
+          const double a = std::fabs(double(xp[r * cols + c]));
+          amax = std::isnan(a) || a > amax ? a : amax;
+        }
+      const float scale = float(std::max(amax, 1e-12) / kFp8E4m3Max);
+      sp[br * bcs + bc] = std::isnan(amax) ? NAN : scale;
+      const float limit = float(kFp8E4m3Max);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) {
+          const float v = xp[r * cols + c] / sp[br * bcs + bc];
+          vp[r * cols + c] = f32_to_fp8e4m3(std::isnan(v) ? v : std::clamp(v, -limit, limit));
+        }
+    }
+  return q;
+}
+
+Tensor dequantize_fp8_blocks(const Fp8Blocks& q, DType out) {
+  const char* op = "dequantize_fp8_blocks";
+  GLMTUNE_CPU_ONLY(op, q.values);
+  check_blocks(q.block_rows, q.block_cols, op);
+  GLMTUNE_ASSERT(out == DType::f32 || out == DType::bf16, "{}: output in f32 or bf16, not {}", op,
+                 dtype_name(out));
+  if (out == DType::bf16)
+    return io::dequantize_fp8_block(q.values, q.scales, q.block_rows, q.block_cols, op);
+  GLMTUNE_ASSERT(q.values.defined() && q.values.dtype() == DType::fp8e4m3 && q.values.dim() == 2,
+                 "{}: values must be fp8e4m3 [rows, cols], got {}", op,
+                 q.values.defined() ? q.values.str() : "undefined");
+  const int64_t rows = q.values.size(0), cols = q.values.size(1);
+  const int64_t bcs = blocks_of(cols, q.block_cols);
+  const Shape scale_shape{blocks_of(rows, q.block_rows), bcs};
+  GLMTUNE_ASSERT(
+      q.scales.defined() && q.scales.dtype() == DType::f32 && q.scales.shape() == scale_shape,
+      "{}: scales {} do not fit {} in blocks of {} x {}", op,
+      q.scales.defined() ? q.scales.str() : "undefined", q.values.str(), q.block_rows,
+      q.block_cols);
+  const Tensor v = q.values.contiguous(), s = q.scales.contiguous();
+  const auto* vp = static_cast<const uint8_t*>(v.data_ptr());
+  const float* sp = s.data<float>();
+  Tensor x = Tensor::empty({rows, cols}, DType::f32);
+  float* xp = x.data<float>();
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      xp[r * cols + c] = float(double(fp8e4m3_to_f32(vp[r * cols + c])) *
+                               double(sp[(r / q.block_rows) * bcs + c / q.block_cols]));
+  return x;
+}
+
+}  // namespace glmtune::ops

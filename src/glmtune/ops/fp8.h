@@ -1,0 +1,45 @@
+#pragma once
+// Block-scaled FP8 (float8 e4m3fn): the quantisation of tile-wise FP8 training and of the released
+// FP8 weights, as a CPU reference the GPU quantisers are held to bit for bit.
+//
+// A [rows, cols] tensor is cut into blocks of br × bc (partial blocks at the bottom and right
+// edges included). Per block, with a = max |x| over the block:
+//
+//   scale = f32( max(a, 1e-12) / 448 )            the quotient in double, rounded once
+//   q     = e4m3( clamp(f32(x / scale), −448, 448) )   f32 division, then nearest-even e4m3
+//   x̂     = f32( e4m3_value(q) · scale )          exact product rounded once (the f32 multiply)
+//
+// which is the reference trainer's tile-wise rule (amax in double, clamped at 1e-12, divided by
+// e4m3's largest finite value 448; saturating cast). Activations use 1 × 128 tiles (per row, per
+// 128 columns of the reduced dimension), weights 128 × 128 blocks (the released checkpoint's
+// layout, whose `weight_scale_inv` is this `scale`), and a weight gradient's operands 128 × 1
+// tiles (per column, per 128 rows: the reduced dimension of dW = dyᵀ x is the token one).
+// Non-finite inputs follow the same rule: a NaN makes its block's scale and values NaN; an
+// infinity makes the scale infinite, its own value NaN and the block's finite values 0.
+
+#include <cstdint>
+
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::ops {
+
+inline constexpr double kFp8E4m3Max = 448.0;
+
+struct Fp8Blocks {
+  Tensor values;  // fp8e4m3 [rows, cols]
+  Tensor scales;  // f32 [ceil(rows / block_rows), ceil(cols / block_cols)]
+  int64_t block_rows = 0, block_cols = 0;
+};
+
+// x: a CPU [rows, cols] tensor in f32, bf16 or f64 (f64 is rounded to f32 first).
+Fp8Blocks quantize_fp8_blocks(const Tensor& x, int64_t block_rows, int64_t block_cols);
+
+// The activation tiles of an FP8 GEMM's input (1 × 128) and the weight blocks (128 × 128).
+inline Fp8Blocks quantize_fp8_tiles(const Tensor& x) { return quantize_fp8_blocks(x, 1, 128); }
+inline Fp8Blocks quantize_fp8_weight(const Tensor& w) { return quantize_fp8_blocks(w, 128, 128); }
+
+// x̂ in f32, or in bf16 (the exact product rounded once to bf16, as the released checkpoint is
+// dequantised: io/fp8.h).
+Tensor dequantize_fp8_blocks(const Fp8Blocks& q, DType out = DType::f32);
+
+}  // namespace glmtune::ops

@@ -1,0 +1,182 @@
+// The CPU reference of block-scaled FP8 quantisation (ops/fp8.h): the scale rule, the rounding of
+// every e4m3 code, saturation, edge blocks, the tile shapes, non-finite inputs, and the
+// dequantisation against the checkpoint loader's.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/io/fp8.h"
+#include "glmtune/ops/fp8.h"
+#include "glmtune/tensor/dtype.h"
+#include "glmtune/tensor/tensor.h"
+
+using namespace glmtune;
+
+namespace {
+
+uint8_t code(const Tensor& values, int64_t i) {
+  return static_cast<const uint8_t*>(values.data_ptr())[i];
+}
+
+// e4m3fn from its definition: bias 7, subnormals at exponent 0, S.1111.111 NaN.
+double e4m3_value(uint8_t v) {
+  const int sign = v & 0x80 ? -1 : 1, exp = (v >> 3) & 0xf, man = v & 7;
+  if (exp == 0xf && man == 7) return NAN;
+  if (exp == 0) return sign * man * std::ldexp(1.0, -9);
+  return sign * (1.0 + man / 8.0) * std::ldexp(1.0, exp - 7);
+}
+
+Tensor row(const std::vector<float>& v) { return Tensor::from_vector(v, {1, int64_t(v.size())}); }
+
+TEST(Fp8Quant, TheScaleIsTheBlockAmaxOver448RoundedOnceToF32) {
+  std::mt19937 eng(7);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<float> v(3 * 128);
+  for (float& x : v) x = dist(eng);
+  const ops::Fp8Blocks q = ops::quantize_fp8_tiles(row(v));
+  ASSERT_EQ(q.scales.shape(), (Shape{1, 3}));
+  for (int t = 0; t < 3; ++t) {
+    double amax = 0;
+    for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(double(v[size_t(t * 128 + i)])));
+    EXPECT_EQ(q.scales.data<float>()[t], float(amax / 448.0)) << "tile " << t;
+  }
+}
+
+TEST(Fp8Quant, EveryFiniteCodeRoundTripsAtScaleOne) {
+  // 448 in each tile makes the scale exactly 1, so every value is its own code.
+  std::vector<float> v;
+  std::vector<uint8_t> codes;
+  for (int c = 0; c < 256; ++c)
+    if ((c & 0x7f) != 0x7f) codes.push_back(uint8_t(c));
+  for (size_t i = 0; i < codes.size(); ++i) {
+    if (i % 127 == 0) v.push_back(448.0f);
+    v.push_back(float(e4m3_value(codes[i])));
+  }
+  const ops::Fp8Blocks q = ops::quantize_fp8_blocks(row(v), 1, 128);
+  for (int64_t t = 0; t < q.scales.numel(); ++t) ASSERT_EQ(q.scales.data<float>()[t], 1.0f);
+  const Tensor back = ops::dequantize_fp8_blocks(q);
+  for (size_t i = 0; i < v.size(); ++i) {
+    EXPECT_EQ(back.data<float>()[i], v[i]) << "element " << i;
+    if (v[i] == 0.0f) continue;  // −0 and +0 are both exact
+    EXPECT_EQ(e4m3_value(code(q.values, int64_t(i))), double(v[i])) << "element " << i;
+  }
+}
+
+TEST(Fp8Quant, HalfwayValuesRoundToTheEvenCode) {
+  // At scale 1: 1.0625 lies halfway between 1 (mantissa 0) and 1.125 (mantissa 1): even is 1.
+  // 1.1875 halfway between 1.125 and 1.25: even is 1.25. Subnormals: 2.5 · 2^-9 → 2 · 2^-9.
+  const std::vector<float> v = {448.0f, 1.0625f, 1.1875f, float(2.5 * std::ldexp(1.0, -9)),
+                                -1.0625f};
+  const Tensor back = ops::dequantize_fp8_blocks(ops::quantize_fp8_tiles(row(v)));
+  EXPECT_EQ(back.data<float>()[1], 1.0f);
+  EXPECT_EQ(back.data<float>()[2], 1.25f);
+  EXPECT_EQ(back.data<float>()[3], float(2 * std::ldexp(1.0, -9)));
+  EXPECT_EQ(back.data<float>()[4], -1.0f);
+}
+
+TEST(Fp8Quant, TheBlockAmaxGivesTheLargestFiniteCode) {
+  // amax / 448 rounds to f32, so amax / scale can land just above 448; it must still give the
+  // largest finite code, never the NaN pattern above it.
+  std::mt19937 eng(11);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<float> v(128);
+    for (float& x : v) x = dist(eng) * 1000.0f;
+    const ops::Fp8Blocks q = ops::quantize_fp8_tiles(row(v));
+    size_t at = 0;
+    for (size_t i = 1; i < v.size(); ++i)
+      if (std::fabs(v[i]) > std::fabs(v[at])) at = i;
+    EXPECT_EQ(code(q.values, int64_t(at)) & 0x7f, 0x7e) << "trial " << trial;  // ±448
+  }
+}
+
+TEST(Fp8Quant, DequantisedValuesAreWithinE4m3Precision) {
+  std::mt19937 eng(3);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  const int64_t rows = 130, cols = 200;  // partial blocks on both edges
+  std::vector<float> v(size_t(rows * cols));
+  for (float& x : v) x = dist(eng) * std::exp(dist(eng));
+  const Tensor x = Tensor::from_vector(v, {rows, cols});
+  const ops::Fp8Blocks q = ops::quantize_fp8_weight(x);
+  ASSERT_EQ(q.scales.shape(), (Shape{2, 2}));
+  const Tensor back = ops::dequantize_fp8_blocks(q);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float s = q.scales.data<float>()[(r / 128) * 2 + c / 128];
+      const double want = v[size_t(r * cols + c)], got = back.data<float>()[r * cols + c];
+      // 3 mantissa bits: half an ulp is 2^-4 of the value; below 2^-6 · s, the subnormal step
+      // 2^-9 · s (half of it), plus the f32 roundings of x / s and of the product.
+      EXPECT_LE(std::fabs(got - want),
+                std::ldexp(std::fabs(want), -4) * (1 + 1e-6) + std::ldexp(double(s), -10) + 1e-30)
+          << r << "," << c;
+    }
+}
+
+TEST(Fp8Quant, WeightGradientTilesAreTheTransposedActivationTiles) {
+  std::mt19937 eng(5);
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  const int64_t rows = 300, cols = 7;
+  std::vector<float> v(size_t(rows * cols)), t(size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      t[size_t(c * rows + r)] = v[size_t(r * cols + c)] = dist(eng);
+  const ops::Fp8Blocks by_column =
+      ops::quantize_fp8_blocks(Tensor::from_vector(v, {rows, cols}), 128, 1);
+  const ops::Fp8Blocks by_row = ops::quantize_fp8_tiles(Tensor::from_vector(t, {cols, rows}));
+  ASSERT_EQ(by_column.scales.shape(), (Shape{3, cols}));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      EXPECT_EQ(code(by_column.values, r * cols + c), code(by_row.values, c * rows + r));
+  for (int64_t b = 0; b < 3; ++b)
+    for (int64_t c = 0; c < cols; ++c)
+      EXPECT_EQ(by_column.scales.data<float>()[b * cols + c],
+                by_row.scales.data<float>()[c * 3 + b]);
+}
+
+TEST(Fp8Quant, BlocksOfZerosAndNonFiniteValues) {
+  std::vector<float> v(3 * 128, 0.5f);
+  for (int i = 0; i < 128; ++i) v[size_t(i)] = 0.0f;
+  v[128 + 5] = NAN;
+  v[256 + 9] = INFINITY;
+  const ops::Fp8Blocks q = ops::quantize_fp8_tiles(row(v));
+  EXPECT_EQ(q.scales.data<float>()[0], float(1e-12 / 448.0));
+  for (int i = 0; i < 128; ++i) EXPECT_EQ(code(q.values, i) & 0x7f, 0) << i;
+  EXPECT_TRUE(std::isnan(q.scales.data<float>()[1]));
+  for (int i = 128; i < 256; ++i) EXPECT_EQ(code(q.values, i) & 0x7f, 0x7f) << i;  // NaN
+  EXPECT_TRUE(std::isinf(q.scales.data<float>()[2]));
+  EXPECT_EQ(code(q.values, 256 + 9) & 0x7f, 0x7f);
+  EXPECT_EQ(code(q.values, 256 + 10) & 0x7f, 0);
+}
+
+TEST(Fp8Quant, Bf16DequantisationIsTheCheckpointLoaders) {
+  std::mt19937 eng(9);
+  std::normal_distribution<float> dist(0.0f, 0.05f);
+  std::vector<float> v(size_t(256 * 300));
+  for (float& x : v) x = dist(eng);
+  const ops::Fp8Blocks q = ops::quantize_fp8_weight(Tensor::from_vector(v, {256, 300}));
+  const Tensor ours = ops::dequantize_fp8_blocks(q, DType::bf16);
+  const Tensor loader = io::dequantize_fp8_block(q.values, q.scales);
+  ASSERT_EQ(ours.dtype(), DType::bf16);
+  EXPECT_EQ(std::memcmp(ours.data_ptr(), loader.data_ptr(), ours.nbytes()), 0);
+  // And f32 then bf16 agrees except where the double rounding meets a tie.
+  const Tensor f32 = ops::dequantize_fp8_blocks(q);
+  int64_t differ = 0;
+  for (int64_t i = 0; i < f32.numel(); ++i)
+    differ += f32_to_bf16(f32.data<float>()[i]) != static_cast<const uint16_t*>(ours.data_ptr())[i];
+  EXPECT_LE(differ, f32.numel() / 100);
+}
+
+TEST(Fp8Quant, BadInputsAreRefused) {
+  EXPECT_THROW(ops::quantize_fp8_blocks(Tensor::zeros({4}, DType::f32), 1, 128), InternalError);
+  EXPECT_THROW(ops::quantize_fp8_blocks(Tensor::zeros({4, 4}, DType::i32), 1, 128), InternalError);
+  EXPECT_THROW(ops::quantize_fp8_blocks(Tensor::zeros({4, 4}, DType::f32), 0, 128), InternalError);
+  ops::Fp8Blocks q = ops::quantize_fp8_tiles(Tensor::zeros({4, 256}, DType::f32));
+  q.scales = Tensor::zeros({4, 3}, DType::f32);
+  EXPECT_THROW(ops::dequantize_fp8_blocks(q), InternalError);
+}
+
+}  // namespace
