@@ -77,22 +77,31 @@ Rope<T> rope_tables(const Tensor& positions, int64_t hd, double theta) {
   return rope;
 }
 
-// x [N, H, hd] in place: x'[m] = x[m]·cos − x[m+hd/2]·sin, x'[m+hd/2] = x[m+hd/2]·cos + x[m]·sin.
-template <typename T>
-void apply_rope(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
+// Visits every rotated pair of x [N, H, hd] in place: rotate(lo, hi, cos, sin) with lo = x[m],
+// hi = x[m+hd/2] and cos/sin pointing at the row's tables at m (their m+hd/2 entry is [half]).
+// The forward rotation and its transpose differ only in `rotate`.
+template <typename T, typename Rotate>
+void for_each_rope_pair(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope,
+                        Rotate rotate) {
   const int64_t half = hd / 2;
   for (int64_t r = 0; r < n; ++r) {
     const T* c = &rope.cos[size_t(r * hd)];
     const T* s = &rope.sin[size_t(r * hd)];
     for (int64_t h = 0; h < heads; ++h) {
       T* v = x + (r * heads + h) * hd;
-      for (int64_t m = 0; m < half; ++m) {
-        const T a = v[m], b = v[m + half];
-        v[m] = a * c[m] - b * s[m];
-        v[m + half] = b * c[m + half] + a * s[m + half];
-      }
+      for (int64_t m = 0; m < half; ++m) rotate(v[m], v[m + half], c + m, s + m, half);
     }
   }
+}
+
+// x [N, H, hd] in place: x'[m] = x[m]·cos − x[m+hd/2]·sin, x'[m+hd/2] = x[m+hd/2]·cos + x[m]·sin.
+template <typename T>
+void apply_rope(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
+  for_each_rope_pair(x, n, heads, hd, rope, [](T& lo, T& hi, const T* c, const T* s, int64_t half) {
+    const T a = lo, b = hi;
+    lo = a * c[0] - b * s[0];
+    hi = b * c[half] + a * s[half];
+  });
 }
 
 // Full softmax attention of every segment with itself, per head, for the query rows
@@ -296,19 +305,12 @@ void add_into(Tensor& dst, const Tensor& src) {
 // da = d'[m]·cos + d'[m+hd/2]·sin and db = d'[m+hd/2]·cos − d'[m]·sin.
 template <typename T>
 void apply_rope_backward(T* dx, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
-  const int64_t half = hd / 2;
-  for (int64_t r = 0; r < n; ++r) {
-    const T* c = &rope.cos[size_t(r * hd)];
-    const T* s = &rope.sin[size_t(r * hd)];
-    for (int64_t h = 0; h < heads; ++h) {
-      T* v = dx + (r * heads + h) * hd;
-      for (int64_t m = 0; m < half; ++m) {
-        const T da = v[m], db = v[m + half];
-        v[m] = da * c[m] + db * s[m + half];
-        v[m + half] = db * c[m + half] - da * s[m];
-      }
-    }
-  }
+  for_each_rope_pair(dx, n, heads, hd, rope,
+                     [](T& lo, T& hi, const T* c, const T* s, int64_t half) {
+                       const T da = lo, db = hi;
+                       lo = da * c[0] + db * s[half];
+                       hi = db * c[half] - da * s[0];
+                     });
 }
 
 // Backward of segment_attention (same query rows and layouts). The probabilities of a query block
