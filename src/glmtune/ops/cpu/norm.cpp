@@ -50,10 +50,7 @@ void rms_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& gate,
 #pragma omp parallel for schedule(static) if (r.rows * n > 65536)
   for (int64_t i = 0; i < r.rows; ++i) {
     const T* xi = x + i * n;
-    double ss = 0;
-    for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
-    // The reference takes rsqrt of (mean + eps) in the compute dtype and multiplies x by it.
-    const T rstd = T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+    const T rstd = rms_rstd(xi, n, eps);
     if (rs) rs[i] = rstd;
     T* yi = y + i * n;
     for (int64_t j = 0; j < n; ++j) {
@@ -104,11 +101,8 @@ void l2_norm_kernel(const Rows& r, double eps, Tensor& out, Tensor& norm_out) {
 #pragma omp parallel for schedule(static) if (r.rows * n > 65536)
   for (int64_t i = 0; i < r.rows; ++i) {
     const T* xi = x + i * n;
-    double ss = 0;
-    for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
-    // eps inside the sqrt and a true division, as the reference (and FLA) do; not F.normalize's
-    // max(‖x‖, eps).
-    const T norm = std::sqrt(T(ss) + T(eps));
+    const T norm = l2_row_norm(xi, n, eps);
+    // A true division by the norm, as the reference.
     if (ns) ns[i] = norm;
     for (int64_t j = 0; j < n; ++j) y[i * n + j] = xi[j] / norm;
   }

@@ -52,14 +52,6 @@ Tensor& grad_slot(Tensor* slot, int64_t n, DType dtype, const char* what, const 
   return *slot;
 }
 
-// 1/sqrt(mean(x²) + eps), written as in rms_norm_kernel so a recomputed value equals the saved.
-template <typename T>
-T rms_rstd(const T* xi, int64_t n, double eps) {
-  double ss = 0;
-  for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
-  return T(1) / std::sqrt(T(ss / double(n)) + T(eps));
-}
-
 // Shared by the plain and the gated RMSNorm. `z` null: plain. `dz` receives the gate gradient.
 template <typename T>
 void rms_backward_kernel(const T* dy, const T* x, const T* w, const T* z, GateActivation act,
@@ -174,14 +166,7 @@ void l2_backward_kernel(const T* dy, const T* x, const T* norm_in, double eps, i
   for (int64_t i = 0; i < rows; ++i) {
     const T* xi = x + i * n;
     const T* gi = dy + i * n;
-    T nu;
-    if (norm_in) {
-      nu = norm_in[i];
-    } else {
-      double ss = 0;
-      for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
-      nu = std::sqrt(T(ss) + T(eps));
-    }
+    const T nu = norm_in ? norm_in[i] : l2_row_norm(xi, n, eps);
     // y = x/ν is what the forward returned (same division), so ⟨y, dy⟩ uses the forward's values.
     double dot = 0;
     for (int64_t j = 0; j < n; ++j) dot += double(xi[j] / nu) * double(gi[j]);
