@@ -30,6 +30,14 @@ void layer_norm_row_stats(const T* xi, int64_t n, double eps, T& mean, T& rstd) 
   rstd = T(1) / std::sqrt(T(ss / double(n)) + T(eps));
 }
 
+// The row loop of the normalisation kernels: body(i, x_row) for each of `rows` rows of n values,
+// on threads once the work pays off (the rows are independent).
+template <typename T, typename Body>
+void for_each_norm_row(const T* x, int64_t rows, int64_t n, Body body) {
+#pragma omp parallel for schedule(static) if (rows * n > 65536)
+  for (int64_t i = 0; i < rows; ++i) body(i, x + i * n);
+}
+
 // Σ x² of one row, accumulated in double.
 template <typename T>
 double row_sum_squares(const T* xi, int64_t n) {
