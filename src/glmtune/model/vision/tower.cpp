@@ -104,6 +104,20 @@ void apply_rope(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope)
   });
 }
 
+// In place: row = softmax(row), max-shifted, the normaliser summed in double. The backward
+// recomputes the forward's probabilities with this same arithmetic.
+template <typename T>
+void softmax_row(T* row, int64_t len) {
+  const T mx = *std::max_element(row, row + len);
+  double sum = 0.0;
+  for (int64_t j = 0; j < len; ++j) {
+    row[j] = std::exp(row[j] - mx);
+    sum += double(row[j]);
+  }
+  const T inv = T(1.0 / sum);
+  for (int64_t j = 0; j < len; ++j) row[j] *= inv;
+}
+
 // Full softmax attention of every segment with itself, per head, for the query rows
 // [q_begin, q_begin + q_rows) of the pack (all of it unsharded). k and v are [N, H·hd] row-major
 // over the whole pack (v may have a wider row stride); q and out hold the query rows only. Scores
@@ -127,17 +141,7 @@ void segment_attention(const T* q, int64_t q_begin, int64_t q_rows, const T* k, 
         scores.resize(size_t(rows * len));
         ops::gemm<T>(false, true, rows, len, hd, T(scale), q + local, d, kh, d, T(0), scores.data(),
                      len);
-        for (int64_t i = 0; i < rows; ++i) {
-          T* row = &scores[size_t(i * len)];
-          const T mx = *std::max_element(row, row + len);
-          double sum = 0.0;
-          for (int64_t j = 0; j < len; ++j) {
-            row[j] = std::exp(row[j] - mx);
-            sum += double(row[j]);
-          }
-          const T inv = T(1.0 / sum);
-          for (int64_t j = 0; j < len; ++j) row[j] *= inv;
-        }
+        for (int64_t i = 0; i < rows; ++i) softmax_row(&scores[size_t(i * len)], len);
         ops::gemm<T>(false, false, rows, hd, len, T(1), scores.data(), len, vh, v_stride, T(0),
                      out + local, d);
       }
@@ -354,14 +358,7 @@ void segment_attention_backward(const T* q, int64_t q_begin, int64_t q_rows, con
         ops::gemm<T>(false, true, rows, len, hd, T(scale), qb, d, kh, d, T(0), probs.data(), len);
         for (int64_t i = 0; i < rows; ++i) {
           T* row = &probs[size_t(i * len)];
-          const T mx = *std::max_element(row, row + len);
-          double sum = 0.0;
-          for (int64_t j = 0; j < len; ++j) {
-            row[j] = std::exp(row[j] - mx);
-            sum += double(row[j]);
-          }
-          const T inv = T(1.0 / sum);
-          for (int64_t j = 0; j < len; ++j) row[j] *= inv;
+          softmax_row(row, len);
           const T* o_row = ob + i * d;
           const T* do_row = dob + i * d;
           for (int64_t e = 0; e < hd; ++e) delta[size_t(i)] += double(o_row[e]) * double(do_row[e]);
