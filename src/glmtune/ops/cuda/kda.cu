@@ -13,6 +13,9 @@ namespace glmtune::cuda {
 namespace {
 
 using detail::bf16;
+using detail::cptr;
+using detail::mptr;
+using detail::sum_blocks_kernel;
 
 constexpr int kThreads = 256;
 constexpr int kMaxTaps = 8;
@@ -118,16 +121,6 @@ __global__ void conv_bwd_kernel(const T* __restrict__ x, const T* __restrict__ w
   }
   for (int tau = 0; tau < kc; ++tau)
     dw_partial[(int64_t(blockIdx.y) * c + ch) * kc + tau] = dw[tau];
-}
-
-// out[j] += Σ_b partial[b][j], blocks in order.
-__global__ void sum_blocks_kernel(const float* __restrict__ partial, int64_t blocks, int64_t n,
-                                  float* __restrict__ out) {
-  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (j >= n) return;
-  float acc = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) acc += partial[b * n + j];
-  out[j] += acc;
 }
 
 // ---- gate and beta ----------------------------------------------------------------------------
@@ -442,6 +435,19 @@ void require_cu(const Tensor& cu, const Tensor& x, const char* op) {
                               " must be an int32 CUDA tensor [ndoc + 1]");
 }
 
+// The depthwise conv weight [C, Kc] for x [T, C]: contiguous, in x's dtype, at most kMaxTaps taps
+// (the kernels keep them in registers). Returns Kc.
+int conv_taps(const Tensor& weight, const Tensor& x, const char* op) {
+  const int64_t c = x.size(1);
+  GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dtype() == x.dtype() &&
+                              weight.is_contiguous() && weight.device() == x.device() &&
+                              weight.size(0) == c && weight.numel() % c == 0 &&
+                              weight.numel() / c <= kMaxTaps,
+                          std::string(op) + ": weight " + detail::describe(weight) +
+                              " must be contiguous [C, Kc] in x's dtype, Kc <= 8");
+  return int(weight.numel() / c);
+}
+
 Tensor& grad_buffer(Tensor* slot, const Tensor& param, const char* what, const char* op) {
   if (!slot->defined()) *slot = Tensor::zeros(param.shape(), DType::f32, param.device());
   require_same(*slot, param, DType::f32, what, op);
@@ -451,15 +457,6 @@ Tensor& grad_buffer(Tensor* slot, const Tensor& param, const char* what, const c
 int grid_for(int64_t n) {
   const int64_t b = (n + kThreads - 1) / kThreads;
   return int(b < 8192 ? (b > 0 ? b : 1) : 8192);
-}
-
-template <typename T>
-const T* cptr(const Tensor& t) {
-  return reinterpret_cast<const T*>(t.data_ptr());
-}
-template <typename T>
-T* mptr(const Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 // Calls f(tag) with a value of the activation type of `t`.
@@ -502,14 +499,9 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
   require_act(x, "x", op);
   GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2, std::string(op) + ": x must be [T, C]");
   const int64_t t = x.size(0), c = x.size(1);
-  GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dtype() == x.dtype() &&
-                              weight.is_contiguous() && weight.device() == x.device() &&
-                              weight.size(0) == c && weight.numel() % c == 0 &&
-                              weight.numel() / c <= kMaxTaps,
-                          std::string(op) + ": weight " + detail::describe(weight) +
-                              " must be contiguous [C, Kc] in x's dtype, Kc <= 8");
+  const int kc = conv_taps(weight, x, op);
   require_cu(cu_seqlens, x, op);
-  const int kc = int(weight.numel() / c), ndoc = int(cu_seqlens.size(0) - 1);
+  const int ndoc = int(cu_seqlens.size(0) - 1);
   detail::DeviceGuard guard(x.device().index);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (t == 0 || c == 0) return y;
@@ -533,14 +525,9 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
   GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2, std::string(op) + ": x must be [T, C]");
   require_same(dy, x, x.dtype(), "dy", op);
   const int64_t t = x.size(0), c = x.size(1);
-  GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dtype() == x.dtype() &&
-                              weight.is_contiguous() && weight.device() == x.device() &&
-                              weight.size(0) == c && weight.numel() % c == 0 &&
-                              weight.numel() / c <= kMaxTaps,
-                          std::string(op) + ": weight " + detail::describe(weight) +
-                              " must be contiguous [C, Kc] in x's dtype, Kc <= 8");
+  const int kc = conv_taps(weight, x, op);
   require_cu(cu_seqlens, x, op);
-  const int kc = int(weight.numel() / c), ndoc = int(cu_seqlens.size(0) - 1);
+  const int ndoc = int(cu_seqlens.size(0) - 1);
   detail::DeviceGuard guard(x.device().index);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (t == 0 || c == 0) return dx;
