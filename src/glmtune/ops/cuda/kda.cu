@@ -435,6 +435,22 @@ void require_cu(const Tensor& cu, const Tensor& x, const char* op) {
                               " must be an int32 CUDA tensor [ndoc + 1]");
 }
 
+// The gate's operands, checked alike by the forward and the backward: graw [T, NL·HL] with
+// dt_bias [NL·HL] and A_log [NL].
+struct GateDims {
+  int64_t t, ql, nl, hl;
+};
+GateDims gate_dims(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log, const char* op) {
+  require_act(graw, "graw", op);
+  GLMTUNE_CUDA_OP_REQUIRE(
+      graw.dim() == 2 && A_log.defined() && A_log.numel() >= 1 && graw.size(1) % A_log.numel() == 0,
+      std::string(op) + ": graw must be [T, NL·HL]");
+  const int64_t t = graw.size(0), ql = graw.size(1), nl = A_log.numel();
+  require_vec(dt_bias, ql, graw, "dt_bias", op);
+  require_vec(A_log, nl, graw, "A_log", op);
+  return {t, ql, nl, ql / nl};
+}
+
 // The depthwise conv weight [C, Kc] for x [T, C]: contiguous, in x's dtype, at most kMaxTaps taps
 // (the kernels keep them in registers). Returns Kc.
 int conv_taps(const Tensor& weight, const Tensor& x, const char* op) {
@@ -553,13 +569,8 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound, cudaStream_t stream) {
   const char* op = "cuda::kda_gate";
-  require_act(graw, "graw", op);
-  GLMTUNE_CUDA_OP_REQUIRE(
-      graw.dim() == 2 && A_log.defined() && A_log.numel() >= 1 && graw.size(1) % A_log.numel() == 0,
-      std::string(op) + ": graw must be [T, NL·HL]");
-  const int64_t t = graw.size(0), ql = graw.size(1), nl = A_log.numel(), hl = ql / nl;
-  require_vec(dt_bias, ql, graw, "dt_bias", op);
-  require_vec(A_log, nl, graw, "A_log", op);
+  const GateDims dims = gate_dims(graw, dt_bias, A_log, op);
+  const int64_t t = dims.t, ql = dims.ql, nl = dims.nl, hl = dims.hl;
   detail::DeviceGuard guard(graw.device().index);
   Tensor g = Tensor::empty({t, nl, hl}, DType::f32, graw.device());
   if (t == 0) return g;
@@ -588,13 +599,8 @@ Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor
                          std::optional<double> lower_bound, const Tensor& dg, Tensor* grad_dt_bias,
                          Tensor* grad_A_log, cudaStream_t stream) {
   const char* op = "cuda::kda_gate_backward";
-  require_act(graw, "graw", op);
-  GLMTUNE_CUDA_OP_REQUIRE(
-      graw.dim() == 2 && A_log.defined() && A_log.numel() >= 1 && graw.size(1) % A_log.numel() == 0,
-      std::string(op) + ": graw must be [T, NL·HL]");
-  const int64_t t = graw.size(0), ql = graw.size(1), nl = A_log.numel(), hl = ql / nl;
-  require_vec(dt_bias, ql, graw, "dt_bias", op);
-  require_vec(A_log, nl, graw, "A_log", op);
+  const GateDims dims = gate_dims(graw, dt_bias, A_log, op);
+  const int64_t t = dims.t, ql = dims.ql, nl = dims.nl, hl = dims.hl;
   require_vec(dg, t * ql, graw, "dg", op);
   detail::DeviceGuard guard(graw.device().index);
   Tensor dgraw = Tensor::empty(graw.shape(), graw.dtype(), graw.device());
