@@ -236,6 +236,15 @@ __global__ void beta_bwd_kernel(const float* __restrict__ beta, const float* __r
 
 // ---- per-row norms: one warp per row ----------------------------------------------------------
 
+// Σ x² of one row, summed by its warp: lane-strided partial sums, then the butterfly, so every
+// lane holds the same total. The forward and backward kernels recompute it alike.
+template <typename T>
+__device__ __forceinline__ float warp_row_sum_squares(const T* __restrict__ xr, int n, int lane) {
+  float ss = 0.0f;
+  for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
+  return detail::warp_sum(ss);
+}
+
 template <typename T>
 __global__ void l2_fwd_kernel(const T* __restrict__ x, int64_t rows, int n, float eps,
                               T* __restrict__ y, float* __restrict__ norm) {
@@ -243,9 +252,7 @@ __global__ void l2_fwd_kernel(const T* __restrict__ x, int64_t rows, int n, floa
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
   const T* xr = x + row * n;
-  float ss = 0.0f;
-  for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
-  ss = detail::warp_sum(ss);
+  const float ss = warp_row_sum_squares(xr, n, lane);
   const float nu = sqrtf(ss + eps);
   if (norm && lane == 0) norm[row] = nu;
   for (int j = lane; j < n; j += 32) y[row * n + j] = from_f<T>(to_f(xr[j]) / nu);
@@ -297,9 +304,7 @@ __global__ void l2_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   if (row >= rows) return;
   const T* xr = x + row * n;
   const T* gr = dy + row * n;
-  float ss = 0.0f;
-  for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
-  const float nu = sqrtf(detail::warp_sum(ss) + eps);
+  const float nu = sqrtf(warp_row_sum_squares(xr, n, lane) + eps);
   float dot = 0.0f;
   for (int j = lane; j < n; j += 32) dot += (to_f(xr[j]) / nu) * to_f(gr[j]);
   dot = detail::warp_sum(dot);
@@ -339,9 +344,7 @@ __global__ void gated_fwd_kernel(const T* __restrict__ x, const float* __restric
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
   const T* xr = x + row * n;
-  float ss = 0.0f;
-  for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
-  ss = detail::warp_sum(ss);
+  const float ss = warp_row_sum_squares(xr, n, lane);
   const float r = 1.0f / sqrtf(ss / float(n) + eps);
   for (int j = lane; j < n; j += 32) {
     const float v = w[j] * (to_f(xr[j]) * r);
@@ -366,9 +369,7 @@ __global__ void __launch_bounds__(kThreads)
     const T* xr = x + row * n;
     const T* gr = dy + row * n;
     const T* zr = z + row * n;
-    float ss = 0.0f;
-    for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
-    const float r = 1.0f / sqrtf(detail::warp_sum(ss) / float(n) + eps);
+    const float r = 1.0f / sqrtf(warp_row_sum_squares(xr, n, lane) / float(n) + eps);
     float dot = 0.0f;
 #pragma unroll
     for (int m = 0; m < kMaxRow / 32; ++m) {
