@@ -452,9 +452,17 @@ GateDims gate_dims(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_lo
   return {t, ql, nl, ql / nl};
 }
 
-// The depthwise conv weight [C, Kc] for x [T, C]: contiguous, in x's dtype, at most kMaxTaps taps
-// (the kernels keep them in registers). Returns Kc.
-int conv_taps(const Tensor& weight, const Tensor& x, const char* op) {
+// The conv's operands, checked alike by the forward and the backward in this order: x [T, C],
+// dy like x (backward only), the depthwise weight [C, Kc] (contiguous, x's dtype, at most
+// kMaxTaps taps: the kernels keep them in registers) and cu_seqlens.
+struct ConvDims {
+  int kc, ndoc;
+};
+ConvDims conv_dims(const Tensor& x, const Tensor* dy, const Tensor& weight,
+                   const Tensor& cu_seqlens, const char* op) {
+  require_act(x, "x", op);
+  GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2, std::string(op) + ": x must be [T, C]");
+  if (dy) require_same(*dy, x, x.dtype(), "dy", op);
   const int64_t c = x.size(1);
   GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dtype() == x.dtype() &&
                               weight.is_contiguous() && weight.device() == x.device() &&
@@ -462,7 +470,8 @@ int conv_taps(const Tensor& weight, const Tensor& x, const char* op) {
                               weight.numel() / c <= kMaxTaps,
                           std::string(op) + ": weight " + detail::describe(weight) +
                               " must be contiguous [C, Kc] in x's dtype, Kc <= 8");
-  return int(weight.numel() / c);
+  require_cu(cu_seqlens, x, op);
+  return {int(weight.numel() / c), int(cu_seqlens.size(0) - 1)};
 }
 
 Tensor& grad_buffer(Tensor* slot, const Tensor& param, const char* what, const char* op) {
@@ -513,12 +522,9 @@ bool with_row_lanes(int64_t n, std::initializer_list<const void*> ptrs, F&& f) {
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
                      cudaStream_t stream) {
   const char* op = "cuda::causal_conv1d";
-  require_act(x, "x", op);
-  GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2, std::string(op) + ": x must be [T, C]");
+  const ConvDims dims = conv_dims(x, nullptr, weight, cu_seqlens, op);
   const int64_t t = x.size(0), c = x.size(1);
-  const int kc = conv_taps(weight, x, op);
-  require_cu(cu_seqlens, x, op);
-  const int ndoc = int(cu_seqlens.size(0) - 1);
+  const int kc = dims.kc, ndoc = dims.ndoc;
   detail::DeviceGuard guard(x.device().index);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (t == 0 || c == 0) return y;
@@ -538,13 +544,9 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
                               bool silu, const Tensor& dy, Tensor* grad_weight,
                               cudaStream_t stream) {
   const char* op = "cuda::causal_conv1d_backward";
-  require_act(x, "x", op);
-  GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2, std::string(op) + ": x must be [T, C]");
-  require_same(dy, x, x.dtype(), "dy", op);
+  const ConvDims dims = conv_dims(x, &dy, weight, cu_seqlens, op);
   const int64_t t = x.size(0), c = x.size(1);
-  const int kc = conv_taps(weight, x, op);
-  require_cu(cu_seqlens, x, op);
-  const int ndoc = int(cu_seqlens.size(0) - 1);
+  const int kc = dims.kc, ndoc = dims.ndoc;
   detail::DeviceGuard guard(x.device().index);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (t == 0 || c == 0) return dx;
