@@ -26,8 +26,8 @@ using detail::from_f;
 using detail::to_f;
 __device__ __forceinline__ float sigmoid_f(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// Start of the document holding token t (cu sorted, cu[0] = 0).
-__device__ __forceinline__ int64_t doc_start(const int* cu, int ndoc, int64_t t) {
+// The document holding token t (cu sorted, cu[0] = 0): its start is cu[doc], its end cu[doc + 1].
+__device__ __forceinline__ int doc_of(const int* cu, int ndoc, int64_t t) {
   int lo = 0, hi = ndoc;  // invariant: cu[lo] <= t < cu[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -36,18 +36,13 @@ __device__ __forceinline__ int64_t doc_start(const int* cu, int ndoc, int64_t t)
     else
       hi = mid;
   }
-  return cu[lo];
+  return lo;
+}
+__device__ __forceinline__ int64_t doc_start(const int* cu, int ndoc, int64_t t) {
+  return cu[doc_of(cu, ndoc, t)];
 }
 __device__ __forceinline__ int64_t doc_end(const int* cu, int ndoc, int64_t t) {
-  int lo = 0, hi = ndoc;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (cu[mid] <= t)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return cu[lo + 1];
+  return cu[doc_of(cu, ndoc, t) + 1];
 }
 
 // ---- conv -------------------------------------------------------------------------------------
