@@ -1,8 +1,12 @@
 #include "glmtune/dist/comm.h"
 
+#include <sched.h>
+
 #include <cstring>
+#include <thread>
 
 #include "glmtune/base/error.h"
+#include "glmtune/dist/comm_backend.h"
 
 namespace glmtune::dist {
 
@@ -121,5 +125,43 @@ class SelfCommunicator final : public Communicator {
 std::unique_ptr<Communicator> make_self_communicator(std::string name) {
   return std::make_unique<SelfCommunicator>(std::move(name));
 }
+
+namespace backend {
+
+void check_reduce_scatter(const Tensor& in, const Tensor& out, const std::string& group,
+                          int ranks) {
+  GLMTUNE_ASSERT(in.dtype() == out.dtype() && in.numel() == out.numel() * ranks,
+                 "reduce_scatter on group '{}': {} into {} over {} ranks", group, in.str(),
+                 out.str(), ranks);
+}
+
+void check_all_gather(const Tensor& in, const Tensor& out, const std::string& group, int ranks) {
+  GLMTUNE_ASSERT(in.dtype() == out.dtype() && out.numel() == in.numel() * ranks,
+                 "all_gather on group '{}': {} into {} over {} ranks", group, in.str(), out.str(),
+                 ranks);
+}
+
+void check_all_to_all(const Tensor& in, std::span<const int64_t> send_counts, const Tensor& out,
+                      std::span<const int64_t> recv_counts, const std::string& group, int ranks) {
+  GLMTUNE_ASSERT(in.dtype() == out.dtype() && int(send_counts.size()) == ranks &&
+                     int(recv_counts.size()) == ranks,
+                 "all_to_all on group '{}': {} counts for {} ranks", group, send_counts.size(),
+                 ranks);
+}
+
+std::chrono::steady_clock::time_point deadline_after(double timeout_s) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+             std::chrono::duration<double>(timeout_s));
+}
+
+void pause_between_polls(int64_t polls, std::chrono::microseconds nap) {
+  if (polls < 1000)
+    sched_yield();
+  else
+    std::this_thread::sleep_for(nap);
+}
+
+}  // namespace backend
 
 }  // namespace glmtune::dist

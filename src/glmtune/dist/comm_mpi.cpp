@@ -2,16 +2,15 @@
 
 #include <fmt/format.h>
 #include <mpi.h>
-#include <sched.h>
 
 #include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
-#include <thread>
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/dist/comm_backend.h"
 
 namespace glmtune::dist::mpi {
 namespace {
@@ -44,31 +43,11 @@ MPI_Datatype reduce_type(DType dt, const std::string& group) {
   return MPI_DATATYPE_NULL;
 }
 
-// Data movers only copy bits: a type of the element's width is enough.
 MPI_Datatype move_type(DType dt) {
-  switch (dtype_size(dt)) {
-    case 1:
-      return MPI_UINT8_T;
-    case 2:
-      return MPI_UINT16_T;
-    case 4:
-      return MPI_UINT32_T;
-    default:
-      return MPI_UINT64_T;
-  }
+  return backend::move_type(dt, MPI_UINT8_T, MPI_UINT16_T, MPI_UINT32_T, MPI_UINT64_T);
 }
 
-MPI_Op mpi_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum:
-      return MPI_SUM;
-    case ReduceOp::max:
-      return MPI_MAX;
-    case ReduceOp::min:
-      return MPI_MIN;
-  }
-  return MPI_SUM;
-}
+MPI_Op mpi_op(ReduceOp op) { return backend::reduce_op(op, MPI_SUM, MPI_MAX, MPI_MIN); }
 
 void finalize_at_exit() {
   int finalized = 0;
@@ -80,8 +59,7 @@ void finalize_at_exit() {
 // sleep after the first spins keeps oversubscribed ranks from starving each other.
 void wait_for(MPI_Request& req, const char* op, const std::string& group, int rank, int size,
               double timeout_s) {
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
+  const auto deadline = backend::deadline_after(timeout_s);
   for (int64_t polls = 0;; ++polls) {
     int done = 0;
     check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
@@ -93,10 +71,7 @@ void wait_for(MPI_Request& req, const char* op, const std::string& group, int ra
                             "logs (raise glmtune train --dist-timeout for slow steps)",
                             op, group, size, rank, timeout_s),
                 3);
-    if (polls < 1000)
-      sched_yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    backend::pause_between_polls(polls, std::chrono::microseconds(200));
   }
 }
 
@@ -159,9 +134,7 @@ class MpiCommunicator final : public Communicator {
   void reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) override {
     check(in, "reduce_scatter");
     check(out, "reduce_scatter");
-    GLMTUNE_ASSERT(in.dtype() == out.dtype() && in.numel() == out.numel() * size_,
-                   "reduce_scatter on group '{}': {} into {} over {} ranks", name_, in.str(),
-                   out.str(), size_);
+    backend::check_reduce_scatter(in, out, name_, size_);
     MPI_Request req;
     check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(),
                                         count(out.numel(), "reduce_scatter"),
@@ -175,9 +148,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<PendingCollective> start_all_gather(const Tensor& in, Tensor& out) override {
     check(in, "all_gather");
     check(out, "all_gather");
-    GLMTUNE_ASSERT(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
-                   "all_gather on group '{}': {} into {} over {} ranks", name_, in.str(), out.str(),
-                   size_);
+    backend::check_all_gather(in, out, name_, size_);
     const int n = count(in.numel(), "all_gather");
     MPI_Request req;
     check_mpi(MPI_Iallgather(in.data_ptr(), n, move_type(in.dtype()), out.data_ptr(), n,
@@ -190,10 +161,7 @@ class MpiCommunicator final : public Communicator {
                   std::span<const int64_t> recv_counts) override {
     check(in, "all_to_all");
     check(out, "all_to_all");
-    GLMTUNE_ASSERT(in.dtype() == out.dtype() && int(send_counts.size()) == size_ &&
-                       int(recv_counts.size()) == size_,
-                   "all_to_all on group '{}': {} counts for {} ranks", name_, send_counts.size(),
-                   size_);
+    backend::check_all_to_all(in, send_counts, out, recv_counts, name_, size_);
     const size_t ranks = size_t(size_);
     std::vector<int> sc(ranks), sd(ranks), rc(ranks), rd(ranks);
     int64_t soff = 0, roff = 0;

@@ -1,14 +1,13 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nccl.h>
-#include <sched.h>
 
 #include <chrono>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/dist/comm_backend.h"
 #include "glmtune/dist/comm_nccl.h"
 #include "glmtune/tensor/cuda_check.h"
 #if GLMTUNE_WITH_MPI
@@ -54,30 +53,12 @@ ncclDataType_t reduce_type(DType dt, const std::string& group) {
   return ncclFloat32;
 }
 
+// NCCL has no 16-bit integer type; a float16 is only copied, never computed with.
 ncclDataType_t move_type(DType dt) {
-  switch (dtype_size(dt)) {
-    case 1:
-      return ncclUint8;
-    case 2:
-      return ncclFloat16;  // bits are only copied
-    case 4:
-      return ncclUint32;
-    default:
-      return ncclUint64;
-  }
+  return backend::move_type(dt, ncclUint8, ncclFloat16, ncclUint32, ncclUint64);
 }
 
-ncclRedOp_t nccl_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum:
-      return ncclSum;
-    case ReduceOp::max:
-      return ncclMax;
-    case ReduceOp::min:
-      return ncclMin;
-  }
-  return ncclSum;
-}
+ncclRedOp_t nccl_op(ReduceOp op) { return backend::reduce_op(op, ncclSum, ncclMax, ncclMin); }
 
 class NcclCommunicator final : public Communicator {
  public:
@@ -169,10 +150,7 @@ class NcclCommunicator final : public Communicator {
                   std::span<const int64_t> recv_counts) override {
     check(in, "all_to_all");
     check(out, "all_to_all");
-    GLMTUNE_ASSERT(in.dtype() == out.dtype() && int(send_counts.size()) == size_ &&
-                       int(recv_counts.size()) == size_,
-                   "all_to_all on group '{}': {} counts for {} ranks", name_, send_counts.size(),
-                   size_);
+    backend::check_all_to_all(in, send_counts, out, recv_counts, name_, size_);
     const size_t es = in.element_size();
     const auto* src = static_cast<const char*>(in.data_ptr());
     auto* dst = static_cast<char*>(out.data_ptr());
@@ -222,9 +200,7 @@ class NcclCommunicator final : public Communicator {
   void enqueue_reduce_scatter(const Tensor& in, Tensor& out, ReduceOp op) {
     check(in, "reduce_scatter");
     check(out, "reduce_scatter");
-    GLMTUNE_ASSERT(in.dtype() == out.dtype() && in.numel() == out.numel() * size_,
-                   "reduce_scatter on group '{}': {} into {} over {} ranks", name_, in.str(),
-                   out.str(), size_);
+    backend::check_reduce_scatter(in, out, name_, size_);
     begin();
     check_nccl(ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()),
                                  reduce_type(in.dtype(), name_), nccl_op(op), comm_, stream_),
@@ -234,9 +210,7 @@ class NcclCommunicator final : public Communicator {
   void enqueue_all_gather(const Tensor& in, Tensor& out) {
     check(in, "all_gather");
     check(out, "all_gather");
-    GLMTUNE_ASSERT(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
-                   "all_gather on group '{}': {} into {} over {} ranks", name_, in.str(), out.str(),
-                   size_);
+    backend::check_all_gather(in, out, name_, size_);
     begin();
     check_nccl(ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()),
                              move_type(in.dtype()), comm_, stream_),
@@ -291,10 +265,7 @@ class NcclCommunicator final : public Communicator {
     timed_ = std::move(open);
   }
 
-  Clock::time_point deadline() const {
-    return Clock::now() +
-           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
-  }
+  Clock::time_point deadline() const { return backend::deadline_after(timeout_s_); }
 
   [[noreturn]] void timed_out(const char* op) {
     ncclCommAbort(comm_);
@@ -307,10 +278,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   static void pause(int64_t polls) {
-    if (polls < 1000)
-      sched_yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    backend::pause_between_polls(polls, std::chrono::microseconds(100));
   }
 
   void wait_comm(const char* op) {

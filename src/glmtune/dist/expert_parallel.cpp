@@ -279,12 +279,7 @@ void check_inputs(int64_t n_experts, int64_t per_rank, int64_t first, const ops:
       "experts gate_up_proj / down_proj must hold this rank's {} experts ({} onwards, "
       "expert_shards.h) in {}",
       per_rank, first, x.str());
-  GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
-                     routing.indices.dim() == 2 && routing.indices.size(0) == x.size(0) &&
-                     routing.weights.defined() &&
-                     routing.weights.shape() == routing.indices.shape() &&
-                     routing.weights.dtype() == x.dtype(),
-                 "routing does not match input {}", x.str());
+  ops::cpu_detail::check_experts_routing(routing, x);
 }
 
 }  // namespace

@@ -46,6 +46,24 @@ GLMTUNE_HD double load(const void* p, DType t) {
   return 0.0;
 }
 
+// Writes a float to a narrow float target (bf16, f16, fp8), rounding to nearest even; returns
+// false for any other dtype. Both store paths below round through here.
+GLMTUNE_HD bool store_narrow(void* p, DType t, float v) {
+  switch (t) {
+    case DType::bf16:
+      *static_cast<uint16_t*>(p) = f32_to_bf16(v);
+      return true;
+    case DType::f16:
+      *static_cast<uint16_t*>(p) = f32_to_f16(v);
+      return true;
+    case DType::fp8e4m3:
+      *static_cast<uint8_t*>(p) = f32_to_fp8e4m3(v);
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Integer targets truncate toward zero (as a C cast does); bool is value != 0.
 GLMTUNE_HD void store(void* p, DType t, double v) {
   switch (t) {
@@ -56,13 +74,9 @@ GLMTUNE_HD void store(void* p, DType t, double v) {
       *static_cast<double*>(p) = v;
       return;
     case DType::bf16:
-      *static_cast<uint16_t*>(p) = f32_to_bf16(double_to_float_round_odd(v));
-      return;
     case DType::f16:
-      *static_cast<uint16_t*>(p) = f32_to_f16(double_to_float_round_odd(v));
-      return;
     case DType::fp8e4m3:
-      *static_cast<uint8_t*>(p) = f32_to_fp8e4m3(double_to_float_round_odd(v));
+      store_narrow(p, t, double_to_float_round_odd(v));
       return;
     case DType::i32:
       *static_cast<int32_t*>(p) = int32_t(v);
@@ -80,23 +94,12 @@ GLMTUNE_HD void store(void* p, DType t, double v) {
 // holds every bf16/f16/fp8 value exactly).
 GLMTUNE_HD void convert_element(const void* src, DType st, void* dst, DType dt) {
   if (st == DType::f32 || st == DType::bf16 || st == DType::f16 || st == DType::fp8e4m3) {
-    float v = float(load(src, st));
-    switch (dt) {
-      case DType::f32:
-        *static_cast<float*>(dst) = v;
-        return;
-      case DType::bf16:
-        *static_cast<uint16_t*>(dst) = f32_to_bf16(v);
-        return;
-      case DType::f16:
-        *static_cast<uint16_t*>(dst) = f32_to_f16(v);
-        return;
-      case DType::fp8e4m3:
-        *static_cast<uint8_t*>(dst) = f32_to_fp8e4m3(v);
-        return;
-      default:
-        break;
+    const float v = float(load(src, st));
+    if (dt == DType::f32) {
+      *static_cast<float*>(dst) = v;
+      return;
     }
+    if (store_narrow(dst, dt, v)) return;
   }
   if (st == DType::i64 && dt == DType::i64) {
     *static_cast<int64_t*>(dst) = *static_cast<const int64_t*>(src);

@@ -5,8 +5,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <optional>
 #include <string_view>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define GLMTUNE_HD __host__ __device__ __forceinline__
@@ -121,39 +123,31 @@ struct fp8e4m3_t {
   uint8_t bits;
 };
 
+// The storage type of each DType, in the enum's order: dtype_of<T> is T's position here, so the
+// mapping has one home and cannot drift from the enum (the static_asserts below pin it).
+template <typename... Ts>
+struct StorageTypes {
+  template <typename T>
+  static constexpr size_t index_of() {
+    size_t i = 0;
+    // Counts the types before the first match; sizeof...(Ts) when none matches.
+    (void)((std::is_same_v<T, Ts> || (++i, false)) || ...);
+    return i;
+  }
+};
+using DTypeStorage = StorageTypes<float, double, bf16_t, f16_t, fp8e4m3_t, int32_t, int64_t, bool>;
+
 template <typename T>
-struct dtype_of;
-template <>
-struct dtype_of<float> {
-  static constexpr DType value = DType::f32;
+struct dtype_of {
+  static constexpr size_t index = DTypeStorage::index_of<T>();
+  static_assert(index < std::size(kAllDTypes), "no DType stores this C++ type");
+  static constexpr DType value = kAllDTypes[index];
 };
-template <>
-struct dtype_of<double> {
-  static constexpr DType value = DType::f64;
-};
-template <>
-struct dtype_of<bf16_t> {
-  static constexpr DType value = DType::bf16;
-};
-template <>
-struct dtype_of<f16_t> {
-  static constexpr DType value = DType::f16;
-};
-template <>
-struct dtype_of<fp8e4m3_t> {
-  static constexpr DType value = DType::fp8e4m3;
-};
-template <>
-struct dtype_of<int32_t> {
-  static constexpr DType value = DType::i32;
-};
-template <>
-struct dtype_of<int64_t> {
-  static constexpr DType value = DType::i64;
-};
-template <>
-struct dtype_of<bool> {
-  static constexpr DType value = DType::boolean;
-};
+
+static_assert(dtype_of<float>::value == DType::f32 && dtype_of<double>::value == DType::f64 &&
+              dtype_of<bf16_t>::value == DType::bf16 && dtype_of<f16_t>::value == DType::f16 &&
+              dtype_of<fp8e4m3_t>::value == DType::fp8e4m3 &&
+              dtype_of<int32_t>::value == DType::i32 && dtype_of<int64_t>::value == DType::i64 &&
+              dtype_of<bool>::value == DType::boolean);
 
 }  // namespace glmtune

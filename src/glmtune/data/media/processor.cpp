@@ -50,19 +50,20 @@ ProcessorConfig ProcessorConfig::from_json_section(std::string_view text, const 
   if (!section->is_object())
     throw Error(fmt::format("expected a JSON object with the {} settings", key), source);
   ProcessorConfig config = defaults;
-  auto get_int = [&](const char* key, int64_t& out) {
+  // An absent key keeps the default; a present one must be of the kind `fits` accepts, which
+  // `expected` names in the error.
+  auto get = [&]<typename T>(const char* key, T& out, const char* expected, auto fits) {
     if (!section->contains(key)) return;
     const auto& v = (*section)[key];
-    if (!v.is_number_integer())
-      throw Error(fmt::format("`{}` must be an integer, got {}", key, v.dump()), source);
-    out = v.get<int64_t>();
+    if (!fits(v))
+      throw Error(fmt::format("`{}` must be {}, got {}", key, expected, v.dump()), source);
+    out = v.template get<T>();
+  };
+  auto get_int = [&](const char* key, int64_t& out) {
+    get(key, out, "an integer", [](const nlohmann::json& v) { return v.is_number_integer(); });
   };
   auto get_bool = [&](const char* key, bool& out) {
-    if (!section->contains(key)) return;
-    const auto& v = (*section)[key];
-    if (!v.is_boolean())
-      throw Error(fmt::format("`{}` must be true or false, got {}", key, v.dump()), source);
-    out = v.get<bool>();
+    get(key, out, "true or false", [](const nlohmann::json& v) { return v.is_boolean(); });
   };
   auto get_triple = [&](const char* key, std::array<double, 3>& out) {
     if (!section->contains(key)) return;

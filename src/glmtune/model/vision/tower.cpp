@@ -78,22 +78,45 @@ Rope<T> rope_tables(const Tensor& positions, int64_t hd, double theta) {
   return rope;
 }
 
-// x [N, H, hd] in place: x'[m] = x[m]·cos − x[m+hd/2]·sin, x'[m+hd/2] = x[m+hd/2]·cos + x[m]·sin.
-template <typename T>
-void apply_rope(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
+// Visits every rotated pair of x [N, H, hd] in place: rotate(lo, hi, cos, sin) with lo = x[m],
+// hi = x[m+hd/2] and cos/sin pointing at the row's tables at m (their m+hd/2 entry is [half]).
+// The forward rotation and its transpose differ only in `rotate`.
+template <typename T, typename Rotate>
+void for_each_rope_pair(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope,
+                        Rotate rotate) {
   const int64_t half = hd / 2;
   for (int64_t r = 0; r < n; ++r) {
     const T* c = &rope.cos[size_t(r * hd)];
     const T* s = &rope.sin[size_t(r * hd)];
     for (int64_t h = 0; h < heads; ++h) {
       T* v = x + (r * heads + h) * hd;
-      for (int64_t m = 0; m < half; ++m) {
-        const T a = v[m], b = v[m + half];
-        v[m] = a * c[m] - b * s[m];
-        v[m + half] = b * c[m + half] + a * s[m + half];
-      }
+      for (int64_t m = 0; m < half; ++m) rotate(v[m], v[m + half], c + m, s + m, half);
     }
   }
+}
+
+// x [N, H, hd] in place: x'[m] = x[m]·cos − x[m+hd/2]·sin, x'[m+hd/2] = x[m+hd/2]·cos + x[m]·sin.
+template <typename T>
+void apply_rope(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
+  for_each_rope_pair(x, n, heads, hd, rope, [](T& lo, T& hi, const T* c, const T* s, int64_t half) {
+    const T a = lo, b = hi;
+    lo = a * c[0] - b * s[0];
+    hi = b * c[half] + a * s[half];
+  });
+}
+
+// In place: row = softmax(row), max-shifted, the normaliser summed in double. The backward
+// recomputes the forward's probabilities with this same arithmetic.
+template <typename T>
+void softmax_row(T* row, int64_t len) {
+  const T mx = *std::max_element(row, row + len);
+  double sum = 0.0;
+  for (int64_t j = 0; j < len; ++j) {
+    row[j] = std::exp(row[j] - mx);
+    sum += double(row[j]);
+  }
+  const T inv = T(1.0 / sum);
+  for (int64_t j = 0; j < len; ++j) row[j] *= inv;
 }
 
 // Full softmax attention of every segment with itself, per head, for the query rows
@@ -119,17 +142,7 @@ void segment_attention(const T* q, int64_t q_begin, int64_t q_rows, const T* k, 
         scores.resize(size_t(rows * len));
         ops::gemm<T>(false, true, rows, len, hd, T(scale), q + local, d, kh, d, T(0), scores.data(),
                      len);
-        for (int64_t i = 0; i < rows; ++i) {
-          T* row = &scores[size_t(i * len)];
-          const T mx = *std::max_element(row, row + len);
-          double sum = 0.0;
-          for (int64_t j = 0; j < len; ++j) {
-            row[j] = std::exp(row[j] - mx);
-            sum += double(row[j]);
-          }
-          const T inv = T(1.0 / sum);
-          for (int64_t j = 0; j < len; ++j) row[j] *= inv;
-        }
+        for (int64_t i = 0; i < rows; ++i) softmax_row(&scores[size_t(i * len)], len);
         ops::gemm<T>(false, false, rows, hd, len, T(1), scores.data(), len, vh, v_stride, T(0),
                      out + local, d);
       }
@@ -289,19 +302,12 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
 // da = d'[m]·cos + d'[m+hd/2]·sin and db = d'[m+hd/2]·cos − d'[m]·sin.
 template <typename T>
 void apply_rope_backward(T* dx, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
-  const int64_t half = hd / 2;
-  for (int64_t r = 0; r < n; ++r) {
-    const T* c = &rope.cos[size_t(r * hd)];
-    const T* s = &rope.sin[size_t(r * hd)];
-    for (int64_t h = 0; h < heads; ++h) {
-      T* v = dx + (r * heads + h) * hd;
-      for (int64_t m = 0; m < half; ++m) {
-        const T da = v[m], db = v[m + half];
-        v[m] = da * c[m] + db * s[m + half];
-        v[m + half] = db * c[m + half] - da * s[m];
-      }
-    }
-  }
+  for_each_rope_pair(dx, n, heads, hd, rope,
+                     [](T& lo, T& hi, const T* c, const T* s, int64_t half) {
+                       const T da = lo, db = hi;
+                       lo = da * c[0] + db * s[half];
+                       hi = db * c[half] - da * s[0];
+                     });
 }
 
 // Backward of segment_attention (same query rows and layouts). The probabilities of a query block
@@ -345,14 +351,7 @@ void segment_attention_backward(const T* q, int64_t q_begin, int64_t q_rows, con
         ops::gemm<T>(false, true, rows, len, hd, T(scale), qb, d, kh, d, T(0), probs.data(), len);
         for (int64_t i = 0; i < rows; ++i) {
           T* row = &probs[size_t(i * len)];
-          const T mx = *std::max_element(row, row + len);
-          double sum = 0.0;
-          for (int64_t j = 0; j < len; ++j) {
-            row[j] = std::exp(row[j] - mx);
-            sum += double(row[j]);
-          }
-          const T inv = T(1.0 / sum);
-          for (int64_t j = 0; j < len; ++j) row[j] *= inv;
+          softmax_row(row, len);
           const T* o_row = ob + i * d;
           const T* do_row = dob + i * d;
           for (int64_t e = 0; e < hd; ++e) delta[size_t(i)] += double(o_row[e]) * double(do_row[e]);

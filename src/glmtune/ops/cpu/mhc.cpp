@@ -31,22 +31,8 @@ template <typename T>
 void sinkhorn_token(T* c, int64_t h, int64_t iters, T eps, T* init) {
   sinkhorn_start(c, h, eps, c);
   if (init) std::copy(c, c + h * h, init);
-  auto column_step = [&] {
-    for (int64_t j = 0; j < h; ++j) {
-      T s = 0;
-      for (int64_t i = 0; i < h; ++i) s += c[i * h + j];
-      const T d = s + eps;
-      for (int64_t i = 0; i < h; ++i) c[i * h + j] /= d;
-    }
-  };
-  auto row_step = [&] {
-    for (int64_t i = 0; i < h; ++i) {
-      T s = 0;
-      for (int64_t j = 0; j < h; ++j) s += c[i * h + j];
-      const T d = s + eps;
-      for (int64_t j = 0; j < h; ++j) c[i * h + j] /= d;
-    }
-  };
+  auto column_step = [&] { sinkhorn_step(c, c, h, eps, /*column=*/true); };
+  auto row_step = [&] { sinkhorn_step(c, c, h, eps, /*column=*/false); };
   // The reference's order: one column step, then (iters − 1) × (row, column); it ends on a
   // column step, so columns sum to ≈ 1 and rows only approximately.
   column_step();
@@ -268,26 +254,7 @@ Tensor mhc_expand(const Tensor& x, int64_t hc_mult) {
 
 Tensor mhc_head(const Tensor& streams) {
   GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_head(streams));
-  check_float(streams, "streams", "mhc_head");
-  GLMTUNE_ASSERT(streams.dim() >= 2, "mhc_head: streams {} must be [..., H, D]", streams.str());
-  const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);
-  Tensor xs = streams.contiguous();
-  Tensor out = Tensor::empty(leading_shape(streams, 2, {d}), streams.dtype());
-  auto run = [&](auto* x, auto* o) {
-    using T = std::remove_pointer_t<decltype(o)>;
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t k = 0; k < d; ++k) {
-        T s = 0;
-        for (int64_t i = 0; i < h; ++i) s += x[(t * h + i) * d + k];
-        // torch's mean: the sum, then one division by the count.
-        o[t * d + k] = s / T(h);
-      }
-  };
-  if (streams.dtype() == DType::f32)
-    run(xs.data<float>(), out.data<float>());
-  else
-    run(xs.data<double>(), out.data<double>());
-  return out;
+  return sum_streams(streams, /*mean=*/true, "streams", "mhc_head");
 }
 
 }  // namespace glmtune::ops

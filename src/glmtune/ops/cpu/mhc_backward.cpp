@@ -42,19 +42,8 @@ void sinkhorn_backward_token(const T* start, const T* logits, int64_t h, int64_t
   // performs exactly these divisions in this order, so the replayed states equal its states.
   std::copy(start, start + hh, states.begin());
   auto is_column = [](int64_t s) { return s % 2 == 0; };
-  auto apply = [&](const T* in, T* out, bool column) {
-    for (int64_t a = 0; a < h; ++a) {
-      T s = 0;
-      for (int64_t b = 0; b < h; ++b) s += column ? in[b * h + a] : in[a * h + b];
-      const T d = s + eps;
-      for (int64_t b = 0; b < h; ++b) {
-        const int64_t idx = column ? b * h + a : a * h + b;
-        out[idx] = in[idx] / d;
-      }
-    }
-  };
   for (int64_t s = 0; s + 1 < steps; ++s)
-    apply(&states[size_t(s * hh)], &states[size_t((s + 1) * hh)], is_column(s));
+    sinkhorn_step(&states[size_t(s * hh)], &states[size_t((s + 1) * hh)], h, eps, is_column(s));
   for (int64_t s = steps - 1; s >= 0; --s) {
     const T* in = &states[size_t(s * hh)];
     const bool column = is_column(s);
@@ -387,26 +376,7 @@ MhcPostGrads mhc_post_backward(const Tensor& streams, const Tensor& y, const Ten
 
 Tensor mhc_expand_backward(const Tensor& d_streams) {
   GLMTUNE_DISPATCH_CUDA(d_streams, cuda_path::mhc_expand_backward(d_streams));
-  const char* op = "mhc_expand_backward";
-  check_float(d_streams, "d_streams", op);
-  GLMTUNE_ASSERT(d_streams.dim() >= 2, "{}: d_streams {} must be [..., H, D]", op, d_streams.str());
-  const int64_t h = d_streams.size(-2), d = d_streams.size(-1), n = leading(d_streams, 2);
-  Tensor gs = d_streams.contiguous();
-  Tensor out = Tensor::empty(leading_shape(d_streams, 2, {d}), d_streams.dtype());
-  auto run = [&](auto* g, auto* o) {
-    using T = std::remove_pointer_t<decltype(o)>;
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t k = 0; k < d; ++k) {
-        T acc = 0;
-        for (int64_t i = 0; i < h; ++i) acc += g[(t * h + i) * d + k];
-        o[t * d + k] = acc;
-      }
-  };
-  if (d_streams.dtype() == DType::f32)
-    run(gs.data<float>(), out.data<float>());
-  else
-    run(gs.data<double>(), out.data<double>());
-  return out;
+  return sum_streams(d_streams, /*mean=*/false, "d_streams", "mhc_expand_backward");
 }
 
 Tensor mhc_head_backward(const Tensor& d_out, int64_t hc_mult) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "glmtune/ops/cpu/common.h"
 
@@ -40,6 +41,45 @@ void sinkhorn_start(const T* logits, int64_t h, T eps, T* out) {
     }
     for (int64_t j = 0; j < h; ++j) out[i * h + j] = out[i * h + j] / sum + eps;
   }
+}
+
+// One Sinkhorn step on an H×H matrix: every column (or row) of `in` divided by its sum + eps,
+// written to `out` (which may be `in`). The forward and the backward's replay run this one loop,
+// so the replayed states equal the forward's bit for bit.
+template <typename T>
+void sinkhorn_step(const T* in, T* out, int64_t h, T eps, bool column) {
+  // Line a's element b sits at a·line + b·step.
+  const int64_t line = column ? 1 : h, step = column ? h : 1;
+  for (int64_t a = 0; a < h; ++a) {
+    T s = 0;
+    for (int64_t b = 0; b < h; ++b) s += in[a * line + b * step];
+    const T d = s + eps;
+    for (int64_t b = 0; b < h; ++b) out[a * line + b * step] = in[a * line + b * step] / d;
+  }
+}
+
+// [..., H, D] summed over the streams H (in stream order) into [..., D]; with `mean`, the sum is
+// then divided once by H, as torch's mean. mhc_head is that mean, mhc_expand's backward the sum.
+inline Tensor sum_streams(const Tensor& streams, bool mean, const char* what, const char* op) {
+  check_float(streams, what, op);
+  GLMTUNE_ASSERT(streams.dim() >= 2, "{}: {} {} must be [..., H, D]", op, what, streams.str());
+  const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);
+  Tensor xs = streams.contiguous();
+  Tensor out = Tensor::empty(leading_shape(streams, 2, {d}), streams.dtype());
+  auto run = [&](auto* x, auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t k = 0; k < d; ++k) {
+        T s = 0;
+        for (int64_t i = 0; i < h; ++i) s += x[(t * h + i) * d + k];
+        o[t * d + k] = mean ? s / T(h) : s;
+      }
+  };
+  if (streams.dtype() == DType::f32)
+    run(xs.data<float>(), out.data<float>());
+  else
+    run(xs.data<double>(), out.data<double>());
+  return out;
 }
 
 }  // namespace glmtune::ops::cpu_detail

@@ -26,31 +26,12 @@ struct AttentionPlan {
 AttentionPlan plan_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& indices, const Tensor& cu_seqlens) {
   check_attention_qkv(q, k, v);
-  GLMTUNE_ASSERT(indices.defined() && indices.dtype() == DType::i32 && indices.dim() == 2 &&
-                     indices.size(0) == q.size(0) && indices.device().is_cpu(),
-                 "attention indices must be int32 [T, W] for q {}, got {}", q.str(),
-                 describe(indices));
   AttentionPlan plan;
-  plan.bounds = read_cu_seqlens(cu_seqlens, q.size(0), "mla attention");
+  plan.bounds = checked_document_bounds(indices, cu_seqlens, q.size(0), "mla attention");
   plan.doc_of.resize(size_t(q.size(0)));
   for (size_t d = 0; d + 1 < plan.bounds.size(); ++d)
     for (int64_t i = plan.bounds[d]; i < plan.bounds[d + 1]; ++i)
       plan.doc_of[size_t(i)] = int64_t(d);
-  const Tensor idx_t = indices.contiguous();
-  const int32_t* idx = idx_t.data<int32_t>();
-  const int64_t width = indices.size(1);
-  for (int64_t i = 0; i < q.size(0); ++i) {
-    const int64_t doc = plan.doc_of[size_t(i)];
-    const int64_t lo = plan.bounds[size_t(doc)], hi = plan.bounds[size_t(doc) + 1];
-    for (int64_t w = 0; w < width; ++w) {
-      const int64_t j = idx[i * width + w];
-      // −1 is "no key"; anything else outside the query's document is a caller bug (indices from
-      // another pack, or document-local ones), never something to skip silently.
-      GLMTUNE_ASSERT(j == -1 || (j >= lo && j < hi),
-                     "attention index {} of token {} lies outside its document [{}, {})", j, i, lo,
-                     hi);
-    }
-  }
   return plan;
 }
 

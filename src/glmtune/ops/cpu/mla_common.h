@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/indexer.h"
@@ -49,6 +50,33 @@ T softmax_numerators(const T* qh, const T* k, const int64_t* keys, size_t n, int
     sum += prob[j];
   }
   return sum;
+}
+
+// The per-query attention indices int32 [T, W] against the packing: returns the document bounds
+// after checking, outside any parallel region (an exception must not escape an OpenMP loop), that
+// every entry lies in its query's document. −1 is "no key"; anything else outside the document is
+// a caller bug (indices from another pack, or document-local ones), never something to skip
+// silently. The forward and the backward accept exactly the same indices.
+inline std::vector<int64_t> checked_document_bounds(const Tensor& indices, const Tensor& cu_seqlens,
+                                                    int64_t tokens, const char* where) {
+  GLMTUNE_ASSERT(indices.defined() && indices.dtype() == DType::i32 && indices.dim() == 2 &&
+                     indices.size(0) == tokens && indices.device().is_cpu(),
+                 "attention indices must be int32 [{}, W], got {}", tokens, describe(indices));
+  std::vector<int64_t> bounds = read_cu_seqlens(cu_seqlens, tokens, where);
+  const Tensor idx_t = indices.contiguous();
+  const int32_t* idx = idx_t.data<int32_t>();
+  const int64_t width = indices.size(1);
+  for (size_t d = 0; d + 1 < bounds.size(); ++d) {
+    const int64_t lo = bounds[d], hi = bounds[d + 1];
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t w = 0; w < width; ++w) {
+        const int64_t j = idx[i * width + w];
+        GLMTUNE_ASSERT(j == -1 || (j >= lo && j < hi),
+                       "attention index {} of token {} lies outside its document [{}, {})", j, i,
+                       lo, hi);
+      }
+  }
+  return bounds;
 }
 
 }  // namespace glmtune::ops::cpu_detail

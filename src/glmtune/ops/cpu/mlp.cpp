@@ -13,13 +13,8 @@ namespace {
 
 template <typename T>
 void swiglu_kernel(const RowView& g, const RowView& u, T limit, T* out) {
-  const T* gp = g.t.data<T>();
-  const T* up = u.t.data<T>();
   const int64_t cols = g.cols;
-#pragma omp parallel for schedule(static) if (g.rows * cols > 65536)
-  for (int64_t r = 0; r < g.rows; ++r) {
-    const T* gr = gp + r * g.row_stride;
-    const T* ur = up + r * u.row_stride;
+  for_each_gate_up_row<T>(g, u, [&](int64_t r, const T* gr, const T* ur) {
     T* o = out + r * cols;
     for (int64_t c = 0; c < cols; ++c) {
       // The reference clamps the gate from above only: a very negative gate already drives silu
@@ -28,7 +23,7 @@ void swiglu_kernel(const RowView& g, const RowView& u, T limit, T* out) {
       const T b = std::clamp(ur[c], -limit, limit);
       o[c] = a / (T(1) + std::exp(-a)) * b;
     }
-  }
+  });
 }
 
 }  // namespace

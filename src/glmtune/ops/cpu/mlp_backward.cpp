@@ -29,13 +29,8 @@ int64_t output_rows(Tensor& out, const Tensor& like, const char* name) {
 template <typename T>
 void swiglu_backward_kernel(const RowView& g, const RowView& u, const T* dout, T limit, T* dg,
                             int64_t dg_stride, T* du, int64_t du_stride) {
-  const T* gp = g.t.data<T>();
-  const T* up = u.t.data<T>();
   const int64_t cols = g.cols;
-#pragma omp parallel for schedule(static) if (g.rows * cols > 65536)
-  for (int64_t r = 0; r < g.rows; ++r) {
-    const T* gr = gp + r * g.row_stride;
-    const T* ur = up + r * u.row_stride;
+  for_each_gate_up_row<T>(g, u, [&](int64_t r, const T* gr, const T* ur) {
     const T* dr = dout + r * cols;
     for (int64_t c = 0; c < cols; ++c) {
       // torch's clamp with scalar bounds lets the gradient through only strictly inside the
@@ -49,7 +44,7 @@ void swiglu_backward_kernel(const RowView& g, const RowView& u, const T* dout, T
       dg[r * dg_stride + c] = gate_free ? dr[c] * b * s * (T(1) + a * (T(1) - s)) : T(0);
       du[r * du_stride + c] = up_free ? dr[c] * silu : T(0);
     }
-  }
+  });
 }
 
 }  // namespace

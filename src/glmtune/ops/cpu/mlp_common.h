@@ -30,4 +30,14 @@ inline RowView row_view(const Tensor& x) {
   return r;
 }
 
+// Calls body(r, gate_row, up_row) for every row of a gate/up pair, on threads once the work pays
+// off; the forward and the backward walk the rows alike.
+template <typename T, typename Body>
+void for_each_gate_up_row(const RowView& g, const RowView& u, Body body) {
+  const T* gp = g.t.data<T>();
+  const T* up = u.t.data<T>();
+#pragma omp parallel for schedule(static) if (g.rows * g.cols > 65536)
+  for (int64_t r = 0; r < g.rows; ++r) body(r, gp + r * g.row_stride, up + r * u.row_stride);
+}
+
 }  // namespace glmtune::ops::cpu_detail

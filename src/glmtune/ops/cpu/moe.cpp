@@ -191,12 +191,7 @@ Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tenso
   GLMTUNE_ASSERT(gate_up_proj.dtype() == x.dtype() && down_proj.dtype() == x.dtype(),
                  "experts weights {} / {} must share the input dtype {}", gate_up_proj.str(),
                  down_proj.str(), x.str());
-  GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
-                     routing.indices.dim() == 2 && routing.indices.size(0) == x.size(0) &&
-                     routing.weights.defined() &&
-                     routing.weights.shape() == routing.indices.shape() &&
-                     routing.weights.dtype() == x.dtype(),
-                 "routing does not match input {}", x.str());
+  check_experts_routing(routing, x);
   if (x.dtype() == DType::f32)
     return experts_kernel<float>(cfg, gate_up_proj, down_proj, x, routing);
   return experts_kernel<double>(cfg, gate_up_proj, down_proj, x, routing);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/moe.h"
 
 namespace glmtune::ops::cpu_detail {
 
@@ -31,6 +32,17 @@ inline ExpertBuckets bucket_by_expert(const int32_t* idx, int64_t n_slots, int64
   std::vector<int64_t> fill(b.start.begin(), b.start.end() - 1);
   for (int64_t i = 0; i < n_slots; ++i) b.slot[size_t(fill[size_t(idx[i])]++)] = i;
   return b;
+}
+
+// The routing of the expert MLPs over x [T, D]: int32 [T, K] indices and weights of that shape
+// in x's dtype. The local and the expert-parallel experts accept the same routings.
+inline void check_experts_routing(const Routing& routing, const Tensor& x) {
+  GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
+                     routing.indices.dim() == 2 && routing.indices.size(0) == x.size(0) &&
+                     routing.weights.defined() &&
+                     routing.weights.shape() == routing.indices.shape() &&
+                     routing.weights.dtype() == x.dtype(),
+                 "routing does not match input {}", x.str());
 }
 
 }  // namespace glmtune::ops::cpu_detail

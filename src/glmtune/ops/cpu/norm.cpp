@@ -47,13 +47,8 @@ void rms_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& gate,
   T* y = out.data<T>();
   T* rs = rstd_out.defined() ? rstd_out.data<T>() : nullptr;
   const int64_t n = r.n;
-#pragma omp parallel for schedule(static) if (r.rows * n > 65536)
-  for (int64_t i = 0; i < r.rows; ++i) {
-    const T* xi = x + i * n;
-    double ss = 0;
-    for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
-    // The reference takes rsqrt of (mean + eps) in the compute dtype and multiplies x by it.
-    const T rstd = T(1) / std::sqrt(T(ss / double(n)) + T(eps));
+  for_each_norm_row(x, r.rows, n, [&](int64_t i, const T* xi) {
+    const T rstd = rms_rstd(xi, n, eps);
     if (rs) rs[i] = rstd;
     T* yi = y + i * n;
     for (int64_t j = 0; j < n; ++j) {
@@ -65,7 +60,7 @@ void rms_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& gate,
       }
       yi[j] = v;
     }
-  }
+  });
 }
 
 template <typename T>
@@ -78,9 +73,7 @@ void layer_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& bias, 
   T* ms = mean_out.defined() ? mean_out.data<T>() : nullptr;
   T* rs = rstd_out.defined() ? rstd_out.data<T>() : nullptr;
   const int64_t n = r.n;
-#pragma omp parallel for schedule(static) if (r.rows * n > 65536)
-  for (int64_t i = 0; i < r.rows; ++i) {
-    const T* xi = x + i * n;
+  for_each_norm_row(x, r.rows, n, [&](int64_t i, const T* xi) {
     T mean, rstd;
     layer_norm_row_stats(xi, n, eps, mean, rstd);
     if (ms) ms[i] = mean;
@@ -92,7 +85,7 @@ void layer_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& bias, 
       if (b) v = v + b[j];
       yi[j] = v;
     }
-  }
+  });
 }
 
 template <typename T>
@@ -101,17 +94,12 @@ void l2_norm_kernel(const Rows& r, double eps, Tensor& out, Tensor& norm_out) {
   T* y = out.data<T>();
   T* ns = norm_out.defined() ? norm_out.data<T>() : nullptr;
   const int64_t n = r.n;
-#pragma omp parallel for schedule(static) if (r.rows * n > 65536)
-  for (int64_t i = 0; i < r.rows; ++i) {
-    const T* xi = x + i * n;
-    double ss = 0;
-    for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
-    // eps inside the sqrt and a true division, as the reference (and FLA) do; not F.normalize's
-    // max(‖x‖, eps).
-    const T norm = std::sqrt(T(ss) + T(eps));
+  for_each_norm_row(x, r.rows, n, [&](int64_t i, const T* xi) {
+    const T norm = l2_row_norm(xi, n, eps);
+    // A true division by the norm, as the reference.
     if (ns) ns[i] = norm;
     for (int64_t j = 0; j < n; ++j) y[i * n + j] = xi[j] / norm;
-  }
+  });
 }
 
 }  // namespace

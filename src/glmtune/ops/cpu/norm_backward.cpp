@@ -52,22 +52,12 @@ Tensor& grad_slot(Tensor* slot, int64_t n, DType dtype, const char* what, const 
   return *slot;
 }
 
-// 1/sqrt(mean(x²) + eps), written as in rms_norm_kernel so a recomputed value equals the saved.
-template <typename T>
-T rms_rstd(const T* xi, int64_t n, double eps) {
-  double ss = 0;
-  for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
-  return T(1) / std::sqrt(T(ss / double(n)) + T(eps));
-}
-
 // Shared by the plain and the gated RMSNorm. `z` null: plain. `dz` receives the gate gradient.
 template <typename T>
 void rms_backward_kernel(const T* dy, const T* x, const T* w, const T* z, GateActivation act,
                          const T* rstd_in, double eps, int64_t rows, int64_t n, T* dx, T* dz,
                          T* dw) {
-#pragma omp parallel for schedule(static) if (rows * n > 65536)
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* xi = x + i * n;
+  for_each_norm_row(x, rows, n, [&](int64_t i, const T* xi) {
     const T* gi = dy + i * n;
     const T r = rstd_in ? rstd_in[i] : rms_rstd(xi, n, eps);
     // u = upstream gradient of the normalised value x·r: dy ⊙ w ⊙ act(z).
@@ -96,7 +86,7 @@ void rms_backward_kernel(const T* dy, const T* x, const T* w, const T* z, GateAc
       }
       dx[i * n + j] = r * u - c * xi[j];
     }
-  }
+  });
   if (!dw) return;
   // dw: column sums over rows, in row order, in double.
   std::vector<double> acc(size_t(n), 0.0);
@@ -131,9 +121,7 @@ void layer_norm_backward_kernel(const T* dy, const T* x, const T* w, const T* me
     mean = mean_in ? mean_in[i] : fresh_mean;
     rstd = rstd_in ? rstd_in[i] : fresh_rstd;
   };
-#pragma omp parallel for schedule(static) if (rows * n > 65536)
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* xi = x + i * n;
+  for_each_norm_row(x, rows, n, [&](int64_t i, const T* xi) {
     const T* gi = dy + i * n;
     T mean, rstd;
     stats(i, mean, rstd);
@@ -149,7 +137,7 @@ void layer_norm_backward_kernel(const T* dy, const T* x, const T* w, const T* me
       const T xhat = (xi[j] - mean) * rstd;
       dx[i * n + j] = rstd * (u - mu_u - xhat * mu_ux);
     }
-  }
+  });
   if (!dw && !db) return;
   std::vector<double> aw(size_t(n), 0.0), ab(size_t(n), 0.0);
   for (int64_t i = 0; i < rows; ++i) {
@@ -170,24 +158,15 @@ void layer_norm_backward_kernel(const T* dy, const T* x, const T* w, const T* me
 template <typename T>
 void l2_backward_kernel(const T* dy, const T* x, const T* norm_in, double eps, int64_t rows,
                         int64_t n, T* dx) {
-#pragma omp parallel for schedule(static) if (rows * n > 65536)
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* xi = x + i * n;
+  for_each_norm_row(x, rows, n, [&](int64_t i, const T* xi) {
     const T* gi = dy + i * n;
-    T nu;
-    if (norm_in) {
-      nu = norm_in[i];
-    } else {
-      double ss = 0;
-      for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
-      nu = std::sqrt(T(ss) + T(eps));
-    }
+    const T nu = norm_in ? norm_in[i] : l2_row_norm(xi, n, eps);
     // y = x/ν is what the forward returned (same division), so ⟨y, dy⟩ uses the forward's values.
     double dot = 0;
     for (int64_t j = 0; j < n; ++j) dot += double(xi[j] / nu) * double(gi[j]);
     const T d = T(dot);
     for (int64_t j = 0; j < n; ++j) dx[i * n + j] = (gi[j] - (xi[j] / nu) * d) / nu;
-  }
+  });
 }
 
 }  // namespace

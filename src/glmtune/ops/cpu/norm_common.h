@@ -30,4 +30,35 @@ void layer_norm_row_stats(const T* xi, int64_t n, double eps, T& mean, T& rstd) 
   rstd = T(1) / std::sqrt(T(ss / double(n)) + T(eps));
 }
 
+// The row loop of the normalisation kernels: body(i, x_row) for each of `rows` rows of n values,
+// on threads once the work pays off (the rows are independent).
+template <typename T, typename Body>
+void for_each_norm_row(const T* x, int64_t rows, int64_t n, Body body) {
+#pragma omp parallel for schedule(static) if (rows * n > 65536)
+  for (int64_t i = 0; i < rows; ++i) body(i, x + i * n);
+}
+
+// Σ x² of one row, accumulated in double.
+template <typename T>
+double row_sum_squares(const T* xi, int64_t n) {
+  double ss = 0;
+  for (int64_t j = 0; j < n; ++j) ss += double(xi[j]) * double(xi[j]);
+  return ss;
+}
+
+// RMSNorm's 1/sqrt(mean(x²) + eps): the reference takes the rsqrt of (mean + eps) in the compute
+// dtype. The forward and the backward's recomputation share it, so a recomputed value equals the
+// saved one.
+template <typename T>
+T rms_rstd(const T* xi, int64_t n, double eps) {
+  return T(1) / std::sqrt(T(row_sum_squares(xi, n) / double(n)) + T(eps));
+}
+
+// l2_norm's sqrt(‖x‖² + eps): eps inside the sqrt, as the reference (and FLA) do; not
+// F.normalize's max(‖x‖, eps). Shared by the forward and the backward's recomputation.
+template <typename T>
+T l2_row_norm(const T* xi, int64_t n, double eps) {
+  return std::sqrt(T(row_sum_squares(xi, n)) + T(eps));
+}
+
 }  // namespace glmtune::ops::cpu_detail

@@ -189,4 +189,42 @@ __device__ __forceinline__ T block_sum(T v, T* scratch) {
   return total;
 }
 
+// A tensor's storage as T, for a launch whose wrapper has checked the dtype (data_ptr() throws
+// on an undefined tensor).
+template <typename T>
+const T* cptr(const Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+template <typename T>
+T* mptr(const Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// std::lower_bound in one thread: the first position in sorted[0, n) whose value is not below
+// `value` (n when none is). V is the caller's own index type, so its comparisons stay as they were.
+template <typename V>
+__device__ __forceinline__ int64_t lower_bound(const int32_t* sorted, int64_t n, V value) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (sorted[mid] < value)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// out[j] += Σ_b partial[b][j], blocks in order: the deterministic second stage of a per-block
+// column reduction. A template, so that only the files that launch it compile a kernel.
+template <typename T>
+__global__ void sum_blocks_kernel(const T* __restrict__ partial, int64_t blocks, int64_t n,
+                                  T* __restrict__ out) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j >= n) return;
+  T acc = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) acc += partial[b * n + j];
+  out[j] += acc;
+}
+
 }  // namespace glmtune::cuda::detail

@@ -13,6 +13,9 @@ namespace glmtune::cuda {
 namespace {
 
 using detail::bf16;
+using detail::cptr;
+using detail::mptr;
+using detail::sum_blocks_kernel;
 
 constexpr int kThreads = 256;
 constexpr int kMaxTaps = 8;
@@ -23,8 +26,8 @@ using detail::from_f;
 using detail::to_f;
 __device__ __forceinline__ float sigmoid_f(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// Start of the document holding token t (cu sorted, cu[0] = 0).
-__device__ __forceinline__ int64_t doc_start(const int* cu, int ndoc, int64_t t) {
+// The document holding token t (cu sorted, cu[0] = 0): its start is cu[doc], its end cu[doc + 1].
+__device__ __forceinline__ int doc_of(const int* cu, int ndoc, int64_t t) {
   int lo = 0, hi = ndoc;  // invariant: cu[lo] <= t < cu[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -33,18 +36,13 @@ __device__ __forceinline__ int64_t doc_start(const int* cu, int ndoc, int64_t t)
     else
       hi = mid;
   }
-  return cu[lo];
+  return lo;
+}
+__device__ __forceinline__ int64_t doc_start(const int* cu, int ndoc, int64_t t) {
+  return cu[doc_of(cu, ndoc, t)];
 }
 __device__ __forceinline__ int64_t doc_end(const int* cu, int ndoc, int64_t t) {
-  int lo = 0, hi = ndoc;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (cu[mid] <= t)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return cu[lo + 1];
+  return cu[doc_of(cu, ndoc, t) + 1];
 }
 
 // ---- conv -------------------------------------------------------------------------------------
@@ -118,16 +116,6 @@ __global__ void conv_bwd_kernel(const T* __restrict__ x, const T* __restrict__ w
   }
   for (int tau = 0; tau < kc; ++tau)
     dw_partial[(int64_t(blockIdx.y) * c + ch) * kc + tau] = dw[tau];
-}
-
-// out[j] += Σ_b partial[b][j], blocks in order.
-__global__ void sum_blocks_kernel(const float* __restrict__ partial, int64_t blocks, int64_t n,
-                                  float* __restrict__ out) {
-  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (j >= n) return;
-  float acc = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) acc += partial[b * n + j];
-  out[j] += acc;
 }
 
 // ---- gate and beta ----------------------------------------------------------------------------
@@ -243,6 +231,15 @@ __global__ void beta_bwd_kernel(const float* __restrict__ beta, const float* __r
 
 // ---- per-row norms: one warp per row ----------------------------------------------------------
 
+// Σ x² of one row, summed by its warp: lane-strided partial sums, then the butterfly, so every
+// lane holds the same total. The forward and backward kernels recompute it alike.
+template <typename T>
+__device__ __forceinline__ float warp_row_sum_squares(const T* __restrict__ xr, int n, int lane) {
+  float ss = 0.0f;
+  for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
+  return detail::warp_sum(ss);
+}
+
 template <typename T>
 __global__ void l2_fwd_kernel(const T* __restrict__ x, int64_t rows, int n, float eps,
                               T* __restrict__ y, float* __restrict__ norm) {
@@ -250,9 +247,7 @@ __global__ void l2_fwd_kernel(const T* __restrict__ x, int64_t rows, int n, floa
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
   const T* xr = x + row * n;
-  float ss = 0.0f;
-  for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
-  ss = detail::warp_sum(ss);
+  const float ss = warp_row_sum_squares(xr, n, lane);
   const float nu = sqrtf(ss + eps);
   if (norm && lane == 0) norm[row] = nu;
   for (int j = lane; j < n; j += 32) y[row * n + j] = from_f<T>(to_f(xr[j]) / nu);
@@ -304,9 +299,7 @@ __global__ void l2_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   if (row >= rows) return;
   const T* xr = x + row * n;
   const T* gr = dy + row * n;
-  float ss = 0.0f;
-  for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
-  const float nu = sqrtf(detail::warp_sum(ss) + eps);
+  const float nu = sqrtf(warp_row_sum_squares(xr, n, lane) + eps);
   float dot = 0.0f;
   for (int j = lane; j < n; j += 32) dot += (to_f(xr[j]) / nu) * to_f(gr[j]);
   dot = detail::warp_sum(dot);
@@ -346,9 +339,7 @@ __global__ void gated_fwd_kernel(const T* __restrict__ x, const float* __restric
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
   const T* xr = x + row * n;
-  float ss = 0.0f;
-  for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
-  ss = detail::warp_sum(ss);
+  const float ss = warp_row_sum_squares(xr, n, lane);
   const float r = 1.0f / sqrtf(ss / float(n) + eps);
   for (int j = lane; j < n; j += 32) {
     const float v = w[j] * (to_f(xr[j]) * r);
@@ -373,9 +364,7 @@ __global__ void __launch_bounds__(kThreads)
     const T* xr = x + row * n;
     const T* gr = dy + row * n;
     const T* zr = z + row * n;
-    float ss = 0.0f;
-    for (int j = lane; j < n; j += 32) ss += to_f(xr[j]) * to_f(xr[j]);
-    const float r = 1.0f / sqrtf(detail::warp_sum(ss) / float(n) + eps);
+    const float r = 1.0f / sqrtf(warp_row_sum_squares(xr, n, lane) / float(n) + eps);
     float dot = 0.0f;
 #pragma unroll
     for (int m = 0; m < kMaxRow / 32; ++m) {
@@ -442,6 +431,44 @@ void require_cu(const Tensor& cu, const Tensor& x, const char* op) {
                               " must be an int32 CUDA tensor [ndoc + 1]");
 }
 
+// The gate's operands, checked alike by the forward and the backward: graw [T, NL·HL] with
+// dt_bias [NL·HL] and A_log [NL].
+struct GateDims {
+  int64_t t, ql, nl, hl;
+};
+GateDims gate_dims(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log, const char* op) {
+  require_act(graw, "graw", op);
+  GLMTUNE_CUDA_OP_REQUIRE(
+      graw.dim() == 2 && A_log.defined() && A_log.numel() >= 1 && graw.size(1) % A_log.numel() == 0,
+      std::string(op) + ": graw must be [T, NL·HL]");
+  const int64_t t = graw.size(0), ql = graw.size(1), nl = A_log.numel();
+  require_vec(dt_bias, ql, graw, "dt_bias", op);
+  require_vec(A_log, nl, graw, "A_log", op);
+  return {t, ql, nl, ql / nl};
+}
+
+// The conv's operands, checked alike by the forward and the backward in this order: x [T, C],
+// dy like x (backward only), the depthwise weight [C, Kc] (contiguous, x's dtype, at most
+// kMaxTaps taps: the kernels keep them in registers) and cu_seqlens.
+struct ConvDims {
+  int kc, ndoc;
+};
+ConvDims conv_dims(const Tensor& x, const Tensor* dy, const Tensor& weight,
+                   const Tensor& cu_seqlens, const char* op) {
+  require_act(x, "x", op);
+  GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2, std::string(op) + ": x must be [T, C]");
+  if (dy) require_same(*dy, x, x.dtype(), "dy", op);
+  const int64_t c = x.size(1);
+  GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dtype() == x.dtype() &&
+                              weight.is_contiguous() && weight.device() == x.device() &&
+                              weight.size(0) == c && weight.numel() % c == 0 &&
+                              weight.numel() / c <= kMaxTaps,
+                          std::string(op) + ": weight " + detail::describe(weight) +
+                              " must be contiguous [C, Kc] in x's dtype, Kc <= 8");
+  require_cu(cu_seqlens, x, op);
+  return {int(weight.numel() / c), int(cu_seqlens.size(0) - 1)};
+}
+
 Tensor& grad_buffer(Tensor* slot, const Tensor& param, const char* what, const char* op) {
   if (!slot->defined()) *slot = Tensor::zeros(param.shape(), DType::f32, param.device());
   require_same(*slot, param, DType::f32, what, op);
@@ -451,15 +478,6 @@ Tensor& grad_buffer(Tensor* slot, const Tensor& param, const char* what, const c
 int grid_for(int64_t n) {
   const int64_t b = (n + kThreads - 1) / kThreads;
   return int(b < 8192 ? (b > 0 ? b : 1) : 8192);
-}
-
-template <typename T>
-const T* cptr(const Tensor& t) {
-  return reinterpret_cast<const T*>(t.data_ptr());
-}
-template <typename T>
-T* mptr(const Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 // Calls f(tag) with a value of the activation type of `t`.
@@ -499,17 +517,9 @@ bool with_row_lanes(int64_t n, std::initializer_list<const void*> ptrs, F&& f) {
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
                      cudaStream_t stream) {
   const char* op = "cuda::causal_conv1d";
-  require_act(x, "x", op);
-  GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2, std::string(op) + ": x must be [T, C]");
+  const ConvDims dims = conv_dims(x, nullptr, weight, cu_seqlens, op);
   const int64_t t = x.size(0), c = x.size(1);
-  GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dtype() == x.dtype() &&
-                              weight.is_contiguous() && weight.device() == x.device() &&
-                              weight.size(0) == c && weight.numel() % c == 0 &&
-                              weight.numel() / c <= kMaxTaps,
-                          std::string(op) + ": weight " + detail::describe(weight) +
-                              " must be contiguous [C, Kc] in x's dtype, Kc <= 8");
-  require_cu(cu_seqlens, x, op);
-  const int kc = int(weight.numel() / c), ndoc = int(cu_seqlens.size(0) - 1);
+  const int kc = dims.kc, ndoc = dims.ndoc;
   detail::DeviceGuard guard(x.device().index);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (t == 0 || c == 0) return y;
@@ -529,18 +539,9 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
                               bool silu, const Tensor& dy, Tensor* grad_weight,
                               cudaStream_t stream) {
   const char* op = "cuda::causal_conv1d_backward";
-  require_act(x, "x", op);
-  GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2, std::string(op) + ": x must be [T, C]");
-  require_same(dy, x, x.dtype(), "dy", op);
+  const ConvDims dims = conv_dims(x, &dy, weight, cu_seqlens, op);
   const int64_t t = x.size(0), c = x.size(1);
-  GLMTUNE_CUDA_OP_REQUIRE(weight.defined() && weight.dtype() == x.dtype() &&
-                              weight.is_contiguous() && weight.device() == x.device() &&
-                              weight.size(0) == c && weight.numel() % c == 0 &&
-                              weight.numel() / c <= kMaxTaps,
-                          std::string(op) + ": weight " + detail::describe(weight) +
-                              " must be contiguous [C, Kc] in x's dtype, Kc <= 8");
-  require_cu(cu_seqlens, x, op);
-  const int kc = int(weight.numel() / c), ndoc = int(cu_seqlens.size(0) - 1);
+  const int kc = dims.kc, ndoc = dims.ndoc;
   detail::DeviceGuard guard(x.device().index);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (t == 0 || c == 0) return dx;
@@ -566,13 +567,8 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound, cudaStream_t stream) {
   const char* op = "cuda::kda_gate";
-  require_act(graw, "graw", op);
-  GLMTUNE_CUDA_OP_REQUIRE(
-      graw.dim() == 2 && A_log.defined() && A_log.numel() >= 1 && graw.size(1) % A_log.numel() == 0,
-      std::string(op) + ": graw must be [T, NL·HL]");
-  const int64_t t = graw.size(0), ql = graw.size(1), nl = A_log.numel(), hl = ql / nl;
-  require_vec(dt_bias, ql, graw, "dt_bias", op);
-  require_vec(A_log, nl, graw, "A_log", op);
+  const GateDims dims = gate_dims(graw, dt_bias, A_log, op);
+  const int64_t t = dims.t, ql = dims.ql, nl = dims.nl, hl = dims.hl;
   detail::DeviceGuard guard(graw.device().index);
   Tensor g = Tensor::empty({t, nl, hl}, DType::f32, graw.device());
   if (t == 0) return g;
@@ -601,13 +597,8 @@ Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor
                          std::optional<double> lower_bound, const Tensor& dg, Tensor* grad_dt_bias,
                          Tensor* grad_A_log, cudaStream_t stream) {
   const char* op = "cuda::kda_gate_backward";
-  require_act(graw, "graw", op);
-  GLMTUNE_CUDA_OP_REQUIRE(
-      graw.dim() == 2 && A_log.defined() && A_log.numel() >= 1 && graw.size(1) % A_log.numel() == 0,
-      std::string(op) + ": graw must be [T, NL·HL]");
-  const int64_t t = graw.size(0), ql = graw.size(1), nl = A_log.numel(), hl = ql / nl;
-  require_vec(dt_bias, ql, graw, "dt_bias", op);
-  require_vec(A_log, nl, graw, "A_log", op);
+  const GateDims dims = gate_dims(graw, dt_bias, A_log, op);
+  const int64_t t = dims.t, ql = dims.ql, nl = dims.nl, hl = dims.hl;
   require_vec(dg, t * ql, graw, "dg", op);
   detail::DeviceGuard guard(graw.device().index);
   Tensor dgraw = Tensor::empty(graw.shape(), graw.dtype(), graw.device());

@@ -67,6 +67,8 @@ namespace glmtune::cuda {
 namespace {
 
 using detail::bf16;
+using detail::cptr;
+using detail::mptr;
 
 constexpr int kC = 16;          // chunk length
 constexpr int kK = 128;         // key = value head dim
@@ -1335,15 +1337,6 @@ CoreArgs check_core(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
                           std::string(op) + ": cu_seqlens " + detail::describe(cu) +
                               " must be an int32 CUDA tensor [ndoc + 1]");
   return {q.size(0), int(q.size(1)), int(cu.size(0) - 1)};
-}
-
-template <typename T>
-const T* cptr(const Tensor& t) {
-  return reinterpret_cast<const T*>(t.data_ptr());
-}
-template <typename T>
-T* mptr(const Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 // The chunk table and prep's output for one call. Chunks are counted by an upper bound on the

@@ -10,6 +10,8 @@ namespace glmtune::cuda {
 namespace {
 
 using detail::bf16;
+using detail::mptr;
+using detail::sum_blocks_kernel;
 
 constexpr int kH = 4;              // streams
 constexpr int kM = (2 + kH) * kH;  // logits per token: pre, post, comb
@@ -550,16 +552,6 @@ __global__ void __launch_bounds__(kFnThreads)
       }
 }
 
-// out[j] += Σ_b partial[b][j], blocks in order.
-__global__ void sum_blocks_kernel(const float* __restrict__ partial, int64_t blocks, int64_t n,
-                                  float* __restrict__ out) {
-  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (j >= n) return;
-  float acc = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) acc += partial[b * n + j];
-  out[j] += acc;
-}
-
 // partial[c][j] = Σ over rows of chunk c of in[row][j] (rows in order).
 __global__ void column_chunk_sums_kernel(const float* __restrict__ in, int64_t rows, int cols,
                                          int64_t rows_per_chunk, float* __restrict__ partial) {
@@ -713,13 +705,11 @@ void check_params(const Tensor& x, const Tensor& fn, const Tensor& base, const T
   check_like(scale, {3}, DType::f32, x, "scale", op);
 }
 
+// Unlike detail::cptr, an undefined (optional) operand gives nullptr: the backward's gradient
+// inputs may be absent.
 template <typename T>
 const T* cptr(const Tensor& t) {
   return t.defined() ? reinterpret_cast<const T*>(t.data_ptr()) : nullptr;
-}
-template <typename T>
-T* mptr(const Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 // fn [M, HD] as bf16 hi and lo parts (the tensor-core kernels' operands), on the stream.
@@ -804,15 +794,27 @@ ops::MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor&
   return res;
 }
 
-Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb,
-                cudaStream_t stream) {
-  const char* op = "cuda::mhc_post";
+namespace {
+
+// mhc_post's operands, checked alike by the forward and the backward: streams [..., H, D], y
+// [..., D] in the streams' dtype, post [..., H] and comb [..., H, H] in f32. Returns D.
+int check_post_operands(const Tensor& streams, const Tensor& y, const Tensor& post,
+                        const Tensor& comb, const char* op) {
   check_streams(streams, op);
-  const int64_t n = token_count(streams);
   const int d = int(streams.size(-1));
   check_like(y, lead_with(streams, {d}), streams.dtype(), streams, "y", op);
   check_like(post, lead_with(streams, {kH}), DType::f32, streams, "post", op);
   check_like(comb, lead_with(streams, {kH, kH}), DType::f32, streams, "comb", op);
+  return d;
+}
+
+}  // namespace
+
+Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb,
+                cudaStream_t stream) {
+  const char* op = "cuda::mhc_post";
+  const int d = check_post_operands(streams, y, post, comb, op);
+  const int64_t n = token_count(streams);
   detail::DeviceGuard guard(streams.device().index);
   Tensor out = Tensor::empty(streams.shape(), streams.dtype(), streams.device());
   if (n == 0) return out;
@@ -832,12 +834,8 @@ Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, cons
 ops::MhcPostGrads mhc_post_backward(const Tensor& streams, const Tensor& y, const Tensor& post,
                                     const Tensor& comb, const Tensor& d_out, cudaStream_t stream) {
   const char* op = "cuda::mhc_post_backward";
-  check_streams(streams, op);
+  const int d = check_post_operands(streams, y, post, comb, op);
   const int64_t n = token_count(streams);
-  const int d = int(streams.size(-1));
-  check_like(y, lead_with(streams, {d}), streams.dtype(), streams, "y", op);
-  check_like(post, lead_with(streams, {kH}), DType::f32, streams, "post", op);
-  check_like(comb, lead_with(streams, {kH, kH}), DType::f32, streams, "comb", op);
   check_like(d_out, streams.shape(), streams.dtype(), streams, "d_out", op);
   detail::DeviceGuard guard(streams.device().index);
   const Device dev = streams.device();

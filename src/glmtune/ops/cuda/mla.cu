@@ -119,15 +119,7 @@ __global__ void key_offsets_kernel(const int32_t* __restrict__ sorted_keys, int6
                                    int64_t tokens, int32_t* __restrict__ offsets) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j > tokens) return;
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (sorted_keys[mid] < j)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  offsets[j] = int32_t(lo);
+  offsets[j] = int32_t(detail::lower_bound(sorted_keys, n, j));
 }
 
 // ---- attention -------------------------------------------------------------------------------
@@ -192,6 +184,21 @@ struct AttentionArgs {
   float scale;
 };
 
+// This lane's slices of k and v for the row's keys c .. c + U − 1 (key ids kr, n of them) at head
+// h, all loads issued before any is used. Keys past the row's end repeat key c, so every load is in
+// bounds; the callers give them weight 0. The forward and the dq pass load alike.
+template <int EQ, int EV, int U, typename T>
+__device__ __forceinline__ void load_key_block(const AttentionArgs<T>& a, const int32_t* kr, int c,
+                                               int n, int h, int lane, float (&kv)[U][EQ],
+                                               float (&vv)[U][EV]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t kh = int64_t(kr[c + u < n ? c + u : c]) * a.heads + h;
+    load_lane<EQ>(a.k + kh * (EQ * 32) + lane * EQ, kv[u]);
+    load_lane<EV>(a.v + kh * (EV * 32) + lane * EV, vv[u]);
+  }
+}
+
 // EQ = Dqk/32 and EV = Dv/32 elements per lane. One warp per (query, head).
 template <int EQ, int EV, typename T>
 __global__ void __launch_bounds__(kHeadsPerBlock * 32)
@@ -212,12 +219,7 @@ __global__ void __launch_bounds__(kHeadsPerBlock * 32)
   constexpr int U = kUnroll<EQ, EV>;
   for (int c = 0; c < n; c += U) {
     float kv[U][EQ], vv[U][EV], s[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t kh = int64_t(kr[c + u < n ? c + u : c]) * a.heads + h;
-      load_lane<EQ>(a.k + kh * (EQ * 32) + lane * EQ, kv[u]);
-      load_lane<EV>(a.v + kh * (EV * 32) + lane * EV, vv[u]);
-    }
+    load_key_block<EQ, EV>(a, kr, c, n, h, lane, kv, vv);
 #pragma unroll
     for (int u = 0; u < U; ++u) s[u] = detail::warp_sum(lane_dot(q, kv[u])) * a.scale;
 #pragma unroll
@@ -270,12 +272,7 @@ __global__ void __launch_bounds__(kHeadsPerBlock * 32)
   constexpr int U = kUnroll<EQ, EV>;
   for (int c = 0; c < n; c += U) {
     float kv[U][EQ], vv[U][EV], s[U], dp[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t kh = int64_t(kr[c + u < n ? c + u : c]) * a.heads + h;
-      load_lane<EQ>(a.k + kh * (EQ * 32) + lane * EQ, kv[u]);
-      load_lane<EV>(a.v + kh * (EV * 32) + lane * EV, vv[u]);
-    }
+    load_key_block<EQ, EV>(a, kr, c, n, h, lane, kv, vv);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       s[u] = detail::warp_sum(lane_dot(q, kv[u])) * a.scale;

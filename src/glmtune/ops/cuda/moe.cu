@@ -138,15 +138,7 @@ __global__ void expert_offsets_kernel(const int32_t* sorted_ids, int64_t n, int 
                                       int32_t* offsets) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e > n_exp) return;
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (sorted_ids[mid] < e)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  offsets[e] = int32_t(lo);
+  offsets[e] = int32_t(detail::lower_bound(sorted_ids, n, e));
 }
 
 __global__ void inverse_kernel(const int32_t* sorted_slots, int64_t n, int32_t* position) {

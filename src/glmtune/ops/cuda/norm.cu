@@ -71,6 +71,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// g[k] *= w[j + k] when the norm has a weight (w null: g unchanged). Both passes of the backward
+// scale the upstream gradient so, and must do it identically.
+template <int VEC, typename T>
+__device__ __forceinline__ void scale_by_weight(const T* __restrict__ w, int j, float (&g)[VEC]) {
+  if (!w) return;
+  float wv[VEC];
+  detail::load_vec<VEC>(w + j, wv);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) g[k] *= wv[k];
+}
+
 // dx for rows [blockIdx.x · rows_per_block, ...) and, with kWeightGrad, this block's share of the
 // weight gradient written to dw_partial[blockIdx.x, :]. The block's dw accumulators live in
 // shared memory laid out as [VEC][n / VEC] so that a warp's accesses hit 32 different banks;
@@ -100,12 +111,7 @@ __global__ void __launch_bounds__(kThreads)
       float xv[VEC], gv[VEC];
       detail::load_vec<VEC>(xr + j, xv);
       detail::load_vec<VEC>(gr + j, gv);
-      if (w) {
-        float wv[VEC];
-        detail::load_vec<VEC>(w + j, wv);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) gv[k] *= wv[k];
-      }
+      scale_by_weight<VEC>(w, j, gv);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) dot += gv[k] * xv[k];
     }
@@ -121,12 +127,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int k = 0; k < VEC; ++k) dw_acc[k * nvec + j / VEC] += gv[k] * (xv[k] * r);
       }
-      if (w) {
-        float wv[VEC];
-        detail::load_vec<VEC>(w + j, wv);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) gv[k] *= wv[k];
-      }
+      scale_by_weight<VEC>(w, j, gv);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) out[k] = r * gv[k] - c * xv[k];
       detail::store_vec<VEC>(dxr + j, out);

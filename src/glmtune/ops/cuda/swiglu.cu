@@ -1,5 +1,8 @@
 // Clamped SwiGLU forward and backward kernels (ops/cuda/swiglu.h).
 
+#include <initializer_list>
+#include <utility>
+
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/swiglu.h"
 
@@ -89,6 +92,26 @@ void check_operand(const Tensor& t, const Tensor& like, const char* what, const 
                               like.str() + ", contiguous or rows with unit inner stride");
 }
 
+// The checks every launch makes: gate sets the dtype and shape of all `others` (name, tensor), and
+// the limit is positive.
+void check_launch(const char* op, const Tensor& gate, double limit,
+                  std::initializer_list<std::pair<const char*, const Tensor*>> others) {
+  GLMTUNE_CUDA_OP_REQUIRE(gate.defined() && gate.dim() >= 1,
+                          std::string(op) + ": gate must have at least one dimension");
+  check_operand(gate, gate, "gate", op);
+  for (const auto& [what, t] : others) check_operand(*t, gate, what, op);
+  GLMTUNE_CUDA_OP_REQUIRE(limit > 0, std::string(op) + ": limit must be positive");
+}
+
+// False for an empty launch (nothing to do); else checks that the rows and columns fit the
+// kernels' 32-bit indices.
+bool has_work(const detail::RowsView& g, const char* op) {
+  if (g.rows == 0 || g.cols == 0) return false;
+  GLMTUNE_CUDA_OP_REQUIRE(g.cols <= INT32_MAX && g.rows <= INT32_MAX,
+                          std::string(op) + ": tensor too large");
+  return true;
+}
+
 // 16-byte accesses need bf16 rows of whole 8-element groups on 16-byte boundaries.
 bool vector_ok(DType dtype, int64_t cols, std::initializer_list<detail::RowsView> views) {
   if (dtype != DType::bf16 || cols % 8 != 0) return false;
@@ -102,17 +125,10 @@ bool vector_ok(DType dtype, int64_t cols, std::initializer_list<detail::RowsView
 void swiglu_clamped_out(Tensor& out, const Tensor& gate, const Tensor& up, double limit,
                         cudaStream_t stream) {
   const char* op = "cuda::swiglu_clamped";
-  GLMTUNE_CUDA_OP_REQUIRE(gate.defined() && gate.dim() >= 1,
-                          std::string(op) + ": gate must have at least one dimension");
-  check_operand(gate, gate, "gate", op);
-  check_operand(up, gate, "up", op);
-  check_operand(out, gate, "out", op);
-  GLMTUNE_CUDA_OP_REQUIRE(limit > 0, std::string(op) + ": limit must be positive");
+  check_launch(op, gate, limit, {{"up", &up}, {"out", &out}});
   const detail::RowsView g = detail::rows_view(gate), u = detail::rows_view(up),
                          o = detail::rows_view(out);
-  if (g.rows == 0 || g.cols == 0) return;
-  GLMTUNE_CUDA_OP_REQUIRE(g.cols <= INT32_MAX && g.rows <= INT32_MAX,
-                          std::string(op) + ": tensor too large");
+  if (!has_work(g, op)) return;
   detail::DeviceGuard guard(gate.device().index);
   auto launch = [&]<typename T>(auto kernel, T*) {
     const RowPtrs<T> in{static_cast<const T*>(g.data), g.ld, static_cast<const T*>(u.data), u.ld};
@@ -138,20 +154,11 @@ Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit, cudaSt
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup, cudaStream_t stream) {
   const char* op = "cuda::swiglu_clamped_backward";
-  GLMTUNE_CUDA_OP_REQUIRE(gate.defined() && gate.dim() >= 1,
-                          std::string(op) + ": gate must have at least one dimension");
-  check_operand(gate, gate, "gate", op);
-  check_operand(up, gate, "up", op);
-  check_operand(dout, gate, "dout", op);
-  check_operand(dgate, gate, "dgate", op);
-  check_operand(dup, gate, "dup", op);
-  GLMTUNE_CUDA_OP_REQUIRE(limit > 0, std::string(op) + ": limit must be positive");
+  check_launch(op, gate, limit, {{"up", &up}, {"dout", &dout}, {"dgate", &dgate}, {"dup", &dup}});
   const detail::RowsView g = detail::rows_view(gate), u = detail::rows_view(up),
                          d = detail::rows_view(dout), dg = detail::rows_view(dgate),
                          du = detail::rows_view(dup);
-  if (g.rows == 0 || g.cols == 0) return;
-  GLMTUNE_CUDA_OP_REQUIRE(g.cols <= INT32_MAX && g.rows <= INT32_MAX,
-                          std::string(op) + ": tensor too large");
+  if (!has_work(g, op)) return;
   detail::DeviceGuard guard(gate.device().index);
   auto launch = [&]<typename T>(auto kernel, T*) {
     const RowPtrs<T> in{static_cast<const T*>(g.data), g.ld, static_cast<const T*>(u.data), u.ld};
