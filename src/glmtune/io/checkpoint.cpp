@@ -497,7 +497,7 @@ void CheckpointWriter::flush_pending() {
   if (pending_.empty()) return;
   std::vector<TensorSpec> specs;
   for (const auto& [name, t] : pending_) specs.push_back({name, t.dtype(), t.shape()});
-  Shard shard{next_shard_path(), {}};
+  Shard shard{next_shard_path(), {}, {}};
   SafetensorsWriter writer(shard.temp_name, std::move(specs), options_.shard_metadata);
   for (auto& [name, t] : pending_) {
     writer.write(name, t);
@@ -539,7 +539,7 @@ void CheckpointWriter::write_part(std::string_view name, uint64_t offset,
 void CheckpointWriter::end_shard() {
   if (!planned_) throw Error("end_shard() without begin_shard()", dir_.string());
   planned_->finish();
-  Shard shard{planned_->path(), {}};
+  Shard shard{planned_->path(), {}, {}};
   for (const auto& t : planned_->layout().tensors) {
     shard.names.push_back(t.name);
     total_bytes_ += t.nbytes();
