@@ -24,6 +24,9 @@ namespace glmtune {
 // release_cached() (or release_cached_locked() from system_alloc, to retry after running out).
 class CachingAllocator : public Allocator {
  public:
+  static constexpr size_t kSmallRequest = size_t(1) << 20;
+  static constexpr size_t kSmallSegment = size_t(2) << 20;
+
   void* allocate(size_t bytes) final;
   void deallocate(void* ptr, size_t bytes) final;
   MemoryStats stats() const final;
@@ -46,10 +49,6 @@ class CachingAllocator : public Allocator {
   // Whether release_cached_locked would give memory back (a whole segment is free).
   bool has_cached() const;
   const MemoryStats& stats_locked() const { return stats_; }
-
- public:
-  static constexpr size_t kSmallRequest = size_t(1) << 20;
-  static constexpr size_t kSmallSegment = size_t(2) << 20;
 
  private:
   // A piece of a segment; neighbours are the pieces before and after it in the same segment.

@@ -43,17 +43,6 @@ const T* ptr_or_null(const Tensor& t) {
   return t.defined() ? t.data<T>() : nullptr;
 }
 
-// The caller's gradient buffer for `param`: zeros shaped like it on first use, else checked so
-// that a stale or mismatched buffer is an error rather than silent corruption.
-inline Tensor& grad_slot(Tensor& slot, const Tensor& param, const char* what, const char* op) {
-  if (!slot.defined()) slot = Tensor::zeros(param.shape(), param.dtype());
-  GLMTUNE_ASSERT(slot.shape() == param.shape() && slot.dtype() == param.dtype() &&
-                     slot.is_contiguous() && slot.device().is_cpu(),
-                 "{}: {} gradient {} must be a contiguous CPU tensor like {}", op, what, slot.str(),
-                 param.str());
-  return slot;
-}
-
 // Strict weak order "a ranks before b" for a descending top-k: larger value first, NaN above
 // everything (torch.topk's convention), equal values by ascending index so that the choice is
 // deterministic.

@@ -52,12 +52,13 @@ Fp8Blocks quantize_fp8_blocks(const Tensor& x_in, int64_t block_rows, int64_t bl
           const double a = std::fabs(double(xp[r * cols + c]));
           amax = std::isnan(a) || a > amax ? a : amax;
         }
+      // std::max keeps a NaN amax (NaN < 1e-12 is false), so a NaN block gets a NaN scale.
       const float scale = float(std::max(amax, 1e-12) / kFp8E4m3Max);
-      sp[br * bcs + bc] = std::isnan(amax) ? NAN : scale;
+      sp[br * bcs + bc] = scale;
       const float limit = float(kFp8E4m3Max);
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) {
-          const float v = xp[r * cols + c] / sp[br * bcs + bc];
+          const float v = xp[r * cols + c] / scale;
           vp[r * cols + c] = f32_to_fp8e4m3(std::isnan(v) ? v : std::clamp(v, -limit, limit));
         }
     }

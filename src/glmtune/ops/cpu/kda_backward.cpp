@@ -479,7 +479,7 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
   Tensor xc = x.contiguous(), wc = weight.contiguous(), gc = dy.contiguous();
   Tensor dx = Tensor::empty(x.shape(), x.dtype());
   Tensor* gw = nullptr;
-  if (grad_if_trained(grad_weight, weight)) gw = &grad_slot(*grad_weight, weight, "weight", op);
+  if (grad_if_trained(grad_weight, weight)) gw = &grad_buffer(*grad_weight, weight, op, "weight");
   if (x.dtype() == DType::f32)
     conv_backward_kernel<float>(xc.data<float>(), wc.data<float>(), cu, c, kc, silu,
                                 silu ? pre.data<float>() : nullptr, gc.data<float>(),
@@ -516,10 +516,10 @@ Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor
          dgc = dg.contiguous();
   Tensor dz = Tensor::empty(graw.shape(), graw.dtype());
   Tensor* gdt = grad_if_trained(grad_dt_bias, dt_bias)
-                    ? &grad_slot(*grad_dt_bias, dt_bias, "dt_bias", op)
+                    ? &grad_buffer(*grad_dt_bias, dt_bias, op, "dt_bias")
                     : nullptr;
   Tensor* gal =
-      grad_if_trained(grad_A_log, A_log) ? &grad_slot(*grad_A_log, A_log, "A_log", op) : nullptr;
+      grad_if_trained(grad_A_log, A_log) ? &grad_buffer(*grad_A_log, A_log, op, "A_log") : nullptr;
   if (graw.dtype() == DType::f32)
     gate_backward_kernel<float>(gc.data<float>(), dc.data<float>(), ac.data<float>(), n, nl, hl,
                                 lower_bound, dgc.data<float>(), dz.data<float>(),

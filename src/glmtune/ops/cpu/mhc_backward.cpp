@@ -148,8 +148,8 @@ Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Ten
   // base and scale: sums over tokens in order (double accumulators).
   Tensor* gbase = grad_if_trained(grads.base, base_in);
   Tensor* gscale = grad_if_trained(grads.scale, scale_in);
-  if (gbase) grad_slot(*gbase, base_in, "base", op);
-  if (gscale) grad_slot(*gscale, scale_in, "scale", op);
+  if (gbase) grad_buffer(*gbase, base_in, op, "base");
+  if (gscale) grad_buffer(*gscale, scale_in, op, "scale");
   if (gbase || gscale) {
     std::vector<double> ab(size_t(m), 0.0), as(3, 0.0);
     for (int64_t t = 0; t < n; ++t)
@@ -179,7 +179,7 @@ Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Ten
     for (int64_t k = 0; k < hd; ++k) nr[t * hd + k] = x[t * hd + k] * rs[t];
   if (!fn_in.frozen())
     gemm<T>(true, false, m, hd, n, T(1), dl, m, nr, hd, T(1),
-            grad_slot(grads.fn, fn_in, "fn", op).data<T>(), hd);
+            grad_buffer(grads.fn, fn_in, op, "fn").data<T>(), hd);
   Tensor dn = Tensor::empty({n, hd}, streams.dtype());
   T* dnp = dn.data<T>();
   gemm<T>(false, false, n, hd, m, T(1), dl, m, fn.data<T>(), hd, T(0), dnp, hd);

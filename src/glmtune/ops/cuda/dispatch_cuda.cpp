@@ -25,14 +25,10 @@
 namespace glmtune::ops::cuda_path {
 namespace {
 
-Tensor& grad_slot(Tensor* slot, const Tensor& param, const char* op, const char* what) {
-  return grad_buffer(*slot, param, op, what);
-}
-
 // grad_slot for a trained parameter; nullptr (no buffer, no gradient) for a null slot or a
 // frozen parameter.
 Tensor* trained_slot(Tensor* slot, const Tensor& param, const char* op, const char* what) {
-  return grad_if_trained(slot, param) ? &grad_slot(slot, param, op, what) : nullptr;
+  return grad_if_trained(slot, param) ? &grad_buffer(*slot, param, op, what) : nullptr;
 }
 
 // The f32 form the kernels take for small parameters (mHC mixing, KDA gate and norm weights)
@@ -114,11 +110,11 @@ Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, 
   OpTimer timer("linear_backward");
   grad_weight = grad_if_trained(grad_weight, weight);
   if (grad_weight)
-    cuda::linear_backward_weight(grad_slot(grad_weight, weight, "linear_backward", "weight"), dy,
+    cuda::linear_backward_weight(grad_buffer(*grad_weight, weight, "linear_backward", "weight"), dy,
                                  x);
   if (grad_bias) {
     const Tensor bias_shape = Tensor::empty({weight.size(0)}, DType::f32, weight.device());
-    cuda::linear_backward_bias(grad_slot(grad_bias, bias_shape, "linear_backward", "bias"), dy);
+    cuda::linear_backward_bias(grad_buffer(*grad_bias, bias_shape, "linear_backward", "bias"), dy);
   }
   if (!need_input_grad) return Tensor();
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
@@ -134,7 +130,7 @@ void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, cons
     cuda::linear_backward_weight(*g, dy, x);
   if (grad_bias) {
     const Tensor bias_shape = Tensor::empty({weight.size(0)}, DType::f32, weight.device());
-    cuda::linear_backward_bias(grad_slot(grad_bias, bias_shape, op, "bias"), dy);
+    cuda::linear_backward_bias(grad_buffer(*grad_bias, bias_shape, op, "bias"), dy);
   }
   const bool accumulate = dx_sum.defined();
   if (!accumulate) dx_sum = Tensor::empty(x.shape(), DType::f32, x.device());
@@ -154,7 +150,7 @@ Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight
                          const Tensor& rstd, Tensor* grad_weight) {
   OpTimer timer("rms_norm_backward");
   grad_weight = grad_if_trained(grad_weight, weight);
-  if (grad_weight) grad_slot(grad_weight, weight, "rms_norm_backward", "weight");
+  if (grad_weight) grad_buffer(*grad_weight, weight, "rms_norm_backward", "weight");
   return cuda::rms_norm_backward(dy, x, weight, eps, rstd, grad_weight);
 }
 
@@ -190,7 +186,7 @@ void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& do
                         std::optional<int64_t> padding_idx, Tensor& dtable) {
   OpTimer timer("embedding_backward");
   if (table.frozen()) return;
-  grad_slot(&dtable, table, "embedding_backward", "table");
+  grad_buffer(dtable, table, "embedding_backward", "table");
   const cuda::EmbeddingGradPlan plan =
       cuda::make_embedding_grad_plan(ids, table.size(0), padding_idx, table.device());
   cuda::embedding_backward(plan, dout.contiguous(), dtable);
@@ -201,7 +197,7 @@ CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor& wei
                                          Tensor* dhidden, Tensor* dweight) {
   OpTimer timer("lm_head_cross_entropy");
   dweight = grad_if_trained(dweight, weight);
-  if (dweight) grad_slot(dweight, weight, "lm_head_cross_entropy", "head weight");
+  if (dweight) grad_buffer(*dweight, weight, "lm_head_cross_entropy", "head weight");
   return cuda::lm_head_cross_entropy(hidden, weight, labels, opts, dhidden, dweight);
 }
 
@@ -460,7 +456,7 @@ MlaAttentionGrads mla_attention_absorbed_backward(const MlaConfig& cfg, const Te
   const Device device = ctx.latent.device();
   const KvbHeads kvb{cfg, kv_b_proj, tokens};
   Tensor* g_kvb = grad_kv_b_proj
-                      ? &grad_slot(grad_kv_b_proj, kv_b_proj, "mla_attention", "kv_b_proj")
+                      ? &grad_buffer(*grad_kv_b_proj, kv_b_proj, "mla_attention", "kv_b_proj")
                       : nullptr;
   const Tensor d_out = d_attn.contiguous();
   Tensor d_olat = Tensor::empty({tokens, nh, rkv}, DType::bf16, device);

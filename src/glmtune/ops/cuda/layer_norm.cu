@@ -108,11 +108,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// g[j] += Σ_b partial[b, j], blocks in order (g null: skipped).
+// g[j] += Σ_b partial[b, j], blocks in order.
 __global__ void add_partials_kernel(const float* __restrict__ partial, int64_t blocks, int n,
                                     float* __restrict__ g) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= n || !g) return;
+  if (j >= n) return;
   float s = 0.0f;
   for (int64_t b = 0; b < blocks; ++b) s += partial[b * n + j];
   g[j] += s;
@@ -248,8 +248,8 @@ Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weig
     launch(static_cast<bf16*>(nullptr));
   GLMTUNE_CUDA_CHECK_LAUNCH();
   const unsigned col_blocks = unsigned((n + kThreads - 1) / kThreads);
-  add_partials_kernel<<<col_blocks, kThreads, 0, stream>>>(dw_partial, blocks, n, gw);
-  add_partials_kernel<<<col_blocks, kThreads, 0, stream>>>(db_partial, blocks, n, gb);
+  if (gw) add_partials_kernel<<<col_blocks, kThreads, 0, stream>>>(dw_partial, blocks, n, gw);
+  if (gb) add_partials_kernel<<<col_blocks, kThreads, 0, stream>>>(db_partial, blocks, n, gb);
   GLMTUNE_CUDA_CHECK_LAUNCH();
   return dx;
 }
