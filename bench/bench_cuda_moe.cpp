@@ -110,12 +110,14 @@ void bench_moe_block(int64_t tokens) {
   ops::MoeParams p;
   p.router_weight = random_gpu({kExperts, kD}, DType::bf16, 21, 1.0 / std::sqrt(double(kD)));
   p.e_score_correction_bias = random_gpu({kExperts}, DType::f32, 22, 0.01);
-  p.gate_up_proj =
+  p.gate_up_proj.weight =
       random_gpu({kExperts, 2 * kMoe, kD}, DType::bf16, 23, 1.0 / std::sqrt(double(kD)));
-  p.down_proj = random_gpu({kExperts, kD, kMoe}, DType::bf16, 24, 1.0 / std::sqrt(double(kMoe)));
-  p.shared.gate_proj = random_gpu({kMoe, kD}, DType::bf16, 25, 1.0 / std::sqrt(double(kD)));
-  p.shared.up_proj = random_gpu({kMoe, kD}, DType::bf16, 26, 1.0 / std::sqrt(double(kD)));
-  p.shared.down_proj = random_gpu({kD, kMoe}, DType::bf16, 27, 1.0 / std::sqrt(double(kMoe)));
+  p.down_proj.weight =
+      random_gpu({kExperts, kD, kMoe}, DType::bf16, 24, 1.0 / std::sqrt(double(kMoe)));
+  p.shared.gate_proj.weight = random_gpu({kMoe, kD}, DType::bf16, 25, 1.0 / std::sqrt(double(kD)));
+  p.shared.up_proj.weight = random_gpu({kMoe, kD}, DType::bf16, 26, 1.0 / std::sqrt(double(kD)));
+  p.shared.down_proj.weight =
+      random_gpu({kD, kMoe}, DType::bf16, 27, 1.0 / std::sqrt(double(kMoe)));
   const Tensor x = random_gpu({tokens, kD}, DType::bf16, 28);
   const Tensor dy = random_gpu({tokens, kD}, DType::bf16, 29);
   // Useful FLOPs: routed experts 3 GEMMs of TK·D·Im, shared 3 of T·D·Is, router T·D·E.
@@ -190,11 +192,11 @@ void bench_indexer(int64_t tokens) {
   cfg.topk = 2048;
   const int64_t rank = 1536, ih = cfg.n_heads, id = cfg.head_dim;
   ops::IndexerParams p;
-  p.wq_b = random_gpu({ih * id, rank}, DType::bf16, 41, 1.0 / std::sqrt(double(rank)));
-  p.wk = random_gpu({id, kD}, DType::bf16, 42, 1.0 / std::sqrt(double(kD)));
+  p.wq_b.weight = random_gpu({ih * id, rank}, DType::bf16, 41, 1.0 / std::sqrt(double(rank)));
+  p.wk.weight = random_gpu({id, kD}, DType::bf16, 42, 1.0 / std::sqrt(double(kD)));
   p.k_norm_weight = random_gpu({id}, DType::bf16, 43);
   p.k_norm_bias = random_gpu({id}, DType::bf16, 44);
-  p.weights_proj = random_gpu({ih, kD}, DType::bf16, 45, 1.0 / std::sqrt(double(kD)));
+  p.weights_proj.weight = random_gpu({ih, kD}, DType::bf16, 45, 1.0 / std::sqrt(double(kD)));
   p.kpool_ape = random_gpu({cfg.kpool, id}, DType::bf16, 46);
   p.kpool_gate = random_gpu({id, kD}, DType::bf16, 47, 1.0 / std::sqrt(double(kD)));
   const Tensor x = random_gpu({tokens, kD}, DType::bf16, 48);

@@ -132,7 +132,7 @@ void check_one_step(bool step_denominators, DType dtype, double tolerance, bool 
   const Tiny tiny = tiny_model(par->rank(), dtype, variant);
   if (variant) {
     ASSERT_EQ(tiny.model->text().indexer_types[4], model::IndexerKind::shared);
-    ASSERT_TRUE(tiny.model->weights().layers[4].dsa.mla.o_proj_bias.defined());
+    ASSERT_TRUE(tiny.model->weights().layers[4].dsa.mla.o_proj.bias.defined());
   }
   const model::text::TextModel& m = *tiny.model;
   const int32_t pad = int32_t(m.text().pad_token_id);

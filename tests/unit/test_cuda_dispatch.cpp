@@ -49,18 +49,21 @@ TEST(CudaDispatch, MlpForwardAndBackward) {
   // The clamps themselves are tested on identical values in test_cuda_ops_swiglu.
   const Pair x = draw({T, D}, 20), g = draw({I, D}, 21, 0.15), u = draw({I, D}, 22, 0.15),
              d = draw({D, I}, 23, 0.1), dy = draw({T, D}, 24);
-  const ops::MlpParams pg{g.gpu, u.gpu, d.gpu}, pc{g.cpu, u.cpu, d.cpu};
+  using ops::Linear;
+  const ops::MlpParams pg{Linear(g.gpu), Linear(u.gpu), Linear(d.gpu)},
+      pc{Linear(g.cpu), Linear(u.cpu), Linear(d.cpu)};
   ops::MlpContext cg, cc;
   const Tensor yg = ops::mlp_forward(pg, x.gpu, 10.0, cg);
   EXPECT_CLOSE(yg, ops::mlp_forward(pc, x.cpu, 10.0, cc), 2e-2, "y");
   EXPECT_CLOSE(ops::mlp_forward(pg, x.gpu, 10.0), yg, 0.0, "y without context");
   Pair gg = prefilled({I, D}, 25), gu = prefilled({I, D}, 26), gd = prefilled({D, I}, 27);
-  ops::MlpParams grads_g{gg.gpu, gu.gpu, gd.gpu}, grads_c{gg.cpu, gu.cpu, gd.cpu};
+  ops::MlpParams grads_g{Linear(gg.gpu), Linear(gu.gpu), Linear(gd.gpu)},
+      grads_c{Linear(gg.cpu), Linear(gu.cpu), Linear(gd.cpu)};
   EXPECT_CLOSE(ops::mlp_backward(pg, cg, dy.gpu, 10.0, grads_g),
                ops::mlp_backward(pc, cc, dy.cpu, 10.0, grads_c), 2e-2, "dx");
-  EXPECT_CLOSE(grads_g.gate_proj, grads_c.gate_proj, 2e-2, "d gate_proj");
-  EXPECT_CLOSE(grads_g.up_proj, grads_c.up_proj, 2e-2, "d up_proj");
-  EXPECT_CLOSE(grads_g.down_proj, grads_c.down_proj, 1e-2, "d down_proj");
+  EXPECT_CLOSE(grads_g.gate_proj.weight, grads_c.gate_proj.weight, 2e-2, "d gate_proj");
+  EXPECT_CLOSE(grads_g.up_proj.weight, grads_c.up_proj.weight, 2e-2, "d up_proj");
+  EXPECT_CLOSE(grads_g.down_proj.weight, grads_c.down_proj.weight, 1e-2, "d down_proj");
 #endif
 }
 
@@ -84,10 +87,15 @@ TEST(CudaDispatch, KdaMixerForwardAndBackward) {
              dt = param({QL}, 0.5), alog = param({NL}, 0.5), b = param({NL, D}, w),
              ga = param({HL, D}, w), gb = param({QL, HL}, 0.1), on = param({HL}, 1.0),
              op = param({D, QL}, 1.0 / std::sqrt(double(QL)));
-  const ops::KdaParams pg{q.gpu,    k.gpu, v.gpu,  conv.gpu, fa.gpu, fb.gpu, dt.gpu,
-                          alog.gpu, b.gpu, ga.gpu, gb.gpu,   on.gpu, op.gpu};
-  const ops::KdaParams pc{q.cpu,    k.cpu, v.cpu,  conv.cpu, fa.cpu, fb.cpu, dt.cpu,
-                          alog.cpu, b.cpu, ga.cpu, gb.cpu,   on.cpu, op.cpu};
+  using ops::Linear;
+  const ops::KdaParams pg{Linear(q.gpu),  Linear(k.gpu),  Linear(v.gpu),  conv.gpu,
+                          Linear(fa.gpu), Linear(fb.gpu), dt.gpu,         alog.gpu,
+                          Linear(b.gpu),  Linear(ga.gpu), Linear(gb.gpu), on.gpu,
+                          Linear(op.gpu)};
+  const ops::KdaParams pc{Linear(q.cpu),  Linear(k.cpu),  Linear(v.cpu),  conv.cpu,
+                          Linear(fa.cpu), Linear(fb.cpu), dt.cpu,         alog.cpu,
+                          Linear(b.cpu),  Linear(ga.cpu), Linear(gb.cpu), on.cpu,
+                          Linear(op.cpu)};
   const Pair x = param({T, D}, 1.0), dy = param({T, D}, 1.0);
   ops::KdaSaved sg, sc;
   EXPECT_CLOSE(ops::kda_forward(pg, x.gpu, cu, o, &sg), ops::kda_forward(pc, x.cpu, cu, o, &sc),
@@ -96,13 +104,19 @@ TEST(CudaDispatch, KdaMixerForwardAndBackward) {
   EXPECT_CLOSE(ops::kda_backward(pg, x.gpu, cu, o, &sg, dy.gpu, gg),
                ops::kda_backward(pc, x.cpu, cu, o, &sc, dy.cpu, gc), 3e-2, "dx");
   const std::pair<const char*, std::pair<Tensor*, Tensor*>> grads[] = {
-      {"q_proj", {&gg.q_proj, &gc.q_proj}},       {"k_proj", {&gg.k_proj, &gc.k_proj}},
-      {"v_proj", {&gg.v_proj, &gc.v_proj}},       {"conv1d", {&gg.conv1d, &gc.conv1d}},
-      {"f_a_proj", {&gg.f_a_proj, &gc.f_a_proj}}, {"f_b_proj", {&gg.f_b_proj, &gc.f_b_proj}},
-      {"dt_bias", {&gg.dt_bias, &gc.dt_bias}},    {"A_log", {&gg.A_log, &gc.A_log}},
-      {"b_proj", {&gg.b_proj, &gc.b_proj}},       {"g_a_proj", {&gg.g_a_proj, &gc.g_a_proj}},
-      {"g_b_proj", {&gg.g_b_proj, &gc.g_b_proj}}, {"o_norm", {&gg.o_norm, &gc.o_norm}},
-      {"o_proj", {&gg.o_proj, &gc.o_proj}}};
+      {"q_proj", {&gg.q_proj.weight, &gc.q_proj.weight}},
+      {"k_proj", {&gg.k_proj.weight, &gc.k_proj.weight}},
+      {"v_proj", {&gg.v_proj.weight, &gc.v_proj.weight}},
+      {"conv1d", {&gg.conv1d, &gc.conv1d}},
+      {"f_a_proj", {&gg.f_a_proj.weight, &gc.f_a_proj.weight}},
+      {"f_b_proj", {&gg.f_b_proj.weight, &gc.f_b_proj.weight}},
+      {"dt_bias", {&gg.dt_bias, &gc.dt_bias}},
+      {"A_log", {&gg.A_log, &gc.A_log}},
+      {"b_proj", {&gg.b_proj.weight, &gc.b_proj.weight}},
+      {"g_a_proj", {&gg.g_a_proj.weight, &gc.g_a_proj.weight}},
+      {"g_b_proj", {&gg.g_b_proj.weight, &gc.g_b_proj.weight}},
+      {"o_norm", {&gg.o_norm, &gc.o_norm}},
+      {"o_proj", {&gg.o_proj.weight, &gc.o_proj.weight}}};
   for (const auto& [name, pair] : grads) {
     ASSERT_TRUE(pair.first->defined()) << name;
     EXPECT_EQ(pair.first->dtype(), DType::f32) << name;
@@ -114,7 +128,7 @@ TEST(CudaDispatch, KdaMixerForwardAndBackward) {
   ops::KdaGrads recomputed;
   EXPECT_TRUE(
       bit_identical(ops::kda_backward(pg, x.gpu, cu, o, nullptr, dy.gpu, recomputed), dx_saved));
-  EXPECT_TRUE(bit_identical(recomputed.q_proj, again.q_proj));
+  EXPECT_TRUE(bit_identical(recomputed.q_proj.weight, again.q_proj.weight));
 #endif
 }
 

@@ -98,11 +98,15 @@ TEST(CudaExpertParallel, OneRankGroupMatchesTheBlock) {
       EXPECT_EQ(dx.dtype(), storage) << what;
       EXPECT_CLOSE(dx, block_dx, tol, "dx against the block " + what);
       EXPECT_CLOSE(grads.router_weight, block_grads.router_weight, tol, "d router " + what);
-      EXPECT_CLOSE(grads.gate_up_proj, block_grads.gate_up_proj, tol, "d gate_up " + what);
-      EXPECT_CLOSE(grads.down_proj, block_grads.down_proj, tol, "d down " + what);
-      EXPECT_CLOSE(grads.shared.gate_proj, block_grads.shared.gate_proj, tol, "d sh gate " + what);
-      EXPECT_CLOSE(grads.shared.up_proj, block_grads.shared.up_proj, tol, "d sh up " + what);
-      EXPECT_CLOSE(grads.shared.down_proj, block_grads.shared.down_proj, tol, "d sh down " + what);
+      EXPECT_CLOSE(grads.gate_up_proj.weight, block_grads.gate_up_proj.weight, tol,
+                   "d gate_up " + what);
+      EXPECT_CLOSE(grads.down_proj.weight, block_grads.down_proj.weight, tol, "d down " + what);
+      EXPECT_CLOSE(grads.shared.gate_proj.weight, block_grads.shared.gate_proj.weight, tol,
+                   "d sh gate " + what);
+      EXPECT_CLOSE(grads.shared.up_proj.weight, block_grads.shared.up_proj.weight, tol,
+                   "d sh up " + what);
+      EXPECT_CLOSE(grads.shared.down_proj.weight, block_grads.shared.down_proj.weight, tol,
+                   "d sh down " + what);
       EXPECT_FALSE(grads.e_score_correction_bias.defined()) << what;
 
       // The CPU block on the same routing and values. In bf16 the backward's roundings (the
@@ -114,15 +118,17 @@ TEST(CudaExpertParallel, OneRankGroupMatchesTheBlock) {
       cctx.x = f32(d.x);
       cctx.routing = to_cpu(routing);
       ops::mlp_forward(d.cpu.shared, cctx.x, c.cfg.swiglu_limit, cctx.shared);
-      const Tensor y_cpu = sum_f32(
-          ops::moe_experts(c.cfg, d.cpu.gate_up_proj, d.cpu.down_proj, cctx.x, cctx.routing),
-          ops::mlp_forward(d.cpu.shared, cctx.x, c.cfg.swiglu_limit));
+      const Tensor y_cpu = sum_f32(ops::moe_experts(c.cfg, d.cpu.gate_up_proj.weight,
+                                                    d.cpu.down_proj.weight, cctx.x, cctx.routing),
+                                   ops::mlp_forward(d.cpu.shared, cctx.x, c.cfg.swiglu_limit));
       EXPECT_CLOSE(y, y_cpu, cpu_tol, "forward against the CPU " + what);
       ops::MoeParams cgrads;
       const Tensor dx_cpu = ops::moe_backward(c.cfg, d.cpu, cctx, f32(d.dy), cgrads);
       EXPECT_CLOSE(dx, dx_cpu, cpu_tol, "dx against the CPU " + what);
-      EXPECT_CLOSE(grads.gate_up_proj, cgrads.gate_up_proj, cpu_tol, "d gate_up vs CPU " + what);
-      EXPECT_CLOSE(grads.down_proj, cgrads.down_proj, cpu_tol, "d down vs CPU " + what);
+      EXPECT_CLOSE(grads.gate_up_proj.weight, cgrads.gate_up_proj.weight, cpu_tol,
+                   "d gate_up vs CPU " + what);
+      EXPECT_CLOSE(grads.down_proj.weight, cgrads.down_proj.weight, cpu_tol,
+                   "d down vs CPU " + what);
       EXPECT_CLOSE(grads.router_weight, cgrads.router_weight, cpu_tol, "d router vs CPU " + what);
     }
   }
@@ -143,15 +149,16 @@ TEST(CudaExpertParallel, ExpertsBackwardMatchesCpu) {
         ops::moe_route(c.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, d.x);
     ops::MoeParams ggrads;
     const cuda::ExpertsBackward got = cuda::moe_experts_backward(
-        c.cfg, d.gpu.gate_up_proj, d.gpu.down_proj, d.x, routing, d.dy, ggrads);
+        c.cfg, d.gpu.gate_up_proj.weight, d.gpu.down_proj.weight, d.x, routing, d.dy, ggrads);
     const dist::ExpertParallel cpu_ep(*self, c.cfg.n_experts, "test");
     ops::MoeParams cgrads;
     const model::text::ExpertDispatch::Backward ref =
         cpu_ep.backward(c.cfg, d.cpu, f32(d.x), to_cpu(routing), f32(d.dy), cgrads);
     EXPECT_CLOSE(got.dx, ref.dx, 2e-2, "routed dx " + case_name(c));
     EXPECT_CLOSE(got.d_weights, ref.d_weights, 2e-2, "combine-weight gradient " + case_name(c));
-    EXPECT_CLOSE(ggrads.gate_up_proj, cgrads.gate_up_proj, 2e-2, "d gate_up " + case_name(c));
-    EXPECT_CLOSE(ggrads.down_proj, cgrads.down_proj, 2e-2, "d down " + case_name(c));
+    EXPECT_CLOSE(ggrads.gate_up_proj.weight, cgrads.gate_up_proj.weight, 2e-2,
+                 "d gate_up " + case_name(c));
+    EXPECT_CLOSE(ggrads.down_proj.weight, cgrads.down_proj.weight, 2e-2, "d down " + case_name(c));
     EXPECT_FALSE(ggrads.router_weight.defined()) << "the router got a gradient";
   }
 #endif

@@ -269,7 +269,7 @@ TEST(CudaModelStep, FrozenParametersGetNoGradientAndTheRestIsBitIdentical) {
     ++compared;
   }
   for (const LayerGrads& l : g_some.layers) {
-    EXPECT_FALSE(l.moe.gate_up_proj.defined());
+    EXPECT_FALSE(l.moe.gate_up_proj.weight.defined());
     EXPECT_FALSE(l.kda.conv1d.defined());
   }
   EXPECT_EQ(skipped, int64_t(plan.frozen.size()));

@@ -41,12 +41,13 @@ IndexerData make_data(const ops::IndexerConfig& cfg, int64_t tokens, int64_t dim
     gpu = t.to(kGpu);
   };
   const int64_t ih = cfg.n_heads, id = cfg.head_dim;
-  both(d.cpu.wq_b, d.gpu.wq_b, {ih * id, rank}, 0.0,
+  both(d.cpu.wq_b.weight, d.gpu.wq_b.weight, {ih * id, rank}, 0.0,
        zero_queries ? 0.0 : 1.0 / std::sqrt(double(rank)));
-  both(d.cpu.wk, d.gpu.wk, {id, dim}, 0.0, 1.0 / std::sqrt(double(dim)));
+  both(d.cpu.wk.weight, d.gpu.wk.weight, {id, dim}, 0.0, 1.0 / std::sqrt(double(dim)));
   both(d.cpu.k_norm_weight, d.gpu.k_norm_weight, {id}, 1.0, 0.2);
   both(d.cpu.k_norm_bias, d.gpu.k_norm_bias, {id}, 0.0, 0.2);
-  both(d.cpu.weights_proj, d.gpu.weights_proj, {ih, dim}, 0.0, 1.0 / std::sqrt(double(dim)));
+  both(d.cpu.weights_proj.weight, d.gpu.weights_proj.weight, {ih, dim}, 0.0,
+       1.0 / std::sqrt(double(dim)));
   both(d.cpu.kpool_ape, d.gpu.kpool_ape, {cfg.kpool, id}, 0.0, 0.5);
   both(d.cpu.kpool_gate, d.gpu.kpool_gate, {id, dim}, 0.0, 1.0 / std::sqrt(double(dim)));
   d.x = random_cpu({tokens, dim}, DType::bf16, stream++);

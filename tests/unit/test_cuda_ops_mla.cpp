@@ -206,27 +206,33 @@ void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, 
     return random_cpu(shape, DType::bf16, s++, 1.0 / std::sqrt(fan_in));
   };
   ops::MlaParams p;
-  p.q_a_proj = w({cfg.q_lora_rank, dim}, double(dim));
+  p.q_a_proj.weight = w({cfg.q_lora_rank, dim}, double(dim));
   p.q_a_layernorm = random_cpu({cfg.q_lora_rank}, DType::bf16, s++, 1.0, 0.1);
-  p.q_b_proj = w({heads * dn, cfg.q_lora_rank}, double(cfg.q_lora_rank));
-  p.kv_a_proj_with_mqa = w({512, dim}, double(dim));
+  p.q_b_proj.weight = w({heads * dn, cfg.q_lora_rank}, double(cfg.q_lora_rank));
+  p.kv_a_proj_with_mqa.weight = w({512, dim}, double(dim));
   p.kv_a_layernorm = random_cpu({512}, DType::bf16, s++, 1.0, 0.1);
-  p.kv_b_proj = w({heads * (dn + dv), 512}, 512.0);
-  p.o_proj = w({dim, heads * dv}, double(heads * dv));
+  p.kv_b_proj.weight = w({heads * (dn + dv), 512}, 512.0);
+  p.o_proj.weight = w({dim, heads * dv}, double(heads * dv));
   if (bias) {
-    p.q_a_proj_bias = random_cpu({cfg.q_lora_rank}, DType::bf16, s++, 0.1);
-    p.kv_a_proj_with_mqa_bias = random_cpu({512}, DType::bf16, s++, 0.1);
-    p.o_proj_bias = random_cpu({dim}, DType::bf16, s++, 0.1);
+    p.q_a_proj.bias = random_cpu({cfg.q_lora_rank}, DType::bf16, s++, 0.1);
+    p.kv_a_proj_with_mqa.bias = random_cpu({512}, DType::bf16, s++, 0.1);
+    p.o_proj.bias = random_cpu({dim}, DType::bf16, s++, 0.1);
   }
   const Tensor x = random_cpu({tokens, dim}, DType::bf16, s++);
   const Tensor dy = random_cpu({tokens, dim}, DType::bf16, s++);
   const Tensor cu = seqlens(bounds);
 
   auto each = [](ops::MlaParams& m, auto&& fn) {
-    Tensor* t[] = {&m.q_a_proj,       &m.q_a_proj_bias,      &m.q_a_layernorm,
-                   &m.q_b_proj,       &m.kv_a_proj_with_mqa, &m.kv_a_proj_with_mqa_bias,
-                   &m.kv_a_layernorm, &m.kv_b_proj,          &m.o_proj,
-                   &m.o_proj_bias};
+    Tensor* t[] = {&m.q_a_proj.weight,
+                   &m.q_a_proj.bias,
+                   &m.q_a_layernorm,
+                   &m.q_b_proj.weight,
+                   &m.kv_a_proj_with_mqa.weight,
+                   &m.kv_a_proj_with_mqa.bias,
+                   &m.kv_a_layernorm,
+                   &m.kv_b_proj.weight,
+                   &m.o_proj.weight,
+                   &m.o_proj.bias};
     const char* names[] = {"q_a_proj",       "q_a_proj.bias",      "q_a_layernorm",
                            "q_b_proj",       "kv_a_proj_with_mqa", "kv_a_proj_with_mqa.bias",
                            "kv_a_layernorm", "kv_b_proj",          "o_proj",
@@ -261,24 +267,27 @@ void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, 
   EXPECT_CLOSE(o1.y, ref.y, 1e-2, "y " + what);
   EXPECT_CLOSE(o1.attn, ref.attn, 1e-2, "attn " + what);
   EXPECT_CLOSE(dx1, dx_ref, 1e-2, "dx " + what);
-  Tensor* got[] = {&g1.q_a_proj,       &g1.q_a_layernorm, &g1.q_b_proj, &g1.kv_a_proj_with_mqa,
-                   &g1.kv_a_layernorm, &g1.kv_b_proj,     &g1.o_proj};
-  Tensor* want[] = {
-      &gref.q_a_proj,       &gref.q_a_layernorm, &gref.q_b_proj, &gref.kv_a_proj_with_mqa,
-      &gref.kv_a_layernorm, &gref.kv_b_proj,     &gref.o_proj};
+  Tensor* got[] = {
+      &g1.q_a_proj.weight, &g1.q_a_layernorm,    &g1.q_b_proj.weight, &g1.kv_a_proj_with_mqa.weight,
+      &g1.kv_a_layernorm,  &g1.kv_b_proj.weight, &g1.o_proj.weight};
+  Tensor* want[] = {&gref.q_a_proj.weight, &gref.q_a_layernorm,
+                    &gref.q_b_proj.weight, &gref.kv_a_proj_with_mqa.weight,
+                    &gref.kv_a_layernorm,  &gref.kv_b_proj.weight,
+                    &gref.o_proj.weight};
   const char* names[] = {"q_a_proj",       "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
                          "kv_a_layernorm", "kv_b_proj",     "o_proj"};
   for (int e = 0; e < 7; ++e)
     EXPECT_CLOSE(*got[e], *want[e], 1e-2, std::string("d ") + names[e] + " " + what);
   if (bias) {
-    EXPECT_CLOSE(g1.q_a_proj_bias, gref.q_a_proj_bias, 1e-2, "d q_a bias " + what);
-    EXPECT_CLOSE(g1.kv_a_proj_with_mqa_bias, gref.kv_a_proj_with_mqa_bias, 1e-2,
+    EXPECT_CLOSE(g1.q_a_proj.bias, gref.q_a_proj.bias, 1e-2, "d q_a bias " + what);
+    EXPECT_CLOSE(g1.kv_a_proj_with_mqa.bias, gref.kv_a_proj_with_mqa.bias, 1e-2,
                  "d kv_a bias " + what);
-    EXPECT_CLOSE(g1.o_proj_bias, gref.o_proj_bias, 1e-2, "d o bias " + what);
+    EXPECT_CLOSE(g1.o_proj.bias, gref.o_proj.bias, 1e-2, "d o bias " + what);
   }
   run(g2, o2, dx2);
   EXPECT_TRUE(bit_identical(o1.y, o2.y) && bit_identical(dx1, dx2) &&
-              bit_identical(g1.kv_b_proj, g2.kv_b_proj) && bit_identical(g1.q_b_proj, g2.q_b_proj))
+              bit_identical(g1.kv_b_proj.weight, g2.kv_b_proj.weight) &&
+              bit_identical(g1.q_b_proj.weight, g2.q_b_proj.weight))
       << ctx("rerun " + what);
 }
 #endif
@@ -332,11 +341,11 @@ TEST(CudaOpsMla, IndexerSelectionMatchesCpu) {
   const int64_t tokens = bounds.back(), dim = 32, rank = 24;
   ops::IndexerParams p;
   uint64_t s = 50;
-  p.wq_b = random_cpu({cfg.n_heads * cfg.head_dim, rank}, DType::f32, s++);
-  p.wk = random_cpu({cfg.head_dim, dim}, DType::f32, s++);
+  p.wq_b.weight = random_cpu({cfg.n_heads * cfg.head_dim, rank}, DType::f32, s++);
+  p.wk.weight = random_cpu({cfg.head_dim, dim}, DType::f32, s++);
   p.k_norm_weight = random_cpu({cfg.head_dim}, DType::f32, s++, 1.0, 0.1);
   p.k_norm_bias = random_cpu({cfg.head_dim}, DType::f32, s++, 0.0, 0.1);
-  p.weights_proj = random_cpu({cfg.n_heads, dim}, DType::f32, s++);
+  p.weights_proj.weight = random_cpu({cfg.n_heads, dim}, DType::f32, s++);
   p.kpool_ape = random_cpu({cfg.kpool, cfg.head_dim}, DType::f32, s++);
   p.kpool_gate = random_cpu({cfg.head_dim, dim}, DType::f32, s++);
   const Tensor x = random_cpu({tokens, dim}, DType::f32, s++);

@@ -224,17 +224,17 @@ TEST(CudaOpsMoe, ExpertsAndForwardMatchCpu) {
     const ops::Routing routing =
         cuda::moe_route(c.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, xg);
     // Routed experts on the GPU's routing, against the CPU experts on the same routing.
-    const Tensor ref =
-        ops::moe_experts(c.cfg, d.cpu.gate_up_proj, d.cpu.down_proj, f32(d.x), to_cpu(routing));
+    const Tensor ref = ops::moe_experts(c.cfg, d.cpu.gate_up_proj.weight, d.cpu.down_proj.weight,
+                                        f32(d.x), to_cpu(routing));
     Tensor first;
     for (cuda::GroupedGemmBackend backend : kBackends) {
       poison_cache({{c.tokens, c.dim}, {c.tokens * c.cfg.top_k, c.dim}}, DType::bf16);
-      const Tensor y =
-          cuda::moe_experts(c.cfg, d.gpu.gate_up_proj, d.gpu.down_proj, xg, routing, backend);
+      const Tensor y = cuda::moe_experts(c.cfg, d.gpu.gate_up_proj.weight, d.gpu.down_proj.weight,
+                                         xg, routing, backend);
       EXPECT_CLOSE(y, ref, 1e-2, "routed experts " + case_name(c) + " " + backend_name(backend));
       poison_cache({{c.tokens, c.dim}, {c.tokens * c.cfg.top_k, c.dim}}, DType::bf16);
-      const Tensor y2 =
-          cuda::moe_experts(c.cfg, d.gpu.gate_up_proj, d.gpu.down_proj, xg, routing, backend);
+      const Tensor y2 = cuda::moe_experts(c.cfg, d.gpu.gate_up_proj.weight, d.gpu.down_proj.weight,
+                                          xg, routing, backend);
       EXPECT_TRUE(bit_identical(y, y2)) << ctx("experts rerun " + case_name(c));
       if (!first.defined()) first = y;
       // Different GEMM libraries, one function: the two backends agree to bf16 rounding.
@@ -293,11 +293,15 @@ TEST(CudaOpsMoe, BackwardMatchesCpu) {
       // shared gate and up gradients (a wrong gradient lands near 1).
       EXPECT_CLOSE(dx, dx_ref, 2e-2, "dx " + what);
       EXPECT_CLOSE(ggrad.router_weight, cgrad.router_weight, 1e-2, "d router " + what);
-      EXPECT_CLOSE(ggrad.gate_up_proj, cgrad.gate_up_proj, 2e-2, "d gate_up_proj " + what);
-      EXPECT_CLOSE(ggrad.down_proj, cgrad.down_proj, 1e-2, "d down_proj " + what);
-      EXPECT_CLOSE(ggrad.shared.gate_proj, cgrad.shared.gate_proj, 8e-2, "d shared gate " + what);
-      EXPECT_CLOSE(ggrad.shared.up_proj, cgrad.shared.up_proj, 8e-2, "d shared up " + what);
-      EXPECT_CLOSE(ggrad.shared.down_proj, cgrad.shared.down_proj, 1e-2, "d shared down " + what);
+      EXPECT_CLOSE(ggrad.gate_up_proj.weight, cgrad.gate_up_proj.weight, 2e-2,
+                   "d gate_up_proj " + what);
+      EXPECT_CLOSE(ggrad.down_proj.weight, cgrad.down_proj.weight, 1e-2, "d down_proj " + what);
+      EXPECT_CLOSE(ggrad.shared.gate_proj.weight, cgrad.shared.gate_proj.weight, 8e-2,
+                   "d shared gate " + what);
+      EXPECT_CLOSE(ggrad.shared.up_proj.weight, cgrad.shared.up_proj.weight, 8e-2,
+                   "d shared up " + what);
+      EXPECT_CLOSE(ggrad.shared.down_proj.weight, cgrad.shared.down_proj.weight, 1e-2,
+                   "d shared down " + what);
       EXPECT_FALSE(ggrad.e_score_correction_bias.defined()) << "the correction bias got a gradient";
 
       poison_cache({{c.tokens, c.dim}}, DType::bf16);
@@ -305,8 +309,8 @@ TEST(CudaOpsMoe, BackwardMatchesCpu) {
                                             d_logits_extra.to(kGpu), backend);
       EXPECT_TRUE(bit_identical(dx, dx2) &&
                   bit_identical(ggrad.router_weight, ggrad2.router_weight) &&
-                  bit_identical(ggrad.gate_up_proj, ggrad2.gate_up_proj) &&
-                  bit_identical(ggrad.down_proj, ggrad2.down_proj))
+                  bit_identical(ggrad.gate_up_proj.weight, ggrad2.gate_up_proj.weight) &&
+                  bit_identical(ggrad.down_proj.weight, ggrad2.down_proj.weight))
           << ctx("backward rerun " + what);
     }
   }
@@ -363,11 +367,15 @@ TEST(CudaOpsMoe, Fp32BackwardMatchesCpu) {
     EXPECT_EQ(dx.dtype(), DType::f32) << what;
     EXPECT_CLOSE(dx, dx_ref, 1e-5, "dx " + what);
     EXPECT_CLOSE(ggrad.router_weight, cgrad.router_weight, 1e-5, "d router " + what);
-    EXPECT_CLOSE(ggrad.gate_up_proj, cgrad.gate_up_proj, 1e-5, "d gate_up_proj " + what);
-    EXPECT_CLOSE(ggrad.down_proj, cgrad.down_proj, 1e-5, "d down_proj " + what);
-    EXPECT_CLOSE(ggrad.shared.gate_proj, cgrad.shared.gate_proj, 1e-5, "d shared gate " + what);
-    EXPECT_CLOSE(ggrad.shared.up_proj, cgrad.shared.up_proj, 1e-5, "d shared up " + what);
-    EXPECT_CLOSE(ggrad.shared.down_proj, cgrad.shared.down_proj, 1e-5, "d shared down " + what);
+    EXPECT_CLOSE(ggrad.gate_up_proj.weight, cgrad.gate_up_proj.weight, 1e-5,
+                 "d gate_up_proj " + what);
+    EXPECT_CLOSE(ggrad.down_proj.weight, cgrad.down_proj.weight, 1e-5, "d down_proj " + what);
+    EXPECT_CLOSE(ggrad.shared.gate_proj.weight, cgrad.shared.gate_proj.weight, 1e-5,
+                 "d shared gate " + what);
+    EXPECT_CLOSE(ggrad.shared.up_proj.weight, cgrad.shared.up_proj.weight, 1e-5,
+                 "d shared up " + what);
+    EXPECT_CLOSE(ggrad.shared.down_proj.weight, cgrad.shared.down_proj.weight, 1e-5,
+                 "d shared down " + what);
   }
 #endif
 }

@@ -209,10 +209,10 @@ TEST(GradKda, MixerFiniteDifferences) {
     ops::KdaGrads g;
     const Tensor dx = ops::kda_backward(p, x, cu, opt, nullptr, dy, g);
     uint64_t off = 500'000'000;
-    for (const auto& [name, field] : kKdaFields) {
-      SCOPED_TRACE(name);
-      Tensor& param = p.*field;
-      const Tensor& grad = g.*field;
+    for (const KdaField& k : kda_fields(p, g)) {
+      SCOPED_TRACE(k.name);
+      Tensor& param = *k.a;
+      const Tensor& grad = *k.b;
       ASSERT_EQ(grad.shape(), param.shape());
       EXPECT_LE(fd_direction(param, grad,
                              random_normal(param.shape(), off += 1'000'000, DType::f64), loss),
@@ -248,9 +248,9 @@ TEST(GradKda, RecomputedIntermediatesGiveBitIdenticalGradients) {
     const Tensor dx_saved = ops::kda_backward(p, x, cu, opt, &s, dy, saved_g);
     const Tensor dx_fresh = ops::kda_backward(p, x, cu, opt, nullptr, dy, fresh_g);
     EXPECT_EQ(dx_saved.to_doubles(), dx_fresh.to_doubles());
-    for (const auto& [name, field] : kKdaFields) {
-      SCOPED_TRACE(name);
-      EXPECT_EQ((saved_g.*field).to_doubles(), (fresh_g.*field).to_doubles());
+    for (const KdaField& k : kda_fields(saved_g, fresh_g)) {
+      SCOPED_TRACE(k.name);
+      EXPECT_EQ(k.a->to_doubles(), k.b->to_doubles());
     }
   }
 }
@@ -273,12 +273,15 @@ TEST(GradKda, ParameterGradientsAccumulateAcrossCalls) {
   ops::kda_backward(p, xb, cu_seqlens(docs_b), opt, nullptr, dyb, both);
   ops::kda_backward(p, xa, cu_seqlens(docs_a), opt, nullptr, dya, only_a);
   ops::kda_backward(p, xb, cu_seqlens(docs_b), opt, nullptr, dyb, only_b);
-  for (const auto& [name, field] : kKdaFields) {
-    SCOPED_TRACE(name);
-    const std::vector<double> va = (only_a.*field).to_doubles(), vb = (only_b.*field).to_doubles();
+  const std::vector<KdaField> sums = kda_fields(both);
+  size_t i = 0;
+  for (const KdaField& k : kda_fields(only_a, only_b)) {
+    SCOPED_TRACE(k.name);
+    const std::vector<double> va = k.a->to_doubles(), vb = k.b->to_doubles();
     std::vector<double> sum(va.size());
     for (size_t j = 0; j < va.size(); ++j) sum[j] = va[j] + vb[j];
-    EXPECT_LE(rel_err(both.*field, Tensor::from_vector(sum, (both.*field).shape())), 1e-13);
+    const Tensor& total = *sums[i++].a;
+    EXPECT_LE(rel_err(total, Tensor::from_vector(sum, total.shape())), 1e-13);
   }
 }
 
@@ -289,10 +292,10 @@ TEST(GradKda, MixerMatchesReferenceAutograd) {
       SCOPED_TRACE(fmt::format("{} {}", softplus ? "softplus" : "lower bound", dtype_name(dt)));
       const std::string pre = softplus ? "kda_softplus." : "kda.";
       ops::KdaParams p;
-      for (const auto& [name, field] : kKdaFields) {
-        const std::string own = pre + "param." + name;
+      for (const KdaField& k : kda_fields(p)) {
+        const std::string own = pre + "param." + k.name;
         // The softplus variant stores only the gate parameters it changes.
-        p.*field = f.tensor(f.contains(own) ? own : std::string("kda.param.") + name).to(dt);
+        *k.a = f.tensor(f.contains(own) ? own : std::string("kda.param.") + k.name).to(dt);
       }
       ops::KdaOptions opt;
       opt.num_heads = p.A_log.size(0);
@@ -303,9 +306,9 @@ TEST(GradKda, MixerMatchesReferenceAutograd) {
       const Tensor dx = ops::kda_backward(p, x, f.tensor("kda.cu_seqlens"), opt, nullptr,
                                           f.tensor(pre + "dy").to(dt), g);
       EXPECT_LE(rel_err(dx, f.tensor(pre + "dx")), 1e-4);
-      for (const auto& [name, field] : kKdaFields) {
-        SCOPED_TRACE(name);
-        EXPECT_LE(rel_err(g.*field, f.tensor(pre + "grad." + name)), 1e-4);
+      for (const KdaField& k : kda_fields(g)) {
+        SCOPED_TRACE(k.name);
+        EXPECT_LE(rel_err(*k.a, f.tensor(pre + "grad." + k.name)), 1e-4);
       }
     }
   }

@@ -275,7 +275,7 @@ TEST(GradMhc, DecoderLayerAroundKdaMatchesReferenceAutograd) {
     l.kopt.head_dim = l.kda.o_norm.size(0);
     const Tensor x = in("layer.streams");
     l.hopt.hc_mult = x.size(1);
-    const LayerGrads g = layer_backward(l, x, f.tensor("layer.cu_seqlens"), in("layer.dy"));
+    LayerGrads g = layer_backward(l, x, f.tensor("layer.cu_seqlens"), in("layer.dy"));
     EXPECT_LE(rel_err(g.d_streams, f.tensor("layer.d_streams")), 1e-4);
     for (const char* site : {"attn_hc", "ffn_hc"}) {
       SCOPED_TRACE(site);
@@ -286,9 +286,9 @@ TEST(GradMhc, DecoderLayerAroundKdaMatchesReferenceAutograd) {
     }
     EXPECT_LE(rel_err(g.w_in, f.tensor("layer.grad.input_layernorm")), 1e-4);
     EXPECT_LE(rel_err(g.w_post, f.tensor("layer.grad.post_attention_layernorm")), 1e-4);
-    for (const auto& [name, field] : kKdaFields) {
-      SCOPED_TRACE(name);
-      EXPECT_LE(rel_err(g.kda.*field, f.tensor(std::string("layer.grad.self_attn.") + name)), 1e-4);
+    for (const KdaField& k : kda_fields(g.kda)) {
+      SCOPED_TRACE(k.name);
+      EXPECT_LE(rel_err(*k.a, f.tensor("layer.grad.self_attn." + k.name)), 1e-4);
     }
   }
 }
@@ -310,19 +310,20 @@ TEST(GradMhc, DecoderLayerFiniteDifferences) {
   auto next = [&](const Shape& s, double mean, double std) {
     return random_normal(s, off += 1'000'000, DType::f64, mean, std);
   };
-  l.kda = {next({ql, d}, 0, sd),
-           next({ql, d}, 0, sd),
-           next({ql, d}, 0, sd),
+  using ops::Linear;
+  l.kda = {Linear(next({ql, d}, 0, sd)),
+           Linear(next({ql, d}, 0, sd)),
+           Linear(next({ql, d}, 0, sd)),
            next({3 * ql, 1, 4}, 0, 0.6),
-           next({hl, d}, 0, sd),
-           next({ql, hl}, 0, sh),
+           Linear(next({hl, d}, 0, sd)),
+           Linear(next({ql, hl}, 0, sh)),
            next({ql}, -2.5, 1.0),
            random_uniform({nl}, off += 1'000'000, DType::f64, -1.5, 1.0),
-           next({nl, d}, 0, sd),
-           next({hl, d}, 0, sd),
-           next({ql, hl}, 0, sh),
+           Linear(next({nl, d}, 0, sd)),
+           Linear(next({hl, d}, 0, sd)),
+           Linear(next({ql, hl}, 0, sh)),
            next({hl}, 1.0, 0.4),
-           next({d, ql}, 0, 1.0 / std::sqrt(double(ql)))};
+           Linear(next({d, ql}, 0, 1.0 / std::sqrt(double(ql))))};
   l.kopt.num_heads = nl;
   l.kopt.head_dim = hl;
   l.hopt.hc_mult = h;
@@ -351,18 +352,18 @@ TEST(GradMhc, DecoderLayerFiniteDifferences) {
   check("ffn.scale", l.ffn.scale, g.ffn.scale);
   check("input_layernorm", l.w_in, g.w_in);
   check("post_attention_layernorm", l.w_post, g.w_post);
-  check("q_proj", l.kda.q_proj, g.kda.q_proj);
+  check("q_proj", l.kda.q_proj.weight, g.kda.q_proj.weight);
   check("conv1d", l.kda.conv1d, g.kda.conv1d);
   check("A_log", l.kda.A_log, g.kda.A_log);
   check("dt_bias", l.kda.dt_bias, g.kda.dt_bias);
-  check("o_proj", l.kda.o_proj, g.kda.o_proj);
+  check("o_proj", l.kda.o_proj.weight, g.kda.o_proj.weight);
   check("streams", x, g.d_streams);
   // Single token rows around the document and chunk boundaries (the state and the conv cross
   // tokens only inside a document).
   for (int64_t row : {0, 1, 63, 64, 65, 127, 128, 129, 193, 322}) {
     SCOPED_TRACE("streams row " + std::to_string(row));
-    EXPECT_LE(fd_direction(x, g.d_streams, row_direction({t, h, d}, row, dir_off += 1'000), loss,
-                           2.5e-5),
-              kFdTol);
+    EXPECT_LE(
+        fd_direction(x, g.d_streams, row_direction({t, h, d}, row, dir_off += 1'000), loss, 2.5e-5),
+        kFdTol);
   }
 }

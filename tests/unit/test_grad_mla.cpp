@@ -24,33 +24,28 @@ namespace {
 constexpr const char* kGolden = "grads_dsa_moe";
 constexpr RelErr rel_err{};
 
-// Every MLA parameter with its released name (under `self_attn.`).
-const std::vector<std::pair<std::string, Tensor ops::MlaParams::*>> kMlaFields = {
-    {"q_a_proj.weight", &ops::MlaParams::q_a_proj},
-    {"q_a_proj.bias", &ops::MlaParams::q_a_proj_bias},
-    {"q_a_layernorm.weight", &ops::MlaParams::q_a_layernorm},
-    {"q_b_proj.weight", &ops::MlaParams::q_b_proj},
-    {"kv_a_proj_with_mqa.weight", &ops::MlaParams::kv_a_proj_with_mqa},
-    {"kv_a_proj_with_mqa.bias", &ops::MlaParams::kv_a_proj_with_mqa_bias},
-    {"kv_a_layernorm.weight", &ops::MlaParams::kv_a_layernorm},
-    {"kv_b_proj.weight", &ops::MlaParams::kv_b_proj},
-    {"o_proj.weight", &ops::MlaParams::o_proj},
-    {"o_proj.bias", &ops::MlaParams::o_proj_bias},
+// The fields of two parameter structs side by side, from their list (ops/linear.h), named as
+// released under `self_attn.` (MLA) or `self_attn.indexer.`.
+struct Field {
+  std::string name;
+  Tensor* a;
+  Tensor* b;
 };
-
-const std::vector<std::pair<std::string, Tensor ops::IndexerParams::*>> kIndexerFields = {
-    {"wq_b.weight", &ops::IndexerParams::wq_b},
-    {"wk.weight", &ops::IndexerParams::wk},
-    {"k_norm.weight", &ops::IndexerParams::k_norm_weight},
-    {"k_norm.bias", &ops::IndexerParams::k_norm_bias},
-    {"weights_proj.weight", &ops::IndexerParams::weights_proj},
-    {"index_kpool_compress_ape", &ops::IndexerParams::kpool_ape},
-    {"index_kpool_compress_gate", &ops::IndexerParams::kpool_gate},
-};
+template <typename Params, typename Zip>
+std::vector<Field> fields(Params& a, Params& b, Zip zip) {
+  std::vector<Field> out;
+  zip(a, b, [&](const std::string& name, Tensor& x, Tensor& y) { out.push_back({name, &x, &y}); });
+  return out;
+}
+std::vector<Field> mla_fields(ops::MlaParams& a, ops::MlaParams& b) {
+  return fields(a, b, zip_mla);
+}
+std::vector<Field> indexer_fields(ops::IndexerParams& p) { return fields(p, p, zip_indexer); }
 
 void expect_indexer_untouched(const ops::DsaParams& grads) {
-  for (const auto& [name, field] : kIndexerFields)
-    EXPECT_FALSE((grads.indexer.*field).defined()) << "indexer " << name << " got a gradient";
+  ops::IndexerParams g = grads.indexer;
+  for (const Field& f : indexer_fields(g))
+    EXPECT_FALSE(f.a->defined()) << "indexer " << f.name << " got a gradient";
 }
 
 }  // namespace
@@ -145,16 +140,16 @@ TEST(GradMla, MixerFiniteDifferencesOnPacksThatDropKeys) {
     ops::DsaParams grads;
     const Tensor dx = ops::dsa_backward(mc, p, ctx, dy, grads);
     expect_indexer_untouched(grads);
-    for (const auto& [name, field] : kMlaFields)
-      EXPECT_EQ((grads.mla.*field).defined(), (p.mla.*field).defined()) << name;
+    for (const Field& f : mla_fields(grads.mla, p.mla))
+      EXPECT_EQ(f.a->defined(), f.b->defined()) << f.name;
 
     // Selection held fixed: the function the backward differentiates.
     const auto loss = [&] { return dot(dy, ops::mla_forward(mc, p.mla, x, indices, cu).y); };
     EXPECT_LE(fd_rel_err(x, dx, loss), 1e-6);
-    for (const auto& [name, field] : kMlaFields) {
-      if (!(p.mla.*field).defined()) continue;
-      SCOPED_TRACE(name);
-      EXPECT_LE(fd_rel_err(p.mla.*field, grads.mla.*field, loss), 1e-6);
+    for (const Field& f : mla_fields(p.mla, grads.mla)) {
+      if (!f.a->defined()) continue;
+      SCOPED_TRACE(f.name);
+      EXPECT_LE(fd_rel_err(*f.a, *f.b, loss), 1e-6);
     }
 
     // The live mixer, indexer included, has the same derivative in x wherever a perturbation
@@ -180,9 +175,10 @@ TEST(GradMla, MixerFiniteDifferencesOnPacksThatDropKeys) {
     EXPECT_LE(diff / ref, 1e-6);
     // The indexer's own parameters: the loss is flat in them between selection changes.
     int64_t flat = 0, total_entries = 0;
-    for (const auto& [name, field] : kIndexerFields) {
+    for (const Field& field : indexer_fields(p.indexer)) {
+      const std::string& name = field.name;
       const std::vector<double> f =
-          finite_differences(p.indexer.*field, live_loss, same_selection).to_doubles();
+          finite_differences(*field.a, live_loss, same_selection).to_doubles();
       total_entries += int64_t(f.size());
       for (double v : f) {
         if (std::isnan(v)) continue;
@@ -205,7 +201,7 @@ TEST(GradMla, MatchesReferenceGradients) {
     const ops::IndexerConfig ic{jc["index_n_heads"], jc["index_head_dim"], jc["index_kpool"],
                                 jc["index_topk"], true};
     const ops::DsaParams params = golden_dsa_params(f, c);
-    EXPECT_EQ(params.mla.o_proj_bias.defined(), bool(jc["attention_bias"]));
+    EXPECT_EQ(params.mla.o_proj.bias.defined(), bool(jc["attention_bias"]));
 
     const Tensor x = f.tensor(c + ".x"), cu = f.tensor(c + ".cu_seqlens");
     ops::MlaContext ctx;
@@ -220,11 +216,11 @@ TEST(GradMla, MatchesReferenceGradients) {
     EXPECT_LE(rel_err(dx, f.tensor(c + ".attn_dx")), 1e-4);
     // The reference gives gradients to exactly the MLA parameters present, never the indexer's.
     std::set<std::string> ours;
-    for (const auto& [name, field] : kMlaFields) {
-      if (!(grads.mla.*field).defined()) continue;
-      ours.insert(name);
-      SCOPED_TRACE(name);
-      EXPECT_LE(rel_err(grads.mla.*field, f.tensor(c + ".attn_grad." + name)), 1e-4);
+    for (const Field& g : mla_fields(grads.mla, grads.mla)) {
+      if (!g.a->defined()) continue;
+      ours.insert(g.name);
+      SCOPED_TRACE(g.name);
+      EXPECT_LE(rel_err(*g.a, f.tensor(c + ".attn_grad." + g.name)), 1e-4);
     }
     EXPECT_EQ(ours, meta[c + ".attn_grads"].get<std::set<std::string>>());
     expect_indexer_untouched(grads);

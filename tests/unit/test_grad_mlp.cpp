@@ -32,9 +32,9 @@ double clamp_margin(const Tensor& gate, const Tensor& up, double lim) {
 }
 
 ops::MlpParams random_params(int64_t dim, int64_t inter, uint64_t offset) {
-  return {random_normal({inter, dim}, offset, 1 / std::sqrt(double(dim))),
-          random_normal({inter, dim}, offset + 10000, 1 / std::sqrt(double(dim))),
-          random_normal({dim, inter}, offset + 20000, 1 / std::sqrt(double(inter)))};
+  return {ops::Linear(random_normal({inter, dim}, offset, 1 / std::sqrt(double(dim)))),
+          ops::Linear(random_normal({inter, dim}, offset + 10000, 1 / std::sqrt(double(dim)))),
+          ops::Linear(random_normal({dim, inter}, offset + 20000, 1 / std::sqrt(double(inter))))};
 }
 
 }  // namespace
@@ -67,9 +67,9 @@ TEST(GradMlp, FiniteDifferencesFloat64) {
   ASSERT_EQ(dx.shape(), x.shape());
   const auto loss = [&] { return dot(dy, ops::mlp_forward(p, x, lim)); };
   EXPECT_LE(fd_rel_err(x, dx, loss), 1e-6);
-  EXPECT_LE(fd_rel_err(p.gate_proj, grads.gate_proj, loss), 1e-6);
-  EXPECT_LE(fd_rel_err(p.up_proj, grads.up_proj, loss), 1e-6);
-  EXPECT_LE(fd_rel_err(p.down_proj, grads.down_proj, loss), 1e-6);
+  EXPECT_LE(fd_rel_err(p.gate_proj.weight, grads.gate_proj.weight, loss), 1e-6);
+  EXPECT_LE(fd_rel_err(p.up_proj.weight, grads.up_proj.weight, loss), 1e-6);
+  EXPECT_LE(fd_rel_err(p.down_proj.weight, grads.down_proj.weight, loss), 1e-6);
 }
 
 TEST(GradMlp, ClampedPositionsGetZeroGradient) {
@@ -128,9 +128,9 @@ TEST(GradMlp, GradientsAccumulate) {
   ops::mlp_backward(p, ctx, dy, 1.0, once);
   ops::mlp_backward(p, ctx, dy, 1.0, twice);
   ops::mlp_backward(p, ctx, dy, 1.0, twice);
-  for (auto [a, b] :
-       {std::pair{&once.gate_proj, &twice.gate_proj}, std::pair{&once.up_proj, &twice.up_proj},
-        std::pair{&once.down_proj, &twice.down_proj}}) {
+  for (auto [a, b] : {std::pair{&once.gate_proj.weight, &twice.gate_proj.weight},
+                      std::pair{&once.up_proj.weight, &twice.up_proj.weight},
+                      std::pair{&once.down_proj.weight, &twice.down_proj.weight}}) {
     const std::vector<double> va = a->to_doubles(), vb = b->to_doubles();
     ASSERT_EQ(va.size(), vb.size());
     for (size_t i = 0; i < va.size(); ++i) EXPECT_NEAR(vb[i], 2 * va[i], 1e-13);
@@ -151,9 +151,9 @@ TEST(GradMlp, MatchesReferenceGradients) {
     ops::MlpParams grads;
     const Tensor dx = ops::mlp_backward(params, ctx, f.tensor(p + "mlp_dy"), limit, grads);
     EXPECT_LE(rel_err(dx, f.tensor(p + "mlp_dx")), 1e-4);
-    EXPECT_LE(rel_err(grads.gate_proj, f.tensor(p + "mlp_grad.gate_proj.weight")), 1e-4);
-    EXPECT_LE(rel_err(grads.up_proj, f.tensor(p + "mlp_grad.up_proj.weight")), 1e-4);
-    EXPECT_LE(rel_err(grads.down_proj, f.tensor(p + "mlp_grad.down_proj.weight")), 1e-4);
+    EXPECT_LE(rel_err(grads.gate_proj.weight, f.tensor(p + "mlp_grad.gate_proj.weight")), 1e-4);
+    EXPECT_LE(rel_err(grads.up_proj.weight, f.tensor(p + "mlp_grad.up_proj.weight")), 1e-4);
+    EXPECT_LE(rel_err(grads.down_proj.weight, f.tensor(p + "mlp_grad.down_proj.weight")), 1e-4);
     const std::set<std::string> names = meta[p + "mlp_grads"].get<std::set<std::string>>();
     EXPECT_EQ(names,
               (std::set<std::string>{"down_proj.weight", "gate_proj.weight", "up_proj.weight"}));

@@ -30,11 +30,13 @@ ops::MoeParams random_params(const ops::MoeConfig& cfg, int64_t dim, int64_t int
   ops::MoeParams p;
   p.router_weight = random_normal({cfg.n_experts, dim}, offset, sd);
   p.e_score_correction_bias = random_normal({cfg.n_experts}, offset + 1000, 0.1);
-  p.gate_up_proj = random_normal({cfg.n_experts, 2 * inter, dim}, offset + 2000, sd);
-  p.down_proj = random_normal({cfg.n_experts, dim, inter}, offset + 90000, 1 / std::sqrt(inter));
-  p.shared = {random_normal({shared_inter, dim}, offset + 200000, sd),
-              random_normal({shared_inter, dim}, offset + 210000, sd),
-              random_normal({dim, shared_inter}, offset + 220000, 1 / std::sqrt(shared_inter))};
+  p.gate_up_proj.weight = random_normal({cfg.n_experts, 2 * inter, dim}, offset + 2000, sd);
+  p.down_proj.weight =
+      random_normal({cfg.n_experts, dim, inter}, offset + 90000, 1 / std::sqrt(inter));
+  p.shared = {ops::Linear(random_normal({shared_inter, dim}, offset + 200000, sd)),
+              ops::Linear(random_normal({shared_inter, dim}, offset + 210000, sd)),
+              ops::Linear(random_normal({dim, shared_inter}, offset + 220000,
+                                        1 / std::sqrt(shared_inter)))};
   return p;
 }
 
@@ -73,8 +75,8 @@ double decision_margin(const ops::MoeConfig& cfg, const ops::MoeParams& p, const
       margin = std::min(margin, allowed[cfg.top_k - 1] - allowed[cfg.top_k]);
   }
   const double lim = cfg.swiglu_limit;
-  const std::vector<double> gu = p.gate_up_proj.to_doubles();
-  const int64_t two_i = p.gate_up_proj.size(1);
+  const std::vector<double> gu = p.gate_up_proj.weight.to_doubles();
+  const int64_t two_i = p.gate_up_proj.weight.size(1);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t e = 0; e < n_exp; ++e)
       for (int64_t j = 0; j < two_i; ++j) {
@@ -123,11 +125,11 @@ TEST(GradMoe, FiniteDifferencesFloat64) {
     const Tensor dx = ops::moe_backward(cfg, p, ctx, dy, grads, dlogits);
     EXPECT_LE(fd_rel_err(x, dx, loss), 1e-6);
     EXPECT_LE(fd_rel_err(p.router_weight, grads.router_weight, loss), 1e-6);
-    EXPECT_LE(fd_rel_err(p.gate_up_proj, grads.gate_up_proj, loss), 1e-6);
-    EXPECT_LE(fd_rel_err(p.down_proj, grads.down_proj, loss), 1e-6);
-    EXPECT_LE(fd_rel_err(p.shared.gate_proj, grads.shared.gate_proj, loss), 1e-6);
-    EXPECT_LE(fd_rel_err(p.shared.up_proj, grads.shared.up_proj, loss), 1e-6);
-    EXPECT_LE(fd_rel_err(p.shared.down_proj, grads.shared.down_proj, loss), 1e-6);
+    EXPECT_LE(fd_rel_err(p.gate_up_proj.weight, grads.gate_up_proj.weight, loss), 1e-6);
+    EXPECT_LE(fd_rel_err(p.down_proj.weight, grads.down_proj.weight, loss), 1e-6);
+    EXPECT_LE(fd_rel_err(p.shared.gate_proj.weight, grads.shared.gate_proj.weight, loss), 1e-6);
+    EXPECT_LE(fd_rel_err(p.shared.up_proj.weight, grads.shared.up_proj.weight, loss), 1e-6);
+    EXPECT_LE(fd_rel_err(p.shared.down_proj.weight, grads.shared.down_proj.weight, loss), 1e-6);
     // The correction bias only chooses: the loss is flat in it away from a choice flip, and the
     // backward leaves its gradient alone.
     EXPECT_FALSE(grads.e_score_correction_bias.defined());
@@ -216,8 +218,8 @@ TEST(GradMoe, ExpertsWithoutTokensGetNoGradient) {
   const std::vector<double> counts = out.expert_counts.to_doubles();
   int64_t idle = 0;
   for (int64_t e = 0; e < cfg.n_experts; ++e) {
-    const std::vector<double> gu = grads.gate_up_proj.select(0, e).contiguous().to_doubles();
-    const std::vector<double> dn = grads.down_proj.select(0, e).contiguous().to_doubles();
+    const std::vector<double> gu = grads.gate_up_proj.weight.select(0, e).contiguous().to_doubles();
+    const std::vector<double> dn = grads.down_proj.weight.select(0, e).contiguous().to_doubles();
     const double mag = std::abs(*std::max_element(
         gu.begin(), gu.end(), [](double a, double b) { return std::abs(a) < std::abs(b); }));
     if (counts[size_t(e)] == 0) {
@@ -255,13 +257,16 @@ TEST(GradMoe, MatchesReferenceGradients) {
     const std::string g = c + ".moe_grad.";
     EXPECT_LE(rel_err(dx, f.tensor(c + ".moe_dx")), 1e-4);
     EXPECT_LE(rel_err(grads.router_weight, f.tensor(g + "gate.weight")), 1e-4);
-    EXPECT_LE(rel_err(grads.gate_up_proj, f.tensor(g + "experts.gate_up_proj")), 1e-4);
-    EXPECT_LE(rel_err(grads.down_proj, f.tensor(g + "experts.down_proj")), 1e-4);
-    EXPECT_LE(rel_err(grads.shared.gate_proj, f.tensor(g + "shared_experts.gate_proj.weight")),
+    EXPECT_LE(rel_err(grads.gate_up_proj.weight, f.tensor(g + "experts.gate_up_proj")), 1e-4);
+    EXPECT_LE(rel_err(grads.down_proj.weight, f.tensor(g + "experts.down_proj")), 1e-4);
+    EXPECT_LE(
+        rel_err(grads.shared.gate_proj.weight, f.tensor(g + "shared_experts.gate_proj.weight")),
+        1e-4);
+    EXPECT_LE(rel_err(grads.shared.up_proj.weight, f.tensor(g + "shared_experts.up_proj.weight")),
               1e-4);
-    EXPECT_LE(rel_err(grads.shared.up_proj, f.tensor(g + "shared_experts.up_proj.weight")), 1e-4);
-    EXPECT_LE(rel_err(grads.shared.down_proj, f.tensor(g + "shared_experts.down_proj.weight")),
-              1e-4);
+    EXPECT_LE(
+        rel_err(grads.shared.down_proj.weight, f.tensor(g + "shared_experts.down_proj.weight")),
+        1e-4);
     // The reference gives gradients to exactly these parameters: not to the correction bias.
     EXPECT_FALSE(grads.e_score_correction_bias.defined());
     const std::set<std::string> names = meta[c + ".moe_grads"].get<std::set<std::string>>();

@@ -26,12 +26,12 @@ ops::IndexerParams random_params(const ops::IndexerConfig& c, int64_t dim, int64
                                  uint64_t offset) {
   const int64_t id = c.head_dim, ih = c.n_heads;
   ops::IndexerParams p;
-  p.wq_b = random_normal({ih * id, rank}, offset, 1 / std::sqrt(double(rank)));
-  p.wk = random_normal({id, dim}, offset + 10000, 1 / std::sqrt(double(dim)));
+  p.wq_b.weight = random_normal({ih * id, rank}, offset, 1 / std::sqrt(double(rank)));
+  p.wk.weight = random_normal({id, dim}, offset + 10000, 1 / std::sqrt(double(dim)));
   p.k_norm_weight = random_normal({id}, offset + 20000, 0.2);
   p.k_norm_bias = random_normal({id}, offset + 30000, 0.2);
   for (int64_t d = 0; d < id; ++d) p.k_norm_weight.set_item({d}, 1 + p.k_norm_weight.item({d}));
-  p.weights_proj = random_normal({ih, dim}, offset + 40000, 1 / std::sqrt(double(dim)));
+  p.weights_proj.weight = random_normal({ih, dim}, offset + 40000, 1 / std::sqrt(double(dim)));
   p.kpool_ape = random_normal({c.kpool, id}, offset + 50000, 0.5);
   p.kpool_gate = random_normal({id, dim}, offset + 60000, 1 / std::sqrt(double(dim)));
   return p;
@@ -172,7 +172,7 @@ TEST(OpsIndexer, ChoosesTheBestPoolsOfABruteForceScore) {
   for (int64_t t = 0; t < len; ++t) {
     double mean = 0, var = 0;
     for (int64_t d = 0; d < id; ++d) {
-      k[t][d] = dot_row(x, t, p.wk, d, dim);
+      k[t][d] = dot_row(x, t, p.wk.weight, d, dim);
       g[t][d] = dot_row(x, t, p.kpool_gate, d, dim);
       mean += k[t][d] / double(id);
     }
@@ -202,8 +202,8 @@ TEST(OpsIndexer, ChoosesTheBestPoolsOfABruteForceScore) {
       for (int64_t h = 0; h < ih; ++h) {
         double qk = 0;
         for (int64_t d = 0; d < id; ++d)
-          qk += dot_row(qr, s, p.wq_b, h * id + d, rank) * kbar[pl][d];
-        total += dot_row(x, s, p.weights_proj, h, dim) / std::sqrt(double(ih)) *
+          qk += dot_row(qr, s, p.wq_b.weight, h * id + d, rank) * kbar[pl][d];
+        total += dot_row(x, s, p.weights_proj.weight, h, dim) / std::sqrt(double(ih)) *
                  std::max(qk / std::sqrt(double(id)), 0.0);
       }
       score.push_back({total, pl});

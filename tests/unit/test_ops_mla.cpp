@@ -28,7 +28,7 @@ TEST(OpsMla, MatchesReference) {
   for (const GoldenDsaMoeConfig& c : kGoldenDsaMoeConfigs) {
     SCOPED_TRACE("config " + c.name);
     const ops::DsaParams params = golden_dsa_params(f, c.name);
-    EXPECT_EQ(params.mla.o_proj_bias.defined(), c.name == "a");  // attention_bias on in "a" only
+    EXPECT_EQ(params.mla.o_proj.bias.defined(), c.name == "a");  // attention_bias on in "a" only
     const Tensor x = f.tensor(c.name + ".x"), cu = f.tensor(c.name + ".cu_seqlens");
     const Tensor ref = f.tensor(c.name + ".attn_out");
     const Tensor ref_idx = f.tensor(c.name + ".indices");

@@ -85,9 +85,9 @@ TEST(OpsMlp, OutputFollowsTheClampedFormula) {
   // A small MLP in f64 against a per-element evaluation of the formula in ops/mlp.h.
   const int64_t d = 6, inter = 5, t = 4;
   const double limit = 0.7;
-  ops::MlpParams p{random_normal({inter, d}, 1, DType::f64),
-                   random_normal({inter, d}, 2, DType::f64),
-                   random_normal({d, inter}, 3, DType::f64)};
+  ops::MlpParams p{ops::Linear(random_normal({inter, d}, 1, DType::f64)),
+                   ops::Linear(random_normal({inter, d}, 2, DType::f64)),
+                   ops::Linear(random_normal({d, inter}, 3, DType::f64))};
   const Tensor x = random_normal({t, d}, 4, DType::f64);
   const Tensor y = ops::mlp_forward(p, x, limit);
   for (int64_t r = 0; r < t; ++r) {
@@ -95,14 +95,14 @@ TEST(OpsMlp, OutputFollowsTheClampedFormula) {
     for (int64_t i = 0; i < inter; ++i) {
       double g = 0, u = 0;
       for (int64_t c = 0; c < d; ++c) {
-        g += x.item({r, c}) * p.gate_proj.item({i, c});
-        u += x.item({r, c}) * p.up_proj.item({i, c});
+        g += x.item({r, c}) * p.gate_proj.weight.item({i, c});
+        u += x.item({r, c}) * p.up_proj.weight.item({i, c});
       }
       act[i] = silu(std::min(g, limit)) * std::clamp(u, -limit, limit);
     }
     for (int64_t c = 0; c < d; ++c) {
       double expect = 0;
-      for (int64_t i = 0; i < inter; ++i) expect += act[i] * p.down_proj.item({c, i});
+      for (int64_t i = 0; i < inter; ++i) expect += act[i] * p.down_proj.weight.item({c, i});
       EXPECT_NEAR(y.item({r, c}), expect, 1e-12);
     }
   }

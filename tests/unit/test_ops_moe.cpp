@@ -30,12 +30,13 @@ ops::MoeParams random_params(int64_t experts, int64_t dim, int64_t inter, int64_
   ops::MoeParams p;
   p.router_weight = random_normal({experts, dim}, offset, 1 / std::sqrt(double(dim)));
   p.e_score_correction_bias = random_normal({experts}, offset + 10000, 0.1);
-  p.gate_up_proj =
+  p.gate_up_proj.weight =
       random_normal({experts, 2 * inter, dim}, offset + 20000, 1 / std::sqrt(double(dim)));
-  p.down_proj = random_normal({experts, dim, inter}, offset + 40000, 1 / std::sqrt(double(inter)));
-  p.shared = {random_normal({shared_inter, dim}, offset + 60000),
-              random_normal({shared_inter, dim}, offset + 70000),
-              random_normal({dim, shared_inter}, offset + 80000)};
+  p.down_proj.weight =
+      random_normal({experts, dim, inter}, offset + 40000, 1 / std::sqrt(double(inter)));
+  p.shared = {ops::Linear(random_normal({shared_inter, dim}, offset + 60000)),
+              ops::Linear(random_normal({shared_inter, dim}, offset + 70000)),
+              ops::Linear(random_normal({dim, shared_inter}, offset + 80000))};
   return p;
 }
 
@@ -165,7 +166,7 @@ TEST(OpsMoe, ExpertsEqualAPerTokenEvaluation) {
   const ops::MoeParams p = random_params(experts, dim, inter, 7, 100);
   const Tensor x = random_normal({rows, dim}, 99);
   const ops::Routing r = ops::moe_route(cfg, p.router_weight, p.e_score_correction_bias, x);
-  const Tensor y = ops::moe_experts(cfg, p.gate_up_proj, p.down_proj, x, r);
+  const Tensor y = ops::moe_experts(cfg, p.gate_up_proj.weight, p.down_proj.weight, x, r);
   for (int64_t t = 0; t < rows; ++t) {
     std::vector<double> expect(dim, 0.0);
     for (int64_t k = 0; k < cfg.top_k; ++k) {
@@ -175,15 +176,15 @@ TEST(OpsMoe, ExpertsEqualAPerTokenEvaluation) {
       for (int64_t i = 0; i < inter; ++i) {
         double g = 0, u = 0;
         for (int64_t c = 0; c < dim; ++c) {
-          g += x.item({t, c}) * p.gate_up_proj.item({e, i, c});          // gate rows first
-          u += x.item({t, c}) * p.gate_up_proj.item({e, inter + i, c});  // then up rows
+          g += x.item({t, c}) * p.gate_up_proj.weight.item({e, i, c});          // gate rows first
+          u += x.item({t, c}) * p.gate_up_proj.weight.item({e, inter + i, c});  // then up rows
         }
         act[i] = silu(std::min(g, cfg.swiglu_limit)) *
                  std::clamp(u, -cfg.swiglu_limit, cfg.swiglu_limit);
       }
       for (int64_t c = 0; c < dim; ++c) {
         double s = 0;
-        for (int64_t i = 0; i < inter; ++i) s += act[i] * p.down_proj.item({e, c, i});
+        for (int64_t i = 0; i < inter; ++i) s += act[i] * p.down_proj.weight.item({e, c, i});
         expect[c] += wk * s;
       }
     }

@@ -219,8 +219,8 @@ TEST(Freeze, FrozenParametersGetNoGradientAndTheRestIsUnchanged) {
   EXPECT_GE(plan.frozen.size(), patterns.size());
   // The backward allocated nothing for them either: the struct fields stay without a buffer.
   for (const model::text::LayerGrads& l : g_some.layers) {
-    EXPECT_FALSE(l.moe.gate_up_proj.defined());
-    EXPECT_FALSE(l.moe.down_proj.defined());
+    EXPECT_FALSE(l.moe.gate_up_proj.weight.defined());
+    EXPECT_FALSE(l.moe.down_proj.weight.defined());
     EXPECT_FALSE(l.kda.conv1d.defined());
     EXPECT_FALSE(l.moe.router_weight.defined());
   }

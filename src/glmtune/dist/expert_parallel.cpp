@@ -151,8 +151,8 @@ Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank,
   for (int64_t j = 0; j < per_rank; ++j)
     for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
       const ExpertForward f =
-          run_expert(cfg, params.gate_up_proj.select(0, j), params.down_proj.select(0, j),
-                     gather_rows<T>(recv, which, 0, dim));
+          run_expert(cfg, params.gate_up_proj.weight.select(0, j),
+                     params.down_proj.weight.select(0, j), gather_rows<T>(recv, which, 0, dim));
       const T* yp = f.y.data<T>();
       for (size_t r = 0; r < which.size(); ++r)
         std::copy_n(yp + int64_t(r) * dim, dim, reply.data<T>() + which[r] * dim);
@@ -184,10 +184,12 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
   const Tensor dy = dy_in.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1), k = routing.indices.size(1);
   // Frozen experts: no buffers, and the owners compute the input gradients only.
-  const Tensor d_gate_up =
-      params.gate_up_proj.frozen() ? Tensor() : grad_slot(grads.gate_up_proj, params.gate_up_proj);
-  const Tensor d_down =
-      params.down_proj.frozen() ? Tensor() : grad_slot(grads.down_proj, params.down_proj);
+  const Tensor d_gate_up = params.gate_up_proj.weight.frozen()
+                               ? Tensor()
+                               : grad_slot(grads.gate_up_proj.weight, params.gate_up_proj.weight);
+  const Tensor d_down = params.down_proj.weight.frozen()
+                            ? Tensor()
+                            : grad_slot(grads.down_proj.weight, params.down_proj.weight);
   const Plan plan = make_plan(ep, routing, n_experts, per_rank);
   const int64_t pairs = int64_t(plan.slots.size());
   const Tensor w_t = routing.weights.contiguous();
@@ -208,13 +210,13 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
   // [dx | dw] per pair.
   const int64_t reply_width = dim + 1;
   Tensor reply = Tensor::empty({recv.size(0), reply_width}, x.dtype());
-  const int64_t inter = params.down_proj.size(2);
+  const int64_t inter = params.down_proj.weight.size(2);
   // An expert without tokens has no block and gets no gradient (as in the single process).
   for (int64_t j = 0; j < per_rank; ++j)
     for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
       const int64_t n = int64_t(which.size());
-      const Tensor wgu = params.gate_up_proj.select(0, j);
-      const Tensor wd = params.down_proj.select(0, j);
+      const Tensor wgu = params.gate_up_proj.weight.select(0, j);
+      const Tensor wd = params.down_proj.weight.select(0, j);
       const Tensor xe = gather_rows<T>(recv, which, 0, dim);
       const Tensor dyr = gather_rows<T>(recv, which, dim, dim);
       const ExpertForward f = run_expert(cfg, wgu, wd, xe);
@@ -272,13 +274,14 @@ void check_inputs(int64_t n_experts, int64_t per_rank, int64_t first, const ops:
                      (x.dtype() == DType::f32 || x.dtype() == DType::f64),
                  "expert parallelism runs on CPU [T, D] inputs in f32 or f64, got {}",
                  x.defined() ? x.str() : std::string("undefined"));
-  GLMTUNE_ASSERT(
-      params.gate_up_proj.defined() && params.down_proj.defined() &&
-          params.gate_up_proj.size(0) == per_rank && params.down_proj.size(0) == per_rank &&
-          params.gate_up_proj.dtype() == x.dtype() && params.down_proj.dtype() == x.dtype(),
-      "experts gate_up_proj / down_proj must hold this rank's {} experts ({} onwards, "
-      "expert_shards.h) in {}",
-      per_rank, first, x.str());
+  GLMTUNE_ASSERT(params.gate_up_proj.weight.defined() && params.down_proj.weight.defined() &&
+                     params.gate_up_proj.weight.size(0) == per_rank &&
+                     params.down_proj.weight.size(0) == per_rank &&
+                     params.gate_up_proj.weight.dtype() == x.dtype() &&
+                     params.down_proj.weight.dtype() == x.dtype(),
+                 "experts gate_up_proj / down_proj must hold this rank's {} experts ({} onwards, "
+                 "expert_shards.h) in {}",
+                 per_rank, first, x.str());
   ops::cpu_detail::check_experts_routing(routing, x);
 }
 

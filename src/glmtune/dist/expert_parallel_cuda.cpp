@@ -53,11 +53,12 @@ void check_device_inputs(const ops::MoeParams& params, const Tensor& x, const op
                  "expert parallelism on the GPU: input {} and its routing must be contiguous on "
                  "one device",
                  x.str());
-  GLMTUNE_ASSERT(params.gate_up_proj.defined() && params.gate_up_proj.size(0) == per_rank &&
-                     params.down_proj.defined() && params.down_proj.size(0) == per_rank,
-                 "experts gate_up_proj / down_proj must hold this rank's {} experts "
-                 "(expert_shards.h)",
-                 per_rank);
+  GLMTUNE_ASSERT(
+      params.gate_up_proj.weight.defined() && params.gate_up_proj.weight.size(0) == per_rank &&
+          params.down_proj.weight.defined() && params.down_proj.weight.size(0) == per_rank,
+      "experts gate_up_proj / down_proj must hold this rank's {} experts "
+      "(expert_shards.h)",
+      per_rank);
 }
 
 }  // namespace
@@ -75,8 +76,8 @@ Tensor forward_on_device(Communicator& host, Communicator& device, int64_t n_exp
   ops::Routing local;
   local.indices = received_experts(c, per_rank, x.device());
   local.weights = Tensor::full({recv.size(0), 1}, 1.0, DType::f32, x.device());
-  const Tensor y = cuda::moe_experts(local_config(cfg, per_rank), params.gate_up_proj,
-                                     params.down_proj, recv, local);
+  const Tensor y = cuda::moe_experts(local_config(cfg, per_rank), params.gate_up_proj.weight,
+                                     params.down_proj.weight, recv, local);
   const Tensor back = exchange_rows(device, y, dim, c.recv_pairs, c.send_pairs);
   return cuda::moe_combine(back, routing.weights, plan.perm);
 }
@@ -104,8 +105,8 @@ model::text::ExpertDispatch::Backward backward_on_device(
   local.weights = exchange_rows(device, w_send, 1, c.send_pairs, c.recv_pairs);
   // The pair's dx carries its combine weight; d_weights is ⟨dy, y⟩.
   cuda::ExpertsBackward owner =
-      cuda::moe_experts_backward(local_config(cfg, per_rank), params.gate_up_proj, params.down_proj,
-                                 x_recv, local, dy_recv, grads);
+      cuda::moe_experts_backward(local_config(cfg, per_rank), params.gate_up_proj.weight,
+                                 params.down_proj.weight, x_recv, local, dy_recv, grads);
   const Tensor dx_back = exchange_rows(device, owner.dx, dim, c.recv_pairs, c.send_pairs);
   const Tensor dw_back = exchange_rows(device, owner.d_weights, 1, c.recv_pairs, c.send_pairs);
   model::text::ExpertDispatch::Backward out;

@@ -80,8 +80,8 @@ struct Slicing {
   int64_t unit = 0;  // rows or columns per head
 };
 
-Slicing kda_slicing(const std::string& name, int64_t head_dim) {
-  const std::string n = name.substr(std::string("self_attn.").size());
+// `n`: the name in the ops' list (ops/kda.h, ops/mla.h), relative to `self_attn.`.
+Slicing kda_slicing(const std::string& n, int64_t head_dim) {
   if (n == "q_proj.weight" || n == "k_proj.weight" || n == "v_proj.weight" ||
       n == "f_b_proj.weight" || n == "dt_bias" || n == "g_b_proj.weight")
     return {HeadSplit::rows, head_dim};
@@ -91,8 +91,7 @@ Slicing kda_slicing(const std::string& name, int64_t head_dim) {
   return {};
 }
 
-Slicing mla_slicing(const std::string& name, const ops::MlaConfig& c) {
-  const std::string n = name.substr(std::string("self_attn.").size());
+Slicing mla_slicing(const std::string& n, const ops::MlaConfig& c) {
   if (n == "q_b_proj.weight") return {HeadSplit::rows, c.qk_nope_head_dim};
   if (n == "kv_b_proj.weight") return {HeadSplit::rows, c.qk_nope_head_dim + c.v_head_dim};
   if (n == "o_proj.weight") return {HeadSplit::cols, c.v_head_dim};
@@ -147,9 +146,7 @@ void add_head_grad(Tensor& grad, const Tensor& param, const Tensor& part, Slicin
 template <typename Params, typename Zip>
 std::vector<const Tensor*> fields_of(const Params& p, Zip zip) {
   std::vector<const Tensor*> fields;
-  zip(p, p, [&](const std::string&, model::text::ParamGroup, const Tensor& t, const Tensor&) {
-    fields.push_back(&t);
-  });
+  zip(p, p, [&](const std::string&, const Tensor& t, const Tensor&) { fields.push_back(&t); });
   return fields;
 }
 
@@ -162,8 +159,8 @@ struct KdaHeads {
   int64_t count = 0;  // heads here
 };
 
-const auto zip_kda = [](auto& a, auto& b, auto&& f) { model::text::zip_kda_params(a, b, f); };
-const auto zip_mla = [](auto& a, auto& b, auto&& f) { model::text::zip_mla_params(a, b, f); };
+const auto zip_kda = [](auto& a, auto& b, auto&& f) { ops::zip_kda_params(a, b, f); };
+const auto zip_mla = [](auto& a, auto& b, auto&& f) { ops::zip_mla_params(a, b, f); };
 
 KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, int ranks) {
   KdaHeads h;
@@ -171,11 +168,9 @@ KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, 
   h.first = int64_t(rank) * h.count;
   h.options = o;
   h.options.num_heads = h.count;
-  model::text::zip_kda_params(
-      p, h.params,
-      [&](const std::string& name, model::text::ParamGroup, const Tensor& full, Tensor& mine) {
-        mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first, h.count, rank);
-      });
+  ops::zip_kda_params(p, h.params, [&](const std::string& name, const Tensor& full, Tensor& mine) {
+    mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first, h.count, rank);
+  });
   return h;
 }
 
@@ -185,11 +180,9 @@ void add_kda_grads(const ops::KdaParams& p, const ops::KdaOptions& o, const KdaH
                    const ops::KdaGrads& part, ops::KdaGrads& g) {
   const std::vector<const Tensor*> parts = fields_of(part, zip_kda);
   size_t i = 0;
-  model::text::zip_kda_params(
-      p, g,
-      [&](const std::string& name, model::text::ParamGroup, const Tensor& param, Tensor& grad) {
-        add_head_grad(grad, param, *parts[i++], kda_slicing(name, o.head_dim), h.first, h.count);
-      });
+  ops::zip_kda_params(p, g, [&](const std::string& name, const Tensor& param, Tensor& grad) {
+    add_head_grad(grad, param, *parts[i++], kda_slicing(name, o.head_dim), h.first, h.count);
+  });
 }
 
 // This rank's MLA heads. The o_proj bias stays with rank 0 only (mla_slicing).
@@ -205,11 +198,10 @@ MlaHeads mla_heads(const ops::MlaConfig& c, const ops::DsaParams& p, int rank, i
   h.first = int64_t(rank) * h.count;
   h.config = c;
   h.config.n_heads = h.count;
-  model::text::zip_mla_params(
-      p.mla, h.params.mla,
-      [&](const std::string& name, model::text::ParamGroup, const Tensor& full, Tensor& mine) {
-        mine = slice_heads(full, mla_slicing(name, c), h.first, h.count, rank);
-      });
+  ops::zip_mla_params(p.mla, h.params.mla,
+                      [&](const std::string& name, const Tensor& full, Tensor& mine) {
+                        mine = slice_heads(full, mla_slicing(name, c), h.first, h.count, rank);
+                      });
   h.params.indexer = p.indexer;
   return h;
 }
@@ -218,11 +210,9 @@ void add_mla_grads(const ops::MlaConfig& c, const ops::MlaParams& p, const MlaHe
                    const ops::MlaParams& part, ops::MlaParams& g) {
   const std::vector<const Tensor*> parts = fields_of(part, zip_mla);
   size_t i = 0;
-  model::text::zip_mla_params(
-      p, g,
-      [&](const std::string& name, model::text::ParamGroup, const Tensor& param, Tensor& grad) {
-        add_head_grad(grad, param, *parts[i++], mla_slicing(name, c), h.first, h.count);
-      });
+  ops::zip_mla_params(p, g, [&](const std::string& name, const Tensor& param, Tensor& grad) {
+    add_head_grad(grad, param, *parts[i++], mla_slicing(name, c), h.first, h.count);
+  });
 }
 
 }  // namespace
@@ -367,7 +357,7 @@ Tensor UlyssesParallel::kda_forward(const ops::KdaParams& params, const Tensor& 
   // before it is what travels, so that o_proj runs once per token on its owner, as unsplit.
   ops::kda_forward(h.params, x_full, cu_seqlens, h.options, s);
   const Tensor normed = columns_to_rows(s->normed.view({tokens, h.count * options.head_dim}));
-  return ops::linear(normed, params.o_proj);
+  return ops::linear(normed, params.o_proj.weight);
 }
 
 Tensor UlyssesParallel::kda_backward(const ops::KdaParams& params, const Tensor& x,
@@ -406,7 +396,7 @@ Tensor UlyssesParallel::dsa_forward(const ops::MlaConfig& mla, const ops::Indexe
       ops::sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, mla.softmax_scale())
           .view({tokens, h.count * mla.v_head_dim});
   if (indices_out) *indices_out = indices;
-  return ops::linear(columns_to_rows(core), params.mla.o_proj, params.mla.o_proj_bias);
+  return ops::linear(columns_to_rows(core), params.mla.o_proj.weight, params.mla.o_proj.bias);
 }
 
 Tensor UlyssesParallel::dsa_backward(const ops::MlaConfig& mla, const ops::DsaParams& params,

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "glmtune/ops/linear.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops {
@@ -44,16 +45,28 @@ struct IndexerConfig {
 
 // Released names under `self_attn.indexer.`.
 struct IndexerParams {
-  Tensor wq_b;           // wq_b.weight [IH·ID, Rq]
-  Tensor wk;             // wk.weight [ID, D]
+  Linear wq_b;           // wq_b [IH·ID, Rq]
+  Linear wk;             // wk [ID, D]
   Tensor k_norm_weight;  // k_norm.weight [ID]
   Tensor k_norm_bias;    // k_norm.bias [ID]
-  Tensor weights_proj;   // weights_proj.weight [IH, D]
+  Linear weights_proj;   // weights_proj [IH, D]
   Tensor kpool_ape;      // index_kpool_compress_ape [P, ID]
   Tensor kpool_gate;     // index_kpool_compress_gate [ID, D]
 
   bool defined() const { return wq_b.defined(); }
 };
+
+// The list of IndexerParams' fields (ops/linear.h), named as under `self_attn.indexer.`.
+template <typename A, typename B, typename F>
+void zip_indexer_params(A& a, B& b, F&& f) {
+  zip_linear("wq_b", a.wq_b, b.wq_b, f);
+  zip_linear("wk", a.wk, b.wk, f);
+  f("k_norm.weight", a.k_norm_weight, b.k_norm_weight);
+  f("k_norm.bias", a.k_norm_bias, b.k_norm_bias);
+  zip_linear("weights_proj", a.weights_proj, b.weights_proj, f);
+  f("index_kpool_compress_ape", a.kpool_ape, b.kpool_ape);
+  f("index_kpool_compress_gate", a.kpool_gate, b.kpool_gate);
+}
 
 // Width of the indexer's output rows.
 int64_t indexer_width(const IndexerConfig& cfg);

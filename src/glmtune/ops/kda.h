@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "glmtune/ops/linear.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops {
@@ -55,17 +56,17 @@ Tensor kda_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 // The released parameters of one KDA layer (names as under `layers.{l}.self_attn.`; the q/k/v
 // conv weights already concatenated in the order q, k, v as the module holds them).
 struct KdaParams {
-  Tensor q_proj, k_proj, v_proj;  // [QL, D]
+  Linear q_proj, k_proj, v_proj;  // [QL, D]
   Tensor conv1d;                  // [3·QL, 1, Kc] (or [3·QL, Kc])
-  Tensor f_a_proj;                // [HL, D]   forget_gate.f_a_proj
-  Tensor f_b_proj;                // [QL, HL]  forget_gate.f_b_proj
+  Linear f_a_proj;                // [HL, D]   forget_gate.f_a_proj
+  Linear f_b_proj;                // [QL, HL]  forget_gate.f_b_proj
   Tensor dt_bias;                 // [QL]      forget_gate.dt_bias
   Tensor A_log;                   // [NL]      forget_gate.A_log
-  Tensor b_proj;                  // [NL, D]
-  Tensor g_a_proj;                // [HL, D]
-  Tensor g_b_proj;                // [QL, HL]
+  Linear b_proj;                  // [NL, D]
+  Linear g_a_proj;                // [HL, D]
+  Linear g_b_proj;                // [QL, HL]
   Tensor o_norm;                  // [HL]      gated RMSNorm weight, shared by heads
-  Tensor o_proj;                  // [D, QL]
+  Linear o_proj;                  // [D, QL]
 };
 
 enum class KdaCore { chunked, recurrent };
@@ -137,6 +138,25 @@ KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor
 // Gradients of one KDA layer's parameters: the same fields as KdaParams, each the gradient of the
 // parameter of the same name and shape.
 using KdaGrads = KdaParams;
+
+// The list of KdaParams' fields (ops/linear.h), named as under a layer's `self_attn.` (the q/k/v
+// convs as the fused conv1d).
+template <typename A, typename B, typename F>
+void zip_kda_params(A& a, B& b, F&& f) {
+  zip_linear("q_proj", a.q_proj, b.q_proj, f);
+  zip_linear("k_proj", a.k_proj, b.k_proj, f);
+  zip_linear("v_proj", a.v_proj, b.v_proj, f);
+  f("conv1d.weight", a.conv1d, b.conv1d);
+  zip_linear("f_a_proj", a.f_a_proj, b.f_a_proj, f);
+  zip_linear("f_b_proj", a.f_b_proj, b.f_b_proj, f);
+  f("dt_bias", a.dt_bias, b.dt_bias);
+  f("A_log", a.A_log, b.A_log);
+  zip_linear("b_proj", a.b_proj, b.b_proj, f);
+  zip_linear("g_a_proj", a.g_a_proj, b.g_a_proj, f);
+  zip_linear("g_b_proj", a.g_b_proj, b.g_b_proj, f);
+  f("o_norm.weight", a.o_norm, b.o_norm);
+  zip_linear("o_proj", a.o_proj, b.o_proj, f);
+}
 
 // Backward of kda_forward: d y [T, D] → d x [T, D], accumulating every parameter's gradient into
 // `grads`. `saved` holds the forward's intermediates for these (params, x, cu_seqlens, options);

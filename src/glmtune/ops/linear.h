@@ -4,10 +4,52 @@
 // the GEMM itself is OpenBLAS.
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops {
+
+// A low-rank adapter on a projection: y += scale · (x A^T) B^T, with A [r, in] and B [out, r]
+// (for the fused experts, one pair per expert: A [E, r, in], B [E, out, r]). `scale` is alpha / r,
+// or alpha / sqrt(r) with rank-stabilised scaling.
+struct LoraAdapter {
+  Tensor A;
+  Tensor B;
+  double scale = 0;
+
+  bool defined() const { return A.defined(); }
+};
+
+// One projection of the model: weight [out, in] (the fused experts: [E, out, in]), an optional
+// bias [out] and an optional adapter. A parameter struct's projections are Linears; the gradients
+// of a projection are a Linear too (weight, bias and adapter gradients in the matching fields).
+struct Linear {
+  Tensor weight;
+  Tensor bias;
+  LoraAdapter lora;
+
+  Linear() = default;
+  explicit Linear(Tensor w, Tensor b = Tensor()) : weight(std::move(w)), bias(std::move(b)) {}
+
+  bool defined() const { return weight.defined(); }
+};
+
+// ---- Parameter lists ----
+// Each parameter struct of ops/ has a zip_*_params(a, b, f) visitor that calls
+// f(name, a_field, b_field) for every tensor field of two structs of its shape (the parameters and
+// their gradients, or two copies) in one fixed order, `name` being the released name relative to
+// the module ("q_proj.weight"). Undefined fields (absent biases, an unused shared expert) are
+// visited too. The model's loader, gradient buffers, fsdp's flat layout, sequence parallel's head
+// slicing and the tests all read these lists rather than naming fields themselves.
+
+// One projection: its weight, and its bias when the released layout has one.
+template <typename A, typename B, typename F>
+void zip_linear(const std::string& name, A& a, B& b, F&& f, bool with_bias = false) {
+  f(name + ".weight", a.weight, b.weight);
+  if (with_bias) f(name + ".bias", a.bias, b.bias);
+}
 
 // Row-major GEMM on raw buffers: C = alpha·op(A)·op(B) + beta·C with op(X) = X or X^T.
 // op(A) is [m, k], op(B) is [k, n], C is [m, n]; lda/ldb/ldc are the row strides of the stored

@@ -21,6 +21,7 @@
 // check the sparse one against plain masked attention.
 
 #include "glmtune/ops/indexer.h"
+#include "glmtune/ops/linear.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops {
@@ -40,17 +41,27 @@ struct MlaConfig {
 // Released names under `self_attn.`; the biases exist only with attention_bias (leave them
 // undefined otherwise).
 struct MlaParams {
-  Tensor q_a_proj;                 // q_a_proj.weight [Rq, D]
-  Tensor q_a_proj_bias;            // q_a_proj.bias [Rq]
-  Tensor q_a_layernorm;            // q_a_layernorm.weight [Rq]
-  Tensor q_b_proj;                 // q_b_proj.weight [NH·Dqk, Rq]
-  Tensor kv_a_proj_with_mqa;       // kv_a_proj_with_mqa.weight [Rkv, D]
-  Tensor kv_a_proj_with_mqa_bias;  // kv_a_proj_with_mqa.bias [Rkv]
-  Tensor kv_a_layernorm;           // kv_a_layernorm.weight [Rkv]
-  Tensor kv_b_proj;                // kv_b_proj.weight [NH·(Dn + Dv), Rkv]
-  Tensor o_proj;                   // o_proj.weight [D, NH·Dv]
-  Tensor o_proj_bias;              // o_proj.bias [D]
+  Linear q_a_proj;            // q_a_proj [Rq, D], optional bias [Rq]
+  Tensor q_a_layernorm;       // q_a_layernorm.weight [Rq]
+  Linear q_b_proj;            // q_b_proj [NH·Dqk, Rq]
+  Linear kv_a_proj_with_mqa;  // kv_a_proj_with_mqa [Rkv, D], optional bias [Rkv]
+  Tensor kv_a_layernorm;      // kv_a_layernorm.weight [Rkv]
+  Linear kv_b_proj;           // kv_b_proj [NH·(Dn + Dv), Rkv]
+  Linear o_proj;              // o_proj [D, NH·Dv], optional bias [D]
 };
+
+// The list of MlaParams' fields (ops/linear.h), named as under `self_attn.`.
+template <typename A, typename B, typename F>
+void zip_mla_params(A& a, B& b, F&& f) {
+  zip_linear("q_a_proj", a.q_a_proj, b.q_a_proj, f, /*with_bias=*/true);
+  f("q_a_layernorm.weight", a.q_a_layernorm, b.q_a_layernorm);
+  zip_linear("q_b_proj", a.q_b_proj, b.q_b_proj, f);
+  zip_linear("kv_a_proj_with_mqa", a.kv_a_proj_with_mqa, b.kv_a_proj_with_mqa, f,
+             /*with_bias=*/true);
+  f("kv_a_layernorm.weight", a.kv_a_layernorm, b.kv_a_layernorm);
+  zip_linear("kv_b_proj", a.kv_b_proj, b.kv_b_proj, f);
+  zip_linear("o_proj", a.o_proj, b.o_proj, f, /*with_bias=*/true);
+}
 
 struct MlaProjections {
   Tensor q_resid;  // [T, Rq]

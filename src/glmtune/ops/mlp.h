@@ -10,16 +10,25 @@
 // Glm5NextTextExperts._apply_gate). CPU tensors in f32 (reference path) or f64 (finite-difference
 // tests); every operand shares the dtype.
 
+#include "glmtune/ops/linear.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops {
 
 // Released names under `mlp.` (dense) or `mlp.shared_experts.` (shared expert).
 struct MlpParams {
-  Tensor gate_proj;  // gate_proj.weight [I, D]
-  Tensor up_proj;    // up_proj.weight   [I, D]
-  Tensor down_proj;  // down_proj.weight [D, I]
+  Linear gate_proj;  // gate_proj [I, D]
+  Linear up_proj;    // up_proj   [I, D]
+  Linear down_proj;  // down_proj [D, I]
 };
+
+// The list of MlpParams' fields (ops/linear.h), named as under `mlp.` (or `mlp.shared_experts.`).
+template <typename A, typename B, typename F>
+void zip_mlp_params(A& a, B& b, F&& f) {
+  zip_linear("gate_proj", a.gate_proj, b.gate_proj, f);
+  zip_linear("up_proj", a.up_proj, b.up_proj, f);
+  zip_linear("down_proj", a.down_proj, b.down_proj, f);
+}
 
 // silu(min(gate, limit)) ⊙ clamp(up, −limit, limit), elementwise. gate and up have one shape
 // [..., I] and may be strided views (e.g. the two halves of a fused gate_up product); the result

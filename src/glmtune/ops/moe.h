@@ -39,10 +39,23 @@ struct MoeConfig {
 struct MoeParams {
   Tensor router_weight;            // gate.weight [E, D]
   Tensor e_score_correction_bias;  // gate.e_score_correction_bias [E] (buffer)
-  Tensor gate_up_proj;  // experts.gate_up_proj [E, 2·Im, D]: rows [0, Im) gate, [Im, 2Im) up
-  Tensor down_proj;     // experts.down_proj [E, D, Im]
+  Linear gate_up_proj;  // experts.gate_up_proj [E, 2·Im, D]: rows [0, Im) gate, [Im, 2Im) up
+  Linear down_proj;     // experts.down_proj [E, D, Im]
   MlpParams shared;     // shared_experts.{gate,up,down}_proj.weight, width Im·Ns
 };
+
+// The list of MoeParams' fields (ops/linear.h), named as under `mlp.`. The fused experts keep the
+// internal names of model/param_store.h.
+template <typename A, typename B, typename F>
+void zip_moe_params(A& a, B& b, F&& f) {
+  f("gate.weight", a.router_weight, b.router_weight);
+  f("gate.e_score_correction_bias", a.e_score_correction_bias, b.e_score_correction_bias);
+  f("experts.gate_up_proj", a.gate_up_proj.weight, b.gate_up_proj.weight);
+  f("experts.down_proj", a.down_proj.weight, b.down_proj.weight);
+  zip_mlp_params(a.shared, b.shared, [&](const std::string& name, auto& x, auto& y) {
+    f("shared_experts." + name, x, y);
+  });
+}
 
 struct Routing {
   Tensor logits;   // [T, E] router logits (what the balancing losses read)

@@ -37,14 +37,15 @@ inline MoeData make_moe_data(const MoeCase& c, uint64_t stream, DType storage = 
   both(d.cpu.router_weight, d.gpu.router_weight, {e, c.dim}, 2.0 / std::sqrt(double(c.dim)));
   d.cpu.e_score_correction_bias = random_cpu({e}, DType::f32, stream++, 0.05);
   d.gpu.e_score_correction_bias = d.cpu.e_score_correction_bias.to(kGpu);
-  both(d.cpu.gate_up_proj, d.gpu.gate_up_proj, {e, 2 * c.inter, c.dim},
+  both(d.cpu.gate_up_proj.weight, d.gpu.gate_up_proj.weight, {e, 2 * c.inter, c.dim},
        3.0 / std::sqrt(double(c.dim)));
-  both(d.cpu.down_proj, d.gpu.down_proj, {e, c.dim, c.inter}, 1.0 / std::sqrt(double(c.inter)));
-  both(d.cpu.shared.gate_proj, d.gpu.shared.gate_proj, {c.shared_inter, c.dim},
+  both(d.cpu.down_proj.weight, d.gpu.down_proj.weight, {e, c.dim, c.inter},
+       1.0 / std::sqrt(double(c.inter)));
+  both(d.cpu.shared.gate_proj.weight, d.gpu.shared.gate_proj.weight, {c.shared_inter, c.dim},
        3.0 / std::sqrt(double(c.dim)));
-  both(d.cpu.shared.up_proj, d.gpu.shared.up_proj, {c.shared_inter, c.dim},
+  both(d.cpu.shared.up_proj.weight, d.gpu.shared.up_proj.weight, {c.shared_inter, c.dim},
        3.0 / std::sqrt(double(c.dim)));
-  both(d.cpu.shared.down_proj, d.gpu.shared.down_proj, {c.dim, c.shared_inter},
+  both(d.cpu.shared.down_proj.weight, d.gpu.shared.down_proj.weight, {c.dim, c.shared_inter},
        1.0 / std::sqrt(double(c.shared_inter)));
   d.x = random_cpu({c.tokens, c.dim}, storage, stream++);
   return d;

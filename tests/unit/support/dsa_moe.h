@@ -71,115 +71,82 @@ inline ops::DsaParams random_dsa_params(const ops::MlaConfig& m, const ops::Inde
     return t;
   };
   ops::DsaParams d;
-  d.mla.q_a_proj = w({rq, dim}, 0);
+  d.mla.q_a_proj.weight = w({rq, dim}, 0);
   d.mla.q_a_layernorm = norm(rq, 1000);
-  d.mla.q_b_proj = w({nh * dn, rq}, 2000);
-  d.mla.kv_a_proj_with_mqa = w({rkv, dim}, 3000);
+  d.mla.q_b_proj.weight = w({nh * dn, rq}, 2000);
+  d.mla.kv_a_proj_with_mqa.weight = w({rkv, dim}, 3000);
   d.mla.kv_a_layernorm = norm(rkv, 4000);
-  d.mla.kv_b_proj = w({nh * (dn + dv), rkv}, 5000);
-  d.mla.o_proj = w({dim, nh * dv}, 6000);
+  d.mla.kv_b_proj.weight = w({nh * (dn + dv), rkv}, 5000);
+  d.mla.o_proj.weight = w({dim, nh * dv}, 6000);
   if (bias) {
-    d.mla.q_a_proj_bias = random_normal({rq}, offset + 7000, 0.2);
-    d.mla.kv_a_proj_with_mqa_bias = random_normal({rkv}, offset + 8000, 0.2);
-    d.mla.o_proj_bias = random_normal({dim}, offset + 9000, 0.2);
+    d.mla.q_a_proj.bias = random_normal({rq}, offset + 7000, 0.2);
+    d.mla.kv_a_proj_with_mqa.bias = random_normal({rkv}, offset + 8000, 0.2);
+    d.mla.o_proj.bias = random_normal({dim}, offset + 9000, 0.2);
   }
   const int64_t id = ic.head_dim, ih = ic.n_heads;
-  d.indexer.wq_b = w({ih * id, rq}, 10000);
-  d.indexer.wk = w({id, dim}, 11000);
+  d.indexer.wq_b.weight = w({ih * id, rq}, 10000);
+  d.indexer.wk.weight = w({id, dim}, 11000);
   d.indexer.k_norm_weight = norm(id, 12000);
   d.indexer.k_norm_bias = random_normal({id}, offset + 13000, 0.2);
-  d.indexer.weights_proj = w({ih, dim}, 14000);
+  d.indexer.weights_proj.weight = w({ih, dim}, 14000);
   d.indexer.kpool_ape = random_normal({ic.kpool, id}, offset + 15000, 0.5);
   d.indexer.kpool_gate = w({id, dim}, 16000);
   return d;
 }
 
+// A parameter struct read through its list (ops/linear.h): every field from `f` under `prefix`,
+// undefined where the file lacks it (biases exist only where the configuration has
+// attention_bias; an MLP without a shared expert).
+template <typename Params, typename Zip>
+Params golden_params(const io::SafetensorsFile& f, const std::string& prefix, Zip zip) {
+  Params p;
+  zip(p, p, [&](const std::string& name, Tensor& t, Tensor&) {
+    if (f.contains(prefix + name)) t = f.tensor(prefix + name);
+  });
+  return p;
+}
+
+const auto zip_indexer = [](auto& a, auto& b, auto&& f) { ops::zip_indexer_params(a, b, f); };
+const auto zip_mla = [](auto& a, auto& b, auto&& f) { ops::zip_mla_params(a, b, f); };
+const auto zip_mlp = [](auto& a, auto& b, auto&& f) { ops::zip_mlp_params(a, b, f); };
+const auto zip_moe = [](auto& a, auto& b, auto&& f) { ops::zip_moe_params(a, b, f); };
+
 // The indexer parameters of configuration `cfg` (under `<cfg>.attn.indexer.`).
 inline ops::IndexerParams golden_indexer_params(const io::SafetensorsFile& f,
                                                 const std::string& cfg) {
-  const std::string p = cfg + ".attn.indexer.";
-  return {f.tensor(p + "wq_b.weight"),
-          f.tensor(p + "wk.weight"),
-          f.tensor(p + "k_norm.weight"),
-          f.tensor(p + "k_norm.bias"),
-          f.tensor(p + "weights_proj.weight"),
-          f.tensor(p + "index_kpool_compress_ape"),
-          f.tensor(p + "index_kpool_compress_gate")};
+  return golden_params<ops::IndexerParams>(f, cfg + ".attn.indexer.", zip_indexer);
 }
 
-// The DSA parameters of configuration `cfg` (under `<cfg>.attn.`); the biases exist only where
-// the configuration has attention_bias.
+// The DSA parameters of configuration `cfg` (under `<cfg>.attn.`).
 inline ops::DsaParams golden_dsa_params(const io::SafetensorsFile& f, const std::string& cfg) {
-  const std::string p = cfg + ".attn.";
-  auto maybe = [&](const std::string& name) {
-    return f.contains(name) ? f.tensor(name) : Tensor();
-  };
-  ops::DsaParams d;
-  d.mla.q_a_proj = f.tensor(p + "q_a_proj.weight");
-  d.mla.q_a_proj_bias = maybe(p + "q_a_proj.bias");
-  d.mla.q_a_layernorm = f.tensor(p + "q_a_layernorm.weight");
-  d.mla.q_b_proj = f.tensor(p + "q_b_proj.weight");
-  d.mla.kv_a_proj_with_mqa = f.tensor(p + "kv_a_proj_with_mqa.weight");
-  d.mla.kv_a_proj_with_mqa_bias = maybe(p + "kv_a_proj_with_mqa.bias");
-  d.mla.kv_a_layernorm = f.tensor(p + "kv_a_layernorm.weight");
-  d.mla.kv_b_proj = f.tensor(p + "kv_b_proj.weight");
-  d.mla.o_proj = f.tensor(p + "o_proj.weight");
-  d.mla.o_proj_bias = maybe(p + "o_proj.bias");
-  d.indexer = golden_indexer_params(f, cfg);
-  return d;
+  return {golden_params<ops::MlaParams>(f, cfg + ".attn.", zip_mla), golden_indexer_params(f, cfg)};
 }
 
 // The MLP parameters of configuration `cfg` (under `<cfg>.mlp.`).
 inline ops::MlpParams golden_mlp_params(const io::SafetensorsFile& f, const std::string& cfg) {
-  const std::string p = cfg + ".mlp.";
-  return {f.tensor(p + "gate_proj.weight"), f.tensor(p + "up_proj.weight"),
-          f.tensor(p + "down_proj.weight")};
+  return golden_params<ops::MlpParams>(f, cfg + ".mlp.", zip_mlp);
 }
 
 // The MoE parameters of configuration `cfg` (under `<cfg>.moe.`).
 inline ops::MoeParams golden_moe_params(const io::SafetensorsFile& f, const std::string& cfg) {
-  const std::string p = cfg + ".moe.";
-  ops::MoeParams params;
-  params.router_weight = f.tensor(p + "gate.weight");
-  params.e_score_correction_bias = f.tensor(p + "gate.e_score_correction_bias");
-  params.gate_up_proj = f.tensor(p + "experts.gate_up_proj");
-  params.down_proj = f.tensor(p + "experts.down_proj");
-  params.shared = {f.tensor(p + "shared_experts.gate_proj.weight"),
-                   f.tensor(p + "shared_experts.up_proj.weight"),
-                   f.tensor(p + "shared_experts.down_proj.weight")};
-  return params;
+  return golden_params<ops::MoeParams>(f, cfg + ".moe.", zip_moe);
 }
 
 // The float64 instantiations of the fixtures' float32 parameters (the finite-difference checks
 // run in float64, so the tests show it computes the same function). Undefined tensors stay so.
-inline void to_f64_in_place(std::initializer_list<Tensor*> tensors) {
-  for (Tensor* t : tensors)
-    if (t->defined()) *t = t->to(DType::f64);
-}
-
-inline ops::IndexerParams to_f64(ops::IndexerParams p) {
-  to_f64_in_place({&p.wq_b, &p.wk, &p.k_norm_weight, &p.k_norm_bias, &p.weights_proj, &p.kpool_ape,
-                   &p.kpool_gate});
+template <typename Params, typename Zip>
+Params to_f64(Params p, Zip zip) {
+  zip(p, p, [](const std::string&, Tensor& t, Tensor&) {
+    if (t.defined()) t = t.to(DType::f64);
+  });
   return p;
 }
 
+inline ops::IndexerParams to_f64(ops::IndexerParams p) { return to_f64(std::move(p), zip_indexer); }
 inline ops::DsaParams to_f64(ops::DsaParams d) {
-  to_f64_in_place({&d.mla.q_a_proj, &d.mla.q_a_proj_bias, &d.mla.q_a_layernorm, &d.mla.q_b_proj,
-                   &d.mla.kv_a_proj_with_mqa, &d.mla.kv_a_proj_with_mqa_bias, &d.mla.kv_a_layernorm,
-                   &d.mla.kv_b_proj, &d.mla.o_proj, &d.mla.o_proj_bias});
-  d.indexer = to_f64(d.indexer);
-  return d;
+  return {to_f64(std::move(d.mla), zip_mla), to_f64(std::move(d.indexer), zip_indexer)};
 }
-
-inline ops::MlpParams to_f64(ops::MlpParams p) {
-  to_f64_in_place({&p.gate_proj, &p.up_proj, &p.down_proj});
-  return p;
-}
-
-inline ops::MoeParams to_f64(ops::MoeParams p) {
-  to_f64_in_place({&p.router_weight, &p.e_score_correction_bias, &p.gate_up_proj, &p.down_proj});
-  p.shared = to_f64(p.shared);
-  return p;
-}
+inline ops::MlpParams to_f64(ops::MlpParams p) { return to_f64(std::move(p), zip_mlp); }
+inline ops::MoeParams to_f64(ops::MoeParams p) { return to_f64(std::move(p), zip_moe); }
 
 }  // namespace glmtune::test

@@ -14,26 +14,32 @@
 
 namespace glmtune::test {
 
-// Every KDA parameter with its released name (under `self_attn.`, as the fixtures store them),
-// for loops over all of them; KdaGrads has the same fields.
-inline const std::vector<std::pair<const char*, Tensor ops::KdaParams::*>> kKdaFields = {
-    {"q_proj", &ops::KdaParams::q_proj},     {"k_proj", &ops::KdaParams::k_proj},
-    {"v_proj", &ops::KdaParams::v_proj},     {"conv1d", &ops::KdaParams::conv1d},
-    {"f_a_proj", &ops::KdaParams::f_a_proj}, {"f_b_proj", &ops::KdaParams::f_b_proj},
-    {"dt_bias", &ops::KdaParams::dt_bias},   {"A_log", &ops::KdaParams::A_log},
-    {"b_proj", &ops::KdaParams::b_proj},     {"g_a_proj", &ops::KdaParams::g_a_proj},
-    {"g_b_proj", &ops::KdaParams::g_b_proj}, {"o_norm", &ops::KdaParams::o_norm},
-    {"o_proj", &ops::KdaParams::o_proj}};
+// The fields of two KdaParams side by side (ops::zip_kda_params), named as the fixtures store
+// them: the released name under `self_attn.` without ".weight" ("q_proj", "conv1d", "A_log").
+struct KdaField {
+  std::string name;
+  Tensor* a;
+  Tensor* b;
+};
+inline std::vector<KdaField> kda_fields(ops::KdaParams& a, ops::KdaParams& b) {
+  std::vector<KdaField> out;
+  ops::zip_kda_params(a, b, [&](const std::string& name, Tensor& x, Tensor& y) {
+    const std::string n = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    out.push_back({n, &x, &y});
+  });
+  return out;
+}
+inline std::vector<KdaField> kda_fields(ops::KdaParams& p) { return kda_fields(p, p); }
 
 // The KDA parameters stored under `prefix` + name.
 inline ops::KdaParams golden_kda_params(const io::SafetensorsFile& f, const std::string& prefix) {
   ops::KdaParams p;
-  for (const auto& [name, field] : kKdaFields) p.*field = f.tensor(prefix + name);
+  for (const KdaField& k : kda_fields(p)) *k.a = f.tensor(prefix + k.name);
   return p;
 }
 
 inline ops::KdaParams to_dtype(ops::KdaParams p, DType dt) {
-  for (const auto& [name, field] : kKdaFields) p.*field = (p.*field).to(dt);
+  for (const KdaField& k : kda_fields(p)) *k.a = k.a->to(dt);
   return p;
 }
 
@@ -45,19 +51,19 @@ inline ops::KdaParams random_kda_params(int64_t d, int64_t nl, int64_t hl, int64
   const double sd = 1.0 / std::sqrt(double(d)), sh = 1.0 / std::sqrt(double(hl)),
                sq = 1.0 / std::sqrt(double(ql));
   ops::KdaParams p;
-  p.q_proj = random_normal({ql, d}, off + 1'000'000, dt, 0, sd);
-  p.k_proj = random_normal({ql, d}, off + 2'000'000, dt, 0, sd);
-  p.v_proj = random_normal({ql, d}, off + 3'000'000, dt, 0, sd);
+  p.q_proj.weight = random_normal({ql, d}, off + 1'000'000, dt, 0, sd);
+  p.k_proj.weight = random_normal({ql, d}, off + 2'000'000, dt, 0, sd);
+  p.v_proj.weight = random_normal({ql, d}, off + 3'000'000, dt, 0, sd);
   p.conv1d = random_normal({3 * ql, 1, kc}, off + 4'000'000, dt, 0, 0.6);
-  p.f_a_proj = random_normal({hl, d}, off + 5'000'000, dt, 0, sd);
-  p.f_b_proj = random_normal({ql, hl}, off + 6'000'000, dt, 0, sh);
+  p.f_a_proj.weight = random_normal({hl, d}, off + 5'000'000, dt, 0, sd);
+  p.f_b_proj.weight = random_normal({ql, hl}, off + 6'000'000, dt, 0, sh);
   p.dt_bias = random_normal({ql}, off + 7'000'000, dt, -2.5, 1.0);
   p.A_log = random_uniform({nl}, off + 8'000'000, dt, -1.5, 1.0);
-  p.b_proj = random_normal({nl, d}, off + 9'000'000, dt, 0, sd);
-  p.g_a_proj = random_normal({hl, d}, off + 10'000'000, dt, 0, sd);
-  p.g_b_proj = random_normal({ql, hl}, off + 11'000'000, dt, 0, sh);
+  p.b_proj.weight = random_normal({nl, d}, off + 9'000'000, dt, 0, sd);
+  p.g_a_proj.weight = random_normal({hl, d}, off + 10'000'000, dt, 0, sd);
+  p.g_b_proj.weight = random_normal({ql, hl}, off + 11'000'000, dt, 0, sh);
   p.o_norm = random_normal({hl}, off + 12'000'000, dt, 1.0, 0.4);
-  p.o_proj = random_normal({d, ql}, off + 13'000'000, dt, 0, sq);
+  p.o_proj.weight = random_normal({d, ql}, off + 13'000'000, dt, 0, sq);
   return p;
 }
 

@@ -360,7 +360,7 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   LayerParamProvider* const sharded = opt.layer_params;
   for (const LayerWeights& lw : w.layers)
     // Sharded layers are checked when gathered, in the loop below.
-    if (!sharded && lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.defined())
+    if (!sharded && lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.weight.defined())
       throw Error("training a MoE layer without a shared expert is not supported",
                   fmt::format("layer {}", lw.index),
                   "train a checkpoint with n_shared_experts >= 1 (GLM-5.3 has one)");
@@ -395,7 +395,7 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
       if (l + 1 < c.num_hidden_layers) sharded->prefetch(l + 1);
     }
     const LayerWeights& lw = w.layers[size_t(l)];
-    if (sharded && lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.defined())
+    if (sharded && lw.mlp == MlpKind::sparse && !lw.moe.shared.gate_proj.weight.defined())
       throw Error("training a MoE layer without a shared expert is not supported",
                   fmt::format("layer {}", lw.index),
                   "train a checkpoint with n_shared_experts >= 1 (GLM-5.3 has one)");

@@ -100,12 +100,12 @@ MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Te
     // the shared expert joins after the routed sum, as in ops::moe_forward.
     r.routing = ops::moe_route(cfg.moe, params.router_weight, params.e_score_correction_bias, x);
     r.y = cfg.expert_dispatch->forward(cfg.moe, params, x, r.routing);
-    if (params.shared.gate_proj.defined())
+    if (params.shared.gate_proj.weight.defined())
       r.y = ops::add(r.y, ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit));
     r.expert_counts = ops::moe_expert_counts(r.routing, cfg.moe.n_experts, counted_rows);
     return r;
   }
-  if (params.shared.gate_proj.defined()) {
+  if (params.shared.gate_proj.weight.defined()) {
     ops::MoeOutput o = ops::moe_forward(cfg.moe, params, x, counted_rows);
     r.y = std::move(o.y);
     r.routing = std::move(o.routing);
@@ -114,7 +114,8 @@ MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Te
   }
   // n_shared_experts = 0: the routed sum alone.
   r.routing = ops::moe_route(cfg.moe, params.router_weight, params.e_score_correction_bias, x);
-  r.y = ops::moe_experts(cfg.moe, params.gate_up_proj, params.down_proj, x, r.routing);
+  r.y =
+      ops::moe_experts(cfg.moe, params.gate_up_proj.weight, params.down_proj.weight, x, r.routing);
   r.expert_counts = ops::moe_expert_counts(r.routing, cfg.moe.n_experts, counted_rows);
   return r;
 }

@@ -72,80 +72,27 @@ struct TextWeights {
 // layer has (the KDA and MLA output projections share the name self_attn.o_proj.weight).
 enum class ParamGroup { layer, kda, dsa, dense_mlp, moe };
 
+// The ops' lists (ops/linear.h) under a prefix and a group: f(prefix + name, group, a, b).
+template <typename F>
+auto in_group(const std::string& prefix, ParamGroup group, F& f) {
+  return [&f, prefix, group](const std::string& name, auto& a, auto& b) {
+    f(prefix + name, group, a, b);
+  };
+}
+
+// A DSA layer's MLA projections and indexer.
+template <typename A, typename B, typename F>
+void zip_dsa_params(A& a, B& b, F&& f) {
+  ops::zip_mla_params(a.mla, b.mla, in_group("self_attn.", ParamGroup::dsa, f));
+  ops::zip_indexer_params(a.indexer, b.indexer, in_group("self_attn.indexer.", ParamGroup::dsa, f));
+}
+
 // Every parameter tensor of a decoder layer, written once: `f(name, group, a_field, b_field)` for
 // each field of two structs with LayerWeights' fields (LayerWeights, or the gradients' LayerGrads)
 // in a fixed order, `name` being the internal name under the layer's prefix. Fields a layer does
 // not use (the other mixer or MLP kind, a shared indexer, absent biases or shared expert) are
 // visited too, undefined. The loader, the gradient buffers, fsdp's flat layout and sequence
 // parallel's head slicing all read this list.
-
-// The MLA projections of a DSA layer (or of the MTP layer).
-template <typename A, typename B, typename F>
-void zip_mla_params(A& a, B& b, F&& f) {
-  const ParamGroup g = ParamGroup::dsa;
-  f("self_attn.q_a_proj.weight", g, a.q_a_proj, b.q_a_proj);
-  f("self_attn.q_a_proj.bias", g, a.q_a_proj_bias, b.q_a_proj_bias);
-  f("self_attn.q_a_layernorm.weight", g, a.q_a_layernorm, b.q_a_layernorm);
-  f("self_attn.q_b_proj.weight", g, a.q_b_proj, b.q_b_proj);
-  f("self_attn.kv_a_proj_with_mqa.weight", g, a.kv_a_proj_with_mqa, b.kv_a_proj_with_mqa);
-  f("self_attn.kv_a_proj_with_mqa.bias", g, a.kv_a_proj_with_mqa_bias, b.kv_a_proj_with_mqa_bias);
-  f("self_attn.kv_a_layernorm.weight", g, a.kv_a_layernorm, b.kv_a_layernorm);
-  f("self_attn.kv_b_proj.weight", g, a.kv_b_proj, b.kv_b_proj);
-  f("self_attn.o_proj.weight", g, a.o_proj, b.o_proj);
-  f("self_attn.o_proj.bias", g, a.o_proj_bias, b.o_proj_bias);
-}
-
-// A DSA layer's MLA projections and indexer.
-template <typename A, typename B, typename F>
-void zip_dsa_params(A& a, B& b, F&& f) {
-  const ParamGroup g = ParamGroup::dsa;
-  zip_mla_params(a.mla, b.mla, f);
-  auto &xa = a.indexer, &xb = b.indexer;
-  f("self_attn.indexer.wq_b.weight", g, xa.wq_b, xb.wq_b);
-  f("self_attn.indexer.wk.weight", g, xa.wk, xb.wk);
-  f("self_attn.indexer.k_norm.weight", g, xa.k_norm_weight, xb.k_norm_weight);
-  f("self_attn.indexer.k_norm.bias", g, xa.k_norm_bias, xb.k_norm_bias);
-  f("self_attn.indexer.weights_proj.weight", g, xa.weights_proj, xb.weights_proj);
-  f("self_attn.indexer.index_kpool_compress_ape", g, xa.kpool_ape, xb.kpool_ape);
-  f("self_attn.indexer.index_kpool_compress_gate", g, xa.kpool_gate, xb.kpool_gate);
-}
-
-// A KDA mixer's parameters (KdaParams' fields; the q/k/v convs as the fused conv1d).
-template <typename A, typename B, typename F>
-void zip_kda_params(A& a, B& b, F&& f) {
-  const ParamGroup g = ParamGroup::kda;
-  f("self_attn.q_proj.weight", g, a.q_proj, b.q_proj);
-  f("self_attn.k_proj.weight", g, a.k_proj, b.k_proj);
-  f("self_attn.v_proj.weight", g, a.v_proj, b.v_proj);
-  f("self_attn.conv1d.weight", g, a.conv1d, b.conv1d);
-  f("self_attn.f_a_proj.weight", g, a.f_a_proj, b.f_a_proj);
-  f("self_attn.f_b_proj.weight", g, a.f_b_proj, b.f_b_proj);
-  f("self_attn.dt_bias", g, a.dt_bias, b.dt_bias);
-  f("self_attn.A_log", g, a.A_log, b.A_log);
-  f("self_attn.b_proj.weight", g, a.b_proj, b.b_proj);
-  f("self_attn.g_a_proj.weight", g, a.g_a_proj, b.g_a_proj);
-  f("self_attn.g_b_proj.weight", g, a.g_b_proj, b.g_b_proj);
-  f("self_attn.o_norm.weight", g, a.o_norm, b.o_norm);
-  f("self_attn.o_proj.weight", g, a.o_proj, b.o_proj);
-}
-
-// A clamped SwiGLU MLP under `prefix` ("mlp." dense, "mlp.shared_experts." the shared expert).
-template <typename A, typename B, typename F>
-void zip_mlp_params(const std::string& prefix, ParamGroup g, A& a, B& b, F&& f) {
-  f(prefix + "gate_proj.weight", g, a.gate_proj, b.gate_proj);
-  f(prefix + "up_proj.weight", g, a.up_proj, b.up_proj);
-  f(prefix + "down_proj.weight", g, a.down_proj, b.down_proj);
-}
-
-template <typename A, typename B, typename F>
-void zip_moe_params(A& a, B& b, F&& f) {
-  const ParamGroup g = ParamGroup::moe;
-  f("mlp.gate.weight", g, a.router_weight, b.router_weight);
-  f("mlp.gate.e_score_correction_bias", g, a.e_score_correction_bias, b.e_score_correction_bias);
-  f("mlp.experts.gate_up_proj", g, a.gate_up_proj, b.gate_up_proj);
-  f("mlp.experts.down_proj", g, a.down_proj, b.down_proj);
-  zip_mlp_params("mlp.shared_experts.", g, a.shared, b.shared, f);
-}
 
 template <typename A, typename B, typename F>
 void zip_layer_params(A& a, B& b, F&& f) {
@@ -158,10 +105,10 @@ void zip_layer_params(A& a, B& b, F&& f) {
   f("hc_ffn_fn", g, a.ffn_hc.fn, b.ffn_hc.fn);
   f("hc_ffn_base", g, a.ffn_hc.base, b.ffn_hc.base);
   f("hc_ffn_scale", g, a.ffn_hc.scale, b.ffn_hc.scale);
-  zip_kda_params(a.kda, b.kda, f);
+  ops::zip_kda_params(a.kda, b.kda, in_group("self_attn.", ParamGroup::kda, f));
   zip_dsa_params(a.dsa, b.dsa, f);
-  zip_mlp_params("mlp.", ParamGroup::dense_mlp, a.dense, b.dense, f);
-  zip_moe_params(a.moe, b.moe, f);
+  ops::zip_mlp_params(a.dense, b.dense, in_group("mlp.", ParamGroup::dense_mlp, f));
+  ops::zip_moe_params(a.moe, b.moe, in_group("mlp.", ParamGroup::moe, f));
 }
 
 // The MTP layer's parameters (MtpWeights' fields, or MtpGrads'), names under its layer prefix.
@@ -175,7 +122,7 @@ void zip_mtp_params(A& a, B& b, F&& f) {
   f("post_attention_layernorm.weight", g, a.post_attention_layernorm, b.post_attention_layernorm);
   f("shared_head.norm.weight", g, a.shared_head_norm, b.shared_head_norm);
   zip_dsa_params(a.dsa, b.dsa, f);
-  zip_moe_params(a.moe, b.moe, f);
+  ops::zip_moe_params(a.moe, b.moe, in_group("mlp.", ParamGroup::moe, f));
 }
 
 // One struct's fields: f(name, field).

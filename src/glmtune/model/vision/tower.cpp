@@ -284,7 +284,8 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
                              ctx ? &ctx->ln_mean : nullptr, ctx ? &ctx->ln_rstd : nullptr);
   if (ctx) ctx->ln_out = h.clone();
   gelu_erf<T>(h);
-  ops::MlpParams mlp{params.merger_gate, params.merger_up, params.merger_down};
+  ops::MlpParams mlp{ops::Linear(params.merger_gate), ops::Linear(params.merger_up),
+                     ops::Linear(params.merger_down)};
   if (ctx) {
     ctx->post_normed = x;
     ctx->downsampled = out.last_hidden_state;
@@ -403,13 +404,15 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
   auto grad_of = [](bool train, Tensor& t) { return train ? &t : nullptr; };
 
   // Merger: clamped SwiGLU <- GELU <- LayerNorm <- proj; then the downsample.
-  ops::MlpParams mlp{params.merger_gate, params.merger_up, params.merger_down};
+  ops::MlpParams mlp{ops::Linear(params.merger_gate), ops::Linear(params.merger_up),
+                     ops::Linear(params.merger_down)};
   const bool need_dx = options.train_tower || options.pixel_grad;
   if (!proj && !need_dx) return Tensor();
   const Tensor dy = d_pooler.to(params.dtype).contiguous();
   Tensor dh;
   if (proj) {
-    ops::MlpParams mlp_grads{g.merger_gate, g.merger_up, g.merger_down};
+    ops::MlpParams mlp_grads{ops::Linear(g.merger_gate), ops::Linear(g.merger_up),
+                             ops::Linear(g.merger_down)};
     dh = ops::mlp_backward(mlp, ctx.merger, dy, limit, mlp_grads);
   } else {
     // Frozen projector: the same chain without any weight gradient.

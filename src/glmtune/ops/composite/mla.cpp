@@ -36,16 +36,16 @@ void check_mla(const MlaConfig& cfg, const MlaParams& params, const Tensor& x) {
                  "MLA config dimensions must be positive");
   const int64_t dim = x.size(1), nh = cfg.n_heads, rq = cfg.q_lora_rank, rkv = cfg.kv_lora_rank;
   const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-  check_param(params.q_a_proj, {rq, dim}, x, "q_a_proj.weight");
-  check_optional_param(params.q_a_proj_bias, {rq}, x, "q_a_proj.bias");
+  check_param(params.q_a_proj.weight, {rq, dim}, x, "q_a_proj.weight");
+  check_optional_param(params.q_a_proj.bias, {rq}, x, "q_a_proj.bias");
   check_param(params.q_a_layernorm, {rq}, x, "q_a_layernorm.weight");
-  check_param(params.q_b_proj, {nh * dn, rq}, x, "q_b_proj.weight");
-  check_param(params.kv_a_proj_with_mqa, {rkv, dim}, x, "kv_a_proj_with_mqa.weight");
-  check_optional_param(params.kv_a_proj_with_mqa_bias, {rkv}, x, "kv_a_proj_with_mqa.bias");
+  check_param(params.q_b_proj.weight, {nh * dn, rq}, x, "q_b_proj.weight");
+  check_param(params.kv_a_proj_with_mqa.weight, {rkv, dim}, x, "kv_a_proj_with_mqa.weight");
+  check_optional_param(params.kv_a_proj_with_mqa.bias, {rkv}, x, "kv_a_proj_with_mqa.bias");
   check_param(params.kv_a_layernorm, {rkv}, x, "kv_a_layernorm.weight");
-  check_param(params.kv_b_proj, {nh * (dn + dv), rkv}, x, "kv_b_proj.weight");
-  check_param(params.o_proj, {dim, nh * dv}, x, "o_proj.weight");
-  check_optional_param(params.o_proj_bias, {dim}, x, "o_proj.bias");
+  check_param(params.kv_b_proj.weight, {nh * (dn + dv), rkv}, x, "kv_b_proj.weight");
+  check_param(params.o_proj.weight, {dim, nh * dv}, x, "o_proj.weight");
+  check_optional_param(params.o_proj.bias, {dim}, x, "o_proj.bias");
 }
 
 // The query side: q_a, its norm (q_resid, the indexer's input) and q, into ctx.
@@ -53,22 +53,22 @@ void query(const MlaConfig& cfg, const MlaParams& params, const Tensor& x, MlaCo
   check_mla(cfg, params, x);
   ctx = MlaContext{};
   ctx.x = x;
-  ctx.q_a = linear(x, params.q_a_proj, params.q_a_proj_bias);
+  ctx.q_a = linear(x, params.q_a_proj.weight, params.q_a_proj.bias);
   ctx.proj.q_resid = rms_norm(ctx.q_a, params.q_a_layernorm, cfg.rms_norm_eps, &ctx.q_rstd);
-  ctx.proj.q = linear(ctx.proj.q_resid, params.q_b_proj)
+  ctx.proj.q = linear(ctx.proj.q_resid, params.q_b_proj.weight)
                    .view({x.size(0), cfg.n_heads, cfg.qk_nope_head_dim});
 }
 
 // The key side and the attention over `indices`, after `query`.
 MlaOutput attend(const MlaConfig& cfg, const MlaParams& params, const Tensor& indices,
                  const Tensor& cu_seqlens, MlaContext& ctx) {
-  ctx.kv_a = linear(ctx.x, params.kv_a_proj_with_mqa, params.kv_a_proj_with_mqa_bias);
+  ctx.kv_a = linear(ctx.x, params.kv_a_proj_with_mqa.weight, params.kv_a_proj_with_mqa.bias);
   ctx.latent = rms_norm(ctx.kv_a, params.kv_a_layernorm, cfg.rms_norm_eps, &ctx.kv_rstd);
   ctx.indices = indices;
   ctx.cu_seqlens = cu_seqlens;
-  ctx.attn = mla_attention(cfg, params.kv_b_proj, indices, cu_seqlens, ctx);
+  ctx.attn = mla_attention(cfg, params.kv_b_proj.weight, indices, cu_seqlens, ctx);
   MlaOutput out;
-  out.y = linear(ctx.attn, params.o_proj, params.o_proj_bias);
+  out.y = linear(ctx.attn, params.o_proj.weight, params.o_proj.bias);
   out.proj = ctx.proj;
   out.attn = ctx.attn;
   return out;
@@ -101,10 +101,10 @@ MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const 
   // With qk_rope_head_dim = 0 the latent is all of kv_a's output and no shared rotary key is
   // appended: every head's key is just its k_nope slice.
   const Tensor latent =
-      rms_norm(linear(x, params.kv_a_proj_with_mqa, params.kv_a_proj_with_mqa_bias),
+      rms_norm(linear(x, params.kv_a_proj_with_mqa.weight, params.kv_a_proj_with_mqa.bias),
                params.kv_a_layernorm, cfg.rms_norm_eps);
   const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-  const Tensor kv = linear(latent, params.kv_b_proj).view({x.size(0), cfg.n_heads, dn + dv});
+  const Tensor kv = linear(latent, params.kv_b_proj.weight).view({x.size(0), cfg.n_heads, dn + dv});
   MlaProjections p = std::move(ctx.proj);
   p.k = kv.narrow(2, 0, dn).contiguous();
   p.v = kv.narrow(2, dn, dv).contiguous();
@@ -199,23 +199,25 @@ Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaCont
   GLMTUNE_ASSERT(dy.defined() && dy.shape() == ctx.x.shape() && dy.dtype() == ctx.x.dtype() &&
                      dy.device() == ctx.x.device(),
                  "mla_backward: dy {} must match the input {}", describe(dy), ctx.x.str());
-  const Tensor d_attn = linear_backward(dy, ctx.attn, params.o_proj, &grads.o_proj,
-                                        bias_grad(params.o_proj_bias, grads.o_proj_bias));
+  const Tensor d_attn = linear_backward(dy, ctx.attn, params.o_proj.weight, &grads.o_proj.weight,
+                                        bias_grad(params.o_proj.bias, grads.o_proj.bias));
   const MlaAttentionGrads ga =
-      mla_attention_backward(cfg, params.kv_b_proj, ctx, d_attn, &grads.kv_b_proj);
+      mla_attention_backward(cfg, params.kv_b_proj.weight, ctx, d_attn, &grads.kv_b_proj.weight);
   // kv_a_layernorm and q_b_proj, q_a_layernorm with the forward's saved statistics. The indexer
   // also reads q_resid (and x) but, running without gradient, adds nothing to either.
   const Tensor d_kv_a = rms_norm_backward(ga.latent, ctx.kv_a, params.kv_a_layernorm,
                                           cfg.rms_norm_eps, ctx.kv_rstd, &grads.kv_a_layernorm);
-  const Tensor d_qresid = linear_backward(ga.q, ctx.proj.q_resid, params.q_b_proj, &grads.q_b_proj);
+  const Tensor d_qresid =
+      linear_backward(ga.q, ctx.proj.q_resid, params.q_b_proj.weight, &grads.q_b_proj.weight);
   const Tensor d_q_a = rms_norm_backward(d_qresid, ctx.q_a, params.q_a_layernorm, cfg.rms_norm_eps,
                                          ctx.q_rstd, &grads.q_a_layernorm);
   // dx from both projections of x, summed in gradient_sum_dtype and rounded once.
   Tensor dx;
-  linear_backward_add(dx, d_kv_a, ctx.x, params.kv_a_proj_with_mqa, &grads.kv_a_proj_with_mqa,
-                      bias_grad(params.kv_a_proj_with_mqa_bias, grads.kv_a_proj_with_mqa_bias));
-  linear_backward_add(dx, d_q_a, ctx.x, params.q_a_proj, &grads.q_a_proj,
-                      bias_grad(params.q_a_proj_bias, grads.q_a_proj_bias));
+  linear_backward_add(dx, d_kv_a, ctx.x, params.kv_a_proj_with_mqa.weight,
+                      &grads.kv_a_proj_with_mqa.weight,
+                      bias_grad(params.kv_a_proj_with_mqa.bias, grads.kv_a_proj_with_mqa.bias));
+  linear_backward_add(dx, d_q_a, ctx.x, params.q_a_proj.weight, &grads.q_a_proj.weight,
+                      bias_grad(params.q_a_proj.bias, grads.q_a_proj.bias));
   return dx.to(ctx.x.dtype());
 }
 

@@ -11,19 +11,20 @@ namespace {
 // The three projections are present, on x's device, and agree on I and D: gate, up [I, D],
 // down [D, I].
 void check_mlp_params(const MlpParams& params, const Tensor& x, const char* op) {
-  GLMTUNE_ASSERT(
-      params.gate_proj.defined() && params.up_proj.defined() && params.down_proj.defined(),
-      "{}: MLP parameters are incomplete", op);
-  GLMTUNE_ASSERT(params.gate_proj.shape() == params.up_proj.shape() &&
-                     params.gate_proj.dim() == 2 && params.down_proj.dim() == 2 &&
-                     params.down_proj.size(1) == params.gate_proj.size(0) &&
-                     params.down_proj.size(0) == params.gate_proj.size(1),
-                 "{}: MLP shapes disagree: gate {} up {} down {}", op, params.gate_proj.str(),
-                 params.up_proj.str(), params.down_proj.str());
-  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && x.size(-1) == params.gate_proj.size(1) &&
-                     x.device() == params.gate_proj.device(),
+  GLMTUNE_ASSERT(params.gate_proj.weight.defined() && params.up_proj.weight.defined() &&
+                     params.down_proj.weight.defined(),
+                 "{}: MLP parameters are incomplete", op);
+  GLMTUNE_ASSERT(params.gate_proj.weight.shape() == params.up_proj.weight.shape() &&
+                     params.gate_proj.weight.dim() == 2 && params.down_proj.weight.dim() == 2 &&
+                     params.down_proj.weight.size(1) == params.gate_proj.weight.size(0) &&
+                     params.down_proj.weight.size(0) == params.gate_proj.weight.size(1),
+                 "{}: MLP shapes disagree: gate {} up {} down {}", op,
+                 params.gate_proj.weight.str(), params.up_proj.weight.str(),
+                 params.down_proj.weight.str());
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && x.size(-1) == params.gate_proj.weight.size(1) &&
+                     x.device() == params.gate_proj.weight.device(),
                  "{}: input {} does not match the parameters {}", op,
-                 x.defined() ? x.str() : "undefined", params.gate_proj.str());
+                 x.defined() ? x.str() : "undefined", params.gate_proj.weight.str());
 }
 
 }  // namespace
@@ -32,9 +33,9 @@ Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit
   GLMTUNE_TIME_OP("mlp_forward", x);
   check_mlp_params(params, x, "mlp_forward");
   ctx.x = x;
-  ctx.gate = linear(x, params.gate_proj);
-  ctx.up = linear(x, params.up_proj);
-  return linear(swiglu_clamped(ctx.gate, ctx.up, swiglu_limit), params.down_proj);
+  ctx.gate = linear(x, params.gate_proj.weight);
+  ctx.up = linear(x, params.up_proj.weight);
+  return linear(swiglu_clamped(ctx.gate, ctx.up, swiglu_limit), params.down_proj.weight);
 }
 
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit) {
@@ -54,13 +55,13 @@ Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor
                  dy.defined() ? dy.str() : std::string("undefined"), ctx.x.str());
   // The activation is recomputed from the saved projections rather than kept.
   const Tensor act = swiglu_clamped(ctx.gate, ctx.up, swiglu_limit);
-  const Tensor d_act = linear_backward(dy, act, params.down_proj, &grads.down_proj);
+  const Tensor d_act = linear_backward(dy, act, params.down_proj.weight, &grads.down_proj.weight);
   Tensor d_gate, d_up;
   swiglu_clamped_backward(ctx.gate, ctx.up, d_act, swiglu_limit, d_gate, d_up);
   // dx = d_gate Wg + d_up Wu, summed in gradient_sum_dtype and rounded once.
   Tensor dx;
-  linear_backward_add(dx, d_gate, ctx.x, params.gate_proj, &grads.gate_proj);
-  linear_backward_add(dx, d_up, ctx.x, params.up_proj, &grads.up_proj);
+  linear_backward_add(dx, d_gate, ctx.x, params.gate_proj.weight, &grads.gate_proj.weight);
+  linear_backward_add(dx, d_up, ctx.x, params.up_proj.weight, &grads.up_proj.weight);
   return dx.to(ctx.x.dtype());
 }
 

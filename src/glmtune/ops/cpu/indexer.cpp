@@ -34,11 +34,12 @@ void indexer_kernel(const IndexerConfig& cfg, const IndexerParams& params, const
   const bool tail = cfg.always_select_tail && pool > 1;
 
   // Projections over the whole pack: they are per-token, so documents do not interact here.
-  const Tensor q_t = linear(q_resid, params.wq_b);  // [T, IH·ID]
-  const Tensor k_t = layer_norm(linear(x, params.wk), params.k_norm_weight, params.k_norm_bias,
-                                kKeyNormEps);         // [T, ID]
-  const Tensor g_t = linear(x, params.kpool_gate);    // [T, ID]
-  const Tensor w_t = linear(x, params.weights_proj);  // [T, IH]
+  const Tensor q_t = linear(q_resid, params.wq_b.weight);  // [T, IH·ID]
+  const Tensor k_t =
+      layer_norm(linear(x, params.wk.weight), params.k_norm_weight, params.k_norm_bias,
+                 kKeyNormEps);                               // [T, ID]
+  const Tensor g_t = linear(x, params.kpool_gate);           // [T, ID]
+  const Tensor w_t = linear(x, params.weights_proj.weight);  // [T, IH]
   const Tensor ape_t = params.kpool_ape.contiguous();
   const T* q = q_t.data<T>();
   const T* k = k_t.data<T>();
@@ -184,11 +185,11 @@ Tensor indexer_forward(const IndexerConfig& cfg, const IndexerParams& params, co
                  "indexer q_resid {} does not match input {}", describe(q_resid), x.str());
   const DType dt = x.dtype();
   const int64_t dim = x.size(1), rank = q_resid.size(1), id = cfg.head_dim, ih = cfg.n_heads;
-  check_param(params.wq_b, {ih * id, rank}, dt, "wq_b.weight");
-  check_param(params.wk, {id, dim}, dt, "wk.weight");
+  check_param(params.wq_b.weight, {ih * id, rank}, dt, "wq_b.weight");
+  check_param(params.wk.weight, {id, dim}, dt, "wk.weight");
   check_param(params.k_norm_weight, {id}, dt, "k_norm.weight");
   check_param(params.k_norm_bias, {id}, dt, "k_norm.bias");
-  check_param(params.weights_proj, {ih, dim}, dt, "weights_proj.weight");
+  check_param(params.weights_proj.weight, {ih, dim}, dt, "weights_proj.weight");
   check_param(params.kpool_ape, {cfg.kpool, id}, dt, "index_kpool_compress_ape");
   check_param(params.kpool_gate, {id, dim}, dt, "index_kpool_compress_gate");
   const std::vector<int64_t> bounds = read_cu_seqlens(cu_seqlens, x.size(0), "indexer");

@@ -222,7 +222,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, nullptr));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
-  out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
+  out.y = moe_experts(cfg, params.gate_up_proj.weight, params.down_proj.weight, x, out.routing);
   // The shared expert sees the same input and is added after the routed sum, as the reference.
   const Tensor shared = mlp_forward(params.shared, x, cfg.swiglu_limit);
   add_into(out.y, shared);

@@ -96,16 +96,16 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
   const Tensor x = ctx.x.contiguous();
   const Tensor dy = dy_in.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
-  const Tensor gate_up = params.gate_up_proj.contiguous();
-  const Tensor down = params.down_proj.contiguous();
+  const Tensor gate_up = params.gate_up_proj.weight.contiguous();
+  const Tensor down = params.down_proj.weight.contiguous();
   const Tensor router = params.router_weight.contiguous();
   const int64_t inter = down.size(2);
   // Frozen experts: no buffer, and each expert's backward computes its input gradient only.
-  const Tensor d_gate_up = gate_up.frozen()
-                               ? Tensor()
-                               : moe_grad_slot(grads.gate_up_proj, gate_up, "experts.gate_up_proj");
+  const Tensor d_gate_up =
+      gate_up.frozen() ? Tensor()
+                       : moe_grad_slot(grads.gate_up_proj.weight, gate_up, "experts.gate_up_proj");
   const Tensor d_down =
-      down.frozen() ? Tensor() : moe_grad_slot(grads.down_proj, down, "experts.down_proj");
+      down.frozen() ? Tensor() : moe_grad_slot(grads.down_proj.weight, down, "experts.down_proj");
 
   const Tensor idx_t = ctx.routing.indices.contiguous();
   const Tensor w_t = ctx.routing.weights.contiguous();
@@ -195,7 +195,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, &ctx));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
-  out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
+  out.y = moe_experts(cfg, params.gate_up_proj.weight, params.down_proj.weight, x, out.routing);
   // Shared expert last, as in the reference (and as moe_forward without a context).
   const Tensor shared = mlp_forward(params.shared, x, cfg.swiglu_limit, ctx.shared);
   add_into(out.y, shared);
@@ -238,18 +238,19 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeCont
                      params.router_weight.size(1) == dim,
                  "router weight {} does not match {} experts and input {}",
                  describe(params.router_weight), cfg.n_experts, ctx.x.str());
-  GLMTUNE_ASSERT(params.gate_up_proj.defined() && params.down_proj.defined() &&
-                     params.gate_up_proj.dim() == 3 && params.down_proj.dim() == 3 &&
-                     params.gate_up_proj.dtype() == dt && params.down_proj.dtype() == dt,
-                 "experts need gate_up_proj [E, 2Im, D] and down_proj [E, D, Im] in {}",
-                 dtype_name(dt));
-  const int64_t inter = params.down_proj.size(2);
-  GLMTUNE_ASSERT(params.gate_up_proj.size(0) == cfg.n_experts &&
-                     params.down_proj.size(0) == cfg.n_experts &&
-                     params.gate_up_proj.size(1) == 2 * inter &&
-                     params.gate_up_proj.size(2) == dim && params.down_proj.size(1) == dim,
-                 "experts gate_up_proj {} / down_proj {} do not match {} experts and input {}",
-                 params.gate_up_proj.str(), params.down_proj.str(), cfg.n_experts, ctx.x.str());
+  GLMTUNE_ASSERT(
+      params.gate_up_proj.weight.defined() && params.down_proj.weight.defined() &&
+          params.gate_up_proj.weight.dim() == 3 && params.down_proj.weight.dim() == 3 &&
+          params.gate_up_proj.weight.dtype() == dt && params.down_proj.weight.dtype() == dt,
+      "experts need gate_up_proj [E, 2Im, D] and down_proj [E, D, Im] in {}", dtype_name(dt));
+  const int64_t inter = params.down_proj.weight.size(2);
+  GLMTUNE_ASSERT(
+      params.gate_up_proj.weight.size(0) == cfg.n_experts &&
+          params.down_proj.weight.size(0) == cfg.n_experts &&
+          params.gate_up_proj.weight.size(1) == 2 * inter &&
+          params.gate_up_proj.weight.size(2) == dim && params.down_proj.weight.size(1) == dim,
+      "experts gate_up_proj {} / down_proj {} do not match {} experts and input {}",
+      params.gate_up_proj.weight.str(), params.down_proj.weight.str(), cfg.n_experts, ctx.x.str());
   if (d_router_logits.defined())
     GLMTUNE_ASSERT(
         d_router_logits.dtype() == dt && d_router_logits.shape() == ctx.routing.logits.shape(),

@@ -183,11 +183,11 @@ Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& 
                           "cuda::indexer_forward: q_resid " + detail::describe(q_resid) +
                               " must be contiguous [T, Rq] of x's dtype");
   const int64_t ih = cfg.n_heads, id = cfg.head_dim, pool = cfg.kpool;
-  check_param(params.wq_b, {ih * id, q_resid.size(1)}, x, "wq_b.weight");
-  check_param(params.wk, {id, dim}, x, "wk.weight");
+  check_param(params.wq_b.weight, {ih * id, q_resid.size(1)}, x, "wq_b.weight");
+  check_param(params.wk.weight, {id, dim}, x, "wk.weight");
   check_param(params.k_norm_weight, {id}, x, "k_norm.weight");
   check_param(params.k_norm_bias, {id}, x, "k_norm.bias");
-  check_param(params.weights_proj, {ih, dim}, x, "weights_proj.weight");
+  check_param(params.weights_proj.weight, {ih, dim}, x, "weights_proj.weight");
   check_param(params.kpool_ape, {pool, id}, x, "index_kpool_compress_ape");
   check_param(params.kpool_gate, {id, dim}, x, "index_kpool_compress_gate");
   const std::vector<int64_t> bounds = ops::read_cu_seqlens(cu_seqlens, tokens, "cuda indexer");
@@ -202,8 +202,8 @@ Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& 
   const bool tail = cfg.always_select_tail && pool > 1;
 
   // Per-token projections in fp32 over the whole pack.
-  const Tensor q = linear(q_resid, params.wq_b, Tensor(), DType::f32, stream);  // [T, IH·ID]
-  Tensor k = linear(x, params.wk, Tensor(), DType::f32, stream);                // [T, ID]
+  const Tensor q = linear(q_resid, params.wq_b.weight, Tensor(), DType::f32, stream);  // [T, IH·ID]
+  Tensor k = linear(x, params.wk.weight, Tensor(), DType::f32, stream);                // [T, ID]
   const bool f32_params = x.dtype() == DType::f32;
   if (f32_params)
     layer_norm_f32_kernel<<<blocks_for(tokens * 32), kThreads, 0, stream>>>(
@@ -214,8 +214,8 @@ Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& 
         k.data<float>(), tokens, int(id), static_cast<const bf16*>(params.k_norm_weight.data_ptr()),
         static_cast<const bf16*>(params.k_norm_bias.data_ptr()), kKeyNormEps);
   GLMTUNE_CUDA_CHECK_LAUNCH();
-  const Tensor g = linear(x, params.kpool_gate, Tensor(), DType::f32, stream);     // [T, ID]
-  const Tensor hw = linear(x, params.weights_proj, Tensor(), DType::f32, stream);  // [T, IH]
+  const Tensor g = linear(x, params.kpool_gate, Tensor(), DType::f32, stream);            // [T, ID]
+  const Tensor hw = linear(x, params.weights_proj.weight, Tensor(), DType::f32, stream);  // [T, IH]
 
   // Complete pools of every document, numbered across the pack.
   std::vector<int32_t> pool_first;

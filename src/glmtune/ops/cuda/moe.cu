@@ -578,30 +578,30 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
                            cudaStream_t stream) {
   check_config(cfg);
   check_x(x, "cuda::moe_forward");
-  check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
+  check_expert_weights(cfg, params.gate_up_proj.weight, params.down_proj.weight, x);
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1);
   const int64_t shared_inter =
-      params.shared.gate_proj.defined() ? params.shared.gate_proj.size(0) : 0;
-  check_like_x(params.shared.gate_proj, {shared_inter, dim}, x, "shared gate_proj");
-  check_like_x(params.shared.up_proj, {shared_inter, dim}, x, "shared up_proj");
-  check_like_x(params.shared.down_proj, {dim, shared_inter}, x, "shared down_proj");
+      params.shared.gate_proj.weight.defined() ? params.shared.gate_proj.weight.size(0) : 0;
+  check_like_x(params.shared.gate_proj.weight, {shared_inter, dim}, x, "shared gate_proj");
+  check_like_x(params.shared.up_proj.weight, {shared_inter, dim}, x, "shared up_proj");
+  check_like_x(params.shared.down_proj.weight, {dim, shared_inter}, x, "shared down_proj");
   detail::DeviceGuard guard(dev.index);
 
   ops::MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x, stream);
   ExpertPermutation perm = moe_permute(out.routing.indices, cfg.n_experts, stream);
-  const ExpertActivations a =
-      run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
+  const ExpertActivations a = run_experts(cfg, params.gate_up_proj.weight, params.down_proj.weight,
+                                          x, perm, backend, stream);
 
   // Shared expert: gate | up side by side (kept for the backward), fp32 down output.
   Tensor gate_up = Tensor::empty({rows, 2 * shared_inter}, x.dtype(), dev);
   Tensor gate = gate_up.slice(1, 0, shared_inter),
          up = gate_up.slice(1, shared_inter, 2 * shared_inter);
-  linear_out(gate, x, params.shared.gate_proj, Tensor(), false, stream);
-  linear_out(up, x, params.shared.up_proj, Tensor(), false, stream);
+  linear_out(gate, x, params.shared.gate_proj.weight, Tensor(), false, stream);
+  linear_out(up, x, params.shared.up_proj.weight, Tensor(), false, stream);
   const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
-  const Tensor shared = linear(act, params.shared.down_proj, Tensor(), DType::f32, stream);
+  const Tensor shared = linear(act, params.shared.down_proj.weight, Tensor(), DType::f32, stream);
 
   out.y = Tensor::empty({rows, dim}, x.dtype(), dev);
   combine(a.yp, out.routing.weights, perm.slot_position, int(cfg.top_k),
@@ -732,11 +732,12 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
   const int64_t shared_inter = shared_gate_up.size(1) / 2;
   const DType st = x.dtype();
   Tensor* d_router = trained_buffer(grads.router_weight, params.router_weight, "router weight");
-  Tensor* d_sg =
-      trained_buffer(grads.shared.gate_proj, params.shared.gate_proj, "shared gate_proj");
-  Tensor* d_su = trained_buffer(grads.shared.up_proj, params.shared.up_proj, "shared up_proj");
-  Tensor* d_sd =
-      trained_buffer(grads.shared.down_proj, params.shared.down_proj, "shared down_proj");
+  Tensor* d_sg = trained_buffer(grads.shared.gate_proj.weight, params.shared.gate_proj.weight,
+                                "shared gate_proj");
+  Tensor* d_su =
+      trained_buffer(grads.shared.up_proj.weight, params.shared.up_proj.weight, "shared up_proj");
+  Tensor* d_sd = trained_buffer(grads.shared.down_proj.weight, params.shared.down_proj.weight,
+                                "shared down_proj");
   // Router: combine weights → logits → GEMMs into fp32. bf16 operands take the fp32 logit
   // gradient as two bf16 parts (hi + lo); f32 operands take it whole.
   Tensor d_logits = moe_route_backward(cfg, routing, d_weights, stream);
@@ -791,7 +792,7 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
   const Tensor gate = shared_gate_up.slice(1, 0, shared_inter);
   const Tensor up = shared_gate_up.slice(1, shared_inter, 2 * shared_inter);
   const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
-  const Tensor d_sact = linear_backward_input(dy, params.shared.down_proj, st, stream);
+  const Tensor d_sact = linear_backward_input(dy, params.shared.down_proj.weight, st, stream);
   if (d_sd) linear_backward_weight(*d_sd, dy, act, stream);
   Tensor d_sgu = Tensor::empty({rows, 2 * shared_inter}, st, dev);
   Tensor dsg = d_sgu.slice(1, 0, shared_inter),
@@ -799,8 +800,8 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
   swiglu_clamped_backward(gate, up, d_sact, cfg.swiglu_limit, dsg, dsu, stream);
   if (d_sg) linear_backward_weight(*d_sg, dsg, x, stream);
   if (d_su) linear_backward_weight(*d_su, dsu, x, stream);
-  linear_backward_input_out(dx_f32, dsg, params.shared.gate_proj, true, stream);
-  linear_backward_input_out(dx_f32, dsu, params.shared.up_proj, true, stream);
+  linear_backward_input_out(dx_f32, dsg, params.shared.gate_proj.weight, true, stream);
+  linear_backward_input_out(dx_f32, dsu, params.shared.up_proj.weight, true, stream);
 }
 
 void check_router_logit_grad(const Tensor& d_router_logits, const ops::Routing& routing) {
@@ -813,21 +814,22 @@ void check_router_logit_grad(const Tensor& d_router_logits, const ops::Routing& 
 
 // The shared expert's gate | up before the clamps, [T, 2·Is] in x's dtype.
 Tensor shared_gate_up_of(const ops::MlpParams& shared, const Tensor& x, cudaStream_t stream) {
-  const int64_t shared_inter = shared.gate_proj.size(0);
+  const int64_t shared_inter = shared.gate_proj.weight.size(0);
   Tensor gate_up = Tensor::empty({x.size(0), 2 * shared_inter}, x.dtype(), x.device());
   Tensor gate = gate_up.slice(1, 0, shared_inter),
          up = gate_up.slice(1, shared_inter, 2 * shared_inter);
-  linear_out(gate, x, shared.gate_proj, Tensor(), false, stream);
-  linear_out(up, x, shared.up_proj, Tensor(), false, stream);
+  linear_out(gate, x, shared.gate_proj.weight, Tensor(), false, stream);
+  linear_out(up, x, shared.up_proj.weight, Tensor(), false, stream);
   return gate_up;
 }
 
 void check_shared(const ops::MlpParams& shared, const Tensor& x) {
   const int64_t dim = x.size(1);
-  const int64_t shared_inter = shared.gate_proj.defined() ? shared.gate_proj.size(0) : 0;
-  check_like_x(shared.gate_proj, {shared_inter, dim}, x, "shared gate_proj");
-  check_like_x(shared.up_proj, {shared_inter, dim}, x, "shared up_proj");
-  check_like_x(shared.down_proj, {dim, shared_inter}, x, "shared down_proj");
+  const int64_t shared_inter =
+      shared.gate_proj.weight.defined() ? shared.gate_proj.weight.size(0) : 0;
+  check_like_x(shared.gate_proj.weight, {shared_inter, dim}, x, "shared gate_proj");
+  check_like_x(shared.up_proj.weight, {shared_inter, dim}, x, "shared up_proj");
+  check_like_x(shared.down_proj.weight, {dim, shared_inter}, x, "shared down_proj");
 }
 
 }  // namespace
@@ -841,16 +843,17 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
                           "cuda::moe_backward needs the context filled by cuda::moe_forward");
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1);
-  check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
+  check_expert_weights(cfg, params.gate_up_proj.weight, params.down_proj.weight, x);
   check_like_x(dy, x.shape(), x, "dy");
   check_routing(ctx.routing, rows, cfg.n_experts, cfg.top_k, dev);
   check_router_logit_grad(d_router_logits, ctx.routing);
   detail::DeviceGuard guard(dev.index);
-  Tensor* d_gate_up = trained_buffer(grads.gate_up_proj, params.gate_up_proj, "gate_up_proj");
-  Tensor* d_down = trained_buffer(grads.down_proj, params.down_proj, "down_proj");
+  Tensor* d_gate_up =
+      trained_buffer(grads.gate_up_proj.weight, params.gate_up_proj.weight, "gate_up_proj");
+  Tensor* d_down = trained_buffer(grads.down_proj.weight, params.down_proj.weight, "down_proj");
   const RoutedBackward r =
-      routed_backward(cfg, params.gate_up_proj, params.down_proj, x, ctx.routing, ctx.permutation,
-                      dy, d_gate_up, d_down, backend, stream);
+      routed_backward(cfg, params.gate_up_proj.weight, params.down_proj.weight, x, ctx.routing,
+                      ctx.permutation, dy, d_gate_up, d_down, backend, stream);
   Tensor dx_f32 = Tensor::zeros({rows, dim}, DType::f32, dev);
   router_and_shared_backward(cfg, params, x, ctx.routing, ctx.shared_gate_up, dy, r.d_weights,
                              d_router_logits, grads, dx_f32, stream);
@@ -871,8 +874,8 @@ ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const Tensor& ga
   check_like_x(dy, x.shape(), x, "dy");
   check_routing(routing, x.size(0), cfg.n_experts, cfg.top_k, x.device());
   detail::DeviceGuard guard(x.device().index);
-  Tensor* d_gate_up = trained_buffer(grads.gate_up_proj, gate_up_proj, "gate_up_proj");
-  Tensor* d_down = trained_buffer(grads.down_proj, down_proj, "down_proj");
+  Tensor* d_gate_up = trained_buffer(grads.gate_up_proj.weight, gate_up_proj, "gate_up_proj");
+  Tensor* d_down = trained_buffer(grads.down_proj.weight, down_proj, "down_proj");
   const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream);
   RoutedBackward r = routed_backward(cfg, gate_up_proj, down_proj, x, routing, perm, dy, d_gate_up,
                                      d_down, backend, stream);
