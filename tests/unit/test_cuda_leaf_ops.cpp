@@ -285,32 +285,32 @@ std::vector<LeafRow> leaf_rows() {
              ops::sparse_attention_backward(q, k, v, idx, cu, scale, dout);
          return {{"o", o, 1e-2}, {"dq", g.q, 1e-2}, {"dk", g.k, 1e-2}, {"dv", g.v, 1e-2}};
        }});
-  rows.push_back({"mla_attention", [](const Side& s) -> std::vector<Output> {
-                    // The released latent width: the GPU takes the absorbed form, the CPU the
-                    // per-head one; the same function.
-                    ops::MlaConfig cfg;
-                    cfg.n_heads = 4;
-                    cfg.kv_lora_rank = 512;
-                    cfg.qk_nope_head_dim = 64;
-                    cfg.v_head_dim = 32;
-                    const int64_t T = kDocs.back(), NH = cfg.n_heads;
-                    const Tensor kvb = s.value({NH * (64 + 32), 512}, 140, 1.0 / std::sqrt(512.0));
-                    ops::MlaContext ctx;
-                    ctx.proj.q = s.value({T, NH, 64}, 141);
-                    ctx.latent = s.value({T, 512}, 142);
-                    ctx.indices = s.on(causal_indices(kDocs, 24));
-                    ctx.cu_seqlens = offsets(kDocs);
-                    const Tensor attn =
-                        ops::mla_attention(cfg, kvb, ctx.indices, ctx.cu_seqlens, ctx);
-                    EXPECT_EQ(ctx.attn_latent.defined(), s.gpu) << "the absorbed form on the GPU";
-                    Tensor g_kvb = s.f32({NH * (64 + 32), 512}, 143);
-                    const ops::MlaAttentionGrads g = ops::mla_attention_backward(
-                        cfg, kvb, ctx, s.value({T, NH * 32}, 144), &g_kvb);
-                    return {{"attn", attn, 1e-2},
-                            {"d q", g.q, 1e-2},
-                            {"d latent", g.latent, 1e-2},
-                            {"d kv_b_proj", g_kvb, 1e-2}};
-                  }});
+  rows.push_back(
+      {"mla_attention", [](const Side& s) -> std::vector<Output> {
+         // The released latent width: the GPU takes the absorbed form, the CPU the
+         // per-head one; the same function.
+         ops::MlaConfig cfg;
+         cfg.n_heads = 4;
+         cfg.kv_lora_rank = 512;
+         cfg.qk_nope_head_dim = 64;
+         cfg.v_head_dim = 32;
+         const int64_t T = kDocs.back(), NH = cfg.n_heads;
+         const ops::Linear kvb(s.value({NH * (64 + 32), 512}, 140, 1.0 / std::sqrt(512.0)));
+         ops::MlaContext ctx;
+         ctx.proj.q = s.value({T, NH, 64}, 141);
+         ctx.latent = s.value({T, 512}, 142);
+         ctx.indices = s.on(causal_indices(kDocs, 24));
+         ctx.cu_seqlens = offsets(kDocs);
+         const Tensor attn = ops::mla_attention(cfg, kvb, ctx.indices, ctx.cu_seqlens, ctx);
+         EXPECT_EQ(ctx.attn_latent.defined(), s.gpu) << "the absorbed form on the GPU";
+         ops::Linear g_kvb(s.f32({NH * (64 + 32), 512}, 143));
+         const ops::MlaAttentionGrads g =
+             ops::mla_attention_backward(cfg, kvb, ctx, s.value({T, NH * 32}, 144), &g_kvb);
+         return {{"attn", attn, 1e-2},
+                 {"d q", g.q, 1e-2},
+                 {"d latent", g.latent, 1e-2},
+                 {"d kv_b_proj", g_kvb.weight, 1e-2}};
+       }});
   return rows;
 }
 

@@ -283,6 +283,30 @@ void ParamStore::set_trainable(const std::string& name, bool trainable) {
   params_[it->second].trainable = trainable;
 }
 
+void ParamStore::add_adapter(const std::string& name, Tensor value) {
+  GLMTUNE_ASSERT(!index_.count(name), "adapter '{}' added twice", name);
+  index_[name] = params_.size();
+  InternalParam p;
+  p.name = name;
+  p.shape = value.shape();
+  p.value = std::move(value);
+  p.sources = {name};
+  p.adapter = true;
+  params_.push_back(std::move(p));
+}
+
+void ParamStore::remove_adapters() {
+  std::erase_if(params_, [](const InternalParam& p) { return p.adapter; });
+  index_.clear();
+  for (size_t i = 0; i < params_.size(); ++i) index_[params_[i].name] = i;
+  adapter_scale_.reset();
+}
+
+double ParamStore::adapter_scale() const {
+  GLMTUNE_ASSERT(adapter_scale_.has_value(), "the store holds no adapters");
+  return *adapter_scale_;
+}
+
 namespace {
 
 // The released tensors of internal parameter `p` in the order they are written and laid out in its
@@ -368,12 +392,13 @@ void ParamStore::save(const std::filesystem::path& dir, const WholeValue& whole,
   // The whole sequence up front, so that each tensor is written as soon as it exists.
   std::vector<io::TensorSpec> specs;
   for (const auto& p : params_)
-    for (const std::string& name : released_parts(p)) {
+    for (const std::string& name : p.adapter ? std::vector<std::string>() : released_parts(p)) {
       const ParamSpec& spec = *released.at(name);
       specs.push_back({name, spec.dtype, spec.shape});
     }
   writer.plan_in_order(std::move(specs));
   for (const auto& p : params_) {
+    if (p.adapter) continue;
     const Tensor value = whole(p);
     for_each_released(p, value, [&](const std::string& name, const Tensor& t) {
       writer.put(name, t.to(released.at(name)->dtype).contiguous());
@@ -384,7 +409,8 @@ void ParamStore::save(const std::filesystem::path& dir, const WholeValue& whole,
 }
 
 void ParamStore::visit_for_save(const WholeValue& whole) const {
-  for (const auto& p : params_) whole(p);
+  for (const auto& p : params_)
+    if (!p.adapter) whole(p);
 }
 
 }  // namespace glmtune::model

@@ -76,6 +76,9 @@ struct InternalParam {
   // Loaded as a placeholder: `value` is one element of the storage dtype (a distinct storage, so
   // that code keying tensors by storage still tells them apart), not the tensor's data.
   bool deferred = false;
+  // A low-rank adapter's A or B (model/lora.h): not part of the released layout, so save() skips
+  // it; model/lora.h saves adapters as their own directory.
+  bool adapter = false;
 };
 
 class ParamStore {
@@ -107,6 +110,15 @@ class ParamStore {
   // Whether the optimizer trains parameter `name` (train.freeze turns it off).
   void set_trainable(const std::string& name, bool trainable);
 
+  // Low-rank adapters (model/lora.h): parameters named like the projection they adapt, outside the
+  // released layout. add_adapter appends a trainable one (InternalError for a name taken);
+  // remove_adapters drops them all. adapter_scale is their alpha / r, set while any exist.
+  void add_adapter(const std::string& name, Tensor value);
+  void remove_adapters();
+  bool has_adapters() const { return adapter_scale_.has_value(); }
+  double adapter_scale() const;
+  void set_adapter_scale(double scale) { adapter_scale_ = scale; }
+
   // Elements [begin, begin + count) of internal parameter `name` (the whole tensor, flattened),
   // read from `reader`, the checkpoint this store was loaded from: a [count] tensor in the storage
   // dtype. Only the mapped pages of those elements are touched (of an FP8 weight, the 128-row
@@ -135,6 +147,7 @@ class ParamStore {
  private:
   ModelConfig config_;
   std::optional<ExpertRange> expert_range_;
+  std::optional<double> adapter_scale_;
   std::vector<InternalParam> params_;
   std::map<std::string, size_t> index_;
 };

@@ -13,6 +13,8 @@ namespace glmtune::ops {
 // a += b (one shape; a contiguous). On the CPU both share a dtype; on the GPU b may be bf16 or
 // f32 and the sum is rounded once into a's dtype.
 void add_into(Tensor& a, const Tensor& b);
+// a *= s (a contiguous, f32 or f64; CPU only for now: the adapters' scale).
+void scale_into(Tensor& a, double s);
 // a + b as a new tensor with a's dtype.
 Tensor add(const Tensor& a, const Tensor& b);
 // [a | b] along the last dimension: [T, Da] and [T, Db] -> [T, Da + Db], on a's device.

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "glmtune/tensor/tensor.h"
@@ -44,12 +45,39 @@ struct Linear {
 // visited too. The model's loader, gradient buffers, fsdp's flat layout, sequence parallel's head
 // slicing and the tests all read these lists rather than naming fields themselves.
 
-// One projection: its weight, and its bias when the released layout has one.
+//
+// A visitor that also accepts f(name, a_linear, b_linear, WholeProjection{}) is handed each
+// projection whole, before its tensors (the loader sets an adapter's scale there).
+struct WholeProjection {};
+
+// One projection: its weight, its bias when the released layout has one, and its adapter's A and
+// B under PEFT's names ("<name>.lora_A.weight", "<name>.lora_B.weight").
 template <typename A, typename B, typename F>
 void zip_linear(const std::string& name, A& a, B& b, F&& f, bool with_bias = false) {
+  if constexpr (std::is_invocable_v<F&, const std::string&, A&, B&, WholeProjection>)
+    f(name, a, b, WholeProjection{});
   f(name + ".weight", a.weight, b.weight);
   if (with_bias) f(name + ".bias", a.bias, b.bias);
+  f(name + ".lora_A.weight", a.lora.A, b.lora.A);
+  f(name + ".lora_B.weight", a.lora.B, b.lora.B);
 }
+
+// A visitor of a list under a prefix: f(prefix + name, ...), for tensors and whole projections.
+template <typename F>
+struct Prefixed {
+  F& f;
+  std::string prefix;
+
+  template <typename A, typename B>
+  void operator()(const std::string& name, A& a, B& b) const {
+    f(prefix + name, a, b);
+  }
+  template <typename A, typename B>
+  requires std::is_invocable_v<F&, const std::string&, A&, B&, WholeProjection>
+  void operator()(const std::string& name, A& a, B& b, WholeProjection w) const {
+    f(prefix + name, a, b, w);
+  }
+};
 
 // Row-major GEMM on raw buffers: C = alpha·op(A)·op(B) + beta·C with op(X) = X or X^T.
 // op(A) is [m, k], op(B) is [k, n], C is [m, n]; lda/ldb/ldc are the row strides of the stored
@@ -77,6 +105,19 @@ void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor
 // one must be contiguous with the parameter's shape and dtype.
 Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
                        Tensor* grad_bias = nullptr, bool need_input_grad = true);
+
+// ---- Projections with their bias and adapter (ops/composite/linear.cpp) ----
+// The same three calls on a Linear: the bias is the Linear's, and an adapter adds
+// scale · (x A^T) B^T to the output (computed from the leaf ops: one narrow GEMM into [..., r],
+// one accumulated into y). Its backward recomputes x A^T (r columns) rather than keeping it.
+// Gradients land in the matching fields of `grads` (null: none); the weight's is skipped when the
+// weight is frozen (ops/grad.h), the bias's when the Linear has none, the adapter's when it has
+// none. Without an adapter these are exactly the calls on (weight, bias).
+Tensor linear(const Tensor& x, const Linear& l);
+Tensor linear_backward(const Tensor& dy, const Tensor& x, const Linear& l, Linear* grads,
+                       bool need_input_grad = true);
+void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Linear& l,
+                         Linear* grads);
 
 // Backward of a projection whose input gradient is one term of a sum (the input feeds several
 // projections): dW (and db) accumulate as in linear_backward, and dy W is added to `dx_sum`.

@@ -150,7 +150,8 @@ DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg
 // (Rkv = 512, at most 64 heads) it attends on the latent instead: q_abs = W_kbᵀ q per head, the
 // attention over the shared latent keys, o = W_vb o_lat (ctx.attn_latent, ctx.attn_lse2) — the
 // same function in real arithmetic, without ever forming per-head keys and values.
-Tensor mla_attention(const MlaConfig& cfg, const Tensor& kv_b_proj, const Tensor& indices,
+// An adapter on kv_b_proj takes the per-head form on any device.
+Tensor mla_attention(const MlaConfig& cfg, const Linear& kv_b_proj, const Tensor& indices,
                      const Tensor& cu_seqlens, MlaContext& ctx);
 
 struct MlaAttentionGrads {
@@ -159,10 +160,11 @@ struct MlaAttentionGrads {
 };
 
 // Backward of mla_attention for d attn [T, NH·Dv], in the form its forward ran (read from ctx);
-// kv_b_proj's gradient accumulates into *grad_kv_b_proj (null or frozen: skipped).
-MlaAttentionGrads mla_attention_backward(const MlaConfig& cfg, const Tensor& kv_b_proj,
+// kv_b_proj's gradients accumulate into *grad_kv_b_proj (null: none; a frozen weight: none for
+// it).
+MlaAttentionGrads mla_attention_backward(const MlaConfig& cfg, const Linear& kv_b_proj,
                                          const MlaContext& ctx, const Tensor& d_attn,
-                                         Tensor* grad_kv_b_proj);
+                                         Linear* grad_kv_b_proj);
 
 struct AttentionGrads {
   Tensor q;  // [T, NH, Dqk]

@@ -52,9 +52,7 @@ void zip_moe_params(A& a, B& b, F&& f) {
   f("gate.e_score_correction_bias", a.e_score_correction_bias, b.e_score_correction_bias);
   f("experts.gate_up_proj", a.gate_up_proj.weight, b.gate_up_proj.weight);
   f("experts.down_proj", a.down_proj.weight, b.down_proj.weight);
-  zip_mlp_params(a.shared, b.shared, [&](const std::string& name, auto& x, auto& y) {
-    f("shared_experts." + name, x, y);
-  });
+  zip_mlp_params(a.shared, b.shared, Prefixed<F>{f, "shared_experts."});
 }
 
 struct Routing {

@@ -466,7 +466,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
                      fc.embeddings.defined(),
                  "the backward needs a training context (training_forward, or TextModel::forward "
                  "with SavePolicy::all)");
-  GLMTUNE_ASSERT(grads.layers.size() == w.layers.size() && grads.final_norm.defined(),
+  // (A frozen final norm, as under LoRA, has no buffer: the check is on the layers.)
+  GLMTUNE_ASSERT(grads.layers.size() == w.layers.size(),
                  "gradient buffers were not built for this model (TextGrads::zeros_like)");
   const int64_t tokens = fc.embeddings.size(0);
   BackwardResult result;

@@ -4,6 +4,7 @@
 
 #include <set>
 
+#include "glmtune/base/overloaded.h"
 #include "glmtune/model/layout.h"
 #include "glmtune/tensor/convert.h"
 
@@ -76,11 +77,19 @@ class Loader {
   // holds under `prefix` (the store has exactly the tensors of the layer: own or shared indexer,
   // biases, shared expert; checked against the config when it was loaded).
   void layer(const std::string& prefix, LayerWeights& lw) {
-    zip_layer_params(lw, lw,
-                     [&](const std::string& name, ParamGroup group, Tensor& field, Tensor&) {
-                       if (of_layer_kind(group, lw) && store_.contains(prefix + name))
-                         field = get(prefix + name);
-                     });
+    zip_layer_params(
+        lw, lw,
+        Overloaded{[&](const std::string& name, ParamGroup group, Tensor& field, Tensor&) {
+                     if (of_layer_kind(group, lw) && store_.contains(prefix + name))
+                       field = get(prefix + name);
+                   },
+                   // A projection with an adapter in the store (model/lora.h) takes its scale.
+                   [&](const std::string& name, ParamGroup group, ops::Linear& l, ops::Linear&,
+                       ops::WholeProjection) {
+                     if (of_layer_kind(group, lw) &&
+                         store_.contains(prefix + name + ".lora_A.weight"))
+                       l.lora.scale = store_.adapter_scale();
+                   }});
   }
   void mtp(const std::string& prefix, MtpWeights& m) {
     for_each_mtp_param(m, [&](const std::string& name, Tensor& field) {
@@ -135,6 +144,10 @@ TextWeights load_text_weights(const ParamStore& store, DType dtype, Device devic
                    "the CPU text model computes in f32 or f64, not {}", dtype_name(dtype));
   const TextConfig& c = store.config().text();
   if (device.is_cuda()) check_gpu_geometry(c);
+  if (device.is_cuda() && store.has_adapters())
+    throw Error("LoRA adapters run on the CPU only in this version", "device",
+                "train or evaluate the adapter on the CPU (device = \"cpu\"), or merge it into "
+                "the model first (glmtune merge)");
   TextWeights w;
   w.dtype = dtype;
   w.device = device;

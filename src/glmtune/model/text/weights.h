@@ -11,6 +11,7 @@
 
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -72,12 +73,27 @@ struct TextWeights {
 // layer has (the KDA and MLA output projections share the name self_attn.o_proj.weight).
 enum class ParamGroup { layer, kda, dsa, dense_mlp, moe };
 
-// The ops' lists (ops/linear.h) under a prefix and a group: f(prefix + name, group, a, b).
+// The ops' lists (ops/linear.h) under a prefix and a group: f(prefix + name, group, a, b), and
+// f(prefix + name, group, a, b, WholeProjection) for a visitor that takes whole projections.
 template <typename F>
-auto in_group(const std::string& prefix, ParamGroup group, F& f) {
-  return [&f, prefix, group](const std::string& name, auto& a, auto& b) {
+struct InGroup {
+  F& f;
+  std::string prefix;
+  ParamGroup group;
+
+  template <typename A, typename B>
+  void operator()(const std::string& name, A& a, B& b) const {
     f(prefix + name, group, a, b);
-  };
+  }
+  template <typename A, typename B>
+  requires std::is_invocable_v<F&, const std::string&, ParamGroup, A&, B&, ops::WholeProjection>
+  void operator()(const std::string& name, A& a, B& b, ops::WholeProjection w) const {
+    f(prefix + name, group, a, b, w);
+  }
+};
+template <typename F>
+InGroup<F> in_group(const std::string& prefix, ParamGroup group, F& f) {
+  return {f, prefix, group};
 }
 
 // A DSA layer's MLA projections and indexer.

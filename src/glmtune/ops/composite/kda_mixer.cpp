@@ -86,15 +86,13 @@ Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens
   const Tensor cu = cu_seqlens_for(cu_seqlens, x);
 
   const Tensor conv_w = conv_weight(p, x, ql);
-  Tensor q_in = linear(x, p.q_proj.weight), k_in = linear(x, p.k_proj.weight),
-         v_in = linear(x, p.v_proj.weight);
+  Tensor q_in = linear(x, p.q_proj), k_in = linear(x, p.k_proj), v_in = linear(x, p.v_proj);
   Tensor q = causal_conv1d(q_in, conv_w.slice(0, 0, ql), cu, true).view({t, nl, hl});
   Tensor k = causal_conv1d(k_in, conv_w.slice(0, ql, 2 * ql), cu, true).view({t, nl, hl});
   Tensor v = causal_conv1d(v_in, conv_w.slice(0, 2 * ql, 3 * ql), cu, true).view({t, nl, hl});
 
-  Tensor g = kda_gate(linear(linear(x, p.f_a_proj.weight), p.f_b_proj.weight), p.dt_bias, p.A_log,
-                      o.lower_bound);
-  Tensor beta = kda_beta(linear(x, p.b_proj.weight));
+  Tensor g = kda_gate(linear(linear(x, p.f_a_proj), p.f_b_proj), p.dt_bias, p.A_log, o.lower_bound);
+  Tensor beta = kda_beta(linear(x, p.b_proj));
 
   // The reference normalises q and k inside the kernel, in fp32, after the conv output was
   // rounded to the activation dtype; then scales q by HL^-1/2.
@@ -105,10 +103,10 @@ Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens
                     ? kda_chunked(qn, kn, v, g, beta, cu, scale, o.chunk_size)
                     : kda_recurrent(qn, kn, v, g, beta, cu, scale);
 
-  Tensor gate = linear(linear(x, p.g_a_proj.weight), p.g_b_proj.weight).view({t, nl, hl});
+  Tensor gate = linear(linear(x, p.g_a_proj), p.g_b_proj).view({t, nl, hl});
   Tensor o_rstd;
   Tensor normed = rms_norm_gated(core, p.o_norm, gate, o.rms_eps, GateActivation::sigmoid, &o_rstd);
-  Tensor y = linear(normed.view({t, ql}), p.o_proj.weight);
+  Tensor y = linear(normed.view({t, ql}), p.o_proj);
 
   if (saved) {
     *saved = KdaSaved{};
@@ -153,18 +151,16 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
 
   // y = normed · Wo^T, then the gated o_norm per head.
   const Tensor d_normed =
-      linear_backward(dy, s.normed.reshape({t, ql}), p.o_proj.weight, &grads.o_proj.weight)
-          .view({t, nl, hl});
+      linear_backward(dy, s.normed.reshape({t, ql}), p.o_proj, &grads.o_proj).view({t, nl, hl});
   const RmsNormGatedGrads dn =
       rms_norm_gated_backward(d_normed, s.core, p.o_norm, s.gate, o.rms_eps,
                               GateActivation::sigmoid, s.o_rstd, &grads.o_norm);
   // gate = g_b(g_a(x)); g_a(x) is HL wide and recomputed. Every projection of x adds its term to
   // dx, summed in gradient_sum_dtype and rounded once at the end.
   Tensor dx;
-  const Tensor ga = linear(x, p.g_a_proj.weight);
-  const Tensor d_ga =
-      linear_backward(dn.dgate.reshape({t, ql}), ga, p.g_b_proj.weight, &grads.g_b_proj.weight);
-  linear_backward_add(dx, d_ga, x, p.g_a_proj.weight, &grads.g_a_proj.weight);
+  const Tensor ga = linear(x, p.g_a_proj);
+  const Tensor d_ga = linear_backward(dn.dgate.reshape({t, ql}), ga, p.g_b_proj, &grads.g_b_proj);
+  linear_backward_add(dx, d_ga, x, p.g_a_proj, &grads.g_a_proj);
 
   // The core on q, k normalised again by the same kernel the forward ran.
   const Tensor qn = l2_norm(s.q, o.l2_eps), kn = l2_norm(s.k, o.l2_eps);
@@ -174,17 +170,17 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
 
   // β = σ(x Wb^T); the logit gradient is rounded to the activation dtype for the GEMMs, as
   // autograd in bf16 does.
-  linear_backward_add(dx, kda_beta_backward(s.beta, dc.dbeta).to(x.dtype()), x, p.b_proj.weight,
-                      &grads.b_proj.weight);
+  linear_backward_add(dx, kda_beta_backward(s.beta, dc.dbeta).to(x.dtype()), x, p.b_proj,
+                      &grads.b_proj);
 
   // g = gate(f_b(f_a(x)) + dt_bias, A_log); the two narrow projections are recomputed.
   {
-    const Tensor fa = linear(x, p.f_a_proj.weight);
-    const Tensor graw = linear(fa, p.f_b_proj.weight);
+    const Tensor fa = linear(x, p.f_a_proj);
+    const Tensor graw = linear(fa, p.f_b_proj);
     const Tensor dz = kda_gate_backward(graw, p.dt_bias, p.A_log, o.lower_bound, dc.dg,
                                         &grads.dt_bias, &grads.A_log);
-    const Tensor d_fa = linear_backward(dz, fa, p.f_b_proj.weight, &grads.f_b_proj.weight);
-    linear_backward_add(dx, d_fa, x, p.f_a_proj.weight, &grads.f_a_proj.weight);
+    const Tensor d_fa = linear_backward(dz, fa, p.f_b_proj, &grads.f_b_proj);
+    linear_backward_add(dx, d_fa, x, p.f_a_proj, &grads.f_a_proj);
   }
 
   // q, k through their L2 norm, then q, k, v through SiLU + conv and the projections; the fused
@@ -198,13 +194,12 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
   struct Stream {
     const Tensor* conv_in;
     Tensor d_out;
-    const Tensor* proj;
-    Tensor* grad_proj;
+    const Linear* proj;
+    Linear* grad_proj;
   };
-  const Stream streams[3] = {
-      {&s.q_conv_in, dq.reshape({t, ql}), &p.q_proj.weight, &grads.q_proj.weight},
-      {&s.k_conv_in, dk.reshape({t, ql}), &p.k_proj.weight, &grads.k_proj.weight},
-      {&s.v_conv_in, dc.dv.reshape({t, ql}), &p.v_proj.weight, &grads.v_proj.weight}};
+  const Stream streams[3] = {{&s.q_conv_in, dq.reshape({t, ql}), &p.q_proj, &grads.q_proj},
+                             {&s.k_conv_in, dk.reshape({t, ql}), &p.k_proj, &grads.k_proj},
+                             {&s.v_conv_in, dc.dv.reshape({t, ql}), &p.v_proj, &grads.v_proj}};
   for (int64_t i = 0; i < 3; ++i) {
     Tensor gslice = gconv ? gconv2.slice(0, i * ql, (i + 1) * ql) : Tensor();
     const Tensor d_in =

@@ -53,22 +53,22 @@ void query(const MlaConfig& cfg, const MlaParams& params, const Tensor& x, MlaCo
   check_mla(cfg, params, x);
   ctx = MlaContext{};
   ctx.x = x;
-  ctx.q_a = linear(x, params.q_a_proj.weight, params.q_a_proj.bias);
+  ctx.q_a = linear(x, params.q_a_proj);
   ctx.proj.q_resid = rms_norm(ctx.q_a, params.q_a_layernorm, cfg.rms_norm_eps, &ctx.q_rstd);
-  ctx.proj.q = linear(ctx.proj.q_resid, params.q_b_proj.weight)
+  ctx.proj.q = linear(ctx.proj.q_resid, params.q_b_proj)
                    .view({x.size(0), cfg.n_heads, cfg.qk_nope_head_dim});
 }
 
 // The key side and the attention over `indices`, after `query`.
 MlaOutput attend(const MlaConfig& cfg, const MlaParams& params, const Tensor& indices,
                  const Tensor& cu_seqlens, MlaContext& ctx) {
-  ctx.kv_a = linear(ctx.x, params.kv_a_proj_with_mqa.weight, params.kv_a_proj_with_mqa.bias);
+  ctx.kv_a = linear(ctx.x, params.kv_a_proj_with_mqa);
   ctx.latent = rms_norm(ctx.kv_a, params.kv_a_layernorm, cfg.rms_norm_eps, &ctx.kv_rstd);
   ctx.indices = indices;
   ctx.cu_seqlens = cu_seqlens;
-  ctx.attn = mla_attention(cfg, params.kv_b_proj.weight, indices, cu_seqlens, ctx);
+  ctx.attn = mla_attention(cfg, params.kv_b_proj, indices, cu_seqlens, ctx);
   MlaOutput out;
-  out.y = linear(ctx.attn, params.o_proj.weight, params.o_proj.bias);
+  out.y = linear(ctx.attn, params.o_proj);
   out.proj = ctx.proj;
   out.attn = ctx.attn;
   return out;
@@ -86,10 +86,6 @@ Tensor dsa_indices(const IndexerConfig& indexer_cfg, const IndexerParams& indexe
   return prev_indices;
 }
 
-Tensor* bias_grad(const Tensor& bias, Tensor& grad) {
-  return bias.defined() ? grad_if_trained(grad, bias) : nullptr;
-}
-
 }  // namespace
 
 double MlaConfig::softmax_scale() const { return 1.0 / std::sqrt(double(qk_nope_head_dim)); }
@@ -101,23 +97,25 @@ MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const 
   // With qk_rope_head_dim = 0 the latent is all of kv_a's output and no shared rotary key is
   // appended: every head's key is just its k_nope slice.
   const Tensor latent =
-      rms_norm(linear(x, params.kv_a_proj_with_mqa.weight, params.kv_a_proj_with_mqa.bias),
-               params.kv_a_layernorm, cfg.rms_norm_eps);
+      rms_norm(linear(x, params.kv_a_proj_with_mqa), params.kv_a_layernorm, cfg.rms_norm_eps);
   const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
-  const Tensor kv = linear(latent, params.kv_b_proj.weight).view({x.size(0), cfg.n_heads, dn + dv});
+  const Tensor kv = linear(latent, params.kv_b_proj).view({x.size(0), cfg.n_heads, dn + dv});
   MlaProjections p = std::move(ctx.proj);
   p.k = kv.narrow(2, 0, dn).contiguous();
   p.v = kv.narrow(2, dn, dv).contiguous();
   return p;
 }
 
-Tensor mla_attention(const MlaConfig& cfg, const Tensor& kv_b_proj, const Tensor& indices,
+Tensor mla_attention(const MlaConfig& cfg, const Linear& kv_b_proj, const Tensor& indices,
                      const Tensor& cu_seqlens, MlaContext& ctx) {
   ctx.attn_latent = Tensor();
   ctx.attn_lse2 = Tensor();
 #ifdef GLMTUNE_WITH_CUDA
-  if (ctx.latent.device().is_cuda() && cuda_path::absorbed_attention_fits(cfg, ctx.latent.dtype()))
-    return cuda_path::mla_attention_absorbed(cfg, kv_b_proj, indices, cu_seqlens, ctx);
+  // The absorbed form folds kv_b_proj's weight into the queries and outputs; an adapter on it
+  // takes the per-head form.
+  if (ctx.latent.device().is_cuda() && !kv_b_proj.lora.defined() &&
+      cuda_path::absorbed_attention_fits(cfg, ctx.latent.dtype()))
+    return cuda_path::mla_attention_absorbed(cfg, kv_b_proj.weight, indices, cu_seqlens, ctx);
 #endif
   const int64_t tokens = ctx.latent.size(0), dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
   const Tensor kv = linear(ctx.latent, kv_b_proj).view({tokens, cfg.n_heads, dn + dv});
@@ -128,13 +126,14 @@ Tensor mla_attention(const MlaConfig& cfg, const Tensor& kv_b_proj, const Tensor
       .view({tokens, cfg.n_heads * dv});
 }
 
-MlaAttentionGrads mla_attention_backward(const MlaConfig& cfg, const Tensor& kv_b_proj,
+MlaAttentionGrads mla_attention_backward(const MlaConfig& cfg, const Linear& kv_b_proj,
                                          const MlaContext& ctx, const Tensor& d_attn,
-                                         Tensor* grad_kv_b_proj) {
-  grad_kv_b_proj = grad_if_trained(grad_kv_b_proj, kv_b_proj);
+                                         Linear* grad_kv_b_proj) {
 #ifdef GLMTUNE_WITH_CUDA
   if (ctx.attn_latent.defined())
-    return cuda_path::mla_attention_absorbed_backward(cfg, kv_b_proj, ctx, d_attn, grad_kv_b_proj);
+    return cuda_path::mla_attention_absorbed_backward(
+        cfg, kv_b_proj.weight, ctx, d_attn,
+        grad_kv_b_proj ? grad_if_trained(grad_kv_b_proj->weight, kv_b_proj.weight) : nullptr);
 #endif
   const int64_t tokens = ctx.latent.size(0), nh = cfg.n_heads;
   const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
@@ -199,25 +198,20 @@ Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaCont
   GLMTUNE_ASSERT(dy.defined() && dy.shape() == ctx.x.shape() && dy.dtype() == ctx.x.dtype() &&
                      dy.device() == ctx.x.device(),
                  "mla_backward: dy {} must match the input {}", describe(dy), ctx.x.str());
-  const Tensor d_attn = linear_backward(dy, ctx.attn, params.o_proj.weight, &grads.o_proj.weight,
-                                        bias_grad(params.o_proj.bias, grads.o_proj.bias));
+  const Tensor d_attn = linear_backward(dy, ctx.attn, params.o_proj, &grads.o_proj);
   const MlaAttentionGrads ga =
-      mla_attention_backward(cfg, params.kv_b_proj.weight, ctx, d_attn, &grads.kv_b_proj.weight);
+      mla_attention_backward(cfg, params.kv_b_proj, ctx, d_attn, &grads.kv_b_proj);
   // kv_a_layernorm and q_b_proj, q_a_layernorm with the forward's saved statistics. The indexer
   // also reads q_resid (and x) but, running without gradient, adds nothing to either.
   const Tensor d_kv_a = rms_norm_backward(ga.latent, ctx.kv_a, params.kv_a_layernorm,
                                           cfg.rms_norm_eps, ctx.kv_rstd, &grads.kv_a_layernorm);
-  const Tensor d_qresid =
-      linear_backward(ga.q, ctx.proj.q_resid, params.q_b_proj.weight, &grads.q_b_proj.weight);
+  const Tensor d_qresid = linear_backward(ga.q, ctx.proj.q_resid, params.q_b_proj, &grads.q_b_proj);
   const Tensor d_q_a = rms_norm_backward(d_qresid, ctx.q_a, params.q_a_layernorm, cfg.rms_norm_eps,
                                          ctx.q_rstd, &grads.q_a_layernorm);
   // dx from both projections of x, summed in gradient_sum_dtype and rounded once.
   Tensor dx;
-  linear_backward_add(dx, d_kv_a, ctx.x, params.kv_a_proj_with_mqa.weight,
-                      &grads.kv_a_proj_with_mqa.weight,
-                      bias_grad(params.kv_a_proj_with_mqa.bias, grads.kv_a_proj_with_mqa.bias));
-  linear_backward_add(dx, d_q_a, ctx.x, params.q_a_proj.weight, &grads.q_a_proj.weight,
-                      bias_grad(params.q_a_proj.bias, grads.q_a_proj.bias));
+  linear_backward_add(dx, d_kv_a, ctx.x, params.kv_a_proj_with_mqa, &grads.kv_a_proj_with_mqa);
+  linear_backward_add(dx, d_q_a, ctx.x, params.q_a_proj, &grads.q_a_proj);
   return dx.to(ctx.x.dtype());
 }
 

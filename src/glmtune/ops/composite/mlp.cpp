@@ -33,9 +33,9 @@ Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit
   GLMTUNE_TIME_OP("mlp_forward", x);
   check_mlp_params(params, x, "mlp_forward");
   ctx.x = x;
-  ctx.gate = linear(x, params.gate_proj.weight);
-  ctx.up = linear(x, params.up_proj.weight);
-  return linear(swiglu_clamped(ctx.gate, ctx.up, swiglu_limit), params.down_proj.weight);
+  ctx.gate = linear(x, params.gate_proj);
+  ctx.up = linear(x, params.up_proj);
+  return linear(swiglu_clamped(ctx.gate, ctx.up, swiglu_limit), params.down_proj);
 }
 
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit) {
@@ -55,13 +55,13 @@ Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor
                  dy.defined() ? dy.str() : std::string("undefined"), ctx.x.str());
   // The activation is recomputed from the saved projections rather than kept.
   const Tensor act = swiglu_clamped(ctx.gate, ctx.up, swiglu_limit);
-  const Tensor d_act = linear_backward(dy, act, params.down_proj.weight, &grads.down_proj.weight);
+  const Tensor d_act = linear_backward(dy, act, params.down_proj, &grads.down_proj);
   Tensor d_gate, d_up;
   swiglu_clamped_backward(ctx.gate, ctx.up, d_act, swiglu_limit, d_gate, d_up);
   // dx = d_gate Wg + d_up Wu, summed in gradient_sum_dtype and rounded once.
   Tensor dx;
-  linear_backward_add(dx, d_gate, ctx.x, params.gate_proj.weight, &grads.gate_proj.weight);
-  linear_backward_add(dx, d_up, ctx.x, params.up_proj.weight, &grads.up_proj.weight);
+  linear_backward_add(dx, d_gate, ctx.x, params.gate_proj, &grads.gate_proj);
+  linear_backward_add(dx, d_up, ctx.x, params.up_proj, &grads.up_proj);
   return dx.to(ctx.x.dtype());
 }
 

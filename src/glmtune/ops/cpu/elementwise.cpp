@@ -29,6 +29,20 @@ void add_into(Tensor& a, const Tensor& b) {
     add_kernel(a.data<double>(), bc.data<double>(), a.numel());
 }
 
+void scale_into(Tensor& a, double s) {
+  GLMTUNE_CPU_ONLY("scale_into", a);
+  GLMTUNE_ASSERT(a.is_contiguous() && (a.dtype() == DType::f32 || a.dtype() == DType::f64),
+                 "scale_into: {} must be a contiguous f32 or f64 tensor", a.str());
+  const int64_t n = a.numel();
+  if (a.dtype() == DType::f32) {
+    float* p = a.data<float>();
+    for (int64_t i = 0; i < n; ++i) p[i] = float(p[i] * s);
+  } else {
+    double* p = a.data<double>();
+    for (int64_t i = 0; i < n; ++i) p[i] *= s;
+  }
+}
+
 Tensor add(const Tensor& a, const Tensor& b) {
   Tensor out = a.contiguous().clone();
   add_into(out, b);

@@ -1,0 +1,360 @@
+#include "glmtune/model/lora.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <regex>
+#include <set>
+
+#include "glmtune/base/error.h"
+#include "glmtune/base/fs.h"
+#include "glmtune/base/overloaded.h"
+#include "glmtune/io/safetensors.h"
+#include "glmtune/model/text/weights.h"
+#include "glmtune/ops/linear.h"
+#include "glmtune/tensor/rng.h"
+
+namespace glmtune::model {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kConfigFile = "adapter_config.json";
+constexpr const char* kWeightsFile = "adapter_model.safetensors";
+constexpr const char* kPeftPrefix = "base_model.model.";
+constexpr const char* kAllLinear = "all-linear";
+
+// A projection of the text model and whether an adapter can go on it.
+struct Projection {
+  std::string module;   // e.g. model.language_model.layers.3.self_attn.q_proj
+  std::string refusal;  // empty when adaptable
+};
+
+// The projections of one decoder layer from the parameter list (model/text/weights.h), named
+// relative to the layer.
+std::vector<std::pair<std::string, text::ParamGroup>> layer_projection_names() {
+  text::LayerWeights lw;
+  std::vector<std::pair<std::string, text::ParamGroup>> out;
+  text::zip_layer_params(
+      lw, lw,
+      Overloaded{[](const std::string&, text::ParamGroup, Tensor&, Tensor&) {},
+                 [&](const std::string& name, text::ParamGroup group, ops::Linear&, ops::Linear&,
+                     ops::WholeProjection) { out.emplace_back(name, group); }});
+  return out;
+}
+
+// Every projection the store's text model has, adaptable or not.
+std::vector<Projection> projections(const ParamStore& store) {
+  const int64_t layers = store.config().text().num_hidden_layers;
+  const auto names = layer_projection_names();
+  std::vector<Projection> out;
+  std::set<std::string> seen;
+  auto add = [&](int64_t layer, const std::string& why_not) {
+    const std::string prefix = text::layer_prefix(layer);
+    for (const auto& [name, group] : names) {
+      const std::string module = prefix + name;
+      // The KDA and MLA output projections share the name self_attn.o_proj (a layer has one).
+      if (!store.contains(module + ".weight") || !seen.insert(module).second) continue;
+      std::string refusal = why_not;
+      if (refusal.empty() && name.find(".indexer.") != std::string::npos)
+        refusal =
+            "the indexer runs without gradient (as in the reference), so an adapter on it would "
+            "never train";
+      out.push_back({module, refusal});
+    }
+  };
+  for (int64_t l = 0; l < layers; ++l) add(l, "");
+  if (store.config().text().num_nextn_predict_layers > 0)
+    add(layers,
+        "the MTP layer is not a module of the reference model (transformers drops its weights "
+        "at load), so PEFT could not load an adapter on it");
+  if (store.contains("lm_head.weight"))
+    out.push_back({"lm_head", "adapters on the LM head are not supported yet"});
+  return out;
+}
+
+bool matches(const LoraConfig& c, const std::string& module) {
+  if (!c.target_regex.empty()) return std::regex_match(module, std::regex(c.target_regex));
+  for (const std::string& key : c.target_modules)
+    if (key == kAllLinear || module == key || module.ends_with("." + key)) return true;
+  return false;
+}
+
+std::string regex_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (std::string_view(".^$|()[]{}*+?\\").find(c) != std::string_view::npos) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+// The base weight of adapter tensor `name` (<module>.lora_A.weight / lora_B.weight).
+std::string module_of_adapter(const std::string& name) {
+  for (const char* suffix : {".lora_A.weight", ".lora_B.weight"})
+    if (name.ends_with(suffix)) return name.substr(0, name.size() - std::strlen(suffix));
+  return "";
+}
+
+}  // namespace
+
+double LoraConfig::scale() const {
+  return use_rslora ? alpha / std::sqrt(double(rank)) : alpha / double(rank);
+}
+
+void LoraConfig::validate(const std::string& where) const {
+  if (rank < 1)
+    throw Error(fmt::format("rank {} must be at least 1", rank), where + ".rank",
+                "write e.g. rank = 16");
+  if (!(alpha >= 0) || !std::isfinite(alpha))
+    throw Error(fmt::format("alpha {} must be a finite number >= 0", alpha), where + ".alpha",
+                "write e.g. alpha = 32 (PEFT's lora_alpha)");
+  if (dropout != 0)
+    throw Error(fmt::format("dropout {} is not supported: glmtune trains adapters without dropout",
+                            dropout),
+                where + ".dropout", "write dropout = 0 (or leave it out)");
+  if (target_modules.empty() && target_regex.empty())
+    throw Error("no target modules", where + ".target_modules",
+                "write e.g. target_modules = [\"q_proj\", \"o_proj\"], or \"all-linear\"");
+  if (!target_regex.empty()) try {
+      (void)std::regex(target_regex);
+    } catch (const std::regex_error& e) {
+      throw Error(fmt::format("'{}' is not a regular expression: {}", target_regex, e.what()),
+                  where + ".target_modules", "write a valid ECMAScript regular expression");
+    }
+}
+
+std::vector<std::string> adaptable_modules(const ParamStore& store) {
+  std::vector<std::string> out;
+  for (const Projection& p : projections(store))
+    if (p.refusal.empty()) out.push_back(p.module);
+  return out;
+}
+
+std::vector<std::string> resolve_lora_targets(const ParamStore& store, const LoraConfig& config,
+                                              const std::string& where) {
+  config.validate(where);
+  const std::vector<Projection> all = projections(store);
+  std::vector<std::string> chosen;
+  for (const Projection& p : all)
+    if (p.refusal.empty() && matches(config, p.module)) chosen.push_back(p.module);
+  // Each target must reach at least one adaptable projection; say why one that reaches only
+  // refused projections (or none) cannot.
+  std::vector<std::string> keys = config.target_modules;
+  if (!config.target_regex.empty()) keys = {config.target_regex};
+  for (const std::string& key : keys) {
+    LoraConfig one = config;
+    if (config.target_regex.empty()) one.target_modules = {key};
+    bool reached = false;
+    const Projection* refused = nullptr;
+    for (const Projection& p : all)
+      if (matches(one, p.module)) {
+        if (p.refusal.empty())
+          reached = true;
+        else if (!refused)
+          refused = &p;
+      }
+    if (reached) continue;
+    if (refused)
+      throw Error(fmt::format("target '{}' matches only projections that cannot take an adapter, "
+                              "e.g. {}: {}",
+                              key, refused->module, refused->refusal),
+                  where + ".target_modules", "remove the target, or narrow it");
+    throw Error(
+        fmt::format("target '{}' matches no projection of the text model (the modules are named "
+                    "like model.language_model.layers.0.self_attn.q_proj and match by suffix)",
+                    key),
+        where + ".target_modules",
+        "use the projections' names: q_proj, k_proj, v_proj, o_proj, f_a_proj, f_b_proj, b_proj, "
+        "g_a_proj, g_b_proj (KDA); q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj "
+        "(MLA); gate_proj, up_proj, down_proj (dense MLP and shared expert); or \"all-linear\"");
+  }
+  return chosen;
+}
+
+void add_lora_adapters(ParamStore& store, const LoraConfig& config,
+                       const std::vector<std::string>& modules, uint64_t seed) {
+  uint64_t offset = 0;
+  for (const std::string& module : modules) {
+    const Shape w = store.param(module + ".weight").shape;
+    GLMTUNE_ASSERT(w.size() == 2, "adapter target {} is not a matrix", module);
+    const int64_t out = w[0], in = w[1];
+    Tensor a = Tensor::empty({config.rank, in}, DType::f32);
+    // kaiming_uniform_(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain · sqrt(3 / fan_in).
+    const double bound = 1.0 / std::sqrt(double(in));
+    fill_uniform(a, seed, offset, -bound, bound);
+    offset += uint64_t(a.numel());
+    Tensor b = Tensor::zeros({out, config.rank}, DType::f32);
+    store.add_adapter(module + ".lora_A.weight", std::move(a));
+    store.add_adapter(module + ".lora_B.weight", std::move(b));
+  }
+  store.set_adapter_scale(config.scale());
+}
+
+nlohmann::json peft_adapter_config(const LoraConfig& config,
+                                   const std::vector<std::string>& modules) {
+  std::string regex;
+  for (const std::string& m : modules) regex += (regex.empty() ? "" : "|") + regex_escape(m);
+  nlohmann::json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = nullptr;
+  j["base_model_name_or_path"] = nullptr;
+  j["r"] = config.rank;
+  j["lora_alpha"] = config.alpha;
+  j["lora_dropout"] = config.dropout;
+  j["use_rslora"] = config.use_rslora;
+  j["use_dora"] = false;
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["init_lora_weights"] = true;
+  j["inference_mode"] = true;
+  j["modules_to_save"] = nullptr;
+  j["rank_pattern"] = nlohmann::json::object();
+  j["alpha_pattern"] = nlohmann::json::object();
+  j["target_modules"] = "(" + regex + ")";
+  return j;
+}
+
+void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const fs::path& dir) {
+  io::NamedTensors tensors;
+  std::vector<std::string> modules;
+  for (const InternalParam& p : store.params()) {
+    if (!p.adapter) continue;
+    tensors.emplace_back(kPeftPrefix + p.name, p.value.to(DType::f32));
+    const std::string module = module_of_adapter(p.name);
+    if (modules.empty() || modules.back() != module) modules.push_back(module);
+  }
+  GLMTUNE_ASSERT(!tensors.empty(), "saving an adapter from a store without adapters");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw Error(fmt::format("cannot create the adapter directory: {}", ec.message()), dir.string(),
+                "check that the parent directory is writable");
+  io::save_safetensors(dir / kWeightsFile, tensors, {{"format", "pt"}});
+  write_file_atomic((dir / kConfigFile).string(),
+                    peft_adapter_config(config, modules).dump(2) + "\n");
+}
+
+LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
+  const fs::path config_file = dir / kConfigFile, weights_file = dir / kWeightsFile;
+  for (const fs::path& f : {config_file, weights_file})
+    if (!fs::exists(f))
+      throw Error(fmt::format("no {} in the adapter directory", f.filename().string()),
+                  dir.string(),
+                  "point at a directory PEFT saved (save_pretrained) or glmtune wrote "
+                  "(<checkpoint>/adapter)");
+  const nlohmann::json j =
+      io::parse_json_strict(read_text_file(config_file.string(), "adapter configuration"),
+                            config_file.string(), "write the file with PEFT's save_pretrained");
+  const std::string where = config_file.string();
+  auto fail = [&](const std::string& what, const std::string& fix) -> void {
+    throw Error(what, where, fix);
+  };
+  if (j.value("peft_type", "") != "LORA")
+    fail(fmt::format("peft_type is {}, glmtune reads LoRA adapters only",
+                     j.contains("peft_type") ? j["peft_type"].dump() : "missing"),
+         "use a LoRA adapter");
+  if (j.value("use_dora", false)) fail("DoRA adapters are not supported", "use a plain LoRA");
+  if (j.value("bias", std::string("none")) != "none")
+    fail("adapters with trained biases (bias != \"none\") are not supported",
+         "train the adapter with bias = \"none\"");
+  for (const char* pattern : {"rank_pattern", "alpha_pattern"})
+    if (j.contains(pattern) && !j[pattern].is_null() && !j[pattern].empty())
+      fail(fmt::format("{} is set: glmtune reads adapters of one rank and alpha", pattern),
+           "train the adapter with one r and lora_alpha for every module");
+  if (j.contains("modules_to_save") && !j["modules_to_save"].is_null() &&
+      !j["modules_to_save"].empty())
+    fail("modules_to_save is set: glmtune reads adapters only, not fully trained modules",
+         "save the adapter without modules_to_save");
+  LoraConfig c;
+  try {
+    c.rank = j.at("r").get<int64_t>();
+    c.alpha = j.at("lora_alpha").get<double>();
+    c.dropout = j.value("lora_dropout", 0.0);
+    c.use_rslora = j.value("use_rslora", false);
+    if (j.contains("target_modules") && j["target_modules"].is_string())
+      c.target_regex = j["target_modules"].get<std::string>();
+    else if (j.contains("target_modules") && j["target_modules"].is_array())
+      c.target_modules = j["target_modules"].get<std::vector<std::string>>();
+  } catch (const nlohmann::json::exception& e) {
+    fail(fmt::format("r and lora_alpha must be numbers: {}", e.what()),
+         "write the file with PEFT's save_pretrained");
+  }
+  if (c.rank < 1) fail(fmt::format("r = {} must be at least 1", c.rank), "use r >= 1");
+
+  const io::SafetensorsFile file = io::SafetensorsFile::open(weights_file);
+  const std::vector<std::string> adaptable = adaptable_modules(store);
+  const std::set<std::string> ok(adaptable.begin(), adaptable.end());
+  std::set<std::string> seen;
+  std::vector<std::pair<std::string, Tensor>> loaded;
+  for (const std::string& key : file.names()) {
+    const std::string name =
+        key.starts_with(kPeftPrefix) ? key.substr(std::strlen(kPeftPrefix)) : std::string();
+    const std::string module = module_of_adapter(name);
+    if (module.empty() || !ok.count(module))
+      throw Error(fmt::format("tensor '{}' is not the A or B of a projection this model can "
+                              "adapt",
+                              key),
+                  weights_file.string(),
+                  "use an adapter trained on this model (glmtune inspect lists the model's "
+                  "tensors); adapters on the indexer, routed experts, MTP layer, LM head or "
+                  "vision tower are not supported");
+    const Shape w = store.param(module + ".weight").shape;
+    const bool is_a = name.ends_with(".lora_A.weight");
+    const Shape want = is_a ? Shape{c.rank, w[1]} : Shape{w[0], c.rank};
+    Tensor t = file.tensor(key);
+    if (t.shape() != want)
+      throw Error(fmt::format("tensor '{}' is {}, expected {} (r = {}, weight {})", key,
+                              shape_str(t.shape()), shape_str(want), c.rank, shape_str(w)),
+                  weights_file.string(), "use an adapter trained on this model");
+    seen.insert(name);
+    loaded.emplace_back(name, t.to(DType::f32).contiguous().clone());
+  }
+  for (const auto& [name, t] : loaded) {
+    const std::string module = module_of_adapter(name);
+    const std::string other =
+        module + (name.ends_with(".lora_A.weight") ? ".lora_B.weight" : ".lora_A.weight");
+    if (!seen.count(other))
+      throw Error(fmt::format("'{}' has no matching '{}'", kPeftPrefix + name, kPeftPrefix + other),
+                  weights_file.string(), "use a complete adapter file");
+  }
+  if (loaded.empty())
+    throw Error("the adapter holds no tensors", weights_file.string(),
+                "use a LoRA adapter saved with save_pretrained");
+  // Store order: by module as the model lists them, A before B.
+  std::sort(loaded.begin(), loaded.end(), [&](const auto& x, const auto& y) {
+    const std::string mx = module_of_adapter(x.first), my = module_of_adapter(y.first);
+    if (mx != my)
+      return std::find(adaptable.begin(), adaptable.end(), mx) <
+             std::find(adaptable.begin(), adaptable.end(), my);
+    return x.first < y.first;
+  });
+  for (auto& [name, t] : loaded) store.add_adapter(name, std::move(t));
+  store.set_adapter_scale(c.scale());
+  return c;
+}
+
+int64_t merge_lora_adapters(ParamStore& store) {
+  if (!store.has_adapters()) return 0;
+  const double scale = store.adapter_scale();
+  int64_t merged = 0;
+  for (const InternalParam& p : store.params()) {
+    if (!p.adapter || !p.name.ends_with(".lora_A.weight")) continue;
+    const std::string module = module_of_adapter(p.name);
+    const Tensor a = p.value.to(DType::f32).contiguous();
+    const Tensor b = store.get(module + ".lora_B.weight").to(DType::f32).contiguous();
+    Tensor& w = store.get(module + ".weight");
+    Tensor sum = w.to(DType::f32).contiguous().clone();
+    const int64_t out = b.size(0), in = a.size(1), r = a.size(0);
+    ops::gemm<float>(false, false, out, in, r, float(scale), b.data<float>(), r, a.data<float>(),
+                     in, 1.0f, sum.data<float>(), in);
+    w = sum.to(w.dtype());
+    ++merged;
+  }
+  store.remove_adapters();
+  return merged;
+}
+
+}  // namespace glmtune::model

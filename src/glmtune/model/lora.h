@@ -1,0 +1,80 @@
+#pragma once
+// Low-rank adapters (LoRA) on the text model's projections: y = W x + scale · B A x with A [r, in],
+// B [out, r] and scale = alpha / r (alpha / sqrt(r) with rank-stabilised scaling), as PEFT defines
+// them. The adapters live in the ParamStore beside the frozen base (InternalParam::adapter), under
+// PEFT's names without its "base_model.model." prefix:
+//   model.language_model.layers.3.self_attn.q_proj.lora_A.weight   [r, in]
+//   model.language_model.layers.3.self_attn.q_proj.lora_B.weight   [out, r]
+// and are saved apart from the released layout as a PEFT adapter directory
+// (adapter_config.json, adapter_model.safetensors) that `PeftModel.from_pretrained` loads.
+//
+// Projections that take an adapter: every projection of the decoder layers' KDA and MLA mixers,
+// dense MLPs and shared experts. Refused, each with a message: the indexer's (it runs without
+// gradient, so its adapter would never train), the routed experts (fused, not an nn.Linear per
+// expert), the LM head, the MTP layer (outside the reference model's modules) and the vision
+// tower. docs/lora.md lists them.
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "glmtune/model/param_store.h"
+
+namespace glmtune::model {
+
+struct LoraConfig {
+  int64_t rank = 8;
+  double alpha = 8;
+  double dropout = 0;
+  bool use_rslora = false;
+  // PEFT's target_modules: module-name suffixes ("q_proj", "mlp.down_proj"), or the one entry
+  // "all-linear" (every projection that takes an adapter). Ignored when target_regex is set.
+  std::vector<std::string> target_modules;
+  // Or an ECMAScript regular expression matched against whole module names
+  // ("model.language_model.layers.3.self_attn.q_proj"), as PEFT matches a string target_modules.
+  std::string target_regex;
+
+  double scale() const;
+  // Throws glmtune::Error naming `where` for a rank below 1, a negative alpha, a dropout outside
+  // [0, 1) (or not 0: glmtune trains adapters without dropout for now) or no target at all.
+  void validate(const std::string& where) const;
+};
+
+// Module names of every projection of the store's text model that can take an adapter, in store
+// order (the weight's internal name without ".weight").
+std::vector<std::string> adaptable_modules(const ParamStore& store);
+
+// The modules `config` targets, in store order. glmtune::Error naming `where` when a target
+// matches no module, or matches only projections glmtune cannot adapt (saying which and why).
+std::vector<std::string> resolve_lora_targets(const ParamStore& store, const LoraConfig& config,
+                                              const std::string& where);
+
+// Adds fresh adapters on `modules` to the store, with PEFT's default initialisation: A
+// Kaiming-uniform (a = sqrt(5), i.e. uniform in ±1/sqrt(in)) drawn from `seed`, B zero. f32,
+// trainable. Sets the store's adapter scale.
+void add_lora_adapters(ParamStore& store, const LoraConfig& config,
+                       const std::vector<std::string>& modules, uint64_t seed);
+
+// Reads a PEFT adapter directory into the store and returns its configuration. glmtune::Error
+// naming the file for a missing or malformed file, a key that names no adaptable projection of
+// this model, a mis-shaped tensor, or an adapter type other than LoRA.
+LoraConfig load_lora_adapter(ParamStore& store, const std::filesystem::path& dir);
+
+// Writes the store's adapters as a PEFT adapter directory: adapter_config.json (the modules
+// written out as a regular expression of exactly the adapted ones, so that PEFT adapts the same
+// projections) and adapter_model.safetensors (f32), each file atomically.
+void save_lora_adapter(const ParamStore& store, const LoraConfig& config,
+                       const std::filesystem::path& dir);
+
+// The adapter_config.json glmtune writes for these modules.
+nlohmann::json peft_adapter_config(const LoraConfig& config,
+                                   const std::vector<std::string>& modules);
+
+// W += scale · B A for every adapter of the store (in f32, then stored in the base weight's
+// dtype), and the adapters removed: the store then holds a plain model in the released layout.
+// Returns how many projections were merged.
+int64_t merge_lora_adapters(ParamStore& store);
+
+}  // namespace glmtune::model

@@ -1,0 +1,77 @@
+// Projections with their bias and low-rank adapter (ops/linear.h), composed from the leaf ops.
+
+#include "glmtune/ops/linear.h"
+
+#include "glmtune/ops/dispatch.h"
+#include "glmtune/ops/elementwise.h"
+#include "glmtune/ops/grad.h"
+
+namespace glmtune::ops {
+namespace {
+
+void check_adapter(const Linear& l, const Tensor& x) {
+  const LoraAdapter& a = l.lora;
+  GLMTUNE_ASSERT(a.A.defined() && a.B.defined() && a.A.dim() == 2 && a.B.dim() == 2 &&
+                     l.weight.dim() == 2 && a.A.size(0) == a.B.size(1) &&
+                     a.A.size(1) == l.weight.size(1) && a.B.size(0) == l.weight.size(0),
+                 "adapter A {} and B {} do not fit weight {} (A must be [r, in], B [out, r])",
+                 a.A.defined() ? a.A.str() : "undefined", a.B.defined() ? a.B.str() : "undefined",
+                 l.weight.str());
+  GLMTUNE_ASSERT(a.A.dtype() == x.dtype() && a.B.dtype() == x.dtype(),
+                 "adapter A {} and B {} must have the input's dtype {}", a.A.str(), a.B.str(),
+                 x.str());
+}
+
+// scale · x A^T, [..., r].
+Tensor adapter_input(const Linear& l, const Tensor& x) {
+  Tensor u = linear(x, l.lora.A);
+  scale_into(u, l.lora.scale);
+  return u;
+}
+
+Tensor* bias_slot(const Linear& l, Linear* grads) {
+  return grads && l.bias.defined() ? grad_if_trained(grads->bias, l.bias) : nullptr;
+}
+
+// The adapter's part of the backward: dB += dy^T u, dA += (scale · dy B)^T x, and
+// scale · dy B A added to dx_sum.
+void adapter_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Linear& l,
+                          Linear* grads) {
+  const Tensor u = adapter_input(l, x);
+  Tensor du = linear_backward(dy, u, l.lora.B, grads ? &grads->lora.B : nullptr);
+  scale_into(du, l.lora.scale);
+  linear_backward_add(dx_sum, du, x, l.lora.A, grads ? &grads->lora.A : nullptr);
+}
+
+}  // namespace
+
+Tensor linear(const Tensor& x, const Linear& l) {
+  Tensor y = linear(x, l.weight, l.bias);
+  if (!l.lora.defined()) return y;
+  check_adapter(l, x);
+  linear_out(y, adapter_input(l, x), l.lora.B, Tensor(), /*accumulate=*/true);
+  return y;
+}
+
+Tensor linear_backward(const Tensor& dy, const Tensor& x, const Linear& l, Linear* grads,
+                       bool need_input_grad) {
+  if (!l.lora.defined())
+    return linear_backward(dy, x, l.weight, grads ? &grads->weight : nullptr, bias_slot(l, grads),
+                           need_input_grad);
+  check_adapter(l, x);
+  Tensor dx;
+  linear_backward_add(dx, dy, x, l.weight, grads ? &grads->weight : nullptr, bias_slot(l, grads));
+  adapter_backward_add(dx, dy, x, l, grads);
+  return need_input_grad ? dx.to(x.dtype()) : Tensor();
+}
+
+void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Linear& l,
+                         Linear* grads) {
+  linear_backward_add(dx_sum, dy, x, l.weight, grads ? &grads->weight : nullptr,
+                      bias_slot(l, grads));
+  if (!l.lora.defined()) return;
+  check_adapter(l, x);
+  adapter_backward_add(dx_sum, dy, x, l, grads);
+}
+
+}  // namespace glmtune::ops

@@ -1,0 +1,365 @@
+// Low-rank adapters: the projection op with an adapter (ops/linear.h) against its formula and
+// float64 finite differences, the text model's adapter gradients against finite differences of
+// the whole loss, target resolution, the PEFT adapter directory and merging (model/lora.h).
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/io/safetensors.h"
+#include "glmtune/model/init.h"
+#include "glmtune/model/lora.h"
+#include "glmtune/model/loss.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/model/text/backward.h"
+#include "glmtune/model/text/model.h"
+#include "glmtune/ops/linear.h"
+#include "support/temp_dir.h"
+#include "support/test_support.h"
+
+using namespace glmtune;
+using namespace glmtune::test;
+using namespace glmtune::model;
+using namespace glmtune::model::text;
+
+namespace {
+
+namespace fs = std::filesystem;
+constexpr RelErr rel_err{};
+
+ops::Linear random_linear(int64_t out, int64_t in, int64_t r, uint64_t off, bool bias) {
+  ops::Linear l(random_normal({out, in}, off, DType::f64, 0, 1.0 / std::sqrt(double(in))));
+  if (bias) l.bias = random_normal({out}, off + 1'000, DType::f64);
+  l.lora.A = random_normal({r, in}, off + 2'000, DType::f64);
+  l.lora.B = random_normal({out, r}, off + 3'000, DType::f64);
+  l.lora.scale = 1.7;
+  return l;
+}
+
+TEST(LoraOps, AdapterAddsTheScaledLowRankTerm) {
+  SCOPED_TRACE(seed_note());
+  const int64_t t = 5, in = 7, out = 6, r = 3;
+  const ops::Linear l = random_linear(out, in, r, 10'000, true);
+  const Tensor x = random_normal({t, in}, 1, DType::f64);
+  const Tensor y = ops::linear(x, l);
+  const std::vector<double> xs = x.to_doubles(), w = l.weight.to_doubles(), b = l.bias.to_doubles(),
+                            a = l.lora.A.to_doubles(), bb = l.lora.B.to_doubles(),
+                            ys = y.to_doubles();
+  double worst = 0;
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t o = 0; o < out; ++o) {
+      double want = b[size_t(o)];
+      for (int64_t k = 0; k < in; ++k) want += w[size_t(o * in + k)] * xs[size_t(i * in + k)];
+      for (int64_t j = 0; j < r; ++j) {
+        double ax = 0;
+        for (int64_t k = 0; k < in; ++k) ax += a[size_t(j * in + k)] * xs[size_t(i * in + k)];
+        want += l.lora.scale * bb[size_t(o * r + j)] * ax;
+      }
+      worst = std::max(worst, std::abs(ys[size_t(i * out + o)] - want));
+    }
+  EXPECT_LE(worst, 1e-12);
+
+  // Without an adapter the Linear calls are the tensor calls, bit for bit.
+  ops::Linear plain(l.weight, l.bias);
+  EXPECT_EQ(ops::linear(x, plain).to_doubles(), ops::linear(x, l.weight, l.bias).to_doubles());
+}
+
+TEST(LoraOps, BackwardMatchesFiniteDifferences) {
+  SCOPED_TRACE(seed_note());
+  const int64_t t = 6, in = 8, out = 5, r = 2;
+  ops::Linear l = random_linear(out, in, r, 20'000, true);
+  Tensor x = random_normal({t, in}, 2, DType::f64);
+  const Tensor dy = random_normal({t, out}, 3, DType::f64);
+  auto loss = [&] { return dot(dy, ops::linear(x, l)); };
+  for (bool add : {false, true}) {
+    SCOPED_TRACE(add ? "linear_backward_add" : "linear_backward");
+    ops::Linear g;
+    Tensor dx;
+    if (add) {
+      dx = random_normal({t, in}, 4, DType::f64);
+      const Tensor before = dx.clone();
+      ops::linear_backward_add(dx, dy, x, l, &g);
+      // What was added to the running sum is the input gradient.
+      std::vector<double> d = dx.to_doubles(), b0 = before.to_doubles();
+      for (size_t i = 0; i < d.size(); ++i) d[i] -= b0[i];
+      dx = Tensor::from_doubles(d, dx.shape(), DType::f64);
+    } else {
+      dx = ops::linear_backward(dy, x, l, &g);
+    }
+    uint64_t off = 30'000;
+    for (auto [name, param, grad] :
+         std::vector<std::tuple<const char*, Tensor*, Tensor*>>{{"weight", &l.weight, &g.weight},
+                                                                {"bias", &l.bias, &g.bias},
+                                                                {"lora_A", &l.lora.A, &g.lora.A},
+                                                                {"lora_B", &l.lora.B, &g.lora.B},
+                                                                {"x", &x, &dx}}) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(grad->defined());
+      EXPECT_LE(
+          fd_direction(*param, *grad, random_normal(param->shape(), off += 100, DType::f64), loss),
+          1e-9);
+    }
+  }
+}
+
+TEST(LoraOps, AFrozenBaseGetsNoGradientAndTheAdapterDoes) {
+  SCOPED_TRACE(seed_note());
+  ops::Linear l = random_linear(4, 6, 2, 40'000, false);
+  l.weight.set_frozen(true);
+  const Tensor x = random_normal({3, 6}, 5, DType::f64), dy = random_normal({3, 4}, 6, DType::f64);
+  ops::Linear g;
+  ops::linear_backward(dy, x, l, &g);
+  EXPECT_FALSE(g.weight.defined());
+  EXPECT_FALSE(g.bias.defined());
+  EXPECT_TRUE(g.lora.A.defined());
+  EXPECT_TRUE(g.lora.B.defined());
+}
+
+// ---- The text model with adapters ------------------------------------------------------------
+
+struct TinyModel {
+  TempDir dir{"lora"};
+  ModelConfig config = ModelConfig::preset("tiny");
+  std::unique_ptr<ParamStore> store;
+
+  explicit TinyModel(uint64_t seed, const std::vector<std::string>& sets = {}) {
+    for (const std::string& kv : sets) {
+      const size_t eq = kv.find('=');
+      config.set(kv.substr(0, eq), kv.substr(eq + 1));
+    }
+    InitOptions options;
+    options.seed = seed;
+    write_random_checkpoint(config, dir.path() / "ck", options);
+    store = std::make_unique<ParamStore>(
+        ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config));
+  }
+};
+
+LoraConfig all_linear(int64_t rank = 2, double alpha = 3) {
+  LoraConfig c;
+  c.rank = rank;
+  c.alpha = alpha;
+  c.target_modules = {"all-linear"};
+  return c;
+}
+
+// B is zero at initialisation, which leaves A without gradient: draw it, so that every adapter
+// tensor is checked.
+void randomise_b(ParamStore& store, uint64_t off) {
+  for (const InternalParam& p : store.params())
+    if (p.adapter && p.name.ends_with("lora_B.weight"))
+      store.get(p.name) = random_normal(p.shape, off += 1'000, DType::f32, 0, 0.3);
+}
+
+void freeze_base(ParamStore& store) {
+  for (const InternalParam& p : store.params())
+    if (!p.adapter) store.set_trainable(p.name, false);
+}
+
+PackInput tiny_pack(const TextConfig& c, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int32_t> tok(0, int32_t(c.vocab_size) - 1);
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 20; ++i) {
+    int32_t t = tok(rng);
+    while (t == c.pad_token_id) t = tok(rng);
+    ids.push_back(t);
+  }
+  PackInput in;
+  in.input_ids = Tensor::from_vector(ids, {int64_t(ids.size())});
+  in.cu_seqlens = Tensor::from_vector(std::vector<int32_t>{0, 8, 20}, {3});
+  in.labels = next_token_labels(in.input_ids, in.cu_seqlens,
+                                Tensor::from_vector(std::vector<int32_t>(20, 1), {20}));
+  return in;
+}
+
+TEST(LoraModel, TargetsResolveAsPeftMatchesThem) {
+  TinyModel m(11);
+  const std::vector<std::string> all = adaptable_modules(*m.store);
+  ASSERT_FALSE(all.empty());
+  for (const std::string& name : all) {
+    EXPECT_TRUE(name.starts_with("model.language_model.layers.")) << name;
+    EXPECT_EQ(name.find(".indexer."), std::string::npos) << name;
+    EXPECT_EQ(name.find("experts.gate_up_proj"), std::string::npos) << name;
+  }
+  LoraConfig c = all_linear();
+  EXPECT_EQ(resolve_lora_targets(*m.store, c, "lora"), all);
+  // A suffix matches whole name components: q_proj is KDA's, not MLA's q_a_proj / q_b_proj.
+  c.target_modules = {"q_proj"};
+  for (const std::string& name : resolve_lora_targets(*m.store, c, "lora"))
+    EXPECT_TRUE(name.ends_with(".self_attn.q_proj")) << name;
+  c.target_modules = {"shared_experts.down_proj"};
+  for (const std::string& name : resolve_lora_targets(*m.store, c, "lora"))
+    EXPECT_TRUE(name.ends_with(".mlp.shared_experts.down_proj")) << name;
+  // A regular expression over whole names.
+  c.target_modules.clear();
+  c.target_regex = R"(model\.language_model\.layers\.0\.self_attn\.(q|k)_proj)";
+  EXPECT_EQ(resolve_lora_targets(*m.store, c, "lora").size(), 2u);
+
+  auto refused = [&](const LoraConfig& bad, const std::string& says) {
+    try {
+      resolve_lora_targets(*m.store, bad, "recipe.toml: lora");
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      EXPECT_NE(e.where().find("lora.target_modules"), std::string::npos) << e.where();
+    }
+  };
+  LoraConfig bad = all_linear();
+  bad.target_modules = {"wq_b"};
+  refused(bad, "never train");
+  bad.target_modules = {"lm_head"};
+  refused(bad, "LM head");
+  bad.target_modules = {"qkv_proj"};
+  refused(bad, "matches no projection");
+  bad = all_linear();
+  bad.dropout = 0.1;
+  EXPECT_THROW(bad.validate("lora"), Error);
+  bad = all_linear();
+  bad.rank = 0;
+  EXPECT_THROW(bad.validate("lora"), Error);
+}
+
+TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesOfTheLoss) {
+  SCOPED_TRACE(seed_note());
+  // Every expert routed and every key pool kept: the loss is smooth in the adapters (the top-k
+  // selections are covered by the model's own finite-difference test).
+  TinyModel m(test_seed(), {"text_config.n_group=1", "text_config.topk_group=1",
+                            "text_config.n_routed_experts=2", "text_config.num_experts_per_tok=2",
+                            "text_config.index_topk=16"});
+  const LoraConfig c = all_linear();
+  add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), test_seed());
+  randomise_b(*m.store, 50'000);
+  freeze_base(*m.store);
+  const TextModel model(*m.store, TextModelOptions{DType::f64});
+  std::mt19937_64 rng(test_seed());
+  const PackInput in = tiny_pack(model.text(), rng);
+  TrainOptions opt;
+  opt.mtp = false;
+  opt.balancing_alpha = 0;
+  TextGrads grads = TextGrads::zeros_like(model.weights());
+  forward_backward(model, in, opt, grads);
+  ForwardOptions fo;
+  fo.logits = false;
+  auto loss = [&] { return model.forward(in, fo).loss(); };
+
+  int adapters = 0;
+  uint64_t off = 60'000'000;
+  for (auto& [name, w] : model.weights().named) {
+    const Tensor* g = grads.find(name);
+    if (name.find(".lora_") == std::string::npos) {
+      EXPECT_TRUE(g == nullptr || !g->defined()) << name << ": a frozen base tensor got a gradient";
+      continue;
+    }
+    ASSERT_TRUE(g != nullptr && g->defined()) << name;
+    SCOPED_TRACE(name);
+    Tensor& param = const_cast<Tensor&>(w);
+    EXPECT_LE(fd_direction(param, *g, random_normal(param.shape(), off += 1'000'000, DType::f64),
+                           loss, 2.5e-5),
+              1e-6);
+    ++adapters;
+  }
+  EXPECT_EQ(adapters, 2 * int(resolve_lora_targets(*m.store, c, "lora").size()));
+}
+
+TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
+  SCOPED_TRACE(seed_note());
+  TinyModel m(test_seed());
+  LoraConfig c = all_linear(3, 5);
+  c.use_rslora = true;
+  add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), 7);
+  randomise_b(*m.store, 70'000);
+  const fs::path dir = m.dir.path() / "adapter";
+  save_lora_adapter(*m.store, c, dir);
+
+  // PEFT's layout: keys under base_model.model., a regular expression of exactly the adapted
+  // modules.
+  const nlohmann::json j = nlohmann::json::parse(std::ifstream(dir / "adapter_config.json"));
+  EXPECT_EQ(j["peft_type"], "LORA");
+  EXPECT_EQ(j["r"], 3);
+  EXPECT_EQ(j["lora_alpha"], 5.0);
+  EXPECT_EQ(j["use_rslora"], true);
+  const io::SafetensorsFile f = io::SafetensorsFile::open(dir / "adapter_model.safetensors");
+  EXPECT_TRUE(
+      f.contains("base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight"));
+
+  ParamStore fresh = ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config);
+  const LoraConfig read = load_lora_adapter(fresh, dir);
+  EXPECT_EQ(read.rank, 3);
+  EXPECT_DOUBLE_EQ(fresh.adapter_scale(), 5.0 / std::sqrt(3.0));
+  for (const InternalParam& p : m.store->params())
+    if (p.adapter) EXPECT_EQ(fresh.get(p.name).to_doubles(), p.value.to_doubles()) << p.name;
+
+  // Merged: W + scale · B A, rounded once to the base weight's dtype.
+  const std::string module = "model.language_model.layers.0.self_attn.q_proj";
+  const Tensor w0 = fresh.get(module + ".weight").to(DType::f64);
+  const Tensor a = fresh.get(module + ".lora_A.weight").to(DType::f64);
+  const Tensor b = fresh.get(module + ".lora_B.weight").to(DType::f64);
+  const DType stored = fresh.get(module + ".weight").dtype();
+  EXPECT_GT(merge_lora_adapters(fresh), 0);
+  EXPECT_FALSE(fresh.has_adapters());
+  EXPECT_FALSE(fresh.contains(module + ".lora_A.weight"));
+  const Tensor ba = ops::linear(b, ops::Linear(a.transpose(0, 1).contiguous()));
+  std::vector<double> want = w0.to_doubles();
+  const std::vector<double> d = ba.to_doubles();
+  for (size_t i = 0; i < want.size(); ++i) want[i] += (5.0 / std::sqrt(3.0)) * d[i];
+  EXPECT_LE(rel_err(fresh.get(module + ".weight"),
+                    Tensor::from_doubles(want, w0.shape(), stored).to(DType::f64)),
+            stored == DType::bf16 ? 8e-3 : 1e-6);
+  // The merged model saves in the released layout, without adapter tensors.
+  fresh.save(m.dir.path() / "merged");
+  const io::CheckpointReader merged = io::CheckpointReader::open(m.dir.path() / "merged");
+  for (const std::string& name : merged.names())
+    EXPECT_EQ(name.find("lora_"), std::string::npos) << name;
+}
+
+TEST(LoraModel, BadAdapterDirectoriesAreErrorsNamingTheFile) {
+  TinyModel m(5);
+  const fs::path dir = m.dir.path() / "bad";
+  auto expect_error = [&](const std::string& says) {
+    ParamStore s = ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config);
+    try {
+      load_lora_adapter(s, dir);
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      EXPECT_NE(e.where().find(dir.string()), std::string::npos) << e.where();
+    }
+  };
+  fs::create_directories(dir);
+  expect_error("no adapter_config.json");
+
+  const LoraConfig c = all_linear();
+  add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), 1);
+  save_lora_adapter(*m.store, c, dir);
+  auto write_config = [&](const nlohmann::json& j) {
+    std::ofstream(dir / "adapter_config.json") << j.dump();
+  };
+  nlohmann::json j = peft_adapter_config(c, {"x"});
+  j["peft_type"] = "IA3";
+  write_config(j);
+  expect_error("LoRA adapters only");
+  j = peft_adapter_config(c, {"x"});
+  j["r"] = 5;
+  write_config(j);
+  expect_error("expected [5,");
+  j = peft_adapter_config(c, {"x"});
+  j["use_dora"] = true;
+  write_config(j);
+  expect_error("DoRA");
+  // A tensor of a projection this model cannot adapt.
+  write_config(peft_adapter_config(c, {"x"}));
+  io::save_safetensors(
+      dir / "adapter_model.safetensors",
+      {{"base_model.model.model.language_model.layers.0.self_attn.indexer.wk.lora_A.weight",
+        Tensor::zeros({2, 4}, DType::f32)}});
+  expect_error("not the A or B of a projection this model can adapt");
+}
+
+}  // namespace
