@@ -61,6 +61,10 @@ GLMTUNE_COMMAND(
       app.add_option("--tokenizer", a->options.tokenizer,
                      "Folder with tokenizer.json and, for --media-root, processor_config.json "
                      "(default: the --model folder)");
+      app.add_option("--adapter", a->options.adapter,
+                     "A LoRA adapter folder (adapter_config.json, adapter_model.safetensors: "
+                     "glmtune's <checkpoint>/adapter or PEFT's save_pretrained) applied to the "
+                     "model; CPU only");
       app.add_option("--dump-logits", a->options.dump_logits,
                      "Write each sample's logits as float32 logits.<i> [len_i, vocab] to this "
                      "safetensors file");

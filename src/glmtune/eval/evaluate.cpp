@@ -24,6 +24,7 @@
 #include "glmtune/io/safetensors.h"
 #include "glmtune/model/compose.h"
 #include "glmtune/model/layout.h"
+#include "glmtune/model/lora.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
@@ -418,6 +419,15 @@ LoadedModel load_model(const EvalOptions& o, const model::ModelConfig& config, b
   const auto start = std::chrono::steady_clock::now();
   const io::CheckpointReader reader = io::CheckpointReader::open(o.model);
   LoadedModel m{model::ParamStore::load(reader, config), std::nullopt, std::nullopt};
+  if (!o.adapter.empty()) {
+    if (o.device.is_cuda())
+      throw Error("LoRA adapters are evaluated on the CPU only in this version",
+                  "--device " + o.device.str() + " with --adapter",
+                  "drop --device, or merge the adapter first (glmtune merge) and evaluate the "
+                  "merged model on the GPU");
+    const model::LoraConfig c = model::load_lora_adapter(m.store, o.adapter);
+    spdlog::info("adapter {}: rank {}, scale {}", o.adapter, c.rank, c.scale());
+  }
   if (media)
     m.vl.emplace(m.store);
   else if (o.device.is_cuda())

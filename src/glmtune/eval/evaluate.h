@@ -31,7 +31,8 @@
 namespace glmtune::eval {
 
 struct EvalOptions {
-  std::string model;  // checkpoint folder (config.json, weights)
+  std::string model;    // checkpoint folder (config.json, weights)
+  std::string adapter;  // a PEFT LoRA adapter folder applied to the model (model/lora.h)
   std::vector<std::string> data;
   std::string text;
   std::string tokenizer;   // folder with tokenizer.json (default: the model folder)

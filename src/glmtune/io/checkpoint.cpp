@@ -721,4 +721,13 @@ void CheckpointWriter::finish() {
   finished_ = true;
 }
 
+void copy_tokenizer_files(const std::filesystem::path& from, const std::filesystem::path& to) {
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                           "processor_config.json"}) {
+    const std::filesystem::path src = from / name;
+    if (std::filesystem::exists(src))
+      std::filesystem::copy_file(src, to / name, std::filesystem::copy_options::overwrite_existing);
+  }
+}
+
 }  // namespace glmtune::io

@@ -209,4 +209,9 @@ class CheckpointWriter {
 // "model-00003-of-00014.safetensors"
 std::string shard_file_name(size_t index, size_t count);
 
+// Copies the files `glmtune eval` and the data pipeline expect next to the weights
+// (tokenizer.json, tokenizer_config.json, chat_template.jinja, processor_config.json) from one
+// model directory to another, those that exist.
+void copy_tokenizer_files(const std::filesystem::path& from, const std::filesystem::path& to);
+
 }  // namespace glmtune::io

@@ -9,21 +9,13 @@
 #include <thread>
 
 #include "glmtune/base/error.h"
+#include "glmtune/model/lora.h"
 #include "glmtune/train/trainer.h"
 
 namespace glmtune::train {
 namespace {
 
 namespace fs = std::filesystem;
-
-// Files `glmtune eval` and the data pipeline expect next to the weights.
-void copy_tokenizer_files(const fs::path& from, const fs::path& to) {
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                           "processor_config.json"}) {
-    const fs::path src = from / name;
-    if (fs::exists(src)) fs::copy_file(src, to / name, fs::copy_options::overwrite_existing);
-  }
-}
 
 int64_t save_delay_ms() {
   const char* v = std::getenv(kSaveDelayEnv);
@@ -65,7 +57,10 @@ std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSam
       store_.save(dir, whole_value);
     else
       store_.save(dir);
-    copy_tokenizer_files(tokenizer_dir_, dir);
+    io::copy_tokenizer_files(tokenizer_dir_, dir);
+    // A LoRA run's adapters, beside the model, in PEFT's layout.
+    if (store_.has_adapters())
+      model::save_lora_adapter(store_, *recipe_.lora, dir.parent_path() / "adapter");
     if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
   };
   const auto t0 = std::chrono::steady_clock::now();

@@ -81,6 +81,14 @@ const std::vector<SectionSpec>& schema() {
        {{"mtp_scale", "0.1"}, {"balancing_alpha", "0.001"}, {"router_bias_update_rate", "0.001"}}},
       {"output",
        {{"dir", "\"runs/my-run\""}, {"save_every", "200"}, {"keep_last", "3"}, {"log_every", "1"}}},
+      {"lora",
+       {{"rank", "16"},
+        {"alpha", "32"},
+        {"dropout", "0", "0 (glmtune trains adapters without dropout)"},
+        {"use_rslora", "false"},
+        {"target_modules", "[\"q_proj\", \"o_proj\"]",
+         "PEFT's module suffixes, [\"all-linear\"], or one regular expression as a string"},
+        {"base", "\"bf16\"", "bf16 (fp8 bases are not supported yet)"}}},
   };
   return s;
 }
@@ -625,6 +633,52 @@ void parse_loss_and_output(const Reader& rd, Recipe& r, const MissingKey& missin
   r.log_every = rd.integer("output", "log_every", 1).value_or(1);
 }
 
+// [lora], when present.
+void parse_lora(const Reader& rd, const toml::table& t, Recipe& r) {
+  if (!t.get("lora")) return;
+  model::LoraConfig c;
+  c.rank = rd.integer("lora", "rank", 1, 65536).value_or(8);
+  c.alpha = rd.number("lora", "alpha", 0.0, std::numeric_limits<double>::infinity())
+                .value_or(double(c.rank));
+  c.dropout = rd.number("lora", "dropout", 0.0, 1.0, false, true).value_or(0.0);
+  if (c.dropout != 0)
+    rd.fail("lora", "dropout", "glmtune trains adapters without dropout for now",
+            "write dropout = 0 (or leave it out)");
+  c.use_rslora = rd.boolean("lora", "use_rslora").value_or(false);
+  const toml::node* n = rd.find("lora", "target_modules");
+  if (!n)
+    rd.fail("lora", "target_modules", "missing: an adapter needs the projections it goes on",
+            rd.example_fix("lora", "target_modules"));
+  if (n->is_string()) {
+    c.target_regex = n->as_string()->get();
+    try {
+      (void)std::regex(c.target_regex, std::regex::ECMAScript);
+    } catch (const std::regex_error& err) {
+      rd.fail("lora", "target_modules",
+              fmt::format("'{}' is not a regular expression ({})", c.target_regex, err.what()),
+              "write an ECMAScript regular expression, or an array of module names");
+    }
+  } else if (n->is_array() && !n->as_array()->empty()) {
+    for (const auto& e : *n->as_array()) {
+      if (!e.is_string() || e.as_string()->get().empty())
+        rd.fail("lora", "target_modules",
+                fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
+                rd.example_fix("lora", "target_modules"));
+      c.target_modules.push_back(e.as_string()->get());
+    }
+  } else {
+    rd.fail("lora", "target_modules",
+            fmt::format("expected a non-empty array of module names or a regular expression, "
+                        "got {}",
+                        type_name(*n)),
+            rd.example_fix("lora", "target_modules"));
+  }
+  if (auto base = rd.choice("lora", "base", {"bf16", "fp8"}); base && *base == "fp8")
+    rd.fail("lora", "base", "an FP8 base is not supported yet: the base is loaded in bf16",
+            "write base = \"bf16\" (an FP8 checkpoint is dequantised to bf16 at load)");
+  r.lora = c;
+}
+
 }  // namespace
 
 void Recipe::parse_doc() {
@@ -643,6 +697,7 @@ void Recipe::parse_doc() {
   parse_train(rd, r);
   parse_optimizer(rd, r);
   parse_loss_and_output(rd, r, missing);
+  parse_lora(rd, t, r);
   r.doc_ = doc_;
   *this = std::move(r);
 }
@@ -833,6 +888,21 @@ std::string Recipe::to_toml() const {
   out += fmt::format("save_every = {}\n", save_every);
   out += fmt::format("keep_last = {}\n", keep_last);
   out += fmt::format("log_every = {}\n", log_every);
+  if (lora) {
+    out += "\n[lora]\n";
+    out += fmt::format("rank = {}\n", lora->rank);
+    out += "alpha = " + num(lora->alpha) + "\n";
+    out += "dropout = " + num(lora->dropout) + "\n";
+    out += fmt::format("use_rslora = {}\n", lora->use_rslora);
+    if (!lora->target_regex.empty()) {
+      out += "target_modules = " + str(lora->target_regex) + "\n";
+    } else {
+      std::string targets;
+      for (const auto& m : lora->target_modules) targets += (targets.empty() ? "" : ", ") + str(m);
+      out += "target_modules = [" + targets + "]\n";
+    }
+    out += "base = \"bf16\"\n";
+  }
   return out;
 }
 
@@ -870,6 +940,12 @@ std::string Recipe::fingerprint(int64_t data_parallel_ranks) const {
   };
   // What is trained changes the run; recipes without freezing keep the fingerprints they had.
   if (!freeze.empty()) j["train"]["freeze"] = freeze;
+  if (lora)
+    j["lora"] = {{"rank", lora->rank},
+                 {"alpha", lora->alpha},
+                 {"use_rslora", lora->use_rslora},
+                 {"target_modules", lora->target_modules},
+                 {"target_regex", lora->target_regex}};
   return fmt::format("{:016x}", fnv1a64(j.dump()));
 }
 

@@ -9,6 +9,7 @@
 //   [optimizer] lr, lr_min, warmup_steps | warmup_ratio, betas, eps, weight_decay, clip_grad_norm
 //   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
 //   [output]    dir, save_every, keep_last, log_every
+//   [lora]      rank, alpha, dropout, use_rslora, target_modules, base (docs/lora.md)
 //
 // docs/training.md has the full table (type, default, meaning). The defaults of the optimizer,
 // the losses and the lengths are the reference trainer's. Every unknown section or key, wrong
@@ -25,6 +26,7 @@
 
 #include "glmtune/data/dataset.h"
 #include "glmtune/data/packing.h"
+#include "glmtune/model/lora.h"
 #include "glmtune/tensor/device.h"
 #include "glmtune/train/optimizer.h"
 #include "glmtune/train/schedule.h"
@@ -98,6 +100,9 @@ struct Recipe {
   double mtp_scale = 0.1;
   double balancing_alpha = 0.001;
   double router_bias_update_rate = 0.001;
+
+  // [lora]: low-rank adapters on a frozen base (model/lora.h); absent: full fine-tuning.
+  std::optional<model::LoraConfig> lora;
 
   // [output]
   std::string output_dir;

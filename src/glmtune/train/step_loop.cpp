@@ -161,9 +161,11 @@ StepResult update(TrainingRun& run, const StepSums& sums) {
   }
   // A non-finite loss with finite gradients is skipped too: its update would rest on nothing.
   const StepReport rep = run.optimizer.step(r.lr, r.grad_norm, !r.nonfinite.empty());
-  // The bias moves from the step's loads even when the update was skipped (docs/training.md).
+  // The bias moves from the step's loads even when the update was skipped (docs/training.md);
+  // under LoRA the base, router biases included, stays as loaded, so that the adapter alone
+  // carries what the run learned.
   r.maxvio =
-      update_router_biases(sums.loads, run.recipe.router_bias_update_rate,
+      update_router_biases(sums.loads, run.recipe.lora ? 0.0 : run.recipe.router_bias_update_rate,
                            [&](const std::string& name) -> Tensor& { return run.store.get(name); });
   // The model's compute tensors follow the weights' owner (trainer_optimizer.h).
   if (run.vl)

@@ -49,6 +49,53 @@ FreezePlan freeze_parameters(const Recipe& recipe, model::ParamStore& store, boo
   return plan;
 }
 
+// [lora]: adapters on the recipe's targets, fresh (PEFT's initialisation from train.seed) or, when
+// resuming, the checkpoint's; every other parameter frozen.
+void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const ResumePoint* resume,
+                 bool vision_language, model::ParamStore& store) {
+  const model::LoraConfig& c = *recipe.lora;
+  const std::string where = recipe.source() + ": lora";
+  auto refuse = [&](const std::string& what, const std::string& key, const std::string& fix) {
+    throw Error(what + " with LoRA adapters is not supported yet", recipe.source() + ": " + key,
+                fix);
+  };
+  if (layout.on_gpu)
+    refuse("training on a GPU", "train.device",
+           "set device = \"cpu\", or leave out [lora] to fine-tune every weight");
+  if (layout.fsdp) refuse("fsdp", "train.fsdp", "set fsdp = false");
+  if (layout.sequence_parallel) refuse("sequence parallelism", "train.sp_size", "set sp_size = 1");
+  if (layout.expert_sharded) refuse("expert parallelism", "train.ep_size", "set ep_size = 1");
+  if (vision_language)
+    refuse("vision-language data", "data.media_root", "train the adapters on text data");
+  const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
+  if (resume) {
+    const fs::path dir = resume->checkpoint.dir / "adapter";
+    const model::LoraConfig saved = model::load_lora_adapter(store, dir);
+    if (saved.rank != c.rank || saved.scale() != c.scale())
+      throw Error(fmt::format("the checkpoint's adapter has r = {} and scale {}, the recipe asks "
+                              "for r = {} and scale {}",
+                              saved.rank, saved.scale(), c.rank, c.scale()),
+                  where, "resume with the [lora] settings the run started with");
+  } else {
+    model::add_lora_adapters(store, c, modules, recipe.seed);
+  }
+  int64_t adapter_elements = 0, base_elements = 0;
+  for (const model::InternalParam& p : store.params()) {
+    if (p.adapter) {
+      adapter_elements += p.value.numel();
+      continue;
+    }
+    base_elements += shape_numel(p.shape);
+    store.set_trainable(p.name, false);
+  }
+  spdlog::info(
+      "lora: rank {} on {} projections, {} trainable parameters ({:.3f}% of {}), the "
+      "base frozen",
+      c.rank, modules.size(), adapter_elements,
+      100.0 * double(adapter_elements) / double(std::max<int64_t>(base_elements, 1)),
+      base_elements);
+}
+
 // Opens the recipe's token cache and checks that it holds the samples the recipe would make from
 // its JSONL files: the same tokenizer (by the hash of tokenizer.json), chat template, format,
 // max_length and on_overlong.
@@ -207,6 +254,7 @@ TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
   make_params_writable(store);
   if (!layout.fsdp) reader.reset();
   VlTraining* vl = data.vl();
+  if (recipe.lora) attach_lora(recipe, layout, resume, vl != nullptr, store);
   const FreezePlan freeze = freeze_parameters(recipe, store, vl != nullptr);
   if (vl) vl->freeze(freeze.vision_tower, freeze.projector);
   if (data.tokenizer().vocab_size() > store.config().text().vocab_size)
