@@ -75,7 +75,30 @@ std::vector<Projection> projections(const ParamStore& store) {
   return out;
 }
 
-bool matches(const LoraConfig& c, const std::string& module) {
+// The reference model's module path (PEFT's name) of an internal module name: the KDA forget
+// gate's two projections sit in a `forget_gate` submodule there (the checkpoint names them
+// self_attn.f_a_proj / f_b_proj).
+std::string peft_module(const std::string& module) {
+  for (const char* gate : {"f_a_proj", "f_b_proj"}) {
+    const std::string tail = std::string(".self_attn.") + gate;
+    if (module.ends_with(tail))
+      return module.substr(0, module.size() - tail.size()) + ".self_attn.forget_gate." + gate;
+  }
+  return module;
+}
+
+std::string internal_module(const std::string& peft) {
+  const std::string gate = ".self_attn.forget_gate.";
+  const size_t at = peft.find(gate);
+  return at == std::string::npos
+             ? peft
+             : peft.substr(0, at) + ".self_attn." + peft.substr(at + gate.size());
+}
+
+// PEFT's rule: a string target is a regular expression over whole module names; a list entry
+// matches a name equal to it or ending in "." + it.
+bool matches(const LoraConfig& c, const std::string& internal) {
+  const std::string module = peft_module(internal);
   if (!c.target_regex.empty()) return std::regex_match(module, std::regex(c.target_regex));
   for (const std::string& key : c.target_modules)
     if (key == kAllLinear || module == key || module.ends_with("." + key)) return true;
@@ -196,7 +219,8 @@ void add_lora_adapters(ParamStore& store, const LoraConfig& config,
 nlohmann::json peft_adapter_config(const LoraConfig& config,
                                    const std::vector<std::string>& modules) {
   std::string regex;
-  for (const std::string& m : modules) regex += (regex.empty() ? "" : "|") + regex_escape(m);
+  for (const std::string& m : modules)
+    regex += (regex.empty() ? "" : "|") + regex_escape(peft_module(m));
   nlohmann::json j;
   j["peft_type"] = "LORA";
   j["task_type"] = nullptr;
@@ -222,8 +246,9 @@ void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const 
   std::vector<std::string> modules;
   for (const InternalParam& p : store.params()) {
     if (!p.adapter) continue;
-    tensors.emplace_back(kPeftPrefix + p.name, p.value.to(DType::f32));
     const std::string module = module_of_adapter(p.name);
+    tensors.emplace_back(kPeftPrefix + peft_module(module) + p.name.substr(module.size()),
+                         p.value.to(DType::f32));
     if (modules.empty() || modules.back() != module) modules.push_back(module);
   }
   GLMTUNE_ASSERT(!tensors.empty(), "saving an adapter from a store without adapters");
@@ -290,9 +315,11 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
   std::set<std::string> seen;
   std::vector<std::pair<std::string, Tensor>> loaded;
   for (const std::string& key : file.names()) {
-    const std::string name =
+    const std::string peft_name =
         key.starts_with(kPeftPrefix) ? key.substr(std::strlen(kPeftPrefix)) : std::string();
-    const std::string module = module_of_adapter(name);
+    const std::string peft = module_of_adapter(peft_name);
+    const std::string module = internal_module(peft);
+    const std::string name = module + peft_name.substr(peft.size());
     if (module.empty() || !ok.count(module))
       throw Error(fmt::format("tensor '{}' is not the A or B of a projection this model can "
                               "adapt",
@@ -317,7 +344,8 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
     const std::string other =
         module + (name.ends_with(".lora_A.weight") ? ".lora_B.weight" : ".lora_A.weight");
     if (!seen.count(other))
-      throw Error(fmt::format("'{}' has no matching '{}'", kPeftPrefix + name, kPeftPrefix + other),
+      throw Error(fmt::format("{} has {} without its {}", peft_module(module),
+                              name.substr(module.size() + 1), other.substr(module.size() + 1)),
                   weights_file.string(), "use a complete adapter file");
   }
   if (loaded.empty())

@@ -44,6 +44,10 @@ std::vector<std::pair<std::string, Tensor>> released_views(const model::ParamSto
                    shape_str(it->second.shape()), shape_str(spec.shape));
     out.emplace_back(spec.name, std::move(it->second));
   }
+  // LoRA adapters (outside the released layout) follow, under their own names, in store order.
+  for (const model::InternalParam& p : store.params())
+    if (auto it = by_name.find(p.name); p.adapter && it != by_name.end())
+      out.emplace_back(p.name, std::move(it->second));
   return out;
 }
 

@@ -17,8 +17,9 @@ namespace glmtune::train {
 
 // For every released tensor whose internal parameter `lookup` maps to a tensor of the parameter's
 // shape (nullptr: left out), that tensor's part under the released name, as a view, in the
-// released layout's order. With `lookup` returning a gradient buffer this yields the gradients
-// under released names; with the store's own tensors, the weights.
+// released layout's order, then the store's LoRA adapters under their own names. With `lookup`
+// returning a gradient buffer this yields the gradients under released names; with the store's own
+// tensors, the weights.
 using InternalLookup = std::function<const Tensor*(const model::InternalParam&)>;
 std::vector<std::pair<std::string, Tensor>> released_views(const model::ParamStore& store,
                                                            const InternalLookup& lookup);
