@@ -3,9 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
+#include <functional>
+#include <optional>
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/base/overloaded.h"
 #include "glmtune/model/text/weights.h"
 #include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
@@ -80,8 +84,28 @@ struct Slicing {
   int64_t unit = 0;  // rows or columns per head
 };
 
+// A LoRA adapter follows its projection (ops/linear.h): y = W x + s·B(A x). With the output rows
+// split over the heads, B's rows split alike and A (reading all of x) is whole; with the input
+// columns split (the output projections, whose partial products the ranks sum), A's columns split
+// alike and B is whole (B applied to each rank's partial A x sums to B A x). `weight`: the
+// projection's own slicing.
+std::optional<Slicing> adapter_slicing(const std::string& n,
+                                       const std::function<Slicing(const std::string&)>& of) {
+  for (const char* part : {".lora_A.weight", ".lora_B.weight"}) {
+    if (!n.ends_with(part)) continue;
+    const Slicing w = of(n.substr(0, n.size() - std::strlen(part)) + ".weight");
+    const bool is_a = part[6] == 'A';
+    if (w.split == HeadSplit::rows && !is_a) return w;
+    if (w.split == HeadSplit::cols && is_a) return w;
+    return Slicing{};
+  }
+  return std::nullopt;
+}
+
 // `n`: the name in the ops' list (ops/kda.h, ops/mla.h), relative to `self_attn.`.
 Slicing kda_slicing(const std::string& n, int64_t head_dim) {
+  if (auto a = adapter_slicing(n, [&](const std::string& w) { return kda_slicing(w, head_dim); }))
+    return *a;
   if (n == "q_proj.weight" || n == "k_proj.weight" || n == "v_proj.weight" ||
       n == "f_b_proj.weight" || n == "dt_bias" || n == "g_b_proj.weight")
     return {HeadSplit::rows, head_dim};
@@ -92,6 +116,8 @@ Slicing kda_slicing(const std::string& n, int64_t head_dim) {
 }
 
 Slicing mla_slicing(const std::string& n, const ops::MlaConfig& c) {
+  if (auto a = adapter_slicing(n, [&](const std::string& w) { return mla_slicing(w, c); }))
+    return *a;
   if (n == "q_b_proj.weight") return {HeadSplit::rows, c.qk_nope_head_dim};
   if (n == "kv_b_proj.weight") return {HeadSplit::rows, c.qk_nope_head_dim + c.v_head_dim};
   if (n == "o_proj.weight") return {HeadSplit::cols, c.v_head_dim};
@@ -162,15 +188,22 @@ struct KdaHeads {
 const auto zip_kda = [](auto& a, auto& b, auto&& f) { ops::zip_kda_params(a, b, f); };
 const auto zip_mla = [](auto& a, auto& b, auto&& f) { ops::zip_mla_params(a, b, f); };
 
+// A projection's slice keeps its adapter's scale.
+const auto keep_adapter_scale = [](const std::string&, const ops::Linear& full, ops::Linear& mine,
+                                   ops::WholeProjection) { mine.lora.scale = full.lora.scale; };
+
 KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, int ranks) {
   KdaHeads h;
   h.count = o.num_heads / ranks;
   h.first = int64_t(rank) * h.count;
   h.options = o;
   h.options.num_heads = h.count;
-  ops::zip_kda_params(p, h.params, [&](const std::string& name, const Tensor& full, Tensor& mine) {
-    mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first, h.count, rank);
-  });
+  ops::zip_kda_params(p, h.params,
+                      Overloaded{[&](const std::string& name, const Tensor& full, Tensor& mine) {
+                                   mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first,
+                                                      h.count, rank);
+                                 },
+                                 keep_adapter_scale});
   return h;
 }
 
@@ -199,9 +232,11 @@ MlaHeads mla_heads(const ops::MlaConfig& c, const ops::DsaParams& p, int rank, i
   h.config = c;
   h.config.n_heads = h.count;
   ops::zip_mla_params(p.mla, h.params.mla,
-                      [&](const std::string& name, const Tensor& full, Tensor& mine) {
-                        mine = slice_heads(full, mla_slicing(name, c), h.first, h.count, rank);
-                      });
+                      Overloaded{[&](const std::string& name, const Tensor& full, Tensor& mine) {
+                                   mine = slice_heads(full, mla_slicing(name, c), h.first, h.count,
+                                                      rank);
+                                 },
+                                 keep_adapter_scale});
   h.params.indexer = p.indexer;
   return h;
 }
@@ -357,7 +392,7 @@ Tensor UlyssesParallel::kda_forward(const ops::KdaParams& params, const Tensor& 
   // before it is what travels, so that o_proj runs once per token on its owner, as unsplit.
   ops::kda_forward(h.params, x_full, cu_seqlens, h.options, s);
   const Tensor normed = columns_to_rows(s->normed.view({tokens, h.count * options.head_dim}));
-  return ops::linear(normed, params.o_proj.weight);
+  return ops::linear(normed, params.o_proj);
 }
 
 Tensor UlyssesParallel::kda_backward(const ops::KdaParams& params, const Tensor& x,
@@ -396,7 +431,7 @@ Tensor UlyssesParallel::dsa_forward(const ops::MlaConfig& mla, const ops::Indexe
       ops::sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, mla.softmax_scale())
           .view({tokens, h.count * mla.v_head_dim});
   if (indices_out) *indices_out = indices;
-  return ops::linear(columns_to_rows(core), params.mla.o_proj.weight, params.mla.o_proj.bias);
+  return ops::linear(columns_to_rows(core), params.mla.o_proj);
 }
 
 Tensor UlyssesParallel::dsa_backward(const ops::MlaConfig& mla, const ops::DsaParams& params,
