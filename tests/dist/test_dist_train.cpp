@@ -719,35 +719,39 @@ TEST(DistTrainFreeze, EveryLayoutFollowsTheSingleProcessAndKeepsTheFrozenTensors
 
 namespace {
 
-// LoRA adapters (docs/lora.md) on the f32 tiny model: data, expert and sequence parallel runs
-// follow the single-process curve with the same bars as full fine-tuning, and save the adapter;
-// fsdp is refused with a message.
-TEST(DistTrainLora, EveryLayoutFollowsTheSingleProcessAndSavesTheAdapter) {
+// LoRA adapters (docs/lora.md) on the f32 tiny model: data, expert, sequence and fully sharded
+// runs follow the single-process curve with the bars of full fine-tuning and save the adapter;
+// a fully sharded run stopped at step 5 resumes to the uninterrupted run's adapter, byte for byte.
+TEST(DistTrainLora, EveryLayoutFollowsTheSingleProcessAndResumesExactly) {
   glmtune::test::TempDir dir("dist-train-lora");
-  const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
+  const fs::path recipe = write_recipe(dir.path(), 10, 5, true);
   std::ofstream(recipe, std::ios::app) << "[lora]\nrank = 4\nalpha = 8\n"
                                        << "target_modules = [\"all-linear\"]\n";
   std::vector<nlohmann::json> single;
   ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
-  ASSERT_TRUE(fs::exists(dir / "single/checkpoints/step-10/adapter/adapter_model.safetensors"));
+  const std::string adapter = "checkpoints/step-10/adapter/adapter_model.safetensors";
+  ASSERT_TRUE(fs::exists(dir / "single" / adapter));
   struct Layout {
     const char* name;
     int64_t ep_size, sp_size;
+    const char* extra;
   };
-  for (const Layout& l : {Layout{"dp2", 1, 1}, Layout{"ep2", 2, 1}, Layout{"sp2", 1, 2}}) {
+  for (const Layout& l : {Layout{"dp2", 1, 1, ""}, Layout{"ep2", 2, 1, ""}, Layout{"sp2", 1, 2, ""},
+                          Layout{"fsdp2", 1, 1, " --set train.fsdp=true"}}) {
     SCOPED_TRACE(std::string("2 ranks, ") + l.name);
     const fs::path log = dir / (std::string(l.name) + ".log");
-    ASSERT_EQ(train(recipe, 2, false, dir / l.name, log, l.ep_size, l.sp_size), 0)
+    ASSERT_EQ(train(recipe, 2, false, dir / l.name, log, l.ep_size, l.sp_size, l.extra), 0)
         << glmtune::test::read_text(log);
     expect_same_curve(metrics(dir / l.name), single, 0);
-    EXPECT_EQ(tensor_table(dir / l.name / "checkpoints/step-10/adapter/adapter_model.safetensors"),
-              tensor_table(dir / "single/checkpoints/step-10/adapter/adapter_model.safetensors"));
+    EXPECT_EQ(tensor_table(dir / l.name / adapter), tensor_table(dir / "single" / adapter));
   }
-  const fs::path log = dir / "fsdp.log";
-  EXPECT_NE(train(recipe, 2, false, dir / "fsdp", log, 1, 1, " --set train.fsdp=true"), 0);
-  EXPECT_NE(glmtune::test::read_text(log).find("fsdp with LoRA adapters is not supported yet"),
-            std::string::npos)
+  fs::copy(dir / "fsdp2", dir / "resumed", fs::copy_options::recursive);
+  fs::remove_all(dir / "resumed/checkpoints/step-10");
+  const fs::path log = dir / "resumed.log";
+  ASSERT_EQ(train(recipe, 2, true, dir / "resumed", log, 1, 1, " --set train.fsdp=true"), 0)
       << glmtune::test::read_text(log);
+  EXPECT_EQ(glmtune::test::read_text(dir / "resumed" / adapter),
+            glmtune::test::read_text(dir / "fsdp2" / adapter));
 }
 
 }  // namespace

@@ -241,14 +241,23 @@ nlohmann::json peft_adapter_config(const LoraConfig& config,
   return j;
 }
 
-void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const fs::path& dir) {
+void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& whole) {
+  for (const InternalParam& p : store.params())
+    if (p.adapter) whole(p);
+}
+
+void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const fs::path& dir,
+                       const ParamStore::WholeValue& whole) {
   io::NamedTensors tensors;
   std::vector<std::string> modules;
   for (const InternalParam& p : store.params()) {
     if (!p.adapter) continue;
     const std::string module = module_of_adapter(p.name);
+    const Tensor value = whole ? whole(p) : p.value;
+    GLMTUNE_ASSERT(value.defined() && value.shape() == p.shape,
+                   "adapter '{}' has no whole value to save", p.name);
     tensors.emplace_back(kPeftPrefix + peft_module(module) + p.name.substr(module.size()),
-                         p.value.to(DType::f32));
+                         value.to(Device::cpu()).to(DType::f32));
     if (modules.empty() || modules.back() != module) modules.push_back(module);
   }
   GLMTUNE_ASSERT(!tensors.empty(), "saving an adapter from a store without adapters");

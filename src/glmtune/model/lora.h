@@ -64,9 +64,13 @@ LoraConfig load_lora_adapter(ParamStore& store, const std::filesystem::path& dir
 
 // Writes the store's adapters as a PEFT adapter directory: adapter_config.json (the modules
 // written out as a regular expression of exactly the adapted ones, so that PEFT adapts the same
-// projections) and adapter_model.safetensors (f32), each file atomically.
+// projections) and adapter_model.safetensors (f32), each file atomically. With `whole`, each
+// adapter's value is asked of it in store order (ParamStore::save's contract: fsdp gathers the
+// shards, a collective every rank runs; the other ranks call visit_lora_adapters).
 void save_lora_adapter(const ParamStore& store, const LoraConfig& config,
-                       const std::filesystem::path& dir);
+                       const std::filesystem::path& dir, const ParamStore::WholeValue& whole = {});
+// Calls `whole` for every adapter as save_lora_adapter does, writing nothing.
+void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& whole);
 
 // The adapter_config.json glmtune writes for these modules.
 nlohmann::json peft_adapter_config(const LoraConfig& config,

@@ -60,7 +60,7 @@ std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSam
     io::copy_tokenizer_files(tokenizer_dir_, dir);
     // A LoRA run's adapters, beside the model, in PEFT's layout.
     if (store_.has_adapters())
-      model::save_lora_adapter(store_, *recipe_.lora, dir.parent_path() / "adapter");
+      model::save_lora_adapter(store_, *recipe_.lora, dir.parent_path() / "adapter", whole_value);
     if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
   };
   const auto t0 = std::chrono::steady_clock::now();
@@ -79,6 +79,7 @@ std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSam
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } else {
     store_.visit_for_save(whole_value);
+    if (whole_value && store_.has_adapters()) model::visit_lora_adapters(store_, whole_value);
     optimizer_.visit_state();
   }
   if (!layout_.distributed) return written;

@@ -62,7 +62,6 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
   if (layout.on_gpu)
     refuse("training on a GPU", "train.device",
            "set device = \"cpu\", or leave out [lora] to fine-tune every weight");
-  if (layout.fsdp) refuse("fsdp", "train.fsdp", "set fsdp = false");
   if (vision_language)
     refuse("vision-language data", "data.media_root", "train the adapters on text data");
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
