@@ -494,3 +494,47 @@ TEST(Recipe, TheBundledTinyRecipeIsValid) {
   ASSERT_TRUE(r.total_steps.has_value());
   EXPECT_NO_THROW(r.schedule(*r.total_steps));
 }
+
+TEST(Recipe, LoraSection) {
+  EXPECT_FALSE(Recipe::parse(kMinimal, "r.toml").lora.has_value());
+  const Recipe r = Recipe::parse(kMinimal +
+                                     "[lora]\nrank = 16\nalpha = 32\nuse_rslora = true\n"
+                                     "target_modules = [\"q_proj\", \"o_proj\"]\n",
+                                 "r.toml");
+  ASSERT_TRUE(r.lora.has_value());
+  EXPECT_EQ(r.lora->rank, 16);
+  EXPECT_EQ(r.lora->alpha, 32);
+  EXPECT_TRUE(r.lora->use_rslora);
+  EXPECT_DOUBLE_EQ(r.lora->scale(), 32 / 4.0);
+  EXPECT_EQ(r.lora->target_modules, (std::vector<std::string>{"q_proj", "o_proj"}));
+  // alpha defaults to the rank (scale 1); a string is one regular expression.
+  const Recipe d =
+      Recipe::parse(kMinimal + "[lora]\nrank = 4\ntarget_modules = 'layers\\.0\\.'\n", "r.toml");
+  EXPECT_DOUBLE_EQ(d.lora->scale(), 1.0);
+  EXPECT_EQ(d.lora->target_regex, "layers\\.0\\.");
+  // The effective recipe reads back to the same adapter settings, and they shape the fingerprint.
+  const Recipe back = Recipe::parse(r.to_toml(), "back.toml");
+  ASSERT_TRUE(back.lora.has_value());
+  EXPECT_EQ(back.lora->target_modules, r.lora->target_modules);
+  EXPECT_EQ(back.lora->use_rslora, true);
+  EXPECT_EQ(back.fingerprint(1), r.fingerprint(1));
+  EXPECT_NE(Recipe::parse(kMinimal, "r.toml").fingerprint(1), r.fingerprint(1));
+
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\nrank = 8\n"), "missing", "r.toml",
+                      "target_modules");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\nrank = 0\ntarget_modules = [\"q_proj\"]\n"),
+                      "must be in [1, 65536]", "lora.rank", "rank = 16");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ntarget_modules = []\n"), "non-empty array",
+                      "lora.target_modules", "target_modules");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ntarget_modules = [1]\n"), "non-empty string",
+                      "lora.target_modules", "target_modules");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ntarget_modules = '(q'\n"),
+                      "not a regular expression", "lora.target_modules", "regular expression");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ndropout = 0.1\ntarget_modules = [\"q_proj\"]\n"),
+                      "without dropout", "lora.dropout", "dropout = 0");
+  EXPECT_RECIPE_ERROR(
+      error_of(kMinimal + "[lora]\nbase = \"fp8\"\ntarget_modules = [\"q_proj\"]\n"), "FP8 base",
+      "lora.base", "bf16");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\nr = 8\ntarget_modules = [\"q_proj\"]\n"),
+                      "unknown key", "lora.r", "rank");
+}

@@ -1,0 +1,127 @@
+// LoRA end to end through the CLI: `glmtune train` with [lora] writes an adapter with every
+// checkpoint and names it; `glmtune eval --adapter` applies it; `glmtune merge` folds it into a
+// model that evaluates alike; bad inputs are errors that name what to fix and write nothing.
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "support/temp_dir.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+const fs::path kSource = GLMTUNE_SOURCE_DIR;
+
+struct Result {
+  int code;
+  std::string out, err;
+};
+
+class CliLora : public ::testing::Test {
+ protected:
+  glmtune::test::TempDir dir_{"cli-lora"};
+
+  fs::path path(const std::string& name) const { return dir_.path() / name; }
+
+  Result run(const std::string& args) const {
+    const std::string err_file = path("stderr.txt").string();
+    const std::string cmd = std::string(GLMTUNE_BINARY) + " " + args + " 2>" + err_file;
+    FILE* pipe = popen(cmd.c_str(), "r");
+    std::string out;
+    std::array<char, 4096> buf;
+    size_t n;
+    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
+    const int status = pclose(pipe);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out, glmtune::test::read_text(err_file)};
+  }
+
+  double eval_loss(const std::string& extra) const {
+    const Result r =
+        run("eval --model " + path("model").string() + " --tokenizer " + path("model").string() +
+            " --data " + (kSource / "examples/tiny/data/chat.jsonl").string() +
+            " --max-packs 2 --json " + extra);
+    EXPECT_EQ(r.code, 0) << r.err;
+    return r.code == 0 ? nlohmann::json::parse(r.out)["loss"].get<double>() : 0.0;
+  }
+
+  void SetUp() override {
+    ASSERT_EQ(run("init --preset tiny --seed 4 --out " + path("model").string() + " --tokenizer " +
+                  (kSource / "examples/tiny/tokenizer").string())
+                  .code,
+              0);
+    std::ofstream(path("recipe.toml"))
+        << "[model]\npath = \"" << path("model").string() << "\"\n"
+        << "[data]\nfiles = [\"" << (kSource / "examples/tiny/data/chat.jsonl").string()
+        << "\"]\nformat = \"chat\"\nmax_length = 256\npack_max_length = 256\n"
+        << "[train]\ntotal_steps = 4\nseed = 1\nrecompute = \"none\"\n"
+        << "[optimizer]\nlr = 1e-2\nwarmup_steps = 0\n"
+        << "[output]\ndir = \"" << path("run").string() << "\"\nsave_every = 2\n"
+        << "[lora]\nrank = 4\nalpha = 8\ntarget_modules = [\"q_proj\", \"o_proj\", "
+           "\"down_proj\"]\n";
+  }
+};
+
+TEST_F(CliLora, TrainEvalAndMerge) {
+  const Result train = run("train --config " + path("recipe.toml").string());
+  ASSERT_EQ(train.code, 0) << train.err;
+  const fs::path adapter = path("run") / "checkpoints/step-4/adapter";
+  EXPECT_NE(train.out.find("adapter      " + adapter.string()), std::string::npos) << train.out;
+  EXPECT_TRUE(fs::exists(path("run") / "checkpoints/step-2/adapter/adapter_config.json"));
+  EXPECT_TRUE(fs::exists(adapter / "adapter_model.safetensors"));
+
+  const double base = eval_loss(""), adapted = eval_loss("--adapter " + adapter.string());
+  EXPECT_NE(base, adapted);
+
+  const std::string merge = "merge --model " + path("model").string() + " --adapter " +
+                            adapter.string() + " --out " + path("merged").string();
+  const Result m = run(merge);
+  ASSERT_EQ(m.code, 0) << m.err;
+  EXPECT_NE(m.out.find("merged"), std::string::npos) << m.out;
+  EXPECT_TRUE(fs::exists(path("merged") / "tokenizer.json"));
+  const Result e =
+      run("eval --model " + path("merged").string() + " --data " +
+          (kSource / "examples/tiny/data/chat.jsonl").string() + " --max-packs 2 --json");
+  ASSERT_EQ(e.code, 0) << e.err;
+  // The merged weights are the adapted ones rounded to bf16.
+  EXPECT_NEAR(nlohmann::json::parse(e.out)["loss"].get<double>(), adapted, 1e-3 * adapted);
+
+  // A non-empty --out needs --overwrite; nothing is written without it.
+  const Result again = run(merge);
+  EXPECT_NE(again.code, 0);
+  EXPECT_NE(again.err.find("--overwrite"), std::string::npos) << again.err;
+  EXPECT_EQ(run(merge + " --overwrite").code, 0);
+}
+
+TEST_F(CliLora, BadAdaptersAreErrorsNamingTheDirectory) {
+  fs::create_directories(path("empty"));
+  const Result e = run("eval --model " + path("model").string() + " --data " +
+                       (kSource / "examples/tiny/data/chat.jsonl").string() + " --adapter " +
+                       path("empty").string());
+  EXPECT_NE(e.code, 0);
+  EXPECT_NE(e.err.find("no adapter_config.json"), std::string::npos) << e.err;
+  EXPECT_NE(e.err.find(path("empty").string()), std::string::npos) << e.err;
+  const Result m = run("merge --model " + path("model").string() + " --adapter " +
+                       path("empty").string() + " --out " + path("merged").string());
+  EXPECT_NE(m.code, 0);
+  EXPECT_NE(m.err.find("no adapter_config.json"), std::string::npos) << m.err;
+  EXPECT_FALSE(fs::exists(path("merged")));
+  // A target the model cannot adapt stops the run before any step, naming the recipe key.
+  std::string text = glmtune::test::read_text(path("recipe.toml"));
+  text.replace(text.find("[\"q_proj\", \"o_proj\", \"down_proj\"]"),
+               std::string("[\"q_proj\", \"o_proj\", \"down_proj\"]").size(), "[\"wk\"]");
+  std::ofstream(path("bad.toml")) << text;
+  const Result t = run("train --config " + path("bad.toml").string());
+  EXPECT_NE(t.code, 0);
+  EXPECT_NE(t.err.find("lora.target_modules"), std::string::npos) << t.err;
+  EXPECT_NE(t.err.find("never train"), std::string::npos) << t.err;
+  EXPECT_FALSE(fs::exists(path("run") / "checkpoints"));
+}
+
+}  // namespace
