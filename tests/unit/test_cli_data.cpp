@@ -20,6 +20,7 @@
 #include "glmtune/data/dataset.h"
 #include "glmtune/data/token_cache.h"
 #include "glmtune/data/tokenizer.h"
+#include "support/cli.h"
 
 namespace fs = std::filesystem;
 using namespace glmtune::data;
@@ -34,11 +35,7 @@ const Tokenizer& tiny_tokenizer() {
   return tok;
 }
 
-struct Result {
-  int code;
-  std::string out;  // stdout
-  std::string err;  // stderr
-};
+using Result = glmtune::test::CliResult;
 
 class CliDataTest : public ::testing::Test {
  protected:
@@ -63,15 +60,7 @@ class CliDataTest : public ::testing::Test {
 
   // Runs glmtune with `args` (shell syntax, so `< file` works), stdout and stderr kept apart.
   Result run(const std::string& args) const {
-    const std::string err_file = path("stderr.txt");
-    const std::string cmd = std::string(GLMTUNE_BINARY) + " " + args + " 2>" + err_file;
-    FILE* pipe = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf;
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
-    const int status = pclose(pipe);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out, slurp(err_file)};
+    return glmtune::test::run_glmtune(args, path("stderr.txt"));
   }
 
   fs::path dir_;

@@ -12,17 +12,14 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "support/cli.h"
 #include "support/temp_dir.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+using Result = glmtune::test::CliResult;
 const fs::path kSource = GLMTUNE_SOURCE_DIR;
-
-struct Result {
-  int code;
-  std::string out, err;
-};
 
 class CliLora : public ::testing::Test {
  protected:
@@ -31,15 +28,7 @@ class CliLora : public ::testing::Test {
   fs::path path(const std::string& name) const { return dir_.path() / name; }
 
   Result run(const std::string& args) const {
-    const std::string err_file = path("stderr.txt").string();
-    const std::string cmd = std::string(GLMTUNE_BINARY) + " " + args + " 2>" + err_file;
-    FILE* pipe = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf;
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
-    const int status = pclose(pipe);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out, glmtune::test::read_text(err_file)};
+    return glmtune::test::run_glmtune(args, path("stderr.txt"));
   }
 
   double eval_loss(const std::string& extra) const {

@@ -18,6 +18,7 @@
 #include "glmtune/data/media/video.h"
 #include "glmtune/data/media/vl_processor.h"
 #include "glmtune/io/safetensors.h"
+#include "support/cli.h"
 #include "support/temp_dir.h"
 
 namespace {
@@ -30,24 +31,12 @@ const std::string kSource = GLMTUNE_SOURCE_DIR;
 const std::string kExample = kSource + "/examples/tiny-vl";
 const std::string kProcessor = kSource + "/examples/tiny/tokenizer";
 
-struct Result {
-  int code;
-  std::string out;
-  std::string err;
-};
+using Result = glmtune::test::CliResult;
 
 class CliPreprocessTest : public ::testing::Test {
  protected:
   Result run(const std::string& args) const {
-    const std::string err_file = (dir_ / "stderr.txt").string();
-    const std::string cmd = std::string(GLMTUNE_BINARY) + " " + args + " 2>" + err_file;
-    FILE* pipe = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf;
-    size_t n;
-    while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
-    const int status = pclose(pipe);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out, glmtune::test::read_text(err_file)};
+    return glmtune::test::run_glmtune(args, dir_ / "stderr.txt");
   }
 
   std::string write(const std::string& name, const std::string& content) const {

@@ -21,6 +21,7 @@
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
 #include "glmtune/ops/linear.h"
+#include "support/random_model.h"
 #include "support/temp_dir.h"
 #include "support/test_support.h"
 
@@ -124,23 +125,7 @@ TEST(LoraOps, AFrozenBaseGetsNoGradientAndTheAdapterDoes) {
 
 // ---- The text model with adapters ------------------------------------------------------------
 
-struct TinyModel {
-  TempDir dir{"lora"};
-  ModelConfig config = ModelConfig::preset("tiny");
-  std::unique_ptr<ParamStore> store;
-
-  explicit TinyModel(uint64_t seed, const std::vector<std::string>& sets = {}) {
-    for (const std::string& kv : sets) {
-      const size_t eq = kv.find('=');
-      config.set(kv.substr(0, eq), kv.substr(eq + 1));
-    }
-    InitOptions options;
-    options.seed = seed;
-    write_random_checkpoint(config, dir.path() / "ck", options);
-    store = std::make_unique<ParamStore>(
-        ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config));
-  }
-};
+using glmtune::test::RandomModel;
 
 LoraConfig all_linear(int64_t rank = 2, double alpha = 3) {
   LoraConfig c;
@@ -180,7 +165,7 @@ PackInput tiny_pack(const TextConfig& c, std::mt19937_64& rng) {
 }
 
 TEST(LoraModel, TargetsResolveAsPeftMatchesThem) {
-  TinyModel m(11);
+  RandomModel m("lora", 11);
   const std::vector<std::string> all = adaptable_modules(*m.store);
   ASSERT_FALSE(all.empty());
   for (const std::string& name : all) {
@@ -230,9 +215,10 @@ TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesOfTheLoss) {
   SCOPED_TRACE(seed_note());
   // Every expert routed and every key pool kept: the loss is smooth in the adapters (the top-k
   // selections are covered by the model's own finite-difference test).
-  TinyModel m(test_seed(), {"text_config.n_group=1", "text_config.topk_group=1",
-                            "text_config.n_routed_experts=2", "text_config.num_experts_per_tok=2",
-                            "text_config.index_topk=16"});
+  RandomModel m(
+      "lora", test_seed(),
+      {"text_config.n_group=1", "text_config.topk_group=1", "text_config.n_routed_experts=2",
+       "text_config.num_experts_per_tok=2", "text_config.index_topk=16"});
   const LoraConfig c = all_linear();
   add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), test_seed());
   randomise_b(*m.store, 50'000);
@@ -278,7 +264,7 @@ TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesOfTheLoss) {
 
 TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
   SCOPED_TRACE(seed_note());
-  TinyModel m(test_seed());
+  RandomModel m("lora", test_seed());
   LoraConfig c = all_linear(3, 5);
   c.use_rslora = true;
   add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), 7);
@@ -328,7 +314,7 @@ TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
 }
 
 TEST(LoraModel, BadAdapterDirectoriesAreErrorsNamingTheFile) {
-  TinyModel m(5);
+  RandomModel m("lora", 5);
   const fs::path dir = m.dir.path() / "bad";
   auto expect_error = [&](const std::string& says) {
     ParamStore s = ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config);

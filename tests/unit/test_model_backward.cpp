@@ -27,11 +27,13 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
+#include "support/random_model.h"
 #include "support/temp_dir.h"
 
 using namespace glmtune;
 using namespace glmtune::model;
 using namespace glmtune::model::text;
+using glmtune::test::RandomModel;
 namespace fs = std::filesystem;
 
 namespace {
@@ -69,50 +71,6 @@ bool same_bits(const Tensor& a, const Tensor& b) {
   const Tensor x = a.contiguous(), y = b.contiguous();
   return std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
 }
-
-// A model of the tiny preset (with `sets` applied) written with `seed`, its constant-initialised
-// parameters (norm weights, mHC base / scale, A_log, router bias) redrawn so that no code path
-// sees a trivial value.
-struct RandomModel {
-  TempDir dir;
-  ModelConfig config = ModelConfig::preset("tiny");
-  std::unique_ptr<ParamStore> store;
-
-  RandomModel(const std::string& tag, uint64_t seed, const std::vector<std::string>& sets = {})
-      : dir(tag) {
-    for (const std::string& s : sets) {
-      const size_t eq = s.find('=');
-      config.set(s.substr(0, eq), s.substr(eq + 1));
-    }
-    InitOptions options;
-    options.seed = seed;
-    write_random_checkpoint(config, dir.path() / "ck", options);
-    store = std::make_unique<ParamStore>(
-        ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config));
-  }
-
-  void redraw_constants(std::mt19937_64& rng) {
-    std::normal_distribution<double> n(0.0, 1.0);
-    for (const InternalParam& p : store->params()) {
-      const std::string& name = p.name;
-      double mean = 0, sd = 0;
-      if (name.ends_with("e_score_correction_bias"))
-        sd = 0.05;
-      else if (name.ends_with("_base") || name.ends_with("A_log"))
-        sd = 0.5;
-      else if (name.ends_with("_scale"))
-        mean = 1.0, sd = 0.3;
-      else if (name.find("norm") != std::string::npos && name.ends_with("weight") &&
-               name.find(".indexer.") == std::string::npos)
-        mean = 1.0, sd = 0.2;
-      else
-        continue;
-      std::vector<double> v(size_t(p.value.numel()));
-      for (double& x : v) x = mean + sd * n(rng);
-      store->get(name) = Tensor::from_doubles(v, p.value.shape(), DType::f32);
-    }
-  }
-};
 
 // ---------------------------------------------------------------------------------------------
 // Golden parity.

@@ -32,6 +32,7 @@
 #include "glmtune/ops/mhc.h"
 #include "glmtune/ops/mla.h"
 #include "glmtune/ops/moe.h"
+#include "support/cli.h"
 #include "support/temp_dir.h"
 
 using namespace glmtune;
@@ -680,21 +681,8 @@ TEST(Loss, NextTokenLabelsStayInsideDocuments) {
 
 namespace {
 
-struct CliRun {
-  int code;
-  std::string out;
-};
-
-CliRun run(const std::string& args) {
-  const std::string cmd = std::string(GLMTUNE_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+using glmtune::test::CliResult;
+CliResult run(const std::string& args) { return glmtune::test::run_glmtune(args); }
 
 }  // namespace
 
@@ -710,7 +698,7 @@ TEST(EvalCli, LossEqualsTheInProcessForward) {
   write_random_checkpoint(config, ck, options);
 
   const std::string text = "Sorted, 18 43 3 1 becomes 1 3 18 43.";
-  const CliRun r = run("eval --model " + ck.string() + " --text '" + text + "' --json");
+  const CliResult r = run("eval --model " + ck.string() + " --text '" + text + "' --json");
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
 
@@ -731,8 +719,8 @@ TEST(EvalCli, LossEqualsTheInProcessForward) {
 
   // JSONL data in packs, and the human-readable summary.
   const fs::path data = kSource / "examples" / "tiny" / "data" / "chat.jsonl";
-  const CliRun d = run("eval --model " + ck.string() + " --data " + data.string() +
-                       " --pack-length 256 --max-packs 2 --json");
+  const CliResult d = run("eval --model " + ck.string() + " --data " + data.string() +
+                          " --pack-length 256 --max-packs 2 --json");
   ASSERT_EQ(d.code, 0) << d.out;
   const auto dj = nlohmann::json::parse(d.out);
   EXPECT_EQ(dj.at("packs").get<int64_t>(), 2);
@@ -740,7 +728,7 @@ TEST(EvalCli, LossEqualsTheInProcessForward) {
   EXPECT_GT(dj.at("tokens").get<int64_t>(), 0);
   EXPECT_EQ(int64_t(dj.at("per_sample").size()), dj.at("samples").get<int64_t>());
   EXPECT_TRUE(std::isfinite(dj.at("loss").get<double>()));
-  const CliRun h = run("eval --model " + ck.string() + " --text 'hello there' --no-mtp");
+  const CliResult h = run("eval --model " + ck.string() + " --text 'hello there' --no-mtp");
   ASSERT_EQ(h.code, 0) << h.out;
   EXPECT_NE(h.out.find("perplexity"), std::string::npos) << h.out;
   EXPECT_EQ(h.out.find("mtp_loss"), std::string::npos) << h.out;
@@ -752,10 +740,10 @@ TEST(EvalCli, ExplainsWhatIsMissing) {
   options.seed = test_seed();
   const fs::path ck = dir.path() / "ck";
   write_random_checkpoint(ModelConfig::preset("tiny"), ck, options);
-  const CliRun r = run("eval --model " + ck.string() + " --text hello");
+  const CliResult r = run("eval --model " + ck.string() + " --text hello");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("tokenizer.json"), std::string::npos) << r.out;
-  const CliRun n = run("eval --model " + ck.string());
+  const CliResult n = run("eval --model " + ck.string());
   EXPECT_NE(n.code, 0);
   EXPECT_NE(n.out.find("--data"), std::string::npos) << n.out;
 }
@@ -944,11 +932,12 @@ TEST(EvalCli, PretokenisedSamplesPackedEqualEachAlone) {
   const fs::path packed_logits = p.dir.path() / "packed.safetensors";
   const fs::path alone_logits = p.dir.path() / "alone.safetensors";
   // --pack-length 1: every document gets a pack of its own; 4096: all share one forward.
-  const CliRun packed = run("eval --model " + p.ck.string() + " --data " + p.data.string() +
-                            " --pack-length 4096 --json --dump-logits " + packed_logits.string());
+  const CliResult packed =
+      run("eval --model " + p.ck.string() + " --data " + p.data.string() +
+          " --pack-length 4096 --json --dump-logits " + packed_logits.string());
   ASSERT_EQ(packed.code, 0) << packed.out;
-  const CliRun alone = run("eval --model " + p.ck.string() + " --data " + p.data.string() +
-                           " --pack-length 1 --json --dump-logits " + alone_logits.string());
+  const CliResult alone = run("eval --model " + p.ck.string() + " --data " + p.data.string() +
+                              " --pack-length 1 --json --dump-logits " + alone_logits.string());
   ASSERT_EQ(alone.code, 0) << alone.out;
   const auto pj = nlohmann::json::parse(packed.out), aj = nlohmann::json::parse(alone.out);
   EXPECT_EQ(pj.at("packs").get<int64_t>(), 1);
@@ -997,8 +986,8 @@ TEST(EvalCli, PretokenisedSamplesPackedEqualEachAlone) {
   EXPECT_NEAR(pj.at("loss").get<double>(), sum / double(count), 1e-6);
 
   // Without --dump-logits the loss comes from the chunked head: the same numbers.
-  const CliRun plain = run("eval --model " + p.ck.string() + " --data " + p.data.string() +
-                           " --json --loss-chunk 5");
+  const CliResult plain = run("eval --model " + p.ck.string() + " --data " + p.data.string() +
+                              " --json --loss-chunk 5");
   ASSERT_EQ(plain.code, 0) << plain.out;
   EXPECT_NEAR(nlohmann::json::parse(plain.out).at("loss").get<double>(),
               pj.at("loss").get<double>(), 1e-6);
@@ -1027,7 +1016,7 @@ TEST(EvalCli, BadPretokenisedLinesNameFileAndLine) {
     SCOPED_TRACE(cases[k].first);
     const fs::path data = dir.path() / ("bad" + std::to_string(k) + ".jsonl");
     std::ofstream(data) << good << "\n\n" << cases[k].first << "\n" << good << "\n";
-    const CliRun r = run("eval --model " + ck.string() + " --data " + data.string());
+    const CliResult r = run("eval --model " + ck.string() + " --data " + data.string());
     EXPECT_NE(r.code, 0) << r.out;
     EXPECT_NE(r.out.find(data.string() + ":3"), std::string::npos) << r.out;
     EXPECT_NE(r.out.find(cases[k].second), std::string::npos) << r.out;
@@ -1038,15 +1027,15 @@ TEST(EvalCli, BadPretokenisedLinesNameFileAndLine) {
                       << R"({"input_ids": [1]})"
                       << "\n";
   const fs::path out = dir.path() / "logits.safetensors";
-  const CliRun r = run("eval --model " + ck.string() + " --data " + data.string() +
-                       " --pack-length 1 --dump-logits " + out.string());
+  const CliResult r = run("eval --model " + ck.string() + " --data " + data.string() +
+                          " --pack-length 1 --dump-logits " + out.string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(fs::exists(out));
   std::ofstream(data) << R"({"input_ids": [1]})"
                       << "\n";
   fs::remove(out);
-  const CliRun none = run("eval --model " + ck.string() + " --data " + data.string() +
-                          " --dump-logits " + out.string());
+  const CliResult none = run("eval --model " + ck.string() + " --data " + data.string() +
+                             " --dump-logits " + out.string());
   EXPECT_NE(none.code, 0);
   EXPECT_NE(none.out.find("no token carries a loss"), std::string::npos) << none.out;
   EXPECT_FALSE(fs::exists(out));
