@@ -92,8 +92,9 @@ void print_summary(const train::TrainSummary& s) {
                 (long long)s.skipped_steps);
   if (!s.checkpoint.empty()) {
     std::printf("  checkpoint   %s\n", s.checkpoint.string().c_str());
-    std::printf("  model        %s (released layout, with tokenizer)\n",
-                (s.checkpoint / "model").string().c_str());
+    if (std::filesystem::exists(s.checkpoint / "model"))
+      std::printf("  model        %s (released layout, with tokenizer)\n",
+                  (s.checkpoint / "model").string().c_str());
     if (std::filesystem::exists(s.checkpoint / "adapter"))
       std::printf("  adapter      %s (PEFT LoRA; glmtune eval --adapter, glmtune merge)\n",
                   (s.checkpoint / "adapter").string().c_str());

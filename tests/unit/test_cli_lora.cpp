@@ -64,6 +64,20 @@ TEST_F(CliLora, TrainEvalAndMerge) {
   EXPECT_NE(train.out.find("adapter      " + adapter.string()), std::string::npos) << train.out;
   EXPECT_TRUE(fs::exists(path("run") / "checkpoints/step-2/adapter/adapter_config.json"));
   EXPECT_TRUE(fs::exists(adapter / "adapter_model.safetensors"));
+  // The base is not copied into a LoRA checkpoint (it stays as loaded); the adapter is checksummed
+  // with the rest, so a changed byte is found.
+  EXPECT_FALSE(fs::exists(path("run") / "checkpoints/step-4/model"));
+  EXPECT_EQ(run("inspect --verify " + path("run").string()).code, 0);
+  {
+    const fs::path file = path("run") / "checkpoints/step-2/adapter/adapter_model.safetensors";
+    std::string bytes = glmtune::test::read_text(file);
+    bytes[bytes.size() - 3] ^= 1;
+    std::ofstream(file, std::ios::binary) << bytes;
+    const Result v = run("inspect --verify " + path("run").string());
+    EXPECT_NE(v.code, 0);
+    EXPECT_NE((v.out + v.err).find("adapter/adapter_model.safetensors"), std::string::npos)
+        << v.out << v.err;
+  }
 
   const double base = eval_loss(""), adapted = eval_loss("--adapter " + adapter.string());
   EXPECT_NE(base, adapted);

@@ -216,15 +216,15 @@ void add_lora_adapters(ParamStore& store, const LoraConfig& config,
   store.set_adapter_scale(config.scale());
 }
 
-nlohmann::json peft_adapter_config(const LoraConfig& config,
-                                   const std::vector<std::string>& modules) {
+nlohmann::json peft_adapter_config(const LoraConfig& config, const std::vector<std::string>& modules,
+                                   const std::string& base) {
   std::string regex;
   for (const std::string& m : modules)
     regex += (regex.empty() ? "" : "|") + regex_escape(peft_module(m));
   nlohmann::json j;
   j["peft_type"] = "LORA";
   j["task_type"] = nullptr;
-  j["base_model_name_or_path"] = nullptr;
+  j["base_model_name_or_path"] = base.empty() ? nlohmann::json() : nlohmann::json(base);
   j["r"] = config.rank;
   j["lora_alpha"] = config.alpha;
   j["lora_dropout"] = config.dropout;
@@ -247,7 +247,7 @@ void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& 
 }
 
 void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const fs::path& dir,
-                       const ParamStore::WholeValue& whole) {
+                       const ParamStore::WholeValue& whole, const std::string& base) {
   io::NamedTensors tensors;
   std::vector<std::string> modules;
   for (const InternalParam& p : store.params()) {
@@ -268,7 +268,7 @@ void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const 
                 "check that the parent directory is writable");
   io::save_safetensors(dir / kWeightsFile, tensors, {{"format", "pt"}});
   write_file_atomic((dir / kConfigFile).string(),
-                    peft_adapter_config(config, modules).dump(2) + "\n");
+                    peft_adapter_config(config, modules, base).dump(2) + "\n");
 }
 
 LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {

@@ -67,14 +67,16 @@ LoraConfig load_lora_adapter(ParamStore& store, const std::filesystem::path& dir
 // projections) and adapter_model.safetensors (f32), each file atomically. With `whole`, each
 // adapter's value is asked of it in store order (ParamStore::save's contract: fsdp gathers the
 // shards, a collective every rank runs; the other ranks call visit_lora_adapters).
+// `base` (the base model's directory) goes into adapter_config.json's base_model_name_or_path.
 void save_lora_adapter(const ParamStore& store, const LoraConfig& config,
-                       const std::filesystem::path& dir, const ParamStore::WholeValue& whole = {});
+                       const std::filesystem::path& dir, const ParamStore::WholeValue& whole = {},
+                       const std::string& base = "");
 // Calls `whole` for every adapter as save_lora_adapter does, writing nothing.
 void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& whole);
 
 // The adapter_config.json glmtune writes for these modules.
-nlohmann::json peft_adapter_config(const LoraConfig& config,
-                                   const std::vector<std::string>& modules);
+nlohmann::json peft_adapter_config(const LoraConfig& config, const std::vector<std::string>& modules,
+                                   const std::string& base = "");
 
 // W += scale · B A for every adapter of the store (in f32, then stored in the base weight's
 // dtype), and the adapters removed: the store then holds a plain model in the released layout.

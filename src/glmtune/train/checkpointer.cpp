@@ -53,14 +53,20 @@ std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSam
   const int64_t delay = save_delay_ms();
   const model::ParamStore::WholeValue whole_value = optimizer_.weights_for_save();
   const ModelWriter writer = [&](const fs::path& dir) {
-    if (whole_value)
-      store_.save(dir, whole_value);
-    else
-      store_.save(dir);
-    io::copy_tokenizer_files(tokenizer_dir_, dir);
-    // A LoRA run's adapters, beside the model, in PEFT's layout.
-    if (store_.has_adapters())
-      model::save_lora_adapter(store_, *recipe_.lora, dir.parent_path() / "adapter", whole_value);
+    if (store_.has_adapters()) {
+      // A LoRA run saves its adapters alone, in PEFT's layout, beside where the model would go:
+      // the base stays as loaded (router biases included), so the checkpoint does not copy it
+      // (for the released model that would be hundreds of GB per save); a resume reads the base
+      // from [model] path again.
+      model::save_lora_adapter(store_, *recipe_.lora, dir.parent_path() / "adapter", whole_value,
+                               recipe_.model_path);
+    } else {
+      if (whole_value)
+        store_.save(dir, whole_value);
+      else
+        store_.save(dir);
+      io::copy_tokenizer_files(tokenizer_dir_, dir);
+    }
     if (delay > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay));
   };
   const auto t0 = std::chrono::steady_clock::now();
@@ -78,8 +84,10 @@ std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSam
     spdlog::info("saved {} in {:.1f}s", written->string(),
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } else {
-    store_.visit_for_save(whole_value);
-    if (whole_value && store_.has_adapters()) model::visit_lora_adapters(store_, whole_value);
+    if (!store_.has_adapters())
+      store_.visit_for_save(whole_value);
+    else if (whole_value)
+      model::visit_lora_adapters(store_, whole_value);
     optimizer_.visit_state();
   }
   if (!layout_.distributed) return written;

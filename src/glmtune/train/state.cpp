@@ -33,7 +33,11 @@ void check_io(const std::error_code& ec, const std::string& what, const fs::path
 }
 
 // Tensor shards are hashed tensor by tensor (glmtune-checksums.json); every other file as a whole.
-bool hashed_whole(const std::string& file) { return !file.ends_with(".safetensors"); }
+// Model and optimizer shards carry per-tensor checksums of their own; a LoRA adapter (small) is
+// hashed whole.
+bool hashed_whole(const std::string& file) {
+  return !file.ends_with(".safetensors") || file.starts_with("adapter/");
+}
 
 uint64_t file_hash(const fs::path& path) {
   const std::string bytes = read_text_file(path.string(), "checkpoint");
@@ -310,7 +314,13 @@ io::VerifyReport verify_training_checkpoint(const fs::path& dir) {
                          want.is_string() ? want.get<std::string>() : "?")});
     }
   const CheckpointDir ck{dir};
-  const io::VerifyReport model = io::verify_checkpoint(ck.model_dir());
+  // A LoRA checkpoint holds the adapter (hashed whole above) and no model.
+  const bool adapter_only = !fs::exists(ck.model_dir()) && fs::exists(dir / "adapter");
+  io::VerifyReport model;
+  if (adapter_only)
+    model.has_checksums = true;
+  else
+    model = io::verify_checkpoint(ck.model_dir());
   const io::VerifyReport optimizer = io::verify_checkpoint(ck.optimizer_dir());
   r.merge(model, "model/");
   r.merge(optimizer, "optimizer/");

@@ -228,8 +228,10 @@ TrainingData::TrainingData(const Recipe& recipe, const fs::path& tokenizer_dir)
 
 TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
                              const ResumePoint* resume, const TrainingData& data) {
-  const fs::path weights_dir =
-      resume ? resume->checkpoint.model_dir() : fs::path(recipe.model_path);
+  // A LoRA checkpoint has no model/: its base is [model] path, unchanged by the run.
+  const fs::path weights_dir = resume && fs::exists(resume->checkpoint.model_dir())
+                                   ? resume->checkpoint.model_dir()
+                                   : fs::path(recipe.model_path);
   model::ModelConfig config = read_model_config(weights_dir);
   layout.plan_experts(recipe, config.text().n_routed_experts);
   const int64_t num_layers = config.text().num_hidden_layers;
