@@ -128,3 +128,32 @@ TEST_F(CliLora, BadAdaptersAreErrorsNamingTheDirectory) {
 }
 
 }  // namespace
+
+namespace {
+
+// Vision-language data: the adapters train on the text model with the tower and projector frozen
+// (they are part of the base), and eval --adapter applies them to conversations with media.
+TEST_F(CliLora, VisionLanguageDataTrainsTheTextAdapters) {
+  const std::string vl = (kSource / "examples/tiny-vl").string();
+  std::string text = glmtune::test::read_text(path("recipe.toml"));
+  text.replace(text.find("[data]\n"), 7, "[data]\nmedia_root = \"" + vl + "\"\n");
+  text.replace(text.find((kSource / "examples/tiny/data/chat.jsonl").string()),
+               (kSource / "examples/tiny/data/chat.jsonl").string().size(), vl + "/chat.jsonl");
+  text.replace(text.find("max_length = 256\npack_max_length = 256"),
+               std::string("max_length = 256\npack_max_length = 256").size(),
+               "max_length = 4096\npack_max_length = 4096");
+  std::ofstream(path("vl.toml")) << text;
+  const Result train = run("train --config " + path("vl.toml").string() +
+                           " --set train.total_steps=2 --set output.save_every=0");
+  ASSERT_EQ(train.code, 0) << train.err;
+  const fs::path adapter = path("run") / "checkpoints/step-2/adapter";
+  const std::string eval = "eval --model " + path("model").string() + " --data " + vl +
+                           "/chat.jsonl --media-root " + vl + " --json";
+  const Result base = run(eval), adapted = run(eval + " --adapter " + adapter.string());
+  ASSERT_EQ(base.code, 0) << base.err;
+  ASSERT_EQ(adapted.code, 0) << adapted.err;
+  EXPECT_LT(nlohmann::json::parse(adapted.out)["loss"].get<double>(),
+            nlohmann::json::parse(base.out)["loss"].get<double>());
+}
+
+}  // namespace

@@ -62,8 +62,6 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
   if (layout.on_gpu)
     refuse("training on a GPU", "train.device",
            "set device = \"cpu\", or leave out [lora] to fine-tune every weight");
-  if (vision_language)
-    refuse("vision-language data", "data.media_root", "train the adapters on text data");
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
   if (resume) {
     const fs::path dir = resume->checkpoint.dir / "adapter";
@@ -255,7 +253,8 @@ TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
   VlTraining* vl = data.vl();
   if (recipe.lora) attach_lora(recipe, layout, resume, vl != nullptr, store);
   const FreezePlan freeze = freeze_parameters(recipe, store, vl != nullptr);
-  if (vl) vl->freeze(freeze.vision_tower, freeze.projector);
+  // Under [lora] the tower and projector are part of the frozen base.
+  if (vl) vl->freeze(freeze.vision_tower || recipe.lora, freeze.projector || recipe.lora);
   if (data.tokenizer().vocab_size() > store.config().text().vocab_size)
     throw Error(fmt::format("the tokenizer has {} tokens but the model only {}",
                             data.tokenizer().vocab_size(), store.config().text().vocab_size),
