@@ -34,14 +34,14 @@ struct Projection {
 
 // The projections of one decoder layer from the parameter list (model/text/weights.h), named
 // relative to the layer.
-std::vector<std::pair<std::string, text::ParamGroup>> layer_projection_names() {
+std::vector<std::string> layer_projection_names() {
   text::LayerWeights lw;
-  std::vector<std::pair<std::string, text::ParamGroup>> out;
+  std::vector<std::string> out;
   text::zip_layer_params(
       lw, lw,
       Overloaded{[](const std::string&, text::ParamGroup, Tensor&, Tensor&) {},
-                 [&](const std::string& name, text::ParamGroup group, ops::Linear&, ops::Linear&,
-                     ops::WholeProjection) { out.emplace_back(name, group); }});
+                 [&](const std::string& name, text::ParamGroup, ops::Linear&, ops::Linear&,
+                     ops::WholeProjection) { out.push_back(name); }});
   return out;
 }
 
@@ -53,7 +53,7 @@ std::vector<Projection> projections(const ParamStore& store) {
   std::set<std::string> seen;
   auto add = [&](int64_t layer, const std::string& why_not) {
     const std::string prefix = text::layer_prefix(layer);
-    for (const auto& [name, group] : names) {
+    for (const std::string& name : names) {
       const std::string module = prefix + name;
       // The KDA and MLA output projections share the name self_attn.o_proj (a layer has one).
       if (!store.contains(module + ".weight") || !seen.insert(module).second) continue;
@@ -216,7 +216,8 @@ void add_lora_adapters(ParamStore& store, const LoraConfig& config,
   store.set_adapter_scale(config.scale());
 }
 
-nlohmann::json peft_adapter_config(const LoraConfig& config, const std::vector<std::string>& modules,
+nlohmann::json peft_adapter_config(const LoraConfig& config,
+                                   const std::vector<std::string>& modules,
                                    const std::string& base) {
   std::string regex;
   for (const std::string& m : modules)

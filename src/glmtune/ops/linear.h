@@ -12,9 +12,9 @@
 
 namespace glmtune::ops {
 
-// A low-rank adapter on a projection: y += scale · (x A^T) B^T, with A [r, in] and B [out, r]
-// (for the fused experts, one pair per expert: A [E, r, in], B [E, out, r]). `scale` is alpha / r,
-// or alpha / sqrt(r) with rank-stabilised scaling.
+// A low-rank adapter on a projection: y += scale · (x A^T) B^T, with A [r, in] and B [out, r].
+// `scale` is alpha / r, or alpha / sqrt(r) with rank-stabilised scaling (model/lora.h). The fused
+// experts take none yet.
 struct LoraAdapter {
   Tensor A;
   Tensor B;
@@ -44,7 +44,6 @@ struct Linear {
 // the module ("q_proj.weight"). Undefined fields (absent biases, an unused shared expert) are
 // visited too. The model's loader, gradient buffers, fsdp's flat layout, sequence parallel's head
 // slicing and the tests all read these lists rather than naming fields themselves.
-
 //
 // A visitor that also accepts f(name, a_linear, b_linear, WholeProjection{}) is handed each
 // projection whole, before its tensors (the loader sets an adapter's scale there).
