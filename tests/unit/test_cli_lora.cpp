@@ -79,6 +79,18 @@ TEST_F(CliLora, TrainEvalAndMerge) {
         << v.out << v.err;
   }
 
+  // Resuming a LoRA run without its [lora] section would silently train the base instead.
+  {
+    std::string text = glmtune::test::read_text(path("recipe.toml"));
+    text.erase(text.find("[lora]"));
+    std::ofstream(path("full.toml")) << text;
+    const Result r =
+        run("train --config " + path("full.toml").string() + " --set train.total_steps=6 --resume");
+    EXPECT_NE(r.code, 0);
+    EXPECT_NE(r.err.find("holds a LoRA adapter, and the recipe has no [lora]"), std::string::npos)
+        << r.err;
+  }
+
   const double base = eval_loss(""), adapted = eval_loss("--adapter " + adapter.string());
   EXPECT_NE(base, adapted);
 

@@ -52,7 +52,7 @@ FreezePlan freeze_parameters(const Recipe& recipe, model::ParamStore& store, boo
 // [lora]: adapters on the recipe's targets, fresh (PEFT's initialisation from train.seed) or, when
 // resuming, the checkpoint's; every other parameter frozen.
 void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const ResumePoint* resume,
-                 bool vision_language, model::ParamStore& store) {
+                 model::ParamStore& store) {
   const model::LoraConfig& c = *recipe.lora;
   const std::string where = recipe.source() + ": lora";
   auto refuse = [&](const std::string& what, const std::string& key, const std::string& fix) {
@@ -65,6 +65,11 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
   if (resume) {
     const fs::path dir = resume->checkpoint.dir / "adapter";
+    if (!fs::exists(dir))
+      throw Error("the checkpoint to resume has no adapter: a run without [lora] wrote it",
+                  resume->checkpoint.dir.string(),
+                  "resume it with the recipe it was written with, or start a new run (another "
+                  "output dir) with [lora] and [model] path = its model/ directory");
     const model::LoraConfig saved = model::load_lora_adapter(store, dir);
     if (saved.rank != c.rank || saved.scale() != c.scale())
       throw Error(fmt::format("the checkpoint's adapter has r = {} and scale {}, the recipe asks "
@@ -227,6 +232,11 @@ TrainingData::TrainingData(const Recipe& recipe, const fs::path& tokenizer_dir)
 TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
                              const ResumePoint* resume, const TrainingData& data) {
   // A LoRA checkpoint has no model/: its base is [model] path, unchanged by the run.
+  if (resume && !recipe.lora && fs::exists(resume->checkpoint.dir / "adapter"))
+    throw Error("the checkpoint to resume holds a LoRA adapter, and the recipe has no [lora]",
+                resume->checkpoint.dir.string(),
+                "resume with the recipe's [lora] section as the run started, or merge the "
+                "adapter (glmtune merge) and start a new run from the merged model");
   const fs::path weights_dir = resume && fs::exists(resume->checkpoint.model_dir())
                                    ? resume->checkpoint.model_dir()
                                    : fs::path(recipe.model_path);
@@ -251,7 +261,7 @@ TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
   make_params_writable(store);
   if (!layout.fsdp) reader.reset();
   VlTraining* vl = data.vl();
-  if (recipe.lora) attach_lora(recipe, layout, resume, vl != nullptr, store);
+  if (recipe.lora) attach_lora(recipe, layout, resume, store);
   const FreezePlan freeze = freeze_parameters(recipe, store, vl != nullptr);
   // Under [lora] the tower and projector are part of the frozen base.
   if (vl) vl->freeze(freeze.vision_tower || recipe.lora, freeze.projector || recipe.lora);
