@@ -76,6 +76,15 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
                               "for r = {} and scale {}",
                               saved.rank, saved.scale(), c.rank, c.scale()),
                   where, "resume with the [lora] settings the run started with");
+    std::vector<std::string> held;
+    for (const model::InternalParam& p : store.params())
+      if (p.adapter && p.name.ends_with(".lora_A.weight"))
+        held.push_back(p.name.substr(0, p.name.size() - std::string(".lora_A.weight").size()));
+    if (held != modules)
+      throw Error(fmt::format("the checkpoint's adapter is on {} projections, the recipe's "
+                              "target_modules select {} others",
+                              held.size(), modules.size()),
+                  where + ".target_modules", "resume with the target_modules the run started with");
   } else {
     model::add_lora_adapters(store, c, modules, recipe.seed);
   }
