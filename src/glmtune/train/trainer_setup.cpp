@@ -82,7 +82,7 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
         held.push_back(p.name.substr(0, p.name.size() - std::string(".lora_A.weight").size()));
     if (held != modules)
       throw Error(fmt::format("the checkpoint's adapter is on {} projections, the recipe's "
-                              "target_modules select {} others",
+                              "target_modules select another set of {}",
                               held.size(), modules.size()),
                   where + ".target_modules", "resume with the target_modules the run started with");
   } else {
