@@ -25,6 +25,7 @@
 #include "glmtune/ops/mla.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
+#include "glmtune/ops/vision.h"
 #include "glmtune/tensor/tensor.h"
 #include "support/cuda_test_support.h"
 
@@ -352,6 +353,10 @@ TEST(CudaLeafOps, CpuOnlyOpsRefuseGpuTensors) {
   const Tensor logits = gpu.value({T, 16}, 163);
   const Tensor labels = Tensor::from_vector(std::vector<int32_t>(size_t(T), 1), {T});
   EXPECT_THROW(ops::cross_entropy_forward(logits, labels), Error);
+  // The vision tower's ops (ops/vision.h) have no GPU body yet.
+  Tensor x = gpu.value({T, 32}, 164);
+  EXPECT_THROW(ops::varlen_attention(x, x, x, {0, T}, 2, 1.0), Error);
+  EXPECT_THROW(ops::gelu_erf_(x), Error);
 #endif
 }
 

@@ -11,15 +11,13 @@
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
+#include "glmtune/ops/vision.h"
 
 namespace glmtune::model::vision {
 namespace {
 
 const std::string kPrefix = "model.visual.";
 
-// Rows of a query block scored at once: bounds the score buffer to kQueryBlock × segment length,
-// so that a full-resolution image (tens of thousands of rows) never needs a square matrix.
-constexpr int64_t kQueryBlock = 256;
 // torch.nn.LayerNorm's default, which the merger's post_projection_norm keeps.
 constexpr double kLayerNormEps = 1e-5;
 
@@ -38,125 +36,6 @@ Tensor fetch(const std::function<Tensor(const std::string&)>& get, const std::st
                             dtype_name(t.dtype())),
                 "vision tower");
   return t.to(dtype).contiguous();
-}
-
-template <typename T>
-struct Rope {
-  std::vector<T> cos, sin;  // [N, hd]
-};
-
-// cos/sin tables of the 2-D axial rotary embedding. With hd the head dim and q = hd/4:
-// inv_freq[k] = 1 / θ^(2k / (hd/2)) for k < q, angles [h·inv_freq, w·inv_freq] (hd/2 values),
-// repeated twice to cover the head dim (rotate-half pairs m with m + hd/2). In f32 the steps
-// round as the reference's float32 tensors do.
-template <typename T>
-Rope<T> rope_tables(const Tensor& positions, int64_t hd, double theta) {
-  const int64_t n = positions.size(0);
-  const int64_t quarter = hd / 4, half = hd / 2;
-  std::vector<T> inv_freq(static_cast<size_t>(quarter));
-  for (int64_t k = 0; k < quarter; ++k) {
-    const T exponent = T(2 * k) / T(half);
-    inv_freq[size_t(k)] = T(1) / std::pow(T(theta), exponent);
-  }
-  Rope<T> rope;
-  rope.cos.resize(size_t(n * hd));
-  rope.sin.resize(size_t(n * hd));
-  const int64_t* pos = positions.data<int64_t>();
-  for (int64_t r = 0; r < n; ++r) {
-    T* c = &rope.cos[size_t(r * hd)];
-    T* s = &rope.sin[size_t(r * hd)];
-    for (int axis = 0; axis < 2; ++axis) {
-      const T p = T(pos[r * 2 + axis]);
-      for (int64_t k = 0; k < quarter; ++k) {
-        const T angle = p * inv_freq[size_t(k)];
-        const int64_t m = axis * quarter + k;
-        c[m] = c[m + half] = std::cos(angle);
-        s[m] = s[m + half] = std::sin(angle);
-      }
-    }
-  }
-  return rope;
-}
-
-// Visits every rotated pair of x [N, H, hd] in place: rotate(lo, hi, cos, sin) with lo = x[m],
-// hi = x[m+hd/2] and cos/sin pointing at the row's tables at m (their m+hd/2 entry is [half]).
-// The forward rotation and its transpose differ only in `rotate`.
-template <typename T, typename Rotate>
-void for_each_rope_pair(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope,
-                        Rotate rotate) {
-  const int64_t half = hd / 2;
-  for (int64_t r = 0; r < n; ++r) {
-    const T* c = &rope.cos[size_t(r * hd)];
-    const T* s = &rope.sin[size_t(r * hd)];
-    for (int64_t h = 0; h < heads; ++h) {
-      T* v = x + (r * heads + h) * hd;
-      for (int64_t m = 0; m < half; ++m) rotate(v[m], v[m + half], c + m, s + m, half);
-    }
-  }
-}
-
-// x [N, H, hd] in place: x'[m] = x[m]·cos − x[m+hd/2]·sin, x'[m+hd/2] = x[m+hd/2]·cos + x[m]·sin.
-template <typename T>
-void apply_rope(T* x, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
-  for_each_rope_pair(x, n, heads, hd, rope, [](T& lo, T& hi, const T* c, const T* s, int64_t half) {
-    const T a = lo, b = hi;
-    lo = a * c[0] - b * s[0];
-    hi = b * c[half] + a * s[half];
-  });
-}
-
-// In place: row = softmax(row), max-shifted, the normaliser summed in double. The backward
-// recomputes the forward's probabilities with this same arithmetic.
-template <typename T>
-void softmax_row(T* row, int64_t len) {
-  const T mx = *std::max_element(row, row + len);
-  double sum = 0.0;
-  for (int64_t j = 0; j < len; ++j) {
-    row[j] = std::exp(row[j] - mx);
-    sum += double(row[j]);
-  }
-  const T inv = T(1.0 / sum);
-  for (int64_t j = 0; j < len; ++j) row[j] *= inv;
-}
-
-// Full softmax attention of every segment with itself, per head, for the query rows
-// [q_begin, q_begin + q_rows) of the pack (all of it unsharded). k and v are [N, H·hd] row-major
-// over the whole pack (v may have a wider row stride); q and out hold the query rows only. Scores
-// accumulate in T, the softmax normaliser in double.
-template <typename T>
-void segment_attention(const T* q, int64_t q_begin, int64_t q_rows, const T* k, const T* v,
-                       int64_t v_stride, T* out, int64_t heads, int64_t hd,
-                       const std::vector<int64_t>& cu_seqlens, double scale) {
-  const int64_t d = heads * hd;
-  std::vector<T> scores;
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
-    const int64_t start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
-    const int64_t first = std::max(start, q_begin), last = std::min(start + len, q_begin + q_rows);
-    if (first >= last) continue;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* kh = k + start * d + h * hd;
-      const T* vh = v + start * v_stride + h * hd;
-      for (int64_t q0 = first; q0 < last; q0 += kQueryBlock) {
-        const int64_t rows = std::min(kQueryBlock, last - q0);
-        const int64_t local = (q0 - q_begin) * d + h * hd;
-        scores.resize(size_t(rows * len));
-        ops::gemm<T>(false, true, rows, len, hd, T(scale), q + local, d, kh, d, T(0), scores.data(),
-                     len);
-        for (int64_t i = 0; i < rows; ++i) softmax_row(&scores[size_t(i * len)], len);
-        ops::gemm<T>(false, false, rows, hd, len, T(1), scores.data(), len, vh, v_stride, T(0),
-                     out + local, d);
-      }
-    }
-  }
-}
-
-// Exact GELU, x·Φ(x) = x/2 · (1 + erf(x/√2)), in place.
-template <typename T>
-void gelu_erf(Tensor& x) {
-  T* p = x.data<T>();
-  const int64_t n = x.numel();
-  constexpr double inv_sqrt2 = 0.70710678118654752440;
-  for (int64_t i = 0; i < n; ++i) p[i] = T(0.5) * p[i] * (T(1) + std::erf(p[i] * T(inv_sqrt2)));
 }
 
 void check_inputs(const VisionConfig& config, const Tensor& pixel_rows,
@@ -204,7 +83,7 @@ Tensor local_positions(std::span<const GridThw> grid, int64_t merge_size,
   return all.narrow(0, shard->patch_begin, shard->patches()).contiguous();
 }
 
-template <typename T>
+// The tower is written once on the ops (f32 or f64 on the CPU; ops/vision.h for its own).
 VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params,
                           const Tensor& pixel_rows, std::span<const GridThw> grid,
                           VisionContext* ctx, const VisionShard* shard) {
@@ -212,8 +91,8 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   const int64_t d = config.hidden_size, heads = config.num_heads, hd = config.head_dim();
   const double eps = config.rms_norm_eps, limit = config.swiglu_limit;
   const std::vector<int64_t> cu_seqlens = vision_cu_seqlens(grid);
-  const Rope<T> rope = rope_tables<T>(local_positions(grid, config.spatial_merge_size, shard), hd,
-                                      config.rope_theta);
+  const ops::RopeTables rope = ops::rope_2d_tables(
+      local_positions(grid, config.spatial_merge_size, shard), hd, config.rope_theta, params.dtype);
   const int64_t row0 = shard ? shard->patch_begin : 0;
 
   const Tensor pixels = pixel_rows.to(params.dtype).contiguous();
@@ -235,21 +114,19 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
                              ctx ? &bc.q_rstd : nullptr);
     Tensor k = ops::rms_norm(qkv.slice(1, d, 2 * d).contiguous().view({n * heads, hd}), b.k_norm,
                              eps, ctx ? &bc.k_rstd : nullptr);
-    apply_rope<T>(q.data<T>(), n, heads, hd, rope);
-    apply_rope<T>(k.data<T>(), n, heads, hd, rope);
-    Tensor attn = Tensor::empty({n, d}, params.dtype);
+    ops::rope_2d_(q, rope);
+    ops::rope_2d_(k, rope);
     const double scale = 1.0 / std::sqrt(double(hd));
-    Tensor k_all, v_all;
+    Tensor k_all, v_all, attn;
     if (shard) {
       // The local queries attend to their segments' keys and values wherever these were computed.
       k_all = shard->exchange->gather_rows(k.view({n, d}), shard->patch_counts);
       v_all = shard->exchange->gather_rows(qkv.slice(1, 2 * d, 3 * d).contiguous(),
                                            shard->patch_counts);
-      segment_attention<T>(q.data<T>(), row0, n, k_all.data<T>(), v_all.data<T>(), d,
-                           attn.data<T>(), heads, hd, cu_seqlens, scale);
+      attn = ops::varlen_attention(q.view({n, d}), k_all, v_all, cu_seqlens, heads, scale, row0);
     } else {
-      segment_attention<T>(q.data<T>(), 0, n, k.data<T>(), qkv.data<T>() + 2 * d, 3 * d,
-                           attn.data<T>(), heads, hd, cu_seqlens, scale);
+      attn = ops::varlen_attention(q.view({n, d}), k.view({n, d}), qkv.slice(1, 2 * d, 3 * d),
+                                   cu_seqlens, heads, scale);
     }
     ops::linear_out(x, attn, b.proj_w, b.proj_b, /*accumulate=*/true);
 
@@ -283,7 +160,7 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   Tensor h = ops::layer_norm(projected, params.merger_norm_w, params.merger_norm_b, kLayerNormEps,
                              ctx ? &ctx->ln_mean : nullptr, ctx ? &ctx->ln_rstd : nullptr);
   if (ctx) ctx->ln_out = h.clone();
-  gelu_erf<T>(h);
+  ops::gelu_erf_(h);
   ops::MlpParams mlp{ops::Linear(params.merger_gate), ops::Linear(params.merger_up),
                      ops::Linear(params.merger_down)};
   if (ctx) {
@@ -299,99 +176,6 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
 
 // ---- Backward helpers -------------------------------------------------------------------------
 
-// Transpose of apply_rope (the rotation is orthogonal): with d' the gradient of the rotated pair,
-// da = d'[m]·cos + d'[m+hd/2]·sin and db = d'[m+hd/2]·cos − d'[m]·sin.
-template <typename T>
-void apply_rope_backward(T* dx, int64_t n, int64_t heads, int64_t hd, const Rope<T>& rope) {
-  for_each_rope_pair(dx, n, heads, hd, rope,
-                     [](T& lo, T& hi, const T* c, const T* s, int64_t half) {
-                       const T da = lo, db = hi;
-                       lo = da * c[0] + db * s[half];
-                       hi = db * c[half] - da * s[0];
-                     });
-}
-
-// Backward of segment_attention (same query rows and layouts). The probabilities of a query block
-// are recomputed from q and k exactly as the forward computed them; with O = P·V and dO its
-// gradient:
-//   dV += Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ⊙ (dP − rowsum(dO ⊙ O)),  dQ = scale·dS·K,  dK +=
-//   scale·dSᵀ·Q.
-// dq is written for the query rows; dk and dv (layouts of k and v, the whole pack) are written for
-// the segments that hold a query row and left alone elsewhere.
-template <typename T>
-void segment_attention_backward(const T* q, int64_t q_begin, int64_t q_rows, const T* k, const T* v,
-                                int64_t v_stride, const T* out, const T* dout, T* dq, T* dk, T* dv,
-                                int64_t dv_stride, int64_t heads, int64_t hd,
-                                const std::vector<int64_t>& cu_seqlens, double scale) {
-  const int64_t d = heads * hd;
-  std::vector<T> probs, dprobs;
-  std::vector<double> delta;
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
-    const int64_t start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
-    const int64_t first = std::max(start, q_begin), last = std::min(start + len, q_begin + q_rows);
-    if (first >= last) continue;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t off = start * d + h * hd;
-      const T* kh = k + off;
-      const T* vh = v + start * v_stride + h * hd;
-      T* dkh = dk + off;
-      T* dvh = dv + start * dv_stride + h * hd;
-      for (int64_t r = 0; r < len; ++r) {
-        std::fill(dkh + r * d, dkh + r * d + hd, T(0));
-        std::fill(dvh + r * dv_stride, dvh + r * dv_stride + hd, T(0));
-      }
-      for (int64_t q0 = first; q0 < last; q0 += kQueryBlock) {
-        const int64_t rows = std::min(kQueryBlock, last - q0);
-        const int64_t local = (q0 - q_begin) * d + h * hd;
-        const T* qb = q + local;
-        const T* ob = out + local;
-        const T* dob = dout + local;
-        probs.resize(size_t(rows * len));
-        dprobs.resize(size_t(rows * len));
-        delta.assign(size_t(rows), 0.0);
-        ops::gemm<T>(false, true, rows, len, hd, T(scale), qb, d, kh, d, T(0), probs.data(), len);
-        for (int64_t i = 0; i < rows; ++i) {
-          T* row = &probs[size_t(i * len)];
-          softmax_row(row, len);
-          const T* o_row = ob + i * d;
-          const T* do_row = dob + i * d;
-          for (int64_t e = 0; e < hd; ++e) delta[size_t(i)] += double(o_row[e]) * double(do_row[e]);
-        }
-        // dV += Pᵀ dO ; dP = dO Vᵀ
-        ops::gemm<T>(true, false, len, hd, rows, T(1), probs.data(), len, dob, d, T(1), dvh,
-                     dv_stride);
-        ops::gemm<T>(false, true, rows, len, hd, T(1), dob, d, vh, v_stride, T(0), dprobs.data(),
-                     len);
-        for (int64_t i = 0; i < rows; ++i) {
-          T* dp = &dprobs[size_t(i * len)];
-          const T* p = &probs[size_t(i * len)];
-          const T dl = T(delta[size_t(i)]);
-          for (int64_t j = 0; j < len; ++j) dp[j] = p[j] * (dp[j] - dl);
-        }
-        ops::gemm<T>(false, false, rows, hd, len, T(scale), dprobs.data(), len, kh, d, T(0),
-                     dq + local, d);
-        ops::gemm<T>(true, false, len, hd, rows, T(scale), dprobs.data(), len, qb, d, T(1), dkh, d);
-      }
-    }
-  }
-}
-
-// d/dx x·Φ(x) = Φ(x) + x·φ(x); dy is overwritten with dx.
-template <typename T>
-void gelu_erf_backward(const Tensor& x, Tensor& dy) {
-  const T* p = x.data<T>();
-  T* g = dy.data<T>();
-  constexpr double inv_sqrt2 = 0.70710678118654752440;
-  constexpr double inv_sqrt_2pi = 0.39894228040143267794;
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double v = double(p[i]);
-    const double cdf = 0.5 * (1.0 + std::erf(v * inv_sqrt2));
-    const double pdf = inv_sqrt_2pi * std::exp(-0.5 * v * v);
-    g[i] = T(double(g[i]) * (cdf + v * pdf));
-  }
-}
-
-template <typename T>
 Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
                      const VisionContext& ctx, const Tensor& d_pooler, VisionGrads& grads,
                      const VisionBackwardOptions& options) {
@@ -424,7 +208,7 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     dh = ops::linear_backward(dgate, ctx.merger.x, params.merger_gate, nullptr);
     ops::add_into(dh, ops::linear_backward(dup, ctx.merger.x, params.merger_up, nullptr));
   }
-  gelu_erf_backward<T>(ctx.ln_out, dh);
+  ops::gelu_erf_backward_(ctx.ln_out, dh);
   dh = ops::layer_norm_backward(dh, ctx.projected, params.merger_norm_w, kLayerNormEps, ctx.ln_mean,
                                 ctx.ln_rstd, grad_of(proj, g.merger_norm_w),
                                 grad_of(proj, g.merger_norm_b));
@@ -440,8 +224,9 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
                               grad_of(tower, g.post_layernorm));
   const std::vector<int64_t> cu_seqlens = vision_cu_seqlens(ctx.grid);
   const VisionShard* shard = ctx.shard.exchange ? &ctx.shard : nullptr;
-  const Rope<T> rope = rope_tables<T>(local_positions(ctx.grid, config.spatial_merge_size, shard),
-                                      hd, config.rope_theta);
+  const ops::RopeTables rope =
+      ops::rope_2d_tables(local_positions(ctx.grid, config.spatial_merge_size, shard), hd,
+                          config.rope_theta, params.dtype);
   const double scale = 1.0 / std::sqrt(double(hd));
   for (int64_t l = int64_t(params.blocks.size()) - 1; l >= 0; --l) {
     const VisionBlockParams& b = params.blocks[size_t(l)];
@@ -462,31 +247,30 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     // Attention branch: mid = input + proj(attn(rope(qnorm(Q)), rope(knorm(K)), V)).
     const Tensor dattn = ops::linear_backward(dx, bc.attn, b.proj_w, grad_of(tower, bg.proj_w),
                                               grad_of(tower && b.proj_b.defined(), bg.proj_b));
-    Tensor dq = Tensor::empty({n * heads, hd}, params.dtype);
-    Tensor dk;
+    Tensor dq, dk;
     Tensor dqkv = Tensor::empty({n, 3 * d}, params.dtype);
     if (shard) {
       // Every rank's queries add into the keys' and values' gradients of the whole pack; each
       // rank then takes its rows' sums.
-      const int64_t pack_rows = bc.k_all.size(0);
-      Tensor dk_all = Tensor::zeros({pack_rows, d}, params.dtype);
-      Tensor dv_all = Tensor::zeros({pack_rows, d}, params.dtype);
-      segment_attention_backward<T>(bc.q.data<T>(), shard->patch_begin, n, bc.k_all.data<T>(),
-                                    bc.v_all.data<T>(), d, bc.attn.data<T>(), dattn.data<T>(),
-                                    dq.data<T>(), dk_all.data<T>(), dv_all.data<T>(), d, heads, hd,
-                                    cu_seqlens, scale);
-      dk = shard->exchange->sum_scatter_rows(dk_all, shard->patch_counts).view({n * heads, hd});
+      ops::VarlenAttentionGrads ga =
+          ops::varlen_attention_backward(bc.q.view({n, d}), bc.k_all, bc.v_all, bc.attn, dattn,
+                                         cu_seqlens, heads, scale, shard->patch_begin);
+      dq = std::move(ga.dq);
+      dk = shard->exchange->sum_scatter_rows(ga.dk, shard->patch_counts);
       dqkv.slice(1, 2 * d, 3 * d)
-          .copy_(shard->exchange->sum_scatter_rows(dv_all, shard->patch_counts));
+          .copy_(shard->exchange->sum_scatter_rows(ga.dv, shard->patch_counts));
     } else {
-      dk = Tensor::empty({n * heads, hd}, params.dtype);
-      segment_attention_backward<T>(bc.q.data<T>(), 0, n, bc.k.data<T>(), bc.qkv.data<T>() + 2 * d,
-                                    3 * d, bc.attn.data<T>(), dattn.data<T>(), dq.data<T>(),
-                                    dk.data<T>(), dqkv.data<T>() + 2 * d, 3 * d, heads, hd,
-                                    cu_seqlens, scale);
+      ops::VarlenAttentionGrads ga = ops::varlen_attention_backward(
+          bc.q.view({n, d}), bc.k.view({n, d}), bc.qkv.slice(1, 2 * d, 3 * d), bc.attn, dattn,
+          cu_seqlens, heads, scale);
+      dq = std::move(ga.dq);
+      dk = std::move(ga.dk);
+      dqkv.slice(1, 2 * d, 3 * d).copy_(ga.dv);
     }
-    apply_rope_backward<T>(dq.data<T>(), n, heads, hd, rope);
-    apply_rope_backward<T>(dk.data<T>(), n, heads, hd, rope);
+    dq = dq.view({n * heads, hd});
+    dk = dk.view({n * heads, hd});
+    ops::rope_2d_backward_(dq, rope);
+    ops::rope_2d_backward_(dk, rope);
     const Tensor dq_raw =
         ops::rms_norm_backward(dq, bc.qkv.slice(1, 0, d).contiguous().view({n * heads, hd}),
                                b.q_norm, eps, bc.q_rstd, grad_of(tower, bg.q_norm));
@@ -640,9 +424,7 @@ VisionOutput vision_forward(const VisionConfig& config, const VisionParams& para
   if (int64_t(params.blocks.size()) != config.depth)
     throw InternalError(fmt::format("vision params hold {} blocks, config depth is {}",
                                     params.blocks.size(), config.depth));
-  if (params.dtype == DType::f64)
-    return forward_impl<double>(config, params, pixel_rows, grid, context, shard);
-  return forward_impl<float>(config, params, pixel_rows, grid, context, shard);
+  return forward_impl(config, params, pixel_rows, grid, context, shard);
 }
 
 Tensor vision_backward(const VisionConfig& config, const VisionParams& params,
@@ -659,9 +441,7 @@ Tensor vision_backward(const VisionConfig& config, const VisionParams& params,
   GLMTUNE_ASSERT(
       grads.params.dtype == params.dtype && grads.params.blocks.size() == params.blocks.size(),
       "vision gradient buffers do not mirror the parameters");
-  if (params.dtype == DType::f64)
-    return backward_impl<double>(config, params, context, d_pooler, grads, options);
-  return backward_impl<float>(config, params, context, d_pooler, grads, options);
+  return backward_impl(config, params, context, d_pooler, grads, options);
 }
 
 namespace {
