@@ -75,7 +75,8 @@ void save_lora_adapter(const ParamStore& store, const LoraConfig& config,
 void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& whole);
 
 // The adapter_config.json glmtune writes for these modules.
-nlohmann::json peft_adapter_config(const LoraConfig& config, const std::vector<std::string>& modules,
+nlohmann::json peft_adapter_config(const LoraConfig& config,
+                                   const std::vector<std::string>& modules,
                                    const std::string& base = "");
 
 // W += scale · B A for every adapter of the store (in f32, then stored in the base weight's
