@@ -48,35 +48,35 @@ VisionParams random_params(const VisionConfig& c, uint64_t offset) {
   auto norm = [&](int64_t n) { return random_normal({n}, next += 1000, DType::f64, 1.0, 0.2); };
   VisionParams v;
   v.dtype = DType::f64;
-  v.patch_embed_w = w(d, row);
-  v.patch_embed_b = bias(d);
+  v.patch_embed.weight = w(d, row);
+  v.patch_embed.bias = bias(d);
   for (int64_t l = 0; l < c.depth; ++l) {
     VisionBlockParams b;
     b.norm1 = norm(d);
     b.norm2 = norm(d);
-    b.qkv_w = w(3 * d, d, 2.0);
-    b.qkv_b = bias(3 * d);
+    b.qkv.weight = w(3 * d, d, 2.0);
+    b.qkv.bias = bias(3 * d);
     b.q_norm = norm(hd);
     b.k_norm = norm(hd);
-    b.proj_w = w(d, d);
-    b.proj_b = bias(d);
-    b.gate_w = w(i, d, 3.0);
-    b.gate_b = bias(i);
-    b.up_w = w(i, d, 3.0);
-    b.up_b = bias(i);
-    b.down_w = w(d, i);
-    b.down_b = bias(d);
+    b.proj.weight = w(d, d);
+    b.proj.bias = bias(d);
+    b.gate.weight = w(i, d, 3.0);
+    b.gate.bias = bias(i);
+    b.up.weight = w(i, d, 3.0);
+    b.up.bias = bias(i);
+    b.down.weight = w(d, i);
+    b.down.bias = bias(d);
     v.blocks.push_back(b);
   }
   v.post_layernorm = norm(d);
-  v.downsample_w = w(o, 4 * d);
-  v.downsample_b = bias(o);
-  v.merger_proj = w(o, o);
+  v.downsample.weight = w(o, 4 * d);
+  v.downsample.bias = bias(o);
+  v.merger_proj.weight = w(o, o);
   v.merger_norm_w = norm(o);
   v.merger_norm_b = bias(o);
-  v.merger_gate = w(p, o, 3.0);
-  v.merger_up = w(p, o, 3.0);
-  v.merger_down = w(o, p);
+  v.merger.gate_proj.weight = w(p, o, 3.0);
+  v.merger.up_proj.weight = w(p, o, 3.0);
+  v.merger.down_proj.weight = w(o, p);
   return v;
 }
 
@@ -132,36 +132,36 @@ TEST(GradVision, FiniteDifferencesFloat64) {
   auto check = [&](Tensor& p, const Tensor& grad, const std::string& name) {
     EXPECT_LE(fd_rel_err(p, grad, loss), 1e-6) << name;
   };
-  check(params.patch_embed_w, g.patch_embed_w, "patch_embed.weight");
-  check(params.patch_embed_b, g.patch_embed_b, "patch_embed.bias");
+  check(params.patch_embed.weight, g.patch_embed.weight, "patch_embed.weight");
+  check(params.patch_embed.bias, g.patch_embed.bias, "patch_embed.bias");
   for (size_t l = 0; l < params.blocks.size(); ++l) {
     VisionBlockParams& p = params.blocks[l];
     const VisionBlockParams& b = g.blocks[l];
     const std::string at = "blocks." + std::to_string(l) + ".";
     check(p.norm1, b.norm1, at + "norm1");
     check(p.norm2, b.norm2, at + "norm2");
-    check(p.qkv_w, b.qkv_w, at + "qkv.weight");
-    check(p.qkv_b, b.qkv_b, at + "qkv.bias");
+    check(p.qkv.weight, b.qkv.weight, at + "qkv.weight");
+    check(p.qkv.bias, b.qkv.bias, at + "qkv.bias");
     check(p.q_norm, b.q_norm, at + "q_norm");
     check(p.k_norm, b.k_norm, at + "k_norm");
-    check(p.proj_w, b.proj_w, at + "proj.weight");
-    check(p.proj_b, b.proj_b, at + "proj.bias");
-    check(p.gate_w, b.gate_w, at + "gate.weight");
-    check(p.gate_b, b.gate_b, at + "gate.bias");
-    check(p.up_w, b.up_w, at + "up.weight");
-    check(p.up_b, b.up_b, at + "up.bias");
-    check(p.down_w, b.down_w, at + "down.weight");
-    check(p.down_b, b.down_b, at + "down.bias");
+    check(p.proj.weight, b.proj.weight, at + "proj.weight");
+    check(p.proj.bias, b.proj.bias, at + "proj.bias");
+    check(p.gate.weight, b.gate.weight, at + "gate.weight");
+    check(p.gate.bias, b.gate.bias, at + "gate.bias");
+    check(p.up.weight, b.up.weight, at + "up.weight");
+    check(p.up.bias, b.up.bias, at + "up.bias");
+    check(p.down.weight, b.down.weight, at + "down.weight");
+    check(p.down.bias, b.down.bias, at + "down.bias");
   }
   check(params.post_layernorm, g.post_layernorm, "post_layernorm");
-  check(params.downsample_w, g.downsample_w, "downsample.weight");
-  check(params.downsample_b, g.downsample_b, "downsample.bias");
-  check(params.merger_proj, g.merger_proj, "merger.proj");
+  check(params.downsample.weight, g.downsample.weight, "downsample.weight");
+  check(params.downsample.bias, g.downsample.bias, "downsample.bias");
+  check(params.merger_proj.weight, g.merger_proj.weight, "merger.proj");
   check(params.merger_norm_w, g.merger_norm_w, "merger.norm.weight");
   check(params.merger_norm_b, g.merger_norm_b, "merger.norm.bias");
-  check(params.merger_gate, g.merger_gate, "merger.gate");
-  check(params.merger_up, g.merger_up, "merger.up");
-  check(params.merger_down, g.merger_down, "merger.down");
+  check(params.merger.gate_proj.weight, g.merger.gate_proj.weight, "merger.gate");
+  check(params.merger.up_proj.weight, g.merger.up_proj.weight, "merger.up");
+  check(params.merger.down_proj.weight, g.merger.down_proj.weight, "merger.down");
 }
 
 TEST(GradVision, SegmentsAreIndependent) {

@@ -96,7 +96,7 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   const int64_t row0 = shard ? shard->patch_begin : 0;
 
   const Tensor pixels = pixel_rows.to(params.dtype).contiguous();
-  Tensor x = ops::linear(pixels, params.patch_embed_w, params.patch_embed_b);
+  Tensor x = ops::linear(pixels, params.patch_embed.weight, params.patch_embed.bias);
   if (ctx) {
     ctx->grid.assign(grid.begin(), grid.end());
     ctx->shard = shard ? *shard : VisionShard{};
@@ -108,7 +108,7 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
     if (ctx) bc.input = x.clone();
     Tensor* rstd = ctx ? &bc.rstd1 : nullptr;
     const Tensor a = ops::rms_norm(x, b.norm1, eps, rstd);
-    const Tensor qkv = ops::linear(a, b.qkv_w, b.qkv_b);  // [N, 3D]
+    const Tensor qkv = ops::linear(a, b.qkv.weight, b.qkv.bias);  // [N, 3D]
     // Q and K: per-head RMSNorm over the head dim (one weight for all heads), then the rotation.
     Tensor q = ops::rms_norm(qkv.slice(1, 0, d).contiguous().view({n * heads, hd}), b.q_norm, eps,
                              ctx ? &bc.q_rstd : nullptr);
@@ -128,10 +128,11 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
       attn = ops::varlen_attention(q.view({n, d}), k.view({n, d}), qkv.slice(1, 2 * d, 3 * d),
                                    cu_seqlens, heads, scale);
     }
-    ops::linear_out(x, attn, b.proj_w, b.proj_b, /*accumulate=*/true);
+    ops::linear_out(x, attn, b.proj.weight, b.proj.bias, /*accumulate=*/true);
 
     const Tensor m = ops::rms_norm(x, b.norm2, eps, ctx ? &bc.rstd2 : nullptr);
-    Tensor gate = ops::linear(m, b.gate_w, b.gate_b), up = ops::linear(m, b.up_w, b.up_b);
+    Tensor gate = ops::linear(m, b.gate.weight, b.gate.bias),
+           up = ops::linear(m, b.up.weight, b.up.bias);
     const Tensor z = ops::swiglu_clamped(gate, up, limit);
     if (ctx) {
       bc.normed1 = a;
@@ -148,28 +149,26 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
       bc.v_all = v_all;
       ctx->blocks.push_back(std::move(bc));
     }
-    ops::linear_out(x, z, b.down_w, b.down_b, /*accumulate=*/true);
+    ops::linear_out(x, z, b.down.weight, b.down.bias, /*accumulate=*/true);
   }
   if (ctx) ctx->final_hidden = x;
   x = ops::rms_norm(x, params.post_layernorm, eps, ctx ? &ctx->post_rstd : nullptr);
   const int64_t merge = config.spatial_merge_size * config.spatial_merge_size;
   VisionOutput out;
   out.last_hidden_state =
-      ops::linear(x.view({n / merge, merge * d}), params.downsample_w, params.downsample_b);
-  const Tensor projected = ops::linear(out.last_hidden_state, params.merger_proj);
+      ops::linear(x.view({n / merge, merge * d}), params.downsample.weight, params.downsample.bias);
+  const Tensor projected = ops::linear(out.last_hidden_state, params.merger_proj.weight);
   Tensor h = ops::layer_norm(projected, params.merger_norm_w, params.merger_norm_b, kLayerNormEps,
                              ctx ? &ctx->ln_mean : nullptr, ctx ? &ctx->ln_rstd : nullptr);
   if (ctx) ctx->ln_out = h.clone();
   ops::gelu_erf_(h);
-  ops::MlpParams mlp{ops::Linear(params.merger_gate), ops::Linear(params.merger_up),
-                     ops::Linear(params.merger_down)};
   if (ctx) {
     ctx->post_normed = x;
     ctx->downsampled = out.last_hidden_state;
     ctx->projected = projected;
-    out.pooler_output = ops::mlp_forward(mlp, h, limit, ctx->merger);
+    out.pooler_output = ops::mlp_forward(params.merger, h, limit, ctx->merger);
   } else {
-    out.pooler_output = ops::mlp_forward(mlp, h, limit);
+    out.pooler_output = ops::mlp_forward(params.merger, h, limit);
   }
   return out;
 }
@@ -188,34 +187,32 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
   auto grad_of = [](bool train, Tensor& t) { return train ? &t : nullptr; };
 
   // Merger: clamped SwiGLU <- GELU <- LayerNorm <- proj; then the downsample.
-  ops::MlpParams mlp{ops::Linear(params.merger_gate), ops::Linear(params.merger_up),
-                     ops::Linear(params.merger_down)};
   const bool need_dx = options.train_tower || options.pixel_grad;
   if (!proj && !need_dx) return Tensor();
   const Tensor dy = d_pooler.to(params.dtype).contiguous();
   Tensor dh;
   if (proj) {
-    ops::MlpParams mlp_grads{ops::Linear(g.merger_gate), ops::Linear(g.merger_up),
-                             ops::Linear(g.merger_down)};
-    dh = ops::mlp_backward(mlp, ctx.merger, dy, limit, mlp_grads);
+    dh = ops::mlp_backward(params.merger, ctx.merger, dy, limit, g.merger);
   } else {
     // Frozen projector: the same chain without any weight gradient.
     const Tensor act = ops::swiglu_clamped(ctx.merger.gate, ctx.merger.up, limit);
     Tensor dgate, dup;
-    ops::swiglu_clamped_backward(ctx.merger.gate, ctx.merger.up,
-                                 ops::linear_backward(dy, act, params.merger_down, nullptr), limit,
-                                 dgate, dup);
-    dh = ops::linear_backward(dgate, ctx.merger.x, params.merger_gate, nullptr);
-    ops::add_into(dh, ops::linear_backward(dup, ctx.merger.x, params.merger_up, nullptr));
+    ops::swiglu_clamped_backward(
+        ctx.merger.gate, ctx.merger.up,
+        ops::linear_backward(dy, act, params.merger.down_proj.weight, nullptr), limit, dgate, dup);
+    dh = ops::linear_backward(dgate, ctx.merger.x, params.merger.gate_proj.weight, nullptr);
+    ops::add_into(dh,
+                  ops::linear_backward(dup, ctx.merger.x, params.merger.up_proj.weight, nullptr));
   }
   ops::gelu_erf_backward_(ctx.ln_out, dh);
   dh = ops::layer_norm_backward(dh, ctx.projected, params.merger_norm_w, kLayerNormEps, ctx.ln_mean,
                                 ctx.ln_rstd, grad_of(proj, g.merger_norm_w),
                                 grad_of(proj, g.merger_norm_b));
-  dh = ops::linear_backward(dh, ctx.downsampled, params.merger_proj, grad_of(proj, g.merger_proj));
-  Tensor dx =
-      ops::linear_backward(dh, ctx.post_normed.view({n / merge, merge * d}), params.downsample_w,
-                           grad_of(proj, g.downsample_w), grad_of(proj, g.downsample_b), need_dx);
+  dh = ops::linear_backward(dh, ctx.downsampled, params.merger_proj.weight,
+                            grad_of(proj, g.merger_proj.weight));
+  Tensor dx = ops::linear_backward(dh, ctx.post_normed.view({n / merge, merge * d}),
+                                   params.downsample.weight, grad_of(proj, g.downsample.weight),
+                                   grad_of(proj, g.downsample.bias), need_dx);
   if (!need_dx) return Tensor();
   dx = dx.view({n, d});
 
@@ -233,20 +230,24 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     const VisionBlockContext& bc = ctx.blocks[size_t(l)];
     VisionBlockParams& bg = g.blocks[size_t(l)];
     // MLP branch: x_out = mid + down(act(gate(m), up(m))), m = norm2(mid).
-    const Tensor dact = ops::linear_backward(dx, bc.act, b.down_w, grad_of(tower, bg.down_w),
-                                             grad_of(tower && b.down_b.defined(), bg.down_b));
+    const Tensor dact =
+        ops::linear_backward(dx, bc.act, b.down.weight, grad_of(tower, bg.down.weight),
+                             grad_of(tower && b.down.bias.defined(), bg.down.bias));
     Tensor dgate, dup;
     ops::swiglu_clamped_backward(bc.gate, bc.up, dact, limit, dgate, dup);
-    Tensor dm = ops::linear_backward(dgate, bc.normed2, b.gate_w, grad_of(tower, bg.gate_w),
-                                     grad_of(tower && b.gate_b.defined(), bg.gate_b));
-    ops::add_into(dm, ops::linear_backward(dup, bc.normed2, b.up_w, grad_of(tower, bg.up_w),
-                                           grad_of(tower && b.up_b.defined(), bg.up_b)));
+    Tensor dm =
+        ops::linear_backward(dgate, bc.normed2, b.gate.weight, grad_of(tower, bg.gate.weight),
+                             grad_of(tower && b.gate.bias.defined(), bg.gate.bias));
+    ops::add_into(dm,
+                  ops::linear_backward(dup, bc.normed2, b.up.weight, grad_of(tower, bg.up.weight),
+                                       grad_of(tower && b.up.bias.defined(), bg.up.bias)));
     ops::add_into(
         dx, ops::rms_norm_backward(dm, bc.mid, b.norm2, eps, bc.rstd2, grad_of(tower, bg.norm2)));
 
     // Attention branch: mid = input + proj(attn(rope(qnorm(Q)), rope(knorm(K)), V)).
-    const Tensor dattn = ops::linear_backward(dx, bc.attn, b.proj_w, grad_of(tower, bg.proj_w),
-                                              grad_of(tower && b.proj_b.defined(), bg.proj_b));
+    const Tensor dattn =
+        ops::linear_backward(dx, bc.attn, b.proj.weight, grad_of(tower, bg.proj.weight),
+                             grad_of(tower && b.proj.bias.defined(), bg.proj.bias));
     Tensor dq, dk;
     Tensor dqkv = Tensor::empty({n, 3 * d}, params.dtype);
     if (shard) {
@@ -279,13 +280,15 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
                                b.k_norm, eps, bc.k_rstd, grad_of(tower, bg.k_norm));
     dqkv.slice(1, 0, d).copy_(dq_raw.view({n, d}));
     dqkv.slice(1, d, 2 * d).copy_(dk_raw.view({n, d}));
-    const Tensor da = ops::linear_backward(dqkv, bc.normed1, b.qkv_w, grad_of(tower, bg.qkv_w),
-                                           grad_of(tower && b.qkv_b.defined(), bg.qkv_b));
+    const Tensor da =
+        ops::linear_backward(dqkv, bc.normed1, b.qkv.weight, grad_of(tower, bg.qkv.weight),
+                             grad_of(tower && b.qkv.bias.defined(), bg.qkv.bias));
     ops::add_into(
         dx, ops::rms_norm_backward(da, bc.input, b.norm1, eps, bc.rstd1, grad_of(tower, bg.norm1)));
   }
-  return ops::linear_backward(dx, ctx.pixels, params.patch_embed_w, grad_of(tower, g.patch_embed_w),
-                              grad_of(tower, g.patch_embed_b), options.pixel_grad);
+  return ops::linear_backward(dx, ctx.pixels, params.patch_embed.weight,
+                              grad_of(tower, g.patch_embed.weight),
+                              grad_of(tower, g.patch_embed.bias), options.pixel_grad);
 }
 
 }  // namespace
@@ -306,45 +309,45 @@ VisionParams VisionParams::load(const VisionConfig& c,
   VisionParams v;
   v.dtype = dtype;
   const int64_t row = c.in_channels * c.temporal_patch_size * c.patch_size * c.patch_size;
-  v.patch_embed_w =
+  v.patch_embed.weight =
       fetch(get, "patch_embed.proj.weight",
             {d, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size}, dtype)
           .view({d, row});
-  v.patch_embed_b = fetch(get, "patch_embed.proj.bias", {d}, dtype);
+  v.patch_embed.bias = fetch(get, "patch_embed.proj.bias", {d}, dtype);
   for (int64_t l = 0; l < c.depth; ++l) {
     const std::string b = fmt::format("blocks.{}.", l);
     VisionBlockParams bp;
     bp.norm1 = fetch(get, b + "norm1.weight", {d}, dtype);
     bp.norm2 = fetch(get, b + "norm2.weight", {d}, dtype);
-    bp.qkv_w = fetch(get, b + "attn.qkv.weight", {3 * d, d}, dtype);
+    bp.qkv.weight = fetch(get, b + "attn.qkv.weight", {3 * d, d}, dtype);
     bp.q_norm = fetch(get, b + "attn.q_norm.weight", {hd}, dtype);
     bp.k_norm = fetch(get, b + "attn.k_norm.weight", {hd}, dtype);
-    bp.proj_w = fetch(get, b + "attn.proj.weight", {d, d}, dtype);
-    bp.gate_w = fetch(get, b + "mlp.gate_proj.weight", {i, d}, dtype);
-    bp.up_w = fetch(get, b + "mlp.up_proj.weight", {i, d}, dtype);
-    bp.down_w = fetch(get, b + "mlp.down_proj.weight", {d, i}, dtype);
+    bp.proj.weight = fetch(get, b + "attn.proj.weight", {d, d}, dtype);
+    bp.gate.weight = fetch(get, b + "mlp.gate_proj.weight", {i, d}, dtype);
+    bp.up.weight = fetch(get, b + "mlp.up_proj.weight", {i, d}, dtype);
+    bp.down.weight = fetch(get, b + "mlp.down_proj.weight", {d, i}, dtype);
     if (c.attention_bias) {
-      bp.qkv_b = fetch(get, b + "attn.qkv.bias", {3 * d}, dtype);
-      bp.proj_b = fetch(get, b + "attn.proj.bias", {d}, dtype);
-      bp.gate_b = fetch(get, b + "mlp.gate_proj.bias", {i}, dtype);
-      bp.up_b = fetch(get, b + "mlp.up_proj.bias", {i}, dtype);
-      bp.down_b = fetch(get, b + "mlp.down_proj.bias", {d}, dtype);
+      bp.qkv.bias = fetch(get, b + "attn.qkv.bias", {3 * d}, dtype);
+      bp.proj.bias = fetch(get, b + "attn.proj.bias", {d}, dtype);
+      bp.gate.bias = fetch(get, b + "mlp.gate_proj.bias", {i}, dtype);
+      bp.up.bias = fetch(get, b + "mlp.up_proj.bias", {i}, dtype);
+      bp.down.bias = fetch(get, b + "mlp.down_proj.bias", {d}, dtype);
     }
     v.blocks.push_back(std::move(bp));
   }
   v.post_layernorm = fetch(get, "post_layernorm.weight", {d}, dtype);
   // [O, D, kh, kw] -> [O, kh, kw, D] -> [O, 4D]: column (kh·m + kw)·D + c.
-  v.downsample_w = fetch(get, "downsample.weight", {o, d, m, m}, dtype)
-                       .permute({0, 2, 3, 1})
-                       .contiguous()
-                       .view({o, m * m * d});
-  v.downsample_b = fetch(get, "downsample.bias", {o}, dtype);
-  v.merger_proj = fetch(get, "merger.proj.weight", {o, o}, dtype);
+  v.downsample.weight = fetch(get, "downsample.weight", {o, d, m, m}, dtype)
+                            .permute({0, 2, 3, 1})
+                            .contiguous()
+                            .view({o, m * m * d});
+  v.downsample.bias = fetch(get, "downsample.bias", {o}, dtype);
+  v.merger_proj.weight = fetch(get, "merger.proj.weight", {o, o}, dtype);
   v.merger_norm_w = fetch(get, "merger.post_projection_norm.weight", {o}, dtype);
   v.merger_norm_b = fetch(get, "merger.post_projection_norm.bias", {o}, dtype);
-  v.merger_gate = fetch(get, "merger.gate_proj.weight", {p, o}, dtype);
-  v.merger_up = fetch(get, "merger.up_proj.weight", {p, o}, dtype);
-  v.merger_down = fetch(get, "merger.down_proj.weight", {o, p}, dtype);
+  v.merger.gate_proj.weight = fetch(get, "merger.gate_proj.weight", {p, o}, dtype);
+  v.merger.up_proj.weight = fetch(get, "merger.up_proj.weight", {p, o}, dtype);
+  v.merger.down_proj.weight = fetch(get, "merger.down_proj.weight", {o, p}, dtype);
   return v;
 }
 
@@ -447,46 +450,13 @@ Tensor vision_backward(const VisionConfig& config, const VisionParams& params,
 namespace {
 
 // Applies `fn(param, grad)` to every pair of corresponding tensors of two VisionParams.
-template <typename Fn>
-void for_each_pair(const VisionParams& p, VisionParams& g, Fn&& fn) {
-  fn(p.patch_embed_w, g.patch_embed_w);
-  fn(p.patch_embed_b, g.patch_embed_b);
-  for (size_t l = 0; l < p.blocks.size(); ++l) {
-    const VisionBlockParams& a = p.blocks[l];
-    VisionBlockParams& b = g.blocks[l];
-    fn(a.norm1, b.norm1);
-    fn(a.norm2, b.norm2);
-    fn(a.qkv_w, b.qkv_w);
-    fn(a.qkv_b, b.qkv_b);
-    fn(a.q_norm, b.q_norm);
-    fn(a.k_norm, b.k_norm);
-    fn(a.proj_w, b.proj_w);
-    fn(a.proj_b, b.proj_b);
-    fn(a.gate_w, b.gate_w);
-    fn(a.gate_b, b.gate_b);
-    fn(a.up_w, b.up_w);
-    fn(a.up_b, b.up_b);
-    fn(a.down_w, b.down_w);
-    fn(a.down_b, b.down_b);
-  }
-  fn(p.post_layernorm, g.post_layernorm);
-  fn(p.downsample_w, g.downsample_w);
-  fn(p.downsample_b, g.downsample_b);
-  fn(p.merger_proj, g.merger_proj);
-  fn(p.merger_norm_w, g.merger_norm_w);
-  fn(p.merger_norm_b, g.merger_norm_b);
-  fn(p.merger_gate, g.merger_gate);
-  fn(p.merger_up, g.merger_up);
-  fn(p.merger_down, g.merger_down);
-}
-
 }  // namespace
 
 VisionGrads VisionGrads::zeros_like(const VisionParams& params) {
   VisionGrads grads;
   grads.params.dtype = params.dtype;
   grads.params.blocks.resize(params.blocks.size());
-  for_each_pair(params, grads.params, [](const Tensor& p, Tensor& g) {
+  zip_vision_params(params, grads.params, [](const std::string&, const Tensor& p, Tensor& g) {
     if (p.defined()) g = Tensor::zeros(p.shape(), p.dtype());
   });
   return grads;
@@ -494,7 +464,7 @@ VisionGrads VisionGrads::zeros_like(const VisionParams& params) {
 
 void VisionGrads::zero() {
   const VisionParams& self = params;
-  for_each_pair(self, params, [](const Tensor&, Tensor& g) {
+  zip_vision_params(self, params, [](const std::string&, const Tensor&, Tensor& g) {
     if (g.defined()) g.zero_();
   });
 }
@@ -507,47 +477,21 @@ std::vector<std::pair<std::string, Tensor>> VisionGrads::released(const VisionCo
                                                                   Part part) const {
   const VisionParams& g = params;
   std::vector<std::pair<std::string, Tensor>> out;
-  const bool tower = part != Part::projector, projector = part != Part::tower;
-  auto add = [&](const std::string& name, const Tensor& t) {
-    if (t.defined()) out.emplace_back(kPrefix + name, t.clone());
-  };
-  if (tower) {
-    add("patch_embed.proj.weight",
-        g.patch_embed_w.view({config.hidden_size, config.in_channels, config.temporal_patch_size,
-                              config.patch_size, config.patch_size}));
-    add("patch_embed.proj.bias", g.patch_embed_b);
-    for (size_t l = 0; l < g.blocks.size(); ++l) {
-      const VisionBlockParams& b = g.blocks[l];
-      const std::string p = fmt::format("blocks.{}.", l);
-      add(p + "norm1.weight", b.norm1);
-      add(p + "norm2.weight", b.norm2);
-      add(p + "attn.qkv.weight", b.qkv_w);
-      add(p + "attn.qkv.bias", b.qkv_b);
-      add(p + "attn.q_norm.weight", b.q_norm);
-      add(p + "attn.k_norm.weight", b.k_norm);
-      add(p + "attn.proj.weight", b.proj_w);
-      add(p + "attn.proj.bias", b.proj_b);
-      add(p + "mlp.gate_proj.weight", b.gate_w);
-      add(p + "mlp.gate_proj.bias", b.gate_b);
-      add(p + "mlp.up_proj.weight", b.up_w);
-      add(p + "mlp.up_proj.bias", b.up_b);
-      add(p + "mlp.down_proj.weight", b.down_w);
-      add(p + "mlp.down_proj.bias", b.down_b);
-    }
-    add("post_layernorm.weight", g.post_layernorm);
-  }
-  if (projector) {
-    const int64_t o = config.out_hidden_size, m = config.spatial_merge_size, d = config.hidden_size;
-    // [O, 4D] with column (kh·2 + kw)·D + c back to the Conv2d layout [O, D, kh, kw].
-    add("downsample.weight", g.downsample_w.view({o, m, m, d}).permute({0, 3, 1, 2}).contiguous());
-    add("downsample.bias", g.downsample_b);
-    add("merger.proj.weight", g.merger_proj);
-    add("merger.post_projection_norm.weight", g.merger_norm_w);
-    add("merger.post_projection_norm.bias", g.merger_norm_b);
-    add("merger.gate_proj.weight", g.merger_gate);
-    add("merger.up_proj.weight", g.merger_up);
-    add("merger.down_proj.weight", g.merger_down);
-  }
+  const int64_t d = config.hidden_size, o = config.out_hidden_size, m = config.spatial_merge_size;
+  zip_vision_params(g, g, [&](const std::string& name, const Tensor& t, const Tensor&) {
+    if (!t.defined()) return;
+    const bool of_projector = is_projector_param(kPrefix + name);
+    if (part == (of_projector ? Part::tower : Part::projector)) return;
+    if (name == "patch_embed.proj.weight")
+      out.emplace_back(kPrefix + name, t.view({d, config.in_channels, config.temporal_patch_size,
+                                               config.patch_size, config.patch_size})
+                                           .clone());
+    else if (name == "downsample.weight")
+      // [O, 4D] with column (kh·2 + kw)·D + c back to the Conv2d layout [O, D, kh, kw].
+      out.emplace_back(kPrefix + name, t.view({o, m, m, d}).permute({0, 3, 1, 2}).contiguous());
+    else
+      out.emplace_back(kPrefix + name, t.clone());
+  });
   return out;
 }
 

@@ -47,28 +47,40 @@ namespace glmtune::model::vision {
 // Released names under `model.visual.blocks.{i}.`.
 struct VisionBlockParams {
   Tensor norm1, norm2;    // [D] RMSNorm weights
-  Tensor qkv_w, qkv_b;    // attn.qkv [3D, D], [3D]; rows Q | K | V, head-major inside each
+  ops::Linear qkv;        // attn.qkv [3D, D], [3D]; rows Q | K | V, head-major inside each
   Tensor q_norm, k_norm;  // attn.q_norm / k_norm [hd], shared by all heads
-  Tensor proj_w, proj_b;  // attn.proj [D, D], [D]
-  Tensor gate_w, gate_b;  // mlp.gate_proj [I, D], [I]
-  Tensor up_w, up_b;      // mlp.up_proj [I, D], [I]
-  Tensor down_w, down_b;  // mlp.down_proj [D, I], [D]
+  ops::Linear proj;       // attn.proj [D, D], [D]
+  ops::Linear gate;       // mlp.gate_proj [I, D], [I]
+  ops::Linear up;         // mlp.up_proj [I, D], [I]
+  ops::Linear down;       // mlp.down_proj [D, I], [D]
 };
+
+// The list of a VisionBlockParams' fields (ops/linear.h), named as under
+// `model.visual.blocks.<i>.`.
+template <typename A, typename B, typename F>
+void zip_vision_block_params(A& a, B& b, F&& f) {
+  f("norm1.weight", a.norm1, b.norm1);
+  f("norm2.weight", a.norm2, b.norm2);
+  ops::zip_linear("attn.qkv", a.qkv, b.qkv, f, /*with_bias=*/true);
+  f("attn.q_norm.weight", a.q_norm, b.q_norm);
+  f("attn.k_norm.weight", a.k_norm, b.k_norm);
+  ops::zip_linear("attn.proj", a.proj, b.proj, f, /*with_bias=*/true);
+  ops::zip_linear("mlp.gate_proj", a.gate, b.gate, f, /*with_bias=*/true);
+  ops::zip_linear("mlp.up_proj", a.up, b.up, f, /*with_bias=*/true);
+  ops::zip_linear("mlp.down_proj", a.down, b.down, f, /*with_bias=*/true);
+}
 
 struct VisionParams {
   DType dtype = DType::f32;
-  Tensor patch_embed_w;  // patch_embed.proj.weight viewed [D, C·T·p·p] (Conv3d as a GEMM)
-  Tensor patch_embed_b;  // [D]
+  ops::Linear patch_embed;  // patch_embed.proj: weight viewed [D, C·T·p·p] (Conv3d as a GEMM)
   std::vector<VisionBlockParams> blocks;
   Tensor post_layernorm;  // [D]
   // downsample.weight [O, D, 2, 2] rearranged to [O, 4·D] with column k·D + c = W[o, c, kh, kw],
-  // k = kh·2 + kw: the merge block's four rows side by side form the GEMM input.
-  Tensor downsample_w;
-  Tensor downsample_b;                  // [O]
-  Tensor merger_proj;                   // merger.proj.weight [O, O]
+  // k = kh·2 + kw: the merge block's four rows side by side form the GEMM input; bias [O].
+  ops::Linear downsample;
+  ops::Linear merger_proj;              // merger.proj [O, O], no bias
   Tensor merger_norm_w, merger_norm_b;  // merger.post_projection_norm [O]
-  Tensor merger_gate, merger_up;        // merger.gate_proj / up_proj [P, O]
-  Tensor merger_down;                   // merger.down_proj [O, P]
+  ops::MlpParams merger;                // merger.{gate,up}_proj [P, O], down_proj [O, P]
 
   // `get` returns the tensor stored under a released name ("model.visual.patch_embed.proj.weight",
   // ...), in any floating dtype; it is copied into `dtype` (f32 or f64). Shapes are checked against
@@ -79,6 +91,22 @@ struct VisionParams {
   // From a loaded checkpoint (the bf16 released weights are widened exactly).
   static VisionParams from_store(const ParamStore& store, DType dtype = DType::f32);
 };
+
+// The list of a VisionParams' fields, named as under `model.visual.` (b's blocks sized like a's).
+// The patch embedding and downsample weights are in their GEMM layouts (see above).
+template <typename A, typename B, typename F>
+void zip_vision_params(A& a, B& b, F&& f) {
+  ops::zip_linear("patch_embed.proj", a.patch_embed, b.patch_embed, f, /*with_bias=*/true);
+  for (size_t l = 0; l < a.blocks.size(); ++l)
+    zip_vision_block_params(a.blocks[l], b.blocks[l],
+                            ops::Prefixed<F>{f, "blocks." + std::to_string(l) + "."});
+  f("post_layernorm.weight", a.post_layernorm, b.post_layernorm);
+  ops::zip_linear("downsample", a.downsample, b.downsample, f, /*with_bias=*/true);
+  ops::zip_linear("merger.proj", a.merger_proj, b.merger_proj, f);
+  f("merger.post_projection_norm.weight", a.merger_norm_w, b.merger_norm_w);
+  f("merger.post_projection_norm.bias", a.merger_norm_b, b.merger_norm_b);
+  ops::zip_mlp_params(a.merger, b.merger, ops::Prefixed<F>{f, "merger."});
+}
 
 using GridThw = std::array<int64_t, 3>;
 
