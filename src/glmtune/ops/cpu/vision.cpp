@@ -100,30 +100,39 @@ void check_rope(const Tensor& x, const RopeTables& t, const char* op) {
                  hd, n);
 }
 
+// Calls fn(start, len, h, q0, rows) for every block of at most kQueryBlock query rows
+// [q0, q0 + rows) of the query rows [q_begin, q_begin + q_rows), per segment [start, start + len)
+// that holds any of them and per head h.
+template <typename Fn>
+void for_each_query_block(const std::vector<int64_t>& cu_seqlens, int64_t q_begin, int64_t q_rows,
+                          int64_t heads, Fn&& fn) {
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
+    const int64_t first = std::max(start, q_begin), last = std::min(start + len, q_begin + q_rows);
+    for (int64_t h = 0; first < last && h < heads; ++h)
+      for (int64_t q0 = first; q0 < last; q0 += kQueryBlock)
+        fn(start, len, h, q0, std::min(kQueryBlock, last - q0));
+  }
+}
+
 template <typename T>
 void segment_attention(const T* q, int64_t q_stride, int64_t q_begin, int64_t q_rows, const T* k,
                        int64_t k_stride, const T* v, int64_t v_stride, T* out, int64_t heads,
                        int64_t hd, const std::vector<int64_t>& cu_seqlens, double scale) {
   const int64_t d = heads * hd;
   std::vector<T> scores;
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
-    const int64_t start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
-    const int64_t first = std::max(start, q_begin), last = std::min(start + len, q_begin + q_rows);
-    if (first >= last) continue;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* kh = k + start * k_stride + h * hd;
-      const T* vh = v + start * v_stride + h * hd;
-      for (int64_t q0 = first; q0 < last; q0 += kQueryBlock) {
-        const int64_t rows = std::min(kQueryBlock, last - q0);
-        scores.resize(size_t(rows * len));
-        gemm<T>(false, true, rows, len, hd, T(scale), q + (q0 - q_begin) * q_stride + h * hd,
-                q_stride, kh, k_stride, T(0), scores.data(), len);
-        for (int64_t i = 0; i < rows; ++i) softmax_row(&scores[size_t(i * len)], len);
-        gemm<T>(false, false, rows, hd, len, T(1), scores.data(), len, vh, v_stride, T(0),
-                out + (q0 - q_begin) * d + h * hd, d);
-      }
-    }
-  }
+  for_each_query_block(cu_seqlens, q_begin, q_rows, heads,
+                       [&](int64_t start, int64_t len, int64_t h, int64_t q0, int64_t rows) {
+                         scores.resize(size_t(rows * len));
+                         gemm<T>(false, true, rows, len, hd, T(scale),
+                                 q + (q0 - q_begin) * q_stride + h * hd, q_stride,
+                                 k + start * k_stride + h * hd, k_stride, T(0), scores.data(), len);
+                         for (int64_t i = 0; i < rows; ++i)
+                           softmax_row(&scores[size_t(i * len)], len);
+                         gemm<T>(false, false, rows, hd, len, T(1), scores.data(), len,
+                                 v + start * v_stride + h * hd, v_stride, T(0),
+                                 out + (q0 - q_begin) * d + h * hd, d);
+                       });
 }
 
 // With O = P·V and dO its gradient: dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − rowsum(dO ⊙ O)),
@@ -136,17 +145,13 @@ void segment_attention_backward(const T* q, int64_t q_stride, int64_t q_begin, i
   const int64_t d = heads * hd;
   std::vector<T> probs, dprobs;
   std::vector<double> delta;
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
-    const int64_t start = cu_seqlens[s], len = cu_seqlens[s + 1] - start;
-    const int64_t first = std::max(start, q_begin), last = std::min(start + len, q_begin + q_rows);
-    if (first >= last) continue;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* kh = k + start * k_stride + h * hd;
-      const T* vh = v + start * v_stride + h * hd;
-      T* dkh = dk + start * d + h * hd;
-      T* dvh = dv + start * d + h * hd;
-      for (int64_t q0 = first; q0 < last; q0 += kQueryBlock) {
-        const int64_t rows = std::min(kQueryBlock, last - q0);
+  for_each_query_block(
+      cu_seqlens, q_begin, q_rows, heads,
+      [&](int64_t start, int64_t len, int64_t h, int64_t q0, int64_t rows) {
+        const T* kh = k + start * k_stride + h * hd;
+        const T* vh = v + start * v_stride + h * hd;
+        T* dkh = dk + start * d + h * hd;
+        T* dvh = dv + start * d + h * hd;
         const int64_t local = (q0 - q_begin) * d + h * hd;
         const T* qb = q + (q0 - q_begin) * q_stride + h * hd;
         const T* ob = out + local;
@@ -174,9 +179,7 @@ void segment_attention_backward(const T* q, int64_t q_stride, int64_t q_begin, i
                 dq + local, d);
         gemm<T>(true, false, len, hd, rows, T(scale), dprobs.data(), len, qb, q_stride, T(1), dkh,
                 d);
-      }
-    }
-  }
+      });
 }
 
 // q / k / v / out / dout: 2-D with unit column stride; q and out [Nq, d], k and v [N, d]; the
