@@ -96,7 +96,7 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   const int64_t row0 = shard ? shard->patch_begin : 0;
 
   const Tensor pixels = pixel_rows.to(params.dtype).contiguous();
-  Tensor x = ops::linear(pixels, params.patch_embed.weight, params.patch_embed.bias);
+  Tensor x = ops::linear(pixels, params.patch_embed);
   if (ctx) {
     ctx->grid.assign(grid.begin(), grid.end());
     ctx->shard = shard ? *shard : VisionShard{};
@@ -108,7 +108,7 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
     if (ctx) bc.input = x.clone();
     Tensor* rstd = ctx ? &bc.rstd1 : nullptr;
     const Tensor a = ops::rms_norm(x, b.norm1, eps, rstd);
-    const Tensor qkv = ops::linear(a, b.qkv.weight, b.qkv.bias);  // [N, 3D]
+    const Tensor qkv = ops::linear(a, b.qkv);  // [N, 3D]
     // Q and K: per-head RMSNorm over the head dim (one weight for all heads), then the rotation.
     Tensor q = ops::rms_norm(qkv.slice(1, 0, d).contiguous().view({n * heads, hd}), b.q_norm, eps,
                              ctx ? &bc.q_rstd : nullptr);
@@ -131,8 +131,7 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
     ops::linear_out(x, attn, b.proj.weight, b.proj.bias, /*accumulate=*/true);
 
     const Tensor m = ops::rms_norm(x, b.norm2, eps, ctx ? &bc.rstd2 : nullptr);
-    Tensor gate = ops::linear(m, b.gate.weight, b.gate.bias),
-           up = ops::linear(m, b.up.weight, b.up.bias);
+    Tensor gate = ops::linear(m, b.gate), up = ops::linear(m, b.up);
     const Tensor z = ops::swiglu_clamped(gate, up, limit);
     if (ctx) {
       bc.normed1 = a;
@@ -155,9 +154,8 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   x = ops::rms_norm(x, params.post_layernorm, eps, ctx ? &ctx->post_rstd : nullptr);
   const int64_t merge = config.spatial_merge_size * config.spatial_merge_size;
   VisionOutput out;
-  out.last_hidden_state =
-      ops::linear(x.view({n / merge, merge * d}), params.downsample.weight, params.downsample.bias);
-  const Tensor projected = ops::linear(out.last_hidden_state, params.merger_proj.weight);
+  out.last_hidden_state = ops::linear(x.view({n / merge, merge * d}), params.downsample);
+  const Tensor projected = ops::linear(out.last_hidden_state, params.merger_proj);
   Tensor h = ops::layer_norm(projected, params.merger_norm_w, params.merger_norm_b, kLayerNormEps,
                              ctx ? &ctx->ln_mean : nullptr, ctx ? &ctx->ln_rstd : nullptr);
   if (ctx) ctx->ln_out = h.clone();
@@ -197,22 +195,20 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     // Frozen projector: the same chain without any weight gradient.
     const Tensor act = ops::swiglu_clamped(ctx.merger.gate, ctx.merger.up, limit);
     Tensor dgate, dup;
-    ops::swiglu_clamped_backward(
-        ctx.merger.gate, ctx.merger.up,
-        ops::linear_backward(dy, act, params.merger.down_proj.weight, nullptr), limit, dgate, dup);
-    dh = ops::linear_backward(dgate, ctx.merger.x, params.merger.gate_proj.weight, nullptr);
-    ops::add_into(dh,
-                  ops::linear_backward(dup, ctx.merger.x, params.merger.up_proj.weight, nullptr));
+    ops::swiglu_clamped_backward(ctx.merger.gate, ctx.merger.up,
+                                 ops::linear_backward(dy, act, params.merger.down_proj, nullptr),
+                                 limit, dgate, dup);
+    dh = ops::linear_backward(dgate, ctx.merger.x, params.merger.gate_proj, nullptr);
+    ops::add_into(dh, ops::linear_backward(dup, ctx.merger.x, params.merger.up_proj, nullptr));
   }
   ops::gelu_erf_backward_(ctx.ln_out, dh);
   dh = ops::layer_norm_backward(dh, ctx.projected, params.merger_norm_w, kLayerNormEps, ctx.ln_mean,
                                 ctx.ln_rstd, grad_of(proj, g.merger_norm_w),
                                 grad_of(proj, g.merger_norm_b));
-  dh = ops::linear_backward(dh, ctx.downsampled, params.merger_proj.weight,
-                            grad_of(proj, g.merger_proj.weight));
+  dh = ops::linear_backward(dh, ctx.downsampled, params.merger_proj,
+                            proj ? &g.merger_proj : nullptr);
   Tensor dx = ops::linear_backward(dh, ctx.post_normed.view({n / merge, merge * d}),
-                                   params.downsample.weight, grad_of(proj, g.downsample.weight),
-                                   grad_of(proj, g.downsample.bias), need_dx);
+                                   params.downsample, proj ? &g.downsample : nullptr, need_dx);
   if (!need_dx) return Tensor();
   dx = dx.view({n, d});
 
@@ -230,24 +226,16 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     const VisionBlockContext& bc = ctx.blocks[size_t(l)];
     VisionBlockParams& bg = g.blocks[size_t(l)];
     // MLP branch: x_out = mid + down(act(gate(m), up(m))), m = norm2(mid).
-    const Tensor dact =
-        ops::linear_backward(dx, bc.act, b.down.weight, grad_of(tower, bg.down.weight),
-                             grad_of(tower && b.down.bias.defined(), bg.down.bias));
+    const Tensor dact = ops::linear_backward(dx, bc.act, b.down, tower ? &bg.down : nullptr);
     Tensor dgate, dup;
     ops::swiglu_clamped_backward(bc.gate, bc.up, dact, limit, dgate, dup);
-    Tensor dm =
-        ops::linear_backward(dgate, bc.normed2, b.gate.weight, grad_of(tower, bg.gate.weight),
-                             grad_of(tower && b.gate.bias.defined(), bg.gate.bias));
-    ops::add_into(dm,
-                  ops::linear_backward(dup, bc.normed2, b.up.weight, grad_of(tower, bg.up.weight),
-                                       grad_of(tower && b.up.bias.defined(), bg.up.bias)));
+    Tensor dm = ops::linear_backward(dgate, bc.normed2, b.gate, tower ? &bg.gate : nullptr);
+    ops::add_into(dm, ops::linear_backward(dup, bc.normed2, b.up, tower ? &bg.up : nullptr));
     ops::add_into(
         dx, ops::rms_norm_backward(dm, bc.mid, b.norm2, eps, bc.rstd2, grad_of(tower, bg.norm2)));
 
     // Attention branch: mid = input + proj(attn(rope(qnorm(Q)), rope(knorm(K)), V)).
-    const Tensor dattn =
-        ops::linear_backward(dx, bc.attn, b.proj.weight, grad_of(tower, bg.proj.weight),
-                             grad_of(tower && b.proj.bias.defined(), bg.proj.bias));
+    const Tensor dattn = ops::linear_backward(dx, bc.attn, b.proj, tower ? &bg.proj : nullptr);
     Tensor dq, dk;
     Tensor dqkv = Tensor::empty({n, 3 * d}, params.dtype);
     if (shard) {
@@ -280,15 +268,12 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
                                b.k_norm, eps, bc.k_rstd, grad_of(tower, bg.k_norm));
     dqkv.slice(1, 0, d).copy_(dq_raw.view({n, d}));
     dqkv.slice(1, d, 2 * d).copy_(dk_raw.view({n, d}));
-    const Tensor da =
-        ops::linear_backward(dqkv, bc.normed1, b.qkv.weight, grad_of(tower, bg.qkv.weight),
-                             grad_of(tower && b.qkv.bias.defined(), bg.qkv.bias));
+    const Tensor da = ops::linear_backward(dqkv, bc.normed1, b.qkv, tower ? &bg.qkv : nullptr);
     ops::add_into(
         dx, ops::rms_norm_backward(da, bc.input, b.norm1, eps, bc.rstd1, grad_of(tower, bg.norm1)));
   }
-  return ops::linear_backward(dx, ctx.pixels, params.patch_embed.weight,
-                              grad_of(tower, g.patch_embed.weight),
-                              grad_of(tower, g.patch_embed.bias), options.pixel_grad);
+  return ops::linear_backward(dx, ctx.pixels, params.patch_embed, tower ? &g.patch_embed : nullptr,
+                              options.pixel_grad);
 }
 
 }  // namespace
