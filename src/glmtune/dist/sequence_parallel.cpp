@@ -91,12 +91,11 @@ struct Slicing {
 // projection's own slicing.
 std::optional<Slicing> adapter_slicing(const std::string& n,
                                        const std::function<Slicing(const std::string&)>& of) {
-  for (const char* part : {".lora_A.weight", ".lora_B.weight"}) {
-    if (!n.ends_with(part)) continue;
-    const Slicing w = of(n.substr(0, n.size() - std::strlen(part)) + ".weight");
-    const bool is_a = part[6] == 'A';
-    if (w.split == HeadSplit::rows && !is_a) return w;
-    if (w.split == HeadSplit::cols && is_a) return w;
+  for (const auto& [suffix, is_a] :
+       {std::pair{".lora_A.weight", true}, {".lora_B.weight", false}}) {
+    if (!n.ends_with(suffix)) continue;
+    const Slicing w = of(n.substr(0, n.size() - std::strlen(suffix)) + ".weight");
+    if (w.split == (is_a ? HeadSplit::cols : HeadSplit::rows)) return w;
     return Slicing{};
   }
   return std::nullopt;

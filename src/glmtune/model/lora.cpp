@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <regex>
 #include <set>
 
@@ -96,14 +98,24 @@ std::string internal_module(const std::string& peft) {
 }
 
 // PEFT's rule: a string target is a regular expression over whole module names; a list entry
-// matches a name equal to it or ending in "." + it.
-bool matches(const LoraConfig& c, const std::string& internal) {
-  const std::string module = peft_module(internal);
-  if (!c.target_regex.empty()) return std::regex_match(module, std::regex(c.target_regex));
-  for (const std::string& key : c.target_modules)
-    if (key == kAllLinear || module == key || module.ends_with("." + key)) return true;
-  return false;
-}
+// matches a name equal to it or ending in "." + it. The expression is compiled once.
+class TargetMatcher {
+ public:
+  explicit TargetMatcher(const LoraConfig& c) : keys_(c.target_modules) {
+    if (!c.target_regex.empty()) regex_.emplace(c.target_regex);
+  }
+  bool operator()(const std::string& internal) const {
+    const std::string module = peft_module(internal);
+    if (regex_) return std::regex_match(module, *regex_);
+    for (const std::string& key : keys_)
+      if (key == kAllLinear || module == key || module.ends_with("." + key)) return true;
+    return false;
+  }
+
+ private:
+  std::vector<std::string> keys_;
+  std::optional<std::regex> regex_;
+};
 
 std::string regex_escape(const std::string& s) {
   std::string out;
@@ -160,9 +172,10 @@ std::vector<std::string> resolve_lora_targets(const ParamStore& store, const Lor
                                               const std::string& where) {
   config.validate(where);
   const std::vector<Projection> all = projections(store);
+  const TargetMatcher matches(config);
   std::vector<std::string> chosen;
   for (const Projection& p : all)
-    if (p.refusal.empty() && matches(config, p.module)) chosen.push_back(p.module);
+    if (p.refusal.empty() && matches(p.module)) chosen.push_back(p.module);
   // Each target must reach at least one adaptable projection; say why one that reaches only
   // refused projections (or none) cannot.
   std::vector<std::string> keys = config.target_modules;
@@ -170,10 +183,11 @@ std::vector<std::string> resolve_lora_targets(const ParamStore& store, const Lor
   for (const std::string& key : keys) {
     LoraConfig one = config;
     if (config.target_regex.empty()) one.target_modules = {key};
+    const TargetMatcher matches_key(one);
     bool reached = false;
     const Projection* refused = nullptr;
     for (const Projection& p : all)
-      if (matches(one, p.module)) {
+      if (matches_key(p.module)) {
         if (p.refusal.empty())
           reached = true;
         else if (!refused)
@@ -242,6 +256,13 @@ nlohmann::json peft_adapter_config(const LoraConfig& config,
   return j;
 }
 
+std::vector<std::string> adapted_modules(const ParamStore& store) {
+  std::vector<std::string> out;
+  for (const InternalParam& p : store.params())
+    if (p.adapter && p.name.ends_with(".lora_A.weight")) out.push_back(module_of_adapter(p.name));
+  return out;
+}
+
 void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& whole) {
   for (const InternalParam& p : store.params())
     if (p.adapter) whole(p);
@@ -250,7 +271,6 @@ void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& 
 void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const fs::path& dir,
                        const ParamStore::WholeValue& whole, const std::string& base) {
   io::NamedTensors tensors;
-  std::vector<std::string> modules;
   for (const InternalParam& p : store.params()) {
     if (!p.adapter) continue;
     const std::string module = module_of_adapter(p.name);
@@ -259,7 +279,6 @@ void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const 
                    "adapter '{}' has no whole value to save", p.name);
     tensors.emplace_back(kPeftPrefix + peft_module(module) + p.name.substr(module.size()),
                          value.to(Device::cpu()).to(DType::f32));
-    if (modules.empty() || modules.back() != module) modules.push_back(module);
   }
   GLMTUNE_ASSERT(!tensors.empty(), "saving an adapter from a store without adapters");
   std::error_code ec;
@@ -269,7 +288,7 @@ void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const 
                 "check that the parent directory is writable");
   io::save_safetensors(dir / kWeightsFile, tensors, {{"format", "pt"}});
   write_file_atomic((dir / kConfigFile).string(),
-                    peft_adapter_config(config, modules, base).dump(2) + "\n");
+                    peft_adapter_config(config, adapted_modules(store), base).dump(2) + "\n");
 }
 
 LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
@@ -362,12 +381,12 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
     throw Error("the adapter holds no tensors", weights_file.string(),
                 "use a LoRA adapter saved with save_pretrained");
   // Store order: by module as the model lists them, A before B.
+  std::map<std::string, size_t> order;
+  for (size_t i = 0; i < adaptable.size(); ++i) order[adaptable[i]] = i;
   std::sort(loaded.begin(), loaded.end(), [&](const auto& x, const auto& y) {
-    const std::string mx = module_of_adapter(x.first), my = module_of_adapter(y.first);
-    if (mx != my)
-      return std::find(adaptable.begin(), adaptable.end(), mx) <
-             std::find(adaptable.begin(), adaptable.end(), my);
-    return x.first < y.first;
+    const size_t ox = order.at(module_of_adapter(x.first)),
+                 oy = order.at(module_of_adapter(y.first));
+    return ox != oy ? ox < oy : x.first < y.first;
   });
   for (auto& [name, t] : loaded) store.add_adapter(name, std::move(t));
   store.set_adapter_scale(c.scale());

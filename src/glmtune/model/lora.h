@@ -71,6 +71,9 @@ LoraConfig load_lora_adapter(ParamStore& store, const std::filesystem::path& dir
 void save_lora_adapter(const ParamStore& store, const LoraConfig& config,
                        const std::filesystem::path& dir, const ParamStore::WholeValue& whole = {},
                        const std::string& base = "");
+// The modules (internal names, without ".weight") the store holds adapters on, in store order.
+std::vector<std::string> adapted_modules(const ParamStore& store);
+
 // Calls `whole` for every adapter as save_lora_adapter does, writing nothing.
 void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& whole);
 

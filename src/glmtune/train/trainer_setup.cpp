@@ -76,10 +76,7 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
                               "for r = {} and scale {}",
                               saved.rank, saved.scale(), c.rank, c.scale()),
                   where, "resume with the [lora] settings the run started with");
-    std::vector<std::string> held;
-    for (const model::InternalParam& p : store.params())
-      if (p.adapter && p.name.ends_with(".lora_A.weight"))
-        held.push_back(p.name.substr(0, p.name.size() - std::string(".lora_A.weight").size()));
+    const std::vector<std::string> held = model::adapted_modules(store);
     if (held != modules)
       throw Error(fmt::format("the checkpoint's adapter is on {} projections, the recipe's "
                               "target_modules select another set of {}",
