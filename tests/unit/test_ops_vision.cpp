@@ -70,19 +70,20 @@ TEST(OpsVision, AttentionMatchesFloat64OnPackedImagesOfEverySize) {
                     want),
             1e-12);
 
-  // Values read through a strided view of a fused [N, 3d] tensor give the same output.
+  // Values read through a strided view of a fused [N, 3d] tensor, and a block of query rows (one
+  // rank's share under sequence parallelism, crossing a segment border), give the whole's rows.
+  // The GEMMs see other leading dimensions and row counts, for which BLAS may pick other kernels
+  // (another summation order), so the bar is a few f32 roundings, not equality.
+  const Tensor whole = ops::varlen_attention(q, k, v, cu, heads, scale);
   Tensor qkv = Tensor::empty({n, 3 * d}, DType::f32);
   qkv.slice(1, 2 * d, 3 * d).copy_(v);
-  EXPECT_EQ(ops::varlen_attention(q, k, qkv.slice(1, 2 * d, 3 * d), cu, heads, scale).to_doubles(),
-            ops::varlen_attention(q, k, v, cu, heads, scale).to_doubles());
-
-  // A block of query rows (one rank's share under sequence parallelism, crossing a segment
-  // border) gives those rows of the whole.
+  EXPECT_LE(
+      rel_err(ops::varlen_attention(q, k, qkv.slice(1, 2 * d, 3 * d), cu, heads, scale), whole),
+      1e-6);
   const int64_t begin = 150, rows = 400;
   const Tensor part =
       ops::varlen_attention(q.narrow(0, begin, rows).contiguous(), k, v, cu, heads, scale, begin);
-  EXPECT_EQ(part.to_doubles(),
-            ops::varlen_attention(q, k, v, cu, heads, scale).narrow(0, begin, rows).to_doubles());
+  EXPECT_LE(rel_err(part, whole.narrow(0, begin, rows)), 1e-6);
 }
 
 TEST(OpsVision, AttentionBackwardMatchesFiniteDifferences) {
