@@ -154,6 +154,26 @@ std::vector<OpSpec> op_specs() {
                  "sdpa fwd+bwd " + shape});
   }
 
+  // The vision tower's attention: bidirectional within each image, 16 heads of 64. Sixteen
+  // 448×448 images (1024 patches each) packed, and one 16384-patch segment. FLOPs as
+  // FlashAttention counts them (4·L²·H·D forward per segment, 2.5× that backward).
+  for (const auto& [segments, rows] :
+       std::vector<std::pair<int64_t, int64_t>>{{16, 1024}, {1, 16384}}) {
+    const int64_t h = 16, d = 64;
+    const double fwd = 4.0 * double(segments) * double(rows) * double(rows) * h * d;
+    const std::string shape = fmt::format("{}x{} H{} D{}", segments, rows, h, d);
+    for (const char* which : {"fwd", "fwd+bwd"})
+      s.push_back({fmt::format("vision attention {}", which),
+                   shape,
+                   Family::vision_attention,
+                   which,
+                   {segments, rows, h, d},
+                   Work::flops,
+                   std::string(which) == "fwd" ? fwd : 3.5 * fwd,
+                   "torch SDPA",
+                   fmt::format("sdpa {} vision {}", which, shape)});
+  }
+
   // The step's projection GEMMs at T = 16384 tokens (y = x Wᵀ is NT; dX NN; dW TN).
   const std::vector<std::tuple<std::string, std::string, int64_t, int64_t, int64_t>> gemms = {
       {"gemm KDA q/k/v proj", "NT", kTokens, 8192, kHidden},

@@ -19,17 +19,18 @@ enum class Work { flops, bytes };
 
 // Which timing code runs an op; `OpSpec::dims` and `OpSpec::variant` are its parameters.
 enum class Family {
-  matmul_ceiling,  // dims {n}: bf16 n×n×n through cuBLASLt, the rate ceiling
-  copy_ceiling,    // dims {bytes}: device-to-device copy, the bandwidth ceiling
-  kda,             // dims {document lengths...}; variant fwd | fwd+bwd | fwd+bwd kept
-  grouped_gemm,    // dims {rows per expert, n, k}; variant fwd | dX | dW
-  attention,       // dims {tokens, heads, head dim}; variant per-head fwd | fwd+bwd,
-                   // absorbed fwd | fwd+bwd
-  gemm,            // dims {m, n, k}; variant NT | NN | TN (which operand is stored transposed)
-  mhc,             // dims {tokens, streams, hidden}; variant pre fwd | pre bwd | post fwd | ...
-  rmsnorm,         // dims {rows, width}; variant fwd | bwd
-  swiglu,          // dims {rows, width}; variant fwd | bwd
-  lm_head_ce,      // dims {tokens, hidden, vocabulary, chunk rows}; variant fwd+bwd
+  matmul_ceiling,    // dims {n}: bf16 n×n×n through cuBLASLt, the rate ceiling
+  copy_ceiling,      // dims {bytes}: device-to-device copy, the bandwidth ceiling
+  kda,               // dims {document lengths...}; variant fwd | fwd+bwd | fwd+bwd kept
+  grouped_gemm,      // dims {rows per expert, n, k}; variant fwd | dX | dW
+  attention,         // dims {tokens, heads, head dim}; variant per-head fwd | fwd+bwd,
+                     // absorbed fwd | fwd+bwd
+  gemm,              // dims {m, n, k}; variant NT | NN | TN (which operand is stored transposed)
+  mhc,               // dims {tokens, streams, hidden}; variant pre fwd | pre bwd | post fwd | ...
+  rmsnorm,           // dims {rows, width}; variant fwd | bwd
+  swiglu,            // dims {rows, width}; variant fwd | bwd
+  lm_head_ce,        // dims {tokens, hidden, vocabulary, chunk rows}; variant fwd+bwd
+  vision_attention,  // dims {segments, rows per segment, heads, head dim}; variant fwd | fwd+bwd
 };
 
 struct OpSpec {

@@ -8,6 +8,7 @@ reads the JSON it writes. Each row is keyed like the row of the glmtune table it
   mm ...          torch.mm (cuBLAS) at the step's projection shapes and at 8192^3
   grouped ...     torch._grouped_mm at bench_cuda_moe's expert shapes (grouped_mm_vs_torch.py)
   sdpa ...        torch SDPA, causal, dense, T4096 H64 D256 (grouped_mm_vs_torch.py)
+  sdpa ... vision torch SDPA, bidirectional, the vision tower's segments as a batch
   fla ...         FLA chunk_kda, gate / q-k L2 norm / beta sigmoid inside its kernels
 
 Order of work: every peer is first prepared and run once (FLA's Triton kernels compile on first
@@ -55,6 +56,8 @@ GROUPED = [(rows, name, n, k) for rows in (910, 3641)
            for name, n, k in (("gate_up", 4096, 4096), ("down", 4096, 2048))]
 KDA_SHAPES = {"varlen 4x4096 H64 D128": [4096] * 4, "T16384 1 doc H64 D128": [16384]}
 SDPA_SHAPE = "T4096 H64 D256 causal"
+# The vision tower's attention: (segments, rows per segment), 16 heads of 64, no mask.
+VISION_SHAPES = {"16x1024 H16 D64": (16, 1024), "1x16384 H16 D64": (1, 16384)}
 
 
 def mm_key(layout, m, n, k):
@@ -71,6 +74,8 @@ def all_keys():
     keys += [(grouped_key(r, name, which, n, k), "torch._grouped_mm")
              for r, name, n, k in GROUPED for which in ("fwd", "dX", "dW")]
     keys += [(f"sdpa {which} {SDPA_SHAPE}", "torch SDPA") for which in ("fwd", "fwd+bwd")]
+    keys += [(f"sdpa {which} vision {shape}", "torch SDPA")
+             for shape in VISION_SHAPES for which in ("fwd", "fwd+bwd")]
     keys += [(f"fla {which} {shape}", "FLA chunk_kda")
              for shape in KDA_SHAPES for which in ("fwd", "fwd+bwd")]
     return keys
@@ -213,6 +218,47 @@ class SdpaPeers:
         torch.cuda.empty_cache()
 
 
+class VisionSdpaPeers:
+    """torch SDPA without a mask over equal segments given as the batch: the same function as the
+    vision tower's attention over a pack of equal images."""
+
+    name = "torch SDPA"
+
+    def __init__(self, wanted):
+        self.wanted = wanted
+        self.shapes = [s for s in VISION_SHAPES
+                       if any(f"sdpa {w} vision {s}" in wanted for w in ("fwd", "fwd+bwd"))]
+
+    def keys(self):
+        return [f"sdpa {w} vision {s}" for s in self.shapes for w in ("fwd", "fwd+bwd")
+                if f"sdpa {w} vision {s}" in self.wanted]
+
+    def prepare(self, torch, report):
+        pass
+
+    def time(self, torch, median_ms, report):
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        for shape in self.shapes:
+            segments, rows = VISION_SHAPES[shape]
+            gen = torch.Generator(device="cuda").manual_seed(20261204)
+            q, k, v = (torch.randn(segments, 16, rows, 64, device="cuda", generator=gen)
+                       .to(torch.bfloat16).requires_grad_() for _ in range(3))
+            dout = torch.randn(segments, 16, rows, 64, device="cuda", generator=gen).to(
+                torch.bfloat16)
+
+            def fwd_bwd():
+                q.grad = k.grad = v.grad = None
+                sdpa(q, k, v).backward(dout)
+
+            calls = {"fwd": lambda: sdpa(q, k, v), "fwd+bwd": fwd_bwd}
+            for which, call in calls.items():
+                key = f"sdpa {which} vision {shape}"
+                if key in self.wanted:
+                    report.row(key, self.name, median_ms(call, 3, 10))
+            del q, k, v, dout
+            torch.cuda.empty_cache()
+
+
 class FlaPeers:
     """FLA chunk_kda from the same raw inputs as glmtune's row: q, k (L2-normalised inside), v, the
     raw gate with A_log and dt_bias (lower bound -5), beta logits; bf16, 64 heads of 128. Both
@@ -351,7 +397,7 @@ def main():
 
     report.set(status="preparing", torch=torch.__version__,
                device=torch.cuda.get_device_name(0))
-    groups = [MmPeers(wanted), GroupedPeers(wanted), SdpaPeers(wanted),
+    groups = [MmPeers(wanted), GroupedPeers(wanted), SdpaPeers(wanted), VisionSdpaPeers(wanted),
               FlaPeers(wanted, args.fla_max_configs)]
 
     def on_term(signum, frame):

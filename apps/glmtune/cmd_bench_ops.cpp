@@ -32,6 +32,7 @@
 #include "glmtune/ops/cuda/mla.h"
 #include "glmtune/ops/cuda/norm.h"
 #include "glmtune/ops/cuda/swiglu.h"
+#include "glmtune/ops/vision.h"
 #include "glmtune/tensor/allocator.h"
 #include "glmtune/tensor/cuda_check.h"
 #endif
@@ -294,6 +295,29 @@ double time_lm_head_ce(int64_t t, int64_t d, int64_t vocab, int64_t chunk) {
                    5);
 }
 
+// The vision tower's attention over `segments` equal segments (ops::varlen_attention on the GPU),
+// q, k, v of [segments · rows, heads · d] bf16; fwd+bwd runs the forward and the backward.
+double time_vision_attention(int64_t segments, int64_t rows, int64_t heads, int64_t d,
+                             const std::string& variant) {
+  const int64_t n = segments * rows;
+  std::vector<int64_t> cu{0};
+  for (int64_t s = 0; s < segments; ++s) cu.push_back(cu.back() + rows);
+  const Tensor q = random_gpu({n, heads * d}, DType::bf16, 61);
+  const Tensor k = random_gpu({n, heads * d}, DType::bf16, 62);
+  const Tensor v = random_gpu({n, heads * d}, DType::bf16, 63);
+  const Tensor dout = random_gpu({n, heads * d}, DType::bf16, 64);
+  const double scale = 1.0 / std::sqrt(double(d));
+  if (variant == "fwd")
+    return median_ms([&] { ops::varlen_attention(q, k, v, cu, heads, scale); }, 3, 10);
+  return median_ms(
+      [&] {
+        Tensor lse;
+        const Tensor out = ops::varlen_attention(q, k, v, cu, heads, scale, 0, &lse);
+        ops::varlen_attention_backward(q, k, v, out, dout, cu, heads, scale, 0, lse);
+      },
+      3, 10);
+}
+
 double time_spec(const OpSpec& s) {
   const std::vector<int64_t>& d = s.dims;
   switch (s.family) {
@@ -317,6 +341,8 @@ double time_spec(const OpSpec& s) {
       return time_swiglu(d[0], d[1], s.variant);
     case Family::lm_head_ce:
       return time_lm_head_ce(d[0], d[1], d[2], d[3]);
+    case Family::vision_attention:
+      return time_vision_attention(d[0], d[1], d[2], d[3], s.variant);
   }
   throw InternalError("bench ops: an op family without timing code");
 }

@@ -312,6 +312,57 @@ std::vector<LeafRow> leaf_rows() {
                  {"d latent", g.latent, 1e-2},
                  {"d kv_b_proj", g_kvb.weight, 1e-2}};
        }});
+  // The vision tower's ops (ops/vision.h): rotary tables f32 on the GPU.
+  rows.push_back({"rope_2d_", [](const Side& s) -> std::vector<Output> {
+                    const int64_t N = 24, H = 3, hd = 16;
+                    std::vector<int64_t> pos;
+                    for (int64_t r = 0; r < N; ++r)
+                      pos.insert(pos.end(), {r / 6, r % 6 + 3 * (r % 2)});
+                    ops::RopeTables t = ops::rope_2d_tables(Tensor::from_vector(pos, {N, 2}), hd,
+                                                            10000.0, DType::f32);
+                    if (s.gpu) t = {t.cos.to(s.device()), t.sin.to(s.device())};
+                    Tensor x = s.value({N * H, hd}, 170), dx = s.value({N * H, hd}, 171);
+                    ops::rope_2d_(x, t);
+                    ops::rope_2d_backward_(dx, t);
+                    return {{"rotated x", x, 1e-2}, {"dx", dx, 1e-2}};
+                  }});
+  rows.push_back({"gelu_erf_", [](const Side& s) -> std::vector<Output> {
+                    const Tensor x = s.value({37, 40}, 172, 2.0);
+                    Tensor y = x.clone(), dy = s.value({37, 40}, 173);
+                    ops::gelu_erf_(y);
+                    ops::gelu_erf_backward_(x, dy);
+                    return {{"y", y, 1e-2}, {"dx", dy, 1e-2}};
+                  }});
+  rows.push_back({"varlen_attention", [](const Side& s) -> std::vector<Output> {
+                    // Segments of 1, 7, 70 and 130 rows (partial 64-row tiles), 2 heads of 64, v a
+                    // view into a fused qkv; then a query range as vision sequence parallelism
+                    // takes it.
+                    const std::vector<int64_t> cu = {0, 1, 8, 78, 208};
+                    const int64_t N = 208, H = 2, D = 128;
+                    const Tensor qkv = s.value({N, 3 * D}, 174);
+                    const Tensor q = qkv.slice(1, 0, D).contiguous(),
+                                 k = qkv.slice(1, D, 2 * D).contiguous();
+                    const Tensor v = qkv.slice(1, 2 * D, 3 * D), dout = s.value({N, D}, 175);
+                    Tensor lse, lse_part;
+                    const Tensor out = ops::varlen_attention(q, k, v, cu, H, 0.125, 0, &lse);
+                    const ops::VarlenAttentionGrads g =
+                        ops::varlen_attention_backward(q, k, v, out, dout, cu, H, 0.125, 0, lse);
+                    const int64_t first = 5, rows = 95;
+                    const Tensor q_part = q.slice(0, first, first + rows).contiguous();
+                    const Tensor out_part =
+                        ops::varlen_attention(q_part, k, v, cu, H, 0.125, first, &lse_part);
+                    const ops::VarlenAttentionGrads gp = ops::varlen_attention_backward(
+                        q_part, k, v, out_part, dout.slice(0, first, first + rows).contiguous(), cu,
+                        H, 0.125, first, lse_part);
+                    return {{"out", out, 1e-2},
+                            {"lse", lse, 1e-5},
+                            {"dq", g.dq, 2e-2},
+                            {"dk", g.dk, 2e-2},
+                            {"dv", g.dv, 2e-2},
+                            {"out of rows 5..100", out_part, 1e-2},
+                            {"dk of rows 5..100", gp.dk, 2e-2},
+                            {"dv of rows 5..100", gp.dv, 2e-2}};
+                  }});
   return rows;
 }
 
@@ -353,10 +404,6 @@ TEST(CudaLeafOps, CpuOnlyOpsRefuseGpuTensors) {
   const Tensor logits = gpu.value({T, 16}, 163);
   const Tensor labels = Tensor::from_vector(std::vector<int32_t>(size_t(T), 1), {T});
   EXPECT_THROW(ops::cross_entropy_forward(logits, labels), Error);
-  // The vision tower's ops (ops/vision.h) have no GPU body yet.
-  Tensor x = gpu.value({T, 32}, 164);
-  EXPECT_THROW(ops::varlen_attention(x, x, x, {0, T}, 2, 1.0), Error);
-  EXPECT_THROW(ops::gelu_erf_(x), Error);
 #endif
 }
 

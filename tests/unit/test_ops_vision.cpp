@@ -26,13 +26,15 @@ std::vector<int64_t> bounds(const std::vector<int64_t>& lengths) {
   return cu;
 }
 
-// Softmax attention of every segment with itself, per head, in double, from the definition.
+// Softmax attention of every segment with itself, per head, in double, from the definition; with
+// `lse`, each row's log-sum-exp of its scaled scores ([N, H]).
 std::vector<double> reference_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const std::vector<int64_t>& cu, int64_t heads,
-                                        double scale) {
+                                        const std::vector<int64_t>& cu, int64_t heads, double scale,
+                                        std::vector<double>* lse = nullptr) {
   const int64_t n = q.size(0), d = q.size(1), hd = d / heads;
   const std::vector<double> qs = q.to_doubles(), ks = k.to_doubles(), vs = v.to_doubles();
   std::vector<double> out(size_t(n * d), 0.0), w;
+  if (lse) lse->assign(size_t(n * heads), 0.0);
   for (size_t s = 0; s + 1 < cu.size(); ++s)
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = cu[s]; i < cu[s + 1]; ++i) {
@@ -46,6 +48,7 @@ std::vector<double> reference_attention(const Tensor& q, const Tensor& k, const 
           mx = std::max(mx, dot * scale);
         }
         for (double& x : w) sum += (x = std::exp(x - mx));
+        if (lse) (*lse)[size_t(i * heads + h)] = mx + std::log(sum);
         for (int64_t j = cu[s]; j < cu[s + 1]; ++j)
           for (int64_t e = 0; e < hd; ++e)
             out[size_t(i * d + h * hd + e)] +=
@@ -62,13 +65,20 @@ TEST(OpsVision, AttentionMatchesFloat64OnPackedImagesOfEverySize) {
   const double scale = 1.0 / std::sqrt(double(hd));
   const Tensor q = random_normal({n, d}, 1, DType::f32), k = random_normal({n, d}, 2, DType::f32),
                v = random_normal({n, d}, 3, DType::f32);
-  const Tensor want =
-      Tensor::from_doubles(reference_attention(q, k, v, cu, heads, scale), {n, d}, DType::f64);
-  EXPECT_LE(rel_err(ops::varlen_attention(q, k, v, cu, heads, scale), want), 1e-5);
+  std::vector<double> lse_ref;
+  const Tensor want = Tensor::from_doubles(reference_attention(q, k, v, cu, heads, scale, &lse_ref),
+                                           {n, d}, DType::f64);
+  const Tensor want_lse = Tensor::from_doubles(lse_ref, {n, heads}, DType::f64);
+  Tensor lse, lse64;
+  EXPECT_LE(rel_err(ops::varlen_attention(q, k, v, cu, heads, scale, 0, &lse), want), 1e-5);
   EXPECT_LE(rel_err(ops::varlen_attention(q.to(DType::f64), k.to(DType::f64), v.to(DType::f64), cu,
-                                          heads, scale),
+                                          heads, scale, 0, &lse64),
                     want),
             1e-12);
+  // The log-sum-exp the GPU backward reads: f32 whatever the compute dtype.
+  ASSERT_EQ(lse.dtype(), DType::f32);
+  EXPECT_LE(rel_err(lse, want_lse), 1e-6);
+  EXPECT_LE(rel_err(lse64, want_lse), 1e-7);
 
   // Values read through a strided view of a fused [N, 3d] tensor, and a block of query rows (one
   // rank's share under sequence parallelism, crossing a segment border), give the whole's rows.

@@ -83,6 +83,18 @@ Tensor local_positions(std::span<const GridThw> grid, int64_t merge_size,
   return all.narrow(0, shard->patch_begin, shard->patches()).contiguous();
 }
 
+// The rotary tables of the rows held here, where the rotation runs: in the compute dtype on the
+// CPU, in f32 on the parameters' GPU.
+ops::RopeTables rope_tables(const VisionConfig& config, const VisionParams& params,
+                            std::span<const GridThw> grid, const VisionShard* shard) {
+  const bool gpu = params.device.is_cuda();
+  ops::RopeTables t =
+      ops::rope_2d_tables(local_positions(grid, config.spatial_merge_size, shard),
+                          config.head_dim(), config.rope_theta, gpu ? DType::f32 : params.dtype);
+  if (gpu) t = {t.cos.to(params.device), t.sin.to(params.device)};
+  return t;
+}
+
 // The tower is written once on the ops (f32 or f64 on the CPU; ops/vision.h for its own).
 VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params,
                           const Tensor& pixel_rows, std::span<const GridThw> grid,
@@ -91,11 +103,10 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   const int64_t d = config.hidden_size, heads = config.num_heads, hd = config.head_dim();
   const double eps = config.rms_norm_eps, limit = config.swiglu_limit;
   const std::vector<int64_t> cu_seqlens = vision_cu_seqlens(grid);
-  const ops::RopeTables rope = ops::rope_2d_tables(
-      local_positions(grid, config.spatial_merge_size, shard), hd, config.rope_theta, params.dtype);
+  const ops::RopeTables rope = rope_tables(config, params, grid, shard);
   const int64_t row0 = shard ? shard->patch_begin : 0;
 
-  const Tensor pixels = pixel_rows.to(params.dtype).contiguous();
+  const Tensor pixels = pixel_rows.to(params.device).to(params.dtype).contiguous();
   Tensor x = ops::linear(pixels, params.patch_embed);
   if (ctx) {
     ctx->grid.assign(grid.begin(), grid.end());
@@ -123,10 +134,11 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
       k_all = shard->exchange->gather_rows(k.view({n, d}), shard->patch_counts);
       v_all = shard->exchange->gather_rows(qkv.slice(1, 2 * d, 3 * d).contiguous(),
                                            shard->patch_counts);
-      attn = ops::varlen_attention(q.view({n, d}), k_all, v_all, cu_seqlens, heads, scale, row0);
+      attn = ops::varlen_attention(q.view({n, d}), k_all, v_all, cu_seqlens, heads, scale, row0,
+                                   ctx ? &bc.attn_lse : nullptr);
     } else {
       attn = ops::varlen_attention(q.view({n, d}), k.view({n, d}), qkv.slice(1, 2 * d, 3 * d),
-                                   cu_seqlens, heads, scale);
+                                   cu_seqlens, heads, scale, 0, ctx ? &bc.attn_lse : nullptr);
     }
     ops::linear_out(x, attn, b.proj.weight, b.proj.bias, /*accumulate=*/true);
 
@@ -187,7 +199,7 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
   // Merger: clamped SwiGLU <- GELU <- LayerNorm <- proj; then the downsample.
   const bool need_dx = options.train_tower || options.pixel_grad;
   if (!proj && !need_dx) return Tensor();
-  const Tensor dy = d_pooler.to(params.dtype).contiguous();
+  const Tensor dy = d_pooler.to(params.device).to(params.dtype).contiguous();
   Tensor dh;
   if (proj) {
     dh = ops::mlp_backward(params.merger, ctx.merger, dy, limit, g.merger);
@@ -217,9 +229,7 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
                               grad_of(tower, g.post_layernorm));
   const std::vector<int64_t> cu_seqlens = vision_cu_seqlens(ctx.grid);
   const VisionShard* shard = ctx.shard.exchange ? &ctx.shard : nullptr;
-  const ops::RopeTables rope =
-      ops::rope_2d_tables(local_positions(ctx.grid, config.spatial_merge_size, shard), hd,
-                          config.rope_theta, params.dtype);
+  const ops::RopeTables rope = rope_tables(config, params, ctx.grid, shard);
   const double scale = 1.0 / std::sqrt(double(hd));
   for (int64_t l = int64_t(params.blocks.size()) - 1; l >= 0; --l) {
     const VisionBlockParams& b = params.blocks[size_t(l)];
@@ -237,13 +247,13 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     // Attention branch: mid = input + proj(attn(rope(qnorm(Q)), rope(knorm(K)), V)).
     const Tensor dattn = ops::linear_backward(dx, bc.attn, b.proj, tower ? &bg.proj : nullptr);
     Tensor dq, dk;
-    Tensor dqkv = Tensor::empty({n, 3 * d}, params.dtype);
+    Tensor dqkv = Tensor::empty({n, 3 * d}, params.dtype, params.device);
     if (shard) {
       // Every rank's queries add into the keys' and values' gradients of the whole pack; each
       // rank then takes its rows' sums.
       ops::VarlenAttentionGrads ga =
           ops::varlen_attention_backward(bc.q.view({n, d}), bc.k_all, bc.v_all, bc.attn, dattn,
-                                         cu_seqlens, heads, scale, shard->patch_begin);
+                                         cu_seqlens, heads, scale, shard->patch_begin, bc.attn_lse);
       dq = std::move(ga.dq);
       dk = shard->exchange->sum_scatter_rows(ga.dk, shard->patch_counts);
       dqkv.slice(1, 2 * d, 3 * d)
@@ -251,7 +261,7 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
     } else {
       ops::VarlenAttentionGrads ga = ops::varlen_attention_backward(
           bc.q.view({n, d}), bc.k.view({n, d}), bc.qkv.slice(1, 2 * d, 3 * d), bc.attn, dattn,
-          cu_seqlens, heads, scale);
+          cu_seqlens, heads, scale, 0, bc.attn_lse);
       dq = std::move(ga.dq);
       dk = std::move(ga.dk);
       dqkv.slice(1, 2 * d, 3 * d).copy_(ga.dv);
@@ -279,10 +289,13 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
 }  // namespace
 
 VisionParams VisionParams::load(const VisionConfig& c,
-                                const std::function<Tensor(const std::string&)>& get, DType dtype) {
-  if (dtype != DType::f32 && dtype != DType::f64)
+                                const std::function<Tensor(const std::string&)>& get, DType dtype,
+                                Device device) {
+  if (device.is_cuda() ? dtype != DType::bf16 : dtype != DType::f32 && dtype != DType::f64)
     throw InternalError(
-        fmt::format("vision tower computes in f32 or f64, not {}", dtype_name(dtype)));
+        fmt::format("the vision tower computes in f32 or f64 on the CPU and in "
+                    "bf16 on a GPU, not in {} on {}",
+                    dtype_name(dtype), device.str()));
   const int64_t d = c.hidden_size, i = c.intermediate_size, o = c.out_hidden_size,
                 p = c.projection_intermediate_size, hd = c.head_dim();
   const int64_t m = c.spatial_merge_size;
@@ -333,16 +346,22 @@ VisionParams VisionParams::load(const VisionConfig& c,
   v.merger.gate_proj.weight = fetch(get, "merger.gate_proj.weight", {p, o}, dtype);
   v.merger.up_proj.weight = fetch(get, "merger.up_proj.weight", {p, o}, dtype);
   v.merger.down_proj.weight = fetch(get, "merger.down_proj.weight", {o, p}, dtype);
+  if (device.is_cuda()) {
+    v.device = device;
+    zip_vision_params(v, v, [&](const std::string&, Tensor& t, Tensor&) {
+      if (t.defined()) t = t.to(device);
+    });
+  }
   return v;
 }
 
-VisionParams VisionParams::from_store(const ParamStore& store, DType dtype) {
+VisionParams VisionParams::from_store(const ParamStore& store, DType dtype, Device device) {
   const auto& vision = store.config().vision();
   if (!vision) throw Error("the model config has no vision_config", store.config().source());
   return load(
       *vision,
       [&](const std::string& name) { return store.contains(name) ? store.get(name) : Tensor(); },
-      dtype);
+      dtype, device);
 }
 
 std::vector<GridThw> grid_from_tensor(const Tensor& grid_thw) {
@@ -409,6 +428,11 @@ VisionOutput vision_forward(const VisionConfig& config, const VisionParams& para
                             const Tensor& pixel_rows, std::span<const GridThw> grid,
                             VisionContext* context, const VisionShard* shard) {
   check_inputs(config, pixel_rows, grid, shard);
+  if (shard && params.device.is_cuda())
+    throw Error(
+        "vision sequence parallel runs on the CPU only: the exchange of keys and values "
+        "between GPUs is not built yet",
+        "vision tower", "use train.sp_size = 1 for vision-language data on GPUs");
   if (int64_t(params.blocks.size()) != config.depth)
     throw InternalError(fmt::format("vision params hold {} blocks, config depth is {}",
                                     params.blocks.size(), config.depth));
@@ -440,9 +464,12 @@ namespace {
 VisionGrads VisionGrads::zeros_like(const VisionParams& params) {
   VisionGrads grads;
   grads.params.dtype = params.dtype;
+  grads.params.device = params.device;
   grads.params.blocks.resize(params.blocks.size());
-  zip_vision_params(params, grads.params, [](const std::string&, const Tensor& p, Tensor& g) {
-    if (p.defined()) g = Tensor::zeros(p.shape(), p.dtype());
+  // The GPU accumulates parameter gradients in f32 (ops/cuda/dispatch.h).
+  const bool gpu = params.device.is_cuda();
+  zip_vision_params(params, grads.params, [&](const std::string&, const Tensor& p, Tensor& g) {
+    if (p.defined()) g = Tensor::zeros(p.shape(), gpu ? DType::f32 : p.dtype(), p.device());
   });
   return grads;
 }

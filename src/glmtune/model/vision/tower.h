@@ -14,7 +14,9 @@
 // (2·bh + mh, 2·bw + mw) for row ((bh·w/2 + bw)·2 + mh)·2 + mw.
 //
 // Computes in the parameters' dtype: f32 (the reference path; the reference's fp32 forward with
-// eager attention) or f64 (tests). The bf16 roundings of the released bf16 run are not modelled.
+// eager attention) or f64 (tests) on the CPU; on a GPU (parameters loaded onto a CUDA device) with
+// the GPU storage policy of the text model: bf16 weights and activations, f32 statistics, rotary
+// tables and parameter gradients, every op's CUDA body (ops/vision.h: a flash-attention kernel).
 //
 // The backward differentiates the same chain in reverse from the gradient of the merger output,
 // into every released parameter and optionally the pixel rows. Attention probabilities are not
@@ -71,7 +73,8 @@ void zip_vision_block_params(A& a, B& b, F&& f) {
 }
 
 struct VisionParams {
-  DType dtype = DType::f32;
+  DType dtype = DType::f32;  // the compute dtype: f32 or f64 on the CPU, bf16 on a GPU
+  Device device = Device::cpu();
   ops::Linear patch_embed;  // patch_embed.proj: weight viewed [D, C·T·p·p] (Conv3d as a GEMM)
   std::vector<VisionBlockParams> blocks;
   Tensor post_layernorm;  // [D]
@@ -83,13 +86,15 @@ struct VisionParams {
   ops::MlpParams merger;                // merger.{gate,up}_proj [P, O], down_proj [O, P]
 
   // `get` returns the tensor stored under a released name ("model.visual.patch_embed.proj.weight",
-  // ...), in any floating dtype; it is copied into `dtype` (f32 or f64). Shapes are checked against
-  // `config`: a missing or mis-shaped tensor is a glmtune::Error naming it.
+  // ...), in any floating dtype; it is copied into `dtype` on `device` (f32 or f64 on the CPU, bf16
+  // on a CUDA device). Shapes are checked against `config`: a missing or mis-shaped tensor is a
+  // glmtune::Error naming it.
   static VisionParams load(const VisionConfig& config,
                            const std::function<Tensor(const std::string&)>& get,
-                           DType dtype = DType::f32);
+                           DType dtype = DType::f32, Device device = Device::cpu());
   // From a loaded checkpoint (the bf16 released weights are widened exactly).
-  static VisionParams from_store(const ParamStore& store, DType dtype = DType::f32);
+  static VisionParams from_store(const ParamStore& store, DType dtype = DType::f32,
+                                 Device device = Device::cpu());
 };
 
 // The list of a VisionParams' fields, named as under `model.visual.` (b's blocks sized like a's).
@@ -149,6 +154,7 @@ struct VisionBlockContext {
   Tensor q_rstd, k_rstd;  // [N·H] of the q/k norms
   Tensor q, k;            // [N·H, hd] after norm and rotation (the attention operands)
   Tensor attn;            // [N, D] attention output before proj
+  Tensor attn_lse;        // [N, H] f32 log-sum-exp of the attention rows (read by the GPU backward)
   Tensor mid;             // [N, D] after the attention residual
   Tensor normed2;         // [N, D] norm2 output (the MLP input)
   Tensor rstd2;           // [N]
@@ -185,7 +191,7 @@ VisionOutput vision_forward(const VisionConfig& config, const VisionParams& para
 // ---- Backward ---------------------------------------------------------------------------------
 
 // Gradient buffers mirroring VisionParams (same internal layouts: patch embed [D, row], downsample
-// [O, 4D]), in the compute dtype. Backward passes add into them.
+// [O, 4D]), in the compute dtype on the CPU, f32 on a GPU. Backward passes add into them.
 struct VisionGrads {
   VisionParams params;  // every tensor a gradient buffer; `dtype` the compute dtype
 

@@ -18,10 +18,10 @@ namespace {
 // so that a full-resolution image (tens of thousands of rows) never needs a square matrix.
 constexpr int64_t kQueryBlock = 256;
 
-// In place: row = softmax(row), max-shifted, the normaliser summed in double. The backward
-// recomputes the forward's probabilities with this same arithmetic.
+// In place: row = softmax(row), max-shifted, the normaliser summed in double; returns the row's
+// log-sum-exp. The backward recomputes the forward's probabilities with this same arithmetic.
 template <typename T>
-void softmax_row(T* row, int64_t len) {
+double softmax_row(T* row, int64_t len) {
   const T mx = *std::max_element(row, row + len);
   double sum = 0.0;
   for (int64_t j = 0; j < len; ++j) {
@@ -30,6 +30,7 @@ void softmax_row(T* row, int64_t len) {
   }
   const T inv = T(1.0 / sum);
   for (int64_t j = 0; j < len; ++j) row[j] *= inv;
+  return double(mx) + std::log(sum);
 }
 
 void check_float(const Tensor& t, const char* op, const char* what) {
@@ -85,7 +86,6 @@ void for_each_rope_pair(Tensor& x, const RopeTables& t, Rotate rotate) {
 }
 
 void check_rope(const Tensor& x, const RopeTables& t, const char* op) {
-  GLMTUNE_CPU_ONLY(op, x);
   check_float(x, op, "x");
   GLMTUNE_ASSERT(t.cos.defined() && t.sin.defined() && t.cos.dim() == 2 &&
                      t.sin.shape() == t.cos.shape() && t.cos.dtype() == x.dtype() &&
@@ -118,7 +118,8 @@ void for_each_query_block(const std::vector<int64_t>& cu_seqlens, int64_t q_begi
 template <typename T>
 void segment_attention(const T* q, int64_t q_stride, int64_t q_begin, int64_t q_rows, const T* k,
                        int64_t k_stride, const T* v, int64_t v_stride, T* out, int64_t heads,
-                       int64_t hd, const std::vector<int64_t>& cu_seqlens, double scale) {
+                       int64_t hd, const std::vector<int64_t>& cu_seqlens, double scale,
+                       float* lse) {
   const int64_t d = heads * hd;
   std::vector<T> scores;
   for_each_query_block(cu_seqlens, q_begin, q_rows, heads,
@@ -127,8 +128,10 @@ void segment_attention(const T* q, int64_t q_stride, int64_t q_begin, int64_t q_
                          gemm<T>(false, true, rows, len, hd, T(scale),
                                  q + (q0 - q_begin) * q_stride + h * hd, q_stride,
                                  k + start * k_stride + h * hd, k_stride, T(0), scores.data(), len);
-                         for (int64_t i = 0; i < rows; ++i)
-                           softmax_row(&scores[size_t(i * len)], len);
+                         for (int64_t i = 0; i < rows; ++i) {
+                           const double row_lse = softmax_row(&scores[size_t(i * len)], len);
+                           if (lse) lse[(q0 - q_begin + i) * heads + h] = float(row_lse);
+                         }
                          gemm<T>(false, false, rows, hd, len, T(1), scores.data(), len,
                                  v + start * v_stride + h * hd, v_stride, T(0),
                                  out + (q0 - q_begin) * d + h * hd, d);
@@ -187,7 +190,6 @@ void segment_attention_backward(const T* q, int64_t q_stride, int64_t q_begin, i
 void check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                      const std::vector<int64_t>& cu, int64_t heads, int64_t q_begin,
                      const char* op) {
-  GLMTUNE_CPU_ONLY(op, q);
   for (const auto& [t, what] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}}) {
     check_float(*t, op, what);
     GLMTUNE_ASSERT(t->dim() == 2 && t->stride(1) == 1 && t->dtype() == q.dtype(),
@@ -224,6 +226,7 @@ RopeTables rope_2d_tables(const Tensor& positions, int64_t head_dim, double thet
 }
 
 void rope_2d_(Tensor& x, const RopeTables& tables) {
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rope_2d_(x, tables));
   check_rope(x, tables, "rope_2d_");
   auto rotate = [](auto& lo, auto& hi, const auto* c, const auto* s, int64_t half) {
     const auto a = lo, b = hi;
@@ -237,6 +240,7 @@ void rope_2d_(Tensor& x, const RopeTables& tables) {
 }
 
 void rope_2d_backward_(Tensor& dx, const RopeTables& tables) {
+  GLMTUNE_DISPATCH_CUDA(dx, cuda_path::rope_2d_backward_(dx, tables));
   check_rope(dx, tables, "rope_2d_backward_");
   // With d' the gradient of the rotated pair: da = d'[m]·cos + d'[m+hd/2]·sin,
   // db = d'[m+hd/2]·cos − d'[m]·sin.
@@ -252,7 +256,7 @@ void rope_2d_backward_(Tensor& dx, const RopeTables& tables) {
 }
 
 void gelu_erf_(Tensor& x) {
-  GLMTUNE_CPU_ONLY("gelu_erf_", x);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::gelu_erf_(x));
   check_float(x, "gelu_erf_", "x");
   GLMTUNE_ASSERT(x.is_contiguous(), "gelu_erf_: x {} must be contiguous", x.str());
   constexpr double inv_sqrt2 = 0.70710678118654752440;
@@ -268,7 +272,7 @@ void gelu_erf_(Tensor& x) {
 }
 
 void gelu_erf_backward_(const Tensor& x, Tensor& dy) {
-  GLMTUNE_CPU_ONLY("gelu_erf_backward_", x);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::gelu_erf_backward_(x, dy));
   check_float(x, "gelu_erf_backward_", "x");
   GLMTUNE_ASSERT(
       x.is_contiguous() && dy.is_contiguous() && dy.shape() == x.shape() && dy.dtype() == x.dtype(),
@@ -292,14 +296,18 @@ void gelu_erf_backward_(const Tensor& x, Tensor& dy) {
 
 Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                         const std::vector<int64_t>& cu_seqlens, int64_t heads, double scale,
-                        int64_t q_begin) {
+                        int64_t q_begin, Tensor* lse) {
+  GLMTUNE_DISPATCH_CUDA(
+      q, cuda_path::varlen_attention(q, k, v, cu_seqlens, heads, scale, q_begin, lse));
   check_attention(q, k, v, cu_seqlens, heads, q_begin, "varlen_attention");
   const int64_t d = q.size(1), hd = d / heads;
   Tensor out = Tensor::empty({q.size(0), d}, q.dtype());
+  if (lse) *lse = Tensor::empty({q.size(0), heads}, DType::f32);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     segment_attention<T>(q.data<T>(), q.stride(0), q_begin, q.size(0), k.data<T>(), k.stride(0),
-                         v.data<T>(), v.stride(0), out.data<T>(), heads, hd, cu_seqlens, scale);
+                         v.data<T>(), v.stride(0), out.data<T>(), heads, hd, cu_seqlens, scale,
+                         lse ? lse->data<float>() : nullptr);
   };
   if (q.dtype() == DType::f32)
     run(float());
@@ -311,7 +319,10 @@ Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
 VarlenAttentionGrads varlen_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& out_in, const Tensor& dout_in,
                                                const std::vector<int64_t>& cu_seqlens,
-                                               int64_t heads, double scale, int64_t q_begin) {
+                                               int64_t heads, double scale, int64_t q_begin,
+                                               const Tensor& lse) {
+  GLMTUNE_DISPATCH_CUDA(q, cuda_path::varlen_attention_backward(
+                               q, k, v, out_in, dout_in, cu_seqlens, heads, scale, q_begin, lse));
   check_attention(q, k, v, cu_seqlens, heads, q_begin, "varlen_attention_backward");
   const Tensor out = out_in.contiguous(), dout = dout_in.contiguous();
   GLMTUNE_ASSERT(out.shape() == q.shape() && dout.shape() == q.shape() &&

@@ -31,6 +31,7 @@
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/moe.h"
 #include "glmtune/ops/norm.h"
+#include "glmtune/ops/vision.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops::cuda_path {
@@ -175,5 +176,19 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
                                      const Routing& routing, const Tensor& dy,
                                      const Tensor& routed_dx, const Tensor& routed_d_weights,
                                      MoeParams& grads, const Tensor& d_router_logits);
+
+// The vision tower's ops (ops/vision.h): bf16 activations, f32 rotary tables and log-sum-exp.
+void rope_2d_(Tensor& x, const RopeTables& tables);
+void rope_2d_backward_(Tensor& dx, const RopeTables& tables);
+void gelu_erf_(Tensor& x);
+void gelu_erf_backward_(const Tensor& x, Tensor& dy);
+Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const std::vector<int64_t>& cu_seqlens, int64_t heads, double scale,
+                        int64_t q_begin, Tensor* lse);
+VarlenAttentionGrads varlen_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                               const Tensor& out, const Tensor& dout,
+                                               const std::vector<int64_t>& cu_seqlens,
+                                               int64_t heads, double scale, int64_t q_begin,
+                                               const Tensor& lse);
 
 }  // namespace glmtune::ops::cuda_path

@@ -18,6 +18,7 @@
 #include "glmtune/ops/cuda/norm.h"
 #include "glmtune/ops/cuda/streams.h"
 #include "glmtune/ops/cuda/swiglu.h"
+#include "glmtune/ops/cuda/vision.h"
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/grad.h"
 #include "glmtune/tensor/cuda_check.h"
@@ -569,6 +570,61 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
       d_router_logits.defined() ? d_router_logits.to(dy.device()).to(DType::f32) : Tensor();
   return cuda::moe_backward_routed_elsewhere(cfg, params, x, routing, dy, routed_dx,
                                              routed_d_weights, grads, d_logits);
+}
+
+// ---- vision tower ----
+
+void rope_2d_(Tensor& x, const RopeTables& tables) {
+  OpTimer timer("rope_2d");
+  cuda::rope_2d(x, tables.cos, tables.sin, /*transpose=*/false);
+}
+
+void rope_2d_backward_(Tensor& dx, const RopeTables& tables) {
+  OpTimer timer("rope_2d_backward");
+  cuda::rope_2d(dx, tables.cos, tables.sin, /*transpose=*/true);
+}
+
+void gelu_erf_(Tensor& x) {
+  OpTimer timer("gelu_erf");
+  cuda::gelu_erf(x);
+}
+
+void gelu_erf_backward_(const Tensor& x, Tensor& dy) {
+  OpTimer timer("gelu_erf_backward");
+  cuda::gelu_erf_backward(x, dy);
+}
+
+Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const std::vector<int64_t>& cu_seqlens, int64_t heads, double scale,
+                        int64_t q_begin, Tensor* lse) {
+  OpTimer timer("varlen_attention");
+  GLMTUNE_ASSERT(heads >= 1 && q.dim() == 2 && q.size(1) % heads == 0,
+                 "varlen_attention: q {} does not split into {} heads", q.str(), heads);
+  Tensor out = Tensor::empty({q.size(0), q.size(1)}, q.dtype(), q.device());
+  Tensor stats = Tensor::empty({q.size(0), heads}, DType::f32, q.device());
+  cuda::varlen_attention(out, stats, q, k, v, cu_seqlens, heads, scale, q_begin);
+  if (lse) *lse = std::move(stats);
+  return out;
+}
+
+VarlenAttentionGrads varlen_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                               const Tensor& out, const Tensor& dout,
+                                               const std::vector<int64_t>& cu_seqlens,
+                                               int64_t heads, double scale, int64_t q_begin,
+                                               const Tensor& lse) {
+  Tensor stats = lse;
+  if (!stats.defined()) varlen_attention(q, k, v, cu_seqlens, heads, scale, q_begin, &stats);
+  OpTimer timer("varlen_attention_backward");
+  GLMTUNE_ASSERT(k.dim() == 2, "varlen_attention_backward: k {} must be 2-D", k.str());
+  const Shape key_shape{k.size(0), q.size(1)};
+  VarlenAttentionGrads g{Tensor::empty(q.shape(), q.dtype(), q.device()),
+                         Tensor::empty(key_shape, q.dtype(), q.device()),
+                         Tensor::empty(key_shape, q.dtype(), q.device())};
+  // The kernels read out and dout with one row stride.
+  const Tensor out_c = out.contiguous(), dout_c = dout.contiguous();
+  cuda::varlen_attention_backward(g.dq, g.dk, g.dv, q, k, v, out_c, dout_c, stats, cu_seqlens,
+                                  heads, scale, q_begin);
+  return g;
 }
 
 }  // namespace glmtune::ops::cuda_path

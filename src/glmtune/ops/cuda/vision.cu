@@ -1,0 +1,655 @@
+// Vision tower kernels (ops/cuda/vision.h): 2-D rotary embedding, exact GELU, and flash attention
+// within the segments of a pack, forward and backward.
+
+#include <algorithm>
+#include <cmath>
+
+#include "glmtune/ops/cuda/common.cuh"
+#include "glmtune/ops/cuda/tensor_core.cuh"
+#include "glmtune/ops/cuda/vision.h"
+
+namespace glmtune::cuda {
+namespace {
+
+using detail::bf16;
+
+constexpr int kThreads = 256;
+
+// ---- rotary embedding ------------------------------------------------------------------------
+
+// One thread per rotated pair (lo = x[m], hi = x[m + hd/2]) of x [N·H, hd]; `transpose` applies
+// the rotation's transpose (the backward), with the CPU op's arithmetic.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    rope_kernel(T* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin,
+                int64_t pairs, int heads, int hd, bool transpose) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= pairs) return;
+  const int half = hd / 2;
+  const int64_t row = i / half;
+  const int m = int(i % half);
+  const int64_t pos = row / heads;
+  const float* c = cos + pos * hd + m;
+  const float* s = sin + pos * hd + m;
+  T* p = x + row * hd + m;
+  const float a = detail::to_f(p[0]), b = detail::to_f(p[half]);
+  float lo, hi;
+  if (transpose) {
+    lo = a * c[0] + b * s[half];
+    hi = b * c[half] - a * s[0];
+  } else {
+    lo = a * c[0] - b * s[0];
+    hi = b * c[half] + a * s[half];
+  }
+  p[0] = detail::from_f<T>(lo);
+  p[half] = detail::from_f<T>(hi);
+}
+
+// ---- exact GELU --------------------------------------------------------------------------------
+
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) gelu_kernel(T* __restrict__ x, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n) return;
+  const float v = detail::to_f(x[i]);
+  x[i] = detail::from_f<T>(0.5f * v * (1.0f + erff(v * kInvSqrt2)));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    gelu_backward_kernel(const T* __restrict__ x, T* __restrict__ dy, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n) return;
+  const float v = detail::to_f(x[i]);
+  const float cdf = 0.5f * (1.0f + erff(v * kInvSqrt2));
+  const float pdf = kInvSqrt2Pi * expf(-0.5f * v * v);
+  dy[i] = detail::from_f<T>(detail::to_f(dy[i]) * (cdf + v * pdf));
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+//
+// A block of four warps owns 64 rows (queries in the forward and the dQ kernel, keys in the dK/dV
+// kernel), 16 per warp, and streams the other side of the segment through shared memory 64 rows
+// at a time. Tiles are [64][D + 8] bf16: the 8-element pad puts the rows of every fragment load
+// on distinct banks. Scores are kept in base-2 units (scale · log2 e folded in), so exp2 replaces
+// exp.
+
+constexpr int kRows = 64;
+constexpr int kAttnThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.69314718055994531f;
+
+template <int D>
+constexpr int kLd = D + 8;
+template <int D>
+constexpr int kTileElems = kRows* kLd<D>;
+
+// A unit of work: rows [row0, row_end) of the block's own side (at most 64 of them are the
+// block's), and the other side's rows [other0, other_end).
+struct Tile {
+  int32_t row0, row_end, other0, other_end;
+};
+
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+// Stages rows [row0, row0 + 64) of a [rows, ·] matrix (columns from `base`, row stride ld) into a
+// tile; rows at or past row_end become zeros.
+template <int D>
+__device__ __forceinline__ void stage_rows(bf16* tile, const bf16* base, int64_t ld, int64_t row0,
+                                           int64_t row_end) {
+  constexpr int kChunks = D / 8;
+  for (int e = threadIdx.x; e < kRows * kChunks; e += kAttnThreads) {
+    const int r = e / kChunks, c = e % kChunks;
+    const bool valid = row0 + r < row_end;
+    const bf16* src = valid ? base + (row0 + r) * ld + c * 8 : base;
+    cp_async16_zfill(tile + r * kLd<D> + c * 8, src, valid);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// acc[16 × 64] += A[16 × D] · B[64 × D]ᵀ for this warp: A rows `a_row0..` of tile a, B all 64 rows
+// of tile b (both [row][D], D contiguous).
+template <int D>
+__device__ __forceinline__ void product_abt(float (&acc)[8][4], const bf16* a, int a_row0,
+                                            const bf16* b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t fa[4];
+    tc::lds_a_mk(a, kLd<D>, a_row0, kk * 16, fa);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t fb[2];
+      tc::lds_b_nk(b, kLd<D>, nt * 8, kk * 16, fb);
+      tc::mma(acc[nt], fa, fb);
+    }
+  }
+}
+
+// acc[16 × D] += P[16 × 64] · B[64 × D] with P in accumulator layout (rounded to bf16 here) and B
+// all 64 rows of tile b.
+template <int D>
+__device__ __forceinline__ void product_pb(float (&acc)[D / 8][4], const float (&p)[8][4],
+                                           const bf16* b) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t fa[4] = {
+        pack_bf16(p[2 * j][0], p[2 * j][1]), pack_bf16(p[2 * j][2], p[2 * j][3]),
+        pack_bf16(p[2 * j + 1][0], p[2 * j + 1][1]), pack_bf16(p[2 * j + 1][2], p[2 * j + 1][3])};
+#pragma unroll
+    for (int np = 0; np < D / 16; ++np) {
+      uint32_t b0[2], b1[2];
+      tc::ldsm_b_kn(b, kLd<D>, j * 16, np * 16, b0, b1);
+      tc::mma(acc[2 * np], fa, b0);
+      tc::mma(acc[2 * np + 1], fa, b1);
+    }
+  }
+}
+
+struct AttnArgs {
+  const Tile* tiles;
+  const bf16* q;  // row r of the pack at q + (r - q_begin)·ldq
+  const bf16* k;
+  const bf16* v;
+  const bf16* out;
+  const bf16* dout;
+  int64_t ldq, ldk, ldv, ldo;
+  int64_t q_begin;
+  int heads;
+  float scale;       // softmax scale
+  float scale_log2;  // scale · log2 e
+};
+
+// Forward: one block per (tile of 64 query rows, head).
+template <int D>
+__global__ void __launch_bounds__(kAttnThreads)
+    attn_forward_kernel(AttnArgs a, bf16* __restrict__ out, float* __restrict__ lse) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* s_q = reinterpret_cast<bf16*>(smem);
+  bf16* s_k = s_q + kTileElems<D>;
+  bf16* s_v = s_k + kTileElems<D>;
+  const Tile t = a.tiles[blockIdx.x];
+  const int h = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int64_t col0 = int64_t(h) * D;
+
+  stage_rows<D>(s_q, a.q + col0, a.ldq, t.row0 - a.q_begin, t.row_end - a.q_begin);
+  float o[D / 8][4] = {};
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  for (int kb = t.other0; kb < t.other_end; kb += kRows) {
+    __syncthreads();  // every warp is done with the previous keys
+    stage_rows<D>(s_k, a.k + col0, a.ldk, kb, t.other_end);
+    stage_rows<D>(s_v, a.v + col0, a.ldv, kb, t.other_end);
+    tc::cp_async_commit();
+    tc::cp_async_wait<0>();
+    __syncthreads();
+
+    float s[8][4] = {};
+    product_abt<D>(s, s_q, warp * 16, s_k);
+    const int valid = t.other_end - kb;
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * tq + (e & 1);
+        const float x = col < valid ? s[nt][e] * a.scale_log2 : -INFINITY;
+        s[nt][e] = x;
+        if (e < 2)
+          mx0 = fmaxf(mx0, x);
+        else
+          mx1 = fmaxf(mx1, x);
+      }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+    m0 = mx0;
+    m1 = mx1;
+    l0 *= c0;
+    l1 *= c1;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= c0;
+      o[n][1] *= c0;
+      o[n][2] *= c1;
+      o[n][3] *= c1;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      s[nt][0] = exp2f(s[nt][0] - m0);
+      s[nt][1] = exp2f(s[nt][1] - m0);
+      s[nt][2] = exp2f(s[nt][2] - m1);
+      s[nt][3] = exp2f(s[nt][3] - m1);
+      l0 += s[nt][0] + s[nt][1];
+      l1 += s[nt][2] + s[nt][3];
+    }
+    product_pb<D>(o, s, s_v);
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const int64_t r0 = int64_t(t.row0) + warp * 16 + g, r1 = r0 + 8;
+  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+  if (r0 < t.row_end) {
+    bf16* dst = out + (r0 - a.q_begin) * a.ldo + col0 + 2 * tq;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) tc::store2(dst + n * 8, o[n][0] * inv0, o[n][1] * inv0);
+    if (tq == 0) lse[(r0 - a.q_begin) * a.heads + h] = (m0 + log2f(l0)) * kLn2;
+  }
+  if (r1 < t.row_end) {
+    bf16* dst = out + (r1 - a.q_begin) * a.ldo + col0 + 2 * tq;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) tc::store2(dst + n * 8, o[n][2] * inv1, o[n][3] * inv1);
+    if (tq == 0) lse[(r1 - a.q_begin) * a.heads + h] = (m1 + log2f(l1)) * kLn2;
+  }
+}
+
+// delta[r, h] = Σ_c dout[r, h·D + c] · out[r, h·D + c] (f32 from the bf16 values), one warp each.
+__global__ void __launch_bounds__(kThreads)
+    attn_delta_kernel(const bf16* __restrict__ out, int64_t ldo, const bf16* __restrict__ dout,
+                      int64_t lddo, float* __restrict__ delta, int64_t rows, int heads, int hd) {
+  const int64_t item = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  if (item >= rows * heads) return;
+  const int64_t r = item / heads;
+  const int h = int(item % heads);
+  const int lane = threadIdx.x % 32;
+  float sum = 0.f;
+  for (int c = lane; c < hd; c += 32)
+    sum +=
+        __bfloat162float(dout[r * lddo + h * hd + c]) * __bfloat162float(out[r * ldo + h * hd + c]);
+  sum = detail::warp_sum(sum);
+  if (lane == 0) delta[item] = sum;
+}
+
+// dQ: one block per (tile of 64 query rows, head); dQ = scale · dS · K with
+// dS = P ⊙ (dO·Vᵀ − delta), P recomputed from the saved log-sum-exp.
+template <int D>
+__global__ void __launch_bounds__(kAttnThreads)
+    attn_dq_kernel(AttnArgs a, const float* __restrict__ lse, const float* __restrict__ delta,
+                   bf16* __restrict__ dq) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* s_q = reinterpret_cast<bf16*>(smem);
+  bf16* s_do = s_q + kTileElems<D>;
+  bf16* s_k = s_do + kTileElems<D>;
+  bf16* s_v = s_k + kTileElems<D>;
+  const Tile t = a.tiles[blockIdx.x];
+  const int h = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int64_t col0 = int64_t(h) * D;
+  const int64_t r0 = int64_t(t.row0) + warp * 16 + g, r1 = r0 + 8;
+  // Rows past the tile keep P = 0 (their zero-filled queries give finite scores).
+  const float lse0 = r0 < t.row_end ? lse[(r0 - a.q_begin) * a.heads + h] * kLog2e : INFINITY;
+  const float lse1 = r1 < t.row_end ? lse[(r1 - a.q_begin) * a.heads + h] * kLog2e : INFINITY;
+  const float d0 = r0 < t.row_end ? delta[(r0 - a.q_begin) * a.heads + h] : 0.f;
+  const float d1 = r1 < t.row_end ? delta[(r1 - a.q_begin) * a.heads + h] : 0.f;
+
+  stage_rows<D>(s_q, a.q + col0, a.ldq, t.row0 - a.q_begin, t.row_end - a.q_begin);
+  stage_rows<D>(s_do, a.dout + col0, a.ldo, t.row0 - a.q_begin, t.row_end - a.q_begin);
+  float acc[D / 8][4] = {};
+  for (int kb = t.other0; kb < t.other_end; kb += kRows) {
+    __syncthreads();
+    stage_rows<D>(s_k, a.k + col0, a.ldk, kb, t.other_end);
+    stage_rows<D>(s_v, a.v + col0, a.ldv, kb, t.other_end);
+    tc::cp_async_commit();
+    tc::cp_async_wait<0>();
+    __syncthreads();
+
+    float p[8][4] = {}, dp[8][4] = {};
+    product_abt<D>(p, s_q, warp * 16, s_k);
+    product_abt<D>(dp, s_do, warp * 16, s_v);
+    const int valid = t.other_end - kb;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * tq + (e & 1);
+        const float prob =
+            col < valid ? exp2f(p[nt][e] * a.scale_log2 - (e < 2 ? lse0 : lse1)) : 0.f;
+        p[nt][e] = prob * (dp[nt][e] - (e < 2 ? d0 : d1));
+      }
+    product_pb<D>(acc, p, s_k);
+  }
+  if (r0 < t.row_end) {
+    bf16* dst = dq + (r0 - a.q_begin) * int64_t(a.heads) * D + col0 + 2 * tq;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      tc::store2(dst + n * 8, acc[n][0] * a.scale, acc[n][1] * a.scale);
+  }
+  if (r1 < t.row_end) {
+    bf16* dst = dq + (r1 - a.q_begin) * int64_t(a.heads) * D + col0 + 2 * tq;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      tc::store2(dst + n * 8, acc[n][2] * a.scale, acc[n][3] * a.scale);
+  }
+}
+
+// dK and dV: one block per (tile of 64 key rows, head), over the query rows of the segment:
+// dV = Pᵀ·dO, dK = scale · dSᵀ·Q, computed transposed (keys as the rows of every product).
+template <int D>
+__global__ void __launch_bounds__(kAttnThreads)
+    attn_dkdv_kernel(AttnArgs a, const float* __restrict__ lse, const float* __restrict__ delta,
+                     bf16* __restrict__ dk, bf16* __restrict__ dv) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* s_k = reinterpret_cast<bf16*>(smem);
+  bf16* s_v = s_k + kTileElems<D>;
+  bf16* s_q = s_v + kTileElems<D>;
+  bf16* s_do = s_q + kTileElems<D>;
+  float* s_lse = reinterpret_cast<float*>(s_do + kTileElems<D>);
+  float* s_delta = s_lse + kRows;
+  const Tile t = a.tiles[blockIdx.x];
+  const int h = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int64_t col0 = int64_t(h) * D;
+
+  stage_rows<D>(s_k, a.k + col0, a.ldk, t.row0, t.row_end);
+  stage_rows<D>(s_v, a.v + col0, a.ldv, t.row0, t.row_end);
+  float acc_k[D / 8][4] = {}, acc_v[D / 8][4] = {};
+  for (int qb = t.other0; qb < t.other_end; qb += kRows) {
+    __syncthreads();
+    stage_rows<D>(s_q, a.q + col0, a.ldq, qb - a.q_begin, t.other_end - a.q_begin);
+    stage_rows<D>(s_do, a.dout + col0, a.ldo, qb - a.q_begin, t.other_end - a.q_begin);
+    if (threadIdx.x < kRows) {
+      const int64_t r = qb + threadIdx.x;
+      const bool in = r < t.other_end;
+      // Query rows past the range get P = 0 (exp2(finite − ∞)).
+      s_lse[threadIdx.x] = in ? lse[(r - a.q_begin) * a.heads + h] * kLog2e : INFINITY;
+      s_delta[threadIdx.x] = in ? delta[(r - a.q_begin) * a.heads + h] : 0.f;
+    }
+    tc::cp_async_commit();
+    tc::cp_async_wait<0>();
+    __syncthreads();
+
+    float p[8][4] = {}, dp[8][4] = {};
+    product_abt<D>(p, s_k, warp * 16, s_q);
+    product_abt<D>(dp, s_v, warp * 16, s_do);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * tq + (e & 1);
+        p[nt][e] = exp2f(p[nt][e] * a.scale_log2 - s_lse[col]);
+        dp[nt][e] = p[nt][e] * (dp[nt][e] - s_delta[col]);
+      }
+    product_pb<D>(acc_v, p, s_do);
+    product_pb<D>(acc_k, dp, s_q);
+  }
+  const int64_t ld = int64_t(a.heads) * D;
+  const int64_t k0 = int64_t(t.row0) + warp * 16 + g, k1 = k0 + 8;
+  if (k0 < t.row_end) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      tc::store2(dk + k0 * ld + col0 + n * 8 + 2 * tq, acc_k[n][0] * a.scale,
+                 acc_k[n][1] * a.scale);
+      tc::store2(dv + k0 * ld + col0 + n * 8 + 2 * tq, acc_v[n][0], acc_v[n][1]);
+    }
+  }
+  if (k1 < t.row_end) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      tc::store2(dk + k1 * ld + col0 + n * 8 + 2 * tq, acc_k[n][2] * a.scale,
+                 acc_k[n][3] * a.scale);
+      tc::store2(dv + k1 * ld + col0 + n * 8 + 2 * tq, acc_v[n][2], acc_v[n][3]);
+    }
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------
+
+unsigned blocks_for(int64_t n, int per_block) { return unsigned((n + per_block - 1) / per_block); }
+
+void check_float_storage(const Tensor& t, const char* op, const char* what) {
+  GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.device().is_cuda() && t.is_contiguous() &&
+                              (t.dtype() == DType::bf16 || t.dtype() == DType::f32),
+                          std::string(op) + ": " + what + " " + detail::describe(t) +
+                              " must be a contiguous bf16 or f32 CUDA tensor");
+}
+
+// An operand of the attention: bf16 [rows, H·hd] on `device` with unit inner stride, its rows at
+// 16-byte aligned addresses.
+void check_operand(const Tensor& t, int64_t rows, int64_t cols, Device device, const char* op,
+                   const char* what) {
+  GLMTUNE_CUDA_OP_REQUIRE(
+      t.defined() && t.device() == device && t.dtype() == DType::bf16 && t.dim() == 2 &&
+          t.size(0) == rows && t.size(1) == cols && t.stride(1) == 1 && t.stride(0) % 8 == 0 &&
+          detail::aligned16(t.data_ptr()),
+      std::string(op) + ": " + what + " " + detail::describe(t) + " must be bf16 [" +
+          std::to_string(rows) + ", " + std::to_string(cols) +
+          "] on the device of q, with unit column stride and 16-byte aligned rows");
+}
+
+// Tiles of 64 rows: the query tiles (rows of q, keys of their segment) and the key tiles (rows of
+// the segments that hold a query row, those query rows).
+struct Schedule {
+  std::vector<int32_t> query_tiles, key_tiles;
+};
+
+Schedule schedule(const std::vector<int64_t>& cu, int64_t q_begin, int64_t q_rows, const char* op) {
+  GLMTUNE_CUDA_OP_REQUIRE(!cu.empty() && cu.back() <= INT32_MAX,
+                          std::string(op) + ": a pack of 2^31 rows or more");
+  Schedule s;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    const int64_t start = cu[i], end = cu[i + 1];
+    const int64_t first = std::max(start, q_begin), last = std::min(end, q_begin + q_rows);
+    if (first >= last) continue;
+    for (int64_t r = first; r < last; r += kRows)
+      s.query_tiles.insert(s.query_tiles.end(),
+                           {int32_t(r), int32_t(last), int32_t(start), int32_t(end)});
+    for (int64_t r = start; r < end; r += kRows)
+      s.key_tiles.insert(s.key_tiles.end(),
+                         {int32_t(r), int32_t(end), int32_t(first), int32_t(last)});
+  }
+  return s;
+}
+
+template <typename F>
+void dispatch_head_dim(int64_t hd, const char* op, F&& f) {
+  switch (hd) {
+    case 16:
+      return f(std::integral_constant<int, 16>());
+    case 32:
+      return f(std::integral_constant<int, 32>());
+    case 64:
+      return f(std::integral_constant<int, 64>());
+    case 128:
+      return f(std::integral_constant<int, 128>());
+    default:
+      throw Error(std::string(op) + ": head dim " + std::to_string(hd) +
+                      " has no GPU kernel (16, 32, 64 or 128)",
+                  op, "use a vision_config whose hidden_size / num_heads is one of these");
+  }
+}
+
+template <typename Kernel>
+void launch_attention(Kernel kernel, const std::vector<int32_t>& tiles, int64_t heads, int smem,
+                      Device device, AttnArgs args, auto... rest) {
+  if (tiles.empty()) return;
+  const Tensor tiles_dev = detail::device_i32(tiles, device);
+  args.tiles = reinterpret_cast<const Tile*>(tiles_dev.data_ptr());
+  GLMTUNE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned(tiles.size() / 4), unsigned(heads));
+  kernel<<<grid, kAttnThreads, smem>>>(args, rest...);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+AttnArgs attention_args(const Tensor& q, const Tensor& k, const Tensor& v, int64_t heads,
+                        double scale, int64_t q_begin) {
+  AttnArgs a{};
+  a.q = static_cast<const bf16*>(q.data_ptr());
+  a.k = static_cast<const bf16*>(k.data_ptr());
+  a.v = static_cast<const bf16*>(v.data_ptr());
+  a.ldq = q.stride(0);
+  a.ldk = k.stride(0);
+  a.ldv = v.stride(0);
+  a.q_begin = q_begin;
+  a.heads = int(heads);
+  a.scale = float(scale);
+  a.scale_log2 = float(scale * 1.4426950408889634);
+  return a;
+}
+
+void check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const std::vector<int64_t>& cu, int64_t heads, int64_t q_begin,
+                     const char* op) {
+  GLMTUNE_CUDA_OP_REQUIRE(
+      q.defined() && q.device().is_cuda() && q.dim() == 2 && heads >= 1 && q.size(1) % heads == 0,
+      std::string(op) + ": q " + detail::describe(q) + " must be a 2-D CUDA tensor of whole heads");
+  const int64_t d = q.size(1), n = k.defined() && k.dim() == 2 ? k.size(0) : -1;
+  check_operand(q, q.size(0), d, q.device(), op, "q");
+  check_operand(k, n, d, q.device(), op, "k");
+  check_operand(v, n, d, q.device(), op, "v");
+  GLMTUNE_CUDA_OP_REQUIRE(!cu.empty() && cu.front() == 0 && cu.back() == n &&
+                              std::is_sorted(cu.begin(), cu.end()) && q_begin >= 0 &&
+                              q_begin + q.size(0) <= n,
+                          std::string(op) + ": segment bounds or query rows outside the pack");
+}
+
+}  // namespace
+
+void rope_2d(Tensor& x, const Tensor& cos, const Tensor& sin, bool transpose) {
+  const char* op = transpose ? "cuda::rope_2d_backward" : "cuda::rope_2d";
+  check_float_storage(x, op, "x");
+  GLMTUNE_CUDA_OP_REQUIRE(cos.defined() && sin.defined() && cos.dtype() == DType::f32 &&
+                              sin.dtype() == DType::f32 && cos.is_contiguous() &&
+                              sin.is_contiguous() && cos.dim() == 2 && sin.shape() == cos.shape() &&
+                              cos.device() == x.device() && sin.device() == x.device(),
+                          std::string(op) + ": tables " + detail::describe(cos) + " / " +
+                              detail::describe(sin) + " must be f32 [N, hd] on x's device");
+  const int64_t n = cos.size(0), hd = cos.size(1);
+  GLMTUNE_CUDA_OP_REQUIRE(x.dim() == 2 && x.size(1) == hd && hd % 4 == 0 &&
+                              (n == 0 ? x.size(0) == 0 : x.size(0) % n == 0),
+                          std::string(op) + ": x " + detail::describe(x) +
+                              " must be [N·H, hd] for the tables' positions");
+  const int64_t pairs = x.numel() / 2;
+  if (pairs == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  const int heads = int(x.size(0) / n);
+  auto launch = [&]<typename T>(T*) {
+    rope_kernel<T><<<blocks_for(pairs, kThreads), kThreads>>>(static_cast<T*>(x.data_ptr()),
+                                                              cos.data<float>(), sin.data<float>(),
+                                                              pairs, heads, int(hd), transpose);
+  };
+  if (x.dtype() == DType::f32)
+    launch(static_cast<float*>(nullptr));
+  else
+    launch(static_cast<bf16*>(nullptr));
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_erf(Tensor& x) {
+  check_float_storage(x, "cuda::gelu_erf", "x");
+  if (x.numel() == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  if (x.dtype() == DType::f32)
+    gelu_kernel<<<blocks_for(x.numel(), kThreads), kThreads>>>(x.data<float>(), x.numel());
+  else
+    gelu_kernel<<<blocks_for(x.numel(), kThreads), kThreads>>>(static_cast<bf16*>(x.data_ptr()),
+                                                               x.numel());
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void gelu_erf_backward(const Tensor& x, Tensor& dy) {
+  check_float_storage(x, "cuda::gelu_erf_backward", "x");
+  check_float_storage(dy, "cuda::gelu_erf_backward", "dy");
+  GLMTUNE_CUDA_OP_REQUIRE(
+      dy.shape() == x.shape() && dy.dtype() == x.dtype() && dy.device() == x.device(),
+      "cuda::gelu_erf_backward: dy " + detail::describe(dy) + " must be shaped like x " +
+          detail::describe(x));
+  if (x.numel() == 0) return;
+  detail::DeviceGuard guard(x.device().index);
+  if (x.dtype() == DType::f32)
+    gelu_backward_kernel<<<blocks_for(x.numel(), kThreads), kThreads>>>(
+        x.data<float>(), dy.data<float>(), x.numel());
+  else
+    gelu_backward_kernel<<<blocks_for(x.numel(), kThreads), kThreads>>>(
+        static_cast<const bf16*>(x.data_ptr()), static_cast<bf16*>(dy.data_ptr()), x.numel());
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void varlen_attention(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                      const std::vector<int64_t>& cu_seqlens, int64_t heads, double scale,
+                      int64_t q_begin) {
+  const char* op = "cuda::varlen_attention";
+  check_attention(q, k, v, cu_seqlens, heads, q_begin, op);
+  const int64_t nq = q.size(0), d = q.size(1), hd = d / heads;
+  check_operand(out, nq, d, q.device(), op, "out");
+  GLMTUNE_CUDA_OP_REQUIRE(
+      out.is_contiguous() && lse.defined() && lse.dtype() == DType::f32 && lse.is_contiguous() &&
+          lse.device() == q.device() && lse.shape() == Shape({nq, heads}),
+      std::string(op) + ": out " + detail::describe(out) + " / lse " + detail::describe(lse) +
+          " must be contiguous [Nq, H·hd] / f32 [Nq, H]");
+  const Schedule s = schedule(cu_seqlens, q_begin, nq, op);
+  detail::DeviceGuard guard(q.device().index);
+  AttnArgs a = attention_args(q, k, v, heads, scale, q_begin);
+  a.ldo = d;
+  dispatch_head_dim(hd, op, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    launch_attention(attn_forward_kernel<D>, s.query_tiles, heads, 3 * kTileElems<D> * 2,
+                     q.device(), a, static_cast<bf16*>(out.data_ptr()), lse.data<float>());
+  });
+}
+
+void varlen_attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const Tensor& out, const Tensor& dout,
+                               const Tensor& lse, const std::vector<int64_t>& cu_seqlens,
+                               int64_t heads, double scale, int64_t q_begin) {
+  const char* op = "cuda::varlen_attention_backward";
+  check_attention(q, k, v, cu_seqlens, heads, q_begin, op);
+  const int64_t nq = q.size(0), n = k.size(0), d = q.size(1), hd = d / heads;
+  check_operand(out, nq, d, q.device(), op, "out");
+  check_operand(dout, nq, d, q.device(), op, "dout");
+  GLMTUNE_CUDA_OP_REQUIRE(out.stride(0) == dout.stride(0),
+                          std::string(op) + ": out and dout must share a row stride");
+  check_operand(dq, nq, d, q.device(), op, "dq");
+  check_operand(dk, n, d, q.device(), op, "dk");
+  check_operand(dv, n, d, q.device(), op, "dv");
+  GLMTUNE_CUDA_OP_REQUIRE(dq.is_contiguous() && dk.is_contiguous() && dv.is_contiguous() &&
+                              lse.defined() && lse.dtype() == DType::f32 && lse.is_contiguous() &&
+                              lse.device() == q.device() && lse.shape() == Shape({nq, heads}),
+                          std::string(op) + ": dq, dk, dv must be contiguous and lse " +
+                              detail::describe(lse) + " f32 [Nq, H]");
+  if (n == 0) return;
+  const Schedule s = schedule(cu_seqlens, q_begin, nq, op);
+  detail::DeviceGuard guard(q.device().index);
+  GLMTUNE_CUDA_CHECK(cudaMemsetAsync(dk.data_ptr(), 0, dk.nbytes()));
+  GLMTUNE_CUDA_CHECK(cudaMemsetAsync(dv.data_ptr(), 0, dv.nbytes()));
+  if (nq == 0) return;
+  Tensor delta = Tensor::empty({nq, heads}, DType::f32, q.device());
+  attn_delta_kernel<<<blocks_for(nq * heads, kThreads / 32), kThreads>>>(
+      static_cast<const bf16*>(out.data_ptr()), out.stride(0),
+      static_cast<const bf16*>(dout.data_ptr()), dout.stride(0), delta.data<float>(), nq,
+      int(heads), int(hd));
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+  AttnArgs a = attention_args(q, k, v, heads, scale, q_begin);
+  a.dout = static_cast<const bf16*>(dout.data_ptr());
+  a.ldo = dout.stride(0);
+  dispatch_head_dim(hd, op, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    const int tile_bytes = kTileElems<D> * 2;
+    launch_attention(attn_dkdv_kernel<D>, s.key_tiles, heads,
+                     4 * tile_bytes + 2 * kRows * int(sizeof(float)), q.device(), a,
+                     lse.data<float>(), static_cast<const float*>(delta.data<float>()),
+                     static_cast<bf16*>(dk.data_ptr()), static_cast<bf16*>(dv.data_ptr()));
+    launch_attention(attn_dq_kernel<D>, s.query_tiles, heads, 4 * tile_bytes, q.device(), a,
+                     static_cast<const float*>(lse.data<float>()),
+                     static_cast<const float*>(delta.data<float>()),
+                     static_cast<bf16*>(dq.data_ptr()));
+  });
+}
+
+}  // namespace glmtune::cuda
