@@ -112,6 +112,48 @@ TEST(CudaEval, GpuEvaluationFollowsTheCpuReference) {
       cpu.loss, gpu.loss, std::abs(gpu.loss - cpu.loss) / cpu.loss, worst_sample, worst_logits);
 }
 
+// The same for vision-language data: the bundled examples/tiny-vl conversations (real images and
+// a short video) with the vision tower and the splice on the GPU too.
+TEST(CudaEval, GpuVisionLanguageEvaluationFollowsTheCpuReference) {
+  REQUIRE_GPU();
+  TempDir dir("cuda-eval-vl");
+  model::InitOptions init;
+  init.seed = test_seed();
+  model::write_random_checkpoint(gpu_tiny_config(), dir.path() / "model", init);
+  eval::EvalOptions cpu_options = chat_eval(dir.path() / "model", "cpu");
+  cpu_options.data = {(source_dir() / "examples/tiny-vl/chat.jsonl").string()};
+  cpu_options.media_root = (source_dir() / "examples/tiny-vl").string();
+  cpu_options.pack_length = 2048;
+  cpu_options.max_packs = 0;
+  eval::EvalOptions gpu_options = cpu_options;
+  gpu_options.device = Device::cuda(0);
+  cpu_options.dump_logits = (dir.path() / "cpu.safetensors").string();
+  gpu_options.dump_logits = (dir.path() / "gpu.safetensors").string();
+  const eval::EvalResult cpu = eval::evaluate(cpu_options);
+  const eval::EvalResult gpu = eval::evaluate(gpu_options);
+
+  EXPECT_EQ(gpu.device, Device::cuda(0));
+  ASSERT_EQ(gpu.per_sample.size(), cpu.per_sample.size());
+  EXPECT_EQ(gpu.tokens, cpu.tokens);
+  EXPECT_NEAR(gpu.loss, cpu.loss, 1e-2 * cpu.loss) << ctx("loss");
+  const io::SafetensorsFile cpu_logits =
+      io::SafetensorsFile::open((dir.path() / "cpu.safetensors").string());
+  const io::SafetensorsFile gpu_logits =
+      io::SafetensorsFile::open((dir.path() / "gpu.safetensors").string());
+  double worst_logits = 0;
+  for (size_t i = 0; i < cpu.per_sample.size(); ++i) {
+    const std::string name = "logits." + std::to_string(i);
+    const double rel = logits_rel_l2(gpu_logits.tensor(name), cpu_logits.tensor(name));
+    worst_logits = std::max(worst_logits, rel);
+    EXPECT_LE(rel, 1e-2) << ctx(name);
+  }
+  std::printf(
+      "[ measure  ] VL loss cpu %.6f gpu %.6f (rel %.2e) over %zu samples; worst logits "
+      "rel-L2 %.2e\n",
+      cpu.loss, gpu.loss, std::abs(gpu.loss - cpu.loss) / cpu.loss, cpu.per_sample.size(),
+      worst_logits);
+}
+
 // Refused before anything is read, on any machine: a GPU that is not visible (or a build without
 // CUDA), and gradients on a GPU.
 TEST(CudaEval, RefusesWhatAGpuEvaluationCannotDo) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "glmtune/ops/cross_entropy.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/embedding.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/linear.h"
@@ -312,6 +313,13 @@ std::vector<LeafRow> leaf_rows() {
                  {"d latent", g.latent, 1e-2},
                  {"d kv_b_proj", g_kvb.weight, 1e-2}};
        }});
+  rows.push_back({"gather_rows + scatter_rows_", [](const Side& s) -> std::vector<Output> {
+                    const Tensor x = s.value({9, 40}, 168);
+                    Tensor dst = s.value({12, 40}, 169);
+                    const Tensor g = ops::gather_rows(x, {8, -1, 0, 3, 3});
+                    ops::scatter_rows_(dst, {11, 2, 5}, x.narrow(0, 1, 3).contiguous());
+                    return {{"gathered", g, 0}, {"scattered into", dst, 0}};
+                  }});
   // The vision tower's ops (ops/vision.h): rotary tables f32 on the GPU.
   rows.push_back({"rope_2d_", [](const Side& s) -> std::vector<Output> {
                     const int64_t N = 24, H = 3, hd = 16;

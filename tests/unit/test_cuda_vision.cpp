@@ -6,7 +6,10 @@
 //     bit, and reruns bit-identical;
 //   - the whole tower and projector, forward and backward, in bf16 on the GPU against the f32 CPU
 //     tower on the same (bf16-rounded) weights and pixels, at the tiny preset's width (head dim
-//     16) and at the released head dim of 64.
+//     16) and at the released head dim of 64;
+//   - the composed vision-language step (the splice of the features into the token embeddings and
+//     its backward into the tower) on the GPU against the CPU, on a pack of the bundled
+//     examples/tiny-vl conversations (real images and a video).
 // Skipped (not failed) where no GPU is visible or CUDA is not built.
 
 #include <gtest/gtest.h>
@@ -20,11 +23,17 @@
 #include <thread>
 #include <vector>
 
+#include "glmtune/data/media/vl_processor.h"
+#include "glmtune/data/packing.h"
+#include "glmtune/model/compose.h"
 #include "glmtune/model/vision/tower.h"
 #include "glmtune/ops/vision.h"
 #include "glmtune/tensor/tensor.h"
+#include "glmtune/train/vl_batch.h"
 #include "support/cuda_test_support.h"
+#include "support/gpu_tiny_model.h"
 #include "support/random_model.h"
+#include "support/temp_dir.h"
 
 using namespace glmtune;
 using namespace glmtune::test;
@@ -346,6 +355,89 @@ TEST(CudaVisionTower, ReleasedHeadDimMatchesTheCpuTower) {
   check_tower({"vision_config.hidden_size=128", "vision_config.num_heads=2",
                "vision_config.intermediate_size=256"},
               "head-dim-64");
+#endif
+}
+
+// One training pack of examples/tiny-vl through the composed model on the CPU (f32) and on the
+// GPU (bf16): the losses, the pooler features' gradients reaching every vision parameter, and the
+// text gradients, with the tower and with the tower frozen.
+TEST(CudaVisionLanguage, ComposedStepMatchesTheCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  namespace fs = std::filesystem;
+  const char* env = std::getenv("GLMTUNE_SOURCE_DIR");
+  const fs::path source = env ? fs::path(env) : fs::path(GLMTUNE_SOURCE_DIR);
+  const data::media::VlProcessor processor =
+      data::media::VlProcessor::from_dir(source / "examples/tiny/tokenizer");
+  train::VlDataConfig dc;
+  dc.files = {(source / "examples/tiny-vl/chat.jsonl").string()};
+  dc.media_root = source / "examples/tiny-vl";
+  dc.max_length = 1 << 20;
+  const train::VlDataset dataset = train::VlDataset::scan(dc, processor);
+  ASSERT_GE(dataset.size(), 3);
+  // The first three conversations in one pack (images and the video among them).
+  const std::vector<int64_t> idx = {0, 1, 2};
+  int64_t length = 0;
+  for (int64_t i : idx) length += dataset.length(i);
+  const data::Pack pack = data::build_pack(dataset.load(idx), idx, length,
+                                           processor.tokenizer().require_id("<|endoftext|>"));
+  const model::PackMedia media = train::pack_media(dataset, pack);
+  ASSERT_FALSE(media.empty());
+  model::text::PackInput in;
+  in.input_ids = Tensor::from_vector(pack.input_ids, {int64_t(pack.input_ids.size())});
+  in.cu_seqlens = Tensor::from_vector(pack.cu_seqlens, {int64_t(pack.cu_seqlens.size())});
+  in.labels = Tensor::from_vector(pack.labels, {int64_t(pack.labels.size())});
+
+  TempDir dir("cuda-vl-step");
+  model::ParamStore store = random_gpu_tiny_store(dir.path() / "ck", test_seed());
+  const model::VisionLanguageModel cpu(store);
+  const model::VisionLanguageModel gpu(store, model::text::TextModelOptions{DType::bf16, kGpu});
+  EXPECT_EQ(gpu.vision().device, kGpu);
+  model::text::TrainOptions train;
+  double labels = 0;
+  for (int32_t l : pack.labels) labels += l >= 0;
+  train.lm_denominator = labels;
+
+  for (const bool freeze_vision : {false, true}) {
+    SCOPED_TRACE(freeze_vision ? "tower frozen" : "tower trained");
+    model::ComposeOptions options;
+    options.freeze_vision = freeze_vision;
+    auto tg_cpu = model::text::TextGrads::zeros_like(cpu.text().weights());
+    auto tg_gpu = model::text::TextGrads::zeros_like(gpu.text().weights());
+    auto vg_cpu = model::vision::VisionGrads::zeros_like(cpu.vision());
+    auto vg_gpu = model::vision::VisionGrads::zeros_like(gpu.vision());
+    const auto rc = model::compose_forward_backward(cpu, in, media, train, options, tg_cpu, vg_cpu);
+    const auto rg = model::compose_forward_backward(gpu, in, media, train, options, tg_gpu, vg_gpu);
+    std::printf("[ measure  ] VL step loss cpu %.6f gpu %.6f\n", rc.backward.lm_loss,
+                rg.backward.lm_loss);
+    EXPECT_NEAR(rg.backward.lm_loss, rc.backward.lm_loss, 2e-3 * rc.backward.lm_loss)
+        << ctx("loss");
+    const auto want = vg_cpu.released(cpu.vision_config()),
+               got = vg_gpu.released(gpu.vision_config());
+    ASSERT_EQ(got.size(), want.size());
+    std::vector<double> vision_got, vision_want;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const std::vector<double> g = got[i].second.to(Device::cpu()).to_doubles(),
+                                w = want[i].second.to_doubles();
+      vision_got.insert(vision_got.end(), g.begin(), g.end());
+      vision_want.insert(vision_want.end(), w.begin(), w.end());
+      if (freeze_vision && !model::vision::is_projector_param(got[i].first))
+        EXPECT_TRUE(std::all_of(g.begin(), g.end(), [](double x) { return x == 0.0; }))
+            << got[i].first << " is frozen";
+    }
+    // The tower sits behind the whole text backward (five bf16 layers: docs/testing.md's bars
+    // for the text step, 1e-1 for all gradients together).
+    EXPECT_CLOSE(vision_got, vision_want, 1e-1, "every vision gradient together");
+    std::vector<double> text_got, text_want;
+    for (size_t i = 0; i < tg_cpu.named.size(); ++i) {
+      if (!tg_cpu.named[i].second.defined()) continue;
+      const std::vector<double> g = tg_gpu.named[i].second.to(Device::cpu()).to_doubles(),
+                                w = tg_cpu.named[i].second.to_doubles();
+      text_got.insert(text_got.end(), g.begin(), g.end());
+      text_want.insert(text_want.end(), w.begin(), w.end());
+    }
+    EXPECT_CLOSE(text_got, text_want, 1e-1, "every text gradient together");
+  }
 #endif
 }
 

@@ -400,8 +400,8 @@ void check_device(const EvalOptions& o) {
 }
 
 // The checkpoint's weights: the text model on the evaluation's device (bf16 on a GPU), with the
-// vision tower (CPU) when the data has media. The store stays for the gradients, which are named
-// as the checkpoint names weights.
+// vision tower beside it when the data has media. The store stays for the gradients, which are
+// named as the checkpoint names weights.
 struct LoadedModel {
   model::ParamStore store;
   std::optional<model::VisionLanguageModel> vl;
@@ -411,11 +411,6 @@ struct LoadedModel {
 };
 
 LoadedModel load_model(const EvalOptions& o, const model::ModelConfig& config, bool media) {
-  if (media && o.device.is_cuda())
-    throw Error(
-        "vision-language data is evaluated on the CPU only: the vision tower has no GPU path yet",
-        "--device " + o.device.str() + " with --media-root",
-        "drop --device (or give --device cpu) for data with images or videos");
   const auto start = std::chrono::steady_clock::now();
   const io::CheckpointReader reader = io::CheckpointReader::open(o.model);
   LoadedModel m{model::ParamStore::load(reader, config), std::nullopt, std::nullopt};
@@ -428,7 +423,9 @@ LoadedModel load_model(const EvalOptions& o, const model::ModelConfig& config, b
     const model::LoraConfig c = model::load_lora_adapter(m.store, o.adapter);
     spdlog::info("adapter {}: rank {}, scale {}", o.adapter, c.rank, c.scale());
   }
-  if (media)
+  if (media && o.device.is_cuda())
+    m.vl.emplace(m.store, model::text::TextModelOptions{DType::bf16, o.device});
+  else if (media)
     m.vl.emplace(m.store);
   else if (o.device.is_cuda())
     m.text.emplace(m.store, model::text::TextModelOptions{DType::bf16, o.device});

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/embedding.h"
 
 namespace glmtune::model {
@@ -130,11 +131,18 @@ TowerInput tower_input(const VisionLanguageModel& model, const PackMedia& media)
   return in;
 }
 
-// rows[positions[i]] = features[offset + i] (both [·, D], the embeddings' dtype).
+// rows[positions[i]] = features[offset + i] (both [·, D], the embeddings' dtype and device).
 void scatter_rows(Tensor& embeddings, const Tensor& features, int64_t offset,
                   const std::vector<int64_t>& positions) {
-  for (size_t i = 0; i < positions.size(); ++i)
-    embeddings.select(0, positions[i]).copy_(features.select(0, offset + int64_t(i)));
+  if (positions.empty()) return;
+  ops::scatter_rows_(embeddings, positions, features.narrow(0, offset, int64_t(positions.size())));
+}
+
+// The vision tower beside the text model: on the CPU in the text model's dtype; on a GPU in bf16
+// (the tower's GPU kernels), also under the text model's fp32 test mode.
+vision::VisionParams vision_params(const ParamStore& store, const text::TextModelOptions& o) {
+  if (o.device.is_cuda()) return vision::VisionParams::from_store(store, DType::bf16, o.device);
+  return vision::VisionParams::from_store(store, o.dtype);
 }
 
 }  // namespace
@@ -142,7 +150,7 @@ void scatter_rows(Tensor& embeddings, const Tensor& features, int64_t offset,
 VisionLanguageModel::VisionLanguageModel(const ParamStore& store, text::TextModelOptions options)
     : text_(store, options),
       vision_config_(require_vision(store)),
-      vision_(vision::VisionParams::from_store(store, options.dtype)) {
+      vision_(vision_params(store, options)) {
   if (vision_config_.out_hidden_size != text_.text().hidden_size)
     throw Error(fmt::format("vision_config.out_hidden_size {} differs from the text hidden_size "
                             "{}: the features could not replace token embeddings",
@@ -153,7 +161,7 @@ VisionLanguageModel::VisionLanguageModel(const ParamStore& store, text::TextMode
 void VisionLanguageModel::refresh(const ParamStore& store) {
   for (auto& [name, t] : text_.weights().named)
     if (t.defined()) t.copy_(store.get(name).to(t.dtype()));
-  vision_ = vision::VisionParams::from_store(store, vision_.dtype);
+  vision_ = vision::VisionParams::from_store(store, vision_.dtype, vision_.device);
 }
 
 Tensor compose_embeddings(const VisionLanguageModel& model, const Tensor& input_ids,
@@ -229,21 +237,19 @@ text::BackwardResult compose_backward(const VisionLanguageModel& model,
   const Tensor& d_emb = r.d_embeddings;
 
   // The lookup of a media row was overwritten: only the text rows reach embed_tokens.
+  std::vector<int64_t> media_rows = splice.image_positions;
+  media_rows.insert(media_rows.end(), splice.video_positions.begin(), splice.video_positions.end());
   Tensor d_text = d_emb.clone();
   const int64_t width = d_text.size(1);
-  for (const auto* rows : {&splice.image_positions, &splice.video_positions})
-    for (int64_t p : *rows) d_text.select(0, p).zero_();
+  ops::scatter_rows_(
+      d_text, media_rows,
+      Tensor::zeros({int64_t(media_rows.size()), width}, d_text.dtype(), d_text.device()));
   const text::TextWeights& w = model.text().weights();
   ops::embedding_backward(w.embed_tokens, forward.input.input_ids, d_text,
                           model.text().text().pad_token_id, text_grads.embed_tokens);
 
   if (!options.freeze_vision || !options.freeze_projector) {
-    const int64_t rows = int64_t(splice.image_positions.size() + splice.video_positions.size());
-    Tensor d_pooler = Tensor::empty({rows, width}, model.vision().dtype);
-    const Tensor d_src = d_emb.to(model.vision().dtype);
-    int64_t next = 0;
-    for (const auto* positions : {&splice.image_positions, &splice.video_positions})
-      for (int64_t p : *positions) d_pooler.select(0, next++).copy_(d_src.select(0, p));
+    Tensor d_pooler = ops::gather_rows(d_emb, media_rows).to(model.vision().dtype);
     // Sequence parallel: d_emb is this rank's part of the whole pack's gradient; each merged
     // token's gradient is summed on the rank that produced it.
     if (const vision::VisionShard& shard = splice.tower.shard; shard.exchange)

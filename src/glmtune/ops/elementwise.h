@@ -21,5 +21,8 @@ Tensor add(const Tensor& a, const Tensor& b);
 Tensor concat_columns(const Tensor& a, const Tensor& b);
 // out[i] = x[rows[i]] for x [N, D]; a negative index gives a zero row.
 Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows);
+// dst[rows[i]] = src[i] in place for dst [N, D] (contiguous) and src [rows.size(), D] of dst's
+// dtype; the rows are distinct and inside dst.
+void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src);
 
 }  // namespace glmtune::ops

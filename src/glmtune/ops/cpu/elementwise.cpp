@@ -79,4 +79,22 @@ Tensor gather_rows(const Tensor& x_in, const std::vector<int64_t>& rows) {
   return out;
 }
 
+void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src_in) {
+  GLMTUNE_ASSERT(dst.dim() == 2 && dst.is_contiguous() && src_in.dim() == 2 &&
+                     src_in.size(0) == int64_t(rows.size()) && src_in.size(1) == dst.size(1) &&
+                     src_in.dtype() == dst.dtype(),
+                 "scatter_rows_: src {} must hold one row of dst {} per index", src_in.str(),
+                 dst.str());
+  const Tensor src = src_in.contiguous();
+  GLMTUNE_DISPATCH_CUDA(dst, cuda_path::scatter_rows_(dst, rows, src));
+  const size_t row_bytes = size_t(dst.size(1)) * dst.element_size();
+  const auto* from = static_cast<const char*>(src.data_ptr());
+  auto* to = static_cast<char*>(dst.data_ptr());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    GLMTUNE_ASSERT(rows[i] >= 0 && rows[i] < dst.size(0), "scatter_rows_: row {} of {}", rows[i],
+                   dst.str());
+    std::memcpy(to + rows[i] * row_bytes, from + i * row_bytes, row_bytes);
+  }
+}
+
 }  // namespace glmtune::ops

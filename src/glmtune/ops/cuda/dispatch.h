@@ -96,6 +96,7 @@ void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor&
                              Tensor& dgate, Tensor& dup);
 void add_into(Tensor& a, const Tensor& b);
 Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows);
+void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src);
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids);
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,

@@ -178,6 +178,11 @@ Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows) {
   return cuda::gather_rows(x, rows);
 }
 
+void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
+  OpTimer timer("scatter_rows");
+  cuda::scatter_rows(dst, rows, src);
+}
+
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
   OpTimer timer("embedding_forward");
   return cuda::embedding_forward(table, ids);

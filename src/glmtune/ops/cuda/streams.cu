@@ -53,6 +53,14 @@ __global__ void gather_kernel(const T* __restrict__ x, const int64_t* __restrict
   out[i] = r < 0 ? T(0.0f) : x[r * d + i % d];
 }
 
+template <typename T>
+__global__ void scatter_kernel(const T* __restrict__ src, const int64_t* __restrict__ rows,
+                               T* __restrict__ dst, int64_t n, int64_t d) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n * d) return;
+  dst[rows[i / d] * d + i % d] = src[i];
+}
+
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 
 void check_float(const Tensor& t, const char* what, const char* op) {
@@ -133,6 +141,37 @@ Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows, cudaStream
                                                               out.data<float>(), n, d);
   GLMTUNE_CUDA_CHECK_LAUNCH();
   return out;
+}
+
+void scatter_rows(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src,
+                  cudaStream_t stream) {
+  check_float(dst, "dst", "cuda::scatter_rows");
+  check_float(src, "src", "cuda::scatter_rows");
+  const int64_t n = int64_t(rows.size());
+  GLMTUNE_CUDA_OP_REQUIRE(dst.dim() == 2 && src.dim() == 2 && src.size(0) == n &&
+                              src.size(1) == dst.size(1) && src.dtype() == dst.dtype() &&
+                              src.device() == dst.device(),
+                          "cuda::scatter_rows: src " + src.str() + " must hold one row of dst " +
+                              dst.str() + " per index");
+  for (int64_t r : rows)
+    GLMTUNE_CUDA_OP_REQUIRE(r >= 0 && r < dst.size(0),
+                            "cuda::scatter_rows: row " + std::to_string(r) + " of " + dst.str());
+  const int64_t d = dst.size(1);
+  if (n * d == 0) return;
+  detail::DeviceGuard guard(dst.device().index);
+  Tensor idx = Tensor::empty({n}, DType::i64, dst.device());
+  GLMTUNE_CUDA_CHECK(cudaMemcpyAsync(idx.data<int64_t>(), rows.data(), size_t(n) * sizeof(int64_t),
+                                     cudaMemcpyHostToDevice, stream));
+  // `rows` may be freed when this returns: the copy must be done first.
+  GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (dst.dtype() == DType::bf16)
+    scatter_kernel<<<blocks_for(n * d), kThreads, 0, stream>>>(
+        static_cast<const bf16*>(src.data_ptr()), idx.data<int64_t>(),
+        static_cast<bf16*>(dst.data_ptr()), n, d);
+  else
+    scatter_kernel<<<blocks_for(n * d), kThreads, 0, stream>>>(
+        src.data<float>(), idx.data<int64_t>(), dst.data<float>(), n, d);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
 void add_inplace(Tensor& a, const Tensor& b, cudaStream_t stream) {

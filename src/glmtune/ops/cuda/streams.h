@@ -24,6 +24,10 @@ Tensor reduce_streams(const Tensor& streams, float scale, cudaStream_t stream = 
 // row. `rows` holds int64 indices on the host; they are copied to the device.
 Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows,
                    cudaStream_t stream = nullptr);
+// dst[rows[i], :] = src[i, :] for dst [N, D] and src [n, D] (one dtype, bf16 or f32, contiguous;
+// distinct rows in [0, N)). `rows` holds int64 indices on the host.
+void scatter_rows(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src,
+                  cudaStream_t stream = nullptr);
 // a += b (same shape; a bf16 or f32, b bf16 or f32), rounding once into a's dtype.
 void add_inplace(Tensor& a, const Tensor& b, cudaStream_t stream = nullptr);
 
