@@ -19,6 +19,7 @@
 #include "support/cuda_test_support.h"
 #include "support/gpu_tiny_model.h"
 #include "support/temp_dir.h"
+#include "support/tiny_vl_data.h"
 
 using namespace glmtune;
 using namespace glmtune::test;
@@ -112,8 +113,9 @@ TEST(CudaEval, GpuEvaluationFollowsTheCpuReference) {
       cpu.loss, gpu.loss, std::abs(gpu.loss - cpu.loss) / cpu.loss, worst_sample, worst_logits);
 }
 
-// The same for vision-language data: the bundled examples/tiny-vl conversations (real images and
-// a short video) with the vision tower and the splice on the GPU too.
+// The same for vision-language data: the bundled examples/tiny-vl conversations (real images, and
+// a short video where this build decodes videos) with the vision tower and the splice on the GPU
+// too.
 TEST(CudaEval, GpuVisionLanguageEvaluationFollowsTheCpuReference) {
   REQUIRE_GPU();
   TempDir dir("cuda-eval-vl");
@@ -121,7 +123,7 @@ TEST(CudaEval, GpuVisionLanguageEvaluationFollowsTheCpuReference) {
   init.seed = test_seed();
   model::write_random_checkpoint(gpu_tiny_config(), dir.path() / "model", init);
   eval::EvalOptions cpu_options = chat_eval(dir.path() / "model", "cpu");
-  cpu_options.data = {(source_dir() / "examples/tiny-vl/chat.jsonl").string()};
+  cpu_options.data = {tiny_vl_chat(source_dir(), dir.path()).string()};
   cpu_options.media_root = (source_dir() / "examples/tiny-vl").string();
   cpu_options.pack_length = 2048;
   cpu_options.max_packs = 0;

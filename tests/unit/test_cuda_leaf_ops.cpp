@@ -313,7 +313,7 @@ std::vector<LeafRow> leaf_rows() {
                  {"d latent", g.latent, 1e-2},
                  {"d kv_b_proj", g_kvb.weight, 1e-2}};
        }});
-  rows.push_back({"gather_rows + scatter_rows_", [](const Side& s) -> std::vector<Output> {
+  rows.push_back({"gather_rows_and_scatter_rows_", [](const Side& s) -> std::vector<Output> {
                     const Tensor x = s.value({9, 40}, 168);
                     Tensor dst = s.value({12, 40}, 169);
                     const Tensor g = ops::gather_rows(x, {8, -1, 0, 3, 3});

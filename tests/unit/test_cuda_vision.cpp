@@ -9,7 +9,7 @@
 //     16) and at the released head dim of 64;
 //   - the composed vision-language step (the splice of the features into the token embeddings and
 //     its backward into the tower) on the GPU against the CPU, on a pack of the bundled
-//     examples/tiny-vl conversations (real images and a video).
+//     examples/tiny-vl conversations (real images, and a video where the build decodes videos).
 // Skipped (not failed) where no GPU is visible or CUDA is not built.
 
 #include <gtest/gtest.h>
@@ -34,6 +34,7 @@
 #include "support/gpu_tiny_model.h"
 #include "support/random_model.h"
 #include "support/temp_dir.h"
+#include "support/tiny_vl_data.h"
 
 using namespace glmtune;
 using namespace glmtune::test;
@@ -369,13 +370,14 @@ TEST(CudaVisionLanguage, ComposedStepMatchesTheCpu) {
   const fs::path source = env ? fs::path(env) : fs::path(GLMTUNE_SOURCE_DIR);
   const data::media::VlProcessor processor =
       data::media::VlProcessor::from_dir(source / "examples/tiny/tokenizer");
+  TempDir dir("cuda-vl-step");
   train::VlDataConfig dc;
-  dc.files = {(source / "examples/tiny-vl/chat.jsonl").string()};
+  dc.files = {tiny_vl_chat(source, dir.path()).string()};
   dc.media_root = source / "examples/tiny-vl";
   dc.max_length = 1 << 20;
   const train::VlDataset dataset = train::VlDataset::scan(dc, processor);
   ASSERT_GE(dataset.size(), 3);
-  // The first three conversations in one pack (images and the video among them).
+  // The first three conversations in one pack.
   const std::vector<int64_t> idx = {0, 1, 2};
   int64_t length = 0;
   for (int64_t i : idx) length += dataset.length(i);
@@ -388,7 +390,6 @@ TEST(CudaVisionLanguage, ComposedStepMatchesTheCpu) {
   in.cu_seqlens = Tensor::from_vector(pack.cu_seqlens, {int64_t(pack.cu_seqlens.size())});
   in.labels = Tensor::from_vector(pack.labels, {int64_t(pack.labels.size())});
 
-  TempDir dir("cuda-vl-step");
   model::ParamStore store = random_gpu_tiny_store(dir.path() / "ck", test_seed());
   const model::VisionLanguageModel cpu(store);
   const model::VisionLanguageModel gpu(store, model::text::TextModelOptions{DType::bf16, kGpu});

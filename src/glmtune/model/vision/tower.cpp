@@ -166,14 +166,18 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   x = ops::rms_norm(x, params.post_layernorm, eps, ctx ? &ctx->post_rstd : nullptr);
   const int64_t merge = config.spatial_merge_size * config.spatial_merge_size;
   VisionOutput out;
-  out.last_hidden_state = ops::linear(x.view({n / merge, merge * d}), params.downsample);
+  // Each merge block's four rows, channel-major (column c·4 + k), so that the Conv2d weight
+  // [O, D, 2, 2] is the GEMM's weight as stored.
+  const Tensor merged =
+      x.view({n / merge, merge, d}).transpose(1, 2).contiguous().view({n / merge, d * merge});
+  out.last_hidden_state = ops::linear(merged, params.downsample);
   const Tensor projected = ops::linear(out.last_hidden_state, params.merger_proj);
   Tensor h = ops::layer_norm(projected, params.merger_norm_w, params.merger_norm_b, kLayerNormEps,
                              ctx ? &ctx->ln_mean : nullptr, ctx ? &ctx->ln_rstd : nullptr);
   if (ctx) ctx->ln_out = h.clone();
   ops::gelu_erf_(h);
   if (ctx) {
-    ctx->post_normed = x;
+    ctx->merged = merged;
     ctx->downsampled = out.last_hidden_state;
     ctx->projected = projected;
     out.pooler_output = ops::mlp_forward(params.merger, h, limit, ctx->merger);
@@ -219,10 +223,10 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
                                 grad_of(proj, g.merger_norm_b));
   dh = ops::linear_backward(dh, ctx.downsampled, params.merger_proj,
                             proj ? &g.merger_proj : nullptr);
-  Tensor dx = ops::linear_backward(dh, ctx.post_normed.view({n / merge, merge * d}),
-                                   params.downsample, proj ? &g.downsample : nullptr, need_dx);
+  Tensor dx = ops::linear_backward(dh, ctx.merged, params.downsample,
+                                   proj ? &g.downsample : nullptr, need_dx);
   if (!need_dx) return Tensor();
-  dx = dx.view({n, d});
+  dx = dx.view({n / merge, d, merge}).transpose(1, 2).contiguous().view({n, d});
 
   const bool tower = options.train_tower;
   dx = ops::rms_norm_backward(dx, ctx.final_hidden, params.post_layernorm, eps, ctx.post_rstd,
@@ -334,11 +338,8 @@ VisionParams VisionParams::load(const VisionConfig& c,
     v.blocks.push_back(std::move(bp));
   }
   v.post_layernorm = fetch(get, "post_layernorm.weight", {d}, dtype);
-  // [O, D, kh, kw] -> [O, kh, kw, D] -> [O, 4D]: column (kh·m + kw)·D + c.
-  v.downsample.weight = fetch(get, "downsample.weight", {o, d, m, m}, dtype)
-                            .permute({0, 2, 3, 1})
-                            .contiguous()
-                            .view({o, m * m * d});
+  // [O, D, kh, kw] as [O, 4D]: column c·4 + kh·2 + kw, the merged rows' order.
+  v.downsample.weight = fetch(get, "downsample.weight", {o, d, m, m}, dtype).view({o, d * m * m});
   v.downsample.bias = fetch(get, "downsample.bias", {o}, dtype);
   v.merger_proj.weight = fetch(get, "merger.proj.weight", {o, o}, dtype);
   v.merger_norm_w = fetch(get, "merger.post_projection_norm.weight", {o}, dtype);
@@ -485,25 +486,30 @@ bool is_projector_param(const std::string& name) {
   return name.starts_with(kPrefix + "downsample.") || name.starts_with(kPrefix + "merger.");
 }
 
-std::vector<std::pair<std::string, Tensor>> VisionGrads::released(const VisionConfig& config,
-                                                                  Part part) const {
-  const VisionParams& g = params;
+std::vector<std::pair<std::string, Tensor>> released_views(const VisionConfig& config,
+                                                           const VisionParams& params) {
   std::vector<std::pair<std::string, Tensor>> out;
   const int64_t d = config.hidden_size, o = config.out_hidden_size, m = config.spatial_merge_size;
-  zip_vision_params(g, g, [&](const std::string& name, const Tensor& t, const Tensor&) {
+  zip_vision_params(params, params, [&](const std::string& name, const Tensor& t, const Tensor&) {
     if (!t.defined()) return;
-    const bool of_projector = is_projector_param(kPrefix + name);
-    if (part == (of_projector ? Part::tower : Part::projector)) return;
     if (name == "patch_embed.proj.weight")
       out.emplace_back(kPrefix + name, t.view({d, config.in_channels, config.temporal_patch_size,
-                                               config.patch_size, config.patch_size})
-                                           .clone());
+                                               config.patch_size, config.patch_size}));
     else if (name == "downsample.weight")
-      // [O, 4D] with column (kh·2 + kw)·D + c back to the Conv2d layout [O, D, kh, kw].
-      out.emplace_back(kPrefix + name, t.view({o, m, m, d}).permute({0, 3, 1, 2}).contiguous());
+      out.emplace_back(kPrefix + name, t.view({o, d, m, m}));
     else
-      out.emplace_back(kPrefix + name, t.clone());
+      out.emplace_back(kPrefix + name, t);
   });
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> VisionGrads::released(const VisionConfig& config,
+                                                                  Part part) const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [name, t] : released_views(config, params)) {
+    if (part == (is_projector_param(name) ? Part::tower : Part::projector)) continue;
+    out.emplace_back(name, t.clone());
+  }
   return out;
 }
 

@@ -78,8 +78,8 @@ struct VisionParams {
   ops::Linear patch_embed;  // patch_embed.proj: weight viewed [D, C·T·p·p] (Conv3d as a GEMM)
   std::vector<VisionBlockParams> blocks;
   Tensor post_layernorm;  // [D]
-  // downsample.weight [O, D, 2, 2] rearranged to [O, 4·D] with column k·D + c = W[o, c, kh, kw],
-  // k = kh·2 + kw: the merge block's four rows side by side form the GEMM input; bias [O].
+  // downsample.weight [O, D, 2, 2] viewed [O, 4·D] (column c·4 + kh·2 + kw); the GEMM input is
+  // each merge block's four rows channel-major; bias [O].
   ops::Linear downsample;
   ops::Linear merger_proj;              // merger.proj [O, O], no bias
   Tensor merger_norm_w, merger_norm_b;  // merger.post_projection_norm [O]
@@ -98,7 +98,8 @@ struct VisionParams {
 };
 
 // The list of a VisionParams' fields, named as under `model.visual.` (b's blocks sized like a's).
-// The patch embedding and downsample weights are in their GEMM layouts (see above).
+// The patch embedding and downsample weights are viewed in their GEMM shapes (see above); their
+// elements are in the released order.
 template <typename A, typename B, typename F>
 void zip_vision_params(A& a, B& b, F&& f) {
   ops::zip_linear("patch_embed.proj", a.patch_embed, b.patch_embed, f, /*with_bias=*/true);
@@ -171,7 +172,8 @@ struct VisionContext {
   std::vector<VisionBlockContext> blocks;
   Tensor final_hidden;  // [N, D] last block output (the post norm input)
   Tensor post_rstd;     // [N]
-  Tensor post_normed;   // [N, D] post norm output (viewed [N/4, 4D]: the downsample input)
+  Tensor merged;        // [N/4, 4D] post norm output, each merge block channel-major (the
+                        // downsample input)
   Tensor downsampled;   // [N/4, O] last_hidden_state (the merger proj input)
   Tensor projected;     // [N/4, O] merger proj output (the LayerNorm input)
   Tensor ln_mean, ln_rstd;
@@ -190,7 +192,13 @@ VisionOutput vision_forward(const VisionConfig& config, const VisionParams& para
 
 // ---- Backward ---------------------------------------------------------------------------------
 
-// Gradient buffers mirroring VisionParams (same internal layouts: patch embed [D, row], downsample
+// (released name, the tensor viewed in its released shape) for every defined tensor of `params`:
+// views of the same storage, so that writing through one changes the parameter (an optimizer
+// that keeps the weights on the device updates them so).
+std::vector<std::pair<std::string, Tensor>> released_views(const VisionConfig& config,
+                                                           const VisionParams& params);
+
+// Gradient buffers mirroring VisionParams (the same GEMM shapes: patch embed [D, row], downsample
 // [O, 4D]), in the compute dtype on the CPU, f32 on a GPU. Backward passes add into them.
 struct VisionGrads {
   VisionParams params;  // every tensor a gradient buffer; `dtype` the compute dtype
