@@ -35,9 +35,12 @@ class DeviceAdamW {
   // stored value, as on the host: an f32-stored tensor is its own master; a bf16-stored one gets
   // an f32 master and every update sets the compute tensor to the master rounded to bf16 (widened
   // again where the compute tensor is f32). InternalError when a trainable parameter has no
-  // compute tensor or gradient buffer of its shape on the device.
-  DeviceAdamW(const std::vector<NamedParam>& params, model::text::TextWeights& weights,
-              model::text::TextGrads& grads, AdamWConfig config);
+  // compute tensor or gradient buffer of its shape on the device. `weights` and `grads` are
+  // (name, tensor) lists, e.g. TextWeights::named and TextGrads::named, plus the vision tower's
+  // released views in a vision-language run; the tensors share storage with the model's.
+  using Named = std::vector<std::pair<std::string, Tensor>>;
+  DeviceAdamW(const std::vector<NamedParam>& params, Named weights, Named grads,
+              AdamWConfig config);
 
   // Updates applied so far (skipped steps do not count): the t of the bias correction.
   int64_t step_count() const { return step_; }

@@ -28,13 +28,13 @@ cuda::AdamWConfig kernel_config(const AdamWConfig& config, double lr, int64_t st
   return c;
 }
 
-DeviceAdamW::DeviceAdamW(const std::vector<NamedParam>& params, model::text::TextWeights& weights,
-                         model::text::TextGrads& grads, AdamWConfig config)
+DeviceAdamW::DeviceAdamW(const std::vector<NamedParam>& params, Named weights, Named grads,
+                         AdamWConfig config)
     : config_(config) {
   for (const NamedParam& p : params) {
     if (!p.trainable) continue;
-    Tensor* w = find_named(weights.named, p.name);
-    Tensor* g = find_named(grads.named, p.name);
+    Tensor* w = find_named(weights, p.name);
+    Tensor* g = find_named(grads, p.name);
     GLMTUNE_ASSERT(w != nullptr && w->defined() && w->device().is_cuda() &&
                        w->shape() == p.value.shape() && w->is_contiguous(),
                    "trained parameter '{}' has no contiguous compute tensor of shape {} on a GPU",

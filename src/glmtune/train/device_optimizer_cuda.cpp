@@ -7,6 +7,7 @@
 #include "glmtune/train/device_adamw.h"
 #include "glmtune/train/optimizer_variants.h"
 #include "glmtune/train/state.h"
+#include "glmtune/train/vl_batch.h"
 
 namespace glmtune::train {
 namespace {
@@ -15,15 +16,25 @@ namespace {
 class DeviceOptimizer final : public Optimizer {
  public:
   DeviceOptimizer(std::vector<NamedParam> params, TrainedShapes trained,
-                  std::optional<SavedAdamWState> saved, const AdamWConfig& config, Device device)
+                  std::optional<SavedAdamWState> saved, const AdamWConfig& config, Device device,
+                  VlTraining* vl)
       : params_(std::move(params)),
         trained_(std::move(trained)),
         saved_(std::move(saved)),
         config_(config),
-        device_(device) {}
+        device_(device),
+        vl_(vl) {}
 
   void attach(model::text::TextModel& model, model::text::TextGrads& grads) override {
-    adamw_.emplace(params_, model.weights(), grads, config_);
+    DeviceAdamW::Named weights = model.weights().named, grad_list = grads.named;
+    if (vl_) {
+      // The tower and projector: their device tensors and gradient buffers, viewed in the
+      // released shapes the store (and so the masters) has.
+      const auto [vision_weights, vision_grads] = vl_->device_tensors();
+      weights.insert(weights.end(), vision_weights.begin(), vision_weights.end());
+      grad_list.insert(grad_list.end(), vision_grads.begin(), vision_grads.end());
+    }
+    adamw_.emplace(params_, std::move(weights), std::move(grad_list), config_);
     if (saved_) adamw_->load(*saved_);
     spdlog::info("optimizer on {}: {} bytes of fp32 masters and moments there", device_.str(),
                  adamw_->state_bytes());
@@ -66,6 +77,7 @@ class DeviceOptimizer final : public Optimizer {
   std::optional<SavedAdamWState> saved_;
   AdamWConfig config_;
   Device device_;
+  VlTraining* vl_;
   std::optional<DeviceAdamW> adamw_;
   std::vector<Tensor> none_;
 };
@@ -75,9 +87,10 @@ class DeviceOptimizer final : public Optimizer {
 std::unique_ptr<Optimizer> make_device_optimizer(std::vector<NamedParam> params,
                                                  TrainedShapes trained,
                                                  std::optional<SavedAdamWState> saved,
-                                                 const AdamWConfig& config, Device device) {
+                                                 const AdamWConfig& config, Device device,
+                                                 VlTraining* vl) {
   return std::make_unique<DeviceOptimizer>(std::move(params), std::move(trained), std::move(saved),
-                                           config, device);
+                                           config, device, vl);
 }
 
 }  // namespace glmtune::train

@@ -52,11 +52,13 @@ std::vector<std::string> nonfinite_stored_weights(
 
 std::unique_ptr<Optimizer> make_sharded_optimizer(const OptimizerSetup& setup);
 #ifdef GLMTUNE_WITH_CUDA
-// `params`: the trained tensors (store values on the host); `saved`: the checked state to resume.
+// `params`: the trained tensors (store values on the host); `saved`: the checked state to resume;
+// `vl`: the vision side of a vision-language run (its tower's tensors are updated too), or null.
 std::unique_ptr<Optimizer> make_device_optimizer(std::vector<NamedParam> params,
                                                  TrainedShapes trained,
                                                  std::optional<SavedAdamWState> saved,
-                                                 const AdamWConfig& config, Device device);
+                                                 const AdamWConfig& config, Device device,
+                                                 VlTraining* vl);
 #endif
 
 }  // namespace glmtune::train

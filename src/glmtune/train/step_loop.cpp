@@ -167,11 +167,12 @@ StepResult update(TrainingRun& run, const StepSums& sums) {
   r.maxvio =
       update_router_biases(sums.loads, run.recipe.lora ? 0.0 : run.recipe.router_bias_update_rate,
                            [&](const std::string& name) -> Tensor& { return run.store.get(name); });
-  // The model's compute tensors follow the weights' owner (trainer_optimizer.h).
-  if (run.vl)
-    run.vl->model().refresh(run.store);
-  else if (run.optimizer.weights_home() == WeightsHome::model)
+  // The model's compute tensors follow the weights' owner (trainer_optimizer.h): on one GPU the
+  // optimizer updated them in place (the tower's too), only the router biases come from the store.
+  if (run.optimizer.weights_home() == WeightsHome::model)
     refresh_router_biases(run.model, run.store);
+  else if (run.vl)
+    run.vl->model().refresh(run.store);
   else
     refresh_model(run.model, run.store);
   for (const std::string& name : run.layout.biases_in_store)

@@ -150,8 +150,9 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerSetup& setup) {
   std::vector<NamedParam> params = trainable_params(store);
   // The vision tower and projector train in VL runs (unless frozen): their gradient buffers,
   // aligned with the optimizer's parameters.
+  // On a GPU the device optimizer reads the tower's gradient buffers where they are: no host copy.
   std::vector<Tensor> vision_grads =
-      setup.vl ? setup.vl->attach(params, store) : std::vector<Tensor>{};
+      setup.vl ? setup.vl->attach(params, store, !setup.device.is_cuda()) : std::vector<Tensor>{};
   if (setup.device.is_cuda()) {
     // On one GPU the optimizer runs on the device beside the model (train/device_adamw.h): no
     // gradient or weight crosses the host link in a step.
@@ -163,7 +164,7 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerSetup& setup) {
     }
 #ifdef GLMTUNE_WITH_CUDA
     return make_device_optimizer(std::move(params), std::move(trained), std::move(saved),
-                                 setup.recipe->adamw_config(), setup.device);
+                                 setup.recipe->adamw_config(), setup.device, setup.vl);
 #else
     throw_internal(__FILE__, __LINE__, "a GPU optimizer in a build without CUDA");
 #endif

@@ -289,12 +289,17 @@ PieceReader TrainingWeights::read_piece() const {
 model::text::TextModel& build_model(const Recipe& recipe, const ParallelLayout& layout,
                                     const model::ParamStore& store, VlTraining* vl,
                                     std::optional<model::text::TextModel>& text_model) {
-  if (vl && layout.on_gpu)
+  if (vl && layout.on_gpu && layout.distributed)
     throw Error(
-        "vision-language training runs on the CPU only: the vision tower has no GPU path yet",
-        recipe.source() + ": train.device", "set device = \"cpu\" for data with media");
+        "vision-language training on GPUs runs on one GPU in this version: the vision tower's "
+        "gradients and sequence parallel exchanges are not wired to NCCL yet",
+        recipe.source() + ": train.device",
+        "train on one GPU (no mpirun), or on the CPU for data-parallel vision-language runs");
   if (vl) {
-    vl->load_model(store);
+    // On a GPU the text model and the tower both live there (bf16), and the device optimizer
+    // updates both in place.
+    vl->load_model(store, layout.on_gpu ? model::text::TextModelOptions{DType::bf16, layout.device}
+                                        : model::text::TextModelOptions{});
     return vl->model().text();
   }
   if (layout.on_gpu)

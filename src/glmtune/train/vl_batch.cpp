@@ -197,9 +197,12 @@ model::PackMedia pack_media(const VlDataset& dataset, const data::Pack& pack) {
 }
 
 VlTrainStep::VlTrainStep(const model::VisionConfig& config,
-                         const model::vision::VisionParams& params, model::ComposeOptions options)
+                         const model::vision::VisionParams& params, model::ComposeOptions options,
+                         bool host_gradients)
     : options_(options), config_(config), grads_(model::vision::VisionGrads::zeros_like(params)) {
-  for (auto& [name, g] : grads_.released(config_)) released_.emplace_back(name, g.to(DType::f32));
+  if (host_gradients)
+    for (auto& [name, g] : grads_.released(config_))
+      released_.emplace_back(name, g.to(Device::cpu()).to(DType::f32));
 }
 
 std::vector<Tensor> VlTrainStep::attach(std::vector<NamedParam>& params) const {
@@ -210,7 +213,7 @@ std::vector<Tensor> VlTrainStep::attach(std::vector<NamedParam>& params) const {
     const bool frozen = model::vision::is_projector_param(p.name) ? options_.freeze_projector
                                                                   : options_.freeze_vision;
     p.trainable = !frozen;
-    if (frozen) continue;
+    if (frozen || released_.empty()) continue;
     for (const auto& [name, g] : released_)
       if (name == p.name) out[i] = g;
     GLMTUNE_ASSERT(out[i].defined(), "vision parameter '{}' has no gradient buffer", p.name);
@@ -231,6 +234,7 @@ model::text::StepPackResult VlTrainStep::run(const model::VisionLanguageModel& m
 }
 
 void VlTrainStep::export_grads() {
+  if (released_.empty()) return;
   const auto now = grads_.released(config_);
   GLMTUNE_ASSERT(now.size() == released_.size(), "vision gradient list changed");
   for (size_t i = 0; i < now.size(); ++i)
@@ -255,7 +259,7 @@ VlTraining::VlTraining(const Recipe& recipe, const std::filesystem::path& proces
 }
 
 std::vector<Tensor> VlTraining::attach(std::vector<NamedParam>& params,
-                                       const model::ParamStore& store) {
+                                       const model::ParamStore& store, bool host_gradients) {
   const auto& config = store.config().vision();
   if (!config)
     throw Error("data.media_root is set but the model has no vision tower", store.config().source(),
@@ -264,12 +268,23 @@ std::vector<Tensor> VlTraining::attach(std::vector<NamedParam>& params,
   if (dataset_->has_media())
     store.config().require_media_tokens("the training data has images or videos");
   step_ = std::make_unique<VlTrainStep>(*config, model::vision::VisionParams::from_store(store),
-                                        options_);
+                                        options_, host_gradients);
   return step_->attach(params);
 }
 
-void VlTraining::load_model(const model::ParamStore& store) {
-  model_ = std::make_unique<model::VisionLanguageModel>(store);
+void VlTraining::load_model(const model::ParamStore& store, model::text::TextModelOptions options) {
+  model_ = std::make_unique<model::VisionLanguageModel>(store, options);
+  // The gradient buffers beside the tower, in its dtype policy (f32 on a GPU).
+  if (step_ && options.device.is_cuda())
+    step_ = std::make_unique<VlTrainStep>(model_->vision_config(), model_->vision(), options_,
+                                          /*host_gradients=*/false);
+}
+
+std::pair<std::vector<std::pair<std::string, Tensor>>, std::vector<std::pair<std::string, Tensor>>>
+VlTraining::device_tensors() const {
+  GLMTUNE_ASSERT(model_ && step_, "VlTraining::device_tensors before load_model and attach");
+  return {model::vision::released_views(model_->vision_config(), model_->vision()),
+          model::vision::released_views(model_->vision_config(), step_->grads().params)};
 }
 
 model::text::StepPackResult VlTraining::run(const data::Pack& pack,

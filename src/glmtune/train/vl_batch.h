@@ -89,13 +89,14 @@ model::PackMedia pack_media(const VlDataset& dataset, const data::Pack& pack);
 // composed forward/backward of one pack.
 class VlTrainStep {
  public:
-  // Buffers shaped like `params` (the model's vision parameters).
+  // Buffers shaped like `params` (the model's vision parameters), on their device. With
+  // `host_gradients`, also f32 host copies in the released layouts for a host optimizer.
   VlTrainStep(const model::VisionConfig& config, const model::vision::VisionParams& params,
-              model::ComposeOptions options);
+              model::ComposeOptions options, bool host_gradients = true);
 
   // Marks the vision parameters of `params` trainable (unless frozen) and returns, aligned with
-  // `params`, the gradient buffer of each vision parameter (undefined for the others), in the
-  // parameter's released shape.
+  // `params`, the host gradient buffer of each vision parameter (undefined for the others, and
+  // for all without host buffers), in the parameter's released shape.
   std::vector<Tensor> attach(std::vector<NamedParam>& params) const;
 
   void zero();
@@ -106,10 +107,12 @@ class VlTrainStep {
                                   const model::PackMedia& media,
                                   const model::text::TrainOptions& train,
                                   model::text::TextGrads& text_grads);
-  // Copies the accumulated gradients into the buffers `attach` returned (released layouts).
+  // Copies the accumulated gradients into the buffers `attach` returned (released layouts); nothing
+  // to do without host buffers.
   void export_grads();
 
   const model::ComposeOptions& options() const { return options_; }
+  const model::vision::VisionGrads& grads() const { return grads_; }
 
  private:
   model::ComposeOptions options_;
@@ -136,10 +139,17 @@ class VlTraining {
   }
 
   // Before the optimizer is built: the vision gradient buffers, attached to `params` (see
-  // VlTrainStep::attach).
-  std::vector<Tensor> attach(std::vector<NamedParam>& params, const model::ParamStore& store);
-  // After the optimizer state is restored: the composed model from the store's weights.
-  void load_model(const model::ParamStore& store);
+  // VlTrainStep::attach); host buffers only with `host_gradients` (a host optimizer).
+  std::vector<Tensor> attach(std::vector<NamedParam>& params, const model::ParamStore& store,
+                             bool host_gradients = true);
+  // After the optimizer state is restored: the composed model from the store's weights, on
+  // `options.device` (on a GPU the vision gradient buffers move there too).
+  void load_model(const model::ParamStore& store, model::text::TextModelOptions options = {});
+  // The tower's and projector's compute tensors and gradient buffers, viewed in their released
+  // shapes under their released names: what a device optimizer updates in place.
+  std::pair<std::vector<std::pair<std::string, Tensor>>,
+            std::vector<std::pair<std::string, Tensor>>>
+  device_tensors() const;
 
   model::VisionLanguageModel& model() { return *model_; }
   VlTrainStep& step() { return *step_; }
