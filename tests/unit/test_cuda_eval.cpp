@@ -147,7 +147,9 @@ TEST(CudaEval, GpuVisionLanguageEvaluationFollowsTheCpuReference) {
     const std::string name = "logits." + std::to_string(i);
     const double rel = logits_rel_l2(gpu_logits.tensor(name), cpu_logits.tensor(name));
     worst_logits = std::max(worst_logits, rel);
-    EXPECT_LE(rel, 1e-2) << ctx(name);
+    // The text path's 1e-2, plus the media rows' features: the bf16 tower and projector put
+    // about 1e-2 relative on them (test_cuda_vision: pooler output 8e-3 .. 9e-3).
+    EXPECT_LE(rel, 3e-2) << ctx(name);
   }
   std::printf(
       "[ measure  ] VL loss cpu %.6f gpu %.6f (rel %.2e) over %zu samples; worst logits "
