@@ -1,6 +1,8 @@
-// `glmtune bench step`: the throughput of one text training step (forward + backward, and the
-// GPU optimizer step) on one GPU, with the model FLOP rate, the MFU, peak memory and a per-op time
-// breakdown. The FLOP formula is written out in docs/PERF.md ("Step benchmark: the FLOP count").
+// `glmtune bench step`: the throughput of one training step (forward + backward, and the GPU
+// optimizer step) on one GPU, with the model FLOP rate, the MFU, peak memory and a per-op time
+// breakdown; text packs, or with --vl packs holding images and a video (the vision tower and the
+// splice in the step). The FLOP formula is written out in docs/PERF.md ("Step benchmark: the FLOP
+// count").
 
 #include <fmt/format.h>
 
@@ -8,8 +10,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -19,6 +24,7 @@
 #include "config_options.h"
 #include "glmtune/base/error.h"
 #include "glmtune/io/checkpoint.h"
+#include "glmtune/model/compose.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
@@ -26,6 +32,7 @@
 #include "glmtune/tensor/allocator.h"
 #include "glmtune/tensor/device.h"
 #include "glmtune/tensor/host_offload.h"
+#include "glmtune/tensor/rng.h"
 #include "glmtune/train/flops.h"
 #include "glmtune/train/freeze.h"
 #ifdef GLMTUNE_WITH_CUDA
@@ -56,6 +63,12 @@ struct BenchArgs {
   uint64_t seed = 1;
   bool json = false;
   std::vector<std::string> freeze;  // train.freeze patterns
+  // --vl: the pack carries `images` images and one video of `video_frames` frames (0: none), all
+  // of image_size × image_size pixels.
+  bool vl = false;
+  int64_t images = 8;
+  int64_t video_frames = 16;
+  int64_t image_size = 448;
 };
 
 #ifdef GLMTUNE_WITH_CUDA
@@ -126,6 +139,106 @@ BenchPack random_pack(const BenchArgs& a, const model::TextConfig& c) {
   return b;
 }
 
+// The media of a --vl pack: the images go round-robin over the documents, the video into the last
+// one; each document's placeholders follow its first token, its other tokens stay random text.
+// Labels are masked on the placeholders and on the token before each run, as the processor's
+// chat samples have them.
+struct BenchMedia {
+  model::PackMedia media;
+  int64_t patches = 0;
+  std::vector<int64_t> segments;  // attention segments of the tower: one per image, per tubelet
+  int64_t media_tokens = 0;
+};
+
+BenchMedia random_media(const BenchArgs& a, const model::ModelConfig& config, BenchPack& pack) {
+  const model::VisionConfig& v = *config.vision();
+  const int64_t merge = v.spatial_merge_size, side = a.image_size / v.patch_size;
+  if (a.image_size % (v.patch_size * merge) != 0)
+    throw Error(fmt::format("--image-size {} is not a multiple of {} (patch {} × merge {})",
+                            a.image_size, v.patch_size * merge, v.patch_size, merge),
+                "--image-size", fmt::format("use e.g. {}", 16 * v.patch_size * merge));
+  if (a.video_frames % v.temporal_patch_size != 0)
+    throw Error(fmt::format("--video-frames {} is not a multiple of the temporal patch {}",
+                            a.video_frames, v.temporal_patch_size),
+                "--video-frames", "give an even frame count (or 0 for no video)");
+  BenchMedia m;
+  const int64_t ndoc = int64_t(pack.lengths.size());
+  const int64_t per_image = side * side / (merge * merge);
+  const int64_t tubelets = a.video_frames / v.temporal_patch_size;
+  std::vector<int64_t> used(size_t(ndoc), 0);
+  for (int64_t i = 0; i < a.images; ++i) {
+    m.media.image_grid.push_back({1, side, side});
+    m.media.image_documents.push_back(i % ndoc);
+    used[size_t(i % ndoc)] += per_image;
+    m.segments.push_back(side * side);
+  }
+  if (tubelets > 0) {
+    m.media.video_grid.push_back({tubelets, side, side});
+    m.media.video_documents.push_back(ndoc - 1);
+    used[size_t(ndoc - 1)] += tubelets * per_image;
+    for (int64_t t = 0; t < tubelets; ++t) m.segments.push_back(side * side);
+  }
+  for (int64_t d = 0; d < ndoc; ++d)
+    if (used[size_t(d)] + 2 > pack.lengths[size_t(d)])
+      throw Error(fmt::format("document {} of {} tokens cannot hold its {} media tokens and text",
+                              d, pack.lengths[size_t(d)], used[size_t(d)]),
+                  "--pack / --images / --video-frames",
+                  "give a longer --pack, fewer --docs, fewer --images or fewer --video-frames");
+  // Placeholders, in order of appearance: each document's images, then its video.
+  std::vector<int32_t> ids(size_t(pack.in.input_ids.numel())), labels = ids;
+  std::memcpy(ids.data(), pack.in.input_ids.data_ptr(), ids.size() * sizeof(int32_t));
+  std::memcpy(labels.data(), pack.in.labels.data_ptr(), labels.size() * sizeof(int32_t));
+  std::vector<int32_t> types(ids.size(), model::kTextToken);
+  const int32_t image_token = int32_t(config.media().image_token_id);
+  int64_t start = 0;
+  for (int64_t d = 0; d < ndoc; ++d) {
+    labels[size_t(start)] = -100;
+    for (int64_t t = 0; t < used[size_t(d)]; ++t) {
+      ids[size_t(start + 1 + t)] = image_token;
+      labels[size_t(start + 1 + t)] = -100;
+    }
+    int64_t placed = 0;  // the images' rows come first, then the video's
+    for (size_t i = 0; i < m.media.image_documents.size(); ++i)
+      if (m.media.image_documents[i] == d)
+        for (int64_t t = 0; t < per_image; ++t)
+          types[size_t(start + 1 + placed++)] = model::kImageToken;
+    for (size_t i = 0; i < m.media.video_documents.size(); ++i)
+      if (m.media.video_documents[i] == d)
+        for (int64_t t = 0; t < tubelets * per_image; ++t)
+          types[size_t(start + 1 + placed++)] = model::kVideoToken;
+    m.media_tokens += used[size_t(d)];
+    start += pack.lengths[size_t(d)];
+  }
+  const int64_t t = int64_t(ids.size());
+  pack.in.input_ids = Tensor::from_vector(ids, {t});
+  pack.in.labels = Tensor::from_vector(labels, {t});
+  m.media.mm_token_type_ids = Tensor::from_vector(types, {t});
+  const int64_t row = v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size;
+  auto pixels = [&](int64_t rows, uint64_t stream) {
+    Tensor p = Tensor::empty({rows, row}, DType::f32);
+    fill_normal(p, a.seed, stream << 40);
+    return p;
+  };
+  if (a.images > 0) m.media.image_pixels = pixels(a.images * side * side, 1);
+  if (tubelets > 0) m.media.video_pixels = pixels(tubelets * side * side, 2);
+  m.patches = (a.images + tubelets) * side * side;
+  return m;
+}
+
+// Forward FLOPs of the tower and projector over `m`'s patches (each GEMM 2·rows·in·out, the
+// attention 4·L²·D per segment); the step counts 3× (backward: input and weight gradients).
+double vision_forward_flops(const model::VisionConfig& v, const BenchMedia& m) {
+  const double d = double(v.hidden_size), i = double(v.intermediate_size),
+               o = double(v.out_hidden_size), p = double(v.projection_intermediate_size);
+  const double row = double(v.in_channels * v.temporal_patch_size * v.patch_size * v.patch_size);
+  const double n = double(m.patches);
+  const double merged = n / double(v.spatial_merge_size * v.spatial_merge_size);
+  double attention = 0;
+  for (int64_t len : m.segments) attention += 4.0 * double(len) * double(len) * d;
+  const double blocks = double(v.depth) * (2 * n * (4 * d * d + 3 * d * i) + attention);
+  return 2 * n * row * d + blocks + 2 * merged * (4 * d * o + o * o + 3 * o * p);
+}
+
 model::text::TrainOptions step_options(const BenchArgs& a, const model::text::TextModel& model) {
   const model::TextConfig& c = model.text();
   model::text::TrainOptions opt;
@@ -166,6 +279,24 @@ BenchAdamW bench_adamw(model::text::TextModel& model, model::text::TextGrads& gr
   return adam;
 }
 
+// The tower's and projector's masters and moments, beside the text model's.
+void add_vision_adamw(BenchAdamW& adam, const model::VisionLanguageModel& model,
+                      model::vision::VisionGrads& grads, const Device& device) {
+  const auto weights = model::vision::released_views(model.vision_config(), model.vision());
+  const auto grad_views = model::vision::released_views(model.vision_config(), grads.params);
+  for (size_t k = 0; k < weights.size(); ++k) {
+    const Tensor& w = weights[k].second;
+    cuda::AdamWParam p;
+    p.master = w.to(DType::f32).contiguous();
+    p.exp_avg = Tensor::zeros(w.shape(), DType::f32, device);
+    p.exp_avg_sq = Tensor::zeros(w.shape(), DType::f32, device);
+    p.grad = grad_views[k].second;
+    p.param = w;
+    adam.params.push_back(std::move(p));
+    adam.grads.push_back(grad_views[k].second);
+  }
+}
+
 // The timed steps' wall times (seconds) and GPU time per op (ms per step), and the last loss.
 struct BenchTimes {
   std::vector<double> step_s, fb_s, opt_s;
@@ -173,9 +304,10 @@ struct BenchTimes {
   double loss = 0;
 };
 
-BenchTimes time_steps(const BenchArgs& a, model::text::TextModel& model,
-                      const model::text::PackInput& in, const model::text::TrainOptions& opt,
-                      model::text::TextGrads& grads, BenchAdamW& adam, Allocator& alloc,
+// `run_pack` runs one pack's forward and backward into gradients `zero` clears.
+BenchTimes time_steps(const BenchArgs& a,
+                      const std::function<model::text::StepPackResult()>& run_pack,
+                      const std::function<void()>& zero, BenchAdamW& adam, Allocator& alloc,
                       Allocator& pinned) {
   BenchTimes bt;
   for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
@@ -185,10 +317,10 @@ BenchTimes time_steps(const BenchArgs& a, model::text::TextModel& model,
       pinned.reset_peak();
     }
     ops::cuda_path::enable_op_timing(timed);
-    grads.zero();
+    zero();
     cudaDeviceSynchronize();
     const auto t0 = std::chrono::steady_clock::now();
-    const model::text::StepPackResult r = model::text::forward_backward(model, in, opt, grads);
+    const model::text::StepPackResult r = run_pack();
     cudaDeviceSynchronize();
     const auto t1 = std::chrono::steady_clock::now();
     if (a.optimizer) {
@@ -225,6 +357,10 @@ struct BenchStepReport {
   double loss = 0;
   train::FreezePlan frozen;
   std::map<std::string, double> op_ms;
+  // --vl
+  int64_t patches = 0, media_tokens = 0;
+  double vision_flops = 0;  // of the step, in the FLOP/step total too
+  double tower_ms = 0;      // the tower's and projector's forward + backward GPU time per step
 };
 
 void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
@@ -238,7 +374,7 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"optimizer_s", r.optim},
                         {"model_tflops", r.tflops},
                         {"mfu", r.tflops / kPeakTflops},
-                        {"flop_per_step", r.flops.step(a.pack)},
+                        {"flop_per_step", r.flops.step(a.pack) + r.vision_flops},
                         {"peak_allocated_gib", double(r.mem.peak_allocated) / (1 << 30)},
                         {"peak_reserved_gib", double(r.mem.peak_reserved) / (1 << 30)},
                         {"recompute", a.recompute},
@@ -248,6 +384,15 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"frozen_tensors", r.frozen.frozen.size()},
                         {"frozen_parameters", r.frozen.frozen_elements},
                         {"op_ms", r.op_ms}};
+  if (a.vl)
+    out["vl"] = {{"images", a.images},
+                 {"video_frames", a.video_frames},
+                 {"image_size", a.image_size},
+                 {"patches", r.patches},
+                 {"media_tokens", r.media_tokens},
+                 {"vision_flop_per_step", r.vision_flops},
+                 {"tower_ms", r.tower_ms},
+                 {"tower_share", r.tower_ms / (r.fb * 1e3)}};
   std::puts(out.dump(2).c_str());
 }
 
@@ -261,8 +406,16 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
       a.pack, a.docs, r.mtp ? "on" : "off", a.recompute, a.offload, a.steps);
   std::printf("step %.3f s (forward+backward %.3f s, optimizer %.3f s): %.0f tokens/s\n", r.step,
               r.fb, r.optim, double(a.pack) / r.step);
+  if (a.vl)
+    std::printf(
+        "media: %ld images and a %ld-frame video of %ldx%ld: %ld patches, %ld of the pack's "
+        "tokens; tower + projector %.1f ms per step (%.1f%% of forward+backward), %.3e FLOP\n",
+        long(a.images), long(a.video_frames), long(a.image_size), long(a.image_size),
+        long(r.patches), long(r.media_tokens), r.tower_ms, 100 * r.tower_ms / (r.fb * 1e3),
+        r.vision_flops);
   std::printf("model FLOP/step %.3e: %.1f TFLOP/s, MFU %.1f%% of %.1f TFLOP/s bf16\n",
-              r.flops.step(a.pack), r.tflops, 100 * r.tflops / kPeakTflops, kPeakTflops);
+              r.flops.step(a.pack) + r.vision_flops, r.tflops, 100 * r.tflops / kPeakTflops,
+              kPeakTflops);
   if (!r.frozen.frozen.empty())
     std::printf(
         "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
@@ -299,17 +452,44 @@ int run_bench_step(const BenchArgs& a) {
   const auto load_start = std::chrono::steady_clock::now();
   model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(r.dir), config);
   r.frozen = train::apply_freeze(store, a.freeze, "--freeze");
-  model::text::TextModel model(store, {DType::bf16, device});
+  if (a.vl && !config.vision())
+    throw Error("--vl needs a model with a vision tower", r.dir.string() + "/config.json",
+                "use a vision-language checkpoint or preset (crop25b and full have the tower)");
+  std::optional<model::VisionLanguageModel> vlm;
+  std::optional<model::text::TextModel> text_model;
+  if (a.vl)
+    vlm.emplace(store, model::text::TextModelOptions{DType::bf16, device});
+  else
+    text_model.emplace(store, model::text::TextModelOptions{DType::bf16, device});
+  model::text::TextModel& model = vlm ? vlm->text() : *text_model;
   r.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
   const model::TextConfig& c = model.text();
-  const BenchPack pack = random_pack(a, c);
+  BenchPack pack = random_pack(a, c);
+  std::optional<BenchMedia> media;
+  if (a.vl) {
+    config.require_media_tokens("--vl");
+    media.emplace(random_media(a, config, pack));
+  }
   const model::text::TrainOptions opt = step_options(a, model);
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
+  std::optional<model::vision::VisionGrads> vision_grads;
+  if (vlm) vision_grads.emplace(model::vision::VisionGrads::zeros_like(vlm->vision()));
   BenchAdamW adam = a.optimizer ? bench_adamw(model, grads, device) : BenchAdamW{};
+  if (a.optimizer && vlm) add_vision_adamw(adam, *vlm, *vision_grads, device);
+  const std::function<model::text::StepPackResult()> run_pack = [&] {
+    if (vlm)
+      return model::compose_forward_backward(*vlm, pack.in, media->media, opt, {}, grads,
+                                             *vision_grads);
+    return model::text::forward_backward(model, pack.in, opt, grads);
+  };
+  const std::function<void()> zero = [&] {
+    grads.zero();
+    if (vision_grads) vision_grads->zero();
+  };
 
   Allocator& alloc = allocator_for(device);
   Allocator& pinned = HostOffload::of(device).pinned_memory();
-  BenchTimes times = time_steps(a, model, pack.in, opt, grads, adam, alloc, pinned);
+  BenchTimes times = time_steps(a, run_pack, zero, adam, alloc, pinned);
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
@@ -319,7 +499,14 @@ int run_bench_step(const BenchArgs& a) {
   r.fb = median(times.fb_s);
   r.optim = median(times.opt_s);
   r.flops = count_flops(c, pack.lengths, opt.mtp);
-  r.tflops = r.flops.step(a.pack) / r.step / 1e12;
+  if (media) {
+    r.patches = media->patches;
+    r.media_tokens = media->media_tokens;
+    r.vision_flops = 3 * vision_forward_flops(*config.vision(), *media);
+    for (const char* op : {"vision_tower", "vision_tower_backward"})
+      if (auto it = times.op_ms.find(op); it != times.op_ms.end()) r.tower_ms += it->second;
+  }
+  r.tflops = (r.flops.step(a.pack) + r.vision_flops) / r.step / 1e12;
   r.mem = alloc.stats();
   r.pinned_gib = double(pinned.stats().peak_allocated) / (1 << 30);
   r.loss = times.loss;
@@ -370,6 +557,16 @@ GLMTUNE_COMMAND(
       step->add_flag("!--no-mtp", a->mtp, "Leave the MTP layer out");
       step->add_flag("!--no-optimizer", a->optimizer, "Time forward + backward only");
       step->add_flag("--json", a->json, "Print one JSON object");
+      step->add_flag("--vl", a->vl,
+                     "Put images and a video in the pack: the vision tower, the projector and "
+                     "the splice join the step (needs a model with a vision tower)");
+      step->add_option("--images", a->images, "--vl: images in the pack")
+          ->check(CLI::NonNegativeNumber);
+      step->add_option("--video-frames", a->video_frames,
+                       "--vl: frames of the pack's video (0: no video)")
+          ->check(CLI::NonNegativeNumber);
+      step->add_option("--image-size", a->image_size, "--vl: image and frame side, pixels")
+          ->check(CLI::PositiveNumber);
       step->add_option("--freeze", a->freeze,
                        "Freeze the parameters whose released names match this regular "
                        "expression, as train.freeze does (repeatable)");

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/embedding.h"
 
@@ -185,6 +186,8 @@ Tensor compose_embeddings(const VisionLanguageModel& model, const Tensor& input_
     features = sequence_parallel->gather_rows(out.pooler_output, shard.feature_counts(merge))
                    .to(embeddings.dtype());
   } else {
+    // Timed as one op in `glmtune bench step`'s breakdown.
+    GLMTUNE_TIME_OP("vision_tower", model.vision().post_layernorm);
     features =
         vision::vision_forward(model.vision_config(), model.vision(), in.pixels, in.grid, tower)
             .pooler_output.to(embeddings.dtype());
@@ -258,6 +261,7 @@ text::BackwardResult compose_backward(const VisionLanguageModel& model,
     vision::VisionBackwardOptions vopt;
     vopt.train_tower = !options.freeze_vision;
     vopt.train_projector = !options.freeze_projector;
+    GLMTUNE_TIME_OP("vision_tower_backward", model.vision().post_layernorm);
     vision::vision_backward(model.vision_config(), model.vision(), splice.tower, d_pooler,
                             vision_grads, vopt);
   }
