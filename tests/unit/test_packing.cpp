@@ -253,6 +253,25 @@ TEST(PackSampler, EpochsCoverEverySampleAndPacksAreValid) {
   EXPECT_NE(plans[0], plans[1]);  // a fresh shuffle each epoch
 }
 
+TEST(PackSampler, PeekNamesTheNextPacksWithoutMoving) {
+  InMemorySamples src(random_docs(5, 60, 2, 40));
+  PackSampler sampler(src, small_config(4));
+  const int64_t n = sampler.packs_in_epoch();
+  ASSERT_GT(n, 3);
+  for (int64_t taken = 0; taken < n + 2; ++taken) {
+    const auto ahead = sampler.peek(3);
+    // As far as the epoch goes: at its last pack, one; the next epoch is not planned yet.
+    const int64_t left = sampler.packs_in_epoch() - sampler.index_in_epoch();
+    EXPECT_EQ(int64_t(ahead.size()), std::min<int64_t>(3, left)) << taken;
+    const int64_t epoch = sampler.epoch(), index = sampler.index_in_epoch();
+    EXPECT_EQ(sampler.peek(3), ahead);  // peeking does not move
+    EXPECT_EQ(sampler.epoch(), epoch);
+    EXPECT_EQ(sampler.index_in_epoch(), index);
+    EXPECT_EQ(sampler.next().sample_indices, ahead.front()) << taken;
+  }
+  EXPECT_TRUE(sampler.peek(0).empty());
+}
+
 TEST(PackSampler, NoShuffleKeepsFileOrder) {
   InMemorySamples src(random_docs(6, 30, 1, 20));
   PackingConfig c = small_config(1);

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -271,6 +272,98 @@ save_every = 0
   EXPECT_GT(moved("model.visual.patch_embed.proj.weight"), 0.0);
   EXPECT_EQ(moved("model.visual.merger.gate_proj.weight"), 0.0);  // frozen projector
   EXPECT_EQ(moved("model.visual.downsample.weight"), 0.0);
+}
+
+// The next step's media decode on a host thread while a step computes: the run is bit for bit the
+// one that decodes each pack when it trains it, and an image whose body does not decode (its
+// header does: the scan passes) stops the run at that step with its file and line either way.
+TEST(VisionTrain, PrefetchedMediaTrainAsDecodedInPlace) {
+  test::TempDir dir("vl-prefetch");
+  const model::ModelConfig config = model::ModelConfig::preset("tiny");
+  model::InitOptions init;
+  init.seed = 13;
+  model::write_random_checkpoint(config, dir.path() / "model", init);
+  fs::copy(kExample / "media", dir.path() / "media");
+  fs::copy_file(kExample / "chat.jsonl", dir.path() / "chat.jsonl");
+  const auto recipe = [&](const fs::path& out, int steps) {
+    return Recipe::parse(fmt::format(R"(
+[model]
+path = "{model}"
+tokenizer = "{tokenizer}"
+[data]
+files = ["{data}"]
+media_root = "{media}"
+max_length = 200
+pack_max_length = 200
+[train]
+total_steps = {steps}
+seed = 5
+[optimizer]
+lr = 1e-3
+[output]
+dir = "{out}"
+save_every = 0
+)",
+                                     fmt::arg("model", (dir.path() / "model").string()),
+                                     fmt::arg("tokenizer", kProcessor.string()),
+                                     fmt::arg("data", (dir.path() / "chat.jsonl").string()),
+                                     fmt::arg("media", dir.path().string()),
+                                     fmt::arg("out", out.string()), fmt::arg("steps", steps)),
+                         "prefetch recipe");
+  };
+  TrainerOptions with, without;
+  with.print_steps = without.print_steps = false;
+  without.prefetch_media = false;
+  const TrainSummary a = run_training(recipe(dir.path() / "with", 4), with);
+  const TrainSummary b = run_training(recipe(dir.path() / "without", 4), without);
+  ASSERT_EQ(a.steps.size(), 4u);
+  ASSERT_EQ(b.steps.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1;
+    EXPECT_EQ(a.steps[i].grad_norm, b.steps[i].grad_norm) << "step " << i + 1;
+  }
+
+  // Line LINE's image replaced by a copy truncated after its first 2000 bytes: the header probe of
+  // the scan still reads it, the decoding of its pixels fails when a pack needs them. Both runs
+  // stop at the same step with the same message; with this seed that conversation is in the
+  // third pack, so the prefetch (started during step 2) meets the failure and step 3 reports it.
+  constexpr int kLine = 4;
+  {
+    std::ifstream in(dir.path() / "chat.jsonl");
+    std::vector<std::string> lines;
+    for (std::string l; std::getline(in, l);) lines.push_back(l);
+    std::string& line = lines.at(kLine - 1);
+    for (const char* image :
+         {"media/chelsea.jpg", "media/astronaut.jpg", "media/newtonscradle.png"})
+      for (size_t at; (at = line.find(image)) != std::string::npos;)
+        line.replace(at, std::string(image).size(), "media/broken.jpg");
+    std::ofstream out(dir.path() / "chat.jsonl");
+    for (const std::string& l : lines) out << l << "\n";
+  }
+  fs::copy_file(kExample / "media" / "astronaut.jpg", dir.path() / "media" / "broken.jpg");
+  fs::resize_file(dir.path() / "media" / "broken.jpg", 2000);
+  std::vector<std::string> messages;
+  std::vector<int64_t> done;
+  for (TrainerOptions* options : {&with, &without}) {
+    const fs::path out = dir.path() / (options->prefetch_media ? "broken-with" : "broken-without");
+    int64_t last = 0;
+    options->on_step = [&](const StepMetrics& m) { last = m.step; };
+    try {
+      run_training(recipe(out, 4), *options);
+      ADD_FAILURE() << "a run over an undecodable image finished";
+    } catch (const Error& e) {
+      messages.push_back(e.what());
+    }
+    done.push_back(last);
+  }
+  ASSERT_EQ(messages.size(), 2u);
+  EXPECT_EQ(messages[0], messages[1]);
+  EXPECT_NE(messages[0].find("broken.jpg"), std::string::npos) << messages[0];
+  EXPECT_NE(messages[0].find("chat.jsonl:" + std::to_string(kLine)), std::string::npos)
+      << messages[0];
+  EXPECT_EQ(done[0], done[1]);
+  EXPECT_EQ(done[0], 2) << "the broken conversation is no longer in the third pack: "
+                        << messages[0];
 }
 
 TEST(VisionTrain, ReleasedMediaIdsTrainTextAndStopMediaBeforeTheFirstStep) {

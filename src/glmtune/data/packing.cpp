@@ -198,6 +198,13 @@ Pack PackSampler::next() {
   return p;
 }
 
+std::vector<std::vector<int64_t>> PackSampler::peek(int64_t n) const {
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t i = index_; i < packs_in_epoch() && i < index_ + n; ++i)
+    out.push_back(plan_[static_cast<size_t>(i)]);
+  return out;
+}
+
 nlohmann::json PackSampler::save_state() const {
   return {{"format", kStateFormat},
           {"version", kStateVersion},

@@ -79,6 +79,9 @@ class PackSampler {
   int64_t packs_in_epoch() const { return static_cast<int64_t>(plan_.size()); }
   // Sample indices of the packs of the current epoch.
   const std::vector<std::vector<int64_t>>& plan() const { return plan_; }
+  // Sample indices of the next `n` packs `next` will return, as far as the current epoch goes
+  // (fewer, possibly none, at its end); the position does not move.
+  std::vector<std::vector<int64_t>> peek(int64_t n) const;
 
   // Position (epoch, index in epoch, seed) plus what must match for a resume to reproduce the
   // same packs: the source's fingerprint and the packing settings.

@@ -89,7 +89,16 @@ StepSums forward_backward(TrainingRun& run, const PackBatch& batch) {
   for (auto& [name, g] : run.grads.named)
     if (g.defined()) g.zero_();
   if (run.layout.layers) run.layout.layers->zero_gradients();
-  if (run.vl) run.vl->step().zero();
+  if (run.vl) {
+    run.vl->step().zero();
+    // The next step's packs of this rank decode on a host thread while this step computes.
+    std::vector<std::vector<int64_t>> next =
+        run.sampler.peek(run.recipe.micro_packs * run.layout.dp);
+    const size_t mine = size_t(run.layout.dp_rank * run.recipe.micro_packs);
+    next.erase(next.begin(), next.begin() + std::min(mine, next.size()));
+    if (next.size() > size_t(run.recipe.micro_packs)) next.resize(size_t(run.recipe.micro_packs));
+    run.vl->prefetch(next);
+  }
   StepSums sums;
   sums.mtp.assign(size_t(topt.mtp_depths), 0.0);
   const size_t first = size_t(run.layout.dp_rank * run.recipe.micro_packs);

@@ -28,6 +28,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   const ResumePoint* resume_point = resume ? &*resume : nullptr;
   TrainingData data(recipe, tok_dir);
   VlTraining* const vl = data.vl();
+  if (vl) vl->set_prefetch(options.prefetch_media);
 
   // The weights, then the optimizer that owns them from here on (trainer_optimizer.h), restored
   // from the checkpoint before the model is built from the store.

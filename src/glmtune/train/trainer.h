@@ -59,6 +59,9 @@ struct TrainerOptions {
   // buffers by internal parameter name (tests use it to inject a non-finite gradient).
   std::function<void(int64_t step, const std::function<Tensor&(const std::string&)>& grad)>
       on_gradients;
+  // Vision-language data: decode the next step's media on a host thread while a step computes
+  // (train/vl_batch.h, VlTraining::prefetch). Off, each pack's media decode when it is trained.
+  bool prefetch_media = true;
 };
 
 struct TrainSummary {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "glmtune/base/error.h"
@@ -150,14 +151,17 @@ std::string VlDataset::where(int64_t i) const {
   return fmt::format("{}:{}", e.file, e.line);
 }
 
-model::PackMedia pack_media(const VlDataset& dataset, const data::Pack& pack) {
+model::PackMedia pack_media(const VlDataset& dataset, const data::Pack& pack,
+                            const DecodedSamples* decoded) {
   model::PackMedia media;
   const int64_t total = int64_t(pack.input_ids.size());
   std::vector<int32_t> types(size_t(total), model::kTextToken);
   std::vector<Tensor> images, videos;
   for (size_t d = 0; d < pack.sample_indices.size(); ++d) {
     const int64_t index = pack.sample_indices[d];
-    const VlSample s = dataset.with_pixels(index);
+    const auto found = decoded ? decoded->find(index) : DecodedSamples::const_iterator();
+    const VlSample s =
+        decoded && found != decoded->end() ? found->second : dataset.with_pixels(index);
     const int64_t start = pack.cu_seqlens[d], end = pack.cu_seqlens[d + 1];
     if (end - start != int64_t(s.input_ids.size()) ||
         !std::equal(s.input_ids.begin(), s.input_ids.end(), pack.input_ids.begin() + start))
@@ -291,7 +295,53 @@ model::text::StepPackResult VlTraining::run(const data::Pack& pack,
                                             const model::text::PackInput& input,
                                             const model::text::TrainOptions& train,
                                             model::text::TextGrads& text_grads) {
-  return step_->run(*model_, input, pack_media(*dataset_, pack), train, text_grads);
+  for (int64_t index : pack.sample_indices)
+    if (std::find(pending_samples_.begin(), pending_samples_.end(), index) !=
+        pending_samples_.end()) {
+      collect_prefetch();
+      break;
+    }
+  for (int64_t index : pack.sample_indices)
+    if (auto e = ready_.errors.find(index); e != ready_.errors.end()) {
+      const std::exception_ptr error = e->second;
+      ready_.errors.erase(e);
+      std::rethrow_exception(error);
+    }
+  const model::PackMedia media = pack_media(*dataset_, pack, &ready_.samples);
+  for (int64_t index : pack.sample_indices) ready_.samples.erase(index);
+  return step_->run(*model_, input, media, train, text_grads);
+}
+
+void VlTraining::collect_prefetch() {
+  if (!pending_.valid()) return;
+  Decoded d = pending_.get();
+  ready_.samples.merge(d.samples);
+  ready_.errors.merge(d.errors);
+  pending_samples_.clear();
+}
+
+void VlTraining::prefetch(const std::vector<std::vector<int64_t>>& next) {
+  if (!prefetch_on_) return;
+  // The previous prefetch holds this step's packs: it had the whole last step to finish.
+  collect_prefetch();
+  std::vector<int64_t> samples;
+  for (const auto& pack : next)
+    for (int64_t index : pack)
+      if (!ready_.samples.count(index)) samples.push_back(index);
+  if (samples.empty()) return;
+  pending_samples_ = samples;
+  const VlDataset* dataset = dataset_.get();
+  pending_ = std::async(std::launch::async, [dataset, samples] {
+    Decoded d;
+    for (int64_t index : samples) {
+      try {
+        d.samples.emplace(index, dataset->with_pixels(index));
+      } catch (...) {
+        d.errors.emplace(index, std::current_exception());
+      }
+    }
+    return d;
+  });
 }
 
 }  // namespace glmtune::train

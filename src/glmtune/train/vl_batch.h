@@ -15,7 +15,10 @@
 // on_overlong = "drop", skipped and counted).
 
 #include <cstdint>
+#include <exception>
 #include <filesystem>
+#include <future>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -80,10 +83,15 @@ class VlDataset : public data::SampleSource {
   data::DatasetStats stats_;
 };
 
+// Samples processed with their pixels, by dataset index.
+using DecodedSamples = std::map<int64_t, data::media::VlSample>;
+
 // The media of `pack` (built by data::build_pack / PackSampler from `dataset`): pixel rows and
 // grids of every document's images and videos in pack order, and mm_token_type_ids over the whole
-// pack. Checks that each document's tokens are the sample's.
-model::PackMedia pack_media(const VlDataset& dataset, const data::Pack& pack);
+// pack. Checks that each document's tokens are the sample's. Samples found in `decoded` (decoded
+// ahead of time) are taken from there, the others decoded now.
+model::PackMedia pack_media(const VlDataset& dataset, const data::Pack& pack,
+                            const DecodedSamples* decoded = nullptr);
 
 // The vision side of a training step: released-layout gradient buffers for the optimizer and the
 // composed forward/backward of one pack.
@@ -154,10 +162,19 @@ class VlTraining {
   model::VisionLanguageModel& model() { return *model_; }
   VlTrainStep& step() { return *step_; }
 
-  // One pack of the step (its media decoded now).
+  // One pack of the step: its media come from the prefetch when it decoded them, else they are
+  // decoded now.
   model::text::StepPackResult run(const data::Pack& pack, const model::text::PackInput& input,
                                   const model::text::TrainOptions& train,
                                   model::text::TextGrads& text_grads);
+
+  // Starts decoding the media of the packs `next` (sample indices per pack, the sampler's peek)
+  // on a host thread, so that the next step's packs are ready when it starts: the GPU (or the
+  // CPU's compute) does not wait on JPEG or FFmpeg in steady state. A failure to decode is thrown
+  // by the run() that needs the sample, naming its file and line, as without the prefetch.
+  void prefetch(const std::vector<std::vector<int64_t>>& next);
+  // Turns the prefetch off (on by default); the packs are then decoded in run().
+  void set_prefetch(bool on) { prefetch_on_ = on; }
 
  private:
   model::ComposeOptions options_;
@@ -165,6 +182,17 @@ class VlTraining {
   std::unique_ptr<VlDataset> dataset_;
   std::unique_ptr<model::VisionLanguageModel> model_;
   std::unique_ptr<VlTrainStep> step_;
+  bool prefetch_on_ = true;
+  // The prefetch in flight: each sample decoded, or the error that stopped it.
+  struct Decoded {
+    DecodedSamples samples;
+    std::map<int64_t, std::exception_ptr> errors;
+  };
+  std::future<Decoded> pending_;
+  std::vector<int64_t> pending_samples_;  // the samples `pending_` decodes
+  Decoded ready_;  // what earlier prefetches decoded and no pack has used yet
+  // Waits for the prefetch in flight and keeps what it decoded.
+  void collect_prefetch();
 };
 
 }  // namespace glmtune::train
