@@ -85,7 +85,12 @@ for t in "${ordered[@]}"; do
   fi
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
-  crashes=$(find "$artifacts" -type f | wc -l)
+  # crash-, leak-, timeout- and oom- inputs are failures; a slow-unit- input is an input that ran
+  # longer than -report_slow_units seconds (on a loaded machine, often the load's doing): counted
+  # apart, to be rerun alone.
+  crashes=$(find "$artifacts" -type f ! -name 'slow-unit-*' | wc -l)
+  slow=$(find "$artifacts" -type f -name 'slow-unit-*' | wc -l)
+  [ "$slow" -gt 0 ] && echo "   fuzz_$t: $slow slow unit(s) in $artifacts/ (not failures; time each alone with $build_dir/fuzz/fuzz_$t FILE)"
   if [ "$rc" -ne 0 ] || [ "$crashes" -gt 0 ]; then
     status=1
     echo "   fuzz_$t FAILED (exit $rc); the report is in $log, the inputs in $artifacts/"
