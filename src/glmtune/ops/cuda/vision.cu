@@ -71,23 +71,27 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- attention ---------------------------------------------------------------------------------
 //
-// A block of four warps owns 64 rows (queries in the forward and the dQ kernel, keys in the dK/dV
+// A block of eight warps owns 128 rows (queries in the forward and the dQ kernel, keys in the dK/dV
 // kernel), 16 per warp, and streams the other side of the segment through shared memory 64 rows
-// at a time. Tiles are [64][D + 8] bf16: the 8-element pad puts the rows of every fragment load
-// on distinct banks. Scores are kept in base-2 units (scale · log2 e folded in), so exp2 replaces
-// exp.
+// at a time, double-buffered (the next 64 rows load with cp.async while the MMAs run on these).
+// Tiles are [rows][D + 8] bf16: the 8-element pad puts the rows of every ldmatrix on distinct
+// banks. Scores are kept in base-2 units (scale · log2 e folded in), so exp2 replaces exp.
 
-constexpr int kRows = 64;
-constexpr int kAttnThreads = 128;
+constexpr int kWarps = 8;
+constexpr int kOwnRows = 16 * kWarps;  // the block's own rows
+constexpr int kOtherRows = 64;         // rows of the other side per step
+constexpr int kAttnThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.69314718055994531f;
 
 template <int D>
 constexpr int kLd = D + 8;
 template <int D>
-constexpr int kTileElems = kRows* kLd<D>;
+constexpr int kOwnElems = kOwnRows* kLd<D>;
+template <int D>
+constexpr int kOtherElems = kOtherRows* kLd<D>;
 
-// A unit of work: rows [row0, row_end) of the block's own side (at most 64 of them are the
+// A unit of work: rows [row0, row_end) of the block's own side (at most kOwnRows of them are the
 // block's), and the other side's rows [other0, other_end).
 struct Tile {
   int32_t row0, row_end, other0, other_end;
@@ -99,13 +103,14 @@ __device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, boo
                "r"(valid ? 16 : 0));
 }
 
-// Stages rows [row0, row0 + 64) of a [rows, ·] matrix (columns from `base`, row stride ld) into a
-// tile; rows at or past row_end become zeros.
-template <int D>
+// Stages rows [row0, row0 + ROWS) of a [rows, ·] matrix (columns from `base`, row stride ld) into
+// a tile; rows at or past row_end become zeros.
+template <int D, int ROWS>
 __device__ __forceinline__ void stage_rows(bf16* tile, const bf16* base, int64_t ld, int64_t row0,
                                            int64_t row_end) {
   constexpr int kChunks = D / 8;
-  for (int e = threadIdx.x; e < kRows * kChunks; e += kAttnThreads) {
+#pragma unroll
+  for (int e = threadIdx.x; e < ROWS * kChunks; e += kAttnThreads) {
     const int r = e / kChunks, c = e % kChunks;
     const bool valid = row0 + r < row_end;
     const bf16* src = valid ? base + (row0 + r) * ld + c * 8 : base;
@@ -118,6 +123,33 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// The A operand (rows m0..m0+15, k-tile k0) from a [m][k] tile (k contiguous), one ldmatrix.
+__device__ __forceinline__ void ldsm_a_mk(const bf16* tile, int ld, int m0, int k0,
+                                          uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31;
+  ldsm_x4(a, tile + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+
+// The B operands of n-tiles n0 and n0 + 8 (k-tile k0) from a [n][k] tile (k contiguous): Bᵀ
+// stored row-major is B column-major, what the MMA takes.
+__device__ __forceinline__ void ldsm_b_nk(const bf16* tile, int ld, int n0, int k0,
+                                          uint32_t (&b0)[2], uint32_t (&b1)[2]) {
+  const int lane = threadIdx.x & 31;
+  uint32_t r[4];
+  ldsm_x4(r, tile + (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+  b0[0] = r[0];
+  b0[1] = r[1];
+  b1[0] = r[2];
+  b1[1] = r[3];
+}
+
 // acc[16 × 64] += A[16 × D] · B[64 × D]ᵀ for this warp: A rows `a_row0..` of tile a, B all 64 rows
 // of tile b (both [row][D], D contiguous).
 template <int D>
@@ -126,12 +158,13 @@ __device__ __forceinline__ void product_abt(float (&acc)[8][4], const bf16* a, i
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     uint32_t fa[4];
-    tc::lds_a_mk(a, kLd<D>, a_row0, kk * 16, fa);
+    ldsm_a_mk(a, kLd<D>, a_row0, kk * 16, fa);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      uint32_t fb[2];
-      tc::lds_b_nk(b, kLd<D>, nt * 8, kk * 16, fb);
-      tc::mma(acc[nt], fa, fb);
+    for (int nt = 0; nt < 8; nt += 2) {
+      uint32_t b0[2], b1[2];
+      ldsm_b_nk(b, kLd<D>, nt * 8, kk * 16, b0, b1);
+      tc::mma(acc[nt], fa, b0);
+      tc::mma(acc[nt + 1], fa, b1);
     }
   }
 }
@@ -170,32 +203,41 @@ struct AttnArgs {
   float scale_log2;  // scale · log2 e
 };
 
-// Forward: one block per (tile of 64 query rows, head).
+// Forward: one block per (tile of 128 query rows, head).
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads)
     attn_forward_kernel(AttnArgs a, bf16* __restrict__ out, float* __restrict__ lse) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem);
-  bf16* s_k = s_q + kTileElems<D>;
-  bf16* s_v = s_k + kTileElems<D>;
+  bf16* s_k = s_q + kOwnElems<D>;        // two buffers
+  bf16* s_v = s_k + 2 * kOtherElems<D>;  // two buffers
   const Tile t = a.tiles[blockIdx.x];
   const int h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   const int64_t col0 = int64_t(h) * D;
+  auto stage_keys = [&](int buf, int kb) {
+    stage_rows<D, kOtherRows>(s_k + buf * kOtherElems<D>, a.k + col0, a.ldk, kb, t.other_end);
+    stage_rows<D, kOtherRows>(s_v + buf * kOtherElems<D>, a.v + col0, a.ldv, kb, t.other_end);
+  };
 
-  stage_rows<D>(s_q, a.q + col0, a.ldq, t.row0 - a.q_begin, t.row_end - a.q_begin);
+  stage_rows<D, kOwnRows>(s_q, a.q + col0, a.ldq, t.row0 - a.q_begin, t.row_end - a.q_begin);
+  stage_keys(0, t.other0);
+  tc::cp_async_commit();
   float o[D / 8][4] = {};
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  for (int kb = t.other0; kb < t.other_end; kb += kRows) {
-    __syncthreads();  // every warp is done with the previous keys
-    stage_rows<D>(s_k, a.k + col0, a.ldk, kb, t.other_end);
-    stage_rows<D>(s_v, a.v + col0, a.ldv, kb, t.other_end);
-    tc::cp_async_commit();
+  int buf = 0;
+  for (int kb = t.other0; kb < t.other_end; kb += kOtherRows, buf ^= 1) {
     tc::cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // this buffer landed; every warp is done with the other one
+    if (kb + kOtherRows < t.other_end) {
+      stage_keys(buf ^ 1, kb + kOtherRows);
+      tc::cp_async_commit();
+    }
+    const bf16* keys = s_k + buf * kOtherElems<D>;
+    const bf16* values = s_v + buf * kOtherElems<D>;
 
     float s[8][4] = {};
-    product_abt<D>(s, s_q, warp * 16, s_k);
+    product_abt<D>(s, s_q, warp * 16, keys);
     const int valid = t.other_end - kb;
     float mx0 = m0, mx1 = m1;
 #pragma unroll
@@ -236,7 +278,7 @@ __global__ void __launch_bounds__(kAttnThreads)
       l0 += s[nt][0] + s[nt][1];
       l1 += s[nt][2] + s[nt][3];
     }
-    product_pb<D>(o, s, s_v);
+    product_pb<D>(o, s, values);
   }
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) {
@@ -276,7 +318,7 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) delta[item] = sum;
 }
 
-// dQ: one block per (tile of 64 query rows, head); dQ = scale · dS · K with
+// dQ: one block per (tile of 128 query rows, head); dQ = scale · dS · K with
 // dS = P ⊙ (dO·Vᵀ − delta), P recomputed from the saved log-sum-exp.
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads)
@@ -284,9 +326,9 @@ __global__ void __launch_bounds__(kAttnThreads)
                    bf16* __restrict__ dq) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem);
-  bf16* s_do = s_q + kTileElems<D>;
-  bf16* s_k = s_do + kTileElems<D>;
-  bf16* s_v = s_k + kTileElems<D>;
+  bf16* s_do = s_q + kOwnElems<D>;
+  bf16* s_k = s_do + kOwnElems<D>;       // two buffers
+  bf16* s_v = s_k + 2 * kOtherElems<D>;  // two buffers
   const Tile t = a.tiles[blockIdx.x];
   const int h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
@@ -297,21 +339,30 @@ __global__ void __launch_bounds__(kAttnThreads)
   const float lse1 = r1 < t.row_end ? lse[(r1 - a.q_begin) * a.heads + h] * kLog2e : INFINITY;
   const float d0 = r0 < t.row_end ? delta[(r0 - a.q_begin) * a.heads + h] : 0.f;
   const float d1 = r1 < t.row_end ? delta[(r1 - a.q_begin) * a.heads + h] : 0.f;
+  auto stage_keys = [&](int buf, int kb) {
+    stage_rows<D, kOtherRows>(s_k + buf * kOtherElems<D>, a.k + col0, a.ldk, kb, t.other_end);
+    stage_rows<D, kOtherRows>(s_v + buf * kOtherElems<D>, a.v + col0, a.ldv, kb, t.other_end);
+  };
 
-  stage_rows<D>(s_q, a.q + col0, a.ldq, t.row0 - a.q_begin, t.row_end - a.q_begin);
-  stage_rows<D>(s_do, a.dout + col0, a.ldo, t.row0 - a.q_begin, t.row_end - a.q_begin);
+  stage_rows<D, kOwnRows>(s_q, a.q + col0, a.ldq, t.row0 - a.q_begin, t.row_end - a.q_begin);
+  stage_rows<D, kOwnRows>(s_do, a.dout + col0, a.ldo, t.row0 - a.q_begin, t.row_end - a.q_begin);
+  stage_keys(0, t.other0);
+  tc::cp_async_commit();
   float acc[D / 8][4] = {};
-  for (int kb = t.other0; kb < t.other_end; kb += kRows) {
-    __syncthreads();
-    stage_rows<D>(s_k, a.k + col0, a.ldk, kb, t.other_end);
-    stage_rows<D>(s_v, a.v + col0, a.ldv, kb, t.other_end);
-    tc::cp_async_commit();
+  int buf = 0;
+  for (int kb = t.other0; kb < t.other_end; kb += kOtherRows, buf ^= 1) {
     tc::cp_async_wait<0>();
     __syncthreads();
+    if (kb + kOtherRows < t.other_end) {
+      stage_keys(buf ^ 1, kb + kOtherRows);
+      tc::cp_async_commit();
+    }
+    const bf16* keys = s_k + buf * kOtherElems<D>;
+    const bf16* values = s_v + buf * kOtherElems<D>;
 
     float p[8][4] = {}, dp[8][4] = {};
-    product_abt<D>(p, s_q, warp * 16, s_k);
-    product_abt<D>(dp, s_do, warp * 16, s_v);
+    product_abt<D>(p, s_q, warp * 16, keys);
+    product_abt<D>(dp, s_do, warp * 16, values);
     const int valid = t.other_end - kb;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
@@ -322,7 +373,7 @@ __global__ void __launch_bounds__(kAttnThreads)
             col < valid ? exp2f(p[nt][e] * a.scale_log2 - (e < 2 ? lse0 : lse1)) : 0.f;
         p[nt][e] = prob * (dp[nt][e] - (e < 2 ? d0 : d1));
       }
-    product_pb<D>(acc, p, s_k);
+    product_pb<D>(acc, p, keys);
   }
   if (r0 < t.row_end) {
     bf16* dst = dq + (r0 - a.q_begin) * int64_t(a.heads) * D + col0 + 2 * tq;
@@ -338,7 +389,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 }
 
-// dK and dV: one block per (tile of 64 key rows, head), over the query rows of the segment:
+// dK and dV: one block per (tile of 128 key rows, head), over the query rows of the segment:
 // dV = Pᵀ·dO, dK = scale · dSᵀ·Q, computed transposed (keys as the rows of every product).
 template <int D>
 __global__ void __launch_bounds__(kAttnThreads)
@@ -346,47 +397,61 @@ __global__ void __launch_bounds__(kAttnThreads)
                      bf16* __restrict__ dk, bf16* __restrict__ dv) {
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* s_k = reinterpret_cast<bf16*>(smem);
-  bf16* s_v = s_k + kTileElems<D>;
-  bf16* s_q = s_v + kTileElems<D>;
-  bf16* s_do = s_q + kTileElems<D>;
-  float* s_lse = reinterpret_cast<float*>(s_do + kTileElems<D>);
-  float* s_delta = s_lse + kRows;
+  bf16* s_v = s_k + kOwnElems<D>;
+  bf16* s_q = s_v + kOwnElems<D>;                                      // two buffers
+  bf16* s_do = s_q + 2 * kOtherElems<D>;                               // two buffers
+  float* s_lse = reinterpret_cast<float*>(s_do + 2 * kOtherElems<D>);  // two buffers
+  float* s_delta = s_lse + 2 * kOtherRows;                             // two buffers
   const Tile t = a.tiles[blockIdx.x];
   const int h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   const int64_t col0 = int64_t(h) * D;
-
-  stage_rows<D>(s_k, a.k + col0, a.ldk, t.row0, t.row_end);
-  stage_rows<D>(s_v, a.v + col0, a.ldv, t.row0, t.row_end);
-  float acc_k[D / 8][4] = {}, acc_v[D / 8][4] = {};
-  for (int qb = t.other0; qb < t.other_end; qb += kRows) {
-    __syncthreads();
-    stage_rows<D>(s_q, a.q + col0, a.ldq, qb - a.q_begin, t.other_end - a.q_begin);
-    stage_rows<D>(s_do, a.dout + col0, a.ldo, qb - a.q_begin, t.other_end - a.q_begin);
-    if (threadIdx.x < kRows) {
+  auto stage_queries = [&](int buf, int qb) {
+    stage_rows<D, kOtherRows>(s_q + buf * kOtherElems<D>, a.q + col0, a.ldq, qb - a.q_begin,
+                              t.other_end - a.q_begin);
+    stage_rows<D, kOtherRows>(s_do + buf * kOtherElems<D>, a.dout + col0, a.ldo, qb - a.q_begin,
+                              t.other_end - a.q_begin);
+    if (threadIdx.x < kOtherRows) {
       const int64_t r = qb + threadIdx.x;
       const bool in = r < t.other_end;
       // Query rows past the range get P = 0 (exp2(finite − ∞)).
-      s_lse[threadIdx.x] = in ? lse[(r - a.q_begin) * a.heads + h] * kLog2e : INFINITY;
-      s_delta[threadIdx.x] = in ? delta[(r - a.q_begin) * a.heads + h] : 0.f;
+      s_lse[buf * kOtherRows + threadIdx.x] =
+          in ? lse[(r - a.q_begin) * a.heads + h] * kLog2e : INFINITY;
+      s_delta[buf * kOtherRows + threadIdx.x] = in ? delta[(r - a.q_begin) * a.heads + h] : 0.f;
     }
-    tc::cp_async_commit();
+  };
+
+  stage_rows<D, kOwnRows>(s_k, a.k + col0, a.ldk, t.row0, t.row_end);
+  stage_rows<D, kOwnRows>(s_v, a.v + col0, a.ldv, t.row0, t.row_end);
+  stage_queries(0, t.other0);
+  tc::cp_async_commit();
+  float acc_k[D / 8][4] = {}, acc_v[D / 8][4] = {};
+  int buf = 0;
+  for (int qb = t.other0; qb < t.other_end; qb += kOtherRows, buf ^= 1) {
     tc::cp_async_wait<0>();
     __syncthreads();
+    if (qb + kOtherRows < t.other_end) {
+      stage_queries(buf ^ 1, qb + kOtherRows);
+      tc::cp_async_commit();
+    }
+    const bf16* queries = s_q + buf * kOtherElems<D>;
+    const bf16* douts = s_do + buf * kOtherElems<D>;
+    const float* lse_b = s_lse + buf * kOtherRows;
+    const float* delta_b = s_delta + buf * kOtherRows;
 
     float p[8][4] = {}, dp[8][4] = {};
-    product_abt<D>(p, s_k, warp * 16, s_q);
-    product_abt<D>(dp, s_v, warp * 16, s_do);
+    product_abt<D>(p, s_k, warp * 16, queries);
+    product_abt<D>(dp, s_v, warp * 16, douts);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = nt * 8 + 2 * tq + (e & 1);
-        p[nt][e] = exp2f(p[nt][e] * a.scale_log2 - s_lse[col]);
-        dp[nt][e] = p[nt][e] * (dp[nt][e] - s_delta[col]);
+        p[nt][e] = exp2f(p[nt][e] * a.scale_log2 - lse_b[col]);
+        dp[nt][e] = p[nt][e] * (dp[nt][e] - delta_b[col]);
       }
-    product_pb<D>(acc_v, p, s_do);
-    product_pb<D>(acc_k, dp, s_q);
+    product_pb<D>(acc_v, p, douts);
+    product_pb<D>(acc_k, dp, queries);
   }
   const int64_t ld = int64_t(a.heads) * D;
   const int64_t k0 = int64_t(t.row0) + warp * 16 + g, k1 = k0 + 8;
@@ -432,8 +497,8 @@ void check_operand(const Tensor& t, int64_t rows, int64_t cols, Device device, c
           "] on the device of q, with unit column stride and 16-byte aligned rows");
 }
 
-// Tiles of 64 rows: the query tiles (rows of q, keys of their segment) and the key tiles (rows of
-// the segments that hold a query row, those query rows).
+// Tiles of kOwnRows rows: the query tiles (rows of q, keys of their segment) and the key tiles
+// (rows of the segments that hold a query row, those query rows).
 struct Schedule {
   std::vector<int32_t> query_tiles, key_tiles;
 };
@@ -446,10 +511,10 @@ Schedule schedule(const std::vector<int64_t>& cu, int64_t q_begin, int64_t q_row
     const int64_t start = cu[i], end = cu[i + 1];
     const int64_t first = std::max(start, q_begin), last = std::min(end, q_begin + q_rows);
     if (first >= last) continue;
-    for (int64_t r = first; r < last; r += kRows)
+    for (int64_t r = first; r < last; r += kOwnRows)
       s.query_tiles.insert(s.query_tiles.end(),
                            {int32_t(r), int32_t(last), int32_t(start), int32_t(end)});
-    for (int64_t r = start; r < end; r += kRows)
+    for (int64_t r = start; r < end; r += kOwnRows)
       s.key_tiles.insert(s.key_tiles.end(),
                          {int32_t(r), int32_t(end), int32_t(first), int32_t(last)});
   }
@@ -599,8 +664,9 @@ void varlen_attention(Tensor& out, Tensor& lse, const Tensor& q, const Tensor& k
   a.ldo = d;
   dispatch_head_dim(hd, op, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    launch_attention(attn_forward_kernel<D>, s.query_tiles, heads, 3 * kTileElems<D> * 2,
-                     q.device(), a, static_cast<bf16*>(out.data_ptr()), lse.data<float>());
+    launch_attention(attn_forward_kernel<D>, s.query_tiles, heads,
+                     (kOwnElems<D> + 4 * kOtherElems<D>)*2, q.device(), a,
+                     static_cast<bf16*>(out.data_ptr()), lse.data<float>());
   });
 }
 
@@ -640,12 +706,12 @@ void varlen_attention_backward(Tensor& dq, Tensor& dk, Tensor& dv, const Tensor&
   a.ldo = dout.stride(0);
   dispatch_head_dim(hd, op, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    const int tile_bytes = kTileElems<D> * 2;
+    const int tile_bytes = (2 * kOwnElems<D> + 4 * kOtherElems<D>)*2;
     launch_attention(attn_dkdv_kernel<D>, s.key_tiles, heads,
-                     4 * tile_bytes + 2 * kRows * int(sizeof(float)), q.device(), a,
+                     tile_bytes + 4 * kOtherRows * int(sizeof(float)), q.device(), a,
                      lse.data<float>(), static_cast<const float*>(delta.data<float>()),
                      static_cast<bf16*>(dk.data_ptr()), static_cast<bf16*>(dv.data_ptr()));
-    launch_attention(attn_dq_kernel<D>, s.query_tiles, heads, 4 * tile_bytes, q.device(), a,
+    launch_attention(attn_dq_kernel<D>, s.query_tiles, heads, tile_bytes, q.device(), a,
                      static_cast<const float*>(lse.data<float>()),
                      static_cast<const float*>(delta.data<float>()),
                      static_cast<bf16*>(dq.data_ptr()));

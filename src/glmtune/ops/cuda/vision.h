@@ -5,12 +5,13 @@
 //     tables [N, hd]; every element computed in fp32 and rounded once.
 //   - gelu_erf / gelu_erf_backward: exact GELU in place, fp32 arithmetic on bf16 or f32 storage.
 //   - varlen_attention: bidirectional softmax attention within the segments of a pack, a
-//     flash-attention kernel on tensor cores (mma.sync m16n8k16, bf16 operands, fp32
-//     accumulation): 64 query rows per block, keys streamed through shared memory 64 at a time,
-//     online softmax in fp32, never an [N, N] matrix. It also writes the natural-log
-//     log-sum-exp of every row's scaled scores (f32 [Nq, H]), which the backward reads.
+//     flash-attention kernel on tensor cores (mma.sync m16n8k16 fed by ldmatrix, bf16 operands,
+//     fp32 accumulation): 128 query rows per block of eight warps, keys and values streamed
+//     through double-buffered shared memory 64 at a time, online softmax in fp32, never an
+//     [N, N] matrix. It also writes the natural-log log-sum-exp of every row's scaled scores (f32
+//     [Nq, H]), which the backward reads.
 //   - varlen_attention_backward: two kernels without atomics (so reruns are bit-identical): one
-//     block per 64 keys accumulates dK and dV over the segment's query rows, one block per 64
+//     block per 128 keys accumulates dK and dV over the segment's query rows, one block per 128
 //     query rows accumulates dQ over the segment's keys; both recompute the probabilities from
 //     the saved log-sum-exp. P and dS enter the products rounded to bf16, as in flash attention.
 //
