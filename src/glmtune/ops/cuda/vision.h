@@ -11,8 +11,8 @@
 //     [N, N] matrix. It also writes the natural-log log-sum-exp of every row's scaled scores (f32
 //     [Nq, H]), which the backward reads.
 //   - varlen_attention_backward: two kernels without atomics (so reruns are bit-identical): one
-//     block per 128 keys accumulates dK and dV over the segment's query rows, one block per 128
-//     query rows accumulates dQ over the segment's keys; both recompute the probabilities from
+//     block of four warps per 64 keys accumulates dK and dV over the segment's query rows, one per
+//     64 query rows accumulates dQ over the segment's keys; both recompute the probabilities from
 //     the saved log-sum-exp. P and dS enter the products rounded to bf16, as in flash attention.
 //
 // q, k, v, dout: bf16 [rows, H·hd] with unit inner stride and any row stride that keeps 16-byte
