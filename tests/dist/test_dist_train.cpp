@@ -37,6 +37,17 @@ const std::string kBinary = GLMTUNE_BINARY;
 const std::string kMpiexec = GLMTUNE_MPIEXEC;
 constexpr int64_t kGlobalPacks = 4;
 
+// The checkpoint at `bf16` with every tensor stored in f32, at `out`.
+fs::path f32_copy(const fs::path& bf16, const fs::path& out) {
+  using namespace glmtune;
+  const io::CheckpointReader reader = io::CheckpointReader::open(bf16);
+  io::CheckpointWriter writer(out);
+  for (const auto& name : reader.names()) writer.add(name, reader.tensor(name).to(DType::f32));
+  writer.finish();
+  fs::copy_file(bf16 / "config.json", out / "config.json");
+  return out;
+}
+
 // The tiny model, in the released bf16 layout or (`f32`) with every tensor stored in f32. With
 // bf16 storage a master weight that differs in its last f32 bit (reduction order) now and then
 // rounds to a neighbouring bf16 value, and over 10 steps that grows past the 1e-5 the curves are
@@ -51,16 +62,7 @@ const fs::path& tiny_model(bool f32) {
                                             options);
     return p;
   }();
-  static const fs::path wide = [] {
-    using namespace glmtune;
-    const fs::path p = dir / "tiny-f32";
-    const io::CheckpointReader reader = io::CheckpointReader::open(bf16);
-    io::CheckpointWriter writer(p);
-    for (const auto& name : reader.names()) writer.add(name, reader.tensor(name).to(DType::f32));
-    writer.finish();
-    fs::copy_file(bf16 / "config.json", p / "config.json");
-    return p;
-  }();
+  static const fs::path wide = f32_copy(bf16, dir / "tiny-f32");
   return f32 ? wide : bf16;
 }
 
@@ -80,14 +82,8 @@ const fs::path& tiny_model_unambiguous() {
                     {"text_config.index_topk", "1024"}});
     model::InitOptions options;
     options.seed = 11;
-    const fs::path bf16 = dir / "bf16", p = dir / "f32";
-    model::write_random_checkpoint(config, bf16, options);
-    const io::CheckpointReader reader = io::CheckpointReader::open(bf16);
-    io::CheckpointWriter writer(p);
-    for (const auto& name : reader.names()) writer.add(name, reader.tensor(name).to(DType::f32));
-    writer.finish();
-    fs::copy_file(bf16 / "config.json", p / "config.json");
-    return p;
+    model::write_random_checkpoint(config, dir / "bf16", options);
+    return f32_copy(dir / "bf16", dir / "f32");
   }();
   return path;
 }

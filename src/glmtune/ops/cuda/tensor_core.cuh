@@ -104,6 +104,31 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// The A operand (rows m0..m0+15, k-tile k0) from a bf16 [m][k] tile (k contiguous): one ldmatrix
+// where lds_a_mk takes four 32-bit loads.
+__device__ __forceinline__ void ldsm_a_mk(const bf16* tile, int ld, int m0, int k0,
+                                          uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31;
+  ldsm_x4(a, tile + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+// The B operands of n-tiles n0 and n0 + 8 (k-tile k0) from a bf16 [n][k] tile (k contiguous):
+// Bᵀ stored row-major is B column-major, what the MMA takes.
+__device__ __forceinline__ void ldsm_b_nk(const bf16* tile, int ld, int n0, int k0,
+                                          uint32_t (&b0)[2], uint32_t (&b1)[2]) {
+  const int lane = threadIdx.x & 31;
+  uint32_t r[4];
+  ldsm_x4(r, tile + (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+  b0[0] = r[0];
+  b0[1] = r[1];
+  b1[0] = r[2];
+  b1[1] = r[3];
+}
 // B operands of n-tiles n0 and n0+8 for k-tile k0 from a bf16 [k][n] tile (n contiguous).
 __device__ __forceinline__ void ldsm_b_kn(const bf16* tile, int ld, int k0, int n0,
                                           uint32_t (&b0)[2], uint32_t (&b1)[2]) {
@@ -177,6 +202,13 @@ __device__ __forceinline__ FragB load_b_f32(const float* __restrict__ tile, int 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src));
+}
+// 16 bytes global → shared, or 16 zero bytes where !valid (src is then not read, but must still
+// be a valid address).
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
+               "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>

@@ -88,7 +88,7 @@ constexpr float kLn2 = 0.69314718055994531f;
 template <int D>
 constexpr int kLd = D + 8;
 template <int D, int W>
-constexpr int kOwnElems = 16 * W * kLd<D>;
+constexpr int kOwnElems = 16 * W* kLd<D>;
 template <int D>
 constexpr int kOtherElems = kOtherRows* kLd<D>;
 
@@ -97,12 +97,6 @@ constexpr int kOtherElems = kOtherRows* kLd<D>;
 struct Tile {
   int32_t row0, row_end, other0, other_end;
 };
-
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
-  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
-               "r"(valid ? 16 : 0));
-}
 
 // Stages rows [row0, row0 + ROWS) of a [rows, ·] matrix (columns from `base`, row stride ld) into
 // a tile; rows at or past row_end become zeros.
@@ -115,40 +109,13 @@ __device__ __forceinline__ void stage_rows(bf16* tile, const bf16* base, int64_t
     const int r = e / kChunks, c = e % kChunks;
     const bool valid = row0 + r < row_end;
     const bf16* src = valid ? base + (row0 + r) * ld + c * 8 : base;
-    cp_async16_zfill(tile + r * kLd<D> + c * 8, src, valid);
+    tc::cp_async16_zfill(tile + r * kLd<D> + c * 8, src, valid);
   }
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
-  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// The A operand (rows m0..m0+15, k-tile k0) from a [m][k] tile (k contiguous), one ldmatrix.
-__device__ __forceinline__ void ldsm_a_mk(const bf16* tile, int ld, int m0, int k0,
-                                          uint32_t (&a)[4]) {
-  const int lane = threadIdx.x & 31;
-  ldsm_x4(a, tile + (m0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
-}
-
-// The B operands of n-tiles n0 and n0 + 8 (k-tile k0) from a [n][k] tile (k contiguous): Bᵀ
-// stored row-major is B column-major, what the MMA takes.
-__device__ __forceinline__ void ldsm_b_nk(const bf16* tile, int ld, int n0, int k0,
-                                          uint32_t (&b0)[2], uint32_t (&b1)[2]) {
-  const int lane = threadIdx.x & 31;
-  uint32_t r[4];
-  ldsm_x4(r, tile + (n0 + (lane & 7) + ((lane >> 4) & 1) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
-  b0[0] = r[0];
-  b0[1] = r[1];
-  b1[0] = r[2];
-  b1[1] = r[3];
 }
 
 // acc[16 × 64] += A[16 × D] · B[64 × D]ᵀ for this warp: A rows `a_row0..` of tile a, B all 64 rows
@@ -159,11 +126,11 @@ __device__ __forceinline__ void product_abt(float (&acc)[8][4], const bf16* a, i
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     uint32_t fa[4];
-    ldsm_a_mk(a, kLd<D>, a_row0, kk * 16, fa);
+    tc::ldsm_a_mk(a, kLd<D>, a_row0, kk * 16, fa);
 #pragma unroll
     for (int nt = 0; nt < 8; nt += 2) {
       uint32_t b0[2], b1[2];
-      ldsm_b_nk(b, kLd<D>, nt * 8, kk * 16, b0, b1);
+      tc::ldsm_b_nk(b, kLd<D>, nt * 8, kk * 16, b0, b1);
       tc::mma(acc[nt], fa, b0);
       tc::mma(acc[nt + 1], fa, b1);
     }
@@ -187,6 +154,24 @@ __device__ __forceinline__ void product_pb(float (&acc)[D / 8][4], const float (
       tc::mma(acc[2 * np], fa, b0);
       tc::mma(acc[2 * np + 1], fa, b1);
     }
+  }
+}
+
+// Runs body(buf, row) for every kOtherRows-row block [row, ...) of [first, end), each staged into
+// buffer `buf` by stage(buf, row) one block ahead (double-buffered); the caller has staged the
+// first block into buffer 0 and committed it.
+template <typename Stage, typename Body>
+__device__ __forceinline__ void for_each_staged_block(int first, int end, Stage&& stage,
+                                                      Body&& body) {
+  int buf = 0;
+  for (int row = first; row < end; row += kOtherRows, buf ^= 1) {
+    tc::cp_async_wait<0>();
+    __syncthreads();  // this buffer landed; every warp is done with the other one
+    if (row + kOtherRows < end) {
+      stage(buf ^ 1, row + kOtherRows);
+      tc::cp_async_commit();
+    }
+    body(buf, row);
   }
 }
 
@@ -228,14 +213,7 @@ __global__ void __launch_bounds__(32 * W)
   tc::cp_async_commit();
   float o[D / 8][4] = {};
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  int buf = 0;
-  for (int kb = t.other0; kb < t.other_end; kb += kOtherRows, buf ^= 1) {
-    tc::cp_async_wait<0>();
-    __syncthreads();  // this buffer landed; every warp is done with the other one
-    if (kb + kOtherRows < t.other_end) {
-      stage_keys(buf ^ 1, kb + kOtherRows);
-      tc::cp_async_commit();
-    }
+  for_each_staged_block(t.other0, t.other_end, stage_keys, [&](int buf, int kb) {
     const bf16* keys = s_k + buf * kOtherElems<D>;
     const bf16* values = s_v + buf * kOtherElems<D>;
 
@@ -282,7 +260,7 @@ __global__ void __launch_bounds__(32 * W)
       l1 += s[nt][2] + s[nt][3];
     }
     product_pb<D>(o, s, values);
-  }
+  });
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, off);
@@ -355,14 +333,7 @@ __global__ void __launch_bounds__(32 * W)
   stage_keys(0, t.other0);
   tc::cp_async_commit();
   float acc[D / 8][4] = {};
-  int buf = 0;
-  for (int kb = t.other0; kb < t.other_end; kb += kOtherRows, buf ^= 1) {
-    tc::cp_async_wait<0>();
-    __syncthreads();
-    if (kb + kOtherRows < t.other_end) {
-      stage_keys(buf ^ 1, kb + kOtherRows);
-      tc::cp_async_commit();
-    }
+  for_each_staged_block(t.other0, t.other_end, stage_keys, [&](int buf, int kb) {
     const bf16* keys = s_k + buf * kOtherElems<D>;
     const bf16* values = s_v + buf * kOtherElems<D>;
 
@@ -380,7 +351,7 @@ __global__ void __launch_bounds__(32 * W)
         p[nt][e] = prob * (dp[nt][e] - (e < 2 ? d0 : d1));
       }
     product_pb<D>(acc, p, keys);
-  }
+  });
   if (r0 < t.row_end) {
     bf16* dst = dq + (r0 - a.q_begin) * int64_t(a.heads) * D + col0 + 2 * tq;
 #pragma unroll
@@ -432,14 +403,7 @@ __global__ void __launch_bounds__(32 * W)
   stage_queries(0, t.other0);
   tc::cp_async_commit();
   float acc_k[D / 8][4] = {}, acc_v[D / 8][4] = {};
-  int buf = 0;
-  for (int qb = t.other0; qb < t.other_end; qb += kOtherRows, buf ^= 1) {
-    tc::cp_async_wait<0>();
-    __syncthreads();
-    if (qb + kOtherRows < t.other_end) {
-      stage_queries(buf ^ 1, qb + kOtherRows);
-      tc::cp_async_commit();
-    }
+  for_each_staged_block(t.other0, t.other_end, stage_queries, [&](int buf, int qb) {
     const bf16* queries = s_q + buf * kOtherElems<D>;
     const bf16* douts = s_do + buf * kOtherElems<D>;
     const float* lse_b = s_lse + buf * kOtherRows;
@@ -458,7 +422,7 @@ __global__ void __launch_bounds__(32 * W)
       }
     product_pb<D>(acc_v, p, douts);
     product_pb<D>(acc_k, dp, queries);
-  }
+  });
   const int64_t ld = int64_t(a.heads) * D;
   const int64_t k0 = int64_t(t.row0) + warp * 16 + g, k1 = k0 + 8;
   if (k0 < t.row_end) {
