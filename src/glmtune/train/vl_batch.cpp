@@ -11,6 +11,16 @@
 namespace glmtune::train {
 namespace {
 
+// Marks a vision parameter trainable unless `options` freeze its part (tower or projector); true
+// for a vision parameter left trainable.
+bool mark_vision_param(NamedParam& p, const model::ComposeOptions& options) {
+  if (!p.name.starts_with("model.visual.")) return false;
+  const bool frozen =
+      model::vision::is_projector_param(p.name) ? options.freeze_projector : options.freeze_vision;
+  p.trainable = !frozen;
+  return !frozen;
+}
+
 namespace fs = std::filesystem;
 using data::media::VlSample;
 
@@ -213,11 +223,7 @@ std::vector<Tensor> VlTrainStep::attach(std::vector<NamedParam>& params) const {
   std::vector<Tensor> out(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     NamedParam& p = params[i];
-    if (!p.name.starts_with("model.visual.")) continue;
-    const bool frozen = model::vision::is_projector_param(p.name) ? options_.freeze_projector
-                                                                  : options_.freeze_vision;
-    p.trainable = !frozen;
-    if (frozen || released_.empty()) continue;
+    if (!mark_vision_param(p, options_) || released_.empty()) continue;
     for (const auto& [name, g] : released_)
       if (name == p.name) out[i] = g;
     GLMTUNE_ASSERT(out[i].defined(), "vision parameter '{}' has no gradient buffer", p.name);
@@ -271,15 +277,21 @@ std::vector<Tensor> VlTraining::attach(std::vector<NamedParam>& params,
   // Before the first step, not at the first pack with media: no step is spent on a doomed run.
   if (dataset_->has_media())
     store.config().require_media_tokens("the training data has images or videos");
+  if (!host_gradients) {
+    // A device optimizer reads the buffers load_model puts beside the tower on its device: no
+    // host copy of the tower is built here, only the parameters' trainable flags are set.
+    for (NamedParam& p : params) mark_vision_param(p, options_);
+    return std::vector<Tensor>(params.size());
+  }
   step_ = std::make_unique<VlTrainStep>(*config, model::vision::VisionParams::from_store(store),
-                                        options_, host_gradients);
+                                        options_);
   return step_->attach(params);
 }
 
 void VlTraining::load_model(const model::ParamStore& store, model::text::TextModelOptions options) {
   model_ = std::make_unique<model::VisionLanguageModel>(store, options);
-  // The gradient buffers beside the tower, in its dtype policy (f32 on a GPU).
-  if (step_ && options.device.is_cuda())
+  // On a GPU the gradient buffers go beside the tower (f32), read there by the device optimizer.
+  if (options.device.is_cuda())
     step_ = std::make_unique<VlTrainStep>(model_->vision_config(), model_->vision(), options_,
                                           /*host_gradients=*/false);
 }
