@@ -320,6 +320,11 @@ std::vector<LeafRow> leaf_rows() {
                     ops::scatter_rows_(dst, {11, 2, 5}, x.narrow(0, 1, 3).contiguous());
                     return {{"gathered", g, 0}, {"scattered into", dst, 0}};
                   }});
+  rows.push_back({"scale_into", [](const Side& s) -> std::vector<Output> {
+                    Tensor x = s.value({9, 40}, 174);
+                    ops::scale_into(x, 0.7071067811865476);  // an adapter's alpha / sqrt(r)
+                    return {{"scaled", x, 1e-2}};
+                  }});
   // The vision tower's ops (ops/vision.h): rotary tables f32 on the GPU.
   rows.push_back({"rope_2d_", [](const Side& s) -> std::vector<Output> {
                     const int64_t N = 24, H = 3, hd = 16;

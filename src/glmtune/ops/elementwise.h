@@ -13,7 +13,7 @@ namespace glmtune::ops {
 // a += b (one shape; a contiguous). On the CPU both share a dtype; on the GPU b may be bf16 or
 // f32 and the sum is rounded once into a's dtype.
 void add_into(Tensor& a, const Tensor& b);
-// a *= s (a contiguous, f32 or f64; CPU only for now: the adapters' scale).
+// a *= s (a contiguous; the adapters' scale): the product in double, rounded once into a's dtype.
 void scale_into(Tensor& a, double s);
 // a + b as a new tensor with a's dtype.
 Tensor add(const Tensor& a, const Tensor& b);

@@ -30,9 +30,10 @@ void add_into(Tensor& a, const Tensor& b) {
 }
 
 void scale_into(Tensor& a, double s) {
-  GLMTUNE_CPU_ONLY("scale_into", a);
-  GLMTUNE_ASSERT(a.is_contiguous() && (a.dtype() == DType::f32 || a.dtype() == DType::f64),
-                 "scale_into: {} must be a contiguous f32 or f64 tensor", a.str());
+  GLMTUNE_ASSERT(a.is_contiguous(), "scale_into: {} must be contiguous", a.str());
+  GLMTUNE_DISPATCH_CUDA(a, cuda_path::scale_into(a, s));
+  GLMTUNE_ASSERT(a.dtype() == DType::f32 || a.dtype() == DType::f64,
+                 "scale_into on the CPU: {} must be f32 or f64", a.str());
   const int64_t n = a.numel();
   if (a.dtype() == DType::f32) {
     float* p = a.data<float>();

@@ -95,6 +95,7 @@ Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit);
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup);
 void add_into(Tensor& a, const Tensor& b);
+void scale_into(Tensor& a, double s);
 Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows);
 void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src);
 

@@ -173,6 +173,11 @@ void add_into(Tensor& a, const Tensor& b) {
   cuda::add_inplace(a, b.contiguous());
 }
 
+void scale_into(Tensor& a, double s) {
+  OpTimer timer("scale_into");
+  cuda::scale_inplace(a, s);
+}
+
 Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows) {
   OpTimer timer("gather_rows");
   return cuda::gather_rows(x, rows);

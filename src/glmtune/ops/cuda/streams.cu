@@ -44,6 +44,13 @@ __global__ void add_kernel(A* __restrict__ a, const B* __restrict__ b, int64_t n
   if (i < n) store(a, i, load(a, i) + load(b, i));
 }
 
+// The product in double, rounded once into a's dtype: the CPU body's rule for an f32 tensor.
+template <typename T>
+__global__ void scale_kernel(T* __restrict__ a, double s, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < n) store(a, i, float(double(load(a, i)) * s));
+}
+
 template <typename T>
 __global__ void gather_kernel(const T* __restrict__ x, const int64_t* __restrict__ rows,
                               T* __restrict__ out, int64_t n, int64_t d) {
@@ -197,6 +204,20 @@ void add_inplace(Tensor& a, const Tensor& b, cudaStream_t stream) {
   else
     add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(static_cast<float*>(ap),
                                                        static_cast<const float*>(bp), n);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void scale_inplace(Tensor& a, double s, cudaStream_t stream) {
+  check_float(a, "a", "cuda::scale_inplace");
+  GLMTUNE_CUDA_OP_REQUIRE(a.is_contiguous(),
+                          "cuda::scale_inplace: " + a.str() + " must be contiguous");
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  detail::DeviceGuard guard(a.device().index);
+  if (a.dtype() == DType::bf16)
+    scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(static_cast<bf16*>(a.data_ptr()), s, n);
+  else
+    scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(a.data<float>(), s, n);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 

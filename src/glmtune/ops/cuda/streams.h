@@ -30,5 +30,7 @@ void scatter_rows(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& s
                   cudaStream_t stream = nullptr);
 // a += b (same shape; a bf16 or f32, b bf16 or f32), rounding once into a's dtype.
 void add_inplace(Tensor& a, const Tensor& b, cudaStream_t stream = nullptr);
+// a *= s (a bf16 or f32, contiguous): the product in double, rounded once into a's dtype.
+void scale_inplace(Tensor& a, double s, cudaStream_t stream = nullptr);
 
 }  // namespace glmtune::cuda
