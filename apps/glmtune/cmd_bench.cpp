@@ -26,6 +26,7 @@
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/compose.h"
 #include "glmtune/model/init.h"
+#include "glmtune/model/lora.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
@@ -63,6 +64,10 @@ struct BenchArgs {
   uint64_t seed = 1;
   bool json = false;
   std::vector<std::string> freeze;  // train.freeze patterns
+  // --lora-rank: adapters of this rank (0: none) on --lora-targets, the base frozen, as a [lora]
+  // recipe trains them.
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets = {"all-linear"};
   // --vl: the pack carries `images` images and one video of `video_frames` frames (0: none), all
   // of image_size × image_size pixels.
   bool vl = false;
@@ -356,6 +361,10 @@ struct BenchStepReport {
   double pinned_gib = 0;
   double loss = 0;
   train::FreezePlan frozen;
+  // --lora-rank: adapted projections, adapter elements, and the FLOPs the step executes (the
+  // frozen weights' gradients left out, the adapters' products in).
+  int64_t lora_modules = 0, lora_elements = 0;
+  double executed_flops = 0;
   std::map<std::string, double> op_ms;
   // --vl
   int64_t patches = 0, media_tokens = 0;
@@ -383,6 +392,11 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"loss", r.loss},
                         {"frozen_tensors", r.frozen.frozen.size()},
                         {"frozen_parameters", r.frozen.frozen_elements},
+                        {"lora_rank", a.lora_rank},
+                        {"lora_modules", r.lora_modules},
+                        {"lora_parameters", r.lora_elements},
+                        {"executed_flop_per_step", r.executed_flops},
+                        {"executed_tflops", r.executed_flops / r.step / 1e12},
                         {"op_ms", r.op_ms}};
   if (a.vl)
     out["vl"] = {{"images", a.images},
@@ -416,6 +430,12 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
   std::printf("model FLOP/step %.3e: %.1f TFLOP/s, MFU %.1f%% of %.1f TFLOP/s bf16\n",
               r.flops.step(a.pack) + r.vision_flops, r.tflops, 100 * r.tflops / kPeakTflops,
               kPeakTflops);
+  if (a.lora_rank > 0)
+    std::printf(
+        "lora: rank %ld on %ld projections, %ld trained parameters, the base frozen; executed "
+        "%.3e FLOP/step (no weight gradients for the base): %.1f TFLOP/s, %.1f%% of peak\n",
+        long(a.lora_rank), long(r.lora_modules), long(r.lora_elements), r.executed_flops,
+        r.executed_flops / r.step / 1e12, 100 * r.executed_flops / r.step / 1e12 / kPeakTflops);
   if (!r.frozen.frozen.empty())
     std::printf(
         "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
@@ -438,6 +458,47 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
               100 * op_total / (r.fb * 1e3));
 }
 
+// --lora-rank: adapters on --lora-targets from --seed (PEFT's initialisation: B zero, so the
+// step computes the base model's loss) and every base tensor frozen.
+void attach_bench_lora(const BenchArgs& a, model::ParamStore& store, BenchStepReport& r) {
+  model::LoraConfig c;
+  c.rank = a.lora_rank;
+  c.alpha = double(a.lora_rank);
+  c.target_modules = a.lora_targets;
+  c.validate("--lora-rank / --lora-targets");
+  const std::vector<std::string> modules = model::resolve_lora_targets(store, c, "--lora-targets");
+  model::add_lora_adapters(store, c, modules, a.seed);
+  for (const model::InternalParam& p : store.params()) {
+    if (p.adapter) {
+      r.lora_elements += p.value.numel();
+      continue;
+    }
+    store.set_trainable(p.name, false);
+  }
+  r.lora_modules = int64_t(modules.size());
+}
+
+// FLOPs a LoRA step executes beyond count_flops' full fine-tuning count: minus the weight
+// gradient (2 FLOPs a weight element a token that reaches it) of every frozen matrix, plus the
+// adapters' forward and backward (6 FLOPs an adapter element a token). The indexer runs without
+// gradient in both counts, and a routed expert's matrix sees top_k / n_routed of the tokens.
+double lora_flop_change(const model::text::TextModel& model, int64_t tokens) {
+  const model::TextConfig& c = model.text();
+  const double expert_share = double(c.num_experts_per_tok) / double(c.n_routed_experts);
+  double change = 0;
+  for (const auto& [name, t] : model.weights().named) {
+    if (t.dim() < 2 || name.find("embed_tokens") != std::string::npos ||
+        name.find(".indexer.") != std::string::npos)
+      continue;
+    const double share = name.find("mlp.experts.") != std::string::npos ? expert_share : 1.0;
+    if (name.find(".lora_") != std::string::npos)
+      change += 6 * double(t.numel()) * double(tokens);
+    else if (t.frozen())
+      change -= 2 * double(t.numel()) * double(tokens) * share;
+  }
+  return change;
+}
+
 int run_bench_step(const BenchArgs& a) {
   if (a.recompute + a.offload > 1 + 1e-9)
     throw Error(fmt::format("--recompute {} with --offload {}", a.recompute, a.offload),
@@ -452,6 +513,7 @@ int run_bench_step(const BenchArgs& a) {
   const auto load_start = std::chrono::steady_clock::now();
   model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(r.dir), config);
   r.frozen = train::apply_freeze(store, a.freeze, "--freeze");
+  if (a.lora_rank > 0) attach_bench_lora(a, store, r);
   if (a.vl && !config.vision())
     throw Error("--vl needs a model with a vision tower", r.dir.string() + "/config.json",
                 "use a vision-language checkpoint or preset (crop25b and full have the tower)");
@@ -507,6 +569,8 @@ int run_bench_step(const BenchArgs& a) {
       if (auto it = times.op_ms.find(op); it != times.op_ms.end()) r.tower_ms += it->second;
   }
   r.tflops = (r.flops.step(a.pack) + r.vision_flops) / r.step / 1e12;
+  r.executed_flops = r.flops.step(a.pack) + r.vision_flops;
+  if (a.lora_rank > 0) r.executed_flops += lora_flop_change(model, a.pack);
   r.mem = alloc.stats();
   r.pinned_gib = double(pinned.stats().peak_allocated) / (1 << 30);
   r.loss = times.loss;
@@ -570,6 +634,12 @@ GLMTUNE_COMMAND(
       step->add_option("--freeze", a->freeze,
                        "Freeze the parameters whose released names match this regular "
                        "expression, as train.freeze does (repeatable)");
+      step->add_option("--lora-rank", a->lora_rank,
+                       "Train LoRA adapters of this rank on a frozen base, as a [lora] recipe "
+                       "does (0: full fine-tuning)")
+          ->check(CLI::NonNegativeNumber);
+      step->add_option("--lora-targets", a->lora_targets,
+                       "With --lora-rank: lora.target_modules (PEFT suffixes, or all-linear)");
       const cli::BenchSubcommand ops = cli::add_bench_ops(app);
       return [a, ops]() -> int {
         if (ops.app->parsed()) return ops.run();

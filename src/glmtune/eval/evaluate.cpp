@@ -415,11 +415,6 @@ LoadedModel load_model(const EvalOptions& o, const model::ModelConfig& config, b
   const io::CheckpointReader reader = io::CheckpointReader::open(o.model);
   LoadedModel m{model::ParamStore::load(reader, config), std::nullopt, std::nullopt};
   if (!o.adapter.empty()) {
-    if (o.device.is_cuda())
-      throw Error("LoRA adapters are evaluated on the CPU only in this version",
-                  "--device " + o.device.str() + " with --adapter",
-                  "drop --device, or merge the adapter first (glmtune merge) and evaluate the "
-                  "merged model on the GPU");
     const model::LoraConfig c = model::load_lora_adapter(m.store, o.adapter);
     spdlog::info("adapter {}: rank {}, scale {}", o.adapter, c.rank, c.scale());
   }

@@ -52,12 +52,12 @@ DeviceAdamW::DeviceAdamW(const std::vector<NamedParam>& params, Named weights, N
     cuda::AdamWParam a;
     // The master starts from the stored value, as the host optimizer's does. The forward sees the
     // stored value, the master rounded to the storage dtype, as on the host: an f32-stored tensor
-    // is its own master, a bf16 one is refreshed from its master by every update, directly or,
-    // where a kernel reads the bf16-stored tensor in f32 (the mHC mixing matrices), through a
-    // bf16 copy that is then widened into it.
-    if (p.value.dtype() == DType::f32) {
-      GLMTUNE_ASSERT(w->dtype() == DType::f32, "f32-stored parameter '{}' is {} on the GPU", p.name,
-                     dtype_name(w->dtype()));
+    // computed in f32 is its own master, a bf16 one is refreshed from its master by every update,
+    // directly or, where a kernel reads the bf16-stored tensor in f32 (the mHC mixing matrices),
+    // through a bf16 copy that is then widened into it. LoRA adapters are stored in f32 (PEFT's
+    // file holds f32) but computed in bf16 beside the bf16 base: their f32 master is the stored
+    // value and every update rounds it into the compute tensor, as for a bf16-stored weight.
+    if (p.value.dtype() == DType::f32 && w->dtype() == DType::f32) {
       a.master = *w;
     } else {
       a.master = p.value.to(DType::f32).to(w->device()).contiguous();

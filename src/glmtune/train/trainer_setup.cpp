@@ -59,9 +59,9 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
     throw Error(what + " with LoRA adapters is not supported yet", recipe.source() + ": " + key,
                 fix);
   };
-  if (layout.on_gpu)
-    refuse("training on a GPU", "train.device",
-           "set device = \"cpu\", or leave out [lora] to fine-tune every weight");
+  if (layout.on_gpu && layout.distributed)
+    refuse("training on several GPUs", "train.device",
+           "train the adapters on one GPU (no mpirun), or on the CPU for multi-process layouts");
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
   if (resume) {
     const fs::path dir = resume->checkpoint.dir / "adapter";

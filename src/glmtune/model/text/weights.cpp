@@ -144,10 +144,6 @@ TextWeights load_text_weights(const ParamStore& store, DType dtype, Device devic
                    "the CPU text model computes in f32 or f64, not {}", dtype_name(dtype));
   const TextConfig& c = store.config().text();
   if (device.is_cuda()) check_gpu_geometry(c);
-  if (device.is_cuda() && store.has_adapters())
-    throw Error("LoRA adapters run on the CPU only in this version", "device",
-                "train or evaluate the adapter on the CPU (device = \"cpu\"), or merge it into "
-                "the model first (glmtune merge)");
   TextWeights w;
   w.dtype = dtype;
   w.device = device;
