@@ -195,6 +195,58 @@ std::vector<OpSpec> op_specs() {
                  "torch.mm",
                  mm_key(layout, m, nn, k)});
 
+  // The same projections in block-scaled FP8 (ops/cuda/fp8.h), operands quantised beforehand:
+  // each shape is also timed in bf16 above (same shape column), the same-run comparison; the peer
+  // is torch._scaled_mm with the same 1x128 / 128x128 scales. dX is y = dy · Wᵀᵀ with the
+  // transposed weight's blocks, dW reduces over the 16384 tokens (1x128 tiles on both operands).
+  const std::vector<std::tuple<std::string, std::string, std::string, int64_t, int64_t, int64_t>>
+      fp8_gemms = {{"fp8 gemm KDA q/k/v proj", "fwd", "NT", kTokens, 8192, kHidden},
+                   {"fp8 gemm MLP gate_up", "fwd", "NT", kTokens, 24576, kHidden},
+                   {"fp8 gemm MLP down", "fwd", "NT", kTokens, kHidden, 12288},
+                   {"fp8 gemm MLP gate_up dX", "dX", "NN", kTokens, kHidden, 24576},
+                   {"fp8 gemm MLP gate_up dW (bf16 out)", "dW", "TN", 24576, kHidden, kTokens}};
+  for (const auto& [name, which, layout, m, nn, k] : fp8_gemms)
+    s.push_back({name,
+                 gemm_shape(layout, m, nn, k),
+                 Family::fp8_gemm,
+                 which,
+                 {m, nn, k},
+                 Work::flops,
+                 2.0 * double(m) * double(nn) * double(k),
+                 "torch._scaled_mm",
+                 fmt::format("scaled_mm {} M{} N{} K{}", which, m, nn, k)});
+  // The expert GEMMs in FP8, one dense FP8 GEMM per expert (the bf16 "moe" rows above are the
+  // same-run comparison; no public per-expert block-scaled peer is timed).
+  for (int64_t rows : {910, 3641})
+    for (const auto& [name, out, in] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
+             {"gate_up", 4096, 4096}, {"down", 4096, 2048}})
+      for (const char* which : {"fwd", "dX", "dW"})
+        s.push_back({fmt::format("fp8 moe {} {}", name, which),
+                     fmt::format("36x{} N{} K{}", rows, out, in),
+                     Family::fp8_grouped_gemm,
+                     which,
+                     {rows, out, in},
+                     Work::flops,
+                     2.0 * 36 * double(rows) * double(out * in),
+                     "",
+                     ""});
+  // The quantisers: bf16 read once, one code written per element, one f32 scale per tile.
+  for (const auto& [which, rows, cols, tile] :
+       std::vector<std::tuple<std::string, int64_t, int64_t, int64_t>>{
+           {"1x128", kTokens, kHidden, 128},
+           {"128x1", kTokens, kHidden, 128},
+           {"128x128", 24576, kHidden, 128 * 128}})
+    s.push_back(
+        {"fp8 quantise " + which,
+         fmt::format("{}x{} bf16", rows, cols),
+         Family::fp8_quantize,
+         which,
+         {rows, cols},
+         Work::bytes,
+         3.0 * double(rows) * double(cols) + 4.0 * double(rows) * double(cols) / double(tile),
+         "",
+         ""});
+
   // Bandwidth-bound ops: the fewest bytes each must move (every input read once, every output
   // written once), bf16 activations.
   {

@@ -7,6 +7,7 @@ reads the JSON it writes. Each row is keyed like the row of the glmtune table it
 
   mm ...          torch.mm (cuBLAS) at the step's projection shapes and at 8192^3
   grouped ...     torch._grouped_mm at bench_cuda_moe's expert shapes (grouped_mm_vs_torch.py)
+  scaled_mm ...   torch._scaled_mm, block-scaled FP8 (1x128 / 128x128 scales, cuBLASLt on Hopper)
   sdpa ...        torch SDPA, causal, dense, T4096 H64 D256 (grouped_mm_vs_torch.py)
   sdpa ... vision torch SDPA, bidirectional, the vision tower's segments as a batch
   fla ...         FLA chunk_kda, gate / q-k L2 norm / beta sigmoid inside its kernels
@@ -52,6 +53,16 @@ MM_SHAPES = [
     ("NN", TOKENS, HIDDEN, 24576),  # dense MLP gate_up dX
     ("TN", 24576, HIDDEN, TOKENS),  # dense MLP gate_up dW
 ]
+# Block-scaled FP8 GEMMs C[M, N] reducing over K (cmd_bench_ops.cpp's fp8 rows): "fwd" and "dX"
+# take 1x128 scales on the [M, K] operand and 128x128 on the [N, K] one; "dW" 1x128 on both (the
+# operands are dyᵀ and xᵀ, contiguous along the tokens).
+SCALED_MM_SHAPES = [
+    ("fwd", TOKENS, 8192, HIDDEN),
+    ("fwd", TOKENS, 24576, HIDDEN),
+    ("fwd", TOKENS, HIDDEN, 12288),
+    ("dX", TOKENS, HIDDEN, 24576),
+    ("dW", 24576, HIDDEN, TOKENS),
+]
 GROUPED = [(rows, name, n, k) for rows in (910, 3641)
            for name, n, k in (("gate_up", 4096, 4096), ("down", 4096, 2048))]
 KDA_SHAPES = {"varlen 4x4096 H64 D128": [4096] * 4, "T16384 1 doc H64 D128": [16384]}
@@ -64,6 +75,10 @@ def mm_key(layout, m, n, k):
     return f"mm {layout} M{m} N{n} K{k}"
 
 
+def scaled_mm_key(which, m, n, k):
+    return f"scaled_mm {which} M{m} N{n} K{k}"
+
+
 def grouped_key(rows, name, which, n, k):
     return f"grouped {name} {which} 36x{rows} N{n} K{k}"
 
@@ -71,6 +86,7 @@ def grouped_key(rows, name, which, n, k):
 def all_keys():
     """(key, peer) of every row this script can time."""
     keys = [(mm_key(*s), "torch.mm") for s in MM_SHAPES]
+    keys += [(scaled_mm_key(*s), "torch._scaled_mm") for s in SCALED_MM_SHAPES]
     keys += [(grouped_key(r, name, which, n, k), "torch._grouped_mm")
              for r, name, n, k in GROUPED for which in ("fwd", "dX", "dW")]
     keys += [(f"sdpa {which} {SDPA_SHAPE}", "torch SDPA") for which in ("fwd", "fwd+bwd")]
@@ -152,6 +168,70 @@ class MmPeers:
     def time(self, torch, median_ms, report):
         for shape, call in self.calls:
             report.row(mm_key(*shape), self.name, median_ms(call, 3, 20))
+        self.calls = []
+        torch.cuda.empty_cache()
+
+
+class ScaledMmPeers:
+    """torch._scaled_mm with DeepSeek-style block scales: the [M, K] operand in 1x128 tiles and the
+    [N, K] one in 128x128 blocks ("dW": 1x128 on both), scales laid out as torch documents them
+    (M-major 1x128 scales; 128x128 scales with the K blocks padded to a multiple of 4). Where this
+    torch refuses block-wise scales, the row is timed with row-wise scales instead and a note says
+    so. Values are random e4m3 codes, scales random in [0.5, 1.5): the time does not depend on
+    them."""
+
+    name = "torch._scaled_mm"
+
+    def __init__(self, wanted):
+        self.shapes = [s for s in SCALED_MM_SHAPES if scaled_mm_key(*s) in wanted]
+
+    def keys(self):
+        return [scaled_mm_key(*s) for s in self.shapes]
+
+    @staticmethod
+    def call(torch, which, m, n, k):
+        gen = torch.Generator(device="cuda").manual_seed(20261210)
+        f8 = torch.float8_e4m3fn
+        a = torch.randn(m, k, device="cuda", generator=gen).to(f8)
+        b = torch.randn(n, k, device="cuda", generator=gen).to(f8)
+        kb = -(-k // 128)
+        kb4 = -(-kb // 4) * 4
+
+        def rnd(*shape):
+            return torch.rand(*shape, device="cuda", generator=gen) + 0.5
+
+        scale_a = rnd(kb, m).t()  # [M, K/128], M-major
+        if which == "dW":
+            scale_b = rnd(kb, n).t()  # [N, K/128], N-major
+            candidates = [scale_b, scale_b.t()]  # torch versions differ in which they expect
+        else:
+            scale_b = rnd(-(-n // 128), kb4).t()[:kb]  # [K/128, N/128], the K blocks fastest
+            candidates = [scale_b]
+        errors = []
+        for sb in candidates:
+            fn = lambda sb=sb: torch._scaled_mm(a, b.t(), scale_a, sb, out_dtype=torch.bfloat16)
+            try:
+                fn()
+                return fn, None
+            except (RuntimeError, ValueError) as err:
+                errors.append(str(err).splitlines()[0])
+        row_a, row_b = rnd(m, 1), rnd(1, n)
+        fn = lambda: torch._scaled_mm(a, b.t(), row_a, row_b, out_dtype=torch.bfloat16)
+        fn()
+        return fn, "; ".join(errors)
+
+    def prepare(self, torch, report):
+        self.calls = []
+        for shape in self.shapes:
+            fn, refused = self.call(torch, *shape)
+            if refused:
+                report.note(f"torch {torch.__version__} refused block-wise scales at "
+                            f"{scaled_mm_key(*shape)} ({refused}): timed with row-wise scales")
+            self.calls.append((shape, fn))
+
+    def time(self, torch, median_ms, report):
+        for shape, fn in self.calls:
+            report.row(scaled_mm_key(*shape), self.name, median_ms(fn, 3, 20))
         self.calls = []
         torch.cuda.empty_cache()
 
@@ -397,7 +477,7 @@ def main():
 
     report.set(status="preparing", torch=torch.__version__,
                device=torch.cuda.get_device_name(0))
-    groups = [MmPeers(wanted), GroupedPeers(wanted), SdpaPeers(wanted), VisionSdpaPeers(wanted),
+    groups = [MmPeers(wanted), ScaledMmPeers(wanted), GroupedPeers(wanted), SdpaPeers(wanted), VisionSdpaPeers(wanted),
               FlaPeers(wanted, args.fla_max_configs)]
 
     def on_term(signum, frame):

@@ -25,6 +25,7 @@
 
 #include "cuda_bench.h"
 #include "glmtune/ops/cuda/cross_entropy.h"
+#include "glmtune/ops/cuda/fp8.h"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/ops/cuda/grouped_gemm.h"
 #include "glmtune/ops/cuda/kda.h"
@@ -227,6 +228,60 @@ double time_gemm(int64_t m, int64_t n, int64_t k, const std::string& layout) {
   return median_ms([&] { cuda::gemm(g); }, 3, 20);
 }
 
+// Block-scaled FP8 GEMMs, operands quantised outside the timing. C[m, n] reduces over k: fwd
+// y = x wᵀ (x [m, k] in 1x128 tiles, w [n, k] in 128x128 blocks); dX the same product with the
+// transposed weight's blocks (w_t [n, k]); dW = dyᵀ x over k tokens, both in 128x1 tiles, into a
+// bf16 gradient (the bf16 TN row's output type).
+double time_fp8_gemm(int64_t m, int64_t n, int64_t k, const std::string& variant) {
+  if (variant == "dW") {
+    const ops::Fp8Blocks dy =
+        cuda::quantize_fp8_blocks(random_gpu({k, m}, DType::bf16, 11), 128, 1);
+    const ops::Fp8Blocks x = cuda::quantize_fp8_blocks(random_gpu({k, n}, DType::bf16, 12), 128, 1);
+    Tensor dw = Tensor::empty({m, n}, DType::bf16, kGpu);
+    return median_ms([&] { cuda::fp8_linear_backward_weight(dw, dy, x, false); }, 3, 20);
+  }
+  const ops::Fp8Blocks a = cuda::quantize_fp8_blocks(random_gpu({m, k}, DType::bf16, 11), 1, 128);
+  const ops::Fp8Blocks b = cuda::quantize_fp8_blocks(
+      random_gpu({n, k}, DType::bf16, 12, 1.0 / std::sqrt(double(k))), 128, 128);
+  Tensor c = Tensor::empty({m, n}, DType::bf16, kGpu);
+  if (variant == "dX")
+    return median_ms([&] { cuda::fp8_linear_backward_input_out(c, a, b); }, 3, 20);
+  return median_ms([&] { cuda::fp8_linear_out(c, a, b); }, 3, 20);
+}
+
+// The expert GEMMs in FP8 (one dense FP8 GEMM per expert), the shapes of time_grouped.
+double time_fp8_grouped(int64_t per_group, int64_t n, int64_t k, const std::string& variant) {
+  const int64_t experts = 36, total = per_group * experts;
+  std::vector<int64_t> offsets(size_t(experts) + 1);
+  for (int64_t e = 0; e <= experts; ++e) offsets[size_t(e)] = e * per_group;
+  const Tensor x = random_gpu({total, k}, DType::bf16, 11);
+  const Tensor dy = random_gpu({total, n}, DType::bf16, 13);
+  const Tensor w = random_gpu({experts, n, k}, DType::bf16, 12, 1.0 / std::sqrt(double(k)));
+  const std::vector<ops::Fp8Blocks> wq = cuda::quantize_fp8_weight_grouped(w);
+  if (variant == "fwd") {
+    const std::vector<ops::Fp8Blocks> xq = cuda::quantize_fp8_grouped(x, offsets, 1, 128);
+    Tensor y = Tensor::empty({total, n}, DType::bf16, kGpu);
+    return median_ms([&] { cuda::fp8_grouped_linear(y, xq, wq, offsets); }, 3, 20);
+  }
+  if (variant == "dX") {
+    std::vector<ops::Fp8Blocks> wt;
+    for (const ops::Fp8Blocks& q : wq) wt.push_back(cuda::transpose_fp8_weight(q));
+    const std::vector<ops::Fp8Blocks> dyq = cuda::quantize_fp8_grouped(dy, offsets, 1, 128);
+    Tensor dx = Tensor::empty({total, k}, DType::bf16, kGpu);
+    return median_ms([&] { cuda::fp8_grouped_linear_backward_input(dx, dyq, wt, offsets); }, 3, 20);
+  }
+  const std::vector<ops::Fp8Blocks> dyq = cuda::quantize_fp8_grouped(dy, offsets, 128, 1);
+  const std::vector<ops::Fp8Blocks> xq = cuda::quantize_fp8_grouped(x, offsets, 128, 1);
+  Tensor dw = Tensor::zeros({experts, n, k}, DType::bf16, kGpu);
+  return median_ms([&] { cuda::fp8_grouped_linear_backward_weight(dw, dyq, xq, offsets); }, 3, 20);
+}
+
+double time_fp8_quantize(int64_t rows, int64_t cols, const std::string& variant) {
+  const Tensor x = random_gpu({rows, cols}, DType::bf16, 41);
+  const int64_t br = variant == "1x128" ? 1 : 128, bc = variant == "128x1" ? 1 : 128;
+  return median_ms([&] { cuda::quantize_fp8_blocks(x, br, bc); }, 3, 20);
+}
+
 double time_mhc(int64_t t, int64_t h, int64_t d, const std::string& variant) {
   const int64_t m = (2 + h) * h;
   const Tensor x = random_gpu({t, h, d}, DType::bf16, 11);
@@ -343,6 +398,12 @@ double time_spec(const OpSpec& s) {
       return time_lm_head_ce(d[0], d[1], d[2], d[3]);
     case Family::vision_attention:
       return time_vision_attention(d[0], d[1], d[2], d[3], s.variant);
+    case Family::fp8_gemm:
+      return time_fp8_gemm(d[0], d[1], d[2], s.variant);
+    case Family::fp8_grouped_gemm:
+      return time_fp8_grouped(d[0], d[1], d[2], s.variant);
+    case Family::fp8_quantize:
+      return time_fp8_quantize(d[0], d[1], s.variant);
   }
   throw InternalError("bench ops: an op family without timing code");
 }

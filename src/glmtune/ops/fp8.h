@@ -31,7 +31,9 @@ struct Fp8Blocks {
   int64_t block_rows = 0, block_cols = 0;
 };
 
-// x: a CPU [rows, cols] tensor in f32, bf16 or f64 (f64 is rounded to f32 first).
+// x: a [rows, cols] tensor in f32, bf16 or f64 (f64 is rounded to f32 first). On a CUDA device
+// (bf16 or f32; blocks 1 x 128, 128 x 128 or 128 x 1) the result has the same codes and scales,
+// laid out for the FP8 GEMMs of ops/cuda/fp8.h.
 Fp8Blocks quantize_fp8_blocks(const Tensor& x, int64_t block_rows, int64_t block_cols);
 
 // The activation tiles of an FP8 GEMM's input (1 × 128) and the weight blocks (128 × 128).

@@ -22,13 +22,13 @@ void check_blocks(int64_t block_rows, int64_t block_cols, const char* op) {
 
 Fp8Blocks quantize_fp8_blocks(const Tensor& x_in, int64_t block_rows, int64_t block_cols) {
   const char* op = "quantize_fp8_blocks";
-  GLMTUNE_CPU_ONLY(op, x_in);
   check_blocks(block_rows, block_cols, op);
   GLMTUNE_ASSERT(
       x_in.defined() && x_in.dim() == 2 &&
           (x_in.dtype() == DType::f32 || x_in.dtype() == DType::bf16 || x_in.dtype() == DType::f64),
       "{}: x must be a [rows, cols] tensor in f32, bf16 or f64, got {}", op,
       x_in.defined() ? x_in.str() : "undefined");
+  GLMTUNE_DISPATCH_CUDA(x_in, cuda_path::quantize_fp8_blocks(x_in, block_rows, block_cols));
   const Tensor x = x_in.to(DType::f32).contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);
   const int64_t brs = blocks_of(rows, block_rows), bcs = blocks_of(cols, block_cols);

@@ -23,6 +23,7 @@
 
 #include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/embedding.h"
+#include "glmtune/ops/fp8.h"
 #include "glmtune/ops/indexer.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/linear.h"
@@ -98,6 +99,9 @@ void add_into(Tensor& a, const Tensor& b);
 void scale_into(Tensor& a, double s);
 Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows);
 void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src);
+
+// Block-scaled FP8 quantisation (ops/fp8.h) in the GEMM layout of ops/cuda/fp8.h.
+Fp8Blocks quantize_fp8_blocks(const Tensor& x, int64_t block_rows, int64_t block_cols);
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids);
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,

@@ -9,6 +9,7 @@
 #include "glmtune/ops/cuda/cross_entropy.h"
 #include "glmtune/ops/cuda/dispatch.h"
 #include "glmtune/ops/cuda/embedding.h"
+#include "glmtune/ops/cuda/fp8.h"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/ops/cuda/indexer.h"
 #include "glmtune/ops/cuda/kda.h"
@@ -186,6 +187,11 @@ Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows) {
 void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src) {
   OpTimer timer("scatter_rows");
   cuda::scatter_rows(dst, rows, src);
+}
+
+Fp8Blocks quantize_fp8_blocks(const Tensor& x, int64_t block_rows, int64_t block_cols) {
+  OpTimer timer("quantize_fp8_blocks");
+  return cuda::quantize_fp8_blocks(x, block_rows, block_cols);
 }
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {

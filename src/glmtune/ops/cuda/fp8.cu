@@ -1,0 +1,228 @@
+// The FP8 quantiser kernels (ops/cuda/fp8_kernels.h). Each computes exactly the CPU reference's
+// arithmetic (ops/cpu/fp8.cpp): the block amax of |x| (a NaN wins), the scale
+// f32(max(amax, 1e-12) / 448) with the quotient in double, then f32(x / scale) by a correctly
+// rounded f32 division (__fdiv_rn, whatever the compiler's division flags), clamped to ±448 unless
+// NaN, rounded to e4m3 by the shared host/device conversion of tensor/dtype.h. A max is exact in
+// any order, so the codes and scales are the CPU's bit for bit.
+
+#include <cstdint>
+
+#include "glmtune/ops/cuda/fp8_kernels.h"
+#include "glmtune/tensor/cuda_check.h"
+#include "glmtune/tensor/dtype.h"
+
+namespace glmtune::cuda::fp8_kernels {
+namespace {
+
+constexpr float kE4m3Max = 448.0f;
+
+__device__ __forceinline__ float load_x(const void* x, bool bf16, int64_t i) {
+  if (bf16) return __uint_as_float(uint32_t(static_cast<const uint16_t*>(x)[i]) << 16);
+  return static_cast<const float*>(x)[i];
+}
+
+// max with a NaN winning, as the CPU's amax loop.
+__device__ __forceinline__ float nan_max(float a, float b) {
+  if (a != a || b != b) return __int_as_float(0x7fc00000);
+  return a > b ? a : b;
+}
+
+__device__ __forceinline__ float warp_nan_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// std::max(amax, 1e-12) keeps a NaN amax (NaN < 1e-12 is false); the quotient in double, one
+// rounding to f32.
+__device__ __forceinline__ float scale_of(float amax) {
+  const double a = double(amax);
+  const double m = a < 1e-12 ? 1e-12 : a;
+  return __double2float_rn(m / 448.0);
+}
+
+__device__ __forceinline__ uint8_t quantize(float x, float scale) {
+  float v = __fdiv_rn(x, scale);
+  if (v == v) v = v < -kE4m3Max ? -kE4m3Max : (kE4m3Max < v ? kE4m3Max : v);
+  return f32_to_fp8e4m3(v);
+}
+
+// ---- 1 × 128 tiles: one warp per (row, tile), four columns per lane ---------------------------
+
+constexpr int kTileWarps = 8;
+
+__global__ void __launch_bounds__(kTileWarps * 32)
+    quantize_tiles_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
+                          int64_t ld_x, uint8_t* __restrict__ q, int64_t ld_q,
+                          float* __restrict__ s, int64_t ld_s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r = int64_t(blockIdx.x) * kTileWarps + warp;
+  if (r >= rows) return;
+  const int64_t tile = blockIdx.y;
+  const int64_t c0 = tile * 128 + lane * 4;
+  float v[4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[j] = c0 + j < cols ? load_x(x, x_bf16, r * ld_x + c0 + j) : 0.0f;
+    amax = nan_max(amax, fabsf(v[j]));
+  }
+  amax = warp_nan_max(amax);
+  const float scale = scale_of(amax);
+  if (lane == 0) s[tile * ld_s + r] = scale;
+  uint8_t* qr = q + r * ld_q;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if (c0 + j < cols) qr[c0 + j] = quantize(v[j], scale);
+}
+
+// ---- 128 × 128 blocks: one block of 256 threads per weight block, 64 values per thread ----------
+
+__global__ void __launch_bounds__(256)
+    quantize_blocks_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
+                           int64_t ld_x, uint8_t* __restrict__ q, int64_t ld_q,
+                           float* __restrict__ s, int64_t ld_s) {
+  __shared__ float warp_max[8];
+  __shared__ float block_scale;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r0 = int64_t(blockIdx.y) * 128, c0 = int64_t(blockIdx.x) * 128 + lane * 4;
+  float v[16][4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int64_t r = r0 + warp + 8 * i;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[i][j] = r < rows && c0 + j < cols ? load_x(x, x_bf16, r * ld_x + c0 + j) : 0.0f;
+      amax = nan_max(amax, fabsf(v[i][j]));
+    }
+  }
+  amax = warp_nan_max(amax);
+  if (lane == 0) warp_max[warp] = amax;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = warp_max[0];
+    for (int w = 1; w < 8; ++w) m = nan_max(m, warp_max[w]);
+    block_scale = scale_of(m);
+    s[int64_t(blockIdx.y) * ld_s + blockIdx.x] = block_scale;
+  }
+  __syncthreads();
+  const float scale = block_scale;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int64_t r = r0 + warp + 8 * i;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (c0 + j < cols) q[r * ld_q + c0 + j] = quantize(v[i][j], scale);
+  }
+}
+
+// ---- 128 × 1 tiles, transposed: a block stages 128 rows × 32 columns in shared memory ----------
+// Loads run along the columns (x's rows are contiguous); each column's 128 values are then
+// reduced by 8 threads and written as 16-byte runs of the transposed output.
+
+constexpr int kColTileCols = 32;
+
+__global__ void __launch_bounds__(256)
+    quantize_columns_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
+                            int64_t ld_x, uint8_t* __restrict__ q, int64_t ld_q,
+                            float* __restrict__ s, int64_t ld_s) {
+  __shared__ float tile[128][kColTileCols + 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r0 = int64_t(blockIdx.y) * 128, c0 = int64_t(blockIdx.x) * kColTileCols;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int rr = warp + 8 * i;
+    const int64_t r = r0 + rr, c = c0 + lane;
+    tile[rr][lane] = r < rows && c < cols ? load_x(x, x_bf16, r * ld_x + c) : 0.0f;
+  }
+  __syncthreads();
+  const int col = threadIdx.x >> 3, part = threadIdx.x & 7;
+  const int64_t c = c0 + col;
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) amax = nan_max(amax, fabsf(tile[part * 16 + j][col]));
+    // The 8 threads of a column are consecutive lanes of one warp.
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (c >= cols) return;
+  const float scale = scale_of(amax);
+  if (part == 0) s[int64_t(blockIdx.y) * ld_s + c] = scale;
+  const int64_t first = r0 + part * 16;
+  if (first >= ld_q) return;  // past the padded row count: nothing to store
+  alignas(16) uint8_t out[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+    out[j] = first + j < rows ? quantize(tile[part * 16 + j][col], scale) : uint8_t(0);
+  // ld_q and `first` are multiples of 16, so the run is one aligned 16-byte store.
+  *reinterpret_cast<uint4*>(q + c * ld_q + first) = *reinterpret_cast<const uint4*>(out);
+}
+
+// ---- transposes -----------------------------------------------------------------------------
+
+template <typename T>
+__global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
+                                 int64_t ld_in, T* __restrict__ out, int64_t ld_out) {
+  __shared__ T tile[32][33];
+  const int64_t r0 = int64_t(blockIdx.y) * 32, c0 = int64_t(blockIdx.x) * 32;
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) tile[i][threadIdx.x] = in[r * ld_in + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+    const int64_t c = c0 + i, r = r0 + threadIdx.x;
+    if (r < rows && c < cols) out[c * ld_out + r] = tile[threadIdx.x][i];
+  }
+}
+
+int64_t blocks_of(int64_t n, int64_t b) { return (n + b - 1) / b; }
+
+template <typename T>
+void transpose(const T* in, int64_t rows, int64_t cols, int64_t ld_in, T* out, int64_t ld_out,
+               cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(unsigned(blocks_of(cols, 32)), unsigned(blocks_of(rows, 32)));
+  transpose_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(in, rows, cols, ld_in, out, ld_out);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void quantize_tiles(const void* x, bool x_bf16, int64_t rows, int64_t cols, int64_t ld_x,
+                    uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(unsigned(blocks_of(rows, kTileWarps)), unsigned(blocks_of(cols, 128)));
+  quantize_tiles_kernel<<<grid, kTileWarps * 32, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q,
+                                                              s, ld_s);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_blocks(const void* x, bool x_bf16, int64_t rows, int64_t cols, int64_t ld_x,
+                     uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(unsigned(blocks_of(cols, 128)), unsigned(blocks_of(rows, 128)));
+  quantize_blocks_kernel<<<grid, 256, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols, int64_t ld_x,
+                      uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(unsigned(blocks_of(cols, kColTileCols)), unsigned(blocks_of(rows, 128)));
+  quantize_columns_kernel<<<grid, 256, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void transpose_u8(const uint8_t* in, int64_t rows, int64_t cols, int64_t ld_in, uint8_t* out,
+                  int64_t ld_out, cudaStream_t stream) {
+  transpose(in, rows, cols, ld_in, out, ld_out, stream);
+}
+
+void transpose_f32(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,
+                   int64_t ld_out, cudaStream_t stream) {
+  transpose(in, rows, cols, ld_in, out, ld_out, stream);
+}
+
+}  // namespace glmtune::cuda::fp8_kernels

@@ -1,0 +1,114 @@
+#pragma once
+// Block-scaled FP8 on the GPU: the quantisers of ops/fp8.h (bit for bit the CPU reference's codes
+// and scales) and the e4m3 GEMMs of FP8 training through cuBLASLt's block scaling (Hopper, cuBLAS
+// 12.9 or later): f32 accumulation inside the GEMM, bf16 or f32 results. docs/fp8.md has the
+// layouts, the error bound the parity test holds and what cuBLASLt does and does not take.
+//
+// Logical contract, physical layout. A quantiser here returns an ops::Fp8Blocks that is equal,
+// element for element, to ops::quantize_fp8_blocks of the same input on the CPU (values [rows,
+// cols] fp8e4m3, scales [ceil(rows / br), ceil(cols / bc)] f32): copy it to the CPU and compare.
+// Its tensors are strided views whose memory is laid out as cuBLASLt reads it:
+//
+//   1 × 128 (activations, dy)  values row-major [rows, cols];
+//                              scales of tile (r, b) at b · pad4(rows) + r: the rows (the GEMM's
+//                              outer dimension) fastest, each 128-column block a padded column.
+//   128 × 128 (weights)        values row-major [rows, cols];
+//                              scales of block (i, j) at i · pad4(ceil(cols / 128)) + j.
+//   128 × 1 (wgrad operands)   values stored transposed, [cols, pad16(rows)] row-major (the value
+//                              of (r, c) at c · pad16(rows) + r; the padding rows hold code 0);
+//                              scales of tile (b, c) at b · pad4(cols) + c.
+//
+// pad4 / pad16 round up to a multiple of 4 / 16; padding scales hold 0. The 128 × 1 form is the
+// transposed matrix quantised in 1 × 128 tiles along the token dimension, which is what the weight
+// gradient's GEMM reads (cuBLASLt's FP8 GEMMs on Hopper take only the "TN" form, both operands
+// contiguous along the reduced dimension).
+//
+// Every call is asynchronous on `stream` (the legacy default stream when null); tensors live on one
+// CUDA device. Algorithms come from the cuBLASLt heuristic, cached per problem, so reruns are
+// bit-identical. A problem the heuristic has no algorithm for throws glmtune::Error naming the
+// shape, the scale modes and the cuBLAS status.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "glmtune/ops/fp8.h"
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::cuda {
+
+// ---- quantisers ------------------------------------------------------------------------------
+
+// x: a CUDA [rows, cols] tensor in bf16 or f32 with unit inner stride. Blocks (1, 128), (128, 128)
+// or (128, 1); other blocks throw (the CPU op takes any). Non-finite inputs follow ops/fp8.h; the
+// sign of a NaN code or scale is not part of the contract (x86 and the GPU make different ones).
+ops::Fp8Blocks quantize_fp8_blocks(const Tensor& x, int64_t block_rows, int64_t block_cols,
+                                   cudaStream_t stream = nullptr);
+
+// The weight's transpose in 128 × 128 blocks, from the quantised weight (a byte transpose: block
+// quantisation commutes with transposition, so this equals quantising wᵀ). The input-gradient GEMM
+// reads it.
+ops::Fp8Blocks transpose_fp8_weight(const ops::Fp8Blocks& w, cudaStream_t stream = nullptr);
+
+// Whether `q` is on a CUDA device in the layout above (the GEMMs' precondition).
+bool is_fp8_gemm_layout(const ops::Fp8Blocks& q);
+
+// A quantised tensor from anywhere (a CPU reference, a released checkpoint's fp8 weight and its
+// weight_scale_inv) laid out on `device` as above. Blocks (1, 128), (128, 128) or (128, 1).
+ops::Fp8Blocks fp8_blocks_to_device(const ops::Fp8Blocks& q, Device device);
+
+// ---- dense GEMMs -----------------------------------------------------------------------------
+// Requirements (checked, with a message): operands in the layout above, N and K multiples of 16
+// (cuBLASLt's FP8 alignment: 16-byte rows), y / dx / dw contiguous bf16 or f32. The token count M
+// is free. With `accumulate` the product is added to what the output holds (beta = 1).
+
+// y[M, N] = x[M, K] · w[N, K]ᵀ: x in 1 × 128 tiles (scale mode VEC128_32F), w in 128 × 128 blocks
+// (BLK128x128_32F).
+void fp8_linear_out(Tensor& y, const ops::Fp8Blocks& x, const ops::Fp8Blocks& w,
+                    bool accumulate = false, cudaStream_t stream = nullptr);
+Tensor fp8_linear(const ops::Fp8Blocks& x, const ops::Fp8Blocks& w, DType out = DType::bf16,
+                  cudaStream_t stream = nullptr);
+
+// dx[M, K] = dy[M, N] · w[N, K]: dy in 1 × 128 tiles along N, w_t = transpose_fp8_weight(w) (the
+// same 128 × 128 blocks, stored [K, N]). This is fp8_linear of dy and w_t.
+void fp8_linear_backward_input_out(Tensor& dx, const ops::Fp8Blocks& dy, const ops::Fp8Blocks& w_t,
+                                   bool accumulate = false, cudaStream_t stream = nullptr);
+
+// dw[N, K] (+)= dy[T, N]ᵀ · x[T, K]: dy and x both in 128 × 1 tiles (per column, per 128 tokens;
+// scale mode VEC128_32F on both operands), the reduction over the tokens' zero padding included.
+void fp8_linear_backward_weight(Tensor& dw, const ops::Fp8Blocks& dy, const ops::Fp8Blocks& x,
+                                bool accumulate = true, cudaStream_t stream = nullptr);
+
+// ---- grouped (per expert) --------------------------------------------------------------------
+// The shapes of ops/cuda/grouped_gemm.h: group g owns rows offsets[g] .. offsets[g + 1] − 1 of the
+// row operands (host offsets [G + 1]). This first version runs one dense FP8 GEMM per non-empty
+// group (cuBLAS 13.1 has no grouped FP8 call for Hopper); each group's operands are quantised on
+// their own, anchored at the group's first row, so a tile never spans two experts.
+
+// x [T, K] bf16 / f32 in 1 × 128 tiles (block_rows 1) or 128 × 1 tiles (block_rows 128), one
+// Fp8Blocks per group (an empty group gets an empty one).
+std::vector<ops::Fp8Blocks> quantize_fp8_grouped(const Tensor& x,
+                                                 const std::vector<int64_t>& offsets,
+                                                 int64_t block_rows, int64_t block_cols,
+                                                 cudaStream_t stream = nullptr);
+// w [G, N, K] bf16 / f32 in 128 × 128 blocks per expert.
+std::vector<ops::Fp8Blocks> quantize_fp8_weight_grouped(const Tensor& w,
+                                                        cudaStream_t stream = nullptr);
+
+// y[rows_g, N] = x_g · w_gᵀ.
+void fp8_grouped_linear(Tensor& y, const std::vector<ops::Fp8Blocks>& x,
+                        const std::vector<ops::Fp8Blocks>& w, const std::vector<int64_t>& offsets,
+                        cudaStream_t stream = nullptr);
+// dx[rows_g, K] = dy_g · w_g (w_t from transpose_fp8_weight per expert).
+void fp8_grouped_linear_backward_input(Tensor& dx, const std::vector<ops::Fp8Blocks>& dy,
+                                       const std::vector<ops::Fp8Blocks>& w_t,
+                                       const std::vector<int64_t>& offsets,
+                                       cudaStream_t stream = nullptr);
+// dw[g] += dy_gᵀ · x_g, dw [G, N, K] f32 or bf16; groups without rows are left alone.
+void fp8_grouped_linear_backward_weight(Tensor& dw, const std::vector<ops::Fp8Blocks>& dy,
+                                        const std::vector<ops::Fp8Blocks>& x,
+                                        const std::vector<int64_t>& offsets,
+                                        cudaStream_t stream = nullptr);
+
+}  // namespace glmtune::cuda

@@ -1,0 +1,31 @@
+#pragma once
+// The launchers of the FP8 quantiser kernels (ops/cuda/fp8.cu), on raw device pointers; the
+// tensor-level checks and layouts are in ops/cuda/fp8_cuda.cpp (ops/cuda/fp8.h). Row pitches are
+// in elements; `x_bf16` says whether x holds bf16 (else f32). Shapes are validated by the callers.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace glmtune::cuda::fp8_kernels {
+
+// 1 × 128 tiles: code (r, c) at q[r · ld_q + c], the scale of tile (r, b) at s[b · ld_s + r].
+void quantize_tiles(const void* x, bool x_bf16, int64_t rows, int64_t cols, int64_t ld_x,
+                    uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream);
+
+// 128 × 128 blocks: code (r, c) at q[r · ld_q + c], the scale of block (i, j) at s[i · ld_s + j].
+void quantize_blocks(const void* x, bool x_bf16, int64_t rows, int64_t cols, int64_t ld_x,
+                     uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream);
+
+// 128 × 1 tiles, stored transposed: code (r, c) at q[c · ld_q + r], code 0 at the padding rows
+// rows .. ld_q − 1 (ld_q a multiple of 16), the scale of tile (b, c) at s[b · ld_s + c].
+void quantize_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols, int64_t ld_x,
+                      uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream);
+
+// out[c · ld_out + r] = in[r · ld_in + c] for a [rows, cols] matrix of bytes or of f32.
+void transpose_u8(const uint8_t* in, int64_t rows, int64_t cols, int64_t ld_in, uint8_t* out,
+                  int64_t ld_out, cudaStream_t stream);
+void transpose_f32(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,
+                   int64_t ld_out, cudaStream_t stream);
+
+}  // namespace glmtune::cuda::fp8_kernels

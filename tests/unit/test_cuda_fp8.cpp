@@ -1,0 +1,506 @@
+// CUDA block-scaled FP8 (ops/cuda/fp8.h): the quantisers bit for bit against the CPU reference
+// (ops/fp8.h) on random inputs, edge shapes and non-finite values, and the three FP8 GEMMs (y = x
+// Wᵀ, dx = dy W, dW = dyᵀ x) plus their per-expert forms against an f64 product of the dequantised
+// operands computed on the CPU. Inputs are fresh random values (seed printed; GLMTUNE_TEST_SEED
+// reproduces a run) whose magnitude varies by row and by 128-block, so a scale applied to the wrong
+// tile is visible. Skipped (not failed) where no GPU is visible; a GPU on which cuBLASLt has no
+// block-scaled FP8 algorithm fails, with the cuBLAS status.
+//
+// The GEMM bound, per output element, with S = Σ_k |x̂_k ŵ_k| over the dequantised operands:
+//   |y − ref| ≤ 2^-6 · S + (K/128 + 2) · 2^-24 · S + rounding of the output (2^-8 |ref| for bf16,
+//   2^-23 |ref| for f32).
+// Hopper's FP8 tensor cores add the products of one 128-wide block keeping about 14 bits (the
+// reason cuBLASLt promotes every block's partial sum to f32 before scaling it), so a block's
+// partial sum is within 128 · 2^-13 = 2^-6 of the sum of its |products|; the scaled partials then
+// add in f32. A scale taken from the wrong tile moves the result by a fraction of S far above 2^-6
+// for these inputs. Each case also prints the worst observed |y − ref| / S, so the bar's margin
+// shows.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "glmtune/base/error.h"
+#include "glmtune/ops/fp8.h"
+#include "glmtune/tensor/dtype.h"
+#include "glmtune/tensor/tensor.h"
+#include "support/cuda_test_support.h"
+#ifdef GLMTUNE_WITH_CUDA
+#include "glmtune/ops/cuda/fp8.h"
+#include "glmtune/tensor/cuda_check.h"
+#endif
+
+using namespace glmtune;
+using namespace glmtune::test;
+
+namespace {
+
+#ifdef GLMTUNE_WITH_CUDA
+
+std::string shape_name(int64_t a, int64_t b, int64_t c = -1) {
+  std::string s = std::to_string(a) + "x" + std::to_string(b);
+  if (c >= 0) s += "x" + std::to_string(c);
+  return s;
+}
+
+// N(0, 1) scaled by exp(N(0, 1)) per row and per 128-column block: tiles of very different amax.
+Tensor varied(int64_t rows, int64_t cols, DType dtype, uint64_t stream) {
+  Tensor x = random_cpu({rows, cols}, DType::f32, stream);
+  const Tensor row_f = random_cpu({rows}, DType::f32, stream + 1000);
+  const Tensor blk_f = random_cpu({(cols + 127) / 128 + 1}, DType::f32, stream + 2000);
+  float* p = x.data<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      p[r * cols + c] *= std::exp(row_f.data<float>()[r] + blk_f.data<float>()[c / 128]);
+  return x.to(dtype);
+}
+
+bool is_nan_code(uint8_t v) { return (v & 0x7f) == 0x7f; }
+
+// Codes equal, or both NaN (the sign of a NaN is not part of the contract).
+::testing::AssertionResult same_codes(const Tensor& got, const Tensor& want) {
+  const Tensor g = got.to(Device::cpu()).contiguous(), w = want.to(Device::cpu()).contiguous();
+  if (g.shape() != w.shape())
+    return ::testing::AssertionFailure() << "shape " << g.str() << " vs " << w.str();
+  const auto* gp = static_cast<const uint8_t*>(g.data_ptr());
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  for (int64_t i = 0; i < g.numel(); ++i)
+    if (gp[i] != wp[i] && !(is_nan_code(gp[i]) && is_nan_code(wp[i])))
+      return ::testing::AssertionFailure()
+             << "code " << i << " (row " << i / g.size(1) << ", col " << i % g.size(1)
+             << "): got 0x" << std::hex << int(gp[i]) << ", CPU 0x" << int(wp[i]);
+  return ::testing::AssertionSuccess();
+}
+
+// Scales bit-equal, or both NaN.
+::testing::AssertionResult same_scales(const Tensor& got, const Tensor& want) {
+  const Tensor g = got.to(Device::cpu()).contiguous(), w = want.to(Device::cpu()).contiguous();
+  if (g.shape() != w.shape())
+    return ::testing::AssertionFailure() << "shape " << g.str() << " vs " << w.str();
+  for (int64_t i = 0; i < g.numel(); ++i) {
+    const float a = g.data<float>()[i], b = w.data<float>()[i];
+    if (float_bits(a) != float_bits(b) && !(std::isnan(a) && std::isnan(b)))
+      return ::testing::AssertionFailure() << "scale " << i << ": got " << a << ", CPU " << b;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+void expect_same_quantisation(const ops::Fp8Blocks& gpu, const ops::Fp8Blocks& cpu,
+                              const std::string& what) {
+  EXPECT_EQ(gpu.block_rows, cpu.block_rows) << what;
+  EXPECT_EQ(gpu.block_cols, cpu.block_cols) << what;
+  EXPECT_TRUE(gpu.values.device().is_cuda()) << what;
+  EXPECT_TRUE(cuda::is_fp8_gemm_layout(gpu)) << what;
+  EXPECT_TRUE(same_codes(gpu.values, cpu.values)) << ctx(what);
+  EXPECT_TRUE(same_scales(gpu.scales, cpu.scales)) << ctx(what);
+}
+
+// The dequantised values in double: code · scale, exact.
+std::vector<double> dequantised(const ops::Fp8Blocks& q) {
+  const Tensor v = q.values.to(Device::cpu()).contiguous();
+  const Tensor s = q.scales.to(Device::cpu()).contiguous();
+  const int64_t rows = v.size(0), cols = v.size(1), scols = s.size(1);
+  std::vector<double> out(size_t(rows * cols));
+  const auto* vp = static_cast<const uint8_t*>(v.data_ptr());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      out[size_t(r * cols + c)] =
+          double(fp8e4m3_to_f32(vp[r * cols + c])) *
+          double(s.data<float>()[(r / q.block_rows) * scols + c / q.block_cols]);
+  return out;
+}
+
+// C[m, n] = Σ_k A(m, k) B(n, k) in f64 with S = Σ |A B|; A(m, k) = a[m·sa_m + k·sa_k] etc.
+struct Reference {
+  std::vector<double> value, abs_sum;
+};
+Reference reference(const std::vector<double>& a, int64_t sa_m, int64_t sa_k,
+                    const std::vector<double>& b, int64_t sb_n, int64_t sb_k, int64_t m, int64_t n,
+                    int64_t k) {
+  Reference r{std::vector<double>(size_t(m * n)), std::vector<double>(size_t(m * n))};
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = 0, abs = 0;
+      for (int64_t t = 0; t < k; ++t) {
+        const double p = a[size_t(i * sa_m + t * sa_k)] * b[size_t(j * sb_n + t * sb_k)];
+        acc += p;
+        abs += std::fabs(p);
+      }
+      r.value[size_t(i * n + j)] = acc;
+      r.abs_sum[size_t(i * n + j)] = abs;
+    }
+  return r;
+}
+
+// Every element within the bound of the header comment; `base` is added to the reference (the
+// prior content of an accumulated output). Prints the worst |error| / S.
+void expect_within_bound(const Tensor& got, const Reference& ref, int64_t k,
+                         const std::vector<double>& base, const std::string& what) {
+  const Tensor g = f32(got);
+  const double out_round = got.dtype() == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -23);
+  const double per_s = std::ldexp(1.0, -6) + double(k / 128 + 2) * std::ldexp(1.0, -24);
+  double worst = 0;
+  int64_t bad = 0, first_bad = -1;
+  for (int64_t i = 0; i < g.numel(); ++i) {
+    const double want = ref.value[size_t(i)] + (base.empty() ? 0.0 : base[size_t(i)]);
+    const double err = std::fabs(double(g.data<float>()[i]) - want);
+    const double s = ref.abs_sum[size_t(i)];
+    const double bound = per_s * s + out_round * std::fabs(want) + 1e-30;
+    if (s > 0) worst = std::max(worst, err / s);
+    if (!(err <= bound)) {
+      if (first_bad < 0) first_bad = i;
+      ++bad;
+    }
+  }
+  std::printf("[ measure  ] %s: max |err| / sum|ab| %.2e (bar %.2e)\n", what.c_str(), worst, per_s);
+  EXPECT_EQ(bad, 0) << ctx(what) << ": " << bad << " elements outside the bound, first at "
+                    << first_bad << " (got " << g.data<float>()[std::max<int64_t>(first_bad, 0)]
+                    << ", want " << ref.value[size_t(std::max<int64_t>(first_bad, 0))] << ")";
+}
+
+// Runs `fn`; a glmtune::Error (e.g. no cuBLASLt algorithm) fails the test with its full message.
+template <typename Fn>
+void run_or_fail(const std::string& what, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    FAIL() << what << ": " << e.what() << " [" << e.where() << "] " << e.fix();
+  }
+}
+
+#endif
+
+}  // namespace
+
+// First in the file: the block-scaled FP8 GEMMs exist on this GPU. No algorithm is a failure that
+// names the cuBLAS status, never a skip.
+TEST(CudaFp8, CublasLtHasBlockScaledAlgorithms) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const Tensor x = varied(128, 256, DType::bf16, 1).to(kGpu);
+  const Tensor w = varied(128, 256, DType::bf16, 2).to(kGpu);
+  const Tensor dy = varied(128, 128, DType::bf16, 3).to(kGpu);
+  run_or_fail("forward (VEC128 x BLK128x128)", [&] {
+    cuda::fp8_linear(cuda::quantize_fp8_blocks(x, 1, 128), cuda::quantize_fp8_blocks(w, 128, 128));
+  });
+  run_or_fail("input gradient (VEC128 x BLK128x128, transposed weight)", [&] {
+    Tensor dx = Tensor::empty({128, 256}, DType::bf16, kGpu);
+    cuda::fp8_linear_backward_input_out(
+        dx, cuda::quantize_fp8_blocks(dy, 1, 128),
+        cuda::transpose_fp8_weight(cuda::quantize_fp8_blocks(w, 128, 128)));
+  });
+  run_or_fail("weight gradient (VEC128 x VEC128)", [&] {
+    Tensor dw = Tensor::zeros({128, 256}, DType::f32, kGpu);
+    cuda::fp8_linear_backward_weight(dw, cuda::quantize_fp8_blocks(dy, 128, 1),
+                                     cuda::quantize_fp8_blocks(x, 128, 1));
+  });
+  // Asynchronous failures of the launches surface here, inside this test.
+  GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+}
+
+TEST(CudaFp8, QuantisersMatchTheCpuReferenceBitForBit) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // Partial tiles on both edges, a single element, rows not a multiple of 4 or 16, a wide case.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 1},     {3, 130},  {130, 200},
+                                                           {257, 384}, {129, 17}, {1000, 1024}};
+  uint64_t stream = 10;
+  for (const auto& [rows, cols] : shapes)
+    for (DType dt : {DType::bf16, DType::f32}) {
+      const Tensor x = varied(rows, cols, dt, stream += 3);
+      const Tensor xg = x.to(kGpu);
+      for (const auto& [br, bc] :
+           std::vector<std::pair<int64_t, int64_t>>{{1, 128}, {128, 128}, {128, 1}}) {
+        const std::string what = shape_name(rows, cols) + " " + std::string(dtype_name(dt)) +
+                                 " blocks " + shape_name(br, bc);
+        const ops::Fp8Blocks cpu = ops::quantize_fp8_blocks(x, br, bc);
+        // Through the leaf-op dispatch and directly.
+        expect_same_quantisation(ops::quantize_fp8_blocks(xg, br, bc), cpu, what + " (dispatch)");
+        expect_same_quantisation(cuda::quantize_fp8_blocks(xg, br, bc), cpu, what);
+      }
+    }
+#endif
+}
+
+TEST(CudaFp8, QuantisersFollowTheNonFiniteRules) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const int64_t rows = 260, cols = 300;
+  Tensor x = varied(rows, cols, DType::f32, 40);
+  float* p = x.data<float>();
+  for (int64_t c = 0; c < 128; ++c)  // a block of zeros (rows 0..127, cols 0..127), −0 included
+    for (int64_t r = 0; r < 128; ++r) p[r * cols + c] = (r + c) % 2 ? 0.0f : -0.0f;
+  p[5 * cols + 200] = NAN;           // NaN
+  p[140 * cols + 10] = INFINITY;     // +inf
+  p[141 * cols + 250] = -INFINITY;   // −inf
+  p[200 * cols + 140] = 3.0e38f;     // huge: its block's other values go subnormal or to 0
+  p[201 * cols + 141] = -1.0e-30f;   // tiny, in the huge value's block
+  p[259 * cols + 299] = 448.0f * 3;  // the last (partial) tile's amax
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const Tensor xd = x.to(dt);
+    for (const auto& [br, bc] :
+         std::vector<std::pair<int64_t, int64_t>>{{1, 128}, {128, 128}, {128, 1}}) {
+      const std::string what = std::string(dtype_name(dt)) + " blocks " + shape_name(br, bc);
+      expect_same_quantisation(cuda::quantize_fp8_blocks(xd.to(kGpu), br, bc),
+                               ops::quantize_fp8_blocks(xd, br, bc), what);
+    }
+  }
+  // The zero block: scale 1e-12 / 448, codes ±0.
+  const ops::Fp8Blocks q = cuda::quantize_fp8_blocks(x.to(kGpu), 128, 128);
+  EXPECT_EQ(f32(q.scales).data<float>()[0], float(1e-12 / 448.0));
+#endif
+}
+
+TEST(CudaFp8, PaddingOfTheGemmLayoutIsZero) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // 128 x 1: 37 tokens are stored in rows of 48 codes; codes 37..47 of every column are 0 (they
+  // join the weight gradient's reduction). 1 x 128 with 37 rows: scales padded to 40 per block.
+  const Tensor x = varied(37, 50, DType::bf16, 50).to(kGpu);
+  const ops::Fp8Blocks c = cuda::quantize_fp8_blocks(x, 128, 1);
+  ASSERT_EQ(c.values.stride(1), 48);
+  const Tensor raw = Tensor::from_storage(c.values.storage(), c.values.storage_offset(), {50, 48},
+                                          {48, 1}, DType::fp8e4m3)
+                         .to(Device::cpu());
+  for (int64_t col = 0; col < 50; ++col)
+    for (int64_t r = 37; r < 48; ++r)
+      EXPECT_EQ(static_cast<const uint8_t*>(raw.data_ptr())[col * 48 + r], 0) << col << "," << r;
+  const ops::Fp8Blocks t = cuda::quantize_fp8_blocks(x, 1, 128);
+  ASSERT_EQ(t.scales.stride(1), 40);
+  const Tensor sraw = Tensor::from_storage(t.scales.storage(), t.scales.storage_offset(), {1, 40},
+                                           {40, 1}, DType::f32)
+                          .to(Device::cpu());
+  for (int64_t r = 37; r < 40; ++r) EXPECT_EQ(sraw.data<float>()[r], 0.0f) << r;
+#endif
+}
+
+TEST(CudaFp8, TransposedWeightAndDeviceLayoutMatchTheCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{272, 320}, {640, 1152}}) {
+    const Tensor w = varied(n, k, DType::bf16, 60 + uint64_t(n));
+    const std::string what = shape_name(n, k);
+    const ops::Fp8Blocks wg = cuda::quantize_fp8_blocks(w.to(kGpu), 128, 128);
+    expect_same_quantisation(cuda::transpose_fp8_weight(wg),
+                             ops::quantize_fp8_blocks(w.transpose(0, 1).contiguous(), 128, 128),
+                             what + " transposed");
+    for (const auto& [br, bc] :
+         std::vector<std::pair<int64_t, int64_t>>{{1, 128}, {128, 128}, {128, 1}}) {
+      const ops::Fp8Blocks cpu = ops::quantize_fp8_blocks(w, br, bc);
+      expect_same_quantisation(cuda::fp8_blocks_to_device(cpu, kGpu), cpu,
+                               what + " moved, blocks " + shape_name(br, bc));
+    }
+  }
+#endif
+}
+
+TEST(CudaFp8, ForwardMatchesTheDequantisedProduct) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // K = 320 and 1040 are not multiples of 128 (a partial last block); M = 1001 and 37 are not
+  // multiples of 4 (the padded scale layout); M = 1 the smallest.
+  struct Case {
+    int64_t m, n, k;
+  };
+  const Case cases[] = {{256, 256, 512}, {1001, 384, 320}, {37, 128, 1040}, {1, 16, 16}};
+  uint64_t stream = 70;
+  for (const Case& c : cases) {
+    const Tensor x = varied(c.m, c.k, DType::bf16, stream += 3);
+    const Tensor w = varied(c.n, c.k, DType::bf16, stream += 3);
+    const ops::Fp8Blocks xq = ops::quantize_fp8_blocks(x, 1, 128);
+    const ops::Fp8Blocks wq = ops::quantize_fp8_blocks(w, 128, 128);
+    const Reference ref =
+        reference(dequantised(xq), c.k, 1, dequantised(wq), c.k, 1, c.m, c.n, c.k);
+    const ops::Fp8Blocks xg = cuda::quantize_fp8_blocks(x.to(kGpu), 1, 128);
+    const ops::Fp8Blocks wg = cuda::quantize_fp8_blocks(w.to(kGpu), 128, 128);
+    for (DType out : {DType::bf16, DType::f32}) {
+      const std::string what = "forward M" + std::to_string(c.m) + " N" + std::to_string(c.n) +
+                               " K" + std::to_string(c.k) + " " + std::string(dtype_name(out));
+      Tensor y = Tensor::full({c.m, c.n}, NAN, out, kGpu);
+      run_or_fail(what, [&] { cuda::fp8_linear_out(y, xg, wg); });
+      expect_within_bound(y, ref, c.k, {}, what);
+      // Operands laid out from the CPU quantisation give the same bits; a rerun too.
+      Tensor y2 = Tensor::full({c.m, c.n}, NAN, out, kGpu);
+      run_or_fail(what, [&] {
+        cuda::fp8_linear_out(y2, cuda::fp8_blocks_to_device(xq, kGpu),
+                             cuda::fp8_blocks_to_device(wq, kGpu));
+      });
+      EXPECT_TRUE(bit_identical(y, y2)) << ctx(what);
+      // Accumulation adds to what y holds.
+      const Tensor base = varied(c.m, c.n, out, stream + 1);
+      Tensor acc = base.to(kGpu);
+      run_or_fail(what, [&] { cuda::fp8_linear_out(acc, xg, wg, true); });
+      expect_within_bound(acc, ref, c.k, base.to(DType::f64).to_doubles(), what + " accumulated");
+    }
+  }
+#endif
+}
+
+TEST(CudaFp8, InputGradientMatchesTheDequantisedProduct) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  struct Case {
+    int64_t m, n, k;
+  };
+  const Case cases[] = {{300, 256, 384}, {77, 400, 144}};
+  uint64_t stream = 90;
+  for (const Case& c : cases) {
+    const Tensor dy = varied(c.m, c.n, DType::bf16, stream += 3);
+    const Tensor w = varied(c.n, c.k, DType::bf16, stream += 3);
+    const ops::Fp8Blocks dyq = ops::quantize_fp8_blocks(dy, 1, 128);
+    const ops::Fp8Blocks wq = ops::quantize_fp8_blocks(w, 128, 128);
+    // dx[m, k] = Σ_n dy(m, n) w(n, k).
+    const Reference ref =
+        reference(dequantised(dyq), c.n, 1, dequantised(wq), 1, c.k, c.m, c.k, c.n);
+    const ops::Fp8Blocks w_t =
+        cuda::transpose_fp8_weight(cuda::quantize_fp8_blocks(w.to(kGpu), 128, 128));
+    for (DType out : {DType::bf16, DType::f32}) {
+      const std::string what = "dX M" + std::to_string(c.m) + " N" + std::to_string(c.n) + " K" +
+                               std::to_string(c.k) + " " + std::string(dtype_name(out));
+      Tensor dx = Tensor::full({c.m, c.k}, NAN, out, kGpu);
+      run_or_fail(what, [&] {
+        cuda::fp8_linear_backward_input_out(dx, cuda::quantize_fp8_blocks(dy.to(kGpu), 1, 128),
+                                            w_t);
+      });
+      expect_within_bound(dx, ref, c.n, {}, what);
+    }
+  }
+#endif
+}
+
+TEST(CudaFp8, WeightGradientMatchesTheDequantisedProduct) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // Token counts not multiples of 16 (zero-padded reduction) or of 128 (a partial last tile).
+  struct Case {
+    int64_t t, n, k;
+  };
+  const Case cases[] = {{300, 256, 384}, {17, 128, 64}, {1024, 144, 272}};
+  uint64_t stream = 110;
+  for (const Case& c : cases) {
+    const Tensor dy = varied(c.t, c.n, DType::bf16, stream += 3);
+    const Tensor x = varied(c.t, c.k, DType::bf16, stream += 3);
+    const ops::Fp8Blocks dyq = ops::quantize_fp8_blocks(dy, 128, 1);
+    const ops::Fp8Blocks xq = ops::quantize_fp8_blocks(x, 128, 1);
+    // dw[n, k] = Σ_t dy(t, n) x(t, k).
+    const Reference ref =
+        reference(dequantised(dyq), 1, c.n, dequantised(xq), 1, c.k, c.n, c.k, c.t);
+    const ops::Fp8Blocks dyg = cuda::quantize_fp8_blocks(dy.to(kGpu), 128, 1);
+    const ops::Fp8Blocks xg = cuda::quantize_fp8_blocks(x.to(kGpu), 128, 1);
+    for (DType out : {DType::f32, DType::bf16}) {
+      const std::string what = "dW T" + std::to_string(c.t) + " N" + std::to_string(c.n) + " K" +
+                               std::to_string(c.k) + " " + std::string(dtype_name(out));
+      Tensor dw = Tensor::full({c.n, c.k}, NAN, out, kGpu);
+      run_or_fail(what, [&] { cuda::fp8_linear_backward_weight(dw, dyg, xg, false); });
+      expect_within_bound(dw, ref, c.t, {}, what);
+      const Tensor base = varied(c.n, c.k, out, stream + 1);
+      Tensor acc = base.to(kGpu);
+      run_or_fail(what, [&] { cuda::fp8_linear_backward_weight(acc, dyg, xg, true); });
+      expect_within_bound(acc, ref, c.t, base.to(DType::f64).to_doubles(), what + " accumulated");
+    }
+  }
+#endif
+}
+
+TEST(CudaFp8, GroupedGemmsMatchPerExpertProducts) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // Five experts with 0, 130, 1, 257 and 64 rows; N 256, K 384.
+  const std::vector<int64_t> offsets = {0, 0, 130, 131, 388, 452};
+  const int64_t g_count = 5, total = offsets.back(), n = 256, k = 384;
+  const Tensor x = varied(total, k, DType::bf16, 130);
+  const Tensor dy = varied(total, n, DType::bf16, 133);
+  Tensor w = Tensor::empty({g_count, n, k}, DType::bf16);
+  for (int64_t g = 0; g < g_count; ++g)
+    w.select(0, g).copy_(varied(n, k, DType::bf16, 140 + uint64_t(g)));
+  const Tensor xg = x.to(kGpu), dyg = dy.to(kGpu), wg = w.to(kGpu);
+  const std::vector<ops::Fp8Blocks> w_q = cuda::quantize_fp8_weight_grouped(wg);
+  std::vector<ops::Fp8Blocks> w_t;
+  for (const ops::Fp8Blocks& q : w_q) w_t.push_back(cuda::transpose_fp8_weight(q));
+  Tensor y = Tensor::full({total, n}, NAN, DType::bf16, kGpu);
+  Tensor dx = Tensor::full({total, k}, NAN, DType::f32, kGpu);
+  Tensor dw = Tensor::zeros({g_count, n, k}, DType::f32, kGpu);
+  run_or_fail("grouped", [&] {
+    cuda::fp8_grouped_linear(y, cuda::quantize_fp8_grouped(xg, offsets, 1, 128), w_q, offsets);
+    cuda::fp8_grouped_linear_backward_input(dx, cuda::quantize_fp8_grouped(dyg, offsets, 1, 128),
+                                            w_t, offsets);
+    cuda::fp8_grouped_linear_backward_weight(dw, cuda::quantize_fp8_grouped(dyg, offsets, 128, 1),
+                                             cuda::quantize_fp8_grouped(xg, offsets, 128, 1),
+                                             offsets);
+  });
+  for (int64_t g = 0; g < g_count; ++g) {
+    const int64_t r0 = offsets[size_t(g)], rows = offsets[size_t(g) + 1] - r0;
+    const std::string what = "expert " + std::to_string(g) + " (" + std::to_string(rows) + " rows)";
+    const ops::Fp8Blocks wq = ops::quantize_fp8_blocks(w.select(0, g).contiguous(), 128, 128);
+    expect_same_quantisation(w_q[size_t(g)], wq, what + " weight");
+    const std::vector<double> wd = dequantised(wq);
+    const Tensor dwg = dw.select(0, g);
+    if (rows == 0) {
+      // No rows, no gradient.
+      const Tensor d = f32(dwg);
+      for (int64_t i = 0; i < d.numel(); ++i) ASSERT_EQ(d.data<float>()[i], 0.0f) << what;
+      continue;
+    }
+    const Tensor xs = x.slice(0, r0, r0 + rows).contiguous();
+    const Tensor dys = dy.slice(0, r0, r0 + rows).contiguous();
+    const std::vector<double> xd = dequantised(ops::quantize_fp8_blocks(xs, 1, 128));
+    const std::vector<double> dyd = dequantised(ops::quantize_fp8_blocks(dys, 1, 128));
+    expect_within_bound(y.slice(0, r0, r0 + rows), reference(xd, k, 1, wd, k, 1, rows, n, k), k, {},
+                        what + " forward");
+    expect_within_bound(dx.slice(0, r0, r0 + rows), reference(dyd, n, 1, wd, 1, k, rows, k, n), n,
+                        {}, what + " dX");
+    const std::vector<double> dyc = dequantised(ops::quantize_fp8_blocks(dys, 128, 1));
+    const std::vector<double> xc = dequantised(ops::quantize_fp8_blocks(xs, 128, 1));
+    expect_within_bound(dwg, reference(dyc, 1, n, xc, 1, k, n, k, rows), rows, {}, what + " dW");
+  }
+#endif
+}
+
+TEST(CudaFp8, RefusesWhatCublasLtCannotTake) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  auto message_of = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return std::string(e.what()) + " | " + e.fix();
+    }
+    return "";
+  };
+  // K = 100: rows of 100 bytes, not 16-byte aligned.
+  const Tensor x = varied(64, 100, DType::bf16, 150).to(kGpu);
+  const Tensor w = varied(128, 100, DType::bf16, 151).to(kGpu);
+  const std::string k_msg = message_of([&] {
+    cuda::fp8_linear(cuda::quantize_fp8_blocks(x, 1, 128), cuda::quantize_fp8_blocks(w, 128, 128));
+  });
+  EXPECT_NE(k_msg.find("K (reduced dimension) = 100 is not a multiple of 16"), std::string::npos)
+      << k_msg;
+  // N = 24 outputs.
+  const Tensor x2 = varied(64, 128, DType::bf16, 152).to(kGpu);
+  const Tensor w2 = varied(24, 128, DType::bf16, 153).to(kGpu);
+  const std::string n_msg = message_of([&] {
+    cuda::fp8_linear(cuda::quantize_fp8_blocks(x2, 1, 128),
+                     cuda::quantize_fp8_blocks(w2, 128, 128));
+  });
+  EXPECT_NE(n_msg.find("N (output columns) = 24 is not a multiple of 16"), std::string::npos)
+      << n_msg;
+  // Blocks without a GPU layout.
+  const std::string b_msg = message_of([&] { cuda::quantize_fp8_blocks(x2, 64, 64); });
+  EXPECT_NE(b_msg.find("blocks of 64 x 64 have no GPU layout"), std::string::npos) << b_msg;
+  // A CPU quantisation copied naively (scales row-major, not the rows-fastest GEMM layout).
+  const ops::Fp8Blocks cpu = ops::quantize_fp8_blocks(varied(64, 256, DType::bf16, 154), 1, 128);
+  ops::Fp8Blocks naive = cpu;
+  naive.values = cpu.values.to(kGpu);
+  naive.scales = cpu.scales.to(kGpu);
+  EXPECT_FALSE(cuda::is_fp8_gemm_layout(naive));
+  const std::string l_msg = message_of([&] {
+    cuda::fp8_linear(
+        naive, cuda::quantize_fp8_blocks(varied(128, 256, DType::bf16, 155).to(kGpu), 128, 128));
+  });
+  EXPECT_NE(l_msg.find("GPU GEMM layout"), std::string::npos) << l_msg;
+#endif
+}
