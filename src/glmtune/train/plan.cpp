@@ -1,0 +1,506 @@
+#include "glmtune/train/plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <regex>
+#include <set>
+
+#include "glmtune/base/error.h"
+#include "glmtune/base/overloaded.h"
+#include "glmtune/dist/parallel.h"
+#include "glmtune/model/layout.h"
+#include "glmtune/model/text/backward.h"
+#include "glmtune/model/text/weights.h"
+
+namespace glmtune::train {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// The KDA core's backward workspace per (token, head): 6.0 GB at T = 16384, 64 heads, bf16
+// (ops/cuda/kda_core.cu, the workspace note at its top).
+constexpr double kKdaBackwardPerTokenHead = 6.0e9 / (16384.0 * 64.0);
+// What the caching allocator reserves beyond what it hands out, as a share of the bytes that
+// come and go during a step: docs/PERF.md ("The caching allocator") measured 1.9 GiB over 18 GiB
+// of activations at --recompute 1 and 3.6 over 35 at --recompute 0.
+constexpr double kAllocatorShare = 0.10;
+
+bool is_routed_expert(const std::string& name) {
+  return name.find(".mlp.experts.") != std::string::npos;
+}
+
+// The mHC mixing matrices: bf16 in the checkpoint, f32 on a GPU (model/text/weights.h).
+bool is_hc_mixing(const std::string& name) {
+  return name.find(".hc_") != std::string::npos && name.ends_with("_fn");
+}
+
+int64_t layer_of(const std::string& name) {
+  static const std::regex re(R"(\.layers\.(\d+)\.)");
+  std::smatch m;
+  return std::regex_search(name, m, re) ? std::stoll(m[1].str()) : -1;
+}
+
+// PEFT's module name of a projection: the forget gate's two projections sit in a submodule.
+std::string peft_module(const std::string& module) {
+  for (const char* gate : {"f_a_proj", "f_b_proj"}) {
+    const std::string tail = std::string(".self_attn.") + gate;
+    if (module.ends_with(tail))
+      return module.substr(0, module.size() - tail.size()) + ".self_attn.forget_gate." + gate;
+  }
+  return module;
+}
+
+bool lora_matches(const PlanLora& lora, const std::optional<std::regex>& re,
+                  const std::string& internal) {
+  const std::string module = peft_module(internal);
+  if (re) return std::regex_match(module, *re);
+  for (const std::string& key : lora.target_modules)
+    if (key == "all-linear" || module == key || module.ends_with("." + key)) return true;
+  return false;
+}
+
+// The projection names of one decoder layer, from the parameter list the loader reads.
+std::vector<std::string> layer_projection_names() {
+  model::text::LayerWeights lw;
+  std::vector<std::string> out;
+  model::text::zip_layer_params(
+      lw, lw,
+      Overloaded{[](const std::string&, model::text::ParamGroup, Tensor&, Tensor&) {},
+                 [&](const std::string& name, model::text::ParamGroup, ops::Linear&, ops::Linear&,
+                     ops::WholeProjection) { out.push_back(name); }});
+  return out;
+}
+
+std::string gib(double bytes) { return fmt::format("{:.2f}", bytes / kGiB); }
+
+}  // namespace
+
+double MemoryPlan::part_bytes(const std::string& part) const {
+  double sum = 0;
+  for (const PlanItem& i : items)
+    if (i.part == part) sum += i.bytes;
+  return sum;
+}
+
+bool stored_fp8_in_release(const model::ModelConfig& config, const std::string& name) {
+  const model::TextConfig& c = config.text();
+  if (!name.ends_with("_proj.weight") && !name.ends_with("_proj_with_mqa.weight")) return false;
+  const int64_t layer = layer_of(name);
+  if (layer < 0 || name.find(".indexer.") != std::string::npos) return false;
+  if (name.find(".mlp.") != std::string::npos) return true;  // experts, shared, dense MLP
+  const bool dsa =
+      layer >= c.num_hidden_layers || c.layer_types[size_t(layer)] == model::AttnKind::dsa;
+  if (!dsa) return false;  // every KDA tensor is BF16 in the release
+  for (const char* p : {".self_attn.q_a_proj.", ".self_attn.q_b_proj.",
+                        ".self_attn.kv_a_proj_with_mqa.", ".self_attn.o_proj."})
+    if (name.find(p) != std::string::npos) return true;
+  return false;  // kv_b_proj stays BF16
+}
+
+std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, const PlanLora& lora) {
+  std::optional<std::regex> re;
+  if (!lora.target_regex.empty()) try {
+      re.emplace(lora.target_regex);
+    } catch (const std::regex_error& e) {
+      throw Error(fmt::format("'{}' is not a regular expression: {}", lora.target_regex, e.what()),
+                  "--lora-targets", "write a valid ECMAScript regular expression");
+    }
+  std::set<std::string> weights;
+  for (const model::ParamSpec& s : model::released_layout(config)) weights.insert(s.name);
+  const model::TextConfig& c = config.text();
+  std::vector<std::string> out;
+  std::set<std::string> seen;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    for (const std::string& name : layer_projection_names()) {
+      const std::string module = model::text::layer_prefix(l) + name;
+      // Like model/lora.h: released projections only (the fused experts are not), never the
+      // indexer (it runs without gradient); the MTP layer and the head are refused there too.
+      if (!weights.count(module + ".weight") || name.find(".indexer.") != std::string::npos ||
+          !seen.insert(module).second)
+        continue;
+      if (lora_matches(lora, re, module)) out.push_back(module);
+    }
+  if (lora.experts)
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      if (c.mlp_layer_types[size_t(l)] != model::MlpKind::sparse) continue;
+      for (int64_t e = 0; e < c.n_routed_experts; ++e)
+        for (const char* p : {"gate_proj", "up_proj", "down_proj"}) {
+          const std::string module =
+              fmt::format("{}mlp.experts.{}.{}", model::text::layer_prefix(l), e, p);
+          if (lora_matches(lora, re, module)) out.push_back(module);
+        }
+    }
+  if (out.empty())
+    throw Error("the LoRA targets match no projection of this model", "--lora-targets",
+                "use \"all-linear\", projection suffixes such as q_proj,o_proj,mlp.down_proj, "
+                "or a regular expression over names like "
+                "model.language_model.layers.0.self_attn.q_proj");
+  return out;
+}
+
+namespace {
+
+void check_options(const PlanOptions& o) {
+  if (o.gpus < 1)
+    throw Error(fmt::format("--gpus {} is not a GPU count", o.gpus), "--gpus",
+                "give the number of GPUs, 1 or more");
+  if (!(o.recompute >= 0 && o.recompute <= 1))
+    throw Error(fmt::format("--recompute {} is not a fraction", o.recompute), "--recompute",
+                "give a fraction of the decoder layers between 0 and 1");
+  if (!(o.offload >= 0 && o.offload <= 1) || o.recompute + o.offload > 1 + 1e-9)
+    throw Error(fmt::format("--offload {} with --recompute {}", o.offload, o.recompute),
+                "--offload",
+                "give a fraction between 0 and 1 whose sum with --recompute is at most 1");
+  if (o.pack < 1)
+    throw Error(fmt::format("--pack {} tokens", o.pack), "--pack",
+                "give the pack length in tokens (data.pack_max_length), e.g. 16384");
+  if (o.loss_chunk_rows < 1)
+    throw Error(fmt::format("--loss-chunk-rows {}", o.loss_chunk_rows), "--loss-chunk-rows",
+                "give at least 1 row (the trainer uses 256)");
+  if (!(o.device_gib > 0) || !std::isfinite(o.device_gib))
+    throw Error(fmt::format("--device-memory {} GiB", o.device_gib), "--device-memory",
+                "give the GPU's usable memory in GiB, e.g. 139 for an H200");
+  if (o.lora && o.lora->rank < 1)
+    throw Error(fmt::format("--lora-rank {} must be at least 1", o.lora->rank), "--lora-rank",
+                "give the adapters' rank, e.g. 16");
+  if (o.pack % o.sp != 0 && o.sp > 1)
+    throw Error(fmt::format("--pack {} does not split over --sp {}", o.pack, o.sp), "--pack",
+                "give a pack length that is a multiple of the sequence-parallel size");
+}
+
+// The per-token bytes of the tensors one layer's context keeps (model/text/layer.h LayerContext)
+// in bf16 compute with the GPU ops' f32 side tensors.
+struct TokenBytes {
+  double streams = 0;  // one [H, D] stream tensor
+  double kept_common = 0;
+  double kda = 0, dsa = 0, dense = 0, moe = 0;
+  double kda_ws = 0, dsa_ws = 0, dense_ws = 0, moe_ws = 0, moe_exchange = 0;
+  double mtp_extra = 0;
+};
+
+TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
+  const double D = double(c.hidden_size), H = double(c.hc_mult), QL = double(c.linear_width()),
+               NL = double(c.linear_num_heads), NH = double(c.num_attention_heads),
+               Dqk = double(c.qk_head_dim()), Dv = double(c.v_head_dim), Rq = double(c.q_lora_rank),
+               W = double(c.index_topk), K = double(c.num_experts_per_tok),
+               E = double(c.n_routed_experts), I = double(c.intermediate_size),
+               Im = double(c.moe_intermediate_size),
+               Is = double(c.moe_intermediate_size * c.n_shared_experts);
+  TokenBytes b;
+  b.streams = H * D * 2;
+  // An mHC site keeps collapsed [D] in bf16, post [H], comb [H, H] and the saved rstd, mix
+  // [(2+H)·H], pre [H], comb_init [H, H] in f32.
+  const double site = D * 2 + 4 * (H + H * H + 1 + (2 + H) * H + H + H * H);
+  // streams_in and streams_mid, two sites, the two norms' outputs and rstd, attn_out, ffn_out.
+  b.kept_common = 2 * b.streams + 2 * site + 2 * (D * 2 + 4) + 2 * D * 2;
+  // KdaSaved: conv inputs and conv outputs q, k, v (bf16), g (f32), the q/k norms and beta
+  // (f32 per head), core, gate and normed (bf16).
+  b.kda = 6 * QL * 2 + QL * 4 + 3 * NL * 4 + 3 * QL * 2;
+  // q_resid, q (bf16), the attention core (bf16), the selection (int32 [W]); the absorbed form
+  // keeps no per-head keys or values.
+  b.dsa = Rq * 2 + NH * Dqk * 2 + NH * Dv * 2 + W * 4;
+  b.dense = 0;                    // the MLP recomputes its hidden rows in the backward
+  b.moe = E * 4 + K * 4 + K * 4;  // routing: logits, combine weights, expert ids
+  // Backward working sets (the layer being differentiated; its gradients of the inputs):
+  // KDA: the core's workspace, dq dk dv and the conv inputs' gradients (bf16), dg (f32), the
+  // core's and gate's gradients.
+  b.kda_ws = NL * kKdaBackwardPerTokenHead + QL * (3 * 2 + 4 + 3 * 2 + 2 * 2);
+  // DSA: gradients of q and of the attention core, the recomputed latent side.
+  b.dsa_ws = 2 * NH * Dqk * 2 + NH * Dv * 2 + 2 * Rq * 2;
+  // Dense MLP: gate/up rows and their gradient (bf16), the activation.
+  b.dense_ws = 2 * I * 2 * 2 + I * 2;
+  // MoE: per routed row (K per token) the permuted input, gate/up output and its gradient,
+  // the activation, the permuted dy (bf16) and the f32 input gradient; the shared expert as a
+  // dense MLP.
+  b.moe_ws = K * (D * 2 + 2 * Im * 2 * 2 + Im * 2 + D * 2 + D * 4) + 2 * Is * 2 * 2 + Is * 2;
+  // Expert parallel: the rows sent and received, each way (bf16).
+  if (ep > 1) b.moe_exchange = 2 * K * D * 2;
+  // MTP context beyond a layer: future, future_normed, hidden_in, hidden_normed, mixed, out,
+  // out_normed (bf16 [D] each), three rstd, the labels.
+  b.mtp_extra = 7 * D * 2 + 3 * 4 + 4;
+  return b;
+}
+
+MemoryPlan plan_impl(const model::ModelConfig& config, const PlanOptions& o, bool suggest) {
+  check_options(o);
+  const model::TextConfig& c = config.text();
+  const dist::ParallelSizes sizes =
+      dist::parallel_sizes(int(o.gpus), o.ep, o.sp, "--gpus / --ep / --sp");
+  if (o.ep > 1 && c.n_routed_experts % o.ep != 0)
+    throw Error(
+        fmt::format("{} routed experts do not split over --ep {}", c.n_routed_experts, o.ep),
+        "--ep", "give an expert-parallel size that divides the routed experts");
+  MemoryPlan plan;
+  plan.options = o;
+  plan.dp = sizes.dp;
+  const double dp = double(sizes.dp), ep = double(o.ep);
+  const int64_t L = c.num_hidden_layers;
+  const bool mtp = o.mtp && c.has_mtp();
+  const auto policies = model::text::activation_policy(L, o.recompute, o.offload);
+
+  // ---- static parts, exact over the released layout ----
+  double w_bf16 = 0, w_f32 = 0, w_fp8 = 0, w_scales = 0, w_frozen_bf16 = 0;
+  double g_f32 = 0, opt_master = 0, opt_moments = 0;
+  std::vector<double> layer_weight(size_t(L + 1), 0), layer_grad(size_t(L + 1), 0);
+  double fsdp_weight_slices = 0, fsdp_grad_slices = 0;
+  const bool lora = o.lora.has_value();
+  for (const model::ParamSpec& s : model::released_layout(config)) {
+    if (s.component == model::Component::vision) continue;
+    if (!mtp && s.component == model::Component::mtp) continue;
+    plan.base_params += s.numel();
+    const bool expert = is_routed_expert(s.name);
+    const double local = double(s.numel()) / (expert ? ep : 1.0);
+    const bool trained = !lora && s.trainable;
+    if (trained) plan.trained_params += s.numel();
+    const int64_t layer = s.layer;
+    const bool in_layer = layer >= 0 && layer < L;
+    // fsdp shards the decoder layers over dp; ep's expert slices stay out of it.
+    const bool sharded = o.fsdp && in_layer && !(expert && o.ep > 1);
+    double bytes;
+    if (o.base == PlanBase::fp8 && !trained && stored_fp8_in_release(config, s.name)) {
+      const int64_t blocks = ((s.shape[0] + 127) / 128) * ((s.shape[1] + 127) / 128);
+      const double scales = double(blocks) * 4 / (expert ? ep : 1.0);
+      w_fp8 += local;
+      w_scales += scales;
+      bytes = local + scales;
+    } else if (model::is_fp32_kept(s.name) || is_hc_mixing(s.name)) {
+      bytes = local * 4;
+      w_f32 += bytes;
+    } else {
+      bytes = local * 2;
+      (trained ? w_bf16 : w_frozen_bf16) += bytes;
+    }
+    if (sharded) {
+      layer_weight[size_t(layer)] += bytes;
+      fsdp_weight_slices += bytes / dp;
+    }
+    if (!trained) continue;
+    const bool f32_stored = model::is_fp32_kept(s.name);
+    // The sharded optimizer splits every trained tensor over dp; an expert slice over the dp / ep
+    // ranks holding it, which is the whole expert count over dp again.
+    const double shard = dp > 1 ? (expert ? double(s.numel()) / dp : local / dp) : local;
+    opt_master += f32_stored ? 0 : shard * 4;
+    opt_moments += shard * 8;
+    if (sharded) {
+      layer_grad[size_t(layer)] += local * 4;
+      fsdp_grad_slices += local * 4 / dp;
+    } else {
+      g_f32 += local * 4;
+    }
+  }
+  auto add = [&](const std::string& part, const std::string& item, double bytes,
+                 const std::string& note = "") {
+    if (bytes != 0) plan.items.push_back({part, item, bytes, note});
+  };
+  const double weight_total = w_bf16 + w_f32 + w_fp8 + w_scales + w_frozen_bf16;
+  if (o.fsdp) {
+    const double whole_layers = std::accumulate(layer_weight.begin(), layer_weight.end(), 0.0);
+    add("weights", "replicated (embeddings, head, MTP, norms) and expert slices",
+        weight_total - whole_layers);
+    add("weights", "decoder-layer slices (fsdp, 1/dp)", fsdp_weight_slices);
+  } else {
+    add("weights", "bf16 compute copies (trained)", w_bf16);
+    add("weights", "bf16 compute copies (frozen)", w_frozen_bf16,
+        "the indexer, and the whole base under LoRA");
+    add("weights", "fp8 values (frozen, FP8 in the release)", w_fp8, "1 byte a value");
+    add("weights", "fp8 block scales (f32, 128x128)", w_scales);
+    add("weights", "f32 (A_log, dt_bias, conv, router bias, mHC)", w_f32);
+  }
+
+  // ---- adapters ----
+  if (lora) {
+    const std::vector<std::string> modules = plan_lora_modules(config, *o.lora);
+    std::map<std::string, Shape> shapes;
+    for (const model::ParamSpec& s : model::released_layout(config)) shapes[s.name] = s.shape;
+    double dense_elems = 0, expert_elems = 0;
+    for (const std::string& m : modules) {
+      const Shape& w = shapes.at(m + ".weight");
+      const double n = double(o.lora->rank * (w[0] + w[1]));
+      (is_routed_expert(m) ? expert_elems : dense_elems) += n;
+    }
+    plan.adapted_modules = int64_t(modules.size());
+    plan.adapter_params = int64_t(dense_elems + expert_elems);
+    plan.trained_params = plan.adapter_params;
+    const double local = dense_elems + expert_elems / ep;
+    add("adapters", "LoRA A and B (f32, trained)", local * 4,
+        o.lora->experts ? "includes the routed experts' adapters, which glmtune cannot train yet"
+                        : "");
+    g_f32 += local * 4;
+    const double shard = dp > 1 ? (dense_elems + expert_elems) / dp : local;
+    opt_moments += shard * 8;  // f32-stored: each adapter is its own master
+  }
+  if (o.fsdp) {
+    add("gradients", "f32, replicated tensors", g_f32);
+    add("gradients", "f32, decoder-layer slices (fsdp, 1/dp)", fsdp_grad_slices);
+  } else {
+    add("gradients", "f32, every trained tensor", g_f32);
+  }
+  add("optimizer", "f32 masters of bf16-stored trained tensors", opt_master,
+      dp > 1 ? "sharded over the data-parallel ranks" : "");
+  add("optimizer", "f32 exp_avg and exp_avg_sq", opt_moments,
+      dp > 1 ? "sharded over the data-parallel ranks" : "");
+
+  // ---- activations ----
+  const double T = double(o.pack) / double(o.sp);
+  const TokenBytes b = token_bytes(c, o.ep);
+  auto ctx_bytes = [&](int64_t l) {
+    const bool dsa = c.layer_types[size_t(l)] == model::AttnKind::dsa;
+    const bool moe = c.mlp_layer_types[size_t(l)] == model::MlpKind::sparse;
+    return T * (b.kept_common + (dsa ? b.dsa : b.kda) + (moe ? b.moe : b.dense));
+  };
+  auto ws_bytes = [&](int64_t l) {
+    const bool dsa = c.layer_types[size_t(l)] == model::AttnKind::dsa;
+    const bool moe = c.mlp_layer_types[size_t(l)] == model::MlpKind::sparse;
+    // The attention and the MLP are differentiated one after the other; the streams' gradient
+    // (in and out, bf16) lives through both.
+    const double ffn = moe ? b.moe_ws + b.moe_exchange : b.dense_ws;
+    return T * (std::max(dsa ? b.dsa_ws : b.kda_ws, ffn) + 2 * b.streams);
+  };
+  std::vector<double> held(size_t(L), 0), extra(size_t(L), 0);
+  double kept = 0, inputs = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    switch (policies[size_t(l)]) {
+      case model::text::ActivationPolicy::keep:
+        held[size_t(l)] = ctx_bytes(l);
+        kept += held[size_t(l)];
+        ++plan.kept_layers;
+        break;
+      case model::text::ActivationPolicy::recompute:
+        held[size_t(l)] = T * b.streams;
+        inputs += held[size_t(l)];
+        extra[size_t(l)] = ctx_bytes(l) - T * b.streams;
+        ++plan.recomputed_layers;
+        break;
+      case model::text::ActivationPolicy::offload:
+        // On the host between forward and backward; on the device while differentiated, with
+        // the next offloaded layer's context on its way back.
+        extra[size_t(l)] = 2 * ctx_bytes(l);
+        ++plan.offloaded_layers;
+        break;
+    }
+  }
+  // Outside the layers: the embeddings, the last streams and the final norm's output.
+  const double D = double(c.hidden_size), V = double(c.vocab_size);
+  const double outside = T * (D * 2 + b.streams + D * 2 + 4 + 4);
+  // The MTP layer (DSA + MoE without mHC) keeps its context unless recomputed.
+  const double mtp_ctx = mtp ? T * (b.mtp_extra + 6 * D * 2 + 2 * 4 + b.dsa + b.moe + 4) : 0;
+  const bool recompute_mtp = o.recompute > 0;
+  // The lm_head + cross-entropy chunks: bf16 logits and their f32 gradient per row, the f32
+  // gradient of the hidden rows.
+  const double rows = std::min<double>(double(o.loss_chunk_rows), T);
+  const double head_ws = rows * V * (2 + 4) + T * D * 4;
+  const double mtp_ws =
+      mtp ? std::max(T * std::max(b.dsa_ws, b.moe_ws + b.moe_exchange), head_ws) : 0;
+  // The step's peak: every held context plus the largest of the transient sets, over the
+  // backward's order (MTP and the head first, then the layers from the last).
+  double above = 0;  // held bytes of the layers already differentiated (freed)
+  double transient = std::max(head_ws, mtp_ws + (recompute_mtp ? mtp_ctx : 0));
+  for (int64_t l = L - 1; l >= 0; --l) {
+    const double here = extra[size_t(l)] + ws_bytes(l) - above;
+    transient = std::max(transient, here);
+    above += held[size_t(l)];
+  }
+  add("activations", fmt::format("kept layer contexts ({} layers)", plan.kept_layers), kept);
+  add("activations", fmt::format("recomputed layers' inputs ({} layers)", plan.recomputed_layers),
+      inputs);
+  add("activations", "embeddings, last streams, final norm", outside);
+  if (mtp && !recompute_mtp) add("activations", "MTP context (kept)", mtp_ctx);
+  add("activations", "backward working set at the peak", transient,
+      "a recomputed or offloaded layer's context, the KDA / MoE / head workspaces");
+
+  // ---- communication ----
+  if (o.fsdp) {
+    const double max_w = *std::max_element(layer_weight.begin(), layer_weight.end());
+    const double max_g = *std::max_element(layer_grad.begin(), layer_grad.end());
+    add("communication", "fsdp: running + prefetched layer, whole", 2 * max_w);
+    add("communication", "fsdp: one layer's whole f32 gradients", max_g);
+  }
+  if (o.sp > 1) {
+    // Ulysses: the KDA and DSA inputs re-split from rows to heads and back (bf16, both ways).
+    const double QL = double(c.linear_width());
+    add("communication", "sp all-to-all buffers", 2 * T * 3 * QL * 2);
+  }
+  if (o.ep > 1) add("communication", "ep exchange (counted in the MoE working set)", 0.0);
+  if (dp > 1 && !o.fsdp)
+    add("communication", "sharded optimizer: one gathered chunk (f32, 2^25 values)",
+        double(int64_t(1) << 25) * 4 * 2);
+
+  const double dynamic = plan.part_bytes("activations") + plan.part_bytes("communication");
+  add("allocator", "caching-allocator reserve beyond allocation", dynamic * kAllocatorShare,
+      "10% of what comes and goes in a step (docs/PERF.md)");
+
+  for (const PlanItem& i : plan.items) plan.total += i.bytes;
+  plan.headroom = o.device_gib * kGiB - plan.total;
+  plan.fits = plan.headroom >= 0;
+
+  // ---- what would fit ----
+  if (!plan.fits && suggest) {
+    auto try_with = [&](PlanOptions alt, const std::string& text) {
+      try {
+        MemoryPlan p = plan_impl(config, alt, false);
+        if (p.fits)
+          plan.suggestions.push_back(
+              fmt::format("{} ({} GiB, {} GiB to spare)", text, gib(p.total), gib(p.headroom)));
+        return p.fits;
+      } catch (const Error&) {
+        return false;
+      }
+    };
+    if (o.recompute < 1) {
+      for (double r = std::ceil(o.recompute * 10) / 10; r <= 1.0 + 1e-9; r += 0.1) {
+        PlanOptions alt = o;
+        alt.recompute = std::min(1.0, r);
+        alt.offload = std::min(alt.offload, 1.0 - alt.recompute);
+        if (try_with(alt, fmt::format("--recompute {:.1f}", alt.recompute))) break;
+      }
+    }
+    if (o.offload + o.recompute < 1) {
+      PlanOptions alt = o;
+      alt.offload = 1.0 - o.recompute;
+      try_with(alt, fmt::format("--offload {:.2f}", alt.offload));
+    }
+    for (int64_t e = o.ep * 2; e <= sizes.dp; e *= 2) {
+      PlanOptions alt = o;
+      alt.ep = e;
+      if (try_with(alt, fmt::format("--ep {}", e))) break;
+    }
+    if (!o.fsdp && sizes.dp > 1) {
+      PlanOptions alt = o;
+      alt.fsdp = true;
+      try_with(alt, "--fsdp");
+    }
+    if (!lora) {
+      PlanOptions alt = o;
+      alt.lora = PlanLora{};
+      try_with(alt, "LoRA (--lora-rank 16 --lora-targets all-linear)");
+      alt.base = PlanBase::fp8;
+      try_with(alt, "LoRA on an FP8 base (--lora-rank 16 --base fp8)");
+    } else if (o.base == PlanBase::bf16) {
+      PlanOptions alt = o;
+      alt.base = PlanBase::fp8;
+      try_with(alt, "--base fp8");
+    }
+    for (int64_t g = o.gpus * 2; g <= o.gpus * 16; g *= 2) {
+      PlanOptions alt = o;
+      alt.gpus = g;
+      alt.ep = std::min<int64_t>(g / o.sp, c.n_routed_experts);
+      while (alt.ep > 1 && (c.n_routed_experts % alt.ep != 0 || (g / o.sp) % alt.ep != 0)) --alt.ep;
+      if (try_with(alt, fmt::format("--gpus {} --ep {}", g, alt.ep))) break;
+    }
+    if (plan.suggestions.empty())
+      plan.suggestions.push_back("nothing tried fits: shorten --pack or use more GPUs");
+  }
+  return plan;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const model::ModelConfig& config, const PlanOptions& options) {
+  return plan_impl(config, options, true);
+}
+
+}  // namespace glmtune::train

@@ -1,0 +1,99 @@
+#pragma once
+// `glmtune plan`: the device bytes one GPU of a training layout needs, by part, predicted from the
+// model config alone (no weights read), before any GPU is rented. docs/plan.md writes the model
+// out and checks it against the measured peaks of docs/PERF.md.
+//
+// Static parts are exact counts over the released layout (model/layout.h) under the trainer's
+// storage rules: compute weights bf16 on the GPU except the fp32-kept parameters and the mHC
+// mixing matrices (f32); an FP8 base keeps the frozen weights the release stores in FP8 as 1 byte
+// a value plus f32 128x128 block scales; gradients f32 for every trained tensor (ops/grad.h);
+// AdamW an f32 master for each bf16-stored trained tensor and two f32 moments
+// (train/device_adamw.h), sharded over the data-parallel ranks when there are several
+// (dist/sharded_optimizer.h). Activations are the per-token tensors each layer's context keeps
+// (model/text/layer.h LayerContext, MtpContext), the inputs of recomputed layers, and the working
+// set of the layer being differentiated.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "glmtune/model/config.h"
+
+namespace glmtune::train {
+
+// The base's storage: bf16 compute copies, or the release's FP8 values kept as they are for the
+// frozen weights the release stores in FP8 (a LoRA run's base).
+enum class PlanBase { bf16, fp8 };
+
+struct PlanLora {
+  int64_t rank = 16;
+  // PEFT's target_modules (suffixes or "all-linear") or, when set, a regular expression over
+  // whole module names (model/lora.h).
+  std::vector<std::string> target_modules = {"all-linear"};
+  std::string target_regex;
+  // Adapters on every routed expert's gate/up/down projection too. Counted, though training them
+  // is not implemented yet (model/lora.h refuses the routed experts).
+  bool experts = false;
+};
+
+struct PlanOptions {
+  int64_t gpus = 1;
+  int64_t ep = 1;  // train.ep_size
+  int64_t sp = 1;  // train.sp_size
+  bool fsdp = false;
+  double recompute = 1.0;  // train.recompute: the first floor(r · layers) layers recomputed
+  double offload = 0.0;    // train.offload: the next floor(o · layers) offloaded to host memory
+  int64_t pack = 16384;    // data.pack_max_length: tokens of one micro-pack
+  bool mtp = true;
+  int64_t loss_chunk_rows = 256;  // label rows per lm_head + cross-entropy chunk (the trainer's)
+  std::optional<PlanLora> lora;
+  PlanBase base = PlanBase::bf16;
+  double device_gib = 139.0;
+};
+
+// One line of the plan: `part` (weights, adapters, gradients, optimizer, activations,
+// communication, allocator) and what it counts.
+struct PlanItem {
+  std::string part;
+  std::string item;
+  double bytes = 0;
+  std::string note;
+};
+
+struct MemoryPlan {
+  PlanOptions options;
+  int64_t dp = 1;           // data-parallel ranks (gpus / sp)
+  int64_t kept_layers = 0;  // decoder layers whose whole context stays on the device
+  int64_t recomputed_layers = 0;
+  int64_t offloaded_layers = 0;
+  // Exact element counts behind the static parts.
+  int64_t base_params = 0;      // text + MTP parameters of the whole model
+  int64_t trained_params = 0;   // of the whole model (adapters only, with LoRA)
+  int64_t adapter_params = 0;   // LoRA A and B elements of the whole model
+  int64_t adapted_modules = 0;  // projections with an adapter (each routed expert's count)
+  std::vector<PlanItem> items;
+  double total = 0;
+  double headroom = 0;  // device bytes left over (negative: short by that much)
+  bool fits = false;
+  // For a layout that does not fit: the changes that would make it fit, each checked.
+  std::vector<std::string> suggestions;
+
+  double part_bytes(const std::string& part) const;
+};
+
+// Validates `options` (glmtune::Error naming the flag and the fix) and predicts the per-GPU bytes.
+MemoryPlan plan_memory(const model::ModelConfig& config, const PlanOptions& options);
+
+// The projections (module names as model/lora.h names them, without ".weight") the targets adapt
+// in this config, resolved by PEFT's rules over the layout alone: the same set
+// model::resolve_lora_targets picks from a loaded model (tests/unit/test_plan.cpp holds them
+// equal). With `experts`, also each routed expert's projections "...mlp.experts.<e>.gate_proj".
+std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, const PlanLora& lora);
+
+// Whether the FP8 release stores released tensor `name` in FP8 (docs/checkpoints.md): the routed
+// and shared experts, the dense MLPs, and the MLA q_a / q_b / kv_a / o projections of the DSA and
+// MTP layers.
+bool stored_fp8_in_release(const model::ModelConfig& config, const std::string& name);
+
+}  // namespace glmtune::train
