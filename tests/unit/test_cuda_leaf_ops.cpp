@@ -107,6 +107,24 @@ std::vector<LeafRow> leaf_rows() {
                     return {{"y", y, 1e-2}, {"dx", dx, 1e-2}, {"dW", gw, 1e-4}, {"db", gb, 1e-5}};
                   }});
   rows.push_back(
+      {"linear_with_adapter", [](const Side& s) -> std::vector<Output> {
+         // A LoRA projection (ops/linear.h): rank 8, scale alpha / r = 2, the base
+         // frozen, its input also feeding another projection's dx sum.
+         const int64_t T = 37, D = 96, N = 80, R = 8;
+         ops::Linear l(s.value({N, D}, 30, 0.1), s.value({N}, 31));
+         l.weight.set_frozen();
+         l.lora.A = s.value({R, D}, 32, 0.1);
+         l.lora.B = s.value({N, R}, 33, 0.3);
+         l.lora.scale = 2.0;
+         const Tensor x = s.value({T, D}, 34), dy = s.value({T, N}, 35);
+         ops::Linear g;
+         g.lora.A = s.f32({R, D}, 36);
+         g.lora.B = s.f32({N, R}, 37);
+         const Tensor y = ops::linear(x, l);
+         const Tensor dx = ops::linear_backward(dy, x, l, &g);
+         return {{"y", y, 1e-2}, {"dx", dx, 1e-2}, {"dA", g.lora.A, 1e-2}, {"dB", g.lora.B, 1e-2}};
+       }});
+  rows.push_back(
       {"linear_backward_add", [](const Side& s) -> std::vector<Output> {
          // dx of an input feeding two projections, summed before one rounding.
          const int64_t T = 33, D = 64, N1 = 48, N2 = 80;

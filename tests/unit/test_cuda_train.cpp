@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "glmtune/io/checkpoint.h"
-#include "glmtune/io/safetensors.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/lora.h"
 #include "glmtune/train/recipe.h"
@@ -458,18 +457,20 @@ TEST(CudaTrain, LoraRunFollowsTheCpuResumesExactlyAndShards) {
   const train::Recipe r = recipe(dir.path() / "cpu", "cpu", kSteps);
   model::add_lora_adapters(start, *r.lora, model::resolve_lora_targets(start, *r.lora, "test"),
                            r.seed);
-  const io::SafetensorsFile after_cpu = io::SafetensorsFile::open(
-      (cpu.checkpoint / "adapter" / "adapter_model.safetensors").string());
-  const io::SafetensorsFile after_gpu = io::SafetensorsFile::open(
-      (gpu.checkpoint / "adapter" / "adapter_model.safetensors").string());
+  const auto trained = [&](const fs::path& checkpoint) {
+    model::ParamStore s = model::ParamStore::load(io::CheckpointReader::open(dir.path() / "model"),
+                                                  gpu_tiny_config());
+    model::load_lora_adapter(s, checkpoint / "adapter");
+    return s;
+  };
+  const model::ParamStore after_cpu = trained(cpu.checkpoint), after_gpu = trained(gpu.checkpoint);
   std::vector<double> update_cpu, update_gpu;
   int64_t adapters = 0;
   for (const model::InternalParam& p : start.params()) {
     if (!p.adapter) continue;
     ++adapters;
-    const std::string key = "base_model.model." + p.name;
-    const std::vector<double> w0 = p.value.to_doubles(), wc = after_cpu.tensor(key).to_doubles(),
-                              wg = after_gpu.tensor(key).to_doubles();
+    const std::vector<double> w0 = p.value.to_doubles(), wc = after_cpu.get(p.name).to_doubles(),
+                              wg = after_gpu.get(p.name).to_doubles();
     double moved = 0;
     for (size_t i = 0; i < w0.size(); ++i) {
       update_cpu.push_back(wc[i] - w0[i]);
