@@ -188,10 +188,12 @@ void check_absorbed(const std::vector<int64_t>& bounds, const Tensor& idx, int64
 }
 
 // The GPU MLA composite (absorbed path: Rkv = 512) against the CPU composite in f32 on the same
-// bf16 values: output, attention output, dx and every parameter gradient.
+// bf16 values: output, attention output, dx and every parameter gradient. With `lora`, kv_b_proj
+// and q_b_proj carry adapters of rank 8 (nonzero A and B): on the GPU kv_b_proj's enters the
+// absorbed form merged into the weight, on the CPU the per-head form applies it as its own term.
 void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, int64_t heads,
                          int64_t dn, int64_t dv, bool bias, uint64_t stream,
-                         const std::string& label) {
+                         const std::string& label, bool lora = false) {
   const int64_t tokens = bounds.back(), dim = 96;
   ops::MlaConfig cfg;
   cfg.n_heads = heads;
@@ -221,6 +223,13 @@ void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, 
   const Tensor x = random_cpu({tokens, dim}, DType::bf16, s++);
   const Tensor dy = random_cpu({tokens, dim}, DType::bf16, s++);
   const Tensor cu = seqlens(bounds);
+  if (lora) {
+    for (ops::Linear* l : {&p.kv_b_proj, &p.q_b_proj}) {
+      l->lora.A = w({8, l->weight.size(1)}, double(l->weight.size(1)));
+      l->lora.B = w({l->weight.size(0), 8}, 8.0);
+      l->lora.scale = 2.0;
+    }
+  }
 
   auto each = [](ops::MlaParams& m, auto&& fn) {
     Tensor* t[] = {&m.q_a_proj.weight,
@@ -246,6 +255,12 @@ void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, 
   each(pg, [](Tensor& t, const char*) {
     if (t.defined()) t = t.to(kGpu);
   });
+  for (ops::MlaParams* m : {&pc, &pg})
+    for (ops::Linear* l : {&m->kv_b_proj, &m->q_b_proj})
+      if (l->lora.defined()) {
+        l->lora.A = m == &pc ? f32(l->lora.A) : l->lora.A.to(kGpu);
+        l->lora.B = m == &pc ? f32(l->lora.B) : l->lora.B.to(kGpu);
+      }
 
   ops::MlaContext cref;
   const ops::MlaOutput ref = ops::mla_forward(cfg, pc, f32(x), idx, cu, cref);
@@ -278,6 +293,12 @@ void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, 
                          "kv_a_layernorm", "kv_b_proj",     "o_proj"};
   for (int e = 0; e < 7; ++e)
     EXPECT_CLOSE(*got[e], *want[e], 1e-2, std::string("d ") + names[e] + " " + what);
+  if (lora) {
+    EXPECT_CLOSE(g1.kv_b_proj.lora.A, gref.kv_b_proj.lora.A, 1e-2, "d kv_b lora_A " + what);
+    EXPECT_CLOSE(g1.kv_b_proj.lora.B, gref.kv_b_proj.lora.B, 1e-2, "d kv_b lora_B " + what);
+    EXPECT_CLOSE(g1.q_b_proj.lora.A, gref.q_b_proj.lora.A, 1e-2, "d q_b lora_A " + what);
+    EXPECT_CLOSE(g1.q_b_proj.lora.B, gref.q_b_proj.lora.B, 1e-2, "d q_b lora_B " + what);
+  }
   if (bias) {
     EXPECT_CLOSE(g1.q_a_proj.bias, gref.q_a_proj.bias, 1e-2, "d q_a bias " + what);
     EXPECT_CLOSE(g1.kv_a_proj_with_mqa.bias, gref.kv_a_proj_with_mqa.bias, 1e-2,
@@ -311,6 +332,15 @@ TEST(CudaOpsMla, AbsorbedMlaCompositeMatchesCpu) {
   const std::vector<int64_t> bounds = {0, 57, 58, 58, 191, 260};
   check_mla_composite(bounds, random_indices(bounds, 40, 4), 6, 64, 32, false, 200, "random rows");
   check_mla_composite(bounds, random_indices(bounds, 70, 5), 16, 32, 64, true, 300, "random rows");
+#endif
+}
+
+TEST(CudaOpsMla, AbsorbedMlaCompositeWithAdaptersMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const std::vector<int64_t> bounds = {0, 57, 58, 58, 191, 260};
+  check_mla_composite(bounds, random_indices(bounds, 70, 6), 16, 32, 64, true, 400, "adapters",
+                      true);
 #endif
 }
 

@@ -150,7 +150,9 @@ DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg
 // (Rkv = 512, at most 64 heads) it attends on the latent instead: q_abs = W_kbᵀ q per head, the
 // attention over the shared latent keys, o = W_vb o_lat (ctx.attn_latent, ctx.attn_lse2) — the
 // same function in real arithmetic, without ever forming per-head keys and values.
-// An adapter on kv_b_proj takes the per-head form on any device.
+// An adapter on kv_b_proj enters the absorbed form merged into the weight (W + scale · B A, rebuilt
+// by the backward, whose weight gradient then flows to W, A and B); the per-head form applies it
+// as its own term.
 Tensor mla_attention(const MlaConfig& cfg, const Linear& kv_b_proj, const Tensor& indices,
                      const Tensor& cu_seqlens, MlaContext& ctx);
 

@@ -4,6 +4,7 @@
 #include "glmtune/ops/mla.h"
 
 #include "glmtune/ops/dispatch.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/grad.h"
 #include "glmtune/ops/indexer.h"
 #include "glmtune/ops/linear.h"
@@ -106,16 +107,49 @@ MlaProjections mla_project(const MlaConfig& cfg, const MlaParams& params, const 
   return p;
 }
 
+#ifdef GLMTUNE_WITH_CUDA
+// kv_b_proj's weight as the absorbed form reads it. With an adapter, the merged weight
+// W + scale · B A (the product and the sum in f32, rounded once to W's dtype): the absorbed form
+// folds the weight into the queries and outputs, so the adapter enters it merged, which computes
+// the same function as the adapter's own term of the per-head form. It is rebuilt for the
+// backward rather than kept (out × Rkv, a few MB a layer).
+Tensor absorbed_weight(const Linear& kv_b_proj) {
+  if (!kv_b_proj.lora.defined()) return kv_b_proj.weight;
+  const LoraAdapter& a = kv_b_proj.lora;
+  Tensor merged = linear(a.B.to(DType::f32), a.A.to(DType::f32).transpose(0, 1).contiguous());
+  scale_into(merged, a.scale);
+  add_into(merged, kv_b_proj.weight);
+  return merged.to(kv_b_proj.weight.dtype());
+}
+
+// The gradient of the merged weight (f32) passed on: to W when it trains, and to the adapter as
+// dB += scale · dW' Aᵀ, dA += scale · Bᵀ dW'.
+void merged_weight_backward(const Linear& kv_b_proj, const Tensor& d_merged, Linear& grads) {
+  if (Tensor* gw = grad_if_trained(grads.weight, kv_b_proj.weight))
+    add_into(grad_buffer(*gw, kv_b_proj.weight, "mla_attention", "kv_b_proj"), d_merged);
+  const LoraAdapter& a = kv_b_proj.lora;
+  if (Tensor* gb = grad_if_trained(grads.lora.B, a.B)) {
+    Tensor d_b = linear(d_merged, a.A.to(DType::f32));
+    scale_into(d_b, a.scale);
+    add_into(grad_buffer(*gb, a.B, "mla_attention", "kv_b_proj.lora_B"), d_b);
+  }
+  if (Tensor* ga = grad_if_trained(grads.lora.A, a.A)) {
+    Tensor d_a = linear(a.B.to(DType::f32).transpose(0, 1).contiguous(),
+                        d_merged.transpose(0, 1).contiguous());
+    scale_into(d_a, a.scale);
+    add_into(grad_buffer(*ga, a.A, "mla_attention", "kv_b_proj.lora_A"), d_a);
+  }
+}
+#endif
+
 Tensor mla_attention(const MlaConfig& cfg, const Linear& kv_b_proj, const Tensor& indices,
                      const Tensor& cu_seqlens, MlaContext& ctx) {
   ctx.attn_latent = Tensor();
   ctx.attn_lse2 = Tensor();
 #ifdef GLMTUNE_WITH_CUDA
-  // The absorbed form folds kv_b_proj's weight into the queries and outputs; an adapter on it
-  // takes the per-head form.
-  if (ctx.latent.device().is_cuda() && !kv_b_proj.lora.defined() &&
-      cuda_path::absorbed_attention_fits(cfg, ctx.latent.dtype()))
-    return cuda_path::mla_attention_absorbed(cfg, kv_b_proj.weight, indices, cu_seqlens, ctx);
+  if (ctx.latent.device().is_cuda() && cuda_path::absorbed_attention_fits(cfg, ctx.latent.dtype()))
+    return cuda_path::mla_attention_absorbed(cfg, absorbed_weight(kv_b_proj), indices, cu_seqlens,
+                                             ctx);
 #endif
   const int64_t tokens = ctx.latent.size(0), dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
   const Tensor kv = linear(ctx.latent, kv_b_proj).view({tokens, cfg.n_heads, dn + dv});
@@ -130,10 +164,18 @@ MlaAttentionGrads mla_attention_backward(const MlaConfig& cfg, const Linear& kv_
                                          const MlaContext& ctx, const Tensor& d_attn,
                                          Linear* grad_kv_b_proj) {
 #ifdef GLMTUNE_WITH_CUDA
-  if (ctx.attn_latent.defined())
-    return cuda_path::mla_attention_absorbed_backward(
-        cfg, kv_b_proj.weight, ctx, d_attn,
-        grad_kv_b_proj ? grad_if_trained(grad_kv_b_proj->weight, kv_b_proj.weight) : nullptr);
+  if (ctx.attn_latent.defined()) {
+    if (!kv_b_proj.lora.defined())
+      return cuda_path::mla_attention_absorbed_backward(
+          cfg, kv_b_proj.weight, ctx, d_attn,
+          grad_kv_b_proj ? grad_if_trained(grad_kv_b_proj->weight, kv_b_proj.weight) : nullptr);
+    const Tensor merged = absorbed_weight(kv_b_proj);
+    Tensor d_merged;
+    MlaAttentionGrads g = cuda_path::mla_attention_absorbed_backward(
+        cfg, merged, ctx, d_attn, grad_kv_b_proj ? &d_merged : nullptr);
+    if (grad_kv_b_proj) merged_weight_backward(kv_b_proj, d_merged, *grad_kv_b_proj);
+    return g;
+  }
 #endif
   const int64_t tokens = ctx.latent.size(0), nh = cfg.n_heads;
   const int64_t dn = cfg.qk_nope_head_dim, dv = cfg.v_head_dim;
