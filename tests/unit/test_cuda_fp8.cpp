@@ -269,12 +269,25 @@ TEST(CudaFp8, PaddingOfTheGemmLayoutIsZero) {
   for (int64_t col = 0; col < 50; ++col)
     for (int64_t r = 37; r < 48; ++r)
       EXPECT_EQ(static_cast<const uint8_t*>(raw.data_ptr())[col * 48 + r], 0) << col << "," << r;
+  // The GEMM runs on 40 rows (cuBLASLt's VEC128 takes outer dimensions that are multiples of 4):
+  // codes of rows 37..39 are there and 0, so the padding rows of the product are 0.
   const ops::Fp8Blocks t = cuda::quantize_fp8_blocks(x, 1, 128);
   ASSERT_EQ(t.scales.stride(1), 40);
   const Tensor sraw = Tensor::from_storage(t.scales.storage(), t.scales.storage_offset(), {1, 40},
                                            {40, 1}, DType::f32)
                           .to(Device::cpu());
   for (int64_t r = 37; r < 40; ++r) EXPECT_EQ(sraw.data<float>()[r], 0.0f) << r;
+  ASSERT_GE(t.values.storage()->bytes(), size_t(40 * 50));
+  const Tensor vraw = Tensor::from_storage(t.values.storage(), t.values.storage_offset(), {40, 50},
+                                           {50, 1}, DType::fp8e4m3)
+                          .to(Device::cpu());
+  for (int64_t r = 37; r < 40; ++r)
+    for (int64_t col = 0; col < 50; ++col)
+      EXPECT_EQ(static_cast<const uint8_t*>(vraw.data_ptr())[r * 50 + col], 0) << r << "," << col;
+  // The same layout when a CPU quantisation is moved.
+  const ops::Fp8Blocks moved =
+      cuda::fp8_blocks_to_device(ops::quantize_fp8_blocks(x.to(Device::cpu()), 1, 128), kGpu);
+  ASSERT_GE(moved.values.storage()->bytes(), size_t(40 * 50));
 #endif
 }
 
@@ -301,12 +314,13 @@ TEST(CudaFp8, TransposedWeightAndDeviceLayoutMatchTheCpu) {
 TEST(CudaFp8, ForwardMatchesTheDequantisedProduct) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
-  // K = 320 and 1040 are not multiples of 128 (a partial last block); M = 1001 and 37 are not
-  // multiples of 4 (the padded scale layout); M = 1 the smallest.
+  // K = 320 and 1040 are not multiples of 128 (a partial last block); M = 1001, 37, 3 and 1 are
+  // not multiples of 4 (the GEMM runs on rows padded to 4 through a staging output).
   struct Case {
     int64_t m, n, k;
   };
-  const Case cases[] = {{256, 256, 512}, {1001, 384, 320}, {37, 128, 1040}, {1, 16, 16}};
+  const Case cases[] = {
+      {256, 256, 512}, {1001, 384, 320}, {37, 128, 1040}, {3, 64, 256}, {1, 16, 16}};
   uint64_t stream = 70;
   for (const Case& c : cases) {
     const Tensor x = varied(c.m, c.k, DType::bf16, stream += 3);
@@ -330,11 +344,19 @@ TEST(CudaFp8, ForwardMatchesTheDequantisedProduct) {
                              cuda::fp8_blocks_to_device(wq, kGpu));
       });
       EXPECT_TRUE(bit_identical(y, y2)) << ctx(what);
-      // Accumulation adds to what y holds.
+      // Accumulation adds to what y holds. y is rows 4 .. 4 + M of a larger buffer whose other
+      // rows hold a sentinel: nothing outside y is written (the padded GEMM rows included).
       const Tensor base = varied(c.m, c.n, out, stream + 1);
-      Tensor acc = base.to(kGpu);
+      Tensor big = Tensor::full({c.m + 8, c.n}, 7.0, out, kGpu);
+      Tensor acc = big.slice(0, 4, 4 + c.m);
+      acc.copy_(base.to(kGpu));
       run_or_fail(what, [&] { cuda::fp8_linear_out(acc, xg, wg, true); });
       expect_within_bound(acc, ref, c.k, base.to(DType::f64).to_doubles(), what + " accumulated");
+      const Tensor around = f32(big);
+      for (int64_t r : {int64_t(0), int64_t(3), c.m + 4, c.m + 7})
+        for (int64_t j = 0; j < c.n; ++j)
+          ASSERT_EQ(around.data<float>()[r * c.n + j], 7.0f)
+              << what << ": row " << r << " outside y was written";
     }
   }
 #endif
@@ -346,7 +368,7 @@ TEST(CudaFp8, InputGradientMatchesTheDequantisedProduct) {
   struct Case {
     int64_t m, n, k;
   };
-  const Case cases[] = {{300, 256, 384}, {77, 400, 144}};
+  const Case cases[] = {{300, 256, 384}, {77, 400, 144}, {2, 128, 128}};
   uint64_t stream = 90;
   for (const Case& c : cases) {
     const Tensor dy = varied(c.m, c.n, DType::bf16, stream += 3);
@@ -502,5 +524,11 @@ TEST(CudaFp8, RefusesWhatCublasLtCannotTake) {
         naive, cuda::quantize_fp8_blocks(varied(128, 256, DType::bf16, 155).to(kGpu), 128, 128));
   });
   EXPECT_NE(l_msg.find("GPU GEMM layout"), std::string::npos) << l_msg;
+  // Codes copied without the padding rows the GEMM reads (37 rows: it reads 40), scales in place.
+  const ops::Fp8Blocks cpu37 = ops::quantize_fp8_blocks(varied(37, 256, DType::bf16, 156), 1, 128);
+  ops::Fp8Blocks short_rows = cuda::fp8_blocks_to_device(cpu37, kGpu);
+  ASSERT_TRUE(cuda::is_fp8_gemm_layout(short_rows));
+  short_rows.values = cpu37.values.to(kGpu);
+  EXPECT_FALSE(cuda::is_fp8_gemm_layout(short_rows));
 #endif
 }
