@@ -7,14 +7,18 @@
 // block-scaled FP8 algorithm fails, with the cuBLAS status.
 //
 // The GEMM bound, per output element, with S = Σ_k |x̂_k ŵ_k| over the dequantised operands:
-//   |y − ref| ≤ 2^-6 · S + (K/128 + 2) · 2^-24 · S + rounding of the output (2^-8 |ref| for bf16,
+//   |y − ref| ≤ 2^-8 · S + (K/128 + 2) · 2^-24 · S + rounding of the output (2^-8 |ref| for bf16,
 //   2^-23 |ref| for f32).
 // Hopper's FP8 tensor cores add the products of one 128-wide block keeping about 14 bits (the
-// reason cuBLASLt promotes every block's partial sum to f32 before scaling it), so a block's
-// partial sum is within 128 · 2^-13 = 2^-6 of the sum of its |products|; the scaled partials then
-// add in f32. A scale taken from the wrong tile moves the result by a fraction of S far above 2^-6
-// for these inputs. Each case also prints the worst observed |y − ref| / S, so the bar's margin
-// shows.
+// reason cuBLASLt promotes every block's partial sum to f32 before scaling it), which in the worst
+// case leaves a block's partial sum within 128 · 2^-13 = 2^-6 of the sum of its |products|; the
+// scaled partials then add in f32. That worst case needs every truncation to point the same way;
+// measured on an H200 (cuBLASLt 13.1) the worst |err| / S over all cases was 7.75e-4 with f32
+// output (forward 1.2e-4, dX 4.4e-4, dW 7.8e-4) and at most 7.1e-3 with bf16 output, where the
+// output's own rounding (the separate 2^-8 |ref| term, measured against S) dominates. The bar
+// 2^-8 = 3.9e-3 keeps a margin of 5 over the f32 figures. A scale taken from the wrong tile moves
+// the result by a fraction of S far above it for these inputs. Each case prints its worst
+// |y − ref| / S, so the margin shows.
 
 #include <gtest/gtest.h>
 
@@ -141,7 +145,7 @@ void expect_within_bound(const Tensor& got, const Reference& ref, int64_t k,
                          const std::vector<double>& base, const std::string& what) {
   const Tensor g = f32(got);
   const double out_round = got.dtype() == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -23);
-  const double per_s = std::ldexp(1.0, -6) + double(k / 128 + 2) * std::ldexp(1.0, -24);
+  const double per_s = std::ldexp(1.0, -8) + double(k / 128 + 2) * std::ldexp(1.0, -24);
   double worst = 0;
   int64_t bad = 0, first_bad = -1;
   for (int64_t i = 0; i < g.numel(); ++i) {
