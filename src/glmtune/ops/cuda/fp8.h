@@ -9,7 +9,7 @@
 // cols] fp8e4m3, scales [ceil(rows / br), ceil(cols / bc)] f32): copy it to the CPU and compare.
 // Its tensors are strided views whose memory is laid out as cuBLASLt reads it:
 //
-//   1 × 128 (activations, dy)  values row-major [rows, cols];
+//   1 × 128 (activations, dy)  values row-major [pad4(rows), cols], code 0 in the padding rows;
 //                              scales of tile (r, b) at b · pad4(rows) + r: the rows (the GEMM's
 //                              outer dimension) fastest, each 128-column block a padded column.
 //   128 × 128 (weights)        values row-major [rows, cols];
@@ -18,7 +18,10 @@
 //                              of (r, c) at c · pad16(rows) + r; the padding rows hold code 0);
 //                              scales of tile (b, c) at b · pad4(cols) + c.
 //
-// pad4 / pad16 round up to a multiple of 4 / 16; padding scales hold 0. The 128 × 1 form is the
+// pad4 / pad16 round up to a multiple of 4 / 16; padding scales hold 0. cuBLASLt (13.1, sm_90) has
+// VEC128 algorithms only for an outer dimension that is a multiple of 4 and reads the scales with
+// that dimension as their leading one, so the 1 × 128 GEMMs run on pad4(rows) rows: the zero
+// padding rows are part of the buffer. The 128 × 1 form is the
 // transposed matrix quantised in 1 × 128 tiles along the token dimension, which is what the weight
 // gradient's GEMM reads (cuBLASLt's FP8 GEMMs on Hopper take only the "TN" form, both operands
 // contiguous along the reduced dimension).
@@ -61,7 +64,9 @@ ops::Fp8Blocks fp8_blocks_to_device(const ops::Fp8Blocks& q, Device device);
 // ---- dense GEMMs -----------------------------------------------------------------------------
 // Requirements (checked, with a message): operands in the layout above, N and K multiples of 16
 // (cuBLASLt's FP8 alignment: 16-byte rows), y / dx / dw contiguous bf16 or f32. The token count M
-// is free. With `accumulate` the product is added to what the output holds (beta = 1).
+// is free; where it is not a multiple of 4 the product goes through a staging output of pad4(M)
+// rows (one extra copy of the output, two when accumulating), and only y's own rows are written.
+// With `accumulate` the product is added to what the output holds (beta = 1).
 
 // y[M, N] = x[M, K] · w[N, K]ᵀ: x in 1 × 128 tiles (scale mode VEC128_32F), w in 128 × 128 blocks
 // (BLK128x128_32F).

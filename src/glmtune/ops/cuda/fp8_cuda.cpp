@@ -66,8 +66,12 @@ Layout layout_of(Tiling t, int64_t rows, int64_t cols) {
   Layout l;
   switch (t) {
     case Tiling::rows_1x128: {
+      // cuBLASLt (13.1, sm_90) has no VEC128 algorithm unless the scaled operand's outer
+      // dimension is a multiple of 4, and it takes the scales' leading dimension from that
+      // dimension: the GEMM runs on pad4(rows) rows, so the codes are stored with zero rows up to
+      // there as well as the scales.
       const int64_t ld = pad_to(rows, 4);
-      l.values_buffer = {rows, cols};
+      l.values_buffer = {ld, cols};
       l.values_strides = {cols, 1};
       l.scales_buffer = {blocks_of(cols, 128), ld};
       l.scales_strides = {1, ld};
@@ -117,6 +121,13 @@ bool strides_match(const Tensor& t, const Shape& strides) {
   return true;
 }
 
+// The storage behind view `t` holds the whole physical buffer from the view's first element: the
+// GEMMs read the padding too.
+bool holds_buffer(const Tensor& t, const Shape& buffer) {
+  const size_t need = size_t(t.storage_offset() + shape_numel(buffer)) * dtype_size(t.dtype());
+  return t.storage() != nullptr && t.storage()->bytes() >= need;
+}
+
 void check_blocks(const Fp8Blocks& q, const char* op, const char* what) {
   GLMTUNE_ASSERT(q.values.defined() && q.values.dim() == 2 && q.values.dtype() == DType::fp8e4m3,
                  "{}: {} values must be fp8e4m3 [rows, cols], got {}", op, what,
@@ -142,6 +153,9 @@ Fp8Blocks quantize_2d(const Tensor& x, Tiling t, int64_t br, int64_t bc, cudaStr
   const bool bf16 = x.dtype() == DType::bf16;
   auto* q = static_cast<uint8_t*>(vbuf.data_ptr());
   auto* s = sbuf.data<float>();
+  if (t == Tiling::rows_1x128 && l.values_buffer[0] > rows)  // the GEMM reads the padding rows
+    GLMTUNE_CUDA_CHECK(
+        cudaMemsetAsync(q + rows * cols, 0, size_t((l.values_buffer[0] - rows) * cols), stream));
   switch (t) {
     case Tiling::rows_1x128:
       fp8_kernels::quantize_tiles(x.data_ptr(), bf16, rows, cols, ld_x, q, cols, s,
@@ -389,8 +403,30 @@ void linear_impl(Tensor& y, const Fp8Blocks& x, const Fp8Blocks& w, bool accumul
                     CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F};
   const LtOperand b{x.values.data_ptr(), k, x.scales.data_ptr(),
                     CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F};
-  lt_fp8_tn(x.values.device().index, n, m, k, a, b, y.data_ptr(), y.dtype(), n, accumulate, stream,
-            op);
+  const int device = x.values.device().index;
+  // The GEMM runs on pad4(m) rows (cuBLASLt's VEC128 needs the outer dimension a multiple of 4;
+  // x's layout holds zero codes and zero scales there). The padding rows of the product must not
+  // land outside y, so an m that is not a multiple of 4 goes through a staging output: y's rows
+  // copied in when accumulating, the real rows copied back.
+  const int64_t m_pad = pad_to(m, 4);
+  if (m_pad == m) {
+    lt_fp8_tn(device, n, m, k, a, b, y.data_ptr(), y.dtype(), n, accumulate, stream, op);
+    return;
+  }
+  DeviceGuard guard(device);
+  Tensor staged = Tensor::empty({m_pad, n}, y.dtype(), y.device());
+  const size_t real_bytes = y.nbytes();
+  auto* staged_bytes = static_cast<char*>(staged.data_ptr());
+  if (accumulate) {
+    GLMTUNE_CUDA_CHECK(
+        cudaMemcpyAsync(staged_bytes, y.data_ptr(), real_bytes, cudaMemcpyDeviceToDevice, stream));
+    // beta = 1 reads the padding rows too: zeros, not whatever the allocator left there.
+    GLMTUNE_CUDA_CHECK(
+        cudaMemsetAsync(staged_bytes + real_bytes, 0, staged.nbytes() - real_bytes, stream));
+  }
+  lt_fp8_tn(device, n, m_pad, k, a, b, staged.data_ptr(), y.dtype(), n, accumulate, stream, op);
+  GLMTUNE_CUDA_CHECK(
+      cudaMemcpyAsync(y.data_ptr(), staged_bytes, real_bytes, cudaMemcpyDeviceToDevice, stream));
 }
 
 void check_offsets(const std::vector<int64_t>& offsets, size_t groups, int64_t rows,
@@ -457,7 +493,8 @@ bool is_fp8_gemm_layout(const Fp8Blocks& q) {
   const int64_t rows = q.values.size(0), cols = q.values.size(1);
   const Layout l = layout_of(t, rows, cols);
   return q.scales.shape() == scale_shape(t, rows, cols) &&
-         strides_match(q.values, l.values_strides) && strides_match(q.scales, l.scales_strides);
+         strides_match(q.values, l.values_strides) && strides_match(q.scales, l.scales_strides) &&
+         holds_buffer(q.values, l.values_buffer) && holds_buffer(q.scales, l.scales_buffer);
 }
 
 Fp8Blocks fp8_blocks_to_device(const Fp8Blocks& q, Device device) {
