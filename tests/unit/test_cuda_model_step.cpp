@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <random>
@@ -386,7 +387,7 @@ TEST_P(CudaLoraStep, AdapterGradientsMatchTheCpuStep) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
   const ModelConfig config = gpu_tiny_config();
-  for (const DType dtype : {DType::f32, DType::bf16}) {
+  for (const DType dtype : {DType::bf16, DType::f32}) {
     SCOPED_TRACE(dtype_name(dtype));
     TempDir dir("cuda-step-lora");
     std::mt19937_64 rng(test_seed() + 11);
@@ -436,6 +437,7 @@ TEST_P(CudaLoraStep, AdapterGradientsMatchTheCpuStep) {
     }
     std::printf("[ measure  ] %s %s: worst adapter gradient rel L2 %.2e (%s)\n", GetParam().name,
                 dtype_name(dtype), worst, worst_name.c_str());
+    std::fflush(stdout);
     if (dtype == DType::f32)
       compare_gradients(both.cpu_grads, both.gpu_grads, 1e-4, 1e-4, 1e-4);
     else

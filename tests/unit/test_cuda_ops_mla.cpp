@@ -226,7 +226,8 @@ void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, 
   if (lora) {
     for (ops::Linear* l : {&p.kv_b_proj, &p.q_b_proj}) {
       l->lora.A = w({8, l->weight.size(1)}, double(l->weight.size(1)));
-      l->lora.B = w({l->weight.size(0), 8}, 8.0);
+      // B A about a fifth of W, as a trained adapter's delta is small beside its weight.
+      l->lora.B = w({l->weight.size(0), 8}, 800.0);
       l->lora.scale = 2.0;
     }
   }

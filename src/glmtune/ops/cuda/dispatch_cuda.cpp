@@ -22,6 +22,7 @@
 #include "glmtune/ops/cuda/vision.h"
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/grad.h"
+#include "glmtune/ops/mlp.h"
 #include "glmtune/tensor/cuda_check.h"
 
 namespace glmtune::ops::cuda_path {
@@ -530,18 +531,34 @@ Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows
   return cuda::moe_expert_counts(routing, n_experts, rows).to(Device::cpu());
 }
 
+namespace {
+
+// The fused MoE kernels run the shared expert on its bare weights. One with an adapter
+// (ops/linear.h) runs beside them as the MLP composite instead, which applies the adapters; its
+// output is then added to the routed sum in bf16 rather than inside the combine's f32 sum.
+bool shared_expert_adapted(const MoeParams& params) {
+  return params.shared.gate_proj.lora.defined() || params.shared.up_proj.lora.defined() ||
+         params.shared.down_proj.lora.defined();
+}
+
+}  // namespace
+
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Tensor& x,
                       int64_t counted_rows, MoeContext* ctx) {
   OpTimer timer("moe_forward");
   MoeParams params = params_in;
   params.e_score_correction_bias = as_f32(params.e_score_correction_bias);
+  const bool adapted = shared_expert_adapted(params);
+  if (adapted) params.shared = MlpParams{};
   cuda::MoeContext cc;
   MoeOutput out = cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr);
   out.expert_counts = out.expert_counts.to(Device::cpu());
+  MlpContext shared;
+  if (adapted) add_into(out.y, ops::mlp_forward(params_in.shared, x, cfg.swiglu_limit, shared));
   if (ctx) {
     ctx->x = x;
     ctx->routing = out.routing;
-    ctx->shared = MlpContext{};
+    ctx->shared = shared;
     if (cc.shared_gate_up.defined()) {
       const int64_t is = cc.shared_gate_up.size(1) / 2;
       ctx->shared = {x, cc.shared_gate_up.narrow(1, 0, is), cc.shared_gate_up.narrow(1, is, is)};
@@ -564,6 +581,15 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
   cc.x = ctx.x;
   cc.routing = ctx.routing;
   cc.permutation = cuda::moe_permute(ctx.routing.indices, cfg.n_experts);
+  const Tensor d_logits =
+      d_router_logits.defined() ? d_router_logits.to(dy.device()).to(DType::f32) : Tensor();
+  if (shared_expert_adapted(params)) {
+    params.shared = MlpParams{};
+    Tensor dx = cuda::moe_backward(cfg, params, cc, dy, grads, d_logits);
+    add_into(dx,
+             ops::mlp_backward(params_in.shared, ctx.shared, dy, cfg.swiglu_limit, grads.shared));
+    return dx;
+  }
   if (ctx.shared.gate.defined()) {
     // The shared expert's gate | up, as one [T, 2·Is] buffer.
     const int64_t is = ctx.shared.gate.size(1);
@@ -572,8 +598,6 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
     cc.shared_gate_up.narrow(1, 0, is).copy_(ctx.shared.gate);
     cc.shared_gate_up.narrow(1, is, is).copy_(ctx.shared.up);
   }
-  const Tensor d_logits =
-      d_router_logits.defined() ? d_router_logits.to(dy.device()).to(DType::f32) : Tensor();
   return cuda::moe_backward(cfg, params, cc, dy, grads, d_logits);
 }
 
@@ -582,6 +606,8 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
                                      const Tensor& routed_dx, const Tensor& routed_d_weights,
                                      MoeParams& grads, const Tensor& d_router_logits) {
   OpTimer timer("moe_backward");
+  GLMTUNE_ASSERT(!shared_expert_adapted(params),
+                 "expert parallelism on GPUs with an adapted shared expert is not wired yet");
   const Tensor d_logits =
       d_router_logits.defined() ? d_router_logits.to(dy.device()).to(DType::f32) : Tensor();
   return cuda::moe_backward_routed_elsewhere(cfg, params, x, routing, dy, routed_dx,

@@ -400,6 +400,20 @@ void check_x(const Tensor& x, const char* op) {
                               "tensor, got " + detail::describe(x));
 }
 
+// The shared expert's three weights, or none of them (no shared expert here: ops::moe_forward
+// runs one with adapters beside these kernels).
+void check_shared(const ops::MlpParams& shared, const Tensor& x) {
+  if (!shared.gate_proj.weight.defined() && !shared.up_proj.weight.defined() &&
+      !shared.down_proj.weight.defined())
+    return;
+  const int64_t dim = x.size(1);
+  const int64_t shared_inter =
+      shared.gate_proj.weight.defined() ? shared.gate_proj.weight.size(0) : 0;
+  check_like_x(shared.gate_proj.weight, {shared_inter, dim}, x, "shared gate_proj");
+  check_like_x(shared.up_proj.weight, {shared_inter, dim}, x, "shared up_proj");
+  check_like_x(shared.down_proj.weight, {dim, shared_inter}, x, "shared down_proj");
+}
+
 void check_routing(const ops::Routing& r, int64_t rows, int64_t n_exp, int64_t k,
                    const Device& dev) {
   GLMTUNE_CUDA_OP_REQUIRE(
@@ -581,11 +595,9 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
   check_expert_weights(cfg, params.gate_up_proj.weight, params.down_proj.weight, x);
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1);
+  check_shared(params.shared, x);
   const int64_t shared_inter =
       params.shared.gate_proj.weight.defined() ? params.shared.gate_proj.weight.size(0) : 0;
-  check_like_x(params.shared.gate_proj.weight, {shared_inter, dim}, x, "shared gate_proj");
-  check_like_x(params.shared.up_proj.weight, {shared_inter, dim}, x, "shared up_proj");
-  check_like_x(params.shared.down_proj.weight, {dim, shared_inter}, x, "shared down_proj");
   detail::DeviceGuard guard(dev.index);
 
   ops::MoeOutput out;
@@ -594,18 +606,22 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
   const ExpertActivations a = run_experts(cfg, params.gate_up_proj.weight, params.down_proj.weight,
                                           x, perm, backend, stream);
 
-  // Shared expert: gate | up side by side (kept for the backward), fp32 down output.
-  Tensor gate_up = Tensor::empty({rows, 2 * shared_inter}, x.dtype(), dev);
-  Tensor gate = gate_up.slice(1, 0, shared_inter),
-         up = gate_up.slice(1, shared_inter, 2 * shared_inter);
-  linear_out(gate, x, params.shared.gate_proj.weight, Tensor(), false, stream);
-  linear_out(up, x, params.shared.up_proj.weight, Tensor(), false, stream);
-  const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
-  const Tensor shared = linear(act, params.shared.down_proj.weight, Tensor(), DType::f32, stream);
+  // Shared expert (when given: ops::moe_forward runs one with adapters beside these kernels):
+  // gate | up side by side (kept for the backward), fp32 down output.
+  Tensor gate_up, shared;
+  if (shared_inter > 0) {
+    gate_up = Tensor::empty({rows, 2 * shared_inter}, x.dtype(), dev);
+    Tensor gate = gate_up.slice(1, 0, shared_inter),
+           up = gate_up.slice(1, shared_inter, 2 * shared_inter);
+    linear_out(gate, x, params.shared.gate_proj.weight, Tensor(), false, stream);
+    linear_out(up, x, params.shared.up_proj.weight, Tensor(), false, stream);
+    const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
+    shared = linear(act, params.shared.down_proj.weight, Tensor(), DType::f32, stream);
+  }
 
   out.y = Tensor::empty({rows, dim}, x.dtype(), dev);
   combine(a.yp, out.routing.weights, perm.slot_position, int(cfg.top_k),
-          rows > 0 ? shared.data<float>() : nullptr, out.y, stream);
+          rows > 0 && shared.defined() ? shared.data<float>() : nullptr, out.y, stream);
   out.expert_counts = moe_expert_counts(out.routing, cfg.n_experts, counted_rows, stream);
   if (ctx) {
     ctx->x = x;
@@ -729,15 +745,8 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
                                 ops::MoeParams& grads, Tensor& dx_f32, cudaStream_t stream) {
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1);
-  const int64_t shared_inter = shared_gate_up.size(1) / 2;
   const DType st = x.dtype();
   Tensor* d_router = trained_buffer(grads.router_weight, params.router_weight, "router weight");
-  Tensor* d_sg = trained_buffer(grads.shared.gate_proj.weight, params.shared.gate_proj.weight,
-                                "shared gate_proj");
-  Tensor* d_su =
-      trained_buffer(grads.shared.up_proj.weight, params.shared.up_proj.weight, "shared up_proj");
-  Tensor* d_sd = trained_buffer(grads.shared.down_proj.weight, params.shared.down_proj.weight,
-                                "shared down_proj");
   // Router: combine weights → logits → GEMMs into fp32. bf16 operands take the fp32 logit
   // gradient as two bf16 parts (hi + lo); f32 operands take it whole.
   Tensor d_logits = moe_route_backward(cfg, routing, d_weights, stream);
@@ -788,7 +797,16 @@ void router_and_shared_backward(const ops::MoeConfig& cfg, const ops::MoeParams&
   }
   if (d_router && d_router->dtype() != DType::f32) accumulate(*d_router, d_router_f32, stream);
 
-  // Shared expert, into the same fp32 dx.
+  // Shared expert, into the same fp32 dx (none given: ops::moe_backward differentiates an adapted
+  // one itself).
+  if (!shared_gate_up.defined()) return;
+  const int64_t shared_inter = shared_gate_up.size(1) / 2;
+  Tensor* d_sg = trained_buffer(grads.shared.gate_proj.weight, params.shared.gate_proj.weight,
+                                "shared gate_proj");
+  Tensor* d_su =
+      trained_buffer(grads.shared.up_proj.weight, params.shared.up_proj.weight, "shared up_proj");
+  Tensor* d_sd = trained_buffer(grads.shared.down_proj.weight, params.shared.down_proj.weight,
+                                "shared down_proj");
   const Tensor gate = shared_gate_up.slice(1, 0, shared_inter);
   const Tensor up = shared_gate_up.slice(1, shared_inter, 2 * shared_inter);
   const Tensor act = swiglu_clamped(gate, up, cfg.swiglu_limit, stream);
@@ -814,6 +832,7 @@ void check_router_logit_grad(const Tensor& d_router_logits, const ops::Routing& 
 
 // The shared expert's gate | up before the clamps, [T, 2·Is] in x's dtype.
 Tensor shared_gate_up_of(const ops::MlpParams& shared, const Tensor& x, cudaStream_t stream) {
+  if (!shared.gate_proj.weight.defined()) return Tensor();
   const int64_t shared_inter = shared.gate_proj.weight.size(0);
   Tensor gate_up = Tensor::empty({x.size(0), 2 * shared_inter}, x.dtype(), x.device());
   Tensor gate = gate_up.slice(1, 0, shared_inter),
@@ -823,15 +842,6 @@ Tensor shared_gate_up_of(const ops::MlpParams& shared, const Tensor& x, cudaStre
   return gate_up;
 }
 
-void check_shared(const ops::MlpParams& shared, const Tensor& x) {
-  const int64_t dim = x.size(1);
-  const int64_t shared_inter =
-      shared.gate_proj.weight.defined() ? shared.gate_proj.weight.size(0) : 0;
-  check_like_x(shared.gate_proj.weight, {shared_inter, dim}, x, "shared gate_proj");
-  check_like_x(shared.up_proj.weight, {shared_inter, dim}, x, "shared up_proj");
-  check_like_x(shared.down_proj.weight, {dim, shared_inter}, x, "shared down_proj");
-}
-
 }  // namespace
 
 Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const MoeContext& ctx,
@@ -839,7 +849,7 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
                     GroupedGemmBackend backend, cudaStream_t stream) {
   check_config(cfg);
   const Tensor& x = ctx.x;
-  GLMTUNE_CUDA_OP_REQUIRE(x.defined() && ctx.shared_gate_up.defined(),
+  GLMTUNE_CUDA_OP_REQUIRE(x.defined(),
                           "cuda::moe_backward needs the context filled by cuda::moe_forward");
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1);
