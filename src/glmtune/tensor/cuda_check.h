@@ -18,3 +18,26 @@ namespace glmtune {
 
 // After a kernel launch: catches bad launch configurations at the launch site.
 #define GLMTUNE_CUDA_CHECK_LAUNCH() GLMTUNE_CUDA_CHECK(cudaGetLastError())
+
+namespace glmtune::cuda::detail {
+
+// Makes `device` current for the launches of one op and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    GLMTUNE_CUDA_CHECK(cudaGetDevice(&previous_));
+    restore_ = previous_ != device;
+    if (restore_) GLMTUNE_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+}  // namespace glmtune::cuda::detail

@@ -31,25 +31,6 @@ using bf16 = __nv_bfloat16;
 
 // ---- host side -------------------------------------------------------------------------------
 
-// Makes `device` current for the launches of one op and restores the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    GLMTUNE_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) GLMTUNE_CUDA_CHECK(cudaSetDevice(device));
-    restore_ = previous_ != device;
-  }
-  ~DeviceGuard() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
-
 inline std::string describe(const Tensor& t) {
   return t.defined() ? t.str() : std::string("undefined");
 }

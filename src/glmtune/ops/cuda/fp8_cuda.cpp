@@ -28,24 +28,6 @@ int64_t pad_to(int64_t n, int64_t m) { return blocks_of(n, m) * m; }
 
 std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    GLMTUNE_CUDA_CHECK(cudaGetDevice(&previous_));
-    restore_ = previous_ != device;
-    if (restore_) GLMTUNE_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
-
 enum class Tiling { rows_1x128, blocks_128x128, cols_128x1 };
 
 Tiling tiling_of(int64_t br, int64_t bc, const char* op) {
@@ -146,7 +128,7 @@ Fp8Blocks quantize_2d(const Tensor& x, Tiling t, int64_t br, int64_t bc, cudaStr
   const Layout l = layout_of(t, rows, cols);
   Tensor vbuf = Tensor::empty(l.values_buffer, DType::fp8e4m3, dev);
   Tensor sbuf = Tensor::empty(l.scales_buffer, DType::f32, dev);
-  DeviceGuard guard(dev.index);
+  detail::DeviceGuard guard(dev.index);
   const Shape sshape = scale_shape(t, rows, cols);
   if (sbuf.numel() != shape_numel(sshape))  // padding scales are read by nobody; zero, not garbage
     GLMTUNE_CUDA_CHECK(cudaMemsetAsync(sbuf.data_ptr(), 0, sbuf.nbytes(), stream));
@@ -287,7 +269,7 @@ void lt_fp8_tn(int device, int64_t m, int64_t n, int64_t k, const LtOperand& a, 
   key.align_b = alignment_of(b.data, b.ld, 1);
   key.align_d = alignment_of(d, ldd, dtype_size(d_dtype));
 
-  DeviceGuard guard(device);
+  detail::DeviceGuard guard(device);
   LtState& s = lt_state();
   cublasLtHandle_t handle;
   void* workspace;
@@ -413,7 +395,7 @@ void linear_impl(Tensor& y, const Fp8Blocks& x, const Fp8Blocks& w, bool accumul
     lt_fp8_tn(device, n, m, k, a, b, y.data_ptr(), y.dtype(), n, accumulate, stream, op);
     return;
   }
-  DeviceGuard guard(device);
+  detail::DeviceGuard guard(device);
   Tensor staged = Tensor::empty({m_pad, n}, y.dtype(), y.device());
   const size_t real_bytes = y.nbytes();
   auto* staged_bytes = static_cast<char*>(staged.data_ptr());
@@ -462,7 +444,7 @@ Fp8Blocks transpose_fp8_weight(const Fp8Blocks& w, cudaStream_t stream) {
   const Device dev = w.values.device();
   Tensor vbuf = Tensor::empty(l.values_buffer, DType::fp8e4m3, dev);
   Tensor sbuf = Tensor::empty(l.scales_buffer, DType::f32, dev);
-  DeviceGuard guard(dev.index);
+  detail::DeviceGuard guard(dev.index);
   GLMTUNE_CUDA_CHECK(cudaMemsetAsync(sbuf.data_ptr(), 0, sbuf.nbytes(), stream));
   fp8_kernels::transpose_u8(static_cast<const uint8_t*>(w.values.data_ptr()), n, k, k,
                             static_cast<uint8_t*>(vbuf.data_ptr()), n, stream);

@@ -56,22 +56,6 @@ LtState& lt_state() {
   return *state;
 }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    GLMTUNE_CUDA_CHECK(cudaGetDevice(&previous_));
-    restore_ = previous_ != device;
-    if (restore_) GLMTUNE_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
-
 // Called with the state's mutex held and the device current.
 cublasLtHandle_t handle_locked(LtState& s, int device) {
   auto it = s.handles.find(device);
@@ -221,7 +205,7 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
   key.align_b = alignment_of(g.a, g.lda, ab_size);
   key.align_c = alignment_of(g.c, g.ldc, c_size);
 
-  DeviceGuard guard(g.device);
+  detail::DeviceGuard guard(g.device);
   LtState& s = lt_state();
   cublasLtHandle_t handle;
   void* workspace;
