@@ -779,4 +779,32 @@ TEST(DistTrainLora, EveryLayoutFollowsTheSingleProcessAndResumesExactly) {
             glmtune::test::read_text(dir / "fsdp2" / adapter));
 }
 
+// Adapters on the routed experts are computed by the single process's CPU MoE only: every
+// multi-process layout refuses them before any step, naming lora.target_parameters and its key.
+TEST(DistTrainLora, ExpertAdaptersAreRefusedUnderEveryLayout) {
+  glmtune::test::TempDir dir("dist-train-lora-experts");
+  const fs::path recipe = write_recipe(dir.path(), 2, 0, true);
+  std::ofstream(recipe, std::ios::app)
+      << "[lora]\nrank = 2\ntarget_modules = [\"q_proj\"]\n"
+      << "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n";
+  struct Layout {
+    const char* name;
+    int64_t ep_size, sp_size;
+    const char* extra;
+    const char* key;
+  };
+  for (const Layout& l :
+       {Layout{"dp2", 1, 1, "", "mpirun"}, Layout{"ep2", 2, 1, "", "train.ep_size"},
+        Layout{"sp2", 1, 2, "", "train.sp_size"},
+        Layout{"fsdp2", 1, 1, " --set train.fsdp=true", "train.fsdp"}}) {
+    SCOPED_TRACE(std::string("2 ranks, ") + l.name);
+    const fs::path log = dir / (std::string(l.name) + ".log");
+    EXPECT_NE(train(recipe, 2, false, dir / l.name, log, l.ep_size, l.sp_size, l.extra), 0);
+    const std::string text = glmtune::test::read_text(log);
+    EXPECT_NE(text.find("lora.target_parameters"), std::string::npos) << text;
+    EXPECT_NE(text.find(l.key), std::string::npos) << text;
+    EXPECT_FALSE(fs::exists(dir / l.name / "checkpoints"));
+  }
+}
+
 }  // namespace
