@@ -546,6 +546,19 @@ TEST(LoraModel, BadAdapterDirectoriesAreErrorsNamingTheFile) {
       {{"base_model.model.model.language_model.layers.0.self_attn.indexer.wk.lora_A.weight",
         Tensor::zeros({2, 4}, DType::f32)}});
   expect_error("not the A or B of a projection this model can adapt");
+  // A routed-expert tensor where target_parameters names none, and a mis-shaped one.
+  LoraConfig ce = c;
+  ce.target_parameters = {"mlp.experts.down_proj"};
+  const std::vector<std::string> downs = resolve_lora_targets(*m.store, ce, "lora");
+  const std::string down = downs.back();
+  ASSERT_TRUE(down.ends_with(".mlp.experts.down_proj")) << down;
+  const std::string key = "base_model.model." + down.substr(0, down.size() - 9) + "lora_A.weight";
+  io::save_safetensors(dir / "adapter_model.safetensors",
+                       {{key, Tensor::zeros({3, 5}, DType::f32)}});
+  write_config(peft_adapter_config(c, {"x"}));
+  expect_error("target_parameters [] names none at this place");
+  write_config(peft_adapter_config(ce, {"x", down}));
+  expect_error("expected [");
 }
 
 }  // namespace
