@@ -70,25 +70,23 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
            "leave fsdp off: the frozen base has no gradients or optimizer state, and the adapters "
            "are small");
   // Adapters on the routed experts are computed by the CPU's MoE only: the GPU's fused expert
-  // kernels and expert parallelism's exchange apply none, and sequence parallelism and fsdp have
-  // not been checked against the single-process run with them.
+  // kernels and expert parallelism's exchange apply none. (Data and sequence parallelism and fsdp
+  // handle them as any adapter: they are in the parameter lists.)
   if (!c.target_parameters.empty()) {
     auto refuse_experts = [&](const std::string& layout_key, const std::string& what) {
       throw Error(fmt::format("lora.target_parameters (adapters on the routed experts) is not "
                               "supported {} ({})",
                               what, layout_key),
                   recipe.source() + ": lora.target_parameters",
-                  fmt::format("train expert adapters on the CPU in one process, or drop "
-                              "lora.target_parameters (or {})",
+                  fmt::format("train expert adapters on the CPU (one process, or data or "
+                              "sequence parallelism, or fsdp), or drop lora.target_parameters "
+                              "(or {})",
                               layout_key));
     };
     if (layout.on_gpu)
       refuse_experts("train.device = \"cuda\"",
                      "on a GPU: the fused expert kernels apply no adapter");
     if (layout.expert_sharded) refuse_experts("train.ep_size", "under expert parallelism");
-    if (layout.sequence_parallel) refuse_experts("train.sp_size", "under sequence parallelism");
-    if (layout.fsdp) refuse_experts("train.fsdp", "with fully sharded layers");
-    if (layout.distributed) refuse_experts("mpirun", "in several processes yet");
   }
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
   if (resume) {
