@@ -779,4 +779,40 @@ TEST(DistTrainLora, EveryLayoutFollowsTheSingleProcessAndResumesExactly) {
             glmtune::test::read_text(dir / "fsdp2" / adapter));
 }
 
+// Adapters on the routed experts: data, sequence and fully sharded parallelism follow the
+// single-process run (the experts' adapters are parameters of the lists like any other);
+// expert parallelism, whose exchange applies no adapter, refuses them before any step, naming
+// lora.target_parameters and train.ep_size.
+TEST(DistTrainLora, ExpertAdaptersFollowTheSingleProcessOrAreRefused) {
+  glmtune::test::TempDir dir("dist-train-lora-experts");
+  const fs::path recipe = write_recipe(dir.path(), 10, 5, true);
+  std::ofstream(recipe, std::ios::app)
+      << "[lora]\nrank = 4\nalpha = 8\ntarget_modules = [\"q_proj\"]\n"
+      << "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n";
+  std::vector<nlohmann::json> single;
+  ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
+  const std::string adapter = "checkpoints/step-10/adapter/adapter_model.safetensors";
+  ASSERT_TRUE(fs::exists(dir / "single" / adapter));
+  struct Layout {
+    const char* name;
+    int64_t ep_size, sp_size;
+    const char* extra;
+  };
+  for (const Layout& l : {Layout{"dp2", 1, 1, ""}, Layout{"sp2", 1, 2, ""},
+                          Layout{"fsdp2", 1, 1, " --set train.fsdp=true"}}) {
+    SCOPED_TRACE(std::string("2 ranks, ") + l.name);
+    const fs::path log = dir / (std::string(l.name) + ".log");
+    ASSERT_EQ(train(recipe, 2, false, dir / l.name, log, l.ep_size, l.sp_size, l.extra), 0)
+        << glmtune::test::read_text(log);
+    expect_same_curve(metrics(dir / l.name), single, 0);
+    EXPECT_EQ(tensor_table(dir / l.name / adapter), tensor_table(dir / "single" / adapter));
+  }
+  const fs::path log = dir / "ep2.log";
+  EXPECT_NE(train(recipe, 2, false, dir / "ep2", log, 2, 1), 0);
+  const std::string text = glmtune::test::read_text(log);
+  EXPECT_NE(text.find("lora.target_parameters"), std::string::npos) << text;
+  EXPECT_NE(text.find("train.ep_size"), std::string::npos) << text;
+  EXPECT_FALSE(fs::exists(dir / "ep2" / "checkpoints"));
+}
+
 }  // namespace

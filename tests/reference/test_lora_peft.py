@@ -6,6 +6,9 @@
 - glmtune to PEFT: an adapter trained by `glmtune train` ([lora]) loads with
   PeftModel.from_pretrained and gives glmtune's logits.
 - Merging: `glmtune merge` equals PEFT's merge_and_unload() within bf16 rounding of the weights.
+- The same three with adapters on the routed experts too (PEFT's target_parameters on the fused
+  mlp.experts.gate_up_proj and down_proj, its ParamWrapper layout: lora_A [r·E, in], lora_B
+  [out, r·E] with expert e's column k at k·E + e).
 
 Every expert is routed and every key pool kept (2 experts, top-2; index_topk 16 over documents of
 at most 16 tokens), so no top-k choice can fall differently in the two float32 computations.
@@ -51,6 +54,7 @@ TARGETS = (
     r"kv_b_proj)|mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj))"
 )
 RANK, ALPHA = 4, 8.0
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def load_base(path):
@@ -121,7 +125,19 @@ def peft_name(glmtune_name):
     module, which = glmtune_name.rsplit(".lora_", 1)
     for gate in ("f_a_proj", "f_b_proj"):
         module = module.replace(f".self_attn.{gate}", f".self_attn.forget_gate.{gate}")
+    # Both fused expert parameters adapted: PEFT nests down_proj's wrapper around gate_up_proj's.
+    module = module.replace(".mlp.experts.gate_up_proj", ".mlp.experts.base_layer")
+    module = module.replace(".mlp.experts.down_proj", ".mlp.experts")
     return f"base_model.model.{module}.lora_{which[0]}.default.weight"
+
+
+def to_peft_layout(glmtune_name, g):
+    """glmtune's expert adapter (A [E, r, in], B [E, out, r]) in PEFT's [r·E, in] / [out, r·E]."""
+    if ".mlp.experts." not in glmtune_name:
+        return g
+    if ".lora_A." in glmtune_name:
+        return g.reshape(-1, g.shape[-1])
+    return g.permute(1, 2, 0).reshape(g.shape[1], -1)
 
 
 class LoraAgainstPeft(unittest.TestCase):
@@ -144,26 +160,68 @@ class LoraAgainstPeft(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def test_peft_adapter_in_glmtune(self):
+    def check_peft_adapter_in_glmtune(self, name, target_parameters=None):
         torch.manual_seed(99)
-        config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights=False)
+        config = peft.LoraConfig(
+            r=RANK,
+            lora_alpha=ALPHA,
+            target_modules=TARGETS,
+            target_parameters=target_parameters,
+            init_lora_weights=False,
+        )
         model = peft.get_peft_model(load_base(self.model), config)
-        adapter = os.path.join(self.tmp.name, "peft_adapter")
+        adapter = os.path.join(self.tmp.name, name)
         model.save_pretrained(adapter)
         ref_logits, ref_grads = peft_run(model, self.docs)
         with tempfile.TemporaryDirectory() as tmp:
             logits, grads = glmtune_eval(self.model, adapter, self.docs, tmp)
+        worst_logits = 0.0
         for i, (a, r) in enumerate(zip(logits, ref_logits)):
+            worst_logits = max(worst_logits, rel(a, r))
             self.assertLessEqual(rel(a, r), 1e-5, f"logits of document {i}")
         self.assertEqual(len(grads), len(ref_grads), "one gradient per adapter tensor")
         self.assertGreater(len(grads), 80)
-        worst = max(rel(g, ref_grads[peft_name(n)]) for n, g in grads.items())
-        print(f"\nPEFT adapter: {len(grads)} adapter gradients, worst rel err {worst:.3g}", file=sys.stderr)
+        errs = {n: rel(to_peft_layout(n, g), ref_grads[peft_name(n)]) for n, g in grads.items()}
+        worst = max(errs.values())
+        experts = [e for n, e in errs.items() if ".mlp.experts." in n]
+        print(
+            f"\n{name}: logits rel err {worst_logits:.3g}; {len(grads)} adapter gradients, worst rel err "
+            f"{worst:.3g} ({len(experts)} on the routed experts, worst {max(experts, default=0):.3g})",
+            file=sys.stderr,
+        )
         self.assertLessEqual(worst, 1e-4)
+        if target_parameters:
+            self.assertGreaterEqual(len(experts), 4)
+            # Merging the random adapter: a large delta on every expert, so a merge that missed
+            # an expert or a layout slip could not pass within bf16 rounding.
+            merged = os.path.join(self.tmp.name, name + "_merged")
+            subprocess.run(
+                [BIN, "merge", "--model", self.model, "--adapter", adapter, "--out", merged],
+                check=True,
+                capture_output=True,
+            )
+            base = load_base(self.model).state_dict()
+            peft_merged = model.merge_and_unload().state_dict()
+            ours = load_base(merged).state_dict()
+            worst_merge = 0.0
+            for n, w in peft_merged.items():
+                if n.startswith("model.language_model.") and n.endswith(
+                    ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+                ):
+                    self.assertGreater(rel(base[n].double(), w.double()), 2.0**-4, n)
+                    worst_merge = max(worst_merge, rel(ours[n].double(), w.double()))
+            print(f"{name}: routed experts merged, rel err {worst_merge:.3g}", file=sys.stderr)
+            self.assertLessEqual(worst_merge, 2.0**-8)
 
-    def test_glmtune_adapter_in_peft_and_merge(self):
-        out = os.path.join(self.tmp.name, "run")
-        recipe = os.path.join(self.tmp.name, "recipe.toml")
+    def test_peft_adapter_in_glmtune(self):
+        self.check_peft_adapter_in_glmtune("peft_adapter")
+
+    def test_peft_expert_adapter_in_glmtune(self):
+        self.check_peft_adapter_in_glmtune("peft_expert_adapter", EXPERT_PARAMS)
+
+    def check_glmtune_adapter_in_peft_and_merge(self, name, target_parameters=""):
+        out = os.path.join(self.tmp.name, name)
+        recipe = os.path.join(self.tmp.name, name + ".toml")
         with open(recipe, "w") as f:
             f.write(
                 f"""[model]
@@ -188,33 +246,56 @@ save_every = 0
 rank = {RANK}
 alpha = {ALPHA}
 target_modules = ["all-linear"]
+{target_parameters}
 """
             )
         subprocess.run([BIN, "train", "--config", recipe], check=True, capture_output=True)
         adapter = os.path.join(out, "checkpoints", "step-3", "adapter")
         model = peft.PeftModel.from_pretrained(load_base(self.model), adapter)
-        b = [p for n, p in model.named_parameters() if "lora_B" in n]
+        b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
         self.assertGreater(len(b), 40)
-        self.assertTrue(any(float(p.abs().max()) > 0 for p in b), "training moved no B")
+        self.assertTrue(any(float(p.abs().max()) > 0 for p in b.values()), "training moved no B")
+        if target_parameters:
+            experts = [p for n, p in b.items() if ".mlp.experts." in n]
+            self.assertGreaterEqual(len(experts), 2)
+            self.assertTrue(any(float(p.abs().max()) > 0 for p in experts), "training moved no expert B")
         with torch.no_grad():
             ref = [model(input_ids=ids).logits[0].double() for ids, _ in self.docs]
         with tempfile.TemporaryDirectory() as tmp:
             logits, _ = glmtune_eval(self.model, adapter, self.docs, tmp, grads=False)
+        worst_logits = max(rel(a, r) for a, r in zip(logits, ref))
         for i, (a, r) in enumerate(zip(logits, ref)):
             self.assertLessEqual(rel(a, r), 1e-5, f"logits of document {i}")
 
-        merged = os.path.join(self.tmp.name, "merged")
+        merged = os.path.join(self.tmp.name, name + "_merged")
         subprocess.run(
             [BIN, "merge", "--model", self.model, "--adapter", adapter, "--out", merged], check=True, capture_output=True
         )
         peft_merged = model.merge_and_unload().state_dict()
         ours = load_base(merged).state_dict()
-        worst = 0.0
-        for name, w in peft_merged.items():
-            if name.startswith("model.language_model.") and name.endswith("proj.weight"):
-                worst = max(worst, rel(ours[name].double(), w.double()))
+        worst, worst_experts = 0.0, 0.0
+        for n, w in peft_merged.items():
+            if not n.startswith("model.language_model."):
+                continue
+            if n.endswith("proj.weight"):
+                worst = max(worst, rel(ours[n].double(), w.double()))
+            elif n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                worst_experts = max(worst_experts, rel(ours[n].double(), w.double()))
+        print(
+            f"\n{name}: PEFT logits rel err {worst_logits:.3g}; merge rel err {worst:.3g} "
+            f"(routed experts {worst_experts:.3g})",
+            file=sys.stderr,
+        )
         # bf16 keeps 8 significant bits: half a unit in the last place, relative to the largest entry.
-        self.assertLessEqual(worst, 2.0**-8)
+        self.assertLessEqual(max(worst, worst_experts), 2.0**-8)
+
+    def test_glmtune_adapter_in_peft_and_merge(self):
+        self.check_glmtune_adapter_in_peft_and_merge("run")
+
+    def test_glmtune_expert_adapter_in_peft_and_merge(self):
+        self.check_glmtune_adapter_in_peft_and_merge(
+            "expert_run", 'target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]'
+        )
 
 
 if __name__ == "__main__":

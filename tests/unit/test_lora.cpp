@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +22,7 @@
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
 #include "glmtune/ops/linear.h"
+#include "glmtune/ops/moe.h"
 #include "support/random_model.h"
 #include "support/temp_dir.h"
 #include "support/test_support.h"
@@ -123,6 +125,118 @@ TEST(LoraOps, AFrozenBaseGetsNoGradientAndTheAdapterDoes) {
   EXPECT_TRUE(g.lora.B.defined());
 }
 
+// A tiny MoE in f64 with adapters on both fused expert parameters (A [E, r, in], B [E, out, r]).
+struct TinyMoe {
+  ops::MoeConfig cfg;
+  ops::MoeParams p;
+  static constexpr int64_t E = 3, D = 6, I = 4, S = 5, r = 2;
+
+  TinyMoe() {
+    cfg.n_experts = E;
+    cfg.top_k = 2;
+    cfg.routed_scaling_factor = 1.3;
+    uint64_t off = 90'000;
+    auto rnd = [&](const Shape& s, double sd) {
+      return random_normal(s, off += 100, DType::f64, 0, sd);
+    };
+    p.router_weight = rnd({E, D}, 1.0);
+    p.e_score_correction_bias = Tensor::zeros({E}, DType::f64);
+    p.gate_up_proj = ops::Linear(rnd({E, 2 * I, D}, 0.4));
+    p.down_proj = ops::Linear(rnd({E, D, I}, 0.5));
+    for (ops::Linear* l : {&p.gate_up_proj, &p.down_proj}) {
+      l->lora.A = rnd({E, r, l->weight.size(2)}, 0.5);
+      l->lora.B = rnd({E, l->weight.size(1), r}, 0.5);
+      l->lora.scale = 1.7;
+    }
+    p.shared.gate_proj = ops::Linear(rnd({S, D}, 0.4));
+    p.shared.up_proj = ops::Linear(rnd({S, D}, 0.4));
+    p.shared.down_proj = ops::Linear(rnd({D, S}, 0.4));
+  }
+};
+
+// W_e + scale · B_e A_e for every expert, in f64.
+Tensor merged_experts(const ops::Linear& l) {
+  std::vector<double> w = l.weight.to_doubles();
+  const std::vector<double> a = l.lora.A.to_doubles(), b = l.lora.B.to_doubles();
+  const int64_t e_n = l.weight.size(0), out = l.weight.size(1), in = l.weight.size(2),
+                r = l.lora.A.size(1);
+  for (int64_t e = 0; e < e_n; ++e)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i)
+        for (int64_t k = 0; k < r; ++k)
+          w[size_t((e * out + o) * in + i)] +=
+              l.lora.scale * b[size_t((e * out + o) * r + k)] * a[size_t((e * r + k) * in + i)];
+  return Tensor::from_doubles(w, l.weight.shape(), DType::f64);
+}
+
+TEST(LoraOps, ExpertAdaptersComputeTheMergedExperts) {
+  SCOPED_TRACE(seed_note());
+  const TinyMoe m;
+  const Tensor x = random_normal({7, TinyMoe::D}, 11, DType::f64);
+  ops::MoeParams merged = m.p;
+  merged.gate_up_proj = ops::Linear(merged_experts(m.p.gate_up_proj));
+  merged.down_proj = ops::Linear(merged_experts(m.p.down_proj));
+  const Tensor y = ops::moe_forward(m.cfg, m.p, x).y;
+  EXPECT_LE(rel_err(y, ops::moe_forward(m.cfg, merged, x).y), 1e-12);
+  // The adapters change the output (a test of the adapter term, not of the base alone).
+  ops::MoeParams plain = m.p;
+  plain.gate_up_proj.lora = {};
+  plain.down_proj.lora = {};
+  EXPECT_GT(rel_err(y, ops::moe_forward(m.cfg, plain, x).y), 1e-3);
+  // A mis-shaped adapter is refused naming the parameter and the layout.
+  ops::MoeParams bad = m.p;
+  bad.down_proj.lora.B = random_normal({TinyMoe::E, TinyMoe::r, TinyMoe::D}, 12, DType::f64);
+  try {
+    ops::moe_forward(m.cfg, bad, x);
+    ADD_FAILURE() << "accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("experts.down_proj adapter"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("[E, out, r]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LoraOps, ExpertAdapterGradientsMatchFiniteDifferences) {
+  SCOPED_TRACE(seed_note());
+  for (bool frozen : {false, true}) {
+    SCOPED_TRACE(frozen ? "frozen experts" : "trained experts");
+    TinyMoe m;
+    m.p.gate_up_proj.weight.set_frozen(frozen);
+    m.p.down_proj.weight.set_frozen(frozen);
+    Tensor x = random_normal({7, TinyMoe::D}, 13, DType::f64);
+    const Tensor dy = random_normal({7, TinyMoe::D}, 14, DType::f64);
+    ops::MoeContext ctx;
+    ops::moe_forward(m.cfg, m.p, x, -1, ctx);
+    ops::MoeParams g;
+    const Tensor dx = ops::moe_backward(m.cfg, m.p, ctx, dy, g);
+    auto loss = [&] { return dot(dy, ops::moe_forward(m.cfg, m.p, x).y); };
+    EXPECT_EQ(g.gate_up_proj.weight.defined(), !frozen);
+    EXPECT_EQ(g.down_proj.weight.defined(), !frozen);
+    std::vector<std::tuple<const char*, Tensor*, Tensor*>> checks{
+        {"gate_up_proj.lora_A", &m.p.gate_up_proj.lora.A, &g.gate_up_proj.lora.A},
+        {"gate_up_proj.lora_B", &m.p.gate_up_proj.lora.B, &g.gate_up_proj.lora.B},
+        {"down_proj.lora_A", &m.p.down_proj.lora.A, &g.down_proj.lora.A},
+        {"down_proj.lora_B", &m.p.down_proj.lora.B, &g.down_proj.lora.B},
+        {"x", &x, const_cast<Tensor*>(&dx)}};
+    if (!frozen) {
+      checks.emplace_back("gate_up_proj", &m.p.gate_up_proj.weight, &g.gate_up_proj.weight);
+      checks.emplace_back("down_proj", &m.p.down_proj.weight, &g.down_proj.weight);
+    }
+    uint64_t off = 95'000;
+    for (auto [name, param, grad] : checks) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(grad->defined());
+      // The smallest error over three steps: a long step can cross a SwiGLU clamp or change
+      // the top-2 choice, a short one drowns in roundoff; a wrong gradient fails at all three.
+      const Tensor dir = random_normal(param->shape(), off += 100, DType::f64);
+      double err = INFINITY;
+      for (double step : {1e-4, 1e-5, 1e-6})
+        err = std::min(err, fd_direction(*param, *grad, dir, loss, step));
+      EXPECT_LE(err, 1e-7);
+    }
+  }
+}
+
 // ---- The text model with adapters ------------------------------------------------------------
 
 using glmtune::test::RandomModel;
@@ -132,6 +246,16 @@ LoraConfig all_linear(int64_t rank = 2, double alpha = 3) {
   c.rank = rank;
   c.alpha = alpha;
   c.target_modules = {"all-linear"};
+  return c;
+}
+
+const std::vector<std::string> kExpertParams = {"mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"};
+
+// all-linear and both fused expert parameters: every adapter glmtune can train.
+LoraConfig everything(int64_t rank = 2, double alpha = 3) {
+  LoraConfig c = all_linear(rank, alpha);
+  c.target_parameters = kExpertParams;
   return c;
 }
 
@@ -187,6 +311,26 @@ TEST(LoraModel, TargetsResolveAsPeftMatchesThem) {
   c.target_regex = R"(model\.language_model\.layers\.0\.self_attn\.(q|k)_proj)";
   EXPECT_EQ(resolve_lora_targets(*m.store, c, "lora").size(), 2u);
 
+  // The routed experts only through target_parameters (PEFT's all-linear leaves them out), after
+  // the modules, layer by layer, gate_up_proj first.
+  LoraConfig e;
+  e.target_parameters = {"experts.down_proj"};
+  const std::vector<std::string> downs = resolve_lora_targets(*m.store, e, "lora");
+  ASSERT_FALSE(downs.empty());
+  for (const std::string& name : downs) EXPECT_TRUE(name.ends_with(".mlp.experts.down_proj"));
+  const std::vector<std::string> both = resolve_lora_targets(*m.store, everything(), "lora");
+  ASSERT_EQ(both.size(), all.size() + 2 * downs.size());
+  EXPECT_TRUE(both[all.size()].ends_with(".mlp.experts.gate_up_proj")) << both[all.size()];
+  e.target_parameters = {"mlp.experts.up_proj"};
+  try {
+    resolve_lora_targets(*m.store, e, "recipe.toml: lora");
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("matches none of the routed experts"), std::string::npos)
+        << err.what();
+    EXPECT_NE(err.where().find("lora.target_parameters"), std::string::npos) << err.where();
+  }
+
   auto refused = [&](const LoraConfig& bad, const std::string& says) {
     try {
       resolve_lora_targets(*m.store, bad, "recipe.toml: lora");
@@ -219,7 +363,7 @@ TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesOfTheLoss) {
       "lora", test_seed(),
       {"text_config.n_group=1", "text_config.topk_group=1", "text_config.n_routed_experts=2",
        "text_config.num_experts_per_tok=2", "text_config.index_topk=16"});
-  const LoraConfig c = all_linear();
+  const LoraConfig c = everything();
   add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), test_seed());
   randomise_b(*m.store, 50'000);
   freeze_base(*m.store);
@@ -265,9 +409,10 @@ TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesOfTheLoss) {
 TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
   SCOPED_TRACE(seed_note());
   RandomModel m("lora", test_seed());
-  LoraConfig c = all_linear(3, 5);
+  LoraConfig c = everything(3, 5);
   c.use_rslora = true;
-  add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), 7);
+  const std::vector<std::string> targets = resolve_lora_targets(*m.store, c, "lora");
+  add_lora_adapters(*m.store, c, targets, 7);
   randomise_b(*m.store, 70'000);
   const fs::path dir = m.dir.path() / "adapter";
   save_lora_adapter(*m.store, c, dir);
@@ -282,6 +427,38 @@ TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
   const io::SafetensorsFile f = io::SafetensorsFile::open(dir / "adapter_model.safetensors");
   EXPECT_TRUE(
       f.contains("base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight"));
+  // The experts as PEFT's nested ParamWrappers save them: gate_up_proj (wrapped first) under
+  // "experts.base_layer.", down_proj under "experts."; A [r·E, in] with expert e's rows
+  // e·r .. e·r+r, B [out, r·E] with expert e's column k at k·E + e; target_parameters by name.
+  std::string gate_up;
+  for (const std::string& t : targets)
+    if (t.ends_with(".mlp.experts.gate_up_proj") && gate_up.empty()) gate_up = t;
+  ASSERT_FALSE(gate_up.empty());
+  const std::string experts =
+      gate_up.substr(0, gate_up.size() - std::string("gate_up_proj").size());
+  const std::string down = experts + "down_proj";
+  EXPECT_NE(std::find(j["target_parameters"].begin(), j["target_parameters"].end(), gate_up),
+            j["target_parameters"].end());
+  for (const auto& [param, key] : std::vector<std::pair<std::string, std::string>>{
+           {gate_up, experts + "base_layer."}, {down, experts}}) {
+    SCOPED_TRACE(param);
+    const Tensor a = m.store->get(param + ".lora_A.weight");  // [E, r, in]
+    const Tensor b = m.store->get(param + ".lora_B.weight");  // [E, out, r]
+    const int64_t n_e = a.size(0), r = a.size(1), in = a.size(2), out = b.size(1);
+    const Tensor pa = f.tensor("base_model.model." + key + "lora_A.weight");
+    const Tensor pb = f.tensor("base_model.model." + key + "lora_B.weight");
+    ASSERT_EQ(pa.shape(), (Shape{r * n_e, in}));
+    ASSERT_EQ(pb.shape(), (Shape{out, r * n_e}));
+    const std::vector<double> av = a.to_doubles(), bv = b.to_doubles(), pav = pa.to_doubles(),
+                              pbv = pb.to_doubles();
+    for (int64_t e = 0; e < n_e; ++e)
+      for (int64_t k = 0; k < r; ++k) {
+        for (int64_t i = 0; i < in; ++i)
+          ASSERT_EQ(pav[size_t((e * r + k) * in + i)], av[size_t((e * r + k) * in + i)]);
+        for (int64_t o = 0; o < out; ++o)
+          ASSERT_EQ(pbv[size_t(o * r * n_e + k * n_e + e)], bv[size_t((e * out + o) * r + k)]);
+      }
+  }
 
   ParamStore fresh = ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config);
   const LoraConfig read = load_lora_adapter(fresh, dir);
@@ -306,6 +483,21 @@ TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
   EXPECT_LE(rel_err(fresh.get(module + ".weight"),
                     Tensor::from_doubles(want, w0.shape(), stored).to(DType::f64)),
             stored == DType::bf16 ? 8e-3 : 1e-6);
+  // Each expert: W_e + scale · B_e A_e.
+  {
+    ParamStore again = ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config);
+    load_lora_adapter(again, dir);
+    ops::Linear l(again.get(gate_up).to(DType::f64));
+    l.lora.A = again.get(gate_up + ".lora_A.weight").to(DType::f64);
+    l.lora.B = again.get(gate_up + ".lora_B.weight").to(DType::f64);
+    l.lora.scale = 5.0 / std::sqrt(3.0);
+    const DType dt = again.get(gate_up).dtype();
+    const Tensor want_e = merged_experts(l);
+    merge_lora_adapters(again);
+    EXPECT_LE(rel_err(again.get(gate_up).to(DType::f64), want_e.to(dt).to(DType::f64)),
+              dt == DType::bf16 ? 8e-3 : 1e-6);
+    EXPECT_GT(rel_err(again.get(gate_up).to(DType::f64), l.weight), 1e-3);
+  }
   // The merged model saves in the released layout, without adapter tensors.
   fresh.save(m.dir.path() / "merged");
   const io::CheckpointReader merged = io::CheckpointReader::open(m.dir.path() / "merged");
@@ -354,6 +546,19 @@ TEST(LoraModel, BadAdapterDirectoriesAreErrorsNamingTheFile) {
       {{"base_model.model.model.language_model.layers.0.self_attn.indexer.wk.lora_A.weight",
         Tensor::zeros({2, 4}, DType::f32)}});
   expect_error("not the A or B of a projection this model can adapt");
+  // A routed-expert tensor where target_parameters names none, and a mis-shaped one.
+  LoraConfig ce = c;
+  ce.target_parameters = {"mlp.experts.down_proj"};
+  const std::vector<std::string> downs = resolve_lora_targets(*m.store, ce, "lora");
+  const std::string down = downs.back();
+  ASSERT_TRUE(down.ends_with(".mlp.experts.down_proj")) << down;
+  const std::string key = "base_model.model." + down.substr(0, down.size() - 9) + "lora_A.weight";
+  io::save_safetensors(dir / "adapter_model.safetensors",
+                       {{key, Tensor::zeros({3, 5}, DType::f32)}});
+  write_config(peft_adapter_config(c, {"x"}));
+  expect_error("target_parameters [] names none at this place");
+  write_config(peft_adapter_config(ce, {"x", down}));
+  expect_error("expected [");
 }
 
 }  // namespace

@@ -537,4 +537,33 @@ TEST(Recipe, LoraSection) {
       "lora.base", "bf16");
   EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\nr = 8\ntarget_modules = [\"q_proj\"]\n"),
                       "unknown key", "lora.r", "rank");
+
+  // The routed experts' fused parameters, as PEFT's target_parameters: alone (target_modules
+  // absent or empty) or beside target_modules; they round-trip and change the fingerprint.
+  const Recipe p = Recipe::parse(kMinimal +
+                                     "[lora]\ntarget_parameters = [\"mlp.experts.gate_up_proj\", "
+                                     "\"mlp.experts.down_proj\"]\n",
+                                 "r.toml");
+  ASSERT_TRUE(p.lora.has_value());
+  EXPECT_TRUE(p.lora->target_modules.empty());
+  EXPECT_EQ(p.lora->target_parameters,
+            (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  const Recipe pb = Recipe::parse(p.to_toml(), "back.toml");
+  EXPECT_EQ(pb.lora->target_parameters, p.lora->target_parameters);
+  EXPECT_EQ(pb.fingerprint(1), p.fingerprint(1));
+  const Recipe both = Recipe::parse(kMinimal +
+                                        "[lora]\ntarget_modules = [\"q_proj\", \"o_proj\"]\n"
+                                        "target_parameters = [\"mlp.experts.down_proj\"]\n",
+                                    "r.toml");
+  EXPECT_EQ(both.lora->target_modules, r.lora->target_modules);
+  EXPECT_NE(both.fingerprint(1), Recipe::parse(kMinimal + "[lora]\ntarget_modules = [\"q_proj\", "
+                                                          "\"o_proj\"]\n",
+                                               "r.toml")
+                                     .fingerprint(1));
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ntarget_parameters = \"mlp.experts\"\n"),
+                      "expected an array", "lora.target_parameters", "mlp.experts.gate_up_proj");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ntarget_parameters = [\"\"]\n"),
+                      "non-empty string", "lora.target_parameters", "mlp.experts.down_proj");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ntarget_parameters = []\n"), "missing",
+                      "lora.target_modules", "target_modules");
 }

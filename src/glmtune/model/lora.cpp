@@ -133,6 +133,71 @@ std::string module_of_adapter(const std::string& name) {
   return "";
 }
 
+// The routed experts' fused parameters (internal names) of the decoder layers, in store order:
+// gate_up_proj before down_proj, the order in which PEFT nests their wrappers.
+constexpr const char* kExpertParams[] = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+
+bool is_expert_param(const std::string& module) {
+  return module.ends_with(".mlp.experts.gate_up_proj") ||
+         module.ends_with(".mlp.experts.down_proj");
+}
+
+std::vector<std::string> expert_params(const ParamStore& store) {
+  std::vector<std::string> out;
+  for (int64_t l = 0; l < store.config().text().num_hidden_layers; ++l)
+    for (const char* p : kExpertParams)
+      if (store.contains(text::layer_prefix(l) + p)) out.push_back(text::layer_prefix(l) + p);
+  return out;
+}
+
+// PEFT's target_parameters rule: the full name equals the entry or ends with "." + it.
+bool parameter_targeted(const std::string& name, const std::vector<std::string>& targets) {
+  for (const std::string& t : targets)
+    if (name == t || name.ends_with("." + t)) return true;
+  return false;
+}
+
+// The base weight an adapter's module adapts: "<module>.weight", or the fused expert parameter
+// itself (its internal name has no ".weight").
+std::string base_weight(const std::string& module) {
+  return is_expert_param(module) ? module : module + ".weight";
+}
+
+// PEFT's key prefix of an expert parameter's adapter: "<layer>.mlp.experts." plus one
+// "base_layer." per wrapper nested outside it. PEFT wraps a module's parameters in registration
+// order (gate_up_proj, then down_proj), each wrapping the previous one, so the first of n adapted
+// parameters sits under n - 1 "base_layer."s.
+std::string peft_expert_prefix(const std::string& param, const std::set<std::string>& adapted) {
+  const std::string experts = param.substr(0, param.rfind('.') + 1);  // "<layer>.mlp.experts."
+  std::vector<std::string> mine;
+  for (const char* p : {"gate_up_proj", "down_proj"})
+    if (adapted.count(experts + p)) mine.push_back(experts + p);
+  std::string prefix = experts;
+  const auto at = std::find(mine.begin(), mine.end(), param);
+  for (size_t i = size_t(at - mine.begin()) + 1; i < mine.size(); ++i) prefix += "base_layer.";
+  return prefix;
+}
+
+// glmtune's per-expert layout to PEFT's and back. A [E, r, in] <-> [r·E, in] is the same memory
+// (expert e's rows e·r .. e·r+r); B [E, out, r] <-> [out, r·E] interleaves: PEFT's column k·E + e
+// is expert e's column k.
+Tensor expert_a_to_peft(const Tensor& a) {
+  return a.contiguous().reshape({a.size(0) * a.size(1), a.size(2)});
+}
+Tensor expert_b_to_peft(const Tensor& b) {
+  return b.permute({1, 2, 0}).contiguous().reshape({b.size(1), b.size(2) * b.size(0)});
+}
+Tensor expert_a_from_peft(const Tensor& a, int64_t experts) {
+  return a.contiguous().reshape({experts, a.size(0) / experts, a.size(1)}).contiguous().clone();
+}
+Tensor expert_b_from_peft(const Tensor& b, int64_t experts) {
+  return b.contiguous()
+      .reshape({b.size(0), b.size(1) / experts, experts})
+      .permute({2, 0, 1})
+      .contiguous()
+      .clone();
+}
+
 }  // namespace
 
 double LoraConfig::scale() const {
@@ -150,9 +215,11 @@ void LoraConfig::validate(const std::string& where) const {
     throw Error(fmt::format("dropout {} is not supported: glmtune trains adapters without dropout",
                             dropout),
                 where + ".dropout", "write dropout = 0 (or leave it out)");
-  if (target_modules.empty() && target_regex.empty())
-    throw Error("no target modules", where + ".target_modules",
-                "write e.g. target_modules = [\"q_proj\", \"o_proj\"], or \"all-linear\"");
+  if (target_modules.empty() && target_regex.empty() && target_parameters.empty())
+    throw Error("no target modules or parameters", where + ".target_modules",
+                "write e.g. target_modules = [\"q_proj\", \"o_proj\"], or \"all-linear\" (and "
+                "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"] "
+                "for the routed experts)");
   if (!target_regex.empty()) try {
       (void)std::regex(target_regex);
     } catch (const std::regex_error& e) {
@@ -206,8 +273,24 @@ std::vector<std::string> resolve_lora_targets(const ParamStore& store, const Lor
         where + ".target_modules",
         "use the projections' names: q_proj, k_proj, v_proj, o_proj, f_a_proj, f_b_proj, b_proj, "
         "g_a_proj, g_b_proj (KDA); q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj "
-        "(MLA); gate_proj, up_proj, down_proj (dense MLP and shared expert); or \"all-linear\"");
+        "(MLA); gate_proj, up_proj, down_proj (dense MLP and shared expert); or \"all-linear\" "
+        "(the routed experts go in target_parameters)");
   }
+  const std::vector<std::string> experts = expert_params(store);
+  for (const std::string& key : config.target_parameters) {
+    if (std::none_of(experts.begin(), experts.end(),
+                     [&](const std::string& e) { return parameter_targeted(e, {key}); }))
+      throw Error(fmt::format("target parameter '{}' matches none of the routed experts' fused "
+                              "parameters (named like "
+                              "model.language_model.layers.1.mlp.experts.gate_up_proj; the MTP "
+                              "layer's are not adaptable)",
+                              key),
+                  where + ".target_parameters",
+                  "write target_parameters = [\"mlp.experts.gate_up_proj\", "
+                  "\"mlp.experts.down_proj\"] (or one of them), on a model with routed experts");
+  }
+  for (const std::string& e : experts)
+    if (parameter_targeted(e, config.target_parameters)) chosen.push_back(e);
   return chosen;
 }
 
@@ -215,6 +298,20 @@ void add_lora_adapters(ParamStore& store, const LoraConfig& config,
                        const std::vector<std::string>& modules, uint64_t seed) {
   uint64_t offset = 0;
   for (const std::string& module : modules) {
+    if (is_expert_param(module)) {
+      // PEFT's ParamWrapper initialises its [r·E, in] lora_A as one nn.Linear: Kaiming-uniform
+      // with fan_in = in, the bound of a single projection.
+      const Shape w = store.param(module).shape;
+      GLMTUNE_ASSERT(w.size() == 3, "expert adapter target {} is not [E, out, in]", module);
+      Tensor a = Tensor::empty({w[0], config.rank, w[2]}, DType::f32);
+      const double bound = 1.0 / std::sqrt(double(w[2]));
+      fill_uniform(a, seed, offset, -bound, bound);
+      offset += uint64_t(a.numel());
+      store.add_adapter(module + ".lora_A.weight", std::move(a));
+      store.add_adapter(module + ".lora_B.weight",
+                        Tensor::zeros({w[0], w[1], config.rank}, DType::f32));
+      continue;
+    }
     const Shape w = store.param(module + ".weight").shape;
     GLMTUNE_ASSERT(w.size() == 2, "adapter target {} is not a matrix", module);
     const int64_t out = w[0], in = w[1];
@@ -234,8 +331,12 @@ nlohmann::json peft_adapter_config(const LoraConfig& config,
                                    const std::vector<std::string>& modules,
                                    const std::string& base) {
   std::string regex;
+  std::vector<std::string> parameters;
   for (const std::string& m : modules)
-    regex += (regex.empty() ? "" : "|") + regex_escape(peft_module(m));
+    if (is_expert_param(m))
+      parameters.push_back(m);
+    else
+      regex += (regex.empty() ? "" : "|") + regex_escape(peft_module(m));
   nlohmann::json j;
   j["peft_type"] = "LORA";
   j["task_type"] = nullptr;
@@ -252,7 +353,12 @@ nlohmann::json peft_adapter_config(const LoraConfig& config,
   j["modules_to_save"] = nullptr;
   j["rank_pattern"] = nlohmann::json::object();
   j["alpha_pattern"] = nlohmann::json::object();
-  j["target_modules"] = "(" + regex + ")";
+  // Exactly the adapted parameters, by full name: PEFT matches a name equal to an entry.
+  if (regex.empty())
+    j["target_modules"] = nlohmann::json::array();
+  else
+    j["target_modules"] = "(" + regex + ")";
+  if (!parameters.empty()) j["target_parameters"] = parameters;
   return j;
 }
 
@@ -271,14 +377,24 @@ void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& 
 void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const fs::path& dir,
                        const ParamStore::WholeValue& whole, const std::string& base) {
   io::NamedTensors tensors;
+  const std::vector<std::string> modules = adapted_modules(store);
+  const std::set<std::string> adapted(modules.begin(), modules.end());
   for (const InternalParam& p : store.params()) {
     if (!p.adapter) continue;
     const std::string module = module_of_adapter(p.name);
     const Tensor value = whole ? whole(p) : p.value;
     GLMTUNE_ASSERT(value.defined() && value.shape() == p.shape,
                    "adapter '{}' has no whole value to save", p.name);
+    Tensor t = value.to(Device::cpu()).to(DType::f32);
+    if (is_expert_param(module)) {
+      const bool is_a = p.name.ends_with(".lora_A.weight");
+      tensors.emplace_back(kPeftPrefix + peft_expert_prefix(module, adapted) +
+                               (is_a ? "lora_A.weight" : "lora_B.weight"),
+                           is_a ? expert_a_to_peft(t) : expert_b_to_peft(t));
+      continue;
+    }
     tensors.emplace_back(kPeftPrefix + peft_module(module) + p.name.substr(module.size()),
-                         value.to(Device::cpu()).to(DType::f32));
+                         std::move(t));
   }
   GLMTUNE_ASSERT(!tensors.empty(), "saving an adapter from a store without adapters");
   std::error_code ec;
@@ -288,7 +404,7 @@ void save_lora_adapter(const ParamStore& store, const LoraConfig& config, const 
                 "check that the parent directory is writable");
   io::save_safetensors(dir / kWeightsFile, tensors, {{"format", "pt"}});
   write_file_atomic((dir / kConfigFile).string(),
-                    peft_adapter_config(config, adapted_modules(store), base).dump(2) + "\n");
+                    peft_adapter_config(config, modules, base).dump(2) + "\n");
 }
 
 LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
@@ -332,6 +448,8 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
       c.target_regex = j["target_modules"].get<std::string>();
     else if (j.contains("target_modules") && j["target_modules"].is_array())
       c.target_modules = j["target_modules"].get<std::vector<std::string>>();
+    if (j.contains("target_parameters") && !j["target_parameters"].is_null())
+      c.target_parameters = j["target_parameters"].get<std::vector<std::string>>();
   } catch (const nlohmann::json::exception& e) {
     fail(fmt::format("r and lora_alpha must be numbers: {}", e.what()),
          "write the file with PEFT's save_pretrained");
@@ -339,14 +457,55 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
   if (c.rank < 1) fail(fmt::format("r = {} must be at least 1", c.rank), "use r >= 1");
 
   const io::SafetensorsFile file = io::SafetensorsFile::open(weights_file);
-  const std::vector<std::string> adaptable = adaptable_modules(store);
+  std::vector<std::string> adaptable = adaptable_modules(store);
   const std::set<std::string> ok(adaptable.begin(), adaptable.end());
+  // The expert parameters the configuration's target_parameters adapt, and the PEFT key prefix of
+  // each (which depends on which of a layer's two are adapted).
+  std::map<std::string, std::string> expert_of_prefix;
+  {
+    std::vector<std::string> targeted;
+    for (const std::string& e : expert_params(store))
+      if (parameter_targeted(e, c.target_parameters)) targeted.push_back(e);
+    const std::set<std::string> adapted(targeted.begin(), targeted.end());
+    for (const std::string& e : targeted) {
+      expert_of_prefix[peft_expert_prefix(e, adapted)] = e;
+      adaptable.push_back(e);
+    }
+  }
   std::set<std::string> seen;
   std::vector<std::pair<std::string, Tensor>> loaded;
   for (const std::string& key : file.names()) {
     const std::string peft_name =
         key.starts_with(kPeftPrefix) ? key.substr(std::strlen(kPeftPrefix)) : std::string();
     const std::string peft = module_of_adapter(peft_name);
+    if (!peft.empty() && (peft.ends_with(".mlp.experts") || peft.ends_with(".base_layer"))) {
+      const auto it = expert_of_prefix.find(peft + ".");
+      if (it == expert_of_prefix.end())
+        throw Error(fmt::format("tensor '{}' adapts the routed experts' fused parameters, and "
+                                "target_parameters {} names none at this place",
+                                key, nlohmann::json(c.target_parameters).dump()),
+                    weights_file.string(),
+                    "use an adapter PEFT saved with target_parameters (e.g. "
+                    "[\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]) on this model");
+      const std::string param = it->second;
+      const bool is_a = peft_name.ends_with(".lora_A.weight");
+      const Shape w = store.param(param).shape;  // [E, out, in]
+      const int64_t experts = w[0];
+      const Shape want = is_a ? Shape{c.rank * experts, w[2]} : Shape{w[1], c.rank * experts};
+      Tensor t = file.tensor(key);
+      if (t.shape() != want)
+        throw Error(fmt::format("tensor '{}' ({}) is {}, expected {} (r = {} times {} experts, "
+                                "fused weight {})",
+                                key, param.substr(param.rfind('.') + 1), shape_str(t.shape()),
+                                shape_str(want), c.rank, experts, shape_str(w)),
+                    weights_file.string(), "use an adapter trained on this model");
+      const std::string name = param + (is_a ? ".lora_A.weight" : ".lora_B.weight");
+      seen.insert(name);
+      t = t.to(DType::f32);
+      loaded.emplace_back(name,
+                          is_a ? expert_a_from_peft(t, experts) : expert_b_from_peft(t, experts));
+      continue;
+    }
     const std::string module = internal_module(peft);
     const std::string name = module + peft_name.substr(peft.size());
     if (module.empty() || !ok.count(module))
@@ -355,7 +514,7 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
                               key),
                   weights_file.string(),
                   "use an adapter trained on this model (glmtune inspect lists the model's "
-                  "tensors); adapters on the indexer, routed experts, MTP layer, LM head or "
+                  "tensors); adapters on the indexer, MTP layer, LM head or "
                   "vision tower are not supported");
     const Shape w = store.param(module + ".weight").shape;
     const bool is_a = name.ends_with(".lora_A.weight");
@@ -402,11 +561,15 @@ int64_t merge_lora_adapters(ParamStore& store) {
     const std::string module = module_of_adapter(p.name);
     const Tensor a = p.value.to(DType::f32).contiguous();
     const Tensor b = store.get(module + ".lora_B.weight").to(DType::f32).contiguous();
-    Tensor& w = store.get(module + ".weight");
+    Tensor& w = store.get(base_weight(module));
     Tensor sum = w.to(DType::f32).contiguous().clone();
-    const int64_t out = b.size(0), in = a.size(1), r = a.size(0);
-    ops::gemm<float>(false, false, out, in, r, float(scale), b.data<float>(), r, a.data<float>(),
-                     in, 1.0f, sum.data<float>(), in);
+    // A plain projection is one expert: W_e += scale · B_e A_e for each of the fused experts.
+    const int64_t experts = a.dim() == 3 ? a.size(0) : 1;
+    const int64_t out = b.size(b.dim() - 2), in = a.size(a.dim() - 1), r = a.size(a.dim() - 2);
+    for (int64_t e = 0; e < experts; ++e)
+      ops::gemm<float>(false, false, out, in, r, float(scale), b.data<float>() + e * out * r, r,
+                       a.data<float>() + e * r * in, in, 1.0f, sum.data<float>() + e * out * in,
+                       in);
     w = sum.to(w.dtype());
     ++merged;
   }

@@ -9,9 +9,16 @@
 // (adapter_config.json, adapter_model.safetensors) that `PeftModel.from_pretrained` loads.
 //
 // Projections that take an adapter: every projection of the decoder layers' KDA and MLA mixers,
-// dense MLPs and shared experts. Refused, each with a message: the indexer's (it runs without
-// gradient, so its adapter would never train), the routed experts (fused, not an nn.Linear per
-// expert), the LM head, the MTP layer (outside the reference model's modules) and the vision
+// dense MLPs and shared experts (target_modules), and the routed experts' fused parameters
+// (target_parameters, PEFT's ParamWrapper): internally
+//   model.language_model.layers.3.mlp.experts.gate_up_proj.lora_A.weight   [E, r, in]
+//   model.language_model.layers.3.mlp.experts.gate_up_proj.lora_B.weight   [E, out, r]
+// converted at save and load to PEFT's [r·E, in] (expert e's A in rows e·r .. e·r+r) and
+// [out, r·E] (expert e's B column k at k·E + e), under PEFT's nested-wrapper keys: with both
+// parameters of a layer adapted, gate_up_proj's are "mlp.experts.base_layer.lora_A.weight" and
+// down_proj's "mlp.experts.lora_A.weight"; one alone is "mlp.experts.lora_A.weight".
+// Refused, each with a message: the indexer's (it runs without gradient, so its adapter would
+// never train), the LM head, the MTP layer (outside the reference model's modules) and the vision
 // tower. docs/lora.md lists them.
 
 #include <cstdint>
@@ -35,6 +42,10 @@ struct LoraConfig {
   // Or an ECMAScript regular expression matched against whole module names
   // ("model.language_model.layers.3.self_attn.q_proj"), as PEFT matches a string target_modules.
   std::string target_regex;
+  // PEFT's target_parameters: the routed experts' fused parameters, matched like PEFT (a full
+  // parameter name equal to the entry or ending in "." + it), e.g. "mlp.experts.gate_up_proj".
+  // PEFT's "all-linear" does not include them.
+  std::vector<std::string> target_parameters;
 
   double scale() const;
   // Throws glmtune::Error naming `where` for a rank below 1, a negative alpha, a dropout outside
@@ -46,7 +57,9 @@ struct LoraConfig {
 // order (the weight's internal name without ".weight").
 std::vector<std::string> adaptable_modules(const ParamStore& store);
 
-// The modules `config` targets, in store order. glmtune::Error naming `where` when a target
+// The modules `config` targets, in store order, then the routed experts' parameters it targets
+// (their internal names, "model.language_model.layers.N.mlp.experts.gate_up_proj"), layer by
+// layer. glmtune::Error naming `where` when a target
 // matches no module, or matches only projections glmtune cannot adapt (saying which and why).
 std::vector<std::string> resolve_lora_targets(const ParamStore& store, const LoraConfig& config,
                                               const std::string& where);

@@ -13,8 +13,9 @@
 namespace glmtune::ops {
 
 // A low-rank adapter on a projection: y += scale · (x A^T) B^T, with A [r, in] and B [out, r].
-// `scale` is alpha / r, or alpha / sqrt(r) with rank-stabilised scaling (model/lora.h). The fused
-// experts take none yet.
+// `scale` is alpha / r, or alpha / sqrt(r) with rank-stabilised scaling (model/lora.h). On the
+// fused experts (weight [E, out, in]) each expert has its own: A [E, r, in] and B [E, out, r]
+// (ops/moe.h), which model/lora.cpp converts to and from PEFT's [r·E, in] / [out, r·E] layout.
 struct LoraAdapter {
   Tensor A;
   Tensor B;

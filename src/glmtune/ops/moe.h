@@ -45,13 +45,20 @@ struct MoeParams {
 };
 
 // The list of MoeParams' fields (ops/linear.h), named as under `mlp.`. The fused experts keep the
-// internal names of model/param_store.h.
+// internal names of model/param_store.h (no ".weight"); their adapters, in glmtune's per-expert
+// layout (A [E, r, in], B [E, out, r]), follow as "<name>.lora_A.weight" / ".lora_B.weight"
+// (model/lora.cpp converts to PEFT's layout at save and load). The experts are not handed whole
+// (WholeProjection): they are parameters of one module rather than nn.Linear projections.
 template <typename A, typename B, typename F>
 void zip_moe_params(A& a, B& b, F&& f) {
   f("gate.weight", a.router_weight, b.router_weight);
   f("gate.e_score_correction_bias", a.e_score_correction_bias, b.e_score_correction_bias);
   f("experts.gate_up_proj", a.gate_up_proj.weight, b.gate_up_proj.weight);
   f("experts.down_proj", a.down_proj.weight, b.down_proj.weight);
+  f("experts.gate_up_proj.lora_A.weight", a.gate_up_proj.lora.A, b.gate_up_proj.lora.A);
+  f("experts.gate_up_proj.lora_B.weight", a.gate_up_proj.lora.B, b.gate_up_proj.lora.B);
+  f("experts.down_proj.lora_A.weight", a.down_proj.lora.A, b.down_proj.lora.A);
+  f("experts.down_proj.lora_B.weight", a.down_proj.lora.B, b.down_proj.lora.B);
   zip_mlp_params(a.shared, b.shared, Prefixed<F>{f, "shared_experts."});
 }
 
@@ -68,6 +75,28 @@ Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
 // Routed experts only: Σ_k w_k · expert_{idx_k}(x) per row, [T, D].
 Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
                    const Tensor& x, const Routing& routing);
+
+// The same with the fused experts' adapters (MoeParams' Linears): expert e computes
+// x W_e^T + scale · (x A_e^T) B_e^T on each projection. The CPU computes it; the GPU's fused
+// kernels take no adapter (refused there).
+Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up_proj, const Linear& down_proj,
+                   const Tensor& x, const Routing& routing);
+
+// Expert e's projection of a fused [E, out, in] Linear: views of its weight slice and, with an
+// adapter, of its A [r, in] and B [out, r] slices (frozen like the fused tensors).
+inline Linear expert_projection(const Linear& fused, int64_t e) {
+  Linear l(fused.weight.select(0, e));
+  if (fused.lora.defined()) {
+    l.lora.A = fused.lora.A.select(0, e);
+    l.lora.B = fused.lora.B.select(0, e);
+    l.lora.scale = fused.lora.scale;
+  }
+  return l;
+}
+
+// Checks a fused experts' adapter: A [E, r, in] and B [E, out, r] against weight [E, out, in], in
+// the weight's dtype. `name` names the parameter in the message.
+void check_expert_adapter(const Linear& fused, const char* name);
 
 // Number of selections of each expert over rows [0, rows) (rows < 0: all rows), int64 [E]. Each
 // row picks distinct experts, so this is the number of tokens each expert received: the load that

@@ -88,6 +88,8 @@ const std::vector<SectionSpec>& schema() {
         {"use_rslora", "false"},
         {"target_modules", "[\"q_proj\", \"o_proj\"]",
          "PEFT's module suffixes, [\"all-linear\"], or one regular expression as a string"},
+        {"target_parameters", "[\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]",
+         "PEFT's parameter suffixes: the routed experts' fused parameters"},
         {"base", "\"bf16\"", "bf16 (fp8 bases are not supported yet)"}}},
   };
   return s;
@@ -645,11 +647,28 @@ void parse_lora(const Reader& rd, const toml::table& t, Recipe& r) {
     rd.fail("lora", "dropout", "glmtune trains adapters without dropout for now",
             "write dropout = 0 (or leave it out)");
   c.use_rslora = rd.boolean("lora", "use_rslora").value_or(false);
+  if (const toml::node* p = rd.find("lora", "target_parameters")) {
+    if (!p->is_array())
+      rd.fail("lora", "target_parameters",
+              fmt::format("expected an array of parameter names, got {}", type_name(*p)),
+              rd.example_fix("lora", "target_parameters"));
+    for (const auto& e : *p->as_array()) {
+      if (!e.is_string() || e.as_string()->get().empty())
+        rd.fail("lora", "target_parameters",
+                fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
+                rd.example_fix("lora", "target_parameters"));
+      c.target_parameters.push_back(e.as_string()->get());
+    }
+  }
   const toml::node* n = rd.find("lora", "target_modules");
-  if (!n)
+  // As in PEFT, target_parameters alone is enough (target_modules absent or []).
+  const bool parameters_only =
+      !c.target_parameters.empty() && (!n || (n->is_array() && n->as_array()->empty()));
+  if (!n && !parameters_only)
     rd.fail("lora", "target_modules", "missing: an adapter needs the projections it goes on",
             rd.example_fix("lora", "target_modules"));
-  if (n->is_string()) {
+  if (parameters_only) {
+  } else if (n->is_string()) {
     c.target_regex = n->as_string()->get();
     try {
       (void)std::regex(c.target_regex, std::regex::ECMAScript);
@@ -901,6 +920,11 @@ std::string Recipe::to_toml() const {
       for (const auto& m : lora->target_modules) targets += (targets.empty() ? "" : ", ") + str(m);
       out += "target_modules = [" + targets + "]\n";
     }
+    if (!lora->target_parameters.empty()) {
+      std::string params;
+      for (const auto& p : lora->target_parameters) params += (params.empty() ? "" : ", ") + str(p);
+      out += "target_parameters = [" + params + "]\n";
+    }
     out += "base = \"bf16\"\n";
   }
   return out;
@@ -946,6 +970,9 @@ std::string Recipe::fingerprint(int64_t data_parallel_ranks) const {
                  {"use_rslora", lora->use_rslora},
                  {"target_modules", lora->target_modules},
                  {"target_regex", lora->target_regex}};
+  // Recipes without expert adapters keep the fingerprints they had.
+  if (lora && !lora->target_parameters.empty())
+    j["lora"]["target_parameters"] = lora->target_parameters;
   return fmt::format("{:016x}", fnv1a64(j.dump()));
 }
 

@@ -114,8 +114,7 @@ MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Te
   }
   // n_shared_experts = 0: the routed sum alone.
   r.routing = ops::moe_route(cfg.moe, params.router_weight, params.e_score_correction_bias, x);
-  r.y =
-      ops::moe_experts(cfg.moe, params.gate_up_proj.weight, params.down_proj.weight, x, r.routing);
+  r.y = ops::moe_experts(cfg.moe, params.gate_up_proj, params.down_proj, x, r.routing);
   r.expert_counts = ops::moe_expert_counts(r.routing, cfg.moe.n_experts, counted_rows);
   return r;
 }

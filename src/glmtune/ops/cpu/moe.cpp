@@ -95,13 +95,13 @@ void route_kernel(const MoeConfig& cfg, const T* logits, const T* bias, int64_t 
 }
 
 template <typename T>
-Tensor experts_kernel(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
+Tensor experts_kernel(const MoeConfig& cfg, const Linear& gate_up_proj, const Linear& down_proj,
                       const Tensor& x_in, const Routing& routing) {
   const Tensor x = x_in.contiguous();
   const Tensor idx_t = routing.indices.contiguous();
   const Tensor w_t = routing.weights.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1), k = idx_t.size(1);
-  const int64_t inter = down_proj.size(2);
+  const int64_t inter = down_proj.weight.size(2);
   const int32_t* idx = idx_t.data<int32_t>();
   const T* w = w_t.data<T>();
 
@@ -120,10 +120,10 @@ Tensor experts_kernel(const MoeConfig& cfg, const Tensor& gate_up_proj, const Te
     T* xep = xe.data<T>();
 #pragma omp parallel for schedule(static) if (n * dim > 65536)
     for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (sel[r] / k) * dim, dim, xep + r * dim);
-    const Tensor h = linear(xe, gate_up_proj.select(0, e));
+    const Tensor h = linear(xe, expert_projection(gate_up_proj, e));
     const Tensor a =
         swiglu_clamped(h.narrow(1, 0, inter), h.narrow(1, inter, inter), cfg.swiglu_limit);
-    const Tensor ye = linear(a, down_proj.select(0, e));
+    const Tensor ye = linear(a, expert_projection(down_proj, e));
     const T* yep = ye.data<T>();
     // A row picks an expert at most once, so the rows of one expert never collide.
 #pragma omp parallel for schedule(static) if (n * dim > 65536)
@@ -172,9 +172,36 @@ Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
   return out;
 }
 
+void check_expert_adapter(const Linear& fused, const char* name) {
+  if (!fused.lora.defined()) return;
+  const Tensor &w = fused.weight, &a = fused.lora.A, &b = fused.lora.B;
+  GLMTUNE_ASSERT(w.defined() && w.dim() == 3 && b.defined() && a.dim() == 3 && b.dim() == 3 &&
+                     a.size(0) == w.size(0) && b.size(0) == w.size(0) && a.size(1) == b.size(2) &&
+                     a.size(2) == w.size(2) && b.size(1) == w.size(1),
+                 "experts.{} adapter A {} and B {} do not fit the fused weight {} (A must be "
+                 "[E, r, in], B [E, out, r])",
+                 name, a.str(), b.defined() ? b.str() : std::string("undefined"),
+                 w.defined() ? w.str() : std::string("undefined"));
+  GLMTUNE_ASSERT(a.dtype() == w.dtype() && b.dtype() == w.dtype(),
+                 "experts.{} adapter A {} and B {} must have the weight's dtype {}", name, a.str(),
+                 b.str(), w.str());
+}
+
 Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
                    const Tensor& x, const Routing& routing) {
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_experts(cfg, gate_up_proj, down_proj, x, routing));
+  return moe_experts(cfg, Linear(gate_up_proj), Linear(down_proj), x, routing);
+}
+
+Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up, const Linear& down, const Tensor& x,
+                   const Routing& routing) {
+  const Tensor& gate_up_proj = gate_up.weight;
+  const Tensor& down_proj = down.weight;
+  if (!gate_up.lora.defined() && !down.lora.defined())
+    GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_experts(cfg, gate_up_proj, down_proj, x, routing));
+  GLMTUNE_ASSERT(x.defined() && x.device().is_cpu(),
+                 "adapters on the routed experts are computed on the CPU only; input {}",
+                 x.defined() ? x.str() : std::string("undefined"));
   check_config(cfg);
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && is_compute_dtype(x.dtype()) && x.device().is_cpu(),
                  "MoE experts input must be a CPU [T, D] tensor in f32 or f64, got {}",
@@ -191,10 +218,11 @@ Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tenso
   GLMTUNE_ASSERT(gate_up_proj.dtype() == x.dtype() && down_proj.dtype() == x.dtype(),
                  "experts weights {} / {} must share the input dtype {}", gate_up_proj.str(),
                  down_proj.str(), x.str());
+  check_expert_adapter(gate_up, "gate_up_proj");
+  check_expert_adapter(down, "down_proj");
   check_experts_routing(routing, x);
-  if (x.dtype() == DType::f32)
-    return experts_kernel<float>(cfg, gate_up_proj, down_proj, x, routing);
-  return experts_kernel<double>(cfg, gate_up_proj, down_proj, x, routing);
+  if (x.dtype() == DType::f32) return experts_kernel<float>(cfg, gate_up, down, x, routing);
+  return experts_kernel<double>(cfg, gate_up, down, x, routing);
 }
 
 Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows) {
@@ -222,7 +250,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, nullptr));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
-  out.y = moe_experts(cfg, params.gate_up_proj.weight, params.down_proj.weight, x, out.routing);
+  out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
   // The shared expert sees the same input and is added after the routed sum, as the reference.
   const Tensor shared = mlp_forward(params.shared, x, cfg.swiglu_limit);
   add_into(out.y, shared);

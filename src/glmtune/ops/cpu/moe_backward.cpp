@@ -28,6 +28,16 @@ Tensor& moe_grad_slot(Tensor& grad, const Tensor& param, const char* name) {
   return grad;
 }
 
+// Expert e's slices of the fused gradient buffers (views that accumulate in place); undefined
+// where the buffer is (a frozen weight, no adapter).
+Linear expert_grads(const Linear& fused, int64_t e) {
+  Linear g;
+  if (fused.weight.defined()) g.weight = fused.weight.select(0, e);
+  if (fused.lora.A.defined()) g.lora.A = fused.lora.A.select(0, e);
+  if (fused.lora.B.defined()) g.lora.B = fused.lora.B.select(0, e);
+  return g;
+}
+
 void check_routing(const MoeConfig& cfg, const Routing& routing, int64_t rows, DType dt) {
   GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
                      routing.indices.dim() == 2 && routing.indices.size(0) == rows &&
@@ -96,16 +106,27 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
   const Tensor x = ctx.x.contiguous();
   const Tensor dy = dy_in.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
-  const Tensor gate_up = params.gate_up_proj.weight.contiguous();
-  const Tensor down = params.down_proj.weight.contiguous();
   const Tensor router = params.router_weight.contiguous();
-  const int64_t inter = down.size(2);
-  // Frozen experts: no buffer, and each expert's backward computes its input gradient only.
-  const Tensor d_gate_up =
-      gate_up.frozen() ? Tensor()
-                       : moe_grad_slot(grads.gate_up_proj.weight, gate_up, "experts.gate_up_proj");
-  const Tensor d_down =
-      down.frozen() ? Tensor() : moe_grad_slot(grads.down_proj.weight, down, "experts.down_proj");
+  // The fused projections (weights and adapters) must be contiguous for the per-expert views, and
+  // their gradient buffers exist up front: each expert's slice accumulates in place.
+  Linear gate_up = params.gate_up_proj, down = params.down_proj;
+  Linear d_gate_up, d_down;
+  auto prepare = [](Linear& l, Linear& grad, Linear& slot, const char* name, const char* a_name,
+                    const char* b_name) {
+    l.weight = l.weight.contiguous();
+    // Frozen experts: no buffer, and each expert's backward skips the weight's gradient.
+    if (!l.weight.frozen()) grad.weight = moe_grad_slot(slot.weight, l.weight, name);
+    if (!l.lora.defined()) return;
+    l.lora.A = l.lora.A.contiguous();
+    l.lora.B = l.lora.B.contiguous();
+    grad.lora.A = moe_grad_slot(slot.lora.A, l.lora.A, a_name);
+    grad.lora.B = moe_grad_slot(slot.lora.B, l.lora.B, b_name);
+  };
+  prepare(gate_up, d_gate_up, grads.gate_up_proj, "experts.gate_up_proj",
+          "experts.gate_up_proj.lora_A", "experts.gate_up_proj.lora_B");
+  prepare(down, d_down, grads.down_proj, "experts.down_proj", "experts.down_proj.lora_A",
+          "experts.down_proj.lora_B");
+  const int64_t inter = down.weight.size(2);
 
   const Tensor idx_t = ctx.routing.indices.contiguous();
   const Tensor w_t = ctx.routing.weights.contiguous();
@@ -131,7 +152,7 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
     T* xep = xe.data<T>();
     for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (sel[r] / k) * dim, dim, xep + r * dim);
     // Recompute the expert's forward for these rows.
-    const Tensor wgu = gate_up.select(0, e), wd = down.select(0, e);
+    const Linear wgu = expert_projection(gate_up, e), wd = expert_projection(down, e);
     const Tensor h = linear(xe, wgu);  // [n, 2Im]
     const Tensor hg = h.narrow(1, 0, inter), hu = h.narrow(1, inter, inter);
     const Tensor act = swiglu_clamped(hg, hu, cfg.swiglu_limit);  // [n, Im]
@@ -151,15 +172,15 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
       dwp[sel[r]] = dot;
     }
     // ye = act · Wd^T; the expert's slice of the gradient buffer accumulates in place.
-    Tensor d_down_e = d_down.defined() ? d_down.select(0, e) : Tensor();
-    const Tensor d_act = linear_backward(dye, act, wd, d_down.defined() ? &d_down_e : nullptr);
+    Linear d_down_e = expert_grads(d_down, e);
+    const Tensor d_act = linear_backward(dye, act, wd, &d_down_e);
     // Through the clamped SwiGLU into the fused [n, 2Im] gradient (gate half first).
     Tensor dh = Tensor::empty({n, 2 * inter}, x.dtype());
     Tensor dhg = dh.narrow(1, 0, inter), dhu = dh.narrow(1, inter, inter);
     swiglu_clamped_backward(hg, hu, d_act, cfg.swiglu_limit, dhg, dhu);
     // h = xe · Wgu^T.
-    Tensor d_gate_up_e = d_gate_up.defined() ? d_gate_up.select(0, e) : Tensor();
-    const Tensor dxe = linear_backward(dh, xe, wgu, d_gate_up.defined() ? &d_gate_up_e : nullptr);
+    Linear d_gate_up_e = expert_grads(d_gate_up, e);
+    const Tensor dxe = linear_backward(dh, xe, wgu, &d_gate_up_e);
     const T* dxep = dxe.data<T>();
     // A row picks an expert at most once, so the rows of one bucket never collide.
 #pragma omp parallel for schedule(static) if (n * dim > 65536)
@@ -195,7 +216,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, &ctx));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
-  out.y = moe_experts(cfg, params.gate_up_proj.weight, params.down_proj.weight, x, out.routing);
+  out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);
   // Shared expert last, as in the reference (and as moe_forward without a context).
   const Tensor shared = mlp_forward(params.shared, x, cfg.swiglu_limit, ctx.shared);
   add_into(out.y, shared);
@@ -251,6 +272,8 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeCont
           params.gate_up_proj.weight.size(2) == dim && params.down_proj.weight.size(1) == dim,
       "experts gate_up_proj {} / down_proj {} do not match {} experts and input {}",
       params.gate_up_proj.weight.str(), params.down_proj.weight.str(), cfg.n_experts, ctx.x.str());
+  check_expert_adapter(params.gate_up_proj, "gate_up_proj");
+  check_expert_adapter(params.down_proj, "down_proj");
   if (d_router_logits.defined())
     GLMTUNE_ASSERT(
         d_router_logits.dtype() == dt && d_router_logits.shape() == ctx.routing.logits.shape(),
