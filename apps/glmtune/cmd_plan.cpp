@@ -100,7 +100,8 @@ void print_text(const train::MemoryPlan& p, const model::ModelConfig& config) {
   for (const std::string& s : p.suggestions) std::printf("  would fit: %s\n", s.c_str());
   if (o.lora && o.lora->experts)
     std::printf(
-        "note: adapters on the routed experts are counted, but glmtune cannot train them yet\n");
+        "note: adapters on the routed experts are counted; glmtune trains them on the CPU, not yet "
+        "on a GPU\n");
   if (o.lora && o.base == train::PlanBase::fp8)
     std::printf(
         "note: an FP8 base is counted as the release stores it; glmtune loads the base in bf16 "

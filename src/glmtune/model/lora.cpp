@@ -77,18 +77,6 @@ std::vector<Projection> projections(const ParamStore& store) {
   return out;
 }
 
-// The reference model's module path (PEFT's name) of an internal module name: the KDA forget
-// gate's two projections sit in a `forget_gate` submodule there (the checkpoint names them
-// self_attn.f_a_proj / f_b_proj).
-std::string peft_module(const std::string& module) {
-  for (const char* gate : {"f_a_proj", "f_b_proj"}) {
-    const std::string tail = std::string(".self_attn.") + gate;
-    if (module.ends_with(tail))
-      return module.substr(0, module.size() - tail.size()) + ".self_attn.forget_gate." + gate;
-  }
-  return module;
-}
-
 std::string internal_module(const std::string& peft) {
   const std::string gate = ".self_attn.forget_gate.";
   const size_t at = peft.find(gate);
@@ -199,6 +187,15 @@ Tensor expert_b_from_peft(const Tensor& b, int64_t experts) {
 }
 
 }  // namespace
+
+std::string peft_module(const std::string& module) {
+  for (const char* gate : {"f_a_proj", "f_b_proj"}) {
+    const std::string tail = std::string(".self_attn.") + gate;
+    if (module.ends_with(tail))
+      return module.substr(0, module.size() - tail.size()) + ".self_attn.forget_gate." + gate;
+  }
+  return module;
+}
 
 double LoraConfig::scale() const {
   return use_rslora ? alpha / std::sqrt(double(rank)) : alpha / double(rank);

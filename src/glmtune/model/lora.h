@@ -87,6 +87,11 @@ void save_lora_adapter(const ParamStore& store, const LoraConfig& config,
 // The modules (internal names, without ".weight") the store holds adapters on, in store order.
 std::vector<std::string> adapted_modules(const ParamStore& store);
 
+// The reference model's module path (PEFT's name) of an internal module name: the KDA forget
+// gate's two projections sit in a `forget_gate` submodule there (the checkpoint names them
+// self_attn.f_a_proj / f_b_proj).
+std::string peft_module(const std::string& module);
+
 // Calls `whole` for every adapter as save_lora_adapter does, writing nothing.
 void visit_lora_adapters(const ParamStore& store, const ParamStore::WholeValue& whole);
 

@@ -13,6 +13,7 @@
 #include "glmtune/base/overloaded.h"
 #include "glmtune/dist/parallel.h"
 #include "glmtune/model/layout.h"
+#include "glmtune/model/lora.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/weights.h"
 
@@ -44,19 +45,9 @@ int64_t layer_of(const std::string& name) {
   return std::regex_search(name, m, re) ? std::stoll(m[1].str()) : -1;
 }
 
-// PEFT's module name of a projection: the forget gate's two projections sit in a submodule.
-std::string peft_module(const std::string& module) {
-  for (const char* gate : {"f_a_proj", "f_b_proj"}) {
-    const std::string tail = std::string(".self_attn.") + gate;
-    if (module.ends_with(tail))
-      return module.substr(0, module.size() - tail.size()) + ".self_attn.forget_gate." + gate;
-  }
-  return module;
-}
-
 bool lora_matches(const PlanLora& lora, const std::optional<std::regex>& re,
                   const std::string& internal) {
-  const std::string module = peft_module(internal);
+  const std::string module = model::peft_module(internal);
   if (re) return std::regex_match(module, *re);
   for (const std::string& key : lora.target_modules)
     if (key == "all-linear" || module == key || module.ends_with("." + key)) return true;
@@ -327,7 +318,8 @@ MemoryPlan plan_impl(const model::ModelConfig& config, const PlanOptions& o, boo
     plan.trained_params = plan.adapter_params;
     const double local = dense_elems + expert_elems / ep;
     add("adapters", "LoRA A and B (f32, trained)", local * 4,
-        o.lora->experts ? "includes the routed experts' adapters, which glmtune cannot train yet"
+        o.lora->experts ? "includes the routed experts' adapters, which glmtune trains on the CPU, "
+                          "not yet on a GPU"
                         : "");
     g_f32 += local * 4;
     const double shard = dp > 1 ? (dense_elems + expert_elems) / dp : local;
