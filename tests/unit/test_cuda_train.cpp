@@ -66,6 +66,27 @@ std::string recipe_text(const fs::path& model, const fs::path& out, const std::s
     << "\"\nsave_every = 0\nkeep_last = 0\nlog_every = 10\n";
   return s.str();
 }
+
+// The GPU run's loss at every step within 2e-2 (relative) of the CPU run's, no step skipped; the
+// measured worst gap and both curves' ends are printed under `label`.
+void expect_follows_cpu(const train::TrainSummary& cpu, const train::TrainSummary& gpu,
+                        size_t steps, const char* label) {
+  ASSERT_EQ(cpu.steps.size(), steps);
+  ASSERT_EQ(gpu.steps.size(), steps);
+  double worst = 0;
+  for (size_t i = 0; i < steps; ++i) {
+    const double want = cpu.steps[i].loss, got = gpu.steps[i].loss;
+    const double rel = std::abs(got - want) / want;
+    worst = std::max(worst, rel);
+    EXPECT_LE(rel, 2e-2) << ctx("step " + std::to_string(i + 1) + ": cpu " + std::to_string(want) +
+                                " gpu " + std::to_string(got));
+    EXPECT_FALSE(gpu.steps[i].skipped) << "step " << i + 1;
+  }
+  std::printf(
+      "[ measure  ] %s: loss cpu %.4f -> %.4f, gpu %.4f -> %.4f; worst step rel diff %.2e\n", label,
+      cpu.steps.front().loss, cpu.steps.back().loss, gpu.steps.front().loss, gpu.steps.back().loss,
+      worst);
+}
 #endif
 
 TEST(CudaTrain, FiftyStepsFollowTheCpuLossCurve) {
@@ -83,20 +104,7 @@ TEST(CudaTrain, FiftyStepsFollowTheCpuLossCurve) {
       train::Recipe::parse(recipe_text(dir.path() / "model", dir.path() / "gpu", "cuda:0"), "gpu"),
       quiet);
 
-  ASSERT_EQ(cpu.steps.size(), 50u);
-  ASSERT_EQ(gpu.steps.size(), 50u);
-  double worst = 0;
-  for (size_t i = 0; i < cpu.steps.size(); ++i) {
-    const double want = cpu.steps[i].loss, got = gpu.steps[i].loss;
-    const double rel = std::abs(got - want) / want;
-    worst = std::max(worst, rel);
-    EXPECT_LE(rel, 2e-2) << ctx("step " + std::to_string(i + 1) + ": cpu " + std::to_string(want) +
-                                " gpu " + std::to_string(got));
-    EXPECT_FALSE(gpu.steps[i].skipped) << "step " << i + 1;
-  }
-  std::printf("[ measure  ] loss cpu %.4f -> %.4f, gpu %.4f -> %.4f; worst step rel diff %.2e\n",
-              cpu.steps.front().loss, cpu.steps.back().loss, gpu.steps.front().loss,
-              gpu.steps.back().loss, worst);
+  ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, 50, "text"));
   // Training did something: the loss fell on both devices.
   EXPECT_LT(gpu.steps.back().loss, 0.8 * gpu.steps.front().loss);
 #endif
@@ -143,18 +151,7 @@ TEST(CudaTrain, VisionLanguageRunFollowsTheCpuAndResumesExactly) {
   const train::TrainSummary cpu = train::run_training(recipe(dir.path() / "cpu", "cpu", 6), quiet);
   const train::TrainSummary gpu =
       train::run_training(recipe(dir.path() / "gpu", "cuda:0", 6), quiet);
-  ASSERT_EQ(cpu.steps.size(), 6u);
-  ASSERT_EQ(gpu.steps.size(), 6u);
-  double worst = 0;
-  for (size_t i = 0; i < 6; ++i) {
-    const double rel = std::abs(gpu.steps[i].loss - cpu.steps[i].loss) / cpu.steps[i].loss;
-    worst = std::max(worst, rel);
-    EXPECT_LE(rel, 2e-2) << ctx("step " + std::to_string(i + 1));
-    EXPECT_FALSE(gpu.steps[i].skipped) << "step " << i + 1;
-  }
-  std::printf("[ measure  ] VL loss cpu %.4f -> %.4f, gpu %.4f -> %.4f; worst step rel diff %.2e\n",
-              cpu.steps.front().loss, cpu.steps.back().loss, gpu.steps.front().loss,
-              gpu.steps.back().loss, worst);
+  ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, 6, "VL"));
 
   // The checkpoints: every vision tensor moved from the initial weights on the GPU, and the
   // updates of all of them together are the CPU run's within what six Adam steps from gradients
@@ -223,20 +220,7 @@ TEST(CudaTrain, FiftyVisionLanguageStepsFollowTheCpuLossCurve) {
   quiet.print_steps = false;
   const train::TrainSummary cpu = train::run_training(recipe(dir.path() / "cpu", "cpu"), quiet);
   const train::TrainSummary gpu = train::run_training(recipe(dir.path() / "gpu", "cuda:0"), quiet);
-  ASSERT_EQ(cpu.steps.size(), 50u);
-  ASSERT_EQ(gpu.steps.size(), 50u);
-  double worst = 0;
-  for (size_t i = 0; i < 50; ++i) {
-    const double rel = std::abs(gpu.steps[i].loss - cpu.steps[i].loss) / cpu.steps[i].loss;
-    worst = std::max(worst, rel);
-    EXPECT_LE(rel, 2e-2) << ctx("step " + std::to_string(i + 1));
-    EXPECT_FALSE(gpu.steps[i].skipped) << "step " << i + 1;
-  }
-  std::printf(
-      "[ measure  ] 50 VL steps: loss cpu %.4f -> %.4f, gpu %.4f -> %.4f; worst step rel diff "
-      "%.2e\n",
-      cpu.steps.front().loss, cpu.steps.back().loss, gpu.steps.front().loss, gpu.steps.back().loss,
-      worst);
+  ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, 50, "50 VL steps"));
   EXPECT_LT(gpu.steps.back().loss, 0.8 * gpu.steps.front().loss);
 #endif
 }
@@ -433,19 +417,7 @@ TEST(CudaTrain, LoraRunFollowsTheCpuAndResumesExactly) {
       train::run_training(recipe(dir.path() / "cpu", "cpu", kSteps), quiet);
   const train::TrainSummary gpu =
       train::run_training(recipe(dir.path() / "gpu", "cuda:0", kSteps), quiet);
-  ASSERT_EQ(cpu.steps.size(), size_t(kSteps));
-  ASSERT_EQ(gpu.steps.size(), size_t(kSteps));
-  double worst = 0;
-  for (size_t i = 0; i < cpu.steps.size(); ++i) {
-    const double rel = std::abs(gpu.steps[i].loss - cpu.steps[i].loss) / cpu.steps[i].loss;
-    worst = std::max(worst, rel);
-    EXPECT_LE(rel, 2e-2) << ctx("step " + std::to_string(i + 1));
-    EXPECT_FALSE(gpu.steps[i].skipped) << "step " << i + 1;
-  }
-  std::printf(
-      "[ measure  ] LoRA loss cpu %.4f -> %.4f, gpu %.4f -> %.4f; worst step rel diff %.2e\n",
-      cpu.steps.front().loss, cpu.steps.back().loss, gpu.steps.front().loss, gpu.steps.back().loss,
-      worst);
+  ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, kSteps, "LoRA"));
   EXPECT_LT(gpu.steps.back().loss, gpu.steps.front().loss);
 
   // The checkpoints: an adapter and no base. The adapters' updates (from PEFT's start, drawn from

@@ -32,8 +32,8 @@ struct PlanLora {
   // whole module names (model/lora.h).
   std::vector<std::string> target_modules = {"all-linear"};
   std::string target_regex;
-  // Adapters on every routed expert's gate/up/down projection too. Counted, though training them
-  // is not implemented yet (model/lora.h refuses the routed experts).
+  // Adapters on every routed expert's gate/up/down projection too (lora.target_parameters), which
+  // glmtune trains on the CPU; on a GPU they are refused, so a GPU plan with them is a forecast.
   bool experts = false;
 };
 
