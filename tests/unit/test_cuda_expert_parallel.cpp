@@ -149,7 +149,7 @@ TEST(CudaExpertParallel, ExpertsBackwardMatchesCpu) {
         ops::moe_route(c.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, d.x);
     ops::MoeParams ggrads;
     const cuda::ExpertsBackward got = cuda::moe_experts_backward(
-        c.cfg, d.gpu.gate_up_proj.weight, d.gpu.down_proj.weight, d.x, routing, d.dy, ggrads);
+        c.cfg, d.gpu.gate_up_proj, d.gpu.down_proj, d.x, routing, d.dy, ggrads);
     const dist::ExpertParallel cpu_ep(*self, c.cfg.n_experts, "test");
     ops::MoeParams cgrads;
     const model::text::ExpertDispatch::Backward ref =

@@ -25,9 +25,11 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/io/fp8.h"
 #include "glmtune/ops/fp8.h"
 #include "glmtune/tensor/dtype.h"
 #include "glmtune/tensor/tensor.h"
@@ -227,6 +229,46 @@ TEST(CudaFp8, QuantisersMatchTheCpuReferenceBitForBit) {
         expect_same_quantisation(cuda::quantize_fp8_blocks(xg, br, bc), cpu, what);
       }
     }
+#endif
+}
+
+// Released FP8 weights stacked as pieces (the fused experts' gate_e, up_e, …), each with its own
+// 128 × 128 block grid, partial blocks included: the device's dequantisation equals the CPU's
+// (io::dequantize_fp8_block per piece) bit for bit, into bf16 and into f32, for rows of whole
+// 8-code vectors and for odd widths. Every finite e4m3 code occurs (NaN codes are not weights).
+TEST(CudaFp8, StackedReleasedWeightsDequantiseAsOnTheCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 40;
+  for (const auto& [pieces, rows, cols] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {1, 1, 8}, {3, 130, 200}, {2, 256, 384}, {5, 17, 129}, {4, 300, 136}}) {
+    const std::string what = std::to_string(pieces) + " pieces of " + shape_name(rows, cols) +
+                             " (seed " + std::to_string(test_seed()) + ")";
+    Tensor codes = Tensor::empty({pieces * rows, cols}, DType::fp8e4m3);
+    auto* c = static_cast<uint8_t*>(codes.data_ptr());
+    const Tensor draw = random_cpu({codes.numel()}, DType::f32, stream++);
+    for (int64_t i = 0; i < codes.numel(); ++i) {
+      uint8_t v = uint8_t(int64_t(std::fabs(draw.data<float>()[i]) * 1e6) % 256);
+      if ((v & 0x7f) == 0x7f) v ^= 1;  // e4m3fn's NaN codes
+      c[i] = v;
+    }
+    const Tensor scales =
+        random_cpu({pieces, (rows + 127) / 128, (cols + 127) / 128}, DType::f32, stream++, 1e-3);
+    const Shape shape{pieces, rows, cols};
+    for (DType out : {DType::bf16, DType::f32}) {
+      const Tensor cpu = ops::dequantize_fp8_pieces(codes, scales, rows, shape, out);
+      const Tensor gpu =
+          ops::dequantize_fp8_pieces(codes.to(kGpu), scales.to(kGpu), rows, shape, out);
+      EXPECT_EQ(gpu.shape(), shape) << ctx(what);
+      EXPECT_TRUE(bit_identical(gpu.to(Device::cpu()), cpu))
+          << ctx(what + " into " + std::string(dtype_name(out)));
+    }
+    // Each piece is its own released tensor dequantised.
+    const Tensor all = ops::dequantize_fp8_pieces(codes, scales, rows, shape, DType::bf16);
+    const Tensor last = io::dequantize_fp8_block(codes.narrow(0, (pieces - 1) * rows, rows),
+                                                 scales.select(0, pieces - 1));
+    EXPECT_TRUE(bit_identical(all.select(0, pieces - 1).contiguous(), last)) << ctx(what);
+  }
 #endif
 }
 

@@ -379,7 +379,11 @@ TEST(CudaModelStep, Fp32StepMatchesTheCpuStepWithin1e4) {
 struct LoraGroup {
   const char* name;
   std::vector<std::string> targets;
+  std::vector<std::string> parameters = {};  // lora.target_parameters: the routed experts
 };
+
+const std::vector<std::string> kRoutedExperts = {"mlp.experts.gate_up_proj",
+                                                 "mlp.experts.down_proj"};
 
 class CudaLoraStep : public ::testing::TestWithParam<LoraGroup> {};
 
@@ -396,6 +400,7 @@ TEST_P(CudaLoraStep, AdapterGradientsMatchTheCpuStep) {
     lora.rank = 4;
     lora.alpha = 8;
     lora.target_modules = GetParam().targets;
+    lora.target_parameters = GetParam().parameters;
     const std::vector<std::string> modules = resolve_lora_targets(store, lora, "test");
     add_lora_adapters(store, lora, modules, test_seed());
     std::normal_distribution<double> n(0.0, 1.0);
@@ -452,15 +457,16 @@ TEST_P(CudaLoraStep, AdapterGradientsMatchTheCpuStep) {
 
 INSTANTIATE_TEST_SUITE_P(
     Targets, CudaLoraStep,
-    ::testing::Values(LoraGroup{"kda_qkv", {"q_proj", "k_proj", "v_proj"}},
-                      LoraGroup{"kda_gates",
-                                {"f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"}},
-                      LoraGroup{"o_proj", {"o_proj"}},
-                      LoraGroup{"mla", {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"}},
-                      LoraGroup{"mla_kv_b", {"kv_b_proj"}},
-                      LoraGroup{"dense_mlp", {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}},
-                      LoraGroup{"shared_expert",
-                                {"shared_experts.gate_proj", "shared_experts.up_proj",
-                                 "shared_experts.down_proj"}},
-                      LoraGroup{"all", {"all-linear"}}),
+    ::testing::Values(
+        LoraGroup{"kda_qkv", {"q_proj", "k_proj", "v_proj"}},
+        LoraGroup{"kda_gates", {"f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"}},
+        LoraGroup{"o_proj", {"o_proj"}},
+        LoraGroup{"mla", {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"}},
+        LoraGroup{"mla_kv_b", {"kv_b_proj"}},
+        LoraGroup{"dense_mlp", {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}},
+        LoraGroup{
+            "shared_expert",
+            {"shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"}},
+        LoraGroup{"all", {"all-linear"}}, LoraGroup{"routed_experts", {}, kRoutedExperts},
+        LoraGroup{"all_and_routed_experts", {"all-linear"}, kRoutedExperts}),
     [](const ::testing::TestParamInfo<LoraGroup>& info) { return std::string(info.param.name); });

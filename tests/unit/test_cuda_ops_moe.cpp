@@ -229,12 +229,12 @@ TEST(CudaOpsMoe, ExpertsAndForwardMatchCpu) {
     Tensor first;
     for (cuda::GroupedGemmBackend backend : kBackends) {
       poison_cache({{c.tokens, c.dim}, {c.tokens * c.cfg.top_k, c.dim}}, DType::bf16);
-      const Tensor y = cuda::moe_experts(c.cfg, d.gpu.gate_up_proj.weight, d.gpu.down_proj.weight,
-                                         xg, routing, backend);
+      const Tensor y =
+          cuda::moe_experts(c.cfg, d.gpu.gate_up_proj, d.gpu.down_proj, xg, routing, backend);
       EXPECT_CLOSE(y, ref, 1e-2, "routed experts " + case_name(c) + " " + backend_name(backend));
       poison_cache({{c.tokens, c.dim}, {c.tokens * c.cfg.top_k, c.dim}}, DType::bf16);
-      const Tensor y2 = cuda::moe_experts(c.cfg, d.gpu.gate_up_proj.weight, d.gpu.down_proj.weight,
-                                          xg, routing, backend);
+      const Tensor y2 =
+          cuda::moe_experts(c.cfg, d.gpu.gate_up_proj, d.gpu.down_proj, xg, routing, backend);
       EXPECT_TRUE(bit_identical(y, y2)) << ctx("experts rerun " + case_name(c));
       if (!first.defined()) first = y;
       // Different GEMM libraries, one function: the two backends agree to bf16 rounding.

@@ -404,7 +404,8 @@ TEST(CudaTrain, LoraRunFollowsTheCpuAndResumesExactly) {
   write_gpu_tiny_model(dir.path() / "model");
   constexpr int kSteps = 20;
   const std::string lora_section =
-      "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\n";
+      "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\n"
+      "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n";
   const auto recipe = [&](const fs::path& out, const std::string& device, int steps,
                           const std::string& train_lines = "") {
     return train::Recipe::parse(

@@ -44,4 +44,12 @@ inline Fp8Blocks quantize_fp8_weight(const Tensor& w) { return quantize_fp8_bloc
 // dequantised: io/fp8.h).
 Tensor dequantize_fp8_blocks(const Fp8Blocks& q, DType out = DType::f32);
 
+// Released FP8 weights stacked as pieces of one tensor (the fused experts' gate_e, up_e, …):
+// `codes` fp8e4m3 [P · piece_rows, cols], `scales` f32 [P, ceil(piece_rows / 128), ceil(cols /
+// 128)] (each piece's 128 × 128 weight_scale_inv). Returns a contiguous tensor of `shape` (the
+// codes' element count) in `out` (bf16, or f32 / f64 holding the bf16 values): each piece's
+// io::dequantize_fp8_block, bit for bit, on the codes' device.
+Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t piece_rows,
+                             const Shape& shape, DType out);
+
 }  // namespace glmtune::ops

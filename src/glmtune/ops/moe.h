@@ -77,8 +77,8 @@ Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tenso
                    const Tensor& x, const Routing& routing);
 
 // The same with the fused experts' adapters (MoeParams' Linears): expert e computes
-// x W_e^T + scale · (x A_e^T) B_e^T on each projection. The CPU computes it; the GPU's fused
-// kernels take no adapter (refused there).
+// x W_e^T + scale · (x A_e^T) B_e^T on each projection (on the GPU as grouped GEMMs beside the
+// expert GEMMs, ops/cuda/moe.h).
 Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up_proj, const Linear& down_proj,
                    const Tensor& x, const Routing& routing);
 

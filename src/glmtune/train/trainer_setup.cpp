@@ -69,25 +69,15 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
     refuse("fully sharded layers (train.fsdp) on a GPU", "train.fsdp",
            "leave fsdp off: the frozen base has no gradients or optimizer state, and the adapters "
            "are small");
-  // Adapters on the routed experts are computed by the CPU's MoE only: the GPU's fused expert
-  // kernels and expert parallelism's exchange apply none. (Data and sequence parallelism and fsdp
-  // handle them as any adapter: they are in the parameter lists.)
-  if (!c.target_parameters.empty()) {
-    auto refuse_experts = [&](const std::string& layout_key, const std::string& what) {
-      throw Error(fmt::format("lora.target_parameters (adapters on the routed experts) is not "
-                              "supported {} ({})",
-                              what, layout_key),
-                  recipe.source() + ": lora.target_parameters",
-                  fmt::format("train expert adapters on the CPU (one process, or data or "
-                              "sequence parallelism, or fsdp), or drop lora.target_parameters "
-                              "(or {})",
-                              layout_key));
-    };
-    if (layout.on_gpu)
-      refuse_experts("train.device = \"cuda\"",
-                     "on a GPU: the fused expert kernels apply no adapter");
-    if (layout.expert_sharded) refuse_experts("train.ep_size", "under expert parallelism");
-  }
+  // Expert parallelism's exchange carries no adapter of the routed experts. (Data and sequence
+  // parallelism and fsdp handle them as any adapter: they are in the parameter lists.)
+  if (!c.target_parameters.empty() && layout.expert_sharded)
+    throw Error(
+        "lora.target_parameters (adapters on the routed experts) is not supported under "
+        "expert parallelism (train.ep_size)",
+        recipe.source() + ": lora.target_parameters",
+        "train expert adapters without train.ep_size (one process or GPU, or data or "
+        "sequence parallelism, or fsdp on the CPU), or drop lora.target_parameters");
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
   if (resume) {
     const fs::path dir = resume->checkpoint.dir / "adapter";

@@ -90,19 +90,9 @@ class Loader {
                          store_.contains(prefix + name + ".lora_A.weight"))
                        l.lora.scale = store_.adapter_scale();
                    }});
-    // The fused experts' adapters (ops/moe.h) are not whole projections of the list. Only the
-    // CPU's MoE applies them: the GPU's fused expert kernels would silently drop them.
-    for (ops::Linear* l : {&lw.moe.gate_up_proj, &lw.moe.down_proj}) {
-      if (!l->lora.defined()) continue;
-      if (w_.device.is_cuda())
-        throw Error(
-            "adapters on the routed experts (lora.target_parameters) are computed on the CPU "
-            "only: the GPU's fused expert kernels apply none",
-            prefix + "mlp.experts",
-            "evaluate or train with device \"cpu\", or fold the adapter into the model "
-            "(glmtune merge) and use the merged model on the GPU");
-      l->lora.scale = store_.adapter_scale();
-    }
+    // The fused experts' adapters (ops/moe.h) are not whole projections of the list.
+    for (ops::Linear* l : {&lw.moe.gate_up_proj, &lw.moe.down_proj})
+      if (l->lora.defined()) l->lora.scale = store_.adapter_scale();
   }
   void mtp(const std::string& prefix, MtpWeights& m) {
     for_each_mtp_param(m, [&](const std::string& name, Tensor& field) {

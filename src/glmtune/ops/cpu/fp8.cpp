@@ -97,4 +97,29 @@ Tensor dequantize_fp8_blocks(const Fp8Blocks& q, DType out) {
   return x;
 }
 
+Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t piece_rows,
+                             const Shape& shape, DType out) {
+  const char* op = "dequantize_fp8_pieces";
+  GLMTUNE_ASSERT(codes.defined() && codes.dtype() == DType::fp8e4m3 && codes.dim() == 2 &&
+                     piece_rows > 0 && codes.size(0) % piece_rows == 0 &&
+                     shape_numel(shape) == codes.numel(),
+                 "{}: codes {} must be fp8e4m3 pieces of {} rows, {} elements", op,
+                 codes.defined() ? codes.str() : "undefined", piece_rows, shape_numel(shape));
+  GLMTUNE_ASSERT(out == DType::bf16 || out == DType::f32 || out == DType::f64,
+                 "{}: output in bf16, f32 or f64, not {}", op, std::string(dtype_name(out)));
+  GLMTUNE_DISPATCH_CUDA(codes,
+                        cuda_path::dequantize_fp8_pieces(codes, scales, piece_rows, shape, out));
+  const int64_t pieces = codes.size(0) / piece_rows;
+  GLMTUNE_ASSERT(scales.defined() && scales.dim() == 3 && scales.size(0) == pieces,
+                 "{}: scales {} must hold one block grid per piece ({})", op,
+                 scales.defined() ? scales.str() : "undefined", pieces);
+  Tensor values = Tensor::empty({codes.size(0), codes.size(1)}, DType::bf16);
+  for (int64_t p = 0; p < pieces; ++p)
+    values.narrow(0, p * piece_rows, piece_rows)
+        .copy_(io::dequantize_fp8_block(codes.narrow(0, p * piece_rows, piece_rows),
+                                        scales.select(0, p), io::kFp8BlockSize, io::kFp8BlockSize,
+                                        op));
+  return values.to(out).view(shape);
+}
+
 }  // namespace glmtune::ops

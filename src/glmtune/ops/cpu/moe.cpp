@@ -189,7 +189,6 @@ void check_expert_adapter(const Linear& fused, const char* name) {
 
 Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
                    const Tensor& x, const Routing& routing) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_experts(cfg, gate_up_proj, down_proj, x, routing));
   return moe_experts(cfg, Linear(gate_up_proj), Linear(down_proj), x, routing);
 }
 
@@ -197,11 +196,7 @@ Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up, const Linear& do
                    const Routing& routing) {
   const Tensor& gate_up_proj = gate_up.weight;
   const Tensor& down_proj = down.weight;
-  if (!gate_up.lora.defined() && !down.lora.defined())
-    GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_experts(cfg, gate_up_proj, down_proj, x, routing));
-  GLMTUNE_ASSERT(x.defined() && x.device().is_cpu(),
-                 "adapters on the routed experts are computed on the CPU only; input {}",
-                 x.defined() ? x.str() : std::string("undefined"));
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_experts(cfg, gate_up, down, x, routing));
   check_config(cfg);
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && is_compute_dtype(x.dtype()) && x.device().is_cpu(),
                  "MoE experts input must be a CPU [T, D] tensor in f32 or f64, got {}",

@@ -102,6 +102,8 @@ void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& 
 
 // Block-scaled FP8 quantisation (ops/fp8.h) in the GEMM layout of ops/cuda/fp8.h.
 Fp8Blocks quantize_fp8_blocks(const Tensor& x, int64_t block_rows, int64_t block_cols);
+Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t piece_rows,
+                             const Shape& shape, DType out);
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids);
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
@@ -170,7 +172,7 @@ MlaAttentionGrads mla_attention_absorbed_backward(const MlaConfig& cfg, const Te
 // expert counts are returned on the host, where the load-balancing update reads them.
 Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
                   const Tensor& e_score_correction_bias, const Tensor& x);
-Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
+Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up_proj, const Linear& down_proj,
                    const Tensor& x, const Routing& routing);
 Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows);
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,

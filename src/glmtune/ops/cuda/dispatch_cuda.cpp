@@ -195,6 +195,17 @@ Fp8Blocks quantize_fp8_blocks(const Tensor& x, int64_t block_rows, int64_t block
   return cuda::quantize_fp8_blocks(x, block_rows, block_cols);
 }
 
+Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t piece_rows,
+                             const Shape& shape, DType out) {
+  OpTimer timer("dequantize_fp8_pieces");
+  GLMTUNE_ASSERT(out == DType::bf16 || out == DType::f32,
+                 "dequantize_fp8_pieces: a CUDA output is bf16 or f32, not {}",
+                 std::string(dtype_name(out)));
+  Tensor values = Tensor::empty(shape, out, codes.device());
+  cuda::dequantize_fp8_pieces(values, codes, scales, piece_rows);
+  return values;
+}
+
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
   OpTimer timer("embedding_forward");
   return cuda::embedding_forward(table, ids);
@@ -520,7 +531,7 @@ Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
   return cuda::moe_route(cfg, router_weight, as_f32(e_score_correction_bias), x);
 }
 
-Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
+Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up_proj, const Linear& down_proj,
                    const Tensor& x, const Routing& routing) {
   OpTimer timer("moe_experts");
   return cuda::moe_experts(cfg, gate_up_proj, down_proj, x, routing);

@@ -5,6 +5,8 @@
 // NaN, rounded to e4m3 by the shared host/device conversion of tensor/dtype.h. A max is exact in
 // any order, so the codes and scales are the CPU's bit for bit.
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "glmtune/ops/cuda/fp8_kernels.h"
@@ -179,6 +181,45 @@ __global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t
 
 int64_t blocks_of(int64_t n, int64_t b) { return (n + b - 1) / b; }
 
+// ---- dequantisation of stacked 128 × 128-block weights: kVec codes per thread ----------------
+
+// The exact product of a code and its f32 scale (in double: 4 + 24 significant bits) rounded once.
+__device__ __forceinline__ uint16_t dequantize_bf16(uint8_t code, float scale) {
+  const __nv_bfloat16 h = __double2bfloat16(double(fp8e4m3_to_f32(code)) * double(scale));
+  return *reinterpret_cast<const uint16_t*>(&h);
+}
+
+template <int kVec, bool kF32Out>
+__global__ void __launch_bounds__(256)
+    dequantize_pieces_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ scales,
+                             int64_t groups, int64_t cols, int64_t piece_rows, int64_t scale_rows,
+                             int64_t scale_cols, void* __restrict__ out) {
+  const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  const int64_t i = g * kVec, row = i / cols, col = i % cols;
+  const int64_t piece = row / piece_rows, r = row % piece_rows;
+  const float s = scales[(piece * scale_rows + r / 128) * scale_cols + col / 128];
+  uint8_t c[kVec];
+  if constexpr (kVec == 8) {
+    *reinterpret_cast<uint2*>(c) = *reinterpret_cast<const uint2*>(codes + i);
+  } else {
+    c[0] = codes[i];
+  }
+  if constexpr (kF32Out) {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v)
+      static_cast<float*>(out)[i + v] = bf16_to_f32(dequantize_bf16(c[v], s));
+  } else {
+    uint16_t h[kVec];
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) h[v] = dequantize_bf16(c[v], s);
+    if constexpr (kVec == 8)
+      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(out) + i) = *reinterpret_cast<uint4*>(h);
+    else
+      static_cast<uint16_t*>(out)[i] = h[0];
+  }
+}
+
 template <typename T>
 void transpose(const T* in, int64_t rows, int64_t cols, int64_t ld_in, T* out, int64_t ld_out,
                cudaStream_t stream) {
@@ -212,6 +253,28 @@ void quantize_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols, in
   if (rows == 0 || cols == 0) return;
   const dim3 grid(unsigned(blocks_of(cols, kColTileCols)), unsigned(blocks_of(rows, 128)));
   quantize_columns_kernel<<<grid, 256, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void dequantize_pieces(const uint8_t* codes, const float* scales, int64_t rows, int64_t cols,
+                       int64_t piece_rows, bool f32_out, void* out, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  const int64_t scale_rows = blocks_of(piece_rows, 128), scale_cols = blocks_of(cols, 128);
+  // Eight codes of one row and one 128-column block per thread when rows are whole vectors.
+  const bool vec = cols % 8 == 0 && reinterpret_cast<uintptr_t>(codes) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int64_t groups = rows * cols / (vec ? 8 : 1);
+  const unsigned grid = unsigned(blocks_of(groups, 256));
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, 256, 0, stream>>>(codes, scales, groups, cols, piece_rows, scale_rows,
+                                     scale_cols, out);
+  };
+  if (vec)
+    f32_out ? launch(dequantize_pieces_kernel<8, true>)
+            : launch(dequantize_pieces_kernel<8, false>);
+  else
+    f32_out ? launch(dequantize_pieces_kernel<1, true>)
+            : launch(dequantize_pieces_kernel<1, false>);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 

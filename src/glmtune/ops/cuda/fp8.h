@@ -61,6 +61,17 @@ bool is_fp8_gemm_layout(const ops::Fp8Blocks& q);
 // weight_scale_inv) laid out on `device` as above. Blocks (1, 128), (128, 128) or (128, 1).
 ops::Fp8Blocks fp8_blocks_to_device(const ops::Fp8Blocks& q, Device device);
 
+// ---- released FP8 weights -------------------------------------------------------------------
+
+// Weights as the released checkpoint stores them, stacked: `codes` fp8e4m3 [P·r, c] (any shape of
+// that many rows of c) on a CUDA device, P pieces of `piece_rows` rows, each with its own 128 × 128
+// block grid: `scales` f32 [P, ceil(r / 128), ceil(c / 128)] (each piece's weight_scale_inv; the
+// fused experts stack gate_e, up_e, … in the fused tensor's row order). Writes into `out`
+// (contiguous, codes' element count, bf16 or f32) each piece's io::dequantize_fp8_block bit for
+// bit: the exact product rounded once to bf16 (widened to f32 for an f32 `out`).
+void dequantize_fp8_pieces(Tensor& out, const Tensor& codes, const Tensor& scales,
+                           int64_t piece_rows, cudaStream_t stream = nullptr);
+
 // ---- dense GEMMs -----------------------------------------------------------------------------
 // Requirements (checked, with a message): operands in the layout above, N and K multiples of 16
 // (cuBLASLt's FP8 alignment: 16-byte rows), y / dx / dw contiguous bf16 or f32. The token count M

@@ -493,6 +493,32 @@ Fp8Blocks fp8_blocks_to_device(const Fp8Blocks& q, Device device) {
   return out;
 }
 
+void dequantize_fp8_pieces(Tensor& out, const Tensor& codes, const Tensor& scales,
+                           int64_t piece_rows, cudaStream_t stream) {
+  const char* op = "cuda::dequantize_fp8_pieces";
+  GLMTUNE_ASSERT(codes.defined() && codes.device().is_cuda() && codes.is_contiguous() &&
+                     codes.dtype() == DType::fp8e4m3 && codes.dim() >= 2,
+                 "{}: codes {} must be a contiguous fp8e4m3 CUDA tensor of rows", op,
+                 describe(codes));
+  const int64_t cols = codes.size(-1), rows = codes.numel() / std::max<int64_t>(cols, 1);
+  GLMTUNE_ASSERT(piece_rows > 0 && rows % piece_rows == 0, "{}: {} rows are not pieces of {}", op,
+                 rows, piece_rows);
+  const Shape grid{rows / piece_rows, (piece_rows + 127) / 128, (cols + 127) / 128};
+  GLMTUNE_ASSERT(scales.defined() && scales.device() == codes.device() && scales.is_contiguous() &&
+                     scales.dtype() == DType::f32 && scales.numel() == shape_numel(grid),
+                 "{}: scales {} must be a contiguous f32 {} on {}", op, describe(scales),
+                 shape_str(grid), codes.device().str());
+  GLMTUNE_ASSERT(out.defined() && out.device() == codes.device() && out.is_contiguous() &&
+                     out.numel() == codes.numel() &&
+                     (out.dtype() == DType::bf16 || out.dtype() == DType::f32),
+                 "{}: out {} must be a contiguous bf16 or f32 tensor of {} elements on {}", op,
+                 describe(out), codes.numel(), codes.device().str());
+  detail::DeviceGuard guard(codes.device().index);
+  fp8_kernels::dequantize_pieces(static_cast<const uint8_t*>(codes.data_ptr()),
+                                 scales.data<float>(), rows, cols, piece_rows,
+                                 out.dtype() == DType::f32, out.data_ptr(), stream);
+}
+
 // ---- dense GEMMs -----------------------------------------------------------------------------
 
 void fp8_linear_out(Tensor& y, const Fp8Blocks& x, const Fp8Blocks& w, bool accumulate,

@@ -23,6 +23,11 @@ void quantize_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols, in
                       uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream);
 
 // out[c · ld_out + r] = in[r · ld_in + c] for a [rows, cols] matrix of bytes or of f32.
+// out[row, col] = round(fp8(codes[row, col]) · scales[piece, r / 128, col / 128]) for rows of
+// `piece_rows` stacked pieces (row = piece · piece_rows + r), the exact product rounded once to
+// bf16 (widened to f32 with f32_out). codes [rows, cols] and out contiguous.
+void dequantize_pieces(const uint8_t* codes, const float* scales, int64_t rows, int64_t cols,
+                       int64_t piece_rows, bool f32_out, void* out, cudaStream_t stream);
 void transpose_u8(const uint8_t* in, int64_t rows, int64_t cols, int64_t ld_in, uint8_t* out,
                   int64_t ld_out, cudaStream_t stream);
 void transpose_f32(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,

@@ -37,15 +37,16 @@ enum class GroupedGemmBackend { kCublasGrouped, kLtPerGroup };
 
 const char* grouped_gemm_backend_name(GroupedGemmBackend backend);
 
+// With `accumulate`, the products are added into y / dx (rows of empty groups stay as they are).
 void grouped_linear(Tensor& y, const Tensor& x, const Tensor& w,
                     const std::vector<int64_t>& offsets,
                     GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
-                    cudaStream_t stream = nullptr);
+                    cudaStream_t stream = nullptr, bool accumulate = false);
 
 void grouped_linear_backward_input(Tensor& dx, const Tensor& dy, const Tensor& w,
                                    const std::vector<int64_t>& offsets,
                                    GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
-                                   cudaStream_t stream = nullptr);
+                                   cudaStream_t stream = nullptr, bool accumulate = false);
 
 // Accumulates into dw (f32 or bf16, contiguous [G, N, K]).
 void grouped_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x,

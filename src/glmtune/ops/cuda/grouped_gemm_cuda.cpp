@@ -122,7 +122,10 @@ enum class Kind { kForward, kBackwardInput, kBackwardWeight };
 // `rows_op` is the segmented row operand that defines the groups' row counts (x, dy or dy), `w`
 // the per-group matrices, `out` the result. Shapes are checked by the callers.
 void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
-         const std::vector<int64_t>& offsets, GroupedGemmBackend backend, cudaStream_t stream) {
+         const std::vector<int64_t>& offsets, GroupedGemmBackend backend, cudaStream_t stream,
+         bool accumulate = false) {
+  // The weight gradient always accumulates.
+  const float beta = kind == Kind::kBackwardWeight || accumulate ? 1.0f : 0.0f;
   const int device = out.device().index;
   const DType operands = first.dtype();
   const int64_t elem = int64_t(dtype_size(operands));
@@ -148,6 +151,7 @@ void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
       a.trans_b = true;
       a.m = rows, a.n = ndim, a.k = kdim;
       a.a = xg, a.lda = kdim, a.b = wg, a.ldb = kdim, a.c = yg, a.ldc = ndim;
+      a.beta = beta;
       p.op_a = CUBLAS_OP_T, p.op_b = CUBLAS_OP_N;
       p.m = int(ndim), p.n = int(rows), p.k = int(kdim);
       p.a = wg, p.lda = int(kdim), p.b = xg, p.ldb = int(kdim), p.c = yg, p.ldc = int(ndim);
@@ -160,6 +164,7 @@ void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
       char* dxg = static_cast<char*>(out.data_ptr()) + r0 * kdim * elem;
       a.m = rows, a.n = kdim, a.k = ndim;
       a.a = dyg, a.lda = ndim, a.b = wg, a.ldb = kdim, a.c = dxg, a.ldc = kdim;
+      a.beta = beta;
       p.op_a = CUBLAS_OP_N, p.op_b = CUBLAS_OP_N;
       p.m = int(kdim), p.n = int(rows), p.k = int(ndim);
       p.a = wg, p.lda = int(kdim), p.b = dyg, p.ldb = int(ndim), p.c = dxg, p.ldc = int(kdim);
@@ -173,7 +178,7 @@ void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
       a.trans_a = true;
       a.m = ndim, a.n = kdim, a.k = rows;
       a.a = dyg, a.lda = ndim, a.b = xg, a.ldb = kdim, a.c = dwg, a.ldc = kdim;
-      a.beta = 1.0f;
+      a.beta = beta;
       p.op_a = CUBLAS_OP_N, p.op_b = CUBLAS_OP_T;
       p.m = int(kdim), p.n = int(ndim), p.k = int(rows);
       p.a = xg, p.lda = int(kdim), p.b = dyg, p.ldb = int(ndim), p.c = dwg, p.ldc = int(kdim);
@@ -187,7 +192,7 @@ void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
     }
   }
   if (backend == GroupedGemmBackend::kCublasGrouped)
-    run_cublas_grouped(device, problems, kind == Kind::kBackwardWeight ? 1.0f : 0.0f, stream);
+    run_cublas_grouped(device, problems, beta, stream);
 }
 
 void check_out(const Tensor& out, const Shape& shape, const Tensor& like, const char* op) {
@@ -206,7 +211,7 @@ const char* grouped_gemm_backend_name(GroupedGemmBackend backend) {
 
 void grouped_linear(Tensor& y, const Tensor& x, const Tensor& w,
                     const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, bool accumulate) {
   const char* op = "cuda::grouped_linear";
   const Rows xr = rows_of(x, "x", op);
   GLMTUNE_ASSERT(w.defined() && w.dim() == 3 && w.is_contiguous() && w.dtype() == x.dtype() &&
@@ -215,12 +220,12 @@ void grouped_linear(Tensor& y, const Tensor& x, const Tensor& w,
                  dtype_name(x.dtype()), xr.cols, x.device().str());
   check_offsets(offsets, w.size(0), xr.rows, op);
   check_out(y, {xr.rows, w.size(1)}, x, op);
-  run(Kind::kForward, y, x, w, offsets, backend, stream);
+  run(Kind::kForward, y, x, w, offsets, backend, stream, accumulate);
 }
 
 void grouped_linear_backward_input(Tensor& dx, const Tensor& dy, const Tensor& w,
                                    const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, bool accumulate) {
   const char* op = "cuda::grouped_linear_backward_input";
   const Rows dr = rows_of(dy, "dy", op);
   GLMTUNE_ASSERT(w.defined() && w.dim() == 3 && w.is_contiguous() && w.dtype() == dy.dtype() &&
@@ -229,7 +234,7 @@ void grouped_linear_backward_input(Tensor& dx, const Tensor& dy, const Tensor& w
                  dtype_name(dy.dtype()), dr.cols, dy.device().str());
   check_offsets(offsets, w.size(0), dr.rows, op);
   check_out(dx, {dr.rows, w.size(2)}, dy, op);
-  run(Kind::kBackwardInput, dx, dy, w, offsets, backend, stream);
+  run(Kind::kBackwardInput, dx, dy, w, offsets, backend, stream, accumulate);
 }
 
 void grouped_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x,

@@ -6,6 +6,7 @@
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/ops/cuda/moe.h"
+#include "glmtune/ops/cuda/streams.h"
 #include "glmtune/ops/cuda/swiglu.h"
 
 namespace glmtune::cuda {
@@ -431,38 +432,73 @@ void check_routing(const ops::Routing& r, int64_t rows, int64_t n_exp, int64_t k
                                 std::to_string(rows) + ", " + std::to_string(n_exp) + "]");
 }
 
-// Expert activations of the permuted rows: h = x_perm · gate_up^T, a = swiglu(h), yp = a · down^T.
+// Expert activations of the permuted rows: h = x_perm · gate_up^T, a = swiglu(h), yp = a · down^T,
+// each projection with its per-expert adapter when it has one (ops/linear.h): u = scale · in A_e^T
+// [rows, r] is kept for the backward and u B_e^T added into the projection's output, as the dense
+// composite does.
 struct ExpertActivations {
   Tensor x_perm, h, act, yp;
+  Tensor u_gate_up, u_down;
 };
 
-ExpertActivations run_experts(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
-                              const Tensor& x, const ExpertPermutation& perm,
-                              GroupedGemmBackend backend, cudaStream_t stream) {
-  const int64_t n = perm.sorted_slots.numel(), dim = x.size(1), inter = down.size(2);
+// out += scale · (in A_e^T) B_e^T per expert segment; returns the scaled u.
+Tensor add_expert_adapter(Tensor& out, const Tensor& in, const ops::LoraAdapter& a,
+                          const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
+                          cudaStream_t stream) {
+  if (!a.defined()) return Tensor();
+  Tensor u = Tensor::empty({in.size(0), a.A.size(1)}, in.dtype(), in.device());
+  grouped_linear(u, in, a.A, offsets, backend, stream);
+  if (u.numel() > 0) scale_inplace(u, a.scale, stream);
+  grouped_linear(out, u, a.B, offsets, backend, stream, /*accumulate=*/true);
+  return u;
+}
+
+ExpertActivations run_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
+                              const ops::Linear& down, const Tensor& x,
+                              const ExpertPermutation& perm, GroupedGemmBackend backend,
+                              cudaStream_t stream) {
+  const int64_t n = perm.sorted_slots.numel(), dim = x.size(1), inter = down.weight.size(2);
   const Device dev = x.device();
   const DType st = x.dtype();
   ExpertActivations a;
   a.x_perm = Tensor::empty({n, dim}, st, dev);
   gather_rows(x, perm.sorted_slots, int(cfg.top_k), a.x_perm, stream);
   a.h = Tensor::empty({n, 2 * inter}, st, dev);
-  grouped_linear(a.h, a.x_perm, gate_up, perm.offsets, backend, stream);
+  grouped_linear(a.h, a.x_perm, gate_up.weight, perm.offsets, backend, stream);
+  a.u_gate_up = add_expert_adapter(a.h, a.x_perm, gate_up.lora, perm.offsets, backend, stream);
   a.act = Tensor::empty({n, inter}, st, dev);
   if (n > 0)
     swiglu_clamped_out(a.act, a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter),
                        cfg.swiglu_limit, stream);
   a.yp = Tensor::empty({n, dim}, st, dev);
-  grouped_linear(a.yp, a.act, down, perm.offsets, backend, stream);
+  grouped_linear(a.yp, a.act, down.weight, perm.offsets, backend, stream);
+  a.u_down = add_expert_adapter(a.yp, a.act, down.lora, perm.offsets, backend, stream);
   return a;
 }
 
-void check_expert_weights(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
-                          const Tensor& x) {
-  GLMTUNE_CUDA_OP_REQUIRE(down.defined() && down.dim() == 3,
-                          "cuda MoE: down_proj must be [E, D, Im], got " + detail::describe(down));
-  const int64_t inter = down.size(2), dim = x.size(1);
-  check_like_x(gate_up, {cfg.n_experts, 2 * inter, dim}, x, "gate_up_proj");
-  check_like_x(down, {cfg.n_experts, dim, inter}, x, "down_proj");
+void check_expert_adapter(const ops::Linear& fused, const Tensor& x, const char* name) {
+  if (!fused.lora.defined()) return;
+  const Tensor &w = fused.weight, &A = fused.lora.A, &B = fused.lora.B;
+  GLMTUNE_CUDA_OP_REQUIRE(B.defined() && A.dim() == 3 && B.dim() == 3 && A.size(0) == w.size(0) &&
+                              B.size(0) == w.size(0) && A.size(1) == B.size(2) &&
+                              A.size(2) == w.size(2) && B.size(1) == w.size(1),
+                          std::string("cuda MoE: the adapter of experts.") + name + " (A " +
+                              detail::describe(A) + ", B " + detail::describe(B) +
+                              ") must be [E, r, in] and [E, out, r] for " + detail::describe(w));
+  check_like_x(A, A.shape(), x, "an expert adapter's A");
+  check_like_x(B, B.shape(), x, "an expert adapter's B");
+}
+
+void check_expert_weights(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
+                          const ops::Linear& down, const Tensor& x) {
+  GLMTUNE_CUDA_OP_REQUIRE(
+      down.weight.defined() && down.weight.dim() == 3,
+      "cuda MoE: down_proj must be [E, D, Im], got " + detail::describe(down.weight));
+  const int64_t inter = down.weight.size(2), dim = x.size(1);
+  check_like_x(gate_up.weight, {cfg.n_experts, 2 * inter, dim}, x, "gate_up_proj");
+  check_like_x(down.weight, {cfg.n_experts, dim, inter}, x, "down_proj");
+  check_expert_adapter(gate_up, x, "gate_up_proj");
+  check_expert_adapter(down, x, "down_proj");
 }
 
 }  // namespace
@@ -572,9 +608,9 @@ Tensor moe_expert_counts(const ops::Routing& routing, int64_t n_experts, int64_t
   return counts;
 }
 
-Tensor moe_experts(const ops::MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
-                   const Tensor& x, const ops::Routing& routing, GroupedGemmBackend backend,
-                   cudaStream_t stream) {
+Tensor moe_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,
+                   const ops::Linear& down_proj, const Tensor& x, const ops::Routing& routing,
+                   GroupedGemmBackend backend, cudaStream_t stream) {
   check_config(cfg);
   check_x(x, "cuda::moe_experts");
   check_expert_weights(cfg, gate_up_proj, down_proj, x);
@@ -592,7 +628,7 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
                            cudaStream_t stream) {
   check_config(cfg);
   check_x(x, "cuda::moe_forward");
-  check_expert_weights(cfg, params.gate_up_proj.weight, params.down_proj.weight, x);
+  check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1);
   check_shared(params.shared, x);
@@ -603,8 +639,8 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
   ops::MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x, stream);
   ExpertPermutation perm = moe_permute(out.routing.indices, cfg.n_experts, stream);
-  const ExpertActivations a = run_experts(cfg, params.gate_up_proj.weight, params.down_proj.weight,
-                                          x, perm, backend, stream);
+  const ExpertActivations a =
+      run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
 
   // Shared expert (when given: ops::moe_forward runs one with adapters beside these kernels):
   // gate | up side by side (kept for the backward), fp32 down output.
@@ -659,19 +695,38 @@ Tensor moe_route_backward(const ops::MoeConfig& cfg, const ops::Routing& routing
 namespace {
 
 // The routed experts' backward on the permuted rows: the activations recomputed, d_weights f32
-// [T, K] and the permuted input gradient dxp [T·K, D] (x's dtype); the expert weight gradients
-// accumulate into d_gate_up / d_down.
+// [T, K] and the permuted input gradient dxp [T·K, D] (x's dtype). The gradients of the trained
+// tensors (the expert weights, their adapters' A and B) accumulate into `grads`; a frozen tensor
+// gets none.
 struct RoutedBackward {
   Tensor d_weights, dxp;
 };
 
-RoutedBackward routed_backward(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
-                               const Tensor& x, const ops::Routing& routing,
-                               const ExpertPermutation& perm, const Tensor& dy, Tensor* d_gate_up,
-                               Tensor* d_down, GroupedGemmBackend backend, cudaStream_t stream) {
+// An expert adapter's part of its projection's backward on the permuted rows: with u = scale ·
+// in A^T from the forward, dB += dout^T u, du = scale · dout B, dA += du^T in and d_in += du A.
+void expert_adapter_backward(const ops::LoraAdapter& a, const Tensor& u, const Tensor& in,
+                             const Tensor& dout, Tensor& d_in, ops::LoraAdapter& g,
+                             const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
+                             cudaStream_t stream) {
+  if (!a.defined()) return;
+  if (Tensor* dB = trained_buffer(g.B, a.B, "an expert adapter's B"))
+    grouped_linear_backward_weight(*dB, dout, u, offsets, backend, stream);
+  Tensor du = Tensor::empty(u.shape(), u.dtype(), u.device());
+  grouped_linear_backward_input(du, dout, a.B, offsets, backend, stream);
+  if (du.numel() > 0) scale_inplace(du, a.scale, stream);
+  if (Tensor* dA = trained_buffer(g.A, a.A, "an expert adapter's A"))
+    grouped_linear_backward_weight(*dA, du, in, offsets, backend, stream);
+  grouped_linear_backward_input(d_in, du, a.A, offsets, backend, stream, /*accumulate=*/true);
+}
+
+RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
+                               const ops::Linear& down, const Tensor& x,
+                               const ops::Routing& routing, const ExpertPermutation& perm,
+                               const Tensor& dy, ops::MoeParams& grads, GroupedGemmBackend backend,
+                               cudaStream_t stream) {
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
-  const int64_t inter = down.size(2);
+  const int64_t inter = down.weight.size(2);
   const int64_t n = perm.sorted_slots.numel();
   const ExpertActivations a = run_experts(cfg, gate_up, down, x, perm, backend, stream);
   const DType st = x.dtype();
@@ -693,19 +748,24 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const Tensor& gate_up,
       launch(expert_output_grad_kernel<1, bf16>, static_cast<bf16*>(nullptr));
     GLMTUNE_CUDA_CHECK_LAUNCH();
   }
-  if (d_down) grouped_linear_backward_weight(*d_down, dyp, a.act, perm.offsets, backend, stream);
+  if (Tensor* d_down = trained_buffer(grads.down_proj.weight, down.weight, "down_proj"))
+    grouped_linear_backward_weight(*d_down, dyp, a.act, perm.offsets, backend, stream);
   Tensor d_act = Tensor::empty({n, inter}, st, dev);
-  grouped_linear_backward_input(d_act, dyp, down, perm.offsets, backend, stream);
+  grouped_linear_backward_input(d_act, dyp, down.weight, perm.offsets, backend, stream);
+  expert_adapter_backward(down.lora, a.u_down, a.act, dyp, d_act, grads.down_proj.lora,
+                          perm.offsets, backend, stream);
   Tensor dh = Tensor::empty({n, 2 * inter}, st, dev);
   if (n > 0) {
     Tensor dhg = dh.slice(1, 0, inter), dhu = dh.slice(1, inter, 2 * inter);
     swiglu_clamped_backward(a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter), d_act,
                             cfg.swiglu_limit, dhg, dhu, stream);
   }
-  if (d_gate_up)
+  if (Tensor* d_gate_up = trained_buffer(grads.gate_up_proj.weight, gate_up.weight, "gate_up_proj"))
     grouped_linear_backward_weight(*d_gate_up, dh, a.x_perm, perm.offsets, backend, stream);
   r.dxp = Tensor::empty({n, dim}, st, dev);
-  grouped_linear_backward_input(r.dxp, dh, gate_up, perm.offsets, backend, stream);
+  grouped_linear_backward_input(r.dxp, dh, gate_up.weight, perm.offsets, backend, stream);
+  expert_adapter_backward(gate_up.lora, a.u_gate_up, a.x_perm, dh, r.dxp, grads.gate_up_proj.lora,
+                          perm.offsets, backend, stream);
   return r;
 }
 
@@ -853,17 +913,14 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
                           "cuda::moe_backward needs the context filled by cuda::moe_forward");
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1);
-  check_expert_weights(cfg, params.gate_up_proj.weight, params.down_proj.weight, x);
+  check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
   check_like_x(dy, x.shape(), x, "dy");
   check_routing(ctx.routing, rows, cfg.n_experts, cfg.top_k, dev);
   check_router_logit_grad(d_router_logits, ctx.routing);
   detail::DeviceGuard guard(dev.index);
-  Tensor* d_gate_up =
-      trained_buffer(grads.gate_up_proj.weight, params.gate_up_proj.weight, "gate_up_proj");
-  Tensor* d_down = trained_buffer(grads.down_proj.weight, params.down_proj.weight, "down_proj");
   const RoutedBackward r =
-      routed_backward(cfg, params.gate_up_proj.weight, params.down_proj.weight, x, ctx.routing,
-                      ctx.permutation, dy, d_gate_up, d_down, backend, stream);
+      routed_backward(cfg, params.gate_up_proj, params.down_proj, x, ctx.routing, ctx.permutation,
+                      dy, grads, backend, stream);
   Tensor dx_f32 = Tensor::zeros({rows, dim}, DType::f32, dev);
   router_and_shared_backward(cfg, params, x, ctx.routing, ctx.shared_gate_up, dy, r.d_weights,
                              d_router_logits, grads, dx_f32, stream);
@@ -873,8 +930,8 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
   return dx;
 }
 
-ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const Tensor& gate_up_proj,
-                                     const Tensor& down_proj, const Tensor& x,
+ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,
+                                     const ops::Linear& down_proj, const Tensor& x,
                                      const ops::Routing& routing, const Tensor& dy,
                                      ops::MoeParams& grads, GroupedGemmBackend backend,
                                      cudaStream_t stream) {
@@ -884,11 +941,9 @@ ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const Tensor& ga
   check_like_x(dy, x.shape(), x, "dy");
   check_routing(routing, x.size(0), cfg.n_experts, cfg.top_k, x.device());
   detail::DeviceGuard guard(x.device().index);
-  Tensor* d_gate_up = trained_buffer(grads.gate_up_proj.weight, gate_up_proj, "gate_up_proj");
-  Tensor* d_down = trained_buffer(grads.down_proj.weight, down_proj, "down_proj");
   const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream);
-  RoutedBackward r = routed_backward(cfg, gate_up_proj, down_proj, x, routing, perm, dy, d_gate_up,
-                                     d_down, backend, stream);
+  RoutedBackward r =
+      routed_backward(cfg, gate_up_proj, down_proj, x, routing, perm, dy, grads, backend, stream);
   ExpertsBackward out;
   out.dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   unpermute_sum(r.dxp, perm.slot_position, int(cfg.top_k), nullptr, out.dx, stream);

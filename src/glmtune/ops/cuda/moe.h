@@ -24,9 +24,11 @@
 // (hi + lo, relative error about 2^-17) and adding both bf16 GEMMs into fp32 results.
 //
 // Tensors: x [T, D] bf16; router weight bf16 [E, D]; correction bias f32 [E]; gate_up_proj bf16
-// [E, 2Im, D]; down_proj bf16 [E, D, Im]; shared expert bf16 as MlpParams. Gradients mirror the
-// parameters (MoeParams); an undefined entry is created as f32 zeros, a defined one must be f32
-// or bf16 and is accumulated into. Everything runs on `stream`.
+// [E, 2Im, D]; down_proj bf16 [E, D, Im]; shared expert bf16 as MlpParams. The routed experts'
+// per-expert adapters (A [E, r, in], B [E, out, r] in x's dtype, ops/linear.h) run as grouped
+// GEMMs on the permuted rows beside each projection; the fused shared expert takes none. Gradients
+// mirror the parameters (MoeParams); an undefined entry is created as f32 zeros, a defined one must
+// be f32 or bf16 and is accumulated into. Everything runs on `stream`.
 
 #include <cuda_runtime.h>
 
@@ -57,8 +59,8 @@ ExpertPermutation moe_permute(const Tensor& indices, int64_t n_experts,
                               cudaStream_t stream = nullptr);
 
 // Routed experts only: Σ_k w_k · expert_{idx_k}(x) per row, bf16 [T, D].
-Tensor moe_experts(const ops::MoeConfig& cfg, const Tensor& gate_up_proj, const Tensor& down_proj,
-                   const Tensor& x, const ops::Routing& routing,
+Tensor moe_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,
+                   const ops::Linear& down_proj, const Tensor& x, const ops::Routing& routing,
                    GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
                    cudaStream_t stream = nullptr);
 
@@ -102,8 +104,8 @@ struct ExpertsBackward {
 // The backward of moe_experts alone (no router, no shared expert): the activations recomputed,
 // the expert weight gradients accumulated into grads.gate_up_proj / grads.down_proj (created as f32
 // zeros when undefined; the other entries are not touched).
-ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const Tensor& gate_up_proj,
-                                     const Tensor& down_proj, const Tensor& x,
+ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,
+                                     const ops::Linear& down_proj, const Tensor& x,
                                      const ops::Routing& routing, const Tensor& dy,
                                      ops::MoeParams& grads,
                                      GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
