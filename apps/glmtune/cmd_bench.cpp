@@ -29,6 +29,7 @@
 #include "glmtune/model/lora.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
+#include "glmtune/model/text/fp8_layers.h"
 #include "glmtune/model/text/model.h"
 #include "glmtune/tensor/allocator.h"
 #include "glmtune/tensor/device.h"
@@ -68,6 +69,10 @@ struct BenchArgs {
   // recipe trains them.
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets = {"all-linear"};
+  bool lora_experts = false;  // lora.target_parameters: every routed expert's gate_up and down
+  // --base fp8: a preset written in the FP8 release's layout and its FP8 weights held in FP8 on the
+  // device (lora.base = "fp8"), dequantised per layer around each use.
+  std::string base = "bf16";
   // --vl: the pack carries `images` images and one video of `video_frames` frames (0: none), all
   // of image_size × image_size pixels.
   bool vl = false;
@@ -93,12 +98,16 @@ fs::path prepare_model(const BenchArgs& a, model::ModelConfig& config) {
   const size_t key =
       std::hash<std::string>{}(config.to_json_with_schedules().dump() + std::to_string(a.seed));
   const fs::path base = a.cache_dir.empty() ? fs::temp_directory_path() : fs::path(a.cache_dir);
-  const fs::path dir = base / fmt::format("glmtune-bench-{}-{:016x}", a.config.preset, key);
+  const fs::path dir = base / fmt::format("glmtune-bench-{}{}-{:016x}", a.config.preset,
+                                          a.base == "fp8" ? "-fp8" : "", key);
   if (!fs::exists(dir / "config.json")) {
     std::fprintf(stderr, "writing a random %s checkpoint to %s\n", a.config.preset.c_str(),
                  dir.string().c_str());
     model::InitOptions init;
     init.seed = a.seed;
+    init.fp8 = a.base == "fp8";
+    // The GPU draws the normal values some hundred times faster than the host.
+    init.draw = Device::parse(a.device);
     model::write_random_checkpoint(config, dir, init);
   }
   return dir;
@@ -365,6 +374,9 @@ struct BenchStepReport {
   // frozen weights' gradients left out, the adapters' products in).
   int64_t lora_modules = 0, lora_elements = 0;
   double executed_flops = 0;
+  // --base fp8: tensors held in FP8, their device bytes, and what their bf16 values would take.
+  int64_t fp8_tensors = 0;
+  double fp8_gib = 0, fp8_as_bf16_gib = 0;
   std::map<std::string, double> op_ms;
   // --vl
   int64_t patches = 0, media_tokens = 0;
@@ -397,6 +409,10 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"lora_parameters", r.lora_elements},
                         {"executed_flop_per_step", r.executed_flops},
                         {"executed_tflops", r.executed_flops / r.step / 1e12},
+                        {"base", a.base},
+                        {"fp8_base_tensors", r.fp8_tensors},
+                        {"fp8_base_gib", r.fp8_gib},
+                        {"fp8_base_as_bf16_gib", r.fp8_as_bf16_gib},
                         {"op_ms", r.op_ms}};
   if (a.vl)
     out["vl"] = {{"images", a.images},
@@ -436,6 +452,11 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
         "%.3e FLOP/step (no weight gradients for the base): %.1f TFLOP/s, %.1f%% of peak\n",
         long(a.lora_rank), long(r.lora_modules), long(r.lora_elements), r.executed_flops,
         r.executed_flops / r.step / 1e12, 100 * r.executed_flops / r.step / 1e12 / kPeakTflops);
+  if (r.fp8_tensors > 0)
+    std::printf(
+        "fp8 base: %ld tensors held in FP8 on the device, %.2f GiB (%.2f GiB in bf16), "
+        "dequantised per layer around each use\n",
+        long(r.fp8_tensors), r.fp8_gib, r.fp8_as_bf16_gib);
   if (!r.frozen.frozen.empty())
     std::printf(
         "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
@@ -465,6 +486,7 @@ void attach_bench_lora(const BenchArgs& a, model::ParamStore& store, BenchStepRe
   c.rank = a.lora_rank;
   c.alpha = double(a.lora_rank);
   c.target_modules = a.lora_targets;
+  if (a.lora_experts) c.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
   c.validate("--lora-rank / --lora-targets");
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, "--lora-targets");
   model::add_lora_adapters(store, c, modules, a.seed);
@@ -482,19 +504,23 @@ void attach_bench_lora(const BenchArgs& a, model::ParamStore& store, BenchStepRe
 // gradient (2 FLOPs a weight element a token that reaches it) of every frozen matrix, plus the
 // adapters' forward and backward (6 FLOPs an adapter element a token). The indexer runs without
 // gradient in both counts, and a routed expert's matrix sees top_k / n_routed of the tokens.
-double lora_flop_change(const model::text::TextModel& model, int64_t tokens) {
+double lora_flop_change(const model::text::TextModel& model, const model::ParamStore& store,
+                        int64_t tokens) {
   const model::TextConfig& c = model.text();
   const double expert_share = double(c.num_experts_per_tok) / double(c.n_routed_experts);
   double change = 0;
   for (const auto& [name, t] : model.weights().named) {
-    if (t.dim() < 2 || name.find("embed_tokens") != std::string::npos ||
+    // The store's whole shape: a tensor held in FP8 is a placeholder in the model between uses.
+    const Shape shape = store.contains(name) ? store.param(name).shape : t.shape();
+    if (shape.size() < 2 || name.find("embed_tokens") != std::string::npos ||
         name.find(".indexer.") != std::string::npos)
       continue;
     const double share = name.find("mlp.experts.") != std::string::npos ? expert_share : 1.0;
+    const double numel = double(shape_numel(shape));
     if (name.find(".lora_") != std::string::npos)
-      change += 6 * double(t.numel()) * double(tokens);
-    else if (t.frozen())
-      change -= 2 * double(t.numel()) * double(tokens) * share;
+      change += 6 * numel * double(tokens);
+    else if (!store.contains(name) || !store.param(name).trainable)
+      change -= 2 * numel * double(tokens) * share;
   }
   return change;
 }
@@ -511,7 +537,18 @@ int run_bench_step(const BenchArgs& a) {
   BenchStepReport r;
   r.dir = prepare_model(a, config);
   const auto load_start = std::chrono::steady_clock::now();
-  model::ParamStore store = model::ParamStore::load(io::CheckpointReader::open(r.dir), config);
+  const bool fp8_base = a.base == "fp8";
+  if (fp8_base && a.lora_rank == 0)
+    throw Error("--base fp8 without --lora-rank", "--base",
+                "an FP8 base is a frozen one: add --lora-rank R, or measure --base bf16");
+  const io::CheckpointReader reader = io::CheckpointReader::open(r.dir);
+  const int64_t num_layers = config.text().num_hidden_layers;
+  model::ParamStore store = model::ParamStore::load(
+      reader, config, std::nullopt,
+      fp8_base ? std::function<bool(const std::string&)>([&](const std::string& name) {
+        return model::text::stored_in_fp8(reader, name, num_layers);
+      })
+               : nullptr);
   r.frozen = train::apply_freeze(store, a.freeze, "--freeze");
   if (a.lora_rank > 0) attach_bench_lora(a, store, r);
   if (a.vl && !config.vision())
@@ -532,8 +569,17 @@ int run_bench_step(const BenchArgs& a) {
     config.require_media_tokens("--vl");
     media.emplace(random_media(a, config, pack));
   }
-  const model::text::TrainOptions opt = step_options(a, model);
+  model::text::TrainOptions opt = step_options(a, model);
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
+  // Held after the gradient buffers are made (the frozen FP8 tensors have none).
+  std::optional<model::text::Fp8Layers> fp8_layers;
+  if (fp8_base) {
+    fp8_layers.emplace(model.weights(), store, reader);
+    opt.layer_params = opt.mtp_params = &*fp8_layers;
+    r.fp8_tensors = fp8_layers->tensors();
+    r.fp8_gib = double(fp8_layers->held_bytes()) / (1 << 30);
+    r.fp8_as_bf16_gib = double(fp8_layers->bf16_bytes()) / (1 << 30);
+  }
   std::optional<model::vision::VisionGrads> vision_grads;
   if (vlm) vision_grads.emplace(model::vision::VisionGrads::zeros_like(vlm->vision()));
   BenchAdamW adam = a.optimizer ? bench_adamw(model, grads, device) : BenchAdamW{};
@@ -570,7 +616,7 @@ int run_bench_step(const BenchArgs& a) {
   }
   r.tflops = (r.flops.step(a.pack) + r.vision_flops) / r.step / 1e12;
   r.executed_flops = r.flops.step(a.pack) + r.vision_flops;
-  if (a.lora_rank > 0) r.executed_flops += lora_flop_change(model, a.pack);
+  if (a.lora_rank > 0) r.executed_flops += lora_flop_change(model, store, a.pack);
   r.mem = alloc.stats();
   r.pinned_gib = double(pinned.stats().peak_allocated) / (1 << 30);
   r.loss = times.loss;
@@ -640,6 +686,13 @@ GLMTUNE_COMMAND(
           ->check(CLI::NonNegativeNumber);
       step->add_option("--lora-targets", a->lora_targets,
                        "With --lora-rank: lora.target_modules (PEFT suffixes, or all-linear)");
+      step->add_flag("--lora-experts", a->lora_experts,
+                     "With --lora-rank: adapters on every routed expert too "
+                     "(lora.target_parameters)");
+      step->add_option("--base", a->base,
+                       "With --lora-rank: bf16, or fp8: the preset written in the FP8 release's "
+                       "layout and its FP8 weights kept in FP8 on the GPU (lora.base = \"fp8\")")
+          ->check(CLI::IsMember({"bf16", "fp8"}));
       const cli::BenchSubcommand ops = cli::add_bench_ops(app);
       return [a, ops]() -> int {
         if (ops.app->parsed()) return ops.run();

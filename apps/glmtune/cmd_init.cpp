@@ -21,6 +21,7 @@ struct InitArgs {
   double shard_gb = 5.0;
   std::string tokenizer;
   bool force = false;
+  bool fp8 = false;
 };
 }  // namespace
 
@@ -39,6 +40,9 @@ GLMTUNE_COMMAND(
           "Directory whose tokenizer files (tokenizer.json, tokenizer_config.json, "
           "chat_template.jinja, and processor_config.json when present) are copied alongside");
       app.add_flag("--force", a->force, "Replace an existing non-empty output directory");
+      app.add_flag("--fp8", a->fp8,
+                   "The FP8 release's layout: experts, dense MLPs and MLA projections in e4m3 with "
+                   "a float32 weight_scale_inv per 128x128 block");
       a->config.add_set_option(app);
       return [a] {
         using namespace glmtune;
@@ -54,6 +58,7 @@ GLMTUNE_COMMAND(
                      counts.total / 1e9, counts.bytes / 1e9, counts.tensors, a->out);
         model::InitOptions options;
         options.seed = a->seed;
+        options.fp8 = a->fp8;
         options.max_shard_bytes = uint64_t(a->shard_gb * 1e9);
         auto start = std::chrono::steady_clock::now();
         auto last = start;

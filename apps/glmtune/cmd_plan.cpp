@@ -98,14 +98,15 @@ void print_text(const train::MemoryPlan& p, const model::ModelConfig& config) {
   std::printf("%-14s %-58s %10.2f\n", "headroom", "", p.headroom / kGiB);
   std::printf("\n%s\n", p.fits ? "fits" : "does not fit");
   for (const std::string& s : p.suggestions) std::printf("  would fit: %s\n", s.c_str());
-  if (o.lora && o.lora->experts)
+  if (o.lora && o.lora->experts && o.ep > 1)
     std::printf(
-        "note: adapters on the routed experts are counted; glmtune trains them on the CPU, not yet "
-        "on a GPU\n");
-  if (o.lora && o.base == train::PlanBase::fp8)
+        "note: adapters on the routed experts are counted; glmtune refuses them under expert "
+        "parallelism (--ep)\n");
+  if (o.lora && o.base == train::PlanBase::fp8 && (o.fsdp || o.ep > 1))
     std::printf(
-        "note: an FP8 base is counted as the release stores it; glmtune loads the base in bf16 "
-        "today\n");
+        "note: an FP8 base is counted as the release stores it; glmtune holds it so in one process "
+        "or with data or sequence parallelism (lora.base = \"fp8\" is refused with %s)\n",
+        o.fsdp ? "fsdp" : "--ep");
 }
 
 void print_json(const train::MemoryPlan& p) {

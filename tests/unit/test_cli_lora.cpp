@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "support/cli.h"
 #include "support/temp_dir.h"
@@ -176,6 +177,61 @@ TEST_F(CliLora, ExpertAdaptersTrainEvalAndMerge) {
   // adapter moved it.
   EXPECT_NEAR(merged, adapted, 1e-3 * adapted);
   EXPECT_LT(std::abs(merged - adapted), std::abs(base - adapted));
+}
+
+// An FP8 checkpoint (init --fp8: the release's FP8 weights in e4m3 with 128 × 128 block scales)
+// trained with lora.base = "fp8" keeps those weights in FP8 and dequantises them per layer around
+// each use: every step's loss and the adapters it writes equal, bit for bit, the run with the
+// base dequantised at load (lora.base = "bf16"), since both compute with the same bf16 values.
+// Layouts that hold layers in slices refuse it, naming the key.
+TEST_F(CliLora, Fp8BaseTrainsExactlyAsTheDequantisedBase) {
+  ASSERT_EQ(run("init --preset tiny --seed 4 --fp8 --out " + path("fp8").string() +
+                " --tokenizer " + (kSource / "examples/tiny/tokenizer").string())
+                .code,
+            0);
+  std::string text = glmtune::test::read_text(path("recipe.toml"));
+  const auto replace = [&](const std::string& from, const std::string& to) {
+    ASSERT_NE(text.find(from), std::string::npos) << from;
+    text.replace(text.find(from), from.size(), to);
+  };
+  replace("path = \"" + path("model").string() + "\"", "path = \"" + path("fp8").string() + "\"");
+  replace("target_modules = [\"q_proj\", \"o_proj\", \"down_proj\"]",
+          "target_modules = [\"all-linear\"]\ntarget_parameters = [\"mlp.experts.gate_up_proj\", "
+          "\"mlp.experts.down_proj\"]");
+  std::ofstream(path("bf16.toml")) << text << "base = \"bf16\"\n";
+  replace("dir = \"" + path("run").string() + "\"", "dir = \"" + path("run-fp8").string() + "\"");
+  std::ofstream(path("fp8.toml")) << text << "base = \"fp8\"\n";
+
+  const Result bf16 = run("train --config " + path("bf16.toml").string());
+  ASSERT_EQ(bf16.code, 0) << bf16.err;
+  const Result fp8 = run("train --config " + path("fp8.toml").string());
+  ASSERT_EQ(fp8.code, 0) << fp8.err;
+  // The tiny model's FP8 weights: the dense MLP, every expert and shared expert, and the MLA
+  // projections, of the decoder layers and the MTP layer.
+  EXPECT_NE(fp8.out.find("36 layer tensors held in FP8"), std::string::npos) << fp8.out;
+  const auto losses = [](const std::string& log) {
+    std::vector<std::string> out;
+    // Each step's line: "step k/n loss … grad_norm … lr …".
+    for (size_t at = log.find(" loss "); at != std::string::npos; at = log.find(" loss ", at + 1))
+      if (const size_t end = log.find(" lr ", at); end != std::string::npos)
+        out.push_back(log.substr(at, end - at));
+    return out;
+  };
+  ASSERT_EQ(losses(bf16.out).size(), 4u) << bf16.out;
+  EXPECT_EQ(losses(fp8.out), losses(bf16.out));
+  EXPECT_EQ(glmtune::test::read_text(path("run-fp8") / "checkpoints/step-4/adapter/"
+                                                       "adapter_model.safetensors"),
+            glmtune::test::read_text(path("run") / "checkpoints/step-4/adapter/"
+                                                   "adapter_model.safetensors"));
+
+  std::string fsdp = glmtune::test::read_text(path("fp8.toml"));
+  fsdp.replace(fsdp.find("[train]\n"), 8, "[train]\nfsdp = true\n");
+  fsdp.replace(fsdp.find("run-fp8"), 7, "run-fsdp");
+  std::ofstream(path("fsdp.toml")) << fsdp;
+  const Result refused = run("train --config " + path("fsdp.toml").string());
+  EXPECT_NE(refused.code, 0);
+  EXPECT_NE(refused.err.find("lora.base"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("train.fsdp"), std::string::npos) << refused.err;
 }
 
 }  // namespace

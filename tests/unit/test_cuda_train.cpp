@@ -43,9 +43,11 @@ fs::path source_dir() {
 }
 
 // A random tiny model with the GPU kernels' geometry (support/gpu_tiny_model.h) at `path`.
-void write_gpu_tiny_model(const fs::path& path) {
+// `fp8`: in the FP8 release's layout (model/init.h).
+void write_gpu_tiny_model(const fs::path& path, bool fp8 = false) {
   model::InitOptions init;
   init.seed = test_seed();
+  init.fp8 = fp8;
   model::write_random_checkpoint(gpu_tiny_config(), path, init);
 }
 
@@ -486,6 +488,36 @@ TEST(CudaTrain, LoraRunFollowsTheCpuAndResumesExactly) {
     ADD_FAILURE() << "train.fsdp with [lora] on a GPU was accepted";
   } catch (const Error& e) {
     EXPECT_NE(e.where().find("train.fsdp"), std::string::npos) << e.what();
+  }
+#endif
+}
+
+// LoRA on an FP8 checkpoint with lora.base = "fp8": the base's FP8 weights (experts, dense MLP,
+// MLA projections, of the decoder layers and the MTP layer) stay on the GPU as e4m3 codes and block
+// scales and are dequantised per layer around each use. The values computed with are those of the
+// bf16 load, so every step equals the run with lora.base = "bf16" bit for bit.
+TEST(CudaTrain, LoraOnAnFp8BaseEqualsTheDequantisedBase) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  TempDir dir("cuda-train-fp8-base");
+  write_gpu_tiny_model(dir.path() / "model", /*fp8=*/true);
+  const auto recipe = [&](const std::string& base) {
+    return train::Recipe::parse(
+        recipe_text(dir.path() / "model", dir.path() / base, "cuda:0", 8, "recompute = 0.5\n") +
+            "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\n"
+            "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n"
+            "base = \"" +
+            base + "\"\n",
+        base);
+  };
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const train::TrainSummary bf16 = train::run_training(recipe("bf16"), quiet);
+  const train::TrainSummary fp8 = train::run_training(recipe("fp8"), quiet);
+  ASSERT_EQ(fp8.steps.size(), bf16.steps.size());
+  for (size_t i = 0; i < bf16.steps.size(); ++i) {
+    EXPECT_EQ(fp8.steps[i].loss, bf16.steps[i].loss) << "step " << i + 1;
+    EXPECT_EQ(fp8.steps[i].grad_norm, bf16.steps[i].grad_norm) << "step " << i + 1;
   }
 #endif
 }

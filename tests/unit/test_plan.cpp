@@ -4,16 +4,21 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/model/init.h"
 #include "glmtune/model/lora.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/train/plan.h"
 #include "support/cli.h"
 #include "support/random_model.h"
+#include "support/temp_dir.h"
 
 namespace {
 
@@ -86,6 +91,44 @@ TEST(Plan, ExpertAdaptersAreCountedPerExpert) {
   lora.experts = true;
   const int64_t with = int64_t(train::plan_lora_modules(config, lora).size());
   EXPECT_EQ(with - without, c.count(model::MlpKind::sparse) * c.n_routed_experts * 3);
+}
+
+// An FP8 base: the values the plan keeps at 1 byte are exactly the FP8 tensors of a checkpoint in
+// the FP8 release's layout (init --fp8), and the running layer's dequantised copy is the largest
+// layer's FP8 tensors in bf16.
+TEST(Plan, Fp8BaseHoldsWhatTheFp8LayoutStoresInFp8) {
+  const model::ModelConfig config = model::ModelConfig::preset("tiny");
+  test::TempDir dir("plan-fp8");
+  model::InitOptions init;
+  init.fp8 = true;
+  model::write_random_checkpoint(config, dir.path() / "fp8", init);
+  const io::CheckpointReader reader = io::CheckpointReader::open(dir.path() / "fp8");
+  std::map<int64_t, double> per_layer;
+  double fp8_values = 0;
+  const std::string root = "model.language_model.layers.";
+  for (const std::string& name : reader.names()) {
+    if (reader.info(name).dtype != DType::fp8e4m3) continue;
+    const double n = double(shape_numel(reader.info(name).shape));
+    fp8_values += n;
+    per_layer[std::stoll(name.substr(root.size()))] += n;
+  }
+  double largest = 0;
+  for (const auto& [layer, n] : per_layer) largest = std::max(largest, n);
+  ASSERT_GT(fp8_values, 0);
+
+  train::PlanOptions o;
+  o.gpus = 1;
+  o.lora = train::PlanLora{};
+  o.base = train::PlanBase::fp8;
+  const train::MemoryPlan plan = train::plan_memory(config, o);
+  const auto item = [&](const std::string& what) {
+    for (const train::PlanItem& i : plan.items)
+      if (i.item.starts_with(what)) return i.bytes;
+    ADD_FAILURE() << "no plan item '" << what << "'";
+    return 0.0;
+  };
+  EXPECT_EQ(item("fp8 values"), fp8_values);
+  EXPECT_EQ(item("fp8 base: the running layer dequantised"), 2 * largest);
 }
 
 TEST(Plan, FewerActivationBytesWithMoreRecomputeAndFewerExpertBytesWithMoreEp) {

@@ -533,8 +533,16 @@ TEST(Recipe, LoraSection) {
   EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ndropout = 0.1\ntarget_modules = [\"q_proj\"]\n"),
                       "without dropout", "lora.dropout", "dropout = 0");
   EXPECT_RECIPE_ERROR(
-      error_of(kMinimal + "[lora]\nbase = \"fp8\"\ntarget_modules = [\"q_proj\"]\n"), "FP8 base",
-      "lora.base", "bf16");
+      error_of(kMinimal + "[lora]\nbase = \"fp16\"\ntarget_modules = [\"q_proj\"]\n"), "fp16",
+      "lora.base", "fp8");
+  // An FP8 base: parsed, and written back by to_toml.
+  const Recipe fp8 =
+      Recipe::parse(kMinimal + "[lora]\nbase = \"fp8\"\ntarget_modules = [\"q_proj\"]\n", "r.toml");
+  ASSERT_TRUE(fp8.lora.has_value());
+  EXPECT_TRUE(fp8.lora->fp8_base);
+  EXPECT_TRUE(Recipe::parse(fp8.to_toml(), "again.toml").lora->fp8_base);
+  EXPECT_FALSE(
+      Recipe::parse(kMinimal + "[lora]\ntarget_modules = [\"q_proj\"]\n", "r.toml").lora->fp8_base);
   EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\nr = 8\ntarget_modules = [\"q_proj\"]\n"),
                       "unknown key", "lora.r", "rank");
 

@@ -13,8 +13,11 @@
 
 namespace glmtune::model {
 
-// A fresh CPU tensor of spec.shape / spec.dtype holding the initial values.
-Tensor initial_value(const ModelConfig& config, const ParamSpec& spec, uint64_t seed);
+// A fresh CPU tensor of spec.shape / spec.dtype holding the initial values. `draw` is where the
+// normal draws are made: a GPU makes the same counter-based stream far faster than the CPU, its
+// math library possibly differing from the CPU's in a last bit (benchmarks' random models).
+Tensor initial_value(const ModelConfig& config, const ParamSpec& spec, uint64_t seed,
+                     Device draw = Device::cpu());
 
 struct InitOptions {
   uint64_t seed = 0;
@@ -24,7 +27,18 @@ struct InitOptions {
   // Files copied into the checkpoint directory (source path, name inside the directory), written
   // atomically together with the weights.
   std::vector<std::pair<std::filesystem::path, std::string>> extra_files;
+  // The FP8 release's layout: the weights it stores in FP8 (released_in_fp8) quantised from their
+  // random values into e4m3 with a float32 `weight_scale_inv` per 128 × 128 block (ops/fp8.h's
+  // rule), and config.json with the release's quantization_config.
+  bool fp8 = false;
+  Device draw = Device::cpu();  // initial_value's `draw`
 };
+
+// Whether the FP8 release stores `spec` in FP8 (e4m3 + weight_scale_inv): the routed and shared
+// experts, the dense MLPs and the MLA projections q_a, q_b, kv_a and o of the DSA layers (MTP
+// included); everything else (KDA layers, kv_b_proj, the indexer, router, norms, embeddings, head,
+// vision) stays as stored.
+bool released_in_fp8(const ModelConfig& config, const ParamSpec& spec);
 
 // Writes a complete random checkpoint (shards, index, config.json, generation_config.json) into
 // `dir`, atomically. Memory holds one tensor at a time.

@@ -46,6 +46,10 @@ struct LoraConfig {
   // parameter name equal to the entry or ending in "." + it), e.g. "mlp.experts.gate_up_proj".
   // PEFT's "all-linear" does not include them.
   std::vector<std::string> target_parameters;
+  // The frozen base's decoder-layer weights that the checkpoint stores in FP8 stay in FP8 on the
+  // device, dequantised per layer around each use (model/text/fp8_layers.h); false: dequantised
+  // to bf16 at load. The same values either way.
+  bool fp8_base = false;
 
   double scale() const;
   // Throws glmtune::Error naming `where` for a rank below 1, a negative alpha, a dropout outside

@@ -12,6 +12,7 @@
 #include "glmtune/base/error.h"
 #include "glmtune/base/overloaded.h"
 #include "glmtune/dist/parallel.h"
+#include "glmtune/model/init.h"
 #include "glmtune/model/layout.h"
 #include "glmtune/model/lora.h"
 #include "glmtune/model/text/backward.h"
@@ -37,12 +38,6 @@ bool is_routed_expert(const std::string& name) {
 // The mHC mixing matrices: bf16 in the checkpoint, f32 on a GPU (model/text/weights.h).
 bool is_hc_mixing(const std::string& name) {
   return name.find(".hc_") != std::string::npos && name.ends_with("_fn");
-}
-
-int64_t layer_of(const std::string& name) {
-  static const std::regex re(R"(\.layers\.(\d+)\.)");
-  std::smatch m;
-  return std::regex_search(name, m, re) ? std::stoll(m[1].str()) : -1;
 }
 
 bool lora_matches(const PlanLora& lora, const std::optional<std::regex>& re,
@@ -75,21 +70,6 @@ double MemoryPlan::part_bytes(const std::string& part) const {
   for (const PlanItem& i : items)
     if (i.part == part) sum += i.bytes;
   return sum;
-}
-
-bool stored_fp8_in_release(const model::ModelConfig& config, const std::string& name) {
-  const model::TextConfig& c = config.text();
-  if (!name.ends_with("_proj.weight") && !name.ends_with("_proj_with_mqa.weight")) return false;
-  const int64_t layer = layer_of(name);
-  if (layer < 0 || name.find(".indexer.") != std::string::npos) return false;
-  if (name.find(".mlp.") != std::string::npos) return true;  // experts, shared, dense MLP
-  const bool dsa =
-      layer >= c.num_hidden_layers || c.layer_types[size_t(layer)] == model::AttnKind::dsa;
-  if (!dsa) return false;  // every KDA tensor is BF16 in the release
-  for (const char* p : {".self_attn.q_a_proj.", ".self_attn.q_b_proj.",
-                        ".self_attn.kv_a_proj_with_mqa.", ".self_attn.o_proj."})
-    if (name.find(p) != std::string::npos) return true;
-  return false;  // kv_b_proj stays BF16
 }
 
 std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, const PlanLora& lora) {
@@ -237,6 +217,7 @@ MemoryPlan plan_impl(const model::ModelConfig& config, const PlanOptions& o, boo
   double w_bf16 = 0, w_f32 = 0, w_fp8 = 0, w_scales = 0, w_frozen_bf16 = 0;
   double g_f32 = 0, opt_master = 0, opt_moments = 0;
   std::vector<double> layer_weight(size_t(L + 1), 0), layer_grad(size_t(L + 1), 0);
+  std::vector<double> layer_fp8(size_t(L + 1), 0);  // FP8-held elements per layer (MTP last)
   double fsdp_weight_slices = 0, fsdp_grad_slices = 0;
   const bool lora = o.lora.has_value();
   for (const model::ParamSpec& s : model::released_layout(config)) {
@@ -252,11 +233,12 @@ MemoryPlan plan_impl(const model::ModelConfig& config, const PlanOptions& o, boo
     // fsdp shards the decoder layers over dp; ep's expert slices stay out of it.
     const bool sharded = o.fsdp && in_layer && !(expert && o.ep > 1);
     double bytes;
-    if (o.base == PlanBase::fp8 && !trained && stored_fp8_in_release(config, s.name)) {
+    if (o.base == PlanBase::fp8 && !trained && model::released_in_fp8(config, s)) {
       const int64_t blocks = ((s.shape[0] + 127) / 128) * ((s.shape[1] + 127) / 128);
       const double scales = double(blocks) * 4 / (expert ? ep : 1.0);
       w_fp8 += local;
       w_scales += scales;
+      if (layer >= 0 && layer <= L) layer_fp8[size_t(layer)] += local;
       bytes = local + scales;
     } else if (model::is_fp32_kept(s.name) || is_hc_mixing(s.name)) {
       bytes = local * 4;
@@ -299,6 +281,10 @@ MemoryPlan plan_impl(const model::ModelConfig& config, const PlanOptions& o, boo
         "the indexer, and the whole base under LoRA");
     add("weights", "fp8 values (frozen, FP8 in the release)", w_fp8, "1 byte a value");
     add("weights", "fp8 block scales (f32, 128x128)", w_scales);
+    // Each layer's FP8 tensors are dequantised to bf16 right before it runs and dropped after.
+    add("weights", "fp8 base: the running layer dequantised (bf16)",
+        2 * *std::max_element(layer_fp8.begin(), layer_fp8.end()),
+        "one layer at a time, forward and backward");
     add("weights", "f32 (A_log, dt_bias, conv, router bias, mHC)", w_f32);
   }
 
@@ -318,9 +304,7 @@ MemoryPlan plan_impl(const model::ModelConfig& config, const PlanOptions& o, boo
     plan.trained_params = plan.adapter_params;
     const double local = dense_elems + expert_elems / ep;
     add("adapters", "LoRA A and B (f32, trained)", local * 4,
-        o.lora->experts ? "includes the routed experts' adapters, which glmtune trains on the CPU, "
-                          "not yet on a GPU"
-                        : "");
+        o.lora->experts ? "includes the routed experts' adapters" : "");
     g_f32 += local * 4;
     const double shard = dp > 1 ? (dense_elems + expert_elems) / dp : local;
     opt_moments += shard * 8;  // f32-stored: each adapter is its own master

@@ -32,8 +32,8 @@ struct PlanLora {
   // whole module names (model/lora.h).
   std::vector<std::string> target_modules = {"all-linear"};
   std::string target_regex;
-  // Adapters on every routed expert's gate/up/down projection too (lora.target_parameters), which
-  // glmtune trains on the CPU; on a GPU they are refused, so a GPU plan with them is a forecast.
+  // Adapters on every routed expert's gate/up/down projection too (lora.target_parameters; refused
+  // under expert parallelism).
   bool experts = false;
 };
 
@@ -90,10 +90,5 @@ MemoryPlan plan_memory(const model::ModelConfig& config, const PlanOptions& opti
 // model::resolve_lora_targets picks from a loaded model (tests/unit/test_plan.cpp holds them
 // equal). With `experts`, also each routed expert's projections "...mlp.experts.<e>.gate_proj".
 std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, const PlanLora& lora);
-
-// Whether the FP8 release stores released tensor `name` in FP8 (docs/checkpoints.md): the routed
-// and shared experts, the dense MLPs, and the MLA q_a / q_b / kv_a / o projections of the DSA and
-// MTP layers.
-bool stored_fp8_in_release(const model::ModelConfig& config, const std::string& name);
 
 }  // namespace glmtune::train

@@ -90,7 +90,9 @@ const std::vector<SectionSpec>& schema() {
          "PEFT's module suffixes, [\"all-linear\"], or one regular expression as a string"},
         {"target_parameters", "[\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]",
          "PEFT's parameter suffixes: the routed experts' fused parameters"},
-        {"base", "\"bf16\"", "bf16 (fp8 bases are not supported yet)"}}},
+        {"base", "\"fp8\"",
+         "\"fp8\": the base's FP8 weights stay in FP8 (dequantised per layer around each use); "
+         "\"bf16\": dequantised at load"}}},
   };
   return s;
 }
@@ -692,9 +694,7 @@ void parse_lora(const Reader& rd, const toml::table& t, Recipe& r) {
                         type_name(*n)),
             rd.example_fix("lora", "target_modules"));
   }
-  if (auto base = rd.choice("lora", "base", {"bf16", "fp8"}); base && *base == "fp8")
-    rd.fail("lora", "base", "an FP8 base is not supported yet: the base is loaded in bf16",
-            "write base = \"bf16\" (an FP8 checkpoint is dequantised to bf16 at load)");
+  if (auto base = rd.choice("lora", "base", {"bf16", "fp8"})) c.fp8_base = *base == "fp8";
   r.lora = c;
 }
 
@@ -925,7 +925,7 @@ std::string Recipe::to_toml() const {
       for (const auto& p : lora->target_parameters) params += (params.empty() ? "" : ", ") + str(p);
       out += "target_parameters = [" + params + "]\n";
     }
-    out += "base = \"bf16\"\n";
+    out += fmt::format("base = \"{}\"\n", lora->fp8_base ? "fp8" : "bf16");
   }
   return out;
 }

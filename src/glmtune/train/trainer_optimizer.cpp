@@ -87,10 +87,11 @@ std::vector<std::string> nonfinite_gradient_names(
 std::vector<std::string> nonfinite_stored_weights(
     const model::ParamStore& store, const std::function<bool(const std::string&)>& skip,
     size_t limit) {
-  // The store's tensor when it holds one (sharded decoder layers are dropped from it).
+  // The store's tensor when it holds one (sharded decoder layers are dropped from it; an FP8
+  // base's deferred tensors are placeholders of frozen values).
   return first_nonfinite(released_views(store,
                                         [&](const model::InternalParam& p) -> const Tensor* {
-                                          if (skip && skip(p.name)) return nullptr;
+                                          if (p.deferred || (skip && skip(p.name))) return nullptr;
                                           return p.value.defined() ? &p.value : nullptr;
                                         }),
                          limit);

@@ -276,12 +276,26 @@ TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
     return in_decoder_layer(name, num_layers) && !name.ends_with("e_score_correction_bias") &&
            !(expert_sharded && model::is_fused_expert_tensor(name));
   };
-  model::ParamStore store = model::ParamStore::load(
-      *reader, config, layout.expert_range(),
-      layout.fsdp ? std::function<bool(const std::string&)>(sliced_later) : nullptr);
+  // lora.base = "fp8": the base's FP8 decoder-layer weights are not dequantised here either; they
+  // go to the device as codes and scales (hold_fp8_base).
+  const bool fp8_base = recipe.lora && recipe.lora->fp8_base;
+  if (fp8_base && (layout.fsdp || layout.expert_sharded))
+    throw Error(fmt::format("lora.base = \"fp8\" with {}: an FP8 base is held whole by each "
+                            "process, not in slices",
+                            layout.fsdp ? "train.fsdp" : "train.ep_size"),
+                recipe.source() + ": lora.base",
+                fmt::format("write base = \"bf16\", or drop {}", layout.fsdp ? "fsdp" : "ep_size"));
+  const auto held_in_fp8 = [&](const std::string& name) {
+    return model::text::stored_in_fp8(*reader, name, num_layers);
+  };
+  model::ParamStore store =
+      model::ParamStore::load(*reader, config, layout.expert_range(),
+                              layout.fsdp ? std::function<bool(const std::string&)>(sliced_later)
+                              : fp8_base  ? std::function<bool(const std::string&)>(held_in_fp8)
+                                          : nullptr);
   // The checkpoint mapping is read-only; the optimizer and the bias update write in place.
   make_params_writable(store);
-  if (!layout.fsdp) reader.reset();
+  if (!layout.fsdp && !fp8_base) reader.reset();
   VlTraining* vl = data.vl();
   if (recipe.lora) attach_lora(recipe, layout, resume, store);
   const FreezePlan freeze = freeze_parameters(recipe, store, vl != nullptr);
@@ -300,6 +314,28 @@ PieceReader TrainingWeights::read_piece() const {
     return p.deferred ? store.read_elements(*reader, name, begin, count)
                       : p.value.reshape({-1}).narrow(0, begin, count).clone();
   };
+}
+
+void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text::TextModel& model,
+                   model::text::TrainOptions& train) {
+  if (!weights.reader || layout.fsdp) return;
+  const bool any = std::any_of(weights.store.params().begin(), weights.store.params().end(),
+                               [](const model::InternalParam& p) { return p.deferred; });
+  if (!any) {
+    spdlog::warn(
+        "lora.base = \"fp8\": the checkpoint stores no decoder-layer weight in FP8; "
+        "the base is held as stored");
+    return;
+  }
+  layout.fp8_base.emplace(model.weights(), weights.store, *weights.reader);
+  train.layer_params = &*layout.fp8_base;
+  train.mtp_params = &*layout.fp8_base;
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  spdlog::info(
+      "lora.base = \"fp8\": {} layer tensors held in FP8 on {}: {:.2f} GiB ({:.2f} "
+      "GiB in bf16), dequantised per layer around each use",
+      layout.fp8_base->tensors(), model.weights().device.str(),
+      double(layout.fp8_base->held_bytes()) / kGiB, double(layout.fp8_base->bf16_bytes()) / kGiB);
 }
 
 model::text::TextModel& build_model(const Recipe& recipe, const ParallelLayout& layout,

@@ -68,13 +68,19 @@ struct TrainingWeights {
   PieceReader read_piece() const;
 
   model::ModelConfig config;
-  std::optional<io::CheckpointReader> reader;  // kept until the fsdp slices are read
+  std::optional<io::CheckpointReader> reader;  // kept until the fsdp slices or FP8 base are read
   model::ParamStore store;
 };
 // Plans the ep layout (ParallelLayout::plan_experts) and loads the weights; glmtune::Error when
 // the tokenizer holds more tokens than the model.
 TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
                              const ResumePoint* resume, const TrainingData& data);
+
+// lora.base = "fp8": the store's deferred FP8 tensors go to the model's device as codes and
+// scales (layout.fp8_base), which the layer loops dequantise around each use (train.layer_params).
+// Nothing when the store holds none deferred.
+void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text::TextModel& model,
+                   model::text::TrainOptions& train);
 
 // The text model the steps run (the VL model's text part for vision-language data), built from
 // the store once the optimizer state is restored; `text_model` holds it when there is no VL model.

@@ -433,6 +433,7 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
   ctx->final_streams = streams;
 
   if (model.has_mtp() && opt.mtp && opt.mtp_depths > 0) {
+    if (opt.mtp_params) opt.mtp_params->gather(c.num_hidden_layers);
     ctx->mtp.resize(size_t(opt.mtp_depths));
     Tensor h = hidden;
     for (int64_t k = 1; k <= opt.mtp_depths; ++k) {
@@ -452,6 +453,7 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
       ctx->mtp_labels.push_back(shard(shift_labels(in.labels, cu_t, k), row_begin, rows));
       h = std::move(r.hidden);
     }
+    if (opt.mtp_params) opt.mtp_params->release(c.num_hidden_layers);
   }
   out.context = std::move(ctx);
   return out;
@@ -540,6 +542,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
     result.mtp_loss_sum.assign(size_t(depths), 0.0);
     result.mtp_tokens.assign(size_t(depths), 0);
     const std::vector<int64_t> ids = supplied ? std::vector<int64_t>() : ids_of(in.input_ids);
+    if (opt.mtp_params) opt.mtp_params->gather(tc.num_hidden_layers);
     Tensor d_next;
     for (int64_t k = depths; k >= 1; --k) {
       const MtpContext& saved = fc.mtp[size_t(k - 1)];
@@ -589,6 +592,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
             g.d_future, pad, grads.embed_tokens);
       }
     }
+    if (opt.mtp_params) opt.mtp_params->release(tc.num_hidden_layers);
   }
 
   // Decoder layers, last first.

@@ -124,6 +124,9 @@ struct TrainOptions {
   // buffers of TextGrads for decoder layers exist only in between; the provider holds the
   // reduced slices. Null: the weights are whole and the gradients stay in TextGrads.
   LayerParamProvider* layer_params = nullptr;
+  // The MTP layer's parameters held the same way (gather / release with the layer index
+  // num_hidden_layers, around its depths in the forward and in the backward); null: whole.
+  LayerParamProvider* mtp_params = nullptr;
 };
 
 // The per-layer policy of `layers` decoder layers from the recipe's two fractions: the first

@@ -1,0 +1,68 @@
+#pragma once
+// A frozen base kept in FP8: the decoder-layer weights that the checkpoint stores as FP8 e4m3 with
+// 128 × 128 block scales (io/fp8.h) stay in that form on the model's device, about half the bytes
+// of their bf16 values, and each layer's are dequantised into its tensors right before the layer
+// runs (forward, recompute, backward) and dropped after, through the LayerParamProvider protocol
+// of layer.h that fully sharded layers use. The values the layer computes with are exactly those
+// of the bf16 load (the same single rounding of the exact product), so a run with the base in FP8
+// follows the run with the base dequantised at load bit for bit; it only holds less.
+//
+// Only frozen tensors qualify (nothing updates the codes): the base under [lora]. The MTP layer's
+// tensors are held the same way, under the layer index num_hidden_layers (TrainOptions::
+// mtp_params).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "glmtune/io/checkpoint.h"
+#include "glmtune/model/param_store.h"
+#include "glmtune/model/text/layer.h"
+#include "glmtune/model/text/weights.h"
+
+namespace glmtune::model::text {
+
+// Whether internal parameter `name` (a decoder layer's or the MTP layer's, of a model with
+// `num_layers` decoder layers) is
+// assembled only from FP8 weights with block-scale companions in `reader`: the test of which
+// tensors a load may defer (ParamStore::load's `defer`) to hold them in FP8.
+bool stored_in_fp8(const io::CheckpointReader& reader, const std::string& name, int64_t num_layers);
+
+class Fp8Layers final : public LayerParamProvider {
+ public:
+  // Takes every deferred decoder- or MTP-layer tensor of `store` (loaded with stored_in_fp8 as its
+  // defer test; each must be frozen) from `reader` onto `weights.device` as codes and scales, and
+  // releases their placeholders in `weights`. InternalError for a deferred tensor that is trained
+  // or not in FP8.
+  Fp8Layers(TextWeights& weights, const ParamStore& store, const io::CheckpointReader& reader);
+
+  void gather(int64_t layer) override;
+  void prefetch(int64_t) override {}
+  void release(int64_t layer) override;
+  // The frozen tensors have no gradient; the layers' other buffers stay as the model made them.
+  void allocate_gradients(int64_t) override {}
+  void reduce_gradients(int64_t) override {}
+
+  // Tensors held and the device bytes of their codes and scales; the bytes their bf16 values
+  // would take.
+  int64_t tensors() const { return tensors_; }
+  int64_t held_bytes() const { return held_bytes_; }
+  int64_t bf16_bytes() const { return bf16_bytes_; }
+
+ private:
+  struct Held {
+    Tensor* field = nullptr;    // in TextWeights::layers[l]
+    std::vector<size_t> named;  // its entries in TextWeights::named
+    Shape shape;
+    DType dtype = DType::bf16;  // the field's (the model's compute dtype for it)
+    Tensor codes;               // fp8e4m3 [pieces · piece_rows, cols]
+    Tensor scales;              // f32 [pieces, ceil(piece_rows / 128), ceil(cols / 128)]
+    int64_t piece_rows = 0;
+  };
+
+  TextWeights& weights_;
+  std::vector<std::vector<Held>> layers_;
+  int64_t tensors_ = 0, held_bytes_ = 0, bf16_bytes_ = 0;
+};
+
+}  // namespace glmtune::model::text
