@@ -7,13 +7,17 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <set>
+#include <string>
 
 #include "command.h"
 #include "config_options.h"
 #include "glmtune/base/error.h"
 #include "glmtune/io/checkpoint.h"
+#include "glmtune/model/init.h"
 #include "glmtune/model/layout.h"
 #include "glmtune/model/param_store.h"
+#include "glmtune/train/plan.h"
 #include "glmtune/train/state.h"
 
 namespace {
@@ -162,6 +166,19 @@ GLMTUNE_COMMAND(
           report = model::check_checkpoint(reader, config);
         }
 
+        // The device bytes of the weights under each way of holding them: the checkpoint's own FP8
+        // tensors, or where it has none, those the FP8 release stores in FP8.
+        const bool stored_fp8 = report && !report->fp8_weights.empty();
+        const std::set<std::string> fp8_names =
+            stored_fp8
+                ? std::set<std::string>(report->fp8_weights.begin(), report->fp8_weights.end())
+                : std::set<std::string>();
+        const train::WeightBytes device =
+            train::device_weight_bytes(config, [&](const model::ParamSpec& s) {
+              return stored_fp8 ? fp8_names.count(s.name) > 0 : model::released_in_fp8(config, s);
+            });
+        constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
         if (a->json) {
           Json out = {{"source", a->dir.empty() ? "preset " + a->config.preset : a->dir},
                       {"config",
@@ -177,7 +194,14 @@ GLMTUNE_COMMAND(
                         {"mtp_layers", t.num_nextn_predict_layers},
                         {"vision", config.vision().has_value()}}},
                       {"schedule", schedule_string(t)},
-                      {"params", counts_json(counts)}};
+                      {"params", counts_json(counts)},
+                      {"device_weight_bytes",
+                       {{"bf16", device.bf16},
+                        {"fp8_base", device.fp8()},
+                        {"fp8_values", device.fp8_values},
+                        {"fp8_scales", device.fp8_scales},
+                        {"fp8_running_layer", device.fp8_running_layer},
+                        {"fp8_from", stored_fp8 ? "checkpoint" : "release layout"}}}};
           if (report) {
             out["checkpoint"] = {{"tensors", report->tensors},
                                  {"bytes", report->bytes},
@@ -228,6 +252,14 @@ GLMTUNE_COMMAND(
         std::printf(
             "  %ld tensors, %.2f GB as stored by glmtune (bf16, fp32-kept parameters in f32)\n",
             counts.tensors, counts.bytes / 1e9);
+        std::printf("weights on a GPU (docs/plan.md counts a whole run):\n");
+        std::printf("  dequantised to bf16 at load             %9.2f GiB\n", device.bf16 / kGiB);
+        std::printf(
+            "  FP8 kept (lora.base = \"fp8\")            %9.2f GiB: %.2f in FP8 codes and "
+            "scales%s, the running layer %.2f in bf16, the rest %.2f\n",
+            device.fp8() / kGiB, (device.fp8_values + device.fp8_scales) / kGiB,
+            stored_fp8 ? "" : " (as the FP8 release stores them)", device.fp8_running_layer / kGiB,
+            device.fp8_others / kGiB);
         if (report) {
           std::printf("checkpoint: %ld tensors, %.2f GB on disk\n", report->tensors,
                       report->bytes / 1e9);

@@ -217,3 +217,59 @@ TEST_F(CliTest, InspectNamesFloat32TensorsOfBf16Parameters) {
   Result released = run("inspect " + path("m"));
   EXPECT_EQ(released.output.find("stored in f32 that the release"), std::string::npos);
 }
+
+// init --fp8 writes the FP8 release's layout: the release's FP8 tensors as e4m3 with a float32
+// block-scale companion each, and a quantization_config. inspect reports the weights' device bytes
+// both ways: dequantised, and kept in FP8 (its codes are the checkpoint's FP8 tensors, one byte
+// each); the same model without --fp8 gives the same bf16 figure and counts the release's FP8 set.
+TEST_F(CliTest, InitFp8WritesTheReleasedFp8LayoutAndInspectCountsItsDeviceBytes) {
+  ASSERT_EQ(run("init --preset tiny --seed 3 --fp8 --out " + path("fp8")).code, 0);
+  ASSERT_EQ(run("init --preset tiny --seed 3 --out " + path("bf16")).code, 0);
+  const auto reader = glmtune::io::CheckpointReader::open(path("fp8"));
+  double fp8_values = 0;
+  int64_t fp8_tensors = 0;
+  for (const std::string& name : reader.names()) {
+    if (reader.info(name).dtype != glmtune::DType::fp8e4m3) continue;
+    ++fp8_tensors;
+    fp8_values += double(glmtune::shape_numel(reader.info(name).shape));
+    const std::string scale = name.substr(0, name.size() - 7) + ".weight_scale_inv";
+    ASSERT_TRUE(reader.contains(scale)) << name;
+    EXPECT_EQ(reader.info(scale).dtype, glmtune::DType::f32) << scale;
+    // Which tensors: experts, shared experts, the dense MLP and the MLA projections, never a
+    // KDA projection, kv_b_proj or the indexer.
+    EXPECT_TRUE(name.find(".mlp.") != std::string::npos ||
+                name.find(".self_attn.q_a_proj.") != std::string::npos ||
+                name.find(".self_attn.q_b_proj.") != std::string::npos ||
+                name.find(".self_attn.kv_a_proj_with_mqa.") != std::string::npos ||
+                name.find(".self_attn.o_proj.") != std::string::npos)
+        << name;
+    EXPECT_EQ(name.find(".indexer."), std::string::npos) << name;
+  }
+  // tiny: 1 dense MLP (3), 4 MoE layers and the MTP layer with 8 experts (5 x (2 x 8 + 1) fused
+  // tensors count per expert: 5 x 8 x 3) and a shared expert (5 x 3), MLA in layer 3 and MTP (2 x
+  // 4).
+  EXPECT_EQ(fp8_tensors, 3 + 5 * 8 * 3 + 5 * 3 + 2 * 4);
+  const auto config = nlohmann::json::parse(std::ifstream(path("fp8/config.json")));
+  EXPECT_EQ(config["quantization_config"]["quant_method"], "fp8");
+  EXPECT_EQ(config["quantization_config"]["weight_block_size"], nlohmann::json({128, 128}));
+
+  Result fp8 = run("inspect " + path("fp8") + " --json");
+  ASSERT_EQ(fp8.code, 0) << fp8.output;
+  const auto d = nlohmann::json::parse(fp8.output)["device_weight_bytes"];
+  EXPECT_EQ(d["fp8_values"].get<double>(), fp8_values);
+  EXPECT_EQ(d["fp8_from"], "checkpoint");
+  EXPECT_LT(d["fp8_base"].get<double>(),
+            d["bf16"].get<double>() + d["fp8_running_layer"].get<double>());
+  Result bf16 = run("inspect " + path("bf16") + " --json");
+  ASSERT_EQ(bf16.code, 0) << bf16.output;
+  const auto b = nlohmann::json::parse(bf16.output)["device_weight_bytes"];
+  EXPECT_EQ(b["bf16"], d["bf16"]);
+  EXPECT_EQ(b["fp8_values"], d["fp8_values"]);
+  EXPECT_EQ(b["fp8_from"], "release layout");
+  EXPECT_CONTAINS(run("inspect " + path("fp8")).output, "FP8 kept (lora.base = \"fp8\")");
+  // At the released width the FP8 base is the smaller one, the running layer included.
+  Result crop = run("inspect --preset crop25b --json");
+  ASSERT_EQ(crop.code, 0) << crop.output;
+  const auto c = nlohmann::json::parse(crop.output)["device_weight_bytes"];
+  EXPECT_LT(c["fp8_base"].get<double>(), 0.9 * c["bf16"].get<double>());
+}

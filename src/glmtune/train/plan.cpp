@@ -72,6 +72,27 @@ double MemoryPlan::part_bytes(const std::string& part) const {
   return sum;
 }
 
+WeightBytes device_weight_bytes(const model::ModelConfig& config,
+                                const std::function<bool(const model::ParamSpec&)>& in_fp8) {
+  WeightBytes w;
+  std::map<int64_t, double> layer_fp8;
+  for (const model::ParamSpec& s : model::released_layout(config)) {
+    const double n = double(s.numel());
+    const double held = (model::is_fp32_kept(s.name) || is_hc_mixing(s.name) ? 4 : 2) * n;
+    w.bf16 += held;
+    if (in_fp8 && s.shape.size() == 2 && in_fp8(s)) {
+      w.fp8_values += n;
+      w.fp8_scales += 4.0 * double(((s.shape[0] + 127) / 128) * ((s.shape[1] + 127) / 128));
+      layer_fp8[s.layer] += n;
+    } else {
+      w.fp8_others += held;
+    }
+  }
+  for (const auto& [layer, n] : layer_fp8)
+    w.fp8_running_layer = std::max(w.fp8_running_layer, 2 * n);
+  return w;
+}
+
 std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, const PlanLora& lora) {
   std::optional<std::regex> re;
   if (!lora.target_regex.empty()) try {

@@ -14,11 +14,13 @@
 // set of the layer being differentiated.
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "glmtune/model/config.h"
+#include "glmtune/model/layout.h"
 
 namespace glmtune::train {
 
@@ -90,5 +92,18 @@ MemoryPlan plan_memory(const model::ModelConfig& config, const PlanOptions& opti
 // model::resolve_lora_targets picks from a loaded model (tests/unit/test_plan.cpp holds them
 // equal). With `experts`, also each routed expert's projections "...mlp.experts.<e>.gate_proj".
 std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, const PlanLora& lora);
+
+// The device bytes of a model's weights (text, MTP and vision) under the two ways of holding a
+// frozen base: every tensor as the GPU computes with it (bf16; the fp32-kept parameters and the mHC
+// mixing matrices f32), or with the tensors `in_fp8` picks kept as FP8 codes and f32 128 × 128
+// block scales, plus the largest layer's FP8 tensors dequantised while that layer runs
+// (lora.base = "fp8", model/text/fp8_layers.h).
+struct WeightBytes {
+  double bf16 = 0;
+  double fp8_values = 0, fp8_scales = 0, fp8_running_layer = 0, fp8_others = 0;
+  double fp8() const { return fp8_values + fp8_scales + fp8_running_layer + fp8_others; }
+};
+WeightBytes device_weight_bytes(const model::ModelConfig& config,
+                                const std::function<bool(const model::ParamSpec&)>& in_fp8);
 
 }  // namespace glmtune::train
