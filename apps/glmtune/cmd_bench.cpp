@@ -106,7 +106,7 @@ fs::path prepare_model(const BenchArgs& a, model::ModelConfig& config) {
     model::InitOptions init;
     init.seed = a.seed;
     init.fp8 = a.base == "fp8";
-    // The GPU draws the normal values some hundred times faster than the host.
+    // The GPU draws the same normal values far faster than the host.
     init.draw = Device::parse(a.device);
     model::write_random_checkpoint(config, dir, init);
   }

@@ -815,4 +815,26 @@ TEST(DistTrainLora, ExpertAdaptersFollowTheSingleProcessOrAreRefused) {
   EXPECT_FALSE(fs::exists(dir / "ep2" / "checkpoints"));
 }
 
+// Adapter dropout: the masks are keyed by the step and the pack's index in the whole step, so data
+// parallelism draws what the single process draws and follows it exactly; sequence parallelism,
+// whose shards would draw from their own rows, refuses it naming train.sp_size.
+TEST(DistTrainLora, DropoutUnderDataParallelismFollowsTheSingleProcess) {
+  glmtune::test::TempDir dir("dist-train-lora-dropout");
+  const fs::path recipe = write_recipe(dir.path(), 10, 5, true);
+  std::ofstream(recipe, std::ios::app) << "[lora]\nrank = 4\nalpha = 8\ndropout = 0.1\n"
+                                       << "target_modules = [\"all-linear\"]\n";
+  std::vector<nlohmann::json> single;
+  ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
+  const std::string adapter = "checkpoints/step-10/adapter/adapter_model.safetensors";
+  const fs::path log = dir / "dp2.log";
+  ASSERT_EQ(train(recipe, 2, false, dir / "dp2", log, 1, 1), 0) << glmtune::test::read_text(log);
+  expect_same_curve(metrics(dir / "dp2"), single, 0);
+  EXPECT_EQ(tensor_table(dir / "dp2" / adapter), tensor_table(dir / "single" / adapter));
+  const fs::path sp_log = dir / "sp2.log";
+  EXPECT_NE(train(recipe, 2, false, dir / "sp2", sp_log, 1, 2), 0);
+  const std::string text = glmtune::test::read_text(sp_log);
+  EXPECT_NE(text.find("lora.dropout"), std::string::npos) << text;
+  EXPECT_NE(text.find("train.sp_size"), std::string::npos) << text;
+}
+
 }  // namespace

@@ -343,6 +343,13 @@ std::vector<LeafRow> leaf_rows() {
                     ops::scale_into(x, 0.7071067811865476);  // an adapter's alpha / sqrt(r)
                     return {{"scaled", x, 1e-2}};
                   }});
+  // The adapters' dropout: the same mask on both devices (counter-based draws), the kept values
+  // scaled by 1 / (1 - p) (a single differing element of the 360 would be over the bar).
+  rows.push_back({"dropout_into", [](const Side& s) -> std::vector<Output> {
+                    Tensor x = s.value({9, 40}, 175);
+                    ops::dropout_into(x, 0.3, 0x5eed);
+                    return {{"dropped", x, 1e-2}};
+                  }});
   // The vision tower's ops (ops/vision.h): rotary tables f32 on the GPU.
   rows.push_back({"rope_2d_", [](const Side& s) -> std::vector<Output> {
                     const int64_t N = 24, H = 3, hd = 16;

@@ -522,4 +522,27 @@ TEST(CudaTrain, LoraOnAnFp8BaseEqualsTheDequantisedBase) {
 #endif
 }
 
+// LoRA with dropout on a GPU: the masks are the CPU's (counter-based draws keyed by seed, step,
+// pack and module), so the run follows the CPU run of the same recipe; kv_b_proj's adapter with
+// dropout takes the per-head attention (its masked input does not merge into the weight).
+TEST(CudaTrain, LoraDropoutRunFollowsTheCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  TempDir dir("cuda-train-lora-dropout");
+  write_gpu_tiny_model(dir.path() / "model");
+  constexpr int kSteps = 10;
+  const auto recipe = [&](const std::string& device) {
+    return train::Recipe::parse(
+        recipe_text(dir.path() / "model", dir.path() / device.substr(0, 3), device, kSteps) +
+            "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\ndropout = 0.1\n",
+        device);
+  };
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const train::TrainSummary cpu = train::run_training(recipe("cpu"), quiet);
+  const train::TrainSummary gpu = train::run_training(recipe("cuda:0"), quiet);
+  ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, kSteps, "LoRA dropout"));
+#endif
+}
+
 }  // namespace

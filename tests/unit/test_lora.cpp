@@ -10,6 +10,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "glmtune/base/error.h"
@@ -21,6 +22,7 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/moe.h"
 #include "support/random_model.h"
@@ -100,6 +102,80 @@ TEST(LoraOps, BackwardMatchesFiniteDifferences) {
     for (auto [name, param, grad] :
          std::vector<std::tuple<const char*, Tensor*, Tensor*>>{{"weight", &l.weight, &g.weight},
                                                                 {"bias", &l.bias, &g.bias},
+                                                                {"lora_A", &l.lora.A, &g.lora.A},
+                                                                {"lora_B", &l.lora.B, &g.lora.B},
+                                                                {"x", &x, &dx}}) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(grad->defined());
+      EXPECT_LE(
+          fd_direction(*param, *grad, random_normal(param->shape(), off += 100, DType::f64), loss),
+          1e-9);
+    }
+  }
+}
+
+// lora_dropout: the mask keeps each element with probability 1 − p and scales it by 1 / (1 − p),
+// the same key redraws the same mask (the backward and a recompute see the forward's), another key
+// another one, and key 0 is no dropout at all.
+TEST(LoraOps, DropoutMasksAndScalesAsItsKeySays) {
+  const double p = 0.25;
+  const Tensor ones = Tensor::full({400, 250}, 1.0, DType::f64);
+  Tensor a = ones.clone(), b = ones.clone(), c = ones.clone();
+  ops::dropout_into(a, p, 77);
+  ops::dropout_into(b, p, 77);
+  ops::dropout_into(c, p, 78);
+  const std::vector<double> va = a.to_doubles(), vb = b.to_doubles(), vc = c.to_doubles();
+  EXPECT_EQ(va, vb);
+  EXPECT_NE(va, vc);
+  int64_t dropped = 0;
+  for (double v : va) {
+    EXPECT_TRUE(v == 0 || v == 1 / (1 - p)) << v;
+    dropped += v == 0;
+  }
+  // 100,000 Bernoulli(0.25) draws: the count is within 6 standard deviations (137) of 25,000.
+  EXPECT_NEAR(double(dropped), p * double(va.size()), 6 * std::sqrt(p * (1 - p) * va.size()));
+  // f32 takes the same mask, the product rounded once.
+  Tensor f = Tensor::full({400, 250}, 1.0, DType::f32);
+  ops::dropout_into(f, p, 77);
+  const std::vector<double> vf = f.to_doubles();
+  for (size_t i = 0; i < va.size(); ++i)
+    ASSERT_EQ(vf[i], va[i] == 0 ? 0.0 : double(float(1 / (1 - p)))) << i;
+
+  // Through a projection: key 0 (evaluation) is the adapter without dropout, bit for bit; an
+  // active key changes the output.
+  ops::Linear l = random_linear(6, 8, 3, 50'000, false);
+  const Tensor x = random_normal({5, 8}, 5, DType::f64);
+  const std::vector<double> plain = ops::linear(x, l).to_doubles();
+  l.lora.dropout = 0.3;
+  EXPECT_EQ(ops::linear(x, l).to_doubles(), plain);
+  l.lora.dropout_key = 12345;
+  EXPECT_NE(ops::linear(x, l).to_doubles(), plain);
+}
+
+// With dropout active the backward is the gradient of the masked function (the mask fixed by the
+// key): every gradient, the input's included, against float64 finite differences.
+TEST(LoraOps, DropoutBackwardMatchesFiniteDifferences) {
+  SCOPED_TRACE(seed_note());
+  const int64_t t = 6, in = 8, out = 5, r = 2;
+  ops::Linear l = random_linear(out, in, r, 60'000, true);
+  l.lora.dropout = 0.4;
+  l.lora.dropout_key = 987654321;
+  Tensor x = random_normal({t, in}, 6, DType::f64);
+  const Tensor dy = random_normal({t, out}, 7, DType::f64);
+  auto loss = [&] { return dot(dy, ops::linear(x, l)); };
+  for (bool add : {false, true}) {
+    SCOPED_TRACE(add ? "linear_backward_add" : "linear_backward");
+    ops::Linear g;
+    Tensor dx;
+    if (add) {
+      dx = Tensor::zeros({t, in}, DType::f64);
+      ops::linear_backward_add(dx, dy, x, l, &g);
+    } else {
+      dx = ops::linear_backward(dy, x, l, &g);
+    }
+    uint64_t off = 70'000;
+    for (auto [name, param, grad] :
+         std::vector<std::tuple<const char*, Tensor*, Tensor*>>{{"weight", &l.weight, &g.weight},
                                                                 {"lora_A", &l.lora.A, &g.lora.A},
                                                                 {"lora_B", &l.lora.B, &g.lora.B},
                                                                 {"x", &x, &dx}}) {
@@ -347,9 +423,20 @@ TEST(LoraModel, TargetsResolveAsPeftMatchesThem) {
   refused(bad, "LM head");
   bad.target_modules = {"qkv_proj"};
   refused(bad, "matches no projection");
-  bad = all_linear();
-  bad.dropout = 0.1;
-  EXPECT_THROW(bad.validate("lora"), Error);
+  // Dropout: a probability, and none on the routed experts' adapters (PEFT refuses it there).
+  LoraConfig dropout = all_linear();
+  dropout.dropout = 0.1;
+  EXPECT_NO_THROW(dropout.validate("lora"));
+  dropout.dropout = 1.0;
+  EXPECT_THROW(dropout.validate("lora"), Error);
+  dropout.dropout = 0.1;
+  dropout.target_parameters = {"mlp.experts.gate_up_proj"};
+  try {
+    dropout.validate("lora");
+    ADD_FAILURE() << "dropout on expert adapters accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.where(), "lora.dropout") << e.what();
+  }
   bad = all_linear();
   bad.rank = 0;
   EXPECT_THROW(bad.validate("lora"), Error);

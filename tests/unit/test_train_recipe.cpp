@@ -530,8 +530,20 @@ TEST(Recipe, LoraSection) {
                       "lora.target_modules", "target_modules");
   EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ntarget_modules = '(q'\n"),
                       "not a regular expression", "lora.target_modules", "regular expression");
-  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ndropout = 0.1\ntarget_modules = [\"q_proj\"]\n"),
-                      "without dropout", "lora.dropout", "dropout = 0");
+  EXPECT_RECIPE_ERROR(error_of(kMinimal + "[lora]\ndropout = 1.0\ntarget_modules = [\"q_proj\"]\n"),
+                      "", "lora.dropout", "");
+  EXPECT_RECIPE_ERROR(
+      error_of(kMinimal +
+               "[lora]\ndropout = 0.1\ntarget_parameters = [\"mlp.experts.down_proj\"]\n"),
+      "take no dropout", "lora.dropout", "dropout = 0");
+  // Dropout parses, round-trips and changes the fingerprint.
+  const Recipe dropped =
+      Recipe::parse(kMinimal + "[lora]\ndropout = 0.05\ntarget_modules = [\"q_proj\"]\n", "r.toml");
+  EXPECT_EQ(dropped.lora->dropout, 0.05);
+  EXPECT_EQ(Recipe::parse(dropped.to_toml(), "again.toml").lora->dropout, 0.05);
+  EXPECT_NE(
+      dropped.fingerprint(1),
+      Recipe::parse(kMinimal + "[lora]\ntarget_modules = [\"q_proj\"]\n", "r.toml").fingerprint(1));
   EXPECT_RECIPE_ERROR(
       error_of(kMinimal + "[lora]\nbase = \"fp16\"\ntarget_modules = [\"q_proj\"]\n"), "fp16",
       "lora.base", "fp8");

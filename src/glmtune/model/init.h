@@ -14,8 +14,7 @@
 namespace glmtune::model {
 
 // A fresh CPU tensor of spec.shape / spec.dtype holding the initial values. `draw` is where the
-// normal draws are made: a GPU makes the same counter-based stream far faster than the CPU, its
-// math library possibly differing from the CPU's in a last bit (benchmarks' random models).
+// normal draws are made: a GPU draws the same counter-based values (tensor/rng.h) far faster.
 Tensor initial_value(const ModelConfig& config, const ParamSpec& spec, uint64_t seed,
                      Device draw = Device::cpu());
 

@@ -208,10 +208,15 @@ void LoraConfig::validate(const std::string& where) const {
   if (!(alpha >= 0) || !std::isfinite(alpha))
     throw Error(fmt::format("alpha {} must be a finite number >= 0", alpha), where + ".alpha",
                 "write e.g. alpha = 32 (PEFT's lora_alpha)");
-  if (dropout != 0)
-    throw Error(fmt::format("dropout {} is not supported: glmtune trains adapters without dropout",
+  if (!(dropout >= 0 && dropout < 1))
+    throw Error(fmt::format("dropout {} must be in [0, 1)", dropout), where + ".dropout",
+                "write e.g. dropout = 0.05 (PEFT's lora_dropout), or 0 for none");
+  // PEFT's adapters on fused expert parameters (ParamWrapper) take no dropout either.
+  if (dropout != 0 && !target_parameters.empty())
+    throw Error(fmt::format("dropout {} with target_parameters: adapters on the routed experts "
+                            "take no dropout (as in PEFT)",
                             dropout),
-                where + ".dropout", "write dropout = 0 (or leave it out)");
+                where + ".dropout", "write dropout = 0, or leave target_parameters out");
   if (target_modules.empty() && target_regex.empty() && target_parameters.empty())
     throw Error("no target modules or parameters", where + ".target_modules",
                 "write e.g. target_modules = [\"q_proj\", \"o_proj\"], or \"all-linear\" (and "

@@ -53,7 +53,7 @@ struct LoraConfig {
 
   double scale() const;
   // Throws glmtune::Error naming `where` for a rank below 1, a negative alpha, a dropout outside
-  // [0, 1) (or not 0: glmtune trains adapters without dropout for now) or no target at all.
+  // [0, 1) (or not 0 beside target_parameters, as PEFT refuses it) or no target at all.
   void validate(const std::string& where) const;
 };
 

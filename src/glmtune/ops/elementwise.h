@@ -15,6 +15,12 @@ namespace glmtune::ops {
 void add_into(Tensor& a, const Tensor& b);
 // a *= s (a contiguous; the adapters' scale): the product in double, rounded once into a's dtype.
 void scale_into(Tensor& a, double s);
+// Dropout in place (the adapters' lora_dropout): element i of a (flat, a contiguous) is kept with
+// probability 1 − p, as rng_uniform_at(key, i) ≥ p (tensor/rng.h: the same draws on every
+// device), and multiplied by 1 / (1 − p) (the product in double, rounded into a's dtype), else
+// set to 0. The same (p, key) on a tensor of the same shape applies the same mask: the backward
+// masks the input gradient with it. p in [0, 1).
+void dropout_into(Tensor& a, double p, uint64_t key);
 // a + b as a new tensor with a's dtype.
 Tensor add(const Tensor& a, const Tensor& b);
 // [a | b] along the last dimension: [T, Da] and [T, Db] -> [T, Da + Db], on a's device.

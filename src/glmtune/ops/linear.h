@@ -20,8 +20,14 @@ struct LoraAdapter {
   Tensor A;
   Tensor B;
   double scale = 0;
+  // PEFT's lora_dropout, while training: the adapter reads dropout_into(x, dropout, dropout_key)
+  // (ops/elementwise.h) instead of x, so a recompute and the backward redraw the same mask. The
+  // trainer sets a fresh key per pack and module; key 0 (evaluation, the default): no dropout.
+  double dropout = 0;
+  uint64_t dropout_key = 0;
 
   bool defined() const { return A.defined(); }
+  bool dropout_active() const { return dropout > 0 && dropout_key != 0; }
 };
 
 // One projection of the model: weight [out, in] (the fused experts: [E, out, in]), an optional

@@ -84,7 +84,7 @@ const std::vector<SectionSpec>& schema() {
       {"lora",
        {{"rank", "16"},
         {"alpha", "32"},
-        {"dropout", "0", "0 (glmtune trains adapters without dropout)"},
+        {"dropout", "0.05", "PEFT's lora_dropout on each adapter's input while training"},
         {"use_rslora", "false"},
         {"target_modules", "[\"q_proj\", \"o_proj\"]",
          "PEFT's module suffixes, [\"all-linear\"], or one regular expression as a string"},
@@ -645,10 +645,11 @@ void parse_lora(const Reader& rd, const toml::table& t, Recipe& r) {
   c.alpha = rd.number("lora", "alpha", 0.0, std::numeric_limits<double>::infinity())
                 .value_or(double(c.rank));
   c.dropout = rd.number("lora", "dropout", 0.0, 1.0, false, true).value_or(0.0);
-  if (c.dropout != 0)
-    rd.fail("lora", "dropout", "glmtune trains adapters without dropout for now",
-            "write dropout = 0 (or leave it out)");
   c.use_rslora = rd.boolean("lora", "use_rslora").value_or(false);
+  if (c.dropout != 0 && rd.find("lora", "target_parameters"))
+    rd.fail("lora", "dropout",
+            "adapters on the routed experts (target_parameters) take no dropout, as in PEFT",
+            "write dropout = 0, or leave target_parameters out");
   if (const toml::node* p = rd.find("lora", "target_parameters")) {
     if (!p->is_array())
       rd.fail("lora", "target_parameters",
@@ -968,6 +969,7 @@ std::string Recipe::fingerprint(int64_t data_parallel_ranks) const {
     j["lora"] = {{"rank", lora->rank},
                  {"alpha", lora->alpha},
                  {"use_rslora", lora->use_rslora},
+                 {"dropout", lora->dropout},
                  {"target_modules", lora->target_modules},
                  {"target_regex", lora->target_regex}};
   // Recipes without expert adapters keep the fingerprints they had.

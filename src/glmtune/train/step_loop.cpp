@@ -104,8 +104,15 @@ StepSums forward_backward(TrainingRun& run, const PackBatch& batch) {
   const size_t first = size_t(run.layout.dp_rank * run.recipe.micro_packs);
   const std::span<const PackInput> my_packs =
       std::span<const PackInput>(batch.inputs).subspan(first, size_t(run.recipe.micro_packs));
+  const double dropout = run.recipe.lora ? run.recipe.lora->dropout : 0.0;
   for (size_t k = 0; k < my_packs.size(); ++k) {
     const PackInput& in = my_packs[k];
+    // lora.dropout: masks keyed by the seed, the step and the pack's index in the whole step (all
+    // ranks), so data parallelism and a resume draw what one uninterrupted process draws.
+    if (dropout > 0)
+      model::text::set_adapter_dropout(
+          run.model.weights(), dropout,
+          (uint64_t(run.recipe.seed) << 40) ^ (uint64_t(run.state.step) << 12) ^ (first + k + 1));
     const model::text::StepPackResult r =
         run.vl ? run.vl->run(batch.packs[first + k], in, topt, run.grads)
                : model::text::forward_backward(run.model, in, topt, run.grads);
@@ -118,6 +125,7 @@ StepSums forward_backward(TrainingRun& run, const PackBatch& batch) {
       sums.loads.add(l.bias_name, std::span<const int64_t>(c, size_t(l.counts.numel())));
     }
   }
+  if (dropout > 0) model::text::set_adapter_dropout(run.model.weights(), dropout, 0);
   if (run.vl) run.vl->step().export_grads();
   return sums;
 }

@@ -164,4 +164,9 @@ TextWeights load_text_weights(const ParamStore& store, DType dtype, Device devic
 // Prefix of decoder layer `layer`'s parameters: "model.language_model.layers.<layer>.".
 std::string layer_prefix(int64_t layer);
 
+// PEFT's lora_dropout for one pack: every adapter of the decoder layers' projections (ops/linear.h)
+// takes probability p and a key drawn from `pack_key` and its module's name, so each module masks
+// independently and every pack anew; pack_key 0 turns dropout off (evaluation).
+void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key);
+
 }  // namespace glmtune::model::text

@@ -22,9 +22,17 @@ void check_adapter(const Linear& l, const Tensor& x) {
                  x.str());
 }
 
-// scale · x A^T, [..., r].
-Tensor adapter_input(const Linear& l, const Tensor& x) {
-  Tensor u = linear(x, l.lora.A);
+// What the adapter reads: x, or x with its dropout mask applied.
+Tensor adapter_x(const Linear& l, const Tensor& x) {
+  if (!l.lora.dropout_active()) return x;
+  Tensor xd = x.contiguous().clone();
+  dropout_into(xd, l.lora.dropout, l.lora.dropout_key);
+  return xd;
+}
+
+// scale · x A^T, [..., r], from the adapter's input.
+Tensor adapter_input(const Linear& l, const Tensor& xa) {
+  Tensor u = linear(xa, l.lora.A);
   scale_into(u, l.lora.scale);
   return u;
 }
@@ -33,14 +41,24 @@ Tensor* bias_slot(const Linear& l, Linear* grads) {
   return grads && l.bias.defined() ? grad_if_trained(grads->bias, l.bias) : nullptr;
 }
 
-// The adapter's part of the backward: dB += dy^T u, dA += (scale · dy B)^T x, and
-// scale · dy B A added to dx_sum.
+// The adapter's part of the backward: dB += dy^T u, dA += (scale · dy B)^T x_a, and
+// scale · dy B A (through the dropout mask, with the forward's key) added to dx_sum.
 void adapter_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Linear& l,
                           Linear* grads) {
-  const Tensor u = adapter_input(l, x);
+  const Tensor xa = adapter_x(l, x);
+  const Tensor u = adapter_input(l, xa);
   Tensor du = linear_backward(dy, u, l.lora.B, grads ? &grads->lora.B : nullptr);
   scale_into(du, l.lora.scale);
-  linear_backward_add(dx_sum, du, x, l.lora.A, grads ? &grads->lora.A : nullptr);
+  if (!l.lora.dropout_active()) {
+    linear_backward_add(dx_sum, du, x, l.lora.A, grads ? &grads->lora.A : nullptr);
+    return;
+  }
+  Tensor dxa = linear_backward(du, xa, l.lora.A, grads ? &grads->lora.A : nullptr);
+  dropout_into(dxa, l.lora.dropout, l.lora.dropout_key);
+  if (dx_sum.defined())
+    add_into(dx_sum, dxa);
+  else
+    dx_sum = std::move(dxa);
 }
 
 }  // namespace
@@ -49,7 +67,7 @@ Tensor linear(const Tensor& x, const Linear& l) {
   Tensor y = linear(x, l.weight, l.bias);
   if (!l.lora.defined()) return y;
   check_adapter(l, x);
-  linear_out(y, adapter_input(l, x), l.lora.B, Tensor(), /*accumulate=*/true);
+  linear_out(y, adapter_input(l, adapter_x(l, x)), l.lora.B, Tensor(), /*accumulate=*/true);
   return y;
 }
 

@@ -147,7 +147,10 @@ Tensor mla_attention(const MlaConfig& cfg, const Linear& kv_b_proj, const Tensor
   ctx.attn_latent = Tensor();
   ctx.attn_lse2 = Tensor();
 #ifdef GLMTUNE_WITH_CUDA
-  if (ctx.latent.device().is_cuda() && cuda_path::absorbed_attention_fits(cfg, ctx.latent.dtype()))
+  // An adapter with dropout reads the masked latent: it does not merge into the weight.
+  if (ctx.latent.device().is_cuda() &&
+      cuda_path::absorbed_attention_fits(cfg, ctx.latent.dtype()) &&
+      !kv_b_proj.lora.dropout_active())
     return cuda_path::mla_attention_absorbed(cfg, absorbed_weight(kv_b_proj), indices, cu_seqlens,
                                              ctx);
 #endif

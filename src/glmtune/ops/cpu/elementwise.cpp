@@ -4,6 +4,7 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/ops/dispatch.h"
+#include "glmtune/tensor/rng.h"
 
 namespace glmtune::ops {
 namespace {
@@ -42,6 +43,25 @@ void scale_into(Tensor& a, double s) {
     double* p = a.data<double>();
     for (int64_t i = 0; i < n; ++i) p[i] *= s;
   }
+}
+
+void dropout_into(Tensor& a, double p, uint64_t key) {
+  GLMTUNE_ASSERT(a.is_contiguous(), "dropout_into: {} must be contiguous", a.str());
+  GLMTUNE_ASSERT(p >= 0 && p < 1, "dropout_into: p = {} must be in [0, 1)", p);
+  GLMTUNE_DISPATCH_CUDA(a, cuda_path::dropout_into(a, p, key));
+  GLMTUNE_ASSERT(a.dtype() == DType::f32 || a.dtype() == DType::f64,
+                 "dropout_into on the CPU: {} must be f32 or f64", a.str());
+  const int64_t n = a.numel();
+  const double inv = 1.0 / (1.0 - p);
+  const auto apply = [&](auto* v) {
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; ++i)
+      v[i] = rng_uniform_at(key, uint64_t(i)) >= p ? decltype(v[i] + 0)(double(v[i]) * inv) : 0;
+  };
+  if (a.dtype() == DType::f32)
+    apply(a.data<float>());
+  else
+    apply(a.data<double>());
 }
 
 Tensor add(const Tensor& a, const Tensor& b) {

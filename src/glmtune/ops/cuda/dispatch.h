@@ -97,6 +97,7 @@ void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor&
                              Tensor& dgate, Tensor& dup);
 void add_into(Tensor& a, const Tensor& b);
 void scale_into(Tensor& a, double s);
+void dropout_into(Tensor& a, double p, uint64_t key);
 Tensor gather_rows(const Tensor& x, const std::vector<int64_t>& rows);
 void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& src);
 

@@ -175,6 +175,11 @@ void add_into(Tensor& a, const Tensor& b) {
   cuda::add_inplace(a, b.contiguous());
 }
 
+void dropout_into(Tensor& a, double p, uint64_t key) {
+  OpTimer timer("dropout_into");
+  cuda::dropout_inplace(a, p, key);
+}
+
 void scale_into(Tensor& a, double s) {
   OpTimer timer("scale_into");
   cuda::scale_inplace(a, s);

@@ -2,6 +2,7 @@
 
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/streams.h"
+#include "glmtune/tensor/rng.h"
 
 namespace glmtune::cuda {
 namespace {
@@ -49,6 +50,13 @@ template <typename T>
 __global__ void scale_kernel(T* __restrict__ a, double s, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) store(a, i, float(double(load(a, i)) * s));
+}
+
+template <typename T>
+__global__ void dropout_kernel(T* __restrict__ a, double p, double inv, uint64_t key, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < n)
+    store(a, i, rng_uniform_at(key, uint64_t(i)) >= p ? float(double(load(a, i)) * inv) : 0.0f);
 }
 
 template <typename T>
@@ -218,6 +226,22 @@ void scale_inplace(Tensor& a, double s, cudaStream_t stream) {
     scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(static_cast<bf16*>(a.data_ptr()), s, n);
   else
     scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(a.data<float>(), s, n);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void dropout_inplace(Tensor& a, double p, uint64_t key, cudaStream_t stream) {
+  check_float(a, "a", "cuda::dropout_inplace");
+  GLMTUNE_CUDA_OP_REQUIRE(a.is_contiguous() && p >= 0 && p < 1,
+                          "cuda::dropout_inplace: " + a.str() + " must be contiguous, p in [0, 1)");
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  detail::DeviceGuard guard(a.device().index);
+  const double inv = 1.0 / (1.0 - p);
+  if (a.dtype() == DType::bf16)
+    dropout_kernel<<<blocks_for(n), kThreads, 0, stream>>>(static_cast<bf16*>(a.data_ptr()), p, inv,
+                                                           key, n);
+  else
+    dropout_kernel<<<blocks_for(n), kThreads, 0, stream>>>(a.data<float>(), p, inv, key, n);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 

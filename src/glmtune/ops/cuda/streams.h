@@ -32,5 +32,7 @@ void scatter_rows(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& s
 void add_inplace(Tensor& a, const Tensor& b, cudaStream_t stream = nullptr);
 // a *= s (a bf16 or f32, contiguous): the product in double, rounded once into a's dtype.
 void scale_inplace(Tensor& a, double s, cudaStream_t stream = nullptr);
+// ops::dropout_into's body (ops/elementwise.h): the same mask as the CPU's, bit for bit.
+void dropout_inplace(Tensor& a, double p, uint64_t key, cudaStream_t stream = nullptr);
 
 }  // namespace glmtune::cuda
