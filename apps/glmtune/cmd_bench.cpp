@@ -76,6 +76,7 @@ struct BenchArgs {
   // --vl: the pack carries `images` images and one video of `video_frames` frames (0: none), all
   // of image_size × image_size pixels.
   bool vl = false;
+  bool recompute_vision = false;  // --vl: the tower's blocks rerun in the backward
   int64_t images = 8;
   int64_t video_frames = 16;
   int64_t image_size = 448;
@@ -399,6 +400,7 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"peak_allocated_gib", double(r.mem.peak_allocated) / (1 << 30)},
                         {"peak_reserved_gib", double(r.mem.peak_reserved) / (1 << 30)},
                         {"recompute", a.recompute},
+                        {"recompute_vision", a.recompute_vision},
                         {"offload", a.offload},
                         {"peak_pinned_host_gib", r.pinned_gib},
                         {"loss", r.loss},
@@ -439,10 +441,10 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
   if (a.vl)
     std::printf(
         "media: %ld images and a %ld-frame video of %ldx%ld: %ld patches, %ld of the pack's "
-        "tokens; tower + projector %.1f ms per step (%.1f%% of forward+backward), %.3e FLOP\n",
+        "tokens; tower + projector %.1f ms per step (%.1f%% of forward+backward), %.3e FLOP%s\n",
         long(a.images), long(a.video_frames), long(a.image_size), long(a.image_size),
         long(r.patches), long(r.media_tokens), r.tower_ms, 100 * r.tower_ms / (r.fb * 1e3),
-        r.vision_flops);
+        r.vision_flops, a.recompute_vision ? "; its blocks recomputed" : "");
   std::printf("model FLOP/step %.3e: %.1f TFLOP/s, MFU %.1f%% of %.1f TFLOP/s bf16\n",
               r.flops.step(a.pack) + r.vision_flops, r.tflops, 100 * r.tflops / kPeakTflops,
               kPeakTflops);
@@ -586,8 +588,9 @@ int run_bench_step(const BenchArgs& a) {
   if (a.optimizer && vlm) add_vision_adamw(adam, *vlm, *vision_grads, device);
   const std::function<model::text::StepPackResult()> run_pack = [&] {
     if (vlm)
-      return model::compose_forward_backward(*vlm, pack.in, media->media, opt, {}, grads,
-                                             *vision_grads);
+      return model::compose_forward_backward(
+          *vlm, pack.in, media->media, opt,
+          model::ComposeOptions{.recompute_tower = a.recompute_vision}, grads, *vision_grads);
     return model::text::forward_backward(model, pack.in, opt, grads);
   };
   const std::function<void()> zero = [&] {
@@ -670,6 +673,9 @@ GLMTUNE_COMMAND(
       step->add_flag("--vl", a->vl,
                      "Put images and a video in the pack: the vision tower, the projector and "
                      "the splice join the step (needs a model with a vision tower)");
+      step->add_flag("--recompute-vision", a->recompute_vision,
+                     "--vl: the tower's blocks keep their inputs only and rerun in the backward "
+                     "(train.recompute_vision)");
       step->add_option("--images", a->images, "--vl: images in the pack")
           ->check(CLI::NonNegativeNumber);
       step->add_option("--video-frames", a->video_frames,

@@ -339,6 +339,20 @@ void check_tower(const std::vector<std::string>& sets, const char* what) {
     EXPECT_CLOSE(g, w, 1e-1, tag + "gradient of " + got[i].first);
   }
   EXPECT_CLOSE(all_got, all_want, 6e-2, tag + "every gradient together");
+
+  // Recomputed blocks (train.recompute_vision): the backward reruns the blocks with the same
+  // kernels, so every GPU gradient is bit for bit the one of the run that kept the activations.
+  VisionContext recomputed;
+  recomputed.recompute_blocks = true;
+  vision_forward(config, gpu, pixels, grid, &recomputed);
+  VisionGrads re_grads = VisionGrads::zeros_like(gpu);
+  const Tensor re_dpix = vision_backward(config, gpu, recomputed, d_pooler, re_grads, options);
+  EXPECT_TRUE(bit_identical(re_dpix.to(Device::cpu()), gpu_dpix.to(Device::cpu())))
+      << tag << "pixel gradient with recomputed blocks";
+  const auto re = re_grads.released(config);
+  for (size_t i = 0; i < re.size(); ++i)
+    EXPECT_TRUE(bit_identical(re[i].second.to(Device::cpu()), got[i].second.to(Device::cpu())))
+        << tag << re[i].first << " with recomputed blocks";
 }
 
 #endif

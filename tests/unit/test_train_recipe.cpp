@@ -102,6 +102,7 @@ TEST(Recipe, DefaultsFollowTheSpec) {
   EXPECT_EQ(r.seed, 0u);
   EXPECT_TRUE(r.device.is_cpu());
   EXPECT_EQ(r.recompute, 1.0);
+  EXPECT_FALSE(r.recompute_vision);
   // The reference trainer's defaults (docs/training.md, "Reference").
   EXPECT_EQ(r.lr, 1e-6);
   EXPECT_EQ(r.lr_min, 1e-6);
@@ -153,6 +154,7 @@ micro_packs = 4
 seed = 77
 device = "cuda:1"
 recompute = 0.5
+recompute_vision = true
 [optimizer]
 lr = {:.17g}
 lr_min = {:.17g}
@@ -187,6 +189,7 @@ log_every = 10
   EXPECT_EQ(r.seed, 77u);
   EXPECT_EQ(r.device, Device::cuda(1));
   EXPECT_EQ(r.recompute, 0.5);
+  EXPECT_TRUE(r.recompute_vision);
   EXPECT_EQ(r.lr, lr);
   EXPECT_EQ(r.lr_min, lr_min);
   EXPECT_EQ(r.warmup_steps, 3);
@@ -231,6 +234,7 @@ log_every = 10
   EXPECT_EQ(back.device, r.device);
   EXPECT_EQ(back.data_files, r.data_files);
   EXPECT_EQ(back.recompute, 0.5);
+  EXPECT_TRUE(back.recompute_vision);
 }
 
 TEST(Recipe, RunLengthFromEpochsAndWarmupFromRatio) {

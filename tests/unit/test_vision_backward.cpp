@@ -136,6 +136,37 @@ TEST(VisionBackward, FrozenPartsGetNoGradient) {
         << name;
 }
 
+// Recomputed blocks (VisionContext::recompute_blocks) keep their inputs only, and the backward
+// reruns them with the same ops: every gradient and the pixel gradient are bit for bit those of
+// the run that kept every intermediate.
+TEST(VisionBackward, RecomputedBlocksGiveTheSameGradientsBitForBit) {
+  const auto file = io::SafetensorsFile::open(kFixture);
+  const VisionConfig config = fixture_config(file);
+  for (DType dtype : {DType::f32, DType::f64}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const VisionParams params = fixture_params(file, config, dtype);
+    VisionBackwardOptions options;
+    options.pixel_grad = true;
+    const CaseRun kept = run_case(file, config, params, "multi", options);
+    VisionContext ctx;
+    ctx.recompute_blocks = true;
+    vision_forward(config, params, file.tensor("multi.pixel_values"),
+                   grid_from_tensor(file.tensor("multi.grid_thw")), &ctx);
+    for (const VisionBlockContext& bc : ctx.blocks) {
+      EXPECT_TRUE(bc.input.defined());
+      EXPECT_FALSE(bc.qkv.defined() || bc.act.defined()) << "a recomputed block kept more";
+    }
+    VisionGrads grads = VisionGrads::zeros_like(params);
+    const Tensor d_pixels =
+        vision_backward(config, params, ctx, file.tensor("multi.d_pooler"), grads, options);
+    EXPECT_EQ(d_pixels.to_doubles(), kept.d_pixels.to_doubles());
+    const auto got = grads.released(config), want = kept.grads.released(config);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_EQ(got[i].second.to_doubles(), want[i].second.to_doubles()) << got[i].first;
+  }
+}
+
 TEST(VisionBackward, GradientsAccumulate) {
   // A second backward into the same buffers doubles every gradient: micro-packs add up.
   const auto file = io::SafetensorsFile::open(kFixture);

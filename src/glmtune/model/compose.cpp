@@ -167,7 +167,8 @@ void VisionLanguageModel::refresh(const ParamStore& store) {
 
 Tensor compose_embeddings(const VisionLanguageModel& model, const Tensor& input_ids,
                           const Tensor& cu_seqlens, const PackMedia& media, SpliceContext* context,
-                          bool keep_tower, const RowExchange* sequence_parallel) {
+                          bool keep_tower, const RowExchange* sequence_parallel,
+                          bool recompute_tower) {
   const std::vector<int64_t> cu = int_values(cu_seqlens);
   const SlotPlan plan = plan_slots(model, input_ids, cu, media);
   Tensor embeddings = model.text().embed(input_ids);
@@ -175,6 +176,7 @@ Tensor compose_embeddings(const VisionLanguageModel& model, const Tensor& input_
   if (media.empty()) return embeddings;
   const TowerInput in = tower_input(model, media);
   vision::VisionContext* tower = context && keep_tower ? &context->tower : nullptr;
+  if (tower) tower->recompute_blocks = recompute_tower;
   Tensor features;
   if (sequence_parallel) {
     const int64_t merge = model.vision_config().spatial_merge_size;
@@ -219,8 +221,9 @@ ComposeTrainForward compose_training_forward(const VisionLanguageModel& model,
   if (!media.empty()) {
     // Without a trained vision part the tower's forward keeps nothing for a backward.
     const bool train_vision = !options.freeze_vision || !options.freeze_projector;
-    f.input.inputs_embeds = compose_embeddings(model, input.input_ids, input.cu_seqlens, media,
-                                               &f.splice, train_vision, train.sequence_parallel);
+    f.input.inputs_embeds =
+        compose_embeddings(model, input.input_ids, input.cu_seqlens, media, &f.splice, train_vision,
+                           train.sequence_parallel, options.recompute_tower);
     f.spliced = true;
   }
   f.text = text::training_forward(model.text(), f.input, train);

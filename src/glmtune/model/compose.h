@@ -63,6 +63,9 @@ struct PackMedia {
 struct ComposeOptions {
   bool freeze_vision = false;     // no gradient for patch_embed, blocks, post_layernorm
   bool freeze_projector = false;  // no gradient for downsample and merger
+  // The tower's blocks keep their inputs only and rerun in the backward
+  // (vision::VisionContext::recompute_blocks; train.recompute_vision).
+  bool recompute_tower = false;
 };
 
 // The text model plus the vision tower of one checkpoint, in one compute dtype.
@@ -104,7 +107,8 @@ struct SpliceContext {
 Tensor compose_embeddings(const VisionLanguageModel& model, const Tensor& input_ids,
                           const Tensor& cu_seqlens, const PackMedia& media,
                           SpliceContext* context = nullptr, bool keep_tower = true,
-                          const RowExchange* sequence_parallel = nullptr);
+                          const RowExchange* sequence_parallel = nullptr,
+                          bool recompute_tower = false);
 
 // TextModel::forward on the spliced embeddings (evaluation: losses, logits).
 text::ForwardOutput compose_forward(const VisionLanguageModel& model, const text::PackInput& input,

@@ -61,6 +61,8 @@ const std::vector<SectionSpec>& schema() {
         {"recompute", "\"all\"", "all, none, or the fraction of layers in [0, 1]"},
         {"offload", "\"none\"",
          "all, none, or the fraction of layers in [0, 1] after the recomputed ones"},
+        {"recompute_vision", "true",
+         "the vision tower's blocks keep their inputs only and rerun in the backward"},
         {"on_nonfinite", "\"skip\"", "skip or stop"},
         {"ep_size", "1", "ranks the routed experts are split over"},
         {"sp_size", "1", "ranks a sequence is split over"},
@@ -526,6 +528,7 @@ void parse_train(const Reader& rd, Recipe& r) {
   };
   layer_fraction("recompute", r.recompute);
   layer_fraction("offload", r.offload);
+  r.recompute_vision = rd.boolean("train", "recompute_vision").value_or(false);
   if (r.recompute + r.offload > 1 + 1e-9)
     rd.fail("train", "offload",
             fmt::format("recompute = {} and offload = {} add up to more than every layer",
@@ -878,6 +881,7 @@ std::string Recipe::to_toml() const {
           : offload == 0.0 ? str("none")
                            : num(offload)) +
          "\n";
+  out += fmt::format("recompute_vision = {}\n", recompute_vision);
   out += "on_nonfinite = " + str(on_nonfinite == NonFinitePolicy::kStop ? "stop" : "skip") + "\n";
   out += fmt::format("ep_size = {}\n", ep_size);
   out += fmt::format("sp_size = {}\n", sp_size);

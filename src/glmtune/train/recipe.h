@@ -70,6 +70,9 @@ struct Recipe {
   // Fraction of decoder layers, right after the recomputed ones, whose activations wait in pinned
   // host memory between forward and backward (GPU; kept on the CPU). recompute + offload ≤ 1.
   double offload = 0.0;
+  // Vision-language packs: the tower's blocks keep their inputs only and rerun in the backward
+  // (the same values; about a third more tower FLOPs for most of its activation memory).
+  bool recompute_vision = false;
   // A step whose loss or gradient is not finite: skip its update and go on, or stop the run.
   NonFinitePolicy on_nonfinite = NonFinitePolicy::kSkip;
   // Distributed runs (docs/distributed.md): routed experts split over groups of ep_size ranks,

@@ -257,6 +257,7 @@ VlTraining::VlTraining(const Recipe& recipe, const std::filesystem::path& proces
                 "use data.files (JSONL conversations) with data.media_root");
   options_.freeze_vision = recipe.freeze_vision;
   options_.freeze_projector = recipe.freeze_projector;
+  options_.recompute_tower = recipe.recompute_vision;
   processor_ =
       std::make_unique<data::media::VlProcessor>(data::media::VlProcessor::from_dir(processor_dir));
   VlDataConfig dc;

@@ -95,16 +95,67 @@ ops::RopeTables rope_tables(const VisionConfig& config, const VisionParams& para
   return t;
 }
 
+// One block's forward from its input x [N, D] (updated in place to the block's output), keeping
+// the backward's intermediates in `bc` when given.
+void block_forward(const VisionConfig& config, const VisionBlockParams& b, Tensor& x,
+                   const ops::RopeTables& rope, const std::vector<int64_t>& cu_seqlens,
+                   const VisionShard* shard, VisionBlockContext* bc) {
+  const int64_t n = x.size(0);
+  const int64_t d = config.hidden_size, heads = config.num_heads, hd = config.head_dim();
+  const double eps = config.rms_norm_eps, limit = config.swiglu_limit;
+  const int64_t row0 = shard ? shard->patch_begin : 0;
+  const Tensor a = ops::rms_norm(x, b.norm1, eps, bc ? &bc->rstd1 : nullptr);
+  const Tensor qkv = ops::linear(a, b.qkv);  // [N, 3D]
+  // Q and K: per-head RMSNorm over the head dim (one weight for all heads), then the rotation.
+  Tensor q = ops::rms_norm(qkv.slice(1, 0, d).contiguous().view({n * heads, hd}), b.q_norm, eps,
+                           bc ? &bc->q_rstd : nullptr);
+  Tensor k = ops::rms_norm(qkv.slice(1, d, 2 * d).contiguous().view({n * heads, hd}), b.k_norm, eps,
+                           bc ? &bc->k_rstd : nullptr);
+  ops::rope_2d_(q, rope);
+  ops::rope_2d_(k, rope);
+  const double scale = 1.0 / std::sqrt(double(hd));
+  Tensor k_all, v_all, attn;
+  if (shard) {
+    // The local queries attend to their segments' keys and values wherever these were computed.
+    k_all = shard->exchange->gather_rows(k.view({n, d}), shard->patch_counts);
+    v_all =
+        shard->exchange->gather_rows(qkv.slice(1, 2 * d, 3 * d).contiguous(), shard->patch_counts);
+    attn = ops::varlen_attention(q.view({n, d}), k_all, v_all, cu_seqlens, heads, scale, row0,
+                                 bc ? &bc->attn_lse : nullptr);
+  } else {
+    attn = ops::varlen_attention(q.view({n, d}), k.view({n, d}), qkv.slice(1, 2 * d, 3 * d),
+                                 cu_seqlens, heads, scale, 0, bc ? &bc->attn_lse : nullptr);
+  }
+  ops::linear_out(x, attn, b.proj.weight, b.proj.bias, /*accumulate=*/true);
+
+  const Tensor m = ops::rms_norm(x, b.norm2, eps, bc ? &bc->rstd2 : nullptr);
+  Tensor gate = ops::linear(m, b.gate), up = ops::linear(m, b.up);
+  const Tensor z = ops::swiglu_clamped(gate, up, limit);
+  if (bc) {
+    bc->normed1 = a;
+    bc->qkv = qkv;
+    bc->q = q;
+    bc->k = k;
+    bc->attn = attn;
+    bc->mid = x.clone();
+    bc->normed2 = m;
+    bc->gate = gate;
+    bc->up = up;
+    bc->act = z;
+    bc->k_all = k_all;
+    bc->v_all = v_all;
+  }
+  ops::linear_out(x, z, b.down.weight, b.down.bias, /*accumulate=*/true);
+}
+
 // The tower is written once on the ops (f32 or f64 on the CPU; ops/vision.h for its own).
 VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params,
                           const Tensor& pixel_rows, std::span<const GridThw> grid,
                           VisionContext* ctx, const VisionShard* shard) {
-  const int64_t n = pixel_rows.size(0);
-  const int64_t d = config.hidden_size, heads = config.num_heads, hd = config.head_dim();
+  const int64_t n = pixel_rows.size(0), d = config.hidden_size;
   const double eps = config.rms_norm_eps, limit = config.swiglu_limit;
   const std::vector<int64_t> cu_seqlens = vision_cu_seqlens(grid);
   const ops::RopeTables rope = rope_tables(config, params, grid, shard);
-  const int64_t row0 = shard ? shard->patch_begin : 0;
 
   const Tensor pixels = pixel_rows.to(params.device).to(params.dtype).contiguous();
   Tensor x = ops::linear(pixels, params.patch_embed);
@@ -117,50 +168,10 @@ VisionOutput forward_impl(const VisionConfig& config, const VisionParams& params
   for (const VisionBlockParams& b : params.blocks) {
     VisionBlockContext bc;
     if (ctx) bc.input = x.clone();
-    Tensor* rstd = ctx ? &bc.rstd1 : nullptr;
-    const Tensor a = ops::rms_norm(x, b.norm1, eps, rstd);
-    const Tensor qkv = ops::linear(a, b.qkv);  // [N, 3D]
-    // Q and K: per-head RMSNorm over the head dim (one weight for all heads), then the rotation.
-    Tensor q = ops::rms_norm(qkv.slice(1, 0, d).contiguous().view({n * heads, hd}), b.q_norm, eps,
-                             ctx ? &bc.q_rstd : nullptr);
-    Tensor k = ops::rms_norm(qkv.slice(1, d, 2 * d).contiguous().view({n * heads, hd}), b.k_norm,
-                             eps, ctx ? &bc.k_rstd : nullptr);
-    ops::rope_2d_(q, rope);
-    ops::rope_2d_(k, rope);
-    const double scale = 1.0 / std::sqrt(double(hd));
-    Tensor k_all, v_all, attn;
-    if (shard) {
-      // The local queries attend to their segments' keys and values wherever these were computed.
-      k_all = shard->exchange->gather_rows(k.view({n, d}), shard->patch_counts);
-      v_all = shard->exchange->gather_rows(qkv.slice(1, 2 * d, 3 * d).contiguous(),
-                                           shard->patch_counts);
-      attn = ops::varlen_attention(q.view({n, d}), k_all, v_all, cu_seqlens, heads, scale, row0,
-                                   ctx ? &bc.attn_lse : nullptr);
-    } else {
-      attn = ops::varlen_attention(q.view({n, d}), k.view({n, d}), qkv.slice(1, 2 * d, 3 * d),
-                                   cu_seqlens, heads, scale, 0, ctx ? &bc.attn_lse : nullptr);
-    }
-    ops::linear_out(x, attn, b.proj.weight, b.proj.bias, /*accumulate=*/true);
-
-    const Tensor m = ops::rms_norm(x, b.norm2, eps, ctx ? &bc.rstd2 : nullptr);
-    Tensor gate = ops::linear(m, b.gate), up = ops::linear(m, b.up);
-    const Tensor z = ops::swiglu_clamped(gate, up, limit);
-    if (ctx) {
-      bc.normed1 = a;
-      bc.qkv = qkv;
-      bc.q = q;
-      bc.k = k;
-      bc.attn = attn;
-      bc.mid = x.clone();
-      bc.normed2 = m;
-      bc.gate = gate;
-      bc.up = up;
-      bc.act = z;
-      bc.k_all = k_all;
-      bc.v_all = v_all;
-      ctx->blocks.push_back(std::move(bc));
-    }
-    ops::linear_out(x, z, b.down.weight, b.down.bias, /*accumulate=*/true);
+    // Recomputed blocks keep their input only; the backward reruns them (block_forward).
+    block_forward(config, b, x, rope, cu_seqlens, shard,
+                  ctx && !ctx->recompute_blocks ? &bc : nullptr);
+    if (ctx) ctx->blocks.push_back(std::move(bc));
   }
   if (ctx) ctx->final_hidden = x;
   x = ops::rms_norm(x, params.post_layernorm, eps, ctx ? &ctx->post_rstd : nullptr);
@@ -237,7 +248,14 @@ Tensor backward_impl(const VisionConfig& config, const VisionParams& params,
   const double scale = 1.0 / std::sqrt(double(hd));
   for (int64_t l = int64_t(params.blocks.size()) - 1; l >= 0; --l) {
     const VisionBlockParams& b = params.blocks[size_t(l)];
-    const VisionBlockContext& bc = ctx.blocks[size_t(l)];
+    // A recomputed block kept its input only: rerun it (the same ops, so the same values).
+    VisionBlockContext rerun;
+    if (!ctx.blocks[size_t(l)].qkv.defined()) {
+      rerun.input = ctx.blocks[size_t(l)].input;
+      Tensor x = rerun.input.clone();
+      block_forward(config, b, x, rope, cu_seqlens, shard, &rerun);
+    }
+    const VisionBlockContext& bc = rerun.input.defined() ? rerun : ctx.blocks[size_t(l)];
     VisionBlockParams& bg = g.blocks[size_t(l)];
     // MLP branch: x_out = mid + down(act(gate(m), up(m))), m = norm2(mid).
     const Tensor dact = ops::linear_backward(dx, bc.act, b.down, tower ? &bg.down : nullptr);

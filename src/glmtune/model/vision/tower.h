@@ -166,6 +166,9 @@ struct VisionBlockContext {
 
 // Everything vision_backward needs from one forward.
 struct VisionContext {
+  // Set before the forward: each block keeps its input only and the backward reruns it (about a
+  // third more tower FLOPs; the tower's activations shrink to one [N, D] tensor a block).
+  bool recompute_blocks = false;
   std::vector<GridThw> grid;
   VisionShard shard;  // exchange null: the whole pack here
   Tensor pixels;      // [N, row] in the compute dtype (the patch-embed input)
