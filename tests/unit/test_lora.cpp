@@ -76,6 +76,8 @@ TEST(LoraOps, AdapterAddsTheScaledLowRankTerm) {
   EXPECT_EQ(ops::linear(x, plain).to_doubles(), ops::linear(x, l.weight, l.bias).to_doubles());
 }
 
+// Also with dropout active: the backward is then the gradient of the masked function (the mask
+// fixed by its key), the input's gradient going back through the same mask.
 TEST(LoraOps, BackwardMatchesFiniteDifferences) {
   SCOPED_TRACE(seed_note());
   const int64_t t = 6, in = 8, out = 5, r = 2;
@@ -83,35 +85,39 @@ TEST(LoraOps, BackwardMatchesFiniteDifferences) {
   Tensor x = random_normal({t, in}, 2, DType::f64);
   const Tensor dy = random_normal({t, out}, 3, DType::f64);
   auto loss = [&] { return dot(dy, ops::linear(x, l)); };
-  for (bool add : {false, true}) {
-    SCOPED_TRACE(add ? "linear_backward_add" : "linear_backward");
-    ops::Linear g;
-    Tensor dx;
-    if (add) {
-      dx = random_normal({t, in}, 4, DType::f64);
-      const Tensor before = dx.clone();
-      ops::linear_backward_add(dx, dy, x, l, &g);
-      // What was added to the running sum is the input gradient.
-      std::vector<double> d = dx.to_doubles(), b0 = before.to_doubles();
-      for (size_t i = 0; i < d.size(); ++i) d[i] -= b0[i];
-      dx = Tensor::from_doubles(d, dx.shape(), DType::f64);
-    } else {
-      dx = ops::linear_backward(dy, x, l, &g);
+  for (const uint64_t dropout_key : {uint64_t(0), uint64_t(987654321)})
+    for (bool add : {false, true}) {
+      SCOPED_TRACE(add ? "linear_backward_add" : "linear_backward");
+      SCOPED_TRACE(dropout_key ? "dropout 0.4" : "no dropout");
+      l.lora.dropout = 0.4;
+      l.lora.dropout_key = dropout_key;
+      ops::Linear g;
+      Tensor dx;
+      if (add) {
+        dx = random_normal({t, in}, 4, DType::f64);
+        const Tensor before = dx.clone();
+        ops::linear_backward_add(dx, dy, x, l, &g);
+        // What was added to the running sum is the input gradient.
+        std::vector<double> d = dx.to_doubles(), b0 = before.to_doubles();
+        for (size_t i = 0; i < d.size(); ++i) d[i] -= b0[i];
+        dx = Tensor::from_doubles(d, dx.shape(), DType::f64);
+      } else {
+        dx = ops::linear_backward(dy, x, l, &g);
+      }
+      uint64_t off = 30'000;
+      for (auto [name, param, grad] :
+           std::vector<std::tuple<const char*, Tensor*, Tensor*>>{{"weight", &l.weight, &g.weight},
+                                                                  {"bias", &l.bias, &g.bias},
+                                                                  {"lora_A", &l.lora.A, &g.lora.A},
+                                                                  {"lora_B", &l.lora.B, &g.lora.B},
+                                                                  {"x", &x, &dx}}) {
+        SCOPED_TRACE(name);
+        ASSERT_TRUE(grad->defined());
+        EXPECT_LE(fd_direction(*param, *grad, random_normal(param->shape(), off += 100, DType::f64),
+                               loss),
+                  1e-9);
+      }
     }
-    uint64_t off = 30'000;
-    for (auto [name, param, grad] :
-         std::vector<std::tuple<const char*, Tensor*, Tensor*>>{{"weight", &l.weight, &g.weight},
-                                                                {"bias", &l.bias, &g.bias},
-                                                                {"lora_A", &l.lora.A, &g.lora.A},
-                                                                {"lora_B", &l.lora.B, &g.lora.B},
-                                                                {"x", &x, &dx}}) {
-      SCOPED_TRACE(name);
-      ASSERT_TRUE(grad->defined());
-      EXPECT_LE(
-          fd_direction(*param, *grad, random_normal(param->shape(), off += 100, DType::f64), loss),
-          1e-9);
-    }
-  }
 }
 
 // lora_dropout: the mask keeps each element with probability 1 − p and scales it by 1 / (1 − p),
@@ -150,42 +156,6 @@ TEST(LoraOps, DropoutMasksAndScalesAsItsKeySays) {
   EXPECT_EQ(ops::linear(x, l).to_doubles(), plain);
   l.lora.dropout_key = 12345;
   EXPECT_NE(ops::linear(x, l).to_doubles(), plain);
-}
-
-// With dropout active the backward is the gradient of the masked function (the mask fixed by the
-// key): every gradient, the input's included, against float64 finite differences.
-TEST(LoraOps, DropoutBackwardMatchesFiniteDifferences) {
-  SCOPED_TRACE(seed_note());
-  const int64_t t = 6, in = 8, out = 5, r = 2;
-  ops::Linear l = random_linear(out, in, r, 60'000, true);
-  l.lora.dropout = 0.4;
-  l.lora.dropout_key = 987654321;
-  Tensor x = random_normal({t, in}, 6, DType::f64);
-  const Tensor dy = random_normal({t, out}, 7, DType::f64);
-  auto loss = [&] { return dot(dy, ops::linear(x, l)); };
-  for (bool add : {false, true}) {
-    SCOPED_TRACE(add ? "linear_backward_add" : "linear_backward");
-    ops::Linear g;
-    Tensor dx;
-    if (add) {
-      dx = Tensor::zeros({t, in}, DType::f64);
-      ops::linear_backward_add(dx, dy, x, l, &g);
-    } else {
-      dx = ops::linear_backward(dy, x, l, &g);
-    }
-    uint64_t off = 70'000;
-    for (auto [name, param, grad] :
-         std::vector<std::tuple<const char*, Tensor*, Tensor*>>{{"weight", &l.weight, &g.weight},
-                                                                {"lora_A", &l.lora.A, &g.lora.A},
-                                                                {"lora_B", &l.lora.B, &g.lora.B},
-                                                                {"x", &x, &dx}}) {
-      SCOPED_TRACE(name);
-      ASSERT_TRUE(grad->defined());
-      EXPECT_LE(
-          fd_direction(*param, *grad, random_normal(param->shape(), off += 100, DType::f64), loss),
-          1e-9);
-    }
-  }
 }
 
 TEST(LoraOps, AFrozenBaseGetsNoGradientAndTheAdapterDoes) {

@@ -54,19 +54,21 @@ VisionParams fixture_params(const io::SafetensorsFile& file, const VisionConfig&
 
 struct CaseRun {
   VisionOutput out;
+  VisionContext context;
   VisionGrads grads;
   Tensor d_pixels;
 };
 
 CaseRun run_case(const io::SafetensorsFile& file, const VisionConfig& config,
                  const VisionParams& params, const std::string& c,
-                 const VisionBackwardOptions& options) {
+                 const VisionBackwardOptions& options, bool recompute_blocks = false) {
   CaseRun r;
-  VisionContext ctx;
+  r.context.recompute_blocks = recompute_blocks;
   r.out = vision_forward(config, params, file.tensor(c + ".pixel_values"),
-                         grid_from_tensor(file.tensor(c + ".grid_thw")), &ctx);
+                         grid_from_tensor(file.tensor(c + ".grid_thw")), &r.context);
   r.grads = VisionGrads::zeros_like(params);
-  r.d_pixels = vision_backward(config, params, ctx, file.tensor(c + ".d_pooler"), r.grads, options);
+  r.d_pixels =
+      vision_backward(config, params, r.context, file.tensor(c + ".d_pooler"), r.grads, options);
   return r;
 }
 
@@ -148,19 +150,13 @@ TEST(VisionBackward, RecomputedBlocksGiveTheSameGradientsBitForBit) {
     VisionBackwardOptions options;
     options.pixel_grad = true;
     const CaseRun kept = run_case(file, config, params, "multi", options);
-    VisionContext ctx;
-    ctx.recompute_blocks = true;
-    vision_forward(config, params, file.tensor("multi.pixel_values"),
-                   grid_from_tensor(file.tensor("multi.grid_thw")), &ctx);
-    for (const VisionBlockContext& bc : ctx.blocks) {
+    const CaseRun rerun = run_case(file, config, params, "multi", options, true);
+    for (const VisionBlockContext& bc : rerun.context.blocks) {
       EXPECT_TRUE(bc.input.defined());
       EXPECT_FALSE(bc.qkv.defined() || bc.act.defined()) << "a recomputed block kept more";
     }
-    VisionGrads grads = VisionGrads::zeros_like(params);
-    const Tensor d_pixels =
-        vision_backward(config, params, ctx, file.tensor("multi.d_pooler"), grads, options);
-    EXPECT_EQ(d_pixels.to_doubles(), kept.d_pixels.to_doubles());
-    const auto got = grads.released(config), want = kept.grads.released(config);
+    EXPECT_EQ(rerun.d_pixels.to_doubles(), kept.d_pixels.to_doubles());
+    const auto got = rerun.grads.released(config), want = kept.grads.released(config);
     ASSERT_EQ(got.size(), want.size());
     for (size_t i = 0; i < got.size(); ++i)
       EXPECT_EQ(got[i].second.to_doubles(), want[i].second.to_doubles()) << got[i].first;

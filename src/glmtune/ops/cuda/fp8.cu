@@ -189,34 +189,39 @@ __device__ __forceinline__ uint16_t dequantize_bf16(uint8_t code, float scale) {
   return *reinterpret_cast<const uint16_t*>(&h);
 }
 
+// One block per row: the row's piece and scale row are found once, so no thread divides by a
+// 64-bit number; each thread then takes kVec codes of the row at a time.
 template <int kVec, bool kF32Out>
 __global__ void __launch_bounds__(256)
     dequantize_pieces_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ scales,
-                             int64_t groups, int64_t cols, int64_t piece_rows, int64_t scale_rows,
+                             int64_t cols, int64_t piece_rows, int64_t scale_rows,
                              int64_t scale_cols, void* __restrict__ out) {
-  const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= groups) return;
-  const int64_t i = g * kVec, row = i / cols, col = i % cols;
-  const int64_t piece = row / piece_rows, r = row % piece_rows;
-  const float s = scales[(piece * scale_rows + r / 128) * scale_cols + col / 128];
-  uint8_t c[kVec];
-  if constexpr (kVec == 8) {
-    *reinterpret_cast<uint2*>(c) = *reinterpret_cast<const uint2*>(codes + i);
-  } else {
-    c[0] = codes[i];
-  }
-  if constexpr (kF32Out) {
+  const int64_t row = blockIdx.x;
+  const int64_t piece = row / piece_rows, r = row - piece * piece_rows;
+  const float* scale_row = scales + (piece * scale_rows + r / 128) * scale_cols;
+  const uint8_t* in = codes + row * cols;
+  for (int64_t col = int64_t(threadIdx.x) * kVec; col < cols; col += int64_t(blockDim.x) * kVec) {
+    const float s = scale_row[col >> 7];
+    uint8_t c[kVec];
+    if constexpr (kVec == 8) {
+      *reinterpret_cast<uint2*>(c) = *reinterpret_cast<const uint2*>(in + col);
+    } else {
+      c[0] = in[col];
+    }
+    const int64_t i = row * cols + col;
+    if constexpr (kF32Out) {
 #pragma unroll
-    for (int v = 0; v < kVec; ++v)
-      static_cast<float*>(out)[i + v] = bf16_to_f32(dequantize_bf16(c[v], s));
-  } else {
-    uint16_t h[kVec];
+      for (int v = 0; v < kVec; ++v)
+        static_cast<float*>(out)[i + v] = bf16_to_f32(dequantize_bf16(c[v], s));
+    } else {
+      uint16_t h[kVec];
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) h[v] = dequantize_bf16(c[v], s);
-    if constexpr (kVec == 8)
-      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(out) + i) = *reinterpret_cast<uint4*>(h);
-    else
-      static_cast<uint16_t*>(out)[i] = h[0];
+      for (int v = 0; v < kVec; ++v) h[v] = dequantize_bf16(c[v], s);
+      if constexpr (kVec == 8)
+        *reinterpret_cast<uint4*>(static_cast<uint16_t*>(out) + i) = *reinterpret_cast<uint4*>(h);
+      else
+        static_cast<uint16_t*>(out)[i] = h[0];
+    }
   }
 }
 
@@ -263,11 +268,9 @@ void dequantize_pieces(const uint8_t* codes, const float* scales, int64_t rows, 
   // Eight codes of one row and one 128-column block per thread when rows are whole vectors.
   const bool vec = cols % 8 == 0 && reinterpret_cast<uintptr_t>(codes) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  const int64_t groups = rows * cols / (vec ? 8 : 1);
-  const unsigned grid = unsigned(blocks_of(groups, 256));
   auto launch = [&](auto kernel) {
-    kernel<<<grid, 256, 0, stream>>>(codes, scales, groups, cols, piece_rows, scale_rows,
-                                     scale_cols, out);
+    kernel<<<unsigned(rows), 256, 0, stream>>>(codes, scales, cols, piece_rows, scale_rows,
+                                               scale_cols, out);
   };
   if (vec)
     f32_out ? launch(dequantize_pieces_kernel<8, true>)
