@@ -29,6 +29,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
+std::string fp8_scale_name(const std::string& weight) {
+  return weight.substr(0, weight.size() - std::string(".weight").size()) + ".weight_scale_inv";
+}
+
 Shape fp8_scale_shape(const Shape& weight_shape, int64_t block_rows, int64_t block_cols) {
   GLMTUNE_ASSERT(weight_shape.size() == 2, "FP8 block scales need a 2-D weight, got {}",
                  shape_str(weight_shape));

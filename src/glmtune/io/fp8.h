@@ -12,12 +12,16 @@
 // in the last bf16 bit in rare ties; the single rounding is what a float64 reference gives.
 
 #include <cstdint>
+#include <string>
 
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::io {
 
 inline constexpr int64_t kFp8BlockSize = 128;
+
+// The block-scale companion of FP8 weight `weight` ("….weight" → "….weight_scale_inv").
+std::string fp8_scale_name(const std::string& weight);
 
 // The scale shape a weight of shape [rows, cols] needs: [ceil(rows/br), ceil(cols/bc)].
 Shape fp8_scale_shape(const Shape& weight_shape, int64_t block_rows = kFp8BlockSize,

@@ -84,10 +84,6 @@ bool released_in_fp8(const ModelConfig& config, const ParamSpec& spec) {
 
 namespace {
 
-std::string scale_companion(const std::string& weight) {
-  return weight.substr(0, weight.size() - std::string(".weight").size()) + ".weight_scale_inv";
-}
-
 // The release's quantization_config: its fixed entries and every decoder-layer module it keeps in
 // bf16, named as the release names them (model.layers.*), sorted as Python sorts them.
 Json fp8_quantization_config(const ModelConfig& config, const std::vector<ParamSpec>& layout) {
@@ -148,7 +144,7 @@ void write_random_checkpoint(const ModelConfig& config, const std::filesystem::p
       if (e.fp8) {
         specs.push_back({e.spec->name, DType::fp8e4m3, e.spec->shape});
         specs.push_back(
-            {scale_companion(e.spec->name), DType::f32, io::fp8_scale_shape(e.spec->shape)});
+            {io::fp8_scale_name(e.spec->name), DType::f32, io::fp8_scale_shape(e.spec->shape)});
       } else {
         specs.push_back({e.spec->name, e.spec->dtype, e.spec->shape});
       }
@@ -162,7 +158,7 @@ void write_random_checkpoint(const ModelConfig& config, const std::filesystem::p
       if (e.fp8) {
         const ops::Fp8Blocks q = ops::quantize_fp8_weight(value);
         writer.write(e.spec->name, q.values);
-        writer.write(scale_companion(e.spec->name), q.scales);
+        writer.write(io::fp8_scale_name(e.spec->name), q.scales);
       } else {
         writer.write(e.spec->name, value);
       }

@@ -20,11 +20,6 @@ std::string base_of_companion(const std::string& name) {
   return name.substr(0, name.size() - std::string(".weight_scale_inv").size()) + ".weight";
 }
 
-// The block-scale companion of FP8 weight `name` (…weight → …weight_scale_inv).
-std::string scale_companion(const std::string& name) {
-  return name.substr(0, name.size() - 7) + ".weight_scale_inv";
-}
-
 Shape block_scale_shape(const Shape& weight) { return io::fp8_scale_shape(weight); }
 
 }  // namespace
@@ -86,8 +81,8 @@ CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const Mode
     if (info.dtype == DType::f32 && it->second->dtype == DType::bf16)
       report.f32_not_bf16.push_back(name);
     if (info.dtype == DType::fp8e4m3) {
-      if (info.shape.size() != 2 || !reader.contains(scale_companion(name)))
-        report.missing.push_back(scale_companion(name));
+      if (info.shape.size() != 2 || !reader.contains(io::fp8_scale_name(name)))
+        report.missing.push_back(io::fp8_scale_name(name));
       else
         report.fp8_weights.push_back(name);
     }
@@ -104,7 +99,7 @@ namespace {
 Tensor read_released(const io::CheckpointReader& reader, const std::string& name) {
   Tensor t = reader.tensor(name);
   if (t.dtype() != DType::fp8e4m3) return t;
-  return io::dequantize_fp8_block(t, reader.tensor(scale_companion(name)), io::kFp8BlockSize,
+  return io::dequantize_fp8_block(t, reader.tensor(io::fp8_scale_name(name)), io::kFp8BlockSize,
                                   io::kFp8BlockSize, name);
 }
 
@@ -119,7 +114,7 @@ Tensor read_released_range(const io::CheckpointReader& reader, const std::string
   const int64_t rows = t.size(0), cols = t.size(1);
   const int64_t r0 = begin / cols / kBlock * kBlock;
   const int64_t r1 = std::min(rows, (begin + count + cols - 1) / cols);
-  const Tensor scale = reader.tensor(scale_companion(name));
+  const Tensor scale = reader.tensor(io::fp8_scale_name(name));
   const Tensor block = io::dequantize_fp8_block(
       t.narrow(0, r0, r1 - r0), scale.narrow(0, r0 / kBlock, (r1 - r0 + kBlock - 1) / kBlock),
       kBlock, kBlock, name);

@@ -23,10 +23,6 @@ int64_t layer_of(const std::string& name, int64_t num_layers) {
   return layer <= num_layers ? layer : -1;
 }
 
-std::string scale_companion(const std::string& weight) {
-  return weight.substr(0, weight.size() - std::string(".weight").size()) + ".weight_scale_inv";
-}
-
 // The released tensors of internal parameter `name`, in the order of its rows: itself, or for a
 // fused expert tensor each expert's (gate_e, up_e for gate_up_proj; down_e for down_proj). Empty
 // for a name that is no single weight (the fused short convolutions).
@@ -59,9 +55,9 @@ bool stored_in_fp8(const io::CheckpointReader& reader, const std::string& name,
   if (pieces.empty()) return false;
   const Shape shape = reader.contains(pieces.front()) ? reader.info(pieces.front()).shape : Shape{};
   for (const std::string& piece : pieces) {
-    if (!reader.contains(piece) || !reader.contains(scale_companion(piece))) return false;
+    if (!reader.contains(piece) || !reader.contains(io::fp8_scale_name(piece))) return false;
     const io::TensorInfo& info = reader.info(piece);
-    const io::TensorInfo& scale = reader.info(scale_companion(piece));
+    const io::TensorInfo& scale = reader.info(io::fp8_scale_name(piece));
     if (info.dtype != DType::fp8e4m3 || info.shape != shape || shape.size() != 2 ||
         scale.shape != io::fp8_scale_shape(shape) ||
         (scale.dtype != DType::f32 && scale.dtype != DType::bf16))
@@ -117,7 +113,7 @@ Fp8Layers::Fp8Layers(TextWeights& weights, const ParamStore& store,
     for (size_t k = 0; k < pieces.size(); ++k) {
       h.codes.narrow(0, int64_t(k) * piece[0], piece[0]).copy_(reader.tensor(pieces[k]));
       h.scales.select(0, int64_t(k))
-          .copy_(reader.tensor(scale_companion(pieces[k])).to(DType::f32));
+          .copy_(reader.tensor(io::fp8_scale_name(pieces[k])).to(DType::f32));
     }
     GLMTUNE_ASSERT(h.codes.numel() == shape_numel(h.shape), "'{}': pieces of {} for shape {}",
                    p.name, shape_str(piece), shape_str(h.shape));
