@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -155,6 +156,63 @@ TEST(Plot, OutFlagAndSingleStep) {
   ASSERT_FALSE(rows.empty()) << "a one-step run still shows its point";
   EXPECT_NEAR(mean(rows), plot.layout.loss.y_of(2.5), 3.0);
   EXPECT_FALSE(fs::exists(dir / "metrics.png"));
+}
+
+// --compare draws another run's loss and throughput over the first in a colour of its own, on a
+// step axis that spans both, and prints the largest relative gap between the two losses.
+TEST(Plot, CompareDrawsTheOtherRunAndPrintsTheLossGap) {
+  // The other run's loss drifts away from the first's: 0.1% per step.
+  const auto other_loss = [](int64_t s) { return (1 + 0.001 * double(s)) * loss_at(s); };
+  TempDir dir("plotcmp");
+  write_run(dir / "a");
+  fs::create_directories(dir / "b");
+  {
+    std::ofstream out(dir / "b" / "metrics.jsonl");
+    for (int64_t s = 1; s <= kSteps + 10; ++s)
+      out << nlohmann::json{{"step", s}, {"loss", other_loss(s)}, {"tgs", 500.0}}.dump() << "\n";
+  }
+  ASSERT_EQ(run_cli((dir / "a").string() + " --compare " + (dir / "b").string() +
+                        " --gap-from 5 --out " + (dir / "cmp.png").string(),
+                    dir / "log"),
+            0)
+      << test::read_text(dir / "log");
+  // Steps 5 to 40 of run a, less its skipped step 20: 35 common steps, the widest gap the last,
+  // 0.04 / 1.04.
+  EXPECT_NE(
+      test::read_text(dir / "log")
+          .find("loss vs b: 35 common steps from step 5; largest relative gap 3.846% at step 40, "
+                "3.846% at step 40"),
+      std::string::npos)
+      << test::read_text(dir / "log");
+
+  PlotOptions options{1200, 800, "a"};
+  options.compare.push_back({"b", read_metrics_file(dir / "b" / "metrics.jsonl")});
+  const Plot plot = render_metrics_plot(read_metrics_file(dir / "a" / "metrics.jsonl"), options);
+  const auto img = data::media::decode_image(read_bytes(dir / "cmp.png"), "cmp.png");
+  ASSERT_TRUE(plot.image.rgb == img.pixels) << "the PNG differs from the rendered image";
+  const PlotLayout& L = plot.layout;
+  EXPECT_EQ(L.step_max, kSteps + 10);
+  for (int64_t s : {3, 31, 47}) {
+    const int x = L.x_of(double(s));
+    const auto rows = rows_of(img, x, L.loss.top, L.loss.bottom, kCompareColours[0]);
+    ASSERT_FALSE(rows.empty()) << "no compared loss pixel at step " << s;
+    EXPECT_NEAR(mean(rows), L.loss.y_of(other_loss(s)), 3.0) << "step " << s;
+    const auto tgs = rows_of(img, x, L.throughput.top, L.throughput.bottom, kCompareColours[0]);
+    ASSERT_FALSE(tgs.empty()) << "no compared throughput pixel at step " << s;
+    EXPECT_NEAR(mean(tgs), L.throughput.y_of(500.0), 3.0) << "step " << s;
+  }
+  // The first run ends at its last step.
+  EXPECT_TRUE(
+      rows_of(img, L.x_of(double(kSteps + 5)), L.loss.top, L.loss.bottom, kLossColour).empty());
+
+  const LossGap gap =
+      loss_gap(read_metrics_file(dir / "a" / "metrics.jsonl"), options.compare[0].records, 0);
+  EXPECT_EQ(gap.steps, kSteps - 1);
+  EXPECT_NEAR(gap.worst, 0.04 / 1.04, 1e-12);
+  EXPECT_EQ(gap.worst_step, kSteps);
+
+  options.compare.assign(5, options.compare[0]);
+  EXPECT_THROW(render_metrics_plot(read_metrics_file(dir / "a" / "metrics.jsonl"), options), Error);
 }
 
 TEST(Plot, BadMetricsFilesNameFileAndLine) {

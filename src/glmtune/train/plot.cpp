@@ -8,6 +8,7 @@
 #include <csetjmp>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <tuple>
 
@@ -375,10 +376,20 @@ Plot render_metrics_plot(const std::vector<MetricsRecord>& records, const PlotOp
     throw Error(
         fmt::format("a plot of {} x {} pixels is too small to read", options.width, options.height),
         "glmtune plot", "use at least 320 x 240 (the default is 1200 x 800)");
+  const size_t colours = std::size(kCompareColours);
+  if (options.compare.size() > colours)
+    throw Error(fmt::format("{} runs to compare; one plot draws at most {} over the first",
+                            options.compare.size(), colours),
+                "glmtune plot --compare", "compare fewer runs at a time");
   Plot plot;
   PlotLayout& L = plot.layout;
   L.step_min = records.front().step;
   L.step_max = records.back().step;
+  for (const ComparedRun& run : options.compare) {
+    GLMTUNE_ASSERT(!run.records.empty(), "nothing to plot for {}", run.name);
+    L.step_min = std::min(L.step_min, run.records.front().step);
+    L.step_max = std::max(L.step_max, run.records.back().step);
+  }
   if (L.step_max == L.step_min) L.step_min -= 1, L.step_max += 1;
 
   const bool has_mtp = std::any_of(records.begin(), records.end(), [](const MetricsRecord& r) {
@@ -390,6 +401,11 @@ Plot render_metrics_plot(const std::vector<MetricsRecord>& records, const PlotOp
       if (v && std::isfinite(*v)) lo = std::min(lo, *v), hi = std::max(hi, *v);
     if (std::isfinite(r.tgs)) t_lo = std::min(t_lo, r.tgs), t_hi = std::max(t_hi, r.tgs);
   }
+  for (const ComparedRun& run : options.compare)
+    for (const MetricsRecord& r : run.records) {
+      if (r.loss && std::isfinite(*r.loss)) lo = std::min(lo, *r.loss), hi = std::max(hi, *r.loss);
+      if (std::isfinite(r.tgs)) t_lo = std::min(t_lo, r.tgs), t_hi = std::max(t_hi, r.tgs);
+    }
   std::tie(L.loss.y_min, L.loss.y_max) = padded_range(lo, hi);
   // Throughput from 0, so that its level reads at a glance.
   if (t_lo >= 0 && t_hi > 0)
@@ -435,12 +451,40 @@ Plot render_metrics_plot(const std::vector<MetricsRecord>& records, const PlotOp
       c, L, L.throughput, records,
       [](const MetricsRecord& r) { return std::optional<double>(r.tgs); }, kThroughputColour);
 
-  std::vector<std::pair<std::string, Rgb>> items = {{"loss", kLossColour}};
+  std::vector<std::pair<std::string, Rgb>> items = {
+      {options.compare.empty() ? std::string("loss") : "loss " + options.title, kLossColour}};
   if (has_mtp) items.emplace_back("mtp_loss", kMtpLossColour);
+  for (size_t i = 0; i < options.compare.size(); ++i) {
+    const ComparedRun& run = options.compare[i];
+    draw_series(
+        c, L, L.loss, run.records, [](const MetricsRecord& r) { return r.loss; },
+        kCompareColours[i]);
+    draw_series(
+        c, L, L.throughput, run.records,
+        [](const MetricsRecord& r) { return std::optional<double>(r.tgs); }, kCompareColours[i]);
+    items.emplace_back("loss " + run.name, kCompareColours[i]);
+  }
   if (skipped > 0) items.emplace_back(fmt::format("skipped ({})", skipped), kSkippedColour);
   legend(c, L.loss, items);
   plot.image = c.take();
   return plot;
+}
+
+LossGap loss_gap(const std::vector<MetricsRecord>& a, const std::vector<MetricsRecord>& b,
+                 int64_t from) {
+  std::map<int64_t, double> of_b;
+  for (const MetricsRecord& r : b)
+    if (r.loss && std::isfinite(*r.loss) && r.step >= from) of_b[r.step] = *r.loss;
+  LossGap gap;
+  for (const MetricsRecord& r : a) {
+    const auto it = of_b.find(r.step);
+    if (it == of_b.end() || !r.loss || !std::isfinite(*r.loss)) continue;
+    const double rel = std::fabs(*r.loss - it->second) / std::fabs(it->second);
+    if (gap.steps == 0 || rel > gap.worst) gap.worst = rel, gap.worst_step = r.step;
+    if (gap.steps == 0 || r.step > gap.last_step) gap.last = rel, gap.last_step = r.step;
+    ++gap.steps;
+  }
+  return gap;
 }
 
 std::string encode_png(const Image& image) {

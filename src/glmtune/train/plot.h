@@ -48,10 +48,22 @@ struct Image {
   }
 };
 
+// Up to four other runs drawn over the first, each in its own colour.
+inline constexpr Rgb kCompareColours[] = {
+    {148, 103, 189}, {140, 86, 75}, {227, 119, 194}, {23, 190, 207}};
+
+struct ComparedRun {
+  std::string name;  // in the legend
+  std::vector<MetricsRecord> records;
+};
+
 struct PlotOptions {
   int width = 1200;
   int height = 800;
-  std::string title;  // drawn above the panels
+  std::string title;  // drawn above the panels; the first run's name in the legend
+  // Drawn over the first run: each one's loss in the loss panel and its throughput below, in
+  // kCompareColours order (more than four is an error). Their steps widen the step axis.
+  std::vector<ComparedRun> compare;
 };
 
 // Where the data lands in the image: plot areas in pixels and the value ranges they span.
@@ -73,6 +85,18 @@ struct Plot {
 
 // Draws the records (at least one). Throws glmtune::Error for a size below 320 x 240.
 Plot render_metrics_plot(const std::vector<MetricsRecord>& records, const PlotOptions& options);
+
+// The loss of run `a` against run `b` over the steps both logged with a finite loss, from step
+// `from` on: the largest |a − b| / |b| and where, and the same at the last common step.
+struct LossGap {
+  int64_t steps = 0;  // common steps compared (0: none, the rest is unset)
+  double worst = 0;
+  int64_t worst_step = 0;
+  double last = 0;
+  int64_t last_step = 0;
+};
+LossGap loss_gap(const std::vector<MetricsRecord>& a, const std::vector<MetricsRecord>& b,
+                 int64_t from = 0);
 
 // PNG bytes of the image (8-bit RGB, libpng).
 std::string encode_png(const Image& image);
