@@ -73,6 +73,9 @@ struct BenchArgs {
   // --base fp8: a preset written in the FP8 release's layout and its FP8 weights held in FP8 on the
   // device (lora.base = "fp8"), dequantised per layer around each use.
   std::string base = "bf16";
+  // --fp8: train.fp8 = "tilewise", the experts', MLPs' and attention projections' GEMMs in
+  // block-scaled FP8.
+  bool fp8 = false;
   // --vl: the pack carries `images` images and one video of `video_frames` frames (0: none), all
   // of image_size × image_size pixels.
   bool vl = false;
@@ -378,6 +381,7 @@ struct BenchStepReport {
   // --base fp8: tensors held in FP8, their device bytes, and what their bf16 values would take.
   int64_t fp8_tensors = 0;
   double fp8_gib = 0, fp8_as_bf16_gib = 0;
+  int64_t fp8_projections = 0;  // --fp8: projections whose GEMMs run in FP8
   std::map<std::string, double> op_ms;
   // --vl
   int64_t patches = 0, media_tokens = 0;
@@ -415,6 +419,7 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"fp8_base_tensors", r.fp8_tensors},
                         {"fp8_base_gib", r.fp8_gib},
                         {"fp8_base_as_bf16_gib", r.fp8_as_bf16_gib},
+                        {"fp8_tilewise_projections", r.fp8_projections},
                         {"op_ms", r.op_ms}};
   if (a.vl)
     out["vl"] = {{"images", a.images},
@@ -459,6 +464,11 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
         "fp8 base: %ld tensors held in FP8 on the device, %.2f GiB (%.2f GiB in bf16), "
         "dequantised per layer around each use\n",
         long(r.fp8_tensors), r.fp8_gib, r.fp8_as_bf16_gib);
+  if (r.fp8_projections > 0)
+    std::printf(
+        "fp8 tilewise: %ld projections run their GEMMs in block-scaled FP8 (the FLOP counts above "
+        "are the same products)\n",
+        long(r.fp8_projections));
   if (!r.frozen.frozen.empty())
     std::printf(
         "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
@@ -563,6 +573,7 @@ int run_bench_step(const BenchArgs& a) {
   else
     text_model.emplace(store, model::text::TextModelOptions{DType::bf16, device});
   model::text::TextModel& model = vlm ? vlm->text() : *text_model;
+  if (a.fp8) r.fp8_projections = model::text::use_fp8_gemms(model.weights(), 16);
   r.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
   const model::TextConfig& c = model.text();
   BenchPack pack = random_pack(a, c);
@@ -699,6 +710,9 @@ GLMTUNE_COMMAND(
                        "With --lora-rank: bf16, or fp8: the preset written in the FP8 release's "
                        "layout and its FP8 weights kept in FP8 on the GPU (lora.base = \"fp8\")")
           ->check(CLI::IsMember({"bf16", "fp8"}));
+      step->add_flag("--fp8", a->fp8,
+                     "The experts', MLPs' and attention projections' GEMMs in block-scaled FP8, "
+                     "as train.fp8 = \"tilewise\" runs them");
       const cli::BenchSubcommand ops = cli::add_bench_ops(app);
       return [a, ops]() -> int {
         if (ops.app->parsed()) return ops.run();

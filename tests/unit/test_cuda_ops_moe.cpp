@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/moe.h"
 #include "glmtune/tensor/tensor.h"
@@ -369,6 +370,52 @@ TEST(CudaOpsMoe, Fp32BackwardMatchesCpu) {
     // Every parameter gradient the CPU computes, through MoeParams' list.
     ops::zip_moe_params(ggrad, cgrad, [&](const std::string& name, Tensor& g, Tensor& c) {
       if (c.defined()) EXPECT_CLOSE(g, c, 1e-5, "d " + name + " " + what);
+    });
+  }
+#endif
+}
+
+// train.fp8 = "tilewise" in the MoE block: the routed experts as per-expert block-scaled FP8 GEMMs
+// (each expert's rows quantised on their own, from its first row) and the shared expert through
+// the FP8 dense projections, against the CPU op with the same marks, in the fp32 mode (both sides
+// quantise the same f32 values). Bars: the FP8 tensor cores keep about 14 bits inside each
+// 128-wide block (test_cuda_fp8: up to 2^-8 of Σ|ab| per element, 1e-3 measured), and an
+// activation that differs by that much can land on the neighbouring e4m3 code (2^-3 apart) when
+// the next projection quantises it, so the outputs agree to about 1e-2 in relative L2, not 1e-5.
+TEST(CudaOpsMoe, Fp8GemmsMatchCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 1300;
+  for (const MoeCase& c : moe_cases()) {
+    MoeData d = make_moe_data(c, stream += 20, DType::f32);
+    const MoeData unmarked = make_moe_data(c, stream, DType::f32);
+    for (ops::MoeParams* p : {&d.cpu, &d.gpu})
+      for (ops::Linear* l : {&p->gate_up_proj, &p->down_proj, &p->shared.gate_proj,
+                             &p->shared.up_proj, &p->shared.down_proj})
+        l->fp8 = true;
+    const std::string what = case_name(c) + " fp8";
+    const Tensor dy = random_cpu({c.tokens, c.dim}, DType::f32, stream + 11);
+
+    ops::MoeContext gctx;
+    const ops::MoeOutput gpu = ops::moe_forward(c.cfg, d.gpu, d.x.to(kGpu), -1, gctx);
+    // The CPU op on the GPU's routing.
+    ops::MoeContext cctx;
+    cctx.x = d.x;
+    cctx.routing = to_cpu(gpu.routing);
+    const Tensor y_ref =
+        ops::add(ops::moe_experts(c.cfg, d.cpu.gate_up_proj, d.cpu.down_proj, cctx.x, cctx.routing),
+                 ops::mlp_forward(d.cpu.shared, cctx.x, c.cfg.swiglu_limit, cctx.shared));
+    EXPECT_CLOSE(gpu.y, y_ref, 1e-2, "forward " + what);
+    // And the GEMMs are FP8 ones: the unmarked block is further from the reference.
+    const ops::MoeOutput plain = ops::moe_forward(c.cfg, unmarked.gpu, d.x.to(kGpu));
+    EXPECT_GT(rel_l2(plain.y, y_ref), 2 * rel_l2(gpu.y, y_ref)) << what;
+
+    ops::MoeParams cgrad, ggrad;
+    const Tensor dx_ref = ops::moe_backward(c.cfg, d.cpu, cctx, dy, cgrad);
+    const Tensor dx = ops::moe_backward(c.cfg, d.gpu, gctx, dy.to(kGpu), ggrad);
+    EXPECT_CLOSE(dx, dx_ref, 2e-2, "dx " + what);
+    ops::zip_moe_params(ggrad, cgrad, [&](const std::string& name, Tensor& g, Tensor& c) {
+      if (c.defined()) EXPECT_CLOSE(g, c, 3e-2, "d " + name + " " + what);
     });
   }
 #endif

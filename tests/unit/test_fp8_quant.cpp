@@ -11,6 +11,7 @@
 #include "glmtune/base/error.h"
 #include "glmtune/io/fp8.h"
 #include "glmtune/ops/fp8.h"
+#include "glmtune/ops/linear.h"
 #include "glmtune/tensor/dtype.h"
 #include "glmtune/tensor/tensor.h"
 
@@ -177,6 +178,146 @@ TEST(Fp8Quant, BadInputsAreRefused) {
   ops::Fp8Blocks q = ops::quantize_fp8_tiles(Tensor::zeros({4, 256}, DType::f32));
   q.scales = Tensor::zeros({4, 3}, DType::f32);
   EXPECT_THROW(ops::dequantize_fp8_blocks(q), InternalError);
+}
+
+// ---- The FP8 GEMMs of tile-wise training (ops/fp8.h, linear_fp8) ----
+
+Tensor random_tensor(const Shape& shape, unsigned seed) {
+  std::mt19937 eng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(size_t(shape_numel(shape)));
+  for (float& x : v) x = dist(eng) * std::exp(0.5f * dist(eng));
+  return Tensor::from_vector(v, shape);
+}
+
+// Q(a; br × bc): quantised and dequantised, [rows, cols] f32 of a viewed as [numel / n, n].
+Tensor q(const Tensor& a, int64_t br, int64_t bc) {
+  const Tensor a2 = a.contiguous().view({a.numel() / a.size(-1), a.size(-1)});
+  return ops::dequantize_fp8_blocks(ops::quantize_fp8_blocks(a2, br, bc));
+}
+
+struct Products {
+  std::vector<double> value, magnitude;  // Σ_k a[i, k] b[j, k] and Σ_k |a[i, k] b[j, k]|
+};
+
+// a [m, k] and b [n, k], or with `transposed` a [k, m] and b [k, n] (the sum over the rows).
+Products products(const Tensor& a_in, const Tensor& b_in, bool transposed = false) {
+  const Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  const int64_t m = a.size(transposed ? 1 : 0), n = b.size(transposed ? 1 : 0);
+  const int64_t k = a.size(transposed ? 0 : 1);
+  const float *ap = a.data<float>(), *bp = b.data<float>();
+  Products p{std::vector<double>(size_t(m * n)), std::vector<double>(size_t(m * n))};
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t t = 0; t < k; ++t) {
+        const double prod = transposed ? double(ap[t * m + i]) * bp[t * n + j]
+                                       : double(ap[i * k + t]) * bp[j * k + t];
+        p.value[size_t(i * n + j)] += prod;
+        p.magnitude[size_t(i * n + j)] += std::fabs(prod);
+      }
+  return p;
+}
+
+// `got` (f32, any shape of the products' count) against f32-accumulated sums of k terms: each
+// within k · 2^-24 of the sum of the terms' magnitudes (the rounding of a recursive or blocked f32
+// sum), plus the f32 rounding of the result.
+void expect_f32_sums(const Tensor& got_in, const Products& want, int64_t k, const char* what) {
+  const Tensor got = got_in.contiguous();
+  ASSERT_EQ(size_t(got.numel()), want.value.size()) << what;
+  double worst = 0;
+  for (size_t i = 0; i < want.value.size(); ++i) {
+    const double err = std::fabs(got.data<float>()[i] - want.value[i]);
+    const double bound = double(k + 1) * std::ldexp(want.magnitude[i], -24) + 1e-30;
+    worst = std::max(worst, err / bound);
+    EXPECT_LE(err, bound) << what << " element " << i;
+  }
+  std::printf("[ measure  ] %s: worst error %.2f of the f32-accumulation bound\n", what, worst);
+}
+
+// The forward is the GEMM of x in 1 × 128 tiles and W in 128 × 128 blocks, each dequantised, for
+// a [B, T, in] input (the tiles run per token) and dimensions with partial tiles; and it is FP8:
+// off the unquantised product, within e4m3's precision of both operands.
+TEST(Fp8Linear, TheForwardIsTheGemmOfTheActivationTilesAndWeightBlocks) {
+  const Tensor x = random_tensor({3, 23, 200}, 1), w = random_tensor({48, 200}, 2);
+  const Tensor y = ops::linear_fp8(x, w);
+  ASSERT_EQ(y.shape(), (Shape{3, 23, 48}));
+  expect_f32_sums(y, products(q(x, 1, 128), q(w, 128, 128)), 200, "linear_fp8");
+
+  const Products exact = products(x.view({69, 200}), w);
+  double moved = 0;
+  for (size_t i = 0; i < exact.value.size(); ++i) {
+    const double err = std::fabs(y.data<float>()[i] - exact.value[i]);
+    moved = std::max(moved, err);
+    // Each operand within 2^-4 of itself (3 mantissa bits) plus the subnormal step: the product
+    // within about 2 · 2^-4 of the terms' magnitudes.
+    EXPECT_LE(err, 0.14 * exact.magnitude[i] + 1e-3) << i;
+  }
+  EXPECT_GT(moved, 0.0);
+}
+
+// The backward: dx from dy in 1 × 128 tiles and the same weight blocks; dW from dy and x in
+// 128 × 1 tiles (per column, 128 tokens each, from the first token of the flattened batch), into
+// the gradient buffer, accumulating; a frozen weight gets none.
+TEST(Fp8Linear, TheBackwardTakesDyTilesForDxAndTokenTilesForDw) {
+  const Tensor x = random_tensor({2, 83, 144}, 3), w = random_tensor({40, 144}, 4);
+  const Tensor dy = random_tensor({2, 83, 40}, 5);
+  Tensor dx, dw;
+  ops::linear_fp8_backward_add(&dx, dy, x, w, &dw);
+  ASSERT_EQ(dx.shape(), x.shape());
+  ASSERT_EQ(dw.shape(), w.shape());
+  // dx[t, i] = Σ_o dy[t, o] W[o, i]: the products of dy's tiles and Wᵀ.
+  expect_f32_sums(dx, products(q(dy, 1, 128), q(w, 128, 128).transpose(0, 1).contiguous()), 40,
+                  "linear_fp8 dx");
+  expect_f32_sums(dw, products(q(dy, 128, 1), q(x, 128, 1), /*transposed=*/true), 166,
+                  "linear_fp8 dW");
+
+  const Tensor dw_once = dw.clone(), dx_once = dx.clone();
+  ops::linear_fp8_backward_add(&dx, dy, x, w, &dw);
+  for (int64_t i = 0; i < dw.numel(); ++i)
+    EXPECT_EQ(dw.data<float>()[i], 2 * dw_once.data<float>()[i]) << i;
+  for (int64_t i = 0; i < dx.numel(); ++i)
+    EXPECT_EQ(dx.data<float>()[i], 2 * dx_once.data<float>()[i]) << i;
+
+  Tensor frozen = w.clone();
+  frozen.set_frozen(true);
+  Tensor none;
+  ops::linear_fp8_backward_add(nullptr, dy, x, frozen, &none);
+  EXPECT_FALSE(none.defined());
+}
+
+// A projection marked Linear::fp8 runs these GEMMs (bit for bit the leaf ops), with or without
+// an adapter beside it; a bias is refused.
+TEST(Fp8Linear, AMarkedProjectionRunsTheFp8Gemms) {
+  const Tensor x = random_tensor({37, 64}, 6), w = random_tensor({32, 64}, 7);
+  const Tensor dy = random_tensor({37, 32}, 8);
+  ops::Linear l(w);
+  l.fp8 = true;
+  const Tensor y = ops::linear(x, l), want = ops::linear_fp8(x, w);
+  for (int64_t i = 0; i < y.numel(); ++i) EXPECT_EQ(y.data<float>()[i], want.data<float>()[i]);
+
+  ops::Linear grads;
+  const Tensor dx = ops::linear_backward(dy, x, l, &grads);
+  Tensor dx_want, dw_want;
+  ops::linear_fp8_backward_add(&dx_want, dy, x, w, &dw_want);
+  for (int64_t i = 0; i < dx.numel(); ++i) EXPECT_EQ(dx.data<float>()[i], dx_want.data<float>()[i]);
+  for (int64_t i = 0; i < dw_want.numel(); ++i)
+    EXPECT_EQ(grads.weight.data<float>()[i], dw_want.data<float>()[i]);
+
+  // An adapter adds scale · (x Aᵀ) Bᵀ to the FP8 product, in f32.
+  ops::Linear adapted = l;
+  adapted.lora.A = random_tensor({4, 64}, 9);
+  adapted.lora.B = random_tensor({32, 4}, 10);
+  adapted.lora.scale = 0.5;
+  const Tensor ya = ops::linear(x, adapted);
+  const Tensor delta = ops::linear(ops::linear(x, adapted.lora.A), adapted.lora.B);
+  for (int64_t i = 0; i < ya.numel(); ++i)
+    EXPECT_NEAR(ya.data<float>()[i], want.data<float>()[i] + 0.5 * delta.data<float>()[i],
+                1e-5 * (1 + std::fabs(ya.data<float>()[i])))
+        << i;
+
+  ops::Linear biased(w, random_tensor({32}, 11));
+  biased.fp8 = true;
+  EXPECT_THROW(ops::linear(x, biased), InternalError);
 }
 
 }  // namespace

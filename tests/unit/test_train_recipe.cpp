@@ -155,6 +155,7 @@ seed = 77
 device = "cuda:1"
 recompute = 0.5
 recompute_vision = true
+fp8 = "tilewise"
 [optimizer]
 lr = {:.17g}
 lr_min = {:.17g}
@@ -190,6 +191,7 @@ log_every = 10
   EXPECT_EQ(r.device, Device::cuda(1));
   EXPECT_EQ(r.recompute, 0.5);
   EXPECT_TRUE(r.recompute_vision);
+  EXPECT_TRUE(r.fp8_tilewise);
   EXPECT_EQ(r.lr, lr);
   EXPECT_EQ(r.lr_min, lr_min);
   EXPECT_EQ(r.warmup_steps, 3);
@@ -235,6 +237,12 @@ log_every = 10
   EXPECT_EQ(back.data_files, r.data_files);
   EXPECT_EQ(back.recompute, 0.5);
   EXPECT_TRUE(back.recompute_vision);
+  EXPECT_TRUE(back.fp8_tilewise);
+  // The GEMMs' precision is part of what a resume must match.
+  Recipe bf16 = r;
+  bf16.set("train.fp8", "none");
+  EXPECT_FALSE(bf16.fp8_tilewise);
+  EXPECT_NE(bf16.fingerprint(), r.fingerprint());
 }
 
 TEST(Recipe, RunLengthFromEpochsAndWarmupFromRatio) {
@@ -408,6 +416,10 @@ TEST(Recipe, ErrorsNameFileLineKeyAndFix) {
   EXPECT_RECIPE_ERROR(error_of("[model]\npath = \"m\"\n[data]\nfiles = []\n[train]\n"
                                "total_steps = 1\n[output]\ndir = \"o\"\n"),
                       "lists no file", "data.files", "files = ");
+  EXPECT_RECIPE_ERROR(error_of(with({{"train", "fp8 = \"e4m3\""}})), "\"e4m3\"", "train.fp8",
+                      "tilewise");
+  EXPECT_RECIPE_ERROR(error_of(with({{"train", "fp8 = \"tilewise\"\nep_size = 2"}})),
+                      "expert and sequence parallelism", "train.fp8", "fp8 = \"none\"");
   // Out of range.
   EXPECT_RECIPE_ERROR(error_of(with({{"optimizer", "eps = 0"}})), "> 0, got 0", "optimizer.eps",
                       "eps = 1e-8");

@@ -52,4 +52,30 @@ Tensor dequantize_fp8_blocks(const Fp8Blocks& q, DType out = DType::f32);
 Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t piece_rows,
                              const Shape& shape, DType out);
 
+// ---- The GEMMs of tile-wise FP8 training (train.fp8 = "tilewise") ----
+// A projection marked Linear::fp8 (ops/linear.h) runs its three products on block-scaled FP8
+// operands, as the reference trainer's tile-wise recipe does. With Q(a; br × bc) the quantised and
+// dequantised a (quantize_fp8_blocks, then its x̂):
+//
+//   forward       y   = Q(x; 1 × 128) · Q(W; 128 × 128)ᵀ
+//   input grad    dx  = Q(dy; 1 × 128) · Q(W; 128 × 128)
+//   weight grad   dW += Q(dy; 128 × 1)ᵀ · Q(x; 128 × 1)
+//
+// each with f32 accumulation: on the CPU an f32 (or f64) GEMM of the dequantised operands, on a
+// GPU cuBLASLt's block-scaled e4m3 GEMMs (ops/cuda/fp8.h), which compute the same products up to
+// the order of the f32 sums. x is [..., in] (its leading dimensions are the tokens, over which
+// the weight gradient's 128 × 1 tiles run, from the first row), W [out, in]; the master weight is
+// quantised afresh in each call, so it stays in its own dtype. The weight gradient is the
+// straight-through one (quantisation counts as the identity), as in the reference trainer. On a
+// GPU `in` and `out` must be multiples of 16 (cuBLASLt's FP8 alignment).
+
+// y [..., out] in x's dtype.
+Tensor linear_fp8(const Tensor& x, const Tensor& weight);
+
+// The backward of linear_fp8 for dy [..., out]: dW accumulates into *grad_weight as
+// linear_backward's does (null, or a frozen weight: skipped); dx is added to *dx_sum (null: not
+// computed; undefined: it becomes dx, in gradient_sum_dtype, ops/dispatch.h).
+void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
+                             const Tensor& weight, Tensor* grad_weight);
+
 }  // namespace glmtune::ops

@@ -37,6 +37,10 @@ struct Linear {
   Tensor weight;
   Tensor bias;
   LoraAdapter lora;
+  // train.fp8 = "tilewise": the weight's GEMMs (forward, input and weight gradient) run on
+  // block-scaled FP8 operands (ops/fp8.h, linear_fp8); the bias-free projections only. An
+  // adapter beside it stays in the compute dtype.
+  bool fp8 = false;
 
   Linear() = default;
   explicit Linear(Tensor w, Tensor b = Tensor()) : weight(std::move(w)), bias(std::move(b)) {}
@@ -113,7 +117,8 @@ Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, 
                        Tensor* grad_bias = nullptr, bool need_input_grad = true);
 
 // ---- Projections with their bias and adapter (ops/composite/linear.cpp) ----
-// The same three calls on a Linear: the bias is the Linear's, and an adapter adds
+// The same three calls on a Linear: the bias is the Linear's, the weight's GEMMs are the FP8 ones
+// of ops/fp8.h when Linear::fp8 is set, and an adapter adds
 // scale · (x A^T) B^T to the output (computed from the leaf ops: one narrow GEMM into [..., r],
 // one accumulated into y). Its backward recomputes x A^T (r columns) rather than keeping it.
 // Gradients land in the matching fields of `grads` (null: none); the weight's is skipped when the

@@ -86,6 +86,7 @@ Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up_proj, const Linea
 // adapter, of its A [r, in] and B [out, r] slices (frozen like the fused tensors).
 inline Linear expert_projection(const Linear& fused, int64_t e) {
   Linear l(fused.weight.select(0, e));
+  l.fp8 = fused.fp8;
   if (fused.lora.defined()) {
     l.lora.A = fused.lora.A.select(0, e);
     l.lora.B = fused.lora.B.select(0, e);

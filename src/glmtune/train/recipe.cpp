@@ -69,7 +69,10 @@ const std::vector<SectionSpec>& schema() {
         {"fsdp", "false", "shard the decoder layers' parameters over the data-parallel ranks"},
         {"freeze", "[\"mlp\\\\.experts\\\\.\"]",
          "regular expressions searched in the released parameter names"},
-        {"dist_timeout", "600", "seconds a collective may wait for the other ranks"}}},
+        {"dist_timeout", "600", "seconds a collective may wait for the other ranks"},
+        {"fp8", "\"tilewise\"",
+         "\"tilewise\": the experts', MLPs' and attention projections' GEMMs in block-scaled FP8; "
+         "\"none\": in the compute dtype"}}},
       {"optimizer",
        {{"lr", "1e-5"},
         {"lr_min", "1e-6"},
@@ -542,6 +545,13 @@ void parse_train(const Reader& rd, Recipe& r) {
   r.ep_size = rd.integer("train", "ep_size", 1, 1'000'000).value_or(1);
   r.sp_size = rd.integer("train", "sp_size", 1, 1'000'000).value_or(1);
   r.fsdp = rd.boolean("train", "fsdp").value_or(false);
+  if (auto v = rd.choice("train", "fp8", {"none", "tilewise"})) r.fp8_tilewise = *v == "tilewise";
+  if (r.fp8_tilewise && (r.ep_size > 1 || r.sp_size > 1))
+    rd.fail("train", "fp8",
+            fmt::format("fp8 = \"tilewise\" with {} > 1: expert and sequence parallelism do not "
+                        "carry the FP8 GEMMs yet",
+                        r.ep_size > 1 ? "ep_size" : "sp_size"),
+            "train with data parallelism (and fsdp) only, or write fp8 = \"none\"");
   if (const toml::node* n = rd.find("train", "freeze")) {
     if (!n->is_array()) rd.wrong_type("train", "freeze", "an array of regular expressions");
     for (const auto& e : *n->as_array()) {
@@ -892,6 +902,7 @@ std::string Recipe::to_toml() const {
     out += "freeze = [" + patterns + "]\n";
   }
   out += "dist_timeout = " + num(dist_timeout_s) + "\n";
+  if (fp8_tilewise) out += "fp8 = \"tilewise\"\n";
   out += "\n[optimizer]\n";
   out += "lr = " + num(lr) + "\n";
   out += "lr_min = " + num(lr_min) + "\n";
@@ -969,6 +980,8 @@ std::string Recipe::fingerprint(int64_t data_parallel_ranks) const {
   };
   // What is trained changes the run; recipes without freezing keep the fingerprints they had.
   if (!freeze.empty()) j["train"]["freeze"] = freeze;
+  // So is the GEMMs' precision; bf16 recipes keep the fingerprints they had.
+  if (fp8_tilewise) j["train"]["fp8"] = "tilewise";
   if (lora)
     j["lora"] = {{"rank", lora->rank},
                  {"alpha", lora->alpha},

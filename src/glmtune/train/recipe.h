@@ -5,7 +5,7 @@
 //   [data]      files | cache, format, on_bad_line, on_overlong, max_length, pack_max_length,
 //               pack_lookahead, shuffle, media_root
 //   [train]     total_steps | epochs, micro_packs, seed, device, recompute, offload, on_nonfinite,
-//               ep_size, sp_size, fsdp, dist_timeout, freeze
+//               ep_size, sp_size, fsdp, dist_timeout, freeze, fp8
 //   [optimizer] lr, lr_min, warmup_steps | warmup_ratio, betas, eps, weight_decay, clip_grad_norm
 //   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
 //   [output]    dir, save_every, keep_last, log_every
@@ -88,6 +88,9 @@ struct Recipe {
   // released parameter names. Frozen tensors get no gradient and no optimizer state; checkpoints
   // still hold them, unchanged.
   std::vector<std::string> freeze;
+  // train.fp8 = "tilewise": the projections of model::text::use_fp8_gemms run their GEMMs in
+  // block-scaled FP8 (ops/fp8.h); master weights, optimizer and checkpoints are unchanged.
+  bool fp8_tilewise = false;
 
   // [optimizer]
   double lr = 1e-6;

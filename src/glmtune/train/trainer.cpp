@@ -1,5 +1,7 @@
 #include "glmtune/train/trainer.h"
 
+#include <spdlog/spdlog.h>
+
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -53,6 +55,10 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
 
   std::optional<model::text::TextModel> text_model;
   model::text::TextModel& model = build_model(recipe, layout, store, vl, text_model);
+  if (recipe.fp8_tilewise) {
+    const int64_t n = model::text::use_fp8_gemms(model.weights(), layout.on_gpu ? 16 : 0);
+    spdlog::info("train.fp8 = \"tilewise\": {} projections run their GEMMs in block-scaled FP8", n);
+  }
   const int64_t total = recipe.resolve_total_steps(data.sampler().packs_in_epoch(), layout.dp);
   const Schedule schedule = recipe.schedule(total);
   st.total_steps = total;

@@ -159,6 +159,63 @@ void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key) {
   }
 }
 
+namespace {
+
+// The projections of use_fp8_gemms, by their names under a layer.
+bool runs_in_fp8(const std::string& name, ParamGroup group) {
+  static const std::set<std::string> kda = {
+      "self_attn.q_proj",   "self_attn.k_proj",   "self_attn.v_proj",   "self_attn.o_proj",
+      "self_attn.f_a_proj", "self_attn.f_b_proj", "self_attn.g_a_proj", "self_attn.g_b_proj"};
+  static const std::set<std::string> dsa = {"self_attn.q_a_proj", "self_attn.q_b_proj",
+                                            "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj"};
+  switch (group) {
+    case ParamGroup::kda:
+      return kda.contains(name);
+    case ParamGroup::dsa:
+      return dsa.contains(name);
+    case ParamGroup::dense_mlp:
+    case ParamGroup::moe:
+      return name.starts_with("mlp.");
+    case ParamGroup::layer:
+      return false;
+  }
+  return false;
+}
+
+}  // namespace
+
+int64_t use_fp8_gemms(TextWeights& w, int64_t alignment) {
+  int64_t marked = 0;
+  const auto mark_one = [&](const std::string& name, ops::Linear& l) {
+    const int64_t n = l.weight.size(-2), k = l.weight.size(-1);
+    if (alignment > 0 && (n % alignment != 0 || k % alignment != 0))
+      throw Error(fmt::format("train.fp8 = \"tilewise\": {} is {}, and the GPU's FP8 GEMMs take "
+                              "only dimensions that are multiples of {}",
+                              name, l.weight.str(), alignment),
+                  "train.fp8", "write train.fp8 = \"none\" for this model, or train it on the CPU");
+    l.fp8 = true;
+    ++marked;
+  };
+  const auto visit = [&](const std::string& prefix, auto& params, auto zip) {
+    zip(params, params,
+        Overloaded{[](const std::string&, ParamGroup, Tensor&, Tensor&) {},
+                   [&](const std::string& name, ParamGroup group, ops::Linear& l, ops::Linear&,
+                       ops::WholeProjection) {
+                     if (l.weight.defined() && runs_in_fp8(name, group)) mark_one(prefix + name, l);
+                   }});
+    for (auto [name, l] : {std::pair{"mlp.experts.gate_up_proj", &params.moe.gate_up_proj},
+                           std::pair{"mlp.experts.down_proj", &params.moe.down_proj}})
+      if (l->weight.defined()) mark_one(prefix + name, *l);
+  };
+  for (LayerWeights& lw : w.layers)
+    visit(layer_prefix(lw.index), lw,
+          [](auto& a, auto& b, auto&& f) { zip_layer_params(a, b, f); });
+  if (w.mtp)
+    visit(layer_prefix(int64_t(w.layers.size())), *w.mtp,
+          [](auto& a, auto& b, auto&& f) { zip_mtp_params(a, b, f); });
+  return marked;
+}
+
 TextWeights load_text_weights(const ParamStore& store, DType dtype, Device device) {
   if (device.is_cuda())
     GLMTUNE_ASSERT(dtype == DType::bf16 || dtype == DType::f32,

@@ -169,4 +169,15 @@ std::string layer_prefix(int64_t layer);
 // independently and every pack anew; pack_key 0 turns dropout off (evaluation).
 void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key);
 
+// train.fp8 = "tilewise": marks the projections whose GEMMs then run in block-scaled FP8
+// (ops::Linear::fp8, ops/fp8.h) in every decoder layer and the MTP layer, the reference trainer's
+// choice: the routed and shared experts, the dense MLPs, the MLA's q_a, q_b, kv_a and o
+// projections and the KDA's q, k, v, o and gate (f_a, f_b, g_a, g_b) projections. kv_b_proj (the
+// absorbed attention reads it whole), the KDA's beta projection, the indexer, the router, the
+// embedding, the LM head, the MTP's eh_proj and the vision tower stay in the compute dtype.
+// Returns the number of projections marked (each fused expert tensor counted once). With
+// `alignment` > 0 (a GPU's FP8 GEMMs take 16) a marked weight whose dimensions are not multiples
+// of it is refused, naming it.
+int64_t use_fp8_gemms(TextWeights& w, int64_t alignment = 0);
+
 }  // namespace glmtune::model::text

@@ -4,6 +4,7 @@
 
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/elementwise.h"
+#include "glmtune/ops/fp8.h"
 #include "glmtune/ops/grad.h"
 
 namespace glmtune::ops {
@@ -61,10 +62,33 @@ void adapter_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, con
     dx_sum = std::move(dxa);
 }
 
+void check_fp8(const Linear& l) {
+  GLMTUNE_ASSERT(!l.bias.defined(), "FP8 GEMMs are for projections without a bias, got bias {}",
+                 l.bias.str());
+}
+
+// The weight's part of the backward: dW (and db) accumulate, dy W is added to dx_sum.
+void base_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Linear& l,
+                       Linear* grads) {
+  if (!l.fp8) {
+    linear_backward_add(dx_sum, dy, x, l.weight, grads ? &grads->weight : nullptr,
+                        bias_slot(l, grads));
+    return;
+  }
+  check_fp8(l);
+  linear_fp8_backward_add(&dx_sum, dy, x, l.weight, grads ? &grads->weight : nullptr);
+}
+
 }  // namespace
 
 Tensor linear(const Tensor& x, const Linear& l) {
-  Tensor y = linear(x, l.weight, l.bias);
+  Tensor y;
+  if (l.fp8) {
+    check_fp8(l);
+    y = linear_fp8(x, l.weight);
+  } else {
+    y = linear(x, l.weight, l.bias);
+  }
   if (!l.lora.defined()) return y;
   check_adapter(l, x);
   linear_out(y, adapter_input(l, adapter_x(l, x)), l.lora.B, Tensor(), /*accumulate=*/true);
@@ -73,20 +97,26 @@ Tensor linear(const Tensor& x, const Linear& l) {
 
 Tensor linear_backward(const Tensor& dy, const Tensor& x, const Linear& l, Linear* grads,
                        bool need_input_grad) {
-  if (!l.lora.defined())
+  if (!l.lora.defined() && !l.fp8)
     return linear_backward(dy, x, l.weight, grads ? &grads->weight : nullptr, bias_slot(l, grads),
                            need_input_grad);
-  check_adapter(l, x);
+  if (!l.lora.defined() && !need_input_grad) {
+    check_fp8(l);
+    linear_fp8_backward_add(nullptr, dy, x, l.weight, grads ? &grads->weight : nullptr);
+    return Tensor();
+  }
   Tensor dx;
-  linear_backward_add(dx, dy, x, l.weight, grads ? &grads->weight : nullptr, bias_slot(l, grads));
-  adapter_backward_add(dx, dy, x, l, grads);
+  base_backward_add(dx, dy, x, l, grads);
+  if (l.lora.defined()) {
+    check_adapter(l, x);
+    adapter_backward_add(dx, dy, x, l, grads);
+  }
   return need_input_grad ? dx.to(x.dtype()) : Tensor();
 }
 
 void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Linear& l,
                          Linear* grads) {
-  linear_backward_add(dx_sum, dy, x, l.weight, grads ? &grads->weight : nullptr,
-                      bias_slot(l, grads));
+  base_backward_add(dx_sum, dy, x, l, grads);
   if (!l.lora.defined()) return;
   check_adapter(l, x);
   adapter_backward_add(dx_sum, dy, x, l, grads);

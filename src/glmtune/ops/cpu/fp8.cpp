@@ -6,6 +6,8 @@
 #include "glmtune/base/error.h"
 #include "glmtune/io/fp8.h"
 #include "glmtune/ops/dispatch.h"
+#include "glmtune/ops/grad.h"
+#include "glmtune/ops/linear.h"
 #include "glmtune/tensor/dtype.h"
 
 namespace glmtune::ops {
@@ -120,6 +122,48 @@ Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t 
                                         scales.select(0, p), io::kFp8BlockSize, io::kFp8BlockSize,
                                         op));
   return values.to(out).view(shape);
+}
+
+namespace {
+
+// Q(a; br × bc) of a [..., n] tensor viewed as [rows, n], in a's dtype and shape.
+Tensor quantized(const Tensor& a, int64_t block_rows, int64_t block_cols) {
+  const Tensor a2 = a.reshape({a.numel() / a.size(-1), a.size(-1)});
+  return dequantize_fp8_blocks(quantize_fp8_blocks(a2, block_rows, block_cols))
+      .to(a.dtype())
+      .view(a.shape());
+}
+
+void check_fp8_linear(const Tensor& x, const Tensor& weight, const char* op) {
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && weight.defined() && weight.dim() == 2 &&
+                     x.size(-1) == weight.size(1) && x.dtype() == weight.dtype(),
+                 "{}: input {} does not fit weight {} (x [..., in], W [out, in], one dtype)", op,
+                 x.defined() ? x.str() : "undefined",
+                 weight.defined() ? weight.str() : "undefined");
+}
+
+}  // namespace
+
+Tensor linear_fp8(const Tensor& x, const Tensor& weight) {
+  check_fp8_linear(x, weight, "linear_fp8");
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear_fp8(x, weight));
+  return linear(quantized(x, 1, 128), quantized(weight, 128, 128));
+}
+
+void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
+                             const Tensor& weight, Tensor* grad_weight) {
+  const char* op = "linear_fp8_backward_add";
+  check_fp8_linear(x, weight, op);
+  GLMTUNE_ASSERT(dy.defined() && dy.dim() == x.dim() && dy.size(-1) == weight.size(0) &&
+                     dy.numel() / dy.size(-1) == x.numel() / x.size(-1),
+                 "{}: dy {} does not fit input {} and weight {}", op, dy.str(), x.str(),
+                 weight.str());
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear_fp8_backward_add(dx_sum, dy, x, weight, grad_weight));
+  if (grad_if_trained(grad_weight, weight))
+    linear_backward(quantized(dy, 128, 1), quantized(x, 128, 1), weight, grad_weight, nullptr,
+                    /*need_input_grad=*/false);
+  if (dx_sum)
+    linear_backward_add(*dx_sum, quantized(dy, 1, 128), x, quantized(weight, 128, 128), nullptr);
 }
 
 }  // namespace glmtune::ops

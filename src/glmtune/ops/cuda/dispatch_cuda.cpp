@@ -211,6 +211,56 @@ Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t 
   return values;
 }
 
+namespace {
+
+// [rows, n] of a [..., n] tensor, contiguous.
+Tensor as_rows(const Tensor& a) {
+  return a.contiguous().view({a.numel() / a.size(-1), a.size(-1)});
+}
+
+void check_fp8_gemm_shape(const Tensor& weight, const char* op) {
+  GLMTUNE_ASSERT(weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0,
+                 "{}: the GPU's FP8 GEMMs take weights whose two dimensions are multiples of 16, "
+                 "got {}",
+                 op, weight.str());
+}
+
+}  // namespace
+
+Tensor linear_fp8(const Tensor& x, const Tensor& weight) {
+  OpTimer timer("linear_fp8");
+  check_fp8_gemm_shape(weight, "linear_fp8");
+  Shape out_shape = x.shape();
+  out_shape.back() = weight.size(0);
+  Tensor y = Tensor::empty(out_shape, x.dtype(), x.device());
+  Tensor y2 = y.view({y.numel() / weight.size(0), weight.size(0)});
+  cuda::fp8_linear_out(y2, cuda::quantize_fp8_blocks(as_rows(x), 1, 128),
+                       cuda::quantize_fp8_blocks(weight, 128, 128));
+  return y;
+}
+
+void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
+                             const Tensor& weight, Tensor* grad_weight) {
+  OpTimer timer("linear_fp8_backward");
+  const char* op = "linear_fp8_backward_add";
+  check_fp8_gemm_shape(weight, op);
+  const Tensor dy2 = as_rows(dy);
+  if (Tensor* g = trained_slot(grad_weight, weight, op, "weight"))
+    cuda::fp8_linear_backward_weight(*g, cuda::quantize_fp8_blocks(dy2, 128, 1),
+                                     cuda::quantize_fp8_blocks(as_rows(x), 128, 1));
+  if (!dx_sum) return;
+  const bool accumulate = dx_sum->defined();
+  if (!accumulate) *dx_sum = Tensor::empty(x.shape(), DType::f32, x.device());
+  GLMTUNE_ASSERT(dx_sum->shape() == x.shape() && dx_sum->dtype() == DType::f32 &&
+                     dx_sum->device() == x.device() && dx_sum->is_contiguous(),
+                 "{}: the running input gradient {} must be a contiguous f32 {}", op, dx_sum->str(),
+                 x.str());
+  Tensor dx2 = dx_sum->view({x.numel() / x.size(-1), x.size(-1)});
+  cuda::fp8_linear_backward_input_out(
+      dx2, cuda::quantize_fp8_blocks(dy2, 1, 128),
+      cuda::transpose_fp8_weight(cuda::quantize_fp8_blocks(weight, 128, 128)), accumulate);
+}
+
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
   OpTimer timer("embedding_forward");
   return cuda::embedding_forward(table, ids);
@@ -549,12 +599,14 @@ Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows
 
 namespace {
 
-// The fused MoE kernels run the shared expert on its bare weights. One with an adapter
-// (ops/linear.h) runs beside them as the MLP composite instead, which applies the adapters; its
+// The fused MoE kernels run the shared expert on its bare weights in bf16. One with an adapter or
+// FP8 GEMMs (ops/linear.h) runs beside them as the MLP composite instead, which applies them; its
 // output is then added to the routed sum in bf16 rather than inside the combine's f32 sum.
 bool shared_expert_adapted(const MoeParams& params) {
-  return params.shared.gate_proj.lora.defined() || params.shared.up_proj.lora.defined() ||
-         params.shared.down_proj.lora.defined();
+  for (const Linear* l :
+       {&params.shared.gate_proj, &params.shared.up_proj, &params.shared.down_proj})
+    if (l->lora.defined() || l->fp8) return true;
+  return false;
 }
 
 }  // namespace

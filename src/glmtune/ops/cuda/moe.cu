@@ -4,6 +4,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "glmtune/ops/cuda/common.cuh"
+#include "glmtune/ops/cuda/fp8.h"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/ops/cuda/moe.h"
 #include "glmtune/ops/cuda/streams.h"
@@ -441,6 +442,47 @@ struct ExpertActivations {
   Tensor u_gate_up, u_down;
 };
 
+// The weight's products of an expert projection on the permuted rows: the grouped GEMMs, or with
+// Linear::fp8 the block-scaled FP8 ones (ops/cuda/fp8.h, ops/fp8.h's linear_fp8 per expert), each
+// expert's rows quantised on their own from its first row, as the CPU op quantises each expert's
+// gathered rows.
+void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l,
+                   const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
+                   cudaStream_t stream) {
+  if (!l.fp8) {
+    grouped_linear(y, x, l.weight, offsets, backend, stream);
+    return;
+  }
+  fp8_grouped_linear(y, quantize_fp8_grouped(x, offsets, 1, 128, stream),
+                     quantize_fp8_weight_grouped(l.weight, stream), offsets, stream);
+}
+
+void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linear& l,
+                                  const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
+                                  cudaStream_t stream) {
+  if (!l.fp8) {
+    grouped_linear_backward_input(dx, dy, l.weight, offsets, backend, stream);
+    return;
+  }
+  std::vector<ops::Fp8Blocks> w_t = quantize_fp8_weight_grouped(l.weight, stream);
+  for (size_t e = 0; e < w_t.size(); ++e)
+    if (offsets[e + 1] > offsets[e]) w_t[e] = transpose_fp8_weight(w_t[e], stream);
+  fp8_grouped_linear_backward_input(dx, quantize_fp8_grouped(dy, offsets, 1, 128, stream), w_t,
+                                    offsets, stream);
+}
+
+void expert_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x,
+                                   const ops::Linear& l, const std::vector<int64_t>& offsets,
+                                   GroupedGemmBackend backend, cudaStream_t stream) {
+  if (!l.fp8) {
+    grouped_linear_backward_weight(dw, dy, x, offsets, backend, stream);
+    return;
+  }
+  fp8_grouped_linear_backward_weight(dw, quantize_fp8_grouped(dy, offsets, 128, 1, stream),
+                                     quantize_fp8_grouped(x, offsets, 128, 1, stream), offsets,
+                                     stream);
+}
+
 // out += scale · (in A_e^T) B_e^T per expert segment; returns the scaled u.
 Tensor add_expert_adapter(Tensor& out, const Tensor& in, const ops::LoraAdapter& a,
                           const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
@@ -464,14 +506,14 @@ ExpertActivations run_experts(const ops::MoeConfig& cfg, const ops::Linear& gate
   a.x_perm = Tensor::empty({n, dim}, st, dev);
   gather_rows(x, perm.sorted_slots, int(cfg.top_k), a.x_perm, stream);
   a.h = Tensor::empty({n, 2 * inter}, st, dev);
-  grouped_linear(a.h, a.x_perm, gate_up.weight, perm.offsets, backend, stream);
+  expert_linear(a.h, a.x_perm, gate_up, perm.offsets, backend, stream);
   a.u_gate_up = add_expert_adapter(a.h, a.x_perm, gate_up.lora, perm.offsets, backend, stream);
   a.act = Tensor::empty({n, inter}, st, dev);
   if (n > 0)
     swiglu_clamped_out(a.act, a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter),
                        cfg.swiglu_limit, stream);
   a.yp = Tensor::empty({n, dim}, st, dev);
-  grouped_linear(a.yp, a.act, down.weight, perm.offsets, backend, stream);
+  expert_linear(a.yp, a.act, down, perm.offsets, backend, stream);
   a.u_down = add_expert_adapter(a.yp, a.act, down.lora, perm.offsets, backend, stream);
   return a;
 }
@@ -749,9 +791,9 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gat
     GLMTUNE_CUDA_CHECK_LAUNCH();
   }
   if (Tensor* d_down = trained_buffer(grads.down_proj.weight, down.weight, "down_proj"))
-    grouped_linear_backward_weight(*d_down, dyp, a.act, perm.offsets, backend, stream);
+    expert_linear_backward_weight(*d_down, dyp, a.act, down, perm.offsets, backend, stream);
   Tensor d_act = Tensor::empty({n, inter}, st, dev);
-  grouped_linear_backward_input(d_act, dyp, down.weight, perm.offsets, backend, stream);
+  expert_linear_backward_input(d_act, dyp, down, perm.offsets, backend, stream);
   expert_adapter_backward(down.lora, a.u_down, a.act, dyp, d_act, grads.down_proj.lora,
                           perm.offsets, backend, stream);
   Tensor dh = Tensor::empty({n, 2 * inter}, st, dev);
@@ -761,9 +803,9 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gat
                             cfg.swiglu_limit, dhg, dhu, stream);
   }
   if (Tensor* d_gate_up = trained_buffer(grads.gate_up_proj.weight, gate_up.weight, "gate_up_proj"))
-    grouped_linear_backward_weight(*d_gate_up, dh, a.x_perm, perm.offsets, backend, stream);
+    expert_linear_backward_weight(*d_gate_up, dh, a.x_perm, gate_up, perm.offsets, backend, stream);
   r.dxp = Tensor::empty({n, dim}, st, dev);
-  grouped_linear_backward_input(r.dxp, dh, gate_up.weight, perm.offsets, backend, stream);
+  expert_linear_backward_input(r.dxp, dh, gate_up, perm.offsets, backend, stream);
   expert_adapter_backward(gate_up.lora, a.u_gate_up, a.x_perm, dh, r.dxp, grads.gate_up_proj.lora,
                           perm.offsets, backend, stream);
   return r;
