@@ -187,7 +187,9 @@ bool runs_in_fp8(const std::string& name, ParamGroup group) {
 int64_t use_fp8_gemms(TextWeights& w, int64_t alignment) {
   int64_t marked = 0;
   const auto mark_one = [&](const std::string& name, ops::Linear& l) {
-    const int64_t n = l.weight.size(-2), k = l.weight.size(-1);
+    // Under fsdp a layer's weights are placeholders between uses: the shape is checked where known.
+    const bool whole = l.weight.dim() >= 2;
+    const int64_t n = whole ? l.weight.size(-2) : 0, k = whole ? l.weight.size(-1) : 0;
     if (alignment > 0 && (n % alignment != 0 || k % alignment != 0))
       throw Error(fmt::format("train.fp8 = \"tilewise\": {} is {}, and the GPU's FP8 GEMMs take "
                               "only dimensions that are multiples of {}",
