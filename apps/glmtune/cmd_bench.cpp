@@ -550,9 +550,11 @@ int run_bench_step(const BenchArgs& a) {
   r.dir = prepare_model(a, config);
   const auto load_start = std::chrono::steady_clock::now();
   const bool fp8_base = a.base == "fp8";
-  if (fp8_base && a.lora_rank == 0)
-    throw Error("--base fp8 without --lora-rank", "--base",
-                "an FP8 base is a frozen one: add --lora-rank R, or measure --base bf16");
+  if (fp8_base && a.lora_rank == 0 && a.freeze.empty())
+    throw Error("--base fp8 without --lora-rank or --freeze", "--base",
+                "FP8 tensors are held in FP8 only when frozen: add --lora-rank R (the whole base "
+                "frozen) or --freeze PATTERN (those tensors, as train.frozen_weights = \"fp8\"), "
+                "or measure --base bf16");
   const io::CheckpointReader reader = io::CheckpointReader::open(r.dir);
   const int64_t num_layers = config.text().num_hidden_layers;
   model::ParamStore store = model::ParamStore::load(
@@ -563,6 +565,10 @@ int run_bench_step(const BenchArgs& a) {
                : nullptr);
   r.frozen = train::apply_freeze(store, a.freeze, "--freeze");
   if (a.lora_rank > 0) attach_bench_lora(a, store, r);
+  // Full fine-tuning with --freeze: only the frozen FP8 tensors stay deferred.
+  if (fp8_base && a.lora_rank == 0)
+    for (const model::InternalParam& p : store.params())
+      if (p.deferred && p.trainable) store.load_deferred(reader, p.name);
   if (a.vl && !config.vision())
     throw Error("--vl needs a model with a vision tower", r.dir.string() + "/config.json",
                 "use a vision-language checkpoint or preset (crop25b and full have the tower)");
@@ -707,8 +713,9 @@ GLMTUNE_COMMAND(
                      "With --lora-rank: adapters on every routed expert too "
                      "(lora.target_parameters)");
       step->add_option("--base", a->base,
-                       "With --lora-rank: bf16, or fp8: the preset written in the FP8 release's "
-                       "layout and its FP8 weights kept in FP8 on the GPU (lora.base = \"fp8\")")
+                       "With --lora-rank or --freeze: bf16, or fp8: the preset written in the FP8 "
+                       "release's layout and its frozen FP8 weights kept in FP8 on the GPU "
+                       "(lora.base = \"fp8\", train.frozen_weights = \"fp8\")")
           ->check(CLI::IsMember({"bf16", "fp8"}));
       step->add_flag("--fp8", a->fp8,
                      "The experts', MLPs' and attention projections' GEMMs in block-scaled FP8, "

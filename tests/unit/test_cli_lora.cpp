@@ -208,7 +208,7 @@ TEST_F(CliLora, Fp8BaseTrainsExactlyAsTheDequantisedBase) {
   ASSERT_EQ(fp8.code, 0) << fp8.err;
   // The tiny model's FP8 weights: the dense MLP, every expert and shared expert, and the MLA
   // projections, of the decoder layers and the MTP layer.
-  EXPECT_NE(fp8.out.find("36 layer tensors held in FP8"), std::string::npos) << fp8.out;
+  EXPECT_NE(fp8.out.find("36 frozen layer tensors held in FP8"), std::string::npos) << fp8.out;
   const auto losses = [](const std::string& log) {
     std::vector<std::string> out;
     // Each step's line: "step k/n loss … grad_norm … lr …".

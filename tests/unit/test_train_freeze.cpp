@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -259,6 +260,62 @@ TEST(Freeze, FrozenExpertsStayByteIdenticalAndHaveNoOptimizerState) {
     test::expect_frozen_experts(tiny_model(),
                                 dir.path() / "out" / train::kCheckpointsDir / "step-3");
   }
+}
+
+// train.frozen_weights = "fp8" on an FP8 checkpoint (the release's layout, init --fp8): the frozen
+// routed experts stay in FP8 and are dequantised per layer around each use, the FP8 tensors the
+// run trains (dense MLPs, shared experts, MLA projections) are read whole; the values are the
+// bf16 load's, so every step equals the run that dequantises at load, bit for bit, and the model
+// it saves (the frozen experts read back from the file) is the same bytes. A run resumed from that
+// checkpoint (bf16 throughout) holds the experts as stored and goes on as the uninterrupted run.
+TEST(Freeze, FrozenFp8ExpertsHeldInFp8TrainAsTheDequantisedLoad) {
+  TempDir dir("freeze-fp8");
+  const fs::path fp8_model = dir.path() / "fp8";
+  model::InitOptions options;
+  options.seed = 5;
+  options.fp8 = true;
+  model::write_random_checkpoint(model::ModelConfig::preset("tiny"), fp8_model, options);
+  const auto recipe = [&](const std::string& out, const std::string& lines) {
+    std::string text =
+        recipe_text(dir.path() / out, "freeze = [\"mlp\\\\.experts\\\\.\"]\n" + lines);
+    const std::string bf16_path = "path = \"" + tiny_model().string() + "\"";
+    text.replace(text.find(bf16_path), bf16_path.size(), "path = \"" + fp8_model.string() + "\"");
+    return train::Recipe::parse(text, out + ".toml");
+  };
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const train::TrainSummary bf16 = train::run_training(recipe("bf16", ""), quiet);
+  const train::TrainSummary held =
+      train::run_training(recipe("held", "frozen_weights = \"fp8\"\n"), quiet);
+  ASSERT_EQ(bf16.steps.size(), 3u);
+  ASSERT_EQ(held.steps.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::memcmp(&held.steps[i].loss, &bf16.steps[i].loss, sizeof(double)), 0)
+        << "step " << i + 1;
+    EXPECT_EQ(std::memcmp(&held.steps[i].grad_norm, &bf16.steps[i].grad_norm, sizeof(double)), 0)
+        << "step " << i + 1;
+  }
+  const fs::path model_dir = fs::path(train::kCheckpointsDir) / "step-3" / "model";
+  for (const auto& entry : fs::directory_iterator(dir.path() / "bf16" / model_dir))
+    if (entry.path().extension() == ".safetensors")
+      EXPECT_EQ(test::read_text(entry.path()),
+                test::read_text(dir.path() / "held" / model_dir / entry.path().filename()))
+          << entry.path().filename();
+
+  // Stopped at step 2 and resumed from its checkpoint (bf16 throughout): step 3 as the run above.
+  std::atomic<bool> stop{false};
+  train::TrainerOptions first = quiet;
+  first.stop = &stop;
+  first.on_step = [&](const train::StepMetrics& m) {
+    if (m.step == 2) stop = true;
+  };
+  const train::Recipe again = recipe("resumed", "frozen_weights = \"fp8\"\n");
+  EXPECT_TRUE(train::run_training(again, first).interrupted);
+  train::TrainerOptions resuming = quiet;
+  resuming.resume = true;
+  const train::TrainSummary rest = train::run_training(again, resuming);
+  ASSERT_EQ(rest.steps.size(), 1u);
+  EXPECT_EQ(std::memcmp(&rest.steps[0].loss, &held.steps[2].loss, sizeof(double)), 0);
 }
 
 // The optimizer state of a checkpoint holds the parameters its run trained: resuming with other

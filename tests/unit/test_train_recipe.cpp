@@ -156,6 +156,7 @@ device = "cuda:1"
 recompute = 0.5
 recompute_vision = true
 fp8 = "tilewise"
+frozen_weights = "fp8"
 [optimizer]
 lr = {:.17g}
 lr_min = {:.17g}
@@ -192,6 +193,7 @@ log_every = 10
   EXPECT_EQ(r.recompute, 0.5);
   EXPECT_TRUE(r.recompute_vision);
   EXPECT_TRUE(r.fp8_tilewise);
+  EXPECT_TRUE(r.frozen_fp8);
   EXPECT_EQ(r.lr, lr);
   EXPECT_EQ(r.lr_min, lr_min);
   EXPECT_EQ(r.warmup_steps, 3);
@@ -238,6 +240,7 @@ log_every = 10
   EXPECT_EQ(back.recompute, 0.5);
   EXPECT_TRUE(back.recompute_vision);
   EXPECT_TRUE(back.fp8_tilewise);
+  EXPECT_TRUE(back.frozen_fp8);
   // The GEMMs' precision is part of what a resume must match.
   Recipe bf16 = r;
   bf16.set("train.fp8", "none");
@@ -420,6 +423,9 @@ TEST(Recipe, ErrorsNameFileLineKeyAndFix) {
                       "tilewise");
   EXPECT_RECIPE_ERROR(error_of(with({{"train", "fp8 = \"tilewise\"\nep_size = 2"}})),
                       "expert and sequence parallelism", "train.fp8", "fp8 = \"none\"");
+  EXPECT_RECIPE_ERROR(error_of(with({{"train", "frozen_weights = \"fp8\""}}) +
+                               "[lora]\nrank = 4\nalpha = 8\ntarget_modules = [\"q_proj\"]\n"),
+                      "with [lora]", "train.frozen_weights", "base = \"fp8\"");
   // Out of range.
   EXPECT_RECIPE_ERROR(error_of(with({{"optimizer", "eps = 0"}})), "> 0, got 0", "optimizer.eps",
                       "eps = 1e-8");

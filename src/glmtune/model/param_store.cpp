@@ -278,6 +278,16 @@ void ParamStore::set_trainable(const std::string& name, bool trainable) {
   params_[it->second].trainable = trainable;
 }
 
+void ParamStore::load_deferred(const io::CheckpointReader& reader, const std::string& name) {
+  auto it = index_.find(name);
+  GLMTUNE_ASSERT(it != index_.end(), "no parameter named '{}'", name);
+  InternalParam& p = params_[it->second];
+  GLMTUNE_ASSERT(p.deferred && !expert_range_, "'{}' is not a deferred whole tensor", name);
+  // Owned memory: read_elements may return a view of the read-only mapping.
+  p.value = read_elements(reader, name, 0, shape_numel(p.shape)).view(p.shape).clone();
+  p.deferred = false;
+}
+
 void ParamStore::add_adapter(const std::string& name, Tensor value) {
   GLMTUNE_ASSERT(!index_.count(name), "adapter '{}' added twice", name);
   index_[name] = params_.size();

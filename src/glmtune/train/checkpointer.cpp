@@ -26,12 +26,14 @@ int64_t save_delay_ms() {
 
 Checkpointer::Checkpointer(const Recipe& recipe, const ParallelLayout& layout,
                            model::ParamStore& store, Optimizer& optimizer,
-                           std::filesystem::path tokenizer_dir)
+                           std::filesystem::path tokenizer_dir,
+                           const io::CheckpointReader* deferred_source)
     : recipe_(recipe),
       layout_(layout),
       store_(store),
       optimizer_(optimizer),
-      tokenizer_dir_(std::move(tokenizer_dir)) {}
+      tokenizer_dir_(std::move(tokenizer_dir)),
+      deferred_source_(deferred_source) {}
 
 std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSampler& sampler,
                                            const ThroughputTotals& totals) {
@@ -51,7 +53,16 @@ std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSam
   st.sampler = sampler.save_state();
   st.totals = totals;
   const int64_t delay = save_delay_ms();
-  const model::ParamStore::WholeValue whole_value = optimizer_.weights_for_save();
+  model::ParamStore::WholeValue whole_value = optimizer_.weights_for_save();
+  if (deferred_source_)
+    // Frozen tensors held in FP8 on the device: their (unchanged) values come from the file they
+    // were loaded from, dequantised, one tensor at a time.
+    whole_value = [this, held = std::move(whole_value)](const model::InternalParam& p) {
+      if (p.deferred)
+        return store_.read_elements(*deferred_source_, p.name, 0, shape_numel(p.shape))
+            .view(p.shape);
+      return held ? held(p) : p.value;
+    };
   const ModelWriter writer = [&](const fs::path& dir) {
     if (store_.has_adapters()) {
       // A LoRA run saves its adapters alone, in PEFT's layout, beside where the model would go:

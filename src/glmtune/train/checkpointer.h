@@ -18,9 +18,13 @@ namespace glmtune::train {
 
 class Checkpointer {
  public:
-  // `tokenizer_dir`: the tokenizer files copied next to the weights.
+  // `tokenizer_dir`: the tokenizer files copied next to the weights. `deferred_source`: the
+  // checkpoint the store was loaded from, where the values of its deferred tensors (frozen FP8
+  // tensors held on the device, train.frozen_weights) are read when a model is saved; null when
+  // the store holds none.
   Checkpointer(const Recipe& recipe, const ParallelLayout& layout, model::ParamStore& store,
-               Optimizer& optimizer, std::filesystem::path tokenizer_dir);
+               Optimizer& optimizer, std::filesystem::path tokenizer_dir,
+               const io::CheckpointReader* deferred_source = nullptr);
 
   // Collective. Saves step `state.step`, `state` first taking the sampler's position and the
   // throughput totals. Returns the checkpoint written (rank 0) or, on the other ranks of a
@@ -35,6 +39,7 @@ class Checkpointer {
   model::ParamStore& store_;
   Optimizer& optimizer_;
   std::filesystem::path tokenizer_dir_;
+  const io::CheckpointReader* deferred_source_;
 };
 
 }  // namespace glmtune::train

@@ -72,7 +72,7 @@ struct ParallelLayout {
   std::optional<dist::LocalExperts> local_experts;  // ep: this rank's slices in the store
   std::optional<dist::UlyssesParallel> ulysses;     // sp
   std::optional<dist::ShardedLayers> layers;        // fsdp
-  std::optional<model::text::Fp8Layers> fp8_base;   // lora.base = "fp8"
+  std::optional<model::text::Fp8Layers> fp8_base;   // lora.base or train.frozen_weights "fp8"
   // fsdp: decoder-layer router biases the store keeps (the bias rule updates them there) and the
   // slices copy after every step.
   std::vector<std::string> biases_in_store;

@@ -70,6 +70,9 @@ const std::vector<SectionSpec>& schema() {
         {"freeze", "[\"mlp\\\\.experts\\\\.\"]",
          "regular expressions searched in the released parameter names"},
         {"dist_timeout", "600", "seconds a collective may wait for the other ranks"},
+        {"frozen_weights", "\"fp8\"",
+         "\"fp8\": frozen tensors stored in FP8 stay in FP8 on the device (dequantised per layer "
+         "around each use); \"bf16\": dequantised at load"},
         {"fp8", "\"tilewise\"",
          "\"tilewise\": the experts', MLPs' and attention projections' GEMMs in block-scaled FP8; "
          "\"none\": in the compute dtype"}}},
@@ -546,6 +549,7 @@ void parse_train(const Reader& rd, Recipe& r) {
   r.sp_size = rd.integer("train", "sp_size", 1, 1'000'000).value_or(1);
   r.fsdp = rd.boolean("train", "fsdp").value_or(false);
   if (auto v = rd.choice("train", "fp8", {"none", "tilewise"})) r.fp8_tilewise = *v == "tilewise";
+  if (auto v = rd.choice("train", "frozen_weights", {"bf16", "fp8"})) r.frozen_fp8 = *v == "fp8";
   if (r.fp8_tilewise && (r.ep_size > 1 || r.sp_size > 1))
     rd.fail("train", "fp8",
             fmt::format("fp8 = \"tilewise\" with {} > 1: expert and sequence parallelism do not "
@@ -709,6 +713,11 @@ void parse_lora(const Reader& rd, const toml::table& t, Recipe& r) {
             rd.example_fix("lora", "target_modules"));
   }
   if (auto base = rd.choice("lora", "base", {"bf16", "fp8"})) c.fp8_base = *base == "fp8";
+  if (r.frozen_fp8)
+    rd.fail("train", "frozen_weights",
+            "frozen_weights = \"fp8\" with [lora]: under [lora] the whole base is frozen, and "
+            "lora.base says how it is held",
+            "write base = \"fp8\" under [lora] and drop train.frozen_weights");
   r.lora = c;
 }
 
@@ -903,6 +912,7 @@ std::string Recipe::to_toml() const {
   }
   out += "dist_timeout = " + num(dist_timeout_s) + "\n";
   if (fp8_tilewise) out += "fp8 = \"tilewise\"\n";
+  if (frozen_fp8) out += "frozen_weights = \"fp8\"\n";
   out += "\n[optimizer]\n";
   out += "lr = " + num(lr) + "\n";
   out += "lr_min = " + num(lr_min) + "\n";

@@ -5,7 +5,7 @@
 //   [data]      files | cache, format, on_bad_line, on_overlong, max_length, pack_max_length,
 //               pack_lookahead, shuffle, media_root
 //   [train]     total_steps | epochs, micro_packs, seed, device, recompute, offload, on_nonfinite,
-//               ep_size, sp_size, fsdp, dist_timeout, freeze, fp8
+//               ep_size, sp_size, fsdp, dist_timeout, freeze, fp8, frozen_weights
 //   [optimizer] lr, lr_min, warmup_steps | warmup_ratio, betas, eps, weight_decay, clip_grad_norm
 //   [loss]      mtp_scale, balancing_alpha, router_bias_update_rate
 //   [output]    dir, save_every, keep_last, log_every
@@ -91,6 +91,11 @@ struct Recipe {
   // train.fp8 = "tilewise": the projections of model::text::use_fp8_gemms run their GEMMs in
   // block-scaled FP8 (ops/fp8.h); master weights, optimizer and checkpoints are unchanged.
   bool fp8_tilewise = false;
+  // train.frozen_weights = "fp8": the frozen decoder-layer tensors (train.freeze) that the
+  // checkpoint stores in FP8 stay in FP8 on the device and are dequantised per layer around each
+  // use, as lora.base = "fp8" holds a LoRA base (model/text/fp8_layers.h); "bf16": dequantised at
+  // load. The values are the same, so the fingerprint leaves it out.
+  bool frozen_fp8 = false;
 
   // [optimizer]
   double lr = 1e-6;

@@ -71,7 +71,9 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   parallelize(layout, recipe, model, grads, topt, store, weights.read_piece(), num_layers);
   hold_fp8_base(layout, weights, model, topt);
   if (layout.layers) optimizer->shard_layers(*layout.layers, weights.read_piece());
-  weights.reader.reset();
+  // A full fine-tuning run that holds frozen FP8 tensors saves their values from the file.
+  const bool saves_deferred = layout.fp8_base && !store.has_adapters();
+  if (!saves_deferred) weights.reader.reset();
   optimizer->log_memory(model, grads);
 
   if (layout.root) write_file_atomic((out_dir / "recipe.toml").string(), recipe.to_toml());
@@ -81,7 +83,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
     log.emplace(out_dir, st.step, options.print_steps ? recipe.log_every : (int64_t(1) << 62));
   log_start(recipe, layout, topt, model.text(), total, st.step);
 
-  Checkpointer checkpointer(recipe, layout, store, *optimizer, tok_dir);
+  Checkpointer checkpointer(recipe, layout, store, *optimizer, tok_dir,
+                            saves_deferred ? &*weights.reader : nullptr);
   TrainingRun run{recipe,
                   options,
                   layout,

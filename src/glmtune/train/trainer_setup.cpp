@@ -283,29 +283,38 @@ TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
     return in_decoder_layer(name, num_layers) && !name.ends_with("e_score_correction_bias") &&
            !(expert_sharded && model::is_fused_expert_tensor(name));
   };
-  // lora.base = "fp8": the base's FP8 decoder-layer weights are not dequantised here either; they
-  // go to the device as codes and scales (hold_fp8_base).
+  // lora.base = "fp8" (or train.frozen_weights = "fp8"): the base's (the frozen tensors') FP8
+  // decoder-layer weights are not dequantised here either; they go to the device as codes and
+  // scales (hold_fp8_base). Every FP8 tensor is deferred first; the ones the run trains are read
+  // once the freeze patterns have said which they are.
   const bool fp8_base = recipe.lora && recipe.lora->fp8_base;
-  if (fp8_base && (layout.fsdp || layout.expert_sharded))
-    throw Error(fmt::format("lora.base = \"fp8\" with {}: an FP8 base is held whole by each "
-                            "process, not in slices",
-                            layout.fsdp ? "train.fsdp" : "train.ep_size"),
-                recipe.source() + ": lora.base",
-                fmt::format("write base = \"bf16\", or drop {}", layout.fsdp ? "fsdp" : "ep_size"));
+  const bool fp8_frozen = recipe.frozen_fp8;
+  const std::string fp8_key = fp8_base ? "lora.base" : "train.frozen_weights";
+  if ((fp8_base || fp8_frozen) && (layout.fsdp || layout.expert_sharded))
+    throw Error(
+        fmt::format("{} = \"fp8\" with {}: FP8 tensors are held whole by each process, "
+                    "not in slices",
+                    fp8_key, layout.fsdp ? "train.fsdp" : "train.ep_size"),
+        recipe.source() + ": " + fp8_key,
+        fmt::format("write {} = \"bf16\", or drop {}", fp8_key.substr(fp8_key.find('.') + 1),
+                    layout.fsdp ? "fsdp" : "ep_size"));
   const auto held_in_fp8 = [&](const std::string& name) {
     return model::text::stored_in_fp8(*reader, name, num_layers);
   };
-  model::ParamStore store =
-      model::ParamStore::load(*reader, config, layout.expert_range(),
-                              layout.fsdp ? std::function<bool(const std::string&)>(sliced_later)
-                              : fp8_base  ? std::function<bool(const std::string&)>(held_in_fp8)
-                                          : nullptr);
+  model::ParamStore store = model::ParamStore::load(
+      *reader, config, layout.expert_range(),
+      layout.fsdp              ? std::function<bool(const std::string&)>(sliced_later)
+      : fp8_base || fp8_frozen ? std::function<bool(const std::string&)>(held_in_fp8)
+                               : nullptr);
   // The checkpoint mapping is read-only; the optimizer and the bias update write in place.
   make_params_writable(store);
-  if (!layout.fsdp && !fp8_base) reader.reset();
+  if (!layout.fsdp && !fp8_base && !fp8_frozen) reader.reset();
   VlTraining* vl = data.vl();
   if (recipe.lora) attach_lora(recipe, layout, resume, store);
   const FreezePlan freeze = freeze_parameters(recipe, store, vl != nullptr);
+  if (fp8_frozen)
+    for (const model::InternalParam& p : store.params())
+      if (p.deferred && p.trainable) store.load_deferred(*reader, p.name);
   // Under [lora] the tower and projector are part of the frozen base.
   if (vl) vl->freeze(freeze.vision_tower || recipe.lora, freeze.projector || recipe.lora);
   if (data.tokenizer().vocab_size() > store.config().text().vocab_size)
@@ -328,10 +337,12 @@ void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text
   if (!weights.reader || layout.fsdp) return;
   const bool any = std::any_of(weights.store.params().begin(), weights.store.params().end(),
                                [](const model::InternalParam& p) { return p.deferred; });
+  const char* key = weights.store.has_adapters() ? "lora.base" : "train.frozen_weights";
   if (!any) {
     spdlog::warn(
-        "lora.base = \"fp8\": the checkpoint stores no decoder-layer weight in FP8; "
-        "the base is held as stored");
+        "{} = \"fp8\": the checkpoint stores no frozen decoder-layer weight in FP8; the "
+        "weights are held as stored",
+        key);
     return;
   }
   layout.fp8_base.emplace(model.weights(), weights.store, *weights.reader);
@@ -339,9 +350,9 @@ void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text
   train.mtp_params = &*layout.fp8_base;
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   spdlog::info(
-      "lora.base = \"fp8\": {} layer tensors held in FP8 on {}: {:.2f} GiB ({:.2f} "
+      "{} = \"fp8\": {} frozen layer tensors held in FP8 on {}: {:.2f} GiB ({:.2f} "
       "GiB in bf16), dequantised per layer around each use",
-      layout.fp8_base->tensors(), model.weights().device.str(),
+      key, layout.fp8_base->tensors(), model.weights().device.str(),
       double(layout.fp8_base->held_bytes()) / kGiB, double(layout.fp8_base->bf16_bytes()) / kGiB);
 }
 

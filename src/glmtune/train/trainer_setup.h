@@ -76,9 +76,9 @@ struct TrainingWeights {
 TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
                              const ResumePoint* resume, const TrainingData& data);
 
-// lora.base = "fp8": the store's deferred FP8 tensors go to the model's device as codes and
-// scales (layout.fp8_base), which the layer loops dequantise around each use (train.layer_params).
-// Nothing when the store holds none deferred.
+// lora.base = "fp8" or train.frozen_weights = "fp8": the store's deferred (frozen) FP8 tensors go
+// to the model's device as codes and scales (layout.fp8_base), which the layer loops dequantise
+// around each use (train.layer_params). Nothing when the store holds none deferred.
 void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text::TextModel& model,
                    model::text::TrainOptions& train);
 

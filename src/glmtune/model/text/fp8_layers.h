@@ -7,7 +7,8 @@
 // of the bf16 load (the same single rounding of the exact product), so a run with the base in FP8
 // follows the run with the base dequantised at load bit for bit; it only holds less.
 //
-// Only frozen tensors qualify (nothing updates the codes): the base under [lora]. The MTP layer's
+// Only frozen tensors qualify (nothing updates the codes): the base under [lora] (lora.base =
+// "fp8"), or the tensors train.freeze keeps fixed (train.frozen_weights = "fp8"). The MTP layer's
 // tensors are held the same way, under the layer index num_hidden_layers (TrainOptions::
 // mtp_params).
 
