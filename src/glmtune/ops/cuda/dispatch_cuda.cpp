@@ -602,7 +602,7 @@ namespace {
 // The fused MoE kernels run the shared expert on its bare weights in bf16. One with an adapter or
 // FP8 GEMMs (ops/linear.h) runs beside them as the MLP composite instead, which applies them; its
 // output is then added to the routed sum in bf16 rather than inside the combine's f32 sum.
-bool shared_expert_adapted(const MoeParams& params) {
+bool shared_expert_composed(const MoeParams& params) {
   for (const Linear* l :
        {&params.shared.gate_proj, &params.shared.up_proj, &params.shared.down_proj})
     if (l->lora.defined() || l->fp8) return true;
@@ -616,13 +616,13 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Te
   OpTimer timer("moe_forward");
   MoeParams params = params_in;
   params.e_score_correction_bias = as_f32(params.e_score_correction_bias);
-  const bool adapted = shared_expert_adapted(params);
-  if (adapted) params.shared = MlpParams{};
+  const bool composed = shared_expert_composed(params);
+  if (composed) params.shared = MlpParams{};
   cuda::MoeContext cc;
   MoeOutput out = cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr);
   out.expert_counts = out.expert_counts.to(Device::cpu());
   MlpContext shared;
-  if (adapted) add_into(out.y, ops::mlp_forward(params_in.shared, x, cfg.swiglu_limit, shared));
+  if (composed) add_into(out.y, ops::mlp_forward(params_in.shared, x, cfg.swiglu_limit, shared));
   if (ctx) {
     ctx->x = x;
     ctx->routing = out.routing;
@@ -651,7 +651,7 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
   cc.permutation = cuda::moe_permute(ctx.routing.indices, cfg.n_experts);
   const Tensor d_logits =
       d_router_logits.defined() ? d_router_logits.to(dy.device()).to(DType::f32) : Tensor();
-  if (shared_expert_adapted(params)) {
+  if (shared_expert_composed(params)) {
     params.shared = MlpParams{};
     Tensor dx = cuda::moe_backward(cfg, params, cc, dy, grads, d_logits);
     add_into(dx,
@@ -674,8 +674,9 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
                                      const Tensor& routed_dx, const Tensor& routed_d_weights,
                                      MoeParams& grads, const Tensor& d_router_logits) {
   OpTimer timer("moe_backward");
-  GLMTUNE_ASSERT(!shared_expert_adapted(params),
-                 "expert parallelism on GPUs with an adapted shared expert is not wired yet");
+  GLMTUNE_ASSERT(
+      !shared_expert_composed(params),
+      "expert parallelism on GPUs with an adapted or FP8 shared expert is not wired yet");
   const Tensor d_logits =
       d_router_logits.defined() ? d_router_logits.to(dy.device()).to(DType::f32) : Tensor();
   return cuda::moe_backward_routed_elsewhere(cfg, params, x, routing, dy, routed_dx,
