@@ -49,10 +49,63 @@ __device__ __forceinline__ uint8_t quantize(float x, float scale) {
   return f32_to_fp8e4m3(v);
 }
 
+// Four consecutive values of row-major x from element i on: with kVec one 8-byte (bf16) or 16-byte
+// (f32) load, for which i is a multiple of 4 and x aligned to it; else one load per value, those at
+// or past `valid` (the columns left in the row) reading as 0.
+template <bool kVec>
+__device__ __forceinline__ void load4(const void* x, bool bf16, int64_t i, int64_t valid,
+                                      float v[4]) {
+  if constexpr (kVec) {
+    if (valid <= 0) {
+      v[0] = v[1] = v[2] = v[3] = 0.0f;
+    } else if (bf16) {
+      const uint2 p = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(x) + i);
+      v[0] = __uint_as_float(p.x << 16);
+      v[1] = __uint_as_float(p.x & 0xffff0000u);
+      v[2] = __uint_as_float(p.y << 16);
+      v[3] = __uint_as_float(p.y & 0xffff0000u);
+    } else {
+      const float4 p = *reinterpret_cast<const float4*>(static_cast<const float*>(x) + i);
+      v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = j < valid ? load_x(x, bf16, i + j) : 0.0f;
+  }
+}
+
+// The codes of four consecutive values into q[i ..]: one 4-byte store with kVec (i a multiple of 4,
+// q aligned to it), else one store per value before `valid`.
+template <bool kVec>
+__device__ __forceinline__ void store4(uint8_t* q, int64_t i, int64_t valid, const float v[4],
+                                       float scale) {
+  if constexpr (kVec) {
+    if (valid <= 0) return;
+    const uint32_t packed = uint32_t(quantize(v[0], scale)) | uint32_t(quantize(v[1], scale)) << 8 |
+                            uint32_t(quantize(v[2], scale)) << 16 |
+                            uint32_t(quantize(v[3], scale)) << 24;
+    *reinterpret_cast<uint32_t*>(q + i) = packed;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (j < valid) q[i + j] = quantize(v[j], scale);
+  }
+}
+
+// Whether the 1 × 128 and 128 × 128 quantisers may move four values at a time: whole groups of four
+// columns, rows that start aligned.
+bool vector_ok(const void* x, bool x_bf16, int64_t cols, int64_t ld_x, const uint8_t* q,
+               int64_t ld_q) {
+  const uintptr_t x_align = x_bf16 ? 8 : 16;
+  return cols % 4 == 0 && ld_x % 4 == 0 && ld_q % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % x_align == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0;
+}
+
 // ---- 1 × 128 tiles: one warp per (row, tile), four columns per lane ---------------------------
 
 constexpr int kTileWarps = 8;
 
+template <bool kVec>
 __global__ void __launch_bounds__(kTileWarps * 32)
     quantize_tiles_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
                           int64_t ld_x, uint8_t* __restrict__ q, int64_t ld_q,
@@ -63,23 +116,19 @@ __global__ void __launch_bounds__(kTileWarps * 32)
   const int64_t tile = blockIdx.y;
   const int64_t c0 = tile * 128 + lane * 4;
   float v[4];
+  load4<kVec>(x, x_bf16, r * ld_x + c0, cols - c0, v);
   float amax = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    v[j] = c0 + j < cols ? load_x(x, x_bf16, r * ld_x + c0 + j) : 0.0f;
-    amax = nan_max(amax, fabsf(v[j]));
-  }
+  for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[j]));
   amax = warp_nan_max(amax);
   const float scale = scale_of(amax);
   if (lane == 0) s[tile * ld_s + r] = scale;
-  uint8_t* qr = q + r * ld_q;
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    if (c0 + j < cols) qr[c0 + j] = quantize(v[j], scale);
+  store4<kVec>(q, r * ld_q + c0, cols - c0, v, scale);
 }
 
 // ---- 128 × 128 blocks: one block of 256 threads per weight block, 64 values per thread ----------
 
+template <bool kVec>
 __global__ void __launch_bounds__(256)
     quantize_blocks_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
                            int64_t ld_x, uint8_t* __restrict__ q, int64_t ld_q,
@@ -93,11 +142,9 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t r = r0 + warp + 8 * i;
+    load4<kVec>(x, x_bf16, r * ld_x + c0, r < rows ? cols - c0 : 0, v[i]);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[i][j] = r < rows && c0 + j < cols ? load_x(x, x_bf16, r * ld_x + c0 + j) : 0.0f;
-      amax = nan_max(amax, fabsf(v[i][j]));
-    }
+    for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[i][j]));
   }
   amax = warp_nan_max(amax);
   if (lane == 0) warp_max[warp] = amax;
@@ -113,10 +160,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t r = r0 + warp + 8 * i;
-    if (r >= rows) continue;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      if (c0 + j < cols) q[r * ld_q + c0 + j] = quantize(v[i][j], scale);
+    if (r < rows) store4<kVec>(q, r * ld_q + c0, cols - c0, v[i], scale);
   }
 }
 
@@ -240,8 +284,9 @@ void quantize_tiles(const void* x, bool x_bf16, int64_t rows, int64_t cols, int6
                     uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   const dim3 grid(unsigned(blocks_of(rows, kTileWarps)), unsigned(blocks_of(cols, 128)));
-  quantize_tiles_kernel<<<grid, kTileWarps * 32, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q,
-                                                              s, ld_s);
+  const auto kernel = vector_ok(x, x_bf16, cols, ld_x, q, ld_q) ? quantize_tiles_kernel<true>
+                                                                : quantize_tiles_kernel<false>;
+  kernel<<<grid, kTileWarps * 32, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
@@ -249,7 +294,9 @@ void quantize_blocks(const void* x, bool x_bf16, int64_t rows, int64_t cols, int
                      uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   const dim3 grid(unsigned(blocks_of(cols, 128)), unsigned(blocks_of(rows, 128)));
-  quantize_blocks_kernel<<<grid, 256, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
+  const auto kernel = vector_ok(x, x_bf16, cols, ld_x, q, ld_q) ? quantize_blocks_kernel<true>
+                                                                : quantize_blocks_kernel<false>;
+  kernel<<<grid, 256, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
