@@ -578,4 +578,29 @@ TEST(CudaTrain, Fp8TilewiseRunFollowsTheCpu) {
 #endif
 }
 
+// LoRA beside the FP8 GEMMs: adapters on every projection and every routed expert stay in bf16
+// while their base weights' products run in FP8 (the fused MoE kernels' per-expert FP8 GEMMs with
+// the expert adapters' grouped GEMMs beside them); the GPU run follows the CPU run of the recipe.
+TEST(CudaTrain, LoraBesideFp8GemmsFollowsTheCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  TempDir dir("cuda-train-lora-fp8");
+  write_gpu_tiny_model(dir.path() / "model");
+  constexpr int kSteps = 10;
+  const auto recipe = [&](const std::string& device) {
+    return train::Recipe::parse(
+        recipe_text(dir.path() / "model", dir.path() / device.substr(0, 3), device, kSteps,
+                    "fp8 = \"tilewise\"\n") +
+            "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\n"
+            "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n",
+        device);
+  };
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const train::TrainSummary cpu = train::run_training(recipe("cpu"), quiet);
+  const train::TrainSummary gpu = train::run_training(recipe("cuda:0"), quiet);
+  ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, kSteps, "LoRA beside FP8 GEMMs"));
+#endif
+}
+
 }  // namespace
