@@ -354,7 +354,7 @@ DirectMtp direct_mtp(const TextModel& model, const std::vector<int32_t>& doc,
   const MtpWeights& m = *w.mtp;
   const int64_t n = int64_t(doc.size()), dim = c.hidden_size, vocab = c.vocab_size;
   const std::vector<double> table = values(w.embed_tokens), head = values(w.lm_head);
-  const std::vector<double> eh = values(m.eh_proj);
+  const std::vector<double> eh = values(m.eh_proj.weight);
   DirectMtp out;
   std::vector<double> h = values(main_hidden);
   for (int64_t k = 1; k <= depths; ++k) {

@@ -54,7 +54,8 @@ struct LayerGrads {
 };
 
 struct MtpGrads {
-  Tensor eh_proj, enorm, hnorm;
+  ops::Linear eh_proj;
+  Tensor enorm, hnorm;
   Tensor input_layernorm, post_attention_layernorm, shared_head_norm;
   ops::DsaParams dsa;
   ops::MoeParams moe;

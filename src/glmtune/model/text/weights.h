@@ -47,9 +47,9 @@ struct LayerWeights {
 // The MTP layer (`layers.<num_hidden_layers>`): a pre-norm DSA + MoE layer without mHC, with its
 // own indexer, between the eh_proj input mixer and the shared-head norm.
 struct MtpWeights {
-  Tensor eh_proj;  // [D, 2D], input [enorm(embedding) ; hnorm(hidden)]
-  Tensor enorm;    // [D]
-  Tensor hnorm;    // [D]
+  ops::Linear eh_proj;  // [D, 2D], input [enorm(embedding) ; hnorm(hidden)]
+  Tensor enorm;         // [D]
+  Tensor hnorm;         // [D]
   Tensor input_layernorm;
   Tensor post_attention_layernorm;
   Tensor shared_head_norm;  // [D] shared_head.norm
@@ -131,7 +131,7 @@ void zip_layer_params(A& a, B& b, F&& f) {
 template <typename A, typename B, typename F>
 void zip_mtp_params(A& a, B& b, F&& f) {
   const ParamGroup g = ParamGroup::layer;
-  f("eh_proj.weight", g, a.eh_proj, b.eh_proj);
+  ops::zip_linear("eh_proj", a.eh_proj, b.eh_proj, in_group("", g, f));
   f("enorm.weight", g, a.enorm, b.enorm);
   f("hnorm.weight", g, a.hnorm, b.hnorm);
   f("input_layernorm.weight", g, a.input_layernorm, b.input_layernorm);
