@@ -7,8 +7,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <regex>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "command.h"
 #include "config_options.h"
@@ -30,6 +32,9 @@ struct InspectArgs {
   std::string dir;
   bool json = false;
   bool verify = false;
+  // train.freeze patterns: the device bytes with only the FP8 tensors they match kept in FP8
+  // (train.frozen_weights = "fp8").
+  std::vector<std::string> freeze;
 };
 
 Json counts_json(const model::ParamCounts& n) {
@@ -133,6 +138,9 @@ GLMTUNE_COMMAND(
       dir->excludes(preset);
       a->config.add_set_option(app);
       app.add_flag("--json", a->json, "Print one JSON object");
+      app.add_option("--freeze", a->freeze,
+                     "A train.freeze pattern (repeatable): also print the device bytes with only "
+                     "the FP8 tensors it matches kept in FP8 (train.frozen_weights = \"fp8\")");
       app.add_flag("--verify", a->verify,
                    "Check every tensor against the checksums written with the checkpoint (a "
                    "model directory, a training checkpoint step-N, or a run's output directory); "
@@ -173,9 +181,33 @@ GLMTUNE_COMMAND(
             stored_fp8
                 ? std::set<std::string>(report->fp8_weights.begin(), report->fp8_weights.end())
                 : std::set<std::string>();
-        const train::WeightBytes device =
+        const auto in_fp8 = [&](const model::ParamSpec& s) {
+          return stored_fp8 ? fp8_names.count(s.name) > 0 : model::released_in_fp8(config, s);
+        };
+        const train::WeightBytes device = train::device_weight_bytes(config, in_fp8);
+        // --freeze: only the FP8 tensors the patterns freeze stay in FP8.
+        std::vector<std::regex> frozen;
+        for (const std::string& pattern : a->freeze) try {
+            frozen.emplace_back(pattern, std::regex::ECMAScript);
+          } catch (const std::regex_error& e) {
+            throw Error(fmt::format("'{}' is not a regular expression ({})", pattern, e.what()),
+                        "glmtune inspect --freeze",
+                        "write an ECMAScript regular expression, e.g. 'mlp\\.experts\\.'");
+          }
+        for (size_t i = 0; i < frozen.size(); ++i)
+          if (std::none_of(layout.begin(), layout.end(), [&](const model::ParamSpec& s) {
+                return std::regex_search(s.name, frozen[i]);
+              }))
+            throw Error(fmt::format("the freeze pattern '{}' matches no parameter of this model",
+                                    a->freeze[i]),
+                        "glmtune inspect --freeze",
+                        "patterns are searched in the released names, such as "
+                        "model.language_model.layers.1.mlp.experts.0.gate_proj.weight");
+        const train::WeightBytes frozen_device =
             train::device_weight_bytes(config, [&](const model::ParamSpec& s) {
-              return stored_fp8 ? fp8_names.count(s.name) > 0 : model::released_in_fp8(config, s);
+              return in_fp8(s) && std::any_of(frozen.begin(), frozen.end(), [&](const auto& re) {
+                       return std::regex_search(s.name, re);
+                     });
             });
         constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -202,6 +234,7 @@ GLMTUNE_COMMAND(
                         {"fp8_scales", device.fp8_scales},
                         {"fp8_running_layer", device.fp8_running_layer},
                         {"fp8_from", stored_fp8 ? "checkpoint" : "release layout"}}}};
+          if (!frozen.empty()) out["device_weight_bytes"]["fp8_frozen"] = frozen_device.fp8();
           if (report) {
             out["checkpoint"] = {{"tensors", report->tensors},
                                  {"bytes", report->bytes},
@@ -260,6 +293,13 @@ GLMTUNE_COMMAND(
             device.fp8() / kGiB, (device.fp8_values + device.fp8_scales) / kGiB,
             stored_fp8 ? "" : " (as the FP8 release stores them)", device.fp8_running_layer / kGiB,
             device.fp8_others / kGiB);
+        if (!frozen.empty())
+          std::printf(
+              "  FP8 kept where --freeze matches       %9.2f GiB: %.2f in FP8 codes and scales, "
+              "the running layer %.2f in bf16, the rest %.2f (train.frozen_weights = \"fp8\")\n",
+              frozen_device.fp8() / kGiB,
+              (frozen_device.fp8_values + frozen_device.fp8_scales) / kGiB,
+              frozen_device.fp8_running_layer / kGiB, frozen_device.fp8_others / kGiB);
         if (report) {
           std::printf("checkpoint: %ld tensors, %.2f GB on disk\n", report->tensors,
                       report->bytes / 1e9);

@@ -272,4 +272,20 @@ TEST_F(CliTest, InitFp8WritesTheReleasedFp8LayoutAndInspectCountsItsDeviceBytes)
   ASSERT_EQ(crop.code, 0) << crop.output;
   const auto c = nlohmann::json::parse(crop.output)["device_weight_bytes"];
   EXPECT_LT(c["fp8_base"].get<double>(), 0.9 * c["bf16"].get<double>());
+  // --freeze: only the frozen FP8 tensors (here the routed experts) stay in FP8
+  // (train.frozen_weights = "fp8"): fewer bytes than bf16, more than the whole FP8 base.
+  Result frozen = run("inspect --preset crop25b --json --freeze 'mlp\\.experts\\.'");
+  ASSERT_EQ(frozen.code, 0) << frozen.output;
+  const auto f = nlohmann::json::parse(frozen.output)["device_weight_bytes"];
+  EXPECT_LT(f["fp8_frozen"].get<double>(), 0.9 * f["bf16"].get<double>());
+  EXPECT_GT(f["fp8_frozen"].get<double>(), f["fp8_base"].get<double>());
+  EXPECT_FALSE(c.contains("fp8_frozen"));
+  EXPECT_CONTAINS(run("inspect --preset crop25b --freeze 'mlp\\.experts\\.'").output,
+                  "FP8 kept where --freeze matches");
+  const Result none = run("inspect --preset crop25b --freeze 'no_such_tensor'");
+  EXPECT_NE(none.code, 0);
+  EXPECT_CONTAINS(none.output, "matches no parameter");
+  const Result bad = run("inspect --preset crop25b --freeze '(['");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_CONTAINS(bad.output, "not a regular expression");
 }
