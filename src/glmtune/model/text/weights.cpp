@@ -187,7 +187,8 @@ bool runs_in_fp8(const std::string& name, ParamGroup group) {
 int64_t use_fp8_gemms(TextWeights& w, int64_t alignment) {
   int64_t marked = 0;
   const auto mark_one = [&](const std::string& name, ops::Linear& l) {
-    // Under fsdp a layer's weights are placeholders between uses: the shape is checked where known.
+    // Under fsdp a layer's weights are placeholders between uses; their shapes are checked by the
+    // GPU's linear_fp8 when the layer first runs.
     const bool whole = l.weight.dim() >= 2;
     const int64_t n = whole ? l.weight.size(-2) : 0, k = whole ? l.weight.size(-1) : 0;
     if (alignment > 0 && (n % alignment != 0 || k % alignment != 0))

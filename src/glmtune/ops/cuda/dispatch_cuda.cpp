@@ -218,11 +218,14 @@ Tensor as_rows(const Tensor& a) {
   return a.contiguous().view({a.numel() / a.size(-1), a.size(-1)});
 }
 
+// model::text::use_fp8_gemms refuses such a model at start where it sees the shapes; under fsdp
+// it sees placeholders, and this is where the run stops.
 void check_fp8_gemm_shape(const Tensor& weight, const char* op) {
-  GLMTUNE_ASSERT(weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0,
-                 "{}: the GPU's FP8 GEMMs take weights whose two dimensions are multiples of 16, "
-                 "got {}",
-                 op, weight.str());
+  if (weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0) return;
+  throw Error(fmt::format("{}: the GPU's FP8 GEMMs take weights whose two dimensions are "
+                          "multiples of 16, got {}",
+                          op, weight.str()),
+              "train.fp8", "write train.fp8 = \"none\" for this model, or train it on the CPU");
 }
 
 }  // namespace
