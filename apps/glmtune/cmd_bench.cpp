@@ -42,6 +42,7 @@
 
 #include "glmtune/ops/cuda/adamw.h"
 #include "glmtune/ops/cuda/dispatch.h"
+#include "glmtune/ops/fp8.h"
 #endif
 
 namespace {
@@ -76,6 +77,8 @@ struct BenchArgs {
   // --fp8: train.fp8 = "tilewise", the experts', MLPs' and attention projections' GEMMs in
   // block-scaled FP8.
   bool fp8 = false;
+  // --fp8: each weight quantised once per step (as the trainer does), or at every use.
+  bool fp8_weight_reuse = true;
   // --vl: the pack carries `images` images and one video of `video_frames` frames (0: none), all
   // of image_size × image_size pixels.
   bool vl = false;
@@ -382,6 +385,7 @@ struct BenchStepReport {
   int64_t fp8_tensors = 0;
   double fp8_gib = 0, fp8_as_bf16_gib = 0;
   int64_t fp8_projections = 0;  // --fp8: projections whose GEMMs run in FP8
+  int64_t fp8_fed = 0;          // --fp8 --base fp8: frozen weights whose codes the GEMMs read
   std::map<std::string, double> op_ms;
   // --vl
   int64_t patches = 0, media_tokens = 0;
@@ -420,6 +424,7 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"fp8_base_gib", r.fp8_gib},
                         {"fp8_base_as_bf16_gib", r.fp8_as_bf16_gib},
                         {"fp8_tilewise_projections", r.fp8_projections},
+                        {"fp8_codes_fed_weights", r.fp8_fed},
                         {"op_ms", r.op_ms}};
   if (a.vl)
     out["vl"] = {{"images", a.images},
@@ -469,6 +474,11 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
         "fp8 tilewise: %ld projections run their GEMMs in block-scaled FP8 (the FLOP counts above "
         "are the same products)\n",
         long(r.fp8_projections));
+  if (r.fp8_fed > 0)
+    std::printf(
+        "fp8 tilewise on the fp8 base: the FP8 GEMMs read the released codes of %ld frozen "
+        "weights (an expert's slice counted as one)\n",
+        long(r.fp8_fed));
   if (!r.frozen.frozen.empty())
     std::printf(
         "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
@@ -593,17 +603,21 @@ int run_bench_step(const BenchArgs& a) {
   // Held after the gradient buffers are made (the frozen FP8 tensors have none).
   std::optional<model::text::Fp8Layers> fp8_layers;
   if (fp8_base) {
-    fp8_layers.emplace(model.weights(), store, reader);
+    fp8_layers.emplace(model.weights(), store, reader, a.fp8);
     opt.layer_params = opt.mtp_params = &*fp8_layers;
     r.fp8_tensors = fp8_layers->tensors();
     r.fp8_gib = double(fp8_layers->held_bytes()) / (1 << 30);
     r.fp8_as_bf16_gib = double(fp8_layers->bf16_bytes()) / (1 << 30);
+    r.fp8_fed = fp8_layers->fed_weights();
   }
   std::optional<model::vision::VisionGrads> vision_grads;
   if (vlm) vision_grads.emplace(model::vision::VisionGrads::zeros_like(vlm->vision()));
   BenchAdamW adam = a.optimizer ? bench_adamw(model, grads, device) : BenchAdamW{};
   if (a.optimizer && vlm) add_vision_adamw(adam, *vlm, *vision_grads, device);
   const std::function<model::text::StepPackResult()> run_pack = [&] {
+    // --fp8: each weight quantised once per step, as the trainer does (the optimizer runs after).
+    std::optional<ops::Fp8WeightReuse> fp8_reuse;
+    if (a.fp8 && a.fp8_weight_reuse) fp8_reuse.emplace();
     if (vlm)
       return model::compose_forward_backward(
           *vlm, pack.in, media->media, opt,
@@ -720,6 +734,9 @@ GLMTUNE_COMMAND(
       step->add_flag("--fp8", a->fp8,
                      "The experts', MLPs' and attention projections' GEMMs in block-scaled FP8, "
                      "as train.fp8 = \"tilewise\" runs them");
+      step->add_flag("!--fp8-requantise", a->fp8_weight_reuse,
+                     "--fp8: quantise each weight at every use (forward, recompute, backward) "
+                     "instead of once per step, to measure what the reuse saves");
       const cli::BenchSubcommand ops = cli::add_bench_ops(app);
       return [a, ops]() -> int {
         if (ops.app->parsed()) return ops.run();

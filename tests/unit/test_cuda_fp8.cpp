@@ -607,6 +607,65 @@ TEST(CudaFp8, TrainingLeafOpsMatchTheCpuOps) {
 #endif
 }
 
+// A pinned weight on the GPU (ops/fp8.h): fp8_weight_from_codes lays released codes and scales
+// out for the GEMMs with the codes shared, and the forward and input gradient of the pinned weight
+// are the products of those codes' values, within the bound above; inside a reuse scope a
+// weight's blocks are made once (the same buffers at each use) and the products are bit for bit
+// those of a fresh quantisation.
+TEST(CudaFp8, PinnedAndReusedWeightBlocks) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const int64_t tokens = 70, in = 256, out = 144;
+  // Released codes and scales that are no quantiser's (no block reaches ±448).
+  const ops::Fp8Blocks released = [&] {
+    ops::Fp8Blocks q = ops::quantize_fp8_weight(varied(out, in, DType::f32, 920));
+    auto* c = static_cast<uint8_t*>(q.values.data_ptr());
+    for (int64_t i = 0; i < q.values.numel(); ++i)
+      if ((c[i] & 0x7f) == 0x7e) c[i] = uint8_t((c[i] & 0x80) | 0x6e);
+    for (int64_t i = 0; i < q.scales.numel(); ++i) q.scales.data<float>()[i] *= 1.37f;
+    return q;
+  }();
+  const ops::Fp8Blocks on_gpu =
+      ops::fp8_weight_from_codes(released.values.to(kGpu), released.scales.to(kGpu));
+  EXPECT_TRUE(cuda::is_fp8_gemm_layout(on_gpu));
+  EXPECT_TRUE(same_codes(on_gpu.values, released.values));
+  EXPECT_TRUE(same_scales(on_gpu.scales, released.scales));
+
+  const Tensor w = ops::dequantize_fp8_blocks(released, DType::bf16).to(kGpu);
+  const Tensor x = varied(tokens, in, DType::bf16, 921).to(kGpu);
+  const Tensor dy = varied(tokens, out, DType::bf16, 922).to(kGpu);
+  const std::vector<double> wq = dequantised(released);
+  const auto deq = [](const Tensor& a, int64_t br, int64_t bc) {
+    return dequantised(ops::quantize_fp8_blocks(a.to(Device::cpu()).to(DType::f32), br, bc));
+  };
+  ops::pin_fp8_weight(w, on_gpu);
+  EXPECT_EQ(ops::fp8_weight_blocks(w).values.storage(), on_gpu.values.storage());
+  Tensor y, dx;
+  run_or_fail("pinned linear_fp8", [&] {
+    y = ops::linear_fp8(x, w);
+    ops::linear_fp8_backward_add(&dx, dy, x, w, nullptr);
+  });
+  expect_within_bound(y, reference(deq(x, 1, 128), in, 1, wq, in, 1, tokens, out, in), in, {},
+                      "pinned linear_fp8 forward");
+  expect_within_bound(dx, reference(deq(dy, 1, 128), out, 1, wq, 1, in, tokens, in, out), out, {},
+                      "pinned linear_fp8 dx");
+
+  const Tensor v = varied(out, in, DType::bf16, 923).to(kGpu);
+  const Tensor fresh = ops::linear_fp8(x, v);
+  {
+    ops::Fp8WeightReuse scope;
+    const ops::Fp8Blocks first = ops::fp8_weight_blocks(v);
+    EXPECT_EQ(ops::fp8_weight_blocks(v).values.storage(), first.values.storage());
+    expect_same_quantisation(first, ops::quantize_fp8_weight(v.to(Device::cpu()).to(DType::f32)),
+                             "reused blocks");
+    const Tensor reused = ops::linear_fp8(x, v).to(Device::cpu());
+    const Tensor want = fresh.to(Device::cpu());
+    EXPECT_EQ(std::memcmp(reused.data_ptr(), want.data_ptr(), want.nbytes()), 0);
+  }
+  EXPECT_NE(ops::fp8_weight_blocks(v).values.storage(), ops::fp8_weight_blocks(v).values.storage());
+#endif
+}
+
 TEST(CudaFp8, RefusesWhatCublasLtCannotTake) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "glmtune/base/error.h"
@@ -88,6 +89,25 @@ void expect_follows_cpu(const train::TrainSummary& cpu, const train::TrainSummar
       "[ measure  ] %s: loss cpu %.4f -> %.4f, gpu %.4f -> %.4f; worst step rel diff %.2e\n", label,
       cpu.steps.front().loss, cpu.steps.back().loss, gpu.steps.front().loss, gpu.steps.back().loss,
       worst);
+}
+
+// The recipe's CPU run and GPU run, `steps` steps each; `sections` come after the recipe's own
+// ([lora] and the like).
+std::pair<train::TrainSummary, train::TrainSummary> cpu_and_gpu_runs(const fs::path& model,
+                                                                     const fs::path& dir, int steps,
+                                                                     const std::string& train_lines,
+                                                                     const std::string& sections) {
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const auto run = [&](const std::string& device) {
+    return train::run_training(
+        train::Recipe::parse(
+            recipe_text(model, dir / device.substr(0, 3), device, steps, train_lines) + sections,
+            device),
+        quiet);
+  };
+  train::TrainSummary cpu = run("cpu");
+  return {std::move(cpu), run("cuda:0")};
 }
 #endif
 
@@ -531,16 +551,9 @@ TEST(CudaTrain, LoraDropoutRunFollowsTheCpu) {
   TempDir dir("cuda-train-lora-dropout");
   write_gpu_tiny_model(dir.path() / "model");
   constexpr int kSteps = 10;
-  const auto recipe = [&](const std::string& device) {
-    return train::Recipe::parse(
-        recipe_text(dir.path() / "model", dir.path() / device.substr(0, 3), device, kSteps) +
-            "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\ndropout = 0.1\n",
-        device);
-  };
-  train::TrainerOptions quiet;
-  quiet.print_steps = false;
-  const train::TrainSummary cpu = train::run_training(recipe("cpu"), quiet);
-  const train::TrainSummary gpu = train::run_training(recipe("cuda:0"), quiet);
+  const auto [cpu, gpu] = cpu_and_gpu_runs(
+      dir.path() / "model", dir.path(), kSteps, "",
+      "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\ndropout = 0.1\n");
   ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, kSteps, "LoRA dropout"));
 #endif
 }
@@ -587,19 +600,34 @@ TEST(CudaTrain, LoraBesideFp8GemmsFollowsTheCpu) {
   TempDir dir("cuda-train-lora-fp8");
   write_gpu_tiny_model(dir.path() / "model");
   constexpr int kSteps = 10;
-  const auto recipe = [&](const std::string& device) {
-    return train::Recipe::parse(
-        recipe_text(dir.path() / "model", dir.path() / device.substr(0, 3), device, kSteps,
-                    "fp8 = \"tilewise\"\n") +
-            "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\n"
-            "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n",
-        device);
-  };
-  train::TrainerOptions quiet;
-  quiet.print_steps = false;
-  const train::TrainSummary cpu = train::run_training(recipe("cpu"), quiet);
-  const train::TrainSummary gpu = train::run_training(recipe("cuda:0"), quiet);
+  const auto [cpu, gpu] = cpu_and_gpu_runs(
+      dir.path() / "model", dir.path(), kSteps, "fp8 = \"tilewise\"\n",
+      "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\n"
+      "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n");
   ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, kSteps, "LoRA beside FP8 GEMMs"));
+#endif
+}
+
+// Frozen FP8 weights beside the FP8 GEMMs, in full fine-tuning (train.frozen_weights = "fp8" with
+// the experts frozen) and under LoRA (lora.base = "fp8"): the GEMMs of the weights whose pieces
+// make one block grid read the released codes, on the GPU in its scale layout with the codes
+// shared, and the other FP8 weights are quantised from their values; the GPU run follows the CPU.
+TEST(CudaTrain, FrozenFp8WeightsFeedingTheFp8GemmsFollowTheCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  TempDir dir("cuda-train-fp8-fed");
+  write_gpu_tiny_model(dir.path() / "model", /*fp8=*/true);
+  constexpr int kSteps = 10;
+  {
+    const auto [cpu, gpu] = cpu_and_gpu_runs(
+        dir.path() / "model", dir.path() / "full", kSteps,
+        "fp8 = \"tilewise\"\nfreeze = [\"mlp\\\\.experts\\\\.\"]\nfrozen_weights = \"fp8\"\n", "");
+    ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, kSteps, "frozen FP8 experts, FP8 GEMMs"));
+  }
+  const auto [cpu, gpu] = cpu_and_gpu_runs(
+      dir.path() / "model", dir.path() / "lora", kSteps, "fp8 = \"tilewise\"\n",
+      "[lora]\nrank = 8\nalpha = 16\ntarget_modules = [\"all-linear\"]\nbase = \"fp8\"\n");
+  ASSERT_NO_FATAL_FAILURE(expect_follows_cpu(cpu, gpu, kSteps, "LoRA on an FP8 base, FP8 GEMMs"));
 #endif
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -319,6 +320,103 @@ TEST(Fp8Linear, AMarkedProjectionRunsTheFp8Gemms) {
   ops::Linear biased(w, random_tensor({32}, 11));
   biased.fp8 = true;
   EXPECT_THROW(ops::linear(x, biased), InternalError);
+}
+
+// ---- Where the weight blocks come from (ops/fp8.h: pins and the reuse scope) ----
+
+// A released weight: random codes (no block reaching ±448, so quantising their values again
+// would pick another scale) and scales that are no rule's, with its f32 values.
+struct Released {
+  ops::Fp8Blocks blocks;
+  Tensor values;  // f32 [rows, cols], the dequantised codes
+};
+
+Released released_weight(int64_t rows, int64_t cols, unsigned seed) {
+  std::mt19937 eng(seed);
+  std::uniform_int_distribution<int> magnitude(0, 0x6f);  // up to 240, below 448 (0x7e)
+  Tensor codes = Tensor::empty({rows, cols}, DType::fp8e4m3);
+  auto* c = static_cast<uint8_t*>(codes.data_ptr());
+  for (int64_t i = 0; i < codes.numel(); ++i)
+    c[i] = uint8_t(magnitude(eng) | (eng() & 1 ? 0x80 : 0));
+  std::vector<float> scales(size_t(((rows + 127) / 128) * ((cols + 127) / 128)));
+  std::uniform_real_distribution<float> scale(1e-3f, 3e-3f);
+  for (float& x : scales) x = scale(eng);
+  const Tensor s =
+      Tensor::from_vector(scales, {int64_t((rows + 127) / 128), int64_t((cols + 127) / 128)});
+  Released r{ops::fp8_weight_from_codes(codes, s), Tensor()};
+  r.values = ops::dequantize_fp8_blocks(r.blocks);
+  return r;
+}
+
+bool same_values(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(), a.nbytes()) == 0;
+}
+
+// A pinned weight's FP8 GEMMs read its codes and scales: the forward and the input gradient are
+// the GEMMs of the dequantised codes, bit for bit, where quantising the same values again gives
+// other blocks (and other products); the pin lasts as long as the weight's storage.
+TEST(Fp8Weights, APinnedWeightsGemmsReadItsCodes) {
+  const Released r = released_weight(160, 256, 21);
+  const Tensor x = random_tensor({9, 256}, 22), dy = random_tensor({9, 160}, 23);
+  const Tensor unpinned = r.values.clone();
+  const Tensor y_requantised = ops::linear_fp8(x, unpinned);
+  Tensor dx_requantised;
+  ops::linear_fp8_backward_add(&dx_requantised, dy, x, unpinned, nullptr);
+
+  const int64_t pins_before = ops::fp8_weight_counts().pinned;
+  {
+    Tensor w = r.values.clone();
+    ops::pin_fp8_weight(w, r.blocks);
+    EXPECT_EQ(ops::fp8_weight_counts().pinned, pins_before + 1);
+    const ops::Fp8Blocks got = ops::fp8_weight_blocks(w);
+    EXPECT_EQ(got.values.storage(), r.blocks.values.storage());  // shared, not copied
+    EXPECT_TRUE(same_values(ops::linear_fp8(x, w), ops::linear(q(x, 1, 128), r.values)));
+    Tensor dx;
+    ops::linear_fp8_backward_add(&dx, dy, x, w, nullptr);
+    Tensor dx_want;
+    ops::linear_backward_add(dx_want, q(dy, 1, 128), x, r.values, nullptr);
+    EXPECT_TRUE(same_values(dx, dx_want));
+    EXPECT_FALSE(same_values(ops::linear_fp8(x, w), y_requantised));
+    EXPECT_FALSE(same_values(dx, dx_requantised));
+    // Another view of the same storage is another weight: not pinned.
+    EXPECT_NE(ops::fp8_weight_blocks(w.narrow(0, 0, 128)).values.storage(),
+              r.blocks.values.storage());
+  }
+  EXPECT_EQ(ops::fp8_weight_counts().pinned, pins_before);  // the weight is gone
+  EXPECT_TRUE(same_values(ops::linear_fp8(x, unpinned), y_requantised));
+
+  Tensor w = r.values.clone();
+  EXPECT_THROW(ops::pin_fp8_weight(w.narrow(0, 0, 128), r.blocks), InternalError);
+  EXPECT_THROW(ops::fp8_weight_from_codes(r.blocks.values, r.blocks.scales.narrow(0, 0, 1)),
+               InternalError);
+}
+
+// Inside a reuse scope a weight view is quantised at its first FP8 GEMM only: a change to the
+// weight in the scope goes unseen (which is why nothing may write one there), and after the scope
+// closes the next call quantises the weight as it is. Each expert's slice is its own entry.
+TEST(Fp8Weights, AScopeQuantisesEachWeightOnce) {
+  const Tensor x = random_tensor({5, 128}, 31);
+  Tensor experts = random_tensor({3, 64, 128}, 32);
+  const Tensor first = ops::linear_fp8(x, experts.select(0, 1));
+  {
+    ops::Fp8WeightReuse scope;
+    EXPECT_EQ(ops::fp8_weight_counts().reused, 0);
+    const Tensor in_scope = ops::linear_fp8(x, experts.select(0, 1));
+    EXPECT_TRUE(same_values(in_scope, first));
+    (void)ops::linear_fp8(x, experts.select(0, 2));
+    EXPECT_EQ(ops::fp8_weight_counts().reused, 2);
+    experts.select(0, 1).copy_(random_tensor({64, 128}, 33));
+    EXPECT_TRUE(same_values(ops::linear_fp8(x, experts.select(0, 1)), first));
+    {
+      ops::Fp8WeightReuse nested;  // an inner scope keeps what the outer one made
+    }
+    EXPECT_TRUE(same_values(ops::linear_fp8(x, experts.select(0, 1)), first));
+  }
+  EXPECT_EQ(ops::fp8_weight_counts().reused, 0);
+  const Tensor after = ops::linear_fp8(x, experts.select(0, 1));
+  EXPECT_FALSE(same_values(after, first));
+  EXPECT_TRUE(same_values(after, ops::linear(q(x, 1, 128), q(experts.select(0, 1), 128, 128))));
 }
 
 }  // namespace

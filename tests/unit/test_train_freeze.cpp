@@ -3,6 +3,7 @@
 // was; and training runs (whole layers and fully sharded ones) that leave the frozen tensors
 // byte-identical in their checkpoints, train the rest and keep no optimizer state for them.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,10 +21,14 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/io/checkpoint.h"
+#include "glmtune/io/fp8.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
+#include "glmtune/model/text/fp8_layers.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/model/text/weights.h"
+#include "glmtune/ops/fp8.h"
 #include "glmtune/train/freeze.h"
 #include "glmtune/train/recipe.h"
 #include "glmtune/train/state.h"
@@ -52,6 +57,11 @@ const fs::path& tiny_model() {
     return p;
   }();
   return path;
+}
+
+std::string bytes_of(const Tensor& t) {
+  const Tensor c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), size_t(c.nbytes()));
 }
 
 model::ParamStore load_tiny() {
@@ -316,6 +326,82 @@ TEST(Freeze, FrozenFp8ExpertsHeldInFp8TrainAsTheDequantisedLoad) {
   const train::TrainSummary rest = train::run_training(again, resuming);
   ASSERT_EQ(rest.steps.size(), 1u);
   EXPECT_EQ(std::memcmp(&rest.steps[0].loss, &held.steps[2].loss, sizeof(double)), 0);
+}
+
+// train.fp8 = "tilewise" beside frozen FP8 experts: the FP8 GEMMs read the released codes and
+// scales of each expert whose pieces make one 128 × 128 grid (tiny: down_proj, one piece of 64
+// rows per expert; not gate_up_proj, two pieces of 32 rows that would share a block), pinned to
+// the expert's slice while its layer is gathered and dropped with it. The checkpoint was quantised
+// by the same rule from bf16 values, so quantising its dequantised values again gives back its
+// codes: the run equals the run that loads the experts in bf16 and quantises them, bit for bit.
+TEST(Freeze, FrozenFp8ExpertsFeedTheFp8GemmsTheirCodes) {
+  TempDir dir("freeze-fp8-gemms");
+  const fs::path fp8_model = dir.path() / "fp8";
+  model::InitOptions options;
+  options.seed = 5;
+  options.fp8 = true;
+  const model::ModelConfig config = model::ModelConfig::preset("tiny");
+  model::write_random_checkpoint(config, fp8_model, options);
+
+  const io::CheckpointReader reader = io::CheckpointReader::open(fp8_model);
+  const int64_t num_layers = config.text().num_hidden_layers;
+  model::ParamStore store =
+      model::ParamStore::load(reader, config, std::nullopt, [&](const std::string& name) {
+        return model::text::stored_in_fp8(reader, name, num_layers);
+      });
+  (void)train::apply_freeze(store, {kExperts}, "test");
+  for (const model::InternalParam& p : store.params())
+    if (p.deferred && p.trainable) store.load_deferred(reader, p.name);
+  model::text::TextModel model(store, model::text::TextModelOptions{});
+  model::text::use_fp8_gemms(model.weights(), 0);
+  model::text::Fp8Layers held(model.weights(), store, reader, /*feed_fp8_gemms=*/true);
+  const int64_t experts = config.text().n_routed_experts;
+  const std::vector<model::MlpKind>& kinds = config.text().mlp_layer_types;
+  const int64_t moe_layers = std::count(kinds.begin(), kinds.end(), model::MlpKind::sparse) +
+                             config.text().num_nextn_predict_layers;  // the MTP layer's MoE
+  EXPECT_EQ(held.tensors(), 2 * moe_layers);
+  EXPECT_EQ(held.fed_weights(), experts * moe_layers);
+
+  const int64_t layer = num_layers - 1;
+  const int64_t pins = ops::fp8_weight_counts().pinned;
+  held.gather(layer);
+  {  // the test lets go of the field before the release
+    const Tensor down = model.weights().layers[size_t(layer)].moe.down_proj.weight;
+    EXPECT_EQ(ops::fp8_weight_counts().pinned, pins + experts);
+    const std::string prefix = fmt::format("model.language_model.layers.{}.mlp.experts.", layer);
+    for (int64_t e = 0; e < experts; ++e) {
+      const ops::Fp8Blocks b = ops::fp8_weight_blocks(down.select(0, e));
+      // The held codes each time (no scope is open: a weight not pinned is quantised afresh).
+      EXPECT_EQ(ops::fp8_weight_blocks(down.select(0, e)).values.storage(), b.values.storage());
+      const std::string name = fmt::format("{}{}.down_proj.weight", prefix, e);
+      EXPECT_EQ(bytes_of(b.values), bytes_of(reader.tensor(name))) << name;
+      EXPECT_EQ(bytes_of(b.scales), bytes_of(reader.tensor(io::fp8_scale_name(name)))) << name;
+    }
+  }
+  held.release(layer);
+  EXPECT_EQ(ops::fp8_weight_counts().pinned, pins);
+
+  const auto recipe = [&](const std::string& out, const std::string& lines) {
+    std::string text = recipe_text(
+        dir.path() / out, "freeze = [\"mlp\\\\.experts\\\\.\"]\nfp8 = \"tilewise\"\n" + lines);
+    const std::string bf16_path = "path = \"" + tiny_model().string() + "\"";
+    text.replace(text.find(bf16_path), bf16_path.size(), "path = \"" + fp8_model.string() + "\"");
+    return train::Recipe::parse(text, out + ".toml");
+  };
+  train::TrainerOptions quiet;
+  quiet.print_steps = false;
+  const train::TrainSummary requantised = train::run_training(recipe("bf16", ""), quiet);
+  const train::TrainSummary fed =
+      train::run_training(recipe("held", "frozen_weights = \"fp8\"\n"), quiet);
+  ASSERT_EQ(requantised.steps.size(), 3u);
+  ASSERT_EQ(fed.steps.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::memcmp(&fed.steps[i].loss, &requantised.steps[i].loss, sizeof(double)), 0)
+        << "step " << i + 1;
+    EXPECT_EQ(std::memcmp(&fed.steps[i].grad_norm, &requantised.steps[i].grad_norm, sizeof(double)),
+              0)
+        << "step " << i + 1;
+  }
 }
 
 // The optimizer state of a checkpoint holds the parameters its run trained: resuming with other

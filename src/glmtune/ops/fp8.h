@@ -52,6 +52,52 @@ Tensor dequantize_fp8_blocks(const Fp8Blocks& q, DType out = DType::f32);
 Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t piece_rows,
                              const Shape& shape, DType out);
 
+// ---- The weights' FP8 form: quantised once, or the released codes themselves ----
+// The FP8 GEMMs below read a weight as 128 × 128 blocks (fp8_weight_blocks). Where those blocks
+// come from:
+//
+// - A weight pinned with pin_fp8_weight (a frozen weight the checkpoint stores in FP8): its
+//   released codes and weight_scale_inv, for as long as the weight's storage lives. Quantising its
+//   dequantised values again would round them a second time (the bf16 value of code · scale,
+//   requantised, seldom gives back the code and scale).
+// - Inside an Fp8WeightReuse scope: the blocks the weight view's first FP8 GEMM of the scope made.
+//   A training step opens one around its forward and backward, so that the recompute and the
+//   input gradient read the codes the forward made instead of quantising the weight three times;
+//   it closes before the optimizer changes the weights. Nothing may write a weight inside a scope.
+// - Otherwise: quantize_fp8_weight, afresh in each call.
+//
+// A weight view is told apart by its storage (held weakly: a freed storage drops its entries),
+// offset, shape, strides and dtype, so each expert's slice of the fused experts is a weight of
+// its own. The blocks are laid out for the weight's device (on a GPU: ops/cuda/fp8.h's layout).
+
+class Fp8WeightReuse {
+ public:
+  Fp8WeightReuse();
+  ~Fp8WeightReuse();  // the last open scope to close drops the blocks made inside
+  Fp8WeightReuse(const Fp8WeightReuse&) = delete;
+  Fp8WeightReuse& operator=(const Fp8WeightReuse&) = delete;
+};
+
+// The released FP8 form of a weight: `codes` fp8e4m3 [rows, cols] (contiguous rows) and its
+// weight_scale_inv `scales` f32 [ceil(rows / 128), ceil(cols / 128)], on one device, as that
+// device's FP8 GEMMs read 128 × 128 blocks. The codes are shared, not copied (on a GPU the scales
+// are copied into the padded layout of ops/cuda/fp8.h).
+Fp8Blocks fp8_weight_from_codes(const Tensor& codes, const Tensor& scales);
+
+// Makes `blocks` (from fp8_weight_from_codes, on the weight's device) the FP8 form of the 2-D
+// weight view `weight`, whose values must be their dequantisation.
+void pin_fp8_weight(const Tensor& weight, Fp8Blocks blocks);
+
+// The 128 × 128 blocks the FP8 GEMMs use for the 2-D `weight`: pinned, made earlier in the open
+// scope, or quantised now (and kept while a scope is open).
+Fp8Blocks fp8_weight_blocks(const Tensor& weight);
+
+// Entries held (pinned ones whose storage lives, and the open scope's): for tests and logs.
+struct Fp8WeightCounts {
+  int64_t pinned = 0, reused = 0;
+};
+Fp8WeightCounts fp8_weight_counts();
+
 // ---- The GEMMs of tile-wise FP8 training (train.fp8 = "tilewise") ----
 // A projection marked Linear::fp8 (ops/linear.h) runs its three products on block-scaled FP8
 // operands, as the reference trainer's tile-wise recipe does. With Q(a; br × bc) the quantised and
@@ -64,10 +110,10 @@ Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t 
 // each with f32 accumulation: on the CPU an f32 (or f64) GEMM of the dequantised operands, on a
 // GPU cuBLASLt's block-scaled e4m3 GEMMs (ops/cuda/fp8.h), which compute the same products up to
 // the order of the f32 sums. x is [..., in] (its leading dimensions are the tokens, over which
-// the weight gradient's 128 × 1 tiles run, from the first row), W [out, in]; the master weight is
-// quantised afresh in each call, so it stays in its own dtype. The weight gradient is the
-// straight-through one (quantisation counts as the identity), as in the reference trainer. On a
-// GPU `in` and `out` must be multiples of 16 (cuBLASLt's FP8 alignment).
+// the weight gradient's 128 × 1 tiles run, from the first row), W [out, in]; the master weight
+// stays in its own dtype, and Q(W) is fp8_weight_blocks(W) (pinned codes are used as they are). The
+// weight gradient is the straight-through one (quantisation counts as the identity), as in the
+// reference trainer. On a GPU `in` and `out` must be multiples of 16 (cuBLASLt's FP8 alignment).
 
 // y [..., out] in x's dtype.
 Tensor linear_fp8(const Tensor& x, const Tensor& weight);

@@ -7,10 +7,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <span>
 
 #include "glmtune/base/error.h"
 #include "glmtune/model/loss.h"
+#include "glmtune/ops/fp8.h"
 #include "glmtune/train/router_bias.h"
 #include "glmtune/train/step_metrics.h"
 
@@ -105,6 +107,10 @@ StepSums forward_backward(TrainingRun& run, const PackBatch& batch) {
   const std::span<const PackInput> my_packs =
       std::span<const PackInput>(batch.inputs).subspan(first, size_t(run.recipe.micro_packs));
   const double dropout = run.recipe.lora ? run.recipe.lora->dropout : 0.0;
+  // train.fp8: each weight is quantised once per step, not again in the recompute and the
+  // backward (ops/fp8.h). Not under fsdp: the blocks of every layer would stay on the device.
+  std::optional<ops::Fp8WeightReuse> fp8_reuse;
+  if (run.recipe.fp8_tilewise && !run.layout.layers) fp8_reuse.emplace();
   for (size_t k = 0; k < my_packs.size(); ++k) {
     const PackInput& in = my_packs[k];
     // lora.dropout: masks keyed by the seed, the step and the pack's index in the whole step (all

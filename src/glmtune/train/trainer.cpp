@@ -69,7 +69,7 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   model::text::TextGrads grads = model::text::TextGrads::zeros_like(model.weights());
   optimizer->attach(model, grads);
   parallelize(layout, recipe, model, grads, topt, store, weights.read_piece(), num_layers);
-  hold_fp8_base(layout, weights, model, topt);
+  hold_fp8_base(recipe, layout, weights, model, topt);
   if (layout.layers) optimizer->shard_layers(*layout.layers, weights.read_piece());
   // A full fine-tuning run that holds frozen FP8 tensors saves their values from the file.
   const bool saves_deferred = layout.fp8_base && !store.has_adapters();

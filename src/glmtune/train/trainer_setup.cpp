@@ -332,8 +332,8 @@ PieceReader TrainingWeights::read_piece() const {
   };
 }
 
-void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text::TextModel& model,
-                   model::text::TrainOptions& train) {
+void hold_fp8_base(const Recipe& recipe, ParallelLayout& layout, TrainingWeights& weights,
+                   model::text::TextModel& model, model::text::TrainOptions& train) {
   if (!weights.reader || layout.fsdp) return;
   const bool any = std::any_of(weights.store.params().begin(), weights.store.params().end(),
                                [](const model::InternalParam& p) { return p.deferred; });
@@ -345,7 +345,7 @@ void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text
         key);
     return;
   }
-  layout.fp8_base.emplace(model.weights(), weights.store, *weights.reader);
+  layout.fp8_base.emplace(model.weights(), weights.store, *weights.reader, recipe.fp8_tilewise);
   train.layer_params = &*layout.fp8_base;
   train.mtp_params = &*layout.fp8_base;
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
@@ -354,6 +354,11 @@ void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text
       "GiB in bf16), dequantised per layer around each use",
       key, layout.fp8_base->tensors(), model.weights().device.str(),
       double(layout.fp8_base->held_bytes()) / kGiB, double(layout.fp8_base->bf16_bytes()) / kGiB);
+  if (recipe.fp8_tilewise)
+    spdlog::info(
+        "train.fp8 = \"tilewise\": the FP8 GEMMs read the released codes and scales of {} frozen "
+        "weights (an expert's slice counted as one)",
+        layout.fp8_base->fed_weights());
 }
 
 model::text::TextModel& build_model(const Recipe& recipe, const ParallelLayout& layout,

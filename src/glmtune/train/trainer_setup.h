@@ -78,9 +78,10 @@ TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
 
 // lora.base = "fp8" or train.frozen_weights = "fp8": the store's deferred (frozen) FP8 tensors go
 // to the model's device as codes and scales (layout.fp8_base), which the layer loops dequantise
-// around each use (train.layer_params). Nothing when the store holds none deferred.
-void hold_fp8_base(ParallelLayout& layout, TrainingWeights& weights, model::text::TextModel& model,
-                   model::text::TrainOptions& train);
+// around each use (train.layer_params), and with train.fp8 = "tilewise" the FP8 GEMMs read their
+// codes. Nothing when the store holds none deferred.
+void hold_fp8_base(const Recipe& recipe, ParallelLayout& layout, TrainingWeights& weights,
+                   model::text::TextModel& model, model::text::TrainOptions& train);
 
 // The text model the steps run (the VL model's text part for vision-language data), built from
 // the store once the optimizer state is restored; `text_model` holds it when there is no VL model.

@@ -67,7 +67,7 @@ bool stored_in_fp8(const io::CheckpointReader& reader, const std::string& name,
 }
 
 Fp8Layers::Fp8Layers(TextWeights& weights, const ParamStore& store,
-                     const io::CheckpointReader& reader)
+                     const io::CheckpointReader& reader, bool feed_fp8_gemms)
     : weights_(weights) {
   const int64_t num_layers = int64_t(weights.layers.size());
   layers_.resize(weights.layers.size() + 1);
@@ -117,6 +117,7 @@ Fp8Layers::Fp8Layers(TextWeights& weights, const ParamStore& store,
     }
     GLMTUNE_ASSERT(h.codes.numel() == shape_numel(h.shape), "'{}': pieces of {} for shape {}",
                    p.name, shape_str(piece), shape_str(h.shape));
+    if (feed_fp8_gemms) fed_weights_ += fed_slices(h);
     ++tensors_;
     held_bytes_ += h.codes.numel() + h.scales.numel() * int64_t(sizeof(float));
     bf16_bytes_ += 2 * h.codes.numel();
@@ -126,6 +127,23 @@ Fp8Layers::Fp8Layers(TextWeights& weights, const ParamStore& store,
   for (size_t l = 0; l < layers_.size(); ++l) release(int64_t(l));
 }
 
+int64_t Fp8Layers::fed_slices(Held& h) {
+  // The field's [out, in] slices: the field itself, or each expert's of a fused [E, out, in].
+  if (h.shape.size() != 2 && h.shape.size() != 3) return 0;
+  const int64_t slices = h.shape.size() == 3 ? h.shape[0] : 1;
+  const int64_t rows = h.shape[h.shape.size() - 2];
+  // A slice's pieces share one block grid only when no block spans two of them.
+  if (rows % h.piece_rows != 0 || (rows != h.piece_rows && h.piece_rows % 128 != 0)) return 0;
+  const int64_t pieces = rows / h.piece_rows;
+  for (int64_t i = 0; i < slices; ++i) {
+    const Tensor scales = h.scales.narrow(0, i * pieces, pieces);
+    h.fed.push_back(ops::fp8_weight_from_codes(
+        h.codes.narrow(0, i * rows, rows),
+        scales.reshape({pieces * scales.size(1), scales.size(2)}).contiguous()));
+  }
+  return slices;
+}
+
 void Fp8Layers::gather(int64_t layer) {
   GLMTUNE_ASSERT(layer >= 0 && layer < int64_t(layers_.size()), "gather of layer {} of {}", layer,
                  layers_.size());
@@ -133,6 +151,10 @@ void Fp8Layers::gather(int64_t layer) {
     *h.field = ops::dequantize_fp8_pieces(h.codes, h.scales, h.piece_rows, h.shape, h.dtype);
     h.field->set_frozen(true);
     for (size_t i : h.named) weights_.named[i].second = *h.field;
+    for (size_t i = 0; i < h.fed.size(); ++i)
+      ops::pin_fp8_weight(
+          h.fed.size() == 1 && h.shape.size() == 2 ? *h.field : h.field->select(0, int64_t(i)),
+          h.fed[i]);
   }
 }
 

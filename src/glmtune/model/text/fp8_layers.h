@@ -7,6 +7,11 @@
 // of the bf16 load (the same single rounding of the exact product), so a run with the base in FP8
 // follows the run with the base dequantised at load bit for bit; it only holds less.
 //
+// With train.fp8 = "tilewise" as well (`feed_fp8_gemms`), the FP8 GEMMs read these weights'
+// released codes and scales themselves (ops/fp8.h pin_fp8_weight): no second rounding, no
+// quantisation per use. A fused tensor whose pieces cannot make one 128 × 128 grid per expert
+// (pieces of rows that are no multiple of 128) is quantised from its values instead.
+//
 // Only frozen tensors qualify (nothing updates the codes): the base under [lora] (lora.base =
 // "fp8"), or the tensors train.freeze keeps fixed (train.frozen_weights = "fp8"). The MTP layer's
 // tensors are held the same way, under the layer index num_hidden_layers (TrainOptions::
@@ -20,6 +25,7 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/layer.h"
 #include "glmtune/model/text/weights.h"
+#include "glmtune/ops/fp8.h"
 
 namespace glmtune::model::text {
 
@@ -35,7 +41,8 @@ class Fp8Layers final : public LayerParamProvider {
   // defer test; each must be frozen) from `reader` onto `weights.device` as codes and scales, and
   // releases their placeholders in `weights`. InternalError for a deferred tensor that is trained
   // or not in FP8.
-  Fp8Layers(TextWeights& weights, const ParamStore& store, const io::CheckpointReader& reader);
+  Fp8Layers(TextWeights& weights, const ParamStore& store, const io::CheckpointReader& reader,
+            bool feed_fp8_gemms = false);
 
   void gather(int64_t layer) override;
   void prefetch(int64_t) override {}
@@ -49,6 +56,8 @@ class Fp8Layers final : public LayerParamProvider {
   int64_t tensors() const { return tensors_; }
   int64_t held_bytes() const { return held_bytes_; }
   int64_t bf16_bytes() const { return bf16_bytes_; }
+  // Weights (an expert's slice counting as one) whose FP8 GEMMs read the released codes.
+  int64_t fed_weights() const { return fed_weights_; }
 
  private:
   struct Held {
@@ -59,11 +68,17 @@ class Fp8Layers final : public LayerParamProvider {
     Tensor codes;               // fp8e4m3 [pieces · piece_rows, cols]
     Tensor scales;              // f32 [pieces, ceil(piece_rows / 128), ceil(cols / 128)]
     int64_t piece_rows = 0;
+    // feed_fp8_gemms: the blocks of each [out, in] slice of the field (one for a 2-D field, one
+    // per expert for the fused experts), pinned to it at each gather.
+    std::vector<ops::Fp8Blocks> fed;
   };
+
+  // Fills h.fed; the number of slices fed, 0 when the pieces allow none.
+  static int64_t fed_slices(Held& h);
 
   TextWeights& weights_;
   std::vector<std::vector<Held>> layers_;
-  int64_t tensors_ = 0, held_bytes_ = 0, bf16_bytes_ = 0;
+  int64_t tensors_ = 0, held_bytes_ = 0, bf16_bytes_ = 0, fed_weights_ = 0;
 };
 
 }  // namespace glmtune::model::text

@@ -124,6 +124,22 @@ Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t 
   return values.to(out).view(shape);
 }
 
+Fp8Blocks fp8_weight_from_codes(const Tensor& codes, const Tensor& scales) {
+  const char* op = "fp8_weight_from_codes";
+  GLMTUNE_ASSERT(codes.defined() && codes.dtype() == DType::fp8e4m3 && codes.dim() == 2 &&
+                     codes.stride(1) == 1 &&
+                     (codes.size(0) <= 1 || codes.stride(0) == codes.size(1)),
+                 "{}: codes {} must be contiguous fp8e4m3 [rows, cols]", op,
+                 codes.defined() ? codes.str() : "undefined");
+  GLMTUNE_ASSERT(
+      scales.defined() && scales.dtype() == DType::f32 && scales.device() == codes.device() &&
+          scales.shape() == Shape({blocks_of(codes.size(0), 128), blocks_of(codes.size(1), 128)}),
+      "{}: scales {} do not fit codes {} in 128 x 128 blocks", op,
+      scales.defined() ? scales.str() : "undefined", codes.str());
+  GLMTUNE_DISPATCH_CUDA(codes, cuda_path::fp8_weight_from_codes(codes, scales));
+  return Fp8Blocks{codes, scales.contiguous(), 128, 128};
+}
+
 namespace {
 
 // Q(a; br × bc) of a [..., n] tensor viewed as [rows, n], in a's dtype and shape.
@@ -132,6 +148,11 @@ Tensor quantized(const Tensor& a, int64_t block_rows, int64_t block_cols) {
   return dequantize_fp8_blocks(quantize_fp8_blocks(a2, block_rows, block_cols))
       .to(a.dtype())
       .view(a.shape());
+}
+
+// Q(W; 128 × 128) in W's dtype: the blocks fp8_weight_blocks gives.
+Tensor quantized_weight(const Tensor& w) {
+  return dequantize_fp8_blocks(fp8_weight_blocks(w)).to(w.dtype());
 }
 
 void check_fp8_linear(const Tensor& x, const Tensor& weight, const char* op) {
@@ -147,7 +168,7 @@ void check_fp8_linear(const Tensor& x, const Tensor& weight, const char* op) {
 Tensor linear_fp8(const Tensor& x, const Tensor& weight) {
   check_fp8_linear(x, weight, "linear_fp8");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear_fp8(x, weight));
-  return linear(quantized(x, 1, 128), quantized(weight, 128, 128));
+  return linear(quantized(x, 1, 128), quantized_weight(weight));
 }
 
 void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
@@ -163,7 +184,7 @@ void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
     linear_backward(quantized(dy, 128, 1), quantized(x, 128, 1), weight, grad_weight, nullptr,
                     /*need_input_grad=*/false);
   if (dx_sum)
-    linear_backward_add(*dx_sum, quantized(dy, 1, 128), x, quantized(weight, 128, 128), nullptr);
+    linear_backward_add(*dx_sum, quantized(dy, 1, 128), x, quantized_weight(weight), nullptr);
 }
 
 }  // namespace glmtune::ops

@@ -105,6 +105,7 @@ void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& 
 Fp8Blocks quantize_fp8_blocks(const Tensor& x, int64_t block_rows, int64_t block_cols);
 Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t piece_rows,
                              const Shape& shape, DType out);
+Fp8Blocks fp8_weight_from_codes(const Tensor& codes, const Tensor& scales);
 Tensor linear_fp8(const Tensor& x, const Tensor& weight);
 void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
                              const Tensor& weight, Tensor* grad_weight);

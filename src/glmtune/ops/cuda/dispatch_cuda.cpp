@@ -211,6 +211,10 @@ Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t 
   return values;
 }
 
+Fp8Blocks fp8_weight_from_codes(const Tensor& codes, const Tensor& scales) {
+  return cuda::fp8_weight_from_codes(codes, scales);
+}
+
 namespace {
 
 // [rows, n] of a [..., n] tensor, contiguous.
@@ -238,7 +242,7 @@ Tensor linear_fp8(const Tensor& x, const Tensor& weight) {
   Tensor y = Tensor::empty(out_shape, x.dtype(), x.device());
   Tensor y2 = y.view({y.numel() / weight.size(0), weight.size(0)});
   cuda::fp8_linear_out(y2, cuda::quantize_fp8_blocks(as_rows(x), 1, 128),
-                       cuda::quantize_fp8_blocks(weight, 128, 128));
+                       fp8_weight_blocks(weight));
   return y;
 }
 
@@ -259,9 +263,9 @@ void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
                  "{}: the running input gradient {} must be a contiguous f32 {}", op, dx_sum->str(),
                  x.str());
   Tensor dx2 = dx_sum->view({x.numel() / x.size(-1), x.size(-1)});
-  cuda::fp8_linear_backward_input_out(
-      dx2, cuda::quantize_fp8_blocks(dy2, 1, 128),
-      cuda::transpose_fp8_weight(cuda::quantize_fp8_blocks(weight, 128, 128)), accumulate);
+  cuda::fp8_linear_backward_input_out(dx2, cuda::quantize_fp8_blocks(dy2, 1, 128),
+                                      cuda::transpose_fp8_weight(fp8_weight_blocks(weight)),
+                                      accumulate);
 }
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {

@@ -63,6 +63,11 @@ ops::Fp8Blocks fp8_blocks_to_device(const ops::Fp8Blocks& q, Device device);
 
 // ---- released FP8 weights -------------------------------------------------------------------
 
+// A released weight's codes fp8e4m3 [rows, cols] (contiguous, on a CUDA device) and its
+// weight_scale_inv f32 [ceil(rows / 128), ceil(cols / 128)] as 128 × 128 GEMM operand blocks: the
+// codes shared (the values layout is theirs), the scales copied into the padded layout.
+ops::Fp8Blocks fp8_weight_from_codes(const Tensor& codes, const Tensor& scales);
+
 // Weights as the released checkpoint stores them, stacked: `codes` fp8e4m3 [P·r, c] (any shape of
 // that many rows of c) on a CUDA device, P pieces of `piece_rows` rows, each with its own 128 × 128
 // block grid: `scales` f32 [P, ceil(r / 128), ceil(c / 128)] (each piece's weight_scale_inv; the

@@ -493,6 +493,22 @@ Fp8Blocks fp8_blocks_to_device(const Fp8Blocks& q, Device device) {
   return out;
 }
 
+Fp8Blocks fp8_weight_from_codes(const Tensor& codes, const Tensor& scales) {
+  const char* op = "cuda::fp8_weight_from_codes";
+  GLMTUNE_ASSERT(codes.defined() && codes.device().is_cuda() && codes.dtype() == DType::fp8e4m3 &&
+                     codes.dim() == 2 && strides_match(codes, {codes.size(1), 1}),
+                 "{}: codes {} must be contiguous fp8e4m3 [rows, cols] on a CUDA device", op,
+                 describe(codes));
+  const Layout l = layout_of(Tiling::blocks_128x128, codes.size(0), codes.size(1));
+  Fp8Blocks out;
+  out.block_rows = out.block_cols = 128;
+  out.values = codes;
+  // Made once per weight (at load), so the scales' trip through the host costs nothing per step.
+  out.scales = place(scales, l.scales_buffer, l.scales_strides, codes.device());
+  check_blocks(out, op, "weight");
+  return out;
+}
+
 void dequantize_fp8_pieces(Tensor& out, const Tensor& codes, const Tensor& scales,
                            int64_t piece_rows, cudaStream_t stream) {
   const char* op = "cuda::dequantize_fp8_pieces";

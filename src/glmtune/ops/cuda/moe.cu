@@ -446,6 +446,20 @@ struct ExpertActivations {
 // Linear::fp8 the block-scaled FP8 ones (ops/cuda/fp8.h, ops/fp8.h's linear_fp8 per expert), each
 // expert's rows quantised on their own from its first row, as the CPU op quantises each expert's
 // gathered rows.
+// Each expert's weight blocks (ops::fp8_weight_blocks: pinned, reused in the step, or quantised
+// now), for the experts that have rows; the others get none. `transposed`: the input gradient's.
+std::vector<ops::Fp8Blocks> expert_weight_blocks(const Tensor& w,
+                                                 const std::vector<int64_t>& offsets,
+                                                 bool transposed, cudaStream_t stream) {
+  std::vector<ops::Fp8Blocks> blocks(size_t(w.size(0)));
+  for (int64_t e = 0; e < w.size(0); ++e) {
+    if (offsets[size_t(e) + 1] == offsets[size_t(e)]) continue;
+    blocks[size_t(e)] = ops::fp8_weight_blocks(w.select(0, e));
+    if (transposed) blocks[size_t(e)] = transpose_fp8_weight(blocks[size_t(e)], stream);
+  }
+  return blocks;
+}
+
 void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l,
                    const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
                    cudaStream_t stream) {
@@ -454,7 +468,7 @@ void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l,
     return;
   }
   fp8_grouped_linear(y, quantize_fp8_grouped(x, offsets, 1, 128, stream),
-                     quantize_fp8_weight_grouped(l.weight, stream), offsets, stream);
+                     expert_weight_blocks(l.weight, offsets, false, stream), offsets, stream);
 }
 
 void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linear& l,
@@ -464,11 +478,9 @@ void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linea
     grouped_linear_backward_input(dx, dy, l.weight, offsets, backend, stream);
     return;
   }
-  std::vector<ops::Fp8Blocks> w_t = quantize_fp8_weight_grouped(l.weight, stream);
-  for (size_t e = 0; e < w_t.size(); ++e)
-    if (offsets[e + 1] > offsets[e]) w_t[e] = transpose_fp8_weight(w_t[e], stream);
-  fp8_grouped_linear_backward_input(dx, quantize_fp8_grouped(dy, offsets, 1, 128, stream), w_t,
-                                    offsets, stream);
+  fp8_grouped_linear_backward_input(dx, quantize_fp8_grouped(dy, offsets, 1, 128, stream),
+                                    expert_weight_blocks(l.weight, offsets, true, stream), offsets,
+                                    stream);
 }
 
 void expert_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x,
