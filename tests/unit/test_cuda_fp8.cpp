@@ -20,12 +20,14 @@
 // the result by a fraction of S far above it for these inputs. Each case prints its worst
 // |y − ref| / S, so the margin shows.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "glmtune/base/error.h"
@@ -470,6 +472,47 @@ TEST(CudaFp8, WeightGradientMatchesTheDequantisedProduct) {
       Tensor acc = base.to(kGpu);
       run_or_fail(what, [&] { cuda::fp8_linear_backward_weight(acc, dyg, xg, true); });
       expect_within_bound(acc, ref, c.t, base.to(DType::f64).to_doubles(), what + " accumulated");
+    }
+  }
+#endif
+}
+
+// The experts' quantisations of one permuted buffer (one launch for up to
+// fp8_kernels::kMaxGroupsPerLaunch groups, one per group above): each group's codes and scales bit
+// for bit the CPU reference on its rows alone, in the GEMM layout, for 1 × 128 and 128 × 1 tiles,
+// bf16 and f32, rows of a wider buffer, and groups of 0, 1, 3, 127, 128, 129 and 300 rows.
+TEST(CudaFp8, GroupedQuantisersMatchEachGroupAlone) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const std::vector<int64_t> sizes = {0, 1, 3, 127, 128, 129, 300, 0, 17, 64};
+  for (const int64_t groups : {int64_t(10), int64_t(40), int64_t(330)}) {
+    std::vector<int64_t> offsets = {0};
+    for (int64_t g = 0; g < groups; ++g)
+      offsets.push_back(offsets.back() + sizes[size_t(g) % sizes.size()] / (groups > 40 ? 8 : 1));
+    const int64_t rows = offsets.back();
+    // 130 columns: no four-value loads, a partial last tile.
+    for (const auto& [cols, dtype] :
+         {std::pair{int64_t(272), DType::bf16}, std::pair{int64_t(272), DType::f32},
+          std::pair{int64_t(130), DType::bf16}}) {
+      // Rows of a wider buffer: the row pitch is not the width.
+      const Tensor wide = varied(rows, cols + 48, dtype, 960 + uint64_t(groups + cols));
+      const Tensor x = wide.to(kGpu).narrow(1, 16, cols);
+      const Tensor x_cpu = wide.narrow(1, 16, cols).to(DType::f32);
+      for (const auto& [br, bc] : {std::pair<int64_t, int64_t>{1, 128}, {128, 1}}) {
+        std::vector<ops::Fp8Blocks> got;
+        run_or_fail("quantize_fp8_grouped",
+                    [&] { got = cuda::quantize_fp8_grouped(x, offsets, br, bc); });
+        ASSERT_EQ(got.size(), size_t(groups));
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r0 = offsets[size_t(g)], n = offsets[size_t(g) + 1] - r0;
+          if (n == 0) continue;
+          const std::string what = fmt::format("{} groups, {} cols {}, {} x {}, group {} ({} rows)",
+                                               groups, cols, dtype_name(dtype), br, bc, g, n);
+          expect_same_quantisation(
+              got[size_t(g)],
+              ops::quantize_fp8_blocks(x_cpu.slice(0, r0, r0 + n).contiguous(), br, bc), what);
+        }
+      }
     }
   }
 #endif

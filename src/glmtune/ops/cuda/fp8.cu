@@ -205,6 +205,97 @@ __global__ void __launch_bounds__(256)
   *reinterpret_cast<uint4*>(q + c * ld_q + first) = *reinterpret_cast<const uint4*>(out);
 }
 
+// ---- the groups' quantisations in one launch ---------------------------------------------------
+
+// The group holding index i of the cumulative `starts` (starts[0] = 0 ≤ i < starts[groups]): the
+// last g with starts[g] ≤ i, which skips empty groups (they start where the next one does).
+__device__ __forceinline__ int group_of(const int32_t* starts, int groups, int64_t i) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (starts[mid] <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// The table is a __grid_constant__ parameter: indexed in place, never copied per thread.
+
+// One warp per (padded row, 128-column tile), as quantize_tiles_kernel; a padding row gets code 0
+// and scale 0.
+template <bool kVec>
+__global__ void __launch_bounds__(kTileWarps * 32)
+    quantize_group_tiles_kernel(const void* __restrict__ x, bool x_bf16, int64_t cols, int64_t ld_x,
+                                const __grid_constant__ GroupTable table, uint8_t* __restrict__ q,
+                                float* __restrict__ s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t p = int64_t(blockIdx.x) * kTileWarps + warp;
+  if (p >= table.padded[table.groups]) return;
+  const int g = group_of(table.padded, table.groups, p);
+  const int64_t local = p - table.padded[g];
+  const int64_t rows_g = table.rows[g + 1] - table.rows[g];
+  const int64_t ld_s = table.padded[g + 1] - table.padded[g];
+  const int64_t tile = blockIdx.y, c0 = tile * 128 + lane * 4;
+  float* sg = s + int64_t(table.padded[g]) * gridDim.y;
+  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (local >= rows_g) {
+    if (lane == 0) sg[tile * ld_s + local] = 0.0f;
+    store4<kVec>(q, p * cols + c0, cols - c0, v, 1.0f);
+    return;
+  }
+  load4<kVec>(x, x_bf16, (table.rows[g] + local) * ld_x + c0, cols - c0, v);
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[j]));
+  amax = warp_nan_max(amax);
+  const float scale = scale_of(amax);
+  if (lane == 0) sg[tile * ld_s + local] = scale;
+  store4<kVec>(q, p * cols + c0, cols - c0, v, scale);
+}
+
+// One block per (32 columns, 128-row tile of a group), as quantize_columns_kernel.
+__global__ void __launch_bounds__(256)
+    quantize_group_columns_kernel(const void* __restrict__ x, bool x_bf16, int64_t cols,
+                                  int64_t ld_x, const __grid_constant__ GroupTable table,
+                                  uint8_t* __restrict__ q, float* __restrict__ s) {
+  __shared__ float tile[128][kColTileCols + 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = group_of(table.tiles, table.groups, blockIdx.y);
+  const int64_t t = int64_t(blockIdx.y) - table.tiles[g];
+  const int64_t first_row = table.rows[g], rows_g = table.rows[g + 1] - first_row;
+  const int64_t r0 = t * 128, c0 = int64_t(blockIdx.x) * kColTileCols;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int rr = warp + 8 * i;
+    const int64_t r = r0 + rr, c = c0 + lane;
+    tile[rr][lane] = r < rows_g && c < cols ? load_x(x, x_bf16, (first_row + r) * ld_x + c) : 0.0f;
+  }
+  __syncthreads();
+  const int col = threadIdx.x >> 3, part = threadIdx.x & 7;
+  const int64_t c = c0 + col;
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) amax = nan_max(amax, fabsf(tile[part * 16 + j][col]));
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (c >= cols) return;
+  const float scale = scale_of(amax);
+  const int64_t ld_s = (cols + 3) / 4 * 4;
+  if (part == 0) s[(int64_t(table.tiles[g]) + t) * ld_s + c] = scale;
+  const int64_t ld_q = table.padded[g + 1] - table.padded[g];
+  const int64_t first = r0 + part * 16;
+  if (first >= ld_q) return;
+  alignas(16) uint8_t out[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+    out[j] = first + j < rows_g ? quantize(tile[part * 16 + j][col], scale) : uint8_t(0);
+  // padded[g] · cols, ld_q and `first` are multiples of 16: one aligned 16-byte store.
+  *reinterpret_cast<uint4*>(q + int64_t(table.padded[g]) * cols + c * ld_q + first) =
+      *reinterpret_cast<const uint4*>(out);
+}
+
 // ---- transposes -----------------------------------------------------------------------------
 
 template <typename T>
@@ -305,6 +396,27 @@ void quantize_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols, in
   if (rows == 0 || cols == 0) return;
   const dim3 grid(unsigned(blocks_of(cols, kColTileCols)), unsigned(blocks_of(rows, 128)));
   quantize_columns_kernel<<<grid, 256, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_group_tiles(const void* x, bool x_bf16, int64_t cols, int64_t ld_x,
+                          const GroupTable& table, uint8_t* q, float* s, cudaStream_t stream) {
+  const int64_t padded = table.padded[table.groups];
+  if (padded == 0 || cols == 0) return;
+  const dim3 grid(unsigned(blocks_of(padded, kTileWarps)), unsigned(blocks_of(cols, 128)));
+  const auto kernel = vector_ok(x, x_bf16, cols, ld_x, q, cols)
+                          ? quantize_group_tiles_kernel<true>
+                          : quantize_group_tiles_kernel<false>;
+  kernel<<<grid, kTileWarps * 32, 0, stream>>>(x, x_bf16, cols, ld_x, table, q, s);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_group_columns(const void* x, bool x_bf16, int64_t cols, int64_t ld_x,
+                            const GroupTable& table, uint8_t* q, float* s, cudaStream_t stream) {
+  const int64_t tiles = table.tiles[table.groups];
+  if (tiles == 0 || cols == 0) return;
+  const dim3 grid(unsigned(blocks_of(cols, kColTileCols)), unsigned(tiles));
+  quantize_group_columns_kernel<<<grid, 256, 0, stream>>>(x, x_bf16, cols, ld_x, table, q, s);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 

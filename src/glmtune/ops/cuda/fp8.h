@@ -108,7 +108,9 @@ void fp8_linear_backward_weight(Tensor& dw, const ops::Fp8Blocks& dy, const ops:
 // their own, anchored at the group's first row, so a tile never spans two experts.
 
 // x [T, K] bf16 / f32 in 1 × 128 tiles (block_rows 1) or 128 × 1 tiles (block_rows 128), one
-// Fp8Blocks per group (an empty group gets an empty one).
+// Fp8Blocks per group (an empty group gets an empty one), each what quantize_fp8_blocks of the
+// group's rows gives. Up to 320 groups run as one kernel writing one buffer of codes and one of
+// scales, the groups' Fp8Blocks being views of them; more run one quantisation per group.
 std::vector<ops::Fp8Blocks> quantize_fp8_grouped(const Tensor& x,
                                                  const std::vector<int64_t>& offsets,
                                                  int64_t block_rows, int64_t block_cols,

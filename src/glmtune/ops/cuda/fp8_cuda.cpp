@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <compare>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -599,11 +600,68 @@ std::vector<Fp8Blocks> quantize_fp8_grouped(const Tensor& x, const std::vector<i
   GLMTUNE_ASSERT(block_cols != 128 || block_rows == 1,
                  "{}: groups take 1 x 128 or 128 x 1 tiles, not {} x {}", op, block_rows,
                  block_cols);
-  std::vector<Fp8Blocks> out;
-  out.reserve(offsets.size() - 1);
-  for (size_t g = 0; g + 1 < offsets.size(); ++g)
-    out.push_back(quantize_fp8_blocks(x.slice(0, offsets[g], offsets[g + 1]), block_rows,
-                                      block_cols, stream));
+  const Tiling t = tiling_of(block_rows, block_cols, op);
+  const size_t groups = offsets.size() - 1;
+  const bool rows_view = x.stride(1) == 1 && x.stride(0) >= x.size(1);
+  if (groups > size_t(fp8_kernels::kMaxGroupsPerLaunch) || !x.device().is_cuda() || !rows_view ||
+      x.size(0) + 16 * int64_t(groups) > std::numeric_limits<int32_t>::max() ||
+      (x.dtype() != DType::bf16 && x.dtype() != DType::f32)) {
+    std::vector<Fp8Blocks> out;
+    out.reserve(groups);
+    for (size_t g = 0; g < groups; ++g)
+      out.push_back(quantize_fp8_blocks(x.slice(0, offsets[g], offsets[g + 1]), block_rows,
+                                        block_cols, stream));
+    return out;
+  }
+  // Every group in one launch, into one buffer of values and one of scales, each group's part laid
+  // out as quantize_fp8_blocks lays out its rows alone: the same codes and scales, and per group a
+  // view, without a launch, two buffers and the padding's memsets per expert.
+  const int64_t cols = x.size(1), pad = t == Tiling::rows_1x128 ? 4 : 16;
+  fp8_kernels::GroupTable table;
+  table.groups = int32_t(groups);
+  table.rows[0] = table.padded[0] = table.tiles[0] = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    const int64_t rows_g = offsets[g + 1] - offsets[g];
+    table.rows[g + 1] = int32_t(offsets[g + 1]);
+    table.padded[g + 1] = table.padded[g] + int32_t(pad_to(rows_g, pad));
+    table.tiles[g + 1] = table.tiles[g] + int32_t(blocks_of(rows_g, 128));
+  }
+  const Device dev = x.device();
+  const int64_t values = int64_t(table.padded[groups]) * cols;
+  const int64_t scales = t == Tiling::rows_1x128
+                             ? int64_t(table.padded[groups]) * blocks_of(cols, 128)
+                             : int64_t(table.tiles[groups]) * pad_to(cols, 4);
+  Tensor vbuf = Tensor::empty({std::max<int64_t>(values, 1)}, DType::fp8e4m3, dev);
+  Tensor sbuf = Tensor::empty({std::max<int64_t>(scales, 1)}, DType::f32, dev);
+  detail::DeviceGuard guard(dev.index);
+  const bool bf16 = x.dtype() == DType::bf16;
+  const int64_t ld_x = x.size(0) > 1 ? x.stride(0) : cols;
+  auto* q = static_cast<uint8_t*>(vbuf.data_ptr());
+  if (t == Tiling::rows_1x128) {
+    fp8_kernels::quantize_group_tiles(x.data_ptr(), bf16, cols, ld_x, table, q, sbuf.data<float>(),
+                                      stream);
+  } else {
+    // The padding columns' scales are read by nobody; zero, not garbage.
+    GLMTUNE_CUDA_CHECK(cudaMemsetAsync(sbuf.data_ptr(), 0, sbuf.nbytes(), stream));
+    fp8_kernels::quantize_group_columns(x.data_ptr(), bf16, cols, ld_x, table, q,
+                                        sbuf.data<float>(), stream);
+  }
+  std::vector<Fp8Blocks> out(groups);
+  for (size_t g = 0; g < groups; ++g) {
+    const int64_t rows_g = offsets[g + 1] - offsets[g];
+    if (rows_g == 0) continue;
+    const Layout l = layout_of(t, rows_g, cols);
+    const int64_t value_start = int64_t(table.padded[g]) * cols;
+    const int64_t scale_start = t == Tiling::rows_1x128
+                                    ? int64_t(table.padded[g]) * blocks_of(cols, 128)
+                                    : int64_t(table.tiles[g]) * pad_to(cols, 4);
+    out[g].block_rows = block_rows;
+    out[g].block_cols = block_cols;
+    out[g].values = view_over(vbuf.narrow(0, value_start, shape_numel(l.values_buffer)),
+                              {rows_g, cols}, l.values_strides);
+    out[g].scales = view_over(sbuf.narrow(0, scale_start, shape_numel(l.scales_buffer)),
+                              scale_shape(t, rows_g, cols), l.scales_strides);
+  }
   return out;
 }
 

@@ -22,6 +22,34 @@ void quantize_blocks(const void* x, bool x_bf16, int64_t rows, int64_t cols, int
 void quantize_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols, int64_t ld_x,
                       uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream);
 
+// ---- the per-expert quantisations of one permuted buffer, in one launch ----
+// Group g owns x's rows rows[g] .. rows[g + 1] − 1 (cumulative, rows[0] = 0). Each group's output
+// is the layout one quantize_tiles / quantize_columns call on its rows writes, placed one after
+// another in one buffer, so that a group's Fp8Blocks is a view of it.
+constexpr int kMaxGroupsPerLaunch = 320;  // the table stays under 4 KB of kernel parameters
+
+struct GroupTable {
+  int32_t groups = 0;
+  int32_t rows[kMaxGroupsPerLaunch + 1];
+  // 1 × 128: cumulative pad4(rows_g); 128 × 1: cumulative pad16(rows_g).
+  int32_t padded[kMaxGroupsPerLaunch + 1];
+  // 128 × 1: cumulative ceil(rows_g / 128), the 128-row tiles.
+  int32_t tiles[kMaxGroupsPerLaunch + 1];
+};
+
+// 1 × 128 tiles: group g's codes are rows padded[g] .. padded[g + 1] − 1 of q [padded[G], cols]
+// (its rows, then zero rows up to pad4), its scales [ceil(cols / 128), pad4(rows_g)] start at
+// s + padded[g] · ceil(cols / 128) (zero for the padding rows).
+void quantize_group_tiles(const void* x, bool x_bf16, int64_t cols, int64_t ld_x,
+                          const GroupTable& table, uint8_t* q, float* s, cudaStream_t stream);
+
+// 128 × 1 tiles per group, from the group's first row: group g's codes, transposed [cols,
+// pad16(rows_g)], start at q + padded[g] · cols (zero in the padding rows); its scales
+// [ceil(rows_g / 128), pad4(cols)] at s + tiles[g] · pad4(cols). The scales of the padding columns
+// are not written: the caller zeroes s.
+void quantize_group_columns(const void* x, bool x_bf16, int64_t cols, int64_t ld_x,
+                            const GroupTable& table, uint8_t* q, float* s, cudaStream_t stream);
+
 // out[c · ld_out + r] = in[r · ld_in + c] for a [rows, cols] matrix of bytes or of f32.
 // out[row, col] = round(fp8(codes[row, col]) · scales[piece, r / 128, col / 128]) for rows of
 // `piece_rows` stacked pieces (row = piece · piece_rows + r), the exact product rounded once to
