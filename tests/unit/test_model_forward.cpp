@@ -353,7 +353,7 @@ DirectMtp direct_mtp(const TextModel& model, const std::vector<int32_t>& doc,
   const TextWeights& w = model.weights();
   const MtpWeights& m = *w.mtp;
   const int64_t n = int64_t(doc.size()), dim = c.hidden_size, vocab = c.vocab_size;
-  const std::vector<double> table = values(w.embed_tokens), head = values(w.lm_head);
+  const std::vector<double> table = values(w.embed_tokens), head = values(w.lm_head.weight);
   const std::vector<double> eh = values(m.eh_proj.weight);
   DirectMtp out;
   std::vector<double> h = values(main_hidden);
@@ -594,7 +594,7 @@ TEST(ModelForward, KeepEverythingContextIsConsistent) {
   EXPECT_EQ(ctx.mtp[0].out_normed.to_doubles(), out.mtp->hidden[0].to_doubles());
   EXPECT_EQ(ctx.mtp_labels.size(), 1u);
   // The saved head input reproduces the logits and, through the saved labels, the loss.
-  const Tensor logits = ops::linear(ctx.final_normed, e.f64->weights().lm_head);
+  const Tensor logits = ops::linear(ctx.final_normed, e.f64->weights().lm_head.weight);
   EXPECT_EQ(logits.to_doubles(), out.logits.to_doubles());
   const std::vector<int32_t> lab = ints(ctx.labels);
   const int64_t V = c.vocab_size;

@@ -509,15 +509,16 @@ void score_documents(EvalRun& r, const PackPlan& p, const data::Pack& pack, cons
     if (r.writer) {
       // The head's product in f32 (on a GPU: bf16 operands, f32 accumulation and output), so
       // the dump holds no rounding the loss does not see; the loss from those logits.
-      Tensor logits = Tensor::empty({e - b, weights.lm_head.size(0)}, DType::f32, rows.device());
-      ops::linear_out(logits, rows, weights.lm_head);
+      Tensor logits =
+          Tensor::empty({e - b, weights.lm_head.weight.size(0)}, DType::f32, rows.device());
+      ops::linear_out(logits, rows, weights.lm_head.weight);
       logits = logits.to(Device::cpu());
       ce = ops::cross_entropy_forward(logits, labels);
       r.writer->write(fmt::format("logits.{}", r.data.out_index[size_t(p.samples[d])]), logits);
     } else {
       ops::CrossEntropyOptions ce_opts;
       ce_opts.chunk_rows = r.options.loss_chunk;
-      ce = ops::lm_head_cross_entropy(rows, weights.lm_head, labels, ce_opts);
+      ce = ops::lm_head_cross_entropy(rows, weights.lm_head.weight, labels, ce_opts);
     }
     r.results[size_t(p.samples[d])] = {ce.loss_sum, ce.n_tokens};
   }

@@ -64,7 +64,8 @@ struct MtpGrads {
 // Gradient buffers mirroring TextWeights, in the model's compute dtype. Backward passes add into
 // them, so one set accumulates the micro-packs of an optimizer step.
 struct TextGrads {
-  Tensor embed_tokens, final_norm, lm_head;  // lm_head is embed_tokens itself when tied
+  Tensor embed_tokens, final_norm;
+  ops::Linear lm_head;  // its weight is embed_tokens itself when tied
   std::vector<LayerGrads> layers;
   std::optional<MtpGrads> mtp;
   // Every buffer under its parameter's internal name, in TextWeights::named order (a tied head

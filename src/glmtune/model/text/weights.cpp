@@ -251,7 +251,7 @@ TextWeights load_text_weights(const ParamStore& store, DType dtype, Device devic
     w.mtp = std::move(m);
   }
   // A tied head is the embedding matrix itself (same storage, one entry in `named`).
-  w.lm_head = c.tie_word_embeddings ? w.embed_tokens : load.get("lm_head.weight");
+  w.lm_head = ops::Linear(c.tie_word_embeddings ? w.embed_tokens : load.get("lm_head.weight"));
   return w;
 }
 

@@ -62,7 +62,7 @@ struct TextWeights {
   Device device = Device::cpu();
   Tensor embed_tokens;  // [V, D]
   Tensor final_norm;    // [D]
-  Tensor lm_head;       // [V, D] (the embedding itself when tie_word_embeddings)
+  ops::Linear lm_head;  // weight [V, D] (the embedding itself when tie_word_embeddings)
   std::vector<LayerWeights> layers;
   std::optional<MtpWeights> mtp;
   std::vector<std::pair<std::string, Tensor>> named;
