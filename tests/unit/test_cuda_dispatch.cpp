@@ -14,10 +14,12 @@
 #include <utility>
 #include <vector>
 
+#include "glmtune/base/error.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/tensor/tensor.h"
 #include "support/cuda_test_support.h"
+#include "support/leaf_op_checks.h"
 
 using namespace glmtune;
 using namespace glmtune::test;
@@ -129,6 +131,23 @@ TEST(CudaDispatch, KdaMixerForwardAndBackward) {
   EXPECT_TRUE(
       bit_identical(ops::kda_backward(pg, x.gpu, cu, o, nullptr, dy.gpu, recomputed), dx_saved));
   EXPECT_TRUE(bit_identical(recomputed.q_proj.weight, again.q_proj.weight));
+#endif
+}
+
+// The leaf ops' checks made before dispatch (ops/checks.h) refuse the CPU test's bad calls on the
+// GPU too, naming the op, before any kernel runs.
+TEST(CudaDispatch, BadArgumentsAreRefusedBeforeDispatch) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  for (const BadLeafCall& c : bad_leaf_calls(kGpu, DType::bf16, DType::f32)) {
+    SCOPED_TRACE(c.op + ": " + c.what);
+    try {
+      c.call();
+      ADD_FAILURE() << "accepted";
+    } catch (const InternalError& e) {
+      EXPECT_NE(std::string(e.what()).find(c.op), std::string::npos) << e.what();
+    }
+  }
 #endif
 }
 

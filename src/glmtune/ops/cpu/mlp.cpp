@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/cpu/mlp_common.h"
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
@@ -29,17 +30,13 @@ void swiglu_kernel(const RowView& g, const RowView& u, T limit, T* out) {
 }  // namespace
 
 Tensor swiglu_clamped(const Tensor& gate, const Tensor& up, double limit) {
+  checks::rows_input(gate, "gate", "swiglu_clamped");
+  checks::same_as(up, gate, "up", "gate", "swiglu_clamped");
+  GLMTUNE_ASSERT(limit > 0, "swiglu_clamped: the limit must be positive, got {}", limit);
   GLMTUNE_DISPATCH_CUDA(gate, cuda_path::swiglu_clamped(gate, up, limit));
-  GLMTUNE_ASSERT(gate.defined() && up.defined() && gate.dim() >= 1,
-                 "swiglu_clamped needs gate and up tensors");
-  GLMTUNE_ASSERT(gate.shape() == up.shape(), "swiglu_clamped: gate {} and up {} differ in shape",
-                 gate.str(), up.str());
-  GLMTUNE_ASSERT(gate.device().is_cpu() && up.device().is_cpu(), "CPU swiglu got {} and {}",
-                 gate.str(), up.str());
   GLMTUNE_ASSERT(
-      gate.dtype() == up.dtype() && (gate.dtype() == DType::f32 || gate.dtype() == DType::f64),
-      "swiglu_clamped computes in f32 or f64, got {} and {}", gate.str(), up.str());
-  GLMTUNE_ASSERT(limit > 0, "swiglu limit must be positive, got {}", limit);
+      gate.device().is_cpu() && (gate.dtype() == DType::f32 || gate.dtype() == DType::f64),
+      "swiglu_clamped computes on the CPU in f32 or f64, got {}", gate.str());
   Tensor out = Tensor::empty(gate.shape(), gate.dtype());
   if (out.numel() == 0) return out;
   const RowView g = row_view(gate), u = row_view(up);

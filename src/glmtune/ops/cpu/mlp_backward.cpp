@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/mlp_common.h"
 #include "glmtune/ops/dispatch.h"
@@ -51,19 +52,15 @@ void swiglu_backward_kernel(const RowView& g, const RowView& u, const T* dout, T
 
 void swiglu_clamped_backward(const Tensor& gate, const Tensor& up, const Tensor& dout, double limit,
                              Tensor& dgate, Tensor& dup) {
+  const char* op = "swiglu_clamped_backward";
+  checks::rows_input(gate, "gate", op);
+  checks::same_as(up, gate, "up", "gate", op);
+  checks::same_as(dout, gate, "dout", "gate", op);
+  GLMTUNE_ASSERT(limit > 0, "{}: the limit must be positive, got {}", op, limit);
   GLMTUNE_DISPATCH_CUDA(gate,
                         cuda_path::swiglu_clamped_backward(gate, up, dout, limit, dgate, dup));
-  GLMTUNE_ASSERT(gate.defined() && up.defined() && dout.defined() && gate.dim() >= 1,
-                 "swiglu_clamped_backward needs gate, up and dout");
-  GLMTUNE_ASSERT(gate.shape() == up.shape() && dout.shape() == gate.shape(),
-                 "swiglu_clamped_backward: gate {}, up {} and dout {} differ in shape", gate.str(),
-                 up.str(), dout.str());
-  GLMTUNE_ASSERT(gate.device().is_cpu() && up.device().is_cpu() && dout.device().is_cpu() &&
-                     is_compute_dtype(gate.dtype()) && up.dtype() == gate.dtype() &&
-                     dout.dtype() == gate.dtype(),
-                 "swiglu_clamped_backward computes on CPU in f32 or f64, got {}, {} and {}",
-                 gate.str(), up.str(), dout.str());
-  GLMTUNE_ASSERT(limit > 0, "swiglu limit must be positive, got {}", limit);
+  GLMTUNE_ASSERT(gate.device().is_cpu() && is_compute_dtype(gate.dtype()),
+                 "{}: computes on the CPU in f32 or f64, got {}", op, gate.str());
   const int64_t dg_stride = output_rows(dgate, gate, "dgate");
   const int64_t du_stride = output_rows(dup, gate, "dup");
   if (gate.numel() == 0) return;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/norm_common.h"
 #include "glmtune/ops/dispatch.h"
@@ -16,8 +17,8 @@ struct Rows {
   int64_t rows = 0, n = 0;
 };
 
+// After the checks of ops/checks.h: what the CPU kernels take.
 Rows as_rows(const Tensor& x, const char* op) {
-  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1, "{}: input must have at least one dimension", op);
   GLMTUNE_ASSERT(x.device().is_cpu(), "{}: CPU kernel got {}", op, x.str());
   GLMTUNE_ASSERT(x.dtype() == DType::f32 || x.dtype() == DType::f64,
                  "{}: CPU kernels compute in f32 or f64, got {}", op, x.str());
@@ -105,9 +106,10 @@ void l2_norm_kernel(const Rows& r, double eps, Tensor& out, Tensor& norm_out) {
 }  // namespace
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd) {
+  checks::rows_input(x, "x", "rms_norm");
+  checks::channel_vector(weight, x, "weight", "rms_norm");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm(x, weight, eps, rstd));
   Rows r = as_rows(x, "rms_norm");
-  check_vector(weight, x, "weight", "rms_norm");
   Tensor out = Tensor::empty(x.shape(), x.dtype());
   Tensor rs = make_stat(rstd, x);
   Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
@@ -120,12 +122,11 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd)
 
 Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate, double eps,
                       GateActivation activation, Tensor* rstd) {
+  checks::rows_input(x, "x", "rms_norm_gated");
+  checks::channel_vector(weight, x, "weight", "rms_norm_gated");
+  checks::same_as(gate, x, "gate", "x", "rms_norm_gated");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_gated(x, weight, gate, eps, activation, rstd));
   Rows r = as_rows(x, "rms_norm_gated");
-  check_vector(weight, x, "weight", "rms_norm_gated");
-  GLMTUNE_ASSERT(gate.defined() && gate.dtype() == x.dtype() && gate.shape() == x.shape(),
-                 "rms_norm_gated: gate {} must match input {}", gate.defined() ? gate.str() : "-",
-                 x.str());
   Tensor out = Tensor::empty(x.shape(), x.dtype());
   Tensor rs = make_stat(rstd, x);
   Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
@@ -138,10 +139,11 @@ Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate,
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                   Tensor* mean, Tensor* rstd) {
+  checks::rows_input(x, "x", "layer_norm");
+  checks::channel_vector(weight, x, "weight", "layer_norm");
+  checks::channel_vector(bias, x, "bias", "layer_norm");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::layer_norm(x, weight, bias, eps, mean, rstd));
   Rows r = as_rows(x, "layer_norm");
-  check_vector(weight, x, "weight", "layer_norm");
-  check_vector(bias, x, "bias", "layer_norm");
   Tensor out = Tensor::empty(x.shape(), x.dtype());
   Tensor ms = make_stat(mean, x);
   Tensor rs = make_stat(rstd, x);
@@ -155,6 +157,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 }
 
 Tensor l2_norm(const Tensor& x, double eps, Tensor* norm) {
+  checks::rows_input(x, "x", "l2_norm");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::l2_norm(x, eps, norm));
   Rows r = as_rows(x, "l2_norm");
   Tensor out = Tensor::empty(x.shape(), x.dtype());

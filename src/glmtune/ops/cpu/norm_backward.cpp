@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/norm_common.h"
 #include "glmtune/ops/dispatch.h"
@@ -18,15 +19,23 @@ struct RowsOf {
   int64_t rows = 0, n = 0;
 };
 
-// Checks dy and x (and returns their row geometry); both must be CPU f32/f64 of one shape.
+// The checks every norm backward makes before it dispatches (ops/checks.h): x has rows, dy is
+// like x, the weight (if any) is x's channel vector and a weight gradient needs a weight.
+void check_backward_args(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                         const Tensor* grad_weight, const char* op) {
+  checks::rows_input(x, "x", op);
+  checks::same_as(dy, x, "dy", "x", op);
+  checks::channel_vector(weight, x, "weight", op);
+  GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: an un-weighted norm has no weight gradient",
+                 op);
+}
+
+// x's row geometry; the CPU kernels take CPU f32/f64 (the rest is checked before dispatch).
 RowsOf check_rows(const Tensor& dy, const Tensor& x, const char* op) {
-  GLMTUNE_ASSERT(x.defined() && dy.defined() && x.dim() >= 1, "{}: needs x and dy", op);
   GLMTUNE_ASSERT(x.device().is_cpu() && dy.device().is_cpu(), "{}: CPU kernel got {} and {}", op,
                  x.str(), dy.str());
   GLMTUNE_ASSERT(x.dtype() == DType::f32 || x.dtype() == DType::f64,
                  "{}: CPU kernels compute in f32 or f64, got {}", op, x.str());
-  GLMTUNE_ASSERT(dy.dtype() == x.dtype() && dy.shape() == x.shape(), "{}: dy {} must match x {}",
-                 op, dy.str(), x.str());
   RowsOf r;
   r.n = x.size(-1);
   r.rows = r.n > 0 ? x.numel() / r.n : 0;
@@ -173,13 +182,11 @@ void l2_backward_kernel(const T* dy, const T* x, const T* norm_in, double eps, i
 
 Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                          const Tensor& rstd, Tensor* grad_weight) {
-  grad_weight = grad_if_trained(grad_weight, weight);
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_backward(dy, x, weight, eps, rstd, grad_weight));
   const char* op = "rms_norm_backward";
+  grad_weight = grad_if_trained(grad_weight, weight);
+  check_backward_args(dy, x, weight, grad_weight, op);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_backward(dy, x, weight, eps, rstd, grad_weight));
   const RowsOf r = check_rows(dy, x, op);
-  check_vector(weight, x, "weight", op);
-  GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: an un-weighted norm has no weight gradient",
-                 op);
   const Tensor rs = check_stat(rstd, x, "rstd", op);
   Tensor xc = x.contiguous(), gc = dy.contiguous();
   Tensor wc = weight.defined() ? weight.contiguous() : Tensor();
@@ -200,15 +207,13 @@ Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight
 RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                           const Tensor& gate, double eps, GateActivation activation,
                                           const Tensor& rstd, Tensor* grad_weight) {
+  const char* op = "rms_norm_gated_backward";
   grad_weight = grad_if_trained(grad_weight, weight);
+  check_backward_args(dy, x, weight, grad_weight, op);
+  checks::same_as(gate, x, "gate", "x", op);
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_gated_backward(dy, x, weight, gate, eps, activation,
                                                               rstd, grad_weight));
-  const char* op = "rms_norm_gated_backward";
   const RowsOf r = check_rows(dy, x, op);
-  check_vector(weight, x, "weight", op);
-  GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: no weight, so no weight gradient", op);
-  GLMTUNE_ASSERT(gate.defined() && gate.dtype() == x.dtype() && gate.shape() == x.shape(),
-                 "{}: gate {} must match x {}", op, gate.defined() ? gate.str() : "-", x.str());
   const Tensor rs = check_stat(rstd, x, "rstd", op);
   Tensor xc = x.contiguous(), gc = dy.contiguous(), zc = gate.contiguous();
   Tensor wc = weight.defined() ? weight.contiguous() : Tensor();
@@ -230,13 +235,12 @@ RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, con
 Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, double eps,
                            const Tensor& mean, const Tensor& rstd, Tensor* grad_weight,
                            Tensor* grad_bias) {
+  const char* op = "layer_norm_backward";
   grad_weight = grad_if_trained(grad_weight, weight);
+  check_backward_args(dy, x, weight, grad_weight, op);
   GLMTUNE_DISPATCH_CUDA(
       x, cuda_path::layer_norm_backward(dy, x, weight, eps, mean, rstd, grad_weight, grad_bias));
-  const char* op = "layer_norm_backward";
   const RowsOf r = check_rows(dy, x, op);
-  check_vector(weight, x, "weight", op);
-  GLMTUNE_ASSERT(weight.defined() || !grad_weight, "{}: no weight, so no weight gradient", op);
   const Tensor ms = check_stat(mean, x, "mean", op), rs = check_stat(rstd, x, "rstd", op);
   Tensor xc = x.contiguous(), gc = dy.contiguous();
   Tensor wc = weight.defined() ? weight.contiguous() : Tensor();
@@ -257,8 +261,9 @@ Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weig
 }
 
 Tensor l2_norm_backward(const Tensor& dy, const Tensor& x, double eps, const Tensor& norm) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::l2_norm_backward(dy, x, eps, norm));
   const char* op = "l2_norm_backward";
+  check_backward_args(dy, x, Tensor(), nullptr, op);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::l2_norm_backward(dy, x, eps, norm));
   const RowsOf r = check_rows(dy, x, op);
   const Tensor ns = check_stat(norm, x, "norm", op);
   Tensor xc = x.contiguous(), gc = dy.contiguous();

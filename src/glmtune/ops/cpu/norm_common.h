@@ -9,13 +9,6 @@
 
 namespace glmtune::ops::cpu_detail {
 
-// An optional per-channel vector (weight or bias) must be [n] for x [..., n] in x's dtype.
-inline void check_vector(const Tensor& v, const Tensor& x, const char* what, const char* op) {
-  if (!v.defined()) return;
-  GLMTUNE_ASSERT(v.dtype() == x.dtype() && v.dim() == 1 && v.size(0) == x.size(-1),
-                 "{}: {} {} does not match input {}", op, what, v.str(), x.str());
-}
-
 // Mean and 1/sqrt(var + eps) of one row of n values, accumulated in double. Two-pass variance: the
 // shifted sum does not cancel catastrophically for large means. The backward recomputes missing
 // statistics with this same arithmetic, so both routes give bit-identical gradients.

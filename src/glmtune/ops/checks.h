@@ -1,0 +1,38 @@
+#pragma once
+// Argument checks that hold on every device, made by a leaf op before it dispatches
+// (ops/dispatch.h): a call with mismatched arguments fails here, with the same message whichever
+// body would have run. Each body then checks only what is its own: the dtypes it computes in and
+// the layouts its kernels take. A failed check is an InternalError (a glmtune bug: the model
+// calls these ops, users do not).
+
+#include "glmtune/base/error.h"
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::ops::checks {
+
+// `x` is defined and has at least one dimension (rows of its last one).
+inline void rows_input(const Tensor& x, const char* what, const char* op) {
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1, "{}: {} must be a tensor of at least one dimension",
+                 op, what);
+}
+
+// `t` is defined with `like`'s shape, dtype and device.
+inline void same_as(const Tensor& t, const Tensor& like, const char* what, const char* like_what,
+                    const char* op) {
+  GLMTUNE_ASSERT(t.defined() && t.shape() == like.shape() && t.dtype() == like.dtype() &&
+                     t.device() == like.device(),
+                 "{}: {} {} must have the shape, dtype and device of {} {}", op, what,
+                 t.defined() ? t.str() : "undefined", like_what, like.str());
+}
+
+// An optional per-channel vector (a norm's weight or bias): [n] for x [..., n], in x's dtype, on
+// x's device.
+inline void channel_vector(const Tensor& v, const Tensor& x, const char* what, const char* op) {
+  if (!v.defined()) return;
+  GLMTUNE_ASSERT(
+      v.dim() == 1 && v.size(0) == x.size(-1) && v.dtype() == x.dtype() && v.device() == x.device(),
+      "{}: {} {} does not match input {} ([{}] in its dtype, on its device)", op, what, v.str(),
+      x.str(), x.size(-1));
+}
+
+}  // namespace glmtune::ops::checks

@@ -1,0 +1,69 @@
+#pragma once
+// Calls of leaf ops with arguments that do not fit together, each of which the op refuses before
+// it dispatches (ops/checks.h), with an InternalError that names the op: the same table runs on
+// the CPU (test_leaf_op_checks) and on a GPU (test_cuda_dispatch).
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "glmtune/ops/mlp.h"
+#include "glmtune/ops/norm.h"
+#include "glmtune/tensor/tensor.h"
+
+namespace glmtune::test {
+
+struct BadLeafCall {
+  std::string op;  // named in the error
+  std::string what;
+  std::function<void()> call;
+};
+
+// On `device`, in its compute dtype `dtype`; `other` is another dtype of that device.
+inline std::vector<BadLeafCall> bad_leaf_calls(Device device, DType dtype, DType other) {
+  const auto t = [device](const Shape& s, DType d) { return Tensor::zeros(s, d, device); };
+  const Tensor x = t({3, 8}, dtype), w = t({8}, dtype), stat = t({3}, DType::f32);
+  return {
+      {"rms_norm", "a weight of another width", [=] { ops::rms_norm(x, t({7}, dtype), 1e-6); }},
+      {"rms_norm", "a weight of another dtype", [=] { ops::rms_norm(x, t({8}, other), 1e-6); }},
+      {"rms_norm", "no input", [=] { ops::rms_norm(Tensor(), w, 1e-6); }},
+      {"rms_norm_gated", "a gate of another shape",
+       [=] {
+         ops::rms_norm_gated(x, w, t({3, 7}, dtype), 1e-6);
+       }},
+      {"rms_norm_gated", "no gate", [=] { ops::rms_norm_gated(x, w, Tensor(), 1e-6); }},
+      {"layer_norm", "a bias of another width",
+       [=] { ops::layer_norm(x, w, t({9}, dtype), 1e-6); }},
+      {"l2_norm", "a scalar input", [=] { ops::l2_norm(t({}, dtype), 1e-6); }},
+      {"rms_norm_backward", "dy of another shape",
+       [=] {
+         ops::rms_norm_backward(t({3, 7}, dtype), x, w, 1e-6);
+       }},
+      {"rms_norm_backward", "a weight gradient without a weight",
+       [=] {
+         Tensor g;
+         ops::rms_norm_backward(x, x, Tensor(), 1e-6, Tensor(), &g);
+       }},
+      {"rms_norm_gated_backward", "a gate of another dtype",
+       [=] {
+         ops::rms_norm_gated_backward(x, x, w, t({3, 8}, other), 1e-6);
+       }},
+      {"layer_norm_backward", "dy of another dtype",
+       [=] {
+         ops::layer_norm_backward(t({3, 8}, other), x, w, 1e-6, Tensor(), stat);
+       }},
+      {"l2_norm_backward", "no dy", [=] { ops::l2_norm_backward(Tensor(), x, 1e-6, stat); }},
+      {"swiglu_clamped", "up of another shape",
+       [=] {
+         ops::swiglu_clamped(x, t({3, 4}, dtype), 7.0);
+       }},
+      {"swiglu_clamped", "a limit of 0", [=] { ops::swiglu_clamped(x, x, 0.0); }},
+      {"swiglu_clamped_backward", "dout of another dtype",
+       [=] {
+         Tensor dg, du;
+         ops::swiglu_clamped_backward(x, x, t({3, 8}, other), 7.0, dg, du);
+       }},
+  };
+}
+
+}  // namespace glmtune::test
