@@ -25,7 +25,10 @@ inline std::vector<BadLeafCall> bad_leaf_calls(Device device, DType dtype, DType
   const Tensor x = t({3, 8}, dtype), w = t({8}, dtype), stat = t({3}, DType::f32);
   return {
       {"rms_norm", "a weight of another width", [=] { ops::rms_norm(x, t({7}, dtype), 1e-6); }},
-      {"rms_norm", "a weight of another dtype", [=] { ops::rms_norm(x, t({8}, other), 1e-6); }},
+      {"rms_norm", "a weight of two dimensions",
+       [=] {
+         ops::rms_norm(x, t({8, 1}, dtype), 1e-6);
+       }},
       {"rms_norm", "no input", [=] { ops::rms_norm(Tensor(), w, 1e-6); }},
       {"rms_norm_gated", "a gate of another shape",
        [=] {

@@ -110,6 +110,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd)
   checks::channel_vector(weight, x, "weight", "rms_norm");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm(x, weight, eps, rstd));
   Rows r = as_rows(x, "rms_norm");
+  check_vector_dtype(weight, x, "weight", "rms_norm");
   Tensor out = Tensor::empty(x.shape(), x.dtype());
   Tensor rs = make_stat(rstd, x);
   Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
@@ -127,6 +128,7 @@ Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate,
   checks::same_as(gate, x, "gate", "x", "rms_norm_gated");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_gated(x, weight, gate, eps, activation, rstd));
   Rows r = as_rows(x, "rms_norm_gated");
+  check_vector_dtype(weight, x, "weight", "rms_norm_gated");
   Tensor out = Tensor::empty(x.shape(), x.dtype());
   Tensor rs = make_stat(rstd, x);
   Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
@@ -144,6 +146,8 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   checks::channel_vector(bias, x, "bias", "layer_norm");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::layer_norm(x, weight, bias, eps, mean, rstd));
   Rows r = as_rows(x, "layer_norm");
+  check_vector_dtype(weight, x, "weight", "layer_norm");
+  check_vector_dtype(bias, x, "bias", "layer_norm");
   Tensor out = Tensor::empty(x.shape(), x.dtype());
   Tensor ms = make_stat(mean, x);
   Tensor rs = make_stat(rstd, x);

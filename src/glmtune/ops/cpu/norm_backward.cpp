@@ -187,6 +187,7 @@ Tensor rms_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight
   check_backward_args(dy, x, weight, grad_weight, op);
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_backward(dy, x, weight, eps, rstd, grad_weight));
   const RowsOf r = check_rows(dy, x, op);
+  check_vector_dtype(weight, x, "weight", op);
   const Tensor rs = check_stat(rstd, x, "rstd", op);
   Tensor xc = x.contiguous(), gc = dy.contiguous();
   Tensor wc = weight.defined() ? weight.contiguous() : Tensor();
@@ -214,6 +215,7 @@ RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x, con
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_gated_backward(dy, x, weight, gate, eps, activation,
                                                               rstd, grad_weight));
   const RowsOf r = check_rows(dy, x, op);
+  check_vector_dtype(weight, x, "weight", op);
   const Tensor rs = check_stat(rstd, x, "rstd", op);
   Tensor xc = x.contiguous(), gc = dy.contiguous(), zc = gate.contiguous();
   Tensor wc = weight.defined() ? weight.contiguous() : Tensor();
@@ -241,6 +243,7 @@ Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weig
   GLMTUNE_DISPATCH_CUDA(
       x, cuda_path::layer_norm_backward(dy, x, weight, eps, mean, rstd, grad_weight, grad_bias));
   const RowsOf r = check_rows(dy, x, op);
+  check_vector_dtype(weight, x, "weight", op);
   const Tensor ms = check_stat(mean, x, "mean", op), rs = check_stat(rstd, x, "rstd", op);
   Tensor xc = x.contiguous(), gc = dy.contiguous();
   Tensor wc = weight.defined() ? weight.contiguous() : Tensor();

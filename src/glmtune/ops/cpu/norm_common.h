@@ -9,6 +9,12 @@
 
 namespace glmtune::ops::cpu_detail {
 
+// The CPU kernels read a weight or bias in x's dtype (its shape is checked before dispatch).
+inline void check_vector_dtype(const Tensor& v, const Tensor& x, const char* what, const char* op) {
+  GLMTUNE_ASSERT(!v.defined() || v.dtype() == x.dtype(), "{}: {} {} must be in the dtype of x {}",
+                 op, what, v.str(), x.str());
+}
+
 // Mean and 1/sqrt(var + eps) of one row of n values, accumulated in double. Two-pass variance: the
 // shifted sum does not cancel catastrophically for large means. The backward recomputes missing
 // statistics with this same arithmetic, so both routes give bit-identical gradients.
