@@ -272,6 +272,37 @@ TEST(Freeze, FrozenExpertsStayByteIdenticalAndHaveNoOptimizerState) {
   }
 }
 
+// The tiny model of tiny_model() written in the FP8 release's layout (init --fp8) under `dir`.
+fs::path write_fp8_tiny(const fs::path& dir) {
+  const fs::path path = dir / "fp8";
+  model::InitOptions options;
+  options.seed = 5;
+  options.fp8 = true;
+  model::write_random_checkpoint(model::ModelConfig::preset("tiny"), path, options);
+  return path;
+}
+
+// recipe_text's run on `model` with the routed experts frozen and more [train] `lines`.
+train::Recipe frozen_experts_recipe(const fs::path& model, const fs::path& out,
+                                    const std::string& lines) {
+  std::string text = recipe_text(out, "freeze = [\"mlp\\\\.experts\\\\.\"]\n" + lines);
+  const std::string bf16_path = "path = \"" + tiny_model().string() + "\"";
+  text.replace(text.find(bf16_path), bf16_path.size(), "path = \"" + model.string() + "\"");
+  return train::Recipe::parse(text, out.filename().string() + ".toml");
+}
+
+// Two runs of three steps, step for step the same loss and gradient norm, bit for bit.
+void expect_same_steps(const train::TrainSummary& a, const train::TrainSummary& b) {
+  ASSERT_EQ(a.steps.size(), 3u);
+  ASSERT_EQ(b.steps.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::memcmp(&a.steps[i].loss, &b.steps[i].loss, sizeof(double)), 0)
+        << "step " << i + 1;
+    EXPECT_EQ(std::memcmp(&a.steps[i].grad_norm, &b.steps[i].grad_norm, sizeof(double)), 0)
+        << "step " << i + 1;
+  }
+}
+
 // train.frozen_weights = "fp8" on an FP8 checkpoint (the release's layout, init --fp8): the frozen
 // routed experts stay in FP8 and are dequantised per layer around each use, the FP8 tensors the
 // run trains (dense MLPs, shared experts, MLA projections) are read whole; the values are the
@@ -280,31 +311,16 @@ TEST(Freeze, FrozenExpertsStayByteIdenticalAndHaveNoOptimizerState) {
 // checkpoint (bf16 throughout) holds the experts as stored and goes on as the uninterrupted run.
 TEST(Freeze, FrozenFp8ExpertsHeldInFp8TrainAsTheDequantisedLoad) {
   TempDir dir("freeze-fp8");
-  const fs::path fp8_model = dir.path() / "fp8";
-  model::InitOptions options;
-  options.seed = 5;
-  options.fp8 = true;
-  model::write_random_checkpoint(model::ModelConfig::preset("tiny"), fp8_model, options);
+  const fs::path fp8_model = write_fp8_tiny(dir.path());
   const auto recipe = [&](const std::string& out, const std::string& lines) {
-    std::string text =
-        recipe_text(dir.path() / out, "freeze = [\"mlp\\\\.experts\\\\.\"]\n" + lines);
-    const std::string bf16_path = "path = \"" + tiny_model().string() + "\"";
-    text.replace(text.find(bf16_path), bf16_path.size(), "path = \"" + fp8_model.string() + "\"");
-    return train::Recipe::parse(text, out + ".toml");
+    return frozen_experts_recipe(fp8_model, dir.path() / out, lines);
   };
   train::TrainerOptions quiet;
   quiet.print_steps = false;
   const train::TrainSummary bf16 = train::run_training(recipe("bf16", ""), quiet);
   const train::TrainSummary held =
       train::run_training(recipe("held", "frozen_weights = \"fp8\"\n"), quiet);
-  ASSERT_EQ(bf16.steps.size(), 3u);
-  ASSERT_EQ(held.steps.size(), 3u);
-  for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(std::memcmp(&held.steps[i].loss, &bf16.steps[i].loss, sizeof(double)), 0)
-        << "step " << i + 1;
-    EXPECT_EQ(std::memcmp(&held.steps[i].grad_norm, &bf16.steps[i].grad_norm, sizeof(double)), 0)
-        << "step " << i + 1;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_same_steps(held, bf16));
   const fs::path model_dir = fs::path(train::kCheckpointsDir) / "step-3" / "model";
   for (const auto& entry : fs::directory_iterator(dir.path() / "bf16" / model_dir))
     if (entry.path().extension() == ".safetensors")
@@ -336,12 +352,8 @@ TEST(Freeze, FrozenFp8ExpertsHeldInFp8TrainAsTheDequantisedLoad) {
 // codes: the run equals the run that loads the experts in bf16 and quantises them, bit for bit.
 TEST(Freeze, FrozenFp8ExpertsFeedTheFp8GemmsTheirCodes) {
   TempDir dir("freeze-fp8-gemms");
-  const fs::path fp8_model = dir.path() / "fp8";
-  model::InitOptions options;
-  options.seed = 5;
-  options.fp8 = true;
+  const fs::path fp8_model = write_fp8_tiny(dir.path());
   const model::ModelConfig config = model::ModelConfig::preset("tiny");
-  model::write_random_checkpoint(config, fp8_model, options);
 
   const io::CheckpointReader reader = io::CheckpointReader::open(fp8_model);
   const int64_t num_layers = config.text().num_hidden_layers;
@@ -382,26 +394,14 @@ TEST(Freeze, FrozenFp8ExpertsFeedTheFp8GemmsTheirCodes) {
   EXPECT_EQ(ops::fp8_weight_counts().pinned, pins);
 
   const auto recipe = [&](const std::string& out, const std::string& lines) {
-    std::string text = recipe_text(
-        dir.path() / out, "freeze = [\"mlp\\\\.experts\\\\.\"]\nfp8 = \"tilewise\"\n" + lines);
-    const std::string bf16_path = "path = \"" + tiny_model().string() + "\"";
-    text.replace(text.find(bf16_path), bf16_path.size(), "path = \"" + fp8_model.string() + "\"");
-    return train::Recipe::parse(text, out + ".toml");
+    return frozen_experts_recipe(fp8_model, dir.path() / out, "fp8 = \"tilewise\"\n" + lines);
   };
   train::TrainerOptions quiet;
   quiet.print_steps = false;
   const train::TrainSummary requantised = train::run_training(recipe("bf16", ""), quiet);
   const train::TrainSummary fed =
       train::run_training(recipe("held", "frozen_weights = \"fp8\"\n"), quiet);
-  ASSERT_EQ(requantised.steps.size(), 3u);
-  ASSERT_EQ(fed.steps.size(), 3u);
-  for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(std::memcmp(&fed.steps[i].loss, &requantised.steps[i].loss, sizeof(double)), 0)
-        << "step " << i + 1;
-    EXPECT_EQ(std::memcmp(&fed.steps[i].grad_norm, &requantised.steps[i].grad_norm, sizeof(double)),
-              0)
-        << "step " << i + 1;
-  }
+  expect_same_steps(fed, requantised);
 }
 
 // The optimizer state of a checkpoint holds the parameters its run trained: resuming with other

@@ -3,10 +3,13 @@
 // it dispatches (ops/checks.h), with an InternalError that names the op: the same table runs on
 // the CPU (test_leaf_op_checks) and on a GPU (test_cuda_dispatch).
 
+#include <gtest/gtest.h>
+
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "glmtune/base/error.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
 #include "glmtune/tensor/tensor.h"
@@ -67,6 +70,19 @@ inline std::vector<BadLeafCall> bad_leaf_calls(Device device, DType dtype, DType
          ops::swiglu_clamped_backward(x, x, t({3, 8}, other), 7.0, dg, du);
        }},
   };
+}
+
+// Each call refused with an InternalError whose message names its op.
+inline void expect_refused(const std::vector<BadLeafCall>& calls) {
+  for (const BadLeafCall& c : calls) {
+    SCOPED_TRACE(c.op + ": " + c.what);
+    try {
+      c.call();
+      ADD_FAILURE() << "accepted";
+    } catch (const InternalError& e) {
+      EXPECT_NE(std::string(e.what()).find(c.op), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace glmtune::test

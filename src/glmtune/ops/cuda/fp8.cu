@@ -170,18 +170,21 @@ __global__ void __launch_bounds__(256)
 
 constexpr int kColTileCols = 32;
 
-__global__ void __launch_bounds__(256)
-    quantize_columns_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
-                            int64_t ld_x, uint8_t* __restrict__ q, int64_t ld_q,
-                            float* __restrict__ s, int64_t ld_s) {
+// One block's 128 × 32 tile of a [rows, cols] matrix whose row 0 is element x0 of x: rows r0 ..
+// r0 + 127, columns c0 .. c0 + 31. Its 32 scales go to s_row[c], its codes to the transposed
+// q[c · ld_q + r] (code 0 from `rows` up to ld_q, a multiple of 16 like the start of q).
+__device__ __forceinline__ void quantize_column_tile(const void* __restrict__ x, bool x_bf16,
+                                                     int64_t x0, int64_t rows, int64_t cols,
+                                                     int64_t ld_x, int64_t r0, int64_t c0,
+                                                     uint8_t* __restrict__ q, int64_t ld_q,
+                                                     float* __restrict__ s_row) {
   __shared__ float tile[128][kColTileCols + 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t r0 = int64_t(blockIdx.y) * 128, c0 = int64_t(blockIdx.x) * kColTileCols;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int rr = warp + 8 * i;
     const int64_t r = r0 + rr, c = c0 + lane;
-    tile[rr][lane] = r < rows && c < cols ? load_x(x, x_bf16, r * ld_x + c) : 0.0f;
+    tile[rr][lane] = r < rows && c < cols ? load_x(x, x_bf16, x0 + r * ld_x + c) : 0.0f;
   }
   __syncthreads();
   const int col = threadIdx.x >> 3, part = threadIdx.x & 7;
@@ -194,7 +197,7 @@ __global__ void __launch_bounds__(256)
   for (int o = 4; o > 0; o >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (c >= cols) return;
   const float scale = scale_of(amax);
-  if (part == 0) s[int64_t(blockIdx.y) * ld_s + c] = scale;
+  if (part == 0) s_row[c] = scale;
   const int64_t first = r0 + part * 16;
   if (first >= ld_q) return;  // past the padded row count: nothing to store
   alignas(16) uint8_t out[16];
@@ -203,6 +206,14 @@ __global__ void __launch_bounds__(256)
     out[j] = first + j < rows ? quantize(tile[part * 16 + j][col], scale) : uint8_t(0);
   // ld_q and `first` are multiples of 16, so the run is one aligned 16-byte store.
   *reinterpret_cast<uint4*>(q + c * ld_q + first) = *reinterpret_cast<const uint4*>(out);
+}
+
+__global__ void __launch_bounds__(256)
+    quantize_columns_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
+                            int64_t ld_x, uint8_t* __restrict__ q, int64_t ld_q,
+                            float* __restrict__ s, int64_t ld_s) {
+  quantize_column_tile(x, x_bf16, 0, rows, cols, ld_x, int64_t(blockIdx.y) * 128,
+                       int64_t(blockIdx.x) * kColTileCols, q, ld_q, s + int64_t(blockIdx.y) * ld_s);
 }
 
 // ---- the groups' quantisations in one launch ---------------------------------------------------
@@ -260,40 +271,14 @@ __global__ void __launch_bounds__(256)
     quantize_group_columns_kernel(const void* __restrict__ x, bool x_bf16, int64_t cols,
                                   int64_t ld_x, const __grid_constant__ GroupTable table,
                                   uint8_t* __restrict__ q, float* __restrict__ s) {
-  __shared__ float tile[128][kColTileCols + 1];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = group_of(table.tiles, table.groups, blockIdx.y);
   const int64_t t = int64_t(blockIdx.y) - table.tiles[g];
-  const int64_t first_row = table.rows[g], rows_g = table.rows[g + 1] - first_row;
-  const int64_t r0 = t * 128, c0 = int64_t(blockIdx.x) * kColTileCols;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int rr = warp + 8 * i;
-    const int64_t r = r0 + rr, c = c0 + lane;
-    tile[rr][lane] = r < rows_g && c < cols ? load_x(x, x_bf16, (first_row + r) * ld_x + c) : 0.0f;
-  }
-  __syncthreads();
-  const int col = threadIdx.x >> 3, part = threadIdx.x & 7;
-  const int64_t c = c0 + col;
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) amax = nan_max(amax, fabsf(tile[part * 16 + j][col]));
-#pragma unroll
-  for (int o = 4; o > 0; o >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (c >= cols) return;
-  const float scale = scale_of(amax);
   const int64_t ld_s = (cols + 3) / 4 * 4;
-  if (part == 0) s[(int64_t(table.tiles[g]) + t) * ld_s + c] = scale;
-  const int64_t ld_q = table.padded[g + 1] - table.padded[g];
-  const int64_t first = r0 + part * 16;
-  if (first >= ld_q) return;
-  alignas(16) uint8_t out[16];
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-    out[j] = first + j < rows_g ? quantize(tile[part * 16 + j][col], scale) : uint8_t(0);
-  // padded[g] · cols, ld_q and `first` are multiples of 16: one aligned 16-byte store.
-  *reinterpret_cast<uint4*>(q + int64_t(table.padded[g]) * cols + c * ld_q + first) =
-      *reinterpret_cast<const uint4*>(out);
+  // The group's codes start at padded[g] · cols, a multiple of 16 like its ld_q.
+  quantize_column_tile(x, x_bf16, int64_t(table.rows[g]) * ld_x, table.rows[g + 1] - table.rows[g],
+                       cols, ld_x, t * 128, int64_t(blockIdx.x) * kColTileCols,
+                       q + int64_t(table.padded[g]) * cols, table.padded[g + 1] - table.padded[g],
+                       s + (int64_t(table.tiles[g]) + t) * ld_s);
 }
 
 // ---- transposes -----------------------------------------------------------------------------
