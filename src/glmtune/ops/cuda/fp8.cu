@@ -105,6 +105,24 @@ bool vector_ok(const void* x, bool x_bf16, int64_t cols, int64_t ld_x, const uin
 
 constexpr int kTileWarps = 8;
 
+// One warp's 128 values of a row from element x_at of x (`valid` of them before the row ends):
+// their scale to *scale_at (by lane 0), their codes to q[q_at ..].
+template <bool kVec>
+__device__ __forceinline__ void quantize_row_tile(const void* __restrict__ x, bool x_bf16,
+                                                  int64_t x_at, int64_t valid,
+                                                  uint8_t* __restrict__ q, int64_t q_at,
+                                                  float* scale_at, int lane) {
+  float v[4];
+  load4<kVec>(x, x_bf16, x_at, valid, v);
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[j]));
+  amax = warp_nan_max(amax);
+  const float scale = scale_of(amax);
+  if (lane == 0) *scale_at = scale;
+  store4<kVec>(q, q_at, valid, v, scale);
+}
+
 template <bool kVec>
 __global__ void __launch_bounds__(kTileWarps * 32)
     quantize_tiles_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
@@ -115,15 +133,8 @@ __global__ void __launch_bounds__(kTileWarps * 32)
   if (r >= rows) return;
   const int64_t tile = blockIdx.y;
   const int64_t c0 = tile * 128 + lane * 4;
-  float v[4];
-  load4<kVec>(x, x_bf16, r * ld_x + c0, cols - c0, v);
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[j]));
-  amax = warp_nan_max(amax);
-  const float scale = scale_of(amax);
-  if (lane == 0) s[tile * ld_s + r] = scale;
-  store4<kVec>(q, r * ld_q + c0, cols - c0, v, scale);
+  quantize_row_tile<kVec>(x, x_bf16, r * ld_x + c0, cols - c0, q, r * ld_q + c0,
+                          s + tile * ld_s + r, lane);
 }
 
 // ---- 128 × 128 blocks: one block of 256 threads per weight block, 64 values per thread ----------
@@ -250,20 +261,14 @@ __global__ void __launch_bounds__(kTileWarps * 32)
   const int64_t ld_s = table.padded[g + 1] - table.padded[g];
   const int64_t tile = blockIdx.y, c0 = tile * 128 + lane * 4;
   float* sg = s + int64_t(table.padded[g]) * gridDim.y;
-  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (local >= rows_g) {
+    const float zeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (lane == 0) sg[tile * ld_s + local] = 0.0f;
-    store4<kVec>(q, p * cols + c0, cols - c0, v, 1.0f);
+    store4<kVec>(q, p * cols + c0, cols - c0, zeros, 1.0f);
     return;
   }
-  load4<kVec>(x, x_bf16, (table.rows[g] + local) * ld_x + c0, cols - c0, v);
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[j]));
-  amax = warp_nan_max(amax);
-  const float scale = scale_of(amax);
-  if (lane == 0) sg[tile * ld_s + local] = scale;
-  store4<kVec>(q, p * cols + c0, cols - c0, v, scale);
+  quantize_row_tile<kVec>(x, x_bf16, (table.rows[g] + local) * ld_x + c0, cols - c0, q,
+                          p * cols + c0, sg + tile * ld_s + local, lane);
 }
 
 // One block per (32 columns, 128-row tile of a group), as quantize_columns_kernel.
