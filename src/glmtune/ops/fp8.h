@@ -57,9 +57,10 @@ Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t 
 // come from:
 //
 // - A weight pinned with pin_fp8_weight (a frozen weight the checkpoint stores in FP8): its
-//   released codes and weight_scale_inv, for as long as the weight's storage lives. Quantising its
-//   dequantised values again would round them a second time (the bf16 value of code · scale,
-//   requantised, seldom gives back the code and scale).
+//   released codes and weight_scale_inv, for as long as the weight's storage lives, never
+//   quantised. Quantising its dequantised (bf16) values again gives back the codes and scale only
+//   for a checkpoint quantised by this rule from bf16 values; for scales of another rule it would
+//   round a second time.
 // - Inside an Fp8WeightReuse scope: the blocks the weight view's first FP8 GEMM of the scope made.
 //   A training step opens one around its forward and backward, so that the recompute and the
 //   input gradient read the codes the forward made instead of quantising the weight three times;

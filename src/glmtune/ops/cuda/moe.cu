@@ -442,10 +442,6 @@ struct ExpertActivations {
   Tensor u_gate_up, u_down;
 };
 
-// The weight's products of an expert projection on the permuted rows: the grouped GEMMs, or with
-// Linear::fp8 the block-scaled FP8 ones (ops/cuda/fp8.h, ops/fp8.h's linear_fp8 per expert), each
-// expert's rows quantised on their own from its first row, as the CPU op quantises each expert's
-// gathered rows.
 // Each expert's weight blocks (ops::fp8_weight_blocks: pinned, reused in the step, or quantised
 // now), for the experts that have rows; the others get none. `transposed`: the input gradient's.
 std::vector<ops::Fp8Blocks> expert_weight_blocks(const Tensor& w,
@@ -460,6 +456,10 @@ std::vector<ops::Fp8Blocks> expert_weight_blocks(const Tensor& w,
   return blocks;
 }
 
+// The weight's products of an expert projection on the permuted rows: the grouped GEMMs, or with
+// Linear::fp8 the block-scaled FP8 ones (ops/cuda/fp8.h, ops/fp8.h's linear_fp8 per expert), each
+// expert's rows quantised on their own from its first row, as the CPU op quantises each expert's
+// gathered rows.
 void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l,
                    const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
                    cudaStream_t stream) {
