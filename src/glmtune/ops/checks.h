@@ -25,6 +25,14 @@ inline void same_as(const Tensor& t, const Tensor& like, const char* what, const
                  t.defined() ? t.str() : "undefined", like_what, like.str());
 }
 
+// `t` is defined with `like`'s shape, on its device (its dtype is the bodies' to check).
+inline void same_shape(const Tensor& t, const Tensor& like, const char* what, const char* like_what,
+                       const char* op) {
+  GLMTUNE_ASSERT(t.defined() && t.shape() == like.shape() && t.device() == like.device(),
+                 "{}: {} {} must have the shape and device of {} {}", op, what,
+                 t.defined() ? t.str() : "undefined", like_what, like.str());
+}
+
 // An optional per-channel vector (a norm's weight or bias): [n] for x [..., n], on x's device.
 // Its dtype is the body's to check: the CPU computes in x's, the GPU bodies take an f32 weight
 // beside bf16 activations.

@@ -5,11 +5,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/kda.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
 #include "glmtune/tensor/tensor.h"
@@ -26,6 +29,7 @@ struct BadLeafCall {
 inline std::vector<BadLeafCall> bad_leaf_calls(Device device, DType dtype, DType other) {
   const auto t = [device](const Shape& s, DType d) { return Tensor::zeros(s, d, device); };
   const Tensor x = t({3, 8}, dtype), w = t({8}, dtype), stat = t({3}, DType::f32);
+  const Tensor cu = Tensor::from_vector(std::vector<int32_t>{0, 3}, {2});  // one document
   return {
       {"rms_norm", "a weight of another width", [=] { ops::rms_norm(x, t({7}, dtype), 1e-6); }},
       {"rms_norm", "a weight of two dimensions",
@@ -68,6 +72,32 @@ inline std::vector<BadLeafCall> bad_leaf_calls(Device device, DType dtype, DType
        [=] {
          Tensor dg, du;
          ops::swiglu_clamped_backward(x, x, t({3, 8}, other), 7.0, dg, du);
+       }},
+      {"causal_conv1d", "a weight for other channels",
+       [=] {
+         ops::causal_conv1d(x, t({7, 4}, dtype), cu, true);
+       }},
+      {"causal_conv1d", "a three-dimensional x",
+       [=] {
+         ops::causal_conv1d(t({3, 8, 1}, dtype), t({8, 4}, dtype), cu, true);
+       }},
+      {"causal_conv1d_backward", "dy of another shape",
+       [=] {
+         ops::causal_conv1d_backward(x, t({8, 4}, dtype), cu, true, t({3, 7}, dtype), nullptr);
+       }},
+      {"kda_gate", "a dt_bias of another width",
+       [=] { ops::kda_gate(x, t({7}, DType::f32), t({2}, DType::f32), std::nullopt); }},
+      {"kda_gate", "heads that do not divide the width",
+       [=] { ops::kda_gate(x, t({8}, DType::f32), t({3}, DType::f32), std::nullopt); }},
+      {"kda_gate_backward", "dg of another token count",
+       [=] {
+         ops::kda_gate_backward(x, t({8}, DType::f32), t({2}, DType::f32), std::nullopt,
+                                t({4, 8}, dtype), nullptr, nullptr);
+       }},
+      {"kda_beta", "no logits", [=] { ops::kda_beta(Tensor()); }},
+      {"kda_beta_backward", "d_beta of another shape",
+       [=] {
+         ops::kda_beta_backward(x, t({3, 7}, dtype));
        }},
   };
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/kda_common.h"
 #include "glmtune/ops/dispatch.h"
@@ -274,15 +275,14 @@ Tensor sigmoid_tensor(const Tensor& x) {
 
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
                      Tensor* pre_activation) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::causal_conv1d(x, weight, cu_seqlens, silu, pre_activation));
   const char* op = "causal_conv1d";
+  const int64_t kc = check_conv_args(x, weight, op);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::causal_conv1d(x, weight, cu_seqlens, silu, pre_activation));
   check_float(x, "x", op);
   check_float(weight, "weight", op);
   GLMTUNE_ASSERT(weight.dtype() == x.dtype(), "{}: weight {} must have the dtype of x {}", op,
                  weight.str(), x.str());
-  GLMTUNE_ASSERT(x.dim() == 2, "{}: x {} must be [T, C]", op, x.str());
   const int64_t c = x.size(1);
-  const int64_t kc = conv_taps(weight, c, op);
   std::vector<int64_t> cu = read_cu_seqlens(cu_seqlens, x.size(0), op);
   Tensor xc = x.contiguous(), wc = weight.contiguous();
   Tensor y = Tensor::empty(x.shape(), x.dtype());
@@ -302,20 +302,15 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
 
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound) {
-  GLMTUNE_DISPATCH_CUDA(graw, cuda_path::kda_gate(graw, dt_bias, A_log, lower_bound));
   const char* op = "kda_gate";
+  check_gate_args(graw, dt_bias, A_log, op);
+  GLMTUNE_DISPATCH_CUDA(graw, cuda_path::kda_gate(graw, dt_bias, A_log, lower_bound));
   check_float(graw, "graw", op);
   check_float(dt_bias, "dt_bias", op);
   check_float(A_log, "A_log", op);
   GLMTUNE_ASSERT(dt_bias.dtype() == graw.dtype() && A_log.dtype() == graw.dtype(),
                  "{}: dt_bias {} and A_log {} must have the dtype of graw {}", op, dt_bias.str(),
                  A_log.str(), graw.str());
-  GLMTUNE_ASSERT(graw.dim() == 2 && A_log.dim() == 1 && A_log.size(0) >= 1 &&
-                     graw.size(1) % A_log.size(0) == 0,
-                 "{}: graw {} must be [T, NL·HL] with NL = {} from A_log", op, graw.str(),
-                 A_log.str());
-  GLMTUNE_ASSERT(dt_bias.dim() == 1 && dt_bias.size(0) == graw.size(1),
-                 "{}: dt_bias {} must be [{}]", op, dt_bias.str(), graw.size(1));
   const int64_t n = graw.size(0), nl = A_log.size(0), hl = graw.size(1) / nl;
   Tensor gc = graw.contiguous(), dc = dt_bias.contiguous(), ac = A_log.contiguous();
   Tensor g = Tensor::empty({n, nl, hl}, graw.dtype());
@@ -345,6 +340,7 @@ Tensor kda_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 }
 
 Tensor kda_beta(const Tensor& logits) {
+  GLMTUNE_ASSERT(logits.defined(), "kda_beta: no logits");
   GLMTUNE_DISPATCH_CUDA(logits, cuda_path::kda_beta(logits));
   check_float(logits, "logits", "kda_beta");
   return sigmoid_tensor(logits);

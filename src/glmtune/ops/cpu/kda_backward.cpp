@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/kda_common.h"
 #include "glmtune/ops/dispatch.h"
@@ -453,18 +454,18 @@ KdaCoreGrads core_backward_impl(const Tensor& q_in, const Tensor& k_in, const Te
 Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                               bool silu, const Tensor& dy, Tensor* grad_weight,
                               const Tensor& pre_activation) {
+  const char* op = "causal_conv1d_backward";
+  const int64_t kc = check_conv_args(x, weight, op);
+  checks::same_shape(dy, x, "dy", "x", op);
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::causal_conv1d_backward(x, weight, cu_seqlens, silu, dy,
                                                              grad_weight, pre_activation));
-  const char* op = "causal_conv1d_backward";
   check_float(x, "x", op);
   check_float(weight, "weight", op);
   check_float(dy, "dy", op);
-  GLMTUNE_ASSERT(x.dim() == 2 && dy.shape() == x.shape() && dy.dtype() == x.dtype() &&
-                     weight.dtype() == x.dtype(),
-                 "{}: x {} and dy {} must be [T, C] of one dtype with weight {}", op, x.str(),
-                 dy.str(), weight.str());
+  GLMTUNE_ASSERT(dy.dtype() == x.dtype() && weight.dtype() == x.dtype(),
+                 "{}: x {} and dy {} must be of one dtype with weight {}", op, x.str(), dy.str(),
+                 weight.str());
   const int64_t c = x.size(1);
-  const int64_t kc = conv_taps(weight, c, op);
   std::vector<int64_t> cu = read_cu_seqlens(cu_seqlens, x.size(0), op);
   Tensor pre;
   if (silu) {
@@ -494,23 +495,22 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
 Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                          std::optional<double> lower_bound, const Tensor& dg, Tensor* grad_dt_bias,
                          Tensor* grad_A_log) {
+  const char* op = "kda_gate_backward";
+  check_gate_args(graw, dt_bias, A_log, op);
+  GLMTUNE_ASSERT(dg.defined() && dg.numel() == graw.numel() && dg.dim() >= 1 &&
+                     dg.size(0) == graw.size(0) && dg.device() == graw.device(),
+                 "{}: dg {} must be graw's {} elements (as [T, NL, HL] or [T, NL·HL])", op,
+                 dg.defined() ? dg.str() : "undefined", graw.str());
   GLMTUNE_DISPATCH_CUDA(graw, cuda_path::kda_gate_backward(graw, dt_bias, A_log, lower_bound, dg,
                                                            grad_dt_bias, grad_A_log));
-  const char* op = "kda_gate_backward";
   check_float(graw, "graw", op);
   check_float(dt_bias, "dt_bias", op);
   check_float(A_log, "A_log", op);
   check_float(dg, "dg", op);
-  GLMTUNE_ASSERT(graw.dim() == 2 && A_log.dim() == 1 && A_log.size(0) >= 1 &&
-                     graw.size(1) % A_log.size(0) == 0 && dt_bias.dim() == 1 &&
-                     dt_bias.size(0) == graw.size(1),
-                 "{}: graw {}, dt_bias {}, A_log {} do not fit [T, NL·HL], [NL·HL], [NL]", op,
-                 graw.str(), dt_bias.str(), A_log.str());
   GLMTUNE_ASSERT(dt_bias.dtype() == graw.dtype() && A_log.dtype() == graw.dtype() &&
-                     dg.dtype() == graw.dtype() && dg.numel() == graw.numel() &&
-                     dg.size(0) == graw.size(0),
-                 "{}: dg {} must be graw's {} elements (as [T, NL, HL] or [T, NL·HL])", op,
-                 dg.str(), graw.str());
+                     dg.dtype() == graw.dtype(),
+                 "{}: dt_bias {}, A_log {} and dg {} must have the dtype of graw {}", op,
+                 dt_bias.str(), A_log.str(), dg.str(), graw.str());
   const int64_t n = graw.size(0), nl = A_log.size(0), hl = graw.size(1) / nl;
   Tensor gc = graw.contiguous(), dc = dt_bias.contiguous(), ac = A_log.contiguous(),
          dgc = dg.contiguous();
@@ -553,12 +553,14 @@ KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor
 }
 
 Tensor kda_beta_backward(const Tensor& beta, const Tensor& d_beta) {
-  GLMTUNE_DISPATCH_CUDA(beta, cuda_path::kda_beta_backward(beta, d_beta));
   const char* op = "kda_beta_backward";
+  GLMTUNE_ASSERT(beta.defined(), "{}: no beta", op);
+  checks::same_shape(d_beta, beta, "d_beta", "beta", op);
+  GLMTUNE_DISPATCH_CUDA(beta, cuda_path::kda_beta_backward(beta, d_beta));
   check_float(beta, "beta", op);
   check_float(d_beta, "d_beta", op);
-  GLMTUNE_ASSERT(d_beta.shape() == beta.shape() && d_beta.dtype() == beta.dtype(),
-                 "{}: d_beta {} must match beta {}", op, d_beta.str(), beta.str());
+  GLMTUNE_ASSERT(d_beta.dtype() == beta.dtype(), "{}: d_beta {} must have the dtype of beta {}", op,
+                 d_beta.str(), beta.str());
   Tensor d_logits = Tensor::empty(beta.shape(), beta.dtype());
   const int64_t n = beta.numel();
   const Tensor b_c = beta.contiguous(), g_c = d_beta.contiguous();

@@ -31,6 +31,33 @@ inline CoreShapes check_core(const Tensor& q, const Tensor& k, const Tensor& v, 
 }
 
 // The kernel width Kc of a depthwise conv weight for `channels` channels: [C, Kc] or [C, 1, Kc].
+// The checks kda_gate and its backward make before dispatch (ops/checks.h): graw [T, NL·HL],
+// dt_bias [NL·HL] and A_log [NL] on one device (their dtypes are the bodies').
+inline void check_gate_args(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
+                            const char* op) {
+  GLMTUNE_ASSERT(graw.defined() && dt_bias.defined() && A_log.defined(),
+                 "{}: needs graw, dt_bias and A_log", op);
+  GLMTUNE_ASSERT(graw.dim() == 2 && A_log.dim() == 1 && A_log.size(0) >= 1 &&
+                     graw.size(1) % A_log.size(0) == 0 && dt_bias.dim() == 1 &&
+                     dt_bias.size(0) == graw.size(1),
+                 "{}: graw {}, dt_bias {}, A_log {} do not fit [T, NL·HL], [NL·HL], [NL]", op,
+                 graw.str(), dt_bias.str(), A_log.str());
+  GLMTUNE_ASSERT(dt_bias.device() == graw.device() && A_log.device() == graw.device(),
+                 "{}: graw {}, dt_bias {} and A_log {} must be on one device", op, graw.str(),
+                 dt_bias.str(), A_log.str());
+}
+
+// The conv's x [T, C] and its weight [C, Kc] or [C, 1, Kc] on x's device, checked before
+// dispatch; the taps Kc.
+inline int64_t conv_taps(const Tensor& weight, int64_t channels, const char* op);
+inline int64_t check_conv_args(const Tensor& x, const Tensor& weight, const char* op) {
+  GLMTUNE_ASSERT(x.defined() && weight.defined() && x.dim() == 2,
+                 "{}: x {} must be [T, C], with a weight", op, x.defined() ? x.str() : "undefined");
+  GLMTUNE_ASSERT(weight.device() == x.device(), "{}: weight {} must be on the device of x {}", op,
+                 weight.str(), x.str());
+  return conv_taps(weight, x.size(1), op);
+}
+
 inline int64_t conv_taps(const Tensor& weight, int64_t channels, const char* op) {
   const int64_t c = channels;
   const bool shape_ok = (weight.dim() == 2 && weight.size(0) == c) ||
