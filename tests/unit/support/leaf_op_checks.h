@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/embedding.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
@@ -95,6 +96,20 @@ inline std::vector<BadLeafCall> bad_leaf_calls(Device device, DType dtype, DType
                                 t({4, 8}, dtype), nullptr, nullptr);
        }},
       {"kda_beta", "no logits", [=] { ops::kda_beta(Tensor()); }},
+      {"embedding_forward", "a table of one dimension",
+       [=] { ops::embedding_forward(t({8}, dtype), Tensor::zeros({3}, DType::i64)); }},
+      {"embedding_forward", "ids that are not integers", [=] { ops::embedding_forward(x, x); }},
+      {"embedding_backward", "dout of another shape",
+       [=] {
+         Tensor d;
+         ops::embedding_backward(x, Tensor::zeros({2}, DType::i64), t({3, 8}, dtype), std::nullopt,
+                                 d);
+       }},
+      {"embedding_backward", "a padding row outside the table",
+       [=] {
+         Tensor d;
+         ops::embedding_backward(x, Tensor::zeros({2}, DType::i64), t({2, 8}, dtype), 3, d);
+       }},
       {"kda_beta_backward", "d_beta of another shape",
        [=] {
          ops::kda_beta_backward(x, t({3, 7}, dtype));

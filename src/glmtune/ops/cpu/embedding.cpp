@@ -10,6 +10,15 @@ namespace glmtune::ops {
 using namespace cpu_detail;
 namespace {
 
+// The checks made before dispatch (ops/checks.h): a [V, D] table and integer ids (on any device:
+// the GPU bodies copy host ids over).
+void check_lookup_args(const Tensor& table, const Tensor& ids, const char* op) {
+  GLMTUNE_ASSERT(table.defined() && table.dim() == 2, "{}: the table {} must be [V, D]", op,
+                 describe(table));
+  GLMTUNE_ASSERT(ids.defined() && (ids.dtype() == DType::i32 || ids.dtype() == DType::i64),
+                 "{}: ids {} must be int32 or int64", op, describe(ids));
+}
+
 void check_table(const Tensor& table) {
   GLMTUNE_ASSERT(table.defined() && table.dim() == 2 && table.device().is_cpu() &&
                      (table.dtype() == DType::f32 || table.dtype() == DType::f64),
@@ -83,6 +92,7 @@ void scatter_add(const std::vector<int64_t>& ids, const T* dout, int64_t dim, in
 }  // namespace
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
+  check_lookup_args(table, ids, "embedding_forward");
   GLMTUNE_DISPATCH_CUDA(table, cuda_path::embedding_forward(table, ids));
   check_table(table);
   const int64_t vocab = table.size(0), dim = table.size(1);
@@ -102,18 +112,22 @@ Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
 void embedding_backward(const Tensor& table, const Tensor& ids, const Tensor& dout,
                         std::optional<int64_t> padding_idx, Tensor& dtable) {
   if (table.frozen()) return;  // a frozen table gets no gradient
+  const char* op = "embedding_backward";
+  check_lookup_args(table, ids, op);
+  const int64_t vocab = table.size(0), dim = table.size(1);
+  GLMTUNE_ASSERT(!padding_idx || (*padding_idx >= 0 && *padding_idx < vocab),
+                 "{}: padding_idx {} must be a row of the [{}, {}] table", op,
+                 padding_idx.value_or(-1), vocab, dim);
+  Shape shape = ids.shape();
+  shape.push_back(dim);
+  GLMTUNE_ASSERT(dout.defined() && dout.shape() == shape && dout.device() == table.device(),
+                 "{}: dout {} must be {} on the table's device", op, describe(dout),
+                 shape_str(shape));
   GLMTUNE_DISPATCH_CUDA(table,
                         cuda_path::embedding_backward(table, ids, dout, padding_idx, dtable));
   check_table(table);
-  const int64_t vocab = table.size(0), dim = table.size(1);
-  GLMTUNE_ASSERT(!padding_idx || (*padding_idx >= 0 && *padding_idx < vocab),
-                 "padding_idx {} must be a row of the [{}, {}] table", padding_idx.value_or(-1),
-                 vocab, dim);
-  Shape shape = ids.defined() ? ids.shape() : Shape{};
-  shape.push_back(dim);
-  GLMTUNE_ASSERT(dout.defined() && dout.shape() == shape && dout.dtype() == table.dtype(),
-                 "embedding dout {} must be {} in {}", describe(dout), shape_str(shape),
-                 dtype_name(table.dtype()));
+  GLMTUNE_ASSERT(dout.dtype() == table.dtype(), "{}: dout {} must be in the table's {}", op,
+                 describe(dout), dtype_name(table.dtype()));
   const std::vector<int64_t> id = read_ids(ids, vocab);
   if (!dtable.defined()) dtable = Tensor::zeros(table.shape(), table.dtype());
   GLMTUNE_ASSERT(dtable.shape() == table.shape() && dtable.dtype() == table.dtype() &&
