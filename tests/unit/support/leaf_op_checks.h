@@ -14,6 +14,7 @@
 #include "glmtune/base/error.h"
 #include "glmtune/ops/embedding.h"
 #include "glmtune/ops/kda.h"
+#include "glmtune/ops/mhc.h"
 #include "glmtune/ops/mlp.h"
 #include "glmtune/ops/norm.h"
 #include "glmtune/tensor/tensor.h"
@@ -96,6 +97,25 @@ inline std::vector<BadLeafCall> bad_leaf_calls(Device device, DType dtype, DType
                                 t({4, 8}, dtype), nullptr, nullptr);
        }},
       {"kda_beta", "no logits", [=] { ops::kda_beta(Tensor()); }},
+      {"mhc_pre", "fn of another width",
+       [=] {
+         ops::mhc_pre(t({3, 4, 8}, dtype), t({24, 31}, DType::f32), t({24}, DType::f32),
+                      t({3}, DType::f32), ops::MhcOptions{});
+       }},
+      {"mhc_pre", "a scale of two",
+       [=] {
+         ops::mhc_pre(t({3, 4, 8}, dtype), t({24, 32}, DType::f32), t({24}, DType::f32),
+                      t({2}, DType::f32), ops::MhcOptions{});
+       }},
+      {"mhc_post", "comb of another shape",
+       [=] {
+         ops::mhc_post(t({3, 4, 8}, dtype), x, t({3, 4}, DType::f32), t({3, 4, 3}, DType::f32));
+       }},
+      {"mhc_post_backward", "d_out of another shape",
+       [=] {
+         ops::mhc_post_backward(t({3, 4, 8}, dtype), x, t({3, 4}, DType::f32),
+                                t({3, 4, 4}, DType::f32), t({3, 4, 7}, dtype));
+       }},
       {"embedding_forward", "a table of one dimension",
        [=] { ops::embedding_forward(t({8}, dtype), Tensor::zeros({3}, DType::i64)); }},
       {"embedding_forward", "ids that are not integers", [=] { ops::embedding_forward(x, x); }},

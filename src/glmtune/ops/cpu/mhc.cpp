@@ -148,14 +148,12 @@ void post_kernel(const T* x, const T* y, const T* post, const T* comb, int64_t n
 
 MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor& base,
                      const Tensor& scale, const MhcOptions& options, MhcPreSaved* saved) {
-  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_pre(streams, fn, base, scale, options, saved));
   const char* op = "mhc_pre";
-  check_float(streams, "streams", op);
-  check_float(fn, "fn", op);
-  check_float(base, "base", op);
-  check_float(scale, "scale", op);
-  for (const Tensor* p : {&fn, &base, &scale}) check_same_dtype(streams, *p, "parameter", op);
+  // Before dispatch (ops/checks.h): shapes and devices. The dtypes are the bodies' (the GPU mixes
+  // bf16 streams with f32 parameters).
   const int64_t h = options.hc_mult;
+  GLMTUNE_ASSERT(streams.defined() && fn.defined() && base.defined() && scale.defined(),
+                 "{}: needs streams, fn, base and scale", op);
   GLMTUNE_ASSERT(h >= 1 && options.sinkhorn_iters >= 1, "mhc_pre: hc_mult {} and iters {}", h,
                  options.sinkhorn_iters);
   GLMTUNE_ASSERT(streams.dim() >= 2 && streams.size(-2) == h,
@@ -167,6 +165,15 @@ MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor& base
                  m);
   GLMTUNE_ASSERT(scale.dim() == 1 && scale.size(0) == 3, "mhc_pre: scale {} must be [3]",
                  scale.str());
+  for (const Tensor* p : {&fn, &base, &scale})
+    GLMTUNE_ASSERT(p->device() == streams.device(), "mhc_pre: {} must be on the device of {}",
+                   p->str(), streams.str());
+  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_pre(streams, fn, base, scale, options, saved));
+  check_float(streams, "streams", op);
+  check_float(fn, "fn", op);
+  check_float(base, "base", op);
+  check_float(scale, "scale", op);
+  for (const Tensor* p : {&fn, &base, &scale}) check_same_dtype(streams, *p, "parameter", op);
   MhcPreResult res;
   if (streams.dtype() == DType::f32)
     mhc_pre_kernel<float>(streams, fn, base, scale, options, res, saved);
@@ -211,22 +218,15 @@ Tensor mhc_collapse(const Tensor& streams, const Tensor& pre) {
 }
 
 Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb) {
-  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_post(streams, y, post, comb));
   const char* op = "mhc_post";
+  check_post_args(streams, y, post, comb, op);
+  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_post(streams, y, post, comb));
   check_float(streams, "streams", op);
   check_float(y, "y", op);
   check_float(post, "post", op);
   check_float(comb, "comb", op);
   for (const Tensor* p : {&y, &post, &comb}) check_same_dtype(streams, *p, "operand", op);
-  GLMTUNE_ASSERT(streams.dim() >= 2, "mhc_post: streams {} must be [..., H, D]", streams.str());
   const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);
-  GLMTUNE_ASSERT(y.dim() >= 1 && y.size(-1) == d && same_leading(streams, 2, y, 1),
-                 "mhc_post: y {} must be [..., D] for streams {}", y.str(), streams.str());
-  GLMTUNE_ASSERT(post.dim() >= 1 && post.size(-1) == h && same_leading(streams, 2, post, 1),
-                 "mhc_post: post {} must be [..., H] for streams {}", post.str(), streams.str());
-  GLMTUNE_ASSERT(comb.dim() >= 2 && comb.size(-1) == h && comb.size(-2) == h &&
-                     same_leading(streams, 2, comb, 2),
-                 "mhc_post: comb {} must be [..., H, H] for streams {}", comb.str(), streams.str());
   Tensor xs = streams.contiguous(), yc = y.contiguous(), pc = post.contiguous(),
          cc = comb.contiguous();
   Tensor out = Tensor::empty(streams.shape(), streams.dtype());

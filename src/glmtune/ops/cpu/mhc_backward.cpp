@@ -309,21 +309,22 @@ MhcCollapseGrads mhc_collapse_backward(const Tensor& streams, const Tensor& pre,
 
 MhcPostGrads mhc_post_backward(const Tensor& streams, const Tensor& y, const Tensor& post,
                                const Tensor& comb, const Tensor& d_out) {
-  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_post_backward(streams, y, post, comb, d_out));
   const char* op = "mhc_post_backward";
+  check_post_args(streams, y, post, comb, op);
+  GLMTUNE_ASSERT(
+      d_out.defined() && d_out.shape() == streams.shape() && d_out.device() == streams.device(),
+      "{}: d_out {} must have the shape and device of streams {}", op,
+      d_out.defined() ? d_out.str() : "undefined", streams.str());
+  GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_post_backward(streams, y, post, comb, d_out));
   check_float(streams, "streams", op);
   check_float(y, "y", op);
   check_float(post, "post", op);
   check_float(comb, "comb", op);
-  GLMTUNE_ASSERT(streams.dim() >= 2, "{}: streams {} must be [..., H, D]", op, streams.str());
   const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);
   const DType dt = streams.dtype();
-  GLMTUNE_ASSERT(y.dtype() == dt && y.shape() == leading_shape(streams, 2, {d}),
-                 "{}: y {} must be [..., D] for streams {}", op, y.str(), streams.str());
-  GLMTUNE_ASSERT(post.dtype() == dt && post.shape() == leading_shape(streams, 2, {h}),
-                 "{}: post {} must be [..., H] for streams {}", op, post.str(), streams.str());
-  GLMTUNE_ASSERT(comb.dtype() == dt && comb.shape() == leading_shape(streams, 2, {h, h}),
-                 "{}: comb {} must be [..., H, H] for streams {}", op, comb.str(), streams.str());
+  GLMTUNE_ASSERT(y.dtype() == dt && post.dtype() == dt && comb.dtype() == dt,
+                 "{}: y {}, post {} and comb {} must have the dtype of streams {}", op, y.str(),
+                 post.str(), comb.str(), streams.str());
   const Tensor g = check_grad(d_out, streams.shape(), dt, "d_out", op);
   GLMTUNE_ASSERT(g.defined(), "{}: d_out is undefined", op);
   Tensor xs = streams.contiguous(), yc = y.contiguous(), pc = post.contiguous(),

@@ -25,6 +25,26 @@ inline Shape leading_shape(const Tensor& t, int64_t tail, std::initializer_list<
   return s;
 }
 
+// The checks mhc_post and its backward make before dispatch (ops/checks.h): streams [..., H, D],
+// y [..., D], post [..., H] and comb [..., H, H] over the same tokens, on one device (the dtypes
+// are the bodies': the GPU mixes bf16 streams with f32 weights).
+inline void check_post_args(const Tensor& streams, const Tensor& y, const Tensor& post,
+                            const Tensor& comb, const char* op) {
+  GLMTUNE_ASSERT(
+      streams.defined() && y.defined() && post.defined() && comb.defined() && streams.dim() >= 2,
+      "{}: needs streams [..., H, D], y, post and comb", op);
+  const int64_t h = streams.size(-2), d = streams.size(-1);
+  GLMTUNE_ASSERT(y.shape() == leading_shape(streams, 2, {d}),
+                 "{}: y {} must be [..., D] for streams {}", op, y.str(), streams.str());
+  GLMTUNE_ASSERT(post.shape() == leading_shape(streams, 2, {h}),
+                 "{}: post {} must be [..., H] for streams {}", op, post.str(), streams.str());
+  GLMTUNE_ASSERT(comb.shape() == leading_shape(streams, 2, {h, h}),
+                 "{}: comb {} must be [..., H, H] for streams {}", op, comb.str(), streams.str());
+  for (const Tensor* t : {&y, &post, &comb})
+    GLMTUNE_ASSERT(t->device() == streams.device(), "{}: {} must be on the device of streams {}",
+                   op, t->str(), streams.str());
+}
+
 // The start of one token's Sinkhorn projection: row softmax of the H×H logits (max-shifted, as
 // torch), then eps on every entry. The backward replays the projection from here, so both
 // directions run this one loop. `out` may be `logits` itself.
