@@ -6,6 +6,7 @@
 #include <span>
 #include <vector>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
@@ -179,19 +180,25 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& labels,
 CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden_in, const Tensor& weight_in,
                                          const Tensor& labels, const CrossEntropyOptions& opts,
                                          Tensor* dhidden, Tensor* dweight) {
+  const char* op = "lm_head_cross_entropy";
+  GLMTUNE_ASSERT(hidden_in.defined() && hidden_in.dim() == 2, "{}: hidden {} must be [T, D]", op,
+                 describe(hidden_in));
+  checks::linear_args(hidden_in, weight_in, Tensor(), op);
+  GLMTUNE_ASSERT(labels.defined() && labels.dim() == 1 && labels.size(0) == hidden_in.size(0),
+                 "{}: labels {} must be a vector of hidden {}'s {} rows", op, describe(labels),
+                 hidden_in.str(), hidden_in.size(0));
+  GLMTUNE_ASSERT(opts.chunk_rows > 0, "{}: chunk_rows must be positive, got {}", op,
+                 opts.chunk_rows);
+  if (dhidden && dhidden->defined())
+    checks::same_shape(*dhidden, hidden_in, "dhidden", "hidden", op);
   dweight = grad_if_trained(dweight, weight_in);
+  if (dweight && dweight->defined())
+    checks::same_shape(*dweight, weight_in, "dweight", "the head weight", op);
   GLMTUNE_DISPATCH_CUDA(hidden_in, cuda_path::lm_head_cross_entropy(hidden_in, weight_in, labels,
                                                                     opts, dhidden, dweight));
-  GLMTUNE_ASSERT(hidden_in.defined() && hidden_in.dim() == 2 && hidden_in.device().is_cpu() &&
-                     is_compute_dtype(hidden_in.dtype()),
-                 "lm_head_cross_entropy: hidden must be a CPU [T, D] tensor in f32 or f64, got {}",
-                 describe(hidden_in));
-  GLMTUNE_ASSERT(weight_in.defined() && weight_in.dim() == 2 &&
-                     weight_in.size(1) == hidden_in.size(1) &&
-                     weight_in.dtype() == hidden_in.dtype() && weight_in.device().is_cpu(),
-                 "lm_head_cross_entropy: weight {} must be [V, {}] in {}", describe(weight_in),
-                 hidden_in.size(1), dtype_name(hidden_in.dtype()));
-  GLMTUNE_ASSERT(opts.chunk_rows > 0, "chunk_rows must be positive, got {}", opts.chunk_rows);
+  GLMTUNE_ASSERT(is_compute_dtype(hidden_in.dtype()) && weight_in.dtype() == hidden_in.dtype(),
+                 "{}: the CPU takes hidden {} and weight {} in one of f32 and f64", op,
+                 hidden_in.str(), weight_in.str());
   const int64_t rows = hidden_in.size(0), dim = hidden_in.size(1), vocab = weight_in.size(0);
   const std::vector<int64_t> lab = read_labels(labels, rows, vocab);
   CrossEntropyResult r = make_result(opts, count_labels(lab));

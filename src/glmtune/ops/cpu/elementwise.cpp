@@ -82,6 +82,8 @@ Tensor concat_columns(const Tensor& a, const Tensor& b) {
 
 Tensor gather_rows(const Tensor& x_in, const std::vector<int64_t>& rows) {
   GLMTUNE_ASSERT(x_in.dim() == 2, "gather_rows: x {} must be [N, D]", x_in.str());
+  for (const int64_t r : rows)
+    GLMTUNE_ASSERT(r < x_in.size(0), "gather_rows: row {} of {}", r, x_in.str());
   const Tensor x = x_in.contiguous();
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::gather_rows(x, rows));
   const int64_t dim = x.size(1), n = int64_t(rows.size());
@@ -90,8 +92,6 @@ Tensor gather_rows(const Tensor& x_in, const std::vector<int64_t>& rows) {
   const auto* src = static_cast<const char*>(x.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
   for (int64_t i = 0; i < n; ++i) {
-    GLMTUNE_ASSERT(rows[size_t(i)] < x.size(0), "gather_rows: row {} of {}", rows[size_t(i)],
-                   x.str());
     if (rows[size_t(i)] < 0)
       std::memset(dst + i * row_bytes, 0, row_bytes);
     else
@@ -106,16 +106,15 @@ void scatter_rows_(Tensor& dst, const std::vector<int64_t>& rows, const Tensor& 
                      src_in.dtype() == dst.dtype(),
                  "scatter_rows_: src {} must hold one row of dst {} per index", src_in.str(),
                  dst.str());
+  for (const int64_t r : rows)
+    GLMTUNE_ASSERT(r >= 0 && r < dst.size(0), "scatter_rows_: row {} of {}", r, dst.str());
   const Tensor src = src_in.contiguous();
   GLMTUNE_DISPATCH_CUDA(dst, cuda_path::scatter_rows_(dst, rows, src));
   const size_t row_bytes = size_t(dst.size(1)) * dst.element_size();
   const auto* from = static_cast<const char*>(src.data_ptr());
   auto* to = static_cast<char*>(dst.data_ptr());
-  for (size_t i = 0; i < rows.size(); ++i) {
-    GLMTUNE_ASSERT(rows[i] >= 0 && rows[i] < dst.size(0), "scatter_rows_: row {} of {}", rows[i],
-                   dst.str());
+  for (size_t i = 0; i < rows.size(); ++i)
     std::memcpy(to + rows[i] * row_bytes, from + i * row_bytes, row_bytes);
-  }
 }
 
 }  // namespace glmtune::ops

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <tuple>
+#include <vector>
 
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/dispatch.h"
@@ -20,10 +22,39 @@ constexpr double kKeyNormEps = 1e-6;
 // keeping the per-head products large enough for BLAS.
 constexpr int64_t kQueryBlock = 256;
 
-void check_param(const Tensor& t, const Shape& shape, DType dtype, const char* name) {
-  GLMTUNE_ASSERT(t.defined() && t.shape() == shape && t.dtype() == dtype && t.device().is_cpu(),
-                 "indexer parameter {} must be a CPU {} tensor of shape {}, got {}", name,
-                 dtype_name(dtype), shape_str(shape), describe(t));
+// The indexer's parameters, their shapes for the config and the input width, named as released.
+std::vector<std::tuple<const Tensor*, Shape, const char*>> indexer_param_shapes(
+    const IndexerConfig& cfg, const IndexerParams& params, int64_t dim, int64_t rank) {
+  const int64_t id = cfg.head_dim, ih = cfg.n_heads;
+  return {{&params.wq_b.weight, {ih * id, rank}, "wq_b.weight"},
+          {&params.wk.weight, {id, dim}, "wk.weight"},
+          {&params.k_norm_weight, {id}, "k_norm.weight"},
+          {&params.k_norm_bias, {id}, "k_norm.bias"},
+          {&params.weights_proj.weight, {ih, dim}, "weights_proj.weight"},
+          {&params.kpool_ape, {cfg.kpool, id}, "index_kpool_compress_ape"},
+          {&params.kpool_gate, {id, dim}, "index_kpool_compress_gate"}};
+}
+
+// Before dispatch (ops/checks.h): the config, x [T, D], q_resid [T, Rq] and every parameter's
+// shape, on x's device. The dtypes and the document offsets are the bodies'.
+void check_indexer_args(const IndexerConfig& cfg, const IndexerParams& params, const Tensor& x,
+                        const Tensor& q_resid) {
+  const char* op = "indexer_forward";
+  GLMTUNE_ASSERT(cfg.n_heads > 0 && cfg.head_dim > 0 && cfg.kpool > 0 && cfg.topk > 0 &&
+                     cfg.topk % cfg.kpool == 0,
+                 "indexer config: heads {}, head dim {}, pool {}, topk {} (topk must be a "
+                 "positive multiple of the pool)",
+                 cfg.n_heads, cfg.head_dim, cfg.kpool, cfg.topk);
+  GLMTUNE_ASSERT(x.defined() && x.dim() == 2, "{}: input {} must be [T, D]", op, describe(x));
+  GLMTUNE_ASSERT(x.size(0) < int64_t(std::numeric_limits<int32_t>::max()),
+                 "{}: a pack of {} tokens does not fit int32 indices", op, x.size(0));
+  GLMTUNE_ASSERT(q_resid.defined() && q_resid.dim() == 2 && q_resid.size(0) == x.size(0) &&
+                     q_resid.device() == x.device(),
+                 "{}: q_resid {} does not match input {}", op, describe(q_resid), x.str());
+  for (const auto& [t, shape, name] : indexer_param_shapes(cfg, params, x.size(1), q_resid.size(1)))
+    GLMTUNE_ASSERT(t->defined() && t->shape() == shape && t->device() == x.device(),
+                   "{}: parameter {} must be {} on the device of x {}, got {}", op, name,
+                   shape_str(shape), x.str(), describe(*t));
 }
 
 template <typename T>
@@ -171,30 +202,17 @@ std::vector<int64_t> read_cu_seqlens(const Tensor& cu_seqlens, int64_t tokens, c
 
 Tensor indexer_forward(const IndexerConfig& cfg, const IndexerParams& params, const Tensor& x,
                        const Tensor& q_resid, const Tensor& cu_seqlens) {
+  check_indexer_args(cfg, params, x, q_resid);
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::indexer_forward(cfg, params, x, q_resid, cu_seqlens));
-  GLMTUNE_ASSERT(cfg.n_heads > 0 && cfg.head_dim > 0 && cfg.kpool > 0 && cfg.topk > 0 &&
-                     cfg.topk % cfg.kpool == 0,
-                 "indexer config: heads {}, head dim {}, pool {}, topk {} (topk must be a "
-                 "positive multiple of the pool)",
-                 cfg.n_heads, cfg.head_dim, cfg.kpool, cfg.topk);
-  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.device().is_cpu() &&
-                     (x.dtype() == DType::f32 || x.dtype() == DType::f64),
-                 "indexer input must be a CPU [T, D] tensor in f32 or f64, got {}", describe(x));
-  GLMTUNE_ASSERT(q_resid.defined() && q_resid.dim() == 2 && q_resid.size(0) == x.size(0) &&
-                     q_resid.dtype() == x.dtype(),
-                 "indexer q_resid {} does not match input {}", describe(q_resid), x.str());
   const DType dt = x.dtype();
-  const int64_t dim = x.size(1), rank = q_resid.size(1), id = cfg.head_dim, ih = cfg.n_heads;
-  check_param(params.wq_b.weight, {ih * id, rank}, dt, "wq_b.weight");
-  check_param(params.wk.weight, {id, dim}, dt, "wk.weight");
-  check_param(params.k_norm_weight, {id}, dt, "k_norm.weight");
-  check_param(params.k_norm_bias, {id}, dt, "k_norm.bias");
-  check_param(params.weights_proj.weight, {ih, dim}, dt, "weights_proj.weight");
-  check_param(params.kpool_ape, {cfg.kpool, id}, dt, "index_kpool_compress_ape");
-  check_param(params.kpool_gate, {id, dim}, dt, "index_kpool_compress_gate");
+  GLMTUNE_ASSERT(dt == DType::f32 || dt == DType::f64,
+                 "the CPU indexer computes in f32 or f64, got input {}", x.str());
+  GLMTUNE_ASSERT(q_resid.dtype() == dt, "indexer q_resid {} must have the dtype of input {}",
+                 q_resid.str(), x.str());
+  for (const auto& [t, shape, name] : indexer_param_shapes(cfg, params, x.size(1), q_resid.size(1)))
+    GLMTUNE_ASSERT(t->dtype() == dt, "indexer parameter {} must have the dtype of input {}, got {}",
+                   name, x.str(), t->str());
   const std::vector<int64_t> bounds = read_cu_seqlens(cu_seqlens, x.size(0), "indexer");
-  GLMTUNE_ASSERT(x.size(0) < int64_t(std::numeric_limits<int32_t>::max()),
-                 "a pack of {} tokens does not fit int32 indices", x.size(0));
 
   Tensor out = Tensor::full({x.size(0), indexer_width(cfg)}, -1.0, DType::i32);
   if (x.size(0) == 0) return out;

@@ -247,7 +247,6 @@ Tensor core_dispatch(bool chunked, const Tensor& q, const Tensor& k, const Tenso
                      const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens, double scale,
                      int64_t chunk_size, Tensor* final_state, const char* op) {
   CoreShapes sh = check_core(q, k, v, g, beta, op);
-  GLMTUNE_ASSERT(chunk_size >= 1, "{}: chunk size {} must be positive", op, chunk_size);
   std::vector<int64_t> cu = read_cu_seqlens(cu_seqlens, sh.tokens, op);
   if (q.dtype() == DType::f32)
     return run_core<float>(chunked, q, k, v, g, beta, cu, sh, float(scale), chunk_size,
@@ -326,6 +325,7 @@ Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
 Tensor kda_chunked(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                    const Tensor& beta, const Tensor& cu_seqlens, double scale, int64_t chunk_size,
                    Tensor* final_state) {
+  check_core_args(q, k, v, g, beta, chunk_size, "kda_chunked");
   GLMTUNE_DISPATCH_CUDA(
       q, cuda_path::kda_chunked(q, k, v, g, beta, cu_seqlens, scale, chunk_size, final_state));
   return core_dispatch(true, q, k, v, g, beta, cu_seqlens, scale, chunk_size, final_state,
@@ -336,6 +336,7 @@ Tensor kda_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                      const Tensor& beta, const Tensor& cu_seqlens, double scale,
                      Tensor* final_state) {
   GLMTUNE_CPU_ONLY("kda_recurrent", q);
+  check_core_args(q, k, v, g, beta, 1, "kda_recurrent");
   return core_dispatch(false, q, k, v, g, beta, cu_seqlens, scale, 1, final_state, "kda_recurrent");
 }
 

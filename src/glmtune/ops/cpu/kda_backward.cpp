@@ -536,16 +536,15 @@ Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor
 KdaCoreGrads kda_chunked_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
                                   double scale, const Tensor& d_out, int64_t chunk_size) {
+  const char* op = "kda_chunked_backward";
+  check_core_args(q, k, v, g, beta, chunk_size, op);
+  checks::same_shape(d_out, v, "d_out", "v", op);
   GLMTUNE_DISPATCH_CUDA(
       q, cuda_path::kda_chunked_backward(q, k, v, g, beta, cu_seqlens, scale, d_out, chunk_size));
-  const char* op = "kda_chunked_backward";
   check_core(q, k, v, g, beta, op);
   check_float(d_out, "operand", op);
   GLMTUNE_ASSERT(d_out.dtype() == q.dtype(), "{}: operand {} must have the dtype of q {}", op,
                  d_out.str(), q.str());
-  GLMTUNE_ASSERT(d_out.shape() == v.shape(), "{}: d_out {} must be shaped like v {}", op,
-                 d_out.str(), v.str());
-  GLMTUNE_ASSERT(chunk_size >= 1, "{}: chunk size {} must be positive", op, chunk_size);
   std::vector<int64_t> cu = read_cu_seqlens(cu_seqlens, q.size(0), op);
   if (q.dtype() == DType::f32)
     return core_backward_impl<float>(q, k, v, g, beta, d_out, cu, float(scale), chunk_size);

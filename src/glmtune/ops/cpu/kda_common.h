@@ -13,20 +13,33 @@ struct CoreShapes {
   int64_t tokens, heads, kd, vd;
 };
 
-// Operands of the delta-rule core: q, k, g [T, NL, K], v [T, NL, V], beta [T, NL], all CPU
-// tensors of q's compute dtype.
-inline CoreShapes check_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                             const Tensor& beta, const char* op) {
-  for (const Tensor* t : {&q, &k, &v, &g, &beta}) check_float(*t, "operand", op);
-  for (const Tensor* t : {&k, &v, &g, &beta})
-    GLMTUNE_ASSERT(t->dtype() == q.dtype(), "{}: operand {} must have the dtype of q {}", op,
-                   t->str(), q.str());
+// The checks the delta-rule core (forward and backward) makes before dispatch (ops/checks.h): q,
+// k, g [T, NL, K], v [T, NL, V], beta [T, NL] on one device, a positive chunk size. Their dtypes
+// are the bodies' (the GPU takes f32 g and beta beside bf16 q, k, v), and so are the document
+// offsets (malformed ones are the caller's error, with a fix, where they are read).
+inline void check_core_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                            const Tensor& beta, int64_t chunk_size, const char* op) {
+  GLMTUNE_ASSERT(q.defined() && k.defined() && v.defined() && g.defined() && beta.defined(),
+                 "{}: needs q, k, v, g and beta", op);
   GLMTUNE_ASSERT(q.dim() == 3 && k.shape() == q.shape() && g.shape() == q.shape(),
                  "{}: q {}, k {}, g {} must all be [T, NL, K]", op, q.str(), k.str(), g.str());
   GLMTUNE_ASSERT(v.dim() == 3 && v.size(0) == q.size(0) && v.size(1) == q.size(1),
                  "{}: v {} must be [T, NL, V] for q {}", op, v.str(), q.str());
   GLMTUNE_ASSERT(beta.dim() == 2 && beta.size(0) == q.size(0) && beta.size(1) == q.size(1),
                  "{}: beta {} must be [T, NL] for q {}", op, beta.str(), q.str());
+  for (const Tensor* t : {&k, &v, &g, &beta})
+    GLMTUNE_ASSERT(t->device() == q.device(), "{}: operand {} must be on the device of q {}", op,
+                   t->str(), q.str());
+  GLMTUNE_ASSERT(chunk_size >= 1, "{}: chunk size {} must be positive", op, chunk_size);
+}
+
+// What the CPU body of the core takes beyond check_core_args: every operand in q's compute dtype.
+inline CoreShapes check_core(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                             const Tensor& beta, const char* op) {
+  for (const Tensor* t : {&q, &k, &v, &g, &beta}) check_float(*t, "operand", op);
+  for (const Tensor* t : {&k, &v, &g, &beta})
+    GLMTUNE_ASSERT(t->dtype() == q.dtype(), "{}: operand {} must have the dtype of q {}", op,
+                   t->str(), q.str());
   return {q.size(0), q.size(1), q.size(2), v.size(2)};
 }
 

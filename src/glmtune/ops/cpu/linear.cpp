@@ -4,6 +4,7 @@
 
 #include <limits>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/dispatch.h"
 
 namespace glmtune::ops {
@@ -16,29 +17,19 @@ blasint blas_dim(int64_t v) {
   return blasint(v);
 }
 
+// What the CPU body takes beyond the checks before dispatch: one float dtype, an output of x's
+// dimensions.
 void check_operands(const Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  GLMTUNE_ASSERT(x.defined() && weight.defined(), "linear needs x and weight");
-  GLMTUNE_ASSERT(x.device().is_cpu() && weight.device().is_cpu(), "CPU linear got {} and {}",
-                 x.str(), weight.str());
   GLMTUNE_ASSERT(x.dtype() == DType::f32 || x.dtype() == DType::f64,
                  "CPU linear computes in f32 or f64, got {}", x.str());
-  GLMTUNE_ASSERT(weight.dtype() == x.dtype(), "linear: weight {} and input {} differ in dtype",
-                 weight.str(), x.str());
-  GLMTUNE_ASSERT(weight.dim() == 2, "linear weight must be [out, in], got {}", weight.str());
-  GLMTUNE_ASSERT(x.dim() >= 1 && x.size(-1) == weight.size(1),
-                 "linear: input {} has {} features but weight {} expects {}", x.str(),
-                 x.dim() ? x.size(-1) : 0, weight.str(), weight.size(1));
-  if (bias.defined()) {
-    GLMTUNE_ASSERT(bias.dtype() == x.dtype() && bias.dim() == 1 && bias.size(0) == weight.size(0),
-                   "linear: bias {} does not match weight {}", bias.str(), weight.str());
-  }
+  GLMTUNE_ASSERT(weight.dtype() == x.dtype() && (!bias.defined() || bias.dtype() == x.dtype()),
+                 "linear: weight {} and bias {} must have the dtype of input {}", weight.str(),
+                 bias.defined() ? bias.str() : "(none)", x.str());
   GLMTUNE_ASSERT(out.dtype() == x.dtype() && out.is_contiguous() && out.dim() == x.dim(),
                  "linear: output {} must be contiguous, of x's rank and dtype", out.str());
   for (int64_t d = 0; d + 1 < x.dim(); ++d)
     GLMTUNE_ASSERT(out.size(d) == x.size(d), "linear: output {} does not match input {}", out.str(),
                    x.str());
-  GLMTUNE_ASSERT(out.size(-1) == weight.size(0), "linear: output {} does not match weight {}",
-                 out.str(), weight.str());
 }
 
 template <typename T>
@@ -100,6 +91,8 @@ void gemm<double>(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, d
 
 void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor& bias,
                 bool accumulate) {
+  checks::linear_args(x, weight, bias, "linear_out");
+  checks::linear_result(out, x, weight, "output", "linear_out");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear_out(out, x, weight, bias, accumulate));
   check_operands(out, x, weight, bias);
   if (x.dtype() == DType::f32)
@@ -109,9 +102,8 @@ void linear_out(Tensor& out, const Tensor& x, const Tensor& weight, const Tensor
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  checks::linear_args(x, weight, bias, "linear");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear(x, weight, bias));
-  GLMTUNE_ASSERT(x.defined() && weight.defined() && weight.dim() == 2 && x.dim() >= 1,
-                 "linear needs x [..., in] and weight [out, in]");
   Shape shape = x.shape();
   shape.back() = weight.size(0);
   Tensor out = Tensor::empty(shape, x.dtype());

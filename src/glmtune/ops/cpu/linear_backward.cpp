@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/grad.h"
@@ -65,23 +66,19 @@ Tensor backward_impl(const Tensor& dy_in, const Tensor& x_in, const Tensor& w_in
 
 Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
                        Tensor* grad_bias, bool need_input_grad) {
+  const char* op = "linear_backward";
+  checks::linear_args(x, weight, Tensor(), op);
+  checks::linear_result(dy, x, weight, "dy", op);
   grad_weight = grad_if_trained(grad_weight, weight);
   GLMTUNE_DISPATCH_CUDA(
       x, cuda_path::linear_backward(dy, x, weight, grad_weight, grad_bias, need_input_grad));
-  GLMTUNE_ASSERT(dy.defined() && x.defined() && weight.defined(),
-                 "linear_backward needs dy, x and weight");
-  GLMTUNE_ASSERT(dy.device().is_cpu() && x.device().is_cpu() && weight.device().is_cpu(),
-                 "CPU linear_backward got {}, {}, {}", dy.str(), x.str(), weight.str());
   GLMTUNE_ASSERT(x.dtype() == DType::f32 || x.dtype() == DType::f64,
                  "CPU linear_backward computes in f32 or f64, got {}", x.str());
   GLMTUNE_ASSERT(dy.dtype() == x.dtype() && weight.dtype() == x.dtype(),
                  "linear_backward: dy {}, x {} and weight {} must share one dtype", dy.str(),
                  x.str(), weight.str());
-  GLMTUNE_ASSERT(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
-                 "linear_backward: x {} does not match weight {}", x.str(), weight.str());
-  GLMTUNE_ASSERT(dy.dim() == x.dim() && dy.size(-1) == weight.size(0),
-                 "linear_backward: dy {} must be x's {} with {} output features", dy.str(), x.str(),
-                 weight.size(0));
+  GLMTUNE_ASSERT(dy.dim() == x.dim(), "linear_backward: dy {} must have the rank of x {}", dy.str(),
+                 x.str());
   for (int64_t d = 0; d + 1 < x.dim(); ++d)
     GLMTUNE_ASSERT(dy.size(d) == x.size(d), "linear_backward: dy {} does not match x {}", dy.str(),
                    x.str());
@@ -92,6 +89,10 @@ Tensor linear_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, 
 
 void linear_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, const Tensor& weight,
                          Tensor* grad_weight, Tensor* grad_bias) {
+  const char* op = "linear_backward_add";
+  checks::linear_args(x, weight, Tensor(), op);
+  checks::linear_result(dy, x, weight, "dy", op);
+  if (dx_sum.defined()) checks::same_shape(dx_sum, x, "the running input gradient", "x", op);
   grad_weight = grad_if_trained(grad_weight, weight);
   GLMTUNE_DISPATCH_CUDA(
       x, cuda_path::linear_backward_add(dx_sum, dy, x, weight, grad_weight, grad_bias));

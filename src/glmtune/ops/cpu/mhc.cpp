@@ -149,25 +149,7 @@ void post_kernel(const T* x, const T* y, const T* post, const T* comb, int64_t n
 MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor& base,
                      const Tensor& scale, const MhcOptions& options, MhcPreSaved* saved) {
   const char* op = "mhc_pre";
-  // Before dispatch (ops/checks.h): shapes and devices. The dtypes are the bodies' (the GPU mixes
-  // bf16 streams with f32 parameters).
-  const int64_t h = options.hc_mult;
-  GLMTUNE_ASSERT(streams.defined() && fn.defined() && base.defined() && scale.defined(),
-                 "{}: needs streams, fn, base and scale", op);
-  GLMTUNE_ASSERT(h >= 1 && options.sinkhorn_iters >= 1, "mhc_pre: hc_mult {} and iters {}", h,
-                 options.sinkhorn_iters);
-  GLMTUNE_ASSERT(streams.dim() >= 2 && streams.size(-2) == h,
-                 "mhc_pre: streams {} must be [..., H={}, D]", streams.str(), h);
-  const int64_t m = (2 + h) * h, hd = h * streams.size(-1);
-  GLMTUNE_ASSERT(fn.dim() == 2 && fn.size(0) == m && fn.size(1) == hd,
-                 "mhc_pre: fn {} must be [{}, {}]", fn.str(), m, hd);
-  GLMTUNE_ASSERT(base.dim() == 1 && base.size(0) == m, "mhc_pre: base {} must be [{}]", base.str(),
-                 m);
-  GLMTUNE_ASSERT(scale.dim() == 1 && scale.size(0) == 3, "mhc_pre: scale {} must be [3]",
-                 scale.str());
-  for (const Tensor* p : {&fn, &base, &scale})
-    GLMTUNE_ASSERT(p->device() == streams.device(), "mhc_pre: {} must be on the device of {}",
-                   p->str(), streams.str());
+  check_pre_args(streams, fn, base, scale, options, op);
   GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_pre(streams, fn, base, scale, options, saved));
   check_float(streams, "streams", op);
   check_float(fn, "fn", op);
@@ -240,9 +222,9 @@ Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, cons
 }
 
 Tensor mhc_expand(const Tensor& x, int64_t hc_mult) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mhc_expand(x, hc_mult));
   GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && hc_mult >= 1, "mhc_expand: x {} and H {}",
                  x.defined() ? x.str() : "-", hc_mult);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::mhc_expand(x, hc_mult));
   Shape s(x.shape().begin(), x.shape().end() - 1);
   s.push_back(hc_mult);
   s.push_back(x.size(-1));
@@ -253,6 +235,7 @@ Tensor mhc_expand(const Tensor& x, int64_t hc_mult) {
 }
 
 Tensor mhc_head(const Tensor& streams) {
+  check_streams(streams, "streams", "mhc_head");
   GLMTUNE_DISPATCH_CUDA(streams, cuda_path::mhc_head(streams));
   return sum_streams(streams, /*mean=*/true, "streams", "mhc_head");
 }

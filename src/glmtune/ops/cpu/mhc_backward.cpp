@@ -202,14 +202,17 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
                         const Tensor& scale, const MhcOptions& options, const MhcPreSaved* saved,
                         const Tensor& d_post, const Tensor& d_comb, const Tensor& d_collapsed,
                         MhcGrads& grads) {
+  const char* op = "mhc_pre_backward";
+  check_pre_args(streams, fn, base, scale, options, op);
+  const int64_t h = options.hc_mult;
+  check_optional_grad(d_post, leading_shape(streams, 2, {h}), streams, "d_post", op);
+  check_optional_grad(d_comb, leading_shape(streams, 2, {h, h}), streams, "d_comb", op);
+  check_optional_grad(d_collapsed, leading_shape(streams, 2, {streams.size(-1)}), streams,
+                      "d_collapsed", op);
   GLMTUNE_DISPATCH_CUDA(
       streams, cuda_path::mhc_pre_backward(streams, fn, base, scale, options, saved, d_post, d_comb,
                                            d_collapsed, grads));
-  const char* op = "mhc_pre_backward";
   check_float(streams, "streams", op);
-  const int64_t h = options.hc_mult;
-  GLMTUNE_ASSERT(streams.dim() >= 2 && streams.size(-2) == h,
-                 "{}: streams {} must be [..., H={}, D]", op, streams.str(), h);
   const DType dt = streams.dtype();
   const int64_t d = streams.size(-1), n = leading(streams, 2), m = (2 + h) * h;
   const Tensor gp = check_grad(d_post, leading_shape(streams, 2, {h}), dt, "d_post", op);
@@ -226,10 +229,6 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
       GLMTUNE_ASSERT(p->dtype() == dt, "{}: parameter {} must have the dtype of streams {}", op,
                      p->str(), streams.str());
     }
-    GLMTUNE_ASSERT(fn.dim() == 2 && fn.size(0) == m && fn.size(1) == h * d && base.dim() == 1 &&
-                       base.size(0) == m && scale.dim() == 1 && scale.size(0) == 3,
-                   "{}: fn {}, base {}, scale {} do not fit H={}, D={}", op, fn.str(), base.str(),
-                   scale.str(), h, d);
     const bool ok = saved->rstd.defined() && saved->rstd.numel() == n && saved->mix.defined() &&
                     saved->mix.numel() == n * m && saved->pre.defined() &&
                     saved->pre.numel() == n * h && saved->comb_init.defined() &&
@@ -376,16 +375,17 @@ MhcPostGrads mhc_post_backward(const Tensor& streams, const Tensor& y, const Ten
 }
 
 Tensor mhc_expand_backward(const Tensor& d_streams) {
+  check_streams(d_streams, "d_streams", "mhc_expand_backward");
   GLMTUNE_DISPATCH_CUDA(d_streams, cuda_path::mhc_expand_backward(d_streams));
   return sum_streams(d_streams, /*mean=*/false, "d_streams", "mhc_expand_backward");
 }
 
 Tensor mhc_head_backward(const Tensor& d_out, int64_t hc_mult) {
-  GLMTUNE_DISPATCH_CUDA(d_out, cuda_path::mhc_head_backward(d_out, hc_mult));
   const char* op = "mhc_head_backward";
+  GLMTUNE_ASSERT(d_out.defined() && d_out.dim() >= 1 && hc_mult >= 1, "{}: d_out {} and H {}", op,
+                 d_out.defined() ? d_out.str() : "-", hc_mult);
+  GLMTUNE_DISPATCH_CUDA(d_out, cuda_path::mhc_head_backward(d_out, hc_mult));
   check_float(d_out, "d_out", op);
-  GLMTUNE_ASSERT(d_out.dim() >= 1 && hc_mult >= 1, "{}: d_out {} and H {}", op, d_out.str(),
-                 hc_mult);
   const int64_t d = d_out.size(-1), n = leading(d_out, 1);
   Tensor gc = d_out.contiguous();
   Tensor out = Tensor::empty(leading_shape(d_out, 1, {hc_mult, d}), d_out.dtype());

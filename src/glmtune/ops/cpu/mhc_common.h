@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "glmtune/ops/cpu/common.h"
+#include "glmtune/ops/mhc.h"
 
 namespace glmtune::ops::cpu_detail {
 
@@ -23,6 +24,40 @@ inline Shape leading_shape(const Tensor& t, int64_t tail, std::initializer_list<
   Shape s(t.shape().begin(), t.shape().end() - tail);
   s.insert(s.end(), append);
   return s;
+}
+
+// The checks mhc_pre and its backward make before dispatch (ops/checks.h): streams [..., H, D]
+// for H = hc_mult, fn [(2+H)·H, H·D], base [(2+H)·H], scale [3] on the streams' device, at least
+// one Sinkhorn iteration (the dtypes are the bodies': the GPU mixes bf16 streams with f32
+// parameters).
+inline void check_pre_args(const Tensor& streams, const Tensor& fn, const Tensor& base,
+                           const Tensor& scale, const MhcOptions& options, const char* op) {
+  const int64_t h = options.hc_mult;
+  GLMTUNE_ASSERT(streams.defined() && fn.defined() && base.defined() && scale.defined(),
+                 "{}: needs streams, fn, base and scale", op);
+  GLMTUNE_ASSERT(h >= 1 && options.sinkhorn_iters >= 1, "{}: hc_mult {} and iters {}", op, h,
+                 options.sinkhorn_iters);
+  GLMTUNE_ASSERT(streams.dim() >= 2 && streams.size(-2) == h,
+                 "{}: streams {} must be [..., H={}, D]", op, streams.str(), h);
+  const int64_t m = (2 + h) * h, hd = h * streams.size(-1);
+  GLMTUNE_ASSERT(fn.dim() == 2 && fn.size(0) == m && fn.size(1) == hd, "{}: fn {} must be [{}, {}]",
+                 op, fn.str(), m, hd);
+  GLMTUNE_ASSERT(base.dim() == 1 && base.size(0) == m, "{}: base {} must be [{}]", op, base.str(),
+                 m);
+  GLMTUNE_ASSERT(scale.dim() == 1 && scale.size(0) == 3, "{}: scale {} must be [3]", op,
+                 scale.str());
+  for (const Tensor* p : {&fn, &base, &scale})
+    GLMTUNE_ASSERT(p->device() == streams.device(), "{}: {} must be on the device of {}", op,
+                   p->str(), streams.str());
+}
+
+// An optional upstream gradient of mhc_pre or mhc_post: undefined (zero), or `shape` on the
+// streams' device.
+inline void check_optional_grad(const Tensor& g, const Shape& shape, const Tensor& streams,
+                                const char* what, const char* op) {
+  GLMTUNE_ASSERT(!g.defined() || (g.shape() == shape && g.device() == streams.device()),
+                 "{}: {} {} must be {} on the device of streams {}", op, what,
+                 g.defined() ? g.str() : "", shape_str(shape), streams.str());
 }
 
 // The checks mhc_post and its backward make before dispatch (ops/checks.h): streams [..., H, D],
@@ -78,11 +113,16 @@ void sinkhorn_step(const T* in, T* out, int64_t h, T eps, bool column) {
   }
 }
 
+// A tensor of streams [..., H, D] (checked before dispatch).
+inline void check_streams(const Tensor& streams, const char* what, const char* op) {
+  GLMTUNE_ASSERT(streams.defined() && streams.dim() >= 2, "{}: {} {} must be [..., H, D]", op, what,
+                 streams.defined() ? streams.str() : "undefined");
+}
+
 // [..., H, D] summed over the streams H (in stream order) into [..., D]; with `mean`, the sum is
 // then divided once by H, as torch's mean. mhc_head is that mean, mhc_expand's backward the sum.
 inline Tensor sum_streams(const Tensor& streams, bool mean, const char* what, const char* op) {
   check_float(streams, what, op);
-  GLMTUNE_ASSERT(streams.dim() >= 2, "{}: {} {} must be [..., H, D]", op, what, streams.str());
   const int64_t h = streams.size(-2), d = streams.size(-1), n = leading(streams, 2);
   Tensor xs = streams.contiguous();
   Tensor out = Tensor::empty(leading_shape(streams, 2, {d}), streams.dtype());

@@ -146,6 +146,7 @@ Tensor attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, con
 
 Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                         const Tensor& cu_seqlens, double scale) {
+  check_attention_args(q, k, v, indices, nullptr, "sparse_attention");
   GLMTUNE_DISPATCH_CUDA(q, cuda_path::sparse_attention(q, k, v, indices, cu_seqlens, scale));
   return attention(q, k, v, indices, cu_seqlens, scale, /*dense=*/false);
 }
@@ -153,6 +154,7 @@ Tensor sparse_attention(const Tensor& q, const Tensor& k, const Tensor& v, const
 Tensor dense_masked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& indices, const Tensor& cu_seqlens, double scale) {
   GLMTUNE_CPU_ONLY("dense_masked_attention", q);
+  check_attention_args(q, k, v, indices, nullptr, "dense_masked_attention");
   return attention(q, k, v, indices, cu_seqlens, scale, /*dense=*/true);
 }
 

@@ -114,11 +114,12 @@ void attention_backward_kernel(const Tensor& q_t, const Tensor& k_t, const Tenso
 AttentionGrads sparse_attention_backward(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const Tensor& indices, const Tensor& cu_seqlens,
                                          double scale, const Tensor& dout) {
+  check_attention_args(q_in, k_in, v_in, indices, &dout, "sparse_attention_backward");
   GLMTUNE_DISPATCH_CUDA(q_in, cuda_path::sparse_attention_backward(q_in, k_in, v_in, indices,
                                                                    cu_seqlens, scale, dout));
   check_attention_qkv(q_in, k_in, v_in);
-  GLMTUNE_ASSERT(dout.defined() && dout.shape() == v_in.shape() && dout.dtype() == v_in.dtype(),
-                 "attention output gradient {} must match v {}", describe(dout), v_in.str());
+  GLMTUNE_ASSERT(dout.dtype() == v_in.dtype(), "attention output gradient {} must match v {}",
+                 dout.str(), v_in.str());
   const KeySets sets = key_sets(indices, cu_seqlens, q_in.size(0));
   const Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const Tensor d = dout.contiguous();

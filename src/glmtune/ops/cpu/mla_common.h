@@ -18,16 +18,31 @@
 
 namespace glmtune::ops::cpu_detail {
 
-// The attention operands: q, k [T, NH, Dqk] and v [T, NH, Dv], CPU tensors of one compute dtype.
-inline void check_attention_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
-  GLMTUNE_ASSERT(q.defined() && q.dim() == 3 && q.device().is_cpu() && is_compute_dtype(q.dtype()),
-                 "attention q must be a CPU [T, NH, Dqk] tensor in f32 or f64, got {}",
-                 describe(q));
-  GLMTUNE_ASSERT(k.defined() && k.shape() == q.shape() && k.dtype() == q.dtype(),
-                 "attention k {} must match q {}", describe(k), q.str());
+// The checks the sparse attention (forward and backward) makes before dispatch (ops/checks.h):
+// q, k [T, NH, Dqk] and v [T, NH, Dv] on one device, indices [T, W], and the output gradient
+// (when given) shaped like v. The dtypes, the entries of the indices (read where they live) and
+// the document offsets (malformed ones are the caller's error, with a fix) are the bodies'.
+inline void check_attention_args(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& indices, const Tensor* dout, const char* op) {
+  GLMTUNE_ASSERT(q.defined() && q.dim() == 3, "{}: q {} must be [T, NH, Dqk]", op, describe(q));
+  GLMTUNE_ASSERT(k.defined() && k.shape() == q.shape() && k.device() == q.device(),
+                 "{}: k {} must be shaped like q {}, on its device", op, describe(k), q.str());
   GLMTUNE_ASSERT(v.defined() && v.dim() == 3 && v.size(0) == q.size(0) && v.size(1) == q.size(1) &&
-                     v.dtype() == q.dtype(),
-                 "attention v {} must be [T, NH, Dv] like q {}", describe(v), q.str());
+                     v.device() == q.device(),
+                 "{}: v {} must be [T, NH, Dv] like q {}, on its device", op, describe(v), q.str());
+  GLMTUNE_ASSERT(indices.defined() && indices.dim() == 2 && indices.size(0) == q.size(0),
+                 "{}: indices {} must be [{}, W]", op, describe(indices), q.size(0));
+  if (dout)
+    GLMTUNE_ASSERT(dout->defined() && dout->shape() == v.shape() && dout->device() == v.device(),
+                   "{}: the output gradient {} must be shaped like v {}, on its device", op,
+                   describe(*dout), v.str());
+}
+
+// What the CPU body takes beyond check_attention_args: q, k and v of one compute dtype.
+inline void check_attention_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+  GLMTUNE_ASSERT(is_compute_dtype(q.dtype()) && k.dtype() == q.dtype() && v.dtype() == q.dtype(),
+                 "attention on the CPU takes q {}, k {} and v {} in one of f32 and f64", q.str(),
+                 k.str(), v.str());
 }
 
 // The softmax numerators exp(scale·q·k_j − max) of one query row `qh` and head h over its n

@@ -14,23 +14,6 @@ namespace glmtune::ops {
 using namespace cpu_detail;
 namespace {
 
-void check_config(const MoeConfig& cfg) {
-  GLMTUNE_ASSERT(cfg.n_experts > 0 && cfg.top_k > 0 && cfg.top_k <= cfg.n_experts,
-                 "MoE top_k {} must lie in [1, n_experts {}]", cfg.top_k, cfg.n_experts);
-  GLMTUNE_ASSERT(cfg.n_group >= 1 && cfg.n_experts % cfg.n_group == 0,
-                 "MoE n_group {} must divide n_experts {}", cfg.n_group, cfg.n_experts);
-  GLMTUNE_ASSERT(cfg.topk_group >= 1 && cfg.topk_group <= cfg.n_group,
-                 "MoE topk_group {} must lie in [1, n_group {}]", cfg.topk_group, cfg.n_group);
-  // The group score sums the two best experts of a group, so groups need two members; the kept
-  // groups must also hold enough experts for the top-k.
-  GLMTUNE_ASSERT(cfg.n_group == 1 || cfg.n_experts / cfg.n_group >= 2,
-                 "MoE groups of {} experts cannot give a top-2 group score",
-                 cfg.n_experts / cfg.n_group);
-  GLMTUNE_ASSERT(cfg.topk_group * (cfg.n_experts / cfg.n_group) >= cfg.top_k,
-                 "MoE keeps {} groups of {} experts, fewer than top_k {}", cfg.topk_group,
-                 cfg.n_experts / cfg.n_group, cfg.top_k);
-}
-
 template <typename T>
 void route_kernel(const MoeConfig& cfg, const T* logits, const T* bias, int64_t rows, T* weights,
                   int32_t* indices) {
@@ -140,23 +123,15 @@ Tensor experts_kernel(const MoeConfig& cfg, const Linear& gate_up_proj, const Li
 
 Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
                   const Tensor& e_score_correction_bias, const Tensor& x) {
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_route(cfg, router_weight, e_score_correction_bias, x));
+  const char* op = "moe_route";
   check_config(cfg);
-  GLMTUNE_ASSERT(x.defined() && x.dim() == 2, "MoE router input must be [T, D], got {}",
-                 x.defined() ? x.str() : std::string("undefined"));
-  GLMTUNE_ASSERT(is_compute_dtype(x.dtype()) && x.device().is_cpu(),
-                 "CPU MoE computes in f32 or f64, got {}", x.str());
-  GLMTUNE_ASSERT(router_weight.defined() && router_weight.dim() == 2 &&
-                     router_weight.size(0) == cfg.n_experts && router_weight.size(1) == x.size(1),
-                 "router weight {} does not match {} experts and input {}",
-                 router_weight.defined() ? router_weight.str() : std::string("undefined"),
-                 cfg.n_experts, x.str());
-  GLMTUNE_ASSERT(
-      e_score_correction_bias.defined() && e_score_correction_bias.dim() == 1 &&
-          e_score_correction_bias.size(0) == cfg.n_experts &&
-          e_score_correction_bias.dtype() == x.dtype(),
-      "e_score_correction_bias must be [{}] in {}, got {}", cfg.n_experts, dtype_name(x.dtype()),
-      e_score_correction_bias.defined() ? e_score_correction_bias.str() : std::string("undefined"));
+  check_moe_rows(x, "input", op);
+  check_router_args(cfg, router_weight, e_score_correction_bias, x, op);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_route(cfg, router_weight, e_score_correction_bias, x));
+  GLMTUNE_ASSERT(is_compute_dtype(x.dtype()) && router_weight.dtype() == x.dtype() &&
+                     e_score_correction_bias.dtype() == x.dtype(),
+                 "CPU MoE routes in f32 or f64: input {}, router weight {} and bias {} in one",
+                 x.str(), router_weight.str(), e_score_correction_bias.str());
   Routing out;
   out.logits = linear(x, router_weight);
   const int64_t rows = x.size(0);
@@ -175,13 +150,10 @@ Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
 void check_expert_adapter(const Linear& fused, const char* name) {
   if (!fused.lora.defined()) return;
   const Tensor &w = fused.weight, &a = fused.lora.A, &b = fused.lora.B;
-  GLMTUNE_ASSERT(w.defined() && w.dim() == 3 && b.defined() && a.dim() == 3 && b.dim() == 3 &&
-                     a.size(0) == w.size(0) && b.size(0) == w.size(0) && a.size(1) == b.size(2) &&
-                     a.size(2) == w.size(2) && b.size(1) == w.size(1),
-                 "experts.{} adapter A {} and B {} do not fit the fused weight {} (A must be "
-                 "[E, r, in], B [E, out, r])",
-                 name, a.str(), b.defined() ? b.str() : std::string("undefined"),
+  GLMTUNE_ASSERT(w.defined() && w.dim() == 3,
+                 "experts.{}: the fused weight {} must be [E, out, in]", name,
                  w.defined() ? w.str() : std::string("undefined"));
+  check_expert_adapter_shapes(fused, name, "check_expert_adapter");
   GLMTUNE_ASSERT(a.dtype() == w.dtype() && b.dtype() == w.dtype(),
                  "experts.{} adapter A {} and B {} must have the weight's dtype {}", name, a.str(),
                  b.str(), w.str());
@@ -194,25 +166,19 @@ Tensor moe_experts(const MoeConfig& cfg, const Tensor& gate_up_proj, const Tenso
 
 Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up, const Linear& down, const Tensor& x,
                    const Routing& routing) {
+  const char* op = "moe_experts";
+  check_config(cfg);
+  check_moe_rows(x, "input", op);
+  check_experts_args(cfg, gate_up, down, x, op);
+  check_routing_args(cfg, routing, x.size(0), x.device(), /*any_k=*/true, op);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_experts(cfg, gate_up, down, x, routing));
   const Tensor& gate_up_proj = gate_up.weight;
   const Tensor& down_proj = down.weight;
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_experts(cfg, gate_up, down, x, routing));
-  check_config(cfg);
-  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && is_compute_dtype(x.dtype()) && x.device().is_cpu(),
-                 "MoE experts input must be a CPU [T, D] tensor in f32 or f64, got {}",
-                 x.defined() ? x.str() : std::string("undefined"));
-  GLMTUNE_ASSERT(gate_up_proj.defined() && down_proj.defined() && gate_up_proj.dim() == 3 &&
-                     down_proj.dim() == 3,
-                 "experts need gate_up_proj [E, 2Im, D] and down_proj [E, D, Im]");
-  const int64_t inter = down_proj.size(2);
-  GLMTUNE_ASSERT(gate_up_proj.size(0) == cfg.n_experts && down_proj.size(0) == cfg.n_experts &&
-                     gate_up_proj.size(1) == 2 * inter && gate_up_proj.size(2) == x.size(1) &&
-                     down_proj.size(1) == x.size(1),
-                 "experts gate_up_proj {} / down_proj {} do not match {} experts and input {}",
-                 gate_up_proj.str(), down_proj.str(), cfg.n_experts, x.str());
-  GLMTUNE_ASSERT(gate_up_proj.dtype() == x.dtype() && down_proj.dtype() == x.dtype(),
-                 "experts weights {} / {} must share the input dtype {}", gate_up_proj.str(),
-                 down_proj.str(), x.str());
+  GLMTUNE_ASSERT(is_compute_dtype(x.dtype()) && gate_up_proj.dtype() == x.dtype() &&
+                     down_proj.dtype() == x.dtype(),
+                 "CPU experts compute in f32 or f64: input {}, gate_up_proj {} and down_proj {} "
+                 "in one",
+                 x.str(), gate_up_proj.str(), down_proj.str());
   check_expert_adapter(gate_up, "gate_up_proj");
   check_expert_adapter(down, "down_proj");
   check_experts_routing(routing, x);
@@ -221,13 +187,15 @@ Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up, const Linear& do
 }
 
 Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows) {
-  GLMTUNE_DISPATCH_CUDA(routing.indices, cuda_path::moe_expert_counts(routing, n_experts, rows));
   GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
-                     routing.indices.dim() == 2,
-                 "expert counts need int32 [T, K] routing indices");
+                     routing.indices.dim() == 2 && n_experts > 0,
+                 "moe_expert_counts: needs int32 [T, K] routing indices and experts, got {} and {}",
+                 routing.indices.defined() ? routing.indices.str() : "undefined", n_experts);
+  GLMTUNE_ASSERT(rows <= routing.indices.size(0), "moe_expert_counts: {} rows of a routing over {}",
+                 rows, routing.indices.size(0));
+  GLMTUNE_DISPATCH_CUDA(routing.indices, cuda_path::moe_expert_counts(routing, n_experts, rows));
   const int64_t total = routing.indices.size(0), k = routing.indices.size(1);
   if (rows < 0) rows = total;
-  GLMTUNE_ASSERT(rows <= total, "counting {} rows of a routing over {}", rows, total);
   const Tensor idx_t = routing.indices.contiguous();
   const int32_t* idx = idx_t.data<int32_t>();
   Tensor counts = Tensor::zeros({n_experts}, DType::i64);
@@ -242,6 +210,7 @@ Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows
 
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows) {
+  check_moe_args(cfg, params, x, "moe_forward");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, nullptr));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/cpu/common.h"
 #include "glmtune/ops/cpu/moe_common.h"
 #include "glmtune/ops/dispatch.h"
@@ -213,6 +214,7 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
 
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows, MoeContext& ctx) {
+  check_moe_args(cfg, params, x, "moe_forward");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, &ctx));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
@@ -227,8 +229,14 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
 }
 
 Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights) {
-  GLMTUNE_DISPATCH_CUDA(d_weights, cuda_path::moe_route_backward(cfg, routing, d_weights));
+  const char* op = "moe_route_backward";
+  check_config(cfg);
   const int64_t rows = routing.indices.defined() ? routing.indices.size(0) : 0;
+  GLMTUNE_ASSERT(d_weights.defined() && d_weights.shape() == routing.indices.shape(),
+                 "{}: the combine-weight gradient {} must be shaped like the routing {}", op,
+                 describe(d_weights), describe(routing.indices));
+  check_routing_args(cfg, routing, rows, d_weights.device(), /*any_k=*/false, op);
+  GLMTUNE_DISPATCH_CUDA(d_weights, cuda_path::moe_route_backward(cfg, routing, d_weights));
   const DType dt = routing.logits.defined() ? routing.logits.dtype() : DType::f32;
   GLMTUNE_ASSERT(is_compute_dtype(dt), "MoE router backward computes in f32 or f64, got {}",
                  describe(routing.logits));
@@ -243,42 +251,29 @@ Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Te
 
 Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeContext& ctx,
                     const Tensor& dy, MoeParams& grads, const Tensor& d_router_logits) {
+  const char* op = "moe_backward";
+  GLMTUNE_ASSERT(ctx.x.defined(), "{}: needs the context filled by moe_forward", op);
+  check_moe_args(cfg, params, ctx.x, op);
+  check_routing_args(cfg, ctx.routing, ctx.x.size(0), ctx.x.device(), /*any_k=*/false, op);
+  checks::same_shape(dy, ctx.x, "dy", "the input", op);
+  if (d_router_logits.defined())
+    checks::same_shape(d_router_logits, ctx.routing.logits, "the router-logit gradient",
+                       "the logits", op);
   GLMTUNE_DISPATCH_CUDA(dy, cuda_path::moe_backward(cfg, params, ctx, dy, grads, d_router_logits));
-  GLMTUNE_ASSERT(ctx.x.defined() && ctx.x.dim() == 2 && is_compute_dtype(ctx.x.dtype()) &&
-                     ctx.x.device().is_cpu(),
-                 "moe_backward needs the context filled by moe_forward, got input {}",
-                 describe(ctx.x));
   const DType dt = ctx.x.dtype();
-  const int64_t rows = ctx.x.size(0), dim = ctx.x.size(1);
-  check_routing(cfg, ctx.routing, rows, dt);
-  GLMTUNE_ASSERT(dy.defined() && dy.shape() == ctx.x.shape() && dy.dtype() == dt,
-                 "moe_backward: dy {} must match the input {}", describe(dy), ctx.x.str());
-  GLMTUNE_ASSERT(params.router_weight.defined() && params.router_weight.dtype() == dt &&
-                     params.router_weight.dim() == 2 &&
-                     params.router_weight.size(0) == cfg.n_experts &&
-                     params.router_weight.size(1) == dim,
-                 "router weight {} does not match {} experts and input {}",
-                 describe(params.router_weight), cfg.n_experts, ctx.x.str());
-  GLMTUNE_ASSERT(
-      params.gate_up_proj.weight.defined() && params.down_proj.weight.defined() &&
-          params.gate_up_proj.weight.dim() == 3 && params.down_proj.weight.dim() == 3 &&
-          params.gate_up_proj.weight.dtype() == dt && params.down_proj.weight.dtype() == dt,
-      "experts need gate_up_proj [E, 2Im, D] and down_proj [E, D, Im] in {}", dtype_name(dt));
-  const int64_t inter = params.down_proj.weight.size(2);
-  GLMTUNE_ASSERT(
-      params.gate_up_proj.weight.size(0) == cfg.n_experts &&
-          params.down_proj.weight.size(0) == cfg.n_experts &&
-          params.gate_up_proj.weight.size(1) == 2 * inter &&
-          params.gate_up_proj.weight.size(2) == dim && params.down_proj.weight.size(1) == dim,
-      "experts gate_up_proj {} / down_proj {} do not match {} experts and input {}",
-      params.gate_up_proj.weight.str(), params.down_proj.weight.str(), cfg.n_experts, ctx.x.str());
+  GLMTUNE_ASSERT(is_compute_dtype(dt), "CPU moe_backward computes in f32 or f64, got input {}",
+                 ctx.x.str());
+  check_routing(cfg, ctx.routing, ctx.x.size(0), dt);
+  GLMTUNE_ASSERT(dy.dtype() == dt && params.router_weight.dtype() == dt &&
+                     params.gate_up_proj.weight.dtype() == dt &&
+                     params.down_proj.weight.dtype() == dt &&
+                     (!d_router_logits.defined() || d_router_logits.dtype() == dt),
+                 "CPU moe_backward: dy {}, the router weight {}, the experts {} / {} and the "
+                 "router-logit gradient must have the input's dtype {}",
+                 dy.str(), params.router_weight.str(), params.gate_up_proj.weight.str(),
+                 params.down_proj.weight.str(), dtype_name(dt));
   check_expert_adapter(params.gate_up_proj, "gate_up_proj");
   check_expert_adapter(params.down_proj, "down_proj");
-  if (d_router_logits.defined())
-    GLMTUNE_ASSERT(
-        d_router_logits.dtype() == dt && d_router_logits.shape() == ctx.routing.logits.shape(),
-        "router-logit gradient {} must match the logits {}", d_router_logits.str(),
-        ctx.routing.logits.str());
   if (dt == DType::f32)
     return moe_backward_impl<float>(cfg, params, ctx, dy, grads, d_router_logits);
   return moe_backward_impl<double>(cfg, params, ctx, dy, grads, d_router_logits);
@@ -290,11 +285,20 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
                                      const Routing& routing, const Tensor& dy,
                                      const Tensor& routed_dx, const Tensor& routed_d_weights,
                                      MoeParams& grads, const Tensor& d_router_logits) {
+  const char* op = "moe_backward_routed_elsewhere";
+  check_config(cfg);
+  check_moe_rows(x, "input", op);
+  check_router_args(cfg, params.router_weight, params.e_score_correction_bias, x, op);
+  check_routing_args(cfg, routing, x.size(0), x.device(), /*any_k=*/false, op);
+  checks::same_shape(dy, x, "dy", "the input", op);
+  checks::same_shape(routed_dx, x, "the routed input gradient", "the input", op);
+  checks::same_shape(routed_d_weights, routing.indices, "the combine-weight gradient",
+                     "the routing indices", op);
   GLMTUNE_DISPATCH_CUDA(
       dy, cuda_path::moe_backward_routed_elsewhere(cfg, params, x, routing, dy, routed_dx,
                                                    routed_d_weights, grads, d_router_logits));
-  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && is_compute_dtype(x.dtype()) && x.device().is_cpu(),
-                 "moe_backward_routed_elsewhere: input {}", describe(x));
+  GLMTUNE_ASSERT(is_compute_dtype(x.dtype()), "{}: the CPU computes in f32 or f64, got input {}",
+                 op, x.str());
   Tensor d_route = moe_route_backward(cfg, routing, routed_d_weights);
   if (d_router_logits.defined()) d_route = ops::add(d_route, d_router_logits);
   const Tensor d_router_x = linear_backward(d_route, x, params.router_weight, &grads.router_weight);

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/checks.h"
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/linear.h"
 
@@ -85,19 +86,25 @@ void for_each_rope_pair(Tensor& x, const RopeTables& t, Rotate rotate) {
   }
 }
 
+// Before dispatch (ops/checks.h): tables cos / sin [N, hd] for x [N·H, hd], hd a multiple of 4.
+void check_rope_args(const Tensor& x, const RopeTables& t, const char* op) {
+  GLMTUNE_ASSERT(
+      t.cos.defined() && t.sin.defined() && t.cos.dim() == 2 && t.sin.shape() == t.cos.shape(),
+      "{}: tables {} / {} must both be [N, hd]", op, t.cos.defined() ? t.cos.str() : "undefined",
+      t.sin.defined() ? t.sin.str() : "undefined");
+  const int64_t n = t.cos.size(0), hd = t.cos.size(1);
+  GLMTUNE_ASSERT(x.defined() && x.dim() == 2 && x.size(1) == hd && hd % 4 == 0 &&
+                     (n == 0 ? x.size(0) == 0 : x.size(0) % n == 0),
+                 "{}: x {} must be [N·H, {}] for tables of {} positions", op,
+                 x.defined() ? x.str() : "undefined", hd, n);
+}
+
+// What the CPU body takes beyond check_rope_args: x contiguous, the tables in its dtype.
 void check_rope(const Tensor& x, const RopeTables& t, const char* op) {
   check_float(x, op, "x");
-  GLMTUNE_ASSERT(t.cos.defined() && t.sin.defined() && t.cos.dim() == 2 &&
-                     t.sin.shape() == t.cos.shape() && t.cos.dtype() == x.dtype() &&
-                     t.sin.dtype() == x.dtype(),
-                 "{}: tables {} / {} must be [N, hd] in x's dtype {}", op,
-                 t.cos.defined() ? t.cos.str() : "undefined",
-                 t.sin.defined() ? t.sin.str() : "undefined", x.str());
-  const int64_t n = t.cos.size(0), hd = t.cos.size(1);
-  GLMTUNE_ASSERT(x.is_contiguous() && x.dim() == 2 && x.size(1) == hd && hd % 4 == 0 &&
-                     (n == 0 ? x.size(0) == 0 : x.size(0) % n == 0),
-                 "{}: x {} must be contiguous [N·H, {}] for tables of {} positions", op, x.str(),
-                 hd, n);
+  GLMTUNE_ASSERT(x.is_contiguous() && t.cos.dtype() == x.dtype() && t.sin.dtype() == x.dtype(),
+                 "{}: x {} must be contiguous, the tables {} / {} in its dtype", op, x.str(),
+                 t.cos.str(), t.sin.str());
 }
 
 // Calls fn(start, len, h, q0, rows) for every block of at most kQueryBlock query rows
@@ -187,15 +194,15 @@ void segment_attention_backward(const T* q, int64_t q_stride, int64_t q_begin, i
 
 // q / k / v / out / dout: 2-D with unit column stride; q and out [Nq, d], k and v [N, d]; the
 // segments cover the pack and q's rows lie inside it.
-void check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                     const std::vector<int64_t>& cu, int64_t heads, int64_t q_begin,
-                     const char* op) {
-  for (const auto& [t, what] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}}) {
-    check_float(*t, op, what);
-    GLMTUNE_ASSERT(t->dim() == 2 && t->stride(1) == 1 && t->dtype() == q.dtype(),
-                   "{}: {} {} must be [rows, H·hd] with unit column stride, in q's dtype", op, what,
-                   t->str());
-  }
+// Before dispatch (ops/checks.h): q [rows, H·hd] and k, v [n, H·hd] split alike into `heads`,
+// segment bounds rising from 0 to n, the query rows [q_begin, q_begin + rows) inside them.
+void check_attention_args(const Tensor& q, const Tensor& k, const Tensor& v,
+                          const std::vector<int64_t>& cu, int64_t heads, int64_t q_begin,
+                          const char* op) {
+  for (const auto& [t, what] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}})
+    GLMTUNE_ASSERT(t->defined() && t->dim() == 2 && t->device() == q.device(),
+                   "{}: {} {} must be [rows, H·hd] on the device of q", op, what,
+                   t->defined() ? t->str() : "undefined");
   const int64_t d = q.size(1), n = k.size(0);
   GLMTUNE_ASSERT(heads >= 1 && d % heads == 0 && k.size(1) == d && v.size(1) == d && v.size(0) == n,
                  "{}: q {}, k {}, v {} do not split into {} heads alike", op, q.str(), k.str(),
@@ -206,6 +213,15 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   GLMTUNE_ASSERT(q_begin >= 0 && q_begin + q.size(0) <= n,
                  "{}: query rows [{}, {}) outside the pack's {} rows", op, q_begin,
                  q_begin + q.size(0), n);
+}
+
+// What the CPU body takes beyond check_attention_args: one float dtype, unit column strides.
+void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
+  for (const auto& [t, what] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    check_float(*t, op, what);
+    GLMTUNE_ASSERT(t->stride(1) == 1 && t->dtype() == q.dtype(),
+                   "{}: {} {} must have unit column stride, in q's dtype", op, what, t->str());
+  }
 }
 
 }  // namespace
@@ -226,6 +242,7 @@ RopeTables rope_2d_tables(const Tensor& positions, int64_t head_dim, double thet
 }
 
 void rope_2d_(Tensor& x, const RopeTables& tables) {
+  check_rope_args(x, tables, "rope_2d_");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rope_2d_(x, tables));
   check_rope(x, tables, "rope_2d_");
   auto rotate = [](auto& lo, auto& hi, const auto* c, const auto* s, int64_t half) {
@@ -240,6 +257,7 @@ void rope_2d_(Tensor& x, const RopeTables& tables) {
 }
 
 void rope_2d_backward_(Tensor& dx, const RopeTables& tables) {
+  check_rope_args(dx, tables, "rope_2d_backward_");
   GLMTUNE_DISPATCH_CUDA(dx, cuda_path::rope_2d_backward_(dx, tables));
   check_rope(dx, tables, "rope_2d_backward_");
   // With d' the gradient of the rotated pair: da = d'[m]·cos + d'[m+hd/2]·sin,
@@ -256,6 +274,7 @@ void rope_2d_backward_(Tensor& dx, const RopeTables& tables) {
 }
 
 void gelu_erf_(Tensor& x) {
+  GLMTUNE_ASSERT(x.defined(), "gelu_erf_: no input");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::gelu_erf_(x));
   check_float(x, "gelu_erf_", "x");
   GLMTUNE_ASSERT(x.is_contiguous(), "gelu_erf_: x {} must be contiguous", x.str());
@@ -272,6 +291,8 @@ void gelu_erf_(Tensor& x) {
 }
 
 void gelu_erf_backward_(const Tensor& x, Tensor& dy) {
+  GLMTUNE_ASSERT(x.defined(), "gelu_erf_backward_: no input");
+  checks::same_shape(dy, x, "dy", "x", "gelu_erf_backward_");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::gelu_erf_backward_(x, dy));
   check_float(x, "gelu_erf_backward_", "x");
   GLMTUNE_ASSERT(
@@ -297,9 +318,10 @@ void gelu_erf_backward_(const Tensor& x, Tensor& dy) {
 Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                         const std::vector<int64_t>& cu_seqlens, int64_t heads, double scale,
                         int64_t q_begin, Tensor* lse) {
+  check_attention_args(q, k, v, cu_seqlens, heads, q_begin, "varlen_attention");
   GLMTUNE_DISPATCH_CUDA(
       q, cuda_path::varlen_attention(q, k, v, cu_seqlens, heads, scale, q_begin, lse));
-  check_attention(q, k, v, cu_seqlens, heads, q_begin, "varlen_attention");
+  check_attention(q, k, v, "varlen_attention");
   const int64_t d = q.size(1), hd = d / heads;
   Tensor out = Tensor::empty({q.size(0), d}, q.dtype());
   if (lse) *lse = Tensor::empty({q.size(0), heads}, DType::f32);
@@ -321,9 +343,13 @@ VarlenAttentionGrads varlen_attention_backward(const Tensor& q, const Tensor& k,
                                                const std::vector<int64_t>& cu_seqlens,
                                                int64_t heads, double scale, int64_t q_begin,
                                                const Tensor& lse) {
+  const char* op = "varlen_attention_backward";
+  check_attention_args(q, k, v, cu_seqlens, heads, q_begin, op);
+  checks::same_shape(out_in, q, "out", "q", op);
+  checks::same_shape(dout_in, q, "dout", "q", op);
   GLMTUNE_DISPATCH_CUDA(q, cuda_path::varlen_attention_backward(
                                q, k, v, out_in, dout_in, cu_seqlens, heads, scale, q_begin, lse));
-  check_attention(q, k, v, cu_seqlens, heads, q_begin, "varlen_attention_backward");
+  check_attention(q, k, v, op);
   const Tensor out = out_in.contiguous(), dout = dout_in.contiguous();
   GLMTUNE_ASSERT(out.shape() == q.shape() && dout.shape() == q.shape() &&
                      out.dtype() == q.dtype() && dout.dtype() == q.dtype(),
