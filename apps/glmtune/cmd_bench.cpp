@@ -65,6 +65,7 @@ struct BenchArgs {
   bool optimizer = true;
   uint64_t seed = 1;
   bool json = false;
+  bool op_detail = false;           // time the ops inside composites too (exclusive times by path)
   std::vector<std::string> freeze;  // train.freeze patterns
   // --lora-rank: adapters of this rank (0: none) on --lora-targets, the base frozen, as a [lora]
   // recipe trains them.
@@ -337,7 +338,7 @@ BenchTimes time_steps(const BenchArgs& a,
       alloc.reset_peak();
       pinned.reset_peak();
     }
-    ops::cuda_path::enable_op_timing(timed);
+    ops::cuda_path::enable_op_timing(timed, a.op_detail);
     zero();
     cudaDeviceSynchronize();
     const auto t0 = std::chrono::steady_clock::now();
@@ -494,10 +495,14 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
   std::vector<std::pair<double, std::string>> rows;
   for (const auto& [name, ms] : r.op_ms) rows.emplace_back(ms, name);
   std::sort(rows.rbegin(), rows.rend());
-  std::printf("%-28s %10s %7s\n", "op (GPU time per step)", "ms", "share");
+  int width = 28;
+  for (const auto& [ms, name] : rows) width = std::max(width, int(name.size()));
+  std::printf("%-*s %10s %7s\n", width,
+              a.op_detail ? "op, exclusive (GPU time per step)" : "op (GPU time per step)", "ms",
+              "share");
   for (const auto& [ms, name] : rows)
-    std::printf("%-28s %10.2f %6.1f%%\n", name.c_str(), ms, 100 * ms / (r.fb * 1e3));
-  std::printf("%-28s %10.2f %6.1f%%\n", "(timed ops together)", op_total,
+    std::printf("%-*s %10.2f %6.1f%%\n", width, name.c_str(), ms, 100 * ms / (r.fb * 1e3));
+  std::printf("%-*s %10.2f %6.1f%%\n", width, "(timed ops together)", op_total,
               100 * op_total / (r.fb * 1e3));
 }
 
@@ -731,6 +736,9 @@ GLMTUNE_COMMAND(
                        "release's layout and its frozen FP8 weights kept in FP8 on the GPU "
                        "(lora.base = \"fp8\", train.frozen_weights = \"fp8\")")
           ->check(CLI::IsMember({"bf16", "fp8"}));
+      step->add_flag("--op-detail", a->op_detail,
+                     "Time the ops inside the composites too: each op's exclusive GPU time (its "
+                     "own less the ops it calls) under its path, \"kda_forward > kda_chunked\"");
       step->add_flag("--fp8", a->fp8,
                      "The experts', MLPs' and attention projections' GEMMs in block-scaled FP8, "
                      "as train.fp8 = \"tilewise\" runs them");

@@ -41,11 +41,15 @@ namespace glmtune::ops::cuda_path {
 // device (a leaf op below, or a composite through GLMTUNE_TIME_OP) records a pair of CUDA events
 // on the default stream (ops called from inside another op count towards the outer one);
 // take_op_times waits for the device and returns the milliseconds per op name since the last
-// call. Off by default: it costs two event records per op.
-void enable_op_timing(bool on);
+// call. With `nested`, every op is timed, inner ones too, and take_op_times returns each op's
+// exclusive time (its own less that of the ops it called: for a composite, the work it does
+// outside timed ops) under its path, "outer > inner". Off by default: it costs two event
+// records per op.
+void enable_op_timing(bool on, bool nested = false);
 std::map<std::string, double> take_op_times();
 
-// Times its scope under `name` (when on_device and timing is on and no other op is timing).
+// Times its scope under `name` (when on_device and timing is on, and it is the outermost op or
+// nested timing is on).
 class OpTimer {
  public:
   explicit OpTimer(const char* name, bool on_device = true);
@@ -53,15 +57,9 @@ class OpTimer {
   OpTimer(const OpTimer&) = delete;
   OpTimer& operator=(const OpTimer&) = delete;
 
-  struct Timed {
-    const char* name;
-    cudaEvent_t start, stop;
-  };
-
  private:
-  bool outermost_;
   bool counted_ = false;
-  Timed op_{};
+  int64_t index_ = -1;  // into the timed ops of this period, when this op is timed
 };
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias);

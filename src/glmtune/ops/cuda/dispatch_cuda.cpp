@@ -55,43 +55,63 @@ constexpr int64_t kKdaChunk = 64;
 
 namespace {
 
-bool g_timing = false;
-std::vector<OpTimer::Timed> g_timed;
+struct TimedOp {
+  std::string path;     // "outer > inner" (the name alone for an outermost op)
+  int64_t parent = -1;  // the op that called it, when timed
+  cudaEvent_t start = nullptr, stop = nullptr;
+};
+
+bool g_timing = false, g_nested = false;
+std::vector<TimedOp> g_timed;
 thread_local int g_depth = 0;
+thread_local std::vector<int64_t> g_open;  // the timed ops open now, innermost last
 
 }  // namespace
 
-OpTimer::OpTimer(const char* name, bool on_device)
-    : outermost_(on_device && g_timing && g_depth == 0) {
+OpTimer::OpTimer(const char* name, bool on_device) {
   if (!on_device) return;
   counted_ = true;
   ++g_depth;
-  if (!outermost_) return;
-  op_.name = name;
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&op_.start));
-  GLMTUNE_CUDA_CHECK(cudaEventCreate(&op_.stop));
-  GLMTUNE_CUDA_CHECK(cudaEventRecord(op_.start));
+  if (!g_timing || (g_depth > 1 && !g_nested)) return;
+  TimedOp op;
+  op.parent = g_open.empty() ? -1 : g_open.back();
+  op.path = op.parent < 0 ? std::string(name) : g_timed[size_t(op.parent)].path + " > " + name;
+  GLMTUNE_CUDA_CHECK(cudaEventCreate(&op.start));
+  GLMTUNE_CUDA_CHECK(cudaEventCreate(&op.stop));
+  GLMTUNE_CUDA_CHECK(cudaEventRecord(op.start));
+  index_ = int64_t(g_timed.size());
+  g_timed.push_back(std::move(op));
+  g_open.push_back(index_);
 }
 
 OpTimer::~OpTimer() {
   if (!counted_) return;
   --g_depth;
-  if (!outermost_) return;
-  cudaEventRecord(op_.stop);
-  g_timed.push_back(op_);
+  if (index_ < 0) return;
+  cudaEventRecord(g_timed[size_t(index_)].stop);
+  g_open.pop_back();
 }
 
-void enable_op_timing(bool on) { g_timing = on; }
+void enable_op_timing(bool on, bool nested) {
+  g_timing = on;
+  g_nested = nested;
+}
 
 std::map<std::string, double> take_op_times() {
-  std::map<std::string, double> ms;
-  for (const OpTimer::Timed& op : g_timed) {
+  std::vector<double> own(g_timed.size()), inner(g_timed.size(), 0.0);
+  for (size_t i = 0; i < g_timed.size(); ++i) {
+    const TimedOp& op = g_timed[i];
     GLMTUNE_CUDA_CHECK(cudaEventSynchronize(op.stop));
     float t = 0;
     GLMTUNE_CUDA_CHECK(cudaEventElapsedTime(&t, op.start, op.stop));
-    ms[op.name] += double(t);
-    cudaEventDestroy(op.start);
-    cudaEventDestroy(op.stop);
+    own[i] = double(t);
+    if (op.parent >= 0) inner[size_t(op.parent)] += own[i];
+  }
+  std::map<std::string, double> ms;
+  for (size_t i = 0; i < g_timed.size(); ++i) {
+    ms[g_timed[i].path] += own[i] - inner[i];
+    cudaEventDestroy(g_timed[i].start);
+    cudaEventDestroy(g_timed[i].stop);
   }
   g_timed.clear();
   return ms;
