@@ -285,6 +285,21 @@ std::vector<OpSpec> op_specs() {
                  ""});
   }
   {
+    // KDA's short conv (+ SiLU) on one of q, k, v and its gated output norm, 32 heads of 128.
+    const int64_t channels = 4096, taps = 4;
+    const double act = 2.0 * kTokens * channels;
+    const std::string shape = fmt::format("T{} C{} Kc{}", kTokens, channels, taps);
+    const std::vector<int64_t> dims = {kTokens, channels, taps};
+    s.push_back({"short conv fwd", shape, Family::kda_small, "conv fwd", dims, Work::bytes, 2 * act,
+                 "", ""});
+    s.push_back({"short conv bwd (+dw)", shape, Family::kda_small, "conv bwd", dims, Work::bytes,
+                 3 * act, "", ""});
+    s.push_back({"gated o_norm fwd", shape, Family::kda_small, "o_norm fwd", dims, Work::bytes,
+                 3 * act, "", ""});
+    s.push_back({"gated o_norm bwd (+dw)", shape, Family::kda_small, "o_norm bwd", dims,
+                 Work::bytes, 5 * act, "", ""});
+  }
+  {
     const int64_t width = 12288;
     const double e = 2.0 * kTokens * width;
     const std::string shape = fmt::format("{}x{}", kTokens, width);

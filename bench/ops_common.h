@@ -28,6 +28,8 @@ enum class Family {
   gemm,              // dims {m, n, k}; variant NT | NN | TN (which operand is stored transposed)
   mhc,               // dims {tokens, streams, hidden}; variant pre fwd | pre bwd | post fwd | ...
   rmsnorm,           // dims {rows, width}; variant fwd | bwd
+  kda_small,         // dims {tokens, channels, taps}; variant conv fwd | conv bwd | o_norm fwd |
+                     // o_norm bwd (the gated norm over rows of 128 channels)
   swiglu,            // dims {rows, width}; variant fwd | bwd
   lm_head_ce,        // dims {tokens, hidden, vocabulary, chunk rows}; variant fwd+bwd
   vision_attention,  // dims {segments, rows per segment, heads, head dim}; variant fwd | fwd+bwd

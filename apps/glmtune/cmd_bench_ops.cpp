@@ -325,6 +325,33 @@ double time_rmsnorm(int64_t rows, int64_t width, const std::string& variant) {
   return median_ms([&] { cuda::rms_norm_backward_out(dx, dy, x, w, 1e-5, rstd, &dw); }, 5, 50);
 }
 
+// KDA's conv on [t, c] in 4 equal documents, and its gated norm on rows of 128 of the same
+// elements.
+double time_kda_small(int64_t t, int64_t c, int64_t taps, const std::string& variant) {
+  const Tensor x = random_gpu({t, c}, DType::bf16, 41), dy = random_gpu({t, c}, DType::bf16, 42);
+  if (variant == "conv fwd" || variant == "conv bwd") {
+    const Tensor w = random_gpu({c, taps}, DType::bf16, 43, 0.5);
+    const Tensor cu = Tensor::from_vector<int32_t>(
+        {0, int32_t(t / 4), int32_t(t / 2), int32_t(3 * t / 4), int32_t(t)}, {5});
+    const Tensor cug = cu.to(kGpu);
+    if (variant == "conv fwd")
+      return median_ms([&] { cuda::causal_conv1d(x, w, cug, true); }, 5, 50);
+    Tensor dw = Tensor::zeros({c, taps}, DType::f32, kGpu);
+    return median_ms([&] { cuda::causal_conv1d_backward(x, w, cug, true, dy, &dw); }, 5, 50);
+  }
+  const Tensor rows = x.view({t * c / 128, 128}),
+               z = random_gpu({t * c / 128, 128}, DType::bf16, 44);
+  const Tensor w = random_gpu({128}, DType::f32, 45);
+  if (variant == "o_norm fwd")
+    return median_ms([&] { cuda::rms_norm_gated(rows, w, z, 1e-5); }, 5, 50);
+  Tensor dw = Tensor::zeros({128}, DType::f32, kGpu);
+  return median_ms(
+      [&] {
+        cuda::rms_norm_gated_backward(dy.view({t * c / 128, 128}), rows, w, z, 1e-5, &dw);
+      },
+      5, 50);
+}
+
 double time_swiglu(int64_t rows, int64_t width, const std::string& variant) {
   const Tensor gate_up = random_gpu({rows, 2 * width}, DType::bf16, 31, 4.0);
   const Tensor gate = gate_up.slice(1, 0, width), up = gate_up.slice(1, width, 2 * width);
@@ -392,6 +419,8 @@ double time_spec(const OpSpec& s) {
       return time_mhc(d[0], d[1], d[2], s.variant);
     case Family::rmsnorm:
       return time_rmsnorm(d[0], d[1], s.variant);
+    case Family::kda_small:
+      return time_kda_small(d[0], d[1], d[2], s.variant);
     case Family::swiglu:
       return time_swiglu(d[0], d[1], s.variant);
     case Family::lm_head_ce:

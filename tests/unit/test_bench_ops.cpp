@@ -64,6 +64,11 @@ TEST(BenchOps, SpecsAreUniqueAndCountTheirWork) {
   const OpSpec& norm = find_spec(specs, "rmsnorm fwd", "16384x4096");
   EXPECT_EQ(norm.kind, Work::bytes);
   EXPECT_DOUBLE_EQ(norm.work, 2 * 2.0 * 16384 * 4096);
+  const OpSpec& conv = find_spec(specs, "short conv bwd (+dw)", "T16384 C4096 Kc4");
+  EXPECT_EQ(conv.kind, Work::bytes);
+  EXPECT_DOUBLE_EQ(conv.work, 3 * 2.0 * 16384 * 4096);  // x, dy read; dx written
+  EXPECT_DOUBLE_EQ(find_spec(specs, "gated o_norm bwd (+dw)", "T16384 C4096 Kc4").work,
+                   5 * 2.0 * 16384 * 4096);  // dy, x, gate read; dx, d gate written
 }
 
 TEST(BenchOps, OnlyKeepsTheCeilingsAndRejectsBadPatterns) {

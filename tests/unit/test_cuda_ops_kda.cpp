@@ -7,6 +7,7 @@
 // GLMTUNE_TEST_SEED reproduces one); the CPU reference runs in f32 on the same (bf16-rounded)
 // values. Skipped where no GPU is visible.
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -154,6 +155,65 @@ TEST(CudaOpsKda, ChunkedDeltaRuleMatchesCpu) {
   run_core({DType::bf16, 1e-2, 5e-3, "bf16, 48 heads, 2 value slices", 0.0f, 2.0f, 48, 2}, stream);
   run_core({DType::f32, 3e-5, 3e-5, "f32 mode, 48 heads, 4 value slices", -5.0f, 2.0f, 48, 4},
            stream);
+#endif
+}
+
+// The conv and the gated norm on shapes off their fast paths: empty documents and documents
+// shorter than the taps, channel counts that are not a multiple of the kernels' channel groups
+// (8 bf16 forward, 4 backward: per-element accesses), 2, 3 and 8 taps, and norm rows of 48 and
+// 200 elements (not 32 per lane). Runs of 16 tokens start inside documents and end at their
+// boundaries alike.
+TEST(CudaOpsKda, ConvAndGatedNormOffTheFastPathsMatchCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 500;
+  const std::vector<int32_t> cu_values = {0, 0, 2, 3, 3, 20, 21, 90, 91, 93};
+  const Tensor cu = Tensor::from_vector<int32_t>(cu_values, {int64_t(cu_values.size())});
+  const Tensor cug = cu.to(kGpu);
+  const int64_t t = cu_values.back();
+  struct Shape3 {
+    int64_t c, kc;
+  };
+  for (DType dt : {DType::bf16, DType::f32}) {
+    const double bar = dt == DType::bf16 ? 1e-2 : 1e-4, pbar = dt == DType::bf16 ? 1e-3 : 1e-4;
+    for (const Shape3 sh : {Shape3{12, 3}, Shape3{10, 2}, Shape3{40, 8}, Shape3{64, 4}}) {
+      const std::string tag = fmt::format(", C {} Kc {}, {}", sh.c, sh.kc, dtype_name(dt));
+      const Tensor x = random_cpu({t, sh.c}, dt, stream++);
+      const Tensor w = random_cpu({sh.c, 1, sh.kc}, dt, stream++, 0.5);
+      for (bool silu : {true, false}) {
+        const std::string stag = tag + (silu ? ", SiLU" : ", linear");
+        EXPECT_CLOSE(cuda::causal_conv1d(x.to(kGpu), w.to(kGpu), cug, silu),
+                     ops::causal_conv1d(f32(x), f32(w), cu, silu), bar, "conv forward" + stag);
+        const Tensor dy = random_cpu({t, sh.c}, dt, stream++);
+        Tensor gw_ref, gw;
+        const Tensor dx_ref =
+            ops::causal_conv1d_backward(f32(x), f32(w), cu, silu, f32(dy), &gw_ref);
+        const Tensor dx =
+            cuda::causal_conv1d_backward(x.to(kGpu), w.to(kGpu), cug, silu, dy.to(kGpu), &gw);
+        EXPECT_CLOSE(dx, dx_ref, bar, "conv dx" + stag);
+        EXPECT_CLOSE(gw, gw_ref, pbar, "conv d weight" + stag);
+      }
+    }
+    for (const int64_t n : {int64_t(48), int64_t(200), int64_t(64)}) {
+      const std::string tag = fmt::format(", rows of {}, {}", n, dtype_name(dt));
+      const Tensor core = random_cpu({t, 3, n}, dt, stream++);
+      const Tensor gate = random_cpu({t, 3, n}, dt, stream++, 2.0);
+      const Tensor onw = random_cpu({n}, DType::f32, stream++, 1.0, 0.2);
+      EXPECT_CLOSE(cuda::rms_norm_gated(core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5),
+                   ops::rms_norm_gated(f32(core), onw, f32(gate), 1e-5), bar,
+                   "o_norm forward" + tag);
+      const Tensor dn = random_cpu({t, 3, n}, dt, stream++);
+      Tensor gw_ref, gw;
+      const ops::RmsNormGatedGrads ref =
+          ops::rms_norm_gated_backward(f32(dn), f32(core), onw, f32(gate), 1e-5,
+                                       ops::GateActivation::sigmoid, Tensor(), &gw_ref);
+      const ops::RmsNormGatedGrads got = cuda::rms_norm_gated_backward(
+          dn.to(kGpu), core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5, &gw);
+      EXPECT_CLOSE(got.dx, ref.dx, bar, "o_norm dx" + tag);
+      EXPECT_CLOSE(got.dgate, ref.dgate, bar, "o_norm d gate" + tag);
+      EXPECT_CLOSE(gw, gw_ref, pbar, "o_norm d weight" + tag);
+    }
+  }
 #endif
 }
 

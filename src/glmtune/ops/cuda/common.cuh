@@ -134,6 +134,58 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
   }
 }
 
+// The widest access (16, 8, 4 or 2 bytes) that divides `bytes`, and its register type.
+constexpr int access_width(int bytes) {
+  return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : 2;
+}
+template <int W>
+struct RawAccess;
+template <>
+struct RawAccess<16> {
+  using type = uint4;
+};
+template <>
+struct RawAccess<8> {
+  using type = uint2;
+};
+template <>
+struct RawAccess<4> {
+  using type = unsigned;
+};
+template <>
+struct RawAccess<2> {
+  using type = unsigned short;
+};
+
+// N consecutive elements of T storage as fp32, moved in the widest accesses N·sizeof(T) allows
+// (`p` must be aligned to that width: 16 bytes for 8 bf16, 8 for 4, ...).
+template <int N, typename T>
+__device__ __forceinline__ void load_elems(const T* p, float (&out)[N]) {
+  constexpr int kWidth = access_width(int(N * sizeof(T))), kPer = kWidth / int(sizeof(T));
+  using Raw = typename RawAccess<kWidth>::type;
+#pragma unroll
+  for (int a = 0; a < N / kPer; ++a) {
+    const Raw raw = reinterpret_cast<const Raw*>(p)[a];
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) out[a * kPer + i] = to_f(e[i]);
+  }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_elems(T* p, const float (&in)[N]) {
+  constexpr int kWidth = access_width(int(N * sizeof(T))), kPer = kWidth / int(sizeof(T));
+  using Raw = typename RawAccess<kWidth>::type;
+#pragma unroll
+  for (int a = 0; a < N / kPer; ++a) {
+    Raw raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) e[i] = from_f<T>(in[a * kPer + i]);
+    reinterpret_cast<Raw*>(p)[a] = raw;
+  }
+}
+
 __device__ __forceinline__ float round_bf16(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
 }

@@ -19,8 +19,9 @@ using detail::sum_blocks_kernel;
 
 constexpr int kThreads = 256;
 constexpr int kMaxTaps = 8;
-constexpr int kTokenBlocks = 128;  // fixed token blocks of the parameter-gradient sums
-constexpr int kMaxRow = 256;       // longest row of the per-row norms
+constexpr int kTokenBlocks = 128;   // fixed token blocks of the parameter-gradient sums
+constexpr int kMaxRow = 256;        // longest row of the per-row norms
+constexpr int kGatedBlocks = 1024;  // most blocks (weight-gradient partials) of the gated norm
 
 using detail::from_f;
 using detail::to_f;
@@ -38,84 +39,204 @@ __device__ __forceinline__ int doc_of(const int* cu, int ndoc, int64_t t) {
   }
   return lo;
 }
-__device__ __forceinline__ int64_t doc_start(const int* cu, int ndoc, int64_t t) {
-  return cu[doc_of(cu, ndoc, t)];
-}
-__device__ __forceinline__ int64_t doc_end(const int* cu, int ndoc, int64_t t) {
-  return cu[doc_of(cu, ndoc, t) + 1];
-}
 
 // ---- conv -------------------------------------------------------------------------------------
+//
+// A thread owns V adjacent channels over a run of kConvRun tokens: it finds its document once,
+// keeps the last Kc − 1 inputs (and, backward, the pending input gradients) in registers and reads
+// each element once with V-wide accesses, adjacent threads taking adjacent channels so that a
+// warp reads whole rows. Taps that would reach before a document's start read zero; the backward
+// lets no gradient cross a document's end.
 
-template <typename T>
-__device__ __forceinline__ float conv_pre(const T* x, const float* w, int kc, int64_t c, int64_t ch,
-                                          int64_t t, int64_t start) {
-  const int64_t first = (kc - 1) - (t - start) > 0 ? (kc - 1) - (t - start) : 0;
-  float acc = 0.0f;
-  for (int tau = int(first); tau < kc; ++tau)
-    acc += w[tau] * to_f(x[(t - (kc - 1) + tau) * c + ch]);
-  return acc;
+constexpr int kConvRun = 16;                            // tokens per thread
+constexpr int kConvGroups = 32, kConvRuns = 8;          // backward block: channel groups × runs
+constexpr int kConvBlockTokens = kConvRuns * kConvRun;  // tokens per weight-gradient partial
+
+// The taps' inputs at token t: tap τ reads x[t − (Kc − 1) + τ], which is `cur` for the last tap
+// and win[Kc − 2 − τ] (x[t − 1 − j] kept as win[j]) before it.
+template <int V, int KC>
+__device__ __forceinline__ const float* tap_input(const float (&win)[KC][V], const float (&cur)[V],
+                                                  int tau) {
+  return tau == KC - 1 ? cur : win[KC - 2 - tau];
 }
 
-// One channel per thread over a fixed block of tokens.
-template <typename T>
-__global__ void conv_fwd_kernel(const T* __restrict__ x, const T* __restrict__ weight,
-                                const int* __restrict__ cu, int ndoc, int64_t tokens, int64_t c,
-                                int kc, int64_t tokens_per_block, bool silu, T* __restrict__ y) {
-  const int64_t ch = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (ch >= c) return;
-  float w[kMaxTaps];
-  for (int tau = 0; tau < kc; ++tau) w[tau] = to_f(weight[ch * kc + tau]);
-  const int64_t t0 = int64_t(blockIdx.y) * tokens_per_block;
-  const int64_t t1 = t0 + tokens_per_block < tokens ? t0 + tokens_per_block : tokens;
-  for (int64_t t = t0; t < t1; ++t) {
-    const float p = conv_pre(x, w, kc, c, ch, t, doc_start(cu, ndoc, t));
-    y[t * c + ch] = from_f<T>(silu ? p * sigmoid_f(p) : p);
+// Shifts the window by one token: win[j] ← win[j − 1], win[0] ← cur.
+template <int V, int KC>
+__device__ __forceinline__ void push_window(float (&win)[KC][V], const float (&cur)[V]) {
+#pragma unroll
+  for (int j = KC - 2; j > 0; --j)
+#pragma unroll
+    for (int i = 0; i < V; ++i) win[j][i] = win[j - 1][i];
+  if constexpr (KC > 1)
+#pragma unroll
+    for (int i = 0; i < V; ++i) win[0][i] = cur[i];
+}
+
+template <int V, int KC>
+__device__ __forceinline__ void clear(float (&a)[KC][V]) {
+#pragma unroll
+  for (int j = 0; j < KC; ++j)
+#pragma unroll
+    for (int i = 0; i < V; ++i) a[j][i] = 0.0f;
+}
+
+// The window before token t of the document starting at `start`: x[t − 1 − j], zero before it.
+template <typename T, int V, int KC>
+__device__ __forceinline__ void load_window(const T* x, int64_t c, int64_t c0, int64_t t,
+                                            int64_t start, float (&win)[KC][V]) {
+  clear(win);
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j)
+    if (t - 1 - j >= start) detail::load_elems<V>(x + (t - 1 - j) * c + c0, win[j]);
+}
+
+template <typename T, int V, int KC>
+__device__ __forceinline__ void load_taps(const T* weight, int64_t c0, float (&w)[KC][V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+#pragma unroll
+    for (int tau = 0; tau < KC; ++tau) w[tau][i] = to_f(weight[(c0 + i) * KC + tau]);
+}
+
+// The pre-activations at one token, taps summed in order as the CPU op does.
+template <int V, int KC>
+__device__ __forceinline__ void conv_taps(const float (&w)[KC][V], const float (&win)[KC][V],
+                                          const float (&cur)[V], float (&pre)[V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) pre[i] = 0.0f;
+#pragma unroll
+  for (int tau = 0; tau < KC; ++tau) {
+    const float* in = tap_input<V, KC>(win, cur, tau);
+#pragma unroll
+    for (int i = 0; i < V; ++i) pre[i] += w[tau][i] * in[i];
   }
 }
 
-// d pre-activation at token s (inside its document).
-template <typename T>
-__device__ __forceinline__ float conv_dpre(const T* x, const T* dy, const float* w, int kc,
-                                           int64_t c, int64_t ch, int64_t s, int64_t start,
-                                           bool silu) {
-  const float g = to_f(dy[s * c + ch]);
-  if (!silu) return g;
-  const float p = conv_pre(x, w, kc, c, ch, s, start), sg = sigmoid_f(p);
-  return g * sg * (1.0f + p * (1.0f - sg));
+template <typename T, int V, int KC>
+__global__ void __launch_bounds__(kThreads)
+    conv_fwd_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                    const int* __restrict__ cu, int ndoc, int64_t tokens, int64_t c, bool silu,
+                    T* __restrict__ y) {
+  const int64_t groups = c / V, idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t c0 = (idx % groups) * V, t0 = (idx / groups) * kConvRun;
+  if (t0 >= tokens) return;
+  const int64_t t1 = t0 + kConvRun < tokens ? t0 + kConvRun : tokens;
+  float w[KC][V], win[KC][V];
+  load_taps<T, V, KC>(weight, c0, w);
+  int doc = doc_of(cu, ndoc, t0);
+  int64_t start = cu[doc], end = cu[doc + 1];
+  load_window<T, V, KC>(x, c, c0, t0, start, win);
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t >= end) {  // a new document (after any empty ones) starts at t
+      while (cu[doc + 1] <= t) ++doc;
+      start = cu[doc];
+      end = cu[doc + 1];
+      clear(win);
+    }
+    float cur[V], pre[V];
+    detail::load_elems<V>(x + t * c + c0, cur);
+    conv_taps<V, KC>(w, win, cur, pre);
+#pragma unroll
+    for (int i = 0; i < V; ++i) pre[i] = silu ? pre[i] * sigmoid_f(pre[i]) : pre[i];
+    detail::store_elems<V>(y + t * c + c0, pre);
+    push_window<V, KC>(win, cur);
+  }
 }
 
-template <typename T>
-__global__ void conv_bwd_kernel(const T* __restrict__ x, const T* __restrict__ weight,
-                                const T* __restrict__ dy, const int* __restrict__ cu, int ndoc,
-                                int64_t tokens, int64_t c, int kc, int64_t tokens_per_block,
-                                bool silu, T* __restrict__ dx, float* __restrict__ dw_partial) {
-  const int64_t ch = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (ch >= c) return;
-  float w[kMaxTaps], dw[kMaxTaps];
-  for (int tau = 0; tau < kc; ++tau) {
-    w[tau] = to_f(weight[ch * kc + tau]);
-    dw[tau] = 0.0f;
+// dpre[s] = dy[s] · act'(pre[s]); the input gradient dx[t] = Σ_τ w[τ] · dpre[t + Kc − 1 − τ] over
+// the outputs inside t's document, built up as the thread walks s forward: dpre[s] adds w[τ] ·
+// dpre[s] to token s − (Kc − 1) + τ, so token s − (Kc − 1) is complete after s. pend[j] holds the
+// partial gradient of token s − 1 − j. The weight gradient dw[τ] = Σ_s dpre[s] · x[s − (Kc − 1) +
+// τ] over the block's tokens, summed over its runs in order into partial[blockIdx.y].
+template <typename T, int V, int KC>
+__global__ void __launch_bounds__(kConvGroups* kConvRuns)
+    conv_bwd_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ dy,
+                    const int* __restrict__ cu, int ndoc, int64_t tokens, int64_t c, bool silu,
+                    T* __restrict__ dx, float* __restrict__ dw_partial) {
+  __shared__ float dw_runs[kConvRuns][KC][kConvGroups * V];
+  const int gi = threadIdx.x % kConvGroups, ri = threadIdx.x / kConvGroups;
+  const int64_t c0 = (int64_t(blockIdx.x) * kConvGroups + gi) * V;
+  const int64_t t0 = int64_t(blockIdx.y) * kConvBlockTokens + int64_t(ri) * kConvRun;
+  float dw[KC][V];
+  clear(dw);
+  if (c0 < c && t0 < tokens) {
+    const int64_t t1 = t0 + kConvRun < tokens ? t0 + kConvRun : tokens;
+    const int64_t s1 = t1 + KC - 1 < tokens ? t1 + KC - 1 : tokens;
+    float w[KC][V], win[KC][V], pend[KC][V];
+    load_taps<T, V, KC>(weight, c0, w);
+    int doc = doc_of(cu, ndoc, t0);
+    int64_t start = cu[doc], end = cu[doc + 1];
+    load_window<T, V, KC>(x, c, c0, t0, start, win);
+    clear(pend);
+    // Stores the pending gradients of this run's tokens before s (those of the document).
+    const auto flush = [&](int64_t s) {
+#pragma unroll
+      for (int j = 0; j < KC - 1; ++j) {
+        const int64_t p = s - 1 - j;
+        if (p >= t0 && p < t1 && p >= start) detail::store_elems<V>(dx + p * c + c0, pend[j]);
+      }
+    };
+    int64_t s = t0;
+    for (; s < s1; ++s) {
+      if (s >= end) {  // the document ends before s: its pending tokens are complete
+        flush(s);
+        if (s >= t1) break;
+        while (cu[doc + 1] <= s) ++doc;
+        start = cu[doc];
+        end = cu[doc + 1];
+        clear(win);
+        clear(pend);
+      }
+      float cur[V], g[V], dpre[V];
+      detail::load_elems<V>(x + s * c + c0, cur);
+      detail::load_elems<V>(dy + s * c + c0, g);
+      conv_taps<V, KC>(w, win, cur, dpre);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float p = dpre[i], sg = sigmoid_f(p);
+        dpre[i] = silu ? g[i] * sg * (1.0f + p * (1.0f - sg)) : g[i];
+      }
+      if (s < t1) {
+#pragma unroll
+        for (int tau = 0; tau < KC; ++tau) {
+          const float* in = tap_input<V, KC>(win, cur, tau);
+#pragma unroll
+          for (int i = 0; i < V; ++i) dw[tau][i] += dpre[i] * in[i];
+        }
+      }
+      // Token s − (Kc − 1) (pend[Kc − 2]) receives its last term and is stored; the others
+      // move up one slot, token s starting at w[Kc − 1] · dpre[s].
+      float done[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        done[i] = (KC > 1 ? pend[KC > 1 ? KC - 2 : 0][i] : 0.0f) + w[0][i] * dpre[i];
+      const int64_t p = s - (KC - 1);
+      if (p >= t0 && p < t1 && p >= start) detail::store_elems<V>(dx + p * c + c0, done);
+#pragma unroll
+      for (int j = KC - 2; j > 0; --j)
+#pragma unroll
+        for (int i = 0; i < V; ++i) pend[j][i] = pend[j - 1][i] + w[KC - 1 - j][i] * dpre[i];
+      if constexpr (KC > 1)
+#pragma unroll
+        for (int i = 0; i < V; ++i) pend[0][i] = w[KC - 1][i] * dpre[i];
+      push_window<V, KC>(win, cur);
+    }
+    if (s == s1) flush(s);  // the pack (or the run's reach) ends: what is pending is complete
   }
-  const int64_t t0 = int64_t(blockIdx.y) * tokens_per_block;
-  const int64_t t1 = t0 + tokens_per_block < tokens ? t0 + tokens_per_block : tokens;
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t start = doc_start(cu, ndoc, t), end = doc_end(cu, ndoc, t);
-    // x[t] feeds y[t + (Kc−1) − τ] for the taps that stay inside the document.
+#pragma unroll
+  for (int tau = 0; tau < KC; ++tau)
+#pragma unroll
+    for (int i = 0; i < V; ++i) dw_runs[ri][tau][gi * V + i] = dw[tau][i];
+  __syncthreads();
+  // One thread per (channel, tap) of the block: the runs summed in order.
+  for (int e = threadIdx.x; e < kConvGroups * V * KC; e += blockDim.x) {
+    const int cl = e / KC, tau = e % KC;
+    const int64_t ch = int64_t(blockIdx.x) * kConvGroups * V + cl;
+    if (ch >= c) continue;
     float acc = 0.0f;
-    for (int tau = 0; tau < kc; ++tau) {
-      const int64_t out_t = t + (kc - 1) - tau;
-      if (out_t < end) acc += w[tau] * conv_dpre(x, dy, w, kc, c, ch, out_t, start, silu);
-    }
-    dx[t * c + ch] = from_f<T>(acc);
-    const float dp = conv_dpre(x, dy, w, kc, c, ch, t, start, silu);
-    for (int tau = 0; tau < kc; ++tau) {
-      const int64_t src = t - (kc - 1) + tau;
-      if (src >= start) dw[tau] += dp * to_f(x[src * c + ch]);
-    }
+    for (int r = 0; r < kConvRuns; ++r) acc += dw_runs[r][tau][cl];
+    dw_partial[(int64_t(blockIdx.y) * c + ch) * KC + tau] = acc;
   }
-  for (int tau = 0; tau < kc; ++tau)
-    dw_partial[(int64_t(blockIdx.y) * c + ch) * kc + tau] = dw[tau];
 }
 
 // ---- gate and beta ----------------------------------------------------------------------------
@@ -331,63 +452,102 @@ __global__ void l2_bwd_vec_kernel(const T* __restrict__ dy, const T* __restrict_
   detail::store_vec<kVec>(dx + off, gv);
 }
 
-template <typename T>
-__global__ void gated_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w,
-                                 const T* __restrict__ z, int64_t rows, int n, float eps,
-                                 T* __restrict__ y) {
-  const int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const T* xr = x + row * n;
-  const float ss = warp_row_sum_squares(xr, n, lane);
-  const float r = 1.0f / sqrtf(ss / float(n) + eps);
-  for (int j = lane; j < n; j += 32) {
-    const float v = w[j] * (to_f(xr[j]) * r);
-    y[row * n + j] = from_f<T>(v * sigmoid_f(to_f(z[row * n + j])));
+// The gated o_norm: one warp per row of n ≤ 32·P elements, lane ℓ holding [ℓ·P, ℓ·P + P) in
+// registers, so that each row is read once. kWide: n = 32·P and P-wide accesses (aligned);
+// otherwise element by element, past n reading zero.
+template <typename T, int P, bool kWide>
+__device__ __forceinline__ void load_lane(const T* row, int n, int lane, float (&v)[P]) {
+  if constexpr (kWide) {
+    detail::load_elems<P>(row + lane * P, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < P; ++i) v[i] = lane * P + i < n ? to_f(row[lane * P + i]) : 0.0f;
   }
 }
 
-// Rows [blockIdx.x · rows_per_block, ...), warp w taking every 8th row; per-lane weight-gradient
-// columns j = lane + 32·m, summed over the block's warps in order into partial[blockIdx.x].
-template <typename T>
+template <typename T, int P, bool kWide>
+__device__ __forceinline__ void store_lane(T* row, int n, int lane, const float (&v)[P]) {
+  if constexpr (kWide) {
+    detail::store_elems<P>(row + lane * P, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+      if (lane * P + i < n) row[lane * P + i] = from_f<T>(v[i]);
+  }
+}
+
+template <int P>
+__device__ __forceinline__ float lane_rstd(const float (&xv)[P], int n, float eps) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < P; ++i) ss += xv[i] * xv[i];
+  return 1.0f / sqrtf(detail::warp_sum(ss) / float(n) + eps);
+}
+
+template <typename T, int P, bool kWide>
+__global__ void __launch_bounds__(kThreads)
+    gated_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w, const T* __restrict__ z,
+                     int64_t rows, int n, float eps, T* __restrict__ y) {
+  const int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  float xv[P], zv[P];
+  load_lane<T, P, kWide>(x + row * n, n, lane, xv);
+  load_lane<T, P, kWide>(z + row * n, n, lane, zv);
+  const float r = lane_rstd(xv, n, eps);
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const float wj = lane * P + i < n ? w[lane * P + i] : 0.0f;
+    xv[i] = wj * (xv[i] * r) * sigmoid_f(zv[i]);
+  }
+  store_lane<T, P, kWide>(y + row * n, n, lane, xv);
+}
+
+// Rows [blockIdx.x · rows_per_block, ...), warp v taking every 8th row; each lane sums its
+// columns' weight gradient over its rows, and the block sums its warps in order into
+// partial[blockIdx.x].
+template <typename T, int P, bool kWide>
 __global__ void __launch_bounds__(kThreads)
     gated_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ w,
                      const T* __restrict__ z, int64_t rows, int n, float eps,
                      int64_t rows_per_block, T* __restrict__ dx, T* __restrict__ dz,
                      float* __restrict__ dw_partial) {
-  __shared__ float dw_warp[kThreads / 32][kMaxRow];
+  __shared__ float dw_warp[kThreads / 32][32 * P];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float dw[kMaxRow / 32] = {};
+  float wv[P], dw[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    wv[i] = lane * P + i < n ? w[lane * P + i] : 0.0f;
+    dw[i] = 0.0f;
+  }
   const int64_t r0 = int64_t(blockIdx.x) * rows_per_block;
   const int64_t r1 = r0 + rows_per_block < rows ? r0 + rows_per_block : rows;
   for (int64_t row = r0 + warp; row < r1; row += kThreads / 32) {
-    const T* xr = x + row * n;
-    const T* gr = dy + row * n;
-    const T* zr = z + row * n;
-    const float r = 1.0f / sqrtf(warp_row_sum_squares(xr, n, lane) / float(n) + eps);
+    float xv[P], gv[P], zv[P];
+    load_lane<T, P, kWide>(x + row * n, n, lane, xv);
+    load_lane<T, P, kWide>(dy + row * n, n, lane, gv);
+    load_lane<T, P, kWide>(z + row * n, n, lane, zv);
+    const float r = lane_rstd(xv, n, eps);
     float dot = 0.0f;
 #pragma unroll
-    for (int m = 0; m < kMaxRow / 32; ++m) {
-      const int j = lane + 32 * m;
-      if (j >= n) break;
-      const float xv = to_f(xr[j]), g = to_f(gr[j]), s = sigmoid_f(to_f(zr[j]));
-      dot += g * s * w[j] * xv;
-      dw[m] += g * (xv * r) * s;
+    for (int i = 0; i < P; ++i) {
+      zv[i] = sigmoid_f(zv[i]);
+      dot += gv[i] * zv[i] * wv[i] * xv[i];
+      dw[i] += gv[i] * (xv[i] * r) * zv[i];
     }
-    dot = detail::warp_sum(dot);
-    const float c = dot * r * r * r / float(n);
+    const float c = detail::warp_sum(dot) * r * r * r / float(n);
+    float dxv[P], dzv[P];
 #pragma unroll
-    for (int m = 0; m < kMaxRow / 32; ++m) {
-      const int j = lane + 32 * m;
-      if (j >= n) break;
-      const float xv = to_f(xr[j]), g = to_f(gr[j]), s = sigmoid_f(to_f(zr[j]));
-      dx[row * n + j] = from_f<T>(r * (g * s * w[j]) - c * xv);
-      dz[row * n + j] = from_f<T>(g * w[j] * (xv * r) * s * (1.0f - s));
+    for (int i = 0; i < P; ++i) {
+      const float s = zv[i];
+      dxv[i] = r * (gv[i] * s * wv[i]) - c * xv[i];
+      dzv[i] = gv[i] * wv[i] * (xv[i] * r) * s * (1.0f - s);
     }
+    store_lane<T, P, kWide>(dx + row * n, n, lane, dxv);
+    store_lane<T, P, kWide>(dz + row * n, n, lane, dzv);
   }
 #pragma unroll
-  for (int m = 0; m < kMaxRow / 32; ++m)
-    if (lane + 32 * m < n) dw_warp[warp][lane + 32 * m] = dw[m];
+  for (int i = 0; i < P; ++i) dw_warp[warp][lane * P + i] = dw[i];
   __syncthreads();
   for (int j = threadIdx.x; j < n; j += kThreads) {
     float acc = 0.0f;
@@ -512,6 +672,65 @@ bool with_row_lanes(int64_t n, std::initializer_list<const void*> ptrs, F&& f) {
   return true;
 }
 
+// Calls f(V, KC) with the conv's channels per thread V (BYTES / sizeof(T) when the channels
+// divide into such groups and every pointer is BYTES-aligned, else 1) and its taps KC (1..8), both
+// as constants.
+template <typename T, int BYTES, typename F>
+void with_conv_shape(int64_t c, int kc, std::initializer_list<const void*> ptrs, F&& f) {
+  constexpr int kWide = BYTES / int(sizeof(T));
+  bool wide = c % kWide == 0;
+  for (const void* p : ptrs) wide = wide && aligned(p, BYTES);
+  const auto with_taps = [&](auto v) {
+    switch (kc) {
+      case 1:
+        return f(v, std::integral_constant<int, 1>{});
+      case 2:
+        return f(v, std::integral_constant<int, 2>{});
+      case 3:
+        return f(v, std::integral_constant<int, 3>{});
+      case 4:
+        return f(v, std::integral_constant<int, 4>{});
+      case 5:
+        return f(v, std::integral_constant<int, 5>{});
+      case 6:
+        return f(v, std::integral_constant<int, 6>{});
+      case 7:
+        return f(v, std::integral_constant<int, 7>{});
+      default:
+        return f(v, std::integral_constant<int, kMaxTaps>{});
+    }
+  };
+  if (wide)
+    with_taps(std::integral_constant<int, kWide>{});
+  else
+    with_taps(std::integral_constant<int, 1>{});
+}
+
+// Calls f(P, wide) for the gated norm's rows of n ≤ 256 elements: P = the elements per lane
+// (1, 2, 4 or 8) and wide = rows of exactly 32·P elements with every pointer aligned to a lane's
+// P elements, both as constants.
+template <typename T, typename F>
+void with_lane_elems(int64_t n, std::initializer_list<const void*> ptrs, F&& f) {
+  const auto with_wide = [&](auto p) {
+    constexpr int P = decltype(p)::value;
+    constexpr int kWidth = detail::access_width(int(P * sizeof(T)));
+    bool wide = n == 32 * P;
+    for (const void* q : ptrs) wide = wide && aligned(q, kWidth);
+    if (wide)
+      f(p, std::true_type{});
+    else
+      f(p, std::false_type{});
+  };
+  if (n <= 32)
+    with_wide(std::integral_constant<int, 1>{});
+  else if (n <= 64)
+    with_wide(std::integral_constant<int, 2>{});
+  else if (n <= 128)
+    with_wide(std::integral_constant<int, 4>{});
+  else
+    with_wide(std::integral_constant<int, 8>{});
+}
+
 }  // namespace
 
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
@@ -523,13 +742,16 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
   detail::DeviceGuard guard(x.device().index);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (t == 0 || c == 0) return y;
-  const int64_t per = per_block(t);
-  const dim3 grid(unsigned((c + kThreads - 1) / kThreads), unsigned((t + per - 1) / per));
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    conv_fwd_kernel<T><<<grid, kThreads, 0, stream>>>(cptr<T>(x), cptr<T>(weight),
-                                                      cu_seqlens.data<int32_t>(), ndoc, t, c, kc,
-                                                      per, silu, mptr<T>(y));
+    with_conv_shape<T, 16>(c, kc, {x.data_ptr(), y.data_ptr()}, [&](auto v, auto taps) {
+      constexpr int V = decltype(v)::value, KC = decltype(taps)::value;
+      const int64_t threads = (c / V) * ((t + kConvRun - 1) / kConvRun);
+      conv_fwd_kernel<T, V, KC>
+          <<<unsigned((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+              cptr<T>(x), cptr<T>(weight), cu_seqlens.data<int32_t>(), ndoc, t, c, silu,
+              mptr<T>(y));
+    });
   });
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   return y;
@@ -545,14 +767,20 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
   detail::DeviceGuard guard(x.device().index);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (t == 0 || c == 0) return dx;
-  const int64_t per = per_block(t), blocks = (t + per - 1) / per;
+  const int64_t blocks = (t + kConvBlockTokens - 1) / kConvBlockTokens;
   Tensor partial = Tensor::empty({blocks, c, kc}, DType::f32, x.device());
-  const dim3 grid(unsigned((c + kThreads - 1) / kThreads), unsigned(blocks));
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    conv_bwd_kernel<T><<<grid, kThreads, 0, stream>>>(
-        cptr<T>(x), cptr<T>(weight), cptr<T>(dy), cu_seqlens.data<int32_t>(), ndoc, t, c, kc, per,
-        silu, mptr<T>(dx), partial.data<float>());
+    // 8-byte accesses: half the registers of 16-byte ones for the windows the backward keeps.
+    with_conv_shape<T, 8>(
+        c, kc, {x.data_ptr(), dy.data_ptr(), dx.data_ptr()}, [&](auto v, auto taps) {
+          constexpr int V = decltype(v)::value, KC = decltype(taps)::value;
+          const int64_t groups = c / V;
+          const dim3 grid(unsigned((groups + kConvGroups - 1) / kConvGroups), unsigned(blocks));
+          conv_bwd_kernel<T, V, KC><<<grid, kConvGroups * kConvRuns, 0, stream>>>(
+              cptr<T>(x), cptr<T>(weight), cptr<T>(dy), cu_seqlens.data<int32_t>(), ndoc, t, c,
+              silu, mptr<T>(dx), partial.data<float>());
+        });
   });
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   if (grad_weight) {
@@ -720,14 +948,19 @@ Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate,
   require_act(x, "x", op);
   require_same(gate, x, x.dtype(), "gate", op);
   const int64_t n = x.size(-1), rows = n > 0 ? x.numel() / n : 0;
+  GLMTUNE_CUDA_OP_REQUIRE(n <= kMaxRow, std::string(op) + ": rows longer than 256");
   require_vec(weight, n, x, "weight", op);
   detail::DeviceGuard guard(x.device().index);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   if (rows == 0) return y;
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    gated_fwd_kernel<T><<<unsigned((rows * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        cptr<T>(x), weight.data<float>(), cptr<T>(gate), rows, int(n), float(eps), mptr<T>(y));
+    with_lane_elems<T>(n, {x.data_ptr(), gate.data_ptr(), y.data_ptr()}, [&](auto p, auto wide) {
+      gated_fwd_kernel<T, decltype(p)::value, decltype(wide)::value>
+          <<<unsigned((rows * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+              cptr<T>(x), weight.data<float>(), cptr<T>(gate), rows, int(n), float(eps),
+              mptr<T>(y));
+    });
   });
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   return y;
@@ -747,13 +980,21 @@ ops::RmsNormGatedGrads rms_norm_gated_backward(const Tensor& dy, const Tensor& x
   ops::RmsNormGatedGrads r{Tensor::empty(x.shape(), x.dtype(), x.device()),
                            Tensor::empty(x.shape(), x.dtype(), x.device())};
   if (rows == 0) return r;
-  const int64_t per = per_block(rows), blocks = (rows + per - 1) / per;
+  // Enough blocks to fill the device (a warp per row); the split depends on the rows alone, so
+  // the weight gradient's sum order does too.
+  const int64_t per = std::max<int64_t>(kThreads / 32, (rows + kGatedBlocks - 1) / kGatedBlocks),
+                blocks = (rows + per - 1) / per;
   Tensor partial = Tensor::empty({blocks, n}, DType::f32, x.device());
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    gated_bwd_kernel<T><<<unsigned(blocks), kThreads, 0, stream>>>(
-        cptr<T>(dy), cptr<T>(x), weight.data<float>(), cptr<T>(gate), rows, int(n), float(eps), per,
-        mptr<T>(r.dx), mptr<T>(r.dgate), partial.data<float>());
+    with_lane_elems<T>(
+        n, {x.data_ptr(), dy.data_ptr(), gate.data_ptr(), r.dx.data_ptr(), r.dgate.data_ptr()},
+        [&](auto p, auto wide) {
+          gated_bwd_kernel<T, decltype(p)::value, decltype(wide)::value>
+              <<<unsigned(blocks), kThreads, 0, stream>>>(
+                  cptr<T>(dy), cptr<T>(x), weight.data<float>(), cptr<T>(gate), rows, int(n),
+                  float(eps), per, mptr<T>(r.dx), mptr<T>(r.dgate), partial.data<float>());
+        });
   });
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   if (grad_weight) {
