@@ -463,6 +463,73 @@ TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesOfTheLoss) {
   EXPECT_EQ(adapters, 2 * int(resolve_lora_targets(*m.store, c, "lora").size()));
 }
 
+// With the base trainable too, each adapter's gradients are the base weight's gradient dW seen
+// through the other factor: dA = s·Bᵀ·dW and dB = s·dW·Aᵀ (per expert for the fused experts),
+// to f64 rounding. The GPU step's bf16 bound on the adapter gradients (test_cuda_model_step)
+// rests on this.
+TEST(LoraModel, AdapterGradientsAreTheWeightGradientThroughTheOtherFactor) {
+  SCOPED_TRACE(seed_note());
+  RandomModel m("lora-factor", test_seed(),
+                {"text_config.n_group=1", "text_config.topk_group=1",
+                 "text_config.n_routed_experts=2", "text_config.num_experts_per_tok=2"});
+  const LoraConfig c = everything();
+  const std::vector<std::string> modules = resolve_lora_targets(*m.store, c, "lora");
+  add_lora_adapters(*m.store, c, modules, test_seed());
+  randomise_b(*m.store, 70'000);
+  const TextModel model(*m.store, TextModelOptions{DType::f64});
+  std::mt19937_64 rng(test_seed());
+  const PackInput in = tiny_pack(model.text(), rng);
+  TrainOptions opt;
+  opt.mtp = false;
+  TextGrads grads = TextGrads::zeros_like(model.weights());
+  forward_backward(model, in, opt, grads);
+  const double s = c.scale();
+  // out[e] = s · a[e] · b[e] for stacks of [rows, inner] · [inner, cols] matrices; `ta` / `tb`
+  // read a[e] / b[e] transposed.
+  const auto product = [s](const Tensor& a, bool ta, const Tensor& b, bool tb) {
+    const bool stacked = a.dim() == 3;
+    const int64_t e = stacked ? a.size(0) : 1, d = a.dim();
+    const int64_t rows = ta ? a.size(d - 1) : a.size(d - 2),
+                  inner = ta ? a.size(d - 2) : a.size(d - 1);
+    const int64_t cols = tb ? b.size(d - 2) : b.size(d - 1);
+    const std::vector<double> av = a.to_doubles(), bv = b.to_doubles();
+    const int64_t a_cols = a.size(d - 1), b_cols = b.size(d - 1);
+    std::vector<double> out(size_t(e * rows * cols), 0.0);
+    for (int64_t x = 0; x < e; ++x)
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) {
+          double acc = 0;
+          for (int64_t k = 0; k < inner; ++k)
+            acc += av[size_t(x * a.size(d - 2) * a_cols + (ta ? k * a_cols + i : i * a_cols + k))] *
+                   bv[size_t(x * b.size(d - 2) * b_cols + (tb ? j * b_cols + k : k * b_cols + j))];
+          out[size_t((x * rows + i) * cols + j)] = s * acc;
+        }
+    return out;
+  };
+  int64_t checked = 0;
+  for (const std::string& module : modules) {
+    SCOPED_TRACE(module);
+    const std::string base = m.store->contains(module + ".weight") ? module + ".weight" : module;
+    const Tensor* dw = grads.find(base);
+    if (dw == nullptr || !dw->defined()) continue;  // a base that is never trained (the indexer)
+    const Tensor* da = grads.find(module + ".lora_A.weight");
+    const Tensor* db = grads.find(module + ".lora_B.weight");
+    ASSERT_TRUE(da && db && da->defined() && db->defined());
+    const Tensor& a = m.store->get(module + ".lora_A.weight");
+    const Tensor& b = m.store->get(module + ".lora_B.weight");
+    EXPECT_LE(
+        rel_err(*da, Tensor::from_doubles(product(b, true, *dw, false), da->shape(), DType::f64)),
+        1e-10)
+        << "dA";
+    EXPECT_LE(
+        rel_err(*db, Tensor::from_doubles(product(*dw, false, a, true), db->shape(), DType::f64)),
+        1e-10)
+        << "dB";
+    ++checked;
+  }
+  EXPECT_GE(checked, int64_t(modules.size()) / 2);  // the indexer's few projections aside
+}
+
 TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
   SCOPED_TRACE(seed_note());
   RandomModel m("lora", test_seed());
