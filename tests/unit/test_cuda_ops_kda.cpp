@@ -127,6 +127,41 @@ void run_core(const CoreCase& c, uint64_t& stream) {
               bit_identical(gr.dbeta, gr2.dbeta))
       << ctx("core backward rerun" + tag);
 }
+// The sigmoid-gated o_norm over `heads` rows of n per token, forward and backward, against the
+// CPU op in f32 on the same (rounded) values.
+void expect_gated_norm_matches_cpu(int64_t t, int64_t heads, int64_t n, DType dt, uint64_t& stream,
+                                   double bar, double pbar, const std::string& tag) {
+  const Tensor core = random_cpu({t, heads, n}, dt, stream++);
+  const Tensor gate = random_cpu({t, heads, n}, dt, stream++, 2.0);
+  const Tensor onw = random_cpu({n}, DType::f32, stream++, 1.0, 0.2);
+  EXPECT_CLOSE(cuda::rms_norm_gated(core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5),
+               ops::rms_norm_gated(f32(core), onw, f32(gate), 1e-5), bar, "o_norm forward" + tag);
+  const Tensor dn = random_cpu({t, heads, n}, dt, stream++);
+  Tensor gw_ref, gw;
+  const ops::RmsNormGatedGrads ref = ops::rms_norm_gated_backward(
+      f32(dn), f32(core), onw, f32(gate), 1e-5, ops::GateActivation::sigmoid, Tensor(), &gw_ref);
+  const ops::RmsNormGatedGrads got = cuda::rms_norm_gated_backward(
+      dn.to(kGpu), core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5, &gw);
+  EXPECT_CLOSE(got.dx, ref.dx, bar, "o_norm dx" + tag);
+  EXPECT_CLOSE(got.dgate, ref.dgate, bar, "o_norm d gate" + tag);
+  EXPECT_CLOSE(gw, gw_ref, pbar, "o_norm d weight" + tag);
+}
+
+// The conv of x with weight w over the documents cu (cug on the GPU), forward and backward; returns
+// the GPU weight gradient.
+Tensor expect_conv_matches_cpu(const Tensor& x, const Tensor& w, const Tensor& cu,
+                               const Tensor& cug, bool silu, const Tensor& dy, double bar,
+                               double pbar, const std::string& tag) {
+  EXPECT_CLOSE(cuda::causal_conv1d(x.to(kGpu), w.to(kGpu), cug, silu),
+               ops::causal_conv1d(f32(x), f32(w), cu, silu), bar, "conv forward" + tag);
+  Tensor gw_ref, gw;
+  const Tensor dx_ref = ops::causal_conv1d_backward(f32(x), f32(w), cu, silu, f32(dy), &gw_ref);
+  const Tensor dx =
+      cuda::causal_conv1d_backward(x.to(kGpu), w.to(kGpu), cug, silu, dy.to(kGpu), &gw);
+  EXPECT_CLOSE(dx, dx_ref, bar, "conv dx" + tag);
+  EXPECT_CLOSE(gw, gw_ref, pbar, "conv d weight" + tag);
+  return gw;
+}
 #endif
 
 }  // namespace
@@ -180,39 +215,13 @@ TEST(CudaOpsKda, ConvAndGatedNormOffTheFastPathsMatchCpu) {
       const std::string tag = fmt::format(", C {} Kc {}, {}", sh.c, sh.kc, dtype_name(dt));
       const Tensor x = random_cpu({t, sh.c}, dt, stream++);
       const Tensor w = random_cpu({sh.c, 1, sh.kc}, dt, stream++, 0.5);
-      for (bool silu : {true, false}) {
-        const std::string stag = tag + (silu ? ", SiLU" : ", linear");
-        EXPECT_CLOSE(cuda::causal_conv1d(x.to(kGpu), w.to(kGpu), cug, silu),
-                     ops::causal_conv1d(f32(x), f32(w), cu, silu), bar, "conv forward" + stag);
-        const Tensor dy = random_cpu({t, sh.c}, dt, stream++);
-        Tensor gw_ref, gw;
-        const Tensor dx_ref =
-            ops::causal_conv1d_backward(f32(x), f32(w), cu, silu, f32(dy), &gw_ref);
-        const Tensor dx =
-            cuda::causal_conv1d_backward(x.to(kGpu), w.to(kGpu), cug, silu, dy.to(kGpu), &gw);
-        EXPECT_CLOSE(dx, dx_ref, bar, "conv dx" + stag);
-        EXPECT_CLOSE(gw, gw_ref, pbar, "conv d weight" + stag);
-      }
+      for (bool silu : {true, false})
+        expect_conv_matches_cpu(x, w, cu, cug, silu, random_cpu({t, sh.c}, dt, stream++), bar, pbar,
+                                tag + (silu ? ", SiLU" : ", linear"));
     }
-    for (const int64_t n : {int64_t(48), int64_t(200), int64_t(64)}) {
-      const std::string tag = fmt::format(", rows of {}, {}", n, dtype_name(dt));
-      const Tensor core = random_cpu({t, 3, n}, dt, stream++);
-      const Tensor gate = random_cpu({t, 3, n}, dt, stream++, 2.0);
-      const Tensor onw = random_cpu({n}, DType::f32, stream++, 1.0, 0.2);
-      EXPECT_CLOSE(cuda::rms_norm_gated(core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5),
-                   ops::rms_norm_gated(f32(core), onw, f32(gate), 1e-5), bar,
-                   "o_norm forward" + tag);
-      const Tensor dn = random_cpu({t, 3, n}, dt, stream++);
-      Tensor gw_ref, gw;
-      const ops::RmsNormGatedGrads ref =
-          ops::rms_norm_gated_backward(f32(dn), f32(core), onw, f32(gate), 1e-5,
-                                       ops::GateActivation::sigmoid, Tensor(), &gw_ref);
-      const ops::RmsNormGatedGrads got = cuda::rms_norm_gated_backward(
-          dn.to(kGpu), core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5, &gw);
-      EXPECT_CLOSE(got.dx, ref.dx, bar, "o_norm dx" + tag);
-      EXPECT_CLOSE(got.dgate, ref.dgate, bar, "o_norm d gate" + tag);
-      EXPECT_CLOSE(gw, gw_ref, pbar, "o_norm d weight" + tag);
-    }
+    for (const int64_t n : {int64_t(48), int64_t(200), int64_t(64)})
+      expect_gated_norm_matches_cpu(t, 3, n, dt, stream, bar, pbar,
+                                    fmt::format(", rows of {}, {}", n, dtype_name(dt)));
   }
 #endif
 }
@@ -230,15 +239,8 @@ TEST(CudaOpsKda, ConvGateBetaNormsMatchCpu) {
     // Short conv + SiLU.
     const Tensor x = random_cpu({t, ql}, dt, stream++);
     const Tensor w = random_cpu({ql, 1, kc}, dt, stream++, 0.5);
-    EXPECT_CLOSE(cuda::causal_conv1d(x.to(kGpu), w.to(kGpu), cug, true),
-                 ops::causal_conv1d(f32(x), f32(w), cu, true), bar, "conv forward" + tag);
     const Tensor dy = random_cpu({t, ql}, dt, stream++);
-    Tensor gw_ref, gw;
-    const Tensor dx_ref = ops::causal_conv1d_backward(f32(x), f32(w), cu, true, f32(dy), &gw_ref);
-    const Tensor dx =
-        cuda::causal_conv1d_backward(x.to(kGpu), w.to(kGpu), cug, true, dy.to(kGpu), &gw);
-    EXPECT_CLOSE(dx, dx_ref, bar, "conv dx" + tag);
-    EXPECT_CLOSE(gw, gw_ref, pbar, "conv d weight" + tag);
+    const Tensor gw = expect_conv_matches_cpu(x, w, cu, cug, true, dy, bar, pbar, tag);
     Tensor gw2;
     cuda::causal_conv1d_backward(x.to(kGpu), w.to(kGpu), cug, true, dy.to(kGpu), &gw2);
     EXPECT_TRUE(bit_identical(gw, gw2)) << ctx("conv d weight rerun" + tag);
@@ -303,21 +305,7 @@ TEST(CudaOpsKda, ConvGateBetaNormsMatchCpu) {
     }
 
     // Sigmoid-gated o_norm.
-    const Tensor core = random_cpu({t, nl, 128}, dt, stream++);
-    const Tensor gate = random_cpu({t, nl, 128}, dt, stream++, 2.0);
-    const Tensor onw = random_cpu({128}, DType::f32, stream++, 1.0, 0.2);
-    EXPECT_CLOSE(cuda::rms_norm_gated(core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5),
-                 ops::rms_norm_gated(f32(core), onw, f32(gate), 1e-5), bar, "o_norm forward" + tag);
-    const Tensor dn = random_cpu({t, nl, 128}, dt, stream++);
-    Tensor gw_on_ref, gw_on;
-    const ops::RmsNormGatedGrads on_ref =
-        ops::rms_norm_gated_backward(f32(dn), f32(core), onw, f32(gate), 1e-5,
-                                     ops::GateActivation::sigmoid, Tensor(), &gw_on_ref);
-    const ops::RmsNormGatedGrads on = cuda::rms_norm_gated_backward(
-        dn.to(kGpu), core.to(kGpu), onw.to(kGpu), gate.to(kGpu), 1e-5, &gw_on);
-    EXPECT_CLOSE(on.dx, on_ref.dx, bar, "o_norm dx" + tag);
-    EXPECT_CLOSE(on.dgate, on_ref.dgate, bar, "o_norm d gate" + tag);
-    EXPECT_CLOSE(gw_on, gw_on_ref, pbar, "o_norm d weight" + tag);
+    expect_gated_norm_matches_cpu(t, nl, 128, dt, stream, bar, pbar, tag);
   }
 #endif
 }
