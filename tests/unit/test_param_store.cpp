@@ -5,12 +5,16 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "glmtune/base/error.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/io/fp8.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/param_store.h"
+#include "glmtune/model/text/weights.h"
 #include "glmtune/tensor/allocator.h"
 #include "support/error_message.h"
 #include "support/temp_dir.h"
@@ -105,6 +109,47 @@ TEST(Init, FollowsTheReferenceRules) {
   EXPECT_EQ(r.info(l1 + "self_attn.q_conv1d.weight").dtype, DType::f32);
   EXPECT_EQ(r.info(l1 + "hc_ffn_base").dtype, DType::f32);
   EXPECT_EQ(r.info(l1 + "hc_ffn_fn").dtype, DType::bf16);
+}
+
+// The released layout (model/layout.cpp: names and shapes) and the weights' field lists (the
+// zip_*_params visitors the model loads through) name the same tensors: every text tensor a
+// checkpoint holds is a weight of the model, loaded once, and nothing else is. Over the layouts
+// that change the list: biases, a tied head, no MTP layer, a shared indexer, DSA layers with dense
+// MLPs and KDA layers with MoE.
+TEST(ParamStore, EveryReleasedTextTensorIsOneWeightOfTheModel) {
+  const std::vector<std::vector<std::pair<std::string, std::string>>> variants = {
+      {},
+      {{"text_config.attention_bias", "true"}},
+      {{"text_config.tie_word_embeddings", "true"}},
+      {{"text_config.num_nextn_predict_layers", "0"}},
+      {{"text_config.layer_types", R"(["deepseek_sparse_attention","linear_attention",)"
+                                   R"("linear_attention","deepseek_sparse_attention",)"
+                                   R"("deepseek_sparse_attention"])"},
+       {"text_config.indexer_types", R"(["full","full","full","full","shared"])"}},
+  };
+  for (size_t v = 0; v < variants.size(); ++v) {
+    SCOPED_TRACE("variant " + std::to_string(v));
+    TempDir dir("layout-lists");
+    model::ModelConfig config = model::ModelConfig::preset("tiny");
+    for (const auto& [key, value] : variants[v]) config.set(key, value);
+    model::write_random_checkpoint(config, dir.path() / "ck", model::InitOptions{});
+    const model::ParamStore store =
+        model::ParamStore::load(io::CheckpointReader::open(dir.path() / "ck"), config);
+    const model::text::TextWeights w =
+        model::text::load_text_weights(store, DType::f32, Device::cpu());
+    std::set<std::string> weights;
+    for (const auto& [name, t] : w.named) {
+      EXPECT_TRUE(weights.insert(name).second) << name << " is two weights";
+      EXPECT_TRUE(store.contains(name)) << name << " is a weight the layout does not hold";
+    }
+    int64_t text = 0;
+    for (const model::InternalParam& p : store.params()) {
+      if (p.name.starts_with("model.visual.")) continue;
+      ++text;
+      EXPECT_TRUE(weights.contains(p.name)) << p.name << " is in the layout but no weight";
+    }
+    EXPECT_EQ(int64_t(weights.size()), text);
+  }
 }
 
 TEST(ParamStore, FusesOnLoadAndSplitsOnSave) {
