@@ -13,8 +13,10 @@
 #   FUZZ_NICE     niceness of the fuzzers (default 10: the machine stays usable)
 #   FUZZ_KEEP_GOING  1: go on after a crash, OOM or timeout (libFuzzer -fork=1 -ignore_crashes=1
 #                 ...) to measure a target whose known crash is not fixed yet; each is counted
+#   FUZZ_JOBS     N > 1: one campaign in N worker processes (libFuzzer -fork=N; FUZZ_RUNS counts
+#                 the executions of all of them), for a slow target on an otherwise idle machine
 #   CC, CXX       the clang to use (default clang-14 / clang++-14)
-# One fuzzer process runs at a time, on one core. Crashing inputs are kept under
+# One target runs at a time, on one core (FUZZ_JOBS: on N). Crashing inputs are kept under
 # <build dir>/artifacts/<target>/; the exit status is 1 when any target crashed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +26,7 @@ nice_level="${FUZZ_NICE:-10}"
 merge="${FUZZ_MERGE:-1}"
 
 # target:corpus, as in tests/fuzz/CMakeLists.txt
-all_targets=(safetensors_header:safetensors media:media dataset:dataset chat_template:chat_template
+all_targets=(safetensors_header:safetensors image:image video:video dataset:dataset chat_template:chat_template
              tokenizer_json:tokenizer_json tokenizer_encode:tokenizer_encode recipe:recipe
              model_config:model_config token_cache:token_cache)
 declare -A corpus_of dict_of
@@ -66,8 +68,13 @@ for t in "${ordered[@]}"; do
   args=(-max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1
         -artifact_prefix="$artifacts/")
   [ -n "${FUZZ_RUNS:-}" ] && args+=(-runs="$FUZZ_RUNS")
-  [ "${FUZZ_KEEP_GOING:-0}" = "1" ] &&
-    args+=(-fork=1 -ignore_crashes=1 -ignore_ooms=1 -ignore_timeouts=1)
+  jobs="${FUZZ_JOBS:-1}"
+  [[ "$jobs" =~ ^[1-9][0-9]*$ ]] || { echo "fuzz.sh: FUZZ_JOBS must be a positive integer, not '$jobs'" >&2; exit 2; }
+  if [ "${FUZZ_KEEP_GOING:-0}" = "1" ]; then
+    args+=(-fork="$jobs" -ignore_crashes=1 -ignore_ooms=1 -ignore_timeouts=1)
+  elif [ "$jobs" -gt 1 ]; then
+    args+=(-fork="$jobs")
+  fi
   [ -n "${dict_of[$t]:-}" ] && args+=(-dict="tests/fuzz/dict/${dict_of[$t]}.dict")
   echo "== fuzz_$t: ${seconds}s on $seeds (log: $log)"
   start=$(date +%s)
