@@ -192,8 +192,6 @@ void segment_attention_backward(const T* q, int64_t q_stride, int64_t q_begin, i
       });
 }
 
-// q / k / v / out / dout: 2-D with unit column stride; q and out [Nq, d], k and v [N, d]; the
-// segments cover the pack and q's rows lie inside it.
 // Before dispatch (ops/checks.h): q [rows, H·hd] and k, v [n, H·hd] split alike into `heads`,
 // segment bounds rising from 0 to n, the query rows [q_begin, q_begin + rows) inside them.
 void check_attention_args(const Tensor& q, const Tensor& k, const Tensor& v,
