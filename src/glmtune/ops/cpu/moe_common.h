@@ -56,7 +56,7 @@ inline void check_config(const MoeConfig& cfg) {
 // dtypes are the bodies' (the GPU routes in f32 beside bf16 activations), and so are the expert
 // ids, which live on the routing's device.
 
-// x [T, D] on `device` (the input or the output gradient of an MoE op).
+// x [T, D]: the rows an MoE op takes (checked before dispatch; `what` names them).
 inline void check_moe_rows(const Tensor& x, const char* what, const char* op) {
   GLMTUNE_ASSERT(x.defined() && x.dim() == 2, "{}: {} {} must be [T, D]", op, what,
                  x.defined() ? x.str() : "undefined");
