@@ -251,6 +251,23 @@ TEST(MediaVideo, DecodesFromMemoryLikeFromFile) {
   EXPECT_NE(a[0].pixels, a[1].pixels);
 }
 
+TEST(MediaVideo, OneDecoderThreadDecodesTheSameFrames) {
+  REQUIRE_VIDEO();
+  VideoLimits one_thread;
+  one_thread.decoder_threads = 1;
+  for (const auto& entry : fs::directory_iterator(kGolden + "/videos")) {
+    const fs::path& path = entry.path();
+    VideoReader automatic = VideoReader::open_file(path);
+    VideoReader single = VideoReader::open_file(path, one_thread);
+    const int64_t last = automatic.info().num_frames - 1;
+    const std::vector<int64_t> indices = {0, last / 2, last};
+    const auto a = automatic.read_frames(indices);
+    const auto b = single.read_frames(indices);
+    ASSERT_EQ(a.size(), b.size()) << path;
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].pixels, b[i].pixels) << path << " " << i;
+  }
+}
+
 TEST(MediaVideo, OddFrameCountsPadTheLastTubelet) {
   // Frames given directly (no sampling): 3 frames make 2 tubelets, the last holding frame 2 twice.
   VideoProcessorConfig config;

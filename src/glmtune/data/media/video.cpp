@@ -369,7 +369,7 @@ struct VideoReader::Impl {
     if (avcodec_parameters_to_context(codec.get(), d.stream()->codecpar) < 0)
       fail("cannot configure the video decoder");
     codec->pkt_timebase = d.stream()->time_base;
-    codec->thread_count = 0;
+    codec->thread_count = std::max(limits.decoder_threads, 0);
     codec->max_pixels = int64_t(std::min<uint64_t>(limits.max_frame_pixels, INT64_MAX));
     const int open_rc = avcodec_open2(codec.get(), d.decoder, nullptr);
     if (open_rc < 0)

@@ -40,6 +40,9 @@ struct VideoLimits {
   int64_t max_frames = 1'000'000;
   // Stream duration in seconds.
   double max_duration_seconds = 24.0 * 3600.0;
+  // Decoder threads per video; 0 lets FFmpeg choose (about one per core). Callers that decode
+  // many short clips at once, or want reproducible decoder timing, pass 1.
+  int decoder_threads = 0;
 };
 
 // What the packet scan says, before any frame is decoded.
