@@ -32,6 +32,7 @@ struct PlanArgs {
   int64_t lora_rank = 0;
   std::string lora_targets = "all-linear";
   bool lora_experts = false;
+  std::vector<std::string> recipe_target_parameters;  // lora.target_parameters of --config
   bool json = false;
 };
 
@@ -83,9 +84,13 @@ void print_text(const train::MemoryPlan& p, const model::ModelConfig& config) {
   std::printf("parameters: %.3fB text + MTP, %.3fB trained", double(p.base_params) / 1e9,
               double(p.trained_params) / 1e9);
   if (o.lora)
-    std::printf(" (LoRA rank %ld on %ld projections%s, base %s)", long(o.lora->rank),
-                long(p.adapted_modules), o.lora->experts ? " incl. routed experts" : "",
-                o.base == train::PlanBase::fp8 ? "fp8" : "bf16");
+    std::printf(
+        " (LoRA rank %ld on %ld projections%s, base %s)", long(o.lora->rank),
+        long(p.adapted_modules),
+        p.adapted_expert_params
+            ? fmt::format(" and {} fused expert parameters", p.adapted_expert_params).c_str()
+            : "",
+        o.base == train::PlanBase::fp8 ? "fp8" : "bf16");
   std::printf("\n\n%-14s %-58s %10s\n", "part", "item", "GiB/GPU");
   std::string last;
   for (const train::PlanItem& i : p.items) {
@@ -98,7 +103,7 @@ void print_text(const train::MemoryPlan& p, const model::ModelConfig& config) {
   std::printf("%-14s %-58s %10.2f\n", "headroom", "", p.headroom / kGiB);
   std::printf("\n%s\n", p.fits ? "fits" : "does not fit");
   for (const std::string& s : p.suggestions) std::printf("  would fit: %s\n", s.c_str());
-  if (o.lora && o.lora->experts && o.ep > 1)
+  if (p.adapted_expert_params && o.ep > 1)
     std::printf(
         "note: adapters on the routed experts are counted; glmtune refuses them under expert "
         "parallelism (--ep)\n");
@@ -130,8 +135,8 @@ void print_json(const train::MemoryPlan& p) {
     j["lora"] = {{"rank", o.lora->rank},
                  {"modules", p.adapted_modules},
                  {"params", p.adapter_params},
-                 {"experts", o.lora->experts},
-                 {"experts_trainable", false}};
+                 {"expert_parameters", p.adapted_expert_params},
+                 {"experts_trainable", o.ep <= 1}};
   }
   nlohmann::ordered_json items = nlohmann::ordered_json::array();
   for (const train::PlanItem& i : p.items)
@@ -173,6 +178,8 @@ int run_plan(PlanArgs& a, const CLI::App& app) {
         l.target_regex = r.lora->target_regex;
         a.plan.lora = l;
       }
+      if (!given("--lora-experts")) a.recipe_target_parameters = r.lora->target_parameters;
+      if (!given("--base") && r.lora->fp8_base) a.base = "fp8";
     }
   }
   if (a.model_dir.empty() && a.config.preset.empty())
@@ -190,7 +197,10 @@ int run_plan(PlanArgs& a, const CLI::App& app) {
       set_targets(*a.plan.lora, a.lora_targets);
     }
     a.plan.lora->rank = a.lora_rank;
-    a.plan.lora->experts = a.lora_experts;
+    a.plan.lora->target_parameters =
+        a.lora_experts
+            ? std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+            : a.recipe_target_parameters;
   } else if (given("--lora-targets") || a.lora_experts) {
     throw Error("LoRA targets without a rank", "--lora-targets / --lora-experts",
                 "add --lora-rank R (e.g. 16)");
@@ -241,8 +251,9 @@ GLMTUNE_COMMAND(
       app.add_option("--lora-targets", a->lora_targets,
                      "all-linear, PEFT suffixes (q_proj,o_proj,mlp.down_proj) or a regular "
                      "expression over module names");
-      app.add_flag("--lora-experts", a->lora_experts,
-                   "Adapters on every routed expert too (counted; not trainable yet)");
+      app.add_flag(
+          "--lora-experts", a->lora_experts,
+          "Adapters on every routed expert too (lora.target_parameters; refused with --ep)");
       app.add_option("--base", a->base,
                      "bf16, or fp8: the frozen base's FP8 tensors kept as the release stores them");
       app.add_option("--device-memory", a->plan.device_gib,

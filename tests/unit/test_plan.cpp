@@ -52,18 +52,26 @@ TEST(Plan, LoraCountsEqualWhatAddLoraAdaptersCreates) {
   struct Case {
     std::vector<std::string> modules;
     std::string regex;
+    std::vector<std::string> params = {};
   };
-  const std::vector<Case> cases = {{{"all-linear"}, ""},
-                                   {{"q_proj", "o_proj"}, ""},
-                                   {{"mlp.down_proj"}, ""},
-                                   {{"f_a_proj", "shared_experts.up_proj"}, ""},
-                                   {{}, R"(.*layers\.[13]\.self_attn\..*_proj)"}};
+  const std::vector<std::string> both = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+  const std::vector<Case> cases = {
+      {{"all-linear"}, ""},
+      {{"q_proj", "o_proj"}, ""},
+      {{"mlp.down_proj"}, ""},
+      {{"f_a_proj", "shared_experts.up_proj"}, ""},
+      {{}, R"(.*layers\.[13]\.self_attn\..*_proj)"},
+      // The routed experts' fused parameters: an adapter per expert, A [E, r, in], B [E, out, r].
+      {{"all-linear"}, "", both},
+      {{"q_proj"}, "", {"mlp.experts.gate_up_proj"}},
+      {{}, "", {"layers.1.mlp.experts.down_proj"}}};
   for (const Case& c : cases) {
     test::RandomModel m("plan-lora", 5);
     model::LoraConfig config;
     config.rank = 4;
     config.target_modules = c.modules;
     config.target_regex = c.regex;
+    config.target_parameters = c.params;
     const std::vector<std::string> modules = model::resolve_lora_targets(*m.store, config, "lora");
     model::add_lora_adapters(*m.store, config, modules, 1);
     int64_t elements = 0;
@@ -73,6 +81,7 @@ TEST(Plan, LoraCountsEqualWhatAddLoraAdaptersCreates) {
     lora.rank = 4;
     lora.target_modules = c.modules;
     lora.target_regex = c.regex;
+    lora.target_parameters = c.params;
     EXPECT_EQ(train::plan_lora_modules(m.config, lora), modules) << c.regex;
     train::PlanOptions o;
     o.lora = lora;
@@ -82,15 +91,26 @@ TEST(Plan, LoraCountsEqualWhatAddLoraAdaptersCreates) {
   }
 }
 
-TEST(Plan, ExpertAdaptersAreCountedPerExpert) {
+TEST(Plan, ExpertAdaptersAreTheFusedParametersOfEachMoeLayer) {
   const model::ModelConfig config = model::ModelConfig::preset("tiny");
   const model::TextConfig& c = config.text();
   train::PlanLora lora;
   lora.rank = 2;
   const int64_t without = int64_t(train::plan_lora_modules(config, lora).size());
-  lora.experts = true;
+  lora.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
   const int64_t with = int64_t(train::plan_lora_modules(config, lora).size());
-  EXPECT_EQ(with - without, c.count(model::MlpKind::sparse) * c.n_routed_experts * 3);
+  EXPECT_EQ(with - without, c.count(model::MlpKind::sparse) * 2);
+  train::PlanOptions o;
+  o.lora = lora;
+  const train::MemoryPlan plan = train::plan_memory(config, o);
+  EXPECT_EQ(plan.adapted_expert_params, c.count(model::MlpKind::sparse) * 2);
+  lora.target_parameters = {"mlp.experts.up_proj"};
+  try {
+    train::plan_lora_modules(config, lora);
+    ADD_FAILURE() << "a target parameter that matches nothing was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mlp.experts.up_proj"), std::string::npos) << e.what();
+  }
 }
 
 // An FP8 base: the values the plan keeps at 1 byte are exactly the FP8 tensors of a checkpoint in
@@ -206,6 +226,30 @@ TEST(PlanCli, JsonHasTheParts) {
   EXPECT_TRUE(j["fits"].get<bool>());
   EXPECT_GT(j["parts_gib"]["activations"].get<double>(), 0);
   EXPECT_NEAR(j["total_gib"].get<double>() + j["headroom_gib"].get<double>(), 139.0, 1e-9);
+}
+
+// A recipe's [lora] section is planned as written: its target_parameters adapt the routed experts
+// and base = "fp8" keeps the base in FP8, unless flags given beside it say otherwise.
+TEST(PlanCli, ARecipesLoraSectionIsPlannedWithItsExpertsAndBase) {
+  test::TempDir dir("plan-recipe");
+  const std::string recipe = (dir / "recipe.toml").string();
+  test::write_text(recipe,
+                   "[model]\npath = \"unused\"\n[data]\nfiles = "
+                   "[\"unused.jsonl\"]\n[train]\ntotal_steps = 1\n[output]\ndir = \"unused\"\n"
+                   "[lora]\nrank = 4\ntarget_modules = [\"q_proj\"]\n"
+                   "target_parameters = [\"mlp.experts.down_proj\"]\nbase = \"fp8\"\n");
+  const test::CliResult r = plan_cli("--model-preset tiny --pack 512 --json --config " + recipe);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const model::ModelConfig tiny = model::ModelConfig::preset("tiny");
+  EXPECT_EQ(j["base"], "fp8");
+  EXPECT_EQ(j["lora"]["rank"], 4);
+  EXPECT_EQ(j["lora"]["expert_parameters"], tiny.text().count(model::MlpKind::sparse));
+  EXPECT_TRUE(j["lora"]["experts_trainable"].get<bool>());
+  const test::CliResult flags =
+      plan_cli("--model-preset tiny --pack 512 --json --base bf16 --config " + recipe);
+  ASSERT_EQ(flags.code, 0) << flags.out;
+  EXPECT_EQ(nlohmann::json::parse(flags.out)["base"], "bf16");
 }
 
 TEST(PlanCli, BadValuesNameTheFlagAndTheFix) {

@@ -138,12 +138,15 @@ std::vector<std::string> expert_params(const ParamStore& store) {
   return out;
 }
 
-// PEFT's target_parameters rule: the full name equals the entry or ends with "." + it.
+}  // namespace
+
 bool parameter_targeted(const std::string& name, const std::vector<std::string>& targets) {
   for (const std::string& t : targets)
     if (name == t || name.ends_with("." + t)) return true;
   return false;
 }
+
+namespace {
 
 // The base weight an adapter's module adapts: "<module>.weight", or the fused expert parameter
 // itself (its internal name has no ".weight").

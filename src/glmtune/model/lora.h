@@ -68,6 +68,9 @@ std::vector<std::string> adaptable_modules(const ParamStore& store);
 std::vector<std::string> resolve_lora_targets(const ParamStore& store, const LoraConfig& config,
                                               const std::string& where);
 
+// PEFT's target_parameters rule: the full parameter name equals an entry or ends with "." + it.
+bool parameter_targeted(const std::string& name, const std::vector<std::string>& targets);
+
 // Adds fresh adapters on `modules` to the store, with PEFT's default initialisation: A
 // Kaiming-uniform (a = sqrt(5), i.e. uniform in ±1/sqrt(in)) drawn from `seed`, B zero. f32,
 // trainable. Sets the store's adapter scale.

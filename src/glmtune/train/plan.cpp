@@ -116,16 +116,25 @@ std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, con
         continue;
       if (lora_matches(lora, re, module)) out.push_back(module);
     }
-  if (lora.experts)
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      if (c.mlp_layer_types[size_t(l)] != model::MlpKind::sparse) continue;
-      for (int64_t e = 0; e < c.n_routed_experts; ++e)
-        for (const char* p : {"gate_proj", "up_proj", "down_proj"}) {
-          const std::string module =
-              fmt::format("{}mlp.experts.{}.{}", model::text::layer_prefix(l), e, p);
-          if (lora_matches(lora, re, module)) out.push_back(module);
-        }
-    }
+  // The decoder layers' fused expert parameters (the MTP layer's are not adaptable), matched by
+  // PEFT's target_parameters rule as model/lora.h matches them.
+  std::vector<std::string> experts;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    if (c.mlp_layer_types[size_t(l)] == model::MlpKind::sparse)
+      for (const char* p : {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"})
+        experts.push_back(model::text::layer_prefix(l) + p);
+  for (const std::string& key : lora.target_parameters)
+    if (std::none_of(experts.begin(), experts.end(),
+                     [&](const std::string& e) { return model::parameter_targeted(e, {key}); }))
+      throw Error(fmt::format("target parameter '{}' matches none of the routed experts' fused "
+                              "parameters (named like "
+                              "model.language_model.layers.1.mlp.experts.gate_up_proj)",
+                              key),
+                  "--lora-experts / lora.target_parameters",
+                  "target mlp.experts.gate_up_proj and mlp.experts.down_proj, on a model with "
+                  "routed experts");
+  for (const std::string& e : experts)
+    if (model::parameter_targeted(e, lora.target_parameters)) out.push_back(e);
   if (out.empty())
     throw Error("the LoRA targets match no projection of this model", "--lora-targets",
                 "use \"all-linear\", projection suffixes such as q_proj,o_proj,mlp.down_proj, "
@@ -217,287 +226,335 @@ TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
   return b;
 }
 
-MemoryPlan plan_impl(const model::ModelConfig& config, const PlanOptions& o, bool suggest) {
-  check_options(o);
-  const model::TextConfig& c = config.text();
-  const dist::ParallelSizes sizes =
-      dist::parallel_sizes(int(o.gpus), o.ep, o.sp, "--gpus / --ep / --sp");
-  if (o.ep > 1 && c.n_routed_experts % o.ep != 0)
-    throw Error(
-        fmt::format("{} routed experts do not split over --ep {}", c.n_routed_experts, o.ep),
-        "--ep", "give an expert-parallel size that divides the routed experts");
-  MemoryPlan plan;
-  plan.options = o;
-  plan.dp = sizes.dp;
-  const double dp = double(sizes.dp), ep = double(o.ep);
-  const int64_t L = c.num_hidden_layers;
-  const bool mtp = o.mtp && c.has_mtp();
-  const auto policies = model::text::activation_policy(L, o.recompute, o.offload);
+// One plan, built part by part: the static parts are exact sums over the released layout, the
+// activations a model of the step's peak (token_bytes), the rest the buffers of the layout.
+class PlanBuilder {
+ public:
+  PlanBuilder(const model::ModelConfig& config, const PlanOptions& o)
+      : config_(config), c_(config.text()), o_(o), L_(c_.num_hidden_layers) {
+    check_options(o);
+    sizes_ = dist::parallel_sizes(int(o.gpus), o.ep, o.sp, "--gpus / --ep / --sp");
+    if (o.ep > 1 && c_.n_routed_experts % o.ep != 0)
+      throw Error(
+          fmt::format("{} routed experts do not split over --ep {}", c_.n_routed_experts, o.ep),
+          "--ep", "give an expert-parallel size that divides the routed experts");
+    plan_.options = o;
+    plan_.dp = sizes_.dp;
+    dp_ = double(sizes_.dp);
+    ep_ = double(o.ep);
+    mtp_ = o.mtp && c_.has_mtp();
+    lora_ = o.lora.has_value();
+  }
 
-  // ---- static parts, exact over the released layout ----
-  double w_bf16 = 0, w_f32 = 0, w_fp8 = 0, w_scales = 0, w_frozen_bf16 = 0;
-  double g_f32 = 0, opt_master = 0, opt_moments = 0;
-  std::vector<double> layer_weight(size_t(L + 1), 0), layer_grad(size_t(L + 1), 0);
-  std::vector<double> layer_fp8(size_t(L + 1), 0);  // FP8-held elements per layer (MTP last)
-  double fsdp_weight_slices = 0, fsdp_grad_slices = 0;
-  const bool lora = o.lora.has_value();
-  for (const model::ParamSpec& s : model::released_layout(config)) {
-    if (s.component == model::Component::vision) continue;
-    if (!mtp && s.component == model::Component::mtp) continue;
-    plan.base_params += s.numel();
-    const bool expert = is_routed_expert(s.name);
-    const double local = double(s.numel()) / (expert ? ep : 1.0);
-    const bool trained = !lora && s.trainable;
-    if (trained) plan.trained_params += s.numel();
-    const int64_t layer = s.layer;
-    const bool in_layer = layer >= 0 && layer < L;
-    // fsdp shards the decoder layers over dp; ep's expert slices stay out of it.
-    const bool sharded = o.fsdp && in_layer && !(expert && o.ep > 1);
-    double bytes;
-    if (o.base == PlanBase::fp8 && !trained && model::released_in_fp8(config, s)) {
-      const int64_t blocks = ((s.shape[0] + 127) / 128) * ((s.shape[1] + 127) / 128);
-      const double scales = double(blocks) * 4 / (expert ? ep : 1.0);
-      w_fp8 += local;
-      w_scales += scales;
-      if (layer >= 0 && layer <= L) layer_fp8[size_t(layer)] += local;
-      bytes = local + scales;
-    } else if (model::is_fp32_kept(s.name) || is_hc_mixing(s.name)) {
-      bytes = local * 4;
-      w_f32 += bytes;
-    } else {
-      bytes = local * 2;
-      (trained ? w_bf16 : w_frozen_bf16) += bytes;
-    }
-    if (sharded) {
-      layer_weight[size_t(layer)] += bytes;
-      fsdp_weight_slices += bytes / dp;
-    }
-    if (!trained) continue;
-    const bool f32_stored = model::is_fp32_kept(s.name);
-    // The sharded optimizer splits every trained tensor over dp; an expert slice over the dp / ep
-    // ranks holding it, which is the whole expert count over dp again.
-    const double shard = dp > 1 ? (expert ? double(s.numel()) / dp : local / dp) : local;
-    opt_master += f32_stored ? 0 : shard * 4;
-    opt_moments += shard * 8;
-    if (sharded) {
-      layer_grad[size_t(layer)] += local * 4;
-      fsdp_grad_slices += local * 4 / dp;
-    } else {
-      g_f32 += local * 4;
+  MemoryPlan build(bool suggest) {
+    tally_parameters();
+    add_weights();
+    if (lora_) add_adapters();
+    add_gradients_and_optimizer();
+    add_activations();
+    add_communication();
+    const double dynamic = plan_.part_bytes("activations") + plan_.part_bytes("communication");
+    add("allocator", "caching-allocator reserve beyond allocation", dynamic * kAllocatorShare,
+        "10% of what comes and goes in a step (docs/PERF.md)");
+    for (const PlanItem& i : plan_.items) plan_.total += i.bytes;
+    plan_.headroom = o_.device_gib * kGiB - plan_.total;
+    plan_.fits = plan_.headroom >= 0;
+    if (!plan_.fits && suggest) add_suggestions();
+    return std::move(plan_);
+  }
+
+ private:
+  void add(const std::string& part, const std::string& item, double bytes,
+           const std::string& note = "") {
+    if (bytes != 0) plan_.items.push_back({part, item, bytes, note});
+  }
+
+  // Weights by how they are held, and the gradients and optimizer state of the trained ones.
+  void tally_parameters() {
+    layer_weight_.assign(size_t(L_ + 1), 0);
+    layer_grad_.assign(size_t(L_ + 1), 0);
+    layer_fp8_.assign(size_t(L_ + 1), 0);
+    for (const model::ParamSpec& s : model::released_layout(config_)) {
+      if (s.component == model::Component::vision) continue;
+      if (!mtp_ && s.component == model::Component::mtp) continue;
+      plan_.base_params += s.numel();
+      const bool expert = is_routed_expert(s.name);
+      const double local = double(s.numel()) / (expert ? ep_ : 1.0);
+      const bool trained = !lora_ && s.trainable;
+      if (trained) plan_.trained_params += s.numel();
+      const int64_t layer = s.layer;
+      const bool in_layer = layer >= 0 && layer < L_;
+      // fsdp shards the decoder layers over dp; ep's expert slices stay out of it.
+      const bool sharded = o_.fsdp && in_layer && !(expert && o_.ep > 1);
+      double bytes;
+      if (o_.base == PlanBase::fp8 && !trained && model::released_in_fp8(config_, s)) {
+        const int64_t blocks = ((s.shape[0] + 127) / 128) * ((s.shape[1] + 127) / 128);
+        const double scales = double(blocks) * 4 / (expert ? ep_ : 1.0);
+        w_fp8_ += local;
+        w_scales_ += scales;
+        if (layer >= 0 && layer <= L_) layer_fp8_[size_t(layer)] += local;
+        bytes = local + scales;
+      } else if (model::is_fp32_kept(s.name) || is_hc_mixing(s.name)) {
+        bytes = local * 4;
+        w_f32_ += bytes;
+      } else {
+        bytes = local * 2;
+        (trained ? w_bf16_ : w_frozen_bf16_) += bytes;
+      }
+      if (sharded) {
+        layer_weight_[size_t(layer)] += bytes;
+        fsdp_weight_slices_ += bytes / dp_;
+      }
+      if (!trained) continue;
+      const bool f32_stored = model::is_fp32_kept(s.name);
+      // The sharded optimizer splits every trained tensor over dp; an expert slice over the dp /
+      // ep ranks holding it, which is the whole expert count over dp again.
+      const double shard = dp_ > 1 ? (expert ? double(s.numel()) / dp_ : local / dp_) : local;
+      opt_master_ += f32_stored ? 0 : shard * 4;
+      opt_moments_ += shard * 8;
+      if (sharded) {
+        layer_grad_[size_t(layer)] += local * 4;
+        fsdp_grad_slices_ += local * 4 / dp_;
+      } else {
+        g_f32_ += local * 4;
+      }
     }
   }
-  auto add = [&](const std::string& part, const std::string& item, double bytes,
-                 const std::string& note = "") {
-    if (bytes != 0) plan.items.push_back({part, item, bytes, note});
-  };
-  const double weight_total = w_bf16 + w_f32 + w_fp8 + w_scales + w_frozen_bf16;
-  if (o.fsdp) {
-    const double whole_layers = std::accumulate(layer_weight.begin(), layer_weight.end(), 0.0);
-    add("weights", "replicated (embeddings, head, MTP, norms) and expert slices",
-        weight_total - whole_layers);
-    add("weights", "decoder-layer slices (fsdp, 1/dp)", fsdp_weight_slices);
-  } else {
-    add("weights", "bf16 compute copies (trained)", w_bf16);
-    add("weights", "bf16 compute copies (frozen)", w_frozen_bf16,
+
+  void add_weights() {
+    const double weight_total = w_bf16_ + w_f32_ + w_fp8_ + w_scales_ + w_frozen_bf16_;
+    if (o_.fsdp) {
+      const double whole_layers = std::accumulate(layer_weight_.begin(), layer_weight_.end(), 0.0);
+      add("weights", "replicated (embeddings, head, MTP, norms) and expert slices",
+          weight_total - whole_layers);
+      add("weights", "decoder-layer slices (fsdp, 1/dp)", fsdp_weight_slices_);
+      return;
+    }
+    add("weights", "bf16 compute copies (trained)", w_bf16_);
+    add("weights", "bf16 compute copies (frozen)", w_frozen_bf16_,
         "the indexer, and the whole base under LoRA");
-    add("weights", "fp8 values (frozen, FP8 in the release)", w_fp8, "1 byte a value");
-    add("weights", "fp8 block scales (f32, 128x128)", w_scales);
+    add("weights", "fp8 values (frozen, FP8 in the release)", w_fp8_, "1 byte a value");
+    add("weights", "fp8 block scales (f32, 128x128)", w_scales_);
     // Each layer's FP8 tensors are dequantised to bf16 right before it runs and dropped after.
     add("weights", "fp8 base: the running layer dequantised (bf16)",
-        2 * *std::max_element(layer_fp8.begin(), layer_fp8.end()),
+        2 * *std::max_element(layer_fp8_.begin(), layer_fp8_.end()),
         "one layer at a time, forward and backward");
-    add("weights", "f32 (A_log, dt_bias, conv, router bias, mHC)", w_f32);
+    add("weights", "f32 (A_log, dt_bias, conv, router bias, mHC)", w_f32_);
   }
 
-  // ---- adapters ----
-  if (lora) {
-    const std::vector<std::string> modules = plan_lora_modules(config, *o.lora);
+  void add_adapters() {
+    const std::vector<std::string> modules = plan_lora_modules(config_, *o_.lora);
     std::map<std::string, Shape> shapes;
-    for (const model::ParamSpec& s : model::released_layout(config)) shapes[s.name] = s.shape;
+    for (const model::ParamSpec& s : model::released_layout(config_)) shapes[s.name] = s.shape;
+    const double r = double(o_.lora->rank), E = double(c_.n_routed_experts),
+                 D = double(c_.hidden_size), Im = double(c_.moe_intermediate_size);
     double dense_elems = 0, expert_elems = 0;
     for (const std::string& m : modules) {
+      if (is_routed_expert(m)) {
+        // One adapter per expert on the fused parameter: A [E, r, in], B [E, out, r].
+        const bool gate_up = m.ends_with("gate_up_proj");
+        expert_elems += E * r * (gate_up ? D + 2 * Im : Im + D);
+        ++plan_.adapted_expert_params;
+        continue;
+      }
       const Shape& w = shapes.at(m + ".weight");
-      const double n = double(o.lora->rank * (w[0] + w[1]));
-      (is_routed_expert(m) ? expert_elems : dense_elems) += n;
+      dense_elems += r * double(w[0] + w[1]);
+      ++plan_.adapted_modules;
     }
-    plan.adapted_modules = int64_t(modules.size());
-    plan.adapter_params = int64_t(dense_elems + expert_elems);
-    plan.trained_params = plan.adapter_params;
-    const double local = dense_elems + expert_elems / ep;
+    plan_.adapter_params = int64_t(dense_elems + expert_elems);
+    plan_.trained_params = plan_.adapter_params;
+    const double local = dense_elems + expert_elems / ep_;
     add("adapters", "LoRA A and B (f32, trained)", local * 4,
-        o.lora->experts ? "includes the routed experts' adapters" : "");
-    g_f32 += local * 4;
-    const double shard = dp > 1 ? (dense_elems + expert_elems) / dp : local;
-    opt_moments += shard * 8;  // f32-stored: each adapter is its own master
+        expert_elems > 0 ? "includes the routed experts' adapters" : "");
+    g_f32_ += local * 4;
+    const double shard = dp_ > 1 ? (dense_elems + expert_elems) / dp_ : local;
+    opt_moments_ += shard * 8;  // f32-stored: each adapter is its own master
   }
-  if (o.fsdp) {
-    add("gradients", "f32, replicated tensors", g_f32);
-    add("gradients", "f32, decoder-layer slices (fsdp, 1/dp)", fsdp_grad_slices);
-  } else {
-    add("gradients", "f32, every trained tensor", g_f32);
-  }
-  add("optimizer", "f32 masters of bf16-stored trained tensors", opt_master,
-      dp > 1 ? "sharded over the data-parallel ranks" : "");
-  add("optimizer", "f32 exp_avg and exp_avg_sq", opt_moments,
-      dp > 1 ? "sharded over the data-parallel ranks" : "");
 
-  // ---- activations ----
-  const double T = double(o.pack) / double(o.sp);
-  const TokenBytes b = token_bytes(c, o.ep);
-  auto ctx_bytes = [&](int64_t l) {
-    const bool dsa = c.layer_types[size_t(l)] == model::AttnKind::dsa;
-    const bool moe = c.mlp_layer_types[size_t(l)] == model::MlpKind::sparse;
-    return T * (b.kept_common + (dsa ? b.dsa : b.kda) + (moe ? b.moe : b.dense));
-  };
-  auto ws_bytes = [&](int64_t l) {
-    const bool dsa = c.layer_types[size_t(l)] == model::AttnKind::dsa;
-    const bool moe = c.mlp_layer_types[size_t(l)] == model::MlpKind::sparse;
-    // The attention and the MLP are differentiated one after the other; the streams' gradient
-    // (in and out, bf16) lives through both.
-    const double ffn = moe ? b.moe_ws + b.moe_exchange : b.dense_ws;
-    return T * (std::max(dsa ? b.dsa_ws : b.kda_ws, ffn) + 2 * b.streams);
-  };
-  std::vector<double> held(size_t(L), 0), extra(size_t(L), 0);
-  double kept = 0, inputs = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    switch (policies[size_t(l)]) {
-      case model::text::ActivationPolicy::keep:
-        held[size_t(l)] = ctx_bytes(l);
-        kept += held[size_t(l)];
-        ++plan.kept_layers;
-        break;
-      case model::text::ActivationPolicy::recompute:
-        held[size_t(l)] = T * b.streams;
-        inputs += held[size_t(l)];
-        extra[size_t(l)] = ctx_bytes(l) - T * b.streams;
-        ++plan.recomputed_layers;
-        break;
-      case model::text::ActivationPolicy::offload:
-        // On the host between forward and backward; on the device while differentiated, with
-        // the next offloaded layer's context on its way back.
-        extra[size_t(l)] = 2 * ctx_bytes(l);
-        ++plan.offloaded_layers;
-        break;
+  void add_gradients_and_optimizer() {
+    if (o_.fsdp) {
+      add("gradients", "f32, replicated tensors", g_f32_);
+      add("gradients", "f32, decoder-layer slices (fsdp, 1/dp)", fsdp_grad_slices_);
+    } else {
+      add("gradients", "f32, every trained tensor", g_f32_);
     }
+    add("optimizer", "f32 masters of bf16-stored trained tensors", opt_master_,
+        dp_ > 1 ? "sharded over the data-parallel ranks" : "");
+    add("optimizer", "f32 exp_avg and exp_avg_sq", opt_moments_,
+        dp_ > 1 ? "sharded over the data-parallel ranks" : "");
   }
-  // Outside the layers: the embeddings, the last streams and the final norm's output.
-  const double D = double(c.hidden_size), V = double(c.vocab_size);
-  const double outside = T * (D * 2 + b.streams + D * 2 + 4 + 4);
-  // The MTP layer (DSA + MoE without mHC) keeps its context unless recomputed.
-  const double mtp_ctx = mtp ? T * (b.mtp_extra + 6 * D * 2 + 2 * 4 + b.dsa + b.moe + 4) : 0;
-  const bool recompute_mtp = o.recompute > 0;
-  // The lm_head + cross-entropy chunks: bf16 logits and their f32 gradient per row, the f32
-  // gradient of the hidden rows.
-  const double rows = std::min<double>(double(o.loss_chunk_rows), T);
-  const double head_ws = rows * V * (2 + 4) + T * D * 4;
-  const double mtp_ws =
-      mtp ? std::max(T * std::max(b.dsa_ws, b.moe_ws + b.moe_exchange), head_ws) : 0;
-  // The step's peak: every held context plus the largest of the transient sets, over the
-  // backward's order (MTP and the head first, then the layers from the last).
-  double above = 0;  // held bytes of the layers already differentiated (freed)
-  double transient = std::max(head_ws, mtp_ws + (recompute_mtp ? mtp_ctx : 0));
-  for (int64_t l = L - 1; l >= 0; --l) {
-    const double here = extra[size_t(l)] + ws_bytes(l) - above;
-    transient = std::max(transient, here);
-    above += held[size_t(l)];
+
+  // The held contexts of the layers by policy, and the largest transient set over the
+  // backward's order.
+  void add_activations() {
+    const double T = double(o_.pack) / double(o_.sp);
+    const TokenBytes b = token_bytes(c_, o_.ep);
+    auto ctx_bytes = [&](int64_t l) {
+      const bool dsa = c_.layer_types[size_t(l)] == model::AttnKind::dsa;
+      const bool moe = c_.mlp_layer_types[size_t(l)] == model::MlpKind::sparse;
+      return T * (b.kept_common + (dsa ? b.dsa : b.kda) + (moe ? b.moe : b.dense));
+    };
+    auto ws_bytes = [&](int64_t l) {
+      const bool dsa = c_.layer_types[size_t(l)] == model::AttnKind::dsa;
+      const bool moe = c_.mlp_layer_types[size_t(l)] == model::MlpKind::sparse;
+      // The attention and the MLP are differentiated one after the other; the streams' gradient
+      // (in and out, bf16) lives through both.
+      const double ffn = moe ? b.moe_ws + b.moe_exchange : b.dense_ws;
+      return T * (std::max(dsa ? b.dsa_ws : b.kda_ws, ffn) + 2 * b.streams);
+    };
+    const auto policies = model::text::activation_policy(L_, o_.recompute, o_.offload);
+    std::vector<double> held(size_t(L_), 0), extra(size_t(L_), 0);
+    double kept = 0, inputs = 0;
+    for (int64_t l = 0; l < L_; ++l) {
+      switch (policies[size_t(l)]) {
+        case model::text::ActivationPolicy::keep:
+          held[size_t(l)] = ctx_bytes(l);
+          kept += held[size_t(l)];
+          ++plan_.kept_layers;
+          break;
+        case model::text::ActivationPolicy::recompute:
+          held[size_t(l)] = T * b.streams;
+          inputs += held[size_t(l)];
+          extra[size_t(l)] = ctx_bytes(l) - T * b.streams;
+          ++plan_.recomputed_layers;
+          break;
+        case model::text::ActivationPolicy::offload:
+          // On the host between forward and backward; on the device while differentiated, with
+          // the next offloaded layer's context on its way back.
+          extra[size_t(l)] = 2 * ctx_bytes(l);
+          ++plan_.offloaded_layers;
+          break;
+      }
+    }
+    // Outside the layers: the embeddings, the last streams and the final norm's output.
+    const double D = double(c_.hidden_size), V = double(c_.vocab_size);
+    const double outside = T * (D * 2 + b.streams + D * 2 + 4 + 4);
+    // The MTP layer (DSA + MoE without mHC) keeps its context unless recomputed.
+    const double mtp_ctx = mtp_ ? T * (b.mtp_extra + 6 * D * 2 + 2 * 4 + b.dsa + b.moe + 4) : 0;
+    const bool recompute_mtp = o_.recompute > 0;
+    // The lm_head + cross-entropy chunks: bf16 logits and their f32 gradient per row, the f32
+    // gradient of the hidden rows.
+    const double rows = std::min<double>(double(o_.loss_chunk_rows), T);
+    const double head_ws = rows * V * (2 + 4) + T * D * 4;
+    const double mtp_ws =
+        mtp_ ? std::max(T * std::max(b.dsa_ws, b.moe_ws + b.moe_exchange), head_ws) : 0;
+    // The step's peak: every held context plus the largest of the transient sets, over the
+    // backward's order (MTP and the head first, then the layers from the last).
+    double above = 0;  // held bytes of the layers already differentiated (freed)
+    double transient = std::max(head_ws, mtp_ws + (recompute_mtp ? mtp_ctx : 0));
+    for (int64_t l = L_ - 1; l >= 0; --l) {
+      const double here = extra[size_t(l)] + ws_bytes(l) - above;
+      transient = std::max(transient, here);
+      above += held[size_t(l)];
+    }
+    add("activations", fmt::format("kept layer contexts ({} layers)", plan_.kept_layers), kept);
+    add("activations",
+        fmt::format("recomputed layers' inputs ({} layers)", plan_.recomputed_layers), inputs);
+    add("activations", "embeddings, last streams, final norm", outside);
+    if (mtp_ && !recompute_mtp) add("activations", "MTP context (kept)", mtp_ctx);
+    add("activations", "backward working set at the peak", transient,
+        "a recomputed or offloaded layer's context, the KDA / MoE / head workspaces");
   }
-  add("activations", fmt::format("kept layer contexts ({} layers)", plan.kept_layers), kept);
-  add("activations", fmt::format("recomputed layers' inputs ({} layers)", plan.recomputed_layers),
-      inputs);
-  add("activations", "embeddings, last streams, final norm", outside);
-  if (mtp && !recompute_mtp) add("activations", "MTP context (kept)", mtp_ctx);
-  add("activations", "backward working set at the peak", transient,
-      "a recomputed or offloaded layer's context, the KDA / MoE / head workspaces");
 
-  // ---- communication ----
-  if (o.fsdp) {
-    const double max_w = *std::max_element(layer_weight.begin(), layer_weight.end());
-    const double max_g = *std::max_element(layer_grad.begin(), layer_grad.end());
-    add("communication", "fsdp: running + prefetched layer, whole", 2 * max_w);
-    add("communication", "fsdp: one layer's whole f32 gradients", max_g);
+  void add_communication() {
+    if (o_.fsdp) {
+      const double max_w = *std::max_element(layer_weight_.begin(), layer_weight_.end());
+      const double max_g = *std::max_element(layer_grad_.begin(), layer_grad_.end());
+      add("communication", "fsdp: running + prefetched layer, whole", 2 * max_w);
+      add("communication", "fsdp: one layer's whole f32 gradients", max_g);
+    }
+    if (o_.sp > 1) {
+      // Ulysses: the KDA and DSA inputs re-split from rows to heads and back (bf16, both ways).
+      const double T = double(o_.pack) / double(o_.sp), QL = double(c_.linear_width());
+      add("communication", "sp all-to-all buffers", 2 * T * 3 * QL * 2);
+    }
+    if (o_.ep > 1) add("communication", "ep exchange (counted in the MoE working set)", 0.0);
+    if (dp_ > 1 && !o_.fsdp)
+      add("communication", "sharded optimizer: one gathered chunk (f32, 2^25 values)",
+          double(int64_t(1) << 25) * 4 * 2);
   }
-  if (o.sp > 1) {
-    // Ulysses: the KDA and DSA inputs re-split from rows to heads and back (bf16, both ways).
-    const double QL = double(c.linear_width());
-    add("communication", "sp all-to-all buffers", 2 * T * 3 * QL * 2);
-  }
-  if (o.ep > 1) add("communication", "ep exchange (counted in the MoE working set)", 0.0);
-  if (dp > 1 && !o.fsdp)
-    add("communication", "sharded optimizer: one gathered chunk (f32, 2^25 values)",
-        double(int64_t(1) << 25) * 4 * 2);
 
-  const double dynamic = plan.part_bytes("activations") + plan.part_bytes("communication");
-  add("allocator", "caching-allocator reserve beyond allocation", dynamic * kAllocatorShare,
-      "10% of what comes and goes in a step (docs/PERF.md)");
-
-  for (const PlanItem& i : plan.items) plan.total += i.bytes;
-  plan.headroom = o.device_gib * kGiB - plan.total;
-  plan.fits = plan.headroom >= 0;
-
-  // ---- what would fit ----
-  if (!plan.fits && suggest) {
+  // The first change of each kind that makes the layout fit: more recompute, offload, a wider
+  // ep, fsdp, LoRA or an FP8 base, more GPUs.
+  void add_suggestions() {
     auto try_with = [&](PlanOptions alt, const std::string& text) {
       try {
-        MemoryPlan p = plan_impl(config, alt, false);
+        MemoryPlan p = PlanBuilder(config_, alt).build(false);
         if (p.fits)
-          plan.suggestions.push_back(
+          plan_.suggestions.push_back(
               fmt::format("{} ({} GiB, {} GiB to spare)", text, gib(p.total), gib(p.headroom)));
         return p.fits;
       } catch (const Error&) {
         return false;
       }
     };
-    if (o.recompute < 1) {
-      for (double r = std::ceil(o.recompute * 10) / 10; r <= 1.0 + 1e-9; r += 0.1) {
-        PlanOptions alt = o;
+    if (o_.recompute < 1) {
+      for (double r = std::ceil(o_.recompute * 10) / 10; r <= 1.0 + 1e-9; r += 0.1) {
+        PlanOptions alt = o_;
         alt.recompute = std::min(1.0, r);
         alt.offload = std::min(alt.offload, 1.0 - alt.recompute);
         if (try_with(alt, fmt::format("--recompute {:.1f}", alt.recompute))) break;
       }
     }
-    if (o.offload + o.recompute < 1) {
-      PlanOptions alt = o;
-      alt.offload = 1.0 - o.recompute;
+    if (o_.offload + o_.recompute < 1) {
+      PlanOptions alt = o_;
+      alt.offload = 1.0 - o_.recompute;
       try_with(alt, fmt::format("--offload {:.2f}", alt.offload));
     }
-    for (int64_t e = o.ep * 2; e <= sizes.dp; e *= 2) {
-      PlanOptions alt = o;
+    for (int64_t e = o_.ep * 2; e <= sizes_.dp; e *= 2) {
+      PlanOptions alt = o_;
       alt.ep = e;
       if (try_with(alt, fmt::format("--ep {}", e))) break;
     }
-    if (!o.fsdp && sizes.dp > 1) {
-      PlanOptions alt = o;
+    if (!o_.fsdp && sizes_.dp > 1) {
+      PlanOptions alt = o_;
       alt.fsdp = true;
       try_with(alt, "--fsdp");
     }
-    if (!lora) {
-      PlanOptions alt = o;
+    if (!lora_) {
+      PlanOptions alt = o_;
       alt.lora = PlanLora{};
       try_with(alt, "LoRA (--lora-rank 16 --lora-targets all-linear)");
       alt.base = PlanBase::fp8;
       try_with(alt, "LoRA on an FP8 base (--lora-rank 16 --base fp8)");
-    } else if (o.base == PlanBase::bf16) {
-      PlanOptions alt = o;
+    } else if (o_.base == PlanBase::bf16) {
+      PlanOptions alt = o_;
       alt.base = PlanBase::fp8;
       try_with(alt, "--base fp8");
     }
-    for (int64_t g = o.gpus * 2; g <= o.gpus * 16; g *= 2) {
-      PlanOptions alt = o;
+    for (int64_t g = o_.gpus * 2; g <= o_.gpus * 16; g *= 2) {
+      PlanOptions alt = o_;
       alt.gpus = g;
-      alt.ep = std::min<int64_t>(g / o.sp, c.n_routed_experts);
-      while (alt.ep > 1 && (c.n_routed_experts % alt.ep != 0 || (g / o.sp) % alt.ep != 0)) --alt.ep;
+      alt.ep = std::min<int64_t>(g / o_.sp, c_.n_routed_experts);
+      while (alt.ep > 1 && (c_.n_routed_experts % alt.ep != 0 || (g / o_.sp) % alt.ep != 0))
+        --alt.ep;
       if (try_with(alt, fmt::format("--gpus {} --ep {}", g, alt.ep))) break;
     }
-    if (plan.suggestions.empty())
-      plan.suggestions.push_back("nothing tried fits: shorten --pack or use more GPUs");
+    if (plan_.suggestions.empty())
+      plan_.suggestions.push_back("nothing tried fits: shorten --pack or use more GPUs");
   }
-  return plan;
-}
+
+  const model::ModelConfig& config_;
+  const model::TextConfig& c_;
+  const PlanOptions& o_;
+  const int64_t L_;
+  dist::ParallelSizes sizes_;
+  double dp_ = 1, ep_ = 1;
+  bool mtp_ = false, lora_ = false;
+  MemoryPlan plan_;
+  // Bytes on one GPU: weights by storage, trained tensors' f32 gradients, optimizer state.
+  double w_bf16_ = 0, w_f32_ = 0, w_fp8_ = 0, w_scales_ = 0, w_frozen_bf16_ = 0;
+  double g_f32_ = 0, opt_master_ = 0, opt_moments_ = 0;
+  // Per decoder layer (the MTP layer last): fsdp-sharded weight and gradient bytes, FP8-held
+  // elements.
+  std::vector<double> layer_weight_, layer_grad_, layer_fp8_;
+  double fsdp_weight_slices_ = 0, fsdp_grad_slices_ = 0;
+};
 
 }  // namespace
 
 MemoryPlan plan_memory(const model::ModelConfig& config, const PlanOptions& options) {
-  return plan_impl(config, options, true);
+  return PlanBuilder(config, options).build(true);
 }
 
 }  // namespace glmtune::train

@@ -34,9 +34,10 @@ struct PlanLora {
   // whole module names (model/lora.h).
   std::vector<std::string> target_modules = {"all-linear"};
   std::string target_regex;
-  // Adapters on every routed expert's gate/up/down projection too (lora.target_parameters; refused
-  // under expert parallelism).
-  bool experts = false;
+  // PEFT's target_parameters (model/lora.h): the routed experts' fused parameters
+  // ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), each with an adapter per expert
+  // (A [E, r, in], B [E, out, r]); refused under expert parallelism.
+  std::vector<std::string> target_parameters;
 };
 
 struct PlanOptions {
@@ -70,10 +71,11 @@ struct MemoryPlan {
   int64_t recomputed_layers = 0;
   int64_t offloaded_layers = 0;
   // Exact element counts behind the static parts.
-  int64_t base_params = 0;      // text + MTP parameters of the whole model
-  int64_t trained_params = 0;   // of the whole model (adapters only, with LoRA)
-  int64_t adapter_params = 0;   // LoRA A and B elements of the whole model
-  int64_t adapted_modules = 0;  // projections with an adapter (each routed expert's count)
+  int64_t base_params = 0;            // text + MTP parameters of the whole model
+  int64_t trained_params = 0;         // of the whole model (adapters only, with LoRA)
+  int64_t adapter_params = 0;         // LoRA A and B elements of the whole model
+  int64_t adapted_modules = 0;        // projections with an adapter (target_modules)
+  int64_t adapted_expert_params = 0;  // fused routed-expert parameters with adapters
   std::vector<PlanItem> items;
   double total = 0;
   double headroom = 0;  // device bytes left over (negative: short by that much)
@@ -90,7 +92,8 @@ MemoryPlan plan_memory(const model::ModelConfig& config, const PlanOptions& opti
 // The projections (module names as model/lora.h names them, without ".weight") the targets adapt
 // in this config, resolved by PEFT's rules over the layout alone: the same set
 // model::resolve_lora_targets picks from a loaded model (tests/unit/test_plan.cpp holds them
-// equal). With `experts`, also each routed expert's projections "...mlp.experts.<e>.gate_proj".
+// equal): the projections, then the targeted fused expert parameters layer by layer
+// ("...layers.1.mlp.experts.gate_up_proj").
 std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, const PlanLora& lora);
 
 // The device bytes of a model's weights (text, MTP and vision) under the two ways of holding a
