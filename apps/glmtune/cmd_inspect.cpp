@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <regex>
 #include <set>
 #include <string>
@@ -124,6 +125,214 @@ int verify(const std::string& dir, bool json) {
   return all_ok ? 0 : 1;
 }
 
+// What `inspect` reports on a model: its config, the released layout's counts, the checkpoint's
+// check when there are weights, and the device bytes of the weights under each way of holding
+// them.
+struct Inspection {
+  model::ModelConfig config;
+  model::ParamCounts counts;
+  std::optional<model::CheckpointReport> report;
+  // The checkpoint's own FP8 tensors, or where it has none, those the FP8 release stores in FP8.
+  bool stored_fp8 = false;
+  train::WeightBytes device;
+  // --freeze: only the FP8 tensors the patterns freeze stay in FP8.
+  bool frozen = false;
+  train::WeightBytes frozen_device;
+};
+
+std::vector<std::regex> freeze_patterns(const InspectArgs& a,
+                                        const std::vector<model::ParamSpec>& layout) {
+  std::vector<std::regex> frozen;
+  for (const std::string& pattern : a.freeze) try {
+      frozen.emplace_back(pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      throw Error(fmt::format("'{}' is not a regular expression ({})", pattern, e.what()),
+                  "glmtune inspect --freeze",
+                  "write an ECMAScript regular expression, e.g. 'mlp\\.experts\\.'");
+    }
+  for (size_t i = 0; i < frozen.size(); ++i)
+    if (std::none_of(layout.begin(), layout.end(), [&](const model::ParamSpec& s) {
+          return std::regex_search(s.name, frozen[i]);
+        }))
+      throw Error(
+          fmt::format("the freeze pattern '{}' matches no parameter of this model", a.freeze[i]),
+          "glmtune inspect --freeze",
+          "patterns are searched in the released names, such as "
+          "model.language_model.layers.1.mlp.experts.0.gate_proj.weight");
+  return frozen;
+}
+
+Inspection inspect_model(const InspectArgs& a) {
+  namespace fs = std::filesystem;
+  Inspection in{a.dir.empty()
+                    ? model::ModelConfig::preset(a.config.preset)
+                    : model::ModelConfig::from_file((fs::path(a.dir) / "config.json").string())};
+  a.config.apply(in.config);
+  const model::ModelConfig& config = in.config;
+  const auto layout = model::released_layout(config);
+  in.counts = model::count_params(config, layout);
+  const bool has_weights = !a.dir.empty() && (fs::exists(fs::path(a.dir) / io::kIndexFileName) ||
+                                              fs::exists(fs::path(a.dir) / io::kSingleFileName));
+  if (has_weights) {
+    auto reader = io::CheckpointReader::open(a.dir);
+    reader.validate();
+    in.report = model::check_checkpoint(reader, config);
+  }
+  in.stored_fp8 = in.report && !in.report->fp8_weights.empty();
+  const std::set<std::string> fp8_names =
+      in.stored_fp8
+          ? std::set<std::string>(in.report->fp8_weights.begin(), in.report->fp8_weights.end())
+          : std::set<std::string>();
+  const auto in_fp8 = [&](const model::ParamSpec& s) {
+    return in.stored_fp8 ? fp8_names.count(s.name) > 0 : model::released_in_fp8(config, s);
+  };
+  in.device = train::device_weight_bytes(config, in_fp8);
+  const std::vector<std::regex> frozen = freeze_patterns(a, layout);
+  in.frozen = !frozen.empty();
+  in.frozen_device = train::device_weight_bytes(config, [&](const model::ParamSpec& s) {
+    return in_fp8(s) && std::any_of(frozen.begin(), frozen.end(),
+                                    [&](const auto& re) { return std::regex_search(s.name, re); });
+  });
+  return in;
+}
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+int print_inspection_json(const InspectArgs& a, const Inspection& in) {
+  const model::TextConfig& t = in.config.text();
+  const train::WeightBytes& device = in.device;
+  Json out = {{"source", a.dir.empty() ? "preset " + a.config.preset : a.dir},
+              {"config",
+               {{"num_hidden_layers", t.num_hidden_layers},
+                {"hidden_size", t.hidden_size},
+                {"vocab_size", t.vocab_size},
+                {"kda_layers", t.count(model::AttnKind::kda)},
+                {"dsa_layers", t.count(model::AttnKind::dsa)},
+                {"dense_layers", t.count(model::MlpKind::dense)},
+                {"moe_layers", t.count(model::MlpKind::sparse)},
+                {"n_routed_experts", t.n_routed_experts},
+                {"num_experts_per_tok", t.num_experts_per_tok},
+                {"mtp_layers", t.num_nextn_predict_layers},
+                {"vision", in.config.vision().has_value()}}},
+              {"schedule", schedule_string(t)},
+              {"params", counts_json(in.counts)},
+              {"device_weight_bytes",
+               {{"bf16", device.bf16},
+                {"fp8_base", device.fp8()},
+                {"fp8_values", device.fp8_values},
+                {"fp8_scales", device.fp8_scales},
+                {"fp8_running_layer", device.fp8_running_layer},
+                {"fp8_from", in.stored_fp8 ? "checkpoint" : "release layout"}}}};
+  if (in.frozen) out["device_weight_bytes"]["fp8_frozen"] = in.frozen_device.fp8();
+  if (in.report) {
+    const model::CheckpointReport& r = *in.report;
+    out["checkpoint"] = {{"tensors", r.tensors},
+                         {"bytes", r.bytes},
+                         {"dtype_tensors", r.dtype_tensors},
+                         {"dtype_bytes", r.dtype_bytes},
+                         {"fp8_weights", r.fp8_weights.size()},
+                         {"f32_not_bf16", r.f32_not_bf16},
+                         {"missing", r.missing},
+                         {"unexpected", r.unexpected},
+                         {"misshaped", Json::array()}};
+    for (const auto& m : r.misshaped)
+      out["checkpoint"]["misshaped"].push_back(
+          {{"name", m.name}, {"expected", m.expected}, {"found", m.found}});
+  }
+  std::puts(out.dump(2).c_str());
+  return in.report && !in.report->ok() ? 1 : 0;
+}
+
+void print_model_text(const InspectArgs& a, const Inspection& in) {
+  const model::TextConfig& t = in.config.text();
+  const model::ParamCounts& counts = in.counts;
+  std::printf("%s\n", a.dir.empty() ? ("preset " + a.config.preset).c_str() : a.dir.c_str());
+  std::printf("  text: %ld layers (%ld KDA, %ld DSA; %ld dense, %ld MoE), hidden %ld, vocab %ld\n",
+              t.num_hidden_layers, t.count(model::AttnKind::kda), t.count(model::AttnKind::dsa),
+              t.count(model::MlpKind::dense), t.count(model::MlpKind::sparse), t.hidden_size,
+              t.vocab_size);
+  std::printf("  MoE: %ld routed experts (top-%ld, %ld groups), %ld shared, width %ld\n",
+              t.n_routed_experts, t.num_experts_per_tok, t.n_group, t.n_shared_experts,
+              t.moe_intermediate_size);
+  std::printf("  KDA: %ld heads x %ld; MLA: %ld heads; indexer: top-%ld tokens in pools of %ld\n",
+              t.linear_num_heads, t.linear_head_dim, t.num_attention_heads, t.index_topk,
+              t.index_kpool);
+  std::printf("  MTP layers: %ld; vision: %s\n", t.num_nextn_predict_layers,
+              in.config.vision() ? fmt::format("{} blocks, width {}", in.config.vision()->depth,
+                                               in.config.vision()->hidden_size)
+                                       .c_str()
+                                 : "none");
+  std::printf("  schedule (K=KDA D=DSA, d=dense m=MoE): %s\n", schedule_string(t).c_str());
+  std::printf(
+      "parameters: %s total (%s text, %s MTP, %s vision; %s embeddings + head), %s "
+      "trainable\n",
+      billions(counts.total).c_str(), billions(counts.text).c_str(), billions(counts.mtp).c_str(),
+      billions(counts.vision).c_str(), billions(counts.embeddings_and_head).c_str(),
+      billions(counts.trainable).c_str());
+  for (const auto& [name, k] : counts.per_layer_kind)
+    std::printf("  %-10s %3ld layers x %s = %s\n", name.c_str(), k.layers,
+                billions(k.params / k.layers).c_str(), billions(k.params).c_str());
+  std::printf("  %ld tensors, %.2f GB as stored by glmtune (bf16, fp32-kept parameters in f32)\n",
+              counts.tensors, counts.bytes / 1e9);
+}
+
+void print_device_bytes_text(const Inspection& in) {
+  const train::WeightBytes& device = in.device;
+  const train::WeightBytes& frozen = in.frozen_device;
+  std::printf("weights on a GPU (docs/plan.md counts a whole run):\n");
+  std::printf("  dequantised to bf16 at load             %9.2f GiB\n", device.bf16 / kGiB);
+  std::printf(
+      "  FP8 kept (lora.base = \"fp8\")            %9.2f GiB: %.2f in FP8 codes and "
+      "scales%s, the running layer %.2f in bf16, the rest %.2f\n",
+      device.fp8() / kGiB, (device.fp8_values + device.fp8_scales) / kGiB,
+      in.stored_fp8 ? "" : " (as the FP8 release stores them)", device.fp8_running_layer / kGiB,
+      device.fp8_others / kGiB);
+  if (in.frozen)
+    std::printf(
+        "  FP8 kept where --freeze matches       %9.2f GiB: %.2f in FP8 codes and scales, "
+        "the running layer %.2f in bf16, the rest %.2f (train.frozen_weights = \"fp8\")\n",
+        frozen.fp8() / kGiB, (frozen.fp8_values + frozen.fp8_scales) / kGiB,
+        frozen.fp8_running_layer / kGiB, frozen.fp8_others / kGiB);
+}
+
+// The checkpoint's tensors by dtype and its check against the layout; 1 when it fails.
+int print_checkpoint_text(const model::CheckpointReport& report) {
+  std::printf("checkpoint: %ld tensors, %.2f GB on disk\n", report.tensors, report.bytes / 1e9);
+  for (const auto& [dtype, n] : report.dtype_tensors)
+    std::printf("  %-8s %6ld tensors %10.3f GB\n", dtype.c_str(), n,
+                report.dtype_bytes.at(dtype) / 1e9);
+  if (!report.fp8_weights.empty())
+    std::printf("  %zu FP8 weights with block scales\n", report.fp8_weights.size());
+  // An export in float32: glmtune keeps the values, but its checkpoints store the released
+  // dtypes, so a model trained from it is saved rounded (docs/checkpoints.md).
+  if (!report.f32_not_bf16.empty())
+    std::printf(
+        "  %zu tensors stored in f32 that the release stores in bf16 (e.g. %s): computed "
+        "with their f32 values; a glmtune train checkpoint stores them in bf16\n",
+        report.f32_not_bf16.size(), report.f32_not_bf16.front().c_str());
+  if (report.ok())
+    std::printf("  layout: complete, no unexpected or mis-shaped tensors\n");
+  else
+    std::printf("%s", report.describe().c_str());
+  return report.ok() ? 0 : 1;
+}
+
+int run_inspect(const InspectArgs& a) {
+  if (a.verify) {
+    if (a.dir.empty())
+      throw Error("nothing to verify", "glmtune inspect --verify", "give a directory");
+    return verify(a.dir, a.json);
+  }
+  if (a.dir.empty() && a.config.preset.empty())
+    throw Error("nothing to inspect", "glmtune inspect",
+                "give a checkpoint directory or --preset tiny|crop25b|full");
+  const Inspection in = inspect_model(a);
+  if (a.json) return print_inspection_json(a, in);
+  print_model_text(a, in);
+  print_device_bytes_text(in);
+  return in.report ? print_checkpoint_text(*in.report) : 0;
+}
+
 }  // namespace
 
 GLMTUNE_COMMAND(
@@ -146,181 +355,5 @@ GLMTUNE_COMMAND(
                    "model directory, a training checkpoint step-N, or a run's output directory); "
                    "exit 1 naming each bad tensor and file")
           ->excludes(preset);
-      return [a] {
-        namespace fs = std::filesystem;
-        if (a->verify) {
-          if (a->dir.empty())
-            throw Error("nothing to verify", "glmtune inspect --verify", "give a directory");
-          return verify(a->dir, a->json);
-        }
-        if (a->dir.empty() && a->config.preset.empty())
-          throw Error("nothing to inspect", "glmtune inspect",
-                      "give a checkpoint directory or --preset tiny|crop25b|full");
-        model::ModelConfig config =
-            a->dir.empty()
-                ? model::ModelConfig::preset(a->config.preset)
-                : model::ModelConfig::from_file((fs::path(a->dir) / "config.json").string());
-        a->config.apply(config);
-        const auto layout = model::released_layout(config);
-        const auto counts = model::count_params(config, layout);
-        const model::TextConfig& t = config.text();
-
-        std::optional<model::CheckpointReport> report;
-        bool has_weights = !a->dir.empty() && (fs::exists(fs::path(a->dir) / io::kIndexFileName) ||
-                                               fs::exists(fs::path(a->dir) / io::kSingleFileName));
-        if (has_weights) {
-          auto reader = io::CheckpointReader::open(a->dir);
-          reader.validate();
-          report = model::check_checkpoint(reader, config);
-        }
-
-        // The device bytes of the weights under each way of holding them: the checkpoint's own FP8
-        // tensors, or where it has none, those the FP8 release stores in FP8.
-        const bool stored_fp8 = report && !report->fp8_weights.empty();
-        const std::set<std::string> fp8_names =
-            stored_fp8
-                ? std::set<std::string>(report->fp8_weights.begin(), report->fp8_weights.end())
-                : std::set<std::string>();
-        const auto in_fp8 = [&](const model::ParamSpec& s) {
-          return stored_fp8 ? fp8_names.count(s.name) > 0 : model::released_in_fp8(config, s);
-        };
-        const train::WeightBytes device = train::device_weight_bytes(config, in_fp8);
-        // --freeze: only the FP8 tensors the patterns freeze stay in FP8.
-        std::vector<std::regex> frozen;
-        for (const std::string& pattern : a->freeze) try {
-            frozen.emplace_back(pattern, std::regex::ECMAScript);
-          } catch (const std::regex_error& e) {
-            throw Error(fmt::format("'{}' is not a regular expression ({})", pattern, e.what()),
-                        "glmtune inspect --freeze",
-                        "write an ECMAScript regular expression, e.g. 'mlp\\.experts\\.'");
-          }
-        for (size_t i = 0; i < frozen.size(); ++i)
-          if (std::none_of(layout.begin(), layout.end(), [&](const model::ParamSpec& s) {
-                return std::regex_search(s.name, frozen[i]);
-              }))
-            throw Error(fmt::format("the freeze pattern '{}' matches no parameter of this model",
-                                    a->freeze[i]),
-                        "glmtune inspect --freeze",
-                        "patterns are searched in the released names, such as "
-                        "model.language_model.layers.1.mlp.experts.0.gate_proj.weight");
-        const train::WeightBytes frozen_device =
-            train::device_weight_bytes(config, [&](const model::ParamSpec& s) {
-              return in_fp8(s) && std::any_of(frozen.begin(), frozen.end(), [&](const auto& re) {
-                       return std::regex_search(s.name, re);
-                     });
-            });
-        constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-
-        if (a->json) {
-          Json out = {{"source", a->dir.empty() ? "preset " + a->config.preset : a->dir},
-                      {"config",
-                       {{"num_hidden_layers", t.num_hidden_layers},
-                        {"hidden_size", t.hidden_size},
-                        {"vocab_size", t.vocab_size},
-                        {"kda_layers", t.count(model::AttnKind::kda)},
-                        {"dsa_layers", t.count(model::AttnKind::dsa)},
-                        {"dense_layers", t.count(model::MlpKind::dense)},
-                        {"moe_layers", t.count(model::MlpKind::sparse)},
-                        {"n_routed_experts", t.n_routed_experts},
-                        {"num_experts_per_tok", t.num_experts_per_tok},
-                        {"mtp_layers", t.num_nextn_predict_layers},
-                        {"vision", config.vision().has_value()}}},
-                      {"schedule", schedule_string(t)},
-                      {"params", counts_json(counts)},
-                      {"device_weight_bytes",
-                       {{"bf16", device.bf16},
-                        {"fp8_base", device.fp8()},
-                        {"fp8_values", device.fp8_values},
-                        {"fp8_scales", device.fp8_scales},
-                        {"fp8_running_layer", device.fp8_running_layer},
-                        {"fp8_from", stored_fp8 ? "checkpoint" : "release layout"}}}};
-          if (!frozen.empty()) out["device_weight_bytes"]["fp8_frozen"] = frozen_device.fp8();
-          if (report) {
-            out["checkpoint"] = {{"tensors", report->tensors},
-                                 {"bytes", report->bytes},
-                                 {"dtype_tensors", report->dtype_tensors},
-                                 {"dtype_bytes", report->dtype_bytes},
-                                 {"fp8_weights", report->fp8_weights.size()},
-                                 {"f32_not_bf16", report->f32_not_bf16},
-                                 {"missing", report->missing},
-                                 {"unexpected", report->unexpected},
-                                 {"misshaped", Json::array()}};
-            for (const auto& m : report->misshaped)
-              out["checkpoint"]["misshaped"].push_back(
-                  {{"name", m.name}, {"expected", m.expected}, {"found", m.found}});
-          }
-          std::puts(out.dump(2).c_str());
-          return report && !report->ok() ? 1 : 0;
-        }
-
-        std::printf("%s\n",
-                    a->dir.empty() ? ("preset " + a->config.preset).c_str() : a->dir.c_str());
-        std::printf(
-            "  text: %ld layers (%ld KDA, %ld DSA; %ld dense, %ld MoE), hidden %ld, vocab %ld\n",
-            t.num_hidden_layers, t.count(model::AttnKind::kda), t.count(model::AttnKind::dsa),
-            t.count(model::MlpKind::dense), t.count(model::MlpKind::sparse), t.hidden_size,
-            t.vocab_size);
-        std::printf("  MoE: %ld routed experts (top-%ld, %ld groups), %ld shared, width %ld\n",
-                    t.n_routed_experts, t.num_experts_per_tok, t.n_group, t.n_shared_experts,
-                    t.moe_intermediate_size);
-        std::printf(
-            "  KDA: %ld heads x %ld; MLA: %ld heads; indexer: top-%ld tokens in pools of %ld\n",
-            t.linear_num_heads, t.linear_head_dim, t.num_attention_heads, t.index_topk,
-            t.index_kpool);
-        std::printf("  MTP layers: %ld; vision: %s\n", t.num_nextn_predict_layers,
-                    config.vision() ? fmt::format("{} blocks, width {}", config.vision()->depth,
-                                                  config.vision()->hidden_size)
-                                          .c_str()
-                                    : "none");
-        std::printf("  schedule (K=KDA D=DSA, d=dense m=MoE): %s\n", schedule_string(t).c_str());
-        std::printf(
-            "parameters: %s total (%s text, %s MTP, %s vision; %s embeddings + head), %s "
-            "trainable\n",
-            billions(counts.total).c_str(), billions(counts.text).c_str(),
-            billions(counts.mtp).c_str(), billions(counts.vision).c_str(),
-            billions(counts.embeddings_and_head).c_str(), billions(counts.trainable).c_str());
-        for (const auto& [name, k] : counts.per_layer_kind)
-          std::printf("  %-10s %3ld layers x %s = %s\n", name.c_str(), k.layers,
-                      billions(k.params / k.layers).c_str(), billions(k.params).c_str());
-        std::printf(
-            "  %ld tensors, %.2f GB as stored by glmtune (bf16, fp32-kept parameters in f32)\n",
-            counts.tensors, counts.bytes / 1e9);
-        std::printf("weights on a GPU (docs/plan.md counts a whole run):\n");
-        std::printf("  dequantised to bf16 at load             %9.2f GiB\n", device.bf16 / kGiB);
-        std::printf(
-            "  FP8 kept (lora.base = \"fp8\")            %9.2f GiB: %.2f in FP8 codes and "
-            "scales%s, the running layer %.2f in bf16, the rest %.2f\n",
-            device.fp8() / kGiB, (device.fp8_values + device.fp8_scales) / kGiB,
-            stored_fp8 ? "" : " (as the FP8 release stores them)", device.fp8_running_layer / kGiB,
-            device.fp8_others / kGiB);
-        if (!frozen.empty())
-          std::printf(
-              "  FP8 kept where --freeze matches       %9.2f GiB: %.2f in FP8 codes and scales, "
-              "the running layer %.2f in bf16, the rest %.2f (train.frozen_weights = \"fp8\")\n",
-              frozen_device.fp8() / kGiB,
-              (frozen_device.fp8_values + frozen_device.fp8_scales) / kGiB,
-              frozen_device.fp8_running_layer / kGiB, frozen_device.fp8_others / kGiB);
-        if (report) {
-          std::printf("checkpoint: %ld tensors, %.2f GB on disk\n", report->tensors,
-                      report->bytes / 1e9);
-          for (const auto& [dtype, n] : report->dtype_tensors)
-            std::printf("  %-8s %6ld tensors %10.3f GB\n", dtype.c_str(), n,
-                        report->dtype_bytes.at(dtype) / 1e9);
-          if (!report->fp8_weights.empty())
-            std::printf("  %zu FP8 weights with block scales\n", report->fp8_weights.size());
-          // An export in float32: glmtune keeps the values, but its checkpoints store the
-          // released dtypes, so a model trained from it is saved rounded (docs/checkpoints.md).
-          if (!report->f32_not_bf16.empty())
-            std::printf(
-                "  %zu tensors stored in f32 that the release stores in bf16 (e.g. %s): computed "
-                "with their f32 values; a glmtune train checkpoint stores them in bf16\n",
-                report->f32_not_bf16.size(), report->f32_not_bf16.front().c_str());
-          if (report->ok())
-            std::printf("  layout: complete, no unexpected or mis-shaped tensors\n");
-          else
-            std::printf("%s", report->describe().c_str());
-          return report->ok() ? 0 : 1;
-        }
-        return 0;
-      };
+      return [a] { return run_inspect(*a); };
     });
