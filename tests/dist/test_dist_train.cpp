@@ -841,41 +841,90 @@ TEST(DistTrainLora, DropoutUnderDataParallelismFollowsTheSingleProcess) {
 
 namespace {
 
-// train.fp8 = "tilewise" (docs/fp8.md) under data parallelism and fsdp: every rank runs the FP8
-// GEMMs, so the first step, on the same weights, is the single process's to rounding (an unmarked
-// rank would move it by about 1e-3). After it the layouts' gradient sums add in other orders, the
-// weights differ in their last bits, and an operand that close to an e4m3 rounding boundary lands
-// on the neighbouring code, 2^-3 apart: the runs then drift as two FP8 runs of perturbed weights do
-// (5e-4 of the loss by step 10 measured), so they are held to 1% of the loss. Expert parallelism,
-// whose exchange does not carry the FP8 marks, refuses it before any step, naming train.fp8.
-TEST(DistTrainFp8, DataParallelAndFsdpFollowTheSingleProcess) {
+// The f32 tiny model with head dims of 128 (KDA, MLA queries and values), so that a rank's heads
+// under sequence parallelism span whole 128-row FP8 blocks (dist::check_fp8_head_slices).
+const fs::path& tiny_model_fp8_heads() {
+  static glmtune::test::TempDir dir("dist-train-model-fp8-heads");
+  static const fs::path path = [] {
+    using namespace glmtune;
+    model::ModelConfig config = model::ModelConfig::preset("tiny");
+    config.set_all({{"text_config.linear_attn_config.head_dim", "128"},
+                    {"text_config.qk_nope_head_dim", "128"},
+                    {"text_config.qk_head_dim", "128"},
+                    {"text_config.v_head_dim", "128"}});
+    model::InitOptions options;
+    options.seed = 11;
+    model::write_random_checkpoint(config, dir / "bf16", options);
+    return f32_copy(dir / "bf16", dir / "f32");
+  }();
+  return path;
+}
+
+// train.fp8 = "tilewise" (docs/fp8.md) in every layout: every rank runs the FP8 GEMMs on the
+// blocks one process would quantise (whole packs under data parallelism and fsdp; each sender's
+// rows as their own GEMM under expert parallelism, as one process runs each pack's; whole 128-row
+// blocks of each rank's heads under sequence parallelism), so the first step, on the same weights,
+// is the single process's to rounding (an unmarked rank would move it by about 1e-3). Sequence
+// parallelism also sums each output projection's partial products across the ranks, in another
+// order: the next layer's inputs differ in their last bit, and the few of them that close to an
+// e4m3 rounding boundary land on the neighbouring code (2^-3 apart), a few 1e-6 of the loss each
+// (1.4e-5 measured at step 1), so its first step is held to 1e-4. After the first step the
+// layouts' gradient sums add in other orders, the weights differ in their last bits, and an
+// operand that close to an e4m3 rounding boundary lands on the neighbouring code, 2^-3 apart: the
+// runs then drift as two FP8 runs of perturbed weights do (5e-4 of the loss by step 10 measured),
+// so they are held to 1% of the loss. Sequence parallelism over heads whose slices split FP8
+// blocks is refused before any step, naming train.fp8.
+void expect_fp8_curve(const std::vector<nlohmann::json>& got,
+                      const std::vector<nlohmann::json>& want, bool split_pack) {
+  ASSERT_EQ(got.size(), want.size());
+  const double first = split_pack ? 1e-4 : 1e-6;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double w = want[i]["loss"].get<double>(), loss = got[i]["loss"].get<double>();
+    EXPECT_NEAR(loss, w, i == 0 ? first : 1e-2 * w) << "step " << i + 1;
+  }
+}
+
+TEST(DistTrainFp8, EveryLayoutFollowsTheSingleProcess) {
   glmtune::test::TempDir dir("dist-train-fp8");
   const fs::path recipe = write_recipe(dir.path(), 10, 0, true);
   const std::string fp8 = " --set train.fp8=tilewise";
-  ASSERT_EQ(train(recipe, 1, false, dir / "single", dir / "single.log", 1, 1, fp8), 0)
-      << glmtune::test::read_text(dir / "single.log");
-  EXPECT_NE(glmtune::test::read_text(dir / "single.log").find("block-scaled FP8"),
-            std::string::npos);
-  const std::vector<nlohmann::json> single = metrics(dir / "single");
-  ASSERT_EQ(single.size(), 10u);
-  for (const auto& [name, extra] :
-       {std::pair{"dp2", fp8}, std::pair{"fsdp2", fp8 + " --set train.fsdp=true"}}) {
-    SCOPED_TRACE(std::string("2 ranks, ") + name);
-    const fs::path log = dir / (std::string(name) + ".log");
-    ASSERT_EQ(train(recipe, 2, false, dir / name, log, 1, 1, extra), 0)
+  const std::string heads128 = fp8 + " --set model.path=" + tiny_model_fp8_heads().string();
+  std::vector<nlohmann::json> single[2];
+  for (int wide = 0; wide < 2; ++wide) {
+    const fs::path out = dir / (wide ? "single-heads128" : "single");
+    const fs::path log = out.string() + ".log";
+    ASSERT_EQ(train(recipe, 1, false, out, log, 1, 1, wide ? heads128 : fp8), 0)
         << glmtune::test::read_text(log);
-    const std::vector<nlohmann::json> got = metrics(dir / name);
-    ASSERT_EQ(got.size(), single.size());
-    for (size_t i = 0; i < got.size(); ++i) {
-      const double want = single[i]["loss"].get<double>(), loss = got[i]["loss"].get<double>();
-      EXPECT_NEAR(loss, want, i == 0 ? 1e-6 : 1e-2 * want) << "step " << i + 1;
-    }
+    EXPECT_NE(glmtune::test::read_text(log).find("block-scaled FP8"), std::string::npos);
+    single[wide] = metrics(out);
+    ASSERT_EQ(single[wide].size(), 10u);
   }
-  const fs::path log = dir / "ep2.log";
-  EXPECT_NE(train(recipe, 2, false, dir / "ep2", log, 2, 1, fp8), 0);
+  const struct {
+    const char* name;
+    int ranks;
+    int64_t ep_size, sp_size;
+    bool heads128;
+    std::string extra;
+  } layouts[] = {{"dp2", 2, 1, 1, false, ""},
+                 {"fsdp2", 2, 1, 1, false, " --set train.fsdp=true"},
+                 {"ep2", 2, 2, 1, false, ""},
+                 {"sp2", 2, 1, 2, true, ""},
+                 {"sp2-ep2", 4, 2, 2, true, ""}};
+  for (const auto& l : layouts) {
+    SCOPED_TRACE(std::string(l.name) + " at " + std::to_string(l.ranks) + " ranks");
+    const fs::path log = dir / (std::string(l.name) + ".log");
+    ASSERT_EQ(train(recipe, l.ranks, false, dir / l.name, log, l.ep_size, l.sp_size,
+                    (l.heads128 ? heads128 : fp8) + l.extra),
+              0)
+        << glmtune::test::read_text(log);
+    expect_fp8_curve(metrics(dir / l.name), single[l.heads128 ? 1 : 0], l.sp_size > 1);
+  }
+  const fs::path log = dir / "sp2-tiny.log";
+  EXPECT_NE(train(recipe, 2, false, dir / "sp2-tiny", log, 1, 2, fp8), 0);
   const std::string text = glmtune::test::read_text(log);
   EXPECT_NE(text.find("train.fp8"), std::string::npos) << text;
-  EXPECT_FALSE(fs::exists(dir / "ep2" / "checkpoints"));
+  EXPECT_NE(text.find("multiple of the FP8 blocks' 128"), std::string::npos) << text;
+  EXPECT_FALSE(fs::exists(dir / "sp2-tiny" / "checkpoints"));
 }
 
 }  // namespace

@@ -421,8 +421,6 @@ TEST(Recipe, ErrorsNameFileLineKeyAndFix) {
                       "lists no file", "data.files", "files = ");
   EXPECT_RECIPE_ERROR(error_of(with({{"train", "fp8 = \"e4m3\""}})), "\"e4m3\"", "train.fp8",
                       "tilewise");
-  EXPECT_RECIPE_ERROR(error_of(with({{"train", "fp8 = \"tilewise\"\nep_size = 2"}})),
-                      "expert and sequence parallelism", "train.fp8", "fp8 = \"none\"");
   EXPECT_RECIPE_ERROR(error_of(with({{"train", "frozen_weights = \"fp8\""}}) +
                                "[lora]\nrank = 4\nalpha = 8\ntarget_modules = [\"q_proj\"]\n"),
                       "with [lora]", "train.frozen_weights", "base = \"fp8\"");

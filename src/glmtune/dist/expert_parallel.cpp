@@ -106,14 +106,24 @@ Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& which, int64_t
   return out;
 }
 
+// Local expert j's two projections: its weight slices, in FP8 where the fused experts are marked
+// (train.fp8; the adapters on experts are refused under expert parallelism). Each sender's block
+// runs as its own GEMM, so FP8 tiles never span two senders' rows, as in the single process, whose
+// tiles never span two packs' rows.
+ops::Linear local_expert(const ops::Linear& fused, int64_t j) {
+  ops::Linear l(fused.weight.select(0, j));
+  l.fp8 = fused.fp8;
+  return l;
+}
+
 // One expert's forward on stacked rows: h = x Wgu^T, a = swiglu(h), y = a Wd^T.
 struct ExpertForward {
   Tensor h, act, y;
 };
 
-ExpertForward run_expert(const ops::MoeConfig& cfg, const Tensor& gate_up, const Tensor& down,
-                         const Tensor& xe) {
-  const int64_t inter = down.size(1);
+ExpertForward run_expert(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
+                         const ops::Linear& down, const Tensor& xe) {
+  const int64_t inter = down.weight.size(1);
   ExpertForward f;
   f.h = ops::linear(xe, gate_up);
   f.act =
@@ -151,8 +161,8 @@ Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank,
   for (int64_t j = 0; j < per_rank; ++j)
     for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
       const ExpertForward f =
-          run_expert(cfg, params.gate_up_proj.weight.select(0, j),
-                     params.down_proj.weight.select(0, j), gather_rows<T>(recv, which, 0, dim));
+          run_expert(cfg, local_expert(params.gate_up_proj, j), local_expert(params.down_proj, j),
+                     gather_rows<T>(recv, which, 0, dim));
       const T* yp = f.y.data<T>();
       for (size_t r = 0; r < which.size(); ++r)
         std::copy_n(yp + int64_t(r) * dim, dim, reply.data<T>() + which[r] * dim);
@@ -215,8 +225,8 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
   for (int64_t j = 0; j < per_rank; ++j)
     for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
       const int64_t n = int64_t(which.size());
-      const Tensor wgu = params.gate_up_proj.weight.select(0, j);
-      const Tensor wd = params.down_proj.weight.select(0, j);
+      const ops::Linear wgu = local_expert(params.gate_up_proj, j);
+      const ops::Linear wd = local_expert(params.down_proj, j);
       const Tensor xe = gather_rows<T>(recv, which, 0, dim);
       const Tensor dyr = gather_rows<T>(recv, which, dim, dim);
       const ExpertForward f = run_expert(cfg, wgu, wd, xe);
@@ -234,14 +244,14 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
         }
         reply_p[which[size_t(r)] * reply_width + dim] = dot;
       }
-      Tensor d_down_e = d_down.defined() ? d_down.select(0, j) : Tensor();
+      ops::Linear d_down_e(d_down.defined() ? d_down.select(0, j) : Tensor());
       const Tensor d_act =
           ops::linear_backward(dye, f.act, wd, d_down.defined() ? &d_down_e : nullptr);
       Tensor dh = Tensor::empty({n, 2 * inter}, x.dtype());
       Tensor dhg = dh.narrow(1, 0, inter), dhu = dh.narrow(1, inter, inter);
       ops::swiglu_clamped_backward(f.h.narrow(1, 0, inter), f.h.narrow(1, inter, inter), d_act,
                                    cfg.swiglu_limit, dhg, dhu);
-      Tensor d_gate_up_e = d_gate_up.defined() ? d_gate_up.select(0, j) : Tensor();
+      ops::Linear d_gate_up_e(d_gate_up.defined() ? d_gate_up.select(0, j) : Tensor());
       const Tensor dxe =
           ops::linear_backward(dh, xe, wgu, d_gate_up.defined() ? &d_gate_up_e : nullptr);
       for (int64_t r = 0; r < n; ++r)

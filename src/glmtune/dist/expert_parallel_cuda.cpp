@@ -45,6 +45,14 @@ Tensor received_experts(const PairCounts& counts, int64_t per_rank, Device devic
   return Tensor::from_vector(ids, {int64_t(ids.size()), 1}).to(device);
 }
 
+// The local experts' weights with their FP8 mark (train.fp8); their adapters are not exchanged
+// (trainer_setup refuses them under ep).
+ops::Linear bare(const ops::Linear& fused) {
+  ops::Linear l(fused.weight);
+  l.fp8 = fused.fp8;
+  return l;
+}
+
 void check_device_inputs(const ops::MoeParams& params, const Tensor& x, const ops::Routing& routing,
                          int64_t per_rank) {
   GLMTUNE_ASSERT(x.dim() == 2 && x.is_contiguous() && routing.indices.defined() &&
@@ -76,10 +84,8 @@ Tensor forward_on_device(Communicator& host, Communicator& device, int64_t n_exp
   ops::Routing local;
   local.indices = received_experts(c, per_rank, x.device());
   local.weights = Tensor::full({recv.size(0), 1}, 1.0, DType::f32, x.device());
-  // The experts' adapters are not exchanged (trainer_setup refuses them under ep): bare weights.
-  const Tensor y =
-      cuda::moe_experts(local_config(cfg, per_rank), ops::Linear(params.gate_up_proj.weight),
-                        ops::Linear(params.down_proj.weight), recv, local);
+  const Tensor y = cuda::moe_experts(local_config(cfg, per_rank), bare(params.gate_up_proj),
+                                     bare(params.down_proj), recv, local);
   const Tensor back = exchange_rows(device, y, dim, c.recv_pairs, c.send_pairs);
   return cuda::moe_combine(back, routing.weights, plan.perm);
 }
@@ -106,9 +112,9 @@ model::text::ExpertDispatch::Backward backward_on_device(
   local.indices = received_experts(c, per_rank, x.device());
   local.weights = exchange_rows(device, w_send, 1, c.send_pairs, c.recv_pairs);
   // The pair's dx carries its combine weight; d_weights is ⟨dy, y⟩.
-  cuda::ExpertsBackward owner = cuda::moe_experts_backward(
-      local_config(cfg, per_rank), ops::Linear(params.gate_up_proj.weight),
-      ops::Linear(params.down_proj.weight), x_recv, local, dy_recv, grads);
+  cuda::ExpertsBackward owner =
+      cuda::moe_experts_backward(local_config(cfg, per_rank), bare(params.gate_up_proj),
+                                 bare(params.down_proj), x_recv, local, dy_recv, grads);
   const Tensor dx_back = exchange_rows(device, owner.dx, dim, c.recv_pairs, c.send_pairs);
   const Tensor dw_back = exchange_rows(device, owner.d_weights, 1, c.recv_pairs, c.send_pairs);
   model::text::ExpertDispatch::Backward out;

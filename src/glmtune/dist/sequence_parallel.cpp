@@ -187,9 +187,14 @@ struct KdaHeads {
 const auto zip_kda = [](auto& a, auto& b, auto&& f) { ops::zip_kda_params(a, b, f); };
 const auto zip_mla = [](auto& a, auto& b, auto&& f) { ops::zip_mla_params(a, b, f); };
 
-// A projection's slice keeps its adapter's scale.
-const auto keep_adapter_scale = [](const std::string&, const ops::Linear& full, ops::Linear& mine,
-                                   ops::WholeProjection) { mine.lora.scale = full.lora.scale; };
+// A projection's slice keeps its adapter's scale and its FP8 mark (train.fp8: the slice's blocks
+// are the whole weight's where the heads' rows or columns split at multiples of 128, which
+// check_fp8_head_slices makes sure of).
+const auto keep_projection_settings = [](const std::string&, const ops::Linear& full,
+                                         ops::Linear& mine, ops::WholeProjection) {
+  mine.lora.scale = full.lora.scale;
+  mine.fp8 = full.fp8;
+};
 
 KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, int ranks) {
   KdaHeads h;
@@ -202,7 +207,7 @@ KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, 
                                    mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first,
                                                       h.count, rank);
                                  },
-                                 keep_adapter_scale});
+                                 keep_projection_settings});
   return h;
 }
 
@@ -235,7 +240,7 @@ MlaHeads mla_heads(const ops::MlaConfig& c, const ops::DsaParams& p, int rank, i
                                    mine = slice_heads(full, mla_slicing(name, c), h.first, h.count,
                                                       rank);
                                  },
-                                 keep_adapter_scale});
+                                 keep_projection_settings});
   h.params.indexer = p.indexer;
   return h;
 }
@@ -250,6 +255,28 @@ void add_mla_grads(const ops::MlaConfig& c, const ops::MlaParams& p, const MlaHe
 }
 
 }  // namespace
+
+void check_fp8_head_slices(const model::TextConfig& c, int64_t sp_size, const std::string& where) {
+  if (sp_size <= 1) return;
+  const int64_t kda_heads = c.linear_num_heads / sp_size,
+                mla_heads = c.num_attention_heads / sp_size;
+  const struct {
+    const char* what;
+    int64_t per_head, heads;
+  } slices[] = {{"KDA q/k/v/f_b/g_b rows and o_proj columns (linear_attn_config.head_dim)",
+                 c.linear_head_dim, kda_heads},
+                {"MLA q_b_proj rows (qk_head_dim)", c.qk_head_dim(), mla_heads},
+                {"MLA o_proj columns (v_head_dim)", c.v_head_dim, mla_heads}};
+  for (const auto& s : slices)
+    if (s.per_head * s.heads % 128 != 0)
+      throw Error(fmt::format("train.fp8 = \"tilewise\" with sp_size {}: each rank's share of the "
+                              "{} is {} heads x {} = {}, not a multiple of the FP8 blocks' 128, "
+                              "so its blocks would differ from one process's",
+                              sp_size, s.what, s.heads, s.per_head, s.per_head * s.heads),
+                  where,
+                  "choose a train.sp_size that leaves each rank a multiple of 128 rows (the "
+                  "released model's head dims do), or write train.fp8 = \"none\"");
+}
 
 UlyssesParallel::UlyssesParallel(Communicator& sp, int64_t kda_heads, int64_t mla_heads,
                                  const std::string& where, Communicator* device_sp)

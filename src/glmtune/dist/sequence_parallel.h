@@ -91,4 +91,12 @@ class UlyssesParallel final : public model::text::SequenceParallel {
   int64_t kda_heads_ = 0, mla_heads_ = 0;
 };
 
+// train.fp8 under sequence parallelism: each rank's slice of a head-split FP8 projection (KDA's
+// q, k, v, f_b and g_b rows and o_proj columns, MLA's q_b rows and o_proj columns) must span a
+// multiple of 128 rows or columns, so that its 128 × 128 weight blocks and 1 × 128 activation
+// tiles are those of the whole projection and the ranks compute what one process computes. The
+// released model's slices are (KDA heads of 128, MLA heads of 256, 64 of each). glmtune::Error
+// naming `where` otherwise.
+void check_fp8_head_slices(const model::TextConfig& c, int64_t sp_size, const std::string& where);
+
 }  // namespace glmtune::dist

@@ -550,12 +550,6 @@ void parse_train(const Reader& rd, Recipe& r) {
   r.fsdp = rd.boolean("train", "fsdp").value_or(false);
   if (auto v = rd.choice("train", "fp8", {"none", "tilewise"})) r.fp8_tilewise = *v == "tilewise";
   if (auto v = rd.choice("train", "frozen_weights", {"bf16", "fp8"})) r.frozen_fp8 = *v == "fp8";
-  if (r.fp8_tilewise && (r.ep_size > 1 || r.sp_size > 1))
-    rd.fail("train", "fp8",
-            fmt::format("fp8 = \"tilewise\" with {} > 1: expert and sequence parallelism do not "
-                        "carry the FP8 GEMMs yet",
-                        r.ep_size > 1 ? "ep_size" : "sp_size"),
-            "train with data parallelism (and fsdp) only, or write fp8 = \"none\"");
   if (const toml::node* n = rd.find("train", "freeze")) {
     if (!n->is_array()) rd.wrong_type("train", "freeze", "an array of regular expressions");
     for (const auto& e : *n->as_array()) {

@@ -56,6 +56,8 @@ TrainSummary run_training(const Recipe& recipe, const TrainerOptions& options) {
   std::optional<model::text::TextModel> text_model;
   model::text::TextModel& model = build_model(recipe, layout, store, vl, text_model);
   if (recipe.fp8_tilewise) {
+    if (layout.sequence_parallel)
+      dist::check_fp8_head_slices(model.text(), recipe.sp_size, recipe.source() + ": train.fp8");
     const int64_t n = model::text::use_fp8_gemms(model.weights(), layout.on_gpu ? 16 : 0);
     spdlog::info("train.fp8 = \"tilewise\": {} projections run their GEMMs in block-scaled FP8", n);
   }
