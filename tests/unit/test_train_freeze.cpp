@@ -350,6 +350,8 @@ TEST(Freeze, FrozenFp8ExpertsHeldInFp8TrainAsTheDequantisedLoad) {
 // the expert's slice while its layer is gathered and dropped with it. The checkpoint was quantised
 // by the same rule from bf16 values, so quantising its dequantised values again gives back its
 // codes: the run equals the run that loads the experts in bf16 and quantises them, bit for bit.
+// down_proj, read by the FP8 GEMMs alone, is gathered as a shape without values (never
+// dequantised): the run computes without them.
 TEST(Freeze, FrozenFp8ExpertsFeedTheFp8GemmsTheirCodes) {
   TempDir dir("freeze-fp8-gemms");
   const fs::path fp8_model = write_fp8_tiny(dir.path());
@@ -373,6 +375,9 @@ TEST(Freeze, FrozenFp8ExpertsFeedTheFp8GemmsTheirCodes) {
                              config.text().num_nextn_predict_layers;  // the MTP layer's MoE
   EXPECT_EQ(held.tensors(), 2 * moe_layers);
   EXPECT_EQ(held.fed_weights(), experts * moe_layers);
+  // down_proj is read by the FP8 GEMMs alone: it is never dequantised (gate_up_proj, fed no
+  // codes, is).
+  EXPECT_EQ(held.codes_only_tensors(), moe_layers);
 
   const int64_t layer = num_layers - 1;
   const int64_t pins = ops::fp8_weight_counts().pinned;
@@ -380,6 +385,8 @@ TEST(Freeze, FrozenFp8ExpertsFeedTheFp8GemmsTheirCodes) {
   {  // the test lets go of the field before the release
     const Tensor down = model.weights().layers[size_t(layer)].moe.down_proj.weight;
     EXPECT_EQ(ops::fp8_weight_counts().pinned, pins + experts);
+    EXPECT_EQ(down.data_ptr(), nullptr);
+    EXPECT_NE(model.weights().layers[size_t(layer)].moe.gate_up_proj.weight.data_ptr(), nullptr);
     const std::string prefix = fmt::format("model.language_model.layers.{}.mlp.experts.", layer);
     for (int64_t e = 0; e < experts; ++e) {
       const ops::Fp8Blocks b = ops::fp8_weight_blocks(down.select(0, e));

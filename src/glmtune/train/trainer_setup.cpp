@@ -357,8 +357,9 @@ void hold_fp8_base(const Recipe& recipe, ParallelLayout& layout, TrainingWeights
   if (recipe.fp8_tilewise)
     spdlog::info(
         "train.fp8 = \"tilewise\": the FP8 GEMMs read the released codes and scales of {} frozen "
-        "weights (an expert's slice counted as one)",
-        layout.fp8_base->fed_weights());
+        "weights (an expert's slice counted as one); {} held tensors are read by FP8 GEMMs alone "
+        "and never dequantised",
+        layout.fp8_base->fed_weights(), layout.fp8_base->codes_only_tensors());
 }
 
 model::text::TextModel& build_model(const Recipe& recipe, const ParallelLayout& layout,

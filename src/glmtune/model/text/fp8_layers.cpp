@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "glmtune/base/error.h"
+#include "glmtune/base/overloaded.h"
 #include "glmtune/io/fp8.h"
 #include "glmtune/ops/fp8.h"
 
@@ -44,6 +45,23 @@ std::vector<std::string> row_pieces(const io::CheckpointReader& reader, const st
     return experts(name.substr(0, name.size() - std::string("down_proj").size()), {"down_proj"});
   if (!name.ends_with(".weight") || name.ends_with("conv1d.weight")) return {};
   return {name};
+}
+
+// Whether the projection of `params` (a layer's or the MTP layer's weights) whose weight is
+// `placeholder` runs its GEMMs in FP8 (use_fp8_gemms).
+template <typename Params, typename Zip>
+bool marked_fp8(Params& params, Zip zip, const Tensor& placeholder) {
+  const auto is_it = [&](const ops::Linear& l) {
+    return l.weight.defined() && l.weight.storage() == placeholder.storage();
+  };
+  bool marked = false;
+  zip(params, params,
+      Overloaded{[](const std::string&, ParamGroup, Tensor&, Tensor&) {},
+                 [&](const std::string&, ParamGroup, ops::Linear& l, ops::Linear&,
+                     ops::WholeProjection) { marked = marked || (is_it(l) && l.fp8); }});
+  for (const ops::Linear* l : {&params.moe.gate_up_proj, &params.moe.down_proj})
+    marked = marked || (is_it(*l) && l->fp8);
+  return marked;
 }
 
 }  // namespace
@@ -118,6 +136,17 @@ Fp8Layers::Fp8Layers(TextWeights& weights, const ParamStore& store,
     GLMTUNE_ASSERT(h.codes.numel() == shape_numel(h.shape), "'{}': pieces of {} for shape {}",
                    p.name, shape_str(piece), shape_str(h.shape));
     if (feed_fp8_gemms) fed_weights_ += fed_slices(h);
+    // Read by the FP8 GEMMs alone, which take the pinned codes: no bf16 values are made.
+    h.codes_only =
+        !h.fed.empty() &&
+        (layer < num_layers
+             ? marked_fp8(
+                   weights.layers[size_t(layer)],
+                   [](auto& a, auto& b, auto&& f) { zip_layer_params(a, b, f); }, placeholder)
+             : marked_fp8(
+                   *weights.mtp, [](auto& a, auto& b, auto&& f) { zip_mtp_params(a, b, f); },
+                   placeholder));
+    codes_only_tensors_ += h.codes_only;
     ++tensors_;
     held_bytes_ += h.codes.numel() + h.scales.numel() * int64_t(sizeof(float));
     bf16_bytes_ += 2 * h.codes.numel();
@@ -148,7 +177,13 @@ void Fp8Layers::gather(int64_t layer) {
   GLMTUNE_ASSERT(layer >= 0 && layer < int64_t(layers_.size()), "gather of layer {} of {}", layer,
                  layers_.size());
   for (Held& h : layers_[size_t(layer)]) {
-    *h.field = ops::dequantize_fp8_pieces(h.codes, h.scales, h.piece_rows, h.shape, h.dtype);
+    // A codes-only field has the weight's shape and no memory: the FP8 GEMMs find its pinned
+    // blocks by the view, and anything that read its values would fault rather than compute with
+    // wrong ones.
+    *h.field =
+        h.codes_only
+            ? Tensor::from_external(nullptr, h.shape, h.dtype, weights_.device, h.codes.storage())
+            : ops::dequantize_fp8_pieces(h.codes, h.scales, h.piece_rows, h.shape, h.dtype);
     h.field->set_frozen(true);
     for (size_t i : h.named) weights_.named[i].second = *h.field;
     for (size_t i = 0; i < h.fed.size(); ++i)

@@ -9,8 +9,9 @@
 //
 // With train.fp8 = "tilewise" as well (`feed_fp8_gemms`), the FP8 GEMMs read these weights'
 // released codes and scales themselves (ops/fp8.h pin_fp8_weight): no second rounding, no
-// quantisation per use. A fused tensor whose pieces cannot make one 128 × 128 grid per expert
-// (pieces of rows that are no multiple of 128) is quantised from its values instead.
+// quantisation per use, and a weight that only FP8 GEMMs read is not dequantised at all. A fused
+// tensor whose pieces cannot make one 128 × 128 grid per expert (pieces of rows that are no
+// multiple of 128) is quantised from its values instead.
 //
 // Only frozen tensors qualify (nothing updates the codes): the base under [lora] (lora.base =
 // "fp8"), or the tensors train.freeze keeps fixed (train.frozen_weights = "fp8"). The MTP layer's
@@ -58,6 +59,9 @@ class Fp8Layers final : public LayerParamProvider {
   int64_t bf16_bytes() const { return bf16_bytes_; }
   // Weights (an expert's slice counting as one) whose FP8 GEMMs read the released codes.
   int64_t fed_weights() const { return fed_weights_; }
+  // Held tensors that only FP8 GEMMs read (every slice fed, the projection marked by
+  // use_fp8_gemms): gathered without dequantising, so their bf16 values never exist.
+  int64_t codes_only_tensors() const { return codes_only_tensors_; }
 
  private:
   struct Held {
@@ -71,6 +75,7 @@ class Fp8Layers final : public LayerParamProvider {
     // feed_fp8_gemms: the blocks of each [out, in] slice of the field (one for a 2-D field, one
     // per expert for the fused experts), pinned to it at each gather.
     std::vector<ops::Fp8Blocks> fed;
+    bool codes_only = false;  // codes_only_tensors()
   };
 
   // Fills h.fed; the number of slices fed, 0 when the pieces allow none.
@@ -78,7 +83,7 @@ class Fp8Layers final : public LayerParamProvider {
 
   TextWeights& weights_;
   std::vector<std::vector<Held>> layers_;
-  int64_t tensors_ = 0, held_bytes_ = 0, bf16_bytes_ = 0, fed_weights_ = 0;
+  int64_t tensors_ = 0, held_bytes_ = 0, bf16_bytes_ = 0, fed_weights_ = 0, codes_only_tensors_ = 0;
 };
 
 }  // namespace glmtune::model::text
