@@ -107,11 +107,10 @@ void print_text(const train::MemoryPlan& p, const model::ModelConfig& config) {
     std::printf(
         "note: adapters on the routed experts are counted; glmtune refuses them under expert "
         "parallelism (--ep)\n");
-  if (o.lora && o.base == train::PlanBase::fp8 && (o.fsdp || o.ep > 1))
+  if (o.lora && o.base == train::PlanBase::fp8 && o.fsdp)
     std::printf(
-        "note: an FP8 base is counted as the release stores it; glmtune holds it so in one process "
-        "or with data or sequence parallelism (lora.base = \"fp8\" is refused with %s)\n",
-        o.fsdp ? "fsdp" : "--ep");
+        "note: an FP8 base is counted as the release stores it; glmtune holds it so without fsdp "
+        "(lora.base = \"fp8\" is refused with fsdp)\n");
 }
 
 void print_json(const train::MemoryPlan& p) {

@@ -815,6 +815,67 @@ TEST(DistTrainLora, ExpertAdaptersFollowTheSingleProcessOrAreRefused) {
   EXPECT_FALSE(fs::exists(dir / "ep2" / "checkpoints"));
 }
 
+// LoRA on a base kept in FP8 (lora.base = "fp8") under expert parallelism: each rank holds its own
+// experts' codes and scales and dequantises them around each use, so the ep run equals the ep run
+// on the same checkpoint dequantised at load (lora.base = "bf16") bit for bit, which follows the
+// single process; with train.fp8 = "tilewise" too, the experts' FP8 GEMMs read this rank's
+// released codes (the ep run within the fp8 bars of the single process). Full fine-tuning with
+// frozen FP8 experts (train.frozen_weights = "fp8") under ep is refused before any step.
+TEST(DistTrainLora, Fp8BaseUnderExpertParallelismEqualsTheDequantisedBase) {
+  glmtune::test::TempDir dir("dist-train-lora-fp8-base");
+  const fs::path model = dir / "fp8-model";
+  {
+    glmtune::model::InitOptions options;
+    options.seed = 5;
+    options.fp8 = true;
+    glmtune::model::write_random_checkpoint(glmtune::model::ModelConfig::preset("tiny"), model,
+                                            options);
+  }
+  const fs::path recipe = write_recipe(dir.path(), 6, 0, true);
+  std::ofstream(recipe, std::ios::app) << "[lora]\nrank = 4\nalpha = 8\n"
+                                       << "target_modules = [\"all-linear\"]\n";
+  const std::string on_fp8 = " --set model.path=" + model.string();
+  const auto run = [&](const std::string& name, int ranks, int64_t ep, const std::string& extra) {
+    const fs::path log = dir / (name + ".log");
+    EXPECT_EQ(train(recipe, ranks, false, dir / name, log, ep, 1, on_fp8 + extra), 0)
+        << glmtune::test::read_text(log);
+    return metrics(dir / name);
+  };
+  const auto single = run("single", 1, 1, " --set lora.base=fp8");
+  const auto held = run("ep2-fp8", 2, 2, " --set lora.base=fp8");
+  const auto dequantised = run("ep2-bf16", 2, 2, " --set lora.base=bf16");
+  ASSERT_EQ(single.size(), 6u);
+  ASSERT_EQ(held.size(), single.size());
+  ASSERT_EQ(dequantised.size(), single.size());
+  for (size_t i = 0; i < held.size(); ++i) {
+    SCOPED_TRACE("step " + std::to_string(i + 1));
+    EXPECT_EQ(held[i]["loss"], dequantised[i]["loss"]);
+    EXPECT_EQ(held[i]["grad_norm"], dequantised[i]["grad_norm"]);
+  }
+  expect_same_curve(held, single, 0);
+  EXPECT_NE(glmtune::test::read_text(dir / "ep2-fp8.log").find("held in FP8"), std::string::npos);
+
+  const std::string tilewise = " --set lora.base=fp8 --set train.fp8=tilewise";
+  const auto fp8_single = run("single-tilewise", 1, 1, tilewise);
+  const auto fp8_ep = run("ep2-tilewise", 2, 2, tilewise);
+  ASSERT_EQ(fp8_ep.size(), fp8_single.size());
+  for (size_t i = 0; i < fp8_ep.size(); ++i) {
+    const double w = fp8_single[i]["loss"].get<double>();
+    EXPECT_NEAR(fp8_ep[i]["loss"].get<double>(), w, i == 0 ? 1e-6 : 1e-2 * w) << "step " << i + 1;
+  }
+
+  fs::create_directories(dir / "full");
+  const fs::path full = write_recipe(dir / "full", 6, 0, true);
+  const fs::path log = dir / "frozen-ep2.log";
+  EXPECT_NE(
+      train(full, 2, false, dir / "frozen-ep2", log, 2, 1,
+            on_fp8 + " --set train.frozen_weights=fp8 --set \"train.freeze=['mlp\\.experts']\""),
+      0);
+  const std::string text = glmtune::test::read_text(log);
+  EXPECT_NE(text.find("train.frozen_weights"), std::string::npos) << text;
+  EXPECT_NE(text.find("train.ep_size"), std::string::npos) << text;
+}
+
 // Adapter dropout: the masks are keyed by the step and the pack's index in the whole step, so data
 // parallelism draws what the single process draws and follows it exactly; sequence parallelism,
 // whose shards would draw from their own rows, refuses it naming train.sp_size.

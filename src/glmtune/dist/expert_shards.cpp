@@ -27,8 +27,16 @@ LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& exper
                  "it with local_range",
                  loaded.first, loaded.first + loaded.count, experts.first_expert(),
                  experts.first_expert() + local);
+  bool held_in_fp8 = false;
   for (const model::InternalParam& p : store.params()) {
     if (!model::is_fused_expert_tensor(p.name)) continue;
+    // A frozen base's experts held in FP8 (model/text/fp8_layers.h) are not among the values: the
+    // FP8 holder takes this rank's experts from the file, and nothing trains or saves them here.
+    if (p.deferred) {
+      GLMTUNE_ASSERT(!p.trainable, "routed-expert tensor '{}' is deferred and trained", p.name);
+      held_in_fp8 = true;
+      continue;
+    }
     GLMTUNE_ASSERT(p.value.defined() && p.value.dim() == 3 && p.value.size(0) == local &&
                        int64_t(p.sources.size()) == parts_per_expert(p.name) * n,
                    "routed-expert tensor '{}' is {}, expected {} of the {} experts", p.name,
@@ -36,7 +44,7 @@ LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& exper
     full_bytes_ += int64_t(p.value.nbytes()) / local * n;
     entries_.push_back({p.name, p.value, p.sources, p.trainable});
   }
-  if (entries_.empty())
+  if (entries_.empty() && !held_in_fp8)
     throw Error("expert parallelism asked for, but the model has no routed experts",
                 "train.ep_size", "set train.ep_size = 1 for a model without MoE layers");
 }

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+
 #include "glmtune/base/error.h"
 #include "glmtune/base/overloaded.h"
 #include "glmtune/io/fp8.h"
@@ -25,12 +27,15 @@ int64_t layer_of(const std::string& name, int64_t num_layers) {
 }
 
 // The released tensors of internal parameter `name`, in the order of its rows: itself, or for a
-// fused expert tensor each expert's (gate_e, up_e for gate_up_proj; down_e for down_proj). Empty
-// for a name that is no single weight (the fused short convolutions).
-std::vector<std::string> row_pieces(const io::CheckpointReader& reader, const std::string& name) {
+// fused expert tensor each expert's (gate_e, up_e for gate_up_proj; down_e for down_proj), of the
+// experts in `range` when given (an expert-parallel rank's). Empty for a name that is no single
+// weight (the fused short convolutions).
+std::vector<std::string> row_pieces(const io::CheckpointReader& reader, const std::string& name,
+                                    const std::optional<ExpertRange>& range = std::nullopt) {
   const auto experts = [&](const std::string& prefix, std::vector<std::string> parts) {
     std::vector<std::string> pieces;
-    for (int64_t e = 0;; ++e) {
+    const int64_t first = range ? range->first : 0;
+    for (int64_t e = first; !range || e < first + range->count; ++e) {
       const std::string first = fmt::format("{}{}.{}.weight", prefix, e, parts.front());
       if (!reader.contains(first)) break;
       for (const std::string& part : parts)
@@ -99,9 +104,11 @@ Fp8Layers::Fp8Layers(TextWeights& weights, const ParamStore& store,
                    p.name);
     if (p.trainable)
       throw InternalError(fmt::format("'{}' is trained: its FP8 codes cannot be updated", p.name));
-    GLMTUNE_ASSERT(!store.expert_range(), "an FP8 base with a range of the experts ('{}')", p.name);
+    // Under expert parallelism a fused expert tensor holds this rank's experts only.
+    const bool local = store.expert_range() && is_fused_expert_tensor(p.name);
     Held h;
     h.shape = p.shape;
+    if (local) h.shape[0] = store.expert_range()->count;
     // The model's placeholder: its field in the layer and its entries in the named list.
     Tensor placeholder;
     for (size_t i = 0; i < weights.named.size(); ++i)
@@ -120,7 +127,8 @@ Fp8Layers::Fp8Layers(TextWeights& weights, const ParamStore& store,
     GLMTUNE_ASSERT(h.field != nullptr, "'{}' is not a field of layer {}", p.name, layer);
     h.dtype = placeholder.dtype();
 
-    const std::vector<std::string> pieces = row_pieces(reader, p.name);
+    const std::vector<std::string> pieces =
+        row_pieces(reader, p.name, local ? store.expert_range() : std::nullopt);
     const Shape piece = reader.info(pieces.front()).shape;
     h.piece_rows = piece[0];
     const Shape grid = io::fp8_scale_shape(piece);
