@@ -282,9 +282,18 @@ void ParamStore::load_deferred(const io::CheckpointReader& reader, const std::st
   auto it = index_.find(name);
   GLMTUNE_ASSERT(it != index_.end(), "no parameter named '{}'", name);
   InternalParam& p = params_[it->second];
-  GLMTUNE_ASSERT(p.deferred && !expert_range_, "'{}' is not a deferred whole tensor", name);
+  GLMTUNE_ASSERT(p.deferred, "'{}' is not a deferred tensor", name);
+  // Under an expert range a fused expert tensor takes the range's experts, a contiguous run of
+  // its [E, rows, cols] elements; every other tensor is whole.
+  Shape shape = p.shape;
+  int64_t begin = 0;
+  if (expert_range_ && is_fused_expert_tensor(name)) {
+    const int64_t per_expert = shape_numel(shape) / shape[0];
+    begin = expert_range_->first * per_expert;
+    shape[0] = expert_range_->count;
+  }
   // Owned memory: read_elements may return a view of the read-only mapping.
-  p.value = read_elements(reader, name, 0, shape_numel(p.shape)).view(p.shape).clone();
+  p.value = read_elements(reader, name, begin, shape_numel(shape)).view(shape).clone();
   p.deferred = false;
 }
 

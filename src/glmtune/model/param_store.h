@@ -109,9 +109,10 @@ class ParamStore {
   const InternalParam& param(const std::string& name) const;
   // Whether the optimizer trains parameter `name` (train.freeze turns it off).
   void set_trainable(const std::string& name, bool trainable);
-  // Reads deferred parameter `name` whole from `reader` (the checkpoint the store was loaded from)
-  // and holds it like a parameter loaded at once: what a load that deferred more than it keeps
-  // deferred (a trained tensor among the FP8 ones a frozen base holds) catches up on.
+  // Reads deferred parameter `name` from `reader` (the checkpoint the store was loaded from) and
+  // holds it like a parameter loaded at once: whole, or for a fused expert tensor of a store
+  // loaded with an expert range, that range's experts. What a load that deferred more than it
+  // keeps deferred (a trained tensor among the FP8 ones a frozen base holds) catches up on.
   void load_deferred(const io::CheckpointReader& reader, const std::string& name);
 
   // Low-rank adapters (model/lora.h): parameters named like the projection they adapt, outside the

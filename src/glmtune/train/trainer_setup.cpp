@@ -290,17 +290,15 @@ TrainingWeights load_weights(const Recipe& recipe, ParallelLayout& layout,
   const bool fp8_base = recipe.lora && recipe.lora->fp8_base;
   const bool fp8_frozen = recipe.frozen_fp8;
   const std::string fp8_key = fp8_base ? "lora.base" : "train.frozen_weights";
-  // Expert parallelism: each rank holds its experts' codes (a LoRA base only: a full fine-tuning
-  // checkpoint would have to gather frozen experts that no rank holds as values).
-  if ((fp8_base || fp8_frozen) && (layout.fsdp || (fp8_frozen && layout.expert_sharded)))
+  // Under expert parallelism each rank holds its own experts' codes (model/text/fp8_layers.h);
+  // a checkpoint reads the frozen experts back from the file.
+  if ((fp8_base || fp8_frozen) && layout.fsdp)
     throw Error(
-        fmt::format("{} = \"fp8\" with {}: FP8 tensors are held whole by each process, "
-                    "not in slices",
-                    fp8_key, layout.fsdp ? "train.fsdp" : "train.ep_size"),
+        fmt::format("{} = \"fp8\" with train.fsdp: FP8 tensors are held whole by each "
+                    "process, not in slices",
+                    fp8_key),
         recipe.source() + ": " + fp8_key,
-        fmt::format("write {} = \"bf16\", or drop {}{}", fp8_key.substr(fp8_key.find('.') + 1),
-                    layout.fsdp ? "fsdp" : "ep_size",
-                    layout.fsdp ? "" : " (a LoRA base, lora.base = \"fp8\", takes ep_size)"));
+        fmt::format("write {} = \"bf16\", or drop fsdp", fp8_key.substr(fp8_key.find('.') + 1)));
   const auto held_in_fp8 = [&](const std::string& name) {
     return model::text::stored_in_fp8(*reader, name, num_layers);
   };

@@ -34,8 +34,8 @@ std::vector<std::string> row_pieces(const io::CheckpointReader& reader, const st
                                     const std::optional<ExpertRange>& range = std::nullopt) {
   const auto experts = [&](const std::string& prefix, std::vector<std::string> parts) {
     std::vector<std::string> pieces;
-    const int64_t first = range ? range->first : 0;
-    for (int64_t e = first; !range || e < first + range->count; ++e) {
+    const int64_t begin = range ? range->first : 0;
+    for (int64_t e = begin; !range || e < begin + range->count; ++e) {
       const std::string first = fmt::format("{}{}.{}.weight", prefix, e, parts.front());
       if (!reader.contains(first)) break;
       for (const std::string& part : parts)
