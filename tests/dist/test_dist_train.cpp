@@ -66,6 +66,24 @@ const fs::path& tiny_model(bool f32) {
   return f32 ? wide : bf16;
 }
 
+// The tiny model with config `overrides` (seed 11), stored in f32: written once per `tag` for the
+// test program.
+const fs::path& tiny_f32_variant(
+    const std::string& tag, const std::vector<std::pair<std::string, std::string>>& overrides) {
+  static glmtune::test::TempDir dir("dist-train-model-variants");
+  static std::map<std::string, fs::path> written;
+  const auto [it, fresh] = written.try_emplace(tag);
+  if (fresh) {
+    glmtune::model::ModelConfig config = glmtune::model::ModelConfig::preset("tiny");
+    config.set_all(overrides);
+    glmtune::model::InitOptions options;
+    options.seed = 11;
+    glmtune::model::write_random_checkpoint(config, dir / tag / "bf16", options);
+    it->second = f32_copy(dir / tag / "bf16", dir / tag / "f32");
+  }
+  return it->second;
+}
+
 // The tiny model in f32 with its selections made unambiguous: every token uses every routed expert
 // and the indexer keeps every key of a 1024-token pack. Runs that split a pack (sequence
 // parallelism) differ from the single process by f32 roundings from the first update on; a near-tie
@@ -73,19 +91,9 @@ const fs::path& tiny_model(bool f32) {
 // the run (the BLAS kernels of the CPU, the order of a GEMM's reduced dimension). Without a
 // selection the two curves stay within those roundings at every step, on any machine.
 const fs::path& tiny_model_unambiguous() {
-  static glmtune::test::TempDir dir("dist-train-model-dense");
-  static const fs::path path = [] {
-    using namespace glmtune;
-    model::ModelConfig config = model::ModelConfig::preset("tiny");
-    config.set_all({{"text_config.num_experts_per_tok", "8"},
-                    {"text_config.topk_group", "2"},
-                    {"text_config.index_topk", "1024"}});
-    model::InitOptions options;
-    options.seed = 11;
-    model::write_random_checkpoint(config, dir / "bf16", options);
-    return f32_copy(dir / "bf16", dir / "f32");
-  }();
-  return path;
+  return tiny_f32_variant("unambiguous", {{"text_config.num_experts_per_tok", "8"},
+                                          {"text_config.topk_group", "2"},
+                                          {"text_config.index_topk", "1024"}});
 }
 
 // The tiny model in the FP8 release's layout (glmtune init --fp8): the experts, dense MLPs and MLA
@@ -951,20 +959,10 @@ namespace {
 // The f32 tiny model with head dims of 128 (KDA, MLA queries and values), so that a rank's heads
 // under sequence parallelism span whole 128-row FP8 blocks (dist::check_fp8_head_slices).
 const fs::path& tiny_model_fp8_heads() {
-  static glmtune::test::TempDir dir("dist-train-model-fp8-heads");
-  static const fs::path path = [] {
-    using namespace glmtune;
-    model::ModelConfig config = model::ModelConfig::preset("tiny");
-    config.set_all({{"text_config.linear_attn_config.head_dim", "128"},
-                    {"text_config.qk_nope_head_dim", "128"},
-                    {"text_config.qk_head_dim", "128"},
-                    {"text_config.v_head_dim", "128"}});
-    model::InitOptions options;
-    options.seed = 11;
-    model::write_random_checkpoint(config, dir / "bf16", options);
-    return f32_copy(dir / "bf16", dir / "f32");
-  }();
-  return path;
+  return tiny_f32_variant("fp8-heads", {{"text_config.linear_attn_config.head_dim", "128"},
+                                        {"text_config.qk_nope_head_dim", "128"},
+                                        {"text_config.qk_head_dim", "128"},
+                                        {"text_config.v_head_dim", "128"}});
 }
 
 // train.fp8 = "tilewise" (docs/fp8.md) in every layout: every rank runs the FP8 GEMMs on the
