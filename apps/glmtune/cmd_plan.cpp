@@ -73,9 +73,9 @@ model::ModelConfig load_config(PlanArgs& a, bool from_recipe) {
 
 void print_text(const train::MemoryPlan& p, const model::ModelConfig& config) {
   const train::PlanOptions& o = p.options;
-  std::printf("layout: %ld GPU(s): dp %ld, ep %ld, sp %ld%s; pack %ld tokens (%ld per GPU)\n",
+  std::printf("layout: %ld GPU(s): dp %ld, ep %ld, sp %ld%s%s; pack %ld tokens (%ld per GPU)\n",
               long(o.gpus), long(p.dp), long(o.ep), long(o.sp), o.fsdp ? ", fsdp" : "",
-              long(o.pack), long(o.pack / o.sp));
+              o.fp8_tilewise ? ", FP8 GEMMs" : "", long(o.pack), long(o.pack / o.sp));
   std::printf(
       "activations: %ld decoder layers kept, %ld recomputed, %ld offloaded (--recompute %.2f "
       "--offload %.2f)%s\n",
@@ -121,6 +121,7 @@ void print_json(const train::MemoryPlan& p) {
   j["ep"] = o.ep;
   j["sp"] = o.sp;
   j["fsdp"] = o.fsdp;
+  j["fp8"] = o.fp8_tilewise ? "tilewise" : "none";
   j["recompute"] = o.recompute;
   j["offload"] = o.offload;
   j["pack"] = o.pack;
@@ -166,6 +167,7 @@ int run_plan(PlanArgs& a, const CLI::App& app) {
     if (!given("--ep")) a.plan.ep = r.ep_size;
     if (!given("--sp")) a.plan.sp = r.sp_size;
     if (!given("--fsdp")) a.plan.fsdp = r.fsdp;
+    if (!given("--fp8")) a.plan.fp8_tilewise = r.fp8_tilewise;
     if (!given("--recompute")) a.plan.recompute = r.recompute;
     if (!given("--offload")) a.plan.offload = r.offload;
     if (!given("--pack")) a.plan.pack = r.pack_max_length;
@@ -237,6 +239,9 @@ GLMTUNE_COMMAND(
       app.add_option("--ep", a->plan.ep, "Expert-parallel size (train.ep_size)");
       app.add_option("--sp", a->plan.sp, "Sequence-parallel size (train.sp_size)");
       app.add_flag("--fsdp", a->plan.fsdp, "Shard the decoder layers (train.fsdp)");
+      app.add_flag("--fp8", a->plan.fp8_tilewise,
+                   "Block-scaled FP8 GEMMs (train.fp8 = \"tilewise\"): their weight blocks kept "
+                   "for the step, frozen FP8 weights read from their codes");
       app.add_option("--recompute", a->plan.recompute,
                      "Fraction of decoder layers recomputed in the backward (train.recompute)");
       app.add_option("--offload", a->plan.offload,

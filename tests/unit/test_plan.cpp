@@ -11,10 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/base/overloaded.h"
 #include "glmtune/io/checkpoint.h"
 #include "glmtune/model/init.h"
 #include "glmtune/model/lora.h"
 #include "glmtune/model/text/backward.h"
+#include "glmtune/model/text/weights.h"
 #include "glmtune/train/plan.h"
 #include "support/cli.h"
 #include "support/random_model.h"
@@ -149,6 +151,21 @@ TEST(Plan, Fp8BaseHoldsWhatTheFp8LayoutStoresInFp8) {
   };
   EXPECT_EQ(item("fp8 values"), fp8_values);
   EXPECT_EQ(item("fp8 base: the running layer dequantised"), 2 * largest);
+
+  // With train.fp8 the FP8 GEMMs read the codes of every FP8 weight whose slices make whole
+  // 128 x 128 grids (model/text/fp8_layers.h): on the tiny preset all but the experts' gate_up
+  // (gate and up pieces of 32 rows), which alone is still dequantised.
+  o.fp8_tilewise = true;
+  double gate_up = 0;
+  for (const model::ParamSpec& s : model::released_layout(config))
+    if (s.layer == config.text().num_hidden_layers - 1 && model::released_in_fp8(config, s) &&
+        (s.name.ends_with(".gate_proj.weight") || s.name.ends_with(".up_proj.weight")) &&
+        s.name.find(".experts.") != std::string::npos)
+      gate_up += double(s.numel());
+  ASSERT_GT(gate_up, 0);
+  for (const train::PlanItem& i : train::plan_memory(config, o).items)
+    if (i.item.starts_with("fp8 base: the running layer dequantised"))
+      EXPECT_EQ(i.bytes, 2 * gate_up);
 }
 
 TEST(Plan, FewerActivationBytesWithMoreRecomputeAndFewerExpertBytesWithMoreEp) {
@@ -188,23 +205,55 @@ TEST(Plan, Crop25bWith36ExpertsIsWithinTenPercentOfTheMeasuredPeaks) {
   config.set("text_config.n_routed_experts", "36");
   struct Row {
     double recompute, offload, allocated_gib;
+    bool fp8 = false;
   };
   const std::vector<Row> rows = {
-      {1.0, 0, 107.7}, {0.0, 0, 124.9},                   // 2026-12-03, best-fit allocator
-      {1.0, 0, 111.7}, {0.8, 0, 114.9}, {0.6, 0, 118.5},  // 2026-11-29
-      {0.4, 0, 122.6}, {0.2, 0, 127.4}, {0.0, 0, 130.3},  // 2026-11-29
-      {0.0, 1, 116.3},                                    // activation offload, 2026-11-29
+      {1.0, 0, 107.7},       {0.0, 0, 124.9},                   // 2026-12-03, best-fit allocator
+      {1.0, 0, 111.7},       {0.8, 0, 114.9}, {0.6, 0, 118.5},  // 2026-11-29
+      {0.4, 0, 122.6},       {0.2, 0, 127.4}, {0.0, 0, 130.3},  // 2026-11-29
+      {0.0, 1, 116.3},                                          // activation offload, 2026-11-29
+      {1.0, 0, 111.4, true},  // train.fp8 = "tilewise", weights once per step, 2026-12-04
   };
   for (const Row& r : rows) {
     train::PlanOptions o;
     o.recompute = r.recompute;
     o.offload = r.offload;
+    o.fp8_tilewise = r.fp8;
     o.loss_chunk_rows = 4096;
     const train::MemoryPlan p = train::plan_memory(config, o);
     const double allocated = (p.total - p.part_bytes("allocator")) / kGiB;
     EXPECT_NEAR(allocated, r.allocated_gib, 0.10 * r.allocated_gib)
         << "recompute " << r.recompute << " offload " << r.offload;
   }
+}
+
+// The plan's FP8 weights (train.fp8: the blocks kept for the step) are the projections
+// use_fp8_gemms marks on a loaded model: the same number of elements, decoder and MTP layers.
+TEST(Plan, Fp8GemmWeightsAreTheOnesTheModelMarks) {
+  test::RandomModel m("plan-fp8-marks", 7);
+  model::text::TextWeights w = model::text::load_text_weights(*m.store, DType::f32);
+  model::text::use_fp8_gemms(w);
+  int64_t marked = 0;
+  const auto count = [&](auto& params, auto zip) {
+    zip(params, params,
+        Overloaded{[](const std::string&, model::text::ParamGroup, Tensor&, Tensor&) {},
+                   [&](const std::string&, model::text::ParamGroup, ops::Linear& l, ops::Linear&,
+                       ops::WholeProjection) { marked += l.fp8 ? l.weight.numel() : 0; }});
+    for (const ops::Linear* l : {&params.moe.gate_up_proj, &params.moe.down_proj})
+      marked += l->fp8 ? l->weight.numel() : 0;
+  };
+  for (model::text::LayerWeights& lw : w.layers)
+    count(lw, [](auto& a, auto& b, auto&& f) { model::text::zip_layer_params(a, b, f); });
+  count(*w.mtp, [](auto& a, auto& b, auto&& f) { model::text::zip_mtp_params(a, b, f); });
+  int64_t planned = 0;
+  for (const model::ParamSpec& s : model::released_layout(m.config))
+    if (model::text::released_weight_runs_in_fp8(s.name)) planned += s.numel();
+  EXPECT_GT(marked, 0);
+  EXPECT_EQ(planned, marked);
+  EXPECT_FALSE(model::text::released_weight_runs_in_fp8(
+      "model.language_model.layers.3.mlp.gate.weight"));  // the router
+  EXPECT_FALSE(model::text::released_weight_runs_in_fp8(
+      "model.language_model.layers.3.self_attn.kv_b_proj.weight"));
 }
 
 TEST(Plan, ALayoutThatDoesNotFitSaysWhatWould) {

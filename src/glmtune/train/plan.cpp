@@ -287,12 +287,16 @@ class PlanBuilder {
       // fsdp shards the decoder layers over dp; ep's expert slices stay out of it.
       const bool sharded = o_.fsdp && in_layer && !(expert && o_.ep > 1);
       double bytes;
+      const bool fp8_gemm = o_.fp8_tilewise && model::text::released_weight_runs_in_fp8(s.name);
+      const int64_t blocks =
+          s.shape.size() == 2 ? ((s.shape[0] + 127) / 128) * ((s.shape[1] + 127) / 128) : 0;
       if (o_.base == PlanBase::fp8 && !trained && model::released_in_fp8(config_, s)) {
-        const int64_t blocks = ((s.shape[0] + 127) / 128) * ((s.shape[1] + 127) / 128);
         const double scales = double(blocks) * 4 / (expert ? ep_ : 1.0);
         w_fp8_ += local;
         w_scales_ += scales;
-        if (layer >= 0 && layer <= L_) layer_fp8_[size_t(layer)] += local;
+        // Dequantised while its layer runs, unless only FP8 GEMMs read it from its codes.
+        if (layer >= 0 && layer <= L_ && !(fp8_gemm && codes_feed_fp8_gemms(s)))
+          layer_fp8_[size_t(layer)] += local;
         bytes = local + scales;
       } else if (model::is_fp32_kept(s.name) || is_hc_mixing(s.name)) {
         bytes = local * 4;
@@ -305,6 +309,11 @@ class PlanBuilder {
         layer_weight_[size_t(layer)] += bytes;
         fsdp_weight_slices_ += bytes / dp_;
       }
+      // The step keeps the blocks a weight's first FP8 GEMM makes (not under fsdp, whose layers
+      // come and go); held FP8 codes are used as they are.
+      if (fp8_gemm && !o_.fsdp &&
+          !(o_.base == PlanBase::fp8 && !trained && model::released_in_fp8(config_, s)))
+        w_fp8_blocks_ += local + double(blocks) * 4 / (expert ? ep_ : 1.0);
       if (!trained) continue;
       const bool f32_stored = model::is_fp32_kept(s.name);
       // The sharded optimizer splits every trained tensor over dp; an expert slice over the dp /
@@ -319,6 +328,15 @@ class PlanBuilder {
         g_f32_ += local * 4;
       }
     }
+  }
+
+  // Whether the FP8 holder can hand this FP8-stored weight's codes to the FP8 GEMMs (one 128 x 128
+  // grid per [out, in] slice: a fused gate_up_proj's gate and up pieces must each be whole blocks).
+  bool codes_feed_fp8_gemms(const model::ParamSpec& s) const {
+    const bool gate_or_up =
+        s.name.find(".mlp.experts.") != std::string::npos &&
+        (s.name.ends_with(".gate_proj.weight") || s.name.ends_with(".up_proj.weight"));
+    return !gate_or_up || c_.moe_intermediate_size % 128 == 0;
   }
 
   void add_weights() {
@@ -340,6 +358,8 @@ class PlanBuilder {
         2 * *std::max_element(layer_fp8_.begin(), layer_fp8_.end()),
         "one layer at a time, forward and backward");
     add("weights", "f32 (A_log, dt_bias, conv, router bias, mHC)", w_f32_);
+    add("weights", "fp8 GEMMs: each weight's blocks, kept for the step", w_fp8_blocks_,
+        "train.fp8 = \"tilewise\": 1 byte a value");
   }
 
   void add_adapters() {
@@ -543,7 +563,7 @@ class PlanBuilder {
   bool mtp_ = false, lora_ = false;
   MemoryPlan plan_;
   // Bytes on one GPU: weights by storage, trained tensors' f32 gradients, optimizer state.
-  double w_bf16_ = 0, w_f32_ = 0, w_fp8_ = 0, w_scales_ = 0, w_frozen_bf16_ = 0;
+  double w_bf16_ = 0, w_f32_ = 0, w_fp8_ = 0, w_scales_ = 0, w_frozen_bf16_ = 0, w_fp8_blocks_ = 0;
   double g_f32_ = 0, opt_master_ = 0, opt_moments_ = 0;
   // Per decoder layer (the MTP layer last): fsdp-sharded weight and gradient bytes, FP8-held
   // elements.

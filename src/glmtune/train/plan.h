@@ -52,6 +52,9 @@ struct PlanOptions {
   int64_t loss_chunk_rows = 256;  // label rows per lm_head + cross-entropy chunk (the trainer's)
   std::optional<PlanLora> lora;
   PlanBase base = PlanBase::bf16;
+  // train.fp8 = "tilewise": each FP8 projection's weight blocks are kept for the step (not under
+  // fsdp), and a frozen FP8 weight the FP8 GEMMs read from its codes is never dequantised.
+  bool fp8_tilewise = false;
   double device_gib = 139.0;
 };
 

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <regex>
 #include <set>
 
 #include "glmtune/base/overloaded.h"
@@ -183,6 +184,20 @@ bool runs_in_fp8(const std::string& name, ParamGroup group) {
 }
 
 }  // namespace
+
+bool released_weight_runs_in_fp8(const std::string& name) {
+  static const std::regex layer(R"(^model\.language_model\.layers\.\d+\.(.*)\.weight$)");
+  static const std::regex expert(R"(^mlp\.experts\.\d+\.(gate|up|down)_proj$)");
+  std::smatch m;
+  if (!std::regex_match(name, m, layer)) return false;
+  const std::string module = m[1].str();
+  if (std::regex_match(module, expert)) return true;
+  // A KDA and an MLA layer both name their output projection self_attn.o_proj.
+  for (ParamGroup group :
+       {ParamGroup::kda, ParamGroup::dsa, ParamGroup::dense_mlp, ParamGroup::moe})
+    if (runs_in_fp8(module, group) && module != "mlp.gate") return true;
+  return false;
+}
 
 int64_t use_fp8_gemms(TextWeights& w, int64_t alignment) {
   int64_t marked = 0;

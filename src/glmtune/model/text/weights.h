@@ -180,4 +180,8 @@ void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key);
 // of it is refused, naming it.
 int64_t use_fp8_gemms(TextWeights& w, int64_t alignment = 0);
 
+// Whether the released tensor `name` ("model.language_model.layers.3.self_attn.q_a_proj.weight",
+// "...mlp.experts.7.down_proj.weight") is the weight of a projection use_fp8_gemms marks.
+bool released_weight_runs_in_fp8(const std::string& name);
+
 }  // namespace glmtune::model::text
