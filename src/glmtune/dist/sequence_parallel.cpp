@@ -187,14 +187,35 @@ struct KdaHeads {
 const auto zip_kda = [](auto& a, auto& b, auto&& f) { ops::zip_kda_params(a, b, f); };
 const auto zip_mla = [](auto& a, auto& b, auto&& f) { ops::zip_mla_params(a, b, f); };
 
-// A projection's slice keeps its adapter's scale and its FP8 mark (train.fp8: the slice's blocks
-// are the whole weight's where the heads' rows or columns split at multiples of 128, which
-// check_fp8_head_slices makes sure of).
-const auto keep_projection_settings = [](const std::string&, const ops::Linear& full,
-                                         ops::Linear& mine, ops::WholeProjection) {
-  mine.lora.scale = full.lora.scale;
-  mine.fp8 = full.fp8;
-};
+// A projection's slice keeps its adapter's scale and dropout and its FP8 mark (train.fp8: the
+// slice's blocks are the whole weight's where the heads' rows or columns split at multiples of
+// 128, which check_fp8_head_slices makes sure of). Where its input is this rank's slice of the
+// heads' columns (the output projections), the dropout masks are drawn at those columns of the
+// whole input.
+// The output projection of the forward, on this rank's rows of the pack from `row0` on (all
+// columns): its dropout masks at those rows.
+ops::Linear on_shard_rows(const ops::Linear& l, int64_t row0) {
+  ops::Linear shard = l;
+  shard.lora.dropout_block.row0 = row0;
+  return shard;
+}
+
+template <typename SlicingOf>
+auto keep_projection_settings(SlicingOf slicing_of, int64_t first) {
+  return [slicing_of, first](const std::string& name, const ops::Linear& full, ops::Linear& mine,
+                             ops::WholeProjection) {
+    mine.lora.scale = full.lora.scale;
+    mine.lora.dropout = full.lora.dropout;
+    mine.lora.dropout_key = full.lora.dropout_key;
+    mine.lora.dropout_block = full.lora.dropout_block;
+    const Slicing s = slicing_of(name + ".weight");
+    if (s.split == HeadSplit::cols && full.weight.defined()) {
+      mine.lora.dropout_block.col0 = first * s.unit;
+      mine.lora.dropout_block.width = full.weight.size(1);
+    }
+    mine.fp8 = full.fp8;
+  };
+}
 
 KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, int ranks) {
   KdaHeads h;
@@ -202,12 +223,13 @@ KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, 
   h.first = int64_t(rank) * h.count;
   h.options = o;
   h.options.num_heads = h.count;
-  ops::zip_kda_params(p, h.params,
-                      Overloaded{[&](const std::string& name, const Tensor& full, Tensor& mine) {
-                                   mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first,
-                                                      h.count, rank);
-                                 },
-                                 keep_projection_settings});
+  ops::zip_kda_params(
+      p, h.params,
+      Overloaded{[&](const std::string& name, const Tensor& full, Tensor& mine) {
+                   mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first, h.count, rank);
+                 },
+                 keep_projection_settings(
+                     [&](const std::string& n) { return kda_slicing(n, o.head_dim); }, h.first)});
   return h;
 }
 
@@ -235,12 +257,13 @@ MlaHeads mla_heads(const ops::MlaConfig& c, const ops::DsaParams& p, int rank, i
   h.first = int64_t(rank) * h.count;
   h.config = c;
   h.config.n_heads = h.count;
-  ops::zip_mla_params(p.mla, h.params.mla,
-                      Overloaded{[&](const std::string& name, const Tensor& full, Tensor& mine) {
-                                   mine = slice_heads(full, mla_slicing(name, c), h.first, h.count,
-                                                      rank);
-                                 },
-                                 keep_projection_settings});
+  ops::zip_mla_params(
+      p.mla, h.params.mla,
+      Overloaded{[&](const std::string& name, const Tensor& full, Tensor& mine) {
+                   mine = slice_heads(full, mla_slicing(name, c), h.first, h.count, rank);
+                 },
+                 keep_projection_settings([&](const std::string& n) { return mla_slicing(n, c); },
+                                          h.first)});
   h.params.indexer = p.indexer;
   return h;
 }
@@ -418,7 +441,7 @@ Tensor UlyssesParallel::kda_forward(const ops::KdaParams& params, const Tensor& 
   // before it is what travels, so that o_proj runs once per token on its owner, as unsplit.
   ops::kda_forward(h.params, x_full, cu_seqlens, h.options, s);
   const Tensor normed = columns_to_rows(s->normed.view({tokens, h.count * options.head_dim}));
-  return ops::linear(normed, params.o_proj);
+  return ops::linear(normed, on_shard_rows(params.o_proj, shard_begin(tokens)));
 }
 
 Tensor UlyssesParallel::kda_backward(const ops::KdaParams& params, const Tensor& x,
@@ -457,7 +480,7 @@ Tensor UlyssesParallel::dsa_forward(const ops::MlaConfig& mla, const ops::Indexe
       ops::sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, mla.softmax_scale())
           .view({tokens, h.count * mla.v_head_dim});
   if (indices_out) *indices_out = indices;
-  return ops::linear(columns_to_rows(core), params.mla.o_proj);
+  return ops::linear(columns_to_rows(core), on_shard_rows(params.mla.o_proj, shard_begin(tokens)));
 }
 
 Tensor UlyssesParallel::dsa_backward(const ops::MlaConfig& mla, const ops::DsaParams& params,

@@ -20,7 +20,18 @@ void scale_into(Tensor& a, double s);
 // device), and multiplied by 1 / (1 − p) (the product in double, rounded into a's dtype), else
 // set to 0. The same (p, key) on a tensor of the same shape applies the same mask: the backward
 // masks the input gradient with it. p in [0, 1).
-void dropout_into(Tensor& a, double p, uint64_t key);
+//
+// `block`: where `a` (seen as [rows, cols], cols its last dimension) sits in a larger input that a
+// parallel layout split (sequence parallelism: a shard of the pack's rows, or one rank's slice of
+// the heads' columns): element (r, c) is drawn at index (row0 + r) · width + col0 + c of the whole,
+// so the ranks together draw the mask one process draws. The default is `a` itself. On the CPU
+// only (the GPU takes the default).
+struct DropoutBlock {
+  int64_t row0 = 0, col0 = 0;
+  int64_t width = 0;  // the whole input's row length; 0: a's own
+  bool whole() const { return row0 == 0 && col0 == 0 && width == 0; }
+};
+void dropout_into(Tensor& a, double p, uint64_t key, const DropoutBlock& block = {});
 // a + b as a new tensor with a's dtype.
 Tensor add(const Tensor& a, const Tensor& b);
 // [a | b] along the last dimension: [T, Da] and [T, Db] -> [T, Da + Db], on a's device.

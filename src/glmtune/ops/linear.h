@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops {
@@ -25,6 +26,9 @@ struct LoraAdapter {
   // trainer sets a fresh key per pack and module; key 0 (evaluation, the default): no dropout.
   double dropout = 0;
   uint64_t dropout_key = 0;
+  // Where the input sits in the whole pack's when a parallel layout hands a block of it (ops/
+  // elementwise.h): the masks one process would draw for those elements.
+  DropoutBlock dropout_block;
 
   bool defined() const { return A.defined(); }
   bool dropout_active() const { return dropout > 0 && dropout_key != 0; }

@@ -114,11 +114,13 @@ StepSums forward_backward(TrainingRun& run, const PackBatch& batch) {
   for (size_t k = 0; k < my_packs.size(); ++k) {
     const PackInput& in = my_packs[k];
     // lora.dropout: masks keyed by the seed, the step and the pack's index in the whole step (all
-    // ranks), so data parallelism and a resume draw what one uninterrupted process draws.
+    // ranks), and drawn at each element's place in the pack, so data and sequence parallelism and
+    // a resume draw what one uninterrupted process draws.
     if (dropout > 0)
       model::text::set_adapter_dropout(
           run.model.weights(), dropout,
-          (uint64_t(run.recipe.seed) << 40) ^ (uint64_t(run.state.step) << 12) ^ (first + k + 1));
+          (uint64_t(run.recipe.seed) << 40) ^ (uint64_t(run.state.step) << 12) ^ (first + k + 1),
+          run.layout.ulysses ? run.layout.ulysses->shard_begin(in.input_ids.numel()) : 0);
     const model::text::StepPackResult r =
         run.vl ? run.vl->run(batch.packs[first + k], in, topt, run.grads)
                : model::text::forward_backward(run.model, in, topt, run.grads);

@@ -69,13 +69,6 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
     refuse("fully sharded layers (train.fsdp) on a GPU", "train.fsdp",
            "leave fsdp off: the frozen base has no gradients or optimizer state, and the adapters "
            "are small");
-  // A dropout mask is drawn per element of a projection's input: a sequence-parallel shard would
-  // draw its rows' masks from the shard's own positions, not the pack's.
-  if (c.dropout > 0 && layout.sequence_parallel)
-    throw Error(
-        fmt::format("lora.dropout = {} is not supported with sequence parallelism", c.dropout),
-        recipe.source() + ": train.sp_size",
-        "train with dropout = 0 under train.sp_size, or without sequence parallelism");
   // Expert parallelism's exchange carries no adapter of the routed experts. (Data and sequence
   // parallelism and fsdp handle them as any adapter: they are in the parameter lists.)
   if (!c.target_parameters.empty() && layout.expert_sharded)

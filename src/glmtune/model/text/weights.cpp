@@ -138,7 +138,7 @@ std::string layer_prefix(int64_t layer) {
   return fmt::format("model.language_model.layers.{}.", layer);
 }
 
-void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key) {
+void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key, int64_t shard_row0) {
   const auto mix = [](uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -148,7 +148,7 @@ void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key) {
     const std::string prefix = layer_prefix(lw.index);
     zip_layer_params(lw, lw,
                      Overloaded{[](const std::string&, ParamGroup, Tensor&, Tensor&) {},
-                                [&](const std::string& name, ParamGroup, ops::Linear& l,
+                                [&](const std::string& name, ParamGroup group, ops::Linear& l,
                                     ops::Linear&, ops::WholeProjection) {
                                   if (!l.lora.defined()) return;
                                   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the name
@@ -156,6 +156,9 @@ void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key) {
                                     h = (h ^ uint8_t(c)) * 0x100000001b3ull;
                                   l.lora.dropout = p;
                                   l.lora.dropout_key = pack_key == 0 ? 0 : mix(pack_key ^ h) | 1;
+                                  const bool mlp =
+                                      group == ParamGroup::dense_mlp || group == ParamGroup::moe;
+                                  l.lora.dropout_block = {mlp ? shard_row0 : 0, 0, 0};
                                 }});
   }
 }

@@ -166,8 +166,10 @@ std::string layer_prefix(int64_t layer);
 
 // PEFT's lora_dropout for one pack: every adapter of the decoder layers' projections (ops/linear.h)
 // takes probability p and a key drawn from `pack_key` and its module's name, so each module masks
-// independently and every pack anew; pack_key 0 turns dropout off (evaluation).
-void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key);
+// independently and every pack anew; pack_key 0 turns dropout off (evaluation). Under sequence
+// parallelism the MLPs run on this rank's shard of the pack's rows, from `shard_row0` on: their
+// masks are drawn at those rows of the pack (the mixers see every row).
+void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key, int64_t shard_row0 = 0);
 
 // train.fp8 = "tilewise": marks the projections whose GEMMs then run in block-scaled FP8
 // (ops::Linear::fp8, ops/fp8.h) in every decoder layer and the MTP layer, the reference trainer's

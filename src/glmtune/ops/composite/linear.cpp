@@ -27,7 +27,7 @@ void check_adapter(const Linear& l, const Tensor& x) {
 Tensor adapter_x(const Linear& l, const Tensor& x) {
   if (!l.lora.dropout_active()) return x;
   Tensor xd = x.contiguous().clone();
-  dropout_into(xd, l.lora.dropout, l.lora.dropout_key);
+  dropout_into(xd, l.lora.dropout, l.lora.dropout_key, l.lora.dropout_block);
   return xd;
 }
 
@@ -55,7 +55,7 @@ void adapter_backward_add(Tensor& dx_sum, const Tensor& dy, const Tensor& x, con
     return;
   }
   Tensor dxa = linear_backward(du, xa, l.lora.A, grads ? &grads->lora.A : nullptr);
-  dropout_into(dxa, l.lora.dropout, l.lora.dropout_key);
+  dropout_into(dxa, l.lora.dropout, l.lora.dropout_key, l.lora.dropout_block);
   if (dx_sum.defined())
     add_into(dx_sum, dxa);
   else

@@ -45,18 +45,26 @@ void scale_into(Tensor& a, double s) {
   }
 }
 
-void dropout_into(Tensor& a, double p, uint64_t key) {
+void dropout_into(Tensor& a, double p, uint64_t key, const DropoutBlock& block) {
   GLMTUNE_ASSERT(a.is_contiguous(), "dropout_into: {} must be contiguous", a.str());
   GLMTUNE_ASSERT(p >= 0 && p < 1, "dropout_into: p = {} must be in [0, 1)", p);
+  const int64_t n = a.numel(), cols = a.dim() > 0 ? a.size(-1) : 1;
+  const int64_t width = block.width > 0 ? block.width : cols;
+  GLMTUNE_ASSERT(block.row0 >= 0 && block.col0 >= 0 && block.col0 + cols <= width,
+                 "dropout_into: {} at row {} and column {} does not fit rows of {}", a.str(),
+                 block.row0, block.col0, width);
+  GLMTUNE_ASSERT(block.whole() || a.device().is_cpu(),
+                 "dropout_into: a block of a larger input ({}) is drawn on the CPU only", a.str());
   GLMTUNE_DISPATCH_CUDA(a, cuda_path::dropout_into(a, p, key));
   GLMTUNE_ASSERT(a.dtype() == DType::f32 || a.dtype() == DType::f64,
                  "dropout_into on the CPU: {} must be f32 or f64", a.str());
-  const int64_t n = a.numel();
   const double inv = 1.0 / (1.0 - p);
   const auto apply = [&](auto* v) {
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; ++i)
-      v[i] = rng_uniform_at(key, uint64_t(i)) >= p ? decltype(v[i] + 0)(double(v[i]) * inv) : 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t at = uint64_t((block.row0 + i / cols) * width + block.col0 + i % cols);
+      v[i] = rng_uniform_at(key, at) >= p ? decltype(v[i] + 0)(double(v[i]) * inv) : 0;
+    }
   };
   if (a.dtype() == DType::f32)
     apply(a.data<float>());
