@@ -56,11 +56,14 @@ std::optional<fs::path> Checkpointer::save(TrainerState& st, const data::PackSam
   model::ParamStore::WholeValue whole_value = optimizer_.weights_for_save();
   if (deferred_source_)
     // Frozen tensors held in FP8 on the device: their (unchanged) values come from the file they
-    // were loaded from, dequantised, one tensor at a time.
+    // were loaded from, dequantised, one tensor at a time, by the rank that writes (the others
+    // visit the tensors for the collectives of the sharded ones only).
     whole_value = [this, held = std::move(whole_value)](const model::InternalParam& p) {
       if (p.deferred)
-        return store_.read_elements(*deferred_source_, p.name, 0, shape_numel(p.shape))
-            .view(p.shape);
+        return layout_.root
+                   ? store_.read_elements(*deferred_source_, p.name, 0, shape_numel(p.shape))
+                         .view(p.shape)
+                   : Tensor();
       return held ? held(p) : p.value;
     };
   const ModelWriter writer = [&](const fs::path& dir) {
