@@ -187,11 +187,6 @@ struct KdaHeads {
 const auto zip_kda = [](auto& a, auto& b, auto&& f) { ops::zip_kda_params(a, b, f); };
 const auto zip_mla = [](auto& a, auto& b, auto&& f) { ops::zip_mla_params(a, b, f); };
 
-// A projection's slice keeps its adapter's scale and dropout and its FP8 mark (train.fp8: the
-// slice's blocks are the whole weight's where the heads' rows or columns split at multiples of
-// 128, which check_fp8_head_slices makes sure of). Where its input is this rank's slice of the
-// heads' columns (the output projections), the dropout masks are drawn at those columns of the
-// whole input.
 // The output projection of the forward, on this rank's rows of the pack from `row0` on (all
 // columns): its dropout masks at those rows.
 ops::Linear on_shard_rows(const ops::Linear& l, int64_t row0) {
@@ -200,6 +195,11 @@ ops::Linear on_shard_rows(const ops::Linear& l, int64_t row0) {
   return shard;
 }
 
+// A projection's slice keeps its adapter's scale and dropout and its FP8 mark (train.fp8: the
+// slice's blocks are the whole weight's where the heads' rows or columns split at multiples of
+// 128, which check_fp8_head_slices makes sure of). Where its input is this rank's slice of the
+// heads' columns (the output projections), the dropout masks are drawn at those columns of the
+// whole input.
 template <typename SlicingOf>
 auto keep_projection_settings(SlicingOf slicing_of, int64_t first) {
   return [slicing_of, first](const std::string& name, const ops::Linear& full, ops::Linear& mine,
