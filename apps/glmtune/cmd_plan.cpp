@@ -168,6 +168,8 @@ int run_plan(PlanArgs& a, const CLI::App& app) {
     if (!given("--sp")) a.plan.sp = r.sp_size;
     if (!given("--fsdp")) a.plan.fsdp = r.fsdp;
     if (!given("--fp8")) a.plan.fp8_tilewise = r.fp8_tilewise;
+    if (!given("--freeze")) a.plan.freeze = r.freeze;
+    if (!given("--base") && r.frozen_fp8 && !r.freeze.empty()) a.base = "fp8";
     if (!given("--recompute")) a.plan.recompute = r.recompute;
     if (!given("--offload")) a.plan.offload = r.offload;
     if (!given("--pack")) a.plan.pack = r.pack_max_length;
@@ -206,9 +208,9 @@ int run_plan(PlanArgs& a, const CLI::App& app) {
     throw Error("LoRA targets without a rank", "--lora-targets / --lora-experts",
                 "add --lora-rank R (e.g. 16)");
   }
-  if (a.plan.base == train::PlanBase::fp8 && !a.plan.lora)
-    throw Error("an FP8 base needs LoRA: trained weights are bf16 compute copies", "--base",
-                "add --lora-rank R, or plan with --base bf16");
+  if (a.plan.base == train::PlanBase::fp8 && !a.plan.lora && a.plan.freeze.empty())
+    throw Error("an FP8 base needs LoRA or frozen tensors: trained weights are bf16 compute copies",
+                "--base", "add --lora-rank R or --freeze PATTERN, or plan with --base bf16");
   const model::ModelConfig config = load_config(a, from_recipe);
   const train::MemoryPlan plan = train::plan_memory(config, a.plan);
   if (a.json)
@@ -259,7 +261,11 @@ GLMTUNE_COMMAND(
           "--lora-experts", a->lora_experts,
           "Adapters on every routed expert too (lora.target_parameters; refused with --ep)");
       app.add_option("--base", a->base,
-                     "bf16, or fp8: the frozen base's FP8 tensors kept as the release stores them");
+                     "bf16, or fp8: the frozen base's FP8 tensors kept as the release stores them "
+                     "(lora.base, or train.frozen_weights with --freeze)");
+      app.add_option("--freeze", a->plan.freeze,
+                     "A train.freeze pattern (repeatable): the matching tensors get no gradient or "
+                     "optimizer state");
       app.add_option("--device-memory", a->plan.device_gib,
                      "Usable GiB per GPU (139: an H200's 140.4 GiB less the CUDA context)");
       app.add_flag("--json", a->json, "Print one JSON object");

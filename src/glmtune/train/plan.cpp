@@ -244,6 +244,12 @@ class PlanBuilder {
     ep_ = double(o.ep);
     mtp_ = o.mtp && c_.has_mtp();
     lora_ = o.lora.has_value();
+    for (const std::string& pattern : o.freeze) try {
+        freeze_.emplace_back(pattern, std::regex::ECMAScript);
+      } catch (const std::regex_error& e) {
+        throw Error(fmt::format("'{}' is not a regular expression ({})", pattern, e.what()),
+                    "--freeze", "write an ECMAScript regular expression, e.g. 'mlp\\.experts\\.'");
+      }
   }
 
   MemoryPlan build(bool suggest) {
@@ -280,7 +286,7 @@ class PlanBuilder {
       plan_.base_params += s.numel();
       const bool expert = is_routed_expert(s.name);
       const double local = double(s.numel()) / (expert ? ep_ : 1.0);
-      const bool trained = !lora_ && s.trainable;
+      const bool trained = !lora_ && s.trainable && !frozen(s.name);
       if (trained) plan_.trained_params += s.numel();
       const int64_t layer = s.layer;
       const bool in_layer = layer >= 0 && layer < L_;
@@ -350,7 +356,7 @@ class PlanBuilder {
     }
     add("weights", "bf16 compute copies (trained)", w_bf16_);
     add("weights", "bf16 compute copies (frozen)", w_frozen_bf16_,
-        "the indexer, and the whole base under LoRA");
+        "the indexer, what --freeze matches, the whole base under LoRA");
     add("weights", "fp8 values (frozen, FP8 in the release)", w_fp8_, "1 byte a value");
     add("weights", "fp8 block scales (f32, 128x128)", w_scales_);
     // Each layer's FP8 tensors are dequantised to bf16 right before it runs and dropped after.
@@ -554,6 +560,11 @@ class PlanBuilder {
       plan_.suggestions.push_back("nothing tried fits: shorten --pack or use more GPUs");
   }
 
+  bool frozen(const std::string& name) const {
+    return std::any_of(freeze_.begin(), freeze_.end(),
+                       [&](const std::regex& re) { return std::regex_search(name, re); });
+  }
+
   const model::ModelConfig& config_;
   const model::TextConfig& c_;
   const PlanOptions& o_;
@@ -561,6 +572,7 @@ class PlanBuilder {
   dist::ParallelSizes sizes_;
   double dp_ = 1, ep_ = 1;
   bool mtp_ = false, lora_ = false;
+  std::vector<std::regex> freeze_;
   MemoryPlan plan_;
   // Bytes on one GPU: weights by storage, trained tensors' f32 gradients, optimizer state.
   double w_bf16_ = 0, w_f32_ = 0, w_fp8_ = 0, w_scales_ = 0, w_frozen_bf16_ = 0, w_fp8_blocks_ = 0;

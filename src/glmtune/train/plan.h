@@ -55,6 +55,10 @@ struct PlanOptions {
   // train.fp8 = "tilewise": each FP8 projection's weight blocks are kept for the step (not under
   // fsdp), and a frozen FP8 weight the FP8 GEMMs read from its codes is never dequantised.
   bool fp8_tilewise = false;
+  // train.freeze: regular expressions searched in the released names; the tensors they match get
+  // no gradient or optimizer state, and with `base` fp8 (train.frozen_weights = "fp8") the frozen
+  // tensors the release stores in FP8 are held as it stores them.
+  std::vector<std::string> freeze;
   double device_gib = 139.0;
 };
 
