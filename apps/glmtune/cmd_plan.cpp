@@ -122,6 +122,7 @@ void print_json(const train::MemoryPlan& p) {
   j["sp"] = o.sp;
   j["fsdp"] = o.fsdp;
   j["fp8"] = o.fp8_tilewise ? "tilewise" : "none";
+  j["freeze"] = o.freeze;
   j["recompute"] = o.recompute;
   j["offload"] = o.offload;
   j["pack"] = o.pack;
