@@ -107,10 +107,10 @@ void print_text(const train::MemoryPlan& p, const model::ModelConfig& config) {
     std::printf(
         "note: adapters on the routed experts are counted; glmtune refuses them under expert "
         "parallelism (--ep)\n");
-  if (o.lora && o.base == train::PlanBase::fp8 && o.fsdp)
+  if (o.base == train::PlanBase::fp8 && o.fsdp)
     std::printf(
         "note: an FP8 base is counted as the release stores it; glmtune holds it so without fsdp "
-        "(lora.base = \"fp8\" is refused with fsdp)\n");
+        "(lora.base and train.frozen_weights = \"fp8\" are refused with fsdp)\n");
 }
 
 void print_json(const train::MemoryPlan& p) {
