@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -156,6 +157,34 @@ TEST(LoraOps, DropoutMasksAndScalesAsItsKeySays) {
   EXPECT_EQ(ops::linear(x, l).to_doubles(), plain);
   l.lora.dropout_key = 12345;
   EXPECT_NE(ops::linear(x, l).to_doubles(), plain);
+}
+
+// A block of a larger input (sequence parallelism: a shard of rows, a slice of heads' columns)
+// takes the whole input's mask at its place: the blocks of a [40, 30] tensor, masked apart,
+// assemble the mask of the whole; the block's own positions would give another.
+TEST(LoraOps, DropoutOfABlockIsTheWholeMaskAtItsPlace) {
+  const double p = 0.3;
+  const Tensor x = random_normal({40, 30}, 9, DType::f64);
+  Tensor whole = x.clone();
+  ops::dropout_into(whole, p, 4242);
+  const std::vector<double> want = whole.to_doubles();
+  for (const auto& [r0, r1, c0, c1] : std::vector<std::array<int64_t, 4>>{
+           {0, 40, 0, 30}, {0, 17, 0, 30}, {17, 40, 0, 30}, {0, 40, 10, 20}, {5, 9, 22, 30}}) {
+    Tensor block = x.narrow(0, r0, r1 - r0).narrow(1, c0, c1 - c0).contiguous().clone();
+    ops::dropout_into(block, p, 4242, {r0, c0, 30});
+    const std::vector<double> got = block.to_doubles();
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = c0; c < c1; ++c)
+        ASSERT_EQ(got[size_t((r - r0) * (c1 - c0) + (c - c0))], want[size_t(r * 30 + c)])
+            << "block [" << r0 << ", " << r1 << ") x [" << c0 << ", " << c1 << "): " << r << ", "
+            << c;
+  }
+  Tensor shard = x.narrow(0, 17, 23).contiguous().clone();
+  ops::dropout_into(shard, p, 4242);
+  EXPECT_NE(shard.to_doubles(),
+            std::vector<double>(want.begin() + 17 * 30, want.end()));  // drawn at its own rows
+  Tensor bad = x.narrow(1, 0, 20).contiguous().clone();
+  EXPECT_THROW(ops::dropout_into(bad, p, 4242, {0, 15, 30}), InternalError);  // past the row
 }
 
 TEST(LoraOps, AFrozenBaseGetsNoGradientAndTheAdapterDoes) {
