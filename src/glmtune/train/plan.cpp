@@ -296,7 +296,9 @@ class PlanBuilder {
       const bool fp8_gemm = o_.fp8_tilewise && model::text::released_weight_runs_in_fp8(s.name);
       const int64_t blocks =
           s.shape.size() == 2 ? ((s.shape[0] + 127) / 128) * ((s.shape[1] + 127) / 128) : 0;
-      if (o_.base == PlanBase::fp8 && !trained && model::released_in_fp8(config_, s)) {
+      const bool held_fp8 =
+          o_.base == PlanBase::fp8 && !trained && model::released_in_fp8(config_, s);
+      if (held_fp8) {
         const double scales = double(blocks) * 4 / (expert ? ep_ : 1.0);
         w_fp8_ += local;
         w_scales_ += scales;
@@ -317,8 +319,7 @@ class PlanBuilder {
       }
       // The step keeps the blocks a weight's first FP8 GEMM makes (not under fsdp, whose layers
       // come and go); held FP8 codes are used as they are.
-      if (fp8_gemm && !o_.fsdp &&
-          !(o_.base == PlanBase::fp8 && !trained && model::released_in_fp8(config_, s)))
+      if (fp8_gemm && !o_.fsdp && !held_fp8)
         w_fp8_blocks_ += local + double(blocks) * 4 / (expert ? ep_ : 1.0);
       if (!trained) continue;
       const bool f32_stored = model::is_fp32_kept(s.name);

@@ -52,12 +52,12 @@ std::vector<std::string> row_pieces(const io::CheckpointReader& reader, const st
   return {name};
 }
 
-// Whether the projection of `params` (a layer's or the MTP layer's weights) whose weight is
-// `placeholder` runs its GEMMs in FP8 (use_fp8_gemms).
+// Whether the projection of `params` (a layer's or the MTP layer's weights) whose weight shares
+// `weight`'s storage runs its GEMMs in FP8 (use_fp8_gemms).
 template <typename Params, typename Zip>
-bool marked_fp8(Params& params, Zip zip, const Tensor& placeholder) {
+bool marked_fp8(Params& params, Zip zip, const Tensor& weight) {
   const auto is_it = [&](const ops::Linear& l) {
-    return l.weight.defined() && l.weight.storage() == placeholder.storage();
+    return l.weight.defined() && l.weight.storage() == weight.storage();
   };
   bool marked = false;
   zip(params, params,
