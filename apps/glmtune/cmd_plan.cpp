@@ -105,8 +105,8 @@ void print_text(const train::MemoryPlan& p, const model::ModelConfig& config) {
   for (const std::string& s : p.suggestions) std::printf("  would fit: %s\n", s.c_str());
   if (p.adapted_expert_params && o.ep > 1)
     std::printf(
-        "note: adapters on the routed experts are counted; glmtune refuses them under expert "
-        "parallelism (--ep)\n");
+        "note: adapters on the routed experts are counted; glmtune trains them under expert "
+        "parallelism (--ep) on CPU processes only (LoRA on several GPUs is refused)\n");
   if (o.base == train::PlanBase::fp8 && o.fsdp)
     std::printf(
         "note: an FP8 base is counted as the release stores it; glmtune holds it so without fsdp "

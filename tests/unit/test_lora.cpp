@@ -658,6 +658,46 @@ TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
     EXPECT_EQ(name.find("lora_"), std::string::npos) << name;
 }
 
+// A store loaded with an expert range (one expert-parallel rank's, dist/expert_shards.h) holds its
+// range of the routed experts' adapters: fresh ones are the single process's values of those
+// experts (A drawn at its place in the whole draw, every later module's draw unchanged), a saved
+// adapter loads that range, and each expert adapter's parameter shape is the whole adapter's.
+TEST(LoraModel, AStoreOfAnExpertRangeHoldsThatRangeOfTheExpertAdapters) {
+  RandomModel m("lora", 9);
+  const LoraConfig c = everything(3, 5);
+  const std::vector<std::string> targets = resolve_lora_targets(*m.store, c, "lora");
+  add_lora_adapters(*m.store, c, targets, 7);
+  randomise_b(*m.store, 90'000);
+  const fs::path dir = m.dir.path() / "adapter";
+  save_lora_adapter(*m.store, c, dir);
+  const int64_t n = m.config.text().n_routed_experts;
+  ASSERT_EQ(n % 2, 0);
+  const ExpertRange range{n / 2, n / 2};
+  ParamStore fresh =
+      ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config, range);
+  add_lora_adapters(fresh, c, targets, 7);
+  ParamStore loaded =
+      ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config, range);
+  load_lora_adapter(loaded, dir);
+  int64_t experts_seen = 0;
+  for (const InternalParam& whole : m.store->params()) {
+    if (!whole.adapter) continue;
+    SCOPED_TRACE(whole.name);
+    const bool sliced = is_expert_adapter(whole.name);
+    experts_seen += sliced ? 1 : 0;
+    const Tensor want = sliced ? whole.value.narrow(0, range.first, range.count) : whole.value;
+    EXPECT_EQ(fresh.param(whole.name).shape, whole.shape);
+    EXPECT_EQ(loaded.param(whole.name).shape, whole.shape);
+    EXPECT_EQ(loaded.get(whole.name).to_doubles(), want.to_doubles());
+    // Fresh: A as one process draws it, B zero.
+    if (whole.name.ends_with(".lora_A.weight"))
+      EXPECT_EQ(fresh.get(whole.name).to_doubles(), want.to_doubles());
+    else
+      EXPECT_EQ(fresh.get(whole.name).shape(), want.shape());
+  }
+  EXPECT_GT(experts_seen, 0);
+}
+
 TEST(LoraModel, BadAdapterDirectoriesAreErrorsNamingTheFile) {
   RandomModel m("lora", 5);
   const fs::path dir = m.dir.path() / "bad";

@@ -106,16 +106,6 @@ Tensor gather_rows(const Tensor& src, const std::vector<int64_t>& which, int64_t
   return out;
 }
 
-// Local expert j's two projections: its weight slices, in FP8 where the fused experts are marked
-// (train.fp8; the adapters on experts are refused under expert parallelism). Each sender's block
-// runs as its own GEMM, so FP8 tiles never span two senders' rows, as in the single process, whose
-// tiles never span two packs' rows.
-ops::Linear local_expert(const ops::Linear& fused, int64_t j) {
-  ops::Linear l(fused.weight.select(0, j));
-  l.fp8 = fused.fp8;
-  return l;
-}
-
 // One expert's forward on stacked rows: h = x Wgu^T, a = swiglu(h), y = a Wd^T.
 struct ExpertForward {
   Tensor h, act, y;
@@ -130,15 +120,6 @@ ExpertForward run_expert(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
       ops::swiglu_clamped(f.h.narrow(1, 0, inter), f.h.narrow(1, inter, inter), cfg.swiglu_limit);
   f.y = ops::linear(f.act, down);
   return f;
-}
-
-Tensor& grad_slot(Tensor& grad, const Tensor& param) {
-  if (!grad.defined()) grad = Tensor::zeros(param.shape(), param.dtype());
-  GLMTUNE_ASSERT(grad.shape() == param.shape() && grad.dtype() == param.dtype() &&
-                     grad.is_contiguous() && grad.device().is_cpu(),
-                 "expert gradient {} must be a contiguous CPU tensor like {}", grad.str(),
-                 param.str());
-  return grad;
 }
 
 template <typename T>
@@ -156,13 +137,17 @@ Tensor forward_impl(Communicator& ep, int64_t n_experts, int64_t per_rank,
     std::copy_n(xp + (plan.slots[size_t(i)] / k) * dim, dim, send.data<T>() + i * dim);
   const Tensor recv = detail::exchange_rows(ep, send, dim, plan.send_pairs, plan.recv_pairs);
 
-  // The local experts on each sender's block of rows; results go back in place.
+  // The local experts on each sender's block of rows; results go back in place. Expert j's
+  // projections are the single process's (ops::expert_projection): its weight slices, in FP8 where
+  // the fused experts are marked (train.fp8), with its adapters where the experts have them. Each
+  // sender's block runs as its own GEMM, so FP8 tiles never span two senders' rows, as in the
+  // single process, whose tiles never span two packs' rows.
   Tensor reply = Tensor::empty(recv.shape(), x.dtype());
   for (int64_t j = 0; j < per_rank; ++j)
     for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
-      const ExpertForward f =
-          run_expert(cfg, local_expert(params.gate_up_proj, j), local_expert(params.down_proj, j),
-                     gather_rows<T>(recv, which, 0, dim));
+      const ExpertForward f = run_expert(cfg, ops::expert_projection(params.gate_up_proj, j),
+                                         ops::expert_projection(params.down_proj, j),
+                                         gather_rows<T>(recv, which, 0, dim));
       const T* yp = f.y.data<T>();
       for (size_t r = 0; r < which.size(); ++r)
         std::copy_n(yp + int64_t(r) * dim, dim, reply.data<T>() + which[r] * dim);
@@ -193,13 +178,13 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
   const Tensor x = x_in.contiguous();
   const Tensor dy = dy_in.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1), k = routing.indices.size(1);
-  // Frozen experts: no buffers, and the owners compute the input gradients only.
-  const Tensor d_gate_up = params.gate_up_proj.weight.frozen()
-                               ? Tensor()
-                               : grad_slot(grads.gate_up_proj.weight, params.gate_up_proj.weight);
-  const Tensor d_down = params.down_proj.weight.frozen()
-                            ? Tensor()
-                            : grad_slot(grads.down_proj.weight, params.down_proj.weight);
+  // The local experts' gradient buffers, as the single-process backward keeps them: frozen
+  // weights have none (the owners compute the input gradients and any adapter's only).
+  ops::Linear gate_up = params.gate_up_proj, down = params.down_proj;
+  const ops::Linear d_gate_up =
+      ops::cpu_detail::fused_expert_grads(gate_up, grads.gate_up_proj, "experts.gate_up_proj");
+  const ops::Linear d_down =
+      ops::cpu_detail::fused_expert_grads(down, grads.down_proj, "experts.down_proj");
   const Plan plan = make_plan(ep, routing, n_experts, per_rank);
   const int64_t pairs = int64_t(plan.slots.size());
   const Tensor w_t = routing.weights.contiguous();
@@ -220,13 +205,13 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
   // [dx | dw] per pair.
   const int64_t reply_width = dim + 1;
   Tensor reply = Tensor::empty({recv.size(0), reply_width}, x.dtype());
-  const int64_t inter = params.down_proj.weight.size(2);
+  const int64_t inter = down.weight.size(2);
   // An expert without tokens has no block and gets no gradient (as in the single process).
   for (int64_t j = 0; j < per_rank; ++j)
     for (const std::vector<int64_t>& which : plan.local_rows[size_t(j)]) {
       const int64_t n = int64_t(which.size());
-      const ops::Linear wgu = local_expert(params.gate_up_proj, j);
-      const ops::Linear wd = local_expert(params.down_proj, j);
+      const ops::Linear wgu = ops::expert_projection(gate_up, j);
+      const ops::Linear wd = ops::expert_projection(down, j);
       const Tensor xe = gather_rows<T>(recv, which, 0, dim);
       const Tensor dyr = gather_rows<T>(recv, which, dim, dim);
       const ExpertForward f = run_expert(cfg, wgu, wd, xe);
@@ -244,16 +229,14 @@ model::text::ExpertDispatch::Backward backward_impl(Communicator& ep, int64_t n_
         }
         reply_p[which[size_t(r)] * reply_width + dim] = dot;
       }
-      ops::Linear d_down_e(d_down.defined() ? d_down.select(0, j) : Tensor());
-      const Tensor d_act =
-          ops::linear_backward(dye, f.act, wd, d_down.defined() ? &d_down_e : nullptr);
+      ops::Linear d_down_e = ops::cpu_detail::expert_grads(d_down, j);
+      const Tensor d_act = ops::linear_backward(dye, f.act, wd, &d_down_e);
       Tensor dh = Tensor::empty({n, 2 * inter}, x.dtype());
       Tensor dhg = dh.narrow(1, 0, inter), dhu = dh.narrow(1, inter, inter);
       ops::swiglu_clamped_backward(f.h.narrow(1, 0, inter), f.h.narrow(1, inter, inter), d_act,
                                    cfg.swiglu_limit, dhg, dhu);
-      ops::Linear d_gate_up_e(d_gate_up.defined() ? d_gate_up.select(0, j) : Tensor());
-      const Tensor dxe =
-          ops::linear_backward(dh, xe, wgu, d_gate_up.defined() ? &d_gate_up_e : nullptr);
+      ops::Linear d_gate_up_e = ops::cpu_detail::expert_grads(d_gate_up, j);
+      const Tensor dxe = ops::linear_backward(dh, xe, wgu, &d_gate_up_e);
       for (int64_t r = 0; r < n; ++r)
         std::copy_n(dxe.data<T>() + r * dim, dim, reply_p + which[size_t(r)] * reply_width);
     }
@@ -292,6 +275,8 @@ void check_inputs(int64_t n_experts, int64_t per_rank, int64_t first, const ops:
                  "experts gate_up_proj / down_proj must hold this rank's {} experts ({} onwards, "
                  "expert_shards.h) in {}",
                  per_rank, first, x.str());
+  ops::check_expert_adapter(params.gate_up_proj, "gate_up_proj");
+  ops::check_expert_adapter(params.down_proj, "down_proj");
   ops::cpu_detail::check_experts_routing(routing, x);
 }
 

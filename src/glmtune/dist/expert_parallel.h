@@ -14,7 +14,8 @@
 //             (gate_up, clamped SwiGLU, down: the CPU expert code's ops) and returns the rows;
 //             the sender adds w · y in ascending expert order, as ops::moe_experts does.
 //   backward  send [x[row] | dy[row] | w] per pair; the owner recomputes the expert, adds its
-//             weight gradients into its (slice-sized) gradient buffers, and returns
+//             weight gradients (and its adapters', lora.target_parameters) into its
+//             (slice-sized) gradient buffers, and returns
 //             [dx_pair | ⟨dy[row], y_pair⟩] (the latter is the combine weight's gradient).
 //
 // The expert loads and the balancing loss come from each rank's own routing, exactly as in data
@@ -29,7 +30,9 @@
 // the returned rows as the one-GPU block does, in fp32 with the combine weights, k in order. In
 // the backward the owner gets [x | dy | w] per pair (three exchanges) and returns the pair's dx
 // (w included) and ⟨dy, y⟩ (two); the sender sums each token's rows in fp32 and hands dx to
-// ops::moe_backward_routed_elsewhere in f32, so it is rounded once.
+// ops::moe_backward_routed_elsewhere in f32, so it is rounded once. The GPU exchange applies no
+// adapter: LoRA on several GPUs is refused at setup (train/trainer_setup.cpp), and the GPU path
+// asserts that the experts it runs carry none.
 #include <cstdint>
 
 #include "glmtune/dist/comm.h"

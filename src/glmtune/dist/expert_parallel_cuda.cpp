@@ -45,9 +45,12 @@ Tensor received_experts(const PairCounts& counts, int64_t per_rank, Device devic
   return Tensor::from_vector(ids, {int64_t(ids.size()), 1}).to(device);
 }
 
-// The local experts' weights with their FP8 mark (train.fp8); their adapters are not exchanged
-// (trainer_setup refuses them under ep).
+// The local experts' weights with their FP8 mark (train.fp8). The GPU exchange applies no adapter
+// (the CPU exchange does): trainer_setup refuses LoRA on several GPUs.
 ops::Linear bare(const ops::Linear& fused) {
+  GLMTUNE_ASSERT(!fused.lora.defined(),
+                 "expert parallelism on the GPU got routed experts with adapters, which its "
+                 "exchange does not apply");
   ops::Linear l(fused.weight);
   l.fp8 = fused.fp8;
   return l;

@@ -12,6 +12,12 @@ namespace {
 // every expert's gate, then every expert's up), down_proj into one.
 int64_t parts_per_expert(const std::string& name) { return name.ends_with("gate_up_proj") ? 2 : 1; }
 
+// The released names a slice's tensor has: one per expert and part, or for an adapter (outside the
+// released layout) its own name.
+int64_t source_count(const std::string& name, int64_t experts) {
+  return model::is_expert_adapter(name) ? 1 : parts_per_expert(name) * experts;
+}
+
 }  // namespace
 
 model::ExpertRange local_range(const ExpertParallel& experts) {
@@ -29,7 +35,7 @@ LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& exper
                  experts.first_expert() + local);
   bool held_in_fp8 = false;
   for (const model::InternalParam& p : store.params()) {
-    if (!model::is_fused_expert_tensor(p.name)) continue;
+    if (!model::is_expert_sliced(p.name)) continue;
     // A frozen base's experts held in FP8 (model/text/fp8_layers.h) are not among the values: the
     // FP8 holder takes this rank's experts from the file, and nothing trains or saves them here.
     if (p.deferred) {
@@ -38,7 +44,7 @@ LocalExperts::LocalExperts(model::ParamStore& store, const ExpertParallel& exper
       continue;
     }
     GLMTUNE_ASSERT(p.value.defined() && p.value.dim() == 3 && p.value.size(0) == local &&
-                       int64_t(p.sources.size()) == parts_per_expert(p.name) * n,
+                       int64_t(p.sources.size()) == source_count(p.name, n),
                    "routed-expert tensor '{}' is {}, expected {} of the {} experts", p.name,
                    p.value.defined() ? p.value.str() : std::string("undefined"), local, n);
     full_bytes_ += int64_t(p.value.nbytes()) / local * n;
@@ -84,11 +90,17 @@ std::vector<std::string> LocalExperts::nonfinite(
     const std::function<const Tensor*(const std::string&)>& local, Communicator& everyone,
     size_t limit) const {
   const int64_t n = experts_.experts(), first = experts_.first_expert();
-  // One flag per released tensor: entry, then part (gate / up, or down), then expert.
+  // One flag per released tensor: entry, then part (gate / up, or down), then expert; one per
+  // adapter.
   std::vector<int64_t> flags;
   std::vector<std::string> names;
   for (const Entry& e : entries_) {
     const Tensor* t = local(e.name);
+    if (model::is_expert_adapter(e.name)) {
+      flags.push_back(t != nullptr && !train::all_finite(*t) ? 1 : 0);
+      names.push_back(e.name);
+      continue;
+    }
     const int64_t parts = parts_per_expert(e.name);
     for (int64_t part = 0; part < parts; ++part)
       for (int64_t x = 0; x < n; ++x) {

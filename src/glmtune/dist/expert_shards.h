@@ -10,7 +10,10 @@
 // slices in place. The model built from that store holds the slice as its compute tensors,
 // TextGrads::zeros_like sizes the gradient buffers the same way, and ExpertParallel computes
 // exactly these experts. The tensors keep their internal names, so a name means the same parameter
-// on every rank and in a checkpoint; only the shape differs.
+// on every rank and in a checkpoint; only the shape differs. LoRA adapters on the fused tensors
+// (lora.target_parameters: A [n, r, in], B [n, out, r], model/lora.h) are held, trained and saved
+// the same way: the store holds this rank's [n/E, ...] of them, and the exchange applies each
+// local expert's adapter with its weights.
 //
 // ExpertAdamW trains the slice: a ShardedAdamW over the edp group, the ranks holding the same
 // slice (same ep index, one per ep group): it sums their gradients (each is complete for the
@@ -44,8 +47,9 @@ model::ExpertRange local_range(const ExpertParallel& experts);
 
 class LocalExperts {
  public:
-  // Takes the routed-expert tensors of `store`, loaded with local_range(experts) so that they are
-  // this rank's slices [n/E, ...]; they stay the store's tensors and are updated in place.
+  // Takes the routed-expert tensors of `store` and their adapters (model::is_expert_sliced),
+  // loaded with local_range(experts) so that they are this rank's slices [n/E, ...]; they stay
+  // the store's tensors and are updated in place.
   LocalExperts(model::ParamStore& store, const ExpertParallel& experts);
 
   const ExpertParallel& experts() const { return experts_; }
@@ -63,7 +67,8 @@ class LocalExperts {
   Tensor gather_one(const std::string& name) const;
   // Collective over `everyone` (a group that holds every slice, e.g. the world): the released
   // per-expert names (`...experts.<e>.gate_proj.weight`, at most `limit`) whose part of
-  // `local(name)`, a slice-shaped tensor or nullptr, holds a non-finite element on any rank.
+  // `local(name)`, a slice-shaped tensor or nullptr, holds a non-finite element on any rank; an
+  // adapter is named whole, as one process names it.
   std::vector<std::string> nonfinite(const std::function<const Tensor*(const std::string&)>& local,
                                      Communicator& everyone, size_t limit) const;
 

@@ -308,13 +308,16 @@ void add_lora_adapters(ParamStore& store, const LoraConfig& config,
       // with fan_in = in, the bound of a single projection.
       const Shape w = store.param(module).shape;
       GLMTUNE_ASSERT(w.size() == 3, "expert adapter target {} is not [E, out, in]", module);
-      Tensor a = Tensor::empty({w[0], config.rank, w[2]}, DType::f32);
+      // Under an expert range the store holds experts [first, first + count): their A is drawn at
+      // its place in the whole A, and every later draw starts where one process's does.
+      const ExpertRange range = store.expert_range().value_or(ExpertRange{0, w[0]});
+      Tensor a = Tensor::empty({range.count, config.rank, w[2]}, DType::f32);
       const double bound = 1.0 / std::sqrt(double(w[2]));
-      fill_uniform(a, seed, offset, -bound, bound);
-      offset += uint64_t(a.numel());
+      fill_uniform(a, seed, offset + uint64_t(range.first * config.rank * w[2]), -bound, bound);
+      offset += uint64_t(w[0] * config.rank * w[2]);
       store.add_adapter(module + ".lora_A.weight", std::move(a));
       store.add_adapter(module + ".lora_B.weight",
-                        Tensor::zeros({w[0], w[1], config.rank}, DType::f32));
+                        Tensor::zeros({range.count, w[1], config.rank}, DType::f32));
       continue;
     }
     const Shape w = store.param(module + ".weight").shape;
@@ -507,8 +510,11 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
       const std::string name = param + (is_a ? ".lora_A.weight" : ".lora_B.weight");
       seen.insert(name);
       t = t.to(DType::f32);
-      loaded.emplace_back(name,
-                          is_a ? expert_a_from_peft(t, experts) : expert_b_from_peft(t, experts));
+      Tensor per_expert = is_a ? expert_a_from_peft(t, experts) : expert_b_from_peft(t, experts);
+      // A store loaded with an expert range keeps that range's adapters, as its fused tensors.
+      if (const auto& range = store.expert_range())
+        per_expert = per_expert.narrow(0, range->first, range->count).contiguous().clone();
+      loaded.emplace_back(name, std::move(per_expert));
       continue;
     }
     const std::string module = internal_module(peft);

@@ -73,20 +73,23 @@ bool parameter_targeted(const std::string& name, const std::vector<std::string>&
 
 // Adds fresh adapters on `modules` to the store, with PEFT's default initialisation: A
 // Kaiming-uniform (a = sqrt(5), i.e. uniform in ±1/sqrt(in)) drawn from `seed`, B zero. f32,
-// trainable. Sets the store's adapter scale.
+// trainable. Sets the store's adapter scale. A store loaded with an expert range gets the routed
+// experts' adapters of that range only, with the values one process draws for those experts.
 void add_lora_adapters(ParamStore& store, const LoraConfig& config,
                        const std::vector<std::string>& modules, uint64_t seed);
 
 // Reads a PEFT adapter directory into the store and returns its configuration. glmtune::Error
 // naming the file for a missing or malformed file, a key that names no adaptable projection of
-// this model, a mis-shaped tensor, or an adapter type other than LoRA.
+// this model, a mis-shaped tensor, or an adapter type other than LoRA. A store loaded with an
+// expert range keeps that range of the routed experts' adapters.
 LoraConfig load_lora_adapter(ParamStore& store, const std::filesystem::path& dir);
 
 // Writes the store's adapters as a PEFT adapter directory: adapter_config.json (the modules
 // written out as a regular expression of exactly the adapted ones, so that PEFT adapts the same
 // projections) and adapter_model.safetensors (f32), each file atomically. With `whole`, each
 // adapter's value is asked of it in store order (ParamStore::save's contract: fsdp gathers the
-// shards, a collective every rank runs; the other ranks call visit_lora_adapters).
+// shards and expert parallelism the routed experts' adapters, collectives every rank runs; the
+// other ranks call visit_lora_adapters).
 // `base` (the base model's directory) goes into adapter_config.json's base_model_name_or_path.
 void save_lora_adapter(const ParamStore& store, const LoraConfig& config,
                        const std::filesystem::path& dir, const ParamStore::WholeValue& whole = {},

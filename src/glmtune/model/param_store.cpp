@@ -49,6 +49,17 @@ bool is_fused_expert_tensor(const std::string& name) {
   return name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
 }
 
+bool is_expert_adapter(const std::string& name) {
+  for (const char* suffix : {".lora_A.weight", ".lora_B.weight"})
+    if (name.ends_with(suffix))
+      return is_fused_expert_tensor(name.substr(0, name.size() - std::string(suffix).size()));
+  return false;
+}
+
+bool is_expert_sliced(const std::string& name) {
+  return is_fused_expert_tensor(name) || is_expert_adapter(name);
+}
+
 CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const ModelConfig& config) {
   CheckpointReport report;
   const auto layout = released_layout(config);
@@ -303,6 +314,12 @@ void ParamStore::add_adapter(const std::string& name, Tensor value) {
   InternalParam p;
   p.name = name;
   p.shape = value.shape();
+  if (expert_range_ && is_expert_adapter(name)) {
+    GLMTUNE_ASSERT(value.dim() == 3 && value.size(0) == expert_range_->count,
+                   "expert adapter '{}' is {}, the store holds {} experts", name, value.str(),
+                   expert_range_->count);
+    p.shape[0] = config_.text().n_routed_experts;
+  }
   p.value = std::move(value);
   p.sources = {name};
   p.adapter = true;

@@ -53,6 +53,12 @@ CheckpointReport check_checkpoint(const io::CheckpointReader& reader, const Mode
 // Whether `name` is a fused routed-expert tensor (a MoE layer's experts.gate_up_proj or
 // experts.down_proj above).
 bool is_fused_expert_tensor(const std::string& name);
+// Whether `name` is a LoRA A or B of a fused routed-expert tensor (model/lora.h), [E, r, in] or
+// [E, out, r]: one adapter per expert, held by expert range like the tensor it adapts.
+bool is_expert_adapter(const std::string& name);
+// The tensors a store loaded with an expert range holds as [count, ...] slices: the fused
+// routed-expert tensors and their adapters.
+bool is_expert_sliced(const std::string& name);
 
 // Routed experts [first, first + count) of every MoE layer: one rank's slice under expert
 // parallelism (docs/distributed.md, "How expert parallelism works").
@@ -116,8 +122,11 @@ class ParamStore {
   void load_deferred(const io::CheckpointReader& reader, const std::string& name);
 
   // Low-rank adapters (model/lora.h): parameters named like the projection they adapt, outside the
-  // released layout. add_adapter appends a trainable one (InternalError for a name taken);
-  // remove_adapters drops them all. adapter_scale is their alpha / r, set while any exist.
+  // released layout. add_adapter appends a trainable one (InternalError for a name taken); under
+  // an expert range a routed-expert adapter's value holds the range's experts [count, ...] and
+  // its InternalParam::shape is the whole adapter's, as for the tensor it adapts (InternalError
+  // for a value of another expert count). remove_adapters drops them all. adapter_scale is their
+  // alpha / r, set while any exist.
   void add_adapter(const std::string& name, Tensor value);
   void remove_adapters();
   bool has_adapters() const { return adapter_scale_.has_value(); }

@@ -36,7 +36,7 @@ struct PlanLora {
   std::string target_regex;
   // PEFT's target_parameters (model/lora.h): the routed experts' fused parameters
   // ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), each with an adapter per expert
-  // (A [E, r, in], B [E, out, r]); refused under expert parallelism.
+  // (A [E, r, in], B [E, out, r]); under expert parallelism each GPU holds its experts'.
   std::vector<std::string> target_parameters;
 };
 

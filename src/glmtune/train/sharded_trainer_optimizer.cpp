@@ -134,8 +134,7 @@ ShardedOptimizer::ShardedOptimizer(const OptimizerSetup& setup)
     std::erase_if(replicated,
                   [&](const NamedParam& p) { return in_decoder_layer(p.name, num_layers_); });
   if (experts_)
-    std::erase_if(replicated,
-                  [](const NamedParam& p) { return model::is_fused_expert_tensor(p.name); });
+    std::erase_if(replicated, [](const NamedParam& p) { return model::is_expert_sliced(p.name); });
   if (setup.vl) vision_grads_ = setup.vl->attach(replicated, store_);
   replicated_.emplace(std::move(replicated), recipe_.adamw_config(), *setup.dp_group,
                       setup.device_dp_group);
@@ -225,14 +224,14 @@ void ShardedOptimizer::log_memory(const TextModel& model, const TextGrads& grads
   const auto expert_bytes = [](const std::vector<std::pair<std::string, Tensor>>& named) {
     int64_t bytes = 0;
     for (const auto& [name, t] : named)
-      if (t.defined() && model::is_fused_expert_tensor(name)) bytes += int64_t(t.nbytes());
+      if (t.defined() && model::is_expert_sliced(name)) bytes += int64_t(t.nbytes());
     return bytes;
   };
   const dist::ExpertParallel& ep = experts_->experts();
   spdlog::info(
-      "ep: this rank holds experts {}..{} of {}: {} of {} bytes of routed-expert weights in the "
-      "parameter store, {} bytes of them in the model, {} bytes of their gradients and {} bytes "
-      "of their optimizer state",
+      "ep: this rank holds experts {}..{} of {}: {} of {} bytes of routed-expert weights (and "
+      "adapters) in the parameter store, {} bytes of them in the model, {} bytes of their "
+      "gradients and {} bytes of their optimizer state",
       ep.first_expert(), ep.first_expert() + ep.local_experts() - 1, ep.experts(),
       experts_->local_bytes(), experts_->full_bytes(), expert_bytes(model.weights().named),
       expert_bytes(grads.named), expert_adamw_->state_bytes());

@@ -59,6 +59,8 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
     throw Error(what + " with LoRA adapters is not supported yet", recipe.source() + ": " + key,
                 fix);
   };
+  // This also covers adapters on the routed experts under expert parallelism on GPUs, which the
+  // GPU exchange does not apply (dist/expert_parallel.h); the CPU exchange does.
   if (layout.on_gpu && layout.distributed)
     refuse("training on several GPUs", "train.device",
            "train the adapters on one GPU (no mpirun), or on the CPU for multi-process layouts");
@@ -69,15 +71,6 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
     refuse("fully sharded layers (train.fsdp) on a GPU", "train.fsdp",
            "leave fsdp off: the frozen base has no gradients or optimizer state, and the adapters "
            "are small");
-  // Expert parallelism's exchange carries no adapter of the routed experts. (Data and sequence
-  // parallelism and fsdp handle them as any adapter: they are in the parameter lists.)
-  if (!c.target_parameters.empty() && layout.expert_sharded)
-    throw Error(
-        "lora.target_parameters (adapters on the routed experts) is not supported under "
-        "expert parallelism (train.ep_size)",
-        recipe.source() + ": lora.target_parameters",
-        "train expert adapters without train.ep_size (one process or GPU, or data or "
-        "sequence parallelism, or fsdp on the CPU), or drop lora.target_parameters");
   const std::vector<std::string> modules = model::resolve_lora_targets(store, c, where);
   if (resume) {
     const fs::path dir = resume->checkpoint.dir / "adapter";
@@ -101,10 +94,11 @@ void attach_lora(const Recipe& recipe, const ParallelLayout& layout, const Resum
   } else {
     model::add_lora_adapters(store, c, modules, recipe.seed);
   }
+  // Whole shapes: under expert parallelism the routed experts' adapters are held in slices.
   int64_t adapter_elements = 0, base_elements = 0;
   for (const model::InternalParam& p : store.params()) {
     if (p.adapter) {
-      adapter_elements += p.value.numel();
+      adapter_elements += shape_numel(p.shape);
       continue;
     }
     base_elements += shape_numel(p.shape);

@@ -17,28 +17,6 @@ namespace glmtune::ops {
 using namespace cpu_detail;
 namespace {
 
-// The gradient buffer of an expert tensor: created as zeros when undefined, otherwise it must
-// match the parameter. It must exist up front because each expert's slice of it is handed to
-// linear_backward as a view that accumulates in place.
-Tensor& moe_grad_slot(Tensor& grad, const Tensor& param, const char* name) {
-  if (!grad.defined()) grad = Tensor::zeros(param.shape(), param.dtype());
-  GLMTUNE_ASSERT(grad.shape() == param.shape() && grad.dtype() == param.dtype() &&
-                     grad.is_contiguous() && grad.device().is_cpu(),
-                 "MoE gradient {} must be a contiguous CPU tensor like its parameter {}, got {}",
-                 name, param.str(), grad.str());
-  return grad;
-}
-
-// Expert e's slices of the fused gradient buffers (views that accumulate in place); undefined
-// where the buffer is (a frozen weight, no adapter).
-Linear expert_grads(const Linear& fused, int64_t e) {
-  Linear g;
-  if (fused.weight.defined()) g.weight = fused.weight.select(0, e);
-  if (fused.lora.A.defined()) g.lora.A = fused.lora.A.select(0, e);
-  if (fused.lora.B.defined()) g.lora.B = fused.lora.B.select(0, e);
-  return g;
-}
-
 void check_routing(const MoeConfig& cfg, const Routing& routing, int64_t rows, DType dt) {
   GLMTUNE_ASSERT(routing.indices.defined() && routing.indices.dtype() == DType::i32 &&
                      routing.indices.dim() == 2 && routing.indices.size(0) == rows &&
@@ -108,25 +86,9 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
   const Tensor dy = dy_in.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
   const Tensor router = params.router_weight.contiguous();
-  // The fused projections (weights and adapters) must be contiguous for the per-expert views, and
-  // their gradient buffers exist up front: each expert's slice accumulates in place.
   Linear gate_up = params.gate_up_proj, down = params.down_proj;
-  Linear d_gate_up, d_down;
-  auto prepare = [](Linear& l, Linear& grad, Linear& slot, const char* name, const char* a_name,
-                    const char* b_name) {
-    l.weight = l.weight.contiguous();
-    // Frozen experts: no buffer, and each expert's backward skips the weight's gradient.
-    if (!l.weight.frozen()) grad.weight = moe_grad_slot(slot.weight, l.weight, name);
-    if (!l.lora.defined()) return;
-    l.lora.A = l.lora.A.contiguous();
-    l.lora.B = l.lora.B.contiguous();
-    grad.lora.A = moe_grad_slot(slot.lora.A, l.lora.A, a_name);
-    grad.lora.B = moe_grad_slot(slot.lora.B, l.lora.B, b_name);
-  };
-  prepare(gate_up, d_gate_up, grads.gate_up_proj, "experts.gate_up_proj",
-          "experts.gate_up_proj.lora_A", "experts.gate_up_proj.lora_B");
-  prepare(down, d_down, grads.down_proj, "experts.down_proj", "experts.down_proj.lora_A",
-          "experts.down_proj.lora_B");
+  const Linear d_gate_up = fused_expert_grads(gate_up, grads.gate_up_proj, "experts.gate_up_proj");
+  const Linear d_down = fused_expert_grads(down, grads.down_proj, "experts.down_proj");
   const int64_t inter = down.weight.size(2);
 
   const Tensor idx_t = ctx.routing.indices.contiguous();

@@ -35,6 +35,44 @@ inline ExpertBuckets bucket_by_expert(const int32_t* idx, int64_t n_slots, int64
   return b;
 }
 
+// The gradient buffer of a fused expert tensor: created as zeros when undefined, otherwise it must
+// match the parameter. It must exist up front because each expert's slice of it is handed to
+// linear_backward as a view that accumulates in place.
+inline Tensor& expert_grad_slot(Tensor& grad, const Tensor& param, const std::string& name) {
+  if (!grad.defined()) grad = Tensor::zeros(param.shape(), param.dtype());
+  GLMTUNE_ASSERT(grad.shape() == param.shape() && grad.dtype() == param.dtype() &&
+                     grad.is_contiguous() && grad.device().is_cpu(),
+                 "MoE gradient {} must be a contiguous CPU tensor like its parameter {}, got {}",
+                 name, param.str(), grad.str());
+  return grad;
+}
+
+// Makes the fused projection `fused` (weight and adapter) contiguous for per-expert views and
+// returns its gradient buffers, those of `slot` (the MoeParams gradients), created where undefined:
+// the weight's unless it is frozen (each expert's backward then skips it), the adapter's A and B
+// when it has one. The single-process and the expert-parallel backward share it.
+inline Linear fused_expert_grads(Linear& fused, Linear& slot, const std::string& name) {
+  Linear grad;
+  fused.weight = fused.weight.contiguous();
+  if (!fused.weight.frozen()) grad.weight = expert_grad_slot(slot.weight, fused.weight, name);
+  if (!fused.lora.defined()) return grad;
+  fused.lora.A = fused.lora.A.contiguous();
+  fused.lora.B = fused.lora.B.contiguous();
+  grad.lora.A = expert_grad_slot(slot.lora.A, fused.lora.A, name + ".lora_A");
+  grad.lora.B = expert_grad_slot(slot.lora.B, fused.lora.B, name + ".lora_B");
+  return grad;
+}
+
+// Expert e's slices of fused gradient buffers (views that accumulate in place); undefined where
+// the buffer is (a frozen weight, no adapter).
+inline Linear expert_grads(const Linear& fused, int64_t e) {
+  Linear g;
+  if (fused.weight.defined()) g.weight = fused.weight.select(0, e);
+  if (fused.lora.A.defined()) g.lora.A = fused.lora.A.select(0, e);
+  if (fused.lora.B.defined()) g.lora.B = fused.lora.B.select(0, e);
+  return g;
+}
+
 inline void check_config(const MoeConfig& cfg) {
   GLMTUNE_ASSERT(cfg.n_experts > 0 && cfg.top_k > 0 && cfg.top_k <= cfg.n_experts,
                  "MoE top_k {} must lie in [1, n_experts {}]", cfg.top_k, cfg.n_experts);
