@@ -128,6 +128,15 @@ void bench() {
       median_ms([&] { fwd = cuda::absorbed_attention_forward(q_abs, latent, sets_f, scale); }, 2,
                 10),
       2 * pair_flops);
+  if (cuda::absorbed_forward_wgmma_available(kGpu.index))
+    add("absorbed attention fwd (wgmma kernel)",
+        median_ms(
+            [&] {
+              cuda::absorbed_attention_forward(q_abs, latent, sets_f, scale, nullptr,
+                                               cuda::AbsorbedForwardKernel::wgmma);
+            },
+            2, 10),
+        2 * pair_flops);
   add("expand o (64 per-head GEMMs)",
       median_ms([&] { per_head(true, kR, kDv, fwd.out, kvb, kDn, o); }, 3, 20),
       2.0 * kT * kNH * kDv * kR);

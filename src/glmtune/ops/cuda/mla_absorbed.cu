@@ -1,4 +1,5 @@
-// Sparse MLA attention in the absorbed-latent form on tensor cores (ops/cuda/mla.h).
+// Sparse MLA attention in the absorbed-latent form on tensor cores (ops/cuda/mla.h): the
+// mma.sync kernels below, and the launch of the wgmma forward of mla_absorbed_sm90.cuh.
 //
 // All heads of a query attend over the same latent rows, so one block per (query, 64 heads)
 // computes the [64 × R] · [R × 32] scores and the [64 × 32] · [32 × R] outputs of each block of
@@ -14,6 +15,7 @@
 
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/mla.h"
+#include "glmtune/ops/cuda/mla_absorbed_sm90.cuh"
 
 namespace glmtune::cuda {
 namespace {
@@ -605,22 +607,46 @@ void allow_smem(Kernel kernel, int bytes) {
 
 }  // namespace
 
+bool absorbed_forward_wgmma_available(int device) {
+#ifdef GLMTUNE_CUDA_SM90A
+  int major = 0;
+  GLMTUNE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major == 9;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
 AbsorbedAttentionOutput absorbed_attention_forward(const Tensor& q_abs, const Tensor& latent,
                                                    const SparseKeySets& sets, double scale,
-                                                   cudaStream_t stream) {
+                                                   cudaStream_t stream,
+                                                   AbsorbedForwardKernel kernel) {
   const char* op = "cuda::absorbed_attention_forward";
   check_absorbed(q_abs, latent, sets, false, op);
   const int64_t tokens = q_abs.size(0), heads = q_abs.size(1);
   detail::DeviceGuard guard(q_abs.device().index);
+  const bool use_wgmma = kernel == AbsorbedForwardKernel::wgmma;
+  GLMTUNE_CUDA_OP_REQUIRE(
+      !use_wgmma || absorbed_forward_wgmma_available(q_abs.device().index),
+      std::string(op) + ": the wgmma kernel needs a build for sm_90a and a Hopper GPU");
   AbsorbedAttentionOutput r;
   r.out = Tensor::empty({tokens, heads, kR}, DType::bf16, q_abs.device());
   r.lse2 = Tensor::empty({tokens, heads}, DType::f32, q_abs.device());
   if (tokens == 0 || heads == 0) return r;
-  allow_smem(absorbed_forward_kernel, kForwardSmem);
   const dim3 grid(unsigned(tokens), unsigned((heads + kHeads - 1) / kHeads));
-  absorbed_forward_kernel<<<grid, kThreads, kForwardSmem, stream>>>(
-      absorbed_args(q_abs, latent, sets, scale), static_cast<bf16*>(r.out.data_ptr()),
-      r.lse2.data<float>());
+  const AbsorbedArgs a = absorbed_args(q_abs, latent, sets, scale);
+  if (use_wgmma) {
+    namespace fwd = sm90::absorbed_fwd;
+    allow_smem(sm90::absorbed_forward_wgmma_kernel, fwd::kSmemBytes);
+    sm90::absorbed_forward_wgmma_kernel<<<grid, fwd::kThreads, fwd::kSmemBytes, stream>>>(
+        sm90::AbsorbedForwardArgs{a.q, a.latent, a.keys, a.counts, a.width, a.heads, a.scale_log2},
+        static_cast<bf16*>(r.out.data_ptr()), r.lse2.data<float>());
+  } else {
+    allow_smem(absorbed_forward_kernel, kForwardSmem);
+    absorbed_forward_kernel<<<grid, kThreads, kForwardSmem, stream>>>(
+        a, static_cast<bf16*>(r.out.data_ptr()), r.lse2.data<float>());
+  }
   GLMTUNE_CUDA_CHECK_LAUNCH();
   return r;
 }
