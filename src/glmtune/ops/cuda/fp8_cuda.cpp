@@ -690,17 +690,19 @@ void fp8_grouped_linear(Tensor& y, const std::vector<Fp8Blocks>& x, const std::v
 }
 
 void fp8_grouped_linear_backward_input(Tensor& dx, const std::vector<Fp8Blocks>& dy,
-                                       const std::vector<Fp8Blocks>& w_t,
+                                       const std::vector<Fp8Blocks>& w,
                                        const std::vector<int64_t>& offsets, cudaStream_t stream) {
   const char* op = "cuda::fp8_grouped_linear_backward_input";
-  GLMTUNE_ASSERT(dy.size() == w_t.size() && dx.defined() && dx.dim() == 2 && dx.is_contiguous(),
-                 "{}: {} gradient groups, {} weights, dx {}", op, dy.size(), w_t.size(),
+  GLMTUNE_ASSERT(dy.size() == w.size() && dx.defined() && dx.dim() == 2 && dx.is_contiguous(),
+                 "{}: {} gradient groups, {} weights, dx {}", op, dy.size(), w.size(),
                  describe(dx));
   check_offsets(offsets, dy.size(), dx.size(0), op);
   for (size_t g = 0; g < dy.size(); ++g) {
     if (offsets[g + 1] == offsets[g]) continue;
     Tensor dxg = dx.slice(0, offsets[g], offsets[g + 1]);
-    linear_impl(dxg, dy[g], w_t[g], false, stream, op, "dy", "transposed weight");
+    // Freed when the next group's is made; the allocator hands the same block back on this stream.
+    const Fp8Blocks w_t = transpose_fp8_weight(w[g], stream);
+    linear_impl(dxg, dy[g], w_t, false, stream, op, "dy", "transposed weight");
   }
 }
 

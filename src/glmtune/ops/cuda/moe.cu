@@ -443,16 +443,13 @@ struct ExpertActivations {
 };
 
 // Each expert's weight blocks (ops::fp8_weight_blocks: pinned, reused in the step, or quantised
-// now), for the experts that have rows; the others get none. `transposed`: the input gradient's.
+// now), for the experts that have rows; the others get none.
 std::vector<ops::Fp8Blocks> expert_weight_blocks(const Tensor& w,
-                                                 const std::vector<int64_t>& offsets,
-                                                 bool transposed, cudaStream_t stream) {
+                                                 const std::vector<int64_t>& offsets) {
   std::vector<ops::Fp8Blocks> blocks(size_t(w.size(0)));
-  for (int64_t e = 0; e < w.size(0); ++e) {
-    if (offsets[size_t(e) + 1] == offsets[size_t(e)]) continue;
-    blocks[size_t(e)] = ops::fp8_weight_blocks(w.select(0, e));
-    if (transposed) blocks[size_t(e)] = transpose_fp8_weight(blocks[size_t(e)], stream);
-  }
+  for (int64_t e = 0; e < w.size(0); ++e)
+    if (offsets[size_t(e) + 1] != offsets[size_t(e)])
+      blocks[size_t(e)] = ops::fp8_weight_blocks(w.select(0, e));
   return blocks;
 }
 
@@ -468,7 +465,7 @@ void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l,
     return;
   }
   fp8_grouped_linear(y, quantize_fp8_grouped(x, offsets, 1, 128, stream),
-                     expert_weight_blocks(l.weight, offsets, false, stream), offsets, stream);
+                     expert_weight_blocks(l.weight, offsets), offsets, stream);
 }
 
 void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linear& l,
@@ -479,8 +476,7 @@ void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linea
     return;
   }
   fp8_grouped_linear_backward_input(dx, quantize_fp8_grouped(dy, offsets, 1, 128, stream),
-                                    expert_weight_blocks(l.weight, offsets, true, stream), offsets,
-                                    stream);
+                                    expert_weight_blocks(l.weight, offsets), offsets, stream);
 }
 
 void expert_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x,
