@@ -258,9 +258,9 @@ GLMTUNE_COMMAND(
       app.add_option("--lora-targets", a->lora_targets,
                      "all-linear, PEFT suffixes (q_proj,o_proj,mlp.down_proj) or a regular "
                      "expression over module names");
-      app.add_flag(
-          "--lora-experts", a->lora_experts,
-          "Adapters on every routed expert too (lora.target_parameters; refused with --ep)");
+      app.add_flag("--lora-experts", a->lora_experts,
+                   "Adapters on every routed expert too (lora.target_parameters; each GPU holds "
+                   "its experts' under --ep)");
       app.add_option("--base", a->base,
                      "bf16, or fp8: the frozen base's FP8 tensors kept as the release stores them "
                      "(lora.base, or train.frozen_weights with --freeze)");
