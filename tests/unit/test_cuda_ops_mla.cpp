@@ -18,7 +18,6 @@
 #include <cmath>
 #include <random>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "glmtune/ops/indexer.h"
@@ -173,23 +172,19 @@ void check_absorbed(const std::vector<int64_t>& bounds, const Tensor& idx, int64
   EXPECT_CLOSE(out.out, ref, 1e-2, "forward " + what);
   // The wgmma forward where this GPU runs it, against the reference and against the mma.sync one
   // (above): they differ in the order of the fp32 sums and in where the bf16 probabilities round.
-  std::vector<std::pair<cuda::AbsorbedForwardKernel, std::string>> kernels;
-  if (cuda::absorbed_forward_wgmma_available(kGpu.index))
-    kernels.push_back({cuda::AbsorbedForwardKernel::wgmma, "wgmma"});
-  for (const auto& [kernel, name] : kernels) {
+  if (cuda::absorbed_forward_wgmma_available(kGpu.index)) {
     poison_cache({{tokens, heads, r}, {tokens, heads}}, DType::f32);
-    const cuda::AbsorbedAttentionOutput k =
-        cuda::absorbed_attention_forward(qg, lg, sets, scale, nullptr, kernel);
-    EXPECT_CLOSE(k.out, ref, 1e-2, "forward, " + name + " kernel, " + what);
-    const Tensor lse = k.lse2.to(Device::cpu());
-    const Tensor lse_mma = out.lse2.to(Device::cpu());
+    const cuda::AbsorbedAttentionOutput w = cuda::absorbed_attention_forward(
+        qg, lg, sets, scale, nullptr, cuda::AbsorbedForwardKernel::wgmma);
+    EXPECT_CLOSE(w.out, ref, 1e-2, "forward, wgmma kernel, " + what);
+    const Tensor lse_w = w.lse2.to(Device::cpu()), lse_mma = out.lse2.to(Device::cpu());
     for (int64_t e = 0; e < tokens * heads; ++e) {
-      const float a = lse.data<float>()[e], b = lse_mma.data<float>()[e];
+      const float a = lse_w.data<float>()[e], b = lse_mma.data<float>()[e];
       // Both +∞ for a query without keys; otherwise the fp32 sums agree to their rounding.
       if (std::isinf(a) || std::isinf(b))
-        ASSERT_EQ(a, b) << ctx("lse2 of an empty row, " + name + " " + what);
+        ASSERT_EQ(a, b) << ctx("lse2 of an empty row, wgmma " + what);
       else
-        ASSERT_NEAR(a, b, 1e-4 * std::max(1.0f, std::fabs(b))) << ctx("lse2, " + name + " " + what);
+        ASSERT_NEAR(a, b, 1e-4 * std::max(1.0f, std::fabs(b))) << ctx("lse2, wgmma " + what);
     }
   }
   poison_cache({{tokens, heads, r}, {tokens, r}}, DType::f32);
