@@ -387,6 +387,7 @@ struct BenchStepReport {
   double fp8_gib = 0, fp8_as_bf16_gib = 0;
   int64_t fp8_projections = 0;  // --fp8: projections whose GEMMs run in FP8
   int64_t fp8_fed = 0;          // --fp8 --base fp8: frozen weights whose codes the GEMMs read
+  int64_t fp8_codes_only = 0;   // held tensors that only those GEMMs read: never dequantised
   std::map<std::string, double> op_ms;
   // --vl
   int64_t patches = 0, media_tokens = 0;
@@ -426,6 +427,7 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"fp8_base_as_bf16_gib", r.fp8_as_bf16_gib},
                         {"fp8_tilewise_projections", r.fp8_projections},
                         {"fp8_codes_fed_weights", r.fp8_fed},
+                        {"fp8_codes_only_tensors", r.fp8_codes_only},
                         {"op_ms", r.op_ms}};
   if (a.vl)
     out["vl"] = {{"images", a.images},
@@ -468,7 +470,7 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
   if (r.fp8_tensors > 0)
     std::printf(
         "fp8 base: %ld tensors held in FP8 on the device, %.2f GiB (%.2f GiB in bf16), "
-        "dequantised per layer around each use\n",
+        "dequantised per layer around each use unless only FP8 GEMMs read them (below)\n",
         long(r.fp8_tensors), r.fp8_gib, r.fp8_as_bf16_gib);
   if (r.fp8_projections > 0)
     std::printf(
@@ -478,8 +480,9 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
   if (r.fp8_fed > 0)
     std::printf(
         "fp8 tilewise on the fp8 base: the FP8 GEMMs read the released codes of %ld frozen "
-        "weights (an expert's slice counted as one)\n",
-        long(r.fp8_fed));
+        "weights (an expert's slice counted as one); %ld held tensors are read by them alone and "
+        "never dequantised\n",
+        long(r.fp8_fed), long(r.fp8_codes_only));
   if (!r.frozen.frozen.empty())
     std::printf(
         "frozen: %zu tensors, %ld parameters (no weight gradients or optimizer state for them; "
@@ -614,6 +617,7 @@ int run_bench_step(const BenchArgs& a) {
     r.fp8_gib = double(fp8_layers->held_bytes()) / (1 << 30);
     r.fp8_as_bf16_gib = double(fp8_layers->bf16_bytes()) / (1 << 30);
     r.fp8_fed = fp8_layers->fed_weights();
+    r.fp8_codes_only = fp8_layers->codes_only_tensors();
   }
   std::optional<model::vision::VisionGrads> vision_grads;
   if (vlm) vision_grads.emplace(model::vision::VisionGrads::zeros_like(vlm->vision()));

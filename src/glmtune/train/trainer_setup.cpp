@@ -339,7 +339,7 @@ void hold_fp8_base(const Recipe& recipe, ParallelLayout& layout, TrainingWeights
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   spdlog::info(
       "{} = \"fp8\": {} frozen layer tensors held in FP8 on {}: {:.2f} GiB ({:.2f} "
-      "GiB in bf16), dequantised per layer around each use",
+      "GiB in bf16), dequantised per layer around each use unless only FP8 GEMMs read them",
       key, layout.fp8_base->tensors(), model.weights().device.str(),
       double(layout.fp8_base->held_bytes()) / kGiB, double(layout.fp8_base->bf16_bytes()) / kGiB);
   if (recipe.fp8_tilewise)
