@@ -24,7 +24,7 @@ using namespace glmtune::data::media;
 
 void fuzz_image(std::span<const uint8_t> bytes) {
   DecodeOptions options;
-  options.max_pixels = 1 << 16;
+  options.max_pixels = 1 << 14;
   RgbImage image;
   try {
     image = decode_image(bytes, "fuzz input", options);
@@ -35,7 +35,7 @@ void fuzz_image(std::span<const uint8_t> bytes) {
       image.pixels.size() != size_t(image.height * image.width * 3))
     bug();
   ProcessorConfig config;
-  config.max_image_tokens = 64;
+  config.max_image_tokens = 16;
   const ImageGeometry g = image_geometry(config, image.height, image.width);
   std::vector<float> rows;
   const auto grid = process_image_into(config, image, rows);
