@@ -1,10 +1,10 @@
 // The wgmma sparse absorbed-latent forward (ops/cuda/mla_absorbed_sm90.cuh) on its own: checked
 // against a plain fp32 kernel (one block per query and head, scores, softmax and output in fp32
 // from the same bf16 inputs), then timed. Needs only the CUDA toolkit, so a kernel change is
-// checked and timed in seconds, without building glmtune:
+// checked and timed in seconds, without building or linking glmtune:
 //
 //   (built as bench/absorbed_forward_wgmma by the CUDA build, or alone:)
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc \
+//   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc \
 //        -o absorbed_forward_wgmma bench/absorbed_forward_wgmma.cu
 //   ./absorbed_forward_wgmma [T=4096] [heads=64] [top=2048] [check=1]
 //

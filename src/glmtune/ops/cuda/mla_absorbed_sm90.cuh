@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "glmtune/ops/cuda/tensor_core.cuh"
 #include "glmtune/ops/cuda/wgmma.cuh"
 
 namespace glmtune::cuda::sm90 {
@@ -42,14 +43,6 @@ constexpr int kPBytes = kPanelBytes;               // P: 64 heads × 64 keys
 // q_abs, two key tiles, P, row maxima and sums of both warpgroups, and room to align to 1024.
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kHeads * 4 + 1024;
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
 // Barrier of the whole block under another id than __syncthreads.
 __device__ __forceinline__ void block_barrier(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
@@ -58,18 +51,19 @@ __device__ __forceinline__ void block_barrier(int id) {
 // 64 rows of 512 bf16 into a swizzled tile: row r from src(r), zeros where src(r) is null (a
 // zero-filled copy still names a readable address, `fallback`).
 template <typename Src>
-__device__ __forceinline__ void load_rows(uint32_t tile, const __nv_bfloat16* fallback, Src src) {
+__device__ __forceinline__ void load_rows(unsigned char* tile, const __nv_bfloat16* fallback,
+                                          Src src) {
 #pragma unroll 4
   for (int e = threadIdx.x; e < 64 * (kR / 8); e += kThreads) {
     const int row = e >> 6, chunk = e & 63;
     const __nv_bfloat16* p = src(row);
-    const uint32_t dst = tile + (chunk >> 3) * kPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8);
-    cp_async16(dst, p ? p + chunk * 8 : fallback, p != nullptr);
+    unsigned char* dst = tile + (chunk >> 3) * kPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8);
+    tc::cp_async16_zfill(dst, p ? p + chunk * 8 : fallback, p != nullptr);
   }
 }
 
-__device__ __forceinline__ void load_keys(const AbsorbedForwardArgs& a, uint32_t tile, int64_t i,
-                                          int block, int count) {
+__device__ __forceinline__ void load_keys(const AbsorbedForwardArgs& a, unsigned char* tile,
+                                          int64_t i, int block, int count) {
   const int32_t* row = a.keys + i * a.width;
   load_rows(tile, a.latent, [&](int r) -> const __nv_bfloat16* {
     const int slot = block * kKeys + r;
@@ -106,11 +100,11 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   const int count = a.counts[i];
   const int blocks = (count + kKeys - 1) / kKeys;
 
-  load_rows(wgmma::smem_u32(sQ), a.q, [&](int r) -> const __nv_bfloat16* {
+  load_rows(sQ, a.q, [&](int r) -> const __nv_bfloat16* {
     return h0 + r < a.heads ? a.q + (i * a.heads + h0 + r) * kR : nullptr;
   });
-  if (blocks > 0) load_keys(a, wgmma::smem_u32(sK), i, 0, count);
-  cp_async_commit();
+  if (blocks > 0) load_keys(a, sK, i, 0, count);
+  tc::cp_async_commit();
 
   float o[128];
 #pragma unroll
@@ -118,12 +112,11 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   for (int b = 0; b < blocks; ++b) {
-    cp_async_wait_all();
+    tc::cp_async_wait<0>();
     wgmma::fence_shared_for_async();
     __syncthreads();  // block b landed; both warpgroups are done with block b − 1's tile and P
-    if (b + 1 < blocks)
-      load_keys(a, wgmma::smem_u32(sK + ((b + 1) & 1) * kTileBytes), i, b + 1, count);
-    cp_async_commit();
+    if (b + 1 < blocks) load_keys(a, sK + ((b + 1) & 1) * kTileBytes, i, b + 1, count);
+    tc::cp_async_commit();
     const unsigned char* L = sK + (b & 1) * kTileBytes;
 
     // Scores of this warpgroup's 32 keys.
@@ -200,7 +193,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     wgmma::wait<0>();
     wgmma::pin(o);
   }
-  cp_async_wait_all();
+  tc::cp_async_wait<0>();
 
   // Each warpgroup summed its own keys' probabilities (under the same maxima): add the halves.
   if (t == 0) {
