@@ -128,12 +128,12 @@ void bench() {
       median_ms([&] { fwd = cuda::absorbed_attention_forward(q_abs, latent, sets_f, scale); }, 2,
                 10),
       2 * pair_flops);
-  if (cuda::absorbed_forward_wgmma_available(kGpu.index))
+  if (cuda::absorbed_wgmma_available(kGpu.index))
     add("absorbed attention fwd (wgmma kernel)",
         median_ms(
             [&] {
               cuda::absorbed_attention_forward(q_abs, latent, sets_f, scale, nullptr,
-                                               cuda::AbsorbedForwardKernel::wgmma);
+                                               cuda::AbsorbedKernel::wgmma);
             },
             2, 10),
         2 * pair_flops);
@@ -150,6 +150,18 @@ void bench() {
           },
           1, 5),
       5 * pair_flops);
+  cuda::AbsorbedAttentionGrads gw;
+  const bool wgmma = cuda::absorbed_wgmma_available(kGpu.index);
+  if (wgmma)
+    add("absorbed attention bwd (wgmma kernel)",
+        median_ms(
+            [&] {
+              gw = cuda::absorbed_attention_backward(q_abs, latent, fwd.out, fwd.lse2, sets_b,
+                                                     scale, d_olat, nullptr, int64_t(1) << 31,
+                                                     cuda::AbsorbedKernel::wgmma);
+            },
+            1, 5),
+        5 * pair_flops);
   per_head(true, kR, kDn, g.q_abs, kvb, 0, dq);
 
   // Per-head form on the same inputs: k, v = latent W_kbᵀ, latent W_vbᵀ.
@@ -183,6 +195,12 @@ void bench() {
                 "absorbed vs per-head at this shape: o rel L2 %.2e, dq %.2e, d latent %.2e",
                 rel_l2(o, old.out), rel_l2(dq, og.q), rel_l2(g.latent, d_lat_old));
   notes.push_back(buf);
+  if (wgmma) {
+    std::snprintf(buf, sizeof buf,
+                  "wgmma vs mma.sync backward at this shape: d q_abs rel L2 %.2e, d latent %.2e",
+                  rel_l2(gw.q_abs, g.q_abs), rel_l2(gw.latent, g.latent));
+    notes.push_back(buf);
+  }
   std::snprintf(buf, sizeof buf, "selected pairs %lld (%.1f per query)", (long long)pairs,
                 double(pairs) / double(kT));
   notes.push_back(buf);

@@ -172,10 +172,10 @@ void check_absorbed(const std::vector<int64_t>& bounds, const Tensor& idx, int64
   EXPECT_CLOSE(out.out, ref, 1e-2, "forward " + what);
   // The wgmma forward where this GPU runs it, against the reference and against the mma.sync one
   // (above): they differ in the order of the fp32 sums and in where the bf16 probabilities round.
-  if (cuda::absorbed_forward_wgmma_available(kGpu.index)) {
+  if (cuda::absorbed_wgmma_available(kGpu.index)) {
     poison_cache({{tokens, heads, r}, {tokens, heads}}, DType::f32);
-    const cuda::AbsorbedAttentionOutput w = cuda::absorbed_attention_forward(
-        qg, lg, sets, scale, nullptr, cuda::AbsorbedForwardKernel::wgmma);
+    const cuda::AbsorbedAttentionOutput w =
+        cuda::absorbed_attention_forward(qg, lg, sets, scale, nullptr, cuda::AbsorbedKernel::wgmma);
     EXPECT_CLOSE(w.out, ref, 1e-2, "forward, wgmma kernel, " + what);
     const Tensor lse_w = w.lse2.to(Device::cpu()), lse_mma = out.lse2.to(Device::cpu());
     for (int64_t e = 0; e < tokens * heads; ++e) {
@@ -202,6 +202,23 @@ void check_absorbed(const std::vector<int64_t>& bounds, const Tensor& idx, int64
       << ctx("forward rerun " + what);
   EXPECT_TRUE(bit_identical(g.q_abs, g2.q_abs)) << ctx("d q_abs rerun " + what);
   EXPECT_TRUE(bit_identical(g.latent, g2.latent)) << ctx("d latent, chunked workspace " + what);
+
+  // The wgmma backward (one kernel for both gradients, 32 keys a step) against the reference,
+  // and bit-identical across reruns and workspace sizes as the mma.sync one.
+  if (cuda::absorbed_wgmma_available(kGpu.index)) {
+    const auto wgmma_backward = [&](int64_t workspace) {
+      poison_cache({{tokens, heads, r}, {tokens, r}}, DType::f32);
+      return cuda::absorbed_attention_backward(qg, lg, out.out, out.lse2, sets, scale, dog, nullptr,
+                                               workspace, cuda::AbsorbedKernel::wgmma);
+    };
+    const cuda::AbsorbedAttentionGrads w = wgmma_backward(int64_t(1) << 31);
+    EXPECT_CLOSE(w.q_abs, gref.q, 1e-2, "d q_abs, wgmma kernel, " + what);
+    EXPECT_CLOSE(w.latent, dlat_ref, 1e-2, "d latent, wgmma kernel, " + what);
+    const cuda::AbsorbedAttentionGrads w2 = wgmma_backward(small);
+    EXPECT_TRUE(bit_identical(w.q_abs, w2.q_abs)) << ctx("d q_abs rerun, wgmma " + what);
+    EXPECT_TRUE(bit_identical(w.latent, w2.latent))
+        << ctx("d latent, chunked workspace, wgmma " + what);
+  }
 }
 
 // The GPU MLA composite (absorbed path: Rkv = 512) against the CPU composite in f32 on the same

@@ -80,21 +80,23 @@ struct AbsorbedAttentionOutput {
   Tensor lse2;  // f32 [T, NH] log2 Σ_j 2^(scale·log2(e)·q_abs·latent_j); +∞ for a row without keys
 };
 
-// The forward's kernels: mma.sync (any tensor-core GPU; what the model runs) and Hopper's
-// warpgroup MMA (wgmma, ops/cuda/mla_absorbed_sm90.cuh: 64 keys a step, scores split by keys
-// between two warpgroups, about 1.5x the mma.sync kernel's rate in a standalone run on an H200),
-// which needs a build for sm_90a and a device of compute capability 9.x. The model moves to the
-// wgmma kernel once its parity test (test_cuda_ops_mla) and the step have run on an H200
-// (docs/PERF.md, "Sparse MLA forward on wgmma").
-enum class AbsorbedForwardKernel { mma_sync, wgmma };
+// The kernels: mma.sync (any tensor-core GPU) and Hopper's warpgroup MMA (wgmma,
+// ops/cuda/mla_absorbed_sm90.cuh), which needs a build for sm_90a and a device of compute
+// capability 9.x. The wgmma forward takes 64 keys a step with the scores split by keys between two
+// warpgroups (about 1.5x the mma.sync kernel's rate on an H200); the wgmma backward forms the
+// scores and dP once for both gradients in one kernel, where the mma.sync backward's two kernels
+// (d q_abs, then the d latent shares) each form them. Both write the same workspace rows and
+// leave the key-major reduction to the same kernel. The model runs the mma.sync kernels until the
+// wgmma ones have passed test_cuda_ops_mla and the step on an H200.
+enum class AbsorbedKernel { mma_sync, wgmma };
 
-// Whether the wgmma forward can run on `device` (this build has sm_90a code, the device is 9.x).
-bool absorbed_forward_wgmma_available(int device);
+// Whether the wgmma kernels can run on `device` (this build has sm_90a code, the device is 9.x).
+bool absorbed_wgmma_available(int device);
 
 // q_abs bf16 [T, NH, 512], latent bf16 [T, 512], contiguous on one GPU.
 AbsorbedAttentionOutput absorbed_attention_forward(
     const Tensor& q_abs, const Tensor& latent, const SparseKeySets& sets, double scale,
-    cudaStream_t stream = nullptr, AbsorbedForwardKernel kernel = AbsorbedForwardKernel::mma_sync);
+    cudaStream_t stream = nullptr, AbsorbedKernel kernel = AbsorbedKernel::mma_sync);
 
 struct AbsorbedAttentionGrads {
   Tensor q_abs;   // bf16 [T, NH, R]
@@ -102,11 +104,9 @@ struct AbsorbedAttentionGrads {
 };
 
 // `sets` must carry the key-major pairs; `out` and `lse2` from the forward; dout = d o_lat.
-AbsorbedAttentionGrads absorbed_attention_backward(const Tensor& q_abs, const Tensor& latent,
-                                                   const Tensor& out, const Tensor& lse2,
-                                                   const SparseKeySets& sets, double scale,
-                                                   const Tensor& dout,
-                                                   cudaStream_t stream = nullptr,
-                                                   int64_t workspace_bytes = int64_t(1) << 31);
+AbsorbedAttentionGrads absorbed_attention_backward(
+    const Tensor& q_abs, const Tensor& latent, const Tensor& out, const Tensor& lse2,
+    const SparseKeySets& sets, double scale, const Tensor& dout, cudaStream_t stream = nullptr,
+    int64_t workspace_bytes = int64_t(1) << 31, AbsorbedKernel kernel = AbsorbedKernel::mma_sync);
 
 }  // namespace glmtune::cuda

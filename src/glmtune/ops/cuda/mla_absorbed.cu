@@ -1,5 +1,6 @@
 // Sparse MLA attention in the absorbed-latent form on tensor cores (ops/cuda/mla.h): the
-// mma.sync kernels below, and the launch of the wgmma forward of mla_absorbed_sm90.cuh.
+// mma.sync kernels below, and the launches of the wgmma forward and backward of
+// mla_absorbed_sm90.cuh.
 //
 // All heads of a query attend over the same latent rows, so one block per (query, 64 heads)
 // computes the [64 × R] · [R × 32] scores and the [64 × 32] · [32 × R] outputs of each block of
@@ -605,9 +606,58 @@ void allow_smem(Kernel kernel, int bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// The per-pair shares go through a bounded workspace, a chunk of queries at a time; chunks are
+// reduced in order, so the result does not depend on the chunk size's effect on scheduling.
+int64_t workspace_queries(int64_t tokens, int64_t width, int64_t workspace_bytes) {
+  return std::max<int64_t>(1, std::min(tokens, workspace_bytes / (width * kR * 2)));
+}
+
+void reduce_chunk(const Tensor& part, const SparseKeySets& sets, int64_t tokens, int64_t width,
+                  int64_t q0, int64_t q1, cudaStream_t stream, Tensor& dlat) {
+  dlatent_reduce_kernel<<<unsigned(tokens), 64, 0, stream>>>(
+      static_cast<const bf16*>(part.data_ptr()), sets.key_offsets.data<int32_t>(),
+      sets.key_pairs.data<int32_t>(), width, q0, q1, dlat.data<float>());
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
+// One kernel per chunk forms d q_abs and the chunk's shares (mla_absorbed_sm90.cuh), then the
+// reduction adds them, as the mma.sync path does.
+void absorbed_backward_wgmma(const AbsorbedBackwardArgs& k, const SparseKeySets& sets,
+                             int64_t width, cudaStream_t stream, int64_t workspace_bytes,
+                             AbsorbedAttentionGrads& g) {
+  namespace bwd = sm90::absorbed_bwd;
+  const int64_t tokens = g.q_abs.size(0);
+  const AbsorbedArgs& a = k.a;
+  sm90::AbsorbedBackwardArgs w{
+      sm90::AbsorbedForwardArgs{a.q, a.latent, a.keys, a.counts, a.width, a.heads, a.scale_log2},
+      k.dout,
+      k.lse2,
+      k.delta,
+      k.scale,
+      0};
+  allow_smem(sm90::absorbed_backward_wgmma_kernel, bwd::kSmemBytes);
+  bf16* dq = static_cast<bf16*>(g.q_abs.data_ptr());
+  if (width == 0) {  // no keys anywhere: the kernel only writes d q_abs = 0
+    sm90::absorbed_backward_wgmma_kernel<<<unsigned(tokens), bwd::kThreads, bwd::kSmemBytes,
+                                           stream>>>(w, dq, nullptr);
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int64_t chunk = workspace_queries(tokens, width, workspace_bytes);
+  Tensor part = Tensor::empty({chunk * width * kR}, DType::bf16, g.q_abs.device());
+  for (int64_t q0 = 0; q0 < tokens; q0 += chunk) {
+    const int64_t q1 = std::min(tokens, q0 + chunk);
+    w.q0 = q0;
+    sm90::absorbed_backward_wgmma_kernel<<<unsigned(q1 - q0), bwd::kThreads, bwd::kSmemBytes,
+                                           stream>>>(w, dq, static_cast<bf16*>(part.data_ptr()));
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+    reduce_chunk(part, sets, tokens, width, q0, q1, stream, g.latent);
+  }
+}
+
 }  // namespace
 
-bool absorbed_forward_wgmma_available(int device) {
+bool absorbed_wgmma_available(int device) {
 #ifdef GLMTUNE_CUDA_SM90A
   int major = 0;
   GLMTUNE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -620,15 +670,14 @@ bool absorbed_forward_wgmma_available(int device) {
 
 AbsorbedAttentionOutput absorbed_attention_forward(const Tensor& q_abs, const Tensor& latent,
                                                    const SparseKeySets& sets, double scale,
-                                                   cudaStream_t stream,
-                                                   AbsorbedForwardKernel kernel) {
+                                                   cudaStream_t stream, AbsorbedKernel kernel) {
   const char* op = "cuda::absorbed_attention_forward";
   check_absorbed(q_abs, latent, sets, false, op);
   const int64_t tokens = q_abs.size(0), heads = q_abs.size(1);
   detail::DeviceGuard guard(q_abs.device().index);
-  const bool use_wgmma = kernel == AbsorbedForwardKernel::wgmma;
+  const bool use_wgmma = kernel == AbsorbedKernel::wgmma;
   GLMTUNE_CUDA_OP_REQUIRE(
-      !use_wgmma || absorbed_forward_wgmma_available(q_abs.device().index),
+      !use_wgmma || absorbed_wgmma_available(q_abs.device().index),
       std::string(op) + ": the wgmma kernel needs a build for sm_90a and a Hopper GPU");
   AbsorbedAttentionOutput r;
   r.out = Tensor::empty({tokens, heads, kR}, DType::bf16, q_abs.device());
@@ -655,7 +704,7 @@ AbsorbedAttentionGrads absorbed_attention_backward(const Tensor& q_abs, const Te
                                                    const Tensor& out, const Tensor& lse2,
                                                    const SparseKeySets& sets, double scale,
                                                    const Tensor& dout, cudaStream_t stream,
-                                                   int64_t workspace_bytes) {
+                                                   int64_t workspace_bytes, AbsorbedKernel kernel) {
   const char* op = "cuda::absorbed_attention_backward";
   check_absorbed(q_abs, latent, sets, true, op);
   const int64_t tokens = q_abs.size(0), heads = q_abs.size(1), width = sets.keys.size(1);
@@ -669,6 +718,10 @@ AbsorbedAttentionGrads absorbed_attention_backward(const Tensor& q_abs, const Te
   // One block of heads per query: the per-pair shares of d latent sum over all heads in one block.
   GLMTUNE_CUDA_OP_REQUIRE(heads <= kHeads,
                           std::string(op) + ": at most 64 heads, got " + std::to_string(heads));
+  const bool use_wgmma = kernel == AbsorbedKernel::wgmma;
+  GLMTUNE_CUDA_OP_REQUIRE(
+      !use_wgmma || absorbed_wgmma_available(q_abs.device().index),
+      std::string(op) + ": the wgmma kernel needs a build for sm_90a and a Hopper GPU");
   const Device dev = q_abs.device();
   detail::DeviceGuard guard(dev.index);
   AbsorbedAttentionGrads g;
@@ -683,6 +736,10 @@ AbsorbedAttentionGrads absorbed_attention_backward(const Tensor& q_abs, const Te
   const AbsorbedBackwardArgs k{absorbed_args(q_abs, latent, sets, scale),
                                static_cast<const bf16*>(dout.data_ptr()), lse2.data<float>(),
                                delta.data<float>(), float(scale)};
+  if (use_wgmma) {
+    absorbed_backward_wgmma(k, sets, width, stream, workspace_bytes, g);
+    return g;
+  }
   const unsigned head_blocks = 1;
   allow_smem(absorbed_dq_kernel, kBackwardSmem);
   absorbed_dq_kernel<<<dim3(unsigned(tokens), head_blocks), kThreads, kBackwardSmem, stream>>>(
@@ -690,10 +747,7 @@ AbsorbedAttentionGrads absorbed_attention_backward(const Tensor& q_abs, const Te
   GLMTUNE_CUDA_CHECK_LAUNCH();
   if (width == 0) return g;
 
-  // The per-pair shares go through a bounded workspace, a chunk of queries at a time; chunks are
-  // reduced in order, so the result does not depend on the chunk size's effect on scheduling.
-  const int64_t per_query = width * kR * 2;
-  const int64_t chunk = std::max<int64_t>(1, std::min(tokens, workspace_bytes / per_query));
+  const int64_t chunk = workspace_queries(tokens, width, workspace_bytes);
   Tensor part = Tensor::empty({chunk * width * kR}, DType::bf16, dev);
   allow_smem(absorbed_dlatent_part_kernel, kBackwardSmem);
   for (int64_t q0 = 0; q0 < tokens; q0 += chunk) {
@@ -701,10 +755,7 @@ AbsorbedAttentionGrads absorbed_attention_backward(const Tensor& q_abs, const Te
     absorbed_dlatent_part_kernel<<<dim3(unsigned(q1 - q0), head_blocks), kThreads, kBackwardSmem,
                                    stream>>>(k, q0, static_cast<bf16*>(part.data_ptr()));
     GLMTUNE_CUDA_CHECK_LAUNCH();
-    dlatent_reduce_kernel<<<unsigned(tokens), 64, 0, stream>>>(
-        static_cast<const bf16*>(part.data_ptr()), sets.key_offsets.data<int32_t>(),
-        sets.key_pairs.data<int32_t>(), width, q0, q1, g.latent.data<float>());
-    GLMTUNE_CUDA_CHECK_LAUNCH();
+    reduce_chunk(part, sets, tokens, width, q0, q1, stream, g.latent);
   }
   return g;
 }

@@ -48,16 +48,17 @@ __device__ __forceinline__ void block_barrier(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 
-// 64 rows of 512 bf16 into a swizzled tile: row r from src(r), zeros where src(r) is null (a
-// zero-filled copy still names a readable address, `fallback`).
-template <typename Src>
+// ROWS rows of 512 bf16 into a swizzled tile of eight 64-column panels (ROWS · 128 bytes each):
+// row r from src(r), zeros where src(r) is null (a zero-filled copy still names a readable
+// address, `fallback`). All 256 threads take part.
+template <int ROWS = 64, typename Src>
 __device__ __forceinline__ void load_rows(unsigned char* tile, const __nv_bfloat16* fallback,
                                           Src src) {
 #pragma unroll 4
-  for (int e = threadIdx.x; e < 64 * (kR / 8); e += kThreads) {
+  for (int e = threadIdx.x; e < ROWS * (kR / 8); e += kThreads) {
     const int row = e >> 6, chunk = e & 63;
     const __nv_bfloat16* p = src(row);
-    unsigned char* dst = tile + (chunk >> 3) * kPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8);
+    unsigned char* dst = tile + (chunk >> 3) * (ROWS * 128) + wgmma::swizzled(row, (chunk & 7) * 8);
     tc::cp_async16_zfill(dst, p ? p + chunk * 8 : fallback, p != nullptr);
   }
 }
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     absorbed_forward_wgmma_kernel(AbsorbedForwardArgs a, __nv_bfloat16* __restrict__ out,
                                   float* __restrict__ lse2) {
   // wgmma exists in sm_90a code only; other targets of a multi-architecture build get an empty
-  // kernel that absorbed_forward_wgmma_available() never lets run.
+  // kernel that absorbed_wgmma_available() never lets run.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace absorbed_fwd;
   extern __shared__ unsigned char smem_raw[];
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kR / 16; ++kk) {
       const int panel = kk >> 2, k_bytes = (kk & 3) * 32;
-      wgmma::mma_m64n32k16<0>(
+      wgmma::mma_m64n32k16<0, 0>(
           s, wgmma::desc_k_major(sQ + panel * kPanelBytes + k_bytes),
           wgmma::desc_k_major(L + panel * kPanelBytes + wg * 32 * 128 + k_bytes), kk == 0);
     }
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma::mma_m64n256k16<1>(
+      wgmma::mma_m64n256k16<0, 1>(
           o, wgmma::desc_k_major(sP + kk * 32),
           wgmma::desc_mn_major(L + wg * 4 * kPanelBytes + kk * 16 * 128, kPanelBytes), false);
     wgmma::commit();
@@ -220,6 +221,229 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     for (int n = 0; n < 32; ++n)
       *reinterpret_cast<__nv_bfloat162*>(dst + n * 8) =
           __floats2bfloat162_rn(o[4 * n + 2 * r] * inv[r], o[4 * n + 2 * r + 1] * inv[r]);
+  }
+#endif
+}
+
+// ---- backward ----------------------------------------------------------------------------------
+//
+// One block per query (at most 64 heads), the query's selected keys 32 at a time. With
+// P = 2^(s − lse2), dP = d o_lat · L and dS = scale · P (dP − delta), per block of keys:
+//   scores  warpgroup 0: S = q_abs · Lᵀ; warpgroup 1: dP = d o_lat · Lᵀ  (m64n32k16 × 32 each)
+//   P, dS   warpgroup 0 writes P (fp32 for warpgroup 1, bf16 key-major for the products),
+//           warpgroup 1 then dS (bf16 key-major)
+//   d q     warpgroup w: dQ_w += dS · L[32 keys, columns 256w ..]   (m64n256k16 × 2, kept in
+//           registers over all the blocks)
+//   d L     warpgroup w, columns c of 256w .. in 64-column tiles: d Lᵀ[c, key] = Σ_h d o_lat[h, c]
+//           P[h, key] + q_abs[h, c] dS[h, key]  (m64n32k16 × 8 a tile, d o_lat and q_abs read
+//           column-major), stored as bf16 rows of the (query, key) pairs' workspace
+// so S and dP are formed once for both gradients, and every operand is read from the 128-byte-
+// swizzled panels the forward uses (ops/cuda/wgmma.cuh): the key-major P and dS serve as K-major
+// B (d L) and as column-major A (d q).
+
+struct AbsorbedBackwardArgs {
+  AbsorbedForwardArgs a;
+  const __nv_bfloat16* dout;  // [T, NH, 512] d o_lat
+  const float* lse2;          // [T, NH] from the forward
+  const float* delta;         // [T, NH] d o_lat · o_lat
+  float scale;                // the softmax scale (dS carries it)
+  int64_t q0;                 // query of blockIdx.x = 0
+};
+
+namespace absorbed_bwd {
+
+using absorbed_fwd::kHeads;
+using absorbed_fwd::kR;
+using absorbed_fwd::kThreads;
+constexpr int kKeys = 32;
+constexpr int kHeadPanelBytes = kHeads * 128;  // one 64-column panel of 64 rows
+constexpr int kKeyPanelBytes = kKeys * 128;    // of 32 rows
+constexpr int kHeadTileBytes = 8 * kHeadPanelBytes;
+constexpr int kKeyTileBytes = 8 * kKeyPanelBytes;
+constexpr int kKeyMajorBytes = kKeys * 128;  // P or dS as 32 key rows × 64 heads
+// q_abs, d o_lat, two key tiles, P and dS key-major, P in fp32, and room to align to 1024.
+constexpr int kSmemBytes =
+    2 * kHeadTileBytes + 2 * kKeyTileBytes + 2 * kKeyMajorBytes + kHeads * kKeys * 4 + 1024;
+
+// fp32 P [64 heads][32 keys]: keys XORed by the row so a warp's float2 stores spread over banks.
+__device__ __forceinline__ int p_slot(int row, int key) {
+  return row * kKeys + (key ^ ((row & 3) << 3));
+}
+
+}  // namespace absorbed_bwd
+
+// d q_abs[i] = scale Σ_j dS_j latent[j] (bf16 [T, NH, 512], queries q0 + blockIdx.x) and each
+// (query, key) pair's share of d latent, Σ_h P d o_lat[i,h] + dS q_abs[i,h], as bf16 rows
+// part[(i − q0) · width + slot] for the key-major reduction. Grid (queries), 256 threads,
+// absorbed_bwd::kSmemBytes of dynamic shared memory.
+__global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
+    absorbed_backward_wgmma_kernel(AbsorbedBackwardArgs k, __nv_bfloat16* __restrict__ dq,
+                                   __nv_bfloat16* __restrict__ part) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace absorbed_bwd;
+  using absorbed_fwd::block_barrier;
+  using absorbed_fwd::load_rows;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* sQ = smem;
+  unsigned char* sD = smem + kHeadTileBytes;
+  unsigned char* sK = smem + 2 * kHeadTileBytes;  // two tiles
+  unsigned char* sPt = sK + 2 * kKeyTileBytes;    // P, key-major
+  unsigned char* sSt = sPt + kKeyMajorBytes;      // dS, key-major
+  float* sPf = reinterpret_cast<float*>(sSt + kKeyMajorBytes);
+
+  const AbsorbedForwardArgs& a = k.a;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = warp * 16 + g;  // this thread's accumulator rows: row0 and row0 + 8
+  const int64_t i = k.q0 + blockIdx.x;
+  const int count = a.counts[i];
+  const int blocks = (count + kKeys - 1) / kKeys;
+  // Padded heads get lse2 = +∞, hence P = dS = 0.
+  float lse[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = row0 + 8 * r;
+    lse[r] = h < a.heads ? k.lse2[i * a.heads + h] : INFINITY;
+    dlt[r] = h < a.heads ? k.delta[i * a.heads + h] : 0.0f;
+  }
+
+  const auto head_rows = [&](const __nv_bfloat16* base) {
+    return [=](int r) -> const __nv_bfloat16* {
+      return r < a.heads ? base + (i * a.heads + r) * kR : nullptr;
+    };
+  };
+  const auto load_keys = [&](unsigned char* tile, int block) {
+    const int32_t* row = a.keys + i * a.width;
+    load_rows<kKeys>(tile, a.latent, [&](int r) -> const __nv_bfloat16* {
+      const int slot = block * kKeys + r;
+      return slot < count ? a.latent + int64_t(row[slot]) * kR : nullptr;
+    });
+  };
+  load_rows(sQ, a.q, head_rows(a.q));
+  load_rows(sD, k.dout, head_rows(k.dout));
+  if (blocks > 0) load_keys(sK, 0);
+  tc::cp_async_commit();
+
+  float dqa[128];
+#pragma unroll
+  for (int e = 0; e < 128; ++e) dqa[e] = 0.0f;
+
+  for (int b = 0; b < blocks; ++b) {
+    tc::cp_async_wait<0>();
+    wgmma::fence_shared_for_async();
+    __syncthreads();  // block b landed; the previous block's products are done with its tiles
+    if (b + 1 < blocks) load_keys(sK + ((b + 1) & 1) * kKeyTileBytes, b + 1);
+    tc::cp_async_commit();
+    const unsigned char* L = sK + (b & 1) * kKeyTileBytes;
+
+    // Warpgroup 0: S; warpgroup 1: dP (64 heads × 32 keys over the 512 columns).
+    const unsigned char* A = wg == 0 ? sQ : sD;
+    float s[16];
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kR / 16; ++kk) {
+      const int panel = kk >> 2, k_bytes = (kk & 3) * 32;
+      wgmma::mma_m64n32k16<0, 0>(s, wgmma::desc_k_major(A + panel * kHeadPanelBytes + k_bytes),
+                                 wgmma::desc_k_major(L + panel * kKeyPanelBytes + k_bytes),
+                                 kk == 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(s);
+
+    // Accumulator element e: head row0 + 8·((e/2) mod 2), key 8·(e/4) + 2t + (e mod 2).
+    if (wg == 0) {
+#pragma unroll
+      for (int e = 0; e < 16; e += 2) {
+        const int r = (e >> 1) & 1, row = row0 + 8 * r, key = (e >> 2) * 8 + 2 * t;
+        const int slot = b * kKeys + key;
+        const float p0 = slot < count ? exp2f(s[e] * a.scale_log2 - lse[r]) : 0.0f;
+        const float p1 = slot + 1 < count ? exp2f(s[e + 1] * a.scale_log2 - lse[r]) : 0.0f;
+        *reinterpret_cast<float2*>(sPf + p_slot(row, key)) = make_float2(p0, p1);
+        *reinterpret_cast<__nv_bfloat16*>(sPt + wgmma::swizzled(key, row)) = __float2bfloat16(p0);
+        *reinterpret_cast<__nv_bfloat16*>(sPt + wgmma::swizzled(key + 1, row)) =
+            __float2bfloat16(p1);
+      }
+    }
+    block_barrier(1);  // P in fp32 written
+    if (wg == 1) {
+#pragma unroll
+      for (int e = 0; e < 16; e += 2) {
+        const int r = (e >> 1) & 1, row = row0 + 8 * r, key = (e >> 2) * 8 + 2 * t;
+        const float2 p = *reinterpret_cast<const float2*>(sPf + p_slot(row, key));
+        *reinterpret_cast<__nv_bfloat16*>(sSt + wgmma::swizzled(key, row)) =
+            __float2bfloat16(k.scale * p.x * (s[e] - dlt[r]));
+        *reinterpret_cast<__nv_bfloat16*>(sSt + wgmma::swizzled(key + 1, row)) =
+            __float2bfloat16(k.scale * p.y * (s[e + 1] - dlt[r]));
+      }
+    }
+    wgmma::fence_shared_for_async();
+    block_barrier(2);  // P and dS key-major complete
+
+    // d q: A = dS read column-major from its key-major rows, B = the keys' columns 256·wg ...
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk)
+      wgmma::mma_m64n256k16<1, 1>(
+          dqa, wgmma::desc_mn_major(sSt + kk * 16 * 128, kKeyMajorBytes),
+          wgmma::desc_mn_major(L + wg * 4 * kKeyPanelBytes + kk * 16 * 128, kKeyPanelBytes), false);
+    wgmma::commit();
+
+    // d Lᵀ for this warpgroup's four 64-column tiles, two at a time: A = d o_lat or q_abs read
+    // column-major (M = latent columns, K = heads), B = P or dS key-major (N = keys, K = heads).
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      float dl[2][16];
+      wgmma::fence();
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const int panel = wg * 4 + pair * 2 + m;
+#pragma unroll
+        for (int kk = 0; kk < kHeads / 16; ++kk)
+          wgmma::mma_m64n32k16<1, 0>(
+              dl[m],
+              wgmma::desc_mn_major(sD + panel * kHeadPanelBytes + kk * 16 * 128, kHeadPanelBytes),
+              wgmma::desc_k_major(sPt + kk * 32), kk == 0);
+#pragma unroll
+        for (int kk = 0; kk < kHeads / 16; ++kk)
+          wgmma::mma_m64n32k16<1, 0>(
+              dl[m],
+              wgmma::desc_mn_major(sQ + panel * kHeadPanelBytes + kk * 16 * 128, kHeadPanelBytes),
+              wgmma::desc_k_major(sSt + kk * 32), false);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::pin(dl[0]);
+      wgmma::pin(dl[1]);
+      // Element e of tile m: latent column 64·panel + row0 + 8·((e/2) mod 2), key 8·(e/4) + 2t +
+      // (e mod 2).
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const int c0 = (wg * 4 + pair * 2 + m) * 64 + row0;
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+          const int slot = b * kKeys + (e >> 2) * 8 + 2 * t + (e & 1);
+          if (slot < count)
+            part[((i - k.q0) * a.width + slot) * kR + c0 + 8 * ((e >> 1) & 1)] =
+                __float2bfloat16(dl[m][e]);
+        }
+      }
+    }
+    wgmma::pin(dqa);
+  }
+  tc::cp_async_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = row0 + 8 * r;
+    if (h >= a.heads) continue;
+    __nv_bfloat16* dst = dq + (i * a.heads + h) * kR + wg * 256 + 2 * t;
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+      *reinterpret_cast<__nv_bfloat162*>(dst + n * 8) =
+          __floats2bfloat162_rn(dqa[4 * n + 2 * r], dqa[4 * n + 2 * r + 1]);
   }
 #endif
 }

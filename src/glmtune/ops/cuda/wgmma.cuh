@@ -64,26 +64,26 @@ __device__ __forceinline__ void pin(float (&acc)[N]) {
 }
 
 // clang-format off
-// acc (64 × 32, fp32) += A · B over one k16 step: A 64 × 16 and B 32 × 16 (K-major), bf16 in shared
-// memory named by descriptors; with zero_acc the product replaces acc. Asynchronous: read acc
-// only after commit() and wait<0>().
-template <int TRANS_B>
+// acc (64 × 32, fp32) += A · B over one k16 step: A 64 × 16 (MN-major when TRANS_A) and B 32 × 16
+// (MN-major when TRANS_B), bf16 in shared memory named by descriptors; with zero_acc the product
+// replaces acc. Asynchronous: read acc only after commit() and wait<0>().
+template <int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void mma_m64n32k16(float (&acc)[16], uint64_t desc_a, uint64_t desc_b, bool zero_acc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.eq.u32 p, %18, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
-      ", %16, %17, p, 1, 1, 0, %19;\n}\n"
+      ", %16, %17, p, 1, 1, %19, %20;\n}\n"
       : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3]), "+f"(acc[4]), "+f"(acc[5]),
         "+f"(acc[6]), "+f"(acc[7]), "+f"(acc[8]), "+f"(acc[9]), "+f"(acc[10]), "+f"(acc[11]),
         "+f"(acc[12]), "+f"(acc[13]), "+f"(acc[14]), "+f"(acc[15])
-      : "l"(desc_a), "l"(desc_b), "r"(uint32_t(zero_acc)), "n"(TRANS_B));
+      : "l"(desc_a), "l"(desc_b), "r"(uint32_t(zero_acc)), "n"(TRANS_A), "n"(TRANS_B));
 }
 
-// acc (64 × 256, fp32) += A · B over one k16 step: A 64 × 16 and B 16 × 256 (MN-major when TRANS_B), bf16 in shared
-// memory named by descriptors; with zero_acc the product replaces acc. Asynchronous: read acc
-// only after commit() and wait<0>().
-template <int TRANS_B>
+// acc (64 × 256, fp32) += A · B over one k16 step: A 64 × 16 (MN-major when TRANS_A) and B 16 × 256
+// (MN-major when TRANS_B), bf16 in shared memory named by descriptors; with zero_acc the product
+// replaces acc. Asynchronous: read acc only after commit() and wait<0>().
+template <int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void mma_m64n256k16(float (&acc)[128], uint64_t desc_a, uint64_t desc_b, bool zero_acc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.eq.u32 p, %130, 0;\n"
@@ -95,7 +95,7 @@ __device__ __forceinline__ void mma_m64n256k16(float (&acc)[128], uint64_t desc_
       "%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,"
       "%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,"
       "%121,%122,%123,%124,%125,%126,%127}"
-      ", %128, %129, p, 1, 1, 0, %131;\n}\n"
+      ", %128, %129, p, 1, 1, %131, %132;\n}\n"
       : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3]), "+f"(acc[4]), "+f"(acc[5]),
         "+f"(acc[6]), "+f"(acc[7]), "+f"(acc[8]), "+f"(acc[9]), "+f"(acc[10]), "+f"(acc[11]),
         "+f"(acc[12]), "+f"(acc[13]), "+f"(acc[14]), "+f"(acc[15]), "+f"(acc[16]), "+f"(acc[17]),
@@ -118,7 +118,7 @@ __device__ __forceinline__ void mma_m64n256k16(float (&acc)[128], uint64_t desc_
         "+f"(acc[114]), "+f"(acc[115]), "+f"(acc[116]), "+f"(acc[117]), "+f"(acc[118]), "+f"(acc[119]),
         "+f"(acc[120]), "+f"(acc[121]), "+f"(acc[122]), "+f"(acc[123]), "+f"(acc[124]), "+f"(acc[125]),
         "+f"(acc[126]), "+f"(acc[127])
-      : "l"(desc_a), "l"(desc_b), "r"(uint32_t(zero_acc)), "n"(TRANS_B));
+      : "l"(desc_a), "l"(desc_b), "r"(uint32_t(zero_acc)), "n"(TRANS_A), "n"(TRANS_B));
 }
 // clang-format on
 
