@@ -818,18 +818,21 @@ TEST(DistTrainFreeze, Fp8FrozenTensorsUnderExpertParallelismEqualTheDequantisedL
 
 namespace {
 
-// LoRA adapters (docs/lora.md) on the f32 tiny model: data, expert, sequence and fully sharded
-// runs follow the single-process curve with the bars of full fine-tuning and save the adapter;
-// a fully sharded run stopped at step 5 resumes to the uninterrupted run's adapter, byte for byte.
+// LoRA adapters (docs/lora.md) on the f32 tiny model, the LM head's included: data, expert,
+// sequence and fully sharded runs follow the single-process curve with the bars of full
+// fine-tuning and save the adapter; a fully sharded run stopped at step 5 resumes to the
+// uninterrupted run's adapter, byte for byte.
 TEST(DistTrainLora, EveryLayoutFollowsTheSingleProcessAndResumesExactly) {
   glmtune::test::TempDir dir("dist-train-lora");
   const fs::path recipe = write_recipe(dir.path(), 10, 5, true);
   std::ofstream(recipe, std::ios::app) << "[lora]\nrank = 4\nalpha = 8\n"
-                                       << "target_modules = [\"all-linear\"]\n";
+                                       << "target_modules = [\"all-linear\", \"lm_head\"]\n";
   std::vector<nlohmann::json> single;
   ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
   const std::string adapter = "checkpoints/step-10/adapter/adapter_model.safetensors";
   ASSERT_TRUE(fs::exists(dir / "single" / adapter));
+  ASSERT_TRUE(glmtune::io::CheckpointReader::open(dir / "single" / adapter)
+                  .contains("base_model.model.lm_head.lora_B.weight"));
   struct Layout {
     const char* name;
     int64_t ep_size, sp_size;
@@ -1008,12 +1011,13 @@ TEST(DistTrainLora, Fp8BaseUnderExpertParallelismEqualsTheDequantisedBase) {
 // rank's slice of the heads' columns at the whole input's columns), so data and sequence
 // parallelism draw what the single process draws and follow it. (Sequence parallelism on the model
 // without selections, as the other runs that split packs: its f32 roundings must not flip a
-// near-tie in a routing or an indexer pool.)
+// near-tie in a routing or an indexer pool.) The LM head's adapter draws its mask at the shard's
+// rows too.
 TEST(DistTrainLora, DropoutUnderDataAndSequenceParallelismFollowsTheSingleProcess) {
   glmtune::test::TempDir dir("dist-train-lora-dropout");
   const fs::path recipe = write_recipe(dir.path(), 10, 5, true);
   std::ofstream(recipe, std::ios::app) << "[lora]\nrank = 4\nalpha = 8\ndropout = 0.1\n"
-                                       << "target_modules = [\"all-linear\"]\n";
+                                       << "target_modules = [\"all-linear\", \"lm_head\"]\n";
   std::vector<nlohmann::json> single;
   ASSERT_NO_FATAL_FAILURE(run_single_process(dir.path(), recipe, single));
   const std::string adapter = "checkpoints/step-10/adapter/adapter_model.safetensors";

@@ -6,6 +6,7 @@
 - glmtune to PEFT: an adapter trained by `glmtune train` ([lora]) loads with
   PeftModel.from_pretrained and gives glmtune's logits.
 - Merging: `glmtune merge` equals PEFT's merge_and_unload() within bf16 rounding of the weights.
+- The LM head is among the targets of all of them (named: PEFT's all-linear leaves it out).
 - The same three with adapters on the routed experts too (PEFT's target_parameters on the fused
   mlp.experts.gate_up_proj and down_proj, its ParamWrapper layout: lora_A [r·E, in], lora_B
   [out, r·E] with expert e's column k at k·E + e).
@@ -47,11 +48,12 @@ SETS = [
     "text_config.num_experts_per_tok=2",
     "text_config.index_topk=16",
 ]
-# Every projection glmtune adapts, under PEFT's (the reference model's) module names.
+# Every projection glmtune adapts, under PEFT's (the reference model's) module names: the decoder
+# layers' and the LM head.
 TARGETS = (
     r"model\.language_model\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|forget_gate\.f_a_proj|"
     r"forget_gate\.f_b_proj|b_proj|g_a_proj|g_b_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|"
-    r"kv_b_proj)|mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj))"
+    r"kv_b_proj)|mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj))|lm_head"
 )
 RANK, ALPHA = 4, 8.0
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -181,12 +183,15 @@ class LoraAgainstPeft(unittest.TestCase):
             self.assertLessEqual(rel(a, r), 1e-5, f"logits of document {i}")
         self.assertEqual(len(grads), len(ref_grads), "one gradient per adapter tensor")
         self.assertGreater(len(grads), 80)
+        self.assertIn("lm_head.lora_A.weight", grads)
+        self.assertIn("lm_head.lora_B.weight", grads)
         errs = {n: rel(to_peft_layout(n, g), ref_grads[peft_name(n)]) for n, g in grads.items()}
         worst = max(errs.values())
         experts = [e for n, e in errs.items() if ".mlp.experts." in n]
         print(
             f"\n{name}: logits rel err {worst_logits:.3g}; {len(grads)} adapter gradients, worst rel err "
-            f"{worst:.3g} ({len(experts)} on the routed experts, worst {max(experts, default=0):.3g})",
+            f"{worst:.3g} ({len(experts)} on the routed experts, worst {max(experts, default=0):.3g}; "
+            f"the LM head's {max(e for n, e in errs.items() if n.startswith('lm_head.')):.3g})",
             file=sys.stderr,
         )
         self.assertLessEqual(worst, 1e-4)
@@ -245,7 +250,7 @@ save_every = 0
 [lora]
 rank = {RANK}
 alpha = {ALPHA}
-target_modules = ["all-linear"]
+target_modules = ["all-linear", "lm_head"]
 {target_parameters}
 """
             )
@@ -254,6 +259,9 @@ target_modules = ["all-linear"]
         model = peft.PeftModel.from_pretrained(load_base(self.model), adapter)
         b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
         self.assertGreater(len(b), 40)
+        head_b = [p for n, p in b.items() if n.startswith("base_model.model.lm_head.")]
+        self.assertEqual(len(head_b), 1, "PEFT loaded no adapter on lm_head")
+        self.assertGreater(float(head_b[0].abs().max()), 0, "training moved no lm_head B")
         self.assertTrue(any(float(p.abs().max()) > 0 for p in b.values()), "training moved no B")
         if target_parameters:
             experts = [p for n, p in b.items() if ".mlp.experts." in n]
@@ -281,6 +289,8 @@ target_modules = ["all-linear"]
                 worst = max(worst, rel(ours[n].double(), w.double()))
             elif n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
                 worst_experts = max(worst_experts, rel(ours[n].double(), w.double()))
+        # The head, merged as PEFT merges it.
+        worst = max(worst, rel(ours["lm_head.weight"].double(), peft_merged["lm_head.weight"].double()))
         print(
             f"\n{name}: PEFT logits rel err {worst_logits:.3g}; merge rel err {worst:.3g} "
             f"(routed experts {worst_experts:.3g})",

@@ -179,6 +179,51 @@ TEST_F(CliLora, ExpertAdaptersTrainEvalAndMerge) {
   EXPECT_LT(std::abs(merged - adapted), std::abs(base - adapted));
 }
 
+// An adapter on the LM head (named: all-linear leaves it out, as in PEFT), with dropout: trained,
+// written under PEFT's lm_head keys and named in target_modules, applied by eval (logits dump and
+// chunked loss alike), and merged into lm_head.weight.
+TEST_F(CliLora, HeadAdapterTrainsEvalsAndMerges) {
+  std::string text = glmtune::test::read_text(path("recipe.toml"));
+  text.replace(text.find("target_modules = [\"q_proj\", \"o_proj\", \"down_proj\"]"),
+               std::string("target_modules = [\"q_proj\", \"o_proj\", \"down_proj\"]").size(),
+               "target_modules = [\"q_proj\", \"lm_head\"]\ndropout = 0.1");
+  std::ofstream(path("head.toml")) << text;
+
+  const Result train = run("train --config " + path("head.toml").string());
+  ASSERT_EQ(train.code, 0) << train.err;
+  const fs::path adapter = path("run") / "checkpoints/step-4/adapter";
+  const nlohmann::json config =
+      nlohmann::json::parse(glmtune::test::read_text(adapter / "adapter_config.json"));
+  EXPECT_NE(config["target_modules"].get<std::string>().find("lm_head"), std::string::npos)
+      << config.dump();
+  const std::string weights = glmtune::test::read_text(adapter / "adapter_model.safetensors");
+  EXPECT_NE(weights.find("\"base_model.model.lm_head.lora_A.weight\""), std::string::npos);
+  EXPECT_NE(weights.find("\"base_model.model.lm_head.lora_B.weight\""), std::string::npos);
+
+  const double base = eval_loss(""), adapted = eval_loss("--adapter " + adapter.string());
+  EXPECT_NE(base, adapted);
+  // With a logits dump the head's product is formed apart (in f32, the adapter added into it):
+  // the same loss as the chunked one.
+  {
+    const Result dump = run("eval --model " + path("model").string() + " --data " +
+                            (kSource / "examples/tiny/data/chat.jsonl").string() +
+                            " --max-packs 2 --json --adapter " + adapter.string() +
+                            " --dump-logits " + path("logits.safetensors").string());
+    ASSERT_EQ(dump.code, 0) << dump.err;
+    EXPECT_NEAR(nlohmann::json::parse(dump.out)["loss"].get<double>(), adapted, 1e-5 * adapted);
+  }
+  const Result m = run("merge --model " + path("model").string() + " --adapter " +
+                       adapter.string() + " --out " + path("merged").string());
+  ASSERT_EQ(m.code, 0) << m.err;
+  const Result e =
+      run("eval --model " + path("merged").string() + " --data " +
+          (kSource / "examples/tiny/data/chat.jsonl").string() + " --max-packs 2 --json");
+  ASSERT_EQ(e.code, 0) << e.err;
+  const double merged = nlohmann::json::parse(e.out)["loss"].get<double>();
+  EXPECT_NEAR(merged, adapted, 1e-3 * adapted);
+  EXPECT_LT(std::abs(merged - adapted), std::abs(base - adapted));
+}
+
 // An FP8 checkpoint (init --fp8: the release's FP8 weights in e4m3 with 128 × 128 block scales)
 // trained with lora.base = "fp8" keeps those weights in FP8 and dequantises them per layer around
 // each use: every step's loss and the adapters it writes equal, bit for bit, the run with the

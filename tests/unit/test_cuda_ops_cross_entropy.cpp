@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "glmtune/ops/cross_entropy.h"
+#include "glmtune/ops/linear.h"
 #include "glmtune/tensor/tensor.h"
 #include "support/cuda_test_support.h"
 #ifdef GLMTUNE_WITH_CUDA
@@ -172,5 +173,70 @@ TEST(CudaOpsCrossEntropy, BadLabelIsAnError) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("label 10 of row 2"), std::string::npos) << e.what();
   }
+#endif
+}
+
+// The weight gradient of the trailing columns only (CrossEntropyOptions::weight_grad_col0, what
+// the head's adapter asks for): [V, D − c0], added to the buffer, against the CPU op's, with the
+// loss and dhidden of the whole call; then the head with an adapter through the dispatching
+// composite (ops/composite/lm_head.cpp) against the CPU on the same bf16 values.
+TEST(CudaOpsCrossEntropy, TrailingColumnsOfTheWeightGradientMatchCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const int64_t rows = 260, dim = 272, vocab = 3000, c0 = 256;
+  const Tensor hidden = random_cpu({rows, dim}, DType::bf16, 51, 1.0);
+  const Tensor weight = random_cpu({vocab, dim}, DType::bf16, 52, 2.0 / std::sqrt(double(dim)));
+  const Tensor labels = make_labels(rows, vocab, 0.3, 53);
+  ops::CrossEntropyOptions opts;
+  opts.chunk_rows = 96;
+  opts.weight_grad_col0 = c0;
+  Tensor dh_ref, dw_ref;
+  const ops::CrossEntropyResult ref =
+      ops::lm_head_cross_entropy(f32(hidden), f32(weight), labels, opts, &dh_ref, &dw_ref);
+  ASSERT_EQ(dw_ref.shape(), (Shape{vocab, dim - c0}));
+  double sq = 0;
+  for (double v : dw_ref.to_doubles()) sq += v * v;
+  const Tensor dw0 =
+      random_cpu({vocab, dim - c0}, DType::f32, 54, std::sqrt(sq / double(dw_ref.numel())));
+  const Tensor hg = hidden.to(kGpu), wg = weight.to(kGpu);
+  Tensor dh = Tensor::empty({rows, dim}, DType::f32, kGpu);
+  dh.fill_(NAN);
+  Tensor dw = dw0.to(kGpu);
+  const ops::CrossEntropyResult got = cuda::lm_head_cross_entropy(hg, wg, labels, opts, &dh, &dw);
+  EXPECT_NEAR(got.loss, ref.loss, 1e-4 * std::abs(ref.loss));
+  EXPECT_CLOSE(dh, dh_ref, 1e-2, "dhidden");
+  EXPECT_CLOSE(minus(dw, dw0), dw_ref, 1e-2, "trailing dweight increment");
+  // A buffer of the whole weight's shape is refused.
+  Tensor whole = Tensor::zeros({vocab, dim}, DType::f32, kGpu);
+  EXPECT_ANY_THROW(cuda::lm_head_cross_entropy(hg, wg, labels, opts, nullptr, &whole));
+  // Through the dispatcher: an undefined buffer becomes [V, D − c0].
+  Tensor fresh;
+  ops::lm_head_cross_entropy(hg, wg, labels, opts, nullptr, &fresh);
+  EXPECT_EQ(fresh.shape(), (Shape{vocab, dim - c0}));
+  EXPECT_CLOSE(fresh, dw_ref, 1e-2, "dispatched trailing dweight");
+
+  // The head with an adapter of rank 16 (weight frozen, as under LoRA).
+  const int64_t r = 16;
+  ops::Linear head_cpu(f32(weight).set_frozen(true));
+  head_cpu.lora.A = f32(random_cpu({r, dim}, DType::bf16, 55, 1.0 / std::sqrt(double(dim))));
+  head_cpu.lora.B = f32(random_cpu({vocab, r}, DType::bf16, 56, 0.05));
+  head_cpu.lora.scale = 2.0;
+  ops::Linear head_gpu(weight.to(kGpu).set_frozen(true));
+  head_gpu.lora.A = head_cpu.lora.A.to(DType::bf16).to(kGpu);
+  head_gpu.lora.B = head_cpu.lora.B.to(DType::bf16).to(kGpu);
+  head_gpu.lora.scale = 2.0;
+  ops::CrossEntropyOptions plain;
+  plain.chunk_rows = 96;
+  ops::Linear g_cpu, g_gpu;
+  Tensor dhc, dhg;
+  const ops::CrossEntropyResult lc =
+      ops::lm_head_cross_entropy(f32(hidden), head_cpu, labels, plain, &dhc, &g_cpu);
+  const ops::CrossEntropyResult lg =
+      ops::lm_head_cross_entropy(hg, head_gpu, labels, plain, &dhg, &g_gpu);
+  EXPECT_NEAR(lg.loss, lc.loss, 1e-3 * std::abs(lc.loss));
+  EXPECT_FALSE(g_gpu.weight.defined());
+  EXPECT_CLOSE(dhg, dhc, 2e-2, "adapted head dhidden");
+  EXPECT_CLOSE(g_gpu.lora.A, g_cpu.lora.A, 2e-2, "adapted head dA");
+  EXPECT_CLOSE(g_gpu.lora.B, g_cpu.lora.B, 2e-2, "adapted head dB");
 #endif
 }

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <regex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/ops/cross_entropy.h"
 #include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/moe.h"
@@ -200,6 +202,127 @@ TEST(LoraOps, AFrozenBaseGetsNoGradientAndTheAdapterDoes) {
   EXPECT_TRUE(g.lora.B.defined());
 }
 
+// Labels in [0, V) with every third row ignored.
+Tensor head_labels(int64_t rows, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::vector<int64_t> v(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i)
+    v[size_t(i)] = i % 3 == 1 ? ops::kIgnoreIndex : int64_t(gen() % uint64_t(vocab));
+  return Tensor::from_vector(v, {rows});
+}
+
+// The fused head's weight gradient of the columns from c0 on (what the head's adapter asks for,
+// [V, D − c0]) is those columns of the whole weight's gradient, added to what the buffer holds;
+// the loss and the input gradient do not change.
+TEST(LoraOps, HeadCrossEntropyGivesTheTrailingColumnsOfTheWeightGradient) {
+  SCOPED_TRACE(seed_note());
+  const int64_t t = 11, d = 7, v = 9;
+  const Tensor h = random_normal({t, d}, 70, DType::f64);
+  const Tensor w = random_normal({v, d}, 71, DType::f64);
+  const Tensor labels = head_labels(t, v, test_seed());
+  for (const int64_t chunk : {int64_t(3), int64_t(256)}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    ops::CrossEntropyOptions opts;
+    opts.chunk_rows = chunk;
+    opts.grad_scale = 0.7;
+    Tensor dh, dw;
+    const ops::CrossEntropyResult whole = ops::lm_head_cross_entropy(h, w, labels, opts, &dh, &dw);
+    const std::vector<double> dws = dw.to_doubles();
+    for (const int64_t c0 : {int64_t(1), d - 3, d - 1}) {
+      SCOPED_TRACE("from column " + std::to_string(c0));
+      opts.weight_grad_col0 = c0;
+      const Tensor before = random_normal({v, d - c0}, 72, DType::f64);
+      Tensor dh2, dw2 = before.clone();
+      const ops::CrossEntropyResult r = ops::lm_head_cross_entropy(h, w, labels, opts, &dh2, &dw2);
+      EXPECT_EQ(r.loss, whole.loss);
+      EXPECT_EQ(dh2.to_doubles(), dh.to_doubles());
+      ASSERT_EQ(dw2.shape(), (Shape{v, d - c0}));
+      const std::vector<double> got = dw2.to_doubles(), b0 = before.to_doubles();
+      double worst = 0, largest = 0;
+      for (int64_t i = 0; i < v; ++i)
+        for (int64_t j = c0; j < d; ++j) {
+          const size_t k = size_t(i * (d - c0) + (j - c0));
+          worst = std::max(worst, std::abs(got[k] - b0[k] - dws[size_t(i * d + j)]));
+          largest = std::max(largest, std::abs(dws[size_t(i * d + j)]));
+        }
+      EXPECT_GT(largest, 0);
+      EXPECT_LE(worst, 1e-14 * largest);
+      // A buffer of the whole weight's shape is an error, not a silent partial update.
+      Tensor wrong = Tensor::zeros({v, d}, DType::f64);
+      EXPECT_THROW(ops::lm_head_cross_entropy(h, w, labels, opts, nullptr, &wrong), InternalError);
+    }
+    opts.weight_grad_col0 = d;
+    EXPECT_THROW(ops::lm_head_cross_entropy(h, w, labels, opts, nullptr, &dw), InternalError);
+  }
+}
+
+// The head with an adapter: the loss is the cross-entropy of h Wᵀ + scale · (drop(h) Aᵀ) Bᵀ, and
+// its gradients (A, B, the weight when trained, the hidden rows) match float64 finite
+// differences, with and without a dropout mask; a frozen weight changes none of the others.
+TEST(LoraOps, HeadAdapterLossAndGradientsMatchFiniteDifferences) {
+  SCOPED_TRACE(seed_note());
+  const int64_t t = 10, d = 8, v = 13, r = 3;
+  ops::Linear head = random_linear(v, d, r, 80'000, false);
+  Tensor h = random_normal({t, d}, 81, DType::f64);
+  const Tensor labels = head_labels(t, v, test_seed() + 1);
+  ops::CrossEntropyOptions opts;
+  opts.chunk_rows = 4;
+  opts.grad_scale = 0.6;
+  auto loss = [&] {
+    return opts.grad_scale * ops::lm_head_cross_entropy(h, head, labels, opts).loss;
+  };
+  // Without an adapter: exactly the call on the weight.
+  {
+    const ops::Linear plain(head.weight);
+    Tensor dh1, dh2;
+    ops::Linear g;
+    Tensor dw;
+    const double l1 = ops::lm_head_cross_entropy(h, plain, labels, opts, &dh1, &g).loss;
+    const double l2 = ops::lm_head_cross_entropy(h, head.weight, labels, opts, &dh2, &dw).loss;
+    EXPECT_EQ(l1, l2);
+    EXPECT_EQ(dh1.to_doubles(), dh2.to_doubles());
+    EXPECT_EQ(g.weight.to_doubles(), dw.to_doubles());
+    EXPECT_FALSE(g.lora.A.defined());
+  }
+  for (const uint64_t key : {uint64_t(0), uint64_t(55555)}) {
+    SCOPED_TRACE(key ? "dropout 0.3" : "no dropout");
+    head.lora.dropout = 0.3;
+    head.lora.dropout_key = key;
+    // The loss is that of the adapted logits.
+    EXPECT_NEAR(ops::lm_head_cross_entropy(h, head, labels, opts).loss,
+                ops::cross_entropy_forward(ops::linear(h, head), labels).loss, 1e-12);
+    ops::Linear g;
+    Tensor dh;
+    ops::lm_head_cross_entropy(h, head, labels, opts, &dh, &g);
+    uint64_t off = 82'000;
+    for (auto [name, param, grad] :
+         std::vector<std::tuple<const char*, Tensor*, Tensor*>>{{"weight", &head.weight, &g.weight},
+                                                                {"lora_A", &head.lora.A, &g.lora.A},
+                                                                {"lora_B", &head.lora.B, &g.lora.B},
+                                                                {"hidden", &h, &dh}}) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(grad->defined());
+      EXPECT_LE(
+          fd_direction(*param, *grad, random_normal(param->shape(), off += 100, DType::f64), loss),
+          1e-9);
+    }
+    // A frozen weight: no gradient for it, the same ones for the adapter and the rows (the
+    // adapter's B then comes from the trailing columns alone).
+    head.weight.set_frozen(true);
+    ops::Linear gf;
+    gf.lora.B = Tensor::full(head.lora.B.shape(), 0.25, DType::f64);
+    Tensor dhf;
+    ops::lm_head_cross_entropy(h, head, labels, opts, &dhf, &gf);
+    head.weight.set_frozen(false);
+    EXPECT_FALSE(gf.weight.defined());
+    EXPECT_LE(rel_err(gf.lora.A, g.lora.A), 1e-14);
+    std::vector<double> db = gf.lora.B.to_doubles();
+    for (double& x : db) x -= 0.25;  // accumulated into what the buffer held
+    EXPECT_LE(rel_err(Tensor::from_doubles(db, g.lora.B.shape(), DType::f64), g.lora.B), 1e-14);
+    EXPECT_LE(rel_err(dhf, dh), 1e-14);
+  }
+}
+
 // A tiny MoE in f64 with adapters on both fused expert parameters (A [E, r, in], B [E, out, r]).
 struct TinyMoe {
   ops::MoeConfig cfg;
@@ -365,8 +488,12 @@ PackInput tiny_pack(const TextConfig& c, std::mt19937_64& rng) {
 
 TEST(LoraModel, TargetsResolveAsPeftMatchesThem) {
   RandomModel m("lora", 11);
-  const std::vector<std::string> all = adaptable_modules(*m.store);
+  std::vector<std::string> all = adaptable_modules(*m.store);
   ASSERT_FALSE(all.empty());
+  // The LM head last; all-linear leaves it out (PEFT's rule for the output layer), naming it
+  // adapts it alone.
+  ASSERT_EQ(all.back(), "lm_head");
+  all.pop_back();
   for (const std::string& name : all) {
     EXPECT_TRUE(name.starts_with("model.language_model.layers.")) << name;
     EXPECT_EQ(name.find(".indexer."), std::string::npos) << name;
@@ -374,6 +501,16 @@ TEST(LoraModel, TargetsResolveAsPeftMatchesThem) {
   }
   LoraConfig c = all_linear();
   EXPECT_EQ(resolve_lora_targets(*m.store, c, "lora"), all);
+  c.target_modules = {"lm_head"};
+  EXPECT_EQ(resolve_lora_targets(*m.store, c, "lora"), std::vector<std::string>{"lm_head"});
+  c.target_modules = {"all-linear", "lm_head"};
+  std::vector<std::string> with_head = all;
+  with_head.push_back("lm_head");
+  EXPECT_EQ(resolve_lora_targets(*m.store, c, "lora"), with_head);
+  c.target_modules.clear();
+  c.target_regex = "lm_head";
+  EXPECT_EQ(resolve_lora_targets(*m.store, c, "lora"), std::vector<std::string>{"lm_head"});
+  c = all_linear();
   // A suffix matches whole name components: q_proj is KDA's, not MLA's q_a_proj / q_b_proj.
   c.target_modules = {"q_proj"};
   for (const std::string& name : resolve_lora_targets(*m.store, c, "lora"))
@@ -418,8 +555,6 @@ TEST(LoraModel, TargetsResolveAsPeftMatchesThem) {
   LoraConfig bad = all_linear();
   bad.target_modules = {"wq_b"};
   refused(bad, "never train");
-  bad.target_modules = {"lm_head"};
-  refused(bad, "LM head");
   bad.target_modules = {"qkv_proj"};
   refused(bad, "matches no projection");
   // Dropout: a probability, and none on the routed experts' adapters (PEFT refuses it there).
@@ -449,8 +584,10 @@ TEST(LoraModel, AdapterGradientsMatchFiniteDifferencesOfTheLoss) {
       "lora", test_seed(),
       {"text_config.n_group=1", "text_config.topk_group=1", "text_config.n_routed_experts=2",
        "text_config.num_experts_per_tok=2", "text_config.index_topk=16"});
-  const LoraConfig c = everything();
+  LoraConfig c = everything();
+  c.target_modules.push_back("lm_head");
   add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), test_seed());
+  ASSERT_TRUE(m.store->contains("lm_head.lora_A.weight"));
   randomise_b(*m.store, 50'000);
   freeze_base(*m.store);
   const TextModel model(*m.store, TextModelOptions{DType::f64});
@@ -501,8 +638,10 @@ TEST(LoraModel, AdapterGradientsAreTheWeightGradientThroughTheOtherFactor) {
   RandomModel m("lora-factor", test_seed(),
                 {"text_config.n_group=1", "text_config.topk_group=1",
                  "text_config.n_routed_experts=2", "text_config.num_experts_per_tok=2"});
-  const LoraConfig c = everything();
+  LoraConfig c = everything();
+  c.target_modules.push_back("lm_head");
   const std::vector<std::string> modules = resolve_lora_targets(*m.store, c, "lora");
+  ASSERT_NE(std::find(modules.begin(), modules.end(), "lm_head"), modules.end());
   add_lora_adapters(*m.store, c, modules, test_seed());
   randomise_b(*m.store, 70'000);
   const TextModel model(*m.store, TextModelOptions{DType::f64});
@@ -564,6 +703,7 @@ TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
   RandomModel m("lora", test_seed());
   LoraConfig c = everything(3, 5);
   c.use_rslora = true;
+  c.target_modules.push_back("lm_head");
   const std::vector<std::string> targets = resolve_lora_targets(*m.store, c, "lora");
   add_lora_adapters(*m.store, c, targets, 7);
   randomise_b(*m.store, 70'000);
@@ -580,6 +720,17 @@ TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
   const io::SafetensorsFile f = io::SafetensorsFile::open(dir / "adapter_model.safetensors");
   EXPECT_TRUE(
       f.contains("base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight"));
+  // The head's under PEFT's name of the module, lm_head (A [r, D], B [V, r]), and named in
+  // target_modules, so that PEFT adapts it too (its all-linear would not).
+  {
+    const Shape w = m.store->param("lm_head.weight").shape;
+    ASSERT_TRUE(f.contains("base_model.model.lm_head.lora_A.weight"));
+    EXPECT_EQ(f.tensor("base_model.model.lm_head.lora_A.weight").shape(), (Shape{3, w[1]}));
+    EXPECT_EQ(f.tensor("base_model.model.lm_head.lora_B.weight").shape(), (Shape{w[0], 3}));
+    const std::regex peft_targets(j["target_modules"].get<std::string>());
+    EXPECT_TRUE(std::regex_match("lm_head", peft_targets)) << j["target_modules"];
+    EXPECT_FALSE(std::regex_match("model.language_model.embed_tokens", peft_targets));
+  }
   // The experts as PEFT's nested ParamWrappers save them: gate_up_proj (wrapped first) under
   // "experts.base_layer.", down_proj under "experts."; A [r·E, in] with expert e's rows
   // e·r .. e·r+r, B [out, r·E] with expert e's column k at k·E + e; target_parameters by name.
@@ -651,11 +802,143 @@ TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
               dt == DType::bf16 ? 8e-3 : 1e-6);
     EXPECT_GT(rel_err(again.get(gate_up).to(DType::f64), l.weight), 1e-3);
   }
+  // The head too: lm_head.weight + scale · B A.
+  {
+    ParamStore again = ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config);
+    load_lora_adapter(again, dir);
+    ops::Linear l(again.get("lm_head.weight").to(DType::f64));
+    const Tensor a3 = again.get("lm_head.lora_A.weight").to(DType::f64);
+    const Tensor b3 = again.get("lm_head.lora_B.weight").to(DType::f64);
+    // [V, D] + s · B A as one "expert" of the helper.
+    l.weight = l.weight.unsqueeze(0);
+    l.lora.A = a3.unsqueeze(0);
+    l.lora.B = b3.unsqueeze(0);
+    l.lora.scale = 5.0 / std::sqrt(3.0);
+    const DType dt = again.get("lm_head.weight").dtype();
+    const Tensor want_h = merged_experts(l).squeeze(0);
+    merge_lora_adapters(again);
+    EXPECT_LE(rel_err(again.get("lm_head.weight").to(DType::f64), want_h.to(dt).to(DType::f64)),
+              dt == DType::bf16 ? 8e-3 : 1e-6);
+    EXPECT_GT(rel_err(again.get("lm_head.weight").to(DType::f64), l.weight.squeeze(0)), 1e-3);
+  }
   // The merged model saves in the released layout, without adapter tensors.
   fresh.save(m.dir.path() / "merged");
   const io::CheckpointReader merged = io::CheckpointReader::open(m.dir.path() / "merged");
   for (const std::string& name : merged.names())
     EXPECT_EQ(name.find("lora_"), std::string::npos) << name;
+}
+
+// With tie_word_embeddings the head is the embedding matrix: as PEFT's adapted lm_head module,
+// the adapter changes the head's product only (the embedding lookup reads the table as it is),
+// trains like any adapter, saves under lm_head's name, and a merge, which would have to change the
+// shared table, is refused before anything changes.
+TEST(LoraModel, AHeadTiedToTheEmbeddingAdaptsTheHeadOnly) {
+  SCOPED_TRACE(seed_note());
+  RandomModel m(
+      "lora-tied", test_seed(),
+      {"tie_word_embeddings=true", "text_config.tie_word_embeddings=true", "text_config.n_group=1",
+       "text_config.topk_group=1", "text_config.n_routed_experts=2",
+       "text_config.num_experts_per_tok=2", "text_config.index_topk=16"});
+  ASSERT_TRUE(m.config.text().tie_word_embeddings);
+  ASSERT_FALSE(m.store->contains("lm_head.weight"));
+  const TextModel base(*m.store, TextModelOptions{DType::f64});
+  LoraConfig c = all_linear(3, 4);
+  c.target_modules = {"lm_head"};
+  ASSERT_EQ(resolve_lora_targets(*m.store, c, "lora"), std::vector<std::string>{"lm_head"});
+  add_lora_adapters(*m.store, c, {"lm_head"}, test_seed());
+  const Shape e = m.store->param("model.language_model.embed_tokens.weight").shape;
+  EXPECT_EQ(m.store->param("lm_head.lora_A.weight").shape, (Shape{3, e[1]}));
+  EXPECT_EQ(m.store->param("lm_head.lora_B.weight").shape, (Shape{e[0], 3}));
+  randomise_b(*m.store, 90'000);
+  freeze_base(*m.store);
+  const TextModel model(*m.store, TextModelOptions{DType::f64});
+  const TextWeights& w = model.weights();
+  EXPECT_EQ(w.lm_head.weight.data_ptr(), w.embed_tokens.data_ptr());
+  ASSERT_TRUE(w.lm_head.lora.defined());
+
+  std::mt19937_64 rng(test_seed());
+  const PackInput in = tiny_pack(model.text(), rng);
+  EXPECT_EQ(model.embed(in.input_ids).to_doubles(), base.embed(in.input_ids).to_doubles());
+  ForwardOptions fo;
+  fo.mtp = false;
+  EXPECT_GT(rel_err(model.forward(in, fo).logits, base.forward(in, fo).logits), 1e-3);
+
+  // The MTP depth's loss reads the same head (and adapter): its share of the gradients is in too.
+  ASSERT_TRUE(model.has_mtp());
+  TrainOptions opt;
+  opt.balancing_alpha = 0;
+  opt.mtp_loss_scale = 0.5;
+  TextGrads grads = TextGrads::zeros_like(w);
+  forward_backward(model, in, opt, grads);
+  EXPECT_EQ(grads.find("model.language_model.embed_tokens.weight"), nullptr);
+  fo.logits = false;
+  fo.mtp = true;
+  fo.mtp_loss_scale = 0.5;
+  auto loss = [&] {
+    const ForwardOutput out = model.forward(in, fo);
+    return out.loss() + (out.mtp ? out.mtp->loss : 0.0);
+  };
+  uint64_t off = 91'000'000;
+  for (const char* name : {"lm_head.lora_A.weight", "lm_head.lora_B.weight"}) {
+    SCOPED_TRACE(name);
+    const Tensor* g = grads.find(name);
+    ASSERT_TRUE(g != nullptr && g->defined());
+    Tensor* param = nullptr;
+    for (auto& [n, t] : w.named)
+      if (n == name) param = const_cast<Tensor*>(&t);
+    ASSERT_NE(param, nullptr);
+    double err = INFINITY;
+    for (double step : {2.5e-5, 6e-6})
+      err = std::min(
+          err, fd_direction(*param, *g, random_normal(param->shape(), off += 1'000, DType::f64),
+                            loss, step));
+    EXPECT_LE(err, 1e-6);
+  }
+
+  const fs::path dir = m.dir.path() / "adapter";
+  save_lora_adapter(*m.store, c, dir);
+  ParamStore fresh = ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config);
+  load_lora_adapter(fresh, dir);
+  EXPECT_EQ(fresh.get("lm_head.lora_B.weight").to_doubles(),
+            m.store->get("lm_head.lora_B.weight").to_doubles());
+  const std::vector<double> table =
+      fresh.get("model.language_model.embed_tokens.weight").to(DType::f64).to_doubles();
+  try {
+    merge_lora_adapters(fresh);
+    ADD_FAILURE() << "a tied head's adapter merged";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("tie_word_embeddings"), std::string::npos) << err.what();
+  }
+  EXPECT_TRUE(fresh.has_adapters());
+  EXPECT_EQ(fresh.get("model.language_model.embed_tokens.weight").to(DType::f64).to_doubles(),
+            table);
+}
+
+// lora.dropout reaches the head's adapter: a pack's key masks its input (the logits change, the
+// same key gives the same ones, key 0 none), drawn at a sequence-parallel shard's rows.
+TEST(LoraModel, DropoutKeysTheHeadsAdapterPerPack) {
+  SCOPED_TRACE(seed_note());
+  RandomModel m("lora-head-dropout", test_seed());
+  LoraConfig c = all_linear();
+  c.target_modules = {"lm_head"};
+  add_lora_adapters(*m.store, c, {"lm_head"}, test_seed());
+  randomise_b(*m.store, 95'000);
+  TextModel model(*m.store, TextModelOptions{DType::f64});
+  std::mt19937_64 rng(test_seed());
+  const PackInput in = tiny_pack(model.text(), rng);
+  ForwardOptions fo;
+  fo.mtp = false;
+  const std::vector<double> plain = model.forward(in, fo).logits.to_doubles();
+  set_adapter_dropout(model.weights(), 0.3, 4321, 7);
+  const ops::LoraAdapter& head = model.weights().lm_head.lora;
+  EXPECT_EQ(head.dropout, 0.3);
+  EXPECT_NE(head.dropout_key, 0u);
+  EXPECT_EQ(head.dropout_block.row0, 7);
+  const std::vector<double> masked = model.forward(in, fo).logits.to_doubles();
+  EXPECT_NE(masked, plain);
+  EXPECT_EQ(model.forward(in, fo).logits.to_doubles(), masked);
+  set_adapter_dropout(model.weights(), 0.3, 0);
+  EXPECT_EQ(model.forward(in, fo).logits.to_doubles(), plain);
 }
 
 // A store loaded with an expert range (one expert-parallel rank's, dist/expert_shards.h) holds its
@@ -752,6 +1035,44 @@ TEST(LoraModel, BadAdapterDirectoriesAreErrorsNamingTheFile) {
   expect_error("target_parameters [] names none at this place");
   write_config(peft_adapter_config(ce, {"x", down}));
   expect_error("expected [");
+}
+
+// PEFT's save_pretrained with lm_head among the targets also writes the head's base weight
+// (base_model.model.lm_head.base_layer.weight, save_embedding_layers): a copy of the base's head,
+// in f32 or rounded to bf16, loads (nothing to apply); another head is an error naming the key.
+TEST(LoraModel, PeftsCopyOfTheBaseHeadLoadsOnlyWhenItIsTheBases) {
+  RandomModel m("lora-head-copy", 6);
+  LoraConfig c = all_linear();
+  c.target_modules = {"q_proj", "lm_head"};
+  add_lora_adapters(*m.store, c, resolve_lora_targets(*m.store, c, "lora"), 1);
+  const fs::path dir = m.dir.path() / "adapter";
+  save_lora_adapter(*m.store, c, dir);
+  io::NamedTensors tensors;
+  {
+    const io::SafetensorsFile f = io::SafetensorsFile::open(dir / "adapter_model.safetensors");
+    for (const std::string& name : f.names()) tensors.emplace_back(name, f.tensor(name).clone());
+  }
+  const Tensor head = m.store->get("lm_head.weight").to(DType::f32).contiguous().clone();
+  const std::string key = "base_model.model.lm_head.base_layer.weight";
+  auto load_with = [&](const Tensor& copy) {
+    io::NamedTensors with = tensors;
+    with.emplace_back(key, copy);
+    io::save_safetensors(dir / "adapter_model.safetensors", with);
+    ParamStore s = ParamStore::load(io::CheckpointReader::open(m.dir.path() / "ck"), m.config);
+    load_lora_adapter(s, dir);
+    return s.contains("lm_head.lora_A.weight");
+  };
+  EXPECT_TRUE(load_with(head));
+  EXPECT_TRUE(load_with(head.to(DType::bf16)));
+  Tensor other = head.clone();
+  other.data<float>()[7] += 1.0f;
+  try {
+    load_with(other);
+    ADD_FAILURE() << "another head accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("differs from the base"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -66,7 +66,11 @@ TEST(Plan, LoraCountsEqualWhatAddLoraAdaptersCreates) {
       // The routed experts' fused parameters: an adapter per expert, A [E, r, in], B [E, out, r].
       {{"all-linear"}, "", both},
       {{"q_proj"}, "", {"mlp.experts.gate_up_proj"}},
-      {{}, "", {"layers.1.mlp.experts.down_proj"}}};
+      {{}, "", {"layers.1.mlp.experts.down_proj"}},
+      // The LM head only when named (all-linear leaves it out).
+      {{"all-linear", "lm_head"}, ""},
+      {{"lm_head"}, ""},
+      {{}, "lm_head"}};
   for (const Case& c : cases) {
     test::RandomModel m("plan-lora", 5);
     model::LoraConfig config;

@@ -29,6 +29,7 @@
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
 #include "glmtune/ops/cross_entropy.h"
+#include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/norm.h"
 #include "glmtune/train/released.h"
@@ -511,14 +512,21 @@ void score_documents(EvalRun& r, const PackPlan& p, const data::Pack& pack, cons
       // the dump holds no rounding the loss does not see; the loss from those logits.
       Tensor logits =
           Tensor::empty({e - b, weights.lm_head.weight.size(0)}, DType::f32, rows.device());
-      ops::linear_out(logits, rows, weights.lm_head.weight);
+      const ops::Linear& head = weights.lm_head;
+      ops::linear_out(logits, rows, head.weight);
+      if (head.lora.defined()) {
+        // The adapter's scale · (h Aᵀ) Bᵀ accumulated into the same f32 logits.
+        Tensor u = ops::linear(rows, head.lora.A);
+        ops::scale_into(u, head.lora.scale);
+        ops::linear_out(logits, u, head.lora.B, Tensor(), /*accumulate=*/true);
+      }
       logits = logits.to(Device::cpu());
       ce = ops::cross_entropy_forward(logits, labels);
       r.writer->write(fmt::format("logits.{}", r.data.out_index[size_t(p.samples[d])]), logits);
     } else {
       ops::CrossEntropyOptions ce_opts;
       ce_opts.chunk_rows = r.options.loss_chunk;
-      ce = ops::lm_head_cross_entropy(rows, weights.lm_head.weight, labels, ce_opts);
+      ce = ops::lm_head_cross_entropy(rows, weights.lm_head, labels, ce_opts);
     }
     r.results[size_t(p.samples[d])] = {ce.loss_sum, ce.n_tokens};
   }

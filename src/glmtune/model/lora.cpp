@@ -27,6 +27,19 @@ constexpr const char* kConfigFile = "adapter_config.json";
 constexpr const char* kWeightsFile = "adapter_model.safetensors";
 constexpr const char* kPeftPrefix = "base_model.model.";
 constexpr const char* kAllLinear = "all-linear";
+constexpr const char* kHead = "lm_head";
+constexpr const char* kEmbedding = "model.language_model.embed_tokens.weight";
+
+// The tensor the LM head multiplies by: its own weight, or the embedding matrix when the model
+// ties them (no lm_head.weight in the store then).
+std::string head_weight(const ParamStore& store) {
+  return store.contains(std::string(kHead) + ".weight") ? std::string(kHead) + ".weight"
+                                                        : std::string(kEmbedding);
+}
+bool has_head(const ParamStore& store) {
+  return store.contains(std::string(kHead) + ".weight") ||
+         (store.config().text().tie_word_embeddings && store.contains(kEmbedding));
+}
 
 // A projection of the text model and whether an adapter can go on it.
 struct Projection {
@@ -72,8 +85,7 @@ std::vector<Projection> projections(const ParamStore& store) {
     add(layers,
         "the MTP layer is not a module of the reference model (transformers drops its weights "
         "at load), so PEFT could not load an adapter on it");
-  if (store.contains("lm_head.weight"))
-    out.push_back({"lm_head", "adapters on the LM head are not supported yet"});
+  if (has_head(store)) out.push_back({kHead, ""});
   return out;
 }
 
@@ -95,8 +107,14 @@ class TargetMatcher {
   bool operator()(const std::string& internal) const {
     const std::string module = peft_module(internal);
     if (regex_) return std::regex_match(module, *regex_);
-    for (const std::string& key : keys_)
-      if (key == kAllLinear || module == key || module.ends_with("." + key)) return true;
+    for (const std::string& key : keys_) {
+      // PEFT's all-linear leaves out the output layer; naming lm_head adapts it.
+      if (key == kAllLinear) {
+        if (module != kHead) return true;
+        continue;
+      }
+      if (module == key || module.ends_with("." + key)) return true;
+    }
     return false;
   }
 
@@ -148,9 +166,10 @@ bool parameter_targeted(const std::string& name, const std::vector<std::string>&
 
 namespace {
 
-// The base weight an adapter's module adapts: "<module>.weight", or the fused expert parameter
-// itself (its internal name has no ".weight").
-std::string base_weight(const std::string& module) {
+// The base weight an adapter's module adapts: "<module>.weight", the fused expert parameter
+// itself (its internal name has no ".weight"), or for the LM head the tensor it multiplies by.
+std::string base_weight(const ParamStore& store, const std::string& module) {
+  if (module == kHead) return head_weight(store);
   return is_expert_param(module) ? module : module + ".weight";
 }
 
@@ -187,6 +206,38 @@ Tensor expert_b_from_peft(const Tensor& b, int64_t experts) {
       .permute({2, 0, 1})
       .contiguous()
       .clone();
+}
+
+// PEFT's save_pretrained, with lm_head among the targets, also writes the head's base weight
+// beside its adapter (save_embedding_layers), and its from_pretrained loads that copy over the
+// base's. A copy of the base's own head (to the rounding of the dtype PEFT held it in) changes
+// nothing; another head would be a fully trained weight, which glmtune does not read.
+void check_saved_head(const ParamStore& store, const Tensor& saved, const std::string& key,
+                      const std::string& file) {
+  const std::string name = head_weight(store);
+  const Tensor& base = store.get(name);
+  if (saved.shape() != store.param(name).shape)
+    throw Error(fmt::format("tensor '{}' is {}, the base's LM head {} is {}", key,
+                            shape_str(saved.shape()), name, shape_str(store.param(name).shape)),
+                file, "use an adapter trained on this model");
+  const Tensor a = saved.to(DType::f32).contiguous(), b = base.to(DType::f32).contiguous();
+  const float* x = a.data<float>();
+  const float* y = b.data<float>();
+  double diff = 0, largest = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    diff = std::max(diff, double(std::fabs(x[i] - y[i])));
+    largest = std::max(largest, double(std::fabs(y[i])));
+  }
+  // bf16 keeps 8 significant bits: a copy held in bf16 is within half a unit of the largest
+  // entry's last place.
+  if (diff > std::ldexp(largest, -8))
+    throw Error(fmt::format("tensor '{}' (PEFT's copy of the LM head's weight) differs from the "
+                            "base's {} by up to {:.3g}: the adapter was saved with another head, "
+                            "and glmtune reads adapters, not trained base weights",
+                            key, name, diff),
+                file,
+                "evaluate the adapter on the base it was trained on, or save it with "
+                "save_pretrained(..., save_embedding_layers=False)");
 }
 
 }  // namespace
@@ -278,8 +329,9 @@ std::vector<std::string> resolve_lora_targets(const ParamStore& store, const Lor
         where + ".target_modules",
         "use the projections' names: q_proj, k_proj, v_proj, o_proj, f_a_proj, f_b_proj, b_proj, "
         "g_a_proj, g_b_proj (KDA); q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj "
-        "(MLA); gate_proj, up_proj, down_proj (dense MLP and shared expert); or \"all-linear\" "
-        "(the routed experts go in target_parameters)");
+        "(MLA); gate_proj, up_proj, down_proj (dense MLP and shared expert); lm_head; or "
+        "\"all-linear\" (every projection but lm_head; the routed experts go in "
+        "target_parameters)");
   }
   const std::vector<std::string> experts = expert_params(store);
   for (const std::string& key : config.target_parameters) {
@@ -320,7 +372,7 @@ void add_lora_adapters(ParamStore& store, const LoraConfig& config,
                         Tensor::zeros({range.count, w[1], config.rank}, DType::f32));
       continue;
     }
-    const Shape w = store.param(module + ".weight").shape;
+    const Shape w = store.param(base_weight(store, module)).shape;
     GLMTUNE_ASSERT(w.size() == 2, "adapter target {} is not a matrix", module);
     const int64_t out = w[0], in = w[1];
     Tensor a = Tensor::empty({config.rank, in}, DType::f32);
@@ -485,6 +537,10 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
   for (const std::string& key : file.names()) {
     const std::string peft_name =
         key.starts_with(kPeftPrefix) ? key.substr(std::strlen(kPeftPrefix)) : std::string();
+    if (peft_name == std::string(kHead) + ".base_layer.weight" && has_head(store)) {
+      check_saved_head(store, file.tensor(key), key, weights_file.string());
+      continue;
+    }
     const std::string peft = module_of_adapter(peft_name);
     if (!peft.empty() && (peft.ends_with(".mlp.experts") || peft.ends_with(".base_layer"))) {
       const auto it = expert_of_prefix.find(peft + ".");
@@ -525,9 +581,9 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
                               key),
                   weights_file.string(),
                   "use an adapter trained on this model (glmtune inspect lists the model's "
-                  "tensors); adapters on the indexer, MTP layer, LM head or "
-                  "vision tower are not supported");
-    const Shape w = store.param(module + ".weight").shape;
+                  "tensors); adapters on the indexer, MTP layer or vision tower are not "
+                  "supported");
+    const Shape w = store.param(base_weight(store, module)).shape;
     const bool is_a = name.ends_with(".lora_A.weight");
     const Shape want = is_a ? Shape{c.rank, w[1]} : Shape{w[0], c.rank};
     Tensor t = file.tensor(key);
@@ -565,6 +621,15 @@ LoraConfig load_lora_adapter(ParamStore& store, const fs::path& dir) {
 
 int64_t merge_lora_adapters(ParamStore& store) {
   if (!store.has_adapters()) return 0;
+  // A tied head is the embedding matrix: the merged head would change the embedding lookup too,
+  // which the adapter never did, and the released layout has no separate head to hold it.
+  if (store.contains(std::string(kHead) + ".lora_A.weight") && head_weight(store) == kEmbedding)
+    throw Error(
+        "the adapter is on the LM head of a model with tie_word_embeddings = true: its "
+        "head is the embedding matrix, and merging would change the embeddings as well",
+        "lm_head.lora_A.weight",
+        "evaluate with the adapter (glmtune eval --adapter) instead of merging, or train "
+        "without lm_head in target_modules");
   const double scale = store.adapter_scale();
   int64_t merged = 0;
   for (const InternalParam& p : store.params()) {
@@ -572,7 +637,7 @@ int64_t merge_lora_adapters(ParamStore& store) {
     const std::string module = module_of_adapter(p.name);
     const Tensor a = p.value.to(DType::f32).contiguous();
     const Tensor b = store.get(module + ".lora_B.weight").to(DType::f32).contiguous();
-    Tensor& w = store.get(base_weight(module));
+    Tensor& w = store.get(base_weight(store, module));
     Tensor sum = w.to(DType::f32).contiguous().clone();
     // A plain projection is one expert: W_e += scale · B_e A_e for each of the fused experts.
     const int64_t experts = a.dim() == 3 ? a.size(0) : 1;

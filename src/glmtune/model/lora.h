@@ -9,7 +9,9 @@
 // (adapter_config.json, adapter_model.safetensors) that `PeftModel.from_pretrained` loads.
 //
 // Projections that take an adapter: every projection of the decoder layers' KDA and MLA mixers,
-// dense MLPs and shared experts (target_modules), and the routed experts' fused parameters
+// dense MLPs and shared experts (target_modules), the LM head ("lm_head": named, not part of
+// "all-linear", as in PEFT; with tied embeddings it adapts the head's product only, never the
+// embedding lookup, and cannot be merged), and the routed experts' fused parameters
 // (target_parameters, PEFT's ParamWrapper): internally
 //   model.language_model.layers.3.mlp.experts.gate_up_proj.lora_A.weight   [E, r, in]
 //   model.language_model.layers.3.mlp.experts.gate_up_proj.lora_B.weight   [E, out, r]
@@ -18,8 +20,8 @@
 // parameters of a layer adapted, gate_up_proj's are "mlp.experts.base_layer.lora_A.weight" and
 // down_proj's "mlp.experts.lora_A.weight"; one alone is "mlp.experts.lora_A.weight".
 // Refused, each with a message: the indexer's (it runs without gradient, so its adapter would
-// never train), the LM head, the MTP layer (outside the reference model's modules) and the vision
-// tower. docs/lora.md lists them.
+// never train), the MTP layer (outside the reference model's modules) and the vision tower.
+// docs/lora.md lists them.
 
 #include <cstdint>
 #include <filesystem>
@@ -36,8 +38,9 @@ struct LoraConfig {
   double alpha = 8;
   double dropout = 0;
   bool use_rslora = false;
-  // PEFT's target_modules: module-name suffixes ("q_proj", "mlp.down_proj"), or the one entry
-  // "all-linear" (every projection that takes an adapter). Ignored when target_regex is set.
+  // PEFT's target_modules: module-name suffixes ("q_proj", "mlp.down_proj", "lm_head"), or the
+  // entry "all-linear" (every projection that takes an adapter but the LM head, PEFT's rule).
+  // Ignored when target_regex is set.
   std::vector<std::string> target_modules;
   // Or an ECMAScript regular expression matched against whole module names
   // ("model.language_model.layers.3.self_attn.q_proj"), as PEFT matches a string target_modules.
@@ -58,7 +61,7 @@ struct LoraConfig {
 };
 
 // Module names of every projection of the store's text model that can take an adapter, in store
-// order (the weight's internal name without ".weight").
+// order (the weight's internal name without ".weight"), the LM head ("lm_head") last.
 std::vector<std::string> adaptable_modules(const ParamStore& store);
 
 // The modules `config` targets, in store order, then the routed experts' parameters it targets
@@ -112,7 +115,8 @@ nlohmann::json peft_adapter_config(const LoraConfig& config,
 
 // W += scale · B A for every adapter of the store (in f32, then stored in the base weight's
 // dtype), and the adapters removed: the store then holds a plain model in the released layout.
-// Returns how many projections were merged.
+// Returns how many projections were merged. glmtune::Error, before any change, for an adapter on
+// a head tied to the embedding (merging it would change the embedding lookup too).
 int64_t merge_lora_adapters(ParamStore& store);
 
 }  // namespace glmtune::model

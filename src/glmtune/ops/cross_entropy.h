@@ -36,6 +36,10 @@ struct CrossEntropyOptions {
   double grad_scale = 1;
   // Label rows whose logits are materialised at once by lm_head_cross_entropy.
   int64_t chunk_rows = 256;
+  // lm_head_cross_entropy's weight gradient covers the weight's columns [weight_grad_col0, D)
+  // only: `dweight` is then [V, D − weight_grad_col0]. A head with an adapter folds it into
+  // trailing columns of a concatenated weight and wants just those (0: the whole weight).
+  int64_t weight_grad_col0 = 0;
 };
 
 struct CrossEntropyResult {
@@ -57,9 +61,21 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& labels,
 // hidden [T, D], weight [V, D] (lm_head.weight), labels [T]. Forward only when both gradient
 // pointers are null. `dhidden` (optional) receives d loss / d hidden · grad_scale, [T, D]
 // (overwritten; allocated when undefined). `dweight` (optional) has the head's gradient
-// (· grad_scale) added into it, [V, D] (created as zeros when undefined).
+// (· grad_scale) added into it, [V, D] (created as zeros when undefined), or [V, D − c0] for the
+// columns from c0 = opts.weight_grad_col0 on. A frozen weight gets no gradient.
 CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor& weight,
                                          const Tensor& labels, const CrossEntropyOptions& opts,
                                          Tensor* dhidden = nullptr, Tensor* dweight = nullptr);
+
+struct Linear;
+
+// The same loss for the head as a projection (ops/linear.h) with its low-rank adapter
+// (ops/composite/lm_head.cpp): logits h Wᵀ + scale · (drop(h) Aᵀ) Bᵀ, computed as
+// [h | u] · [W | B]ᵀ with u = scale · drop(h) Aᵀ [T, r], one call of the fused op above on the
+// concatenated [V, D + r] weight. Its gradients land in `grads` (null: none): A and B, and the
+// weight unless it is frozen. Without an adapter this is exactly the call on head.weight.
+CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Linear& head,
+                                         const Tensor& labels, const CrossEntropyOptions& opts,
+                                         Tensor* dhidden = nullptr, Linear* grads = nullptr);
 
 }  // namespace glmtune::ops

@@ -45,7 +45,9 @@ bool lora_matches(const PlanLora& lora, const std::optional<std::regex>& re,
   const std::string module = model::peft_module(internal);
   if (re) return std::regex_match(module, *re);
   for (const std::string& key : lora.target_modules)
-    if (key == "all-linear" || module == key || module.ends_with("." + key)) return true;
+    if ((key == "all-linear" && module != "lm_head") || module == key ||
+        module.ends_with("." + key))
+      return true;
   return false;
 }
 
@@ -110,12 +112,14 @@ std::vector<std::string> plan_lora_modules(const model::ModelConfig& config, con
     for (const std::string& name : layer_projection_names()) {
       const std::string module = model::text::layer_prefix(l) + name;
       // Like model/lora.h: released projections only (the fused experts are not), never the
-      // indexer (it runs without gradient); the MTP layer and the head are refused there too.
+      // indexer (it runs without gradient); the MTP layer is refused there too.
       if (!weights.count(module + ".weight") || name.find(".indexer.") != std::string::npos ||
           !seen.insert(module).second)
         continue;
       if (lora_matches(lora, re, module)) out.push_back(module);
     }
+  // The head, when named (all-linear leaves it out, as PEFT's does).
+  if (lora_matches(lora, re, "lm_head")) out.push_back("lm_head");
   // The decoder layers' fused expert parameters (the MTP layer's are not adaptable), matched by
   // PEFT's target_parameters rule as model/lora.h matches them.
   std::vector<std::string> experts;
@@ -384,8 +388,12 @@ class PlanBuilder {
         ++plan_.adapted_expert_params;
         continue;
       }
-      const Shape& w = shapes.at(m + ".weight");
+      // A tied head multiplies by the embedding matrix.
+      const Shape& w = m == "lm_head" && !shapes.count("lm_head.weight")
+                           ? shapes.at("model.language_model.embed_tokens.weight")
+                           : shapes.at(m + ".weight");
       dense_elems += r * double(w[0] + w[1]);
+      if (m == "lm_head") head_rank_ = r;
       ++plan_.adapted_modules;
     }
     plan_.adapter_params = int64_t(dense_elems + expert_elems);
@@ -462,7 +470,12 @@ class PlanBuilder {
     // The lm_head + cross-entropy chunks: bf16 logits and their f32 gradient per row, the f32
     // gradient of the hidden rows.
     const double rows = std::min<double>(double(o_.loss_chunk_rows), T);
-    const double head_ws = rows * V * (2 + 4) + T * D * 4;
+    // An adapter on the head runs it on [h | u] and [W | B]: the concatenated bf16 weight and
+    // rows, and the f32 gradient of the wider rows.
+    const double head_ws =
+        rows * V * (2 + 4) + T * D * 4 +
+        (head_rank_ > 0 ? V * (D + head_rank_) * 2 + T * (D + head_rank_) * 2 + T * head_rank_ * 4
+                        : 0);
     const double mtp_ws =
         mtp_ ? std::max(T * std::max(b.dsa_ws, b.moe_ws + b.moe_exchange), head_ws) : 0;
     // The step's peak: every held context plus the largest of the transient sets, over the
@@ -573,6 +586,7 @@ class PlanBuilder {
   dist::ParallelSizes sizes_;
   double dp_ = 1, ep_ = 1;
   bool mtp_ = false, lora_ = false;
+  double head_rank_ = 0;  // the rank of an adapter on the LM head (0: none)
   std::vector<std::regex> freeze_;
   MemoryPlan plan_;
   // Bytes on one GPU: weights by storage, trained tensors' f32 gradients, optimizer state.

@@ -268,6 +268,8 @@ TextGrads TextGrads::zeros_like(const TextWeights& w) {
     g.lm_head.weight = g.embed_tokens;
   else
     b.add(w.lm_head.weight, g.lm_head.weight);
+  b.add(w.lm_head.lora.A, g.lm_head.lora.A);
+  b.add(w.lm_head.lora.B, g.lm_head.lora.B);
   g.layers.resize(w.layers.size());
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& lw = w.layers[l];
@@ -525,7 +527,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
   ce.chunk_rows = opt.loss_chunk_rows;
   Tensor d_normed;
   const ops::CrossEntropyResult lm = ops::lm_head_cross_entropy(
-      fc.final_normed, w.lm_head.weight, fc.labels, ce, &d_normed, &grads.lm_head.weight);
+      fc.final_normed, w.lm_head, fc.labels, ce, &d_normed, &grads.lm_head);
   result.lm_loss_sum = lm.loss_sum;
   result.lm_tokens = lm.n_tokens;
   result.lm_loss = lm.loss;
@@ -562,9 +564,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       mce.grad_scale = opt.mtp_loss_scale / double(depths);
       mce.chunk_rows = opt.loss_chunk_rows;
       Tensor d_out;
-      const ops::CrossEntropyResult r =
-          ops::lm_head_cross_entropy(m->out_normed, w.lm_head.weight, fc.mtp_labels[size_t(k - 1)],
-                                     mce, &d_out, &grads.lm_head.weight);
+      const ops::CrossEntropyResult r = ops::lm_head_cross_entropy(
+          m->out_normed, w.lm_head, fc.mtp_labels[size_t(k - 1)], mce, &d_out, &grads.lm_head);
       result.mtp_loss_sum[size_t(k - 1)] = r.loss_sum;
       result.mtp_tokens[size_t(k - 1)] = r.n_tokens;
       result.mtp_loss += mce.grad_scale * r.loss;

@@ -32,7 +32,7 @@ LossStats stats_of(const ops::CrossEntropyResult& ce) { return {ce.loss_sum, ce.
 
 // The token-mean CE of logits = hidden · head^T: from the logits when they exist, else in chunks
 // of labelled rows so that no [T, V] matrix is formed.
-LossStats lm_loss(const Tensor& logits, const Tensor& hidden, const Tensor& head,
+LossStats lm_loss(const Tensor& logits, const Tensor& hidden, const ops::Linear& head,
                   const Tensor& labels, int64_t chunk_rows) {
   if (logits.defined()) return stats_of(ops::cross_entropy_forward(logits, labels));
   ops::CrossEntropyOptions opts;
@@ -142,9 +142,9 @@ ForwardOutput TextModel::forward(const PackInput& in, const ForwardOptions& opt)
   Tensor final_rstd;
   const Tensor normed =
       ops::rms_norm(out.hidden, weights_.final_norm, c.rms_norm_eps, ctx ? &final_rstd : nullptr);
-  if (opt.logits) out.logits = ops::linear(normed, weights_.lm_head.weight);
+  if (opt.logits) out.logits = ops::linear(normed, weights_.lm_head);
   if (in.labels.defined())
-    out.lm = lm_loss(out.logits, normed, weights_.lm_head.weight, in.labels, opt.loss_chunk_rows);
+    out.lm = lm_loss(out.logits, normed, weights_.lm_head, in.labels, opt.loss_chunk_rows);
   if (ctx) {
     ctx->final_streams = streams;
     ctx->final_rstd = std::move(final_rstd);
@@ -162,13 +162,12 @@ ForwardOutput TextModel::forward(const PackInput& in, const ForwardOptions& opt)
       MtpLayerResult r = mtp_layer_forward(ops_, *weights_.mtp, future, hidden, in.cu_seqlens,
                                            counted, ctx ? &ctx->mtp[size_t(k - 1)] : nullptr);
       Tensor logits;
-      if (opt.mtp_logits) logits = ops::linear(r.hidden, weights_.lm_head.weight);
+      if (opt.mtp_logits) logits = ops::linear(r.hidden, weights_.lm_head);
       if (in.labels.defined()) {
         // The reference trainer rolls the already aligned labels once more per depth: depth k at
         // position i predicts t_{i+k+1} of the same document.
         const Tensor labels = shift_labels(in.labels, in.cu_seqlens, k);
-        m.ce.push_back(
-            lm_loss(logits, r.hidden, weights_.lm_head.weight, labels, opt.loss_chunk_rows));
+        m.ce.push_back(lm_loss(logits, r.hidden, weights_.lm_head, labels, opt.loss_chunk_rows));
         mean_sum += m.ce.back().mean();
         if (ctx) ctx->mtp_labels.push_back(labels);
       }

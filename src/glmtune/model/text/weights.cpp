@@ -144,6 +144,11 @@ void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key, int64_t sh
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
   };
+  const auto key_of = [&](const std::string& module) -> uint64_t {
+    uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the name
+    for (const char c : module) h = (h ^ uint8_t(c)) * 0x100000001b3ull;
+    return pack_key == 0 ? 0 : mix(pack_key ^ h) | 1;
+  };
   for (LayerWeights& lw : w.layers) {
     const std::string prefix = layer_prefix(lw.index);
     zip_layer_params(lw, lw,
@@ -151,15 +156,19 @@ void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key, int64_t sh
                                 [&](const std::string& name, ParamGroup group, ops::Linear& l,
                                     ops::Linear&, ops::WholeProjection) {
                                   if (!l.lora.defined()) return;
-                                  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the name
-                                  for (const char c : prefix + name)
-                                    h = (h ^ uint8_t(c)) * 0x100000001b3ull;
                                   l.lora.dropout = p;
-                                  l.lora.dropout_key = pack_key == 0 ? 0 : mix(pack_key ^ h) | 1;
+                                  l.lora.dropout_key = key_of(prefix + name);
                                   const bool mlp =
                                       group == ParamGroup::dense_mlp || group == ParamGroup::moe;
                                   l.lora.dropout_block = {mlp ? shard_row0 : 0, 0, 0};
                                 }});
+  }
+  // The head reads the final norm's rows (and the MTP depths' shared-head norm's), a shard of
+  // them under sequence parallelism.
+  if (w.lm_head.lora.defined()) {
+    w.lm_head.lora.dropout = p;
+    w.lm_head.lora.dropout_key = key_of("lm_head");
+    w.lm_head.lora.dropout_block = {shard_row0, 0, 0};
   }
 }
 
@@ -270,6 +279,13 @@ TextWeights load_text_weights(const ParamStore& store, DType dtype, Device devic
   }
   // A tied head is the embedding matrix itself (same storage, one entry in `named`).
   w.lm_head = ops::Linear(c.tie_word_embeddings ? w.embed_tokens : load.get("lm_head.weight"));
+  // An adapter on the head (model/lora.h) belongs to the head alone, tied or not: the embedding
+  // lookup reads the table without it, as PEFT's adapted lm_head module leaves the embedding be.
+  if (store.contains("lm_head.lora_A.weight")) {
+    w.lm_head.lora.A = load.get("lm_head.lora_A.weight");
+    w.lm_head.lora.B = load.get("lm_head.lora_B.weight");
+    w.lm_head.lora.scale = store.adapter_scale();
+  }
   return w;
 }
 

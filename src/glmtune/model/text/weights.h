@@ -168,7 +168,8 @@ std::string layer_prefix(int64_t layer);
 // takes probability p and a key drawn from `pack_key` and its module's name, so each module masks
 // independently and every pack anew; pack_key 0 turns dropout off (evaluation). Under sequence
 // parallelism the MLPs run on this rank's shard of the pack's rows, from `shard_row0` on: their
-// masks are drawn at those rows of the pack (the mixers see every row).
+// masks are drawn at those rows of the pack (the mixers see every row). An adapter on the LM head
+// takes its own key the same way, its rows also from `shard_row0`.
 void set_adapter_dropout(TextWeights& w, double p, uint64_t pack_key, int64_t shard_row0 = 0);
 
 // train.fp8 = "tilewise": marks the projections whose GEMMs then run in block-scaled FP8

@@ -99,7 +99,7 @@ double logits_pass(const Tensor& logits, const std::vector<int64_t>& labels, dou
 
 template <typename T>
 double fused_pass(const Tensor& hidden, const Tensor& weight, const std::vector<int64_t>& labels,
-                  int64_t chunk_rows, double coef, Tensor* dhidden, Tensor* dweight) {
+                  int64_t chunk_rows, double coef, Tensor* dhidden, Tensor* dweight, int64_t col0) {
   const int64_t dim = hidden.size(1), vocab = weight.size(0);
   const T* h = hidden.data<T>();
   const T* w = weight.data<T>();
@@ -131,9 +131,10 @@ double fused_pass(const Tensor& hidden, const Tensor& weight, const std::vector<
       for (int64_t r = 0; r < m; ++r)
         std::copy_n(dh.data() + r * dim, dim, out + rows[size_t(c0 + r)] * dim);
     }
+    // Columns [col0, dim) only: the chunk's hidden read from column col0 on.
     if (dweight)
-      gemm<T>(true, false, vocab, dim, m, T(1), z.data(), vocab, hc.data(), dim, T(1),
-              dweight->data<T>(), dim);
+      gemm<T>(true, false, vocab, dim - col0, m, T(1), z.data(), vocab, hc.data() + col0, dim, T(1),
+              dweight->data<T>(), dim - col0);
   }
   return total;
 }
@@ -189,11 +190,18 @@ CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden_in, const Tensor& 
                  hidden_in.str(), hidden_in.size(0));
   GLMTUNE_ASSERT(opts.chunk_rows > 0, "{}: chunk_rows must be positive, got {}", op,
                  opts.chunk_rows);
+  const int64_t col0 = opts.weight_grad_col0;
+  GLMTUNE_ASSERT(col0 >= 0 && col0 < hidden_in.size(1),
+                 "{}: weight_grad_col0 {} must be a column of hidden {}", op, col0,
+                 hidden_in.str());
   if (dhidden && dhidden->defined())
     checks::same_shape(*dhidden, hidden_in, "dhidden", "hidden", op);
   dweight = grad_if_trained(dweight, weight_in);
+  const Shape dweight_shape = {weight_in.size(0), weight_in.size(1) - col0};
   if (dweight && dweight->defined())
-    checks::same_shape(*dweight, weight_in, "dweight", "the head weight", op);
+    GLMTUNE_ASSERT(dweight->shape() == dweight_shape,
+                   "{}: dweight {} must be {} (the head weight {} from column {})", op,
+                   dweight->str(), shape_str(dweight_shape), weight_in.str(), col0);
   GLMTUNE_DISPATCH_CUDA(hidden_in, cuda_path::lm_head_cross_entropy(hidden_in, weight_in, labels,
                                                                     opts, dhidden, dweight));
   GLMTUNE_ASSERT(is_compute_dtype(hidden_in.dtype()) && weight_in.dtype() == hidden_in.dtype(),
@@ -213,8 +221,8 @@ CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden_in, const Tensor& 
     dhidden->zero_();
   }
   if (dweight) {
-    if (!dweight->defined()) *dweight = Tensor::zeros(weight_in.shape(), weight_in.dtype());
-    GLMTUNE_ASSERT(dweight->shape() == weight_in.shape() && dweight->dtype() == weight_in.dtype() &&
+    if (!dweight->defined()) *dweight = Tensor::zeros(dweight_shape, weight_in.dtype());
+    GLMTUNE_ASSERT(dweight->shape() == dweight_shape && dweight->dtype() == weight_in.dtype() &&
                        dweight->is_contiguous() && dweight->device().is_cpu(),
                    "dweight {} must be a contiguous CPU tensor like the weight {}", dweight->str(),
                    weight_in.str());
@@ -222,8 +230,8 @@ CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden_in, const Tensor& 
   const Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous();
   r.loss_sum =
       hidden.dtype() == DType::f32
-          ? fused_pass<float>(hidden, weight, lab, opts.chunk_rows, coef, dhidden, dweight)
-          : fused_pass<double>(hidden, weight, lab, opts.chunk_rows, coef, dhidden, dweight);
+          ? fused_pass<float>(hidden, weight, lab, opts.chunk_rows, coef, dhidden, dweight, col0)
+          : fused_pass<double>(hidden, weight, lab, opts.chunk_rows, coef, dhidden, dweight, col0);
   r.loss = r.denominator > 0 ? r.loss_sum / r.denominator : 0.0;
   return r;
 }

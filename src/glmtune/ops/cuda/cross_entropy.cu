@@ -206,6 +206,11 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
                               "] tensor of hidden's dtype on " + hidden.device().str());
   GLMTUNE_CUDA_OP_REQUIRE(opts.chunk_rows > 0, std::string(op) + ": chunk_rows must be positive");
   const int64_t rows = hidden.size(0), dim = hidden.size(1), vocab = weight.size(0);
+  const int64_t col0 = opts.weight_grad_col0;
+  GLMTUNE_CUDA_OP_REQUIRE(col0 >= 0 && col0 < dim, std::string(op) + ": weight_grad_col0 " +
+                                                       std::to_string(col0) +
+                                                       " must be a column of hidden");
+  const Shape dweight_shape = {vocab, dim - col0};
   GLMTUNE_CUDA_OP_REQUIRE(labels.defined() && labels.dim() == 1 && labels.size(0) == rows &&
                               (labels.dtype() == DType::i32 || labels.dtype() == DType::i64),
                           std::string(op) + ": labels " + detail::describe(labels) +
@@ -250,13 +255,13 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
     GLMTUNE_CUDA_CHECK(cudaMemsetAsync(dhidden->data_ptr(), 0, dhidden->nbytes(), stream));
   }
   if (dweight) {
-    if (!dweight->defined()) *dweight = Tensor::zeros(weight.shape(), DType::f32, dev);
-    GLMTUNE_CUDA_OP_REQUIRE(dweight->shape() == weight.shape() && dweight->is_contiguous() &&
+    if (!dweight->defined()) *dweight = Tensor::zeros(dweight_shape, DType::f32, dev);
+    GLMTUNE_CUDA_OP_REQUIRE(dweight->shape() == dweight_shape && dweight->is_contiguous() &&
                                 dweight->device() == dev &&
                                 (dweight->dtype() == DType::f32 || dweight->dtype() == DType::bf16),
                             std::string(op) + ": dweight " + dweight->str() +
                                 " must be a contiguous f32/bf16 tensor like the weight " +
-                                weight.str());
+                                weight.str() + " from column " + std::to_string(col0));
   }
   if (n == 0) return result;
 
@@ -360,15 +365,16 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
       GemmArgs w;
       w.device = dev.index;
       w.trans_a = true;
+      // Columns [col0, dim) only: the chunk's hidden read from column col0 on.
       w.m = vocab;
-      w.n = dim;
+      w.n = dim - col0;
       w.k = m;
       w.a = dz;
       w.lda = ldz;
-      w.b = h_chunk;
+      w.b = static_cast<const char*>(h_chunk) + col0 * h_size;
       w.ldb = ldh;
       w.c = dweight->data_ptr();
-      w.ldc = dim;
+      w.ldc = dim - col0;
       w.c_dtype = dweight->dtype();
       w.ab_dtype = ab;
       w.beta = 1.0f;

@@ -31,7 +31,8 @@ namespace glmtune::cuda {
 // (copied to the host, which is where they come from in training). Forward only when both
 // gradient pointers are null. `dhidden` (optional): bf16 or f32 [T, D] contiguous, overwritten
 // (ignored rows get 0; allocated as bf16 when undefined). `dweight` (optional): f32 or bf16
-// [V, D] contiguous, accumulated (created as f32 zeros when undefined). Synchronises `stream`
+// [V, D − opts.weight_grad_col0] contiguous (the weight's columns from that one on), accumulated
+// (created as f32 zeros when undefined). Synchronises `stream`
 // once at the end, to read the loss.
 ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor& weight,
                                               const Tensor& labels,

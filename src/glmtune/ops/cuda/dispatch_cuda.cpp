@@ -308,7 +308,9 @@ CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor& wei
                                          Tensor* dhidden, Tensor* dweight) {
   OpTimer timer("lm_head_cross_entropy");
   dweight = grad_if_trained(dweight, weight);
-  if (dweight) grad_buffer(*dweight, weight, "lm_head_cross_entropy", "head weight");
+  if (dweight && opts.weight_grad_col0 == 0)
+    grad_buffer(*dweight, weight, "lm_head_cross_entropy", "head weight");
+  // A gradient of the trailing columns only: the op creates and checks it.
   return cuda::lm_head_cross_entropy(hidden, weight, labels, opts, dhidden, dweight);
 }
 
