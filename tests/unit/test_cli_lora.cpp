@@ -33,6 +33,15 @@ class CliLora : public ::testing::Test {
     return glmtune::test::run_glmtune(args, path("stderr.txt"));
   }
 
+  // The fixture's recipe with its target_modules line replaced by `targets`, written as `name`.
+  fs::path recipe_with(const std::string& targets, const std::string& name) const {
+    const std::string line = "target_modules = [\"q_proj\", \"o_proj\", \"down_proj\"]";
+    std::string text = glmtune::test::read_text(path("recipe.toml"));
+    text.replace(text.find(line), line.size(), targets);
+    std::ofstream(path(name)) << text;
+    return path(name);
+  }
+
   double eval_loss(const std::string& extra) const {
     const Result r =
         run("eval --model " + path("model").string() + " --tokenizer " + path("model").string() +
@@ -144,13 +153,10 @@ TEST_F(CliLora, BadAdaptersAreErrorsNamingTheDirectory) {
 // Adapters on the routed experts alone (target_parameters): trained on the CPU, written in PEFT's
 // fused-parameter keys, applied by eval --adapter and folded in by merge.
 TEST_F(CliLora, ExpertAdaptersTrainEvalAndMerge) {
-  std::string text = glmtune::test::read_text(path("recipe.toml"));
-  text.replace(text.find("target_modules = [\"q_proj\", \"o_proj\", \"down_proj\"]"),
-               std::string("target_modules = [\"q_proj\", \"o_proj\", \"down_proj\"]").size(),
-               "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]");
-  std::ofstream(path("experts.toml")) << text;
-
-  const Result train = run("train --config " + path("experts.toml").string());
+  const fs::path recipe =
+      recipe_with("target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]",
+                  "experts.toml");
+  const Result train = run("train --config " + recipe.string());
   ASSERT_EQ(train.code, 0) << train.err;
   const fs::path adapter = path("run") / "checkpoints/step-4/adapter";
   const nlohmann::json config =
@@ -183,13 +189,9 @@ TEST_F(CliLora, ExpertAdaptersTrainEvalAndMerge) {
 // written under PEFT's lm_head keys and named in target_modules, applied by eval (logits dump and
 // chunked loss alike), and merged into lm_head.weight.
 TEST_F(CliLora, HeadAdapterTrainsEvalsAndMerges) {
-  std::string text = glmtune::test::read_text(path("recipe.toml"));
-  text.replace(text.find("target_modules = [\"q_proj\", \"o_proj\", \"down_proj\"]"),
-               std::string("target_modules = [\"q_proj\", \"o_proj\", \"down_proj\"]").size(),
-               "target_modules = [\"q_proj\", \"lm_head\"]\ndropout = 0.1");
-  std::ofstream(path("head.toml")) << text;
-
-  const Result train = run("train --config " + path("head.toml").string());
+  const fs::path recipe =
+      recipe_with("target_modules = [\"q_proj\", \"lm_head\"]\ndropout = 0.1", "head.toml");
+  const Result train = run("train --config " + recipe.string());
   ASSERT_EQ(train.code, 0) << train.err;
   const fs::path adapter = path("run") / "checkpoints/step-4/adapter";
   const nlohmann::json config =

@@ -43,6 +43,13 @@ constexpr int kPBytes = kPanelBytes;               // P: 64 heads × 64 keys
 // q_abs, two key tiles, P, row maxima and sums of both warpgroups, and room to align to 1024.
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kHeads * 4 + 1024;
 
+// The dynamic shared memory from its first 1024-byte boundary (the swizzle's period).
+__device__ __forceinline__ unsigned char* smem_1024() {
+  extern __shared__ unsigned char smem_raw[];
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                          ~uintptr_t(1023));
+}
+
 // Barrier of the whole block under another id than __syncthreads.
 __device__ __forceinline__ void block_barrier(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
@@ -84,9 +91,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   // kernel that absorbed_wgmma_available() never lets run.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace absorbed_fwd;
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = smem_1024();
   unsigned char* sQ = smem;
   unsigned char* sK = smem + kTileBytes;  // two tiles
   unsigned char* sP = smem + 3 * kTileBytes;
@@ -283,9 +288,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   using namespace absorbed_bwd;
   using absorbed_fwd::block_barrier;
   using absorbed_fwd::load_rows;
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = absorbed_fwd::smem_1024();
   unsigned char* sQ = smem;
   unsigned char* sD = smem + kHeadTileBytes;
   unsigned char* sK = smem + 2 * kHeadTileBytes;  // two tiles
