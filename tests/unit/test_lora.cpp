@@ -809,7 +809,7 @@ TEST(LoraModel, AdapterDirectoryRoundTripsAndMergesIntoTheWeights) {
     ops::Linear l(again.get("lm_head.weight").to(DType::f64));
     const Tensor a3 = again.get("lm_head.lora_A.weight").to(DType::f64);
     const Tensor b3 = again.get("lm_head.lora_B.weight").to(DType::f64);
-    // [V, D] + s · B A as one "expert" of the helper.
+    // [V, D] + s · B A, computed by merged_experts as a single expert.
     l.weight = l.weight.unsqueeze(0);
     l.lora.A = a3.unsqueeze(0);
     l.lora.B = b3.unsqueeze(0);
