@@ -42,6 +42,21 @@ class CliLora : public ::testing::Test {
     return path(name);
   }
 
+  // glmtune merge folds `adapter` into the model, whose loss is then the adapted one up to bf16
+  // rounding: closer to it than the adapter moved the base's.
+  void expect_merged_like_adapted(const fs::path& adapter, double base, double adapted) const {
+    const Result m = run("merge --model " + path("model").string() + " --adapter " +
+                         adapter.string() + " --out " + path("merged").string());
+    ASSERT_EQ(m.code, 0) << m.err;
+    const Result e =
+        run("eval --model " + path("merged").string() + " --data " +
+            (kSource / "examples/tiny/data/chat.jsonl").string() + " --max-packs 2 --json");
+    ASSERT_EQ(e.code, 0) << e.err;
+    const double merged = nlohmann::json::parse(e.out)["loss"].get<double>();
+    EXPECT_NEAR(merged, adapted, 1e-3 * adapted);
+    EXPECT_LT(std::abs(merged - adapted), std::abs(base - adapted));
+  }
+
   double eval_loss(const std::string& extra) const {
     const Result r =
         run("eval --model " + path("model").string() + " --tokenizer " + path("model").string() +
@@ -139,11 +154,8 @@ TEST_F(CliLora, BadAdaptersAreErrorsNamingTheDirectory) {
   EXPECT_NE(m.err.find("no adapter_config.json"), std::string::npos) << m.err;
   EXPECT_FALSE(fs::exists(path("merged")));
   // A target the model cannot adapt stops the run before any step, naming the recipe key.
-  std::string text = glmtune::test::read_text(path("recipe.toml"));
-  text.replace(text.find("[\"q_proj\", \"o_proj\", \"down_proj\"]"),
-               std::string("[\"q_proj\", \"o_proj\", \"down_proj\"]").size(), "[\"wk\"]");
-  std::ofstream(path("bad.toml")) << text;
-  const Result t = run("train --config " + path("bad.toml").string());
+  const Result t =
+      run("train --config " + recipe_with("target_modules = [\"wk\"]", "bad.toml").string());
   EXPECT_NE(t.code, 0);
   EXPECT_NE(t.err.find("lora.target_modules"), std::string::npos) << t.err;
   EXPECT_NE(t.err.find("never train"), std::string::npos) << t.err;
@@ -171,18 +183,7 @@ TEST_F(CliLora, ExpertAdaptersTrainEvalAndMerge) {
 
   const double base = eval_loss(""), adapted = eval_loss("--adapter " + adapter.string());
   EXPECT_NE(base, adapted);
-  const Result m = run("merge --model " + path("model").string() + " --adapter " +
-                       adapter.string() + " --out " + path("merged").string());
-  ASSERT_EQ(m.code, 0) << m.err;
-  const Result e =
-      run("eval --model " + path("merged").string() + " --data " +
-          (kSource / "examples/tiny/data/chat.jsonl").string() + " --max-packs 2 --json");
-  ASSERT_EQ(e.code, 0) << e.err;
-  const double merged = nlohmann::json::parse(e.out)["loss"].get<double>();
-  // The merged experts are the adapted ones rounded to bf16: closer to the adapted loss than the
-  // adapter moved it.
-  EXPECT_NEAR(merged, adapted, 1e-3 * adapted);
-  EXPECT_LT(std::abs(merged - adapted), std::abs(base - adapted));
+  expect_merged_like_adapted(adapter, base, adapted);
 }
 
 // An adapter on the LM head (named: all-linear leaves it out, as in PEFT), with dropout: trained,
@@ -214,16 +215,7 @@ TEST_F(CliLora, HeadAdapterTrainsEvalsAndMerges) {
     ASSERT_EQ(dump.code, 0) << dump.err;
     EXPECT_NEAR(nlohmann::json::parse(dump.out)["loss"].get<double>(), adapted, 1e-5 * adapted);
   }
-  const Result m = run("merge --model " + path("model").string() + " --adapter " +
-                       adapter.string() + " --out " + path("merged").string());
-  ASSERT_EQ(m.code, 0) << m.err;
-  const Result e =
-      run("eval --model " + path("merged").string() + " --data " +
-          (kSource / "examples/tiny/data/chat.jsonl").string() + " --max-packs 2 --json");
-  ASSERT_EQ(e.code, 0) << e.err;
-  const double merged = nlohmann::json::parse(e.out)["loss"].get<double>();
-  EXPECT_NEAR(merged, adapted, 1e-3 * adapted);
-  EXPECT_LT(std::abs(merged - adapted), std::abs(base - adapted));
+  expect_merged_like_adapted(adapter, base, adapted);
 }
 
 // An FP8 checkpoint (init --fp8: the release's FP8 weights in e4m3 with 128 × 128 block scales)
