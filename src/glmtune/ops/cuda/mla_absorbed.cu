@@ -606,6 +606,11 @@ void allow_smem(Kernel kernel, int bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// The same arguments as the sm90 kernels take them.
+sm90::AbsorbedForwardArgs sm90_args(const AbsorbedArgs& a) {
+  return {a.q, a.latent, a.keys, a.counts, a.width, a.heads, a.scale_log2};
+}
+
 // The per-pair shares go through a bounded workspace, a chunk of queries at a time; chunks are
 // reduced in order, so the result does not depend on the chunk size's effect on scheduling.
 int64_t workspace_queries(int64_t tokens, int64_t width, int64_t workspace_bytes) {
@@ -623,26 +628,17 @@ void reduce_chunk(const Tensor& part, const SparseKeySets& sets, int64_t tokens,
 // One kernel per chunk forms d q_abs and the chunk's shares (mla_absorbed_sm90.cuh), then the
 // reduction adds them, as the mma.sync path does.
 void absorbed_backward_wgmma(const AbsorbedBackwardArgs& k, const SparseKeySets& sets,
-                             int64_t width, cudaStream_t stream, int64_t workspace_bytes,
+                             cudaStream_t stream, int64_t workspace_bytes,
                              AbsorbedAttentionGrads& g) {
   namespace bwd = sm90::absorbed_bwd;
-  const int64_t tokens = g.q_abs.size(0);
-  const AbsorbedArgs& a = k.a;
-  sm90::AbsorbedBackwardArgs w{
-      sm90::AbsorbedForwardArgs{a.q, a.latent, a.keys, a.counts, a.width, a.heads, a.scale_log2},
-      k.dout,
-      k.lse2,
-      k.delta,
-      k.scale,
-      0};
-  allow_smem(sm90::absorbed_backward_wgmma_kernel, bwd::kSmemBytes);
+  const int64_t tokens = g.q_abs.size(0), width = k.a.width;
   bf16* dq = static_cast<bf16*>(g.q_abs.data_ptr());
-  if (width == 0) {  // no keys anywhere: the kernel only writes d q_abs = 0
-    sm90::absorbed_backward_wgmma_kernel<<<unsigned(tokens), bwd::kThreads, bwd::kSmemBytes,
-                                           stream>>>(w, dq, nullptr);
-    GLMTUNE_CUDA_CHECK_LAUNCH();
+  if (width == 0) {  // no keys anywhere: d q_abs = 0
+    GLMTUNE_CUDA_CHECK(cudaMemsetAsync(dq, 0, g.q_abs.nbytes(), stream));
     return;
   }
+  sm90::AbsorbedBackwardArgs w{sm90_args(k.a), k.dout, k.lse2, k.delta, k.scale, 0};
+  allow_smem(sm90::absorbed_backward_wgmma_kernel, bwd::kSmemBytes);
   const int64_t chunk = workspace_queries(tokens, width, workspace_bytes);
   Tensor part = Tensor::empty({chunk * width * kR}, DType::bf16, g.q_abs.device());
   for (int64_t q0 = 0; q0 < tokens; q0 += chunk) {
@@ -689,8 +685,7 @@ AbsorbedAttentionOutput absorbed_attention_forward(const Tensor& q_abs, const Te
     namespace fwd = sm90::absorbed_fwd;
     allow_smem(sm90::absorbed_forward_wgmma_kernel, fwd::kSmemBytes);
     sm90::absorbed_forward_wgmma_kernel<<<grid, fwd::kThreads, fwd::kSmemBytes, stream>>>(
-        sm90::AbsorbedForwardArgs{a.q, a.latent, a.keys, a.counts, a.width, a.heads, a.scale_log2},
-        static_cast<bf16*>(r.out.data_ptr()), r.lse2.data<float>());
+        sm90_args(a), static_cast<bf16*>(r.out.data_ptr()), r.lse2.data<float>());
   } else {
     allow_smem(absorbed_forward_kernel, kForwardSmem);
     absorbed_forward_kernel<<<grid, kThreads, kForwardSmem, stream>>>(
@@ -737,7 +732,7 @@ AbsorbedAttentionGrads absorbed_attention_backward(const Tensor& q_abs, const Te
                                static_cast<const bf16*>(dout.data_ptr()), lse2.data<float>(),
                                delta.data<float>(), float(scale)};
   if (use_wgmma) {
-    absorbed_backward_wgmma(k, sets, width, stream, workspace_bytes, g);
+    absorbed_backward_wgmma(k, sets, stream, workspace_bytes, g);
     return g;
   }
   const unsigned head_blocks = 1;
