@@ -111,11 +111,12 @@ TEST(Init, FollowsTheReferenceRules) {
   EXPECT_EQ(r.info(l1 + "hc_ffn_fn").dtype, DType::bf16);
 }
 
-// The released layout (model/layout.cpp: names and shapes) and the weights' field lists (the
-// zip_*_params visitors the model loads through) name the same tensors: every text tensor a
-// checkpoint holds is a weight of the model, loaded once, and nothing else is. Over the layouts
-// that change the list: biases, a tied head, no MTP layer, a shared indexer, DSA layers with dense
-// MLPs and KDA layers with MoE.
+// The released layout (model/layout.cpp: the zip_*_params visitors walked over the fields' shapes)
+// and the model the loader fills through the same visitors agree: every text tensor a checkpoint
+// holds is a weight of the model, loaded once, and nothing else is (the fused tensors split and
+// joined back, the outside-the-layers tensors named by hand). Over the layouts that change the
+// list: biases, a tied head, no MTP layer, a shared indexer, DSA layers with dense MLPs and KDA
+// layers with MoE.
 TEST(ParamStore, EveryReleasedTextTensorIsOneWeightOfTheModel) {
   const std::vector<std::vector<std::pair<std::string, std::string>>> variants = {
       {},

@@ -2,156 +2,204 @@
 
 #include <fmt/format.h>
 
+#include <memory>
+#include <string_view>
+
+#include "glmtune/model/text/weights.h"
+#include "glmtune/model/vision/tower.h"
+
 namespace glmtune::model {
 namespace {
 
+// The text layers' fields in their released shapes (the fused tensors, split when listed, in
+// their fused shapes).
+ops::Linear projection(int64_t out, int64_t in, bool bias = false) {
+  return ops::Linear(shape_only({out, in}), bias ? shape_only({out}) : Tensor());
+}
+
+ops::MlpParams mlp_shapes(int64_t width, int64_t hidden) {
+  ops::MlpParams m;
+  m.gate_proj = projection(width, hidden);
+  m.up_proj = projection(width, hidden);
+  m.down_proj = projection(hidden, width);
+  return m;
+}
+
+ops::KdaParams kda_shapes(const TextConfig& c) {
+  const int64_t D = c.hidden_size, QL = c.linear_width(), HL = c.linear_head_dim,
+                NL = c.linear_num_heads;
+  ops::KdaParams k;
+  k.q_proj = projection(QL, D);
+  k.k_proj = projection(QL, D);
+  k.v_proj = projection(QL, D);
+  k.conv1d = shape_only({3 * QL, 1, c.linear_conv_kernel_dim});  // q | k | v, split when released
+  k.f_a_proj = projection(HL, D);
+  k.f_b_proj = projection(QL, HL);
+  k.dt_bias = shape_only({QL});
+  k.A_log = shape_only({NL});
+  k.b_proj = projection(NL, D);
+  k.g_a_proj = projection(HL, D);
+  k.g_b_proj = projection(QL, HL);
+  k.o_norm = shape_only({HL});
+  k.o_proj = projection(D, QL);
+  return k;
+}
+
+ops::DsaParams dsa_shapes(const TextConfig& c, bool own_indexer) {
+  const int64_t D = c.hidden_size, NH = c.num_attention_heads, Rq = c.q_lora_rank,
+                Rkv = c.kv_lora_rank, Dr = c.qk_rope_head_dim;
+  const bool bias = c.attention_bias;
+  ops::DsaParams d;
+  d.mla.q_a_proj = projection(Rq, D, bias);
+  d.mla.q_a_layernorm = shape_only({Rq});
+  d.mla.q_b_proj = projection(NH * c.qk_head_dim(), Rq);
+  d.mla.kv_a_proj_with_mqa = projection(Rkv + Dr, D, bias);
+  d.mla.kv_a_layernorm = shape_only({Rkv});
+  d.mla.kv_b_proj = projection(NH * (c.qk_nope_head_dim + c.v_head_dim), Rkv);
+  d.mla.o_proj = projection(D, NH * c.v_head_dim, bias);
+  if (!own_indexer) return d;
+  const int64_t IH = c.index_n_heads, ID = c.index_head_dim;
+  d.indexer.wq_b = projection(IH * ID, Rq);
+  d.indexer.wk = projection(ID, D);
+  d.indexer.k_norm_weight = shape_only({ID});
+  d.indexer.k_norm_bias = shape_only({ID});
+  d.indexer.weights_proj = projection(IH, D);
+  d.indexer.kpool_ape = shape_only({c.index_kpool, ID});
+  d.indexer.kpool_gate = shape_only({ID, D});
+  return d;
+}
+
+ops::MoeParams moe_shapes(const TextConfig& c) {
+  const int64_t D = c.hidden_size, E = c.n_routed_experts, Im = c.moe_intermediate_size;
+  ops::MoeParams m;
+  m.router_weight = shape_only({E, D});
+  m.e_score_correction_bias = shape_only({E});
+  m.gate_up_proj = ops::Linear(shape_only({E, 2 * Im, D}));  // per expert when released
+  m.down_proj = ops::Linear(shape_only({E, D, Im}));
+  if (c.n_shared_experts > 0) m.shared = mlp_shapes(Im * c.n_shared_experts, D);
+  return m;
+}
+
+text::HcParams hc_shapes(const TextConfig& c) {
+  const int64_t H = c.hc_mult;
+  return {shape_only({(2 + H) * H, H * c.hidden_size}), shape_only({(2 + H) * H}), shape_only({3})};
+}
+
+text::LayerWeights layer_shapes(const TextConfig& c, int64_t l) {
+  text::LayerWeights w;
+  w.input_layernorm = shape_only({c.hidden_size});
+  w.post_attention_layernorm = shape_only({c.hidden_size});
+  w.attn_hc = hc_shapes(c);
+  w.ffn_hc = hc_shapes(c);
+  if (c.layer_types[l] == AttnKind::kda)
+    w.kda = kda_shapes(c);
+  else
+    w.dsa = dsa_shapes(c, c.indexer_types[l] == IndexerKind::full);
+  if (c.mlp_layer_types[l] == MlpKind::dense)
+    w.dense = mlp_shapes(c.intermediate_size, c.hidden_size);
+  else
+    w.moe = moe_shapes(c);
+  return w;
+}
+
+// One pre-norm DSA + MoE layer without hyper-connections, sharing embedding and head.
+text::MtpWeights mtp_shapes(const TextConfig& c) {
+  const int64_t D = c.hidden_size;
+  text::MtpWeights m;
+  m.eh_proj = projection(D, 2 * D);
+  for (Tensor* norm :
+       {&m.enorm, &m.hnorm, &m.input_layernorm, &m.post_attention_layernorm, &m.shared_head_norm})
+    *norm = shape_only({D});
+  m.dsa = dsa_shapes(c, /*own_indexer=*/true);
+  m.moe = moe_shapes(c);
+  return m;
+}
+
+// The reference's initialisation (its _init_weights), by the kind of module a released name is
+// of: norms ones, biases zeros, the rest normal; and the few parameters with rules of their own.
+InitRule init_rule(std::string_view name) {
+  const auto ends = [&](std::string_view s) { return name.ends_with(s); };
+  if (ends("embed_tokens.weight")) return InitRule::embedding;
+  if (ends("dt_bias")) return InitRule::dt_bias;
+  if (ends("A_log")) return InitRule::a_log;
+  if (ends(".bias") || ends("e_score_correction_bias") || ends("_base") ||
+      ends("index_kpool_compress_ape"))
+    return InitRule::zeros;
+  if (ends("_scale") || ends("index_kpool_compress_gate")) return InitRule::ones;
+  // RMSNorm / LayerNorm weights: the module's own name says norm (o_norm, q_a_layernorm, norm1,
+  // shared_head.norm, post_projection_norm, ...).
+  const std::string_view module = name.substr(0, name.rfind('.'));
+  if (ends(".weight") && module.substr(module.rfind('.') + 1).find("norm") != std::string::npos)
+    return InitRule::ones;
+  return InitRule::normal;
+}
+
 class LayoutBuilder {
  public:
-  explicit LayoutBuilder(const ModelConfig& config)
-      : c_(config.text()), std_(c_.initializer_range) {}
+  explicit LayoutBuilder(const TextConfig& text) : std_(text.initializer_range) {}
 
-  void add(std::string name, Shape shape, InitRule init, Component component, int64_t layer,
-           bool trainable = true, double std = -1) {
+  void add(std::string name, Shape shape, Component component, int64_t layer) {
+    const InitRule init = init_rule(name);
+    // The mHC mixing matrix's init std is fixed at 0.02 in the reference, whatever
+    // initializer_range says.
+    const bool hc_fn = name.find(".hc_") != std::string::npos && name.ends_with("_fn");
+    // The indexer runs without gradient and the router correction bias is a buffer moved by the
+    // load-balancing rule.
+    const bool trainable =
+        name.find(".indexer.") == std::string::npos && !name.ends_with("e_score_correction_bias");
     DType dtype = is_fp32_kept(name) ? DType::f32 : DType::bf16;
-    out.push_back({std::move(name), std::move(shape), dtype, init, std < 0 ? std_ : std, component,
+    out.push_back({std::move(name), std::move(shape), dtype, init, hc_fn ? 0.02 : std_, component,
                    layer, trainable});
   }
 
-  void hyper_connections(const std::string& p, int64_t l) {
-    const int64_t H = c_.hc_mult, D = c_.hidden_size;
-    for (const char* site : {"attn", "ffn"}) {
-      // The fn init std is fixed at 0.02 in the reference, whatever initializer_range says.
-      add(fmt::format("{}hc_{}_fn", p, site), {(2 + H) * H, H * D}, InitRule::normal,
-          Component::layer, l, true, 0.02);
-      add(fmt::format("{}hc_{}_base", p, site), {(2 + H) * H}, InitRule::zeros, Component::layer,
-          l);
-      add(fmt::format("{}hc_{}_scale", p, site), {3}, InitRule::ones, Component::layer, l);
-    }
-  }
-
-  void kda(const std::string& p, int64_t l) {
-    const int64_t D = c_.hidden_size, QL = c_.linear_width(), HL = c_.linear_head_dim,
-                  NL = c_.linear_num_heads, K = c_.linear_conv_kernel_dim;
-    const std::string a = p + "self_attn.";
-    for (const char* proj : {"q_proj", "k_proj", "v_proj"})
-      add(a + proj + ".weight", {QL, D}, InitRule::normal, Component::layer, l);
-    for (const char* conv : {"q_conv1d", "k_conv1d", "v_conv1d"})
-      add(a + conv + ".weight", {QL, 1, K}, InitRule::normal, Component::layer, l);
-    add(a + "f_a_proj.weight", {HL, D}, InitRule::normal, Component::layer, l);
-    add(a + "f_b_proj.weight", {QL, HL}, InitRule::normal, Component::layer, l);
-    add(a + "dt_bias", {QL}, InitRule::dt_bias, Component::layer, l);
-    add(a + "A_log", {NL}, InitRule::a_log, Component::layer, l);
-    add(a + "b_proj.weight", {NL, D}, InitRule::normal, Component::layer, l);
-    add(a + "g_a_proj.weight", {HL, D}, InitRule::normal, Component::layer, l);
-    add(a + "g_b_proj.weight", {QL, HL}, InitRule::normal, Component::layer, l);
-    add(a + "o_norm.weight", {HL}, InitRule::ones, Component::layer, l);
-    add(a + "o_proj.weight", {D, QL}, InitRule::normal, Component::layer, l);
-  }
-
-  void dsa(const std::string& p, int64_t l, Component comp, bool own_indexer) {
-    const int64_t D = c_.hidden_size, NH = c_.num_attention_heads, Rq = c_.q_lora_rank,
-                  Rkv = c_.kv_lora_rank, Dqk = c_.qk_head_dim(), Dn = c_.qk_nope_head_dim,
-                  Dv = c_.v_head_dim, Dr = c_.qk_rope_head_dim;
-    const std::string a = p + "self_attn.";
-    add(a + "q_a_proj.weight", {Rq, D}, InitRule::normal, comp, l);
-    if (c_.attention_bias) add(a + "q_a_proj.bias", {Rq}, InitRule::zeros, comp, l);
-    add(a + "q_a_layernorm.weight", {Rq}, InitRule::ones, comp, l);
-    add(a + "q_b_proj.weight", {NH * Dqk, Rq}, InitRule::normal, comp, l);
-    add(a + "kv_a_proj_with_mqa.weight", {Rkv + Dr, D}, InitRule::normal, comp, l);
-    if (c_.attention_bias) add(a + "kv_a_proj_with_mqa.bias", {Rkv + Dr}, InitRule::zeros, comp, l);
-    add(a + "kv_a_layernorm.weight", {Rkv}, InitRule::ones, comp, l);
-    add(a + "kv_b_proj.weight", {NH * (Dn + Dv), Rkv}, InitRule::normal, comp, l);
-    add(a + "o_proj.weight", {D, NH * Dv}, InitRule::normal, comp, l);
-    if (c_.attention_bias) add(a + "o_proj.bias", {D}, InitRule::zeros, comp, l);
-    if (!own_indexer) return;
-    const int64_t IH = c_.index_n_heads, ID = c_.index_head_dim, P = c_.index_kpool;
-    const std::string x = a + "indexer.";
-    add(x + "wq_b.weight", {IH * ID, Rq}, InitRule::normal, comp, l, false);
-    add(x + "wk.weight", {ID, D}, InitRule::normal, comp, l, false);
-    add(x + "k_norm.weight", {ID}, InitRule::ones, comp, l, false);
-    add(x + "k_norm.bias", {ID}, InitRule::zeros, comp, l, false);
-    add(x + "weights_proj.weight", {IH, D}, InitRule::normal, comp, l, false);
-    add(x + "index_kpool_compress_ape", {P, ID}, InitRule::zeros, comp, l, false);
-    add(x + "index_kpool_compress_gate", {ID, D}, InitRule::ones, comp, l, false);
-  }
-
-  void dense_mlp(const std::string& p, int64_t l) {
-    const int64_t D = c_.hidden_size, I = c_.intermediate_size;
-    add(p + "mlp.gate_proj.weight", {I, D}, InitRule::normal, Component::layer, l);
-    add(p + "mlp.up_proj.weight", {I, D}, InitRule::normal, Component::layer, l);
-    add(p + "mlp.down_proj.weight", {D, I}, InitRule::normal, Component::layer, l);
-  }
-
-  void moe(const std::string& p, int64_t l, Component comp) {
-    const int64_t D = c_.hidden_size, E = c_.n_routed_experts, Im = c_.moe_intermediate_size,
-                  Is = c_.moe_intermediate_size * c_.n_shared_experts;
-    add(p + "mlp.gate.weight", {E, D}, InitRule::normal, comp, l);
-    add(p + "mlp.gate.e_score_correction_bias", {E}, InitRule::zeros, comp, l, false);
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string x = fmt::format("{}mlp.experts.{}.", p, e);
-      add(x + "gate_proj.weight", {Im, D}, InitRule::normal, comp, l);
-      add(x + "up_proj.weight", {Im, D}, InitRule::normal, comp, l);
-      add(x + "down_proj.weight", {D, Im}, InitRule::normal, comp, l);
-    }
-    if (c_.n_shared_experts > 0) {
-      add(p + "mlp.shared_experts.gate_proj.weight", {Is, D}, InitRule::normal, comp, l);
-      add(p + "mlp.shared_experts.up_proj.weight", {Is, D}, InitRule::normal, comp, l);
-      add(p + "mlp.shared_experts.down_proj.weight", {D, Is}, InitRule::normal, comp, l);
-    }
-  }
-
-  void norms(const std::string& p, int64_t l, Component comp) {
-    add(p + "input_layernorm.weight", {c_.hidden_size}, InitRule::ones, comp, l);
-    add(p + "post_attention_layernorm.weight", {c_.hidden_size}, InitRule::ones, comp, l);
+  // Every defined field of a decoder (or the MTP) layer, the fused tensors split back into the
+  // released ones: the KDA's q | k | v convolution, and each routed expert's three projections
+  // (listed together, expert by expert).
+  template <typename Weights, typename Zip>
+  void layer(const std::string& prefix, Weights& w, int64_t l, Component component, Zip zip) {
+    zip(w, w, [&](const std::string& name, text::ParamGroup, const Tensor& field, const Tensor&) {
+      if (!field.defined()) return;
+      const Shape& s = field.shape();
+      if (name == "self_attn.conv1d.weight") {
+        for (const char* conv : {"q_conv1d", "k_conv1d", "v_conv1d"})
+          add(fmt::format("{}self_attn.{}.weight", prefix, conv), {s[0] / 3, s[1], s[2]}, component,
+              l);
+      } else if (name == "mlp.experts.gate_up_proj") {
+        const Shape& down = w.moe.down_proj.weight.shape();
+        for (int64_t e = 0; e < s[0]; ++e) {
+          const std::string x = fmt::format("{}mlp.experts.{}.", prefix, e);
+          add(x + "gate_proj.weight", {s[1] / 2, s[2]}, component, l);
+          add(x + "up_proj.weight", {s[1] / 2, s[2]}, component, l);
+          add(x + "down_proj.weight", {down[1], down[2]}, component, l);
+        }
+      } else if (name != "mlp.experts.down_proj") {
+        add(prefix + name, s, component, l);
+      }
+    });
   }
 
   std::vector<ParamSpec> out;
 
  private:
-  const TextConfig& c_;
   double std_;
 };
 
 void add_vision(std::vector<ParamSpec>& out, const VisionConfig& v) {
-  const double s = v.initializer_range;
-  auto add = [&](std::string name, Shape shape, InitRule init) {
-    out.push_back({"model.visual." + std::move(name), std::move(shape), DType::bf16, init, s,
-                   Component::vision, -1, true});
-  };
-  const int64_t W = v.hidden_size, I = v.intermediate_size, O = v.out_hidden_size,
-                P = v.projection_intermediate_size, hd = v.head_dim(), m = v.spatial_merge_size;
-  add("patch_embed.proj.weight",
-      {W, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size}, InitRule::normal);
-  add("patch_embed.proj.bias", {W}, InitRule::zeros);
-  for (int64_t b = 0; b < v.depth; ++b) {
-    const std::string x = fmt::format("blocks.{}.", b);
-    add(x + "norm1.weight", {W}, InitRule::ones);
-    add(x + "norm2.weight", {W}, InitRule::ones);
-    add(x + "attn.qkv.weight", {3 * W, W}, InitRule::normal);
-    if (v.attention_bias) add(x + "attn.qkv.bias", {3 * W}, InitRule::zeros);
-    add(x + "attn.q_norm.weight", {hd}, InitRule::ones);
-    add(x + "attn.k_norm.weight", {hd}, InitRule::ones);
-    add(x + "attn.proj.weight", {W, W}, InitRule::normal);
-    if (v.attention_bias) add(x + "attn.proj.bias", {W}, InitRule::zeros);
-    for (const char* proj : {"gate_proj", "up_proj"}) {
-      add(x + "mlp." + proj + ".weight", {I, W}, InitRule::normal);
-      if (v.attention_bias) add(x + "mlp." + proj + ".bias", {I}, InitRule::zeros);
-    }
-    add(x + "mlp.down_proj.weight", {W, I}, InitRule::normal);
-    if (v.attention_bias) add(x + "mlp.down_proj.bias", {W}, InitRule::zeros);
-  }
-  add("post_layernorm.weight", {W}, InitRule::ones);
-  add("downsample.weight", {O, W, m, m}, InitRule::normal);
-  add("downsample.bias", {O}, InitRule::zeros);
-  add("merger.proj.weight", {O, O}, InitRule::normal);
-  add("merger.post_projection_norm.weight", {O}, InitRule::ones);
-  add("merger.post_projection_norm.bias", {O}, InitRule::zeros);
-  add("merger.gate_proj.weight", {P, O}, InitRule::normal);
-  add("merger.up_proj.weight", {P, O}, InitRule::normal);
-  add("merger.down_proj.weight", {O, P}, InitRule::normal);
+  vision::VisionParams shapes = vision::VisionParams::shapes(v);
+  vision::zip_vision_params(
+      shapes, shapes, [&](const std::string& name, const Tensor& field, const Tensor&) {
+        if (field.defined())
+          out.push_back({"model.visual." + name, field.shape(), DType::bf16, init_rule(name),
+                         v.initializer_range, Component::vision, -1, true});
+      });
 }
 
 }  // namespace
+
+Tensor shape_only(const Shape& shape) {
+  static const auto no_memory = std::make_shared<int>(0);
+  return Tensor::from_external(nullptr, shape, DType::bf16, Device::cpu(), no_memory);
+}
 
 bool is_fp32_kept(const std::string& name) {
   auto ends_with = [&](std::string_view suffix) { return name.ends_with(suffix); };
@@ -163,40 +211,23 @@ bool is_fp32_kept(const std::string& name) {
 
 std::vector<ParamSpec> released_layout(const ModelConfig& config) {
   const TextConfig& c = config.text();
-  LayoutBuilder b(config);
+  LayoutBuilder b(c);
   const std::string root = "model.language_model.";
-  b.add(root + "embed_tokens.weight", {c.vocab_size, c.hidden_size}, InitRule::embedding,
-        Component::embeddings_and_head, -1);
+  const auto zip_layer = [](auto& a, auto& w, auto&& f) { text::zip_layer_params(a, w, f); };
+  b.add(root + "embed_tokens.weight", {c.vocab_size, c.hidden_size}, Component::embeddings_and_head,
+        -1);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = fmt::format("{}layers.{}.", root, l);
-    b.norms(p, l, Component::layer);
-    b.hyper_connections(p, l);
-    if (c.layer_types[l] == AttnKind::kda)
-      b.kda(p, l);
-    else
-      b.dsa(p, l, Component::layer, c.indexer_types[l] == IndexerKind::full);
-    if (c.mlp_layer_types[l] == MlpKind::dense)
-      b.dense_mlp(p, l);
-    else
-      b.moe(p, l, Component::layer);
+    text::LayerWeights w = layer_shapes(c, l);
+    b.layer(text::layer_prefix(l), w, l, Component::layer, zip_layer);
   }
-  b.add(root + "norm.weight", {c.hidden_size}, InitRule::ones, Component::final_norm, -1);
+  b.add(root + "norm.weight", {c.hidden_size}, Component::final_norm, -1);
   if (c.has_mtp()) {
-    // One pre-norm DSA + MoE layer without hyper-connections, sharing embedding and head.
-    const int64_t l = c.num_hidden_layers;
-    const std::string p = fmt::format("{}layers.{}.", root, l);
-    b.add(p + "eh_proj.weight", {c.hidden_size, 2 * c.hidden_size}, InitRule::normal,
-          Component::mtp, l);
-    b.add(p + "enorm.weight", {c.hidden_size}, InitRule::ones, Component::mtp, l);
-    b.add(p + "hnorm.weight", {c.hidden_size}, InitRule::ones, Component::mtp, l);
-    b.norms(p, l, Component::mtp);
-    b.dsa(p, l, Component::mtp, true);
-    b.moe(p, l, Component::mtp);
-    b.add(p + "shared_head.norm.weight", {c.hidden_size}, InitRule::ones, Component::mtp, l);
+    text::MtpWeights m = mtp_shapes(c);
+    b.layer(text::layer_prefix(c.num_hidden_layers), m, c.num_hidden_layers, Component::mtp,
+            [](auto& a, auto& w, auto&& f) { text::zip_mtp_params(a, w, f); });
   }
   if (!c.tie_word_embeddings)
-    b.add("lm_head.weight", {c.vocab_size, c.hidden_size}, InitRule::normal,
-          Component::embeddings_and_head, -1);
+    b.add("lm_head.weight", {c.vocab_size, c.hidden_size}, Component::embeddings_and_head, -1);
   if (config.vision()) add_vision(b.out, *config.vision());
   return std::move(b.out);
 }

@@ -44,7 +44,15 @@ struct ParamSpec {
 // the router correction bias, mHC base and scale.
 bool is_fp32_kept(const std::string& name);
 
+// Every tensor of the released layout, in the release's order. The names and the order are the
+// parameter structs' own lists (the zip_*_params visitors of model/text/weights.h and
+// model/vision/tower.h), walked over structs of shape_only tensors.
 std::vector<ParamSpec> released_layout(const ModelConfig& config);
+
+// A tensor that carries a shape and no memory: a parameter struct filled with these states the
+// shapes of its fields (VisionParams::shapes, and the text layers' in layout.cpp). Nothing may
+// read or write its elements.
+Tensor shape_only(const Shape& shape);
 
 struct ParamCounts {
   int64_t total = 0;

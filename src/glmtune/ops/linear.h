@@ -57,8 +57,9 @@ struct Linear {
 // f(name, a_field, b_field) for every tensor field of two structs of its shape (the parameters and
 // their gradients, or two copies) in one fixed order, `name` being the released name relative to
 // the module ("q_proj.weight"). Undefined fields (absent biases, an unused shared expert) are
-// visited too. The model's loader, gradient buffers, fsdp's flat layout, sequence parallel's head
-// slicing and the tests all read these lists rather than naming fields themselves.
+// visited too. The released layout (model/layout.cpp), the model's loader, gradient buffers,
+// fsdp's flat layout, sequence parallel's head slicing and the tests all read these lists rather
+// than naming fields themselves.
 //
 // A visitor that also accepts f(name, a_linear, b_linear, WholeProjection{}) is handed each
 // projection whole, before its tensors (the loader sets an adapter's scale there).

@@ -107,8 +107,8 @@ void zip_dsa_params(A& a, B& b, F&& f) {
 // each field of two structs with LayerWeights' fields (LayerWeights, or the gradients' LayerGrads)
 // in a fixed order, `name` being the internal name under the layer's prefix. Fields a layer does
 // not use (the other mixer or MLP kind, a shared indexer, absent biases or shared expert) are
-// visited too, undefined. The loader, the gradient buffers, fsdp's flat layout and sequence
-// parallel's head slicing all read this list.
+// visited too, undefined. The released layout (model/layout.cpp), the loader, the gradient
+// buffers, fsdp's flat layout and sequence parallel's head slicing all read this list.
 
 template <typename A, typename B, typename F>
 void zip_layer_params(A& a, B& b, F&& f) {
@@ -136,9 +136,9 @@ void zip_mtp_params(A& a, B& b, F&& f) {
   f("hnorm.weight", g, a.hnorm, b.hnorm);
   f("input_layernorm.weight", g, a.input_layernorm, b.input_layernorm);
   f("post_attention_layernorm.weight", g, a.post_attention_layernorm, b.post_attention_layernorm);
-  f("shared_head.norm.weight", g, a.shared_head_norm, b.shared_head_norm);
   zip_dsa_params(a.dsa, b.dsa, f);
   ops::zip_moe_params(a.moe, b.moe, in_group("mlp.", ParamGroup::moe, f));
+  f("shared_head.norm.weight", g, a.shared_head_norm, b.shared_head_norm);
 }
 
 // One struct's fields: f(name, field).

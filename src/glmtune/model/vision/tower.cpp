@@ -318,9 +318,7 @@ VisionParams VisionParams::load(const VisionConfig& c,
         fmt::format("the vision tower computes in f32 or f64 on the CPU and in "
                     "bf16 on a GPU, not in {} on {}",
                     dtype_name(dtype), device.str()));
-  const int64_t d = c.hidden_size, i = c.intermediate_size, o = c.out_hidden_size,
-                p = c.projection_intermediate_size, hd = c.head_dim();
-  const int64_t m = c.spatial_merge_size;
+  const int64_t d = c.hidden_size, o = c.out_hidden_size, hd = c.head_dim();
   if (d % c.num_heads != 0 || hd % 4 != 0)
     throw Error(fmt::format("vision hidden_size {} must split into num_heads {} heads of a width "
                             "divisible by 4 (2-D rotary embedding)",
@@ -328,43 +326,15 @@ VisionParams VisionParams::load(const VisionConfig& c,
                 "vision_config");
   VisionParams v;
   v.dtype = dtype;
-  const int64_t row = c.in_channels * c.temporal_patch_size * c.patch_size * c.patch_size;
-  v.patch_embed.weight =
-      fetch(get, "patch_embed.proj.weight",
-            {d, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size}, dtype)
-          .view({d, row});
-  v.patch_embed.bias = fetch(get, "patch_embed.proj.bias", {d}, dtype);
-  for (int64_t l = 0; l < c.depth; ++l) {
-    const std::string b = fmt::format("blocks.{}.", l);
-    VisionBlockParams bp;
-    bp.norm1 = fetch(get, b + "norm1.weight", {d}, dtype);
-    bp.norm2 = fetch(get, b + "norm2.weight", {d}, dtype);
-    bp.qkv.weight = fetch(get, b + "attn.qkv.weight", {3 * d, d}, dtype);
-    bp.q_norm = fetch(get, b + "attn.q_norm.weight", {hd}, dtype);
-    bp.k_norm = fetch(get, b + "attn.k_norm.weight", {hd}, dtype);
-    bp.proj.weight = fetch(get, b + "attn.proj.weight", {d, d}, dtype);
-    bp.gate.weight = fetch(get, b + "mlp.gate_proj.weight", {i, d}, dtype);
-    bp.up.weight = fetch(get, b + "mlp.up_proj.weight", {i, d}, dtype);
-    bp.down.weight = fetch(get, b + "mlp.down_proj.weight", {d, i}, dtype);
-    if (c.attention_bias) {
-      bp.qkv.bias = fetch(get, b + "attn.qkv.bias", {3 * d}, dtype);
-      bp.proj.bias = fetch(get, b + "attn.proj.bias", {d}, dtype);
-      bp.gate.bias = fetch(get, b + "mlp.gate_proj.bias", {i}, dtype);
-      bp.up.bias = fetch(get, b + "mlp.up_proj.bias", {i}, dtype);
-      bp.down.bias = fetch(get, b + "mlp.down_proj.bias", {d}, dtype);
-    }
-    v.blocks.push_back(std::move(bp));
-  }
-  v.post_layernorm = fetch(get, "post_layernorm.weight", {d}, dtype);
-  // [O, D, kh, kw] as [O, 4D]: column c·4 + kh·2 + kw, the merged rows' order.
-  v.downsample.weight = fetch(get, "downsample.weight", {o, d, m, m}, dtype).view({o, d * m * m});
-  v.downsample.bias = fetch(get, "downsample.bias", {o}, dtype);
-  v.merger_proj.weight = fetch(get, "merger.proj.weight", {o, o}, dtype);
-  v.merger_norm_w = fetch(get, "merger.post_projection_norm.weight", {o}, dtype);
-  v.merger_norm_b = fetch(get, "merger.post_projection_norm.bias", {o}, dtype);
-  v.merger.gate_proj.weight = fetch(get, "merger.gate_proj.weight", {p, o}, dtype);
-  v.merger.up_proj.weight = fetch(get, "merger.up_proj.weight", {p, o}, dtype);
-  v.merger.down_proj.weight = fetch(get, "merger.down_proj.weight", {o, p}, dtype);
+  const VisionParams released = shapes(c);
+  v.blocks.resize(released.blocks.size());
+  zip_vision_params(released, v, [&](const std::string& name, const Tensor& shape, Tensor& field) {
+    if (shape.defined()) field = fetch(get, name, shape.shape(), dtype);
+  });
+  // The convolutions as GEMMs: the patch embedding [D, C, T, p, p] as [D, C·T·p·p], the downsample
+  // [O, D, kh, kw] as [O, 4D] (column c·4 + kh·2 + kw, the merged rows' order).
+  v.patch_embed.weight = v.patch_embed.weight.view({d, -1});
+  v.downsample.weight = v.downsample.weight.view({o, -1});
   if (device.is_cuda()) {
     v.device = device;
     zip_vision_params(v, v, [&](const std::string&, Tensor& t, Tensor&) {
@@ -372,6 +342,42 @@ VisionParams VisionParams::load(const VisionConfig& c,
     });
   }
   return v;
+}
+
+VisionParams VisionParams::shapes(const VisionConfig& c) {
+  const int64_t W = c.hidden_size, I = c.intermediate_size, O = c.out_hidden_size,
+                m = c.spatial_merge_size;
+  const auto projection = [&](int64_t out, int64_t in) {
+    return ops::Linear(model::shape_only({out, in}),
+                       c.attention_bias ? model::shape_only({out}) : Tensor());
+  };
+  VisionParams p;
+  p.patch_embed = ops::Linear(
+      model::shape_only({W, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size}),
+      model::shape_only({W}));
+  p.blocks.resize(size_t(c.depth));
+  for (VisionBlockParams& b : p.blocks) {
+    b.norm1 = model::shape_only({W});
+    b.norm2 = model::shape_only({W});
+    b.qkv = projection(3 * W, W);
+    b.q_norm = model::shape_only({c.head_dim()});
+    b.k_norm = model::shape_only({c.head_dim()});
+    b.proj = projection(W, W);
+    b.gate = projection(I, W);
+    b.up = projection(I, W);
+    b.down = projection(W, I);
+  }
+  p.post_layernorm = model::shape_only({W});
+  p.downsample = ops::Linear(model::shape_only({O, W, m, m}), model::shape_only({O}));
+  // The merger's projections have no bias, whatever attention_bias says.
+  p.merger_proj = ops::Linear(model::shape_only({O, O}));
+  p.merger_norm_w = model::shape_only({O});
+  p.merger_norm_b = model::shape_only({O});
+  const int64_t P = c.projection_intermediate_size;
+  p.merger.gate_proj = ops::Linear(model::shape_only({P, O}));
+  p.merger.up_proj = ops::Linear(model::shape_only({P, O}));
+  p.merger.down_proj = ops::Linear(model::shape_only({O, P}));
+  return p;
 }
 
 VisionParams VisionParams::from_store(const ParamStore& store, DType dtype, Device device) {

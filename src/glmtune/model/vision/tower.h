@@ -92,6 +92,10 @@ struct VisionParams {
   static VisionParams load(const VisionConfig& config,
                            const std::function<Tensor(const std::string&)>& get,
                            DType dtype = DType::f32, Device device = Device::cpu());
+  // The released shapes of every field under `config` (model::shape_only tensors; the patch
+  // embedding and downsample weights in their convolution shapes): what the released layout lists
+  // and what load checks.
+  static VisionParams shapes(const VisionConfig& config);
   // From a loaded checkpoint (the bf16 released weights are widened exactly).
   static VisionParams from_store(const ParamStore& store, DType dtype = DType::f32,
                                  Device device = Device::cpu());
