@@ -14,6 +14,7 @@
 
 #include "glmtune/base/error.h"
 #include "glmtune/ops/cuda/cublas_check.h"
+#include "glmtune/ops/cuda/cublaslt.h"
 #include "glmtune/ops/cuda/fp8.h"
 #include "glmtune/ops/cuda/fp8_kernels.h"
 #include "glmtune/tensor/allocator.h"
@@ -171,8 +172,6 @@ Tensor place(const Tensor& logical, const Shape& buffer, const Shape& strides, D
 
 // ---- cuBLASLt --------------------------------------------------------------------------------
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-
 struct AlgoKey {
   int device = 0;
   int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldd = 0;
@@ -183,11 +182,9 @@ struct AlgoKey {
   auto operator<=>(const AlgoKey&) const = default;
 };
 
-// Process-wide, never destroyed (as gemm_cuda.cpp's state, for the same reason).
+// The algorithms chosen so far, process-wide and never destroyed (as lt::handle's handles).
 struct LtState {
   std::mutex mu;
-  std::map<int, cublasLtHandle_t> handles;
-  std::map<std::pair<int, cudaStream_t>, void*> workspaces;
   std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
 };
 
@@ -195,26 +192,6 @@ LtState& lt_state() {
   static LtState* state = new LtState();
   return *state;
 }
-
-uint32_t alignment_of(const void* p, int64_t ld, size_t element) {
-  uintptr_t v = reinterpret_cast<uintptr_t>(p) | uintptr_t(ld) * element;
-  uint32_t a = 256;
-  while (a > 1 && (v & (a - 1)) != 0) a >>= 1;
-  return a;
-}
-
-struct LtDescriptors {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtDescriptors() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
 
 const char* mode_name(int32_t mode) {
   return mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F       ? "VEC128_32F"
@@ -241,7 +218,7 @@ void lt_fp8_tn(int device, int64_t m, int64_t n, int64_t k, const LtOperand& a, 
         fmt::format("{}: cuBLASLt {} has no block-scaled FP8 GEMM", op, cublasLtGetVersion()), op,
         "run with the CUDA 12.9 (or later) cuBLAS libraries on LD_LIBRARY_PATH");
   const cudaDataType_t dt = d_dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
-  LtDescriptors desc;
+  lt::Descriptors desc;
   GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
   GLMTUNE_CUBLAS_CHECK(
@@ -266,47 +243,22 @@ void lt_fp8_tn(int device, int64_t m, int64_t n, int64_t k, const LtOperand& a, 
   key.mode_a = a.mode, key.mode_b = b.mode;
   key.d_dtype = d_dtype;
   key.accumulate = accumulate;
-  key.align_a = alignment_of(a.data, a.ld, 1);
-  key.align_b = alignment_of(b.data, b.ld, 1);
-  key.align_d = alignment_of(d, ldd, dtype_size(d_dtype));
+  key.align_a = lt::alignment_of(a.data, a.ld, 1);
+  key.align_b = lt::alignment_of(b.data, b.ld, 1);
+  key.align_d = lt::alignment_of(d, ldd, dtype_size(d_dtype));
 
   detail::DeviceGuard guard(device);
   LtState& s = lt_state();
-  cublasLtHandle_t handle;
-  void* workspace;
+  const cublasLtHandle_t handle = lt::handle(device);
+  void* const workspace = lt::workspace(device, stream);
   cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard lock(s.mu);
-    auto h = s.handles.find(device);
-    if (h == s.handles.end()) {
-      cublasLtHandle_t created = nullptr;
-      GLMTUNE_CUBLAS_CHECK(cublasLtCreate(&created));
-      h = s.handles.emplace(device, created).first;
-    }
-    handle = h->second;
-    auto w = s.workspaces.find({device, stream});
-    if (w == s.workspaces.end())
-      w = s.workspaces
-              .emplace(std::make_pair(device, stream),
-                       cuda_allocator(device).allocate(kWorkspaceBytes))
-              .first;
-    workspace = w->second;
     auto it = s.algos.find(key);
     if (it != s.algos.end()) {
       algo = it->second;
     } else {
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
-      const uint64_t ws_bytes = kWorkspaceBytes;
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a, sizeof(uint32_t)));
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof(uint32_t)));
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_d, sizeof(uint32_t)));
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_d, sizeof(uint32_t)));
+      desc.pref = lt::preference(key.align_a, key.align_b, key.align_d, key.align_d);
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
       const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
@@ -337,7 +289,7 @@ void lt_fp8_tn(int device, int64_t m, int64_t n, int64_t k, const LtOperand& a, 
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   GLMTUNE_CUBLAS_CHECK(cublasLtMatmul(handle, desc.op, &alpha, a.data, desc.a, b.data, desc.b,
                                       &beta, d, desc.d, d, desc.d, &algo, workspace,
-                                      kWorkspaceBytes, stream));
+                                      lt::kWorkspaceBytes, stream));
 }
 
 void check_gemm_operand(const Fp8Blocks& q, int64_t br, int64_t bc, const char* op,

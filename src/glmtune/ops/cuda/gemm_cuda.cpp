@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "glmtune/ops/cuda/cublas_check.h"
+#include "glmtune/ops/cuda/cublaslt.h"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/tensor/allocator.h"
 #include "glmtune/tensor/cuda_check.h"
@@ -28,9 +29,6 @@ void throw_cublas_error(cublasStatus_t status, const char* expr, const char* fil
 namespace cuda {
 namespace {
 
-// NVIDIA's recommendation for Hopper; larger workspaces only help split-K shapes we do not have.
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-
 struct AlgoKey {
   int device = 0;
   bool trans_a = false, trans_b = false;
@@ -41,12 +39,9 @@ struct AlgoKey {
   auto operator<=>(const AlgoKey&) const = default;
 };
 
-// Process-wide cuBLASLt state. Never destroyed: handles and workspaces must outlive every static
-// object that might still run a GEMM during shutdown, and the driver reclaims them at exit.
+// The algorithms chosen so far, process-wide and never destroyed (as lt::handle's handles).
 struct LtState {
   std::mutex mu;
-  std::map<int, cublasLtHandle_t> handles;
-  std::map<std::pair<int, cudaStream_t>, void*> workspaces;
   std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
   int64_t queries = 0;
 };
@@ -57,33 +52,6 @@ LtState& lt_state() {
 }
 
 // Called with the state's mutex held and the device current.
-cublasLtHandle_t handle_locked(LtState& s, int device) {
-  auto it = s.handles.find(device);
-  if (it != s.handles.end()) return it->second;
-  cublasLtHandle_t h = nullptr;
-  GLMTUNE_CUBLAS_CHECK(cublasLtCreate(&h));
-  s.handles.emplace(device, h);
-  return h;
-}
-
-void* workspace_locked(LtState& s, int device, cudaStream_t stream) {
-  auto key = std::make_pair(device, stream);
-  auto it = s.workspaces.find(key);
-  if (it != s.workspaces.end()) return it->second;
-  void* ws = cuda_allocator(device).allocate(kWorkspaceBytes);
-  s.workspaces.emplace(key, ws);
-  return ws;
-}
-
-// Largest power of two (at most 256, cuBLASLt's default assumption) dividing the start of every
-// row: the base address and the row pitch in bytes.
-uint32_t alignment_of(const void* p, int64_t ld, size_t element) {
-  uintptr_t v = reinterpret_cast<uintptr_t>(p) | uintptr_t(ld) * element;
-  uint32_t a = 256;
-  while (a > 1 && (v & (a - 1)) != 0) a >>= 1;
-  return a;
-}
-
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
     case DType::f32:
@@ -96,20 +64,6 @@ cudaDataType_t cuda_type(DType t) {
   throw_internal(__FILE__, __LINE__,
                  fmt::format("GEMM operand dtype {} is not f32 or bf16", dtype_name(t)));
 }
-
-// RAII for the cuBLASLt descriptors of one call.
-struct LtDescriptors {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtDescriptors() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
 
 std::string describe(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
 
@@ -164,29 +118,29 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
   // its problem is (n, m, k).
   // CUBLAS_COMPUTE_32F keeps f32 operands in full fp32 (SIMT FFMA): cuBLASLt rounds them to TF32
   // only under CUBLAS_COMPUTE_32F_FAST_TF32, which the fp32 mode must never take.
-  LtDescriptors d;
-  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  lt::Descriptors desc;
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_first = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_second = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first,
-                                                      sizeof(op_first)));
-  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second,
-                                                      sizeof(op_second)));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                      &op_first, sizeof(op_first)));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB,
+                                                      &op_second, sizeof(op_second)));
   if (g.bias) {
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     const int32_t bias_type = int32_t(ct);
-    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE,
+    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                                         &epilogue, sizeof(epilogue)));
-    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                         &g.bias, sizeof(g.bias)));
-    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                                                        &bias_type, sizeof(bias_type)));
+    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        desc.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
   }
-  GLMTUNE_CUBLAS_CHECK(
-      cublasLtMatrixLayoutCreate(&d.a, abt, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb));
-  GLMTUNE_CUBLAS_CHECK(
-      cublasLtMatrixLayoutCreate(&d.b, abt, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m, g.lda));
-  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, ct, g.n, g.m, g.ldc));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.a, abt, g.trans_b ? g.k : g.n,
+                                                  g.trans_b ? g.n : g.k, g.ldb));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, abt, g.trans_a ? g.m : g.k,
+                                                  g.trans_a ? g.k : g.m, g.lda));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, ct, g.n, g.m, g.ldc));
 
   AlgoKey key;
   key.device = g.device;
@@ -201,39 +155,26 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
   key.c_dtype = g.c_dtype;
   key.ab_dtype = g.ab_dtype;
   key.bias = g.bias != nullptr;
-  key.align_a = alignment_of(g.b, g.ldb, ab_size);  // cuBLASLt's A is our B (see above)
-  key.align_b = alignment_of(g.a, g.lda, ab_size);
-  key.align_c = alignment_of(g.c, g.ldc, c_size);
+  key.align_a = lt::alignment_of(g.b, g.ldb, ab_size);  // cuBLASLt's A is our B (see above)
+  key.align_b = lt::alignment_of(g.a, g.lda, ab_size);
+  key.align_c = lt::alignment_of(g.c, g.ldc, c_size);
 
   detail::DeviceGuard guard(g.device);
   LtState& s = lt_state();
-  cublasLtHandle_t handle;
-  void* workspace;
+  const cublasLtHandle_t handle = lt::handle(g.device);
+  void* const workspace = lt::workspace(g.device, stream);
   cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard lock(s.mu);
-    handle = handle_locked(s, g.device);
-    workspace = workspace_locked(s, g.device, stream);
     auto it = s.algos.find(key);
     if (it != s.algos.end()) {
       algo = it->second;
     } else {
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
-      const uint64_t ws_bytes = kWorkspaceBytes;
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a, sizeof(uint32_t)));
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b, sizeof(uint32_t)));
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c, sizeof(uint32_t)));
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c, sizeof(uint32_t)));
+      desc.pref = lt::preference(key.align_a, key.align_b, key.align_c, key.align_c);
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c, d.pref,
-                                                          1, &result, &found));
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d,
+                                                          desc.d, desc.pref, 1, &result, &found));
       s.queries++;
       if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
         throw Error(fmt::format("cuBLASLt has no algorithm for a {} GEMM m={} n={} k={} "
@@ -249,8 +190,9 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
       s.algos.emplace(key, algo);
     }
   }
-  GLMTUNE_CUBLAS_CHECK(cublasLtMatmul(handle, d.op, &g.alpha, g.b, d.a, g.a, d.b, &g.beta, g.c, d.c,
-                                      g.c, d.c, &algo, workspace, kWorkspaceBytes, stream));
+  GLMTUNE_CUBLAS_CHECK(cublasLtMatmul(handle, desc.op, &g.alpha, g.b, desc.a, g.a, desc.b, &g.beta,
+                                      g.c, desc.d, g.c, desc.d, &algo, workspace,
+                                      lt::kWorkspaceBytes, stream));
 }
 
 int64_t gemm_heuristic_queries() {
