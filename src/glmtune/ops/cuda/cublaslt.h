@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <mutex>
 
 namespace glmtune::cuda::lt {
 
@@ -49,5 +51,33 @@ uint32_t alignment_of(const void* p, int64_t ld, size_t element);
 // the byte alignments of A, B, C and D.
 cublasLtMatmulPreference_t preference(uint32_t align_a, uint32_t align_b, uint32_t align_c,
                                       uint32_t align_d);
+
+// The algorithm each GEMM shape (Key: whatever decides cuBLASLt's choice) was given, chosen once
+// by the heuristic and kept for the process. Thread-safe.
+template <typename Key>
+class AlgoCache {
+ public:
+  // The algorithm kept for `key`, or the one `choose()` returns (a heuristic query), kept.
+  template <typename Choose>
+  cublasLtMatmulAlgo_t get(const Key& key, Choose&& choose) {
+    std::lock_guard lock(mu_);
+    const auto it = algos_.find(key);
+    if (it != algos_.end()) return it->second;
+    const cublasLtMatmulAlgo_t algo = choose();
+    ++queries_;
+    algos_.emplace(key, algo);
+    return algo;
+  }
+  // How many heuristic queries were made.
+  int64_t queries() {
+    std::lock_guard lock(mu_);
+    return queries_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<Key, cublasLtMatmulAlgo_t> algos_;
+  int64_t queries_ = 0;
+};
 
 }  // namespace glmtune::cuda::lt

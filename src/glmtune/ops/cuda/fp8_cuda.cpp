@@ -182,15 +182,10 @@ struct AlgoKey {
   auto operator<=>(const AlgoKey&) const = default;
 };
 
-// The algorithms chosen so far, process-wide and never destroyed (as lt::handle's handles).
-struct LtState {
-  std::mutex mu;
-  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
-};
-
-LtState& lt_state() {
-  static LtState* state = new LtState();
-  return *state;
+// Never destroyed (as lt::handle's handles).
+lt::AlgoCache<AlgoKey>& algo_cache() {
+  static auto* cache = new lt::AlgoCache<AlgoKey>();
+  return *cache;
 }
 
 const char* mode_name(int32_t mode) {
@@ -248,44 +243,35 @@ void lt_fp8_tn(int device, int64_t m, int64_t n, int64_t k, const LtOperand& a, 
   key.align_d = lt::alignment_of(d, ldd, dtype_size(d_dtype));
 
   detail::DeviceGuard guard(device);
-  LtState& s = lt_state();
   const cublasLtHandle_t handle = lt::handle(device);
   void* const workspace = lt::workspace(device, stream);
-  cublasLtMatmulAlgo_t algo;
-  {
-    std::lock_guard lock(s.mu);
-    auto it = s.algos.find(key);
-    if (it != s.algos.end()) {
-      algo = it->second;
-    } else {
-      desc.pref = lt::preference(key.align_a, key.align_b, key.align_d, key.align_d);
-      cublasLtMatmulHeuristicResult_t result{};
-      int found = 0;
-      const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-          handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1, &result, &found);
-      const cublasStatus_t why = status != CUBLAS_STATUS_SUCCESS ? status
-                                 : found == 0                    ? CUBLAS_STATUS_NOT_SUPPORTED
-                                                                 : result.state;
-      if (why != CUBLAS_STATUS_SUCCESS) {
-        int major = 0, minor = 0;
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-        throw Error(
-            fmt::format("cuBLASLt {} has no algorithm for a block-scaled FP8 GEMM on sm_{}{}: {} "
-                        "({}); TN m={} n={} k={} lda={} ldb={} ldd={}, A scales {}, B scales {}, "
-                        "output {}{}, alignments {}/{}/{} bytes",
-                        cublasLtGetVersion(), major, minor, cublasLtGetStatusName(why),
-                        cublasLtGetStatusString(why), m, n, k, a.ld, b.ld, ldd, mode_name(a.mode),
-                        mode_name(b.mode), dtype_name(d_dtype), accumulate ? " (accumulated)" : "",
-                        key.align_a, key.align_b, key.align_d),
-            op,
-            "FP8 block scaling (VEC128 / BLK128x128) runs on Hopper (sm_90) with cuBLAS 12.9 or "
-            "later; keep N and K multiples of 16");
-      }
-      algo = result.algo;
-      s.algos.emplace(key, algo);
+  const cublasLtMatmulAlgo_t algo = algo_cache().get(key, [&] {
+    desc.pref = lt::preference(key.align_a, key.align_b, key.align_d, key.align_d);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+        handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1, &result, &found);
+    const cublasStatus_t why = status != CUBLAS_STATUS_SUCCESS ? status
+                               : found == 0                    ? CUBLAS_STATUS_NOT_SUPPORTED
+                                                               : result.state;
+    if (why != CUBLAS_STATUS_SUCCESS) {
+      int major = 0, minor = 0;
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+      throw Error(
+          fmt::format("cuBLASLt {} has no algorithm for a block-scaled FP8 GEMM on sm_{}{}: {} "
+                      "({}); TN m={} n={} k={} lda={} ldb={} ldd={}, A scales {}, B scales {}, "
+                      "output {}{}, alignments {}/{}/{} bytes",
+                      cublasLtGetVersion(), major, minor, cublasLtGetStatusName(why),
+                      cublasLtGetStatusString(why), m, n, k, a.ld, b.ld, ldd, mode_name(a.mode),
+                      mode_name(b.mode), dtype_name(d_dtype), accumulate ? " (accumulated)" : "",
+                      key.align_a, key.align_b, key.align_d),
+          op,
+          "FP8 block scaling (VEC128 / BLK128x128) runs on Hopper (sm_90) with cuBLAS 12.9 or "
+          "later; keep N and K multiples of 16");
     }
-  }
+    return result.algo;
+  });
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   GLMTUNE_CUBLAS_CHECK(cublasLtMatmul(handle, desc.op, &alpha, a.data, desc.a, b.data, desc.b,
                                       &beta, d, desc.d, d, desc.d, &algo, workspace,

@@ -39,16 +39,10 @@ struct AlgoKey {
   auto operator<=>(const AlgoKey&) const = default;
 };
 
-// The algorithms chosen so far, process-wide and never destroyed (as lt::handle's handles).
-struct LtState {
-  std::mutex mu;
-  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
-  int64_t queries = 0;
-};
-
-LtState& lt_state() {
-  static LtState* state = new LtState();
-  return *state;
+// Never destroyed (as lt::handle's handles).
+lt::AlgoCache<AlgoKey>& algo_cache() {
+  static auto* cache = new lt::AlgoCache<AlgoKey>();
+  return *cache;
 }
 
 // Called with the state's mutex held and the device current.
@@ -160,46 +154,32 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
   key.align_c = lt::alignment_of(g.c, g.ldc, c_size);
 
   detail::DeviceGuard guard(g.device);
-  LtState& s = lt_state();
   const cublasLtHandle_t handle = lt::handle(g.device);
   void* const workspace = lt::workspace(g.device, stream);
-  cublasLtMatmulAlgo_t algo;
-  {
-    std::lock_guard lock(s.mu);
-    auto it = s.algos.find(key);
-    if (it != s.algos.end()) {
-      algo = it->second;
-    } else {
-      desc.pref = lt::preference(key.align_a, key.align_b, key.align_c, key.align_c);
-      cublasLtMatmulHeuristicResult_t result{};
-      int found = 0;
-      GLMTUNE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d,
-                                                          desc.d, desc.pref, 1, &result, &found));
-      s.queries++;
-      if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
-        throw Error(fmt::format("cuBLASLt has no algorithm for a {} GEMM m={} n={} k={} "
-                                "(trans_a={}, trans_b={}, lda={} ldb={} ldc={}, output {}, "
-                                "alignments {}/{}/{} bytes{})",
-                                dtype_name(g.ab_dtype), g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda,
-                                g.ldb, g.ldc, dtype_name(g.c_dtype), key.align_b, key.align_a,
-                                key.align_c, g.bias ? ", bias" : ""),
-                    "cuda gemm",
-                    "keep rows of every operand 16-byte aligned (row lengths a multiple of 16 "
-                    "bytes: 8 bf16 or 4 f32 elements)");
-      algo = result.algo;
-      s.algos.emplace(key, algo);
-    }
-  }
+  const cublasLtMatmulAlgo_t algo = algo_cache().get(key, [&] {
+    desc.pref = lt::preference(key.align_a, key.align_b, key.align_c, key.align_c);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    GLMTUNE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d,
+                                                        desc.d, desc.pref, 1, &result, &found));
+    if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
+      throw Error(fmt::format("cuBLASLt has no algorithm for a {} GEMM m={} n={} k={} "
+                              "(trans_a={}, trans_b={}, lda={} ldb={} ldc={}, output {}, "
+                              "alignments {}/{}/{} bytes{})",
+                              dtype_name(g.ab_dtype), g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda,
+                              g.ldb, g.ldc, dtype_name(g.c_dtype), key.align_b, key.align_a,
+                              key.align_c, g.bias ? ", bias" : ""),
+                  "cuda gemm",
+                  "keep rows of every operand 16-byte aligned (row lengths a multiple of 16 "
+                  "bytes: 8 bf16 or 4 f32 elements)");
+    return result.algo;
+  });
   GLMTUNE_CUBLAS_CHECK(cublasLtMatmul(handle, desc.op, &g.alpha, g.b, desc.a, g.a, desc.b, &g.beta,
                                       g.c, desc.d, g.c, desc.d, &algo, workspace,
                                       lt::kWorkspaceBytes, stream));
 }
 
-int64_t gemm_heuristic_queries() {
-  LtState& s = lt_state();
-  std::lock_guard lock(s.mu);
-  return s.queries;
-}
+int64_t gemm_heuristic_queries() { return algo_cache().queries(); }
 
 void linear_out(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, bool accumulate,
                 cudaStream_t stream) {
