@@ -272,6 +272,31 @@ class Reader {
     return v;
   }
 
+  // The entries of the array at section.key (the caller checked it is one), each a non-empty
+  // string.
+  std::vector<std::string> strings(const std::string& section, const std::string& key) const {
+    std::vector<std::string> out;
+    for (const auto& e : *find(section, key)->as_array()) {
+      if (!e.is_string() || e.as_string()->get().empty())
+        fail(section, key,
+             fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
+             example_fix(section, key));
+      out.push_back(e.as_string()->get());
+    }
+    return out;
+  }
+
+  // Refuses `pattern`, given at section.key, unless it is an ECMAScript regular expression.
+  void check_regex(const std::string& section, const std::string& key, const std::string& pattern,
+                   const std::string& fix) const {
+    try {
+      (void)std::regex(pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& err) {
+      fail(section, key, fmt::format("'{}' is not a regular expression ({})", pattern, err.what()),
+           fix);
+    }
+  }
+
   std::optional<bool> boolean(const std::string& section, const std::string& key) const {
     const toml::node* n = find(section, key);
     if (!n) return std::nullopt;
@@ -453,15 +478,9 @@ void parse_data(const Reader& rd, Recipe& r) {
     if (n->is_string()) {
       r.data_files = {*rd.string("data", "files")};
     } else if (n->is_array()) {
-      const toml::array& a = *n->as_array();
-      if (a.empty()) rd.fail("data", "files", "lists no file", rd.example_fix("data", "files"));
-      for (const auto& e : a) {
-        if (!e.is_string() || e.as_string()->get().empty())
-          rd.fail("data", "files",
-                  fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
-                  rd.example_fix("data", "files"));
-        r.data_files.push_back(e.as_string()->get());
-      }
+      if (n->as_array()->empty())
+        rd.fail("data", "files", "lists no file", rd.example_fix("data", "files"));
+      r.data_files = rd.strings("data", "files");
     } else {
       rd.wrong_type("data", "files", "an array of file paths");
     }
@@ -552,22 +571,11 @@ void parse_train(const Reader& rd, Recipe& r) {
   if (auto v = rd.choice("train", "frozen_weights", {"bf16", "fp8"})) r.frozen_fp8 = *v == "fp8";
   if (const toml::node* n = rd.find("train", "freeze")) {
     if (!n->is_array()) rd.wrong_type("train", "freeze", "an array of regular expressions");
-    for (const auto& e : *n->as_array()) {
-      if (!e.is_string() || e.as_string()->get().empty())
-        rd.fail("train", "freeze",
-                fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
-                rd.example_fix("train", "freeze"));
-      const std::string& pattern = e.as_string()->get();
-      try {
-        (void)std::regex(pattern, std::regex::ECMAScript);
-      } catch (const std::regex_error& err) {
-        rd.fail("train", "freeze",
-                fmt::format("'{}' is not a regular expression ({})", pattern, err.what()),
-                "write an ECMAScript regular expression; in TOML a literal dot is \"\\\\.\" "
-                "(or '\\.' in a literal string)");
-      }
-      r.freeze.push_back(pattern);
-    }
+    r.freeze = rd.strings("train", "freeze");
+    for (const std::string& pattern : r.freeze)
+      rd.check_regex("train", "freeze", pattern,
+                     "write an ECMAScript regular expression; in TOML a literal dot is \"\\\\.\" "
+                     "(or '\\.' in a literal string)");
   }
   r.dist_timeout_s =
       rd.number("train", "dist_timeout", 0.0, std::numeric_limits<double>::infinity(), true)
@@ -666,13 +674,7 @@ void parse_lora(const Reader& rd, const toml::table& t, Recipe& r) {
       rd.fail("lora", "target_parameters",
               fmt::format("expected an array of parameter names, got {}", type_name(*p)),
               rd.example_fix("lora", "target_parameters"));
-    for (const auto& e : *p->as_array()) {
-      if (!e.is_string() || e.as_string()->get().empty())
-        rd.fail("lora", "target_parameters",
-                fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
-                rd.example_fix("lora", "target_parameters"));
-      c.target_parameters.push_back(e.as_string()->get());
-    }
+    c.target_parameters = rd.strings("lora", "target_parameters");
   }
   const toml::node* n = rd.find("lora", "target_modules");
   // As in PEFT, target_parameters alone is enough (target_modules absent or []).
@@ -684,21 +686,10 @@ void parse_lora(const Reader& rd, const toml::table& t, Recipe& r) {
   if (parameters_only) {
   } else if (n->is_string()) {
     c.target_regex = n->as_string()->get();
-    try {
-      (void)std::regex(c.target_regex, std::regex::ECMAScript);
-    } catch (const std::regex_error& err) {
-      rd.fail("lora", "target_modules",
-              fmt::format("'{}' is not a regular expression ({})", c.target_regex, err.what()),
-              "write an ECMAScript regular expression, or an array of module names");
-    }
+    rd.check_regex("lora", "target_modules", c.target_regex,
+                   "write an ECMAScript regular expression, or an array of module names");
   } else if (n->is_array() && !n->as_array()->empty()) {
-    for (const auto& e : *n->as_array()) {
-      if (!e.is_string() || e.as_string()->get().empty())
-        rd.fail("lora", "target_modules",
-                fmt::format("every entry must be a non-empty string, found {}", type_name(e)),
-                rd.example_fix("lora", "target_modules"));
-      c.target_modules.push_back(e.as_string()->get());
-    }
+    c.target_modules = rd.strings("lora", "target_modules");
   } else {
     rd.fail("lora", "target_modules",
             fmt::format("expected a non-empty array of module names or a regular expression, "
