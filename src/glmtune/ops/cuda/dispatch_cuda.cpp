@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "glmtune/base/error.h"
@@ -535,6 +537,29 @@ bool absorbed_attention_fits(const MlaConfig& cfg, DType dtype) {
   return dtype == DType::bf16 && cfg.kv_lora_rank == 512 && cfg.n_heads <= 64;
 }
 
+namespace {
+
+// Which absorbed kernels run: Hopper's wgmma ones wherever this build and the device have them.
+// GLMTUNE_MLA_KERNEL=mma_sync keeps both directions on mma.sync, =wgmma_forward only the backward;
+// the benchmarks compare the three in one binary. Read once: a step must not change kernels.
+cuda::AbsorbedKernel absorbed_kernel(int device, bool backward) {
+  enum class Choice { wgmma, wgmma_forward, mma_sync };
+  static const Choice choice = [] {
+    const char* v = std::getenv("GLMTUNE_MLA_KERNEL");
+    const std::string s = v ? v : "wgmma";
+    if (s == "wgmma") return Choice::wgmma;
+    if (s == "wgmma_forward") return Choice::wgmma_forward;
+    if (s == "mma_sync") return Choice::mma_sync;
+    throw Error("GLMTUNE_MLA_KERNEL=" + s + " is not a kernel choice", "GLMTUNE_MLA_KERNEL",
+                "use wgmma (the default), wgmma_forward or mma_sync, or leave it unset");
+  }();
+  const bool wgmma = choice == Choice::wgmma || (choice == Choice::wgmma_forward && !backward);
+  return wgmma && cuda::absorbed_wgmma_available(device) ? cuda::AbsorbedKernel::wgmma
+                                                         : cuda::AbsorbedKernel::mma_sync;
+}
+
+}  // namespace
+
 Tensor mla_attention_absorbed(const MlaConfig& cfg, const Tensor& kv_b_proj, const Tensor& indices,
                               const Tensor& cu_seqlens, MlaContext& ctx) {
   OpTimer timer("mla_attention");
@@ -549,8 +574,8 @@ Tensor mla_attention_absorbed(const MlaConfig& cfg, const Tensor& kv_b_proj, con
   kvb.absorb(false, ctx.proj.q, q_abs);
   const cuda::SparseKeySets sets =
       cuda::sparse_key_sets(indices, cu_seqlens.to(Device::cpu()), /*key_major=*/false);
-  cuda::AbsorbedAttentionOutput att =
-      cuda::absorbed_attention_forward(q_abs, ctx.latent, sets, cfg.softmax_scale());
+  cuda::AbsorbedAttentionOutput att = cuda::absorbed_attention_forward(
+      q_abs, ctx.latent, sets, cfg.softmax_scale(), nullptr, absorbed_kernel(device.index, false));
   Tensor out = Tensor::empty({tokens, nh * cfg.v_head_dim}, DType::bf16, device);
   kvb.expand(true, att.out, out);
   ctx.attn_latent = std::move(att.out);
@@ -580,7 +605,8 @@ MlaAttentionGrads mla_attention_absorbed_backward(const MlaConfig& cfg, const Te
   const cuda::SparseKeySets sets =
       cuda::sparse_key_sets(ctx.indices, ctx.cu_seqlens.to(Device::cpu()), /*key_major=*/true);
   const cuda::AbsorbedAttentionGrads ga = cuda::absorbed_attention_backward(
-      q_abs, ctx.latent, ctx.attn_latent, ctx.attn_lse2, sets, cfg.softmax_scale(), d_olat);
+      q_abs, ctx.latent, ctx.attn_latent, ctx.attn_lse2, sets, cfg.softmax_scale(), d_olat, nullptr,
+      int64_t(1) << 31, absorbed_kernel(device.index, true));
   MlaAttentionGrads g;
   g.q = Tensor::empty({tokens, nh * cfg.qk_nope_head_dim}, DType::bf16, device);
   kvb.expand(false, ga.q_abs, g.q);
