@@ -9,7 +9,7 @@
 # failed / skipped, seconds. The exit status is non-zero when any binary failed, timed out, or
 # skipped all of its tests (a skip on a GPU machine means no GPU was visible).
 #
-# Environment: GLMTUNE_GPU_TIMEOUT (seconds per binary, default 150), GLMTUNE_GPU_BUDGET (seconds
+# Environment: GLMTUNE_GPU_TIMEOUT (seconds per binary, default 300), GLMTUNE_GPU_BUDGET (seconds
 # for the whole run, default 540: binaries that no longer fit are reported as not run),
 # GLMTUNE_GPU_ALLOW_SKIP=1 (skipped suites do not fail the run), GLMTUNE_GPU_CARRY (the package
 # folder, default .gpu-carry), GLMTUNE_MPIRUN (the MPI launcher of the distributed checks, default
@@ -18,12 +18,22 @@
 set -uo pipefail
 
 carry="${GLMTUNE_GPU_CARRY:-.gpu-carry}"
+# A large package travels packed (tests/gpu/build_carry.sh): unpack it next to where it lies.
+if [[ ! -d "$carry" && -f "$carry.tar.xz" ]]; then
+  python3 -c 'import sys, tarfile
+safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+tarfile.open(sys.argv[1]).extractall(sys.argv[2], **safe)' \
+    "$carry.tar.xz" "$(dirname "$carry")" || {
+    echo "run.sh: cannot unpack $carry.tar.xz" >&2
+    exit 2
+  }
+fi
 if [[ ! -d "$carry" ]]; then
   echo "run.sh: no $carry here; run tests/gpu/build_carry.sh on the build machine first," \
     "then run this from the repository root" >&2
   exit 2
 fi
-per_binary="${GLMTUNE_GPU_TIMEOUT:-150}"
+per_binary="${GLMTUNE_GPU_TIMEOUT:-300}"
 budget="${GLMTUNE_GPU_BUDGET:-540}"
 t_start=$(date +%s)
 
