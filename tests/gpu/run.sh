@@ -9,7 +9,7 @@
 # failed / skipped, seconds. The exit status is non-zero when any binary failed, timed out, or
 # skipped all of its tests (a skip on a GPU machine means no GPU was visible).
 #
-# Environment: GLMTUNE_GPU_TIMEOUT (seconds per binary, default 300), GLMTUNE_GPU_BUDGET (seconds
+# Environment: GLMTUNE_GPU_TIMEOUT (seconds per binary, default 360), GLMTUNE_GPU_BUDGET (seconds
 # for the whole run, default 540: binaries that no longer fit are reported as not run),
 # GLMTUNE_GPU_ALLOW_SKIP=1 (skipped suites do not fail the run), GLMTUNE_GPU_CARRY (the package
 # folder, default .gpu-carry), GLMTUNE_MPIRUN (the MPI launcher of the distributed checks, default
@@ -33,7 +33,7 @@ if [[ ! -d "$carry" ]]; then
     "then run this from the repository root" >&2
   exit 2
 fi
-per_binary="${GLMTUNE_GPU_TIMEOUT:-300}"
+per_binary="${GLMTUNE_GPU_TIMEOUT:-360}"
 budget="${GLMTUNE_GPU_BUDGET:-540}"
 t_start=$(date +%s)
 
