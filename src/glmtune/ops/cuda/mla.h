@@ -86,8 +86,9 @@ struct AbsorbedAttentionOutput {
 // warpgroups (about 1.5x the mma.sync kernel's rate on an H200); the wgmma backward forms the
 // scores and dP once for both gradients in one kernel, where the mma.sync backward's two kernels
 // (d q_abs, then the d latent shares) each form them. Both write the same workspace rows and
-// leave the key-major reduction to the same kernel. The model runs the mma.sync kernels until the
-// wgmma ones have passed test_cuda_ops_mla and the step on an H200.
+// leave the key-major reduction to the same kernel. The model runs the wgmma kernels where they
+// can run (GLMTUNE_MLA_KERNEL=mma_sync or wgmma_forward keeps one or both directions on mma.sync,
+// for comparisons); the mma.sync ones everywhere else.
 enum class AbsorbedKernel { mma_sync, wgmma };
 
 // Whether the wgmma kernels can run on `device` (this build has sm_90a code, the device is 9.x).

@@ -40,8 +40,9 @@ constexpr int kPanels = kR / 64;
 constexpr int kPanelBytes = 64 * 128;              // 64 rows of one 64-column panel
 constexpr int kTileBytes = kPanels * kPanelBytes;  // 64 rows × 512 columns
 constexpr int kPBytes = kPanelBytes;               // P: 64 heads × 64 keys
-// q_abs, two key tiles, P, row maxima and sums of both warpgroups, and room to align to 1024.
-constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kHeads * 4 + 1024;
+// q_abs, two key tiles, P, row maxima and sums of both warpgroups, the key positions of two
+// blocks, and room to align to 1024.
+constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kHeads * 4 + 2 * kKeys * 4 + 1024;
 
 // The dynamic shared memory from its first 1024-byte boundary (the swizzle's period).
 __device__ __forceinline__ unsigned char* smem_1024() {
@@ -70,13 +71,30 @@ __device__ __forceinline__ void load_rows(unsigned char* tile, const __nv_bfloat
   }
 }
 
-__device__ __forceinline__ void load_keys(const AbsorbedForwardArgs& a, unsigned char* tile,
-                                          int64_t i, int block, int count) {
-  const int32_t* row = a.keys + i * a.width;
-  load_rows(tile, a.latent, [&](int r) -> const __nv_bfloat16* {
-    const int slot = block * kKeys + r;
-    return slot < count ? a.latent + int64_t(row[slot]) * kR : nullptr;
+// The latent rows of one block of KEYS keys, their positions from shared memory (`positions`):
+// a position read from global memory here would stall every thread's issue loop on its latency.
+template <int KEYS>
+__device__ __forceinline__ void load_keys(const __nv_bfloat16* latent, unsigned char* tile,
+                                          const int32_t* positions, int block, int count) {
+  load_rows<KEYS>(tile, latent, [&](int r) -> const __nv_bfloat16* {
+    return block * KEYS + r < count ? latent + int64_t(positions[r]) * kR : nullptr;
   });
+}
+
+// The key positions of blocks 0 and 1 into positions[0 .. 2·KEYS).
+template <int KEYS>
+__device__ __forceinline__ void stage_first_positions(const int32_t* row, int count,
+                                                      int32_t* positions) {
+  if (threadIdx.x < 2 * KEYS)
+    positions[threadIdx.x] = int(threadIdx.x) < count ? row[threadIdx.x] : 0;
+}
+
+// Thread r < KEYS: the position of key r of `block` (0 past the count), read from global memory
+// a block ahead of its use.
+template <int KEYS>
+__device__ __forceinline__ int32_t prefetch_position(const int32_t* row, int block, int count) {
+  const int slot = block * KEYS + int(threadIdx.x);
+  return threadIdx.x < KEYS && slot < count ? row[slot] : 0;
 }
 
 }  // namespace absorbed_fwd
@@ -97,6 +115,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   unsigned char* sP = smem + 3 * kTileBytes;
   float* sMax = reinterpret_cast<float*>(sP + kPBytes);  // [2 warpgroups][64 rows]
   float* sSum = sMax + 2 * kHeads;
+  int32_t* sPos = reinterpret_cast<int32_t*>(sSum + 2 * kHeads);  // [2][kKeys], block b at b & 1
 
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -109,7 +128,10 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   load_rows(sQ, a.q, [&](int r) -> const __nv_bfloat16* {
     return h0 + r < a.heads ? a.q + (i * a.heads + h0 + r) * kR : nullptr;
   });
-  if (blocks > 0) load_keys(a, sK, i, 0, count);
+  const int32_t* key_row = a.keys + i * a.width;
+  stage_first_positions<kKeys>(key_row, count, sPos);
+  __syncthreads();
+  if (blocks > 0) load_keys<kKeys>(a.latent, sK, sPos, 0, count);
   tc::cp_async_commit();
 
   float o[128];
@@ -121,11 +143,10 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     tc::cp_async_wait<0>();
     wgmma::fence_shared_for_async();
     __syncthreads();  // block b landed; both warpgroups are done with block b − 1's tile and P
-    if (b + 1 < blocks) load_keys(a, sK + ((b + 1) & 1) * kTileBytes, i, b + 1, count);
-    tc::cp_async_commit();
     const unsigned char* L = sK + (b & 1) * kTileBytes;
+    const int32_t next_position = prefetch_position<kKeys>(key_row, b + 2, count);
 
-    // Scores of this warpgroup's 32 keys.
+    // Scores of this warpgroup's 32 keys; block b + 1's rows are requested while they run.
     float s[16];
     wgmma::fence();
 #pragma unroll
@@ -136,6 +157,10 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
           wgmma::desc_k_major(L + panel * kPanelBytes + wg * 32 * 128 + k_bytes), kk == 0);
     }
     wgmma::commit();
+    if (b + 1 < blocks)
+      load_keys<kKeys>(a.latent, sK + ((b + 1) & 1) * kTileBytes, sPos + ((b + 1) & 1) * kKeys,
+                       b + 1, count);
+    tc::cp_async_commit();
     wgmma::wait<0>();
     wgmma::pin(s);
 
@@ -196,6 +221,9 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
           o, wgmma::desc_k_major(sP + kk * 32),
           wgmma::desc_mn_major(L + wg * 4 * kPanelBytes + kk * 16 * 128, kPanelBytes), false);
     wgmma::commit();
+    // Block b's positions are spent (its rows were requested a step ago): block b + 2's take
+    // their place, read by the next step after its barrier.
+    if (threadIdx.x < kKeys) sPos[(b & 1) * kKeys + threadIdx.x] = next_position;
     wgmma::wait<0>();
     wgmma::pin(o);
   }
@@ -266,9 +294,10 @@ constexpr int kKeyPanelBytes = kKeys * 128;    // of 32 rows
 constexpr int kHeadTileBytes = 8 * kHeadPanelBytes;
 constexpr int kKeyTileBytes = 8 * kKeyPanelBytes;
 constexpr int kKeyMajorBytes = kKeys * 128;  // P or dS as 32 key rows × 64 heads
-// q_abs, d o_lat, two key tiles, P and dS key-major, P in fp32, and room to align to 1024.
-constexpr int kSmemBytes =
-    2 * kHeadTileBytes + 2 * kKeyTileBytes + 2 * kKeyMajorBytes + kHeads * kKeys * 4 + 1024;
+// q_abs, d o_lat, two key tiles, P and dS key-major, P in fp32, the key positions of two blocks,
+// and room to align to 1024.
+constexpr int kSmemBytes = 2 * kHeadTileBytes + 2 * kKeyTileBytes + 2 * kKeyMajorBytes +
+                           kHeads * kKeys * 4 + 2 * kKeys * 4 + 1024;
 
 // fp32 P [64 heads][32 keys]: keys XORed by the row so a warp's float2 stores spread over banks.
 __device__ __forceinline__ int p_slot(int row, int key) {
@@ -287,7 +316,9 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace absorbed_bwd;
   using absorbed_fwd::block_barrier;
+  using absorbed_fwd::load_keys;
   using absorbed_fwd::load_rows;
+  using absorbed_fwd::prefetch_position;
   unsigned char* smem = absorbed_fwd::smem_1024();
   unsigned char* sQ = smem;
   unsigned char* sD = smem + kHeadTileBytes;
@@ -295,6 +326,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   unsigned char* sPt = sK + 2 * kKeyTileBytes;    // P, key-major
   unsigned char* sSt = sPt + kKeyMajorBytes;      // dS, key-major
   float* sPf = reinterpret_cast<float*>(sSt + kKeyMajorBytes);
+  int32_t* sPos = reinterpret_cast<int32_t*>(sPf + kHeads * kKeys);  // [2][kKeys], block b at b & 1
 
   const AbsorbedForwardArgs& a = k.a;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -317,16 +349,12 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
       return r < a.heads ? base + (i * a.heads + r) * kR : nullptr;
     };
   };
-  const auto load_keys = [&](unsigned char* tile, int block) {
-    const int32_t* row = a.keys + i * a.width;
-    load_rows<kKeys>(tile, a.latent, [&](int r) -> const __nv_bfloat16* {
-      const int slot = block * kKeys + r;
-      return slot < count ? a.latent + int64_t(row[slot]) * kR : nullptr;
-    });
-  };
   load_rows(sQ, a.q, head_rows(a.q));
   load_rows(sD, k.dout, head_rows(k.dout));
-  if (blocks > 0) load_keys(sK, 0);
+  const int32_t* key_row = a.keys + i * a.width;
+  absorbed_fwd::stage_first_positions<kKeys>(key_row, count, sPos);
+  __syncthreads();
+  if (blocks > 0) load_keys<kKeys>(a.latent, sK, sPos, 0, count);
   tc::cp_async_commit();
 
   float dqa[128];
@@ -337,9 +365,8 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     tc::cp_async_wait<0>();
     wgmma::fence_shared_for_async();
     __syncthreads();  // block b landed; the previous block's products are done with its tiles
-    if (b + 1 < blocks) load_keys(sK + ((b + 1) & 1) * kKeyTileBytes, b + 1);
-    tc::cp_async_commit();
     const unsigned char* L = sK + (b & 1) * kKeyTileBytes;
+    const int32_t next_position = prefetch_position<kKeys>(key_row, b + 2, count);
 
     // Warpgroup 0: S; warpgroup 1: dP (64 heads × 32 keys over the 512 columns).
     const unsigned char* A = wg == 0 ? sQ : sD;
@@ -353,6 +380,11 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
                                  kk == 0);
     }
     wgmma::commit();
+    // Block b + 1's rows are requested while S and dP run.
+    if (b + 1 < blocks)
+      load_keys<kKeys>(a.latent, sK + ((b + 1) & 1) * kKeyTileBytes, sPos + ((b + 1) & 1) * kKeys,
+                       b + 1, count);
+    tc::cp_async_commit();
     wgmma::wait<0>();
     wgmma::pin(s);
 
@@ -434,6 +466,8 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
         }
       }
     }
+    // Block b's positions are spent: block b + 2's take their place for the next step.
+    if (threadIdx.x < kKeys) sPos[(b & 1) * kKeys + threadIdx.x] = next_position;
     wgmma::pin(dqa);
   }
   tc::cp_async_wait<0>();
