@@ -1055,18 +1055,24 @@ const fs::path& tiny_model_fp8_heads() {
 // blocks of each rank's heads under sequence parallelism), so the first step, on the same weights,
 // is the single process's to rounding (an unmarked rank would move it by about 1e-3). Sequence
 // parallelism also sums each output projection's partial products across the ranks, in another
-// order: the next layer's inputs differ in their last bit, and the few of them that close to an
-// e4m3 rounding boundary land on the neighbouring code (2^-3 apart), a few 1e-6 of the loss each
-// (1.4e-5 measured at step 1), so its first step is held to 1e-4. After the first step the
+// order: the next layer's inputs differ in their last bit, the few of them that close to an e4m3
+// rounding boundary land on the neighbouring code (2^-3 apart), and every later FP8 GEMM
+// re-rounds what that moved. How far that goes depends on which operands sit at a boundary, so on
+// the CPU's BLAS kernels (1.4e-5 of the loss measured on one machine, 3.7e-4 on another): the
+// only bound the arithmetic gives is the FP8 rounding's own effect on the loss, `fp8_error` (the
+// FP8 run against the f32 run, same weights, same machine: 2.3e-3 at step 1). A re-rounding of a
+// few operands moves the loss by a fraction of it, so sequence parallelism's first step is held
+// to half of it, which a rank whose slices lost their FP8 marks (computing its heads in f32,
+// about half of the FP8 effect and more) does not meet. After the first step the
 // layouts' gradient sums add in other orders, the weights differ in their last bits, and an
 // operand that close to an e4m3 rounding boundary lands on the neighbouring code, 2^-3 apart: the
 // runs then drift as two FP8 runs of perturbed weights do (5e-4 of the loss by step 10 measured),
 // so they are held to 1% of the loss. Sequence parallelism over heads whose slices split FP8
 // blocks is refused before any step, naming train.fp8.
 void expect_fp8_curve(const std::vector<nlohmann::json>& got,
-                      const std::vector<nlohmann::json>& want, bool split_pack) {
+                      const std::vector<nlohmann::json>& want, bool split_pack, double fp8_error) {
   ASSERT_EQ(got.size(), want.size());
-  const double first = split_pack ? 1e-4 : 1e-6;
+  const double first = split_pack ? std::max(1e-4, 0.5 * fp8_error) : 1e-6;
   for (size_t i = 0; i < got.size(); ++i) {
     const double w = want[i]["loss"].get<double>(), loss = got[i]["loss"].get<double>();
     EXPECT_NEAR(loss, w, i == 0 ? first : 1e-2 * w) << "step " << i + 1;
@@ -1088,6 +1094,15 @@ TEST(DistTrainFp8, EveryLayoutFollowsTheSingleProcess) {
     single[wide] = metrics(out);
     ASSERT_EQ(single[wide].size(), 10u);
   }
+  // The FP8 rounding's effect on the first step's loss, on the model sequence parallelism runs.
+  const fs::path f32_out = dir / "single-heads128-f32";
+  const fs::path f32_log = f32_out.string() + ".log";
+  ASSERT_EQ(train(recipe, 1, false, f32_out, f32_log, 1, 1,
+                  " --set model.path=" + tiny_model_fp8_heads().string()),
+            0)
+      << glmtune::test::read_text(f32_log);
+  const double fp8_error =
+      std::abs(metrics(f32_out).at(0)["loss"].get<double>() - single[1][0]["loss"].get<double>());
   const struct {
     const char* name;
     int ranks;
@@ -1106,7 +1121,7 @@ TEST(DistTrainFp8, EveryLayoutFollowsTheSingleProcess) {
                     (l.heads128 ? heads128 : fp8) + l.extra),
               0)
         << glmtune::test::read_text(log);
-    expect_fp8_curve(metrics(dir / l.name), single[l.heads128 ? 1 : 0], l.sp_size > 1);
+    expect_fp8_curve(metrics(dir / l.name), single[l.heads128 ? 1 : 0], l.sp_size > 1, fp8_error);
   }
   const fs::path log = dir / "sp2-tiny.log";
   EXPECT_NE(train(recipe, 2, false, dir / "sp2-tiny", log, 1, 2, fp8), 0);
