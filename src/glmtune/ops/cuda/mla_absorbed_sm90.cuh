@@ -294,10 +294,23 @@ constexpr int kKeyPanelBytes = kKeys * 128;    // of 32 rows
 constexpr int kHeadTileBytes = 8 * kHeadPanelBytes;
 constexpr int kKeyTileBytes = 8 * kKeyPanelBytes;
 constexpr int kKeyMajorBytes = kKeys * 128;  // P or dS as 32 key rows × 64 heads
+// Each warpgroup's two d Lᵀ tiles as key rows of 64 bf16 columns, for 16-byte stores.
+constexpr int kStageBytes = 2 * kKeys * 128;
 // q_abs, d o_lat, two key tiles, P and dS key-major, P in fp32, the key positions of two blocks,
-// and room to align to 1024.
+// both warpgroups' staged d L tiles, and room to align to 1024.
 constexpr int kSmemBytes = 2 * kHeadTileBytes + 2 * kKeyTileBytes + 2 * kKeyMajorBytes +
-                           kHeads * kKeys * 4 + 2 * kKeys * 4 + 1024;
+                           kHeads * kKeys * 4 + 2 * kKeys * 4 + 2 * kStageBytes + 1024;
+
+// Byte offset of (key, column) in a staged tile: 128-byte key rows whose 16-byte chunks are XORed
+// by the key, so the accumulator's four keys a store touches fall in different banks.
+__device__ __forceinline__ int stage_offset(int key, int column) {
+  return key * 128 + ((((column >> 3) ^ key) & 7) << 4) + (column & 7) * 2;
+}
+
+// Barrier of one warpgroup (ids 3 and 4; the block's own barriers use 0 to 2).
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(3 + wg) : "memory");
+}
 
 // fp32 P [64 heads][32 keys]: keys XORed by the row so a warp's float2 stores spread over banks.
 __device__ __forceinline__ int p_slot(int row, int key) {
@@ -330,6 +343,8 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
 
   const AbsorbedForwardArgs& a = k.a;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  // This warpgroup's staged d L tiles.
+  unsigned char* sStage = reinterpret_cast<unsigned char*>(sPos + 2 * kKeys) + wg * kStageBytes;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = warp * 16 + g;  // this thread's accumulator rows: row0 and row0 + 8
   const int64_t i = k.q0 + blockIdx.x;
@@ -453,17 +468,27 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
       wgmma::pin(dl[0]);
       wgmma::pin(dl[1]);
       // Element e of tile m: latent column 64·panel + row0 + 8·((e/2) mod 2), key 8·(e/4) + 2t +
-      // (e mod 2).
+      // (e mod 2). Written key-major through shared memory, so each workspace row takes whole
+      // 16-byte runs instead of one bf16 per store and four rows per warp instruction.
+      warpgroup_barrier(wg);  // the previous pair's stores have read the stage
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const int c0 = (wg * 4 + pair * 2 + m) * 64 + row0;
+      for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          const int slot = b * kKeys + (e >> 2) * 8 + 2 * t + (e & 1);
-          if (slot < count)
-            part[((i - k.q0) * a.width + slot) * kR + c0 + 8 * ((e >> 1) & 1)] =
-                __float2bfloat16(dl[m][e]);
-        }
+        for (int e = 0; e < 16; ++e)
+          *reinterpret_cast<__nv_bfloat16*>(
+              sStage + m * kKeys * 128 +
+              stage_offset((e >> 2) * 8 + 2 * t + (e & 1), row0 + 8 * ((e >> 1) & 1))) =
+              __float2bfloat16(dl[m][e]);
+      warpgroup_barrier(wg);
+#pragma unroll
+      for (int c = threadIdx.x & 127; c < 2 * kKeys * 8; c += 128) {
+        const int m = c >> 8, key = (c >> 3) & (kKeys - 1), chunk = c & 7;
+        const int slot = b * kKeys + key;
+        if (slot < count)
+          *reinterpret_cast<uint4*>(part + ((i - k.q0) * a.width + slot) * kR +
+                                    (wg * 4 + pair * 2 + m) * 64 + chunk * 8) =
+              *reinterpret_cast<const uint4*>(sStage + m * kKeys * 128 +
+                                              stage_offset(key, chunk * 8));
       }
     }
     // Block b's positions are spent: block b + 2's take their place for the next step.
