@@ -111,7 +111,8 @@ int main(int argc, char** argv) {
   CK(cudaFuncSetAttribute(absorbed_forward_wgmma_kernel,
                           cudaFuncAttributeMaxDynamicSharedMemorySize, absorbed_fwd::kSmemBytes));
   dim3 grid(T, (heads + 63) / 64);
-  absorbed_forward_wgmma_kernel<<<grid, 256, absorbed_fwd::kSmemBytes>>>(a, dout, dlse);
+  absorbed_forward_wgmma_kernel<<<grid, absorbed_fwd::kThreads, absorbed_fwd::kSmemBytes>>>(a, dout,
+                                                                                            dlse);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   if (check) {
@@ -153,11 +154,13 @@ int main(int argc, char** argv) {
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   for (int w = 0; w < 3; ++w)
-    absorbed_forward_wgmma_kernel<<<grid, 256, absorbed_fwd::kSmemBytes>>>(a, dout, dlse);
+    absorbed_forward_wgmma_kernel<<<grid, absorbed_fwd::kThreads, absorbed_fwd::kSmemBytes>>>(
+        a, dout, dlse);
   cudaEventRecord(e0);
   int reps = 10;
   for (int w = 0; w < reps; ++w)
-    absorbed_forward_wgmma_kernel<<<grid, 256, absorbed_fwd::kSmemBytes>>>(a, dout, dlse);
+    absorbed_forward_wgmma_kernel<<<grid, absorbed_fwd::kThreads, absorbed_fwd::kSmemBytes>>>(
+        a, dout, dlse);
   cudaEventRecord(e1);
   CK(cudaEventSynchronize(e1));
   float ms;

@@ -1,15 +1,6 @@
 #pragma once
-// The sparse absorbed-latent attention forward on Hopper's warpgroup MMA (ops/cuda/mla.h).
-//
-// One block per (query, 64 heads), two warpgroups, the query's selected latent rows taken 64 at a
-// time (gathered with cp.async, double-buffered). Per block of 64 keys:
-//   scores  warpgroup w: S_w = q_abs[64 × 512] · L[keys 32w .. 32w+31]ᵀ   (wgmma m64n32k16 × 32)
-//   softmax the row maxima of both halves meet in shared memory; P (bf16, 64 × 64) is written
-//           there for both warpgroups
-//   output  warpgroup w: O_w = α O_w + P · L[64 keys, columns 256w .. 256w+255]  (m64n256k16 × 4)
-// so each latent row is read once per query for both products, the scores are split by keys (no
-// partial sums to exchange) and the fp32 output (64 × 512) is split by columns, 128 registers a
-// thread. All operands sit in 128-byte-swizzled panels (ops/cuda/wgmma.cuh).
+// The sparse absorbed-latent attention on Hopper's warpgroup MMA (ops/cuda/mla.h), forward and
+// backward. All operands sit in 128-byte-swizzled panels (ops/cuda/wgmma.cuh).
 
 #include <cuda_bf16.h>
 
@@ -30,19 +21,15 @@ struct AbsorbedForwardArgs {
   float scale_log2;  // softmax scale · log2(e): scores are kept in base-2 units
 };
 
-namespace absorbed_fwd {
+namespace absorbed_tiles {
 
 constexpr int kR = 512;
 constexpr int kHeads = 64;
-constexpr int kKeys = 64;  // keys per block
-constexpr int kThreads = 256;
+constexpr int kKeys = 64;      // keys per block
+constexpr int kThreads = 256;  // of the loaders below and the backward
 constexpr int kPanels = kR / 64;
 constexpr int kPanelBytes = 64 * 128;              // 64 rows of one 64-column panel
 constexpr int kTileBytes = kPanels * kPanelBytes;  // 64 rows × 512 columns
-constexpr int kPBytes = kPanelBytes;               // P: 64 heads × 64 keys
-// q_abs, two key tiles, P, row maxima and sums of both warpgroups, the key positions of two
-// blocks, and room to align to 1024.
-constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 4 * kHeads * 4 + 2 * kKeys * 4 + 1024;
 
 // The dynamic shared memory from its first 1024-byte boundary (the swizzle's period).
 __device__ __forceinline__ unsigned char* smem_1024() {
@@ -97,11 +84,60 @@ __device__ __forceinline__ int32_t prefetch_position(const int32_t* row, int blo
   return threadIdx.x < KEYS && slot < count ? row[slot] : 0;
 }
 
+}  // namespace absorbed_tiles
+
+// ---- forward ------------------------------------------------------------------------------------
+//
+// One block per (query, 64 heads) in three warpgroups, arranged so that the tensor cores are not
+// bound by shared-memory reads and never wait on a gather they could have overlapped:
+//   - a producer warpgroup gathers the latent rows (cp.async completing on mbarriers); the two
+//     consumer warpgroups never issue a load;
+//   - keys go 128 at a time: warpgroup w scores its own block of 64 (S_w = q_abs · L_wᵀ,
+//     m64n64k16 × 32: each k step reads 4 KB of shared memory for 64 × 64 × 16 products; a
+//     split of one 64-key block between the warpgroups reads 3 KB for half as many, which kept an
+//     earlier version of this kernel at shared memory's rate);
+//   - the row maxima of both blocks meet in shared memory, then warpgroup w adds to its output
+//     columns 256w .. 256w+255 the product of its own P, kept in registers, with its block
+//     (m64n256k16 with A from registers), and of the other warpgroup's P, read from shared memory,
+//     with the other block;
+//   - each key tile is released in halves of 256 columns as soon as the products that read them
+//     are done, and a warpgroup scores its own half of the next tile first, so the gather of half
+//     a tile runs under the other half's products;
+//   - the next block's scores are issued before the other warpgroup's product is waited for.
+// Shared memory: q_abs (64 KB), two key tiles (128 KB), P of both warpgroups for two iterations
+// (32 KB), row maxima and sums, twelve mbarriers.
+
+namespace absorbed_fwd {
+
+using absorbed_tiles::kHeads;
+using absorbed_tiles::kKeys;
+using absorbed_tiles::kPanelBytes;
+using absorbed_tiles::kR;
+using absorbed_tiles::kTileBytes;
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = 384;
+constexpr int kHalfBytes = 4 * kPanelBytes;  // 256 columns of a 64-row tile
+constexpr int kPBytes = kPanelBytes;         // P: 64 heads × 64 keys
+// Registers per thread after the producer hands its share to the consumers (launch: 168 each).
+constexpr int kConsumerRegisters = 208;
+constexpr int kProducerRegisters = 88;
+static_assert(2 * 128 * kConsumerRegisters + 128 * kProducerRegisters <= 65536);
+// Named barriers of the two consumer warpgroups.
+constexpr int kMaxBarrier = 1, kPBarrier = 2, kEpilogueBarrier = 3;
+
+struct Barriers {
+  uint64_t q_full;
+  uint64_t full[2][2];   // [tile][half]: the producer's rows landed
+  uint64_t empty[2][2];  // [tile][half]: the consumers' products no longer read them
+};
+constexpr int kSmemBytes = 3 * kTileBytes + 4 * kPBytes + 2 * 2 * kHeads * 4 + 2 * kHeads * 4 +
+                           int(sizeof(Barriers)) + 1024;
+
 }  // namespace absorbed_fwd
 
 // out[i, h] = Σ_j softmax_j(scale · q_abs[i,h] · latent[j]) latent[j]; lse2[i, h] = log2 Σ_j
 // 2^(s_j) in base-2 units (+∞ and a zero output for a query without keys). Grid (T, ⌈NH/64⌉),
-// 256 threads, absorbed_fwd::kSmemBytes of dynamic shared memory.
+// absorbed_fwd::kThreads threads, absorbed_fwd::kSmemBytes of dynamic shared memory.
 __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     absorbed_forward_wgmma_kernel(AbsorbedForwardArgs a, __nv_bfloat16* __restrict__ out,
                                   float* __restrict__ lse2) {
@@ -109,66 +145,132 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   // kernel that absorbed_wgmma_available() never lets run.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace absorbed_fwd;
-  unsigned char* smem = smem_1024();
+  unsigned char* smem = absorbed_tiles::smem_1024();
   unsigned char* sQ = smem;
-  unsigned char* sK = smem + kTileBytes;  // two tiles
-  unsigned char* sP = smem + 3 * kTileBytes;
-  float* sMax = reinterpret_cast<float*>(sP + kPBytes);  // [2 warpgroups][64 rows]
-  float* sSum = sMax + 2 * kHeads;
-  int32_t* sPos = reinterpret_cast<int32_t*>(sSum + 2 * kHeads);  // [2][kKeys], block b at b & 1
+  unsigned char* sK = smem + kTileBytes;                     // tiles 0 and 1
+  unsigned char* sP = smem + 3 * kTileBytes;                 // [iteration parity][warpgroup]
+  float* sMax = reinterpret_cast<float*>(sP + 4 * kPBytes);  // [parity][warpgroup][64 rows]
+  float* sSum = sMax + 2 * 2 * kHeads;                       // [warpgroup][64 rows]
+  Barriers* bars = reinterpret_cast<Barriers*>(sSum + 2 * kHeads);
 
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int row0 = warp * 16 + g;  // this thread's rows: row0 and row0 + 8
+  // Broadcast from lane 0 so that the compiler sees a warp-uniform value: wgmma on a path it
+  // must assume divergent gets serialised.
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0);
   const int64_t i = blockIdx.x;
   const int h0 = blockIdx.y * kHeads;
   const int count = a.counts[i];
   const int blocks = (count + kKeys - 1) / kKeys;
-
-  load_rows(sQ, a.q, [&](int r) -> const __nv_bfloat16* {
-    return h0 + r < a.heads ? a.q + (i * a.heads + h0 + r) * kR : nullptr;
-  });
+  const int iterations = (blocks + 1) / 2;
   const int32_t* key_row = a.keys + i * a.width;
-  stage_first_positions<kKeys>(key_row, count, sPos);
+
+  if (threadIdx.x == 0) {
+    wgmma::mbarrier_init(&bars->q_full, 128);
+    for (int t = 0; t < 2; ++t)
+      for (int h = 0; h < 2; ++h) {
+        wgmma::mbarrier_init(&bars->full[t][h], 128);
+        // Half h of tile t is read by warpgroup t's scores and by warpgroup h's products: one
+        // warpgroup's arrivals when t == h, both otherwise.
+        wgmma::mbarrier_init(&bars->empty[t][h], t == h ? 128 : 256);
+      }
+    wgmma::mbarrier_init_fence();
+  }
   __syncthreads();
-  if (blocks > 0) load_keys<kKeys>(a.latent, sK, sPos, 0, count);
-  tc::cp_async_commit();
+
+  if (wg == 2) {
+    // ---- producer: q_abs, then per iteration the halves of both tiles in the order the
+    // consumers free and need them.
+    wgmma::give_back_registers<kProducerRegisters>();
+    const int p = threadIdx.x - 256, warp = p >> 5, lane = p & 31;
+#pragma unroll 4
+    for (int e = p; e < kHeads * (kR / 8); e += 128) {
+      const int row = e >> 6, chunk = e & 63;
+      const bool valid = h0 + row < a.heads;
+      tc::cp_async16_zfill(sQ + (chunk >> 3) * kPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
+                           valid ? a.q + (i * a.heads + h0 + row) * kR + chunk * 8 : a.q, valid);
+    }
+    wgmma::mbarrier_arrive_on_cp_async(&bars->q_full);
+    for (int j = 0; j < iterations; ++j) {
+      // Lane l < 16 holds the position of tile 0's row warp + 4l, lane 16 + l tile 1's; −1
+      // past the count.
+      const int tile_of_lane = lane >> 4, row_of_lane = warp + 4 * (lane & 15);
+      const int slot = (2 * j + tile_of_lane) * kKeys + row_of_lane;
+      const int32_t position = slot < count ? key_row[slot] : -1;
+      const int order[4][2] = {{0, 0}, {1, 1}, {0, 1}, {1, 0}};
+#pragma unroll
+      for (int o = 0; o < 4; ++o) {
+        const int t = order[o][0], h = order[o][1];
+        if (j > 0) wgmma::mbarrier_wait(&bars->empty[t][h], (j - 1) & 1);
+        unsigned char* tile = sK + t * kTileBytes + h * kHalfBytes;
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          const int row = warp + 4 * r;
+          const int32_t pos = __shfl_sync(0xffffffffu, position, 16 * t + r);
+          // A warp copies one 512-byte half row: 32 lanes × 16 bytes, chunk = lane.
+          const int col = h * 256 + lane * 8;
+          tc::cp_async16_zfill(
+              tile + (lane >> 3) * kPanelBytes + wgmma::swizzled(row, (lane & 7) * 8),
+              pos >= 0 ? a.latent + int64_t(pos) * kR + col : a.latent, pos >= 0);
+        }
+        wgmma::mbarrier_arrive_on_cp_async(&bars->full[t][h]);
+      }
+    }
+    tc::cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers
+  wgmma::take_registers<kConsumerRegisters>();
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = warp * 16 + g;  // this thread's rows: row0 and row0 + 8
+  const int own = wg, other = 1 - wg;
+  const unsigned char* own_tile = sK + own * kTileBytes;
+  const unsigned char* other_tile = sK + other * kTileBytes;
+
+  // Scores of this warpgroup's block of the iteration over the 256 columns of `half`.
+  float s[32];
+  auto score_half = [&](int half, bool first) {
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {
+      const int panel = half * 4 + (kk >> 2), k_bytes = (kk & 3) * 32;
+      wgmma::mma_m64n64k16<0, 0>(s, wgmma::desc_k_major(sQ + panel * kPanelBytes + k_bytes),
+                                 wgmma::desc_k_major(own_tile + panel * kPanelBytes + k_bytes),
+                                 first && kk == 0);
+    }
+  };
+  // Own half first: it is the half of the tile the producer refills first.
+  auto issue_scores = [&](int j) {
+    wgmma::mbarrier_wait(&bars->full[own][own], j & 1);
+    wgmma::fence_shared_for_async();
+    wgmma::fence();
+    score_half(own, true);
+    wgmma::commit();
+    wgmma::mbarrier_wait(&bars->full[own][other], j & 1);
+    wgmma::fence_shared_for_async();
+    score_half(other, false);
+    wgmma::commit();
+  };
 
   float o[128];
 #pragma unroll
   for (int e = 0; e < 128; ++e) o[e] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
-  for (int b = 0; b < blocks; ++b) {
-    tc::cp_async_wait<0>();
-    wgmma::fence_shared_for_async();
-    __syncthreads();  // block b landed; both warpgroups are done with block b − 1's tile and P
-    const unsigned char* L = sK + (b & 1) * kTileBytes;
-    const int32_t next_position = prefetch_position<kKeys>(key_row, b + 2, count);
-
-    // Scores of this warpgroup's 32 keys; block b + 1's rows are requested while they run.
-    float s[16];
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kR / 16; ++kk) {
-      const int panel = kk >> 2, k_bytes = (kk & 3) * 32;
-      wgmma::mma_m64n32k16<0, 0>(
-          s, wgmma::desc_k_major(sQ + panel * kPanelBytes + k_bytes),
-          wgmma::desc_k_major(L + panel * kPanelBytes + wg * 32 * 128 + k_bytes), kk == 0);
-    }
-    wgmma::commit();
-    if (b + 1 < blocks)
-      load_keys<kKeys>(a.latent, sK + ((b + 1) & 1) * kTileBytes, sPos + ((b + 1) & 1) * kKeys,
-                       b + 1, count);
-    tc::cp_async_commit();
+  if (iterations > 0) {
+    wgmma::mbarrier_wait(&bars->q_full, 0);
+    issue_scores(0);
+  }
+  for (int j = 0; j < iterations; ++j) {
     wgmma::wait<0>();
     wgmma::pin(s);
+    // The scores are done with the other half of this warpgroup's tile.
+    wgmma::mbarrier_arrive(&bars->empty[own][other]);
 
-    // Row maxima over both halves; keys past the count score −∞.
+    const int block = 2 * j + own;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const int slot = b * kKeys + wg * 32 + (e >> 2) * 8 + 2 * t + (e & 1);
+    for (int e = 0; e < 32; ++e) {
+      const int slot = block * kKeys + (e >> 2) * 8 + 2 * t + (e & 1);
       s[e] = slot < count ? s[e] * a.scale_log2 : -INFINITY;
       mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
     }
@@ -177,31 +279,35 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     }
+    float* max_slots = sMax + (j & 1) * 2 * kHeads;
     if (t == 0) {
-      sMax[wg * kHeads + row0] = mx[0];
-      sMax[wg * kHeads + row0 + 8] = mx[1];
+      max_slots[own * kHeads + row0] = mx[0];
+      max_slots[own * kHeads + row0 + 8] = mx[1];
     }
-    block_barrier(1);
+    wgmma::named_barrier<kConsumerThreads>(kMaxBarrier);
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float other = sMax[(1 - wg) * kHeads + row0 + 8 * r];
       // Both warpgroups compute the same maximum (max is exact in any order).
-      const float next = fmaxf(m[r], fmaxf(mx[r], other));
+      const float next = fmaxf(m[r], fmaxf(mx[r], max_slots[other * kHeads + row0 + 8 * r]));
       alpha[r] = exp2f(m[r] - next);
       m[r] = next;
     }
 
-    // P = 2^(s − m) in bf16 for the output product; the row sums of this half in fp32.
+    // P = 2^(s − m): bf16 pairs in the A layout of the output product (k step kk holds the
+    // accumulator's columns 16kk .. 16kk + 15), and in shared memory for the other warpgroup.
+    uint32_t pa[4][4];
     float sum[2] = {0.0f, 0.0f};
+    unsigned char* own_p = sP + ((j & 1) * 2 + own) * kPBytes;
 #pragma unroll
-    for (int e = 0; e < 16; e += 2) {
+    for (int e = 0; e < 32; e += 2) {
       const int r = (e >> 1) & 1;
       const float p0 = exp2f(s[e] - m[r]), p1 = exp2f(s[e + 1] - m[r]);
       sum[r] += p0 + p1;
-      const int row = row0 + 8 * r, key = wg * 32 + (e >> 2) * 8 + 2 * t;
-      *reinterpret_cast<__nv_bfloat162*>(sP + wgmma::swizzled(row, key)) =
-          __floats2bfloat162_rn(p0, p1);
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
+      pa[e >> 3][(e >> 1) & 3] = *reinterpret_cast<const uint32_t*>(&pair);
+      *reinterpret_cast<__nv_bfloat162*>(
+          own_p + wgmma::swizzled(row0 + 8 * r, (e >> 2) * 8 + 2 * t)) = pair;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -211,45 +317,69 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     }
 #pragma unroll
     for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
-    wgmma::fence_shared_for_async();
-    block_barrier(2);  // P complete
 
+    // Own P with the own block's columns of this warpgroup.
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma::mma_m64n256k16<0, 1>(
-          o, wgmma::desc_k_major(sP + kk * 32),
-          wgmma::desc_mn_major(L + wg * 4 * kPanelBytes + kk * 16 * 128, kPanelBytes), false);
+      wgmma::mma_m64n256k16_rs<1>(
+          o, pa[kk], wgmma::desc_mn_major(own_tile + own * kHalfBytes + kk * 16 * 128, kPanelBytes),
+          false);
     wgmma::commit();
-    // Block b's positions are spent (its rows were requested a step ago): block b + 2's take
-    // their place, read by the next step after its barrier.
-    if (threadIdx.x < kKeys) sPos[(b & 1) * kKeys + threadIdx.x] = next_position;
-    wgmma::wait<0>();
-    wgmma::pin(o);
-  }
-  tc::cp_async_wait<0>();
 
-  // Each warpgroup summed its own keys' probabilities (under the same maxima): add the halves.
-  if (t == 0) {
-    sSum[wg * kHeads + row0] = l[0];
-    sSum[wg * kHeads + row0 + 8] = l[1];
+    wgmma::fence_shared_for_async();
+    wgmma::named_barrier<kConsumerThreads>(kPBarrier);  // both P in shared memory
+    const unsigned char* other_p = sP + ((j & 1) * 2 + other) * kPBytes;
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk)
+      wgmma::mma_m64n256k16<0, 1>(
+          o, wgmma::desc_k_major(other_p + kk * 32),
+          wgmma::desc_mn_major(other_tile + own * kHalfBytes + kk * 16 * 128, kPanelBytes), false);
+    wgmma::commit();
+
+    wgmma::wait<1>();
+    wgmma::mbarrier_arrive(&bars->empty[own][own]);
+    if (j + 1 < iterations) {
+      wgmma::mbarrier_wait(&bars->full[own][own], (j + 1) & 1);
+      wgmma::fence_shared_for_async();
+      wgmma::fence();  // s was read and written by ordinary instructions
+      score_half(own, true);
+      wgmma::commit();
+      wgmma::wait<1>();
+      wgmma::pin(o);
+      wgmma::mbarrier_arrive(&bars->empty[other][own]);
+      wgmma::mbarrier_wait(&bars->full[own][other], (j + 1) & 1);
+      wgmma::fence_shared_for_async();
+      score_half(other, false);
+      wgmma::commit();
+    } else {
+      wgmma::wait<0>();
+      wgmma::pin(o);
+      wgmma::mbarrier_arrive(&bars->empty[other][own]);
+    }
   }
-  __syncthreads();
+
+  // Each warpgroup summed its own blocks' probabilities (under the same maxima): add the two.
+  if (t == 0) {
+    sSum[own * kHeads + row0] = l[0];
+    sSum[own * kHeads + row0 + 8] = l[1];
+  }
+  wgmma::named_barrier<kConsumerThreads>(kEpilogueBarrier);
   float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    // Half 0 first in both warpgroups, so both divide by the same sum.
+    // Warpgroup 0's sum first in both, so both divide by the same total.
     const float total = sSum[row0 + 8 * r] + sSum[kHeads + row0 + 8 * r];
     inv[r] = blocks > 0 ? 1.0f / total : 0.0f;
     const int h = h0 + row0 + 8 * r;
-    if (wg == 0 && t == 0 && h < a.heads)
+    if (own == 0 && t == 0 && h < a.heads)
       lse2[i * a.heads + h] = blocks > 0 ? m[r] + log2f(total) : INFINITY;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int h = h0 + row0 + 8 * r;
     if (h >= a.heads) continue;
-    __nv_bfloat16* dst = out + (i * a.heads + h) * kR + wg * 256 + 2 * t;
+    __nv_bfloat16* dst = out + (i * a.heads + h) * kR + own * 256 + 2 * t;
 #pragma unroll
     for (int n = 0; n < 32; ++n)
       *reinterpret_cast<__nv_bfloat162*>(dst + n * 8) =
@@ -285,9 +415,9 @@ struct AbsorbedBackwardArgs {
 
 namespace absorbed_bwd {
 
-using absorbed_fwd::kHeads;
-using absorbed_fwd::kR;
-using absorbed_fwd::kThreads;
+using absorbed_tiles::kHeads;
+using absorbed_tiles::kR;
+using absorbed_tiles::kThreads;
 constexpr int kKeys = 32;
 constexpr int kHeadPanelBytes = kHeads * 128;  // one 64-column panel of 64 rows
 constexpr int kKeyPanelBytes = kKeys * 128;    // of 32 rows
@@ -323,16 +453,16 @@ __device__ __forceinline__ int p_slot(int row, int key) {
 // (query, key) pair's share of d latent, Σ_h P d o_lat[i,h] + dS q_abs[i,h], as bf16 rows
 // part[(i − q0) · width + slot] for the key-major reduction. Grid (queries), 256 threads,
 // absorbed_bwd::kSmemBytes of dynamic shared memory.
-__global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
+__global__ void __launch_bounds__(absorbed_tiles::kThreads, 1)
     absorbed_backward_wgmma_kernel(AbsorbedBackwardArgs k, __nv_bfloat16* __restrict__ dq,
                                    __nv_bfloat16* __restrict__ part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace absorbed_bwd;
-  using absorbed_fwd::block_barrier;
-  using absorbed_fwd::load_keys;
-  using absorbed_fwd::load_rows;
-  using absorbed_fwd::prefetch_position;
-  unsigned char* smem = absorbed_fwd::smem_1024();
+  using absorbed_tiles::block_barrier;
+  using absorbed_tiles::load_keys;
+  using absorbed_tiles::load_rows;
+  using absorbed_tiles::prefetch_position;
+  unsigned char* smem = absorbed_tiles::smem_1024();
   unsigned char* sQ = smem;
   unsigned char* sD = smem + kHeadTileBytes;
   unsigned char* sK = smem + 2 * kHeadTileBytes;  // two tiles
@@ -367,7 +497,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   load_rows(sQ, a.q, head_rows(a.q));
   load_rows(sD, k.dout, head_rows(k.dout));
   const int32_t* key_row = a.keys + i * a.width;
-  absorbed_fwd::stage_first_positions<kKeys>(key_row, count, sPos);
+  absorbed_tiles::stage_first_positions<kKeys>(key_row, count, sPos);
   __syncthreads();
   if (blocks > 0) load_keys<kKeys>(a.latent, sK, sPos, 0, count);
   tc::cp_async_commit();
