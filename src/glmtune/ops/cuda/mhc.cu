@@ -239,15 +239,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Calls f(t, k) for each token t and each group of eight columns [k, k + 8) of d, one (token,
+// group) per thread with a grid stride: the split that the launches size as n · d / 8 threads.
+template <typename F>
+__device__ __forceinline__ void for_each_column_group(int64_t tokens, int d, F&& f) {
+  const int64_t groups = int64_t(d / 8), n = tokens * groups;
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < n;
+       g += int64_t(gridDim.x) * blockDim.x)
+    f(g / groups, int(g % groups) * 8);
+}
+
 // c[t] = Σ_i pre_i X_i, eight columns per thread.
 template <typename T>
 __global__ void mhc_collapse_kernel(const T* __restrict__ x, const float* __restrict__ pre,
                                     int64_t tokens, int d, T* __restrict__ out) {
-  const int64_t groups = int64_t(d / 8), n = tokens * groups;
-  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < n;
-       g += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = g / groups;
-    const int k = int(g % groups) * 8;
+  for_each_column_group(tokens, d, [&](int64_t t, int k) {
     float o[8] = {};
     for (int i = 0; i < kH; ++i) {
       float v[8];
@@ -257,7 +263,7 @@ __global__ void mhc_collapse_kernel(const T* __restrict__ x, const float* __rest
       for (int e = 0; e < 8; ++e) o[e] += p * v[e];
     }
     store8(out + t * d + k, o);
-  }
+  });
 }
 
 // X'_i = post_i·y + Σ_j comb[j][i]·X_j.
@@ -265,11 +271,7 @@ template <typename T>
 __global__ void mhc_post_kernel(const T* __restrict__ x, const T* __restrict__ y,
                                 const float* __restrict__ post, const float* __restrict__ comb,
                                 int64_t tokens, int d, T* __restrict__ out) {
-  const int64_t groups = int64_t(d / 8), n = tokens * groups;
-  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < n;
-       g += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = g / groups;
-    const int k = int(g % groups) * 8;
+  for_each_column_group(tokens, d, [&](int64_t t, int k) {
     float xv[kH][8], yv[8];
     for (int j = 0; j < kH; ++j) load8(x + (t * kH + j) * d + k, xv[j]);
     load8(y + t * d + k, yv);
@@ -287,7 +289,7 @@ __global__ void mhc_post_kernel(const T* __restrict__ x, const T* __restrict__ y
       }
       store8(out + (t * kH + i) * d + k, o);
     }
-  }
+  });
 }
 
 // Sums `count` per-thread values over the block in a fixed order: warps by butterfly, then warp
