@@ -199,13 +199,23 @@ __device__ __forceinline__ void load_key_block(const AttentionArgs<T>& a, const 
   }
 }
 
+// The warp's work in the attention kernels: row blockIdx.x (a query, or a key in dkdv) at head
+// kHeadsPerBlock·blockIdx.y + warp. The grid rounds the heads up, so the head may lie past the
+// last: the caller returns then.
+struct WarpRowHead {
+  int lane;
+  int64_t row;
+  int h;
+};
+__device__ __forceinline__ WarpRowHead warp_row_head() {
+  return {int(threadIdx.x & 31), blockIdx.x, int(blockIdx.y * kHeadsPerBlock + (threadIdx.x >> 5))};
+}
+
 // EQ = Dqk/32 and EV = Dv/32 elements per lane. One warp per (query, head).
 template <int EQ, int EV, typename T>
 __global__ void __launch_bounds__(kHeadsPerBlock * 32)
     sparse_forward_kernel(AttentionArgs<T> a, T* __restrict__ out, float* __restrict__ lse) {
-  const int lane = threadIdx.x & 31;
-  const int64_t i = blockIdx.x;
-  const int h = blockIdx.y * kHeadsPerBlock + (threadIdx.x >> 5);
+  const auto [lane, i, h] = warp_row_head();
   if (h >= a.heads) return;
   const int64_t qh = i * a.heads + h;
   float q[EQ], acc[EV] = {};
@@ -255,9 +265,7 @@ template <int EQ, int EV, typename T>
 __global__ void __launch_bounds__(kHeadsPerBlock * 32)
     sparse_dq_kernel(BackwardArgs<T> b, T* __restrict__ dq) {
   const AttentionArgs<T>& a = b.fwd;
-  const int lane = threadIdx.x & 31;
-  const int64_t i = blockIdx.x;
-  const int h = blockIdx.y * kHeadsPerBlock + (threadIdx.x >> 5);
+  const auto [lane, i, h] = warp_row_head();
   if (h >= a.heads) return;
   const int64_t qh = i * a.heads + h;
   float q[EQ], go[EV], o[EV], acc[EQ] = {};
@@ -298,9 +306,7 @@ __global__ void __launch_bounds__(kHeadsPerBlock * 32)
                        const int32_t* __restrict__ key_queries, T* __restrict__ dk,
                        T* __restrict__ dv) {
   const AttentionArgs<T>& a = b.fwd;
-  const int lane = threadIdx.x & 31;
-  const int64_t j = blockIdx.x;
-  const int h = blockIdx.y * kHeadsPerBlock + (threadIdx.x >> 5);
+  const auto [lane, j, h] = warp_row_head();
   if (h >= a.heads) return;
   const int64_t kh = j * a.heads + h;
   float kv[EQ], vv[EV], dk_acc[EQ] = {}, dv_acc[EV] = {};
