@@ -207,6 +207,34 @@ __device__ __forceinline__ void put_parts(bf16* hi, bf16* lo, bf16* lo2, int64_t
   }
 }
 
+// Element a of the chunk's token i: scale·q, k and g into the f32 tiles qc, kc and gam (rows
+// kLd apart), and x (v for prep, dO for bwd_chunk) returned; zeros past the chunk's n tokens.
+// prep and bwd_chunk stage through here and gamma_cumsum, so both form the same qc and Γ.
+template <typename T>
+__device__ __forceinline__ float stage_chunk_element(float* qc, float* kc, float* gam, const T* q,
+                                                     const T* k, const float* g, const T* x,
+                                                     float scale, int64_t c0, int n, int heads,
+                                                     int h, int i, int a) {
+  float qv = 0.0f, kv = 0.0f, gv = 0.0f, xv = 0.0f;
+  if (i < n) {
+    const int64_t off = ((c0 + i) * heads + h) * kK + a;
+    qv = to_f(q[off]) * scale;
+    kv = to_f(k[off]);
+    gv = g[off];
+    xv = to_f(x[off]);
+  }
+  qc[i * kLd + a] = qv;
+  kc[i * kLd + a] = kv;
+  gam[i * kLd + a] = gv;
+  return xv;
+}
+
+// Γ from the staged g: the in-chunk cumulative sum down each key column, sequential like the CPU.
+__device__ __forceinline__ void gamma_cumsum(float* gam, int tid) {
+  if (tid < kK)
+    for (int i = 1; i < kC; ++i) gam[i * kLd + tid] += gam[(i - 1) * kLd + tid];
+}
+
 // One block per (chunk, head): the chunk-local tiles that do not depend on the state, the 16×16
 // systems formed and solved. L = kb kᵀ and A = qc kᵀ (with the decay) run as MMAs on the
 // factorised decay when the chunk's Γ range allows (kMaxExp), else as exact fp32 sums.
@@ -230,24 +258,12 @@ __global__ void __launch_bounds__(kCT, 3)
   for (int it = 0; it < kTile / kCT; ++it) {  // unrolled: every load in flight at once
     const int idx = tid + it * kCT;
     const int i = idx / kK, a = idx % kK;
-    float qv = 0.0f, kv = 0.0f, gv = 0.0f, vv = 0.0f;
-    if (i < n) {
-      const int64_t off = ((c0 + i) * heads + h) * kK + a;
-      qv = to_f(q[off]) * scale;
-      kv = to_f(k[off]);
-      gv = g[off];
-      vv = to_f(v[off]);
-    }
-    t.qc[i * kLd + a] = qv;
-    t.kc[i * kLd + a] = kv;
-    t.gam[i * kLd + a] = gv;
-    t.vraw[i * kLd + a] = vv;
+    t.vraw[i * kLd + a] =
+        stage_chunk_element(t.qc, t.kc, t.gam, q, k, g, v, scale, c0, n, heads, h, i, a);
   }
   if (tid < kC) t.beta[tid] = tid < n ? beta[(c0 + tid) * heads + h] : 0.0f;
   __syncthreads();
-  // In-chunk cumulative sum, sequential like the CPU.
-  if (tid < kK)
-    for (int i = 1; i < kC; ++i) t.gam[i * kLd + tid] += t.gam[(i - 1) * kLd + tid];
+  gamma_cumsum(t.gam, tid);
   __syncthreads();
   // The elementwise tiles; qd and kdec go straight out (nothing here reads them again).
   bool wide = false;
@@ -405,6 +421,20 @@ struct Stage : StageBwdP<kParts> {
   float u[kTile];
 };
 
+// Two accumulator tiles acc[0], acc[1] of a state (columns col0 .. col0 + 15, this lane's 2t,
+// 2t + 1 of each eight) times the per-column e^{Γ_last} in egl: the walks' S ⊙ e^{Γ_last}.
+__device__ __forceinline__ void scale_by_egl(float (*acc)[4], const float* egl, int col0, int t4) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int a = col0 + 8 * j + 2 * t4;
+    const float e0 = egl[a], e1 = egl[a + 1];
+    acc[j][0] *= e0;
+    acc[j][1] *= e1;
+    acc[j][2] *= e0;
+    acc[j][3] *= e1;
+  }
+}
+
 // A [C][K] bf16 tile in 16-byte pieces by kNT threads.
 template <int kNT>
 __device__ __forceinline__ void stage_tile(bf16* dst, const bf16* src) {
@@ -553,15 +583,7 @@ __global__ void __launch_bounds__(32 * kWarps)
     for (int np = 0; np < 8; ++np) {
       FragB b0, b1;
       ldsm_b_kn_x<kParts>({st.kd_hi, st.kd_lo, st.kd_lo2}, kTs, 0, 16 * np, b0, b1);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int a = 16 * np + 8 * j + 2 * t4;
-        const float e0 = st.egl[a], e1 = st.egl[a + 1];
-        s[2 * np + j][0] *= e0;
-        s[2 * np + j][1] *= e1;
-        s[2 * np + j][2] *= e0;
-        s[2 * np + j][3] *= e1;
-      }
+      scale_by_egl(s + 2 * np, st.egl, 16 * np, t4);
       mma_x<kParts>(s[2 * np], fv, b0);
       mma_x<kParts>(s[2 * np + 1], fv, b1);
     }
@@ -764,15 +786,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
       if (rebuild) {
         FragB b0, b1;
         ldsm_b_kn_x<kParts>({sm.kdb_hi, sm.kdb_lo, sm.kdb_lo2}, kTs, 0, 16 * grp, b0, b1);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int a = 16 * grp + 8 * j + 2 * t4;
-          const float e0 = sm.eglb[a], e1 = sm.eglb[a + 1];
-          sv[j][0] *= e0;
-          sv[j][1] *= e1;
-          sv[j][2] *= e0;
-          sv[j][3] *= e1;
-        }
+        scale_by_egl(sv, sm.eglb, 16 * grp, t4);
         mma_x<kParts>(sv[0], fvb, b0);
         mma_x<kParts>(sv[1], fvb, b1);
       }
@@ -881,15 +895,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
       FragB q0, q1, w0, w1;
       ldsm_b_kn_x<kParts>({st.qd_hi, st.qd_lo, st.qd_lo2}, kTs, 0, 16 * np, q0, q1);
       ldsm_b_kn_x<kParts>({st.w_hi, st.w_lo, st.w_lo2}, kTs, 0, 16 * np, w0, w1);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int a = 16 * np + 8 * j + 2 * t4;
-        const float e0 = st.egl[a], e1 = st.egl[a + 1];
-        ds[2 * np + j][0] *= e0;
-        ds[2 * np + j][1] *= e1;
-        ds[2 * np + j][2] *= e0;
-        ds[2 * np + j][3] *= e1;
-      }
+      scale_by_egl(ds + 2 * np, st.egl, 16 * np, t4);
       mma_x<kParts>(ds[2 * np], fo, q0);
       mma_x<kParts>(ds[2 * np + 1], fo, q1);
       mma_x<kParts>(ds[2 * np], fv, w0);
@@ -990,18 +996,8 @@ __global__ void __launch_bounds__(kCT, 2)
   };
   for (int idx = tid; idx < kTile; idx += kCT) {
     const int i = idx / kK, a = idx % kK;
-    float qv = 0.0f, kv = 0.0f, gv = 0.0f, dov = 0.0f;
-    if (i < n) {
-      const int64_t off = ((c0 + i) * heads + h) * kK + a;
-      qv = to_f(q[off]) * scale;
-      kv = to_f(k[off]);
-      gv = g[off];
-      dov = to_f(dout[off]);
-    }
-    sm.qc[i * kLd + a] = qv;
-    sm.kc[i * kLd + a] = kv;
-    sm.gam[i * kLd + a] = gv;
-    put(1, i, a, dov);
+    put(1, i, a,
+        stage_chunk_element(sm.qc, sm.kc, sm.gam, q, k, g, dout, scale, c0, n, heads, h, i, a));
   }
   for (int idx = tid; idx < kTile; idx += kCT) {
     const int e = idx / kC, i = idx % kC;
@@ -1011,8 +1007,7 @@ __global__ void __launch_bounds__(kCT, 2)
   if (tid < kC) sm.beta[tid] = tid < n ? beta[(c0 + tid) * heads + h] : 0.0f;
   if (tid < kC * kC) sm.tm[tid] = p.tm[sh * kC * kC + tid];
   __syncthreads();
-  if (tid < kK)  // in-chunk cumulative sum, sequential like the CPU and prep
-    for (int i = 1; i < kC; ++i) sm.gam[i * kLd + tid] += sm.gam[(i - 1) * kLd + tid];
+  gamma_cumsum(sm.gam, tid);
   __syncthreads();
   bool wide = false;
   for (int idx = tid; idx < kTile; idx += kCT) {
