@@ -94,6 +94,17 @@ __device__ __forceinline__ int xslot(int row, int key) {
   return row * 32 + (key ^ ((row & 3) << 3));
 }
 
+// A thread's place in the kernels' split: warp w owns heads row0 = 16·(w mod 4) .. +15 of the
+// block and latent columns col0 = 256·(w div 4) .. +255 (half = w div 4); lane = 4g + t in the
+// MMA fragments.
+struct WarpPlace {
+  int warp, lane, g, t, half, row0, col0;
+};
+__device__ __forceinline__ WarpPlace warp_place() {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = warp >> 2;
+  return {warp, lane, lane >> 2, lane & 3, half, (warp & 3) * 16, half * kHalf};
+}
+
 // Copies ROWS rows of R bf16 (row r at src(r), or zeros where src(r) is null) into a swizzled
 // tile. A zero-filled chunk still names a valid address (`fallback`), though none is read.
 template <int ROWS, typename Src>
@@ -133,6 +144,26 @@ __device__ __forceinline__ void load_heads(bf16* tile, const bf16* base, int64_t
   load_tile<kHeads>(tile, base, [&](int r) -> const bf16* {
     return h0 + r < heads ? base + (i * heads + h0 + r) * kR : nullptr;
   });
+}
+
+// Waits for key block b (buffer b mod 2) and, once every warp is past the barrier and so done
+// with block b − 1's buffer, starts block b + 1 there. Returns block b's tile.
+__device__ __forceinline__ const bf16* next_key_block(const AbsorbedArgs& a, bf16* sL, int64_t i,
+                                                      int b, int blocks, int count) {
+  cp_async_wait_all();
+  __syncthreads();
+  if (b + 1 < blocks) load_keys(a, sL + ((b + 1) & 1) * (kBlockKeys * kR), i, b + 1, count);
+  cp_async_commit();
+  return sL + (b & 1) * (kBlockKeys * kR);
+}
+
+// Row r (head row0 + g + 8r of the block) of a warp's [16 × 256] accumulators times mul, as bf16
+// from o, this lane's first column of the row.
+__device__ __forceinline__ void store_row(bf16* o, const float (&acc)[32][4], int r, float mul) {
+#pragma unroll
+  for (int n = 0; n < 32; ++n)
+    *reinterpret_cast<__nv_bfloat162*>(o + n * 8) =
+        __floats2bfloat162_rn(acc[n][2 * r] * mul, acc[n][2 * r + 1] * mul);
 }
 
 // acc[nt] (16 rows × 8 keys, 4 key tiles) += A[16 rows of `arow0`.., columns `col0` .. +255] ·
@@ -216,10 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bf16* sQ = reinterpret_cast<bf16*>(smem);
   bf16* sL = reinterpret_cast<bf16*>(smem + kTileBytes);
   float* sX = reinterpret_cast<float*>(smem + kTileBytes + 2 * kKeyTileBytes);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int hg = warp & 3, half = warp >> 2;
-  const int row0 = hg * 16, col0 = half * kHalf;
+  const auto [warp, lane, g, t, half, row0, col0] = warp_place();
   const int64_t i = blockIdx.x;
   const int h0 = blockIdx.y * kHeads;
   const int count = a.counts[i];
@@ -235,11 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   for (int b = 0; b < blocks; ++b) {
-    cp_async_wait_all();
-    __syncthreads();  // block b landed; every warp is done with block b − 1's buffer
-    if (b + 1 < blocks) load_keys(a, sL + ((b + 1) & 1) * (kBlockKeys * kR), i, b + 1, count);
-    cp_async_commit();
-    const bf16* L = sL + (b & 1) * (kBlockKeys * kR);
+    const bf16* L = next_key_block(a, sL, i, b, blocks, count);
 
     float s[4][4] = {};
     scores_half(s, sQ, row0, L, col0, lane);
@@ -298,11 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int r = 0; r < 2; ++r) {
     const int h = h0 + row0 + g + 8 * r;
     if (h >= a.heads) continue;
-    bf16* o = out + (i * a.heads + h) * kR + col0 + 2 * t;
-#pragma unroll
-    for (int n = 0; n < 32; ++n)
-      *reinterpret_cast<__nv_bfloat162*>(o + n * 8) =
-          __floats2bfloat162_rn(acc[n][2 * r] * inv[r], acc[n][2 * r + 1] * inv[r]);
+    store_row(out + (i * a.heads + h) * kR + col0 + 2 * t, acc, r, inv[r]);
     if (half == 0 && t == 0) lse2[i * a.heads + h] = blocks > 0 ? m[r] + log2f(l[r]) : INFINITY;
   }
 }
@@ -375,6 +395,19 @@ __device__ __forceinline__ void row_stats(const AbsorbedBackwardArgs& k, int64_t
   }
 }
 
+// How both backward kernels start on query i, heads h0 ..: the softmax statistics of the warp's
+// rows, and the loads of q_abs, d o_lat and the first key block issued as one cp.async group.
+__device__ __forceinline__ void start_backward(const AbsorbedBackwardArgs& k, bf16* sQ, bf16* sD,
+                                               bf16* sL, int64_t i, int h0, int count, int blocks,
+                                               int row0, int lane, float (&lse)[2],
+                                               float (&dlt)[2]) {
+  row_stats(k, i, h0, row0, lane, lse, dlt);
+  load_heads(sQ, k.a.q, i, h0, k.a.heads);
+  load_heads(sD, k.dout, i, h0, k.a.heads);
+  if (blocks > 0) load_keys(k.a, sL, i, 0, count);
+  cp_async_commit();
+}
+
 // d q_abs[i, h] = scale Σ_j dS_j latent[j], query-major (same split as the forward).
 __global__ void __launch_bounds__(kThreads, 1)
     absorbed_dq_kernel(AbsorbedBackwardArgs k, bf16* __restrict__ dq) {
@@ -384,31 +417,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   bf16* sL = reinterpret_cast<bf16*>(smem + 2 * kTileBytes);
   float* sX = reinterpret_cast<float*>(smem + 2 * kTileBytes + 2 * kKeyTileBytes);
   const AbsorbedArgs& a = k.a;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int hg = warp & 3, half = warp >> 2;
-  const int row0 = hg * 16, col0 = half * kHalf;
+  const auto [warp, lane, g, t, half, row0, col0] = warp_place();
   const int64_t i = blockIdx.x;
   const int h0 = blockIdx.y * kHeads;
   const int count = a.counts[i];
   const int blocks = (count + kBlockKeys - 1) / kBlockKeys;
   float lse[2], dlt[2];
-  row_stats(k, i, h0, row0, lane, lse, dlt);
-
-  load_heads(sQ, a.q, i, h0, a.heads);
-  load_heads(sD, k.dout, i, h0, a.heads);
-  if (blocks > 0) load_keys(a, sL, i, 0, count);
-  cp_async_commit();
+  start_backward(k, sQ, sD, sL, i, h0, count, blocks, row0, lane, lse, dlt);
 
   float acc[32][4];
 #pragma unroll
   for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   for (int b = 0; b < blocks; ++b) {
-    cp_async_wait_all();
-    __syncthreads();
-    if (b + 1 < blocks) load_keys(a, sL + ((b + 1) & 1) * (kBlockKeys * kR), i, b + 1, count);
-    cp_async_commit();
-    const bf16* L = sL + (b & 1) * (kBlockKeys * kR);
+    const bf16* L = next_key_block(a, sL, i, b, blocks, count);
     float p[4][4], ds[4][4];
     probabilities(k, sQ, sD, L, sX, b, count, row0, col0, half, lane, lse, dlt, p, ds);
     weighted_sum(acc, ds, L, col0, lane);
@@ -418,11 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int r = 0; r < 2; ++r) {
     const int h = h0 + row0 + g + 8 * r;
     if (h >= a.heads) continue;
-    bf16* o = dq + (i * a.heads + h) * kR + col0 + 2 * t;
-#pragma unroll
-    for (int n = 0; n < 32; ++n)
-      *reinterpret_cast<__nv_bfloat162*>(o + n * 8) =
-          __floats2bfloat162_rn(acc[n][2 * r] * k.scale, acc[n][2 * r + 1] * k.scale);
+    store_row(dq + (i * a.heads + h) * kR + col0 + 2 * t, acc, r, k.scale);
   }
 }
 
@@ -440,10 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bf16* sP = reinterpret_cast<bf16*>(sX);
   bf16* sS = sP + kHeads * kPStride;
   const AbsorbedArgs& a = k.a;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int hg = warp & 3, half = warp >> 2;
-  const int row0 = hg * 16, col0 = half * kHalf;
+  const auto [warp, lane, g, t, half, row0, col0] = warp_place();
   // The key-side product: warp → keys 16·(w mod 2) .., columns 128·(w div 2) ..
   const int km = (warp & 1) * 16, kc = (warp >> 1) * 128;
   const int64_t i = q0 + blockIdx.x;
@@ -451,19 +465,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int count = a.counts[i];
   const int blocks = (count + kBlockKeys - 1) / kBlockKeys;
   float lse[2], dlt[2];
-  row_stats(k, i, h0, row0, lane, lse, dlt);
-
-  load_heads(sQ, a.q, i, h0, a.heads);
-  load_heads(sD, k.dout, i, h0, a.heads);
-  if (blocks > 0) load_keys(a, sL, i, 0, count);
-  cp_async_commit();
+  start_backward(k, sQ, sD, sL, i, h0, count, blocks, row0, lane, lse, dlt);
 
   for (int b = 0; b < blocks; ++b) {
-    cp_async_wait_all();
-    __syncthreads();
-    if (b + 1 < blocks) load_keys(a, sL + ((b + 1) & 1) * (kBlockKeys * kR), i, b + 1, count);
-    cp_async_commit();
-    const bf16* L = sL + (b & 1) * (kBlockKeys * kR);
+    const bf16* L = next_key_block(a, sL, i, b, blocks, count);
     float p[4][4], ds[4][4];
     probabilities(k, sQ, sD, L, sX, b, count, row0, col0, half, lane, lse, dlt, p, ds);
     __syncthreads();  // every warp has read the exchange area
