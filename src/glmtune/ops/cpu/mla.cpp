@@ -15,36 +15,42 @@ namespace glmtune::ops {
 using namespace cpu_detail;
 namespace {
 
-// Shapes and dtypes shared by both attention paths; returns the document bounds and, per token,
-// the document it belongs to. Every index is validated here, outside any parallel region (an
-// exception must not escape an OpenMP loop).
-struct AttentionPlan {
-  std::vector<int64_t> bounds;
-  std::vector<int64_t> doc_of;
-};
-
-AttentionPlan plan_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                             const Tensor& indices, const Tensor& cu_seqlens) {
+// Shapes and dtypes shared by both attention paths; returns the document bounds. Every index is
+// validated here, outside any parallel region (an exception must not escape an OpenMP loop).
+std::vector<int64_t> plan_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& indices, const Tensor& cu_seqlens) {
   check_attention_qkv(q, k, v);
-  AttentionPlan plan;
-  plan.bounds = checked_document_bounds(indices, cu_seqlens, q.size(0), "mla attention");
-  plan.doc_of.resize(size_t(q.size(0)));
-  for (size_t d = 0; d + 1 < plan.bounds.size(); ++d)
-    for (int64_t i = plan.bounds[d]; i < plan.bounds[d + 1]; ++i)
-      plan.doc_of[size_t(i)] = int64_t(d);
-  return plan;
+  return checked_document_bounds(indices, cu_seqlens, q.size(0), "mla attention");
 }
 
+// What both kernels read and write: q, k [T, heads, dqk], v and the output [T, heads, dv]
+// (contiguous), the indices [T, width].
 template <typename T>
-void sparse_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& idx_t,
-                   T scale, Tensor& out) {
-  const int64_t tokens = q_t.size(0), heads = q_t.size(1), dqk = q_t.size(2), dv = v_t.size(2);
-  const int64_t width = idx_t.size(1);
-  const T* q = q_t.data<T>();
-  const T* k = k_t.data<T>();
-  const T* v = v_t.data<T>();
-  const int32_t* idx = idx_t.data<int32_t>();
-  T* o = out.data<T>();
+struct AttentionOperands {
+  int64_t tokens, heads, dqk, dv, width;
+  const T* q;
+  const T* k;
+  const T* v;
+  const int32_t* idx;
+  T* o;
+
+  AttentionOperands(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& idx_t,
+                    Tensor& out)
+      : tokens(q_t.size(0)),
+        heads(q_t.size(1)),
+        dqk(q_t.size(2)),
+        dv(v_t.size(2)),
+        width(idx_t.size(1)),
+        q(q_t.data<T>()),
+        k(k_t.data<T>()),
+        v(v_t.data<T>()),
+        idx(idx_t.data<int32_t>()),
+        o(out.data<T>()) {}
+};
+
+template <typename T>
+void sparse_kernel(const AttentionOperands<T>& a, T scale) {
+  const auto [tokens, heads, dqk, dv, width, q, k, v, idx, o] = a;
   // Threads only pay off past a few hundred thousand multiply-adds.
   const bool parallel = tokens * width * heads * (dqk + dv) > (int64_t(1) << 18);
 #pragma omp parallel if (parallel)
@@ -53,13 +59,7 @@ void sparse_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, cons
     std::vector<T> prob;
 #pragma omp for schedule(dynamic, 16)
     for (int64_t i = 0; i < tokens; ++i) {
-      // The visible set of query i: the row's entries as a set (the reference's mask is the
-      // union of the entries, so a repeated index must not weigh twice).
-      keys.clear();
-      for (int64_t w = 0; w < width; ++w)
-        if (idx[i * width + w] >= 0) keys.push_back(idx[i * width + w]);
-      std::sort(keys.begin(), keys.end());
-      keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+      visible_keys(idx + i * width, width, keys);
       const size_t n = keys.size();
       prob.resize(n);
       for (int64_t h = 0; h < heads; ++h) {
@@ -80,15 +80,8 @@ void sparse_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, cons
 }
 
 template <typename T>
-void dense_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor& idx_t,
-                  const std::vector<int64_t>& bounds, T scale, Tensor& out) {
-  const int64_t heads = q_t.size(1), dqk = q_t.size(2), dv = v_t.size(2);
-  const int64_t width = idx_t.size(1);
-  const T* q = q_t.data<T>();
-  const T* k = k_t.data<T>();
-  const T* v = v_t.data<T>();
-  const int32_t* idx = idx_t.data<int32_t>();
-  T* o = out.data<T>();
+void dense_kernel(const AttentionOperands<T>& a, const std::vector<int64_t>& bounds, T scale) {
+  const auto [tokens, heads, dqk, dv, width, q, k, v, idx, o] = a;
   for (size_t d = 0; d + 1 < bounds.size(); ++d) {
     const int64_t begin = bounds[d], len = bounds[d + 1] - begin;
     if (len == 0) continue;
@@ -123,22 +116,23 @@ void dense_kernel(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const
 
 Tensor attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, const Tensor& indices,
                  const Tensor& cu_seqlens, double scale, bool dense) {
-  const AttentionPlan plan = plan_attention(q_in, k_in, v_in, indices, cu_seqlens);
+  const std::vector<int64_t> bounds = plan_attention(q_in, k_in, v_in, indices, cu_seqlens);
   const Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const Tensor idx = indices.contiguous();
   Tensor out = Tensor::zeros({q.size(0), q.size(1), v.size(2)}, q.dtype());
   if (q.size(0) == 0) return out;
-  if (q.dtype() == DType::f32) {
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const AttentionOperands<T> a(q, k, v, idx, out);
     if (dense)
-      dense_kernel<float>(q, k, v, idx, plan.bounds, float(scale), out);
+      dense_kernel(a, bounds, T(scale));
     else
-      sparse_kernel<float>(q, k, v, idx, float(scale), out);
-  } else {
-    if (dense)
-      dense_kernel<double>(q, k, v, idx, plan.bounds, scale, out);
-    else
-      sparse_kernel<double>(q, k, v, idx, scale, out);
-  }
+      sparse_kernel(a, T(scale));
+  };
+  if (q.dtype() == DType::f32)
+    run(float());
+  else
+    run(double());
   return out;
 }
 

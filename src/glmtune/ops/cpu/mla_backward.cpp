@@ -36,13 +36,7 @@ KeySets key_sets(const Tensor& indices, const Tensor& cu_seqlens, int64_t tokens
   std::vector<int64_t> row;
   for (size_t d = 0; d + 1 < bounds.size(); ++d) {
     for (int64_t i = bounds[d]; i < bounds[d + 1]; ++i) {
-      row.clear();
-      for (int64_t w = 0; w < width; ++w) {
-        const int64_t j = idx[i * width + w];
-        if (j >= 0) row.push_back(j);
-      }
-      std::sort(row.begin(), row.end());
-      row.erase(std::unique(row.begin(), row.end()), row.end());
+      visible_keys(idx + i * width, width, row);
       s.keys.insert(s.keys.end(), row.begin(), row.end());
       s.start[size_t(i) + 1] = int64_t(s.keys.size());
     }

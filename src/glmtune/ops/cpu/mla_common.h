@@ -1,8 +1,8 @@
 #pragma once
 // Private helpers shared by the CPU sparse attention's forward (mla.cpp) and backward
-// (mla_backward.cpp): the operand checks and the softmax numerators, which both files must compute
-// the same way, bit for bit, so that the backward differentiates exactly the function the forward
-// ran.
+// (mla_backward.cpp): the operand checks, the visible key sets and the softmax numerators, which
+// both files must compute the same way, bit for bit, so that the backward differentiates exactly
+// the function the forward ran.
 
 #include <algorithm>
 #include <cmath>
@@ -65,6 +65,17 @@ T softmax_numerators(const T* qh, const T* k, const int64_t* keys, size_t n, int
     sum += prob[j];
   }
   return sum;
+}
+
+// The keys query row `row` (its W entries of the indices) sees: the entries as a sorted set,
+// −1 ("no key") left out. The reference's mask is the union of the entries, so a repeated index
+// must not weigh twice; the forward and the backward take the same set.
+inline void visible_keys(const int32_t* row, int64_t width, std::vector<int64_t>& keys) {
+  keys.clear();
+  for (int64_t w = 0; w < width; ++w)
+    if (row[w] >= 0) keys.push_back(row[w]);
+  std::sort(keys.begin(), keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
 }
 
 // The per-query attention indices int32 [T, W] against the packing: returns the document bounds
