@@ -42,9 +42,9 @@ template <typename T>
 void rms_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& gate,
                      GateActivation activation, double eps, Tensor& out, Tensor& rstd_out) {
   const T* x = r.x.data<T>();
-  const T* w = weight.defined() ? weight.data<T>() : nullptr;
+  const T* w = ptr_or_null<T>(weight);
   Tensor gc = gate.defined() ? gate.contiguous() : Tensor();
-  const T* z = gc.defined() ? gc.data<T>() : nullptr;
+  const T* z = ptr_or_null<T>(gc);
   T* y = out.data<T>();
   T* rs = rstd_out.defined() ? rstd_out.data<T>() : nullptr;
   const int64_t n = r.n;
@@ -68,8 +68,8 @@ template <typename T>
 void layer_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& bias, double eps,
                        Tensor& out, Tensor& mean_out, Tensor& rstd_out) {
   const T* x = r.x.data<T>();
-  const T* w = weight.defined() ? weight.data<T>() : nullptr;
-  const T* b = bias.defined() ? bias.data<T>() : nullptr;
+  const T* w = ptr_or_null<T>(weight);
+  const T* b = ptr_or_null<T>(bias);
   T* y = out.data<T>();
   T* ms = mean_out.defined() ? mean_out.data<T>() : nullptr;
   T* rs = rstd_out.defined() ? rstd_out.data<T>() : nullptr;
@@ -103,32 +103,12 @@ void l2_norm_kernel(const Rows& r, double eps, Tensor& out, Tensor& norm_out) {
   });
 }
 
-}  // namespace
-
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd) {
-  checks::rows_input(x, "x", "rms_norm");
-  checks::channel_vector(weight, x, "weight", "rms_norm");
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm(x, weight, eps, rstd));
-  Rows r = as_rows(x, "rms_norm");
-  check_vector_dtype(weight, x, "weight", "rms_norm");
-  Tensor out = Tensor::empty(x.shape(), x.dtype());
-  Tensor rs = make_stat(rstd, x);
-  Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
-  if (x.dtype() == DType::f32)
-    rms_norm_kernel<float>(r, weight_c, Tensor(), GateActivation::sigmoid, eps, out, rs);
-  else
-    rms_norm_kernel<double>(r, weight_c, Tensor(), GateActivation::sigmoid, eps, out, rs);
-  return out;
-}
-
-Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate, double eps,
-                      GateActivation activation, Tensor* rstd) {
-  checks::rows_input(x, "x", "rms_norm_gated");
-  checks::channel_vector(weight, x, "weight", "rms_norm_gated");
-  checks::same_as(gate, x, "gate", "x", "rms_norm_gated");
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_gated(x, weight, gate, eps, activation, rstd));
-  Rows r = as_rows(x, "rms_norm_gated");
-  check_vector_dtype(weight, x, "weight", "rms_norm_gated");
+// The CPU body of rms_norm and rms_norm_gated (an undefined gate: no gating), after the op's
+// checks and GPU dispatch.
+Tensor rms_norm_cpu(const Tensor& x, const Tensor& weight, const Tensor& gate,
+                    GateActivation activation, double eps, Tensor* rstd, const char* op) {
+  Rows r = as_rows(x, op);
+  check_vector_dtype(weight, x, "weight", op);
   Tensor out = Tensor::empty(x.shape(), x.dtype());
   Tensor rs = make_stat(rstd, x);
   Tensor weight_c = weight.defined() ? weight.contiguous() : Tensor();
@@ -137,6 +117,24 @@ Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate,
   else
     rms_norm_kernel<double>(r, weight_c, gate, activation, eps, out, rs);
   return out;
+}
+
+}  // namespace
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, Tensor* rstd) {
+  checks::rows_input(x, "x", "rms_norm");
+  checks::channel_vector(weight, x, "weight", "rms_norm");
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm(x, weight, eps, rstd));
+  return rms_norm_cpu(x, weight, Tensor(), GateActivation::sigmoid, eps, rstd, "rms_norm");
+}
+
+Tensor rms_norm_gated(const Tensor& x, const Tensor& weight, const Tensor& gate, double eps,
+                      GateActivation activation, Tensor* rstd) {
+  checks::rows_input(x, "x", "rms_norm_gated");
+  checks::channel_vector(weight, x, "weight", "rms_norm_gated");
+  checks::same_as(gate, x, "gate", "x", "rms_norm_gated");
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rms_norm_gated(x, weight, gate, eps, activation, rstd));
+  return rms_norm_cpu(x, weight, gate, activation, eps, rstd, "rms_norm_gated");
 }
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
