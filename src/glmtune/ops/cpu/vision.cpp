@@ -70,7 +70,7 @@ RopeTables tables_impl(const Tensor& positions, int64_t hd, double theta, DType 
 
 // Visits every rotated pair of x [N·H, hd] in place: rotate(lo, hi, cos, sin, half) with
 // lo = x[m], hi = x[m+hd/2] and cos / sin pointing at the row's tables at m (their m+hd/2 entry
-// is [half]). The forward rotation and its transpose differ only in `rotate`.
+// is [half]). The forward rotation and its transpose differ only in `rotate` (RotatePair).
 template <typename T, typename Rotate>
 void for_each_rope_pair(Tensor& x, const RopeTables& t, Rotate rotate) {
   const int64_t n = t.cos.size(0), hd = t.cos.size(1), half = hd / 2;
@@ -105,6 +105,36 @@ void check_rope(const Tensor& x, const RopeTables& t, const char* op) {
   GLMTUNE_ASSERT(x.is_contiguous() && t.cos.dtype() == x.dtype() && t.sin.dtype() == x.dtype(),
                  "{}: x {} must be contiguous, the tables {} / {} in its dtype", op, x.str(),
                  t.cos.str(), t.sin.str());
+}
+
+// One pair's rotation, rotate(lo, hi, cos, sin, half) as for_each_rope_pair calls it:
+//   forward    x'[m] = x[m]·cos − x[m+hd/2]·sin,  x'[m+hd/2] = x[m+hd/2]·cos + x[m]·sin;
+//   transpose  with d' the gradient of the rotated pair, da = d'[m]·cos + d'[m+hd/2]·sin,
+//              db = d'[m+hd/2]·cos − d'[m]·sin.
+template <bool kTranspose>
+struct RotatePair {
+  template <typename T>
+  void operator()(T& lo, T& hi, const T* c, const T* s, int64_t half) const {
+    const T a = lo, b = hi;
+    if constexpr (kTranspose) {
+      lo = a * c[0] + b * s[half];
+      hi = b * c[half] - a * s[0];
+    } else {
+      lo = a * c[0] - b * s[0];
+      hi = b * c[half] + a * s[half];
+    }
+  }
+};
+
+// The CPU body of rope_2d_ and (kTranspose) rope_2d_backward_, after each op's checks and GPU
+// dispatch.
+template <bool kTranspose>
+void rope_2d_cpu(Tensor& x, const RopeTables& t, const char* op) {
+  check_rope(x, t, op);
+  if (x.dtype() == DType::f32)
+    for_each_rope_pair<float>(x, t, RotatePair<kTranspose>{});
+  else
+    for_each_rope_pair<double>(x, t, RotatePair<kTranspose>{});
 }
 
 // Calls fn(start, len, h, q0, rows) for every block of at most kQueryBlock query rows
@@ -242,33 +272,13 @@ RopeTables rope_2d_tables(const Tensor& positions, int64_t head_dim, double thet
 void rope_2d_(Tensor& x, const RopeTables& tables) {
   check_rope_args(x, tables, "rope_2d_");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::rope_2d_(x, tables));
-  check_rope(x, tables, "rope_2d_");
-  auto rotate = [](auto& lo, auto& hi, const auto* c, const auto* s, int64_t half) {
-    const auto a = lo, b = hi;
-    lo = a * c[0] - b * s[0];
-    hi = b * c[half] + a * s[half];
-  };
-  if (x.dtype() == DType::f32)
-    for_each_rope_pair<float>(x, tables, rotate);
-  else
-    for_each_rope_pair<double>(x, tables, rotate);
+  rope_2d_cpu</*kTranspose=*/false>(x, tables, "rope_2d_");
 }
 
 void rope_2d_backward_(Tensor& dx, const RopeTables& tables) {
   check_rope_args(dx, tables, "rope_2d_backward_");
   GLMTUNE_DISPATCH_CUDA(dx, cuda_path::rope_2d_backward_(dx, tables));
-  check_rope(dx, tables, "rope_2d_backward_");
-  // With d' the gradient of the rotated pair: da = d'[m]·cos + d'[m+hd/2]·sin,
-  // db = d'[m+hd/2]·cos − d'[m]·sin.
-  auto rotate = [](auto& lo, auto& hi, const auto* c, const auto* s, int64_t half) {
-    const auto da = lo, db = hi;
-    lo = da * c[0] + db * s[half];
-    hi = db * c[half] - da * s[0];
-  };
-  if (dx.dtype() == DType::f32)
-    for_each_rope_pair<float>(dx, tables, rotate);
-  else
-    for_each_rope_pair<double>(dx, tables, rotate);
+  rope_2d_cpu</*kTranspose=*/true>(dx, tables, "rope_2d_backward_");
 }
 
 void gelu_erf_(Tensor& x) {
