@@ -175,13 +175,30 @@ std::vector<const Tensor*> fields_of(const Params& p, Zip zip) {
   return fields;
 }
 
+// This rank's share of a mixer's heads, split evenly over the ranks: [first, first + count).
+struct HeadShare {
+  int64_t first = 0;  // first head
+  int64_t count = 0;  // heads here
+};
+
+HeadShare head_share(int64_t heads, int rank, int ranks) {
+  const int64_t count = heads / ranks;
+  return {int64_t(rank) * count, count};
+}
+
 // This rank's heads of one KDA layer: the parameters restricted to them and the options that
 // describe them.
 struct KdaHeads {
   ops::KdaParams params;
   ops::KdaOptions options;
-  int64_t first = 0;  // first head
-  int64_t count = 0;  // heads here
+  HeadShare share;
+};
+
+// This rank's MLA heads. The o_proj bias stays with rank 0 only (mla_slicing).
+struct MlaHeads {
+  ops::DsaParams params;
+  ops::MlaConfig config;
+  HeadShare share;
 };
 
 const auto zip_kda = [](auto& a, auto& b, auto&& f) { ops::zip_kda_params(a, b, f); };
@@ -217,64 +234,51 @@ auto keep_projection_settings(SlicingOf slicing_of, int64_t first) {
   };
 }
 
-KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, int ranks) {
-  KdaHeads h;
-  h.count = o.num_heads / ranks;
-  h.first = int64_t(rank) * h.count;
-  h.options = o;
-  h.options.num_heads = h.count;
-  ops::zip_kda_params(
-      p, h.params,
-      Overloaded{[&](const std::string& name, const Tensor& full, Tensor& mine) {
-                   mine = slice_heads(full, kda_slicing(name, o.head_dim), h.first, h.count, rank);
-                 },
-                 keep_projection_settings(
-                     [&](const std::string& n) { return kda_slicing(n, o.head_dim); }, h.first)});
-  return h;
+auto kda_slicing_of(int64_t head_dim) {
+  return [head_dim](const std::string& n) { return kda_slicing(n, head_dim); };
+}
+auto mla_slicing_of(const ops::MlaConfig& c) {
+  return [c](const std::string& n) { return mla_slicing(n, c); };
 }
 
-// Adds the gradients of this rank's heads (`part`, shaped like KdaHeads::params) into the
-// full-sized buffers.
-void add_kda_grads(const ops::KdaParams& p, const ops::KdaOptions& o, const KdaHeads& h,
-                   const ops::KdaGrads& part, ops::KdaGrads& g) {
-  const std::vector<const Tensor*> parts = fields_of(part, zip_kda);
+// A mixer's parameters `full` restricted to the heads of `share` into `mine`: `zip` walks the
+// mixer's parameter list, `slicing_of` names how each parameter splits.
+template <typename Params, typename Zip, typename SlicingOf>
+void slice_params(Zip zip, SlicingOf slicing_of, const Params& full, Params& mine, HeadShare share,
+                  int rank) {
+  zip(full, mine,
+      Overloaded{[&](const std::string& name, const Tensor& f, Tensor& m) {
+                   m = slice_heads(f, slicing_of(name), share.first, share.count, rank);
+                 },
+                 keep_projection_settings(slicing_of, share.first)});
+}
+
+// Adds the gradients of this rank's heads (`part`, shaped like slice_params' result) into the
+// full-sized buffers `g` of the parameters `p`.
+template <typename Params, typename Grads, typename Zip, typename SlicingOf>
+void add_head_grads(Zip zip, SlicingOf slicing_of, const Params& p, HeadShare share,
+                    const Grads& part, Grads& g) {
+  const std::vector<const Tensor*> parts = fields_of(part, zip);
   size_t i = 0;
-  ops::zip_kda_params(p, g, [&](const std::string& name, const Tensor& param, Tensor& grad) {
-    add_head_grad(grad, param, *parts[i++], kda_slicing(name, o.head_dim), h.first, h.count);
+  zip(p, g, [&](const std::string& name, const Tensor& param, Tensor& grad) {
+    add_head_grad(grad, param, *parts[i++], slicing_of(name), share.first, share.count);
   });
 }
 
-// This rank's MLA heads. The o_proj bias stays with rank 0 only (mla_slicing).
-struct MlaHeads {
-  ops::DsaParams params;
-  ops::MlaConfig config;
-  int64_t first = 0, count = 0;
-};
+KdaHeads kda_heads(const ops::KdaParams& p, const ops::KdaOptions& o, int rank, int ranks) {
+  KdaHeads h{.params = {}, .options = o, .share = head_share(o.num_heads, rank, ranks)};
+  h.options.num_heads = h.share.count;
+  slice_params(zip_kda, kda_slicing_of(o.head_dim), p, h.params, h.share, rank);
+  return h;
+}
 
 MlaHeads mla_heads(const ops::MlaConfig& c, const ops::DsaParams& p, int rank, int ranks) {
-  MlaHeads h;
-  h.count = c.n_heads / ranks;
-  h.first = int64_t(rank) * h.count;
-  h.config = c;
-  h.config.n_heads = h.count;
-  ops::zip_mla_params(
-      p.mla, h.params.mla,
-      Overloaded{[&](const std::string& name, const Tensor& full, Tensor& mine) {
-                   mine = slice_heads(full, mla_slicing(name, c), h.first, h.count, rank);
-                 },
-                 keep_projection_settings([&](const std::string& n) { return mla_slicing(n, c); },
-                                          h.first)});
-  h.params.indexer = p.indexer;
+  MlaHeads h{.params = {.mla = {}, .indexer = p.indexer},
+             .config = c,
+             .share = head_share(c.n_heads, rank, ranks)};
+  h.config.n_heads = h.share.count;
+  slice_params(zip_mla, mla_slicing_of(c), p.mla, h.params.mla, h.share, rank);
   return h;
-}
-
-void add_mla_grads(const ops::MlaConfig& c, const ops::MlaParams& p, const MlaHeads& h,
-                   const ops::MlaParams& part, ops::MlaParams& g) {
-  const std::vector<const Tensor*> parts = fields_of(part, zip_mla);
-  size_t i = 0;
-  ops::zip_mla_params(p, g, [&](const std::string& name, const Tensor& param, Tensor& grad) {
-    add_head_grad(grad, param, *parts[i++], mla_slicing(name, c), h.first, h.count);
-  });
 }
 
 }  // namespace
@@ -440,7 +444,7 @@ Tensor UlyssesParallel::kda_forward(const ops::KdaParams& params, const Tensor& 
   // The op's own output is this rank's heads through their o_proj columns; the gated-norm output
   // before it is what travels, so that o_proj runs once per token on its owner, as unsplit.
   ops::kda_forward(h.params, x_full, cu_seqlens, h.options, s);
-  const Tensor normed = columns_to_rows(s->normed.view({tokens, h.count * options.head_dim}));
+  const Tensor normed = columns_to_rows(s->normed.view({tokens, h.share.count * options.head_dim}));
   return ops::linear(normed, on_shard_rows(params.o_proj, shard_begin(tokens)));
 }
 
@@ -456,7 +460,7 @@ Tensor UlyssesParallel::kda_backward(const ops::KdaParams& params, const Tensor&
   const Tensor dx =
       ops::kda_backward(h.params, x_full, cu_seqlens, h.options,
                         saved && saved->normed.defined() ? saved : nullptr, dy_full, part);
-  add_kda_grads(params, options, h, part, grads);
+  add_head_grads(zip_kda, kda_slicing_of(options.head_dim), params, h.share, part, grads);
   return reduce_scatter_rows(dx);
 }
 
@@ -478,7 +482,7 @@ Tensor UlyssesParallel::dsa_forward(const ops::MlaConfig& mla, const ops::Indexe
           : carried_indices;
   const Tensor core =
       ops::sparse_attention(proj.q, proj.k, proj.v, indices, cu_seqlens, mla.softmax_scale())
-          .view({tokens, h.count * mla.v_head_dim});
+          .view({tokens, h.share.count * mla.v_head_dim});
   if (indices_out) *indices_out = indices;
   return ops::linear(columns_to_rows(core), on_shard_rows(params.mla.o_proj, shard_begin(tokens)));
 }
@@ -496,7 +500,7 @@ Tensor UlyssesParallel::dsa_backward(const ops::MlaConfig& mla, const ops::DsaPa
   ops::mla_forward(h.config, h.params.mla, x_full, indices, cu_seqlens, ctx);
   ops::DsaParams part;
   const Tensor dx = ops::dsa_backward(h.config, h.params, ctx, dy_full, part);
-  add_mla_grads(mla, params.mla, h, part.mla, grads.mla);
+  add_head_grads(zip_mla, mla_slicing_of(mla), params.mla, h.share, part.mla, grads.mla);
   return reduce_scatter_rows(dx);
 }
 
