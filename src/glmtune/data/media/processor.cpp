@@ -483,28 +483,50 @@ MediaTokenIds MediaTokenIds::from_tokenizer(const Tokenizer& tokenizer) {
   return ids;
 }
 
+namespace {
+
+// The counts both expansions check, each in its own words: `stream` holds the placeholders ("the
+// text"), `placeholder` names one.
+struct PlaceholderCount {
+  std::string_view stream, placeholder;
+  size_t images;
+  const std::string& source;
+
+  // Before placeholder number k (from 0) is expanded.
+  void check_next(size_t k) const {
+    if (k >= images)
+      throw Error(
+          fmt::format("{} has more {}s than the {} image(s) given", stream, placeholder, images),
+          source, "give one image per placeholder");
+  }
+  // After the whole stream, in which k placeholders were met.
+  void check_total(size_t k) const {
+    if (k != images)
+      throw Error(
+          fmt::format("{} image(s) given but {} has {} {}(s)", images, stream, k, placeholder),
+          source, "give one image per placeholder");
+  }
+};
+
+}  // namespace
+
 std::string expand_image_placeholders(std::string_view text,
                                       std::span<const int64_t> tokens_per_image,
                                       const std::string& source) {
+  const PlaceholderCount count{"the text", "`<|image|>` placeholder", tokens_per_image.size(),
+                               source};
   std::string out;
   size_t pos = 0, k = 0;
   for (;;) {
     const size_t hit = text.find(kImagePlaceholder, pos);
     if (hit == std::string_view::npos) break;
-    if (k >= tokens_per_image.size())
-      throw Error(
-          fmt::format("the text has more `<|image|>` placeholders than the {} image(s) given",
-                      tokens_per_image.size()),
-          source, "give one image per placeholder");
+    count.check_next(k);
     out.append(text.substr(pos, hit - pos));
     for (int64_t i = 0; i < tokens_per_image[k]; ++i) out.append(kImagePlaceholder);
     ++k;
     pos = hit + kImagePlaceholder.size();
   }
-  if (k != tokens_per_image.size())
-    throw Error(fmt::format("{} image(s) given but the text has {} `<|image|>` placeholder(s)",
-                            tokens_per_image.size(), k),
-                source, "give one image per placeholder");
+  count.check_total(k);
   out.append(text.substr(pos));
   return out;
 }
@@ -512,6 +534,8 @@ std::string expand_image_placeholders(std::string_view text,
 std::vector<int32_t> expand_image_tokens(std::span<const int32_t> ids,
                                          std::span<const int64_t> tokens_per_image,
                                          const MediaTokenIds& media, const std::string& source) {
+  const PlaceholderCount count{"the token stream", "image placeholder", tokens_per_image.size(),
+                               source};
   std::vector<int32_t> out;
   out.reserve(ids.size());
   size_t k = 0;
@@ -523,18 +547,11 @@ std::vector<int32_t> expand_image_tokens(std::span<const int32_t> ids,
       out.push_back(id);
       continue;
     }
-    if (k >= tokens_per_image.size())
-      throw Error(fmt::format("the token stream has more image placeholders than the {} image(s) "
-                              "given",
-                              tokens_per_image.size()),
-                  source, "give one image per placeholder");
+    count.check_next(k);
     out.insert(out.end(), size_t(tokens_per_image[k]), media.image);
     ++k;
   }
-  if (k != tokens_per_image.size())
-    throw Error(fmt::format("{} image(s) given but the token stream has {} image placeholder(s)",
-                            tokens_per_image.size(), k),
-                source, "give one image per placeholder");
+  count.check_total(k);
   return out;
 }
 
