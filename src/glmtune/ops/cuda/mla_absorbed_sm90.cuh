@@ -89,7 +89,7 @@ __device__ __forceinline__ int32_t prefetch_position(const int32_t* row, int blo
 // ---- forward ------------------------------------------------------------------------------------
 //
 // One block per (query, 64 heads) in three warpgroups, arranged so that the tensor cores are not
-// bound by shared-memory reads and never wait on a gather they could have overlapped:
+// bound by shared-memory reads and the gather runs under the products:
 //   - a producer warpgroup gathers the latent rows (cp.async completing on mbarriers); the two
 //     consumer warpgroups never issue a load;
 //   - keys go 128 at a time: warpgroup w scores its own block of 64 (S_w = q_abs · L_wᵀ,
@@ -105,7 +105,7 @@ __device__ __forceinline__ int32_t prefetch_position(const int32_t* row, int blo
 //     a tile runs under the other half's products;
 //   - the next block's scores are issued before the other warpgroup's product is waited for.
 // Shared memory: q_abs (64 KB), two key tiles (128 KB), P of both warpgroups for two iterations
-// (32 KB), row maxima and sums, twelve mbarriers.
+// (32 KB), row maxima and sums, nine mbarriers.
 
 namespace absorbed_fwd {
 
