@@ -189,6 +189,28 @@ struct AttnArgs {
   float scale_log2;  // scale · log2 e
 };
 
+// A block's unit of work (tile blockIdx.x at head blockIdx.y, whose columns start at col0) and
+// the thread's place in its warp's fragments (rows g and g + 8, columns 2·tq and 2·tq + 1).
+struct AttnThread {
+  Tile t;
+  int h, warp, g, tq;
+  int64_t col0;
+};
+template <int D>
+__device__ __forceinline__ AttnThread attn_thread(const AttnArgs& a) {
+  const int h = blockIdx.y, lane = threadIdx.x % 32;
+  return {a.tiles[blockIdx.x], h, int(threadIdx.x / 32), lane / 4, lane % 4, int64_t(h) * D};
+}
+
+// Stages key and value rows [kb, kb + 64) of head col0 / D (zeros from other_end on) into
+// buffer buf: the other side of the forward and the dQ kernel, which stream the same rows.
+template <int D, int W>
+__device__ __forceinline__ void stage_keys_values(bf16* s_k, bf16* s_v, const AttnArgs& a,
+                                                  int64_t col0, int other_end, int buf, int kb) {
+  stage_rows<D, kOtherRows, 32 * W>(s_k + buf * kOtherElems<D>, a.k + col0, a.ldk, kb, other_end);
+  stage_rows<D, kOtherRows, 32 * W>(s_v + buf * kOtherElems<D>, a.v + col0, a.ldv, kb, other_end);
+}
+
 // Forward: one block per (tile of 16·W query rows, head).
 template <int D, int W>
 __global__ void __launch_bounds__(32 * W)
@@ -197,15 +219,9 @@ __global__ void __launch_bounds__(32 * W)
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   bf16* s_k = s_q + kOwnElems<D, W>;     // two buffers
   bf16* s_v = s_k + 2 * kOtherElems<D>;  // two buffers
-  const Tile t = a.tiles[blockIdx.x];
-  const int h = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-  const int64_t col0 = int64_t(h) * D;
+  const auto [t, h, warp, g, tq, col0] = attn_thread<D>(a);
   auto stage_keys = [&](int buf, int kb) {
-    stage_rows<D, kOtherRows, 32 * W>(s_k + buf * kOtherElems<D>, a.k + col0, a.ldk, kb,
-                                      t.other_end);
-    stage_rows<D, kOtherRows, 32 * W>(s_v + buf * kOtherElems<D>, a.v + col0, a.ldv, kb,
-                                      t.other_end);
+    stage_keys_values<D, W>(s_k, s_v, a, col0, t.other_end, buf, kb);
   };
 
   stage_rows<D, 16 * W, 32 * W>(s_q, a.q + col0, a.ldq, t.row0 - a.q_begin, t.row_end - a.q_begin);
@@ -310,10 +326,7 @@ __global__ void __launch_bounds__(32 * W)
   bf16* s_do = s_q + kOwnElems<D, W>;
   bf16* s_k = s_do + kOwnElems<D, W>;    // two buffers
   bf16* s_v = s_k + 2 * kOtherElems<D>;  // two buffers
-  const Tile t = a.tiles[blockIdx.x];
-  const int h = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-  const int64_t col0 = int64_t(h) * D;
+  const auto [t, h, warp, g, tq, col0] = attn_thread<D>(a);
   const int64_t r0 = int64_t(t.row0) + warp * 16 + g, r1 = r0 + 8;
   // Rows past the tile keep P = 0 (their zero-filled queries give finite scores).
   const float lse0 = r0 < t.row_end ? lse[(r0 - a.q_begin) * a.heads + h] * kLog2e : INFINITY;
@@ -321,10 +334,7 @@ __global__ void __launch_bounds__(32 * W)
   const float d0 = r0 < t.row_end ? delta[(r0 - a.q_begin) * a.heads + h] : 0.f;
   const float d1 = r1 < t.row_end ? delta[(r1 - a.q_begin) * a.heads + h] : 0.f;
   auto stage_keys = [&](int buf, int kb) {
-    stage_rows<D, kOtherRows, 32 * W>(s_k + buf * kOtherElems<D>, a.k + col0, a.ldk, kb,
-                                      t.other_end);
-    stage_rows<D, kOtherRows, 32 * W>(s_v + buf * kOtherElems<D>, a.v + col0, a.ldv, kb,
-                                      t.other_end);
+    stage_keys_values<D, W>(s_k, s_v, a, col0, t.other_end, buf, kb);
   };
 
   stage_rows<D, 16 * W, 32 * W>(s_q, a.q + col0, a.ldq, t.row0 - a.q_begin, t.row_end - a.q_begin);
@@ -379,10 +389,7 @@ __global__ void __launch_bounds__(32 * W)
   bf16* s_do = s_q + 2 * kOtherElems<D>;                               // two buffers
   float* s_lse = reinterpret_cast<float*>(s_do + 2 * kOtherElems<D>);  // two buffers
   float* s_delta = s_lse + 2 * kOtherRows;                             // two buffers
-  const Tile t = a.tiles[blockIdx.x];
-  const int h = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-  const int64_t col0 = int64_t(h) * D;
+  const auto [t, h, warp, g, tq, col0] = attn_thread<D>(a);
   auto stage_queries = [&](int buf, int qb) {
     stage_rows<D, kOtherRows, 32 * W>(s_q + buf * kOtherElems<D>, a.q + col0, a.ldq, qb - a.q_begin,
                                       t.other_end - a.q_begin);
@@ -424,21 +431,15 @@ __global__ void __launch_bounds__(32 * W)
     product_pb<D>(acc_k, dp, queries);
   });
   const int64_t ld = int64_t(a.heads) * D;
-  const int64_t k0 = int64_t(t.row0) + warp * 16 + g, k1 = k0 + 8;
-  if (k0 < t.row_end) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // rows g and g + 8: accumulator elements 2r, 2r + 1
+    const int64_t key = int64_t(t.row0) + warp * 16 + g + 8 * r;
+    if (key >= t.row_end) continue;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
-      tc::store2(dk + k0 * ld + col0 + n * 8 + 2 * tq, acc_k[n][0] * a.scale,
-                 acc_k[n][1] * a.scale);
-      tc::store2(dv + k0 * ld + col0 + n * 8 + 2 * tq, acc_v[n][0], acc_v[n][1]);
-    }
-  }
-  if (k1 < t.row_end) {
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      tc::store2(dk + k1 * ld + col0 + n * 8 + 2 * tq, acc_k[n][2] * a.scale,
-                 acc_k[n][3] * a.scale);
-      tc::store2(dv + k1 * ld + col0 + n * 8 + 2 * tq, acc_v[n][2], acc_v[n][3]);
+      tc::store2(dk + key * ld + col0 + n * 8 + 2 * tq, acc_k[n][2 * r] * a.scale,
+                 acc_k[n][2 * r + 1] * a.scale);
+      tc::store2(dv + key * ld + col0 + n * 8 + 2 * tq, acc_v[n][2 * r], acc_v[n][2 * r + 1]);
     }
   }
 }
