@@ -108,16 +108,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// g[j] += Σ_b partial[b, j], blocks in order.
-__global__ void add_partials_kernel(const float* __restrict__ partial, int64_t blocks, int n,
-                                    float* __restrict__ g) {
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= n) return;
-  float s = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) s += partial[b * n + j];
-  g[j] += s;
-}
-
 void check_operand(const Tensor& t, const Tensor& x, const char* what, const char* op) {
   GLMTUNE_CUDA_OP_REQUIRE(t.defined() && t.dtype() == x.dtype() && t.shape() == x.shape() &&
                               t.device() == x.device() && detail::has_row_layout(t),
@@ -248,8 +238,8 @@ Tensor layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weig
     launch(static_cast<bf16*>(nullptr));
   GLMTUNE_CUDA_CHECK_LAUNCH();
   const unsigned col_blocks = unsigned((n + kThreads - 1) / kThreads);
-  if (gw) add_partials_kernel<<<col_blocks, kThreads, 0, stream>>>(dw_partial, blocks, n, gw);
-  if (gb) add_partials_kernel<<<col_blocks, kThreads, 0, stream>>>(db_partial, blocks, n, gb);
+  if (gw) detail::sum_blocks_kernel<<<col_blocks, kThreads, 0, stream>>>(dw_partial, blocks, n, gw);
+  if (gb) detail::sum_blocks_kernel<<<col_blocks, kThreads, 0, stream>>>(db_partial, blocks, n, gb);
   GLMTUNE_CUDA_CHECK_LAUNCH();
   return dx;
 }
