@@ -91,6 +91,37 @@ void check_same_device(const Tensor& a, const Tensor& b, const char* op) {
                  b.str());
 }
 
+// The two operands of a product: one dtype, bf16 or f32.
+void check_operand_dtypes(const Tensor& a, const char* a_name, const Tensor& b, const char* b_name,
+                          const char* op) {
+  GLMTUNE_ASSERT(is_gemm_dtype(a.dtype()) && b.dtype() == a.dtype(),
+                 "{}: {} {} and {} {} must share bf16 or f32", op, a_name, a.str(), b_name,
+                 b.str());
+}
+
+// c = op(a)·op(b) (+ bias), plus beta·c: m and n are c's rows and columns, k op(a)'s columns.
+// Runs on x's device with x's dtype for both operands, as the callers checked a and b to share.
+void gemm_mats(const Tensor& x, const Mat& a, bool trans_a, const Mat& b, bool trans_b,
+               const Mat& c, DType c_dtype, float beta, const void* bias, cudaStream_t stream) {
+  gemm({.device = x.device().index,
+        .trans_a = trans_a,
+        .trans_b = trans_b,
+        .m = c.rows,
+        .n = c.cols,
+        .k = trans_a ? a.rows : a.cols,
+        .a = a.data,
+        .lda = a.ld,
+        .b = b.data,
+        .ldb = b.ld,
+        .c = c.data,
+        .ldc = c.ld,
+        .c_dtype = c_dtype,
+        .beta = beta,
+        .bias = bias,
+        .ab_dtype = x.dtype()},
+       stream);
+}
+
 }  // namespace
 
 void gemm(const GemmArgs& g, cudaStream_t stream) {
@@ -186,8 +217,7 @@ void linear_out(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
   const char* op = "cuda::linear";
   const Mat xm = matrix_of(x, "input", op), wm = matrix_of(w, "weight", op);
   const Mat ym = matrix_of(y, "output", op);
-  GLMTUNE_ASSERT(is_gemm_dtype(x.dtype()) && w.dtype() == x.dtype(),
-                 "{}: input {} and weight {} must share bf16 or f32", op, x.str(), w.str());
+  check_operand_dtypes(x, "input", w, "weight", op);
   GLMTUNE_ASSERT(w.dim() == 2 && wm.cols == xm.cols, "{}: weight {} must be [out, {}] for input {}",
                  op, w.str(), xm.cols, x.str());
   GLMTUNE_ASSERT(is_gemm_dtype(y.dtype()) && ym.rows == xm.rows && ym.cols == wm.rows,
@@ -204,24 +234,8 @@ void linear_out(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
     b = bias.dtype() == y.dtype() ? bias.contiguous() : bias.to(y.dtype());
   }
   if (xm.rows == 0 || wm.rows == 0) return;
-  GemmArgs g;
-  g.device = x.device().index;
-  g.trans_a = false;
-  g.trans_b = true;
-  g.m = xm.rows;
-  g.n = wm.rows;
-  g.k = xm.cols;
-  g.a = xm.data;
-  g.lda = xm.ld;
-  g.b = wm.data;
-  g.ldb = wm.ld;
-  g.c = ym.data;
-  g.ldc = ym.ld;
-  g.c_dtype = y.dtype();
-  g.ab_dtype = x.dtype();
-  g.beta = accumulate ? 1.0f : 0.0f;
-  g.bias = b.defined() ? b.data_ptr() : nullptr;
-  gemm(g, stream);
+  gemm_mats(x, xm, false, wm, true, ym, y.dtype(), accumulate ? 1.0f : 0.0f,
+            b.defined() ? b.data_ptr() : nullptr, stream);
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias, std::optional<DType> out_dtype,
@@ -241,8 +255,7 @@ void linear_backward_input_out(Tensor& dx, const Tensor& dy, const Tensor& w, bo
   const char* op = "cuda::linear_backward_input";
   const Mat dym = matrix_of(dy, "dy", op), wm = matrix_of(w, "weight", op);
   const Mat dxm = matrix_of(dx, "dx", op);
-  GLMTUNE_ASSERT(is_gemm_dtype(dy.dtype()) && w.dtype() == dy.dtype(),
-                 "{}: dy {} and weight {} must share bf16 or f32", op, dy.str(), w.str());
+  check_operand_dtypes(dy, "dy", w, "weight", op);
   GLMTUNE_ASSERT(w.dim() == 2 && dym.cols == wm.rows, "{}: dy {} does not match weight {}", op,
                  dy.str(), w.str());
   GLMTUNE_ASSERT(is_gemm_dtype(dx.dtype()) && dxm.rows == dym.rows && dxm.cols == wm.cols,
@@ -251,21 +264,7 @@ void linear_backward_input_out(Tensor& dx, const Tensor& dy, const Tensor& w, bo
   check_same_device(dy, w, op);
   check_same_device(dy, dx, op);
   if (dym.rows == 0 || wm.cols == 0) return;
-  GemmArgs g;
-  g.device = dy.device().index;
-  g.m = dym.rows;
-  g.n = wm.cols;
-  g.k = wm.rows;
-  g.a = dym.data;
-  g.lda = dym.ld;
-  g.b = wm.data;
-  g.ldb = wm.ld;
-  g.c = dxm.data;
-  g.ldc = dxm.ld;
-  g.c_dtype = dx.dtype();
-  g.ab_dtype = dy.dtype();
-  g.beta = accumulate ? 1.0f : 0.0f;
-  gemm(g, stream);
+  gemm_mats(dy, dym, false, wm, false, dxm, dx.dtype(), accumulate ? 1.0f : 0.0f, nullptr, stream);
 }
 
 Tensor linear_backward_input(const Tensor& dy, const Tensor& w, std::optional<DType> out_dtype,
@@ -284,8 +283,7 @@ Tensor linear_backward_input(const Tensor& dy, const Tensor& w, std::optional<DT
 void linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x, cudaStream_t stream) {
   const char* op = "cuda::linear_backward_weight";
   const Mat dym = matrix_of(dy, "dy", op), xm = matrix_of(x, "input", op);
-  GLMTUNE_ASSERT(is_gemm_dtype(dy.dtype()) && x.dtype() == dy.dtype(),
-                 "{}: dy {} and input {} must share bf16 or f32", op, dy.str(), x.str());
+  check_operand_dtypes(dy, "dy", x, "input", op);
   GLMTUNE_ASSERT(dym.rows == xm.rows, "{}: dy {} and input {} differ in rows", op, dy.str(),
                  x.str());
   GLMTUNE_ASSERT(dw.defined() && dw.dim() == 2 && dw.is_contiguous() && is_gemm_dtype(dw.dtype()) &&
@@ -295,22 +293,8 @@ void linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x, cudaS
   check_same_device(dy, x, op);
   check_same_device(dy, dw, op);
   if (dym.rows == 0 || dym.cols == 0 || xm.cols == 0) return;
-  GemmArgs g;
-  g.device = dy.device().index;
-  g.trans_a = true;
-  g.m = dym.cols;
-  g.n = xm.cols;
-  g.k = dym.rows;
-  g.a = dym.data;
-  g.lda = dym.ld;
-  g.b = xm.data;
-  g.ldb = xm.ld;
-  g.c = dw.data_ptr();
-  g.ldc = xm.cols;
-  g.c_dtype = dw.dtype();
-  g.ab_dtype = dy.dtype();
-  g.beta = 1.0f;
-  gemm(g, stream);
+  const Mat dwm{dw.data_ptr(), dym.cols, xm.cols, xm.cols};  // contiguous [dy cols, x cols]
+  gemm_mats(dy, dym, true, xm, false, dwm, dw.dtype(), 1.0f, nullptr, stream);
 }
 
 }  // namespace cuda
