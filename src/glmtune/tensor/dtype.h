@@ -53,63 +53,87 @@ GLMTUNE_HD uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-// IEEE binary16, round to nearest even, overflow to infinity, subnormals exact.
-GLMTUNE_HD float f16_to_f32(uint16_t h) {
-  uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t man = h & 0x3ffu;
-  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (man << 13));
-  if (exp == 0) {
-    // Subnormal: value = man * 2^-24, exact in float32.
-    float v = float(man) * bits_float(0x33800000u);
-    return bits_float(sign | float_bits(v));
+// binary16 and float8 e4m3fn are one layout with other widths: a sign bit, `ExpBits` exponent bits
+// at bias 2^(ExpBits−1) − 1 and `ManBits` mantissa bits. Their finite values decode, and round to
+// nearest even, by one rule each, written here once; only the codes for NaN and infinity (and
+// where overflow starts) are each format's own.
+template <int ExpBits, int ManBits>
+struct SmallFloat {
+  static constexpr int kSignBit = ExpBits + ManBits;
+  static constexpr uint32_t kBias = (1u << (ExpBits - 1)) - 1;
+  static constexpr int kShift = 23 - ManBits;  // mantissa bits float32 has beyond this format's
+  static constexpr uint32_t kRebias = (127u - kBias) << 23;  // float32's exponent field over ours
+  // float32 bits of the smallest normal, 2^(1 − bias), and of one subnormal step,
+  // 2^(1 − bias − ManBits).
+  static constexpr uint32_t kMinNormal = (128u - kBias) << 23;
+  static constexpr uint32_t kSubnormalStep = (128u - kBias - ManBits) << 23;
+  // float32 bits of 2^23 subnormal steps: the float32 whose ulp is one step.
+  static constexpr uint32_t kStepUlpCarrier = (128u - kBias - ManBits + 23) << 23;
+
+  static GLMTUNE_HD uint32_t sign_to_f32(uint32_t code) {
+    return (code & (1u << kSignBit)) << (31 - kSignBit);
   }
-  return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+  static GLMTUNE_HD uint32_t sign_from_f32(uint32_t u) {
+    return (u >> (31 - kSignBit)) & (1u << kSignBit);
+  }
+
+  // A code whose exponent field is not the format's reserved one, as float32 (exactly).
+  static GLMTUNE_HD float finite_to_f32(uint32_t code) {
+    const uint32_t sign = sign_to_f32(code);
+    const uint32_t exp = (code >> ManBits) & ((1u << ExpBits) - 1);
+    const uint32_t man = code & ((1u << ManBits) - 1);
+    if (exp == 0) {
+      // Subnormal: value = man · 2^(1 − bias − ManBits), exact in float32.
+      const float v = float(man) * bits_float(kSubnormalStep);
+      return bits_float(sign | float_bits(v));
+    }
+    return bits_float(sign | ((exp + 127u - kBias) << 23) | (man << kShift));
+  }
+
+  // The code of float32 bits `u` whose magnitude rounds to a finite value of the format.
+  static GLMTUNE_HD uint32_t round_from_f32(uint32_t u) {
+    const uint32_t sign = sign_from_f32(u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a < kMinNormal) {
+      // Subnormal (or zero): adding the float32 whose ulp is one subnormal step rounds to nearest
+      // even at exactly that step, and leaves the count of steps in its low mantissa bits.
+      const float v = bits_float(a) + bits_float(kStepUlpCarrier);
+      return sign | (float_bits(v) - kStepUlpCarrier);
+    }
+    const uint32_t rounded = a + ((1u << (kShift - 1)) - 1) + ((a >> kShift) & 1u);
+    return sign | ((rounded - kRebias) >> kShift);
+  }
+};
+
+// IEEE binary16, round to nearest even, overflow to infinity, subnormals exact.
+using F16Layout = SmallFloat<5, 10>;
+GLMTUNE_HD float f16_to_f32(uint16_t h) {
+  // All-ones exponent: infinity, or NaN with its payload.
+  if ((h & 0x7c00u) == 0x7c00u)
+    return bits_float(F16Layout::sign_to_f32(h) | 0x7f800000u | (uint32_t(h & 0x3ffu) << 13));
+  return F16Layout::finite_to_f32(h);
 }
 GLMTUNE_HD uint16_t f32_to_f16(float f) {
-  uint32_t u = float_bits(f);
-  uint16_t sign = uint16_t((u >> 16) & 0x8000u);
-  uint32_t a = u & 0x7fffffffu;
+  const uint32_t u = float_bits(f), a = u & 0x7fffffffu;
+  const uint32_t sign = F16Layout::sign_from_f32(u);
   if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
   if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: infinity
-  if (a < 0x38800000u) {
-    // Result is subnormal (or zero): scale so that the integer part is the f16 mantissa.
-    // 2^-24 is one f16 subnormal step; adding 0.5 (2^-1) as a float forces RNE at that step.
-    float v = bits_float(a) + 0.5f;
-    return uint16_t(sign | uint16_t(float_bits(v) - 0x3f000000u));
-  }
-  uint32_t rounded = a + 0xfffu + ((a >> 13) & 1u);
-  return uint16_t(sign | uint16_t((rounded - 0x38000000u) >> 13));
+  return uint16_t(F16Layout::round_from_f32(u));
 }
 
 // float8 e4m3fn (the FP8 of the released checkpoint): bias 7, no infinities, 0x7f/0xff are NaN,
 // largest finite 448. Conversion from float32 rounds to nearest even; values that round beyond 448
 // become NaN, as torch.float8_e4m3fn does.
+using E4M3Layout = SmallFloat<4, 3>;
 GLMTUNE_HD float fp8e4m3_to_f32(uint8_t v) {
-  uint32_t sign = uint32_t(v & 0x80u) << 24;
-  uint32_t exp = (v >> 3) & 0xfu;
-  uint32_t man = v & 0x7u;
-  if (exp == 0xf && man == 0x7) return bits_float(sign | 0x7fc00000u);
-  if (exp == 0) {
-    float mag = float(man) * 0.001953125f;  // man * 2^-9
-    return bits_float(sign | float_bits(mag));
-  }
-  return bits_float(sign | ((exp + 120u) << 23) | (man << 20));
+  if ((v & 0x7fu) == 0x7fu) return bits_float(E4M3Layout::sign_to_f32(v) | 0x7fc00000u);
+  return E4M3Layout::finite_to_f32(v);
 }
 GLMTUNE_HD uint8_t f32_to_fp8e4m3(float f) {
-  uint32_t u = float_bits(f);
-  uint8_t sign = uint8_t((u >> 24) & 0x80u);
-  uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint8_t(sign | 0x7fu);
-  if (a >= 0x43f00000u) return uint8_t(sign | 0x7fu);  // >= 480 rounds past 448: NaN
-  if (a < 0x3c800000u) {
-    // Subnormal range, steps of 2^-9: adding 2^14 (whose float ulp is 2^-9) rounds to nearest
-    // even at exactly that step; a result of 8 steps is the smallest normal, encoded as 0x08.
-    float v = bits_float(a) + 16384.0f;
-    return uint8_t(sign | uint8_t(float_bits(v) - 0x46800000u));
-  }
-  uint32_t rounded = a + 0x7ffffu + ((a >> 20) & 1u);
-  return uint8_t(sign | uint8_t((rounded - 0x3c000000u) >> 20));
+  const uint32_t u = float_bits(f);
+  // NaN, infinity and >= 480 (which rounds past 448) all become NaN.
+  if ((u & 0x7fffffffu) >= 0x43f00000u) return uint8_t(E4M3Layout::sign_from_f32(u) | 0x7fu);
+  return uint8_t(E4M3Layout::round_from_f32(u));
 }
 
 // Storage types, so templates can name them.
