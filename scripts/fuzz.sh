@@ -70,9 +70,12 @@ for t in "${ordered[@]}"; do
   [ -n "${FUZZ_RUNS:-}" ] && args+=(-runs="$FUZZ_RUNS")
   jobs="${FUZZ_JOBS:-1}"
   [[ "$jobs" =~ ^[1-9][0-9]*$ ]] || { echo "fuzz.sh: FUZZ_JOBS must be a positive integer, not '$jobs'" >&2; exit 2; }
+  fork=0
   if [ "${FUZZ_KEEP_GOING:-0}" = "1" ]; then
+    fork=1
     args+=(-fork="$jobs" -ignore_crashes=1 -ignore_ooms=1 -ignore_timeouts=1)
   elif [ "$jobs" -gt 1 ]; then
+    fork=1
     args+=(-fork="$jobs")
   fi
   [ -n "${dict_of[$t]:-}" ] && args+=(-dict="tests/fuzz/dict/${dict_of[$t]}.dict")
@@ -81,14 +84,19 @@ for t in "${ordered[@]}"; do
   rc=0
   nice -n "$nice_level" "$build_dir/fuzz/fuzz_$t" "${args[@]}" "$work" "$seeds" >"$log" 2>&1 || rc=$?
   elapsed=$(( $(date +%s) - start ))
-  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
-  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
-  last=$(grep -E '^#[0-9]+' "$log" | tail -1 || true)
-  if [ -z "$execs" ]; then
-    # Fork mode prints no final stats: its last status line has the totals.
+  if [ "$fork" = "1" ]; then
+    # Fork mode: the totals are in the parent's status lines ("#N: cov: ... time: Ss"). The
+    # jobs' own lines ("#N<tab>NEW ...") and the final stats an interrupted run prints are one
+    # job's.
+    last=$(grep -E '^#[0-9]+: cov:' "$log" | tail -1 || true)
     execs=$(sed -n 's/^#\([0-9]*\):.*/\1/p' <<<"$last")
     secs=$(sed -n 's/.* time: \([0-9]*\)s.*/\1/p' <<<"$last")
+    rate=
     [ -n "$execs" ] && [ -n "$secs" ] && [ "$secs" -gt 0 ] && rate=$((execs / secs))
+  else
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+    rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
+    last=$(grep -E '^#[0-9]+' "$log" | tail -1 || true)
   fi
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
