@@ -34,8 +34,11 @@ using namespace glmtune::test;
 namespace {
 
 #ifdef GLMTUNE_WITH_CUDA
+// kWgmmaDeviceOffsets runs the device-offset kernels where they can run (a Hopper GPU and an
+// sm_90a build) and the host-offset path elsewhere.
 constexpr cuda::GroupedGemmBackend kBackends[] = {cuda::GroupedGemmBackend::kCublasGrouped,
-                                                  cuda::GroupedGemmBackend::kLtPerGroup};
+                                                  cuda::GroupedGemmBackend::kLtPerGroup,
+                                                  cuda::GroupedGemmBackend::kWgmmaDeviceOffsets};
 
 std::string backend_name(cuda::GroupedGemmBackend b) { return cuda::grouped_gemm_backend_name(b); }
 
@@ -76,18 +79,23 @@ Tensor rows_except(const Tensor& t, const std::vector<int64_t>& skip) {
 
 }  // namespace
 
-TEST(CudaOpsMoe, GroupedGemmMatchesCpu) {
-  REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA
-  // Five groups with an empty one and a single-row one; K = 80 (160-byte rows).
-  const std::vector<int64_t> sizes = {0, 17, 64, 1, 33};
+namespace {
+
+// The three grouped products over groups of `sizes` rows (n outputs, k inputs) against per-group
+// CPU products: each host-offset backend and, where the device can run them, the device-offset
+// kernels (offsets as an int32 device tensor).
+void check_grouped_gemms(const std::vector<int64_t>& sizes, int64_t n, int64_t k, uint64_t seed) {
   std::vector<int64_t> offsets = {0};
   for (int64_t s : sizes) offsets.push_back(offsets.back() + s);
-  const int64_t groups = int64_t(sizes.size()), rows = offsets.back(), n = 96, k = 80;
-  const Tensor x = random_cpu({rows, k}, DType::bf16, 1);
-  const Tensor w = random_cpu({groups, n, k}, DType::bf16, 2, 1.0 / std::sqrt(double(k)));
-  const Tensor dy = random_cpu({rows, n}, DType::bf16, 3);
-  const Tensor dw0 = random_cpu({groups, n, k}, DType::f32, 4);
+  const int64_t groups = int64_t(sizes.size()), rows = offsets.back();
+  const std::string shape = " (" + std::to_string(groups) + " groups, " + std::to_string(rows) +
+                            " rows, n " + std::to_string(n) + ", k " + std::to_string(k) + ")";
+  const Tensor x = random_cpu({rows, k}, DType::bf16, seed);
+  const Tensor w = random_cpu({groups, n, k}, DType::bf16, seed + 1, 1.0 / std::sqrt(double(k)));
+  const Tensor dy = random_cpu({rows, n}, DType::bf16, seed + 2);
+  const Tensor dw0 = random_cpu({groups, n, k}, DType::f32, seed + 3);
+  const Tensor y0 = random_cpu({rows, n}, DType::bf16, seed + 4);
   Tensor y_ref = Tensor::empty({rows, n}, DType::f32),
          dx_ref = Tensor::empty({rows, k}, DType::f32);
   Tensor dw_ref = dw0.clone();
@@ -101,37 +109,96 @@ TEST(CudaOpsMoe, GroupedGemmMatchesCpu) {
     dx_ref.slice(0, offsets[size_t(g)], offsets[size_t(g) + 1])
         .copy_(ops::linear_backward(dyg, xg, wg, &dwg));
   }
+  Tensor y_acc_ref = f32(y_ref).clone();
+  ops::add_into(y_acc_ref, f32(y0));
+  std::vector<int32_t> offsets32(offsets.begin(), offsets.end());
+  Tensor dev_offsets = Tensor::empty({groups + 1}, DType::i32);
+  std::copy(offsets32.begin(), offsets32.end(), dev_offsets.data<int32_t>());
+  dev_offsets = dev_offsets.to(kGpu);
   const Tensor xg = x.to(kGpu), wg = w.to(kGpu), dyg = dy.to(kGpu);
   for (cuda::GroupedGemmBackend backend : kBackends) {
-    const std::string what = " (" + backend_name(backend) + ")";
+    const bool on_device = backend == cuda::GroupedGemmBackend::kWgmmaDeviceOffsets;
+    Tensor probe = Tensor::empty({rows, n}, DType::bf16, kGpu);
+    if (on_device && !cuda::grouped_gemm_device_offsets_fit(xg, wg, probe, groups)) continue;
+    const std::string what = " (" + backend_name(backend) + ")" + shape;
+    auto forward = [&](Tensor& y, bool accumulate) {
+      if (on_device)
+        cuda::grouped_linear(y, xg, wg, dev_offsets, nullptr, accumulate);
+      else
+        cuda::grouped_linear(y, xg, wg, offsets, backend, nullptr, accumulate);
+    };
     Tensor y = Tensor::empty({rows, n}, DType::bf16, kGpu);
     y.fill_(NAN);
-    cuda::grouped_linear(y, xg, wg, offsets, backend);
+    forward(y, false);
     EXPECT_CLOSE(y, y_ref, 1e-2, "grouped forward" + what);
     Tensor y2 = Tensor::empty({rows, n}, DType::bf16, kGpu);
     y2.fill_(NAN);
-    cuda::grouped_linear(y2, xg, wg, offsets, backend);
+    forward(y2, false);
     EXPECT_TRUE(bit_identical(y, y2)) << ctx("grouped forward rerun" + what);
+    Tensor y3 = y0.to(kGpu);
+    forward(y3, true);
+    EXPECT_CLOSE(y3, y_acc_ref, 1e-2, "grouped forward, accumulated" + what);
 
     Tensor dx = Tensor::empty({rows, k}, DType::bf16, kGpu);
     dx.fill_(NAN);
-    cuda::grouped_linear_backward_input(dx, dyg, wg, offsets, backend);
+    if (on_device)
+      cuda::grouped_linear_backward_input(dx, dyg, wg, dev_offsets);
+    else
+      cuda::grouped_linear_backward_input(dx, dyg, wg, offsets, backend);
     EXPECT_CLOSE(dx, dx_ref, 1e-2, "grouped dX" + what);
 
     for (DType dt : {DType::f32, DType::bf16}) {
       Tensor dw = dw0.to(dt).to(kGpu);
-      cuda::grouped_linear_backward_weight(dw, dyg, xg, offsets, backend);
-      // The empty group keeps its initial values (no gradient), the others accumulate.
+      if (on_device)
+        cuda::grouped_linear_backward_weight(dw, dyg, xg, dev_offsets);
+      else
+        cuda::grouped_linear_backward_weight(dw, dyg, xg, offsets, backend);
+      // Empty groups keep their initial values (no gradient), the others accumulate.
       EXPECT_CLOSE(dw, dw_ref, dt == DType::f32 ? 1e-4 : 1e-2,
                    "grouped dW into " + std::string(dtype_name(dt)) + what);
-      EXPECT_TRUE(bit_identical(dw.select(0, 0), dw0.to(dt).select(0, 0)))
-          << ctx("empty group's dW changed" + what);
+      for (int64_t g = 0; g < groups; ++g)
+        if (sizes[size_t(g)] == 0)
+          EXPECT_TRUE(bit_identical(dw.select(0, g), dw0.to(dt).select(0, g)))
+              << ctx("empty group " + std::to_string(g) + "'s dW changed" + what);
+      if (on_device && dt == DType::f32) {
+        Tensor dw2 = dw0.to(dt).to(kGpu);
+        cuda::grouped_linear_backward_weight(dw2, dyg, xg, dev_offsets);
+        EXPECT_TRUE(bit_identical(dw, dw2)) << ctx("grouped dW rerun" + what);
+      }
     }
   }
-  Tensor bad = Tensor::empty({rows, n}, DType::bf16, kGpu);
+}
+
+}  // namespace
+#endif
+
+TEST(CudaOpsMoe, GroupedGemmMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  // Five groups with an empty one and a single-row one; K = 80 (160-byte rows).
+  check_grouped_gemms({0, 17, 64, 1, 33}, 96, 80, 1);
+  // Several tiles of every kind: groups of more than 128 rows that end inside a tile (whose
+  // last tiles run into the next group's rows), N and K past a tile and not multiples of one,
+  // empty groups first, inside and last.
+  check_grouped_gemms({0, 300, 1, 129, 0, 257, 64, 0}, 328, 200, 11);
+  const std::vector<int64_t> offsets = {0, 0, 17, 81, 82, 115};
+  const Tensor xg = random_cpu({115, 80}, DType::bf16, 1).to(kGpu);
+  const Tensor wg = random_cpu({5, 96, 80}, DType::bf16, 2).to(kGpu);
+  Tensor bad = Tensor::empty({115, 96}, DType::bf16, kGpu);
   std::vector<int64_t> wrong = offsets;
   wrong.back() += 1;
   EXPECT_THROW(cuda::grouped_linear(bad, xg, wg, wrong), InternalError);
+  // Device offsets of the wrong length or type.
+  const Tensor short_offsets = Tensor::zeros({5}, DType::i32, kGpu);
+  if (cuda::grouped_gemm_device_offsets_fit(xg, wg, bad, 5)) {
+    EXPECT_THROW(cuda::grouped_linear(bad, xg, wg, short_offsets), InternalError);
+    EXPECT_THROW(cuda::grouped_linear(bad, xg, wg, Tensor::zeros({6}, DType::i64, kGpu)),
+                 InternalError);
+  }
+  // Rows that are no multiple of 8 elements cannot be read by TMA: the host-offset path only.
+  const Tensor odd = random_cpu({115, 76}, DType::bf16, 3).to(kGpu);
+  EXPECT_FALSE(cuda::grouped_gemm_device_offsets_fit(
+      odd, random_cpu({5, 96, 76}, DType::bf16, 4).to(kGpu), bad, 5));
 #endif
 }
 
@@ -193,23 +260,33 @@ TEST(CudaOpsMoe, PermutationGroupsSlotsByExpert) {
   std::copy(ids.begin(), ids.end(), idx.data<int32_t>());
   const cuda::ExpertPermutation p = cuda::moe_permute(idx.to(kGpu), experts);
   const Tensor sorted = p.sorted_slots.to(Device::cpu()), pos = p.slot_position.to(Device::cpu());
-  ASSERT_EQ(int64_t(p.offsets.size()), experts + 1);
+  ASSERT_EQ(int64_t(p.offsets().size()), experts + 1);
   int64_t expected = 0;
   for (int64_t e = 0; e < experts; ++e) {
-    ASSERT_EQ(p.offsets[size_t(e)], expected) << ctx("expert " + std::to_string(e));
+    ASSERT_EQ(p.offsets()[size_t(e)], expected) << ctx("expert " + std::to_string(e));
     expected += std::count(ids.begin(), ids.end(), int32_t(e));
-    for (int64_t r = p.offsets[size_t(e)]; r < p.offsets[size_t(e) + 1]; ++r) {
+    for (int64_t r = p.offsets()[size_t(e)]; r < p.offsets()[size_t(e) + 1]; ++r) {
       const int32_t slot = sorted.data<int32_t>()[r];
       EXPECT_EQ(ids[size_t(slot)], e);
-      if (r > p.offsets[size_t(e)]) {
+      if (r > p.offsets()[size_t(e)]) {
         EXPECT_LT(sorted.data<int32_t>()[r - 1], slot);
       }
       EXPECT_EQ(pos.data<int32_t>()[slot], r);
     }
   }
-  EXPECT_EQ(p.offsets.back(), tokens * k);
+  EXPECT_EQ(p.offsets().back(), tokens * k);
+  // The device copy holds the same offsets; a permutation that leaves them there reads them on
+  // the first offsets() call.
+  const Tensor dev = p.device_offsets.to(Device::cpu());
+  for (int64_t e = 0; e <= experts; ++e)
+    EXPECT_EQ(int64_t(dev.data<int32_t>()[e]), p.offsets()[size_t(e)]);
+  const cuda::ExpertPermutation lazy = cuda::moe_permute(idx.to(kGpu), experts, nullptr, false);
+  EXPECT_EQ(lazy.offsets(), p.offsets());
+  EXPECT_TRUE(bit_identical(lazy.sorted_slots, p.sorted_slots));
   idx.data<int32_t>()[5] = int32_t(experts);  // out of range
   EXPECT_THROW(cuda::moe_permute(idx.to(kGpu), experts), InternalError);
+  const cuda::ExpertPermutation lazy_bad = cuda::moe_permute(idx.to(kGpu), experts, nullptr, false);
+  EXPECT_THROW(lazy_bad.offsets(), InternalError);
   idx.data<int32_t>()[5] = -3;
   EXPECT_THROW(cuda::moe_permute(idx.to(kGpu), experts), InternalError);
 #endif

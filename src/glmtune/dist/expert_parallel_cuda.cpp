@@ -20,8 +20,9 @@ DevicePlan make_device_plan(Communicator& host, const ops::Routing& routing, int
   DevicePlan p;
   p.perm = cuda::moe_permute(routing.indices, n_experts);
   std::vector<int64_t> per_expert(static_cast<size_t>(n_experts));
+  const std::vector<int64_t>& offsets = p.perm.offsets();
   for (int64_t e = 0; e < n_experts; ++e)
-    per_expert[size_t(e)] = p.perm.offsets[size_t(e) + 1] - p.perm.offsets[size_t(e)];
+    per_expert[size_t(e)] = offsets[size_t(e) + 1] - offsets[size_t(e)];
   p.counts = exchange_counts(host, per_expert, per_rank);
   return p;
 }

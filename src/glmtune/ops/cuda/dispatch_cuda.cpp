@@ -664,6 +664,21 @@ bool shared_expert_composed(const MoeParams& params) {
   return false;
 }
 
+// The routed experts' grouped GEMMs: one cuBLASLt GEMM per expert with the offsets read on the
+// host, or GLMTUNE_GROUPED_GEMM=wgmma for the Hopper kernels that read them on the device (no
+// synchronisation; ops/cuda/grouped_gemm.h). Read once: a step must not change kernels.
+cuda::GroupedGemmBackend moe_gemm_backend() {
+  static const cuda::GroupedGemmBackend backend = [] {
+    const char* v = std::getenv("GLMTUNE_GROUPED_GEMM");
+    const std::string s = v ? v : "cublaslt";
+    if (s == "cublaslt") return cuda::GroupedGemmBackend::kLtPerGroup;
+    if (s == "wgmma") return cuda::GroupedGemmBackend::kWgmmaDeviceOffsets;
+    throw Error("GLMTUNE_GROUPED_GEMM=" + s + " is not a grouped GEMM choice",
+                "GLMTUNE_GROUPED_GEMM", "use cublaslt (the default) or wgmma, or leave it unset");
+  }();
+  return backend;
+}
+
 }  // namespace
 
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Tensor& x,
@@ -674,7 +689,8 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Te
   const bool composed = shared_expert_composed(params);
   if (composed) params.shared = MlpParams{};
   cuda::MoeContext cc;
-  MoeOutput out = cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr);
+  MoeOutput out =
+      cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr, moe_gemm_backend());
   out.expert_counts = out.expert_counts.to(Device::cpu());
   MlpContext shared;
   if (composed) add_into(out.y, ops::mlp_forward(params_in.shared, x, cfg.swiglu_limit, shared));
@@ -703,12 +719,14 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
   cuda::MoeContext cc;
   cc.x = ctx.x;
   cc.routing = ctx.routing;
-  cc.permutation = cuda::moe_permute(ctx.routing.indices, cfg.n_experts);
+  const cuda::GroupedGemmBackend backend = moe_gemm_backend();
+  cc.permutation = cuda::moe_permute(ctx.routing.indices, cfg.n_experts, nullptr,
+                                     backend != cuda::GroupedGemmBackend::kWgmmaDeviceOffsets);
   const Tensor d_logits =
       d_router_logits.defined() ? d_router_logits.to(dy.device()).to(DType::f32) : Tensor();
   if (shared_expert_composed(params)) {
     params.shared = MlpParams{};
-    Tensor dx = cuda::moe_backward(cfg, params, cc, dy, grads, d_logits);
+    Tensor dx = cuda::moe_backward(cfg, params, cc, dy, grads, d_logits, backend);
     add_into(dx,
              ops::mlp_backward(params_in.shared, ctx.shared, dy, cfg.swiglu_limit, grads.shared));
     return dx;
@@ -721,7 +739,7 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
     cc.shared_gate_up.narrow(1, 0, is).copy_(ctx.shared.gate);
     cc.shared_gate_up.narrow(1, is, is).copy_(ctx.shared.up);
   }
-  return cuda::moe_backward(cfg, params, cc, dy, grads, d_logits);
+  return cuda::moe_backward(cfg, params, cc, dy, grads, d_logits, backend);
 }
 
 Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,

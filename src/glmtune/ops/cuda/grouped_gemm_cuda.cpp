@@ -129,8 +129,10 @@ void run(Kind kind, Tensor& out, const Tensor& first, const Tensor& second,
   const int device = out.device().index;
   const DType operands = first.dtype();
   const int64_t elem = int64_t(dtype_size(operands));
-  // The grouped cuBLAS call is set up for bf16 operands and results only.
-  if (operands == DType::f32 || (kind == Kind::kBackwardWeight && out.dtype() == DType::f32))
+  // The grouped cuBLAS call is set up for bf16 operands and results only; the device-offset
+  // kernels have their own entry points.
+  if (operands == DType::f32 || (kind == Kind::kBackwardWeight && out.dtype() == DType::f32) ||
+      backend == GroupedGemmBackend::kWgmmaDeviceOffsets)
     backend = GroupedGemmBackend::kLtPerGroup;
   std::vector<ColumnMajorProblem> problems;
   for (size_t g = 0; g + 1 < offsets.size(); ++g) {
@@ -205,8 +207,15 @@ void check_out(const Tensor& out, const Shape& shape, const Tensor& like, const 
 }  // namespace
 
 const char* grouped_gemm_backend_name(GroupedGemmBackend backend) {
-  return backend == GroupedGemmBackend::kCublasGrouped ? "cublasGemmGroupedBatchedEx"
-                                                       : "cuBLASLt per group";
+  switch (backend) {
+    case GroupedGemmBackend::kCublasGrouped:
+      return "cublasGemmGroupedBatchedEx";
+    case GroupedGemmBackend::kLtPerGroup:
+      return "cuBLASLt per group";
+    case GroupedGemmBackend::kWgmmaDeviceOffsets:
+      return "wgmma, device offsets";
+  }
+  return "unknown";
 }
 
 void grouped_linear(Tensor& y, const Tensor& x, const Tensor& w,

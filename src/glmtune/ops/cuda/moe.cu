@@ -453,13 +453,25 @@ std::vector<ops::Fp8Blocks> expert_weight_blocks(const Tensor& w,
   return blocks;
 }
 
+// Whether a bf16 product of `weight` runs on the device-offset kernels: the backend names them
+// and they take these operands (else the host offsets are read).
+bool on_device_offsets(GroupedGemmBackend backend, const Tensor& first, const Tensor& second,
+                       const Tensor& out, const Tensor& weight) {
+  return backend == GroupedGemmBackend::kWgmmaDeviceOffsets &&
+         grouped_gemm_device_offsets_fit(first, second, out, weight.size(0));
+}
+
 // The weight's products of an expert projection on the permuted rows: the grouped GEMMs, or with
 // Linear::fp8 the block-scaled FP8 ones (ops/cuda/fp8.h, ops/fp8.h's linear_fp8 per expert), each
 // expert's rows quantised on their own from its first row, as the CPU op quantises each expert's
 // gathered rows.
-void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l,
-                   const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
-                   cudaStream_t stream) {
+void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l, const ExpertPermutation& perm,
+                   GroupedGemmBackend backend, cudaStream_t stream) {
+  if (!l.fp8 && on_device_offsets(backend, x, l.weight, y, l.weight)) {
+    grouped_linear(y, x, l.weight, perm.device_offsets, stream);
+    return;
+  }
+  const std::vector<int64_t>& offsets = perm.offsets();
   if (!l.fp8) {
     grouped_linear(y, x, l.weight, offsets, backend, stream);
     return;
@@ -469,8 +481,13 @@ void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l,
 }
 
 void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linear& l,
-                                  const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
+                                  const ExpertPermutation& perm, GroupedGemmBackend backend,
                                   cudaStream_t stream) {
+  if (!l.fp8 && on_device_offsets(backend, dy, l.weight, dx, l.weight)) {
+    grouped_linear_backward_input(dx, dy, l.weight, perm.device_offsets, stream);
+    return;
+  }
+  const std::vector<int64_t>& offsets = perm.offsets();
   if (!l.fp8) {
     grouped_linear_backward_input(dx, dy, l.weight, offsets, backend, stream);
     return;
@@ -480,8 +497,13 @@ void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linea
 }
 
 void expert_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x,
-                                   const ops::Linear& l, const std::vector<int64_t>& offsets,
+                                   const ops::Linear& l, const ExpertPermutation& perm,
                                    GroupedGemmBackend backend, cudaStream_t stream) {
+  if (!l.fp8 && on_device_offsets(backend, dy, x, dw, l.weight)) {
+    grouped_linear_backward_weight(dw, dy, x, perm.device_offsets, stream);
+    return;
+  }
+  const std::vector<int64_t>& offsets = perm.offsets();
   if (!l.fp8) {
     grouped_linear_backward_weight(dw, dy, x, offsets, backend, stream);
     return;
@@ -493,9 +515,10 @@ void expert_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x
 
 // out += scale · (in A_e^T) B_e^T per expert segment; returns the scaled u.
 Tensor add_expert_adapter(Tensor& out, const Tensor& in, const ops::LoraAdapter& a,
-                          const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
+                          const ExpertPermutation& perm, GroupedGemmBackend backend,
                           cudaStream_t stream) {
   if (!a.defined()) return Tensor();
+  const std::vector<int64_t>& offsets = perm.offsets();
   Tensor u = Tensor::empty({in.size(0), a.A.size(1)}, in.dtype(), in.device());
   grouped_linear(u, in, a.A, offsets, backend, stream);
   if (u.numel() > 0) scale_inplace(u, a.scale, stream);
@@ -514,15 +537,15 @@ ExpertActivations run_experts(const ops::MoeConfig& cfg, const ops::Linear& gate
   a.x_perm = Tensor::empty({n, dim}, st, dev);
   gather_rows(x, perm.sorted_slots, int(cfg.top_k), a.x_perm, stream);
   a.h = Tensor::empty({n, 2 * inter}, st, dev);
-  expert_linear(a.h, a.x_perm, gate_up, perm.offsets, backend, stream);
-  a.u_gate_up = add_expert_adapter(a.h, a.x_perm, gate_up.lora, perm.offsets, backend, stream);
+  expert_linear(a.h, a.x_perm, gate_up, perm, backend, stream);
+  a.u_gate_up = add_expert_adapter(a.h, a.x_perm, gate_up.lora, perm, backend, stream);
   a.act = Tensor::empty({n, inter}, st, dev);
   if (n > 0)
     swiglu_clamped_out(a.act, a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter),
                        cfg.swiglu_limit, stream);
   a.yp = Tensor::empty({n, dim}, st, dev);
-  expert_linear(a.yp, a.act, down, perm.offsets, backend, stream);
-  a.u_down = add_expert_adapter(a.yp, a.act, down.lora, perm.offsets, backend, stream);
+  expert_linear(a.yp, a.act, down, perm, backend, stream);
+  a.u_down = add_expert_adapter(a.yp, a.act, down.lora, perm, backend, stream);
   return a;
 }
 
@@ -592,7 +615,15 @@ ops::Routing moe_route(const ops::MoeConfig& cfg, const Tensor& router_weight,
   return r;
 }
 
-ExpertPermutation moe_permute(const Tensor& indices, int64_t n_experts, cudaStream_t stream) {
+struct ExpertPermutation::HostOffsets {
+  int64_t slots = 0;
+  cudaStream_t stream = nullptr;
+  bool read = false;
+  std::vector<int64_t> values;
+};
+
+ExpertPermutation moe_permute(const Tensor& indices, int64_t n_experts, cudaStream_t stream,
+                              bool read_offsets) {
   GLMTUNE_CUDA_OP_REQUIRE(indices.defined() && indices.dtype() == DType::i32 &&
                               indices.is_contiguous() && indices.device().is_cuda() &&
                               indices.numel() < int64_t(INT32_MAX),
@@ -627,15 +658,31 @@ ExpertPermutation moe_permute(const Tensor& indices, int64_t n_experts, cudaStre
   expert_offsets_kernel<<<blocks_for(n_experts + 1), kThreads, 0, stream>>>(
       sorted_ids.data<int32_t>(), n, int(n_experts), offsets.data<int32_t>());
   GLMTUNE_CUDA_CHECK_LAUNCH();
-  std::vector<int32_t> host(size_t(n_experts) + 1);
-  GLMTUNE_CUDA_CHECK(cudaMemcpyAsync(host.data(), offsets.data_ptr(), host.size() * sizeof(int32_t),
-                                     cudaMemcpyDeviceToHost, stream));
-  GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  GLMTUNE_CUDA_OP_REQUIRE(
-      host.front() == 0 && int64_t(host.back()) == n,
-      "cuda::moe_permute: routed expert ids outside [0, " + std::to_string(n_experts) + ")");
-  p.offsets.assign(host.begin(), host.end());
+  p.device_offsets = offsets;
+  p.host = std::make_shared<ExpertPermutation::HostOffsets>();
+  p.host->slots = n;
+  p.host->stream = stream;
+  if (read_offsets) p.offsets();
   return p;
+}
+
+const std::vector<int64_t>& ExpertPermutation::offsets() const {
+  GLMTUNE_CUDA_OP_REQUIRE(host && device_offsets.defined(),
+                          "ExpertPermutation::offsets: not made by cuda::moe_permute");
+  if (host->read) return host->values;
+  const int64_t n_experts = device_offsets.numel() - 1;
+  std::vector<int32_t> copy(size_t(device_offsets.numel()));
+  detail::DeviceGuard guard(device_offsets.device().index);
+  GLMTUNE_CUDA_CHECK(cudaMemcpyAsync(copy.data(), device_offsets.data_ptr(),
+                                     copy.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                     host->stream));
+  GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(host->stream));
+  GLMTUNE_CUDA_OP_REQUIRE(
+      copy.front() == 0 && int64_t(copy.back()) == host->slots,
+      "cuda::moe_permute: routed expert ids outside [0, " + std::to_string(n_experts) + ")");
+  host->values.assign(copy.begin(), copy.end());
+  host->read = true;
+  return host->values;
 }
 
 Tensor moe_expert_counts(const ops::Routing& routing, int64_t n_experts, int64_t rows,
@@ -666,7 +713,8 @@ Tensor moe_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,
   check_expert_weights(cfg, gate_up_proj, down_proj, x);
   check_routing(routing, x.size(0), cfg.n_experts, cfg.top_k, x.device());
   detail::DeviceGuard guard(x.device().index);
-  const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream);
+  const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream,
+                                             backend != GroupedGemmBackend::kWgmmaDeviceOffsets);
   const ExpertActivations a = run_experts(cfg, gate_up_proj, down_proj, x, perm, backend, stream);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
   combine(a.yp, routing.weights, perm.slot_position, int(cfg.top_k), nullptr, y, stream);
@@ -688,7 +736,8 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
 
   ops::MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x, stream);
-  ExpertPermutation perm = moe_permute(out.routing.indices, cfg.n_experts, stream);
+  ExpertPermutation perm = moe_permute(out.routing.indices, cfg.n_experts, stream,
+                                       backend != GroupedGemmBackend::kWgmmaDeviceOffsets);
   const ExpertActivations a =
       run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
 
@@ -756,9 +805,10 @@ struct RoutedBackward {
 // in A^T from the forward, dB += dout^T u, du = scale · dout B, dA += du^T in and d_in += du A.
 void expert_adapter_backward(const ops::LoraAdapter& a, const Tensor& u, const Tensor& in,
                              const Tensor& dout, Tensor& d_in, ops::LoraAdapter& g,
-                             const std::vector<int64_t>& offsets, GroupedGemmBackend backend,
+                             const ExpertPermutation& perm, GroupedGemmBackend backend,
                              cudaStream_t stream) {
   if (!a.defined()) return;
+  const std::vector<int64_t>& offsets = perm.offsets();
   if (Tensor* dB = trained_buffer(g.B, a.B, "an expert adapter's B"))
     grouped_linear_backward_weight(*dB, dout, u, offsets, backend, stream);
   Tensor du = Tensor::empty(u.shape(), u.dtype(), u.device());
@@ -799,11 +849,11 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gat
     GLMTUNE_CUDA_CHECK_LAUNCH();
   }
   if (Tensor* d_down = trained_buffer(grads.down_proj.weight, down.weight, "down_proj"))
-    expert_linear_backward_weight(*d_down, dyp, a.act, down, perm.offsets, backend, stream);
+    expert_linear_backward_weight(*d_down, dyp, a.act, down, perm, backend, stream);
   Tensor d_act = Tensor::empty({n, inter}, st, dev);
-  expert_linear_backward_input(d_act, dyp, down, perm.offsets, backend, stream);
-  expert_adapter_backward(down.lora, a.u_down, a.act, dyp, d_act, grads.down_proj.lora,
-                          perm.offsets, backend, stream);
+  expert_linear_backward_input(d_act, dyp, down, perm, backend, stream);
+  expert_adapter_backward(down.lora, a.u_down, a.act, dyp, d_act, grads.down_proj.lora, perm,
+                          backend, stream);
   Tensor dh = Tensor::empty({n, 2 * inter}, st, dev);
   if (n > 0) {
     Tensor dhg = dh.slice(1, 0, inter), dhu = dh.slice(1, inter, 2 * inter);
@@ -811,11 +861,11 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gat
                             cfg.swiglu_limit, dhg, dhu, stream);
   }
   if (Tensor* d_gate_up = trained_buffer(grads.gate_up_proj.weight, gate_up.weight, "gate_up_proj"))
-    expert_linear_backward_weight(*d_gate_up, dh, a.x_perm, gate_up, perm.offsets, backend, stream);
+    expert_linear_backward_weight(*d_gate_up, dh, a.x_perm, gate_up, perm, backend, stream);
   r.dxp = Tensor::empty({n, dim}, st, dev);
-  expert_linear_backward_input(r.dxp, dh, gate_up, perm.offsets, backend, stream);
+  expert_linear_backward_input(r.dxp, dh, gate_up, perm, backend, stream);
   expert_adapter_backward(gate_up.lora, a.u_gate_up, a.x_perm, dh, r.dxp, grads.gate_up_proj.lora,
-                          perm.offsets, backend, stream);
+                          perm, backend, stream);
   return r;
 }
 
@@ -991,7 +1041,8 @@ ExpertsBackward moe_experts_backward(const ops::MoeConfig& cfg, const ops::Linea
   check_like_x(dy, x.shape(), x, "dy");
   check_routing(routing, x.size(0), cfg.n_experts, cfg.top_k, x.device());
   detail::DeviceGuard guard(x.device().index);
-  const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream);
+  const ExpertPermutation perm = moe_permute(routing.indices, cfg.n_experts, stream,
+                                             backend != GroupedGemmBackend::kWgmmaDeviceOffsets);
   RoutedBackward r =
       routed_backward(cfg, gate_up_proj, down_proj, x, routing, perm, dy, grads, backend, stream);
   ExpertsBackward out;

@@ -9,8 +9,9 @@
 //            w_k = rsf · p_k / (Σ p + 1e-20) (or rsf · p_k), one warp per token.
 //   permute  the (row, k) slots sorted by expert with a stable radix sort (rows ascending inside
 //            an expert, as the CPU op's buckets), the expert offsets, the inverse permutation and
-//            the gather of the input rows. The offsets are copied to the host (the grouped GEMMs
-//            need the row counts there): the one synchronisation of the block.
+//            the gather of the input rows. With the backend kWgmmaDeviceOffsets the offsets stay
+//            on the device and nothing synchronises; the other backends (and FP8 or adapters on
+//            the experts) read them on the host, the one synchronisation of the block.
 //   experts  grouped gate_up GEMM → clamped SwiGLU → grouped down GEMM (ops/cuda/grouped_gemm.h;
 //            the backend is a parameter, cuBLASLt per expert by default).
 //   combine  y[t] = bf16(Σ_k w_k · y_e[t] + shared(x)[t]) in fp32, k in order: deterministic, no
@@ -33,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "glmtune/ops/cuda/grouped_gemm.h"
@@ -49,14 +51,24 @@ ops::Routing moe_route(const ops::MoeConfig& cfg, const Tensor& router_weight,
 
 // The routing's slots grouped by expert.
 struct ExpertPermutation {
-  Tensor sorted_slots;           // int32 [T·K]: slot ids row·K + k, by expert, rows ascending
-  Tensor slot_position;          // int32 [T·K]: the position of each slot in sorted_slots
-  std::vector<int64_t> offsets;  // host [E + 1]: expert e owns positions offsets[e] .. [e+1] − 1
+  Tensor sorted_slots;    // int32 [T·K]: slot ids row·K + k, by expert, rows ascending
+  Tensor slot_position;   // int32 [T·K]: the position of each slot in sorted_slots
+  Tensor device_offsets;  // int32 [E + 1]: expert e owns positions offsets[e] .. [e+1] − 1
+
+  // The offsets on the host: copied on the first call (which synchronises the permutation's
+  // stream) and checked there. Throws when an index lay outside [0, E).
+  const std::vector<int64_t>& offsets() const;
+
+  struct HostOffsets;
+  std::shared_ptr<HostOffsets> host;
 };
 
-// Synchronises `stream` once (to read the offsets). Throws when an index lies outside [0, E).
+// With `read_offsets` the offsets are read (and the indices checked) now, synchronising `stream`
+// once; without, only when offsets() is first called: the device-offset GEMMs never call it, so
+// a block that runs on them does not synchronise (its indices come from moe_route, always in
+// range).
 ExpertPermutation moe_permute(const Tensor& indices, int64_t n_experts,
-                              cudaStream_t stream = nullptr);
+                              cudaStream_t stream = nullptr, bool read_offsets = true);
 
 // Routed experts only: Σ_k w_k · expert_{idx_k}(x) per row, bf16 [T, D].
 Tensor moe_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,

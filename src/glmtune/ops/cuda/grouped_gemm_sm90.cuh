@@ -1,0 +1,443 @@
+#pragma once
+// Grouped expert GEMMs on Hopper's warpgroup MMA with the groups' row offsets read on the device
+// (ops/cuda/grouped_gemm.h): the host never needs the offsets, so the MoE does not synchronise.
+//
+// One persistent block per SM in three warpgroups: two consumers that each multiply 64 rows of
+// the block's 128 × 256 output tile (m64n256k16, fp32 accumulators in registers) and leave them
+// in shared memory, and a third whose first thread loads operand tiles with TMA into a
+// three-stage ring (completing on mbarriers) while its other three warps store the finished tile
+// to global memory under the next tile's products (bf16 in one round, f32 in two of 128 columns).
+// Each block walks the tile list (every group's tiles in group order, row tiles first) with a
+// stride of the grid; every block derives the list from the offsets at its start.
+//
+//   kForward:        y[rows_g, N]  (+)= x[rows_g, K] · w[g]^T   tiles over (rows_g, N), k over K
+//   kBackwardInput:  dx[rows_g, K] (+)= dy[rows_g, N] · w[g]    tiles over (rows_g, K), k over N
+//   kBackwardWeight: dw[g]         += dy[rows_g, N]^T · x[rows_g, K]
+//                                                    tiles over (N, K), k over the group's rows
+//
+// Row tiles of the first two modes may run past their group into the next one's rows: those
+// output rows are computed and not stored. The weight gradient reduces over exactly its group's
+// rows: the rows of a k tile past the group's end are zeroed in shared memory before the products
+// read them. TMA fills everything past a tensor's edge with zeros, so no size needs to be a
+// multiple of a tile; the row strides must be multiples of 16 bytes (8 bf16) for TMA.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "glmtune/ops/cuda/wgmma.cuh"
+
+namespace glmtune::cuda::sm90 {
+
+enum class GroupedMode { kForward, kBackwardInput, kBackwardWeight };
+
+namespace grouped {
+
+constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 64;
+constexpr int kStages = 3;
+constexpr int kThreads = 384;
+constexpr int kABytes = kBlockM * kBlockK * 2;  // 16 KB
+constexpr int kBBytes = kBlockN * kBlockK * 2;  // 32 KB
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kMaxGroups = 1024;
+// Registers a thread after the reallocation: together no more than the launch gives the block
+// (168 a thread under __launch_bounds__(384, 1)), or the consumers' request never completes.
+constexpr int kConsumerRegisters = 232;
+constexpr int kProducerRegisters = 40;
+static_assert(2 * 128 * kConsumerRegisters + 128 * kProducerRegisters <= kThreads * 168);
+// The output tile on its way out: 128 rows of 512 bytes (256 bf16 or, per round, 128 f32
+// columns) padded by 16 bytes, so that the accumulators' stores hit 32 distinct banks.
+constexpr int kStageRowBytes = 512 + 16;
+constexpr int kOutBytes = kBlockM * kStageRowBytes;
+constexpr int kEpilogueThreads = 96;  // the producer warpgroup's warps 1 .. 3
+// Stages, output staging, barriers and the tile table (prefix[kMaxGroups + 1]), from a 1024-byte
+// boundary.
+constexpr int kSmemBytes =
+    kStages * kStageBytes + kOutBytes + (2 * kStages + 2) * 8 + (kMaxGroups + 1) * 4 + 1024;
+
+struct Args {
+  const int32_t* offsets;  // [groups + 1] on the device, nondecreasing from 0
+  int groups;
+  int64_t rows;  // rows of the segmented operands (offsets[groups])
+  int64_t n, k;  // w is [groups, n, k]; the weight gradient dw is [groups, n, k] too
+  void* out;     // y [rows, n] / dx [rows, k] bf16, dw [groups, n, k] f32 or bf16
+  bool out_f32;
+  bool accumulate;  // add into out (always for the weight gradient)
+};
+
+__device__ __forceinline__ unsigned char* smem_1024() {
+  extern __shared__ unsigned char smem_raw[];
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                          ~uintptr_t(1023));
+}
+
+__device__ __forceinline__ void expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(wgmma::smem_u32(bar)),
+      "r"(bytes)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                       uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];\n" ::"r"(wgmma::smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(wgmma::smem_u32(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                       uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];\n" ::"r"(wgmma::smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(wgmma::smem_u32(bar))
+      : "memory");
+}
+
+// One output tile: its group, the first output row and column, the k range (first row of the
+// reduction and number of k tiles) and the rows that belong to the group.
+struct Tile {
+  int group;
+  int64_t row0;  // first output row (row of the segmented operand, or of dw[group])
+  int64_t col0;
+  int64_t k0;       // first reduction index (a row of the segmented operands for kBackwardWeight)
+  int k_tiles;      // 64-wide reduction steps
+  int64_t k_end;    // reduction indices from k_end on are zeroed (kBackwardWeight only)
+  int64_t row_end;  // output rows from row_end on are not stored
+};
+
+template <GroupedMode kMode>
+__device__ __forceinline__ Tile tile_at(const Args& a, const int32_t* prefix, int64_t t) {
+  // The group: the last g with prefix[g] <= t.
+  int lo = 0, hi = a.groups;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (prefix[mid] <= t)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  Tile tile;
+  tile.group = lo;
+  const int64_t local = t - prefix[lo];
+  const int64_t r0 = a.offsets[lo], r1 = a.offsets[lo + 1];
+  if constexpr (kMode == GroupedMode::kBackwardWeight) {
+    const int64_t m_tiles = (a.n + kBlockM - 1) / kBlockM;
+    tile.row0 = (local % m_tiles) * kBlockM;
+    tile.col0 = (local / m_tiles) * kBlockN;
+    tile.row_end = a.n;
+    tile.k0 = r0;
+    tile.k_end = r1;
+    tile.k_tiles = int((r1 - r0 + kBlockK - 1) / kBlockK);
+  } else {
+    const int64_t m_tiles = (r1 - r0 + kBlockM - 1) / kBlockM;
+    tile.row0 = r0 + (local % m_tiles) * kBlockM;
+    tile.col0 = (local / m_tiles) * kBlockN;
+    tile.row_end = r1;
+    tile.k0 = 0;
+    const int64_t kdim = kMode == GroupedMode::kForward ? a.k : a.n;
+    tile.k_end = kdim;
+    tile.k_tiles = int((kdim + kBlockK - 1) / kBlockK);
+  }
+  return tile;
+}
+
+}  // namespace grouped
+
+// The operand maps (all bf16, 128-byte swizzle):
+//   kForward:        a = x  [rows, k] box 64 × 128;  b = w [groups, n, k] box 64 × 256 × 1
+//   kBackwardInput:  a = dy [rows, n] box 64 × 128;  b = w [groups, n, k] box 64 × 64 × 1
+//   kBackwardWeight: a = dy [rows, n] box 64 × 64;   b = x [rows, k] box 64 × 64
+template <GroupedMode kMode>
+__global__ void __launch_bounds__(grouped::kThreads, 1)
+    grouped_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
+                              const __grid_constant__ CUtensorMap map_b, grouped::Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace grouped;
+  unsigned char* smem = smem_1024();
+  unsigned char* staging = smem + kStages * kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + kOutBytes);
+  uint64_t* empty = full + kStages;
+  uint64_t* out_full = empty + kStages;  // the consumers' accumulators are in `staging`
+  uint64_t* out_empty = out_full + 1;    // the epilogue warps have read them
+  int32_t* prefix = reinterpret_cast<int32_t*>(out_empty + 1);
+  const int warpgroup = threadIdx.x / 128;
+
+  // The tile table: prefix[g] = tiles of the groups before g.
+  const int64_t col_tiles = ((kMode == GroupedMode::kForward ? a.n : a.k) + kBlockN - 1) / kBlockN;
+  for (int g = threadIdx.x; g < a.groups; g += kThreads) {
+    const int64_t rows = a.offsets[g + 1] - a.offsets[g];
+    int64_t tiles;
+    if constexpr (kMode == GroupedMode::kBackwardWeight)
+      tiles = rows > 0 ? (a.n + kBlockM - 1) / kBlockM * col_tiles : 0;
+    else
+      tiles = (rows + kBlockM - 1) / kBlockM * col_tiles;
+    prefix[g + 1] = int32_t(tiles);
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      wgmma::mbarrier_init(&full[s], 1);
+      wgmma::mbarrier_init(&empty[s], 2);
+    }
+    wgmma::mbarrier_init(out_full, 256);
+    wgmma::mbarrier_init(out_empty, kEpilogueThreads);
+    wgmma::mbarrier_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    prefix[0] = 0;
+    for (int g = 0; g < a.groups; ++g) prefix[g + 1] += prefix[g];
+  }
+  __syncthreads();
+  const int64_t total = prefix[a.groups];
+  // f32 tiles leave in two rounds of 128 columns, bf16 ones in one of 256.
+  const int rounds = a.out_f32 ? 2 : 1;
+  const int64_t ncols = kMode == GroupedMode::kForward ? a.n : a.k;
+
+  if (warpgroup == 2 && threadIdx.x >= 256 + 32) {
+    // Epilogue warps: staged tiles out to global memory, 16 bytes a thread and row-contiguous, so
+    // that the stores run under the consumers' next products.
+    wgmma::give_back_registers<kProducerRegisters>();
+    const int e0 = threadIdx.x - (256 + 32);
+    unsigned char* out = static_cast<unsigned char*>(a.out);
+    int out_phase = 0;
+    for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+      const Tile tile = tile_at<kMode>(a, prefix, t);
+      unsigned char* base = out;
+      if constexpr (kMode == GroupedMode::kBackwardWeight)
+        base += int64_t(tile.group) * a.n * a.k * (a.out_f32 ? 4 : 2);
+      for (int r = 0; r < rounds; ++r) {
+        wgmma::mbarrier_wait(out_full, out_phase);
+        out_phase ^= 1;
+        for (int e = e0; e < kBlockM * 32; e += kEpilogueThreads) {
+          const int row = e >> 5, chunk = e & 31;
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(staging + row * kStageRowBytes + chunk * 16);
+          const int64_t grow = tile.row0 + row;
+          const int64_t col = tile.col0 + (a.out_f32 ? 128 * r + 4 * chunk : 8 * chunk);
+          if (grow >= tile.row_end || col >= ncols) continue;
+          if (a.out_f32) {
+            float4* p = reinterpret_cast<float4*>(base + (grow * ncols + col) * 4);
+            float4 f = *reinterpret_cast<const float4*>(&v);
+            if (a.accumulate) {
+              const float4 old = *p;
+              f.x += old.x, f.y += old.y, f.z += old.z, f.w += old.w;
+            }
+            *p = f;
+          } else {
+            uint4* p = reinterpret_cast<uint4*>(base + (grow * ncols + col) * 2);
+            uint4 o = v;
+            if (a.accumulate) {
+              const uint4 old = *p;
+              const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&v);
+              const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&old);
+              __nv_bfloat162* z = reinterpret_cast<__nv_bfloat162*>(&o);
+              for (int i = 0; i < 4; ++i) {
+                const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
+                z[i] = __floats2bfloat162_rn(fx.x + fy.x, fx.y + fy.y);
+              }
+            }
+            *p = o;
+          }
+        }
+        wgmma::mbarrier_arrive(out_empty);
+      }
+    }
+    return;
+  }
+  if (warpgroup == 2) {
+    // Producer: one thread issues every load.
+    wgmma::give_back_registers<kProducerRegisters>();
+    if (threadIdx.x != 256) return;
+    int stage = 0, phase = 0;
+    for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+      const Tile tile = tile_at<kMode>(a, prefix, t);
+      for (int kt = 0; kt < tile.k_tiles; ++kt) {
+        wgmma::mbarrier_wait(&empty[stage], phase ^ 1);
+        expect_bytes(&full[stage], kStageBytes);
+        unsigned char* sa = smem + stage * kStageBytes;
+        unsigned char* sb = sa + kABytes;
+        const int kk = int(tile.k0 + int64_t(kt) * kBlockK);
+        if constexpr (kMode == GroupedMode::kForward) {
+          tma_2d(sa, &map_a, kk, int(tile.row0), &full[stage]);
+          tma_3d(sb, &map_b, kk, int(tile.col0), tile.group, &full[stage]);
+        } else if constexpr (kMode == GroupedMode::kBackwardInput) {
+          tma_2d(sa, &map_a, kk, int(tile.row0), &full[stage]);
+          for (int p = 0; p < 4; ++p)
+            tma_3d(sb + p * (kBBytes / 4), &map_b, int(tile.col0) + 64 * p, kk, tile.group,
+                   &full[stage]);
+        } else {
+          for (int p = 0; p < 2; ++p)
+            tma_2d(sa + p * (kABytes / 2), &map_a, int(tile.row0) + 64 * p, kk, &full[stage]);
+          for (int p = 0; p < 4; ++p)
+            tma_2d(sb + p * (kBBytes / 4), &map_b, int(tile.col0) + 64 * p, kk, &full[stage]);
+        }
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+    }
+    return;
+  }
+
+  // Consumers: warpgroup w owns output rows 64w .. 64w + 63 of each tile.
+  wgmma::take_registers<kConsumerRegisters>();
+  constexpr int kTransA = kMode == GroupedMode::kBackwardWeight ? 1 : 0;
+  constexpr int kTransB = kMode == GroupedMode::kForward ? 0 : 1;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int thread_in_wg = threadIdx.x & 127;
+  int stage = 0, phase = 0, out_phase = 0;
+  float acc[128];
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const Tile tile = tile_at<kMode>(a, prefix, t);
+    for (int kt = 0; kt < tile.k_tiles; ++kt) {
+      wgmma::mbarrier_wait(&full[stage], phase);
+      unsigned char* sa = smem + stage * kStageBytes;
+      unsigned char* sb = sa + kABytes;
+      if constexpr (kMode == GroupedMode::kBackwardWeight) {
+        // Rows of the last k tile past the group's end belong to the next group: zero them in
+        // both operands (each warpgroup its A panel and two of the four B panels).
+        const int64_t valid = tile.k_end - (tile.k0 + int64_t(kt) * kBlockK);
+        if (valid < kBlockK) {
+          const int first = int(valid);
+          uint4* pa = reinterpret_cast<uint4*>(sa + warpgroup * (kABytes / 2));
+          for (int e = first * 8 + thread_in_wg; e < kBlockK * 8; e += 128)
+            pa[e] = make_uint4(0, 0, 0, 0);
+          for (int p = 2 * warpgroup; p < 2 * warpgroup + 2; ++p) {
+            uint4* pb = reinterpret_cast<uint4*>(sb + p * (kBBytes / 4));
+            for (int e = first * 8 + thread_in_wg; e < kBlockK * 8; e += 128)
+              pb[e] = make_uint4(0, 0, 0, 0);
+          }
+          wgmma::fence_shared_for_async();
+          wgmma::named_barrier<256>(1);
+        }
+      }
+      wgmma::fence();
+#pragma unroll
+      for (int j = 0; j < kBlockK / 16; ++j) {
+        uint64_t da, db;
+        if constexpr (kTransA)
+          da = wgmma::desc_mn_major(sa + warpgroup * (kABytes / 2) + j * 2048, kABytes / 2);
+        else
+          da = wgmma::desc_k_major(sa + warpgroup * (kABytes / 2) + j * 32);
+        if constexpr (kTransB)
+          db = wgmma::desc_mn_major(sb + j * 2048, kBBytes / 4);
+        else
+          db = wgmma::desc_k_major(sb + j * 32);
+        wgmma::mma_m64n256k16<kTransA, kTransB>(acc, da, db, kt == 0 && j == 0);
+      }
+      wgmma::commit();
+      // The previous stage's products are done: hand it back.
+      wgmma::wait<1>();
+      const int prev = stage == 0 ? kStages - 1 : stage - 1;
+      if (kt > 0 && thread_in_wg == 0) wgmma::mbarrier_arrive(&empty[prev]);
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    wgmma::wait<0>();
+    {
+      const int prev = stage == 0 ? kStages - 1 : stage - 1;
+      if (thread_in_wg == 0) wgmma::mbarrier_arrive(&empty[prev]);
+    }
+    wgmma::pin(acc);
+    // Element e of the accumulators is row 16·warp + lane/4 + 8·((e/2) mod 2), column 8·(e/4) +
+    // 2·(lane mod 4) + (e mod 2) of this warpgroup's 64 × 256.
+    const int row_base = 64 * warpgroup + 16 * warp + (lane >> 2);
+    for (int r = 0; r < rounds; ++r) {
+      wgmma::mbarrier_wait(out_empty, out_phase ^ 1);
+      out_phase ^= 1;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        unsigned char* row = staging + (row_base + 8 * h) * kStageRowBytes;
+#pragma unroll
+        for (int c = 0; c < 32; ++c) {
+          const float v0 = acc[4 * c + 2 * h], v1 = acc[4 * c + 2 * h + 1];
+          const int col = 8 * c + 2 * (lane & 3);
+          if (a.out_f32) {
+            if ((c >> 4) == r)
+              *reinterpret_cast<float2*>(row + (col - 128 * r) * 4) = make_float2(v0, v1);
+          } else {
+            *reinterpret_cast<__nv_bfloat162*>(row + col * 2) = __floats2bfloat162_rn(v0, v1);
+          }
+        }
+      }
+      wgmma::mbarrier_arrive(out_full);
+    }
+  }
+#endif
+}
+
+// ---- host: the operand maps ---------------------------------------------------------------------
+
+namespace grouped {
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+inline CUresult encode_map(CUtensorMap* map, int rank, void* base, const cuuint64_t* dims,
+                           const cuuint64_t* strides_bytes, const cuuint32_t* box) {
+  using Encode =
+      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (!encode) return CUDA_ERROR_NOT_SUPPORTED;
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), base, dims, strides_bytes,
+                box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// A row-major bf16 matrix [rows, cols] in boxes of 64 columns × box_rows rows.
+inline CUresult map_rows(CUtensorMap* map, const void* base, int64_t rows, int64_t cols,
+                         int box_rows) {
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
+  return encode_map(map, 2, const_cast<void*>(base), dims, strides, box);
+}
+
+// Row-major bf16 matrices [groups, rows, cols] in boxes of 64 columns × box_rows rows of one.
+inline CUresult map_groups(CUtensorMap* map, const void* base, int64_t groups, int64_t rows,
+                           int64_t cols, int box_rows) {
+  const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(rows), cuuint64_t(groups)};
+  const cuuint64_t strides[2] = {cuuint64_t(cols) * 2, cuuint64_t(cols) * cuuint64_t(rows) * 2};
+  const cuuint32_t box[3] = {64, cuuint32_t(box_rows), 1};
+  return encode_map(map, 3, const_cast<void*>(base), dims, strides, box);
+}
+
+}  // namespace grouped
+
+// The launch: `first` and `second` as in ops/cuda/grouped_gemm.h (x and w, dy and w, dy and x),
+// `blocks` persistent blocks (the SM count). Returns false when a map cannot be made (a pointer
+// or row stride TMA cannot address); nothing is launched then.
+template <GroupedMode kMode>
+inline bool launch_grouped_gemm(const void* first, const void* second, const grouped::Args& a,
+                                int blocks, cudaStream_t stream) {
+  using namespace grouped;
+  CUtensorMap map_a, map_b;
+  CUresult ra, rb;
+  if constexpr (kMode == GroupedMode::kForward) {
+    ra = map_rows(&map_a, first, a.rows, a.k, kBlockM);
+    rb = map_groups(&map_b, second, a.groups, a.n, a.k, kBlockN);
+  } else if constexpr (kMode == GroupedMode::kBackwardInput) {
+    ra = map_rows(&map_a, first, a.rows, a.n, kBlockM);
+    rb = map_groups(&map_b, second, a.groups, a.n, a.k, 64);
+  } else {
+    ra = map_rows(&map_a, first, a.rows, a.n, 64);
+    rb = map_rows(&map_b, second, a.rows, a.k, 64);
+  }
+  if (ra != CUDA_SUCCESS || rb != CUDA_SUCCESS) return false;
+  cudaFuncSetAttribute(grouped_gemm_wgmma_kernel<kMode>,
+                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  grouped_gemm_wgmma_kernel<kMode><<<blocks, kThreads, kSmemBytes, stream>>>(map_a, map_b, a);
+  return true;
+}
+
+}  // namespace glmtune::cuda::sm90
