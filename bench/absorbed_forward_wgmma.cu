@@ -19,15 +19,9 @@
 #include <vector>
 
 #include "glmtune/ops/cuda/mla_absorbed_sm90.cuh"
+#include "standalone_cuda.h"
 using namespace glmtune::cuda::sm90;
-#define CK(x)                                                     \
-  do {                                                            \
-    cudaError_t e = (x);                                          \
-    if (e != cudaSuccess) {                                       \
-      printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); \
-      exit(1);                                                    \
-    }                                                             \
-  } while (0)
+#define CK(x) STANDALONE_CUDA_CHECK(x)
 
 __global__ void naive(const __nv_bfloat16* q, const __nv_bfloat16* lat, const int* keys,
                       const int* counts, int width, int heads, float scale_log2, float* out,

@@ -23,15 +23,9 @@
 #include <vector>
 
 #include "glmtune/ops/cuda/grouped_gemm_sm90.cuh"
+#include "standalone_cuda.h"
 
-#define CHECK(x)                                                  \
-  do {                                                            \
-    cudaError_t e = (x);                                          \
-    if (e != cudaSuccess) {                                       \
-      printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); \
-      exit(1);                                                    \
-    }                                                             \
-  } while (0)
+#define CHECK(x) STANDALONE_CUDA_CHECK(x)
 #define CHECK_BLAS(x)                                       \
   do {                                                      \
     cublasStatus_t s = (x);                                 \

@@ -7,22 +7,12 @@
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/grouped_gemm.h"
 #include "glmtune/ops/cuda/grouped_gemm_sm90.cuh"
+#include "glmtune/ops/cuda/sm90a.h"
 
 namespace glmtune::cuda {
 namespace {
 
 using sm90::GroupedMode;
-
-bool hopper_build_and_device(int device) {
-#ifdef GLMTUNE_CUDA_SM90A
-  int major = 0;
-  GLMTUNE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major == 9;
-#else
-  (void)device;
-  return false;
-#endif
-}
 
 int sm_count(int device) {
   static std::mutex mu;
@@ -91,7 +81,7 @@ bool grouped_gemm_device_offsets_fit(const Tensor& first, const Tensor& second, 
     return false;
   if (out.dtype() != DType::bf16 && !(out.dtype() == DType::f32 && out.dim() == 3)) return false;
   if (groups < 1 || groups > sm90::grouped::kMaxGroups) return false;
-  return hopper_build_and_device(first.device().index);
+  return detail::sm90a_kernels_available(first.device().index);
 }
 
 void grouped_linear(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& offsets,

@@ -17,6 +17,7 @@
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/mla.h"
 #include "glmtune/ops/cuda/mla_absorbed_sm90.cuh"
+#include "glmtune/ops/cuda/sm90a.h"
 
 namespace glmtune::cuda {
 namespace {
@@ -658,16 +659,7 @@ void absorbed_backward_wgmma(const AbsorbedBackwardArgs& k, const SparseKeySets&
 
 }  // namespace
 
-bool absorbed_wgmma_available(int device) {
-#ifdef GLMTUNE_CUDA_SM90A
-  int major = 0;
-  GLMTUNE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major == 9;
-#else
-  (void)device;
-  return false;
-#endif
-}
+bool absorbed_wgmma_available(int device) { return detail::sm90a_kernels_available(device); }
 
 AbsorbedAttentionOutput absorbed_attention_forward(const Tensor& q_abs, const Tensor& latent,
                                                    const SparseKeySets& sets, double scale,
