@@ -665,8 +665,8 @@ bool shared_expert_composed(const MoeParams& params) {
 }
 
 // The routed experts' grouped GEMMs: one cuBLASLt GEMM per expert with the offsets read on the
-// host, or GLMTUNE_GROUPED_GEMM=wgmma for the Hopper kernels that read them on the device (no
-// synchronisation; ops/cuda/grouped_gemm.h). Read once: a step must not change kernels.
+// host, or GLMTUNE_GROUPED_GEMM=wgmma for the Hopper kernels that read them on the device (the
+// host never waits for them; ops/cuda/grouped_gemm.h). Read once: a step must not change kernels.
 cuda::GroupedGemmBackend moe_gemm_backend() {
   static const cuda::GroupedGemmBackend backend = [] {
     const char* v = std::getenv("GLMTUNE_GROUPED_GEMM");

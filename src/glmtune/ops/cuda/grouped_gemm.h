@@ -21,8 +21,8 @@
 //                    measured alternative;
 //   kWgmmaDeviceOffsets — the device-offset kernels at the end of this file, where the caller
 //                    holds the offsets on the device (the MoE block runs them for bf16 experts
-//                    without adapters or FP8, and then never synchronises): on an H100 at 36
-//                    groups of about 3641 rows, N 4096 K 2048, 742 / 675 / 419 TFLOP/s forward /
+//                    without adapters or FP8, and then never waits for the offsets): on an H100 at
+//                    36 groups of about 3641 rows, N 4096 K 2048, 742 / 675 / 419 TFLOP/s forward /
 //                    dX / dW against cuBLASLt per group's 718 / 758 / 654 (docs/PERF.md).
 //                    Given to the host-offset functions it means kLtPerGroup.
 // All run a fixed algorithm per problem, so reruns are bit-identical. The weight gradient into

@@ -1,9 +1,6 @@
 // Grouped expert GEMMs with the offsets on the device (ops/cuda/grouped_gemm.h): checks and the
 // launch of the Hopper kernels of ops/cuda/grouped_gemm_sm90.cuh.
 
-#include <map>
-#include <mutex>
-
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/grouped_gemm.h"
 #include "glmtune/ops/cuda/grouped_gemm_sm90.cuh"
@@ -13,19 +10,6 @@ namespace glmtune::cuda {
 namespace {
 
 using sm90::GroupedMode;
-
-int sm_count(int device) {
-  static std::mutex mu;
-  static std::map<int, int> counts;
-  std::lock_guard lock(mu);
-  auto it = counts.find(device);
-  if (it == counts.end()) {
-    int n = 0;
-    GLMTUNE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    it = counts.emplace(device, n).first;
-  }
-  return it->second;
-}
 
 // A bf16 row operand TMA can read: contiguous on the GPU, 16-byte rows and start.
 bool tma_rows(const Tensor& t) {
@@ -65,8 +49,11 @@ void launch(const char* op, const Tensor& first, const Tensor& second, Tensor& o
   a.out = out.data_ptr();
   a.out_f32 = out.dtype() == DType::f32;
   a.accumulate = accumulate;
-  const bool launched = sm90::launch_grouped_gemm<kMode>(first.data_ptr(), second.data_ptr(), a,
-                                                         sm_count(first.device().index), stream);
+  int sms = 0;  // one persistent block per SM
+  GLMTUNE_CUDA_CHECK(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, first.device().index));
+  const bool launched =
+      sm90::launch_grouped_gemm<kMode>(first.data_ptr(), second.data_ptr(), a, sms, stream);
   GLMTUNE_CUDA_OP_REQUIRE(launched, std::string(op) + ": TMA cannot describe the operands");
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
