@@ -82,14 +82,14 @@ struct AbsorbedAttentionOutput {
 
 // The kernels: mma.sync (any tensor-core GPU) and Hopper's warpgroup MMA (wgmma,
 // ops/cuda/mla_absorbed_sm90.cuh), which needs a build for sm_90a and a device of compute
-// capability 9.x. The wgmma forward has a producer warpgroup gather the selected latent rows while
-// two consumer warpgroups each score and multiply their own 64-key block (388 TFLOP/s at T4096,
-// top-2048 on an H100 against the mma.sync kernel's 162 on an H200, docs/PERF.md); the wgmma
-// backward forms the scores and dP once for both gradients in one kernel, where the mma.sync
-// backward's two kernels (d q_abs, then the d latent shares) each form them. Both write the same
-// workspace rows and leave the key-major reduction to the same kernel. The model runs the wgmma
-// kernels where they can run (GLMTUNE_MLA_KERNEL=mma_sync or wgmma_forward keeps one or both
-// directions on mma.sync, for comparisons); the mma.sync ones everywhere else.
+// capability 9.x. The wgmma forward has a producer warpgroup gather the selected latent rows a
+// stage ahead while two consumer warpgroups each score and multiply their own 32-key tile (433
+// TFLOP/s at T16384, top-2048 on an H100 against the mma.sync kernel's 162 at T4096 on an H200,
+// docs/PERF.md); the wgmma backward forms the scores and dP once for both gradients in one kernel,
+// where the mma.sync backward's two kernels (d q_abs, then the d latent shares) each form them.
+// Both write the same workspace rows and leave the key-major reduction to the same kernel. The
+// model runs the wgmma kernels where they can run (GLMTUNE_MLA_KERNEL=mma_sync or wgmma_forward
+// keeps one or both directions on mma.sync, for comparisons); the mma.sync ones everywhere else.
 enum class AbsorbedKernel { mma_sync, wgmma };
 
 // Whether the wgmma kernels can run on `device` (this build has sm_90a code, the device is 9.x).

@@ -88,50 +88,47 @@ __device__ __forceinline__ int32_t prefetch_position(const int32_t* row, int blo
 
 // ---- forward ------------------------------------------------------------------------------------
 //
-// One block per (query, 64 heads) in three warpgroups, arranged so that the tensor cores are not
-// bound by shared-memory reads and the gather runs under the products:
-//   - a producer warpgroup gathers the latent rows (cp.async completing on mbarriers); the two
-//     consumer warpgroups never issue a load;
-//   - keys go 128 at a time: warpgroup w scores its own block of 64 (S_w = q_abs · L_wᵀ,
-//     m64n64k16 × 32: each k step reads 4 KB of shared memory for 64 × 64 × 16 products; a
-//     split of one 64-key block between the warpgroups reads 3 KB for half as many, which kept an
-//     earlier version of this kernel at shared memory's rate);
+// One block per (query, 64 heads) in three warpgroups, arranged so that no iteration waits for its
+// keys to be gathered:
+//   - a producer warpgroup gathers the latent rows (cp.async completing on mbarriers) into four
+//     32-key tiles, two stages of one tile per consumer warpgroup: the next stage's rows are
+//     gathered while the present stage is multiplied;
+//   - keys go 64 at a time: warpgroup w scores its own block of 32 (S_w = q_abs · L_wᵀ,
+//     m64n32k16 × 32);
 //   - the row maxima of both blocks meet in shared memory, then warpgroup w adds to its output
 //     columns 256w .. 256w+255 the product of its own P, kept in registers, with its block
 //     (m64n256k16 with A from registers), and of the other warpgroup's P, read from shared memory,
-//     with the other block;
-//   - each key tile is released in halves of 256 columns as soon as the products that read them
-//     are done, and a warpgroup scores its own half of the next tile first, so the gather of half
-//     a tile runs under the other half's products;
-//   - the next block's scores are issued before the other warpgroup's product is waited for.
-// Shared memory: q_abs (64 KB), two key tiles (128 KB), P of both warpgroups for two iterations
+//     with the other block; the output is rescaled only when a row's maximum moved;
+//   - the next stage's scores are issued before both products are waited for, and a stage's tiles
+//     go back to the producer once both products have read them.
+// Shared memory: q_abs (64 KB), four key tiles (128 KB), P of both warpgroups for two iterations
 // (32 KB), row maxima and sums, nine mbarriers.
 
 namespace absorbed_fwd {
 
 using absorbed_tiles::kHeads;
-using absorbed_tiles::kKeys;
-using absorbed_tiles::kPanelBytes;
 using absorbed_tiles::kR;
-using absorbed_tiles::kTileBytes;
+constexpr int kKeys = 32;  // keys per warpgroup and stage
 constexpr int kConsumerThreads = 256;
 constexpr int kThreads = 384;
-constexpr int kHalfBytes = 4 * kPanelBytes;  // 256 columns of a 64-row tile
-constexpr int kPBytes = kPanelBytes;         // P: 64 heads × 64 keys
-// Registers per thread after the producer hands its share to the consumers (launch: 168 each).
+constexpr int kQPanelBytes = kHeads * 128;   // 64 heads of one 64-column panel
+constexpr int kKeyPanelBytes = kKeys * 128;  // 32 keys of one 64-column panel
+constexpr int kQBytes = 8 * kQPanelBytes;
+constexpr int kTileBytes = 8 * kKeyPanelBytes;  // 32 keys × 512 columns
+constexpr int kHalfBytes = 4 * kKeyPanelBytes;  // 256 columns of a tile
+constexpr int kPBytes = kQPanelBytes;           // P: 64 heads × 32 keys in a 128-byte panel
 constexpr int kConsumerRegisters = 208;
 constexpr int kProducerRegisters = 88;
 static_assert(2 * 128 * kConsumerRegisters + 128 * kProducerRegisters <= 65536);
-// Named barriers of the two consumer warpgroups.
 constexpr int kMaxBarrier = 1, kPBarrier = 2, kEpilogueBarrier = 3;
 
 struct Barriers {
   uint64_t q_full;
-  uint64_t full[2][2];   // [tile][half]: the producer's rows landed
-  uint64_t empty[2][2];  // [tile][half]: the consumers' products no longer read them
+  uint64_t full[2][2];   // [stage][tile]: the producer's rows landed
+  uint64_t empty[2][2];  // [stage][tile]: no product reads the tile any more
 };
-constexpr int kSmemBytes = 3 * kTileBytes + 4 * kPBytes + 2 * 2 * kHeads * 4 + 2 * kHeads * 4 +
-                           int(sizeof(Barriers)) + 1024;
+constexpr int kSmemBytes = kQBytes + 4 * kTileBytes + 4 * kPBytes + 2 * 2 * kHeads * 4 +
+                           2 * kHeads * 4 + int(sizeof(Barriers)) + 1024;
 
 }  // namespace absorbed_fwd
 
@@ -141,20 +138,16 @@ constexpr int kSmemBytes = 3 * kTileBytes + 4 * kPBytes + 2 * 2 * kHeads * 4 + 2
 __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     absorbed_forward_wgmma_kernel(AbsorbedForwardArgs a, __nv_bfloat16* __restrict__ out,
                                   float* __restrict__ lse2) {
-  // wgmma exists in sm_90a code only; other targets of a multi-architecture build get an empty
-  // kernel that absorbed_wgmma_available() never lets run.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace absorbed_fwd;
   unsigned char* smem = absorbed_tiles::smem_1024();
   unsigned char* sQ = smem;
-  unsigned char* sK = smem + kTileBytes;                     // tiles 0 and 1
-  unsigned char* sP = smem + 3 * kTileBytes;                 // [iteration parity][warpgroup]
+  unsigned char* sK = smem + kQBytes;                        // [stage][tile]
+  unsigned char* sP = sK + 4 * kTileBytes;                   // [iteration parity][warpgroup]
   float* sMax = reinterpret_cast<float*>(sP + 4 * kPBytes);  // [parity][warpgroup][64 rows]
   float* sSum = sMax + 2 * 2 * kHeads;                       // [warpgroup][64 rows]
   Barriers* bars = reinterpret_cast<Barriers*>(sSum + 2 * kHeads);
 
-  // Broadcast from lane 0 so that the compiler sees a warp-uniform value: wgmma on a path it
-  // must assume divergent gets serialised.
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0);
   const int64_t i = blockIdx.x;
   const int h0 = blockIdx.y * kHeads;
@@ -165,89 +158,74 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
 
   if (threadIdx.x == 0) {
     wgmma::mbarrier_init(&bars->q_full, 128);
-    for (int t = 0; t < 2; ++t)
-      for (int h = 0; h < 2; ++h) {
-        wgmma::mbarrier_init(&bars->full[t][h], 128);
-        // Half h of tile t is read by warpgroup t's scores and by warpgroup h's products: one
-        // warpgroup's arrivals when t == h, both otherwise.
-        wgmma::mbarrier_init(&bars->empty[t][h], t == h ? 128 : 256);
+    for (int s = 0; s < 2; ++s)
+      for (int t = 0; t < 2; ++t) {
+        wgmma::mbarrier_init(&bars->full[s][t], 128);
+        wgmma::mbarrier_init(&bars->empty[s][t], 256);  // both warpgroups' products read it
       }
     wgmma::mbarrier_init_fence();
   }
   __syncthreads();
 
   if (wg == 2) {
-    // ---- producer: q_abs, then per iteration the halves of both tiles in the order the
-    // consumers free and need them.
     wgmma::give_back_registers<kProducerRegisters>();
     const int p = threadIdx.x - 256, warp = p >> 5, lane = p & 31;
 #pragma unroll 4
     for (int e = p; e < kHeads * (kR / 8); e += 128) {
       const int row = e >> 6, chunk = e & 63;
       const bool valid = h0 + row < a.heads;
-      tc::cp_async16_zfill(sQ + (chunk >> 3) * kPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
+      tc::cp_async16_zfill(sQ + (chunk >> 3) * kQPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
                            valid ? a.q + (i * a.heads + h0 + row) * kR + chunk * 8 : a.q, valid);
     }
     wgmma::mbarrier_arrive_on_cp_async(&bars->q_full);
     for (int j = 0; j < iterations; ++j) {
-      // Lane l < 16 holds the position of tile 0's row warp + 4l, lane 16 + l tile 1's; −1
-      // past the count.
-      const int tile_of_lane = lane >> 4, row_of_lane = warp + 4 * (lane & 15);
+      const int s = j & 1;
+      // Lane l < 8 holds the position of tile 0's row warp + 4l, lanes 8 + l tile 1's.
+      const int tile_of_lane = (lane >> 3) & 1, row_of_lane = warp + 4 * (lane & 7);
       const int slot = (2 * j + tile_of_lane) * kKeys + row_of_lane;
-      const int32_t position = slot < count ? key_row[slot] : -1;
-      const int order[4][2] = {{0, 0}, {1, 1}, {0, 1}, {1, 0}};
+      const int32_t position = lane < 16 && slot < count ? key_row[slot] : -1;
 #pragma unroll
-      for (int o = 0; o < 4; ++o) {
-        const int t = order[o][0], h = order[o][1];
-        if (j > 0) wgmma::mbarrier_wait(&bars->empty[t][h], (j - 1) & 1);
-        unsigned char* tile = sK + t * kTileBytes + h * kHalfBytes;
+      for (int t = 0; t < 2; ++t) {
+        if (j >= 2) wgmma::mbarrier_wait(&bars->empty[s][t], ((j >> 1) - 1) & 1);
+        unsigned char* tile = sK + (2 * s + t) * kTileBytes;
 #pragma unroll
-        for (int r = 0; r < 16; ++r) {
+        for (int r = 0; r < 8; ++r) {
           const int row = warp + 4 * r;
-          const int32_t pos = __shfl_sync(0xffffffffu, position, 16 * t + r);
-          // A warp copies one 512-byte half row: 32 lanes × 16 bytes, chunk = lane.
-          const int col = h * 256 + lane * 8;
-          tc::cp_async16_zfill(
-              tile + (lane >> 3) * kPanelBytes + wgmma::swizzled(row, (lane & 7) * 8),
-              pos >= 0 ? a.latent + int64_t(pos) * kR + col : a.latent, pos >= 0);
+          const int32_t pos = __shfl_sync(0xffffffffu, position, 8 * t + r);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int chunk = half * 32 + lane;  // 16-byte chunk of the 1 KB row
+            tc::cp_async16_zfill(
+                tile + (chunk >> 3) * kKeyPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
+                pos >= 0 ? a.latent + int64_t(pos) * kR + chunk * 8 : a.latent, pos >= 0);
+          }
         }
-        wgmma::mbarrier_arrive_on_cp_async(&bars->full[t][h]);
+        wgmma::mbarrier_arrive_on_cp_async(&bars->full[s][t]);
       }
     }
     tc::cp_async_wait<0>();
     return;
   }
 
-  // ---- consumers
   wgmma::take_registers<kConsumerRegisters>();
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int row0 = warp * 16 + g;  // this thread's rows: row0 and row0 + 8
+  const int row0 = warp * 16 + g;
   const int own = wg, other = 1 - wg;
-  const unsigned char* own_tile = sK + own * kTileBytes;
-  const unsigned char* other_tile = sK + other * kTileBytes;
 
-  // Scores of this warpgroup's block of the iteration over the 256 columns of `half`.
-  float s[32];
-  auto score_half = [&](int half, bool first) {
-#pragma unroll
-    for (int kk = 0; kk < 16; ++kk) {
-      const int panel = half * 4 + (kk >> 2), k_bytes = (kk & 3) * 32;
-      wgmma::mma_m64n64k16<0, 0>(s, wgmma::desc_k_major(sQ + panel * kPanelBytes + k_bytes),
-                                 wgmma::desc_k_major(own_tile + panel * kPanelBytes + k_bytes),
-                                 first && kk == 0);
-    }
-  };
-  // Own half first: it is the half of the tile the producer refills first.
+  float s[16];
   auto issue_scores = [&](int j) {
-    wgmma::mbarrier_wait(&bars->full[own][own], j & 1);
+    const unsigned char* tile = sK + (2 * (j & 1) + own) * kTileBytes;
+    wgmma::mbarrier_wait(&bars->full[j & 1][own], (j >> 1) & 1);
     wgmma::fence_shared_for_async();
     wgmma::fence();
-    score_half(own, true);
-    wgmma::commit();
-    wgmma::mbarrier_wait(&bars->full[own][other], j & 1);
-    wgmma::fence_shared_for_async();
-    score_half(other, false);
+#pragma unroll
+    for (int kk = 0; kk < 32; ++kk) {
+      const int panel = kk >> 2, k_bytes = (kk & 3) * 32;
+      wgmma::mma_m64n32k16<0, 0>(s, wgmma::desc_k_major(sQ + panel * kQPanelBytes + k_bytes),
+                                 wgmma::desc_k_major(tile + panel * kKeyPanelBytes + k_bytes),
+                                 kk == 0);
+    }
     wgmma::commit();
   };
 
@@ -261,15 +239,16 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     issue_scores(0);
   }
   for (int j = 0; j < iterations; ++j) {
+    const int st = j & 1;
+    const unsigned char* own_tile = sK + (2 * st + own) * kTileBytes;
+    const unsigned char* other_tile = sK + (2 * st + other) * kTileBytes;
     wgmma::wait<0>();
     wgmma::pin(s);
-    // The scores are done with the other half of this warpgroup's tile.
-    wgmma::mbarrier_arrive(&bars->empty[own][other]);
 
     const int block = 2 * j + own;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
+    for (int e = 0; e < 16; ++e) {
       const int slot = block * kKeys + (e >> 2) * 8 + 2 * t + (e & 1);
       s[e] = slot < count ? s[e] * a.scale_log2 : -INFINITY;
       mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
@@ -279,7 +258,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     }
-    float* max_slots = sMax + (j & 1) * 2 * kHeads;
+    float* max_slots = sMax + st * 2 * kHeads;
     if (t == 0) {
       max_slots[own * kHeads + row0] = mx[0];
       max_slots[own * kHeads + row0 + 8] = mx[1];
@@ -288,19 +267,16 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      // Both warpgroups compute the same maximum (max is exact in any order).
       const float next = fmaxf(m[r], fmaxf(mx[r], max_slots[other * kHeads + row0 + 8 * r]));
       alpha[r] = exp2f(m[r] - next);
       m[r] = next;
     }
 
-    // P = 2^(s − m): bf16 pairs in the A layout of the output product (k step kk holds the
-    // accumulator's columns 16kk .. 16kk + 15), and in shared memory for the other warpgroup.
-    uint32_t pa[4][4];
+    uint32_t pa[2][4];
     float sum[2] = {0.0f, 0.0f};
-    unsigned char* own_p = sP + ((j & 1) * 2 + own) * kPBytes;
+    unsigned char* own_p = sP + (st * 2 + own) * kPBytes;
 #pragma unroll
-    for (int e = 0; e < 32; e += 2) {
+    for (int e = 0; e < 16; e += 2) {
       const int r = (e >> 1) & 1;
       const float p0 = exp2f(s[e] - m[r]), p1 = exp2f(s[e + 1] - m[r]);
       sum[r] += p0 + p1;
@@ -315,51 +291,42 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
       sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
       l[r] = l[r] * alpha[r] + sum[r];
     }
+    if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll
-    for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
+      for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
+    }
 
-    // Own P with the own block's columns of this warpgroup.
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
       wgmma::mma_m64n256k16_rs<1>(
-          o, pa[kk], wgmma::desc_mn_major(own_tile + own * kHalfBytes + kk * 16 * 128, kPanelBytes),
-          false);
+          o, pa[kk],
+          wgmma::desc_mn_major(own_tile + own * kHalfBytes + kk * 16 * 128, kKeyPanelBytes), false);
     wgmma::commit();
 
     wgmma::fence_shared_for_async();
-    wgmma::named_barrier<kConsumerThreads>(kPBarrier);  // both P in shared memory
-    const unsigned char* other_p = sP + ((j & 1) * 2 + other) * kPBytes;
+    wgmma::named_barrier<kConsumerThreads>(kPBarrier);
+    const unsigned char* other_p = sP + (st * 2 + other) * kPBytes;
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
       wgmma::mma_m64n256k16<0, 1>(
           o, wgmma::desc_k_major(other_p + kk * 32),
-          wgmma::desc_mn_major(other_tile + own * kHalfBytes + kk * 16 * 128, kPanelBytes), false);
+          wgmma::desc_mn_major(other_tile + own * kHalfBytes + kk * 16 * 128, kKeyPanelBytes),
+          false);
     wgmma::commit();
 
-    wgmma::wait<1>();
-    wgmma::mbarrier_arrive(&bars->empty[own][own]);
+    // The next stage's tiles were gathered during this one: score them under the products.
     if (j + 1 < iterations) {
-      wgmma::mbarrier_wait(&bars->full[own][own], (j + 1) & 1);
-      wgmma::fence_shared_for_async();
-      wgmma::fence();  // s was read and written by ordinary instructions
-      score_half(own, true);
-      wgmma::commit();
+      issue_scores(j + 1);
       wgmma::wait<1>();
-      wgmma::pin(o);
-      wgmma::mbarrier_arrive(&bars->empty[other][own]);
-      wgmma::mbarrier_wait(&bars->full[own][other], (j + 1) & 1);
-      wgmma::fence_shared_for_async();
-      score_half(other, false);
-      wgmma::commit();
     } else {
       wgmma::wait<0>();
-      wgmma::pin(o);
-      wgmma::mbarrier_arrive(&bars->empty[other][own]);
     }
+    wgmma::pin(o);
+    wgmma::mbarrier_arrive(&bars->empty[st][own]);
+    wgmma::mbarrier_arrive(&bars->empty[st][other]);
   }
 
-  // Each warpgroup summed its own blocks' probabilities (under the same maxima): add the two.
   if (t == 0) {
     sSum[own * kHeads + row0] = l[0];
     sSum[own * kHeads + row0 + 8] = l[1];
@@ -368,7 +335,6 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    // Warpgroup 0's sum first in both, so both divide by the same total.
     const float total = sSum[row0 + 8 * r] + sSum[kHeads + row0 + 8 * r];
     inv[r] = blocks > 0 ? 1.0f / total : 0.0f;
     const int h = h0 + row0 + 8 * r;
