@@ -43,8 +43,9 @@ constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kMaxGroups = 1024;
 // Registers a thread after the reallocation: together no more than the launch gives the block
 // (168 a thread under __launch_bounds__(384, 1)), or the consumers' request never completes.
-constexpr int kConsumerRegisters = 232;
-constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 224;
+constexpr int kProducerRegisters = 56;
+constexpr int kBatch = 2;  // output chunks an epilogue thread moves at a time
 static_assert(2 * 128 * kConsumerRegisters + 128 * kProducerRegisters <= kThreads * 168);
 // The output tile on its way out: 128 rows of 512 bytes (256 bf16 or, per round, 128 f32
 // columns) padded by 16 bytes, so that the accumulators' stores hit 32 distinct banks.
@@ -212,35 +213,47 @@ __global__ void __launch_bounds__(grouped::kThreads, 1)
       for (int r = 0; r < rounds; ++r) {
         wgmma::mbarrier_wait(out_full, out_phase);
         out_phase ^= 1;
-        for (int e = e0; e < kBlockM * 32; e += kEpilogueThreads) {
-          const int row = e >> 5, chunk = e & 31;
-          const uint4 v =
-              *reinterpret_cast<const uint4*>(staging + row * kStageRowBytes + chunk * 16);
-          const int64_t grow = tile.row0 + row;
-          const int64_t col = tile.col0 + (a.out_f32 ? 128 * r + 4 * chunk : 8 * chunk);
-          if (grow >= tile.row_end || col >= ncols) continue;
-          if (a.out_f32) {
-            float4* p = reinterpret_cast<float4*>(base + (grow * ncols + col) * 4);
-            float4 f = *reinterpret_cast<const float4*>(&v);
-            if (a.accumulate) {
-              const float4 old = *p;
-              f.x += old.x, f.y += old.y, f.z += old.z, f.w += old.w;
+        // kBatch chunks a thread at a time, their loads issued together: one global load's
+        // latency per batch, not per chunk (the weight gradient reads every f32 it adds to).
+        for (int e = e0; e < kBlockM * 32; e += kBatch * kEpilogueThreads) {
+          uint4 v[kBatch], old[kBatch];
+          int64_t at[kBatch];
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            const int c = e + j * kEpilogueThreads;
+            const int row = c >> 5, chunk = c & 31;
+            const int64_t grow = tile.row0 + row;
+            const int64_t col = tile.col0 + (a.out_f32 ? 128 * r + 4 * chunk : 8 * chunk);
+            const bool inside = c < kBlockM * 32 && grow < tile.row_end && col < ncols;
+            at[j] = inside ? (grow * ncols + col) * (a.out_f32 ? 4 : 2) : -1;
+            if (inside) {
+              v[j] = *reinterpret_cast<const uint4*>(staging + row * kStageRowBytes + chunk * 16);
+              if (a.accumulate) old[j] = *reinterpret_cast<const uint4*>(base + at[j]);
             }
-            *p = f;
-          } else {
-            uint4* p = reinterpret_cast<uint4*>(base + (grow * ncols + col) * 2);
-            uint4 o = v;
+          }
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            if (at[j] < 0) continue;
+            uint4 o = v[j];
             if (a.accumulate) {
-              const uint4 old = *p;
-              const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&v);
-              const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&old);
-              __nv_bfloat162* z = reinterpret_cast<__nv_bfloat162*>(&o);
-              for (int i = 0; i < 4; ++i) {
-                const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
-                z[i] = __floats2bfloat162_rn(fx.x + fy.x, fx.y + fy.y);
+              if (a.out_f32) {
+                const float* x = reinterpret_cast<const float*>(&v[j]);
+                const float* y = reinterpret_cast<const float*>(&old[j]);
+                float* z = reinterpret_cast<float*>(&o);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) z[i] = x[i] + y[i];
+              } else {
+                const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&v[j]);
+                const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&old[j]);
+                __nv_bfloat162* z = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
+                  z[i] = __floats2bfloat162_rn(fx.x + fy.x, fx.y + fy.y);
+                }
               }
             }
-            *p = o;
+            *reinterpret_cast<uint4*>(base + at[j]) = o;
           }
         }
         wgmma::mbarrier_arrive(out_empty);
