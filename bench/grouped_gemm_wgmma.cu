@@ -4,8 +4,10 @@
 //
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc \
 //        -o grouped_gemm_wgmma bench/grouped_gemm_wgmma.cu -lcublas
-//   ./grouped_gemm_wgmma [groups=36] [mean_rows=3641] [n=4096] [k=4096] [check=1]
+//   ./grouped_gemm_wgmma [groups=36] [mean_rows=3641] [n=4096] [k=4096] [check=1] [band_rows]
 //
+// band_rows: row tiles per band of the kernel's tile order (default: the library's; a number at
+// least the row tiles of every group gives the plain row-first order).
 // Group row counts are drawn around mean_rows (every 7th group empty, one group with 1 row). The
 // three modes: forward y = x · w[g]^T, input gradient dx = dy · w[g], weight gradient
 // dw[g] += dy^T · x (f32 dw). Prints for each the largest |difference| against the fp32
@@ -91,6 +93,7 @@ int main(int argc, char** argv) {
   const int mean_rows = argc > 2 ? atoi(argv[2]) : 3641;
   const int64_t n = argc > 3 ? atoll(argv[3]) : 4096, k = argc > 4 ? atoll(argv[4]) : 4096;
   const int check = argc > 5 ? atoi(argv[5]) : 1;
+  const int band_rows = argc > 6 ? atoi(argv[6]) : 0;  // 0: the library's default
   std::mt19937 rng(1234);
   std::vector<int> off(groups + 1, 0);
   std::uniform_int_distribution<int> jitter(-mean_rows / 3, mean_rows / 3);
@@ -149,6 +152,7 @@ int main(int argc, char** argv) {
     a.out = out;
     a.out_f32 = mode == GroupedMode::kBackwardWeight;
     a.accumulate = mode == GroupedMode::kBackwardWeight;
+    a.band_rows = band_rows;
     auto ours = [&] {
       bool ok = mode == GroupedMode::kForward
                     ? glmtune::cuda::sm90::launch_grouped_gemm<GroupedMode::kForward>(
@@ -167,6 +171,12 @@ int main(int argc, char** argv) {
     if (check) {
       CHECK(cudaMemset(out, 0, out_elems * (a.out_f32 ? 4 : 2)));
       CHECK(cudaMemset(ref, 0, ref_elems * 4));
+      if (a.accumulate) {  // the weight gradient adds to what is there: start both from a pattern
+        std::vector<float> start(out_elems);
+        for (size_t i = 0; i < out_elems; ++i) start[i] = 0.125f * float(i % 7) - 0.25f;
+        CHECK(cudaMemcpy(out, start.data(), out_elems * 4, cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(ref, start.data(), out_elems * 4, cudaMemcpyHostToDevice));
+      }
       ours();
       reference(h, mode, off, n, k, x, w, dy, ref, CUDA_R_32F);
       CHECK(cudaDeviceSynchronize());
@@ -186,7 +196,8 @@ int main(int argc, char** argv) {
         const double d = std::fabs(double(hr[i]) - double(ho[i]));
         if (!(d <= max_diff)) max_diff = d, at = i;
       }
-      // Both start from zeros, so the comparison also covers what an empty group must not touch.
+      // Both start from the same values, so the comparison also covers what an empty group must
+      // not touch.
       printf("check %-11s: max |diff| %.3e of max |ref| %.3e (%.2e relative) at %zu\n", names[mi],
              max_diff, max_ref, max_diff / max_ref, at);
     }

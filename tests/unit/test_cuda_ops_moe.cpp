@@ -181,6 +181,10 @@ TEST(CudaOpsMoe, GroupedGemmMatchesCpu) {
   // last tiles run into the next group's rows), N and K past a tile and not multiples of one,
   // empty groups first, inside and last.
   check_grouped_gemms({0, 300, 1, 129, 0, 257, 64, 0}, 328, 200, 11);
+  // More row tiles than one band of the device-offset kernels' tile order (8 row tiles), in the
+  // rows of a group (forward, dX) and in N (dW), each ending in a part band (N and K rows of
+  // multiples of 16 bytes, so that the device-offset kernels take them).
+  check_grouped_gemms({1200, 0, 150}, 1104, 136, 21);
   const std::vector<int64_t> offsets = {0, 0, 17, 81, 82, 115};
   const Tensor xg = random_cpu({115, 80}, DType::bf16, 1).to(kGpu);
   const Tensor wg = random_cpu({5, 96, 80}, DType::bf16, 2).to(kGpu);

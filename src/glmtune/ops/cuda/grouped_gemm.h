@@ -22,8 +22,10 @@
 //   kWgmmaDeviceOffsets — the device-offset kernels at the end of this file, where the caller
 //                    holds the offsets on the device (the MoE block runs them for bf16 experts
 //                    without adapters or FP8, and then never waits for the offsets): on an H100 at
-//                    36 groups of about 3641 rows, N 4096 K 2048, 742 / 675 / 419 TFLOP/s forward /
-//                    dX / dW against cuBLASLt per group's 718 / 758 / 654 (docs/PERF.md).
+//                    36 groups of about 3641 rows, N 4096 K 2048, 717 / 722 / 638 TFLOP/s forward /
+//                    dX / dW (f32) against cuBLASLt per group's 732 / 762 / 666; at 8 groups of
+//                    16 K rows 736 / 741 / 706 against 790 / 796 / 795; at 144 groups of about 910
+//                    rows 669 / 675 / 347 against 641 / 611 / 312 (docs/PERF.md).
 //                    Given to the host-offset functions it means kLtPerGroup.
 // All run a fixed algorithm per problem, so reruns are bit-identical. The weight gradient into
 // an f32 buffer always takes kLtPerGroup (the grouped cuBLAS call has no bf16 → f32 variant).

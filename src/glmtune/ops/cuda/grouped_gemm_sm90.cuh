@@ -7,8 +7,15 @@
 // in shared memory, and a third whose first thread loads operand tiles with TMA into a
 // three-stage ring (completing on mbarriers) while its other three warps store the finished tile
 // to global memory under the next tile's products (bf16 in one round, f32 in two of 128 columns).
-// Each block walks the tile list (every group's tiles in group order, row tiles first) with a
-// stride of the grid; every block derives the list from the offsets at its start.
+// The f32 weight gradient, which adds to what is there, leaves instead by TMA reductions (the add
+// happens in L2, no thread waits on a load): the consumers stage it in 128-byte-swizzled boxes of
+// 32 columns and one thread of the third warpgroup issues them.
+// Each block walks the tile list with a stride of the grid; every block derives the list from the
+// offsets at its start. The list takes the groups in order and each group's tiles in bands of
+// `band_rows` row tiles, column tiles first within a band: the blocks that run at once then share
+// a band of the first operand and every column of the second in L2, where walking all rows of one
+// column first read a group's whole first operand again for every column tile (a group of 16 K
+// rows and 4,096 columns: 128 MB, more than L2, sixteen times).
 //
 //   kForward:        y[rows_g, N]  (+)= x[rows_g, K] · w[g]^T   tiles over (rows_g, N), k over K
 //   kBackwardInput:  dx[rows_g, K] (+)= dy[rows_g, N] · w[g]    tiles over (rows_g, K), k over N
@@ -65,7 +72,17 @@ struct Args {
   void* out;     // y [rows, n] / dx [rows, k] bf16, dw [groups, n, k] f32 or bf16
   bool out_f32;
   bool accumulate;  // add into out (always for the weight gradient)
+  bool reduce_out;  // the f32 weight gradient by TMA reductions through the output map
+  int band_rows;    // row tiles per band of the tile order (at least 1)
 };
+constexpr int kDefaultBandRows = 8;
+
+// The TMA reductions' staging: per round, four boxes of 128 rows × 32 f32 columns, 16 KB each,
+// 128-byte swizzled (16-byte chunk j of row r at chunk j ^ (r mod 8)), so that the accumulators'
+// stores of eight rows fall in distinct banks without padding.
+constexpr int kReduceBoxCols = 32;
+constexpr int kReduceBoxBytes = kBlockM * kReduceBoxCols * 4;
+static_assert(4 * kReduceBoxBytes <= kOutBytes);
 
 __device__ __forceinline__ unsigned char* smem_1024() {
   extern __shared__ unsigned char smem_raw[];
@@ -87,6 +104,27 @@ __device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, int c0
       "%3}], [%4];\n" ::"r"(wgmma::smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(wgmma::smem_u32(bar))
       : "memory");
+}
+
+// dst[c0 .., c1 .., c2] += the box at src (f32 adds in L2), tracked by the thread's bulk group.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* src, int c0,
+                                                  int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], "
+      "[%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(wgmma::smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// The committed reductions have read their shared memory (kRead) or are complete.
+template <bool kRead>
+__device__ __forceinline__ void bulk_wait_all() {
+  if constexpr (kRead)
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void tma_3d(void* dst, const CUtensorMap* map, int c0, int c1, int c2,
@@ -125,18 +163,29 @@ __device__ __forceinline__ Tile tile_at(const Args& a, const int32_t* prefix, in
   tile.group = lo;
   const int64_t local = t - prefix[lo];
   const int64_t r0 = a.offsets[lo], r1 = a.offsets[lo + 1];
+  const int64_t col_tiles = ((kMode == GroupedMode::kForward ? a.n : a.k) + kBlockN - 1) / kBlockN;
+  // Row tile and column tile of `local` in the banded order (see the top of the file).
+  auto place = [&](int64_t m_tiles, int64_t& row_tile, int64_t& col_tile) {
+    const int64_t band = local / (a.band_rows * col_tiles);
+    const int64_t first_row = band * a.band_rows;
+    const int64_t rows = m_tiles - first_row < a.band_rows ? m_tiles - first_row : a.band_rows;
+    const int64_t within = local - first_row * col_tiles;
+    col_tile = within / rows;
+    row_tile = first_row + within % rows;
+  };
+  int64_t row_tile, col_tile;
   if constexpr (kMode == GroupedMode::kBackwardWeight) {
-    const int64_t m_tiles = (a.n + kBlockM - 1) / kBlockM;
-    tile.row0 = (local % m_tiles) * kBlockM;
-    tile.col0 = (local / m_tiles) * kBlockN;
+    place((a.n + kBlockM - 1) / kBlockM, row_tile, col_tile);
+    tile.row0 = row_tile * kBlockM;
+    tile.col0 = col_tile * kBlockN;
     tile.row_end = a.n;
     tile.k0 = r0;
     tile.k_end = r1;
     tile.k_tiles = int((r1 - r0 + kBlockK - 1) / kBlockK);
   } else {
-    const int64_t m_tiles = (r1 - r0 + kBlockM - 1) / kBlockM;
-    tile.row0 = r0 + (local % m_tiles) * kBlockM;
-    tile.col0 = (local / m_tiles) * kBlockN;
+    place((r1 - r0 + kBlockM - 1) / kBlockM, row_tile, col_tile);
+    tile.row0 = r0 + row_tile * kBlockM;
+    tile.col0 = col_tile * kBlockN;
     tile.row_end = r1;
     tile.k0 = 0;
     const int64_t kdim = kMode == GroupedMode::kForward ? a.k : a.n;
@@ -152,10 +201,12 @@ __device__ __forceinline__ Tile tile_at(const Args& a, const int32_t* prefix, in
 //   kForward:        a = x  [rows, k] box 64 × 128;  b = w [groups, n, k] box 64 × 256 × 1
 //   kBackwardInput:  a = dy [rows, n] box 64 × 128;  b = w [groups, n, k] box 64 × 64 × 1
 //   kBackwardWeight: a = dy [rows, n] box 64 × 64;   b = x [rows, k] box 64 × 64
+// and, with a.reduce_out, map_out = dw [groups, n, k] f32, box 32 × 128 × 1.
 template <GroupedMode kMode>
 __global__ void __launch_bounds__(grouped::kThreads, 1)
     grouped_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
-                              const __grid_constant__ CUtensorMap map_b, grouped::Args a) {
+                              const __grid_constant__ CUtensorMap map_b,
+                              const __grid_constant__ CUtensorMap map_out, grouped::Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace grouped;
   unsigned char* smem = smem_1024();
@@ -184,7 +235,7 @@ __global__ void __launch_bounds__(grouped::kThreads, 1)
       wgmma::mbarrier_init(&empty[s], 2);
     }
     wgmma::mbarrier_init(out_full, 256);
-    wgmma::mbarrier_init(out_empty, kEpilogueThreads);
+    wgmma::mbarrier_init(out_empty, a.reduce_out ? 1 : kEpilogueThreads);
     wgmma::mbarrier_init_fence();
   }
   __syncthreads();
@@ -203,8 +254,27 @@ __global__ void __launch_bounds__(grouped::kThreads, 1)
     // that the stores run under the consumers' next products.
     wgmma::give_back_registers<kProducerRegisters>();
     const int e0 = threadIdx.x - (256 + 32);
-    unsigned char* out = static_cast<unsigned char*>(a.out);
     int out_phase = 0;
+    if (a.reduce_out) {
+      if (e0 != 0) return;
+      for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+        const Tile tile = tile_at<kMode>(a, prefix, t);
+        for (int r = 0; r < rounds; ++r) {
+          wgmma::mbarrier_wait(out_full, out_phase);
+          out_phase ^= 1;
+          for (int b = 0; b < 4; ++b)
+            tma_reduce_add_3d(&map_out, staging + b * kReduceBoxBytes,
+                              int(tile.col0) + 128 * r + kReduceBoxCols * b, int(tile.row0),
+                              tile.group);
+          bulk_commit();
+          bulk_wait_all<true>();  // the staging may be written again
+          wgmma::mbarrier_arrive(out_empty);
+        }
+      }
+      bulk_wait_all<false>();
+      return;
+    }
+    unsigned char* out = static_cast<unsigned char*>(a.out);
     for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
       const Tile tile = tile_at<kMode>(a, prefix, t);
       unsigned char* base = out;
@@ -361,12 +431,22 @@ __global__ void __launch_bounds__(grouped::kThreads, 1)
       out_phase ^= 1;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        unsigned char* row = staging + (row_base + 8 * h) * kStageRowBytes;
+        const int tile_row = row_base + 8 * h;
+        unsigned char* row = staging + tile_row * kStageRowBytes;
+        unsigned char* box_row = staging + tile_row * (kReduceBoxCols * 4);
 #pragma unroll
         for (int c = 0; c < 32; ++c) {
           const float v0 = acc[4 * c + 2 * h], v1 = acc[4 * c + 2 * h + 1];
           const int col = 8 * c + 2 * (lane & 3);
-          if (a.out_f32) {
+          if (a.reduce_out) {
+            if ((c >> 4) == r) {
+              const int local = col - 128 * r, box = local / kReduceBoxCols;
+              const int in_box = local % kReduceBoxCols;
+              *reinterpret_cast<float2*>(box_row + box * kReduceBoxBytes +
+                                         (((in_box >> 2) ^ (tile_row & 7)) << 4) +
+                                         (in_box & 3) * 4) = make_float2(v0, v1);
+            }
+          } else if (a.out_f32) {
             if ((c >> 4) == r)
               *reinterpret_cast<float2*>(row + (col - 128 * r) * 4) = make_float2(v0, v1);
           } else {
@@ -374,6 +454,8 @@ __global__ void __launch_bounds__(grouped::kThreads, 1)
           }
         }
       }
+      // The reductions read the staging through the async proxy.
+      if (a.reduce_out) wgmma::fence_shared_for_async();
       wgmma::mbarrier_arrive(out_full);
     }
   }
@@ -386,7 +468,8 @@ namespace grouped {
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
 inline CUresult encode_map(CUtensorMap* map, int rank, void* base, const cuuint64_t* dims,
-                           const cuuint64_t* strides_bytes, const cuuint32_t* box) {
+                           const cuuint64_t* strides_bytes, const cuuint32_t* box,
+                           CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
   using Encode =
       CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -402,8 +485,8 @@ inline CUresult encode_map(CUtensorMap* map, int rank, void* base, const cuuint6
   }();
   if (!encode) return CUDA_ERROR_NOT_SUPPORTED;
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), base, dims, strides_bytes,
-                box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  return encode(map, type, cuuint32_t(rank), base, dims, strides_bytes, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
@@ -425,16 +508,25 @@ inline CUresult map_groups(CUtensorMap* map, const void* base, int64_t groups, i
   return encode_map(map, 3, const_cast<void*>(base), dims, strides, box);
 }
 
+// The f32 weight gradient dw [groups, n, k] in boxes of 32 columns × 128 rows of one group.
+inline CUresult map_weight_grad_f32(CUtensorMap* map, void* base, int64_t groups, int64_t n,
+                                    int64_t k) {
+  const cuuint64_t dims[3] = {cuuint64_t(k), cuuint64_t(n), cuuint64_t(groups)};
+  const cuuint64_t strides[2] = {cuuint64_t(k) * 4, cuuint64_t(k) * cuuint64_t(n) * 4};
+  const cuuint32_t box[3] = {kReduceBoxCols, kBlockM, 1};
+  return encode_map(map, 3, base, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
+}
+
 }  // namespace grouped
 
 // The launch: `first` and `second` as in ops/cuda/grouped_gemm.h (x and w, dy and w, dy and x),
 // `blocks` persistent blocks (the SM count). Returns false when a map cannot be made (a pointer
 // or row stride TMA cannot address); nothing is launched then.
 template <GroupedMode kMode>
-inline bool launch_grouped_gemm(const void* first, const void* second, const grouped::Args& a,
-                                int blocks, cudaStream_t stream) {
+inline bool launch_grouped_gemm(const void* first, const void* second, grouped::Args a, int blocks,
+                                cudaStream_t stream) {
   using namespace grouped;
-  CUtensorMap map_a, map_b;
+  CUtensorMap map_a, map_b, map_out{};
   CUresult ra, rb;
   if constexpr (kMode == GroupedMode::kForward) {
     ra = map_rows(&map_a, first, a.rows, a.k, kBlockM);
@@ -447,9 +539,15 @@ inline bool launch_grouped_gemm(const void* first, const void* second, const gro
     rb = map_rows(&map_b, second, a.rows, a.k, 64);
   }
   if (ra != CUDA_SUCCESS || rb != CUDA_SUCCESS) return false;
+  if (a.band_rows <= 0) a.band_rows = kDefaultBandRows;
+  // Adding f32 into dw: by TMA reductions when dw's rows suit a map (16-byte strides); otherwise
+  // the epilogue warps read, add and store.
+  a.reduce_out = kMode == GroupedMode::kBackwardWeight && a.out_f32 && a.accumulate &&
+                 map_weight_grad_f32(&map_out, a.out, a.groups, a.n, a.k) == CUDA_SUCCESS;
   cudaFuncSetAttribute(grouped_gemm_wgmma_kernel<kMode>,
                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  grouped_gemm_wgmma_kernel<kMode><<<blocks, kThreads, kSmemBytes, stream>>>(map_a, map_b, a);
+  grouped_gemm_wgmma_kernel<kMode>
+      <<<blocks, kThreads, kSmemBytes, stream>>>(map_a, map_b, map_out, a);
   return true;
 }
 
