@@ -22,9 +22,11 @@ enum class Family {
   matmul_ceiling,    // dims {n}: bf16 n×n×n through cuBLASLt, the rate ceiling
   copy_ceiling,      // dims {bytes}: device-to-device copy, the bandwidth ceiling
   kda,               // dims {document lengths...}; variant fwd | fwd+bwd | fwd+bwd kept
-  grouped_gemm,      // dims {rows per expert, n, k}; variant fwd | dX | dW
+  grouped_gemm,      // dims {rows per expert, n, k}; variant fwd | dX | dW, each also with
+                     // " device" (the device-offset kernels, dW into f32)
   attention,         // dims {tokens, heads, head dim}; variant per-head fwd | fwd+bwd,
                      // absorbed fwd | fwd+bwd
+  absorbed_sparse,   // dims {tokens, heads, keys per query}; variant fwd | bwd (the kernel alone)
   gemm,              // dims {m, n, k}; variant NT | NN | TN (which operand is stored transposed)
   mhc,               // dims {tokens, streams, hidden}; variant pre fwd | pre bwd | post fwd | ...
   rmsnorm,           // dims {rows, width}; variant fwd | bwd

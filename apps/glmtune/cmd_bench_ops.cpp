@@ -25,6 +25,7 @@
 
 #include "cuda_bench.h"
 #include "glmtune/ops/cuda/cross_entropy.h"
+#include "glmtune/ops/cuda/dispatch.h"
 #include "glmtune/ops/cuda/fp8.h"
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/ops/cuda/grouped_gemm.h"
@@ -126,7 +127,8 @@ double time_kda(const std::vector<int64_t>& lengths, const std::string& variant)
 }
 
 // One expert GEMM of the MoE block through the default backend (cuBLASLt per expert); dW
-// accumulates into a bf16 gradient, the output type torch._grouped_mm gives.
+// accumulates into a bf16 gradient, the output type torch._grouped_mm gives. Variants ending in
+// " device" run the device-offset kernels instead, dW into f32 as the training step does.
 double time_grouped(int64_t per_group, int64_t n, int64_t k, const std::string& variant) {
   const int64_t experts = 36, total = per_group * experts;
   std::vector<int64_t> offsets(size_t(experts) + 1);
@@ -136,9 +138,29 @@ double time_grouped(int64_t per_group, int64_t n, int64_t k, const std::string& 
   const Tensor dy = random_gpu({total, n}, DType::bf16, 13);
   Tensor y = Tensor::empty({total, n}, DType::bf16, kGpu);
   Tensor dx = Tensor::empty({total, k}, DType::bf16, kGpu);
-  Tensor dw = Tensor::zeros({experts, n, k}, DType::bf16, kGpu);
-  if (variant == "fwd") return median_ms([&] { cuda::grouped_linear(y, x, w, offsets); }, 3, 20);
-  if (variant == "dX")
+  const std::string device_suffix = " device";
+  const bool on_device = variant.ends_with(device_suffix);
+  const std::string which =
+      on_device ? variant.substr(0, variant.size() - device_suffix.size()) : variant;
+  Tensor dw = Tensor::zeros({experts, n, k}, on_device ? DType::f32 : DType::bf16, kGpu);
+  if (on_device) {
+    std::vector<int32_t> host(offsets.begin(), offsets.end());
+    Tensor dev = Tensor::empty({experts + 1}, DType::i32);
+    std::copy(host.begin(), host.end(), dev.data<int32_t>());
+    dev = dev.to(kGpu);
+    if (!cuda::grouped_gemm_device_offsets_fit(x, w, y, experts))
+      throw Error(
+          "the device-offset grouped GEMMs need a Hopper GPU (compute capability 9.x) "
+          "and a build for sm_90a",
+          "glmtune bench ops",
+          "leave their rows out with --only, e.g. --only '^moe \\w+ (fwd|dX|dW) 36'");
+    if (which == "fwd") return median_ms([&] { cuda::grouped_linear(y, x, w, dev); }, 3, 20);
+    if (which == "dX")
+      return median_ms([&] { cuda::grouped_linear_backward_input(dx, dy, w, dev); }, 3, 20);
+    return median_ms([&] { cuda::grouped_linear_backward_weight(dw, dy, x, dev); }, 3, 20);
+  }
+  if (which == "fwd") return median_ms([&] { cuda::grouped_linear(y, x, w, offsets); }, 3, 20);
+  if (which == "dX")
     return median_ms([&] { cuda::grouped_linear_backward_input(dx, dy, w, offsets); }, 3, 20);
   return median_ms([&] { cuda::grouped_linear_backward_weight(dw, dy, x, offsets); }, 3, 20);
 }
@@ -160,6 +182,52 @@ void per_head_gemm(bool trans_b, int64_t in_dim, int64_t out_dim, const Tensor& 
 // selected: the per-head kernel on q, k, v (SDPA's exact function), or the absorbed-latent form
 // the model runs, with its q-absorb and o-expand GEMMs (the same function of q and the latent).
 // The key sets are built once, outside the timing.
+// The absorbed attention kernel alone (no per-head GEMMs) at the model's sparse shape: one
+// document of t tokens, each query the keys ≤ it when there are at most `top` of them, otherwise
+// `top` keys in pools of 4 spread evenly over [0, i] (the indexer's selection has that form;
+// which pools it picks does not change the work). Variant fwd times the forward, bwd the
+// backward after one forward outside the timing.
+double time_absorbed_sparse(int64_t t, int64_t nh, int64_t top, const std::string& variant) {
+  const int64_t r = 512, pools = top / 4;
+  Tensor idx_host = Tensor::full({t, top}, -1.0, DType::i32);
+  for (int64_t i = 0; i < t; ++i) {
+    int32_t* row = idx_host.data<int32_t>() + i * top;
+    if (i < top) {
+      for (int64_t j = 0; j <= i; ++j) row[j] = int32_t(j);
+      continue;
+    }
+    const int64_t available = (i + 1) / 4;  // whole pools at or before i
+    for (int64_t p = 0; p < pools; ++p)
+      for (int64_t e = 0; e < 4; ++e) row[4 * p + e] = int32_t(4 * (p * available / pools) + e);
+  }
+  Tensor cu = Tensor::empty({2}, DType::i64);
+  cu.data<int64_t>()[0] = 0;
+  cu.data<int64_t>()[1] = t;
+  const Tensor idx = idx_host.to(kGpu);
+  const double scale = 1.0 / std::sqrt(256.0);
+  const Tensor q_abs = random_gpu({t, nh, r}, DType::bf16, 41);
+  const Tensor latent = random_gpu({t, r}, DType::bf16, 42, 0.5);
+  const cuda::SparseKeySets query_sets = cuda::sparse_key_sets(idx, cu, /*key_major=*/false);
+  const cuda::AbsorbedKernel fwd_kernel = ops::cuda_path::absorbed_kernel(0, false);
+  if (variant == "fwd")
+    return median_ms(
+        [&] {
+          cuda::absorbed_attention_forward(q_abs, latent, query_sets, scale, nullptr, fwd_kernel);
+        },
+        2, 5);
+  const cuda::SparseKeySets key_sets = cuda::sparse_key_sets(idx, cu, /*key_major=*/true);
+  const cuda::AbsorbedAttentionOutput out =
+      cuda::absorbed_attention_forward(q_abs, latent, query_sets, scale, nullptr, fwd_kernel);
+  const Tensor d_out = random_gpu({t, nh, r}, DType::bf16, 43);
+  const cuda::AbsorbedKernel bwd_kernel = ops::cuda_path::absorbed_kernel(0, true);
+  return median_ms(
+      [&] {
+        cuda::absorbed_attention_backward(q_abs, latent, out.out, out.lse2, key_sets, scale, d_out,
+                                          nullptr, int64_t(1) << 31, bwd_kernel);
+      },
+      1, 3);
+}
+
 double time_attention(int64_t t, int64_t nh, int64_t d, const std::string& variant) {
   const int64_t r = 512;
   Tensor idx_host = Tensor::full({t, t}, -1.0, DType::i32);
@@ -185,6 +253,9 @@ double time_attention(int64_t t, int64_t nh, int64_t d, const std::string& varia
         },
         1, 3);
   }
+  // The absorbed kernels the model would run here (ops/cuda/dispatch.h): wgmma on Hopper.
+  const cuda::AbsorbedKernel fwd_kernel = ops::cuda_path::absorbed_kernel(0, false);
+  const cuda::AbsorbedKernel bwd_kernel = ops::cuda_path::absorbed_kernel(0, true);
   const Tensor latent = random_gpu({t, r}, DType::bf16, 35);
   const Tensor kv_b = random_gpu({nh * 2 * d, r}, DType::bf16, 36, 1.0 / std::sqrt(double(r)));
   Tensor q_abs = Tensor::empty({t, nh, r}, DType::bf16, kGpu);
@@ -194,7 +265,7 @@ double time_attention(int64_t t, int64_t nh, int64_t d, const std::string& varia
   auto forward = [&] {
     per_head_gemm(false, d, r, q, kv_b, 0, q_abs);
     cuda::AbsorbedAttentionOutput out =
-        cuda::absorbed_attention_forward(q_abs, latent, sets, scale);
+        cuda::absorbed_attention_forward(q_abs, latent, sets, scale, nullptr, fwd_kernel);
     per_head_gemm(true, r, d, out.out, kv_b, d, o);
     return out;
   };
@@ -203,8 +274,9 @@ double time_attention(int64_t t, int64_t nh, int64_t d, const std::string& varia
       [&] {
         const cuda::AbsorbedAttentionOutput out = forward();
         per_head_gemm(false, d, r, dout, kv_b, d, d_olat);
-        const cuda::AbsorbedAttentionGrads g = cuda::absorbed_attention_backward(
-            q_abs, latent, out.out, out.lse2, sets, scale, d_olat);
+        const cuda::AbsorbedAttentionGrads g =
+            cuda::absorbed_attention_backward(q_abs, latent, out.out, out.lse2, sets, scale, d_olat,
+                                              nullptr, int64_t(1) << 31, bwd_kernel);
         per_head_gemm(true, r, d, g.q_abs, kv_b, 0, dq);
       },
       1, 3);
@@ -413,6 +485,8 @@ double time_spec(const OpSpec& s) {
       return time_grouped(d[0], d[1], d[2], s.variant);
     case Family::attention:
       return time_attention(d[0], d[1], d[2], s.variant);
+    case Family::absorbed_sparse:
+      return time_absorbed_sparse(d[0], d[1], d[2], s.variant);
     case Family::gemm:
       return time_gemm(d[0], d[1], d[2], s.variant);
     case Family::mhc:

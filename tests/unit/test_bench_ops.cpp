@@ -59,6 +59,10 @@ TEST(BenchOps, SpecsAreUniqueAndCountTheirWork) {
   EXPECT_DOUBLE_EQ(gemm.work, 2.0 * 16384 * 4096 * 12288);
   const OpSpec& moe = find_spec(specs, "moe down dW", "36x910 N4096 K2048");
   EXPECT_DOUBLE_EQ(moe.work, 2.0 * 36 * 910 * 4096 * 2048);
+  const OpSpec& moe_device =
+      find_spec(specs, "moe down dW into f32 (device offsets)", "36x910 N4096 K2048");
+  EXPECT_DOUBLE_EQ(moe_device.work, moe.work);
+  EXPECT_EQ(moe_device.peer_key, moe.peer_key);
   const OpSpec& kda = find_spec(specs, "kda fwd+bwd", "varlen 4x4096 H64 D128");
   EXPECT_DOUBLE_EQ(kda.work, 3 * 2.0 * 16384 * 64 * (2.0 * 16 * 128 + 3.0 * 128 * 128));
   const OpSpec& norm = find_spec(specs, "rmsnorm fwd", "16384x4096");
@@ -79,6 +83,11 @@ TEST(BenchOps, OnlyKeepsTheCeilingsAndRejectsBadPatterns) {
   EXPECT_EQ(kda[1].family, Family::copy_ceiling);
   for (size_t i = 2; i < kda.size(); ++i) EXPECT_EQ(kda[i].family, Family::kda);
   EXPECT_EQ(select_specs(specs, "").size(), specs.size());
+  // The pattern bench ops suggests for leaving out the device-offset rows keeps the other twelve.
+  const std::vector<OpSpec> moe = select_specs(specs, "^moe \\w+ (fwd|dX|dW) 36");
+  ASSERT_EQ(moe.size(), 2u + 12u);
+  for (size_t i = 2; i < moe.size(); ++i)
+    EXPECT_EQ(moe[i].op.find("device"), std::string::npos) << moe[i].op;
   EXPECT_THROW(select_specs(specs, "(unclosed"), Error);
   EXPECT_THROW(select_specs(specs, "no such op anywhere"), Error);
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "glmtune/ops/cross_entropy.h"
+#include "glmtune/ops/cuda/mla.h"
 #include "glmtune/ops/embedding.h"
 #include "glmtune/ops/fp8.h"
 #include "glmtune/ops/indexer.h"
@@ -165,6 +166,10 @@ AttentionGrads sparse_attention_backward(const Tensor& q, const Tensor& k, const
 // mla_attention's absorbed-latent form (ops/mla.h), which it chooses where
 // absorbed_attention_fits: bf16, Rkv = 512, at most 64 heads.
 bool absorbed_attention_fits(const MlaConfig& cfg, DType dtype);
+// The absorbed kernels the model runs on `device` in each direction: Hopper's wgmma ones where
+// this build and the device have them, unless GLMTUNE_MLA_KERNEL (mma_sync, or wgmma_forward for
+// the backward alone) keeps a direction on mma.sync.
+cuda::AbsorbedKernel absorbed_kernel(int device, bool backward);
 Tensor mla_attention_absorbed(const MlaConfig& cfg, const Tensor& kv_b_proj, const Tensor& indices,
                               const Tensor& cu_seqlens, MlaContext& ctx);
 MlaAttentionGrads mla_attention_absorbed_backward(const MlaConfig& cfg, const Tensor& kv_b_proj,

@@ -537,9 +537,6 @@ bool absorbed_attention_fits(const MlaConfig& cfg, DType dtype) {
   return dtype == DType::bf16 && cfg.kv_lora_rank == 512 && cfg.n_heads <= 64;
 }
 
-namespace {
-
-// Which absorbed kernels run: Hopper's wgmma ones wherever this build and the device have them.
 // GLMTUNE_MLA_KERNEL=mma_sync keeps both directions on mma.sync, =wgmma_forward only the backward;
 // the benchmarks compare the three in one binary. Read once: a step must not change kernels.
 cuda::AbsorbedKernel absorbed_kernel(int device, bool backward) {
@@ -557,8 +554,6 @@ cuda::AbsorbedKernel absorbed_kernel(int device, bool backward) {
   return wgmma && cuda::absorbed_wgmma_available(device) ? cuda::AbsorbedKernel::wgmma
                                                          : cuda::AbsorbedKernel::mma_sync;
 }
-
-}  // namespace
 
 Tensor mla_attention_absorbed(const MlaConfig& cfg, const Tensor& kv_b_proj, const Tensor& indices,
                               const Tensor& cu_seqlens, MlaContext& ctx) {
