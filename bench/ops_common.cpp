@@ -92,35 +92,24 @@ std::vector<OpSpec> op_specs() {
 
   // bench_cuda_moe's expert shapes: 36 experts (one GPU's share at expert parallel 8), hidden
   // 4096, expert width 2048, ~910 and ~3641 rows per expert.
-  for (int64_t rows : {910, 3641})
-    for (const auto& [name, out, in] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
-             {"gate_up", 4096, 4096}, {"down", 4096, 2048}})
-      for (const char* which : {"fwd", "dX", "dW"})
-        s.push_back({fmt::format("moe {} {}", name, which),
-                     fmt::format("36x{} N{} K{}", rows, out, in),
-                     Family::grouped_gemm,
-                     which,
-                     {rows, out, in},
-                     Work::flops,
-                     2.0 * 36 * double(rows) * double(out * in),
-                     "torch._grouped_mm",
-                     fmt::format("grouped {} {} 36x{} N{} K{}", name, which, rows, out, in)});
-  // The same products on the device-offset kernels (GLMTUNE_GROUPED_GEMM=wgmma; Hopper only), the
-  // weight gradient into f32 as the training step accumulates it.
-  for (int64_t rows : {910, 3641})
-    for (const auto& [name, out, in] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
-             {"gate_up", 4096, 4096}, {"down", 4096, 2048}})
-      for (const char* which : {"fwd", "dX", "dW"})
-        s.push_back({fmt::format("moe {} {}{} (device offsets)", name, which,
-                                 std::string(which) == "dW" ? " into f32" : ""),
-                     fmt::format("36x{} N{} K{}", rows, out, in),
-                     Family::grouped_gemm,
-                     fmt::format("{} device", which),
-                     {rows, out, in},
-                     Work::flops,
-                     2.0 * 36 * double(rows) * double(out * in),
-                     "torch._grouped_mm",
-                     fmt::format("grouped {} {} 36x{} N{} K{}", name, which, rows, out, in)});
+  // Each also on the device-offset kernels (GLMTUNE_GROUPED_GEMM=wgmma; Hopper only), their rows
+  // after the cuBLASLt ones, the weight gradient into f32 as the training step accumulates it.
+  for (const bool device : {false, true})
+    for (int64_t rows : {910, 3641})
+      for (const auto& [name, out, in] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
+               {"gate_up", 4096, 4096}, {"down", 4096, 2048}})
+        for (const std::string which : {"fwd", "dX", "dW"})
+          s.push_back({device ? fmt::format("moe {} {}{} (device offsets)", name, which,
+                                            which == "dW" ? " into f32" : "")
+                              : fmt::format("moe {} {}", name, which),
+                       fmt::format("36x{} N{} K{}", rows, out, in),
+                       Family::grouped_gemm,
+                       device ? which + " device" : which,
+                       {rows, out, in},
+                       Work::flops,
+                       2.0 * 36 * double(rows) * double(out * in),
+                       "torch._grouped_mm",
+                       fmt::format("grouped {} {} 36x{} N{} K{}", name, which, rows, out, in)});
 
   // Dense causal attention of one document, T4096, 64 heads of 256 (bench_cuda_mla's shape),
   // every key ≤ i selected. FLOPs as FlashAttention counts them: 4·pairs·H·D forward, 2.5× that
@@ -172,30 +161,22 @@ std::vector<OpSpec> op_specs() {
 
   // The absorbed kernel alone at the model's sparse shape: T16384, 64 heads, top-2048 keys (pools
   // of 4) per query, the first 2048 queries every earlier key. FLOPs as executed: 2 products of
-  // NH·512 per pair forward, 5 backward (the backward issue's targets are in these units).
+  // NH·512 per pair forward, 5 backward (the units of the kernels' TFLOP/s targets).
   {
     const int64_t t = 16384, h = 64, top = 2048, r = 512;
     const double pairs = double(top) * double(top + 1) / 2 + double(t - top) * double(top);
     const double pair = 2.0 * pairs * h * r;
     const std::string shape = "T16384 H64 top2048 R512";
-    s.push_back({"attention fwd (absorbed MLA kernel, sparse)",
-                 shape,
-                 Family::absorbed_sparse,
-                 "fwd",
-                 {t, h, top},
-                 Work::flops,
-                 2 * pair,
-                 "",
-                 ""});
-    s.push_back({"attention bwd (absorbed MLA kernel, sparse)",
-                 shape,
-                 Family::absorbed_sparse,
-                 "bwd",
-                 {t, h, top},
-                 Work::flops,
-                 5 * pair,
-                 "",
-                 ""});
+    for (const auto& [which, products] : {std::pair<std::string, int>{"fwd", 2}, {"bwd", 5}})
+      s.push_back({fmt::format("attention {} (absorbed MLA kernel, sparse)", which),
+                   shape,
+                   Family::absorbed_sparse,
+                   which,
+                   {t, h, top},
+                   Work::flops,
+                   products * pair,
+                   "",
+                   ""});
   }
 
   // The vision tower's attention: bidirectional within each image, 16 heads of 64. Sixteen
