@@ -178,14 +178,10 @@ void per_head_gemm(bool trans_b, int64_t in_dim, int64_t out_dim, const Tensor& 
                 r, static_cast<char*>(c.data_ptr()) + h * out_dim * 2, nh * out_dim, DType::bf16});
 }
 
-// Dense causal attention of one document as the sparse MLA kernels run it with every key ≤ i
-// selected: the per-head kernel on q, k, v (SDPA's exact function), or the absorbed-latent form
-// the model runs, with its q-absorb and o-expand GEMMs (the same function of q and the latent).
-// The key sets are built once, outside the timing.
 // The absorbed attention kernel alone (no per-head GEMMs) at the model's sparse shape: one
 // document of t tokens, each query the keys ≤ it when there are at most `top` of them, otherwise
 // `top` keys in pools of 4 spread evenly over [0, i] (the indexer's selection has that form;
-// which pools it picks does not change the work). Variant fwd times the forward, bwd the
+// which pools it picks does not change the FLOPs). Variant fwd times the forward, bwd the
 // backward after one forward outside the timing.
 double time_absorbed_sparse(int64_t t, int64_t nh, int64_t top, const std::string& variant) {
   const int64_t r = 512, pools = top / 4;
@@ -228,6 +224,10 @@ double time_absorbed_sparse(int64_t t, int64_t nh, int64_t top, const std::strin
       1, 3);
 }
 
+// Dense causal attention of one document as the sparse MLA kernels run it with every key ≤ i
+// selected: the per-head kernel on q, k, v (SDPA's exact function), or the absorbed-latent form
+// the model runs, with its q-absorb and o-expand GEMMs (the same function of q and the latent).
+// The key sets are built once, outside the timing.
 double time_attention(int64_t t, int64_t nh, int64_t d, const std::string& variant) {
   const int64_t r = 512;
   Tensor idx_host = Tensor::full({t, t}, -1.0, DType::i32);
