@@ -660,18 +660,33 @@ bool shared_expert_composed(const MoeParams& params) {
 }
 
 // The routed experts' grouped GEMMs: one cuBLASLt GEMM per expert with the offsets read on the
-// host, or GLMTUNE_GROUPED_GEMM=wgmma for the Hopper kernels that read them on the device (the
-// host never waits for them; ops/cuda/grouped_gemm.h). Read once: a step must not change kernels.
-cuda::GroupedGemmBackend moe_gemm_backend() {
-  static const cuda::GroupedGemmBackend backend = [] {
+// host, or Hopper's kernels that read them on the device (the host never waits for them;
+// ops/cuda/grouped_gemm.h). By default the device-offset kernels take the blocks whose experts get
+// fewer than kDeviceOffsetsBelowRows rows on average (many small experts, where one cuBLASLt call
+// per expert costs most: 144 experts of about 910 rows run 4-10% faster on them, 36 of about 3,641
+// 2-5% slower, docs/PERF.md); the mean is known on the host (rows · top-k / experts), so choosing
+// needs no synchronisation. GLMTUNE_GROUPED_GEMM=cublaslt or wgmma forces one for every block
+// (read once: a step must not change kernels).
+constexpr int64_t kDeviceOffsetsBelowRows = 2048;
+
+cuda::GroupedGemmBackend moe_gemm_backend(const MoeConfig& cfg, int64_t rows) {
+  enum class Choice { by_rows, cublaslt, wgmma };
+  static const Choice choice = [] {
     const char* v = std::getenv("GLMTUNE_GROUPED_GEMM");
-    const std::string s = v ? v : "cublaslt";
-    if (s == "cublaslt") return cuda::GroupedGemmBackend::kLtPerGroup;
-    if (s == "wgmma") return cuda::GroupedGemmBackend::kWgmmaDeviceOffsets;
+    const std::string s = v ? v : "auto";
+    if (s == "auto") return Choice::by_rows;
+    if (s == "cublaslt") return Choice::cublaslt;
+    if (s == "wgmma") return Choice::wgmma;
     throw Error("GLMTUNE_GROUPED_GEMM=" + s + " is not a grouped GEMM choice",
-                "GLMTUNE_GROUPED_GEMM", "use cublaslt (the default) or wgmma, or leave it unset");
+                "GLMTUNE_GROUPED_GEMM",
+                "use auto (the default: by the rows per expert), cublaslt or wgmma, or leave it "
+                "unset");
   }();
-  return backend;
+  const bool device =
+      choice == Choice::wgmma ||
+      (choice == Choice::by_rows && rows * cfg.top_k < kDeviceOffsetsBelowRows * cfg.n_experts);
+  return device ? cuda::GroupedGemmBackend::kWgmmaDeviceOffsets
+                : cuda::GroupedGemmBackend::kLtPerGroup;
 }
 
 }  // namespace
@@ -684,8 +699,8 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Te
   const bool composed = shared_expert_composed(params);
   if (composed) params.shared = MlpParams{};
   cuda::MoeContext cc;
-  MoeOutput out =
-      cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr, moe_gemm_backend());
+  MoeOutput out = cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr,
+                                    moe_gemm_backend(cfg, x.size(0)));
   out.expert_counts = out.expert_counts.to(Device::cpu());
   MlpContext shared;
   if (composed) add_into(out.y, ops::mlp_forward(params_in.shared, x, cfg.swiglu_limit, shared));
@@ -714,7 +729,7 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
   cuda::MoeContext cc;
   cc.x = ctx.x;
   cc.routing = ctx.routing;
-  const cuda::GroupedGemmBackend backend = moe_gemm_backend();
+  const cuda::GroupedGemmBackend backend = moe_gemm_backend(cfg, ctx.x.size(0));
   cc.permutation = cuda::moe_permute(ctx.routing.indices, cfg.n_experts, nullptr,
                                      backend != cuda::GroupedGemmBackend::kWgmmaDeviceOffsets);
   const Tensor d_logits =

@@ -12,8 +12,9 @@
 // bf16 operands (f32 in the fp32 mode, always per group), fp32 accumulation inside the GEMMs.
 // Three backends, picked per call:
 //   kLtPerGroup    — one cuBLASLt GEMM per group through cuda::gemm (bf16 or f32 results): the
-//                    default. Measured on an H200 (2026-11-29) at the expert-parallel shapes (36
-//                    groups of 910 / 3641 rows, gate_up N 4096 K 4096, down N 4096 K 2048) it
+//                    default of these functions and the MoE block's for large experts. Measured
+//                    on an H200 (2026-11-29) at the expert-parallel shapes (36 groups of 910 /
+//                    3641 rows, gate_up N 4096 K 4096, down N 4096 K 2048) it
 //                    runs the forward and dX at 605-681 TFLOP/s, level with or above
 //                    torch._grouped_mm (544-673), and about twice the grouped cuBLAS call;
 //   kCublasGrouped — one cublasGemmGroupedBatchedEx launch for all groups (bf16 results only):
@@ -21,7 +22,8 @@
 //                    measured alternative;
 //   kWgmmaDeviceOffsets — the device-offset kernels at the end of this file, where the caller
 //                    holds the offsets on the device (the MoE block runs them for bf16 experts
-//                    without adapters or FP8, and then never waits for the offsets): on an H100 at
+//                    without adapters or FP8 when its experts average fewer than 2,048 rows, and
+//                    then never waits for the offsets; ops/cuda/dispatch_cuda.cpp): on an H100 at
 //                    36 groups of about 3641 rows, N 4096 K 2048, 717 / 722 / 638 TFLOP/s forward /
 //                    dX / dW (f32) against cuBLASLt per group's 732 / 762 / 666; at 8 groups of
 //                    16 K rows 736 / 741 / 706 against 790 / 796 / 795; at 144 groups of about 910
