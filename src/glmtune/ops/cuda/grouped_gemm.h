@@ -21,14 +21,14 @@
 //                    274-304 TFLOP/s for the forward and dX there (462-609 for dW), kept as the
 //                    measured alternative;
 //   kWgmmaDeviceOffsets — the device-offset kernels at the end of this file, where the caller
-//                    holds the offsets on the device (the MoE block runs them for bf16 experts
-//                    without adapters or FP8 when its experts average fewer than 2,048 rows, and
-//                    then never waits for the offsets; ops/cuda/dispatch_cuda.cpp): on an H100 at
-//                    36 groups of about 3641 rows, N 4096 K 2048, 717 / 722 / 638 TFLOP/s forward /
-//                    dX / dW (f32) against cuBLASLt per group's 732 / 762 / 666; at 8 groups of
-//                    16 K rows 736 / 741 / 706 against 790 / 796 / 795; at 144 groups of about 910
-//                    rows 669 / 675 / 347 against 641 / 611 / 312 (docs/PERF.md).
-//                    Given to the host-offset functions it means kLtPerGroup.
+//                    holds the offsets on the device (the MoE block runs them for its bf16
+//                    expert weights when its experts average fewer than 2,048 rows; FP8 experts
+//                    and adapters read the offsets on the host; ops/cuda/dispatch_cuda.cpp): on an
+//                    H100 at 36 groups of about 3641 rows, N 4096 K 2048, 717 / 722 / 638 TFLOP/s
+//                    forward / dX / dW (f32) against cuBLASLt per group's 732 / 762 / 666; at 8
+//                    groups of 16 K rows 736 / 741 / 706 against 790 / 796 / 795; at 144 groups of
+//                    about 910 rows 669 / 675 / 347 against 641 / 611 / 312 (docs/PERF.md). Given
+//                    to the host-offset functions it means kLtPerGroup.
 // All run a fixed algorithm per problem, so reruns are bit-identical. The weight gradient into
 // an f32 buffer always takes kLtPerGroup (the grouped cuBLAS call has no bf16 → f32 variant).
 // cuBLASLt's algorithm cache is keyed by the exact shape, so each new per-expert row count costs
