@@ -9,7 +9,9 @@
 #     its ranks; ep splits the experts over ep of the N / sp data-parallel ranks). Bars: the first
 #     step's loss within 1e-3 and its gradient norm within 1e-2 (relative; bf16 compute, the
 #     gradients summed in another order), the first 3 steps within 2e-3 and every step within 3e-2
-#     (absolute; bf16 rounding differences grow over a run: docs/distributed.md).
+#     (absolute; bf16 rounding differences grow over a run: docs/distributed.md). Then the same
+#     with LoRA (rank 4 on every linear and on the routed experts, the base frozen): the one-GPU
+#     adapter run against the same layouts, the same bars.
 #  2. Throughput: crop25b (the released geometry's 5-layer crop at full width, MTP on) with
 #     GLMTUNE_MULTI_EXPERTS routed experts (default 288 on 8 GPUs, 36 × N otherwise), packs of
 #     GLMTUNE_MULTI_PACK tokens (16384) of the bundled chat data, fsdp on, every layer recomputed,
@@ -60,26 +62,32 @@ if [[ "$skip" != parity ]]; then
   common=(--config examples/tiny/recipe.toml --set "model.path=$model" --set "model.tokenizer=$model"
     --set train.device=cuda --set train.total_steps=20 --set output.save_every=0
     --set output.log_every=20)
-  echo "== parity: one GPU, $gpus packs per step"
-  "$bin" train "${common[@]}" --set train.micro_packs="$gpus" --set "output.dir=$work/one" \
-    >"$work/one.log" 2>&1 || { tail -n 20 "$work/one.log"; exit 1; }
+  lora=(--set lora.rank=4 --set lora.alpha=8 --set 'lora.target_modules=["all-linear"]'
+    --set 'lora.target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]')
   printf '%-22s %-6s %12s %12s %12s %12s  %s\n' layout ranks "step-1 loss" "grad norm" \
     "first 3" "worst" result >>"$summary"
-  for sp in 1 2; do
-    for ep in 1 2 4 8; do
-      ((ep * sp <= gpus && gpus % (ep * sp) == 0)) || continue
-      name="ep${ep}-sp${sp}"
-      echo "== parity: $name on $gpus GPUs"
-      "${launcher[@]}" "$bin" train "${common[@]}" --set train.micro_packs="$sp" \
-        --set train.ep_size="$ep" --set train.sp_size="$sp" --set "output.dir=$work/$name" \
-        >"$work/$name.log" 2>&1 || {
-        tail -n 20 "$work/$name.log"
-        printf '%-22s %-6s %s\n' "$name" "$gpus" "run failed: $work/$name.log" >>"$summary"
-        fail=1
-        continue
-      }
-      python3 - "$name" "$gpus" "$work/one/metrics.jsonl" "$work/$name/metrics.jsonl" \
-        >>"$summary" <<'EOF' || fail=1
+  for variant in full lora; do
+    extra=()
+    [[ "$variant" == lora ]] && extra=("${lora[@]}")
+    one="$work/$variant-one"
+    echo "== parity ($variant): one GPU, $gpus packs per step"
+    "$bin" train "${common[@]}" "${extra[@]}" --set train.micro_packs="$gpus" \
+      --set "output.dir=$one" >"$one.log" 2>&1 || { tail -n 20 "$one.log"; exit 1; }
+    for sp in 1 2; do
+      for ep in 1 2 4 8; do
+        ((ep * sp <= gpus && gpus % (ep * sp) == 0)) || continue
+        name="$variant-ep${ep}-sp${sp}"
+        echo "== parity: $name on $gpus GPUs"
+        "${launcher[@]}" "$bin" train "${common[@]}" "${extra[@]}" --set train.micro_packs="$sp" \
+          --set train.ep_size="$ep" --set train.sp_size="$sp" --set "output.dir=$work/$name" \
+          >"$work/$name.log" 2>&1 || {
+          tail -n 20 "$work/$name.log"
+          printf '%-22s %-6s %s\n' "$name" "$gpus" "run failed: $work/$name.log" >>"$summary"
+          fail=1
+          continue
+        }
+        python3 - "$name" "$gpus" "$one/metrics.jsonl" "$work/$name/metrics.jsonl" \
+          >>"$summary" <<'EOF' || fail=1
 import json, sys
 name, ranks, one_path, got_path = sys.argv[1:5]
 def rows(path):
@@ -95,6 +103,7 @@ print(f"{name:<22} {ranks:<6} {loss_rel:12.2e} {norm_rel:12.2e} {first:12.2e} {w
       f"{'ok' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 EOF
+      done
     done
   done
 fi
