@@ -144,9 +144,8 @@ double time_grouped(int64_t per_group, int64_t n, int64_t k, const std::string& 
       on_device ? variant.substr(0, variant.size() - device_suffix.size()) : variant;
   Tensor dw = Tensor::zeros({experts, n, k}, on_device ? DType::f32 : DType::bf16, kGpu);
   if (on_device) {
-    std::vector<int32_t> host(offsets.begin(), offsets.end());
     Tensor dev = Tensor::empty({experts + 1}, DType::i32);
-    std::copy(host.begin(), host.end(), dev.data<int32_t>());
+    std::copy(offsets.begin(), offsets.end(), dev.data<int32_t>());
     dev = dev.to(kGpu);
     if (!cuda::grouped_gemm_device_offsets_fit(x, w, y, experts))
       throw Error(

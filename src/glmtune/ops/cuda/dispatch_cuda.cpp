@@ -537,8 +537,8 @@ bool absorbed_attention_fits(const MlaConfig& cfg, DType dtype) {
   return dtype == DType::bf16 && cfg.kv_lora_rank == 512 && cfg.n_heads <= 64;
 }
 
-// GLMTUNE_MLA_KERNEL=mma_sync keeps both directions on mma.sync, =wgmma_forward only the backward;
-// the benchmarks compare the three in one binary. Read once: a step must not change kernels.
+// The variable is read once: a step must not change kernels. The benchmarks compare the three
+// choices in one binary.
 cuda::AbsorbedKernel absorbed_kernel(int device, bool backward) {
   enum class Choice { wgmma, wgmma_forward, mma_sync };
   static const Choice choice = [] {
