@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "glmtune/model/balancing_loss.h"
 #include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/ops/moe.h"
@@ -415,6 +416,58 @@ TEST(CudaOpsMoe, RouteBackwardMatchesCpu) {
       const Tensor got = cuda::moe_route_backward(cc.cfg, routing, dw.to(kGpu));
       EXPECT_CLOSE(got, ref, 1e-5,
                    "route backward " + case_name(cc) + (norm ? " normalised" : " plain"));
+    }
+  }
+#endif
+}
+
+// The balancing loss on the device (the trainer's form, no host round trip) against the CPU form
+// on the GPU's routing: the same f64 formula in another summation order, so the loss agrees to
+// f64 rounding and each f32 gradient element to within one f32 rounding step; the padding rows'
+// gradient is zero, the loss joins what the sum held, and a pack without routed rows adds nothing.
+TEST(CudaOpsMoe, BalancingLossMatchesCpu) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  uint64_t stream = 900;
+  for (const MoeCase& c : moe_cases()) {
+    const MoeData d = make_moe_data(c, stream += 20);
+    const ops::Routing routing =
+        cuda::moe_route(c.cfg, d.gpu.router_weight, d.gpu.e_score_correction_bias, d.x.to(kGpu));
+    const Tensor bias = d.cpu.e_score_correction_bias.to(DType::f32);
+    model::BalancingLossOptions opt;
+    opt.alpha = 0.01;
+    opt.num_micro_packs = 3;
+    for (const int64_t counted : {c.tokens, c.tokens - 37, int64_t(0)}) {
+      const std::string what = case_name(c) + " counted " + std::to_string(counted);
+      const Tensor loads = cuda::moe_expert_counts(routing, c.cfg.n_experts, counted);
+      poison_cache({{c.tokens, c.cfg.n_experts}}, DType::f32);
+      Tensor sum = Tensor::from_vector<double>({0.5}, {1}).to(kGpu);
+      const Tensor got = model::balancing_loss_on_device(routing.logits, bias.to(kGpu),
+                                                         routing.indices, loads, counted, opt, sum);
+      model::BalancingLossOptions host = opt;
+      std::vector<uint8_t> valid(size_t(c.tokens), 0);
+      std::fill(valid.begin(), valid.begin() + counted, uint8_t(1));
+      host.valid = valid;
+      const ops::Routing cpu = to_cpu(routing);
+      const model::BalancingLossResult want =
+          model::balancing_loss(cpu.logits, bias, cpu.indices, host);
+      const double got_loss = sum.to(Device::cpu()).data<double>()[0] - 0.5;
+      std::printf("[ measure  ] %s: loss %.17g (CPU %.17g)\n", what.c_str(), got_loss, want.loss);
+      EXPECT_NEAR(got_loss, want.loss, 1e-13 * std::abs(want.loss) + 1e-300) << ctx(what);
+      if (counted > 0) EXPECT_GT(want.loss, 0.0) << ctx(what);
+      const std::vector<double> g = got.to_doubles(), w = want.grad_logits.to_doubles();
+      ASSERT_EQ(g.size(), w.size());
+      int64_t off = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        const bool padding = int64_t(i) / c.cfg.n_experts >= counted;
+        const double bound = padding ? 0.0 : 1.2e-7 * std::max(std::abs(g[i]), std::abs(w[i]));
+        if (!(std::abs(g[i] - w[i]) <= bound)) ++off;
+      }
+      EXPECT_EQ(off, 0) << ctx(what + ": gradient elements off by more than one f32 step");
+      Tensor again_sum = Tensor::zeros({1}, DType::f64, kGpu);
+      const Tensor again = model::balancing_loss_on_device(
+          routing.logits, bias.to(kGpu), routing.indices, loads, counted, opt, again_sum);
+      EXPECT_TRUE(bit_identical(got, again)) << ctx(what + " rerun");
     }
   }
 #endif

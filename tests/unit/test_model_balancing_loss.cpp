@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 
+#include "glmtune/base/error.h"
 #include "glmtune/model/balancing_loss.h"
 #include "glmtune/tensor/rng.h"
 
@@ -161,4 +162,33 @@ TEST(BalancingLoss, GlobalLoadsSplitTheLossAcrossRanks) {
         ASSERT_NEAR(share.grad_logits.item({t - begin, e}), whole.grad_logits.item({t, e}), 1e-15);
   }
   EXPECT_NEAR(total, whole.loss, 1e-15);
+}
+
+// The trainer's form on the CPU: the same loss (added to the running sum) and gradient as the host
+// form with the pack's own loads and a padding suffix, bit for bit.
+TEST(BalancingLoss, TrainerFormOnTheCpuIsTheHostForm) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t T = 23, E = 10, K = 3, counted = 19;
+  Tensor logits = Tensor::empty({T, E}, DType::f32);
+  fill_normal(logits, seed, 0, 0.0, 1.0);
+  Tensor bias = Tensor::empty({E}, DType::f32);
+  fill_normal(bias, seed, 7, 0.0, 0.05);
+  Tensor sel = top_k(logits.to(DType::f64), bias.to(DType::f64), K);
+  std::vector<uint8_t> valid(size_t(T), 0);
+  std::fill(valid.begin(), valid.begin() + counted, uint8_t(1));
+  BalancingLossOptions opt;
+  opt.alpha = 0.01;
+  opt.num_micro_packs = 2;
+  BalancingLossOptions host = opt;
+  host.valid = valid;
+  const BalancingLossResult want = balancing_loss(logits, bias, sel, host);
+  const std::vector<int64_t> n = count_expert_loads(sel, E, valid);
+  const Tensor loads = Tensor::from_vector(n, {E});
+  Tensor sum = Tensor::from_vector<double>({0.25}, {1});
+  const Tensor grad = balancing_loss_on_device(logits, bias, sel, loads, counted, opt, sum);
+  EXPECT_EQ(sum.data<double>()[0], 0.25 + want.loss);
+  ASSERT_EQ(grad.shape(), want.grad_logits.shape());
+  EXPECT_EQ(grad.to_doubles(), want.grad_logits.to_doubles());
+  EXPECT_THROW(balancing_loss_on_device(logits, bias, sel, loads, T + 1, opt, sum), InternalError);
 }

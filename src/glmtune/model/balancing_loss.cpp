@@ -2,10 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 
 #include "glmtune/base/error.h"
+#include "glmtune/ops/dispatch.h"
 
 namespace glmtune::model {
 namespace {
@@ -122,6 +124,34 @@ BalancingLossResult balancing_loss(const Tensor& logits, const Tensor& bias, con
   else
     balancing_kernel<float>(logits, bias, coef, options.valid, with_grad, out);
   return out;
+}
+
+Tensor balancing_loss_on_device(const Tensor& logits, const Tensor& bias, const Tensor& selected,
+                                const Tensor& loads, int64_t counted_rows,
+                                const BalancingLossOptions& options, Tensor& loss_sum) {
+  GLMTUNE_ASSERT(logits.defined() && logits.dim() == 2 && selected.defined() &&
+                     selected.dim() == 2 && loss_sum.defined() && loss_sum.numel() == 1 &&
+                     loss_sum.dtype() == DType::f64,
+                 "balancing_loss_on_device needs [T, E] logits, [T, K] selections and an f64 [1] "
+                 "loss sum");
+  GLMTUNE_ASSERT(options.num_micro_packs >= 1, "num_micro_packs {} < 1", options.num_micro_packs);
+  GLMTUNE_DISPATCH_CUDA(logits, ops::cuda_path::moe_balancing_loss(
+                                    logits, bias, loads, counted_rows, selected.size(1),
+                                    options.alpha / double(options.num_micro_packs), loss_sum));
+  GLMTUNE_ASSERT(counted_rows >= 0 && counted_rows <= logits.size(0),
+                 "{} counted rows of {} logit rows", counted_rows, logits.size(0));
+  BalancingLossOptions host = options;
+  std::vector<uint8_t> valid(size_t(logits.size(0)), 0);
+  std::fill(valid.begin(), valid.begin() + counted_rows, uint8_t(1));
+  host.valid = valid;
+  const Tensor counts = loads.to(Device::cpu()).contiguous();
+  GLMTUNE_ASSERT(counts.dtype() == DType::i64 && counts.numel() == logits.size(1),
+                 "balancing_loss_on_device: loads {} are not int64 [{}]", counts.str(),
+                 logits.size(1));
+  host.global_loads.assign(counts.data<int64_t>(), counts.data<int64_t>() + counts.numel());
+  BalancingLossResult r = balancing_loss(logits, bias, selected, host);
+  loss_sum.data<double>()[0] += r.loss;
+  return std::move(r.grad_logits);
 }
 
 }  // namespace glmtune::model

@@ -49,4 +49,15 @@ struct BalancingLossResult {
 BalancingLossResult balancing_loss(const Tensor& logits, const Tensor& bias, const Tensor& selected,
                                    const BalancingLossOptions& options, bool with_grad = true);
 
+// The same loss and gradient where the router ran, for the trainer: everything on the logits'
+// device, the padding rows a suffix. `loads` int64 [E] are the counts the loss weighs by (the
+// pack's first `counted_rows` rows, or a sequence-parallel group's); options.valid and
+// options.global_loads are not read. The loss is added to `loss_sum` (f64 [1] on that device) and
+// d loss / d logits returned in the logits' dtype. On a GPU this is ops/cuda/moe.h's kernel,
+// which keeps the host out of the step (the host form would copy [T, E] both ways and wait for
+// every MoE layer); on the CPU it is balancing_loss above.
+Tensor balancing_loss_on_device(const Tensor& logits, const Tensor& bias, const Tensor& selected,
+                                const Tensor& loads, int64_t counted_rows,
+                                const BalancingLossOptions& options, Tensor& loss_sum);
+
 }  // namespace glmtune::model

@@ -99,15 +99,16 @@ inline Linear expert_projection(const Linear& fused, int64_t e) {
 // the weight's dtype. `name` names the parameter in the message.
 void check_expert_adapter(const Linear& fused, const char* name);
 
-// Number of selections of each expert over rows [0, rows) (rows < 0: all rows), int64 [E]. Each
-// row picks distinct experts, so this is the number of tokens each expert received: the load that
-// drives the correction-bias update.
+// Number of selections of each expert over rows [0, rows) (rows < 0: all rows), int64 [E] on the
+// routing's device (on a GPU, read by nobody inside the step: the trainer takes the counts to the
+// host after the backward). Each row picks distinct experts, so this is the number of tokens each
+// expert received: the load that drives the correction-bias update.
 Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows = -1);
 
 struct MoeOutput {
   Tensor y;  // [T, D] routed + shared
   Routing routing;
-  Tensor expert_counts;  // int64 [E], over the first `counted_rows` rows
+  Tensor expert_counts;  // int64 [E], over the first `counted_rows` rows, on x's device
 };
 
 // The whole MoE block. `counted_rows` limits the expert counts to the leading rows, so that a

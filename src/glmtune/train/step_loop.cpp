@@ -129,8 +129,11 @@ StepSums forward_backward(TrainingRun& run, const PackBatch& batch) {
       sums.mtp[d] += r.backward.mtp_loss_sum[d];
     sums.balancing += r.backward.balancing_loss;
     for (const auto& l : r.loads) {
-      const int64_t* c = l.counts.data<int64_t>();
-      sums.loads.add(l.bias_name, std::span<const int64_t>(c, size_t(l.counts.numel())));
+      // On a GPU the counts stayed there through the pack (ops::moe_expert_counts); the loss
+      // values above were read after the backward, so this copy waits for nothing.
+      const Tensor counts = l.counts.to(Device::cpu());
+      const int64_t* c = counts.data<int64_t>();
+      sums.loads.add(l.bias_name, std::span<const int64_t>(c, size_t(counts.numel())));
     }
   }
   if (dropout > 0) model::text::set_adapter_dropout(run.model.weights(), dropout, 0);

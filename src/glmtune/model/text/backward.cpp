@@ -67,33 +67,33 @@ struct Ctx {
   const TrainOptions& opt;
   Tensor cu;                   // int64 [ndoc + 1]
   int64_t counted = 0;         // non-padding rows
-  std::vector<uint8_t> valid;  // 1 for non-padding rows (balancing loss)
+  std::vector<uint8_t> valid;  // 1 for non-padding rows (sequence-parallel loads)
   BackwardResult& result;
+  Tensor balancing_sum;  // f64 [1] on the model's device: the routers' balancing losses
 };
 
 // Gradient of the balancing loss of one router into its logits (undefined when α = 0); the loss
-// value joins the result.
+// value joins c.balancing_sum, on the router's device (on a GPU nothing waits for it here).
 Tensor balancing_grad(Ctx& c, const ops::Routing& routing, const Tensor& bias) {
   if (c.opt.balancing_alpha <= 0) return Tensor();
   BalancingLossOptions bo;
   bo.alpha = c.opt.balancing_alpha;
   bo.num_micro_packs = c.opt.num_micro_packs;
-  bo.valid = c.valid;
+  const Device device = routing.logits.device();
+  Tensor loads;
   if (const SequenceParallel* sp = c.ops.sequence_parallel) {
     // The pack's rows are spread over the group: the loss takes the loads of the whole pack, and
     // each rank returns its share of it (balancing_loss.h, global_loads).
-    bo.global_loads =
+    std::vector<int64_t> global =
         count_expert_loads(routing.indices.to(Device::cpu()), c.ops.moe.n_experts, c.valid);
-    sp->sum(bo.global_loads);
+    sp->sum(global);
+    loads = Tensor::from_vector(global, {int64_t(global.size())}).to(device);
+  } else {
+    loads = ops::moe_expert_counts(routing, c.ops.moe.n_experts, c.counted);
   }
-  // The loss is a few [T, E] reductions: on the GPU path its inputs come to the host (in f32, the
-  // router's dtype there) and the logit gradient goes back.
-  const Device device = routing.logits.device();
-  const Device cpu = Device::cpu();
-  BalancingLossResult r = balancing_loss(
-      routing.logits.to(cpu), bias.to(cpu).to(routing.logits.dtype()), routing.indices.to(cpu), bo);
-  c.result.balancing_loss += r.loss;
-  return r.grad_logits.to(device);
+  if (!c.balancing_sum.defined()) c.balancing_sum = Tensor::zeros({1}, DType::f64, device);
+  return balancing_loss_on_device(routing.logits, bias.to(device).to(routing.logits.dtype()),
+                                  routing.indices, loads, c.counted, bo, c.balancing_sum);
 }
 
 // MoE backward from the layer's saved input and routing. The shared expert's pre-clamp
@@ -487,7 +487,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
         Tensor::from_vector(fc.cu_seqlens, {int64_t(fc.cu_seqlens.size())}),
         fc.counted_rows,
         std::vector<uint8_t>(size_t(tokens), 0),
-        result};
+        result,
+        Tensor()};
   std::fill(c.valid.begin(), c.valid.begin() + fc.counted_rows, uint8_t(1));
   const double eps = c.ops.rms_eps;
   const int64_t vocab = w.embed_tokens.size(0);
@@ -647,6 +648,9 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
                             grads.embed_tokens);
   }
   result.d_embeddings = std::move(d_emb);
+  // The one wait of the backward for the balancing losses, after its last kernel is queued.
+  if (c.balancing_sum.defined())
+    result.balancing_loss = c.balancing_sum.to(Device::cpu()).data<double>()[0];
   return result;
 }
 

@@ -183,6 +183,8 @@ Routing moe_route(const MoeConfig& cfg, const Tensor& router_weight,
 Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up_proj, const Linear& down_proj,
                    const Tensor& x, const Routing& routing);
 Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows);
+Tensor moe_balancing_loss(const Tensor& logits, const Tensor& bias, const Tensor& loads,
+                          int64_t counted_rows, int64_t top_k, double weight, Tensor& loss_sum);
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows, MoeContext* ctx);
 Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights);

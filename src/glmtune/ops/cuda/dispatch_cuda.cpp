@@ -644,7 +644,14 @@ Tensor moe_experts(const MoeConfig& cfg, const Linear& gate_up_proj, const Linea
 
 Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows) {
   OpTimer timer("moe_expert_counts");
-  return cuda::moe_expert_counts(routing, n_experts, rows).to(Device::cpu());
+  return cuda::moe_expert_counts(routing, n_experts, rows);
+}
+
+Tensor moe_balancing_loss(const Tensor& logits, const Tensor& bias, const Tensor& loads,
+                          int64_t counted_rows, int64_t top_k, double weight, Tensor& loss_sum) {
+  OpTimer timer("moe_balancing_loss");
+  return cuda::moe_balancing_loss(logits, as_f32(bias), loads, counted_rows, top_k, weight,
+                                  loss_sum);
 }
 
 namespace {
@@ -701,7 +708,6 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Te
   cuda::MoeContext cc;
   MoeOutput out = cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr,
                                     moe_gemm_backend(cfg, x.size(0)));
-  out.expert_counts = out.expert_counts.to(Device::cpu());
   MlpContext shared;
   if (composed) add_into(out.y, ops::mlp_forward(params_in.shared, x, cfg.swiglu_limit, shared));
   if (ctx) {

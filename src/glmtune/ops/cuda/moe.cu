@@ -297,6 +297,76 @@ __global__ void count_kernel(const int32_t* __restrict__ idx, int64_t n, int n_e
   if (i < n && idx[i] >= 0 && idx[i] < n_exp) atomicAdd(counts + idx[i], 1ull);
 }
 
+// ---- balancing loss (model/balancing_loss.h)
+// -----------------------------------------------------
+
+// coef[e] = weight · E · K · n_e / (Σ n)², zero when nothing was routed; one block.
+__global__ void balancing_coef_kernel(const int64_t* __restrict__ loads, int n_exp, int top_k,
+                                      double weight, double* __restrict__ coef) {
+  __shared__ double total;
+  if (threadIdx.x == 0) {
+    int64_t sum = 0;
+    for (int e = 0; e < n_exp; ++e) sum += loads[e];
+    total = double(sum);
+  }
+  __syncthreads();
+  const double scale = total > 0 ? weight * double(n_exp) * double(top_k) / (total * total) : 0.0;
+  for (int e = threadIdx.x; e < n_exp; e += blockDim.x) coef[e] = scale * double(loads[e]);
+}
+
+// One warp per row, in f64 as the CPU form: u_e = σ(l_e) + b_e, Z = Σ u, the row's loss
+// Σ c_e u_e / Z and its gradient (c_e − loss) / Z · σ(l_e)(1 − σ(l_e)). Rows from `counted` on
+// are padding: zero loss, zero gradient.
+__global__ void __launch_bounds__(kThreads)
+    balancing_rows_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                          const double* __restrict__ coef, int64_t rows, int64_t counted, int n_exp,
+                          float* __restrict__ grad, double* __restrict__ row_loss) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const float* l = logits + row * n_exp;
+  float* g = grad + row * n_exp;
+  if (row >= counted) {
+    for (int e = lane; e < n_exp; e += 32) g[e] = 0.0f;
+    if (lane == 0) row_loss[row] = 0.0;
+    return;
+  }
+  double z = 0.0, weighted = 0.0;
+  for (int e = lane; e < n_exp; e += 32) {
+    const double u = 1.0 / (1.0 + exp(-double(l[e]))) + double(bias[e]);
+    z += u;
+    weighted += coef[e] * u;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    z += __shfl_xor_sync(0xffffffffu, z, offset);
+    weighted += __shfl_xor_sync(0xffffffffu, weighted, offset);
+  }
+  const double loss = weighted / z;
+  for (int e = lane; e < n_exp; e += 32) {
+    const double s = 1.0 / (1.0 + exp(-double(l[e])));
+    g[e] = float((coef[e] - loss) / z * s * (1.0 - s));
+  }
+  if (lane == 0) row_loss[row] = loss;
+}
+
+// loss_sum[0] += Σ row_loss, in a fixed order (each thread a strided run, then a tree): the same
+// sum at every run. One block of kThreads.
+__global__ void __launch_bounds__(kThreads)
+    balancing_sum_kernel(const double* __restrict__ row_loss, int64_t rows,
+                         double* __restrict__ loss_sum) {
+  __shared__ double part[kThreads];
+  double s = 0.0;
+  for (int64_t r = threadIdx.x; r < rows; r += kThreads) s += row_loss[r];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half >>= 1) {
+    if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) loss_sum[0] += part[0];
+}
+
 // ---- host helpers ----------------------------------------------------------------------------
 
 unsigned blocks_for(int64_t n, int threads = kThreads) {
@@ -703,6 +773,45 @@ Tensor moe_expert_counts(const ops::Routing& routing, int64_t n_experts, int64_t
     GLMTUNE_CUDA_CHECK_LAUNCH();
   }
   return counts;
+}
+
+Tensor moe_balancing_loss(const Tensor& logits, const Tensor& bias, const Tensor& loads,
+                          int64_t counted_rows, int64_t top_k, double weight, Tensor& loss_sum,
+                          cudaStream_t stream) {
+  GLMTUNE_CUDA_OP_REQUIRE(logits.defined() && logits.dim() == 2 && logits.dtype() == DType::f32 &&
+                              logits.is_contiguous() && logits.device().is_cuda(),
+                          "cuda::moe_balancing_loss needs contiguous f32 [T, E] logits on the GPU");
+  const int64_t rows = logits.size(0), n_exp = logits.size(1);
+  const Device dev = logits.device();
+  GLMTUNE_CUDA_OP_REQUIRE(bias.defined() && bias.dtype() == DType::f32 && bias.is_contiguous() &&
+                              bias.numel() == n_exp && bias.device() == dev,
+                          "cuda::moe_balancing_loss needs a contiguous f32 [E] bias beside the "
+                          "logits");
+  GLMTUNE_CUDA_OP_REQUIRE(loads.defined() && loads.dtype() == DType::i64 && loads.is_contiguous() &&
+                              loads.numel() == n_exp && loads.device() == dev,
+                          "cuda::moe_balancing_loss needs int64 [E] loads beside the logits");
+  GLMTUNE_CUDA_OP_REQUIRE(loss_sum.defined() && loss_sum.dtype() == DType::f64 &&
+                              loss_sum.numel() == 1 && loss_sum.device() == dev,
+                          "cuda::moe_balancing_loss needs an f64 [1] loss sum beside the logits");
+  GLMTUNE_CUDA_OP_REQUIRE(
+      counted_rows >= 0 && counted_rows <= rows && top_k >= 1,
+      "cuda::moe_balancing_loss: counted rows outside the logits, or top-k < 1");
+  detail::DeviceGuard guard(dev.index);
+  Tensor grad = Tensor::empty({rows, n_exp}, DType::f32, dev);
+  if (rows == 0 || n_exp == 0) return grad;
+  Tensor coef = Tensor::empty({n_exp}, DType::f64, dev);
+  Tensor row_loss = Tensor::empty({rows}, DType::f64, dev);
+  balancing_coef_kernel<<<1, kThreads, 0, stream>>>(loads.data<int64_t>(), int(n_exp), int(top_k),
+                                                    weight, coef.data<double>());
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+  balancing_rows_kernel<<<blocks_for(rows, kThreads / 32), kThreads, 0, stream>>>(
+      logits.data<float>(), bias.data<float>(), coef.data<double>(), rows, counted_rows, int(n_exp),
+      grad.data<float>(), row_loss.data<double>());
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+  balancing_sum_kernel<<<1, kThreads, 0, stream>>>(row_loss.data<double>(), rows,
+                                                   loss_sum.data<double>());
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+  return grad;
 }
 
 Tensor moe_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,

@@ -80,6 +80,15 @@ Tensor moe_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,
 Tensor moe_expert_counts(const ops::Routing& routing, int64_t n_experts, int64_t rows = -1,
                          cudaStream_t stream = nullptr);
 
+// The balancing loss of one router (model/balancing_loss.h) over rows [0, counted_rows): logits f32
+// [T, E], bias f32 [E], loads int64 [E] the selection counts the loss weighs by, weight = α / the
+// step's micro-packs. Adds the loss to loss_sum (f64 [1]) and returns d loss / d logits f32 [T, E]
+// (zero on the rows from counted_rows on). Everything on one device, in f64 inside, with no host
+// synchronisation.
+Tensor moe_balancing_loss(const Tensor& logits, const Tensor& bias, const Tensor& loads,
+                          int64_t counted_rows, int64_t top_k, double weight, Tensor& loss_sum,
+                          cudaStream_t stream = nullptr);
+
 struct MoeContext {
   Tensor x;
   ops::Routing routing;
