@@ -43,10 +43,28 @@ __device__ __forceinline__ float scale_of(float amax) {
   return __double2float_rn(m / 448.0);
 }
 
-__device__ __forceinline__ uint8_t quantize(float x, float scale) {
+// x / scale clamped to ±448 unless NaN, before the rounding to e4m3.
+__device__ __forceinline__ float scaled(float x, float scale) {
   float v = __fdiv_rn(x, scale);
   if (v == v) v = v < -kE4m3Max ? -kE4m3Max : (kE4m3Max < v ? kE4m3Max : v);
-  return f32_to_fp8e4m3(v);
+  return v;
+}
+
+// Two clamped values to their codes, lo in the low byte. Ada and Hopper round to e4m3 in one
+// instruction (round to nearest even, as tensor/dtype.h; on values within ±448 saturation never
+// applies, and a NaN stays a NaN code, whose sign the contract leaves open).
+__device__ __forceinline__ uint32_t e4m3_pair(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return uint32_t(f32_to_fp8e4m3(lo)) | uint32_t(f32_to_fp8e4m3(hi)) << 8;
+#endif
+}
+
+__device__ __forceinline__ uint8_t quantize(float x, float scale) {
+  return uint8_t(e4m3_pair(scaled(x, scale), 0.0f));
 }
 
 // Four consecutive values of row-major x from element i on: with kVec one 8-byte (bf16) or 16-byte
@@ -81,9 +99,8 @@ __device__ __forceinline__ void store4(uint8_t* q, int64_t i, int64_t valid, con
                                        float scale) {
   if constexpr (kVec) {
     if (valid <= 0) return;
-    const uint32_t packed = uint32_t(quantize(v[0], scale)) | uint32_t(quantize(v[1], scale)) << 8 |
-                            uint32_t(quantize(v[2], scale)) << 16 |
-                            uint32_t(quantize(v[3], scale)) << 24;
+    const uint32_t packed = e4m3_pair(scaled(v[0], scale), scaled(v[1], scale)) |
+                            e4m3_pair(scaled(v[2], scale), scaled(v[3], scale)) << 16;
     *reinterpret_cast<uint32_t*>(q + i) = packed;
   } else {
 #pragma unroll
@@ -101,26 +118,40 @@ bool vector_ok(const void* x, bool x_bf16, int64_t cols, int64_t ld_x, const uin
          reinterpret_cast<uintptr_t>(x) % x_align == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0;
 }
 
-// ---- 1 × 128 tiles: one warp per (row, tile), four columns per lane ---------------------------
+// ---- 1 × 128 tiles: one warp per (row, kRowTiles tiles), four columns per lane -----------------
 
 constexpr int kTileWarps = 8;
+// Tiles of a row a warp takes, their loads issued before any is reduced: at one tile a warp, a
+// lane had 8 bytes in flight and the kernel ran at a fifth of the copy bandwidth.
+constexpr int kRowTiles = 4;
 
-// One warp's 128 values of a row from element x_at of x (`valid` of them before the row ends):
-// their scale to *scale_at (by lane 0), their codes to q[q_at ..].
+// One warp's tiles first_tile .. first_tile + kRowTiles − 1 of row x_row (a pointer offset in
+// elements; `cols` columns), codes from q_row on. Tile t's scale goes to scale_at[t · ld_s] (by
+// lane 0); tiles at or past the row's end are skipped.
 template <bool kVec>
-__device__ __forceinline__ void quantize_row_tile(const void* __restrict__ x, bool x_bf16,
-                                                  int64_t x_at, int64_t valid,
-                                                  uint8_t* __restrict__ q, int64_t q_at,
-                                                  float* scale_at, int lane) {
-  float v[4];
-  load4<kVec>(x, x_bf16, x_at, valid, v);
-  float amax = 0.0f;
+__device__ __forceinline__ void quantize_row_tiles(const void* __restrict__ x, bool x_bf16,
+                                                   int64_t x_row, int64_t cols, int64_t first_tile,
+                                                   uint8_t* __restrict__ q, int64_t q_row,
+                                                   float* scale_at, int64_t ld_s, int lane) {
+  float v[kRowTiles][4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[j]));
-  amax = warp_nan_max(amax);
-  const float scale = scale_of(amax);
-  if (lane == 0) *scale_at = scale;
-  store4<kVec>(q, q_at, valid, v, scale);
+  for (int t = 0; t < kRowTiles; ++t) {
+    const int64_t c0 = (first_tile + t) * 128 + lane * 4;
+    load4<kVec>(x, x_bf16, x_row + c0, cols - c0, v[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < kRowTiles; ++t) {
+    const int64_t tile = first_tile + t;
+    if (tile * 128 >= cols) break;  // the same for every lane of the warp
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[t][j]));
+    amax = warp_nan_max(amax);
+    const float scale = scale_of(amax);
+    if (lane == 0) scale_at[tile * ld_s] = scale;
+    const int64_t c0 = tile * 128 + lane * 4;
+    store4<kVec>(q, q_row + c0, cols - c0, v[t], scale);
+  }
 }
 
 template <bool kVec>
@@ -131,10 +162,8 @@ __global__ void __launch_bounds__(kTileWarps * 32)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t r = int64_t(blockIdx.x) * kTileWarps + warp;
   if (r >= rows) return;
-  const int64_t tile = blockIdx.y;
-  const int64_t c0 = tile * 128 + lane * 4;
-  quantize_row_tile<kVec>(x, x_bf16, r * ld_x + c0, cols - c0, q, r * ld_q + c0,
-                          s + tile * ld_s + r, lane);
+  quantize_row_tiles<kVec>(x, x_bf16, r * ld_x, cols, int64_t(blockIdx.y) * kRowTiles, q, r * ld_q,
+                           s + r, ld_s, lane);
 }
 
 // ---- 128 × 128 blocks: one block of 256 threads per weight block, 64 values per thread ----------
@@ -175,56 +204,86 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// ---- 128 × 1 tiles, transposed: a block stages 128 rows × 32 columns in shared memory ----------
-// Loads run along the columns (x's rows are contiguous); each column's 128 values are then
-// reduced by 8 threads and written as 16-byte runs of the transposed output.
+// ---- 128 × 1 tiles, transposed: a block stages 128 rows × 64 columns in shared memory ----------
+// Loads run along the columns (x's rows are contiguous), four values a lane and eight rows a thread
+// issued together; each column's 128 values are then reduced by four threads (32 rows each) and
+// written as 16-byte runs of the transposed output.
 
-constexpr int kColTileCols = 32;
+constexpr int kColTileCols = 64;
 
-// One block's 128 × 32 tile of a [rows, cols] matrix whose row 0 is element x0 of x: rows r0 ..
-// r0 + 127, columns c0 .. c0 + 31. Its 32 scales go to s_row[c], its codes to the transposed
+// One block's 128 × 64 tile of a [rows, cols] matrix whose row 0 is element x0 of x: rows r0 ..
+// r0 + 127, columns c0 .. c0 + 63. Its 64 scales go to s_row[c], its codes to the transposed
 // q[c · ld_q + r] (code 0 from `rows` up to ld_q, a multiple of 16 like the start of q).
+template <bool kVec>
 __device__ __forceinline__ void quantize_column_tile(const void* __restrict__ x, bool x_bf16,
                                                      int64_t x0, int64_t rows, int64_t cols,
                                                      int64_t ld_x, int64_t r0, int64_t c0,
                                                      uint8_t* __restrict__ q, int64_t ld_q,
                                                      float* __restrict__ s_row) {
   __shared__ float tile[128][kColTileCols + 1];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ float part_max[4][kColTileCols];
+  {
+    const int row = threadIdx.x >> 4, quad = threadIdx.x & 15;
+    float v[8][4];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int rr = warp + 8 * i;
-    const int64_t r = r0 + rr, c = c0 + lane;
-    tile[rr][lane] = r < rows && c < cols ? load_x(x, x_bf16, x0 + r * ld_x + c) : 0.0f;
+    for (int i = 0; i < 8; ++i) {
+      const int64_t r = r0 + row + 16 * i, c = c0 + 4 * quad;
+      load4<kVec>(x, x_bf16, x0 + r * ld_x + c, r < rows ? cols - c : 0, v[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) tile[row + 16 * i][4 * quad + j] = v[i][j];
   }
   __syncthreads();
-  const int col = threadIdx.x >> 3, part = threadIdx.x & 7;
-  const int64_t c = c0 + col;
+  // A warp's 32 threads take 32 consecutive columns of one quarter of the rows: distinct banks.
+  const int col = threadIdx.x & (kColTileCols - 1), part = threadIdx.x / kColTileCols;
   float amax = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) amax = nan_max(amax, fabsf(tile[part * 16 + j][col]));
-    // The 8 threads of a column are consecutive lanes of one warp.
-#pragma unroll
-  for (int o = 4; o > 0; o >>= 1) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int j = 0; j < 32; ++j) amax = nan_max(amax, fabsf(tile[part * 32 + j][col]));
+  part_max[part][col] = amax;
+  __syncthreads();
+  amax = nan_max(nan_max(part_max[0][col], part_max[1][col]),
+                 nan_max(part_max[2][col], part_max[3][col]));
+  const int64_t c = c0 + col;
   if (c >= cols) return;
   const float scale = scale_of(amax);
   if (part == 0) s_row[c] = scale;
-  const int64_t first = r0 + part * 16;
-  if (first >= ld_q) return;  // past the padded row count: nothing to store
-  alignas(16) uint8_t out[16];
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
-    out[j] = first + j < rows ? quantize(tile[part * 16 + j][col], scale) : uint8_t(0);
-  // ld_q and `first` are multiples of 16, so the run is one aligned 16-byte store.
-  *reinterpret_cast<uint4*>(q + c * ld_q + first) = *reinterpret_cast<const uint4*>(out);
+  for (int h = 0; h < 2; ++h) {
+    const int first = part * 32 + 16 * h;
+    if (r0 + first >= ld_q) break;  // past the padded row count: nothing to store
+    uint32_t out[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float a[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int rr = first + 4 * w + k;
+        a[k] = r0 + rr < rows ? scaled(tile[rr][col], scale) : 0.0f;
+      }
+      out[w] = e4m3_pair(a[0], a[1]) | e4m3_pair(a[2], a[3]) << 16;
+    }
+    // ld_q and r0 + first are multiples of 16, so the run is one aligned 16-byte store.
+    *reinterpret_cast<uint4*>(q + c * ld_q + r0 + first) =
+        make_uint4(out[0], out[1], out[2], out[3]);
+  }
 }
 
+template <bool kVec>
 __global__ void __launch_bounds__(256)
     quantize_columns_kernel(const void* __restrict__ x, bool x_bf16, int64_t rows, int64_t cols,
                             int64_t ld_x, uint8_t* __restrict__ q, int64_t ld_q,
                             float* __restrict__ s, int64_t ld_s) {
-  quantize_column_tile(x, x_bf16, 0, rows, cols, ld_x, int64_t(blockIdx.y) * 128,
-                       int64_t(blockIdx.x) * kColTileCols, q, ld_q, s + int64_t(blockIdx.y) * ld_s);
+  quantize_column_tile<kVec>(x, x_bf16, 0, rows, cols, ld_x, int64_t(blockIdx.y) * 128,
+                             int64_t(blockIdx.x) * kColTileCols, q, ld_q,
+                             s + int64_t(blockIdx.y) * ld_s);
+}
+
+// Whether the 128 × 1 quantisers may load four values at a time (their stores are always 16-byte
+// runs).
+bool columns_vector_ok(const void* x, bool x_bf16, int64_t cols, int64_t ld_x) {
+  return cols % 4 == 0 && ld_x % 4 == 0 && reinterpret_cast<uintptr_t>(x) % (x_bf16 ? 8 : 16) == 0;
 }
 
 // ---- the groups' quantisations in one launch ---------------------------------------------------
@@ -259,19 +318,23 @@ __global__ void __launch_bounds__(kTileWarps * 32)
   const int64_t local = p - table.padded[g];
   const int64_t rows_g = table.rows[g + 1] - table.rows[g];
   const int64_t ld_s = table.padded[g + 1] - table.padded[g];
-  const int64_t tile = blockIdx.y, c0 = tile * 128 + lane * 4;
-  float* sg = s + int64_t(table.padded[g]) * gridDim.y;
+  const int64_t col_tiles = (cols + 127) / 128, first_tile = int64_t(blockIdx.y) * kRowTiles;
+  float* sg = s + int64_t(table.padded[g]) * col_tiles;
   if (local >= rows_g) {
     const float zeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (lane == 0) sg[tile * ld_s + local] = 0.0f;
-    store4<kVec>(q, p * cols + c0, cols - c0, zeros, 1.0f);
+    for (int64_t tile = first_tile; tile < first_tile + kRowTiles && tile < col_tiles; ++tile) {
+      if (lane == 0) sg[tile * ld_s + local] = 0.0f;
+      const int64_t c0 = tile * 128 + lane * 4;
+      store4<kVec>(q, p * cols + c0, cols - c0, zeros, 1.0f);
+    }
     return;
   }
-  quantize_row_tile<kVec>(x, x_bf16, (table.rows[g] + local) * ld_x + c0, cols - c0, q,
-                          p * cols + c0, sg + tile * ld_s + local, lane);
+  quantize_row_tiles<kVec>(x, x_bf16, (table.rows[g] + local) * ld_x, cols, first_tile, q, p * cols,
+                           sg + local, ld_s, lane);
 }
 
-// One block per (32 columns, 128-row tile of a group), as quantize_columns_kernel.
+// One block per (64 columns, 128-row tile of a group), as quantize_columns_kernel.
+template <bool kVec>
 __global__ void __launch_bounds__(256)
     quantize_group_columns_kernel(const void* __restrict__ x, bool x_bf16, int64_t cols,
                                   int64_t ld_x, const __grid_constant__ GroupTable table,
@@ -280,10 +343,10 @@ __global__ void __launch_bounds__(256)
   const int64_t t = int64_t(blockIdx.y) - table.tiles[g];
   const int64_t ld_s = (cols + 3) / 4 * 4;
   // The group's codes start at padded[g] · cols, a multiple of 16 like its ld_q.
-  quantize_column_tile(x, x_bf16, int64_t(table.rows[g]) * ld_x, table.rows[g + 1] - table.rows[g],
-                       cols, ld_x, t * 128, int64_t(blockIdx.x) * kColTileCols,
-                       q + int64_t(table.padded[g]) * cols, table.padded[g + 1] - table.padded[g],
-                       s + (int64_t(table.tiles[g]) + t) * ld_s);
+  quantize_column_tile<kVec>(
+      x, x_bf16, int64_t(table.rows[g]) * ld_x, table.rows[g + 1] - table.rows[g], cols, ld_x,
+      t * 128, int64_t(blockIdx.x) * kColTileCols, q + int64_t(table.padded[g]) * cols,
+      table.padded[g + 1] - table.padded[g], s + (int64_t(table.tiles[g]) + t) * ld_s);
 }
 
 // ---- transposes -----------------------------------------------------------------------------
@@ -364,7 +427,8 @@ void transpose(const T* in, int64_t rows, int64_t cols, int64_t ld_in, T* out, i
 void quantize_tiles(const void* x, bool x_bf16, int64_t rows, int64_t cols, int64_t ld_x,
                     uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  const dim3 grid(unsigned(blocks_of(rows, kTileWarps)), unsigned(blocks_of(cols, 128)));
+  const dim3 grid(unsigned(blocks_of(rows, kTileWarps)),
+                  unsigned(blocks_of(blocks_of(cols, 128), kRowTiles)));
   const auto kernel = vector_ok(x, x_bf16, cols, ld_x, q, ld_q) ? quantize_tiles_kernel<true>
                                                                 : quantize_tiles_kernel<false>;
   kernel<<<grid, kTileWarps * 32, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
@@ -385,7 +449,9 @@ void quantize_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols, in
                       uint8_t* q, int64_t ld_q, float* s, int64_t ld_s, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   const dim3 grid(unsigned(blocks_of(cols, kColTileCols)), unsigned(blocks_of(rows, 128)));
-  quantize_columns_kernel<<<grid, 256, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
+  const auto kernel = columns_vector_ok(x, x_bf16, cols, ld_x) ? quantize_columns_kernel<true>
+                                                               : quantize_columns_kernel<false>;
+  kernel<<<grid, 256, 0, stream>>>(x, x_bf16, rows, cols, ld_x, q, ld_q, s, ld_s);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
@@ -393,7 +459,8 @@ void quantize_group_tiles(const void* x, bool x_bf16, int64_t cols, int64_t ld_x
                           const GroupTable& table, uint8_t* q, float* s, cudaStream_t stream) {
   const int64_t padded = table.padded[table.groups];
   if (padded == 0 || cols == 0) return;
-  const dim3 grid(unsigned(blocks_of(padded, kTileWarps)), unsigned(blocks_of(cols, 128)));
+  const dim3 grid(unsigned(blocks_of(padded, kTileWarps)),
+                  unsigned(blocks_of(blocks_of(cols, 128), kRowTiles)));
   const auto kernel = vector_ok(x, x_bf16, cols, ld_x, q, cols)
                           ? quantize_group_tiles_kernel<true>
                           : quantize_group_tiles_kernel<false>;
@@ -406,7 +473,10 @@ void quantize_group_columns(const void* x, bool x_bf16, int64_t cols, int64_t ld
   const int64_t tiles = table.tiles[table.groups];
   if (tiles == 0 || cols == 0) return;
   const dim3 grid(unsigned(blocks_of(cols, kColTileCols)), unsigned(tiles));
-  quantize_group_columns_kernel<<<grid, 256, 0, stream>>>(x, x_bf16, cols, ld_x, table, q, s);
+  const auto kernel = columns_vector_ok(x, x_bf16, cols, ld_x)
+                          ? quantize_group_columns_kernel<true>
+                          : quantize_group_columns_kernel<false>;
+  kernel<<<grid, 256, 0, stream>>>(x, x_bf16, cols, ld_x, table, q, s);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
