@@ -220,8 +220,12 @@ __device__ __forceinline__ void quantize_column_tile(const void* __restrict__ x,
                                                      int64_t ld_x, int64_t r0, int64_t c0,
                                                      uint8_t* __restrict__ q, int64_t ld_q,
                                                      float* __restrict__ s_row) {
+  // Row r's column c sits at (c + 8 · (r / 32)) mod 64 of its padded row: the four threads of a
+  // column (rows 32 apart in bank terms) then read distinct banks.
   __shared__ float tile[128][kColTileCols + 1];
-  __shared__ float part_max[4][kColTileCols];
+  auto at = [&](int r, int c) -> float& {
+    return tile[r][(c + 8 * (r >> 5)) & (kColTileCols - 1)];
+  };
   {
     const int row = threadIdx.x >> 4, quad = threadIdx.x & 15;
     float v[8][4];
@@ -233,25 +237,27 @@ __device__ __forceinline__ void quantize_column_tile(const void* __restrict__ x,
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) tile[row + 16 * i][4 * quad + j] = v[i][j];
+      for (int j = 0; j < 4; ++j) at(row + 16 * i, 4 * quad + j) = v[i][j];
   }
   __syncthreads();
-  // A warp's 32 threads take 32 consecutive columns of one quarter of the rows: distinct banks.
-  const int col = threadIdx.x & (kColTileCols - 1), part = threadIdx.x / kColTileCols;
+  // Four consecutive lanes per column, lane `part` taking rows 16·part .. + 15 and 64 + 16·part ..
+  // + 15: each of the two stores below writes 64 contiguous bytes of the column's codes per four
+  // lanes.
+  const int col = threadIdx.x >> 2, part = threadIdx.x & 3;
   float amax = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 32; ++j) amax = nan_max(amax, fabsf(tile[part * 32 + j][col]));
-  part_max[part][col] = amax;
-  __syncthreads();
-  amax = nan_max(nan_max(part_max[0][col], part_max[1][col]),
-                 nan_max(part_max[2][col], part_max[3][col]));
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = nan_max(amax, fabsf(at(64 * h + 16 * part + i, col)));
+  amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   const int64_t c = c0 + col;
   if (c >= cols) return;
   const float scale = scale_of(amax);
   if (part == 0) s_row[c] = scale;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int first = part * 32 + 16 * h;
+    const int first = 64 * h + 16 * part;
     if (r0 + first >= ld_q) break;  // past the padded row count: nothing to store
     uint32_t out[4];
 #pragma unroll
@@ -260,7 +266,7 @@ __device__ __forceinline__ void quantize_column_tile(const void* __restrict__ x,
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int rr = first + 4 * w + k;
-        a[k] = r0 + rr < rows ? scaled(tile[rr][col], scale) : 0.0f;
+        a[k] = r0 + rr < rows ? scaled(at(rr, col), scale) : 0.0f;
       }
       out[w] = e4m3_pair(a[0], a[1]) | e4m3_pair(a[2], a[3]) << 16;
     }
