@@ -633,6 +633,16 @@ TEST(CudaFp8, TrainingLeafOpsMatchTheCpuOps) {
   ASSERT_EQ(dx.dtype(), DType::f32);
   expect_within_bound(dx.view({tokens, in}), dx_ref, out, {}, "linear_fp8 dx (f32)");
   expect_within_bound(grads.weight, dw_ref, tokens, {}, "linear_fp8 dW (f32)");
+  // The projection's own input gradient (nothing else adds to it) comes out of the GEMM in x's
+  // dtype, and the weight gradient is the same bits.
+  ops::Linear grads_alone;
+  Tensor dx_alone;
+  run_or_fail("linear_fp8 backward alone",
+              [&] { dx_alone = ops::linear_backward(dyg, xg, l, &grads_alone, true); });
+  ASSERT_EQ(dx_alone.dtype(), DType::bf16);
+  ASSERT_EQ(dx_alone.shape(), x.shape());
+  expect_within_bound(dx_alone.view({tokens, in}), dx_ref, out, {}, "linear_fp8 dx (bf16)");
+  EXPECT_TRUE(bit_identical(grads_alone.weight, grads.weight)) << "linear_fp8 dW alone";
 
   const Tensor y_cpu = ops::linear_fp8(xc, wc);
   Tensor dx_cpu, dw_cpu;
@@ -640,6 +650,10 @@ TEST(CudaFp8, TrainingLeafOpsMatchTheCpuOps) {
   expect_within_bound(y_cpu.view({tokens, out}), y_ref, in, {}, "CPU linear_fp8 forward");
   expect_within_bound(dx_cpu.view({tokens, in}), dx_ref, out, {}, "CPU linear_fp8 dx");
   expect_within_bound(dw_cpu, dw_ref, tokens, {}, "CPU linear_fp8 dW");
+  Tensor dw_cpu_alone;
+  const Tensor dx_cpu_alone = ops::linear_fp8_backward(dyc, xc, wc, &dw_cpu_alone);
+  EXPECT_TRUE(bit_identical(dx_cpu_alone, dx_cpu)) << "CPU linear_fp8 dx alone";
+  EXPECT_TRUE(bit_identical(dw_cpu_alone, dw_cpu)) << "CPU linear_fp8 dW alone";
 
   // Dimensions the GPU's FP8 GEMMs cannot take are refused before any kernel runs, naming
   // train.fp8 (the trainer refuses such a model up front where it sees the shapes).

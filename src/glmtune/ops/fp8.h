@@ -125,4 +125,10 @@ Tensor linear_fp8(const Tensor& x, const Tensor& weight);
 void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
                              const Tensor& weight, Tensor* grad_weight);
 
+// The same backward where dx is this projection's alone: dW as above, dx [..., in] returned in x's
+// dtype, the f32 product rounded once. On a GPU the FP8 GEMM writes it in that dtype directly, with
+// no f32 copy and no conversion pass.
+Tensor linear_fp8_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                           Tensor* grad_weight);
+
 }  // namespace glmtune::ops

@@ -100,8 +100,10 @@ Tensor linear_backward(const Tensor& dy, const Tensor& x, const Linear& l, Linea
   if (!l.lora.defined() && !l.fp8)
     return linear_backward(dy, x, l.weight, grads ? &grads->weight : nullptr, bias_slot(l, grads),
                            need_input_grad);
-  if (!l.lora.defined() && !need_input_grad) {
+  if (!l.lora.defined()) {
     check_fp8(l);
+    if (need_input_grad)
+      return linear_fp8_backward(dy, x, l.weight, grads ? &grads->weight : nullptr);
     linear_fp8_backward_add(nullptr, dy, x, l.weight, grads ? &grads->weight : nullptr);
     return Tensor();
   }

@@ -163,6 +163,14 @@ void check_fp8_linear(const Tensor& x, const Tensor& weight, const char* op) {
                  weight.defined() ? weight.str() : "undefined");
 }
 
+void check_fp8_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const char* op) {
+  check_fp8_linear(x, weight, op);
+  GLMTUNE_ASSERT(dy.defined() && dy.dim() == x.dim() && dy.size(-1) == weight.size(0) &&
+                     dy.numel() / dy.size(-1) == x.numel() / x.size(-1),
+                 "{}: dy {} does not fit input {} and weight {}", op, dy.str(), x.str(),
+                 weight.str());
+}
+
 }  // namespace
 
 Tensor linear_fp8(const Tensor& x, const Tensor& weight) {
@@ -173,18 +181,22 @@ Tensor linear_fp8(const Tensor& x, const Tensor& weight) {
 
 void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
                              const Tensor& weight, Tensor* grad_weight) {
-  const char* op = "linear_fp8_backward_add";
-  check_fp8_linear(x, weight, op);
-  GLMTUNE_ASSERT(dy.defined() && dy.dim() == x.dim() && dy.size(-1) == weight.size(0) &&
-                     dy.numel() / dy.size(-1) == x.numel() / x.size(-1),
-                 "{}: dy {} does not fit input {} and weight {}", op, dy.str(), x.str(),
-                 weight.str());
+  check_fp8_backward(dy, x, weight, "linear_fp8_backward_add");
   GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear_fp8_backward_add(dx_sum, dy, x, weight, grad_weight));
   if (grad_if_trained(grad_weight, weight))
     linear_backward(quantized(dy, 128, 1), quantized(x, 128, 1), weight, grad_weight, nullptr,
                     /*need_input_grad=*/false);
   if (dx_sum)
     linear_backward_add(*dx_sum, quantized(dy, 1, 128), x, quantized_weight(weight), nullptr);
+}
+
+Tensor linear_fp8_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                           Tensor* grad_weight) {
+  check_fp8_backward(dy, x, weight, "linear_fp8_backward");
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::linear_fp8_backward(dy, x, weight, grad_weight));
+  Tensor dx;
+  linear_fp8_backward_add(&dx, dy, x, weight, grad_weight);
+  return dx.to(x.dtype());
 }
 
 }  // namespace glmtune::ops

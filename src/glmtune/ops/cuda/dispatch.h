@@ -106,6 +106,8 @@ Tensor dequantize_fp8_pieces(const Tensor& codes, const Tensor& scales, int64_t 
                              const Shape& shape, DType out);
 Fp8Blocks fp8_weight_from_codes(const Tensor& codes, const Tensor& scales);
 Tensor linear_fp8(const Tensor& x, const Tensor& weight);
+Tensor linear_fp8_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                           Tensor* grad_weight);
 void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
                              const Tensor& weight, Tensor* grad_weight);
 

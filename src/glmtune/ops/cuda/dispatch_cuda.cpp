@@ -268,15 +268,25 @@ Tensor linear_fp8(const Tensor& x, const Tensor& weight) {
   return y;
 }
 
+namespace {
+
+// dW += Q(dy; 128 × 1)ᵀ · Q(x; 128 × 1) unless the weight is frozen or no slot was given.
+void fp8_weight_grad(const Tensor& dy2, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
+                     const char* op) {
+  if (Tensor* g = trained_slot(grad_weight, weight, op, "weight"))
+    cuda::fp8_linear_backward_weight(*g, cuda::quantize_fp8_blocks(dy2, 128, 1),
+                                     cuda::quantize_fp8_blocks(as_rows(x), 128, 1));
+}
+
+}  // namespace
+
 void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
                              const Tensor& weight, Tensor* grad_weight) {
   OpTimer timer("linear_fp8_backward");
   const char* op = "linear_fp8_backward_add";
   check_fp8_gemm_shape(weight, op);
   const Tensor dy2 = as_rows(dy);
-  if (Tensor* g = trained_slot(grad_weight, weight, op, "weight"))
-    cuda::fp8_linear_backward_weight(*g, cuda::quantize_fp8_blocks(dy2, 128, 1),
-                                     cuda::quantize_fp8_blocks(as_rows(x), 128, 1));
+  fp8_weight_grad(dy2, x, weight, grad_weight, op);
   if (!dx_sum) return;
   const bool accumulate = dx_sum->defined();
   if (!accumulate) *dx_sum = Tensor::empty(x.shape(), DType::f32, x.device());
@@ -288,6 +298,20 @@ void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
   cuda::fp8_linear_backward_input_out(dx2, cuda::quantize_fp8_blocks(dy2, 1, 128),
                                       cuda::transpose_fp8_weight(fp8_weight_blocks(weight)),
                                       accumulate);
+}
+
+Tensor linear_fp8_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                           Tensor* grad_weight) {
+  OpTimer timer("linear_fp8_backward");
+  const char* op = "linear_fp8_backward";
+  check_fp8_gemm_shape(weight, op);
+  const Tensor dy2 = as_rows(dy);
+  fp8_weight_grad(dy2, x, weight, grad_weight, op);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  Tensor dx2 = dx.view({x.numel() / x.size(-1), x.size(-1)});
+  cuda::fp8_linear_backward_input_out(dx2, cuda::quantize_fp8_blocks(dy2, 1, 128),
+                                      cuda::transpose_fp8_weight(fp8_weight_blocks(weight)));
+  return dx;
 }
 
 Tensor embedding_forward(const Tensor& table, const Tensor& ids) {
