@@ -122,7 +122,7 @@ bool vector_ok(const void* x, bool x_bf16, int64_t cols, int64_t ld_x, const uin
 
 constexpr int kTileWarps = 8;
 // Tiles of a row a warp takes, their loads issued before any is reduced: at one tile a warp, a
-// lane had 8 bytes in flight and the kernel ran at a fifth of the copy bandwidth.
+// lane had 8 bytes in flight and the loads' latency, not the bandwidth, bound the kernel.
 constexpr int kRowTiles = 4;
 
 // One warp's tiles first_tile .. first_tile + kRowTiles − 1 of row x_row (a pointer offset in
@@ -220,8 +220,8 @@ __device__ __forceinline__ void quantize_column_tile(const void* __restrict__ x,
                                                      int64_t ld_x, int64_t r0, int64_t c0,
                                                      uint8_t* __restrict__ q, int64_t ld_q,
                                                      float* __restrict__ s_row) {
-  // Row r's column c sits at (c + 8 · (r / 32)) mod 64 of its padded row: the four threads of a
-  // column (rows 32 apart in bank terms) then read distinct banks.
+  // Row r's column c sits at (c + 8 · (r / 32)) mod 64 of its padded row, so that a warp's reads
+  // below (eight columns, four threads each at rows 16 apart) fall in 32 distinct banks.
   __shared__ float tile[128][kColTileCols + 1];
   auto at = [&](int r, int c) -> float& {
     return tile[r][(c + 8 * (r >> 5)) & (kColTileCols - 1)];
