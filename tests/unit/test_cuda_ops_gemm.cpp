@@ -1,9 +1,10 @@
 // CUDA parity for the dense GEMMs (ops/cuda/gemm.h) against the CPU linear op (ops/linear.h):
 // forward with and without bias into bf16 and f32 outputs, accumulation, row-strided views,
-// unaligned rows, both backward GEMMs and the bias gradient, and bit-identical reruns. Inputs are
-// fresh random bf16 values (seed printed; GLMTUNE_TEST_SEED reproduces a run); the CPU reference
-// runs in f32 on the same bf16 values. Outputs are poisoned with NaN before every GPU call, so an
-// unwritten element fails. Skipped (not failed) where no GPU is visible or CUDA is not built.
+// unaligned rows, both backward GEMMs and the bias gradient, strided batches, and bit-identical
+// reruns. Inputs are fresh random bf16 values (seed printed; GLMTUNE_TEST_SEED reproduces a run);
+// the CPU reference runs in f32 on the same bf16 values. Outputs are poisoned with NaN before every
+// GPU call, so an unwritten element fails. Skipped (not failed) where no GPU is visible or CUDA is
+// not built.
 
 #include <gtest/gtest.h>
 
@@ -213,6 +214,117 @@ TEST(CudaOpsGemm, Fp32OperandsMatchCpuWithoutTf32) {
     cuda::linear_backward_bias(db, dyg);
     EXPECT_CLOSE(db, gb_ref, 1e-5, "f32 db " + shape);
   }
+#endif
+}
+
+// A strided batch as the absorbed MLA uses it: head h's operands are the h-th column slices of
+// head-interleaved [T, H·D] tensors and the h-th row block of a stacked weight, in one launch.
+// Each product is checked against a float64 product of the same bf16 values; the C elements
+// outside every product (the stacked gradient's rows between the heads' blocks) stay untouched.
+TEST(CudaOpsGemm, StridedBatchesMatchOneProductEach) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const int64_t t = 301, heads = 5, d = 48, r = 64, block = 2 * d;  // block: a head's weight rows
+  const Tensor a = random_cpu({t, heads * d}, DType::bf16, 91);
+  const Tensor w = random_cpu({heads * block, r}, DType::bf16, 92, 0.125);
+  const Tensor lat = random_cpu({t, heads * r}, DType::bf16, 93);
+  const std::vector<double> av = a.to_doubles(), wv = w.to_doubles(), lv = lat.to_doubles();
+  const Tensor ag = a.to(kGpu), wg = w.to(kGpu), lg = lat.to(kGpu);
+
+  // absorb: c[:, h] = a[:, h] · W[h] ([T, D] · [D, R]), W[h] = rows h·block .. + D of w.
+  Tensor c = Tensor::empty({t, heads * r}, DType::bf16, kGpu);
+  c.fill_(NAN);
+  cuda::gemm({.m = t,
+              .n = r,
+              .k = d,
+              .a = ag.data_ptr(),
+              .lda = heads * d,
+              .b = wg.data_ptr(),
+              .ldb = r,
+              .c = c.data_ptr(),
+              .ldc = heads * r,
+              .batch = heads,
+              .stride_a = d,
+              .stride_b = block * r,
+              .stride_c = r});
+  std::vector<double> want(size_t(t * heads * r));
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < r; ++j) {
+        double acc = 0;
+        for (int64_t q = 0; q < d; ++q)
+          acc += av[size_t(i * heads * d + h * d + q)] * wv[size_t((h * block + q) * r + j)];
+        want[size_t(i * heads * r + h * r + j)] = acc;
+      }
+  EXPECT_CLOSE(c.to(Device::cpu()).to_doubles(), want, 1e-2, "batched absorb (bf16 out)");
+
+  // expand: e[:, h] = lat[:, h] · W[h]ᵀ ([T, R] · [R, D]), into f32.
+  Tensor e = Tensor::empty({t, heads * d}, DType::f32, kGpu);
+  e.fill_(NAN);
+  cuda::gemm({.trans_b = true,
+              .m = t,
+              .n = d,
+              .k = r,
+              .a = lg.data_ptr(),
+              .lda = heads * r,
+              .b = wg.data_ptr(),
+              .ldb = r,
+              .c = e.data_ptr(),
+              .ldc = heads * d,
+              .c_dtype = DType::f32,
+              .batch = heads,
+              .stride_a = r,
+              .stride_b = block * r,
+              .stride_c = d});
+  want.assign(size_t(t * heads * d), 0.0);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < d; ++j) {
+        double acc = 0;
+        for (int64_t q = 0; q < r; ++q)
+          acc += lv[size_t(i * heads * r + h * r + q)] * wv[size_t((h * block + j) * r + q)];
+        want[size_t(i * heads * d + h * d + j)] = acc;
+      }
+  EXPECT_CLOSE(e.to(Device::cpu()).to_doubles(), want, 1e-5, "batched expand (f32 out)");
+
+  // grad: g[h] += a[:, h]ᵀ · lat[:, h] ([D, T] · [T, R]) into rows h·block .. + D of an f32
+  // buffer that starts from a pattern; the other D rows of each block keep it.
+  const Tensor g0 = random_cpu({heads * block, r}, DType::f32, 94);
+  Tensor g = g0.to(kGpu);
+  cuda::gemm({.trans_a = true,
+              .m = d,
+              .n = r,
+              .k = t,
+              .a = ag.data_ptr(),
+              .lda = heads * d,
+              .b = lg.data_ptr(),
+              .ldb = heads * r,
+              .c = g.data_ptr(),
+              .ldc = r,
+              .c_dtype = DType::f32,
+              .beta = 1.0f,
+              .batch = heads,
+              .stride_a = d,
+              .stride_b = r,
+              .stride_c = block * r});
+  want = g0.to_doubles();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t q = 0; q < d; ++q)
+      for (int64_t j = 0; j < r; ++j) {
+        double acc = 0;
+        for (int64_t i = 0; i < t; ++i)
+          acc += av[size_t(i * heads * d + h * d + q)] * lv[size_t(i * heads * r + h * r + j)];
+        want[size_t((h * block + q) * r + j)] += acc;
+      }
+  const std::vector<double> got = g.to(Device::cpu()).to_doubles(), start = g0.to_doubles();
+  EXPECT_CLOSE(got, want, 1e-5, "batched weight gradient (f32 +=)");
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t q = d; q < block; ++q)
+      for (int64_t j = 0; j < r; ++j) {
+        const size_t idx = size_t((h * block + q) * r + j);
+        ASSERT_EQ(got[idx], start[idx])
+            << "the batch wrote outside its products (head " << h << ", row " << q << ")";
+      }
 #endif
 }
 

@@ -515,39 +515,71 @@ struct KvbHeads {
   const Tensor& kvb;  // bf16 [NH·(Dn+Dv), Rkv]
   int64_t tokens;
 
-  const char* row(bool value_rows, int64_t h) const {
-    const int64_t r =
-        h * (cfg.qk_nope_head_dim + cfg.v_head_dim) + (value_rows ? cfg.qk_nope_head_dim : 0);
-    return static_cast<const char*>(kvb.data_ptr()) + r * cfg.kv_lora_rank * 2;
+  // Each is one batched GEMM of a product per head: head h's slice of a [T, NH·D] tensor starts
+  // h·D elements in, its rows of kv_b_proj h·(Dn+Dv)·Rkv (+ Dn for the value rows).
+  const char* rows(bool value_rows) const {
+    return static_cast<const char*>(kvb.data_ptr()) +
+           (value_rows ? cfg.qk_nope_head_dim : 0) * cfg.kv_lora_rank * 2;
   }
+  int64_t head_stride() const { return (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank; }
   int64_t dim(bool value_rows) const { return value_rows ? cfg.v_head_dim : cfg.qk_nope_head_dim; }
   void absorb(bool value_rows, const Tensor& a, Tensor& c) const {
     if (tokens == 0) return;
     const int64_t nh = cfg.n_heads, d = dim(value_rows), r = cfg.kv_lora_rank;
-    for (int64_t h = 0; h < nh; ++h)
-      cuda::gemm({a.device().index, false, false, tokens, r, d,
-                  static_cast<const char*>(a.data_ptr()) + h * d * 2, nh * d, row(value_rows, h), r,
-                  static_cast<char*>(c.data_ptr()) + h * r * 2, nh * r, DType::bf16});
+    cuda::gemm({.device = a.device().index,
+                .m = tokens,
+                .n = r,
+                .k = d,
+                .a = a.data_ptr(),
+                .lda = nh * d,
+                .b = rows(value_rows),
+                .ldb = r,
+                .c = c.data_ptr(),
+                .ldc = nh * r,
+                .batch = nh,
+                .stride_a = d,
+                .stride_b = head_stride(),
+                .stride_c = r});
   }
   void expand(bool value_rows, const Tensor& a, Tensor& c) const {
     if (tokens == 0) return;
     const int64_t nh = cfg.n_heads, d = dim(value_rows), r = cfg.kv_lora_rank;
-    for (int64_t h = 0; h < nh; ++h)
-      cuda::gemm({a.device().index, false, true, tokens, d, r,
-                  static_cast<const char*>(a.data_ptr()) + h * r * 2, nh * r, row(value_rows, h), r,
-                  static_cast<char*>(c.data_ptr()) + h * d * 2, nh * d, DType::bf16});
+    cuda::gemm({.device = a.device().index,
+                .trans_b = true,
+                .m = tokens,
+                .n = d,
+                .k = r,
+                .a = a.data_ptr(),
+                .lda = nh * r,
+                .b = rows(value_rows),
+                .ldb = r,
+                .c = c.data_ptr(),
+                .ldc = nh * d,
+                .batch = nh,
+                .stride_a = r,
+                .stride_b = head_stride(),
+                .stride_c = d});
   }
   void grad(bool value_rows, const Tensor& a, const Tensor& b, Tensor& g) const {
     if (tokens == 0) return;
     const int64_t nh = cfg.n_heads, d = dim(value_rows), r = cfg.kv_lora_rank;
-    for (int64_t h = 0; h < nh; ++h) {
-      const int64_t grow =
-          h * (cfg.qk_nope_head_dim + cfg.v_head_dim) + (value_rows ? cfg.qk_nope_head_dim : 0);
-      cuda::gemm({a.device().index, true, false, d, r, tokens,
-                  static_cast<const char*>(a.data_ptr()) + h * d * 2, nh * d,
-                  static_cast<const char*>(b.data_ptr()) + h * r * 2, nh * r,
-                  g.data<float>() + grow * r, r, DType::f32, 1.0f, 1.0f});
-    }
+    cuda::gemm({.device = a.device().index,
+                .trans_a = true,
+                .m = d,
+                .n = r,
+                .k = tokens,
+                .a = a.data_ptr(),
+                .lda = nh * d,
+                .b = b.data_ptr(),
+                .ldb = nh * r,
+                .c = g.data<float>() + (value_rows ? cfg.qk_nope_head_dim : 0) * r,
+                .ldc = r,
+                .c_dtype = DType::f32,
+                .beta = 1.0f,
+                .batch = nh,
+                .stride_a = d,
+                .stride_b = r,
+                .stride_c = head_stride()});
   }
 };
 

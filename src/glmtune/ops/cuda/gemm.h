@@ -28,6 +28,9 @@ namespace glmtune::cuda {
 // same convention as ops::gemm: op(X) is X or X^T, and lda/ldb/ldc are the row strides (in
 // elements) of the matrices as stored. A and B share `ab_dtype`, bf16 or f32; C is bf16 or f32
 // and, when beta is 0, is not read (it may hold garbage, NaN included). `bias` has C's dtype.
+// With `batch` > 1, one launch computes `batch` such products, product i on the matrices that
+// start i·stride_a, i·stride_b and i·stride_c elements after a, b and c (the strides may be
+// smaller than a matrix: the per-head slices of one [T, H·D] tensor are a batch of stride D).
 struct GemmArgs {
   int device = 0;
   bool trans_a = false, trans_b = false;
@@ -41,7 +44,8 @@ struct GemmArgs {
   DType c_dtype = DType::bf16;
   float alpha = 1.0f, beta = 0.0f;
   const void* bias = nullptr;
-  DType ab_dtype = DType::bf16;  // last, so positional initialisers of the fields above still hold
+  DType ab_dtype = DType::bf16;  // after the fields above, so their positional initialisers hold
+  int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
 };
 void gemm(const GemmArgs& args, cudaStream_t stream = nullptr);
 

@@ -3,9 +3,11 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <climits>
 #include <compare>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <utility>
 
 #include "glmtune/ops/cuda/cublas_check.h"
@@ -35,6 +37,7 @@ struct AlgoKey {
   int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
   DType c_dtype = DType::bf16, ab_dtype = DType::bf16;
   bool bias = false;
+  int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
   uint32_t align_a = 0, align_b = 0, align_c = 0;
   auto operator<=>(const AlgoKey&) const = default;
 };
@@ -134,6 +137,10 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
       "gemm: leading dimensions lda={} ldb={} ldc={} too small for m={} n={} k={} "
       "(trans_a={}, trans_b={})",
       g.lda, g.ldb, g.ldc, g.m, g.n, g.k, g.trans_a, g.trans_b);
+  GLMTUNE_ASSERT(
+      g.batch >= 1 && g.batch <= INT32_MAX && g.stride_a >= 0 && g.stride_b >= 0 && g.stride_c >= 0,
+      "gemm: bad batch {} (strides {}/{}/{})", g.batch, g.stride_a, g.stride_b, g.stride_c);
+  GLMTUNE_ASSERT(g.batch == 1 || g.bias == nullptr, "gemm: a batched product takes no bias");
   const cudaDataType_t ct = cuda_type(g.c_dtype), abt = cuda_type(g.ab_dtype);
   const size_t c_size = dtype_size(g.c_dtype), ab_size = dtype_size(g.ab_dtype);
 
@@ -166,6 +173,17 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
   GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.b, abt, g.trans_a ? g.m : g.k,
                                                   g.trans_a ? g.k : g.m, g.lda));
   GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc.d, ct, g.n, g.m, g.ldc));
+  if (g.batch > 1) {
+    const int32_t count = int32_t(g.batch);
+    const std::pair<cublasLtMatrixLayout_t, int64_t> layouts[] = {
+        {desc.a, g.stride_b}, {desc.b, g.stride_a}, {desc.d, g.stride_c}};
+    for (const auto& [layout, stride] : layouts) {
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      GLMTUNE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+    }
+  }
 
   AlgoKey key;
   key.device = g.device;
@@ -180,9 +198,14 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
   key.c_dtype = g.c_dtype;
   key.ab_dtype = g.ab_dtype;
   key.bias = g.bias != nullptr;
-  key.align_a = lt::alignment_of(g.b, g.ldb, ab_size);  // cuBLASLt's A is our B (see above)
-  key.align_b = lt::alignment_of(g.a, g.lda, ab_size);
-  key.align_c = lt::alignment_of(g.c, g.ldc, c_size);
+  key.batch = g.batch;
+  key.stride_a = g.stride_a;
+  key.stride_b = g.stride_b;
+  key.stride_c = g.stride_c;
+  // Every product of a batch starts a stride further on: its rows are aligned as both allow.
+  key.align_a = lt::alignment_of(g.b, std::gcd(g.ldb, g.stride_b), ab_size);  // our B (above)
+  key.align_b = lt::alignment_of(g.a, std::gcd(g.lda, g.stride_a), ab_size);
+  key.align_c = lt::alignment_of(g.c, std::gcd(g.ldc, g.stride_c), c_size);
 
   detail::DeviceGuard guard(g.device);
   const cublasLtHandle_t handle = lt::handle(g.device);
