@@ -420,6 +420,31 @@ TEST(CudaOpsMla, IndexerSelectionMatchesCpu) {
 #endif
 }
 
+// Rows whose keys span more than one window of the key-set kernel's bitmap (32,768 keys):
+// documents of 70,000 and 40,000 tokens, each query's entries drawn from its whole causal prefix
+// (with repeats and −1), against the CPU sets.
+TEST(CudaOpsMla, KeySetsOfLongDocumentsSpanSeveralWindows) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  const std::vector<int64_t> bounds = {0, 70000, 110000};
+  const Tensor idx = random_indices(bounds, 24, 77);
+  const cuda::SparseKeySets sets = cuda::sparse_key_sets(idx.to(kGpu), seqlens(bounds), false);
+  const std::vector<std::vector<int32_t>> want = cpu_sets(idx);
+  const Tensor keys = sets.keys.to(Device::cpu()), counts = sets.counts.to(Device::cpu());
+  int64_t errors = 0, spanning = 0;
+  for (int64_t i = 0; i < bounds.back(); ++i) {
+    const std::vector<int32_t>& w = want[size_t(i)];
+    errors += counts.data<int32_t>()[i] != int32_t(w.size());
+    for (int64_t c = 0; c < idx.size(1); ++c)
+      errors +=
+          keys.data<int32_t>()[i * idx.size(1) + c] != (size_t(c) < w.size() ? w[size_t(c)] : -1);
+    spanning += w.size() > 1 && w.back() - w.front() >= 32768;
+  }
+  EXPECT_EQ(errors, 0) << ctx("key sets of long documents");
+  EXPECT_GT(spanning, 1000) << "too few rows span two windows to test them";
+#endif
+}
+
 TEST(CudaOpsMla, IndexOutsideDocumentIsRejected) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA

@@ -18,17 +18,51 @@ constexpr int kMaxRowWidth = 8192;
 
 // ---- key sets --------------------------------------------------------------------------------
 
-// One block per query row: sort the row ascending in shared memory (width padded to n2 with
-// INT_MAX), keep the distinct non-negative entries, and flag any entry outside the query's
-// document [cu[d], cu[d+1]) other than −1.
+// Keys a window of the key-set kernel's bitmap spans: 1,024 words of shared memory.
+constexpr int kKeyWindow = 32768;
+
+// Exclusive prefix sum of one int per thread over the block, and the block's total (blockDim.x a
+// multiple of 32); `scratch` holds 33 ints of shared memory, reusable after the call.
+__device__ int block_exclusive_scan(int v, int* scratch, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int n = scratch[w];
+      scratch[w] = run;
+      run += n;
+    }
+    scratch[32] = run;
+  }
+  __syncthreads();
+  const int out = scratch[warp] + incl - v;
+  total = scratch[32];
+  __syncthreads();
+  return out;
+}
+
+// One block per query row: its distinct keys in ascending order, then −1. Any entry outside the
+// query's document [cu[d], cu[d+1]) other than −1 is flagged. The row's keys are marked in a
+// bitmap of kKeyWindow keys at a time (one window for rows whose keys span less, as the
+// indexer's do in documents up to that length), and each window's set bits are written in
+// order: the cost is the row's width, not a sort of it.
 __global__ void __launch_bounds__(kThreads)
-    key_set_kernel(const int32_t* __restrict__ idx, int64_t width, int n2,
-                   const int64_t* __restrict__ cu, int n_docs, int32_t* __restrict__ keys,
-                   int32_t* __restrict__ counts, int* __restrict__ error) {
-  extern __shared__ int key_smem[];
-  int* sk = key_smem;
-  int* chunk_count = key_smem + n2;
+    key_set_kernel(const int32_t* __restrict__ idx, int64_t width, const int64_t* __restrict__ cu,
+                   int n_docs, int32_t* __restrict__ keys, int32_t* __restrict__ counts,
+                   int* __restrict__ error) {
+  constexpr int kWords = kKeyWindow / 32;
+  __shared__ uint32_t bits[kWords];
+  __shared__ int scratch[33];
   __shared__ int64_t doc_lo, doc_hi;
+  __shared__ int row_min, row_max;
   const int64_t i = blockIdx.x;
   if (threadIdx.x == 0) {
     // The document holding token i: the last d with cu[d] ≤ i (empty documents skipped).
@@ -42,57 +76,56 @@ __global__ void __launch_bounds__(kThreads)
     }
     doc_lo = cu[lo];
     doc_hi = cu[lo + 1];
+    row_min = INT_MAX;
+    row_max = -1;
   }
   __syncthreads();
   const int32_t* row = idx + i * width;
-  for (int c = threadIdx.x; c < n2; c += blockDim.x) {
-    const int v = c < width ? row[c] : INT_MAX;
-    if (c < width && v != -1 && (v < doc_lo || v >= doc_hi)) *error = 1;
-    sk[c] = v;
+  auto in_doc = [&](int v) { return v >= doc_lo && v < doc_hi; };
+  int lo_key = INT_MAX, hi_key = -1;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    const int v = row[c];
+    if (v == -1) continue;
+    if (!in_doc(v)) {
+      *error = 1;
+      continue;
+    }
+    lo_key = min(lo_key, v);
+    hi_key = max(hi_key, v);
   }
-  __syncthreads();
-  for (int size = 2; size <= n2; size <<= 1)
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int c = threadIdx.x; c < n2; c += blockDim.x) {
-        const int partner = c ^ stride;
-        if (partner > c) {
-          const bool ascending = (c & size) == 0;
-          const int a = sk[c], b = sk[partner];
-          if ((a > b) == ascending) {
-            sk[c] = b;
-            sk[partner] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  // Each thread compacts one contiguous chunk; a scan over the chunk counts places them.
-  const int chunk = (n2 + blockDim.x - 1) / blockDim.x;
-  const int c0 = threadIdx.x * chunk, c1 = min(c0 + chunk, n2);
-  auto keep = [&](int c) {
-    const int v = sk[c];
-    return v >= 0 && v != INT_MAX && (c == 0 || sk[c - 1] != v);
-  };
-  int mine = 0;
-  for (int c = c0; c < c1; ++c) mine += keep(c);
-  chunk_count[threadIdx.x] = mine;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int run = 0;
-    for (int t = 0; t < int(blockDim.x); ++t) {
-      const int n = chunk_count[t];
-      chunk_count[t] = run;
-      run += n;
-    }
-    counts[i] = run;
-    chunk_count[blockDim.x] = run;
+  if (lo_key <= hi_key) {
+    atomicMin(&row_min, lo_key);
+    atomicMax(&row_max, hi_key);
   }
   __syncthreads();
   int32_t* out = keys + i * width;
-  int pos = chunk_count[threadIdx.x];
-  for (int c = c0; c < c1; ++c)
-    if (keep(c)) out[pos++] = sk[c];
-  for (int64_t c = chunk_count[blockDim.x] + threadIdx.x; c < width; c += blockDim.x) out[c] = -1;
+  int written = 0;
+  for (int64_t w0 = row_min; w0 <= row_max; w0 += kKeyWindow) {
+    for (int w = threadIdx.x; w < kWords; w += blockDim.x) bits[w] = 0u;
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+      const int v = row[c];
+      if (v >= w0 && v < w0 + kKeyWindow && in_doc(v)) {
+        const int off = int(v - w0);
+        atomicOr(&bits[off >> 5], 1u << (off & 31));
+      }
+    }
+    __syncthreads();
+    // Thread t owns the consecutive words [t·per, (t + 1)·per): a scan of their counts places
+    // each thread's keys after those of the threads before it.
+    const int per = kWords / int(blockDim.x), w_begin = int(threadIdx.x) * per;
+    int mine = 0;
+    for (int w = w_begin; w < w_begin + per; ++w) mine += __popc(bits[w]);
+    int total = 0;
+    int pos = written + block_exclusive_scan(mine, scratch, total);
+    for (int w = w_begin; w < w_begin + per; ++w)
+      for (uint32_t m = bits[w]; m != 0u; m &= m - 1u)
+        out[pos++] = int32_t(w0 + 32 * w + __ffs(int(m)) - 1);
+    written += total;
+    __syncthreads();  // the bitmap is cleared for the next window only after every read
+  }
+  if (threadIdx.x == 0) counts[i] = written;
+  for (int64_t c = written + threadIdx.x; c < width; c += blockDim.x) out[c] = -1;
 }
 
 // (key, pair id) pairs in query-major order, so a stable sort by key keeps each key's queries
@@ -454,14 +487,8 @@ SparseKeySets sparse_key_sets(const Tensor& indices, const Tensor& cu_seqlens, b
   GLMTUNE_CUDA_CHECK(cudaMemcpyAsync(cu.data_ptr(), bounds.data(), bounds.size() * sizeof(int64_t),
                                      cudaMemcpyHostToDevice, stream));
   Tensor error = Tensor::zeros({1}, DType::i32, dev);
-  int n2 = 1;
-  while (n2 < width) n2 <<= 1;
-  const size_t smem = (size_t(n2) + kThreads + 1) * sizeof(int);
-  if (smem > 48 * 1024)
-    GLMTUNE_CUDA_CHECK(cudaFuncSetAttribute(
-        key_set_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  key_set_kernel<<<unsigned(tokens), kThreads, smem, stream>>>(
-      indices.data<int32_t>(), width, n2, cu.data<int64_t>(), int(bounds.size()) - 1,
+  key_set_kernel<<<unsigned(tokens), kThreads, 0, stream>>>(
+      indices.data<int32_t>(), width, cu.data<int64_t>(), int(bounds.size()) - 1,
       s.keys.data<int32_t>(), s.counts.data<int32_t>(), error.data<int32_t>());
   GLMTUNE_CUDA_CHECK_LAUNCH();
   int flag = 0;

@@ -5,10 +5,12 @@
 //   o[i, h] = Σ_{j ∈ J(i)} softmax_j(scale · q[i,h]·k[j,h]) v[j, h],   J(i) = the row's entries
 //   as a set (−1 skipped, duplicates once); a row without keys gives 0.
 //
-// Key sets: one block per query sorts its row in shared memory, drops −1 and repeats, and checks
-// that every entry lies in the query's document (a violation is an error, found with one 4-byte
-// read back: the op's only synchronisation). For the backward, the (key, query) pairs are also
-// sorted key-major with a stable radix sort, so each key sees its queries in ascending order.
+// Key sets: one block per query marks its row's keys in a shared-memory bitmap (32,768 keys at a
+// time) and writes the set bits in order, so −1 and repeats drop out and the keys come ascending
+// at a cost of the row's width; it checks that every entry lies in the query's document (a
+// violation is an error, found with one 4-byte read back: the op's only synchronisation). For the
+// backward, the (key, query) pairs are also sorted key-major with a stable radix sort, so each key
+// sees its queries in ascending order.
 //
 // Forward: one warp per (query, head) — four heads of one query per block — with an online
 // softmax in fp32 over the gathered keys (each lane holds Dqk/32 query and Dv/32 accumulator
