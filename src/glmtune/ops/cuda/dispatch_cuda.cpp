@@ -621,14 +621,29 @@ Tensor mla_attention_absorbed(const MlaConfig& cfg, const Tensor& kv_b_proj, con
   const int64_t tokens = ctx.latent.size(0), nh = cfg.n_heads;
   const KvbHeads kvb{cfg, kv_b_proj, tokens};
   const Device device = ctx.latent.device();
+  // The pieces are timed apart (nested under this op in the step's op table): the per-head
+  // products and the key sets are small next to the attention only when each is done well.
   Tensor q_abs = Tensor::empty({tokens, nh, cfg.kv_lora_rank}, DType::bf16, device);
-  kvb.absorb(false, ctx.proj.q, q_abs);
-  const cuda::SparseKeySets sets =
-      cuda::sparse_key_sets(indices, cu_seqlens.to(Device::cpu()), /*key_major=*/false);
-  cuda::AbsorbedAttentionOutput att = cuda::absorbed_attention_forward(
-      q_abs, ctx.latent, sets, cfg.softmax_scale(), nullptr, absorbed_kernel(device.index, false));
+  {
+    OpTimer piece("mla_absorb_q");
+    kvb.absorb(false, ctx.proj.q, q_abs);
+  }
+  cuda::SparseKeySets sets;
+  {
+    OpTimer piece("mla_key_sets");
+    sets = cuda::sparse_key_sets(indices, cu_seqlens.to(Device::cpu()), /*key_major=*/false);
+  }
+  cuda::AbsorbedAttentionOutput att;
+  {
+    OpTimer piece("mla_latent_attention");
+    att = cuda::absorbed_attention_forward(q_abs, ctx.latent, sets, cfg.softmax_scale(), nullptr,
+                                           absorbed_kernel(device.index, false));
+  }
   Tensor out = Tensor::empty({tokens, nh * cfg.v_head_dim}, DType::bf16, device);
-  kvb.expand(true, att.out, out);
+  {
+    OpTimer piece("mla_expand_o");
+    kvb.expand(true, att.out, out);
+  }
   ctx.attn_latent = std::move(att.out);
   ctx.attn_lse2 = std::move(att.lse2);
   return out;
@@ -649,19 +664,38 @@ MlaAttentionGrads mla_attention_absorbed_backward(const MlaConfig& cfg, const Te
                       : nullptr;
   const Tensor d_out = d_attn.contiguous();
   Tensor d_olat = Tensor::empty({tokens, nh, rkv}, DType::bf16, device);
-  kvb.absorb(true, d_out, d_olat);
-  if (g_kvb) kvb.grad(true, d_out, ctx.attn_latent, *g_kvb);
   Tensor q_abs = Tensor::empty({tokens, nh, rkv}, DType::bf16, device);
-  kvb.absorb(false, ctx.proj.q, q_abs);
-  const cuda::SparseKeySets sets =
-      cuda::sparse_key_sets(ctx.indices, ctx.cu_seqlens.to(Device::cpu()), /*key_major=*/true);
-  const cuda::AbsorbedAttentionGrads ga = cuda::absorbed_attention_backward(
-      q_abs, ctx.latent, ctx.attn_latent, ctx.attn_lse2, sets, cfg.softmax_scale(), d_olat, nullptr,
-      int64_t(1) << 31, absorbed_kernel(device.index, true));
+  {
+    OpTimer piece("mla_absorb_do_q");
+    kvb.absorb(true, d_out, d_olat);
+    kvb.absorb(false, ctx.proj.q, q_abs);
+  }
+  if (g_kvb) {
+    OpTimer piece("mla_kv_b_grad");
+    kvb.grad(true, d_out, ctx.attn_latent, *g_kvb);
+  }
+  cuda::SparseKeySets sets;
+  {
+    OpTimer piece("mla_key_sets");
+    sets = cuda::sparse_key_sets(ctx.indices, ctx.cu_seqlens.to(Device::cpu()), /*key_major=*/true);
+  }
+  cuda::AbsorbedAttentionGrads ga;
+  {
+    OpTimer piece("mla_latent_attention_backward");
+    ga = cuda::absorbed_attention_backward(q_abs, ctx.latent, ctx.attn_latent, ctx.attn_lse2, sets,
+                                           cfg.softmax_scale(), d_olat, nullptr, int64_t(1) << 31,
+                                           absorbed_kernel(device.index, true));
+  }
   MlaAttentionGrads g;
   g.q = Tensor::empty({tokens, nh * cfg.qk_nope_head_dim}, DType::bf16, device);
-  kvb.expand(false, ga.q_abs, g.q);
-  if (g_kvb) kvb.grad(false, ctx.proj.q, ga.q_abs, *g_kvb);
+  {
+    OpTimer piece("mla_expand_dq");
+    kvb.expand(false, ga.q_abs, g.q);
+  }
+  if (g_kvb) {
+    OpTimer piece("mla_kv_b_grad");
+    kvb.grad(false, ctx.proj.q, ga.q_abs, *g_kvb);
+  }
   g.latent = ga.latent.to(DType::bf16);
   return g;
 }
