@@ -319,6 +319,15 @@ std::vector<OpSpec> op_specs() {
                  "", ""});
     s.push_back({"short conv bwd (+dw)", shape, Family::kda_small, "conv bwd", dims, Work::bytes,
                  3 * act, "", ""});
+    s.push_back({"l2 norm fwd (heads of 128)", shape, Family::kda_small, "l2 fwd", dims,
+                 Work::bytes, 2 * act, "", ""});
+    s.push_back({"l2 norm bwd (heads of 128)", shape, Family::kda_small, "l2 bwd", dims,
+                 Work::bytes, 3 * act, "", ""});
+    // q and k: the conv, SiLU and each head's L2 norm in one pass (f32 norms of 32 heads aside).
+    s.push_back({"q/k conv+l2 fwd", shape, Family::kda_small, "qk conv fwd", dims, Work::bytes,
+                 2 * act, "", ""});
+    s.push_back({"q/k conv+l2 bwd (+dw)", shape, Family::kda_small, "qk conv bwd", dims,
+                 Work::bytes, 3 * act, "", ""});
     s.push_back({"gated o_norm fwd", shape, Family::kda_small, "o_norm fwd", dims, Work::bytes,
                  3 * act, "", ""});
     s.push_back({"gated o_norm bwd (+dw)", shape, Family::kda_small, "o_norm bwd", dims,

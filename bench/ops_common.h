@@ -30,8 +30,8 @@ enum class Family {
   gemm,              // dims {m, n, k}; variant NT | NN | TN (which operand is stored transposed)
   mhc,               // dims {tokens, streams, hidden}; variant pre fwd | pre bwd | post fwd | ...
   rmsnorm,           // dims {rows, width}; variant fwd | bwd
-  kda_small,         // dims {tokens, channels, taps}; variant conv fwd | conv bwd | o_norm fwd |
-                     // o_norm bwd (the gated norm over rows of 128 channels)
+  kda_small,         // dims {tokens, channels, taps}; variant conv fwd | conv bwd | qk conv fwd |
+                     // qk conv bwd | l2 fwd | l2 bwd (heads of 128) | o_norm fwd | o_norm bwd
   swiglu,            // dims {rows, width}; variant fwd | bwd
   lm_head_ce,        // dims {tokens, hidden, vocabulary, chunk rows}; variant fwd+bwd
   vision_attention,  // dims {segments, rows per segment, heads, head dim}; variant fwd | fwd+bwd

@@ -396,20 +396,34 @@ double time_rmsnorm(int64_t rows, int64_t width, const std::string& variant) {
   return median_ms([&] { cuda::rms_norm_backward_out(dx, dy, x, w, 1e-5, rstd, &dw); }, 5, 50);
 }
 
-// KDA's conv on [t, c] in 4 equal documents, and its gated norm on rows of 128 of the same
-// elements.
+// KDA's conv on [t, c] in 4 equal documents (alone or with the q/k L2 norm over heads of 128),
+// and its gated norm on rows of 128 of the same elements.
 double time_kda_small(int64_t t, int64_t c, int64_t taps, const std::string& variant) {
   const Tensor x = random_gpu({t, c}, DType::bf16, 41), dy = random_gpu({t, c}, DType::bf16, 42);
-  if (variant == "conv fwd" || variant == "conv bwd") {
+  if (variant.find("conv") != std::string::npos) {
     const Tensor w = random_gpu({c, taps}, DType::bf16, 43, 0.5);
     const Tensor cu = Tensor::from_vector<int32_t>(
         {0, int32_t(t / 4), int32_t(t / 2), int32_t(3 * t / 4), int32_t(t)}, {5});
     const Tensor cug = cu.to(kGpu);
+    Tensor dw = Tensor::zeros({c, taps}, DType::f32, kGpu), norm;
     if (variant == "conv fwd")
       return median_ms([&] { cuda::causal_conv1d(x, w, cug, true); }, 5, 50);
-    Tensor dw = Tensor::zeros({c, taps}, DType::f32, kGpu);
-    return median_ms([&] { cuda::causal_conv1d_backward(x, w, cug, true, dy, &dw); }, 5, 50);
+    if (variant == "conv bwd")
+      return median_ms([&] { cuda::causal_conv1d_backward(x, w, cug, true, dy, &dw); }, 5, 50);
+    if (variant == "qk conv fwd")
+      return median_ms([&] { cuda::kda_qk_conv(x, w, cug, 128, 1e-6, &norm); }, 5, 50);
+    cuda::kda_qk_conv(x, w, cug, 128, 1e-6, &norm);
+    return median_ms([&] { cuda::kda_qk_conv_backward(x, w, cug, 128, 1e-6, norm, dy, &dw); }, 5,
+                     50);
   }
+  if (variant == "l2 fwd")
+    return median_ms([&] { cuda::l2_norm(x.view({t, c / 128, 128}), 1e-6); }, 5, 50);
+  if (variant == "l2 bwd")
+    return median_ms(
+        [&] {
+          cuda::l2_norm_backward(dy.view({t, c / 128, 128}), x.view({t, c / 128, 128}), 1e-6);
+        },
+        5, 50);
   const Tensor rows = x.view({t * c / 128, 128}),
                z = random_gpu({t * c / 128, 128}, DType::bf16, 44);
   const Tensor w = random_gpu({128}, DType::f32, 45);

@@ -217,6 +217,18 @@ std::vector<LeafRow> leaf_rows() {
                     return {{"y", y, 1e-2}, {"dx", dx, 1e-2}, {"dw", gw, 1e-4}};
                   }});
   rows.push_back(
+      {"kda_qk_conv", [](const Side& s) -> std::vector<Output> {
+         // Two heads of 128 (the fused kernels). In bf16 the norm is taken of the conv
+         // output rounded to bf16, which ν and the weight gradient carry.
+         const int64_t C = 256, Kc = 4, T = kDocs.back();
+         const Tensor x = s.value({T, C}, 64), w = s.value({C, Kc}, 65, 0.5),
+                      dy = s.value({T, C / 128, 128}, 66), cu = offsets(kDocs);
+         Tensor gw = s.f32({C, Kc}, 67), norm;
+         const Tensor y = ops::kda_qk_conv(x, w, cu, 128, 1e-6, &norm);
+         const Tensor dx = ops::kda_qk_conv_backward(x, w, cu, 128, 1e-6, norm, dy, &gw);
+         return {{"y", y, 1e-2}, {"norm", norm, 1e-2}, {"dx", dx, 1e-2}, {"dw", gw, 5e-3}};
+       }});
+  rows.push_back(
       {"kda_gate", [](const Side& s) -> std::vector<Output> {
          const int64_t T = 35, NL = 2, HL = 128;
          const Tensor graw = s.value({T, NL * HL}, 70), dt = s.f32({NL * HL}, 71),

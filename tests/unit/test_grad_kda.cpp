@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "glmtune/ops/kda.h"
+#include "glmtune/ops/norm.h"
 #include "support/kda_mhc.h"
 #include "support/test_support.h"
 
@@ -69,6 +70,35 @@ TEST(GradKda, ConvFiniteDifferences) {
   EXPECT_EQ(ops::causal_conv1d_backward(x, w, cu, true, dy, &gw1, pre).to_doubles(),
             ops::causal_conv1d_backward(x, w, cu, true, dy, &gw2).to_doubles());
   EXPECT_EQ(gw1.to_doubles(), gw2.to_doubles());
+}
+
+// The q/k conv (conv, SiLU, per-head L2 norm) against finite differences of its own forward,
+// over documents shorter and longer than the taps and heads of 3 channels; its backward from the
+// forward's ν equals the conv's backward of the norm's backward, bit for bit.
+TEST(GradKda, QkConvFiniteDifferences) {
+  SCOPED_TRACE(seed_note());
+  const std::vector<int64_t> docs{1, 2, 5, 3, 4};
+  const Tensor cu = cu_seqlens(docs);
+  const int64_t t = total_tokens(docs), heads = 2, hd = 3, c = heads * hd, kc = 4;
+  Tensor x = random_normal({t, c}, 11, DType::f64);
+  Tensor w = random_normal({c, 1, kc}, 12, DType::f64, 0, 0.6);
+  const Tensor dy = random_normal({t, heads, hd}, 13, DType::f64);
+  Tensor norm, gw;
+  const Tensor y = ops::kda_qk_conv(x, w, cu, hd, 1e-6, &norm);
+  ASSERT_EQ(y.shape(), (Shape{t, heads, hd}));
+  ASSERT_EQ(norm.shape(), (Shape{t, heads}));
+  auto loss = [&] { return dot(dy, ops::kda_qk_conv(x, w, cu, hd, 1e-6)); };
+  const Tensor dx = ops::kda_qk_conv_backward(x, w, cu, hd, 1e-6, norm, dy, &gw);
+  ASSERT_EQ(gw.shape(), w.shape());
+  EXPECT_LE(fd_check(x, dx, loss), kFdTol);
+  EXPECT_LE(fd_check(w, gw, loss), kFdTol);
+
+  const Tensor conv = ops::causal_conv1d(x, w, cu, true).view({t, heads, hd});
+  Tensor gw2;
+  const Tensor dc = ops::l2_norm_backward(dy, conv, 1e-6, norm);
+  EXPECT_EQ(dx.to_doubles(),
+            ops::causal_conv1d_backward(x, w, cu, true, dc.view({t, c}), &gw2).to_doubles());
+  EXPECT_EQ(gw.to_doubles(), gw2.to_doubles());
 }
 
 // Each conv weight's gradient sums over every token of every document. With positive terms an

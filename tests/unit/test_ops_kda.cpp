@@ -44,10 +44,14 @@ TEST(OpsKda, MixerMatchesReference) {
     const Tensor y = ops::kda_forward(params, x, cu, opt, &s);
     EXPECT_LE(rel_err(y, f.tensor("kda.y")), 1e-4);
     // Intermediates, so a regression points at its step.
+    // q and k are kept normalised: the reference's conv output through the L2 norm.
     const Tensor conv = f.tensor("kda.conv_out");
-    EXPECT_LE(rel_err(s.q.view({t, ql}), conv.narrow(1, 0, ql)), 1e-5);
-    EXPECT_LE(rel_err(s.k.view({t, ql}), conv.narrow(1, ql, ql)), 1e-5);
-    EXPECT_LE(rel_err(s.v.view({t, ql}), conv.narrow(1, 2 * ql, ql)), 1e-5);
+    const auto conv_heads = [&](int64_t i) {
+      return conv.narrow(1, i * ql, ql).contiguous().view({t, opt.num_heads, opt.head_dim});
+    };
+    EXPECT_LE(rel_err(s.q, ops::l2_norm(conv_heads(0), opt.l2_eps)), 1e-5);
+    EXPECT_LE(rel_err(s.k, ops::l2_norm(conv_heads(1), opt.l2_eps)), 1e-5);
+    EXPECT_LE(rel_err(s.v, conv_heads(2)), 1e-5);
     EXPECT_LE(rel_err(s.g, f.tensor("kda.g")), 1e-5);
     EXPECT_LE(rel_err(s.beta, f.tensor("kda.beta")), 1e-5);
     EXPECT_LE(rel_err(s.core, f.tensor("kda.core")), 1e-4);
@@ -83,11 +87,10 @@ TEST(OpsKda, CoreMatchesReferenceRecurrence) {
   ops::KdaSaved s;
   const Tensor cu = f.tensor("kda.cu_seqlens");
   ops::kda_forward(params, f.tensor("kda.x"), cu, opt, &s);
-  const Tensor qn = ops::l2_norm(s.q, 1e-6), kn = ops::l2_norm(s.k, 1e-6);
   const double scale = 1.0 / std::sqrt(double(opt.head_dim));
   const Tensor ref = f.tensor("kda.recurrent");
-  EXPECT_LE(rel_err(ops::kda_recurrent(qn, kn, s.v, s.g, s.beta, cu, scale), ref), 1e-4);
-  EXPECT_LE(rel_err(ops::kda_chunked(qn, kn, s.v, s.g, s.beta, cu, scale), ref), 1e-4);
+  EXPECT_LE(rel_err(ops::kda_recurrent(s.q, s.k, s.v, s.g, s.beta, cu, scale), ref), 1e-4);
+  EXPECT_LE(rel_err(ops::kda_chunked(s.q, s.k, s.v, s.g, s.beta, cu, scale), ref), 1e-4);
 }
 
 TEST(OpsKda, ChunkedEqualsRecurrentOnRandomInputs) {

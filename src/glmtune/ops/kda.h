@@ -31,6 +31,14 @@ namespace glmtune::ops {
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
                      Tensor* pre_activation = nullptr);
 
+// q or k of the mixer from its projection x [T, C]: the conv with SiLU, then each head's row of
+// `head_dim` channels L2-normalised, y = c / ν with ν = sqrt(Σ c² + eps), where c is the conv
+// output as the activation dtype holds it (the reference normalises inside its kernel, in fp32,
+// after that rounding). Returns y [T, C / head_dim, head_dim]; `norm` (optional) receives ν
+// [T, C / head_dim] (f32 on a GPU). One pass over x on a GPU.
+Tensor kda_qk_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                   int64_t head_dim, double eps, Tensor* norm = nullptr);
+
 // Forget gate (log-decay per key channel) from the gate projection graw = f_b(f_a(x)) [T, NL·HL]:
 // z = graw + dt_bias, a_h = exp(A_log[h]);
 //   lower_bound LB set:  g = LB · σ(a_h · z)            ∈ (LB, 0)
@@ -84,14 +92,14 @@ struct KdaOptions {
 // Intermediates of kda_forward, for tests and a later backward. Shapes with T tokens.
 struct KdaSaved {
   Tensor q_conv_in, k_conv_in, v_conv_in;  // [T, QL] projections entering the conv
-  Tensor q, k, v;                          // [T, NL, HL] after conv + SiLU
-  Tensor q_norm, k_norm;                   // [T, NL] sqrt(Σ x² + l2_eps) of q and k
-  Tensor g;                                // [T, NL, HL] log decay
-  Tensor beta;                             // [T, NL]
-  Tensor core;                             // [T, NL, HL] delta-rule output
-  Tensor gate;                             // [T, NL, HL] output gate g_b(g_a(x))
-  Tensor normed;                           // [T, NL, HL] o_norm(core, gate)
-  Tensor o_rstd;                           // [T, NL] o_norm's 1/sqrt(mean + eps); GPU: undefined
+  Tensor q, k, v;                          // [T, NL, HL] after conv + SiLU; q, k L2-normalised
+  Tensor q_norm, k_norm;  // [T, NL] ν = sqrt(Σ c² + l2_eps) of q's, k's conv out
+  Tensor g;               // [T, NL, HL] log decay
+  Tensor beta;            // [T, NL]
+  Tensor core;            // [T, NL, HL] delta-rule output
+  Tensor gate;            // [T, NL, HL] output gate g_b(g_a(x))
+  Tensor normed;          // [T, NL, HL] o_norm(core, gate)
+  Tensor o_rstd;          // [T, NL] o_norm's 1/sqrt(mean + eps); GPU: undefined
 };
 
 // The whole KDA mixer: x [T, D] (the layer's input_layernorm output) → y [T, D].
@@ -110,6 +118,13 @@ Tensor kda_forward(const KdaParams& params, const Tensor& x, const Tensor& cu_se
 Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                               bool silu, const Tensor& dy, Tensor* grad_weight,
                               const Tensor& pre_activation = Tensor());
+
+// Backward of kda_qk_conv for d y [T, C / head_dim, head_dim] → d x [T, C]: the L2 norm's
+// backward on the conv output (recomputed from x) with the forward's `norm`, then the conv's; the
+// weight gradient accumulates into *grad_weight as causal_conv1d_backward's does.
+Tensor kda_qk_conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                            int64_t head_dim, double eps, const Tensor& norm, const Tensor& dy,
+                            Tensor* grad_weight);
 
 // Backward of kda_gate for d g [T, NL, HL] (or [T, NL·HL]) → d graw [T, NL·HL]; accumulates
 // d dt_bias [NL·HL] and d A_log [NL].

@@ -120,6 +120,15 @@ inline std::vector<BadLeafCall> bad_leaf_calls(Device device, DType dtype, DType
        [=] {
          ops::causal_conv1d_backward(x, t({8, 4}, dtype), cu, true, t({3, 7}, dtype), nullptr);
        }},
+      {"kda_qk_conv", "heads that do not divide the channels",
+       [=] {
+         ops::kda_qk_conv(x, t({8, 4}, dtype), cu, 3, 1e-6);
+       }},
+      {"kda_qk_conv_backward", "dy of another size",
+       [=] {
+         ops::kda_qk_conv_backward(x, t({8, 4}, dtype), cu, 4, 1e-6, t({3, 2}, DType::f32),
+                                   t({3, 7}, dtype), nullptr);
+       }},
       {"kda_gate", "a dt_bias of another width",
        [=] { ops::kda_gate(x, t({7}, DType::f32), t({2}, DType::f32), std::nullopt); }},
       {"kda_gate", "heads that do not divide the width",

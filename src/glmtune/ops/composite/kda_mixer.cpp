@@ -87,21 +87,19 @@ Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens
 
   const Tensor conv_w = conv_weight(p, x, ql);
   Tensor q_in = linear(x, p.q_proj), k_in = linear(x, p.k_proj), v_in = linear(x, p.v_proj);
-  Tensor q = causal_conv1d(q_in, conv_w.slice(0, 0, ql), cu, true).view({t, nl, hl});
-  Tensor k = causal_conv1d(k_in, conv_w.slice(0, ql, 2 * ql), cu, true).view({t, nl, hl});
+  // The reference normalises q and k inside its kernel, in fp32, after the conv output was
+  // rounded to the activation dtype (kda_qk_conv does the same); the core scales q by HL^-1/2.
+  Tensor q_norm, k_norm;
+  Tensor q = kda_qk_conv(q_in, conv_w.slice(0, 0, ql), cu, hl, o.l2_eps, &q_norm);
+  Tensor k = kda_qk_conv(k_in, conv_w.slice(0, ql, 2 * ql), cu, hl, o.l2_eps, &k_norm);
   Tensor v = causal_conv1d(v_in, conv_w.slice(0, 2 * ql, 3 * ql), cu, true).view({t, nl, hl});
 
   Tensor g = kda_gate(linear(linear(x, p.f_a_proj), p.f_b_proj), p.dt_bias, p.A_log, o.lower_bound);
   Tensor beta = kda_beta(linear(x, p.b_proj));
 
-  // The reference normalises q and k inside the kernel, in fp32, after the conv output was
-  // rounded to the activation dtype; then scales q by HL^-1/2.
-  Tensor q_norm, k_norm;
-  const Tensor qn = l2_norm(q, o.l2_eps, &q_norm), kn = l2_norm(k, o.l2_eps, &k_norm);
   const double scale = 1.0 / std::sqrt(double(hl));
-  Tensor core = o.core == KdaCore::chunked
-                    ? kda_chunked(qn, kn, v, g, beta, cu, scale, o.chunk_size)
-                    : kda_recurrent(qn, kn, v, g, beta, cu, scale);
+  Tensor core = o.core == KdaCore::chunked ? kda_chunked(q, k, v, g, beta, cu, scale, o.chunk_size)
+                                           : kda_recurrent(q, k, v, g, beta, cu, scale);
 
   Tensor gate = linear(linear(x, p.g_a_proj), p.g_b_proj).view({t, nl, hl});
   Tensor o_rstd;
@@ -162,11 +160,9 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
   const Tensor d_ga = linear_backward(dn.dgate.reshape({t, ql}), ga, p.g_b_proj, &grads.g_b_proj);
   linear_backward_add(dx, d_ga, x, p.g_a_proj, &grads.g_a_proj);
 
-  // The core on q, k normalised again by the same kernel the forward ran.
-  const Tensor qn = l2_norm(s.q, o.l2_eps), kn = l2_norm(s.k, o.l2_eps);
   const double scale = 1.0 / std::sqrt(double(hl));
   const KdaCoreGrads dc =
-      kda_chunked_backward(qn, kn, s.v, s.g, s.beta, cu, scale, dn.dx, o.chunk_size);
+      kda_chunked_backward(s.q, s.k, s.v, s.g, s.beta, cu, scale, dn.dx, o.chunk_size);
 
   // β = σ(x Wb^T); the logit gradient is rounded to the activation dtype for the GEMMs, as
   // autograd in bf16 does.
@@ -183,29 +179,24 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
     linear_backward_add(dx, d_fa, x, p.f_a_proj, &grads.f_a_proj);
   }
 
-  // q, k through their L2 norm, then q, k, v through SiLU + conv and the projections; the fused
-  // conv weight's gradient is written through row slices of one [3QL, Kc] view.
+  // q and k through their L2 norm, SiLU and conv, v through SiLU and conv, then the projections;
+  // the fused conv weight's gradient is written through row slices of one [3QL, Kc] view.
   Tensor* gconv = grad_if_trained(grads.conv1d, p.conv1d);
   const Tensor conv_w = conv_weight(p, x, ql);
   const Tensor gconv2 =
       gconv ? grad_buffer(*gconv, p.conv1d, op, "conv1d").view({3 * ql, conv_w.size(1)}) : Tensor();
-  const Tensor dq = l2_norm_backward(dc.dq, s.q, o.l2_eps, s.q_norm);
-  const Tensor dk = l2_norm_backward(dc.dk, s.k, o.l2_eps, s.k_norm);
-  struct Stream {
-    const Tensor* conv_in;
-    Tensor d_out;
-    const Linear* proj;
-    Linear* grad_proj;
-  };
-  const Stream streams[3] = {{&s.q_conv_in, dq.reshape({t, ql}), &p.q_proj, &grads.q_proj},
-                             {&s.k_conv_in, dk.reshape({t, ql}), &p.k_proj, &grads.k_proj},
-                             {&s.v_conv_in, dc.dv.reshape({t, ql}), &p.v_proj, &grads.v_proj}};
+  const Linear* projs[3] = {&p.q_proj, &p.k_proj, &p.v_proj};
+  Linear* grad_projs[3] = {&grads.q_proj, &grads.k_proj, &grads.v_proj};
+  const Tensor* conv_ins[3] = {&s.q_conv_in, &s.k_conv_in, &s.v_conv_in};
   for (int64_t i = 0; i < 3; ++i) {
     Tensor gslice = gconv ? gconv2.slice(0, i * ql, (i + 1) * ql) : Tensor();
+    Tensor* gw = gconv ? &gslice : nullptr;
+    const Tensor w = conv_w.slice(0, i * ql, (i + 1) * ql);
     const Tensor d_in =
-        causal_conv1d_backward(*streams[i].conv_in, conv_w.slice(0, i * ql, (i + 1) * ql), cu, true,
-                               streams[i].d_out, gconv ? &gslice : nullptr);
-    linear_backward_add(dx, d_in, x, *streams[i].proj, streams[i].grad_proj);
+        i == 2 ? causal_conv1d_backward(*conv_ins[i], w, cu, true, dc.dv.reshape({t, ql}), gw)
+               : kda_qk_conv_backward(*conv_ins[i], w, cu, hl, o.l2_eps,
+                                      i == 0 ? s.q_norm : s.k_norm, i == 0 ? dc.dq : dc.dk, gw);
+    linear_backward_add(dx, d_in, x, *projs[i], grad_projs[i]);
   }
   return dx.to(x.dtype());
 }

@@ -299,6 +299,16 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
   return y;
 }
 
+Tensor kda_qk_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                   int64_t head_dim, double eps, Tensor* norm) {
+  const char* op = "kda_qk_conv";
+  const int64_t heads = qk_conv_heads(x, head_dim, op);
+  check_conv_args(x, weight, op);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::kda_qk_conv(x, weight, cu_seqlens, head_dim, eps, norm));
+  const Tensor c = causal_conv1d(x, weight, cu_seqlens, true);
+  return l2_norm(c.view({x.size(0), heads, head_dim}), eps, norm);
+}
+
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound) {
   const char* op = "kda_gate";

@@ -492,6 +492,23 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
   return dx;
 }
 
+Tensor kda_qk_conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                            int64_t head_dim, double eps, const Tensor& norm, const Tensor& dy,
+                            Tensor* grad_weight) {
+  const char* op = "kda_qk_conv_backward";
+  const int64_t heads = qk_conv_heads(x, head_dim, op);
+  check_conv_args(x, weight, op);
+  const Shape rows{x.size(0), heads, head_dim};
+  GLMTUNE_ASSERT(dy.defined() && dy.numel() == x.numel(), "{}: dy {} must be shaped {}", op,
+                 dy.defined() ? dy.str() : "undefined", shape_str(rows));
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::kda_qk_conv_backward(x, weight, cu_seqlens, head_dim, eps,
+                                                           norm, dy, grad_weight));
+  Tensor pre;
+  const Tensor c = causal_conv1d(x, weight, cu_seqlens, true, &pre);
+  const Tensor dc = l2_norm_backward(dy.reshape(rows), c.view(rows), eps, norm);
+  return causal_conv1d_backward(x, weight, cu_seqlens, true, dc.view(x.shape()), grad_weight, pre);
+}
+
 Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                          std::optional<double> lower_bound, const Tensor& dg, Tensor* grad_dt_bias,
                          Tensor* grad_A_log) {

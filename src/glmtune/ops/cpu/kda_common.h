@@ -71,6 +71,16 @@ inline int64_t check_conv_args(const Tensor& x, const Tensor& weight, const char
   return conv_taps(weight, x.size(1), op);
 }
 
+// kda_qk_conv's heads, C / head_dim, checked before dispatch (the conv's own checks follow).
+inline int64_t qk_conv_heads(const Tensor& x, int64_t head_dim, const char* op) {
+  GLMTUNE_ASSERT(x.defined() && x.dim() == 2, "{}: x {} must be [T, C]", op,
+                 x.defined() ? x.str() : "undefined");
+  GLMTUNE_ASSERT(head_dim >= 1 && x.size(1) % head_dim == 0,
+                 "{}: x {} has {} channels, not a multiple of head_dim {}", op, x.str(), x.size(1),
+                 head_dim);
+  return x.size(1) / head_dim;
+}
+
 inline int64_t conv_taps(const Tensor& weight, int64_t channels, const char* op) {
   const int64_t c = channels;
   const bool shape_ok = (weight.dim() == 2 && weight.size(0) == c) ||

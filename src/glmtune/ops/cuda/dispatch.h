@@ -140,6 +140,11 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
 Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                               bool silu, const Tensor& dy, Tensor* grad_weight,
                               const Tensor& pre_activation);
+Tensor kda_qk_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                   int64_t head_dim, double eps, Tensor* norm);
+Tensor kda_qk_conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                            int64_t head_dim, double eps, const Tensor& norm, const Tensor& dy,
+                            Tensor* grad_weight);
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound);
 Tensor kda_gate_backward(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,

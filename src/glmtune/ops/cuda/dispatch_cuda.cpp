@@ -450,6 +450,21 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
       trained_slot(grad_weight, weight, "causal_conv1d_backward", "weight"));
 }
 
+Tensor kda_qk_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                   int64_t head_dim, double eps, Tensor* norm) {
+  OpTimer timer("kda_qk_conv");
+  return cuda::kda_qk_conv(x, weight, cu_seqlens_for(cu_seqlens, x), head_dim, eps, norm);
+}
+
+Tensor kda_qk_conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                            int64_t head_dim, double eps, const Tensor& norm, const Tensor& dy,
+                            Tensor* grad_weight) {
+  OpTimer timer("kda_qk_conv_backward");
+  return cuda::kda_qk_conv_backward(
+      x, weight, cu_seqlens_for(cu_seqlens, x), head_dim, eps, norm, dy,
+      trained_slot(grad_weight, weight, "kda_qk_conv_backward", "weight"));
+}
+
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound) {
   OpTimer timer("kda_gate");

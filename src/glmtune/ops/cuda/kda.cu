@@ -26,6 +26,12 @@ constexpr int kGatedBlocks = 1024;  // most blocks (weight-gradient partials) of
 using detail::from_f;
 using detail::to_f;
 __device__ __forceinline__ float sigmoid_f(float v) { return 1.0f / (1.0f + expf(-v)); }
+// The conv's SiLU, where the exact exponential and division would be most of a token's
+// instructions: the hardware exponential and reciprocal (a few ulp, under every bar of the f32
+// mode).
+__device__ __forceinline__ float silu_sigmoid(float v) {
+  return __fdividef(1.0f, 1.0f + __expf(-v));
+}
 
 // The document holding token t (cu sorted, cu[0] = 0): its start is cu[doc], its end cu[doc + 1].
 __device__ __forceinline__ int doc_of(const int* cu, int ndoc, int64_t t) {
@@ -42,15 +48,62 @@ __device__ __forceinline__ int doc_of(const int* cu, int ndoc, int64_t t) {
 
 // ---- conv -------------------------------------------------------------------------------------
 //
-// A thread owns V adjacent channels over a run of kConvRun tokens: it finds its document once,
-// keeps the last Kc − 1 inputs (and, backward, the pending input gradients) in registers and reads
-// each element once with V-wide accesses, adjacent threads taking adjacent channels so that a
-// warp reads whole rows. Taps that would reach before a document's start read zero; the backward
-// lets no gradient cross a document's end.
+// A thread owns V adjacent channels over a run of kConvRun tokens, adjacent threads taking
+// adjacent channels so that a warp reads whole rows. It loads every input of its run (and the
+// Kc − 1 tokens before it, and in the backward the Kc − 1 after it) before it uses the first:
+// kConvRun + Kc − 1 accesses in flight per thread, where loading each token on reaching it would
+// wait a memory latency per token. Taps that would reach before a document's start read zero; the
+// backward lets no gradient cross a document's end.
 
-constexpr int kConvRun = 16;                            // tokens per thread
-constexpr int kConvGroups = 32, kConvRuns = 8;          // backward block: channel groups × runs
+constexpr int kConvRun = 16;  // tokens per thread
+// Blocks of 128 threads: two or more fit an SM beside the registers that hold a run's inputs, so
+// one block's loads are in flight while another computes.
+constexpr int kConvFwdThreads = 128;
+constexpr int kConvGroups = 32, kConvRuns = 4;          // backward block: channel groups × runs
 constexpr int kConvBlockTokens = kConvRuns * kConvRun;  // tokens per weight-gradient partial
+
+// V channels of T in one register access.
+template <typename T, int V>
+using ConvRaw = typename detail::RawAccess<int(V * sizeof(T))>::type;
+
+template <typename T, int V>
+__device__ __forceinline__ void unpack(const ConvRaw<T, V>& raw, float (&out)[V]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = to_f(e[i]);
+}
+
+// raw[j] = the thread's channels of token first + j, for tokens in [0, limit); zero elsewhere.
+template <typename T, int V, int N>
+__device__ __forceinline__ void load_run(const T* x, int64_t c, int64_t c0, int64_t first,
+                                         int64_t limit, ConvRaw<T, V> (&raw)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int64_t s = first + j;
+    raw[j] = s >= 0 && s < limit ? *reinterpret_cast<const ConvRaw<T, V>*>(x + s * c + c0)
+                                 : ConvRaw<T, V>{};
+  }
+}
+
+template <int V, int KC>
+__device__ __forceinline__ void clear(float (&a)[KC][V]) {
+#pragma unroll
+  for (int j = 0; j < KC; ++j)
+#pragma unroll
+    for (int i = 0; i < V; ++i) a[j][i] = 0.0f;
+}
+
+// The kernels run KC = 4 or 8 taps: a weight of kc ≤ KC taps is aligned to the last ones (the
+// current token's) and the KC − kc before it are zero, which adds zeros ahead of the same sums in
+// the same order.
+template <typename T, int V, int KC>
+__device__ __forceinline__ void load_taps(const T* weight, int64_t c0, int kc, float (&w)[KC][V]) {
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+#pragma unroll
+    for (int tau = 0; tau < KC; ++tau)
+      w[tau][i] = tau >= KC - kc ? to_f(weight[(c0 + i) * kc + tau - (KC - kc)]) : 0.0f;
+}
 
 // The taps' inputs at token t: tap τ reads x[t − (Kc − 1) + τ], which is `cur` for the last tap
 // and win[Kc − 2 − τ] (x[t − 1 − j] kept as win[j]) before it.
@@ -72,30 +125,15 @@ __device__ __forceinline__ void push_window(float (&win)[KC][V], const float (&c
     for (int i = 0; i < V; ++i) win[0][i] = cur[i];
 }
 
-template <int V, int KC>
-__device__ __forceinline__ void clear(float (&a)[KC][V]) {
-#pragma unroll
-  for (int j = 0; j < KC; ++j)
-#pragma unroll
-    for (int i = 0; i < V; ++i) a[j][i] = 0.0f;
-}
-
-// The window before token t of the document starting at `start`: x[t − 1 − j], zero before it.
-template <typename T, int V, int KC>
-__device__ __forceinline__ void load_window(const T* x, int64_t c, int64_t c0, int64_t t,
-                                            int64_t start, float (&win)[KC][V]) {
+// The window before the run's first token t0, whose inputs start at raw[0] = x[t0 − (Kc − 1)]:
+// win[j] = x[t0 − 1 − j], zero before the document's start.
+template <typename T, int V, int KC, int N>
+__device__ __forceinline__ void first_window(const ConvRaw<T, V> (&raw)[N], int64_t t0,
+                                             int64_t start, float (&win)[KC][V]) {
   clear(win);
 #pragma unroll
   for (int j = 0; j < KC - 1; ++j)
-    if (t - 1 - j >= start) detail::load_elems<V>(x + (t - 1 - j) * c + c0, win[j]);
-}
-
-template <typename T, int V, int KC>
-__device__ __forceinline__ void load_taps(const T* weight, int64_t c0, float (&w)[KC][V]) {
-#pragma unroll
-  for (int i = 0; i < V; ++i)
-#pragma unroll
-    for (int tau = 0; tau < KC; ++tau) w[tau][i] = to_f(weight[(c0 + i) * KC + tau]);
+    if (t0 - 1 - j >= start) unpack<T, V>(raw[KC - 2 - j], win[j]);
 }
 
 // The pre-activations at one token, taps summed in order as the CPU op does.
@@ -112,34 +150,101 @@ __device__ __forceinline__ void conv_taps(const float (&w)[KC][V], const float (
   }
 }
 
-template <typename T, int V, int KC>
-__global__ void __launch_bounds__(kThreads)
+// Sum of v over the kLanes adjacent lanes of a row (a butterfly: the same bits in each lane).
+template <int kLanes>
+__device__ __forceinline__ float row_lanes_sum(float v) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// kda_qk_conv's L2 norm of B tokens' rows at once: a head's row of kNormLanes · V channels sits
+// on kNormLanes adjacent lanes, which every lane of the warp reaches at the same tokens. Each row
+// is rounded to T and scaled by 1 / ν, ν = sqrt(Σ c² + eps), summed and scaled as
+// l2_fwd_vec_kernel does it, so the result has the bits of the conv followed by that kernel; the B
+// rows' shuffles interleave, so that their latencies overlap rather than add up.
+template <typename T, int V, int kNormLanes, int B>
+__device__ __forceinline__ void normalise_rows(float (&v)[B][V], float eps, float* norm_out,
+                                               int64_t norm_stride, int valid) {
+  float ss[B];
+#pragma unroll
+  for (int k = 0; k < B; ++k) {
+    ss[k] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      v[k][i] = to_f(from_f<T>(v[k][i]));
+      ss[k] += v[k][i] * v[k][i];
+    }
+  }
+#pragma unroll
+  for (int o = kNormLanes / 2; o > 0; o >>= 1)
+#pragma unroll
+    for (int k = 0; k < B; ++k) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
+#pragma unroll
+  for (int k = 0; k < B; ++k) {
+    const float nu = sqrtf(ss[k] + eps), r = 1.0f / nu;
+    if (norm_out && k < valid && threadIdx.x % kNormLanes == 0) norm_out[k * norm_stride] = nu;
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[k][i] = v[k][i] * r;
+  }
+}
+
+template <typename T, int V, int KC, int kNormLanes = 0>
+__global__ void __launch_bounds__(kConvFwdThreads)
     conv_fwd_kernel(const T* __restrict__ x, const T* __restrict__ weight,
-                    const int* __restrict__ cu, int ndoc, int64_t tokens, int64_t c, bool silu,
-                    T* __restrict__ y) {
+                    const int* __restrict__ cu, int ndoc, int64_t tokens, int64_t c, int kc,
+                    bool silu, T* __restrict__ y, float eps = 0.0f,
+                    float* __restrict__ norm = nullptr) {
   const int64_t groups = c / V, idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t c0 = (idx % groups) * V, t0 = (idx / groups) * kConvRun;
   if (t0 >= tokens) return;
   const int64_t t1 = t0 + kConvRun < tokens ? t0 + kConvRun : tokens;
+  ConvRaw<T, V> raw[KC - 1 + kConvRun];
+  load_run<T, V>(x, c, c0, t0 - (KC - 1), t1, raw);
   float w[KC][V], win[KC][V];
-  load_taps<T, V, KC>(weight, c0, w);
+  load_taps<T, V, KC>(weight, c0, kc, w);
   int doc = doc_of(cu, ndoc, t0);
   int64_t start = cu[doc], end = cu[doc + 1];
-  load_window<T, V, KC>(x, c, c0, t0, start, win);
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t >= end) {  // a new document (after any empty ones) starts at t
-      while (cu[doc + 1] <= t) ++doc;
-      start = cu[doc];
-      end = cu[doc + 1];
-      clear(win);
-    }
-    float cur[V], pre[V];
-    detail::load_elems<V>(x + t * c + c0, cur);
-    conv_taps<V, KC>(w, win, cur, pre);
+  first_window<T, V, KC>(raw, t0, start, win);
+  // Tokens go kBatch at a time: their conv outputs first, then their norms together.
+  constexpr int kBatch = kNormLanes > 0 ? 4 : 1;
+  static_assert(kConvRun % kBatch == 0);
 #pragma unroll
-    for (int i = 0; i < V; ++i) pre[i] = silu ? pre[i] * sigmoid_f(pre[i]) : pre[i];
-    detail::store_elems<V>(y + t * c + c0, pre);
-    push_window<V, KC>(win, cur);
+  for (int i0 = 0; i0 < kConvRun; i0 += kBatch) {
+    if (t0 + i0 >= t1) break;
+    const int valid = int(t1 - (t0 + i0) < kBatch ? t1 - (t0 + i0) : kBatch);
+    float out[kBatch][V];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int64_t t = t0 + i0 + k;
+      if (k >= valid) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) out[k][v] = 0.0f;
+        continue;
+      }
+      if (t >= end) {  // a new document (after any empty ones) starts at t
+        while (cu[doc + 1] <= t) ++doc;
+        start = cu[doc];
+        end = cu[doc + 1];
+        clear(win);
+      }
+      float cur[V];
+      unpack<T, V>(raw[i0 + k + KC - 1], cur);
+      conv_taps<V, KC>(w, win, cur, out[k]);
+#pragma unroll
+      for (int v = 0; v < V; ++v)
+        out[k][v] = silu ? out[k][v] * silu_sigmoid(out[k][v]) : out[k][v];
+      push_window<V, KC>(win, cur);
+    }
+    if constexpr (kNormLanes > 0) {
+      const int64_t heads = c / (kNormLanes * V);
+      normalise_rows<T, V, kNormLanes, kBatch>(
+          out, eps, norm ? norm + (t0 + i0) * heads + c0 / (kNormLanes * V) : nullptr, heads,
+          valid);
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      if (k < valid) detail::store_elems<V>(y + (t0 + i0 + k) * c + c0, out[k]);
   }
 }
 
@@ -148,11 +253,18 @@ __global__ void __launch_bounds__(kThreads)
 // dpre[s] to token s − (Kc − 1) + τ, so token s − (Kc − 1) is complete after s. pend[j] holds the
 // partial gradient of token s − 1 − j. The weight gradient dw[τ] = Σ_s dpre[s] · x[s − (Kc − 1) +
 // τ] over the block's tokens, summed over its runs in order into partial[blockIdx.y].
-template <typename T, int V, int KC>
+//
+// kNorm (kda_qk_conv_backward): dy is the gradient of the L2-normalised rows, each head's row the
+// 32 · V channels of one warp at one token. The conv output c (the forward's bits: the same taps
+// in the same order, rounded to T) and the forward's ν give dc = (dy − y ⟨y, dy⟩) / ν with
+// y = c / ν, before the SiLU's derivative.
+template <typename T, int V, int KC, bool kNorm = false>
 __global__ void __launch_bounds__(kConvGroups* kConvRuns)
     conv_bwd_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ dy,
-                    const int* __restrict__ cu, int ndoc, int64_t tokens, int64_t c, bool silu,
-                    T* __restrict__ dx, float* __restrict__ dw_partial) {
+                    const int* __restrict__ cu, int ndoc, int64_t tokens, int64_t c, int kc,
+                    bool silu, T* __restrict__ dx, float* __restrict__ dw_partial,
+                    const float* __restrict__ norm = nullptr) {
+  constexpr int kSteps = kConvRun + KC - 1;  // the outputs s a run's input gradients reach
   __shared__ float dw_runs[kConvRuns][KC][kConvGroups * V];
   const int gi = threadIdx.x % kConvGroups, ri = threadIdx.x / kConvGroups;
   const int64_t c0 = (int64_t(blockIdx.x) * kConvGroups + gi) * V;
@@ -162,11 +274,20 @@ __global__ void __launch_bounds__(kConvGroups* kConvRuns)
   if (c0 < c && t0 < tokens) {
     const int64_t t1 = t0 + kConvRun < tokens ? t0 + kConvRun : tokens;
     const int64_t s1 = t1 + KC - 1 < tokens ? t1 + KC - 1 : tokens;
+    ConvRaw<T, V> xr[KC - 1 + kSteps], gr[kSteps];
+    load_run<T, V>(x, c, c0, t0 - (KC - 1), s1, xr);
+    load_run<T, V>(dy, c, c0, t0, s1, gr);
+    float nus[kNorm ? kSteps : 1];
+    if constexpr (kNorm) {
+      const int64_t heads = c / (32 * V), head = c0 / (32 * V);
+#pragma unroll
+      for (int i = 0; i < kSteps; ++i) nus[i] = t0 + i < s1 ? norm[(t0 + i) * heads + head] : 1.0f;
+    }
     float w[KC][V], win[KC][V], pend[KC][V];
-    load_taps<T, V, KC>(weight, c0, w);
+    load_taps<T, V, KC>(weight, c0, kc, w);
     int doc = doc_of(cu, ndoc, t0);
     int64_t start = cu[doc], end = cu[doc + 1];
-    load_window<T, V, KC>(x, c, c0, t0, start, win);
+    first_window<T, V, KC>(xr, t0, start, win);
     clear(pend);
     // Stores the pending gradients of this run's tokens before s (those of the document).
     const auto flush = [&](int64_t s) {
@@ -176,66 +297,129 @@ __global__ void __launch_bounds__(kConvGroups* kConvRuns)
         if (p >= t0 && p < t1 && p >= start) detail::store_elems<V>(dx + p * c + c0, pend[j]);
       }
     };
-    int64_t s = t0;
-    for (; s < s1; ++s) {
-      if (s >= end) {  // the document ends before s: its pending tokens are complete
-        flush(s);
-        if (s >= t1) break;
-        while (cu[doc + 1] <= s) ++doc;
-        start = cu[doc];
-        end = cu[doc + 1];
-        clear(win);
-        clear(pend);
-      }
-      float cur[V], g[V], dpre[V];
-      detail::load_elems<V>(x + s * c + c0, cur);
-      detail::load_elems<V>(dy + s * c + c0, g);
-      conv_taps<V, KC>(w, win, cur, dpre);
+    // kNorm: steps go kBatch at a time; a first pass forms their ⟨y, dy⟩, whose shuffles then run
+    // together (one after another they would wait on each other's latency), and the second pass
+    // recomputes the same pre-activations for the rest.
+    constexpr int kBatch = kNorm ? 4 : 1;
+    bool to_the_end = true;  // the walk reaches s1 (not a document's end past the run)
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float p = dpre[i], sg = sigmoid_f(p);
-        dpre[i] = silu ? g[i] * sg * (1.0f + p * (1.0f - sg)) : g[i];
-      }
-      if (s < t1) {
+    for (int i0 = 0; i0 < kSteps; i0 += kBatch) {
+      if (!to_the_end || t0 + i0 >= s1) break;
+      float dots[kBatch];
+      if constexpr (kNorm) {
+        float wa[KC][V];
 #pragma unroll
-        for (int tau = 0; tau < KC; ++tau) {
-          const float* in = tap_input<V, KC>(win, cur, tau);
+        for (int j = 0; j < KC; ++j)
 #pragma unroll
-          for (int i = 0; i < V; ++i) dw[tau][i] += dpre[i] * in[i];
+          for (int v = 0; v < V; ++v) wa[j][v] = win[j][v];
+        int da = doc;
+        int64_t ea = end;
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          constexpr int kLast = kSteps - 1;
+          const int i = i0 + k < kSteps ? i0 + k : kLast;
+          const int64_t s = t0 + i0 + k;
+          dots[k] = 0.0f;
+          if (i0 + k >= kSteps || s >= s1) continue;
+          if (s >= ea) {
+            while (cu[da + 1] <= s) ++da;
+            ea = cu[da + 1];
+            clear(wa);
+          }
+          float cur[V], g[V], pre[V];
+          unpack<T, V>(xr[i + KC - 1], cur);
+          unpack<T, V>(gr[i], g);
+          conv_taps<V, KC>(w, wa, cur, pre);
+          const float r = 1.0f / nus[i];
+#pragma unroll
+          for (int v = 0; v < V; ++v) {
+            const float sg = silu ? silu_sigmoid(pre[v]) : 1.0f;
+            dots[k] += to_f(from_f<T>(pre[v] * sg)) * r * g[v];
+          }
+          push_window<V, KC>(wa, cur);
         }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) dots[k] += __shfl_xor_sync(0xffffffffu, dots[k], o);
       }
-      // Token s − (Kc − 1) (pend[Kc − 2]) receives its last term and is stored; the others
-      // move up one slot, token s starting at w[Kc − 1] · dpre[s].
-      float done[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i)
-        done[i] = (KC > 1 ? pend[KC > 1 ? KC - 2 : 0][i] : 0.0f) + w[0][i] * dpre[i];
-      const int64_t p = s - (KC - 1);
-      if (p >= t0 && p < t1 && p >= start) detail::store_elems<V>(dx + p * c + c0, done);
+      for (int k = 0; k < kBatch; ++k) {
+        if (i0 + k >= kSteps) break;
+        const int i = i0 + k < kSteps ? i0 + k : kSteps - 1;
+        const int64_t s = t0 + i;
+        if (s >= s1) break;
+        if (s >= end) {  // the document ends before s: its pending tokens are complete
+          flush(s);
+          if (s >= t1) {
+            to_the_end = false;
+            break;
+          }
+          while (cu[doc + 1] <= s) ++doc;
+          start = cu[doc];
+          end = cu[doc + 1];
+          clear(win);
+          clear(pend);
+        }
+        float cur[V], g[V], dpre[V];
+        unpack<T, V>(xr[i + KC - 1], cur);
+        unpack<T, V>(gr[i], g);
+        conv_taps<V, KC>(w, win, cur, dpre);
+        float sg[V];
 #pragma unroll
-      for (int j = KC - 2; j > 0; --j)
+        for (int v = 0; v < V; ++v) sg[v] = silu ? silu_sigmoid(dpre[v]) : 1.0f;
+        if constexpr (kNorm) {
+          const float r = 1.0f / nus[i];
 #pragma unroll
-        for (int i = 0; i < V; ++i) pend[j][i] = pend[j - 1][i] + w[KC - 1 - j][i] * dpre[i];
-      if constexpr (KC > 1)
+          for (int v = 0; v < V; ++v)
+            g[v] = (g[v] - to_f(from_f<T>(dpre[v] * sg[v])) * r * dots[k]) * r;
+        }
 #pragma unroll
-        for (int i = 0; i < V; ++i) pend[0][i] = w[KC - 1][i] * dpre[i];
-      push_window<V, KC>(win, cur);
+        for (int v = 0; v < V; ++v) {
+          const float p = dpre[v];
+          dpre[v] = silu ? g[v] * sg[v] * (1.0f + p * (1.0f - sg[v])) : g[v];
+        }
+        if (s < t1) {
+#pragma unroll
+          for (int tau = 0; tau < KC; ++tau) {
+            const float* in = tap_input<V, KC>(win, cur, tau);
+#pragma unroll
+            for (int v = 0; v < V; ++v) dw[tau][v] += dpre[v] * in[v];
+          }
+        }
+        // Token s − (Kc − 1) (pend[Kc − 2]) receives its last term and is stored; the others
+        // move up one slot, token s starting at w[Kc − 1] · dpre[s].
+        float done[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+          done[v] = (KC > 1 ? pend[KC > 1 ? KC - 2 : 0][v] : 0.0f) + w[0][v] * dpre[v];
+        const int64_t p = s - (KC - 1);
+        if (p >= t0 && p < t1 && p >= start) detail::store_elems<V>(dx + p * c + c0, done);
+#pragma unroll
+        for (int j = KC - 2; j > 0; --j)
+#pragma unroll
+          for (int v = 0; v < V; ++v) pend[j][v] = pend[j - 1][v] + w[KC - 1 - j][v] * dpre[v];
+        if constexpr (KC > 1)
+#pragma unroll
+          for (int v = 0; v < V; ++v) pend[0][v] = w[KC - 1][v] * dpre[v];
+        push_window<V, KC>(win, cur);
+      }
     }
-    if (s == s1) flush(s);  // the pack (or the run's reach) ends: what is pending is complete
+    if (to_the_end) flush(s1);  // the pack (or the run's reach) ends: what is pending is complete
   }
 #pragma unroll
   for (int tau = 0; tau < KC; ++tau)
 #pragma unroll
     for (int i = 0; i < V; ++i) dw_runs[ri][tau][gi * V + i] = dw[tau][i];
   __syncthreads();
-  // One thread per (channel, tap) of the block: the runs summed in order.
-  for (int e = threadIdx.x; e < kConvGroups * V * KC; e += blockDim.x) {
-    const int cl = e / KC, tau = e % KC;
+  // One thread per (channel, weight tap) of the block: the runs summed in order.
+  for (int e = threadIdx.x; e < kConvGroups * V * kc; e += blockDim.x) {
+    const int cl = e / kc, tap = e % kc, tau = tap + (KC - kc);
     const int64_t ch = int64_t(blockIdx.x) * kConvGroups * V + cl;
     if (ch >= c) continue;
     float acc = 0.0f;
     for (int r = 0; r < kConvRuns; ++r) acc += dw_runs[r][tau][cl];
-    dw_partial[(int64_t(blockIdx.y) * c + ch) * KC + tau] = acc;
+    dw_partial[(int64_t(blockIdx.y) * c + ch) * kc + tap] = acc;
   }
 }
 
@@ -369,22 +553,14 @@ __global__ void l2_fwd_kernel(const T* __restrict__ x, int64_t rows, int n, floa
   if (row >= rows) return;
   const T* xr = x + row * n;
   const float ss = warp_row_sum_squares(xr, n, lane);
-  const float nu = sqrtf(ss + eps);
+  const float nu = sqrtf(ss + eps), r = 1.0f / nu;
   if (norm && lane == 0) norm[row] = nu;
-  for (int j = lane; j < n; j += 32) y[row * n + j] = from_f<T>(to_f(xr[j]) / nu);
+  for (int j = lane; j < n; j += 32) y[row * n + j] = from_f<T>(to_f(xr[j]) * r);
 }
 
 // Rows of kLanes 16-byte pieces (the 128-wide KDA heads: 16 lanes of eight bf16, or 32 of four
 // f32): a row on kLanes adjacent lanes, its sum by shuffles among them. Every lane of a warp takes
 // part in the shuffles; lanes past the last row hold zeros.
-// Sum of v over the kLanes adjacent lanes of a row (a butterfly: the same bits in each lane).
-template <int kLanes>
-__device__ __forceinline__ float row_lanes_sum(float v) {
-#pragma unroll
-  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // ν = sqrt(Σ x² + eps) of the row of which this lane holds kVec elements.
 template <int kLanes, int kVec>
 __device__ __forceinline__ float row_norm(const float (&v)[kVec], float eps) {
@@ -403,11 +579,11 @@ __global__ void l2_fwd_vec_kernel(const T* __restrict__ x, int64_t rows, float e
   const bool valid = row < rows;
   float v[kVec] = {};
   if (valid) detail::load_vec<kVec>(x + off, v);
-  const float nu = row_norm<kLanes>(v, eps);
+  const float nu = row_norm<kLanes>(v, eps), r = 1.0f / nu;
   if (!valid) return;
   if (norm && gid % kLanes == 0) norm[row] = nu;
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) v[j] = v[j] / nu;
+  for (int j = 0; j < kVec; ++j) v[j] = v[j] * r;
   detail::store_vec<kVec>(y + off, v);
 }
 
@@ -673,32 +849,18 @@ bool with_row_lanes(int64_t n, std::initializer_list<const void*> ptrs, F&& f) {
 }
 
 // Calls f(V, KC) with the conv's channels per thread V (BYTES / sizeof(T) when the channels
-// divide into such groups and every pointer is BYTES-aligned, else 1) and its taps KC (1..8), both
-// as constants.
+// divide into such groups and every pointer is BYTES-aligned, else 1) and the kernels' taps KC (4
+// for kc ≤ 4, else 8; load_taps), both as constants.
 template <typename T, int BYTES, typename F>
 void with_conv_shape(int64_t c, int kc, std::initializer_list<const void*> ptrs, F&& f) {
   constexpr int kWide = BYTES / int(sizeof(T));
   bool wide = c % kWide == 0;
   for (const void* p : ptrs) wide = wide && aligned(p, BYTES);
   const auto with_taps = [&](auto v) {
-    switch (kc) {
-      case 1:
-        return f(v, std::integral_constant<int, 1>{});
-      case 2:
-        return f(v, std::integral_constant<int, 2>{});
-      case 3:
-        return f(v, std::integral_constant<int, 3>{});
-      case 4:
-        return f(v, std::integral_constant<int, 4>{});
-      case 5:
-        return f(v, std::integral_constant<int, 5>{});
-      case 6:
-        return f(v, std::integral_constant<int, 6>{});
-      case 7:
-        return f(v, std::integral_constant<int, 7>{});
-      default:
-        return f(v, std::integral_constant<int, kMaxTaps>{});
-    }
+    if (kc <= 4)
+      f(v, std::integral_constant<int, 4>{});
+    else
+      f(v, std::integral_constant<int, kMaxTaps>{});
   };
   if (wide)
     with_taps(std::integral_constant<int, kWide>{});
@@ -731,6 +893,52 @@ void with_lane_elems(int64_t n, std::initializer_list<const void*> ptrs, F&& f) 
     with_wide(std::integral_constant<int, 8>{});
 }
 
+// The conv's backward; with `norm` (kda_qk_conv_backward's fused form: a head's row on one warp,
+// 8-byte channel groups) dy is the gradient of the normalised rows.
+Tensor conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                     const ConvDims& dims, bool silu, const Tensor& dy, Tensor* grad_weight,
+                     const float* norm, cudaStream_t stream, const char* op) {
+  const int64_t t = x.size(0), c = x.size(1);
+  const int kc = dims.kc, ndoc = dims.ndoc;
+  detail::DeviceGuard guard(x.device().index);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+  if (t == 0 || c == 0) return dx;
+  const int64_t blocks = (t + kConvBlockTokens - 1) / kConvBlockTokens;
+  Tensor partial = Tensor::empty({blocks, c, kc}, DType::f32, x.device());
+  bool launched = false;
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    // 8-byte accesses: half the registers of 16-byte ones for the windows the backward keeps.
+    with_conv_shape<T, 8>(
+        c, kc, {x.data_ptr(), dy.data_ptr(), dx.data_ptr()}, [&](auto v, auto taps) {
+          constexpr int V = decltype(v)::value, KC = decltype(taps)::value;
+          const int64_t groups = c / V;
+          const dim3 grid(unsigned((groups + kConvGroups - 1) / kConvGroups), unsigned(blocks));
+          if (!norm) {
+            conv_bwd_kernel<T, V, KC><<<grid, kConvGroups * kConvRuns, 0, stream>>>(
+                cptr<T>(x), cptr<T>(weight), cptr<T>(dy), cu_seqlens.data<int32_t>(), ndoc, t, c,
+                kc, silu, mptr<T>(dx), partial.data<float>());
+            launched = true;
+          } else if constexpr (V == 8 / int(sizeof(T))) {
+            conv_bwd_kernel<T, V, KC, true><<<grid, kConvGroups * kConvRuns, 0, stream>>>(
+                cptr<T>(x), cptr<T>(weight), cptr<T>(dy), cu_seqlens.data<int32_t>(), ndoc, t, c,
+                kc, silu, mptr<T>(dx), partial.data<float>(), norm);
+            launched = true;
+          }
+        });
+  });
+  GLMTUNE_CUDA_OP_REQUIRE(launched,
+                          std::string(op) + ": the normalised rows need 8-byte aligned operands");
+  GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  if (grad_weight) {
+    Tensor& gw = grad_buffer(grad_weight, weight, "conv weight gradient", op);
+    sum_blocks_kernel<<<unsigned((c * kc + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        partial.data<float>(), blocks, c * kc, gw.data<float>());
+    GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  }
+  return dx;
+}
+
 }  // namespace
 
 Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens, bool silu,
@@ -747,10 +955,10 @@ Tensor causal_conv1d(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
     with_conv_shape<T, 16>(c, kc, {x.data_ptr(), y.data_ptr()}, [&](auto v, auto taps) {
       constexpr int V = decltype(v)::value, KC = decltype(taps)::value;
       const int64_t threads = (c / V) * ((t + kConvRun - 1) / kConvRun);
-      conv_fwd_kernel<T, V, KC>
-          <<<unsigned((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-              cptr<T>(x), cptr<T>(weight), cu_seqlens.data<int32_t>(), ndoc, t, c, silu,
-              mptr<T>(y));
+      conv_fwd_kernel<T, V, KC><<<unsigned((threads + kConvFwdThreads - 1) / kConvFwdThreads),
+                                  kConvFwdThreads, 0, stream>>>(cptr<T>(x), cptr<T>(weight),
+                                                                cu_seqlens.data<int32_t>(), ndoc, t,
+                                                                c, kc, silu, mptr<T>(y));
     });
   });
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
@@ -761,35 +969,81 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
                               bool silu, const Tensor& dy, Tensor* grad_weight,
                               cudaStream_t stream) {
   const char* op = "cuda::causal_conv1d_backward";
-  const ConvDims dims = conv_dims(x, &dy, weight, cu_seqlens, op);
+  return conv_backward(x, weight, cu_seqlens, conv_dims(x, &dy, weight, cu_seqlens, op), silu, dy,
+                       grad_weight, nullptr, stream, op);
+}
+
+Tensor kda_qk_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                   int64_t head_dim, double eps, Tensor* norm, cudaStream_t stream) {
+  const char* op = "cuda::kda_qk_conv";
+  const ConvDims dims = conv_dims(x, nullptr, weight, cu_seqlens, op);
   const int64_t t = x.size(0), c = x.size(1);
-  const int kc = dims.kc, ndoc = dims.ndoc;
+  GLMTUNE_CUDA_OP_REQUIRE(head_dim >= 1 && c % head_dim == 0,
+                          std::string(op) + ": " + std::to_string(c) +
+                              " channels are not a multiple of head_dim " +
+                              std::to_string(head_dim));
+  const int64_t heads = c / head_dim;
   detail::DeviceGuard guard(x.device().index);
-  Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
-  if (t == 0 || c == 0) return dx;
-  const int64_t blocks = (t + kConvBlockTokens - 1) / kConvBlockTokens;
-  Tensor partial = Tensor::empty({blocks, c, kc}, DType::f32, x.device());
+  Tensor y = Tensor::empty({t, heads, head_dim}, x.dtype(), x.device());
+  Tensor nu = Tensor::empty({t, heads}, DType::f32, x.device());
+  bool fused = t == 0;
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    // 8-byte accesses: half the registers of 16-byte ones for the windows the backward keeps.
-    with_conv_shape<T, 8>(
-        c, kc, {x.data_ptr(), dy.data_ptr(), dx.data_ptr()}, [&](auto v, auto taps) {
-          constexpr int V = decltype(v)::value, KC = decltype(taps)::value;
-          const int64_t groups = c / V;
-          const dim3 grid(unsigned((groups + kConvGroups - 1) / kConvGroups), unsigned(blocks));
-          conv_bwd_kernel<T, V, KC><<<grid, kConvGroups * kConvRuns, 0, stream>>>(
-              cptr<T>(x), cptr<T>(weight), cptr<T>(dy), cu_seqlens.data<int32_t>(), ndoc, t, c,
-              silu, mptr<T>(dx), partial.data<float>());
-        });
+    constexpr int kVec = 16 / int(sizeof(T));
+    // Every lane of a warp at the same token (whole warps of channel groups), a head on 8, 16 or
+    // 32 of them.
+    if (fused || c % (32 * kVec) != 0) return;
+    with_row_lanes<T>(head_dim, {x.data_ptr(), y.data_ptr()}, [&](auto lanes) {
+      constexpr int L = decltype(lanes)::value;
+      with_conv_shape<T, 16>(c, dims.kc, {x.data_ptr(), y.data_ptr()}, [&](auto v, auto taps) {
+        constexpr int V = decltype(v)::value, KC = decltype(taps)::value;
+        if constexpr (V == kVec) {
+          const int64_t threads = (c / V) * ((t + kConvRun - 1) / kConvRun);
+          conv_fwd_kernel<T, V, KC, L>
+              <<<unsigned((threads + kConvFwdThreads - 1) / kConvFwdThreads), kConvFwdThreads, 0,
+                 stream>>>(cptr<T>(x), cptr<T>(weight), cu_seqlens.data<int32_t>(), dims.ndoc, t, c,
+                           dims.kc, true, mptr<T>(y), float(eps), nu.data<float>());
+          fused = true;
+        }
+      });
+    });
   });
-  GLMTUNE_CUDA_CHECK(cudaGetLastError());
-  if (grad_weight) {
-    Tensor& gw = grad_buffer(grad_weight, weight, "conv weight gradient", op);
-    sum_blocks_kernel<<<unsigned((c * kc + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        partial.data<float>(), blocks, c * kc, gw.data<float>());
-    GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  if (!fused) {  // other widths and alignments: the conv, then the norm (the same bits)
+    y = l2_norm(causal_conv1d(x, weight, cu_seqlens, true, stream).view({t, heads, head_dim}), eps,
+                &nu, stream);
   }
-  return dx;
+  GLMTUNE_CUDA_CHECK(cudaGetLastError());
+  if (norm) *norm = nu;
+  return y;
+}
+
+Tensor kda_qk_conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                            int64_t head_dim, double eps, const Tensor& norm, const Tensor& dy,
+                            Tensor* grad_weight, cudaStream_t stream) {
+  const char* op = "cuda::kda_qk_conv_backward";
+  const int64_t t = x.defined() && x.dim() == 2 ? x.size(0) : 0;
+  const int64_t c = x.defined() && x.dim() == 2 ? x.size(1) : 0;
+  GLMTUNE_CUDA_OP_REQUIRE(head_dim >= 1 && c % head_dim == 0,
+                          std::string(op) + ": " + std::to_string(c) +
+                              " channels are not a multiple of head_dim " +
+                              std::to_string(head_dim));
+  const Tensor d_rows = dy.defined() && dy.numel() == x.numel() ? dy.reshape({t, c}) : dy;
+  const ConvDims dims = conv_dims(x, &d_rows, weight, cu_seqlens, op);
+  const int64_t heads = c / head_dim;
+  GLMTUNE_CUDA_OP_REQUIRE(norm.defined() && norm.dtype() == DType::f32 &&
+                              norm.numel() == t * heads && norm.is_contiguous() &&
+                              norm.device() == x.device(),
+                          std::string(op) + ": norm " + detail::describe(norm) +
+                              " must be kda_qk_conv's f32 [T, C / head_dim]");
+  // A head's row on the 32 lanes of one warp (8-byte accesses: 128 bf16 or 64 f32 channels).
+  if (head_dim * int64_t(x.element_size()) == 32 * 8 && aligned(x.data_ptr(), 8) &&
+      aligned(d_rows.data_ptr(), 8))
+    return conv_backward(x, weight, cu_seqlens, dims, true, d_rows, grad_weight, norm.data<float>(),
+                         stream, op);
+  const Shape rows{t, heads, head_dim};
+  const Tensor conv_out = causal_conv1d(x, weight, cu_seqlens, true, stream);
+  const Tensor dc = l2_norm_backward(d_rows.view(rows), conv_out.view(rows), eps, stream);
+  return causal_conv1d_backward(x, weight, cu_seqlens, true, dc.view({t, c}), grad_weight, stream);
 }
 
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,

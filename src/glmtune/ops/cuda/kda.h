@@ -42,6 +42,19 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
                               bool silu, const Tensor& dy, Tensor* grad_weight,
                               cudaStream_t stream = nullptr);
 
+// q or k of the mixer (ops::kda_qk_conv): the conv with SiLU and each head's row L2-normalised in
+// one pass over x; y [T, C / head_dim, head_dim] in x's dtype, `norm` (optional) the f32 ν
+// [T, C / head_dim]. The same bits as causal_conv1d followed by l2_norm.
+Tensor kda_qk_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                   int64_t head_dim, double eps, Tensor* norm = nullptr,
+                   cudaStream_t stream = nullptr);
+// d x from d y of the normalised rows and the forward's ν: the conv output recomputed from x, the
+// norm's and the SiLU's derivatives and the conv's backward in one kernel where a head is 32
+// 8-byte channel groups (128 bf16 or 64 f32 channels), else the three ops in turn.
+Tensor kda_qk_conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
+                            int64_t head_dim, double eps, const Tensor& norm, const Tensor& dy,
+                            Tensor* grad_weight, cudaStream_t stream = nullptr);
+
 // graw [T, NL·HL] (bf16/f32), dt_bias f32 [NL·HL], A_log f32 [NL] → g f32 [T, NL, HL].
 Tensor kda_gate(const Tensor& graw, const Tensor& dt_bias, const Tensor& A_log,
                 std::optional<double> lower_bound, cudaStream_t stream = nullptr);
