@@ -93,13 +93,13 @@ struct KdaOptions {
 struct KdaSaved {
   Tensor q_conv_in, k_conv_in, v_conv_in;  // [T, QL] projections entering the conv
   Tensor q, k, v;                          // [T, NL, HL] after conv + SiLU; q, k L2-normalised
-  Tensor q_norm, k_norm;  // [T, NL] ν = sqrt(Σ c² + l2_eps) of q's, k's conv out
-  Tensor g;               // [T, NL, HL] log decay
-  Tensor beta;            // [T, NL]
-  Tensor core;            // [T, NL, HL] delta-rule output
-  Tensor gate;            // [T, NL, HL] output gate g_b(g_a(x))
-  Tensor normed;          // [T, NL, HL] o_norm(core, gate)
-  Tensor o_rstd;          // [T, NL] o_norm's 1/sqrt(mean + eps); GPU: undefined
+  Tensor q_norm, k_norm;                   // [T, NL] ν = sqrt(Σ c² + l2_eps), c: conv output
+  Tensor g;                                // [T, NL, HL] log decay
+  Tensor beta;                             // [T, NL]
+  Tensor core;                             // [T, NL, HL] delta-rule output
+  Tensor gate;                             // [T, NL, HL] output gate g_b(g_a(x))
+  Tensor normed;                           // [T, NL, HL] o_norm(core, gate)
+  Tensor o_rstd;                           // [T, NL] o_norm's 1/sqrt(mean + eps); GPU: undefined
 };
 
 // The whole KDA mixer: x [T, D] (the layer's input_layernorm output) → y [T, D].
