@@ -227,9 +227,9 @@ TEST(CudaOpsKda, ConvAndGatedNormOffTheFastPathsMatchCpu) {
 }
 
 // The q/k conv (conv, SiLU, per-head L2 norm) forward and backward against the CPU op, at head
-// widths the fused kernels take (128 and 64: forward on 16 or 8 lanes of a warp, backward on a
-// whole warp for 128 bf16 or 64 f32 channels) and one they leave to the separate ops (48); the
-// forward has the bits of the conv followed by the norm on the GPU, every width.
+// widths the fused forward takes (128 and 64: a row on 16 or 8 lanes of a warp, or 32 and 16 in
+// f32) and one it leaves to the separate ops (48); the forward has the bits of the conv followed
+// by the norm on the GPU, every width.
 TEST(CudaOpsKda, QkConvMatchesCpuAndTheSeparateOps) {
   REQUIRE_GPU();
 #ifdef GLMTUNE_WITH_CUDA

@@ -253,17 +253,11 @@ __global__ void __launch_bounds__(kConvFwdThreads)
 // dpre[s] to token s − (Kc − 1) + τ, so token s − (Kc − 1) is complete after s. pend[j] holds the
 // partial gradient of token s − 1 − j. The weight gradient dw[τ] = Σ_s dpre[s] · x[s − (Kc − 1) +
 // τ] over the block's tokens, summed over its runs in order into partial[blockIdx.y].
-//
-// kNorm (kda_qk_conv_backward): dy is the gradient of the L2-normalised rows, each head's row the
-// 32 · V channels of one warp at one token. The conv output c (the forward's bits: the same taps
-// in the same order, rounded to T) and the forward's ν give dc = (dy − y ⟨y, dy⟩) / ν with
-// y = c / ν, before the SiLU's derivative.
-template <typename T, int V, int KC, bool kNorm = false>
+template <typename T, int V, int KC>
 __global__ void __launch_bounds__(kConvGroups* kConvRuns)
     conv_bwd_kernel(const T* __restrict__ x, const T* __restrict__ weight, const T* __restrict__ dy,
                     const int* __restrict__ cu, int ndoc, int64_t tokens, int64_t c, int kc,
-                    bool silu, T* __restrict__ dx, float* __restrict__ dw_partial,
-                    const float* __restrict__ norm = nullptr) {
+                    bool silu, T* __restrict__ dx, float* __restrict__ dw_partial) {
   constexpr int kSteps = kConvRun + KC - 1;  // the outputs s a run's input gradients reach
   __shared__ float dw_runs[kConvRuns][KC][kConvGroups * V];
   const int gi = threadIdx.x % kConvGroups, ri = threadIdx.x / kConvGroups;
@@ -277,12 +271,6 @@ __global__ void __launch_bounds__(kConvGroups* kConvRuns)
     ConvRaw<T, V> xr[KC - 1 + kSteps], gr[kSteps];
     load_run<T, V>(x, c, c0, t0 - (KC - 1), s1, xr);
     load_run<T, V>(dy, c, c0, t0, s1, gr);
-    float nus[kNorm ? kSteps : 1];
-    if constexpr (kNorm) {
-      const int64_t heads = c / (32 * V), head = c0 / (32 * V);
-#pragma unroll
-      for (int i = 0; i < kSteps; ++i) nus[i] = t0 + i < s1 ? norm[(t0 + i) * heads + head] : 1.0f;
-    }
     float w[KC][V], win[KC][V], pend[KC][V];
     load_taps<T, V, KC>(weight, c0, kc, w);
     int doc = doc_of(cu, ndoc, t0);
@@ -297,113 +285,56 @@ __global__ void __launch_bounds__(kConvGroups* kConvRuns)
         if (p >= t0 && p < t1 && p >= start) detail::store_elems<V>(dx + p * c + c0, pend[j]);
       }
     };
-    // kNorm: steps go kBatch at a time; a first pass forms their ⟨y, dy⟩, whose shuffles then run
-    // together (one after another they would wait on each other's latency), and the second pass
-    // recomputes the same pre-activations for the rest.
-    constexpr int kBatch = kNorm ? 4 : 1;
     bool to_the_end = true;  // the walk reaches s1 (not a document's end past the run)
 #pragma unroll
-    for (int i0 = 0; i0 < kSteps; i0 += kBatch) {
-      if (!to_the_end || t0 + i0 >= s1) break;
-      float dots[kBatch];
-      if constexpr (kNorm) {
-        float wa[KC][V];
-#pragma unroll
-        for (int j = 0; j < KC; ++j)
-#pragma unroll
-          for (int v = 0; v < V; ++v) wa[j][v] = win[j][v];
-        int da = doc;
-        int64_t ea = end;
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          constexpr int kLast = kSteps - 1;
-          const int i = i0 + k < kSteps ? i0 + k : kLast;
-          const int64_t s = t0 + i0 + k;
-          dots[k] = 0.0f;
-          if (i0 + k >= kSteps || s >= s1) continue;
-          if (s >= ea) {
-            while (cu[da + 1] <= s) ++da;
-            ea = cu[da + 1];
-            clear(wa);
-          }
-          float cur[V], g[V], pre[V];
-          unpack<T, V>(xr[i + KC - 1], cur);
-          unpack<T, V>(gr[i], g);
-          conv_taps<V, KC>(w, wa, cur, pre);
-          const float r = 1.0f / nus[i];
-#pragma unroll
-          for (int v = 0; v < V; ++v) {
-            const float sg = silu ? silu_sigmoid(pre[v]) : 1.0f;
-            dots[k] += to_f(from_f<T>(pre[v] * sg)) * r * g[v];
-          }
-          push_window<V, KC>(wa, cur);
+    for (int i = 0; i < kSteps; ++i) {
+      const int64_t s = t0 + i;
+      if (s >= s1) break;
+      if (s >= end) {  // the document ends before s: its pending tokens are complete
+        flush(s);
+        if (s >= t1) {
+          to_the_end = false;
+          break;
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-          for (int k = 0; k < kBatch; ++k) dots[k] += __shfl_xor_sync(0xffffffffu, dots[k], o);
+        while (cu[doc + 1] <= s) ++doc;
+        start = cu[doc];
+        end = cu[doc + 1];
+        clear(win);
+        clear(pend);
       }
+      float cur[V], g[V], dpre[V];
+      unpack<T, V>(xr[i + KC - 1], cur);
+      unpack<T, V>(gr[i], g);
+      conv_taps<V, KC>(w, win, cur, dpre);
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        if (i0 + k >= kSteps) break;
-        const int i = i0 + k < kSteps ? i0 + k : kSteps - 1;
-        const int64_t s = t0 + i;
-        if (s >= s1) break;
-        if (s >= end) {  // the document ends before s: its pending tokens are complete
-          flush(s);
-          if (s >= t1) {
-            to_the_end = false;
-            break;
-          }
-          while (cu[doc + 1] <= s) ++doc;
-          start = cu[doc];
-          end = cu[doc + 1];
-          clear(win);
-          clear(pend);
-        }
-        float cur[V], g[V], dpre[V];
-        unpack<T, V>(xr[i + KC - 1], cur);
-        unpack<T, V>(gr[i], g);
-        conv_taps<V, KC>(w, win, cur, dpre);
-        float sg[V];
-#pragma unroll
-        for (int v = 0; v < V; ++v) sg[v] = silu ? silu_sigmoid(dpre[v]) : 1.0f;
-        if constexpr (kNorm) {
-          const float r = 1.0f / nus[i];
-#pragma unroll
-          for (int v = 0; v < V; ++v)
-            g[v] = (g[v] - to_f(from_f<T>(dpre[v] * sg[v])) * r * dots[k]) * r;
-        }
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const float p = dpre[v];
-          dpre[v] = silu ? g[v] * sg[v] * (1.0f + p * (1.0f - sg[v])) : g[v];
-        }
-        if (s < t1) {
-#pragma unroll
-          for (int tau = 0; tau < KC; ++tau) {
-            const float* in = tap_input<V, KC>(win, cur, tau);
-#pragma unroll
-            for (int v = 0; v < V; ++v) dw[tau][v] += dpre[v] * in[v];
-          }
-        }
-        // Token s − (Kc − 1) (pend[Kc − 2]) receives its last term and is stored; the others
-        // move up one slot, token s starting at w[Kc − 1] · dpre[s].
-        float done[V];
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-          done[v] = (KC > 1 ? pend[KC > 1 ? KC - 2 : 0][v] : 0.0f) + w[0][v] * dpre[v];
-        const int64_t p = s - (KC - 1);
-        if (p >= t0 && p < t1 && p >= start) detail::store_elems<V>(dx + p * c + c0, done);
-#pragma unroll
-        for (int j = KC - 2; j > 0; --j)
-#pragma unroll
-          for (int v = 0; v < V; ++v) pend[j][v] = pend[j - 1][v] + w[KC - 1 - j][v] * dpre[v];
-        if constexpr (KC > 1)
-#pragma unroll
-          for (int v = 0; v < V; ++v) pend[0][v] = w[KC - 1][v] * dpre[v];
-        push_window<V, KC>(win, cur);
+      for (int v = 0; v < V; ++v) {
+        const float p = dpre[v], sg = silu ? silu_sigmoid(p) : 1.0f;
+        dpre[v] = silu ? g[v] * sg * (1.0f + p * (1.0f - sg)) : g[v];
       }
+      if (s < t1) {
+#pragma unroll
+        for (int tau = 0; tau < KC; ++tau) {
+          const float* in = tap_input<V, KC>(win, cur, tau);
+#pragma unroll
+          for (int v = 0; v < V; ++v) dw[tau][v] += dpre[v] * in[v];
+        }
+      }
+      // Token s − (Kc − 1) (pend[Kc − 2]) receives its last term and is stored; the others
+      // move up one slot, token s starting at w[Kc − 1] · dpre[s].
+      float done[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v)
+        done[v] = (KC > 1 ? pend[KC > 1 ? KC - 2 : 0][v] : 0.0f) + w[0][v] * dpre[v];
+      const int64_t p = s - (KC - 1);
+      if (p >= t0 && p < t1 && p >= start) detail::store_elems<V>(dx + p * c + c0, done);
+#pragma unroll
+      for (int j = KC - 2; j > 0; --j)
+#pragma unroll
+        for (int v = 0; v < V; ++v) pend[j][v] = pend[j - 1][v] + w[KC - 1 - j][v] * dpre[v];
+      if constexpr (KC > 1)
+#pragma unroll
+        for (int v = 0; v < V; ++v) pend[0][v] = w[KC - 1][v] * dpre[v];
+      push_window<V, KC>(win, cur);
     }
     if (to_the_end) flush(s1);  // the pack (or the run's reach) ends: what is pending is complete
   }
@@ -893,11 +824,9 @@ void with_lane_elems(int64_t n, std::initializer_list<const void*> ptrs, F&& f) 
     with_wide(std::integral_constant<int, 8>{});
 }
 
-// The conv's backward; with `norm` (kda_qk_conv_backward's fused form: a head's row on one warp,
-// 8-byte channel groups) dy is the gradient of the normalised rows.
 Tensor conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                      const ConvDims& dims, bool silu, const Tensor& dy, Tensor* grad_weight,
-                     const float* norm, cudaStream_t stream, const char* op) {
+                     cudaStream_t stream, const char* op) {
   const int64_t t = x.size(0), c = x.size(1);
   const int kc = dims.kc, ndoc = dims.ndoc;
   detail::DeviceGuard guard(x.device().index);
@@ -905,30 +834,19 @@ Tensor conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seq
   if (t == 0 || c == 0) return dx;
   const int64_t blocks = (t + kConvBlockTokens - 1) / kConvBlockTokens;
   Tensor partial = Tensor::empty({blocks, c, kc}, DType::f32, x.device());
-  bool launched = false;
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    // 8-byte accesses: half the registers of 16-byte ones for the windows the backward keeps.
+    // 8-byte accesses: half the registers of 16-byte ones for the inputs the backward keeps.
     with_conv_shape<T, 8>(
         c, kc, {x.data_ptr(), dy.data_ptr(), dx.data_ptr()}, [&](auto v, auto taps) {
           constexpr int V = decltype(v)::value, KC = decltype(taps)::value;
           const int64_t groups = c / V;
           const dim3 grid(unsigned((groups + kConvGroups - 1) / kConvGroups), unsigned(blocks));
-          if (!norm) {
-            conv_bwd_kernel<T, V, KC><<<grid, kConvGroups * kConvRuns, 0, stream>>>(
-                cptr<T>(x), cptr<T>(weight), cptr<T>(dy), cu_seqlens.data<int32_t>(), ndoc, t, c,
-                kc, silu, mptr<T>(dx), partial.data<float>());
-            launched = true;
-          } else if constexpr (V == 8 / int(sizeof(T))) {
-            conv_bwd_kernel<T, V, KC, true><<<grid, kConvGroups * kConvRuns, 0, stream>>>(
-                cptr<T>(x), cptr<T>(weight), cptr<T>(dy), cu_seqlens.data<int32_t>(), ndoc, t, c,
-                kc, silu, mptr<T>(dx), partial.data<float>(), norm);
-            launched = true;
-          }
+          conv_bwd_kernel<T, V, KC><<<grid, kConvGroups * kConvRuns, 0, stream>>>(
+              cptr<T>(x), cptr<T>(weight), cptr<T>(dy), cu_seqlens.data<int32_t>(), ndoc, t, c, kc,
+              silu, mptr<T>(dx), partial.data<float>());
         });
   });
-  GLMTUNE_CUDA_OP_REQUIRE(launched,
-                          std::string(op) + ": the normalised rows need 8-byte aligned operands");
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   if (grad_weight) {
     Tensor& gw = grad_buffer(grad_weight, weight, "conv weight gradient", op);
@@ -970,7 +888,7 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
                               cudaStream_t stream) {
   const char* op = "cuda::causal_conv1d_backward";
   return conv_backward(x, weight, cu_seqlens, conv_dims(x, &dy, weight, cu_seqlens, op), silu, dy,
-                       grad_weight, nullptr, stream, op);
+                       grad_weight, stream, op);
 }
 
 Tensor kda_qk_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
@@ -1028,18 +946,16 @@ Tensor kda_qk_conv_backward(const Tensor& x, const Tensor& weight, const Tensor&
                               " channels are not a multiple of head_dim " +
                               std::to_string(head_dim));
   const Tensor d_rows = dy.defined() && dy.numel() == x.numel() ? dy.reshape({t, c}) : dy;
-  const ConvDims dims = conv_dims(x, &d_rows, weight, cu_seqlens, op);
+  conv_dims(x, &d_rows, weight, cu_seqlens, op);
   const int64_t heads = c / head_dim;
   GLMTUNE_CUDA_OP_REQUIRE(norm.defined() && norm.dtype() == DType::f32 &&
                               norm.numel() == t * heads && norm.is_contiguous() &&
                               norm.device() == x.device(),
                           std::string(op) + ": norm " + detail::describe(norm) +
                               " must be kda_qk_conv's f32 [T, C / head_dim]");
-  // A head's row on the 32 lanes of one warp (8-byte accesses: 128 bf16 or 64 f32 channels).
-  if (head_dim * int64_t(x.element_size()) == 32 * 8 && aligned(x.data_ptr(), 8) &&
-      aligned(d_rows.data_ptr(), 8))
-    return conv_backward(x, weight, cu_seqlens, dims, true, d_rows, grad_weight, norm.data<float>(),
-                         stream, op);
+  // The conv output under the norm is recomputed (ν with it), then the norm's backward and the
+  // conv's run in turn: one kernel that did all three, its row sums on shuffles of one warp, took
+  // 1.3 times as long as the three kernels together (docs/PERF.md).
   const Shape rows{t, heads, head_dim};
   const Tensor conv_out = causal_conv1d(x, weight, cu_seqlens, true, stream);
   const Tensor dc = l2_norm_backward(d_rows.view(rows), conv_out.view(rows), eps, stream);

@@ -48,9 +48,8 @@ Tensor causal_conv1d_backward(const Tensor& x, const Tensor& weight, const Tenso
 Tensor kda_qk_conv(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                    int64_t head_dim, double eps, Tensor* norm = nullptr,
                    cudaStream_t stream = nullptr);
-// d x from d y of the normalised rows and the forward's ν: the conv output recomputed from x, the
-// norm's and the SiLU's derivatives and the conv's backward in one kernel where a head is 32
-// 8-byte channel groups (128 bf16 or 64 f32 channels), else the three ops in turn.
+// d x from d y of the normalised rows (`norm`, the forward's ν, is checked; the kernels recompute
+// it): the conv output recomputed from x, then the norm's backward and the conv's.
 Tensor kda_qk_conv_backward(const Tensor& x, const Tensor& weight, const Tensor& cu_seqlens,
                             int64_t head_dim, double eps, const Tensor& norm, const Tensor& dy,
                             Tensor* grad_weight, cudaStream_t stream = nullptr);
