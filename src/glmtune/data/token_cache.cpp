@@ -76,8 +76,7 @@ const char* format_name(SampleFormat f) {
 
 // Header fields, in file order after the magic.
 struct Header {
-  uint32_t version = 0;
-  uint32_t header_size = 0;
+  uint32_t version = 0, header_size = 0;
   uint64_t tokenizer_hash = 0;
   uint64_t num_samples = 0;
   uint64_t num_tokens = 0;
@@ -90,15 +89,18 @@ struct Header {
   uint64_t checksum = 0;
 };
 
+// The 64-bit fields, stored one after the other from byte 16 on.
+constexpr uint64_t Header::*kWideFields[] = {
+    &Header::tokenizer_hash, &Header::num_samples,  &Header::num_tokens,  &Header::ids_offset,
+    &Header::mask_offset,    &Header::index_offset, &Header::meta_offset, &Header::meta_size,
+    &Header::file_size,      &Header::checksum};
+
 std::array<uint8_t, kHeaderSize> encode_header(const Header& h) {
   std::array<uint8_t, kHeaderSize> b{};
   std::memcpy(b.data(), kMagic, 8);
   put(b.data(), 8, h.version);
   put(b.data(), 12, h.header_size);
-  const uint64_t rest[] = {h.tokenizer_hash, h.num_samples,  h.num_tokens,  h.ids_offset,
-                           h.mask_offset,    h.index_offset, h.meta_offset, h.meta_size,
-                           h.file_size,      h.checksum};
-  for (size_t i = 0; i < std::size(rest); ++i) put(b.data(), 16 + 8 * i, rest[i]);
+  for (size_t i = 0; i < std::size(kWideFields); ++i) put(b.data(), 16 + 8 * i, h.*kWideFields[i]);
   return b;
 }
 
@@ -106,10 +108,8 @@ Header decode_header(const uint8_t* b) {
   Header h;
   h.version = get<uint32_t>(b, 8);
   h.header_size = get<uint32_t>(b, 12);
-  uint64_t* rest[] = {&h.tokenizer_hash, &h.num_samples,  &h.num_tokens,  &h.ids_offset,
-                      &h.mask_offset,    &h.index_offset, &h.meta_offset, &h.meta_size,
-                      &h.file_size,      &h.checksum};
-  for (size_t i = 0; i < std::size(rest); ++i) *rest[i] = get<uint64_t>(b, 16 + 8 * i);
+  for (size_t i = 0; i < std::size(kWideFields); ++i)
+    h.*kWideFields[i] = get<uint64_t>(b, 16 + 8 * i);
   return h;
 }
 

@@ -26,10 +26,7 @@
 namespace glmtune::dist {
 
 struct ParallelSizes {
-  int world = 1;
-  int dp = 1;
-  int ep = 1;
-  int sp = 1;
+  int world = 1, dp = 1, ep = 1, sp = 1;
 };
 
 // Checks that `world` ranks split into sp groups of `sp_size` and ep groups of `ep_size`;

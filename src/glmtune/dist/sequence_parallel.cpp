@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "glmtune/base/error.h"
@@ -24,6 +25,14 @@ int64_t pack_tokens(const Tensor& cu_seqlens) {
                  c.str());
   const int64_t n = c.numel();
   return c.dtype() == DType::i32 ? int64_t(c.data<int32_t>()[n - 1]) : c.data<int64_t>()[n - 1];
+}
+
+// A backward's input and output gradient, each gathered over the whole pack. The braces order the
+// two collectives alike on every rank.
+std::pair<Tensor, Tensor> gather_pack(const UlyssesParallel& sp, const Tensor& x, const Tensor& dy,
+                                      const Tensor& cu_seqlens) {
+  const int64_t tokens = pack_tokens(cu_seqlens);
+  return {sp.all_gather_rows(x, tokens), sp.all_gather_rows(dy, tokens)};
 }
 
 // The slices are frozen like the parameter, so a frozen one gets no gradient on any rank.
@@ -452,9 +461,7 @@ Tensor UlyssesParallel::kda_backward(const ops::KdaParams& params, const Tensor&
                                      const Tensor& cu_seqlens, const ops::KdaOptions& options,
                                      const ops::KdaSaved* saved, const Tensor& dy,
                                      ops::KdaGrads& grads) const {
-  const int64_t tokens = pack_tokens(cu_seqlens);
-  const Tensor x_full = all_gather_rows(x, tokens);
-  const Tensor dy_full = all_gather_rows(dy, tokens);
+  const auto [x_full, dy_full] = gather_pack(*this, x, dy, cu_seqlens);
   const KdaHeads h = kda_heads(params, options, sp_.rank(), sp_.size());
   ops::KdaGrads part;
   const Tensor dx =
@@ -491,9 +498,7 @@ Tensor UlyssesParallel::dsa_backward(const ops::MlaConfig& mla, const ops::DsaPa
                                      const Tensor& x, const Tensor& indices,
                                      const Tensor& cu_seqlens, const Tensor& dy,
                                      ops::DsaParams& grads) const {
-  const int64_t tokens = pack_tokens(cu_seqlens);
-  const Tensor x_full = all_gather_rows(x, tokens);
-  const Tensor dy_full = all_gather_rows(dy, tokens);
+  const auto [x_full, dy_full] = gather_pack(*this, x, dy, cu_seqlens);
   const MlaHeads h = mla_heads(mla, params, sp_.rank(), sp_.size());
   // As unsplit (model backward): the MLA context is rebuilt from the input and the selection.
   ops::MlaContext ctx;

@@ -102,8 +102,7 @@ void print_crop_plan(const CropPlan& plan, std::FILE* out);
 struct CropResult {
   uint64_t bytes_written = 0;
   uint64_t parameters = 0;
-  size_t tensors = 0;
-  size_t shards = 0;
+  size_t tensors = 0, shards = 0;
   double seconds = 0;
 };
 

@@ -97,12 +97,9 @@ struct VisionConfig {
 };
 
 struct MediaTokens {
-  int64_t image_token_id = 154854;
-  int64_t video_token_id = 154855;
-  int64_t image_start_token_id = 154830;
-  int64_t image_end_token_id = 154831;
-  int64_t video_start_token_id = 154832;
-  int64_t video_end_token_id = 154833;
+  int64_t image_token_id = 154854, video_token_id = 154855;
+  int64_t image_start_token_id = 154830, image_end_token_id = 154831;
+  int64_t video_start_token_id = 154832, video_end_token_id = 154833;
 };
 
 class ModelConfig {

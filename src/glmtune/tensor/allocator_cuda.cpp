@@ -10,13 +10,17 @@
 
 namespace glmtune {
 
+void throw_call_error(const char* library, const char* expr, const char* status,
+                      const char* status_name, const char* file, int line, const char* fix) {
+  throw Error(fmt::format("{} call `{}` failed: {} ({})", library, expr, status, status_name),
+              fmt::format("{}:{}", file, line), fix);
+}
+
 void throw_cuda_error(cudaError_t status, const char* expr, const char* file, int line) {
-  throw Error(fmt::format("CUDA call `{}` failed: {} ({})", expr, cudaGetErrorString(status),
-                          cudaGetErrorName(status)),
-              fmt::format("{}:{}", file, line),
-              status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver
-                  ? "check that a GPU is visible (nvidia-smi) and the driver supports CUDA 13"
-                  : "");
+  const bool no_gpu = status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver;
+  throw_call_error(
+      "CUDA", expr, cudaGetErrorString(status), cudaGetErrorName(status), file, line,
+      no_gpu ? "check that a GPU is visible (nvidia-smi) and the driver supports CUDA 13" : "");
 }
 
 bool cuda_available() { return cuda_device_count() > 0; }

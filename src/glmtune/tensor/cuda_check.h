@@ -6,7 +6,12 @@
 namespace glmtune {
 [[noreturn]] void throw_cuda_error(cudaError_t status, const char* expr, const char* file,
                                    int line);
-}
+// A failed call into a CUDA library (`library`: "CUDA", "cuBLAS"): names the call and the status
+// (its description and name), at the source line of the call; `fix` may be empty.
+[[noreturn]] void throw_call_error(const char* library, const char* expr, const char* status,
+                                   const char* status_name, const char* file, int line,
+                                   const char* fix);
+}  // namespace glmtune
 
 // Every CUDA runtime call goes through this: a failure names the call and the source line.
 #define GLMTUNE_CUDA_CHECK(expr)                                               \

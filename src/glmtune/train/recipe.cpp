@@ -799,23 +799,19 @@ data::DatasetConfig Recipe::dataset_config() const {
 }
 
 data::PackingConfig Recipe::packing_config(int32_t pad_id) const {
-  data::PackingConfig c;
-  c.pack_max_length = pack_max_length;
-  c.lookahead = pack_lookahead;
-  c.shuffle = shuffle;
-  c.seed = seed;
-  c.pad_id = pad_id;
-  return c;
+  return {.pack_max_length = pack_max_length,
+          .lookahead = pack_lookahead,
+          .shuffle = shuffle,
+          .seed = seed,
+          .pad_id = pad_id};
 }
 
 AdamWConfig Recipe::adamw_config() const {
-  AdamWConfig c;
-  c.beta1 = beta1;
-  c.beta2 = beta2;
-  c.eps = eps;
-  c.weight_decay = weight_decay;
-  c.max_grad_norm = clip_grad_norm;
-  return c;
+  return {.beta1 = beta1,
+          .beta2 = beta2,
+          .eps = eps,
+          .weight_decay = weight_decay,
+          .max_grad_norm = clip_grad_norm};
 }
 
 int64_t Recipe::resolve_total_steps(int64_t packs_per_epoch, int64_t data_parallel_ranks) const {

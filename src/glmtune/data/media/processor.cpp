@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "glmtune/base/error.h"
 #include "glmtune/base/fs.h"
@@ -467,19 +468,20 @@ ProcessedImages process_images(const ProcessorConfig& config, std::span<const Rg
 
 MediaTokenIds MediaTokenIds::from_tokenizer(const Tokenizer& tokenizer) {
   MediaTokenIds ids;
-  auto look_up = [&](std::string_view token, int32_t& out) {
+  const std::pair<std::string_view, int32_t*> tokens[] = {
+      {"<|begin_of_image|>", &ids.begin_of_image},
+      {"<|end_of_image|>", &ids.end_of_image},
+      {"<|begin_of_video|>", &ids.begin_of_video},
+      {"<|end_of_video|>", &ids.end_of_video},
+      {"<|image|>", &ids.image},
+      {"<|video|>", &ids.video}};
+  for (const auto& [token, out] : tokens) {
     const auto id = tokenizer.token_to_id(token);
     if (!id)
       throw Error(fmt::format("the tokenizer has no `{}` token", token), "tokenizer",
                   "use the tokenizer.json of GLM-5.3 (or a tokenizer with its media tokens)");
-    out = *id;
-  };
-  look_up("<|begin_of_image|>", ids.begin_of_image);
-  look_up("<|end_of_image|>", ids.end_of_image);
-  look_up("<|begin_of_video|>", ids.begin_of_video);
-  look_up("<|end_of_video|>", ids.end_of_video);
-  look_up("<|image|>", ids.image);
-  look_up("<|video|>", ids.video);
+    *out = *id;
+  }
   return ids;
 }
 

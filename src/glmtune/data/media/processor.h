@@ -36,8 +36,7 @@ struct ProcessorConfig {
   int64_t temporal_patch_size = 2;
   int64_t merge_size = 2;
   int64_t patch_expand_factor = 1;
-  int64_t min_image_tokens = 16;
-  int64_t max_image_tokens = 8000;
+  int64_t min_image_tokens = 16, max_image_tokens = 8000;
   bool do_resize = true;
   bool do_rescale = true;
   double rescale_factor = 1.0 / 255.0;
@@ -123,12 +122,9 @@ ProcessedImages process_images(const ProcessorConfig& config, std::span<const Rg
 // Ids of the media tokens (released tokenizer: 154830/154831 image begin/end, 154832/154833
 // video begin/end, 154854 <|image|>, 154855 <|video|>).
 struct MediaTokenIds {
-  int32_t begin_of_image = 154830;
-  int32_t end_of_image = 154831;
-  int32_t begin_of_video = 154832;
-  int32_t end_of_video = 154833;
-  int32_t image = 154854;
-  int32_t video = 154855;
+  int32_t begin_of_image = 154830, end_of_image = 154831;
+  int32_t begin_of_video = 154832, end_of_video = 154833;
+  int32_t image = 154854, video = 154855;
 
   // Looks the six tokens up; throws glmtune::Error naming the missing one.
   static MediaTokenIds from_tokenizer(const Tokenizer& tokenizer);

@@ -2,6 +2,7 @@
 // CPU, bf16 with f32 gates, norms and core inputs on a GPU (ops/dispatch.h).
 
 #include <cmath>
+#include <utility>
 
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/grad.h"
@@ -53,19 +54,21 @@ void expect_saved(const Tensor& t, const Shape& shape, const char* name) {
 void check_saved(const KdaSaved& s, const Tensor& x, const KdaOptions& o) {
   const int64_t t = x.size(0), nl = o.num_heads, hl = o.head_dim, ql = nl * hl;
   const Shape proj{t, ql}, heads{t, nl, hl}, per_head{t, nl};
-  expect_saved(s.q_conv_in, proj, "q_conv_in");
-  expect_saved(s.k_conv_in, proj, "k_conv_in");
-  expect_saved(s.v_conv_in, proj, "v_conv_in");
-  expect_saved(s.q, heads, "q");
-  expect_saved(s.k, heads, "k");
-  expect_saved(s.v, heads, "v");
-  expect_saved(s.g, heads, "g");
-  expect_saved(s.core, heads, "core");
-  expect_saved(s.gate, heads, "gate");
-  expect_saved(s.normed, heads, "normed");
-  expect_saved(s.q_norm, per_head, "q_norm");
-  expect_saved(s.k_norm, per_head, "k_norm");
-  expect_saved(s.beta, per_head, "beta");
+  for (auto [tensor, name] : {std::pair{&s.q_conv_in, "q_conv_in"},
+                              {&s.k_conv_in, "k_conv_in"},
+                              {&s.v_conv_in, "v_conv_in"}})
+    expect_saved(*tensor, proj, name);
+  for (auto [tensor, name] : {std::pair{&s.q, "q"},
+                              {&s.k, "k"},
+                              {&s.v, "v"},
+                              {&s.g, "g"},
+                              {&s.core, "core"},
+                              {&s.gate, "gate"},
+                              {&s.normed, "normed"}})
+    expect_saved(*tensor, heads, name);
+  for (auto [tensor, name] :
+       {std::pair{&s.q_norm, "q_norm"}, {&s.k_norm, "k_norm"}, {&s.beta, "beta"}})
+    expect_saved(*tensor, per_head, name);
   if (x.device().is_cpu()) expect_saved(s.o_rstd, per_head, "o_rstd");
 }
 

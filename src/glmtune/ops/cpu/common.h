@@ -11,6 +11,7 @@
 #include "glmtune/base/error.h"
 #include "glmtune/ops/elementwise.h"
 #include "glmtune/ops/grad.h"
+#include "glmtune/ops/topk_order.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::ops::cpu_detail {
@@ -41,17 +42,6 @@ T sigmoid(T v) {
 template <typename T>
 const T* ptr_or_null(const Tensor& t) {
   return t.defined() ? t.data<T>() : nullptr;
-}
-
-// Strict weak order "a ranks before b" for a descending top-k: larger value first, NaN above
-// everything (torch.topk's convention), equal values by ascending index so that the choice is
-// deterministic.
-template <typename T>
-bool ranks_before(T va, int64_t ia, T vb, int64_t ib) {
-  const bool na = std::isnan(va), nb = std::isnan(vb);
-  if (na != nb) return na;
-  if (!na && va != vb) return va > vb;
-  return ia < ib;
 }
 
 }  // namespace glmtune::ops::cpu_detail

@@ -35,16 +35,8 @@ void route_kernel(const MoeConfig& cfg, const T* logits, const T* bias, int64_t 
       }
       std::fill(allowed.begin(), allowed.end(), char(1));
       if (cfg.topk_group < n_group) {
-        for (int64_t g = 0; g < n_group; ++g) {
-          const T* cg = c.data() + g * per_group;
-          int64_t best = 0;
-          for (int64_t j = 1; j < per_group; ++j)
-            if (ranks_before(cg[j], j, cg[best], best)) best = j;
-          int64_t second = best == 0 ? 1 : 0;
-          for (int64_t j = 0; j < per_group; ++j)
-            if (j != best && ranks_before(cg[j], j, cg[second], second)) second = j;
-          group_score[g] = cg[best] + cg[second];
-        }
+        for (int64_t g = 0; g < n_group; ++g)
+          group_score[g] = top2_sum(c.data() + g * per_group, per_group);
         std::iota(groups.begin(), groups.end(), int64_t(0));
         std::partial_sort(groups.begin(), groups.begin() + cfg.topk_group, groups.end(),
                           [&](int64_t a, int64_t b) {

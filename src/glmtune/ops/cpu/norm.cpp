@@ -38,20 +38,25 @@ Tensor make_stat(Tensor* slot, const Tensor& x) {
   return *slot;
 }
 
+// The forward kernels' row loop: body(i, x_row, y_row) for every row of r, y_row in `out`.
+template <typename T, typename Body>
+void for_each_row(const Rows& r, Tensor& out, Body body) {
+  T* y = out.data<T>();
+  for_each_norm_row(r.x.data<T>(), r.rows, r.n,
+                    [&](int64_t i, const T* xi) { body(i, xi, y + i * r.n); });
+}
+
 template <typename T>
 void rms_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& gate,
                      GateActivation activation, double eps, Tensor& out, Tensor& rstd_out) {
-  const T* x = r.x.data<T>();
   const T* w = ptr_or_null<T>(weight);
   Tensor gc = gate.defined() ? gate.contiguous() : Tensor();
   const T* z = ptr_or_null<T>(gc);
-  T* y = out.data<T>();
   T* rs = rstd_out.defined() ? rstd_out.data<T>() : nullptr;
   const int64_t n = r.n;
-  for_each_norm_row(x, r.rows, n, [&](int64_t i, const T* xi) {
+  for_each_row<T>(r, out, [&](int64_t i, const T* xi, T* yi) {
     const T rstd = rms_rstd(xi, n, eps);
     if (rs) rs[i] = rstd;
-    T* yi = y + i * n;
     for (int64_t j = 0; j < n; ++j) {
       T v = xi[j] * rstd;
       if (w) v = w[j] * v;
@@ -67,19 +72,16 @@ void rms_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& gate,
 template <typename T>
 void layer_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& bias, double eps,
                        Tensor& out, Tensor& mean_out, Tensor& rstd_out) {
-  const T* x = r.x.data<T>();
   const T* w = ptr_or_null<T>(weight);
   const T* b = ptr_or_null<T>(bias);
-  T* y = out.data<T>();
   T* ms = mean_out.defined() ? mean_out.data<T>() : nullptr;
   T* rs = rstd_out.defined() ? rstd_out.data<T>() : nullptr;
   const int64_t n = r.n;
-  for_each_norm_row(x, r.rows, n, [&](int64_t i, const T* xi) {
+  for_each_row<T>(r, out, [&](int64_t i, const T* xi, T* yi) {
     T mean, rstd;
     layer_norm_row_stats(xi, n, eps, mean, rstd);
     if (ms) ms[i] = mean;
     if (rs) rs[i] = rstd;
-    T* yi = y + i * n;
     for (int64_t j = 0; j < n; ++j) {
       T v = (xi[j] - mean) * rstd;
       if (w) v = v * w[j];
@@ -91,15 +93,13 @@ void layer_norm_kernel(const Rows& r, const Tensor& weight, const Tensor& bias, 
 
 template <typename T>
 void l2_norm_kernel(const Rows& r, double eps, Tensor& out, Tensor& norm_out) {
-  const T* x = r.x.data<T>();
-  T* y = out.data<T>();
   T* ns = norm_out.defined() ? norm_out.data<T>() : nullptr;
   const int64_t n = r.n;
-  for_each_norm_row(x, r.rows, n, [&](int64_t i, const T* xi) {
+  for_each_row<T>(r, out, [&](int64_t i, const T* xi, T* yi) {
     const T norm = l2_row_norm(xi, n, eps);
     // A true division by the norm, as the reference.
     if (ns) ns[i] = norm;
-    for (int64_t j = 0; j < n; ++j) y[i * n + j] = xi[j] / norm;
+    for (int64_t j = 0; j < n; ++j) yi[j] = xi[j] / norm;
   });
 }
 

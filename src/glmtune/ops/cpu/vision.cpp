@@ -126,10 +126,11 @@ struct RotatePair {
   }
 };
 
-// The CPU body of rope_2d_ and (kTranspose) rope_2d_backward_, after each op's checks and GPU
-// dispatch.
+// rope_2d_ and (kTranspose) rope_2d_backward_, named `op` in messages.
 template <bool kTranspose>
-void rope_2d_cpu(Tensor& x, const RopeTables& t, const char* op) {
+void rope_2d_op(Tensor& x, const RopeTables& t, const char* op) {
+  check_rope_args(x, t, op);
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rope_2d_(x, t, kTranspose));
   check_rope(x, t, op);
   if (x.dtype() == DType::f32)
     for_each_rope_pair<float>(x, t, RotatePair<kTranspose>{});
@@ -270,15 +271,11 @@ RopeTables rope_2d_tables(const Tensor& positions, int64_t head_dim, double thet
 }
 
 void rope_2d_(Tensor& x, const RopeTables& tables) {
-  check_rope_args(x, tables, "rope_2d_");
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::rope_2d_(x, tables));
-  rope_2d_cpu</*kTranspose=*/false>(x, tables, "rope_2d_");
+  rope_2d_op</*kTranspose=*/false>(x, tables, "rope_2d_");
 }
 
 void rope_2d_backward_(Tensor& dx, const RopeTables& tables) {
-  check_rope_args(dx, tables, "rope_2d_backward_");
-  GLMTUNE_DISPATCH_CUDA(dx, cuda_path::rope_2d_backward_(dx, tables));
-  rope_2d_cpu</*kTranspose=*/true>(dx, tables, "rope_2d_backward_");
+  rope_2d_op</*kTranspose=*/true>(dx, tables, "rope_2d_backward_");
 }
 
 void gelu_erf_(Tensor& x) {

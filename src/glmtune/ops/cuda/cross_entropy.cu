@@ -290,6 +290,27 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
                                                                    float(coef), want_grad);
   };
 
+  // A chunk's m rows `a` times the head weight W [V, dim] (row-major, as stored): a·Wᵀ, the
+  // logits of hidden rows, or without `transpose` a·W, the hidden gradient of the logits' one.
+  auto times_weight = [&](int64_t m, const void* a, int64_t lda, bool transpose, void* c,
+                          DType c_dtype) {
+    const int64_t cols = transpose ? vocab : dim;
+    gemm({.device = dev.index,
+          .trans_b = transpose,
+          .m = m,
+          .n = cols,
+          .k = transpose ? dim : vocab,
+          .a = a,
+          .lda = lda,
+          .b = weight.data_ptr(),
+          .ldb = dim,
+          .c = c,
+          .ldc = cols,
+          .c_dtype = c_dtype,
+          .ab_dtype = ab},
+         stream);
+  };
+
   for (int64_t c0 = 0; c0 < n; c0 += chunk) {
     const int64_t m = std::min(chunk, n - c0);
     const int32_t* chunk_rows = rows_dev.data<int32_t>() + c0;
@@ -309,21 +330,7 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
       ldh = dim;
     }
 
-    GemmArgs z;
-    z.device = dev.index;
-    z.trans_b = true;
-    z.m = m;
-    z.n = vocab;
-    z.k = dim;
-    z.a = h_chunk;
-    z.lda = ldh;
-    z.b = weight.data_ptr();
-    z.ldb = dim;
-    z.c = zp;
-    z.ldc = vocab;
-    z.c_dtype = DType::f32;
-    z.ab_dtype = ab;
-    gemm(z, stream);
+    times_weight(m, h_chunk, ldh, /*transpose=*/true, zp, DType::f32);
 
     if (ab == DType::f32)
       ce_rows(static_cast<float*>(nullptr), m, c0);
@@ -337,48 +344,35 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
     const void* dz = zp;
     const int64_t ldz = 4 * vocab / h_size;
     if (dhidden) {
-      GemmArgs d;
-      d.device = dev.index;
-      d.m = m;
-      d.n = dim;
-      d.k = vocab;
-      d.a = dz;
-      d.lda = ldz;
-      d.b = weight.data_ptr();
-      d.ldb = dim;
-      d.c_dtype = dhidden->dtype();
-      d.ab_dtype = ab;
-      d.ldc = dim;
       char* dh_base = static_cast<char*>(dhidden->data_ptr());
       if (run) {
-        d.c = dh_base + int64_t(label_rows[size_t(c0)]) * dim * int64_t(dh_size);
-        gemm(d, stream);
+        times_weight(m, dz, ldz, /*transpose=*/false,
+                     dh_base + int64_t(label_rows[size_t(c0)]) * dim * int64_t(dh_size),
+                     dhidden->dtype());
       } else {
         if (!dh_buffer.defined()) dh_buffer = Tensor::empty({chunk, dim}, dhidden->dtype(), dev);
-        d.c = dh_buffer.data_ptr();
-        gemm(d, stream);
+        times_weight(m, dz, ldz, /*transpose=*/false, dh_buffer.data_ptr(), dhidden->dtype());
         copy_rows(dh_buffer.data_ptr(), dim * int64_t(dh_size), nullptr, dh_base,
                   dim * int64_t(dh_size), chunk_rows, m, dim * int64_t(dh_size), stream);
       }
     }
     if (dweight) {
-      GemmArgs w;
-      w.device = dev.index;
-      w.trans_a = true;
       // Columns [col0, dim) only: the chunk's hidden read from column col0 on.
-      w.m = vocab;
-      w.n = dim - col0;
-      w.k = m;
-      w.a = dz;
-      w.lda = ldz;
-      w.b = static_cast<const char*>(h_chunk) + col0 * h_size;
-      w.ldb = ldh;
-      w.c = dweight->data_ptr();
-      w.ldc = dim - col0;
-      w.c_dtype = dweight->dtype();
-      w.ab_dtype = ab;
-      w.beta = 1.0f;
-      gemm(w, stream);
+      gemm({.device = dev.index,
+            .trans_a = true,
+            .m = vocab,
+            .n = dim - col0,
+            .k = m,
+            .a = dz,
+            .lda = ldz,
+            .b = static_cast<const char*>(h_chunk) + col0 * h_size,
+            .ldb = ldh,
+            .c = dweight->data_ptr(),
+            .ldc = dim - col0,
+            .c_dtype = dweight->dtype(),
+            .beta = 1.0f,
+            .ab_dtype = ab},
+           stream);
     }
   }
 

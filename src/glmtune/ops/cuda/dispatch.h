@@ -203,17 +203,18 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
                                      MoeParams& grads, const Tensor& d_router_logits);
 
 // The vision tower's ops (ops/vision.h): bf16 activations, f32 rotary tables and log-sum-exp.
-void rope_2d_(Tensor& x, const RopeTables& tables);
-void rope_2d_backward_(Tensor& dx, const RopeTables& tables);
+// rope_2d_, and with `transpose` rope_2d_backward_ (on the gradient): one kernel does both.
+void rope_2d_(Tensor& x, const RopeTables& tables, bool transpose);
 void gelu_erf_(Tensor& x);
 void gelu_erf_backward_(const Tensor& x, Tensor& dy);
 Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                         const std::vector<int64_t>& cu_seqlens, int64_t heads, double scale,
                         int64_t q_begin, Tensor* lse);
+// `lse` by value: a missing one is recomputed into it (one forward pass).
 VarlenAttentionGrads varlen_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& out, const Tensor& dout,
                                                const std::vector<int64_t>& cu_seqlens,
                                                int64_t heads, double scale, int64_t q_begin,
-                                               const Tensor& lse);
+                                               Tensor lse);
 
 }  // namespace glmtune::ops::cuda_path

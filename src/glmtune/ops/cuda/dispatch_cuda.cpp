@@ -879,14 +879,9 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
 
 // ---- vision tower ----
 
-void rope_2d_(Tensor& x, const RopeTables& tables) {
-  OpTimer timer("rope_2d");
-  cuda::rope_2d(x, tables.cos, tables.sin, /*transpose=*/false);
-}
-
-void rope_2d_backward_(Tensor& dx, const RopeTables& tables) {
-  OpTimer timer("rope_2d_backward");
-  cuda::rope_2d(dx, tables.cos, tables.sin, /*transpose=*/true);
+void rope_2d_(Tensor& x, const RopeTables& tables, bool transpose) {
+  OpTimer timer(transpose ? "rope_2d_backward" : "rope_2d");
+  cuda::rope_2d(x, tables.cos, tables.sin, transpose);
 }
 
 void gelu_erf_(Tensor& x) {
@@ -916,9 +911,8 @@ VarlenAttentionGrads varlen_attention_backward(const Tensor& q, const Tensor& k,
                                                const Tensor& out, const Tensor& dout,
                                                const std::vector<int64_t>& cu_seqlens,
                                                int64_t heads, double scale, int64_t q_begin,
-                                               const Tensor& lse) {
-  Tensor stats = lse;
-  if (!stats.defined()) varlen_attention(q, k, v, cu_seqlens, heads, scale, q_begin, &stats);
+                                               Tensor lse) {
+  if (!lse.defined()) varlen_attention(q, k, v, cu_seqlens, heads, scale, q_begin, &lse);
   OpTimer timer("varlen_attention_backward");
   GLMTUNE_ASSERT(k.dim() == 2, "varlen_attention_backward: k {} must be 2-D", k.str());
   const Shape key_shape{k.size(0), q.size(1)};
@@ -927,8 +921,8 @@ VarlenAttentionGrads varlen_attention_backward(const Tensor& q, const Tensor& k,
                          Tensor::empty(key_shape, q.dtype(), q.device())};
   // The kernels read out and dout with one row stride.
   const Tensor out_c = out.contiguous(), dout_c = dout.contiguous();
-  cuda::varlen_attention_backward(g.dq, g.dk, g.dv, q, k, v, out_c, dout_c, stats, cu_seqlens,
-                                  heads, scale, q_begin);
+  cuda::varlen_attention_backward(g.dq, g.dk, g.dv, q, k, v, out_c, dout_c, lse, cu_seqlens, heads,
+                                  scale, q_begin);
   return g;
 }
 

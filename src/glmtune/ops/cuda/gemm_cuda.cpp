@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <tuple>
 #include <utility>
 
 #include "glmtune/ops/cuda/cublas_check.h"
@@ -19,28 +20,26 @@
 namespace glmtune {
 
 void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line) {
-  throw Error(fmt::format("cuBLAS call `{}` failed: {} ({})", expr, cublasLtGetStatusString(status),
-                          cublasLtGetStatusName(status)),
-              fmt::format("{}:{}", file, line),
-              status == CUBLAS_STATUS_NOT_INITIALIZED || status == CUBLAS_STATUS_ARCH_MISMATCH
-                  ? "check that a GPU is visible (nvidia-smi) and that the CUDA 13 cuBLAS "
-                    "libraries are on LD_LIBRARY_PATH"
-                  : "");
+  const bool no_gpu =
+      status == CUBLAS_STATUS_NOT_INITIALIZED || status == CUBLAS_STATUS_ARCH_MISMATCH;
+  throw_call_error("cuBLAS", expr, cublasLtGetStatusString(status), cublasLtGetStatusName(status),
+                   file, line,
+                   no_gpu ? "check that a GPU is visible (nvidia-smi) and that the CUDA 13 cuBLAS "
+                            "libraries are on LD_LIBRARY_PATH"
+                          : "");
 }
 
 namespace cuda {
 namespace {
 
-struct AlgoKey {
-  int device = 0;
-  bool trans_a = false, trans_b = false;
-  int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
-  DType c_dtype = DType::bf16, ab_dtype = DType::bf16;
-  bool bias = false;
-  int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
-  uint32_t align_a = 0, align_b = 0, align_c = 0;
-  auto operator<=>(const AlgoKey&) const = default;
-};
+// What the algorithm depends on: the problem without its operands' addresses and scalars, and
+// the operands' alignments (cuBLASLt's order: our B, our A, then C).
+auto algo_key(const GemmArgs& g, uint32_t align_b, uint32_t align_a, uint32_t align_c) {
+  return std::tuple(g.device, g.trans_a, g.trans_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.c_dtype,
+                    g.ab_dtype, g.bias != nullptr, g.batch, g.stride_a, g.stride_b, g.stride_c,
+                    align_b, align_a, align_c);
+}
+using AlgoKey = decltype(algo_key(GemmArgs{}, 0, 0, 0));
 
 // Never destroyed (as lt::handle's handles).
 lt::AlgoCache<AlgoKey>& algo_cache() {
@@ -185,33 +184,17 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
     }
   }
 
-  AlgoKey key;
-  key.device = g.device;
-  key.trans_a = g.trans_a;
-  key.trans_b = g.trans_b;
-  key.m = g.m;
-  key.n = g.n;
-  key.k = g.k;
-  key.lda = g.lda;
-  key.ldb = g.ldb;
-  key.ldc = g.ldc;
-  key.c_dtype = g.c_dtype;
-  key.ab_dtype = g.ab_dtype;
-  key.bias = g.bias != nullptr;
-  key.batch = g.batch;
-  key.stride_a = g.stride_a;
-  key.stride_b = g.stride_b;
-  key.stride_c = g.stride_c;
   // Every product of a batch starts a stride further on: its rows are aligned as both allow.
-  key.align_a = lt::alignment_of(g.b, std::gcd(g.ldb, g.stride_b), ab_size);  // our B (above)
-  key.align_b = lt::alignment_of(g.a, std::gcd(g.lda, g.stride_a), ab_size);
-  key.align_c = lt::alignment_of(g.c, std::gcd(g.ldc, g.stride_c), c_size);
+  const uint32_t align_b = lt::alignment_of(g.b, std::gcd(g.ldb, g.stride_b), ab_size);
+  const uint32_t align_a = lt::alignment_of(g.a, std::gcd(g.lda, g.stride_a), ab_size);
+  const uint32_t align_c = lt::alignment_of(g.c, std::gcd(g.ldc, g.stride_c), c_size);
+  const AlgoKey key = algo_key(g, align_b, align_a, align_c);
 
   detail::DeviceGuard guard(g.device);
   const cublasLtHandle_t handle = lt::handle(g.device);
   void* const workspace = lt::workspace(g.device, stream);
   const cublasLtMatmulAlgo_t algo = algo_cache().get(key, [&] {
-    desc.pref = lt::preference(key.align_a, key.align_b, key.align_c, key.align_c);
+    desc.pref = lt::preference(align_b, align_a, align_c, align_c);
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     GLMTUNE_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d,
@@ -221,8 +204,8 @@ void gemm(const GemmArgs& g, cudaStream_t stream) {
                               "(trans_a={}, trans_b={}, lda={} ldb={} ldc={}, output {}, "
                               "alignments {}/{}/{} bytes{})",
                               dtype_name(g.ab_dtype), g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda,
-                              g.ldb, g.ldc, dtype_name(g.c_dtype), key.align_b, key.align_a,
-                              key.align_c, g.bias ? ", bias" : ""),
+                              g.ldb, g.ldc, dtype_name(g.c_dtype), align_a, align_b, align_c,
+                              g.bias ? ", bias" : ""),
                   "cuda gemm",
                   "keep rows of every operand 16-byte aligned (row lengths a multiple of 16 "
                   "bytes: 8 bf16 or 4 f32 elements)");

@@ -9,6 +9,7 @@
 #include "glmtune/ops/cuda/moe.h"
 #include "glmtune/ops/cuda/streams.h"
 #include "glmtune/ops/cuda/swiglu.h"
+#include "glmtune/ops/topk_order.h"
 
 namespace glmtune::cuda {
 namespace {
@@ -18,14 +19,7 @@ using detail::bf16;
 constexpr int kThreads = 256;
 constexpr int kRouteWarps = 4;
 
-// The CPU op's order for a descending top-k (ops/cpu/common.h ranks_before): NaN above
-// everything, larger first, equal values by ascending index.
-__device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
-  const bool na = isnan(va), nb = isnan(vb);
-  if (na != nb) return na;
-  if (!na && va != vb) return va > vb;
-  return ia < ib;
-}
+using ops::ranks_before;
 
 // The best (value, index) over the warp; index −1 means "none". Every lane ends with the same
 // answer, and the answer is the unique maximum of a total order, so it never depends on timing.
@@ -74,17 +68,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(RouteArgs a) {
   if (a.topk_group < a.n_group) {
     // Lane g scores group g by its two best biased scores; then the topk_group best groups stay.
     const int per = E / a.n_group;
-    float score = 0.0f;
-    if (lane < a.n_group) {
-      const float* cg = c + lane * per;
-      int best = 0;
-      for (int j = 1; j < per; ++j)
-        if (ranks_before(cg[j], j, cg[best], best)) best = j;
-      int second = best == 0 ? 1 : 0;
-      for (int j = 0; j < per; ++j)
-        if (j != best && ranks_before(cg[j], j, cg[second], second)) second = j;
-      score = cg[best] + cg[second];
-    }
+    const float score = lane < a.n_group ? ops::top2_sum(c + lane * per, per) : 0.0f;
     bool kept = false, taken = false;
     for (int r = 0; r < a.topk_group; ++r) {
       float v = score;
