@@ -6,8 +6,10 @@
 //   (built as bench/absorbed_forward_wgmma by the CUDA build, or alone:)
 //   nvcc -std=c++20 -O3 -gencode=arch=compute_90a,code=sm_90a -Isrc \
 //        -o absorbed_forward_wgmma bench/absorbed_forward_wgmma.cu
-//   ./absorbed_forward_wgmma [T=4096] [heads=64] [top=2048] [check=1]
+//   ./absorbed_forward_wgmma [T=4096] [heads=64] [top=2048] [check=1] [blocks=0]
 //
+// `blocks` sets the persistent grid (0: one block per multiprocessor, as the library launches it;
+// a small number makes every block take many items, each with its own count of keys).
 // One document of T tokens; query i selects min(i + 1, top) distinct random keys <= i (every 97th
 // query none, the empty-row case). Prints the largest |difference| of the outputs and of lse2
 // against the fp32 kernel, the number of outputs off by more than 2e-2, and the mean of
@@ -65,6 +67,7 @@ int main(int argc, char** argv) {
   int T = argc > 1 ? atoi(argv[1]) : 4096, heads = argc > 2 ? atoi(argv[2]) : 64,
       topk = argc > 3 ? atoi(argv[3]) : 2048;
   int check = argc > 4 ? atoi(argv[4]) : 1;
+  int blocks = argc > 5 ? atoi(argv[5]) : 0;
   int width = topk;
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0, 1);
@@ -104,9 +107,11 @@ int main(int argc, char** argv) {
   AbsorbedForwardArgs a{dq, dl, dk, dc, width, heads, scale_log2};
   CK(cudaFuncSetAttribute(absorbed_forward_wgmma_kernel,
                           cudaFuncAttributeMaxDynamicSharedMemorySize, absorbed_fwd::kSmemBytes));
-  dim3 grid(T, (heads + 63) / 64);
-  absorbed_forward_wgmma_kernel<<<grid, absorbed_fwd::kThreads, absorbed_fwd::kSmemBytes>>>(a, dout,
-                                                                                            dlse);
+  const long long items = (long long)T * ((heads + 63) / 64);
+  if (blocks <= 0) CK(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, 0));
+  const dim3 grid((unsigned)std::min<long long>(items, blocks));
+  absorbed_forward_wgmma_kernel<<<grid, absorbed_fwd::kThreads, absorbed_fwd::kSmemBytes>>>(
+      a, items, dout, dlse);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   if (check) {
@@ -149,19 +154,19 @@ int main(int argc, char** argv) {
   cudaEventCreate(&e1);
   for (int w = 0; w < 3; ++w)
     absorbed_forward_wgmma_kernel<<<grid, absorbed_fwd::kThreads, absorbed_fwd::kSmemBytes>>>(
-        a, dout, dlse);
+        a, items, dout, dlse);
   cudaEventRecord(e0);
   int reps = 10;
   for (int w = 0; w < reps; ++w)
     absorbed_forward_wgmma_kernel<<<grid, absorbed_fwd::kThreads, absorbed_fwd::kSmemBytes>>>(
-        a, dout, dlse);
+        a, items, dout, dlse);
   cudaEventRecord(e1);
   CK(cudaEventSynchronize(e1));
   float ms;
   cudaEventElapsedTime(&ms, e0, e1);
   ms /= reps;
   double flop = (double)pairs * heads * 512 * 2 * 2;
-  printf("wgmma fwd T%d H%d top%d: %lld pairs, %.3f ms, %.1f TFLOP/s\n", T, heads, topk, pairs, ms,
-         flop / ms / 1e9);
+  printf("wgmma fwd T%d H%d top%d (%u blocks): %lld pairs, %.3f ms, %.1f TFLOP/s\n", T, heads, topk,
+         grid.x, pairs, ms, flop / ms / 1e9);
   return 0;
 }

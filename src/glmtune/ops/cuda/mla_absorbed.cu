@@ -681,8 +681,15 @@ AbsorbedAttentionOutput absorbed_attention_forward(const Tensor& q_abs, const Te
   if (use_wgmma) {
     namespace fwd = sm90::absorbed_fwd;
     allow_smem(sm90::absorbed_forward_wgmma_kernel, fwd::kSmemBytes);
-    sm90::absorbed_forward_wgmma_kernel<<<grid, fwd::kThreads, fwd::kSmemBytes, stream>>>(
-        sm90_args(a), static_cast<bf16*>(r.out.data_ptr()), r.lse2.data<float>());
+    // Persistent blocks, one per SM: each loads its next query's q_abs under the present one's
+    // last products and output stores.
+    const int64_t items = int64_t(grid.x) * grid.y;
+    int sms = 0;
+    GLMTUNE_CUDA_CHECK(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q_abs.device().index));
+    sm90::absorbed_forward_wgmma_kernel<<<unsigned(std::min<int64_t>(items, sms)), fwd::kThreads,
+                                          fwd::kSmemBytes, stream>>>(
+        sm90_args(a), items, static_cast<bf16*>(r.out.data_ptr()), r.lse2.data<float>());
   } else {
     allow_smem(absorbed_forward_kernel, kForwardSmem);
     absorbed_forward_kernel<<<grid, kThreads, kForwardSmem, stream>>>(

@@ -88,11 +88,14 @@ __device__ __forceinline__ int32_t prefetch_position(const int32_t* row, int blo
 
 // ---- forward ------------------------------------------------------------------------------------
 //
-// One block per (query, 64 heads) in three warpgroups, arranged so that no iteration waits for its
-// keys to be gathered:
-//   - a producer warpgroup gathers the latent rows (cp.async completing on mbarriers) into four
-//     32-key tiles, two stages of one tile per consumer warpgroup: the next stage's rows are
-//     gathered while the present stage is multiplied;
+// Persistent blocks, one per SM, each taking the (query, 64 heads) items blockIdx.x, blockIdx.x +
+// gridDim.x, ... in three warpgroups, arranged so that no iteration waits for its keys to be
+// gathered and no item waits for its own q_abs:
+//   - a producer warpgroup loads an item's q_abs once the previous item's scores are all formed
+//     (under that item's last products and its output's stores), then gathers the latent rows
+//     (cp.async completing on mbarriers) into four 32-key tiles, two stages of one tile per
+//     consumer warpgroup: the next stage's rows are gathered while the present stage is
+//     multiplied, across items too;
 //   - keys go 64 at a time: warpgroup w scores its own block of 32 (S_w = q_abs · L_wᵀ,
 //     m64n32k16 × 32);
 //   - the row maxima of both blocks meet in shared memory, then warpgroup w adds to its output
@@ -101,8 +104,9 @@ __device__ __forceinline__ int32_t prefetch_position(const int32_t* row, int blo
 //     with the other block; the output is rescaled only when a row's maximum moved;
 //   - the next stage's scores are issued before both products are waited for, and a stage's tiles
 //     go back to the producer once both products have read them.
-// Shared memory: q_abs (64 KB), four key tiles (128 KB), P of both warpgroups for two iterations
-// (32 KB), row maxima and sums, nine mbarriers.
+// The stages and their barriers' phases count iterations over all of a block's items. Shared
+// memory: q_abs (64 KB), four key tiles (128 KB), P of both warpgroups for two iterations
+// (32 KB), row maxima and sums, ten mbarriers.
 
 namespace absorbed_fwd {
 
@@ -123,7 +127,8 @@ static_assert(2 * 128 * kConsumerRegisters + 128 * kProducerRegisters <= 65536);
 constexpr int kMaxBarrier = 1, kPBarrier = 2, kEpilogueBarrier = 3;
 
 struct Barriers {
-  uint64_t q_full;
+  uint64_t q_full;       // the item's q_abs landed
+  uint64_t q_empty;      // every score product of the item has read q_abs
   uint64_t full[2][2];   // [stage][tile]: the producer's rows landed
   uint64_t empty[2][2];  // [stage][tile]: no product reads the tile any more
 };
@@ -133,11 +138,12 @@ constexpr int kSmemBytes = kQBytes + 4 * kTileBytes + 4 * kPBytes + 2 * 2 * kHea
 }  // namespace absorbed_fwd
 
 // out[i, h] = Σ_j softmax_j(scale · q_abs[i,h] · latent[j]) latent[j]; lse2[i, h] = log2 Σ_j
-// 2^(s_j) in base-2 units (+∞ and a zero output for a query without keys). Grid (T, ⌈NH/64⌉),
+// 2^(s_j) in base-2 units (+∞ and a zero output for a query without keys). Items (query, block of
+// 64 heads) number T · ⌈NH/64⌉, query-major; any grid of (blocks, 1) covers them,
 // absorbed_fwd::kThreads threads, absorbed_fwd::kSmemBytes of dynamic shared memory.
 __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
-    absorbed_forward_wgmma_kernel(AbsorbedForwardArgs a, __nv_bfloat16* __restrict__ out,
-                                  float* __restrict__ lse2) {
+    absorbed_forward_wgmma_kernel(AbsorbedForwardArgs a, int64_t items,
+                                  __nv_bfloat16* __restrict__ out, float* __restrict__ lse2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace absorbed_fwd;
   unsigned char* smem = absorbed_tiles::smem_1024();
@@ -149,15 +155,10 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   Barriers* bars = reinterpret_cast<Barriers*>(sSum + 2 * kHeads);
 
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0);
-  const int64_t i = blockIdx.x;
-  const int h0 = blockIdx.y * kHeads;
-  const int count = a.counts[i];
-  const int blocks = (count + kKeys - 1) / kKeys;
-  const int iterations = (blocks + 1) / 2;
-  const int32_t* key_row = a.keys + i * a.width;
-
+  const int head_blocks = (a.heads + kHeads - 1) / kHeads;
   if (threadIdx.x == 0) {
     wgmma::mbarrier_init(&bars->q_full, 128);
+    wgmma::mbarrier_init(&bars->q_empty, 256);
     for (int s = 0; s < 2; ++s)
       for (int t = 0; t < 2; ++t) {
         wgmma::mbarrier_init(&bars->full[s][t], 128);
@@ -170,37 +171,48 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   if (wg == 2) {
     wgmma::give_back_registers<kProducerRegisters>();
     const int p = threadIdx.x - 256, warp = p >> 5, lane = p & 31;
+    int64_t jj = 0;  // iterations of the earlier items
+    int n = 0;       // the block's items so far
+    for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++n) {
+      const int64_t i = item / head_blocks;
+      const int h0 = int(item % head_blocks) * kHeads;
+      const int count = a.counts[i];
+      const int iterations = ((count + kKeys - 1) / kKeys + 1) / 2;
+      const int32_t* key_row = a.keys + i * a.width;
+      if (n > 0) wgmma::mbarrier_wait(&bars->q_empty, (n - 1) & 1);
 #pragma unroll 4
-    for (int e = p; e < kHeads * (kR / 8); e += 128) {
-      const int row = e >> 6, chunk = e & 63;
-      const bool valid = h0 + row < a.heads;
-      tc::cp_async16_zfill(sQ + (chunk >> 3) * kQPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
-                           valid ? a.q + (i * a.heads + h0 + row) * kR + chunk * 8 : a.q, valid);
-    }
-    wgmma::mbarrier_arrive_on_cp_async(&bars->q_full);
-    for (int j = 0; j < iterations; ++j) {
-      const int s = j & 1;
-      // Lane l < 8 holds the position of tile 0's row warp + 4l, lanes 8 + l tile 1's.
-      const int tile_of_lane = (lane >> 3) & 1, row_of_lane = warp + 4 * (lane & 7);
-      const int slot = (2 * j + tile_of_lane) * kKeys + row_of_lane;
-      const int32_t position = lane < 16 && slot < count ? key_row[slot] : -1;
+      for (int e = p; e < kHeads * (kR / 8); e += 128) {
+        const int row = e >> 6, chunk = e & 63;
+        const bool valid = h0 + row < a.heads;
+        tc::cp_async16_zfill(
+            sQ + (chunk >> 3) * kQPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
+            valid ? a.q + (i * a.heads + h0 + row) * kR + chunk * 8 : a.q, valid);
+      }
+      wgmma::mbarrier_arrive_on_cp_async(&bars->q_full);
+      for (int j = 0; j < iterations; ++j, ++jj) {
+        const int s = int(jj & 1);
+        // Lane l < 8 holds the position of tile 0's row warp + 4l, lanes 8 + l tile 1's.
+        const int tile_of_lane = (lane >> 3) & 1, row_of_lane = warp + 4 * (lane & 7);
+        const int slot = (2 * j + tile_of_lane) * kKeys + row_of_lane;
+        const int32_t position = lane < 16 && slot < count ? key_row[slot] : -1;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        if (j >= 2) wgmma::mbarrier_wait(&bars->empty[s][t], ((j >> 1) - 1) & 1);
-        unsigned char* tile = sK + (2 * s + t) * kTileBytes;
+        for (int t = 0; t < 2; ++t) {
+          if (jj >= 2) wgmma::mbarrier_wait(&bars->empty[s][t], int(((jj >> 1) - 1) & 1));
+          unsigned char* tile = sK + (2 * s + t) * kTileBytes;
 #pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          const int row = warp + 4 * r;
-          const int32_t pos = __shfl_sync(0xffffffffu, position, 8 * t + r);
+          for (int r = 0; r < 8; ++r) {
+            const int row = warp + 4 * r;
+            const int32_t pos = __shfl_sync(0xffffffffu, position, 8 * t + r);
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int chunk = half * 32 + lane;  // 16-byte chunk of the 1 KB row
-            tc::cp_async16_zfill(
-                tile + (chunk >> 3) * kKeyPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
-                pos >= 0 ? a.latent + int64_t(pos) * kR + chunk * 8 : a.latent, pos >= 0);
+            for (int half = 0; half < 2; ++half) {
+              const int chunk = half * 32 + lane;  // 16-byte chunk of the 1 KB row
+              tc::cp_async16_zfill(
+                  tile + (chunk >> 3) * kKeyPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
+                  pos >= 0 ? a.latent + int64_t(pos) * kR + chunk * 8 : a.latent, pos >= 0);
+            }
           }
+          wgmma::mbarrier_arrive_on_cp_async(&bars->full[s][t]);
         }
-        wgmma::mbarrier_arrive_on_cp_async(&bars->full[s][t]);
       }
     }
     tc::cp_async_wait<0>();
@@ -213,10 +225,21 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   const int row0 = warp * 16 + g;
   const int own = wg, other = 1 - wg;
 
+  // This thread's values of its two rows into slots[own][row] ([2][64]), then the consumers'
+  // barrier `id`, after which the other warpgroup's are readable.
+  auto share_rows = [&](float* slots, const float(&v)[2], int id) {
+    if (t == 0) {
+      slots[own * kHeads + row0] = v[0];
+      slots[own * kHeads + row0 + 8] = v[1];
+    }
+    wgmma::named_barrier<kConsumerThreads>(id);
+  };
+
   float s[16];
-  auto issue_scores = [&](int j) {
-    const unsigned char* tile = sK + (2 * (j & 1) + own) * kTileBytes;
-    wgmma::mbarrier_wait(&bars->full[j & 1][own], (j >> 1) & 1);
+  // Scores of the item's iteration j, the block's iteration jj (its stage and phase).
+  auto issue_scores = [&](int64_t jj) {
+    const unsigned char* tile = sK + (2 * int(jj & 1) + own) * kTileBytes;
+    wgmma::mbarrier_wait(&bars->full[jj & 1][own], int((jj >> 1) & 1));
     wgmma::fence_shared_for_async();
     wgmma::fence();
 #pragma unroll
@@ -230,126 +253,137 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   };
 
   float o[128];
+  int64_t jj0 = 0;  // iterations of the earlier items
+  int n = 0;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++n) {
+    const int64_t i = item / head_blocks;
+    const int h0 = int(item % head_blocks) * kHeads;
+    const int count = a.counts[i];
+    const int blocks = (count + kKeys - 1) / kKeys;
+    const int iterations = (blocks + 1) / 2;
 #pragma unroll
-  for (int e = 0; e < 128; ++e) o[e] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int e = 0; e < 128; ++e) o[e] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
-  if (iterations > 0) {
-    wgmma::mbarrier_wait(&bars->q_full, 0);
-    issue_scores(0);
-  }
-  for (int j = 0; j < iterations; ++j) {
-    const int st = j & 1;
-    const unsigned char* own_tile = sK + (2 * st + own) * kTileBytes;
-    const unsigned char* other_tile = sK + (2 * st + other) * kTileBytes;
-    wgmma::wait<0>();
-    wgmma::pin(s);
-
-    const int block = 2 * j + own;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const int slot = block * kKeys + (e >> 2) * 8 + 2 * t + (e & 1);
-      s[e] = slot < count ? s[e] * a.scale_log2 : -INFINITY;
-      mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    }
-    float* max_slots = sMax + st * 2 * kHeads;
-    if (t == 0) {
-      max_slots[own * kHeads + row0] = mx[0];
-      max_slots[own * kHeads + row0 + 8] = mx[1];
-    }
-    wgmma::named_barrier<kConsumerThreads>(kMaxBarrier);
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float next = fmaxf(m[r], fmaxf(mx[r], max_slots[other * kHeads + row0 + 8 * r]));
-      alpha[r] = exp2f(m[r] - next);
-      m[r] = next;
-    }
-
-    uint32_t pa[2][4];
-    float sum[2] = {0.0f, 0.0f};
-    unsigned char* own_p = sP + (st * 2 + own) * kPBytes;
-#pragma unroll
-    for (int e = 0; e < 16; e += 2) {
-      const int r = (e >> 1) & 1;
-      const float p0 = exp2f(s[e] - m[r]), p1 = exp2f(s[e + 1] - m[r]);
-      sum[r] += p0 + p1;
-      const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
-      pa[e >> 3][(e >> 1) & 3] = *reinterpret_cast<const uint32_t*>(&pair);
-      *reinterpret_cast<__nv_bfloat162*>(
-          own_p + wgmma::swizzled(row0 + 8 * r, (e >> 2) * 8 + 2 * t)) = pair;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
-      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
-      l[r] = l[r] * alpha[r] + sum[r];
-    }
-    if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
-#pragma unroll
-      for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
-    }
-
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma::mma_m64n256k16_rs<1>(
-          o, pa[kk],
-          wgmma::desc_mn_major(own_tile + own * kHalfBytes + kk * 16 * 128, kKeyPanelBytes), false);
-    wgmma::commit();
-
-    wgmma::fence_shared_for_async();
-    wgmma::named_barrier<kConsumerThreads>(kPBarrier);
-    const unsigned char* other_p = sP + (st * 2 + other) * kPBytes;
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk)
-      wgmma::mma_m64n256k16<0, 1>(
-          o, wgmma::desc_k_major(other_p + kk * 32),
-          wgmma::desc_mn_major(other_tile + own * kHalfBytes + kk * 16 * 128, kKeyPanelBytes),
-          false);
-    wgmma::commit();
-
-    // The next stage's tiles were gathered during this one: score them under the products.
-    if (j + 1 < iterations) {
-      issue_scores(j + 1);
-      wgmma::wait<1>();
-    } else {
+    // Every item's q_abs is waited for, keys or not: a wait skipped would let the next one name
+    // a phase the barrier has not reached.
+    wgmma::mbarrier_wait(&bars->q_full, n & 1);
+    if (iterations > 0)
+      issue_scores(jj0);
+    else
+      wgmma::mbarrier_arrive(&bars->q_empty);
+    for (int j = 0; j < iterations; ++j) {
+      const int64_t jj = jj0 + j;
+      const int st = int(jj & 1);
+      const unsigned char* own_tile = sK + (2 * st + own) * kTileBytes;
+      const unsigned char* other_tile = sK + (2 * st + other) * kTileBytes;
       wgmma::wait<0>();
-    }
-    wgmma::pin(o);
-    wgmma::mbarrier_arrive(&bars->empty[st][own]);
-    wgmma::mbarrier_arrive(&bars->empty[st][other]);
-  }
+      wgmma::pin(s);
+      // The item's last scores are formed: its q_abs may make way for the next item's.
+      if (j + 1 == iterations) wgmma::mbarrier_arrive(&bars->q_empty);
 
-  if (t == 0) {
-    sSum[own * kHeads + row0] = l[0];
-    sSum[own * kHeads + row0 + 8] = l[1];
-  }
-  wgmma::named_barrier<kConsumerThreads>(kEpilogueBarrier);
-  float inv[2];
+      const int block = 2 * j + own;
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float total = sSum[row0 + 8 * r] + sSum[kHeads + row0 + 8 * r];
-    inv[r] = blocks > 0 ? 1.0f / total : 0.0f;
-    const int h = h0 + row0 + 8 * r;
-    if (own == 0 && t == 0 && h < a.heads)
-      lse2[i * a.heads + h] = blocks > 0 ? m[r] + log2f(total) : INFINITY;
-  }
+      for (int e = 0; e < 16; ++e) {
+        const int slot = block * kKeys + (e >> 2) * 8 + 2 * t + (e & 1);
+        s[e] = slot < count ? s[e] * a.scale_log2 : -INFINITY;
+        mx[(e >> 1) & 1] = fmaxf(mx[(e >> 1) & 1], s[e]);
+      }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int h = h0 + row0 + 8 * r;
-    if (h >= a.heads) continue;
-    __nv_bfloat16* dst = out + (i * a.heads + h) * kR + own * 256 + 2 * t;
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      }
+      float* max_slots = sMax + st * 2 * kHeads;
+      share_rows(max_slots, mx, kMaxBarrier);
+      float alpha[2];
 #pragma unroll
-    for (int n = 0; n < 32; ++n)
-      *reinterpret_cast<__nv_bfloat162*>(dst + n * 8) =
-          __floats2bfloat162_rn(o[4 * n + 2 * r] * inv[r], o[4 * n + 2 * r + 1] * inv[r]);
+      for (int r = 0; r < 2; ++r) {
+        const float next = fmaxf(m[r], fmaxf(mx[r], max_slots[other * kHeads + row0 + 8 * r]));
+        alpha[r] = exp2f(m[r] - next);
+        m[r] = next;
+      }
+
+      uint32_t pa[2][4];
+      float sum[2] = {0.0f, 0.0f};
+      unsigned char* own_p = sP + (st * 2 + own) * kPBytes;
+#pragma unroll
+      for (int e = 0; e < 16; e += 2) {
+        const int r = (e >> 1) & 1;
+        const float p0 = exp2f(s[e] - m[r]), p1 = exp2f(s[e + 1] - m[r]);
+        sum[r] += p0 + p1;
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
+        pa[e >> 3][(e >> 1) & 3] = *reinterpret_cast<const uint32_t*>(&pair);
+        *reinterpret_cast<__nv_bfloat162*>(
+            own_p + wgmma::swizzled(row0 + 8 * r, (e >> 2) * 8 + 2 * t)) = pair;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+        sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+        l[r] = l[r] * alpha[r] + sum[r];
+      }
+      if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
+#pragma unroll
+        for (int e = 0; e < 128; ++e) o[e] *= alpha[(e >> 1) & 1];
+      }
+
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk)
+        wgmma::mma_m64n256k16_rs<1>(
+            o, pa[kk],
+            wgmma::desc_mn_major(own_tile + own * kHalfBytes + kk * 16 * 128, kKeyPanelBytes),
+            false);
+      wgmma::commit();
+
+      wgmma::fence_shared_for_async();
+      wgmma::named_barrier<kConsumerThreads>(kPBarrier);
+      const unsigned char* other_p = sP + (st * 2 + other) * kPBytes;
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk)
+        wgmma::mma_m64n256k16<0, 1>(
+            o, wgmma::desc_k_major(other_p + kk * 32),
+            wgmma::desc_mn_major(other_tile + own * kHalfBytes + kk * 16 * 128, kKeyPanelBytes),
+            false);
+      wgmma::commit();
+
+      // The next stage's tiles were gathered during this one: score them under the products.
+      if (j + 1 < iterations) {
+        issue_scores(jj + 1);
+        wgmma::wait<1>();
+      } else {
+        wgmma::wait<0>();
+      }
+      wgmma::pin(o);
+      wgmma::mbarrier_arrive(&bars->empty[st][own]);
+      wgmma::mbarrier_arrive(&bars->empty[st][other]);
+    }
+    jj0 += iterations;
+
+    share_rows(sSum, l, kEpilogueBarrier);
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float total = sSum[row0 + 8 * r] + sSum[kHeads + row0 + 8 * r];
+      inv[r] = blocks > 0 ? 1.0f / total : 0.0f;
+      const int h = h0 + row0 + 8 * r;
+      if (own == 0 && t == 0 && h < a.heads)
+        lse2[i * a.heads + h] = blocks > 0 ? m[r] + log2f(total) : INFINITY;
+    }
+    // The sums are read: the next item (with no iteration, no other barrier) may write them.
+    wgmma::named_barrier<kConsumerThreads>(kEpilogueBarrier);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int h = h0 + row0 + 8 * r;
+      if (h >= a.heads) continue;
+      __nv_bfloat16* dst = out + (i * a.heads + h) * kR + own * 256 + 2 * t;
+#pragma unroll
+      for (int c = 0; c < 32; ++c)
+        *reinterpret_cast<__nv_bfloat162*>(dst + c * 8) =
+            __floats2bfloat162_rn(o[4 * c + 2 * r] * inv[r], o[4 * c + 2 * r + 1] * inv[r]);
+    }
   }
 #endif
 }

@@ -130,27 +130,6 @@ __device__ __forceinline__ void mma_m64n256k16(float (&acc)[128], uint64_t desc_
       : GLMTUNE_WGMMA_ACC128_OPERANDS(acc)
       : "l"(desc_a), "l"(desc_b), "r"(uint32_t(zero_acc)), "n"(TRANS_A), "n"(TRANS_B));
 }
-// acc (64 × 64, fp32) += A · B over one k16 step: A 64 × 16 (MN-major when TRANS_A) and B 64 × 16
-// (MN-major when TRANS_B), bf16 in shared memory named by descriptors; with zero_acc the product
-// replaces acc. Asynchronous: read acc only after commit() and wait<0>().
-template <int TRANS_A, int TRANS_B>
-__device__ __forceinline__ void mma_m64n64k16(float (&acc)[32], uint64_t desc_a, uint64_t desc_b, bool zero_acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.eq.u32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,"
-      "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-      "}"
-      ", %32, %33, p, 1, 1, %35, %36;\n}\n"
-      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3]), "+f"(acc[4]), "+f"(acc[5]),
-        "+f"(acc[6]), "+f"(acc[7]), "+f"(acc[8]), "+f"(acc[9]), "+f"(acc[10]), "+f"(acc[11]),
-        "+f"(acc[12]), "+f"(acc[13]), "+f"(acc[14]), "+f"(acc[15]), "+f"(acc[16]), "+f"(acc[17]),
-        "+f"(acc[18]), "+f"(acc[19]), "+f"(acc[20]), "+f"(acc[21]), "+f"(acc[22]), "+f"(acc[23]),
-        "+f"(acc[24]), "+f"(acc[25]), "+f"(acc[26]), "+f"(acc[27]), "+f"(acc[28]), "+f"(acc[29]),
-        "+f"(acc[30]), "+f"(acc[31])
-      : "l"(desc_a), "l"(desc_b), "r"(uint32_t(zero_acc)), "n"(TRANS_A), "n"(TRANS_B));
-}
 
 // acc (64 × 256, fp32) += A · B over one k16 step with A (64 × 16, bf16) in registers: a thread
 // holds the pairs (row g, k 2t), (row g + 8, k 2t), (row g, k 2t + 8), (row g + 8, k 2t + 8) of its
