@@ -324,6 +324,9 @@ struct BenchTimes {
   std::vector<double> step_s, fb_s, opt_s;
   std::map<std::string, double> op_ms;
   double loss = 0;
+  // Device allocations that reached cudaMalloc during the timed steps: a steady step makes none,
+  // and each one it makes stalls the host where the device may be waiting for work.
+  uint64_t system_allocs = 0;
 };
 
 // `run_pack` runs one pack's forward and backward into gradients `zero` clears.
@@ -332,11 +335,13 @@ BenchTimes time_steps(const BenchArgs& a,
                       const std::function<void()>& zero, BenchAdamW& adam, Allocator& alloc,
                       Allocator& pinned) {
   BenchTimes bt;
+  uint64_t system_allocs_before = 0;
   for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
     const bool timed = s >= a.warmup;
     if (timed && s == a.warmup) {
       alloc.reset_peak();
       pinned.reset_peak();
+      system_allocs_before = alloc.stats().num_system_allocs;
     }
     ops::cuda_path::enable_op_timing(timed, a.op_detail);
     zero();
@@ -363,6 +368,7 @@ BenchTimes time_steps(const BenchArgs& a,
     bt.opt_s.push_back(std::chrono::duration<double>(t2 - t1).count());
     bt.step_s.push_back(std::chrono::duration<double>(t2 - t0).count());
   }
+  bt.system_allocs = alloc.stats().num_system_allocs - system_allocs_before;
   return bt;
 }
 
@@ -375,6 +381,7 @@ struct BenchStepReport {
   FlopCount flops;
   double tflops = 0;
   MemoryStats mem;
+  uint64_t system_allocs = 0;  // in the timed steps
   double pinned_gib = 0;
   double loss = 0;
   train::FreezePlan frozen;
@@ -409,6 +416,7 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"flop_per_step", r.flops.step(a.pack) + r.vision_flops},
                         {"peak_allocated_gib", double(r.mem.peak_allocated) / (1 << 30)},
                         {"peak_reserved_gib", double(r.mem.peak_reserved) / (1 << 30)},
+                        {"device_system_allocs", r.system_allocs},
                         {"recompute", a.recompute},
                         {"recompute_vision", a.recompute_vision},
                         {"offload", a.offload},
@@ -493,6 +501,8 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
       "%.4f\n",
       double(r.mem.peak_allocated) / (1 << 30), double(r.mem.peak_reserved) / (1 << 30),
       r.pinned_gib, r.loss);
+  std::printf("device allocations that reached cudaMalloc in the timed steps: %llu\n",
+              static_cast<unsigned long long>(r.system_allocs));
   double op_total = 0;
   for (const auto& [name, ms] : r.op_ms) op_total += ms;
   std::vector<std::pair<double, std::string>> rows;
@@ -661,6 +671,7 @@ int run_bench_step(const BenchArgs& a) {
   r.executed_flops = r.flops.step(a.pack) + r.vision_flops;
   if (a.lora_rank > 0) r.executed_flops += lora_flop_change(model, store, a.pack);
   r.mem = alloc.stats();
+  r.system_allocs = times.system_allocs;
   r.pinned_gib = double(pinned.stats().peak_allocated) / (1 << 30);
   r.loss = times.loss;
   r.op_ms = std::move(times.op_ms);
