@@ -456,5 +456,18 @@ TEST(CudaOpsMla, IndexOutsideDocumentIsRejected) {
   EXPECT_THROW(cuda::sparse_key_sets(idx.to(kGpu), seqlens(bounds), false), InternalError);
   idx.data<int32_t>()[12 * 3] = 15;
   EXPECT_NO_THROW(cuda::sparse_key_sets(idx.to(kGpu), seqlens(bounds), false));
+  // Deferred (the model's path): the same verdicts from require_valid_indices, once per set, in
+  // any order, and the bad entry is skipped in the meantime.
+  const auto deferred = [&](int32_t entry) {
+    idx.data<int32_t>()[12 * 3] = entry;
+    return cuda::sparse_key_sets(idx.to(kGpu), seqlens(bounds), true, nullptr,
+                                 cuda::IndexCheck::deferred);
+  };
+  const cuda::SparseKeySets outside = deferred(4), negative = deferred(-2), inside = deferred(15);
+  EXPECT_NO_THROW(cuda::require_valid_indices(inside));
+  EXPECT_THROW(cuda::require_valid_indices(negative), InternalError);
+  EXPECT_THROW(cuda::require_valid_indices(outside), InternalError);
+  EXPECT_EQ(outside.counts.to(Device::cpu()).data<int32_t>()[12], 0);
+  EXPECT_EQ(inside.counts.to(Device::cpu()).data<int32_t>()[12], 1);
 #endif
 }

@@ -646,7 +646,9 @@ Tensor mla_attention_absorbed(const MlaConfig& cfg, const Tensor& kv_b_proj, con
   cuda::SparseKeySets sets;
   {
     OpTimer piece("mla_key_sets");
-    sets = cuda::sparse_key_sets(indices, cu_seqlens.to(Device::cpu()), /*key_major=*/false);
+    // Checked once the attention is queued behind them: the device does not wait for the host.
+    sets = cuda::sparse_key_sets(indices, cu_seqlens.to(Device::cpu()), /*key_major=*/false,
+                                 nullptr, cuda::IndexCheck::deferred);
   }
   cuda::AbsorbedAttentionOutput att;
   {
@@ -654,6 +656,7 @@ Tensor mla_attention_absorbed(const MlaConfig& cfg, const Tensor& kv_b_proj, con
     att = cuda::absorbed_attention_forward(q_abs, ctx.latent, sets, cfg.softmax_scale(), nullptr,
                                            absorbed_kernel(device.index, false));
   }
+  cuda::require_valid_indices(sets);
   Tensor out = Tensor::empty({tokens, nh * cfg.v_head_dim}, DType::bf16, device);
   {
     OpTimer piece("mla_expand_o");
@@ -692,7 +695,8 @@ MlaAttentionGrads mla_attention_absorbed_backward(const MlaConfig& cfg, const Te
   cuda::SparseKeySets sets;
   {
     OpTimer piece("mla_key_sets");
-    sets = cuda::sparse_key_sets(ctx.indices, ctx.cu_seqlens.to(Device::cpu()), /*key_major=*/true);
+    sets = cuda::sparse_key_sets(ctx.indices, ctx.cu_seqlens.to(Device::cpu()), /*key_major=*/true,
+                                 nullptr, cuda::IndexCheck::deferred);
   }
   cuda::AbsorbedAttentionGrads ga;
   {
@@ -701,6 +705,7 @@ MlaAttentionGrads mla_attention_absorbed_backward(const MlaConfig& cfg, const Te
                                            cfg.softmax_scale(), d_olat, nullptr, int64_t(1) << 31,
                                            absorbed_kernel(device.index, true));
   }
+  cuda::require_valid_indices(sets);
   MlaAttentionGrads g;
   g.q = Tensor::empty({tokens, nh * cfg.qk_nope_head_dim}, DType::bf16, device);
   {

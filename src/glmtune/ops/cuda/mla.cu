@@ -2,7 +2,10 @@
 
 #include <climits>
 #include <cub/device/device_radix_sort.cuh>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/mla.h"
@@ -452,10 +455,57 @@ void dispatch_storage(DType dtype, F&& f) {
 
 unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 
+const char* const kIndexError =
+    "cuda sparse attention: an index lies outside its query's document (or is negative and not "
+    "−1)";
+
+// A pinned host word and an event recorded after the copy into it, per device, kept for reuse:
+// cudaHostAlloc may synchronise the device, so it runs only while the pool grows (once or twice).
+struct FlagSlot {
+  int* host = nullptr;
+  cudaEvent_t copied = nullptr;
+};
+std::mutex g_flag_mu;
+std::map<int, std::vector<FlagSlot>> g_free_flags;  // by device; never released
+
+FlagSlot take_flag(int device) {
+  {
+    std::lock_guard<std::mutex> lock(g_flag_mu);
+    std::vector<FlagSlot>& free = g_free_flags[device];
+    if (!free.empty()) {
+      const FlagSlot f = free.back();
+      free.pop_back();
+      return f;
+    }
+  }
+  FlagSlot f;
+  GLMTUNE_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&f.host), sizeof(int), cudaHostAllocDefault));
+  GLMTUNE_CUDA_CHECK(cudaEventCreateWithFlags(&f.copied, cudaEventDisableTiming));
+  return f;
+}
+
 }  // namespace
 
+struct PendingIndexCheck {
+  int device = 0;
+  FlagSlot flag;
+  ~PendingIndexCheck() {
+    // The copy may still be queued: the slot is reused only once it has landed.
+    cudaEventSynchronize(flag.copied);
+    std::lock_guard<std::mutex> lock(g_flag_mu);
+    g_free_flags[device].push_back(flag);
+  }
+};
+
+void require_valid_indices(const SparseKeySets& sets) {
+  if (!sets.pending) return;
+  GLMTUNE_CUDA_CHECK(cudaEventSynchronize(sets.pending->flag.copied));
+  GLMTUNE_CUDA_OP_REQUIRE(*sets.pending->flag.host == 0, kIndexError);
+}
+
 SparseKeySets sparse_key_sets(const Tensor& indices, const Tensor& cu_seqlens, bool key_major,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, IndexCheck check) {
   GLMTUNE_CUDA_OP_REQUIRE(indices.defined() && indices.dim() == 2 &&
                               indices.dtype() == DType::i32 && indices.is_contiguous() &&
                               indices.device().is_cuda(),
@@ -491,13 +541,21 @@ SparseKeySets sparse_key_sets(const Tensor& indices, const Tensor& cu_seqlens, b
       indices.data<int32_t>(), width, cu.data<int64_t>(), int(bounds.size()) - 1,
       s.keys.data<int32_t>(), s.counts.data<int32_t>(), error.data<int32_t>());
   GLMTUNE_CUDA_CHECK_LAUNCH();
-  int flag = 0;
-  GLMTUNE_CUDA_CHECK(
-      cudaMemcpyAsync(&flag, error.data_ptr(), sizeof(int), cudaMemcpyDeviceToHost, stream));
-  GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  GLMTUNE_CUDA_OP_REQUIRE(flag == 0,
-                          "cuda sparse attention: an index lies outside its query's "
-                          "document (or is negative and not −1)");
+  if (check == IndexCheck::deferred) {
+    auto pending = std::make_shared<PendingIndexCheck>();
+    pending->device = dev.index;
+    pending->flag = take_flag(dev.index);
+    GLMTUNE_CUDA_CHECK(cudaMemcpyAsync(pending->flag.host, error.data_ptr(), sizeof(int),
+                                       cudaMemcpyDeviceToHost, stream));
+    GLMTUNE_CUDA_CHECK(cudaEventRecord(pending->flag.copied, stream));
+    s.pending = std::move(pending);
+  } else {
+    int flag = 0;
+    GLMTUNE_CUDA_CHECK(
+        cudaMemcpyAsync(&flag, error.data_ptr(), sizeof(int), cudaMemcpyDeviceToHost, stream));
+    GLMTUNE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    GLMTUNE_CUDA_OP_REQUIRE(flag == 0, kIndexError);
+  }
   if (!key_major) return s;
 
   const int64_t n = tokens * width;

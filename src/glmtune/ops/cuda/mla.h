@@ -8,9 +8,11 @@
 // Key sets: one block per query marks its row's keys in a shared-memory bitmap (32,768 keys at a
 // time) and writes the set bits in order, so −1 and repeats drop out and the keys come ascending
 // at a cost of the row's width; it checks that every entry lies in the query's document (a
-// violation is an error, found with one 4-byte read back: the op's only synchronisation). For the
-// backward, the (key, query) pairs are also sorted key-major with a stable radix sort, so each key
-// sees its queries in ascending order.
+// violation is an error, found with one 4-byte read back; an entry out of place is skipped, never
+// read). The read back waits for the key sets' kernel: at once by default, or, deferred, when the
+// caller has queued the attention behind it (require_valid_indices), so that the device never
+// idles while the host checks. For the backward, the (key, query) pairs are also sorted key-major
+// with a stable radix sort, so each key sees its queries in ascending order.
 //
 // Forward: one warp per (query, head) — four heads of one query per block — with an online
 // softmax in fp32 over the gathered keys (each lane holds Dqk/32 query and Dv/32 accumulator
@@ -26,14 +28,20 @@
 
 #include <cuda_runtime.h>
 
+#include <memory>
+
 #include "glmtune/ops/mla.h"
 #include "glmtune/tensor/tensor.h"
 
 namespace glmtune::cuda {
 
+// The index check of a deferred sparse_key_sets: the error flag on its way to pinned host memory.
+struct PendingIndexCheck;
+
 struct SparseKeySets {
   Tensor keys;    // int32 [T, W]: the row's distinct keys ascending, then −1
   Tensor counts;  // int32 [T]
+  std::shared_ptr<PendingIndexCheck> pending;  // set while a deferred check is unread
   // Key-major pairs (backward only; undefined when not asked for).
   Tensor key_offsets;  // int32 [T + 1]: key j's queries are key_queries[off[j] .. off[j+1] − 1]
   Tensor key_queries;  // int32 [T · W]: ascending query ids per key (the tail is unused)
@@ -41,8 +49,12 @@ struct SparseKeySets {
                        // position in query i's row of `keys` (ascending per key)
 };
 
+enum class IndexCheck { now, deferred };
 SparseKeySets sparse_key_sets(const Tensor& indices, const Tensor& cu_seqlens, bool key_major,
-                              cudaStream_t stream = nullptr);
+                              cudaStream_t stream = nullptr, IndexCheck check = IndexCheck::now);
+// The deferred check: waits for the key sets' own kernel (not for work queued after it) and
+// raises its error, if any. Does nothing for key sets checked at once.
+void require_valid_indices(const SparseKeySets& sets);
 
 struct SparseAttentionOutput {
   Tensor out;  // bf16 [T, NH, Dv]
