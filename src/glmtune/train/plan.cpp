@@ -191,9 +191,9 @@ TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
   const double D = double(c.hidden_size), H = double(c.hc_mult), QL = double(c.linear_width()),
                NL = double(c.linear_num_heads), NH = double(c.num_attention_heads),
                Dqk = double(c.qk_head_dim()), Dv = double(c.v_head_dim), Rq = double(c.q_lora_rank),
-               W = double(c.index_topk), K = double(c.num_experts_per_tok),
-               E = double(c.n_routed_experts), I = double(c.intermediate_size),
-               Im = double(c.moe_intermediate_size),
+               Rkv = double(c.kv_lora_rank), W = double(c.index_topk),
+               K = double(c.num_experts_per_tok), E = double(c.n_routed_experts),
+               I = double(c.intermediate_size), Im = double(c.moe_intermediate_size),
                Is = double(c.moe_intermediate_size * c.n_shared_experts);
   TokenBytes b;
   b.streams = H * D * 2;
@@ -205,9 +205,11 @@ TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
   // KdaSaved: conv inputs and conv outputs q, k, v (bf16), g (f32), the q/k norms and beta
   // (f32 per head), core, gate and normed (bf16).
   b.kda = 6 * QL * 2 + QL * 4 + 3 * NL * 4 + 3 * QL * 2;
-  // q_resid, q (bf16), the attention core (bf16), the selection (int32 [W]); the absorbed form
-  // keeps no per-head keys or values.
-  b.dsa = Rq * 2 + NH * Dqk * 2 + NH * Dv * 2 + W * 4;
+  // The MLA context (bf16): q_a and q_resid, kv_a and the latent, q, the attention core, and in
+  // the absorbed form on a GPU the latent-space output with its log-sum-exp (f32 per head; no
+  // per-head keys or values); the two norms' rstd (f32) and the selection (int32 [W]).
+  b.dsa =
+      2 * Rq * 2 + 2 * Rkv * 2 + NH * Dqk * 2 + NH * Dv * 2 + NH * Rkv * 2 + NH * 4 + 2 * 4 + W * 4;
   b.dense = 0;                    // the MLP recomputes its hidden rows in the backward
   b.moe = E * 4 + K * 4 + K * 4;  // routing: logits, combine weights, expert ids
   // Backward working sets (the layer being differentiated; its gradients of the inputs):

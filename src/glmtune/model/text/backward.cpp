@@ -116,15 +116,23 @@ Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Rou
   return ops::moe_backward(c.ops.moe, p, mc, dy, g, d_logits);
 }
 
-// DSA backward: the MLA context (norm inputs and statistics the layer context does not keep) is
-// rebuilt by rerunning MLA on the same input with the saved selection, which reproduces the
-// forward's values exactly; the indexer itself is not rerun (no gradient flows through it).
+// DSA backward from the MLA context the layer's forward kept (`kept`, without its input, selection
+// and offsets), or, where none was kept (sequence parallel), from MLA run again on the same input
+// with the saved selection, which reproduces the forward's values exactly; the indexer itself is
+// not rerun (no gradient flows through it).
 Tensor dsa_grad(Ctx& c, const ops::DsaParams& p, const Tensor& u, const Tensor& indices,
-                const Tensor& dy, ops::DsaParams& g) {
+                const ops::MlaContext& kept, const Tensor& dy, ops::DsaParams& g) {
   if (const SequenceParallel* sp = c.ops.sequence_parallel)
     return sp->dsa_backward(c.ops.mla, p, u, indices, c.cu, dy, g);
   ops::MlaContext mc;
-  ops::mla_forward(c.ops.mla, p.mla, u, indices, c.cu, mc);
+  if (kept.attn.defined()) {
+    mc = kept;
+    mc.x = u;
+    mc.indices = indices;
+    mc.cu_seqlens = c.cu;
+  } else {
+    ops::mla_forward(c.ops.mla, p.mla, u, indices, c.cu, mc);
+  }
   return ops::dsa_backward(c.ops.mla, p, mc, dy, g);
 }
 
@@ -160,7 +168,7 @@ Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const T
   else if (w.attn == AttnKind::kda)
     d_u = ops::kda_backward(w.kda, lc.attn_in, c.cu, c.ops.kda, &lc.kda, pa.d_y, g.kda);
   else
-    d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, pa.d_y, g.dsa);
+    d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, lc.mla, pa.d_y, g.dsa);
   const Tensor d_ca = ops::rms_norm_backward(d_u, lc.attn_hc.collapsed, w.input_layernorm, eps,
                                              lc.attn_in_rstd, &g.input_layernorm);
   Tensor d_in =
@@ -188,7 +196,7 @@ MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, const T
                                       lc.ffn_in_rstd, &g.post_attention_layernorm);
   ops::add_into(d_a, d_b);
   // a = x + dsa(input_layernorm(x)).
-  const Tensor d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, d_a, g.dsa);
+  const Tensor d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, lc.mla, d_a, g.dsa);
   Tensor d_x = ops::rms_norm_backward(d_u, lc.streams_in, w.input_layernorm, eps, lc.attn_in_rstd,
                                       &g.input_layernorm);
   ops::add_into(d_x, d_a);

@@ -43,8 +43,9 @@ OpConfigs OpConfigs::from(const TextConfig& c) {
 }
 
 std::vector<Tensor*> context_tensors(LayerContext& c) {
-  // A field added to LayerContext (or to the op structs it holds) must join this list.
-  static_assert(sizeof(LayerContext) == 45 * sizeof(Tensor));
+  // A field added to LayerContext (or to the op structs it holds) must join this list. The MLA
+  // context's x, indices and cu_seqlens are left out: a layer context never holds them.
+  static_assert(sizeof(LayerContext) == 55 * sizeof(Tensor));
   return {&c.streams_in,
           &c.attn_hc.post,
           &c.attn_hc.comb,
@@ -69,11 +70,18 @@ std::vector<Tensor*> context_tensors(LayerContext& c) {
           &c.kda.gate,
           &c.kda.normed,
           &c.kda.o_rstd,
-          &c.mla.q_resid,
-          &c.mla.q,
-          &c.mla.k,
-          &c.mla.v,
-          &c.attn_core,
+          &c.mla.q_a,
+          &c.mla.q_rstd,
+          &c.mla.kv_a,
+          &c.mla.kv_rstd,
+          &c.mla.latent,
+          &c.mla.proj.q_resid,
+          &c.mla.proj.q,
+          &c.mla.proj.k,
+          &c.mla.proj.v,
+          &c.mla.attn,
+          &c.mla.attn_latent,
+          &c.mla.attn_lse2,
           &c.indices,
           &c.attn_out,
           &c.streams_mid,
@@ -124,8 +132,8 @@ Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tenso
                  LayerContext* ctx) {
   if (const SequenceParallel* sp = cfg.sequence_parallel) {
     // The pack is split over ranks: the keys of other shards come from them. The projections and
-    // the attention output stay inside the exchange (ctx->mla / attn_core remain undefined; the
-    // backward reruns the mixer from its input and the selection).
+    // the attention output stay inside the exchange (ctx->mla remains empty; the backward reruns
+    // the mixer from its input and the selection).
     GLMTUNE_ASSERT(params.indexer.defined() || carried_indices.defined(),
                    "a DSA layer without its own indexer needs the previous layer's selection");
     Tensor indices;
@@ -140,10 +148,11 @@ Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tenso
       ops::dsa_forward(cfg.mla, cfg.indexer, params, u, cu_seqlens, carried_indices, mla);
   if (indices_out) *indices_out = out.indices;
   if (ctx) {
-    // On a GPU the attention runs on the latent (ops::mla_attention) and mla.proj's k and v stay
-    // undefined; nothing downstream reads them (the backward reruns the block).
-    ctx->mla = std::move(mla.proj);
-    ctx->attn_core = std::move(mla.attn);
+    // The tensors the context holds elsewhere are dropped here (not kept, nor moved, twice).
+    ctx->mla = std::move(mla);
+    ctx->mla.x = Tensor();
+    ctx->mla.indices = Tensor();
+    ctx->mla.cu_seqlens = Tensor();
     ctx->indices = std::move(out.indices);
   }
   return out.y;

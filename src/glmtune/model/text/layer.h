@@ -136,14 +136,15 @@ struct LayerContext {
   Tensor streams_in;  // [T, H, D] X
   ops::MhcPreResult attn_hc;
   ops::MhcPreSaved attn_hc_saved;
-  Tensor attn_in;           // [T, D] input_layernorm(c)
-  Tensor attn_in_rstd;      // [T]
-  ops::KdaSaved kda;        // KDA layers
-  ops::MlaProjections mla;  // DSA layers: q_resid, q, k, v
-  Tensor attn_core;         // DSA layers: [T, NH·Dv] attention output before o_proj
-  Tensor indices;           // DSA layers: int32 [T, W] the selection used (own or reused)
-  Tensor attn_out;          // [T, D] y
-  Tensor streams_mid;       // [T, H, D] X'
+  Tensor attn_in;       // [T, D] input_layernorm(c)
+  Tensor attn_in_rstd;  // [T]
+  ops::KdaSaved kda;    // KDA layers
+  // DSA layers: the MLA block's context, so that the backward does not run the block again (its
+  // x, indices and cu_seqlens are attn_in, `indices` and the pack's, left out here).
+  ops::MlaContext mla;
+  Tensor indices;      // DSA layers: int32 [T, W] the selection used (own or reused)
+  Tensor attn_out;     // [T, D] y
+  Tensor streams_mid;  // [T, H, D] X'
   ops::MhcPreResult ffn_hc;
   ops::MhcPreSaved ffn_hc_saved;
   Tensor ffn_in;         // [T, D]
