@@ -490,6 +490,7 @@ FlagSlot take_flag(int device) {
 struct PendingIndexCheck {
   int device = 0;
   FlagSlot flag;
+  Tensor error;  // the device flag, held until its copy has landed
   ~PendingIndexCheck() {
     // The copy may still be queued: the slot is reused only once it has landed.
     cudaEventSynchronize(flag.copied);
@@ -545,6 +546,7 @@ SparseKeySets sparse_key_sets(const Tensor& indices, const Tensor& cu_seqlens, b
     auto pending = std::make_shared<PendingIndexCheck>();
     pending->device = dev.index;
     pending->flag = take_flag(dev.index);
+    pending->error = error;
     GLMTUNE_CUDA_CHECK(cudaMemcpyAsync(pending->flag.host, error.data_ptr(), sizeof(int),
                                        cudaMemcpyDeviceToHost, stream));
     GLMTUNE_CUDA_CHECK(cudaEventRecord(pending->flag.copied, stream));

@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
   };
 
   float s[16];
-  // Scores of the item's iteration j, the block's iteration jj (its stage and phase).
+  // The scores of the block's iteration jj, counted over its items (jj names the stage and phase).
   auto issue_scores = [&](int64_t jj) {
     const unsigned char* tile = sK + (2 * int(jj & 1) + own) * kTileBytes;
     wgmma::mbarrier_wait(&bars->full[jj & 1][own], int((jj >> 1) & 1));
