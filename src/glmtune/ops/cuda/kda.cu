@@ -150,14 +150,6 @@ __device__ __forceinline__ void conv_taps(const float (&w)[KC][V], const float (
   }
 }
 
-// Sum of v over the kLanes adjacent lanes of a row (a butterfly: the same bits in each lane).
-template <int kLanes>
-__device__ __forceinline__ float row_lanes_sum(float v) {
-#pragma unroll
-  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // kda_qk_conv's L2 norm of B tokens' rows at once: a head's row of kNormLanes · V channels sits
 // on kNormLanes adjacent lanes, which every lane of the warp reaches at the same tokens. Each row
 // is rounded to T and scaled by 1 / ν, ν = sqrt(Σ c² + eps), summed and scaled as
@@ -492,6 +484,14 @@ __global__ void l2_fwd_kernel(const T* __restrict__ x, int64_t rows, int n, floa
 // Rows of kLanes 16-byte pieces (the 128-wide KDA heads: 16 lanes of eight bf16, or 32 of four
 // f32): a row on kLanes adjacent lanes, its sum by shuffles among them. Every lane of a warp takes
 // part in the shuffles; lanes past the last row hold zeros.
+// Sum of v over the kLanes adjacent lanes of a row (a butterfly: the same bits in each lane).
+template <int kLanes>
+__device__ __forceinline__ float row_lanes_sum(float v) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // ν = sqrt(Σ x² + eps) of the row of which this lane holds kVec elements.
 template <int kLanes, int kVec>
 __device__ __forceinline__ float row_norm(const float (&v)[kVec], float eps) {
