@@ -1,9 +1,10 @@
 // CUDA parity for mHC (ops/cuda/mhc.h) against the CPU ops (ops/mhc.h): mhc_pre (post, comb,
-// collapsed and the saved statistics), its backward through the Sinkhorn iterations (d streams and
-// the fn, base and scale gradients), mhc_post and its backward, in bf16 storage and in the f32
-// mode, with bit-identical reruns. Fresh random inputs every run (seed printed; GLMTUNE_TEST_SEED
-// reproduces one); the CPU reference runs in f32 on the same (bf16-rounded) values; outputs are
-// poisoned with NaN where the API lets the caller own them. Skipped where no GPU is visible.
+// collapsed and the saved statistics), its backward through the Sinkhorn iterations (d streams,
+// with and without a residual gradient, and the fn, base and scale gradients), mhc_post and its
+// backward, in bf16 storage and in the f32 mode, with bit-identical reruns. Fresh random inputs
+// every run (seed printed; GLMTUNE_TEST_SEED reproduces one); the CPU reference runs in f32 on the
+// same (bf16-rounded) values; outputs are poisoned with NaN where the API lets the caller own them.
+// Skipped where no GPU is visible.
 
 #include <gtest/gtest.h>
 
@@ -79,6 +80,17 @@ void run_case(const Case& c, uint64_t& stream) {
   EXPECT_CLOSE(minus(ggr.fn, fn0), cgr.fn, c.param_bar, "pre backward d fn (accumulated)" + tag);
   EXPECT_CLOSE(ggr.base, cgr.base, c.param_bar, "pre backward d base" + tag);
   EXPECT_CLOSE(ggr.scale, cgr.scale, c.param_bar, "pre backward d scale" + tag);
+
+  // A residual gradient of the streams, added before the one rounding to the streams' dtype.
+  const Tensor residual = random_cpu(xs, c.dtype, stream++);
+  ops::MhcGrads cgr_r, ggr_r;
+  const Tensor cdx_r = ops::mhc_pre_backward(f32(x), fn, base, scale, opt, &cs, d_post, d_comb,
+                                             f32(d_coll), cgr_r, f32(residual));
+  const Tensor gdx_r =
+      cuda::mhc_pre_backward(xg, fng, bg, sg, opt, &gs, d_post.to(kGpu), d_comb.to(kGpu),
+                             d_coll.to(kGpu), ggr_r, residual.to(kGpu));
+  EXPECT_CLOSE(gdx_r, cdx_r, c.act_bar, "pre backward d streams + residual" + tag);
+  EXPECT_CLOSE(ggr_r.fn, cgr.fn, c.param_bar, "pre backward d fn, unchanged by a residual" + tag);
 
   // Rerun without saved tensors: recomputed, bit-identical.
   ops::MhcGrads ggr2;

@@ -86,15 +86,14 @@ LayerGrads layer_backward(const Layer& l, const Tensor& x, const Tensor& cu, con
 
   const ops::MhcPostGrads g2 = ops::mhc_post_backward(x1, z, pf.post, pf.comb, dy);
   const Tensor dcf = ops::rms_norm_backward(g2.d_y, pf.collapsed, l.w_post, l.eps, r2, &g.w_post);
-  Tensor dx1 = ops::mhc_pre_backward(x1, l.ffn.fn, l.ffn.base, l.ffn.scale, l.hopt, &sf, g2.d_post,
-                                     g2.d_comb, dcf, g.ffn);
-  add_into(dx1, g2.d_streams);  // the residual path of the stream update
+  // The residual path of the stream update (g2.d_streams) added by the backward itself.
+  const Tensor dx1 = ops::mhc_pre_backward(x1, l.ffn.fn, l.ffn.base, l.ffn.scale, l.hopt, &sf,
+                                           g2.d_post, g2.d_comb, dcf, g.ffn, g2.d_streams);
   const ops::MhcPostGrads g1 = ops::mhc_post_backward(x, y, pa.post, pa.comb, dx1);
   const Tensor du = ops::kda_backward(l.kda, u, cu, l.kopt, &ks, g1.d_y, g.kda);
   const Tensor dca = ops::rms_norm_backward(du, pa.collapsed, l.w_in, l.eps, r1, &g.w_in);
   g.d_streams = ops::mhc_pre_backward(x, l.attn.fn, l.attn.base, l.attn.scale, l.hopt, &sa,
-                                      g1.d_post, g1.d_comb, dca, g.attn);
-  add_into(g.d_streams, g1.d_streams);
+                                      g1.d_post, g1.d_comb, dca, g.attn, g1.d_streams);
   return g;
 }
 
@@ -149,6 +148,36 @@ TEST(GradMhc, PreBackwardIsLinearInEachUpstreamGradient) {
   EXPECT_LE(rel_err(parts.fn, all.fn), 1e-12);
   EXPECT_LE(rel_err(parts.base, all.base), 1e-12);
   EXPECT_LE(rel_err(parts.scale, all.scale), 1e-12);
+}
+
+TEST(GradMhc, PreBackwardAddsTheResidualGradientExactly) {
+  SCOPED_TRACE(seed_note());
+  // The residual is added after the rest of d streams is complete: the same bits as adding it
+  // afterwards, in f32 (the CPU training dtype) and f64; parameter gradients do not see it.
+  const int64_t h = 4, d = 6, n = 5;
+  ops::MhcOptions opt;
+  for (const DType dt : {DType::f32, DType::f64}) {
+    const Tensor x = random_normal({n, h, d}, 1, dt);
+    const HcParams p64 = random_hc(h, d, 10'000'000);
+    const HcParams p{p64.fn.to(dt), p64.base.to(dt), p64.scale.to(dt)};
+    const Tensor dp = random_normal({n, h}, 2, dt), dc = random_normal({n, h, h}, 3, dt),
+                 dl = random_normal({n, d}, 4, dt), res = random_normal({n, h, d}, 5, dt);
+    ops::MhcGrads plain, with;
+    Tensor expected =
+        ops::mhc_pre_backward(x, p.fn, p.base, p.scale, opt, nullptr, dp, dc, dl, plain);
+    add_into(expected, res);
+    const Tensor got =
+        ops::mhc_pre_backward(x, p.fn, p.base, p.scale, opt, nullptr, dp, dc, dl, with, res);
+    EXPECT_EQ(got.to_doubles(), expected.to_doubles()) << dtype_name(dt);
+    EXPECT_EQ(with.fn.to_doubles(), plain.fn.to_doubles()) << dtype_name(dt);
+    EXPECT_EQ(with.base.to_doubles(), plain.base.to_doubles()) << dtype_name(dt);
+  }
+  ops::MhcGrads g;
+  const Tensor x = random_normal({n, h, d}, 1, DType::f64);
+  const HcParams p = random_hc(h, d, 10'000'000);
+  EXPECT_THROW(ops::mhc_pre_backward(x, p.fn, p.base, p.scale, opt, nullptr, Tensor(), Tensor(),
+                                     Tensor(), g, random_normal({n, h, d + 1}, 6, DType::f64)),
+               InternalError);
 }
 
 TEST(GradMhc, SinkhornFiniteDifferences) {

@@ -80,11 +80,13 @@ struct MhcGrads {
 // gradients accumulate into `grads`. The path runs through the collapse (pre_i·X_i), the
 // sigmoids, the softmax and every Sinkhorn step (replayed per token from saved->comb_init), the
 // mixing GEMM and the RMSNorm of the flattened streams. `saved` must come from mhc_pre on the same
-// inputs; null recomputes it.
+// inputs; null recomputes it. `residual` (optional, [..., H, D] in the streams' dtype) is a
+// gradient of the streams from another path, mhc_post's residual one in the model: it is added to
+// the result before the result is rounded to the streams' dtype (one rounding, no second pass).
 Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& base,
                         const Tensor& scale, const MhcOptions& options, const MhcPreSaved* saved,
                         const Tensor& d_post, const Tensor& d_comb, const Tensor& d_collapsed,
-                        MhcGrads& grads);
+                        MhcGrads& grads, const Tensor& residual = Tensor());
 
 // Backward of mhc_sinkhorn: d logits [..., H, H] from d out [..., H, H].
 Tensor mhc_sinkhorn_backward(const Tensor& logits, int64_t iters, double eps, const Tensor& d_out);

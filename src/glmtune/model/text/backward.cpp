@@ -153,10 +153,10 @@ Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const T
   }
   const Tensor d_cf = ops::rms_norm_backward(d_v, lc.ffn_hc.collapsed, w.post_attention_layernorm,
                                              eps, lc.ffn_in_rstd, &g.post_attention_layernorm);
-  Tensor d_mid =
+  // X' reaches X'' both through mhc_pre and through the residual path (pf.d_streams).
+  const Tensor d_mid =
       ops::mhc_pre_backward(lc.streams_mid, w.ffn_hc.fn, w.ffn_hc.base, w.ffn_hc.scale, c.ops.mhc,
-                            &lc.ffn_hc_saved, pf.d_post, pf.d_comb, d_cf, g.ffn_hc);
-  ops::add_into(d_mid, pf.d_streams);
+                            &lc.ffn_hc_saved, pf.d_post, pf.d_comb, d_cf, g.ffn_hc, pf.d_streams);
 
   // Attention site: X' = post ⊗ y + combᵀ X.
   ops::MhcPostGrads pa =
@@ -171,11 +171,9 @@ Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const T
     d_u = dsa_grad(c, w.dsa, lc.attn_in, lc.indices, lc.mla, pa.d_y, g.dsa);
   const Tensor d_ca = ops::rms_norm_backward(d_u, lc.attn_hc.collapsed, w.input_layernorm, eps,
                                              lc.attn_in_rstd, &g.input_layernorm);
-  Tensor d_in =
-      ops::mhc_pre_backward(lc.streams_in, w.attn_hc.fn, w.attn_hc.base, w.attn_hc.scale, c.ops.mhc,
-                            &lc.attn_hc_saved, pa.d_post, pa.d_comb, d_ca, g.attn_hc);
-  ops::add_into(d_in, pa.d_streams);
-  return d_in;
+  return ops::mhc_pre_backward(lc.streams_in, w.attn_hc.fn, w.attn_hc.base, w.attn_hc.scale,
+                               c.ops.mhc, &lc.attn_hc_saved, pa.d_post, pa.d_comb, d_ca, g.attn_hc,
+                               pa.d_streams);
 }
 
 struct MtpInputGrads {

@@ -81,7 +81,7 @@ template <typename T>
 Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Tensor& base_in,
                            const Tensor& scale_in, const MhcOptions& o, const MhcPreSaved& sv,
                            const Tensor& d_post, const Tensor& d_comb, const Tensor& d_coll,
-                           MhcGrads& grads) {
+                           const Tensor& residual, MhcGrads& grads) {
   const char* op = "mhc_pre_backward";
   const int64_t h = o.hc_mult, d = streams.size(-1), hd = h * d, m = (2 + h) * h;
   const int64_t n = leading(streams, 2);
@@ -193,6 +193,10 @@ Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Ten
     const T r = rs[t], c = T(dot) * r * r * r / T(hd);
     for (int64_t k = 0; k < hd; ++k) dxp[t * hd + k] += r * g[k] - c * xt[k];
   }
+  if (residual.defined()) {
+    const T* rp = residual.data<T>();
+    for (int64_t k = 0; k < n * hd; ++k) dxp[k] += rp[k];
+  }
   return dx;
 }
 
@@ -201,7 +205,7 @@ Tensor pre_backward_kernel(const Tensor& streams, const Tensor& fn_in, const Ten
 Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& base,
                         const Tensor& scale, const MhcOptions& options, const MhcPreSaved* saved,
                         const Tensor& d_post, const Tensor& d_comb, const Tensor& d_collapsed,
-                        MhcGrads& grads) {
+                        MhcGrads& grads, const Tensor& residual) {
   const char* op = "mhc_pre_backward";
   check_pre_args(streams, fn, base, scale, options, op);
   const int64_t h = options.hc_mult;
@@ -209,15 +213,17 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
   check_optional_grad(d_comb, leading_shape(streams, 2, {h, h}), streams, "d_comb", op);
   check_optional_grad(d_collapsed, leading_shape(streams, 2, {streams.size(-1)}), streams,
                       "d_collapsed", op);
+  check_optional_grad(residual, streams.shape(), streams, "residual", op);
   GLMTUNE_DISPATCH_CUDA(
       streams, cuda_path::mhc_pre_backward(streams, fn, base, scale, options, saved, d_post, d_comb,
-                                           d_collapsed, grads));
+                                           d_collapsed, grads, residual));
   check_float(streams, "streams", op);
   const DType dt = streams.dtype();
   const int64_t d = streams.size(-1), n = leading(streams, 2), m = (2 + h) * h;
   const Tensor gp = check_grad(d_post, leading_shape(streams, 2, {h}), dt, "d_post", op);
   const Tensor gc = check_grad(d_comb, leading_shape(streams, 2, {h, h}), dt, "d_comb", op);
   const Tensor gl = check_grad(d_collapsed, leading_shape(streams, 2, {d}), dt, "d_collapsed", op);
+  const Tensor gr = check_grad(residual, streams.shape(), dt, "residual", op);
   // Without saved tensors the forward is rerun (it validates the parameters too).
   MhcPreSaved fresh;
   if (!saved) {
@@ -239,8 +245,10 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
                    op, streams.str());
   }
   if (dt == DType::f32)
-    return pre_backward_kernel<float>(streams, fn, base, scale, options, *saved, gp, gc, gl, grads);
-  return pre_backward_kernel<double>(streams, fn, base, scale, options, *saved, gp, gc, gl, grads);
+    return pre_backward_kernel<float>(streams, fn, base, scale, options, *saved, gp, gc, gl, gr,
+                                      grads);
+  return pre_backward_kernel<double>(streams, fn, base, scale, options, *saved, gp, gc, gl, gr,
+                                     grads);
 }
 
 Tensor mhc_sinkhorn_backward(const Tensor& logits, int64_t iters, double eps, const Tensor& d_out) {

@@ -124,7 +124,7 @@ MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor& base
 Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& base,
                         const Tensor& scale, const MhcOptions& options, const MhcPreSaved* saved,
                         const Tensor& d_post, const Tensor& d_comb, const Tensor& d_collapsed,
-                        MhcGrads& grads);
+                        MhcGrads& grads, const Tensor& residual);
 Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb);
 MhcPostGrads mhc_post_backward(const Tensor& streams, const Tensor& y, const Tensor& post,
                                const Tensor& comb, const Tensor& d_out);

@@ -349,10 +349,10 @@ MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor& base
 Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& base,
                         const Tensor& scale, const MhcOptions& options, const MhcPreSaved* saved,
                         const Tensor& d_post, const Tensor& d_comb, const Tensor& d_collapsed,
-                        MhcGrads& grads) {
+                        MhcGrads& grads, const Tensor& residual) {
   OpTimer timer("mhc_pre_backward");
   return cuda::mhc_pre_backward(streams, as_f32(fn), as_f32(base), as_f32(scale), options, saved,
-                                d_post, d_comb, d_collapsed, grads);
+                                d_post, d_comb, d_collapsed, grads, residual);
 }
 
 Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb) {

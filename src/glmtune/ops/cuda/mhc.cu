@@ -22,6 +22,7 @@ constexpr int kFnTokenBlocks = 32;     // fixed token blocks of the d fn sums
 constexpr int kFnCols = 64;            // columns of X per block of the d fn sums (HD % 64 == 0)
 constexpr int kFnThreads = 128;        // four warps of 16 columns
 constexpr int kFnStageTokens = 32;     // tokens per shared-memory stage of the d fn sums
+constexpr int kFnStages = 3;           // stages of the d fn sums in flight
 constexpr int kDxTokens = 64;          // tokens per block of the dX kernel
 constexpr int kDxCols = 64;            // columns of X per block of the dX kernel
 constexpr int kMPad = 32;              // the 24 logits padded to two 16-wide MMA tiles
@@ -171,9 +172,11 @@ __global__ void __launch_bounds__(kThreads)
     tc::cp_async_commit();
     const T* tile = tiles.x[c % kStages];
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const float v = to_f(tile[sq_row * kLd + sq_col + e]);
-      ss += v * v;
+    for (int half8 = 0; half8 < 2; ++half8) {
+      float v[8];
+      load8(tile + sq_row * kLd + sq_col + 8 * half8, v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
     }
 #pragma unroll
     for (int kt = 0; kt < 2; ++kt) {
@@ -370,30 +373,6 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- pre backward -----------------------------------------------------------------------------
 
-// One block per token: dpre[t][i] = ⟨dc[t], X_i[t]⟩.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    mhc_pre_dots_kernel(const T* __restrict__ x, const T* __restrict__ dc, int d,
-                        float* __restrict__ dpre) {
-  __shared__ float scratch[32 * kH];
-  __shared__ float sums[kH];
-  const int64_t t = blockIdx.x;
-  float dots[kH] = {};
-  for (int k = threadIdx.x * 8; k < d; k += blockDim.x * 8) {
-    float gv[8];
-    load8(dc + t * d + k, gv);
-#pragma unroll
-    for (int i = 0; i < kH; ++i) {
-      float xv[8];
-      load8(x + (t * kH + i) * d + k, xv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dots[i] += gv[e] * xv[e];
-    }
-  }
-  block_sums(dots, scratch, sums);
-  if (threadIdx.x < kH) dpre[t * kH + threadIdx.x] = sums[threadIdx.x];
-}
-
 // The sum of v over the four lanes of this lane's row (kRow) or column of a token's 4×4 matrix,
 // the matrix held by 16 consecutive lanes, lane j on element (j / 4, j mod 4); the same bits in
 // all four lanes.
@@ -407,29 +386,62 @@ __device__ __forceinline__ float group4_sum(float v, bool row) {
   return row ? group4_sum<true>(v) : group4_sum<false>(v);
 }
 
-// The logit gradients of the pre, post and comb maps, one token on 16 lanes: lane j takes comb
-// element j (the Sinkhorn replay and its reverse walk, each normalisation's sums over its row or
-// column by shuffles; the states of its own element in local memory), and lanes 0–3 pre_j, lanes
-// 4–7 post_{j−4}. Writes dmix [T, M] = dlogit·scale of its group, and rows [dlogit, dlogit·mix]
-// [T, 2M] for the base and scale sums. Lanes past the last token repeat the last one (every lane
-// of a warp takes part in the shuffles) and store nothing.
+// The sum of v over the 16 lanes of this lane's token group (the same bits in all of them).
+__device__ __forceinline__ float group16_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  return v + __shfl_xor_sync(0xffffffffu, v, 8);
+}
+
+// The logit gradients of the pre, post and comb maps, one token on 16 lanes. First d pre_i =
+// ⟨dc, X_i⟩ (lane j on the column groups 8j, 8j + 128, ..., the sums over the group's lanes by
+// shuffles). Then lane j takes comb element j (the Sinkhorn replay and its reverse walk, each
+// normalisation's sums over its row or column by shuffles; the states of its own element in local
+// memory), and lanes 0–3 pre_j, lanes 4–7 post_{j−4}. Writes, for the d fn and dX products,
+// dmix·rstd (dmix = dlogit·scale of its group) as bf16 hi and lo parts [T][2][32] (zero past
+// the 24 logits) and coef [T] = rstd²/(HD) · Σ_m dmix·mix; and rows [dlogit, dlogit·mix] [T, 2M]
+// for the base and scale sums. Lanes past the last token repeat the last one (every lane of a
+// warp takes part in the shuffles) and store nothing.
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    mhc_pre_logit_grads_kernel(const float* __restrict__ dpre, const float* __restrict__ dpost,
-                               const float* __restrict__ dcomb, const float* __restrict__ mix,
+    mhc_pre_logit_grads_kernel(const T* __restrict__ x, const T* __restrict__ dc, int d,
+                               const float* __restrict__ dpost, const float* __restrict__ dcomb,
+                               const float* __restrict__ mix, const float* __restrict__ rstd,
                                const float* __restrict__ comb_init, const float* __restrict__ base,
                                const float* __restrict__ scale, int64_t tokens, int iters,
-                               float hc_eps, float* __restrict__ dmix_out,
-                               float* __restrict__ param_rows) {
+                               float hc_eps, bf16* __restrict__ dmix_parts,
+                               float* __restrict__ coef_out, float* __restrict__ param_rows) {
   constexpr int hh = kH * kH;
   const int64_t gid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, token = gid / hh;
   const int j = int(gid % hh);
   const int64_t t = token < tokens ? token : tokens - 1;
   const float* mt = mix + t * kM;
+  float dpre = 0.0f;  // ⟨dc, X_j⟩ in lanes 0–3
+  if (dc) {
+    float dots[kH] = {};
+#pragma unroll 2
+    for (int k = 8 * j; k < d; k += 8 * hh) {
+      float gv[8], xv[kH][8];
+      load8(dc + t * d + k, gv);
+#pragma unroll
+      for (int i = 0; i < kH; ++i) load8(x + (t * kH + i) * d + k, xv[i]);
+#pragma unroll
+      for (int i = 0; i < kH; ++i)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dots[i] += gv[e] * xv[i][e];
+    }
+#pragma unroll
+    for (int i = 0; i < kH; ++i) {
+      dots[i] = group16_sum(dots[i]);
+      if (j == i) dpre = dots[i];
+    }
+  }
   // pre (lanes 0–3) and post (lanes 4–7).
   float dl_gate = 0.0f;
   if (j < kH) {
     const float sp = sigmoid_f(mt[j] * scale[0] + base[j]);
-    dl_gate = dpre ? dpre[t * kH + j] * sp * (1.0f - sp) : 0.0f;
+    dl_gate = dpre * sp * (1.0f - sp);
   } else if (j < 2 * kH) {
     const float so = sigmoid_f(mt[j] * scale[1] + base[j]);
     dl_gate = dpost ? dpost[t * kH + j - kH] * 2.0f * so * (1.0f - so) : 0.0f;
@@ -446,9 +458,9 @@ __global__ void __launch_bounds__(kThreads)
     float g = dcomb[t * hh + j];
     for (int s = steps - 1; s >= 0; --s) {
       const bool row = s % 2 != 0;
-      const float d = group4_sum(state[s], row) + hc_eps;
-      const float dot = group4_sum(g * (state[s] / d), row);
-      g = (g - dot) / d;
+      const float dd = group4_sum(state[s], row) + hc_eps;
+      const float dot = group4_sum(g * (state[s] / dd), row);
+      g = (g - dot) / dd;
     }
     const float l = mt[2 * kH + j] * scale[2] + base[2 * kH + j];
     float mx = fmaxf(l, __shfl_xor_sync(0xffffffffu, l, 1));
@@ -457,65 +469,81 @@ __global__ void __launch_bounds__(kThreads)
     const float p = e / group4_sum<true>(e);
     dl_comb = p * (g - group4_sum<true>(g * p));
   }
+  const bool gate = j < 2 * kH;
+  const float dm_gate = gate ? dl_gate * scale[j < kH ? 0 : 1] : 0.0f;
+  const float dm_comb = dl_comb * scale[2];
+  const float dmix_mix = group16_sum(dm_comb * mt[2 * kH + j] + (gate ? dm_gate * mt[j] : 0.0f));
   if (token >= tokens) return;
-  auto put = [&](int m, float dl) {
-    const float s = scale[m < kH ? 0 : m < 2 * kH ? 1 : 2];
-    dmix_out[t * kM + m] = dl * s;
+  const float r = rstd[t];
+  if (j == 0) coef_out[t] = dmix_mix * r * r / float(kH * d);
+  bf16* parts = dmix_parts + t * 2 * kMPad;
+  auto put = [&](int m, float dl, float dm) {
+    const float v = dm * r;
+    const bf16 hi = __float2bfloat16_rn(v);
+    parts[m] = hi;
+    parts[kMPad + m] = __float2bfloat16_rn(v - __bfloat162float(hi));
     param_rows[t * 2 * kM + m] = dl;
     param_rows[t * 2 * kM + kM + m] = dl * mt[m];
   };
-  if (j < 2 * kH) put(j, dl_gate);
-  put(2 * kH + j, dl_comb);
+  if (gate) {
+    put(j, dl_gate, dm_gate);
+  } else {  // lanes 8–15 zero the padding logits 24–31
+    parts[kM + j - 2 * kH] = bf16(0.0f);
+    parts[kMPad + kM + j - 2 * kH] = bf16(0.0f);
+  }
+  put(2 * kH + j, dl_comb, dm_comb);
 }
 
 // partial[blockIdx.y][m][k] = Σ_{t in block y} dmix[t][m]·rstd[t]·X[t][k] on the tensor cores:
 // a [32 (24 logits, padded) × tokens] by [tokens × kFnCols] product per block, tokens staged
-// kFnStageTokens at a time (X by cp.async, dmix·rstd transposed), four warps, warp w on columns
-// 16w .. + 15 for both logit tiles. The scaled dmix is split into bf16 hi and lo parts; X is exact
-// in bf16 (split too in the f32 mode).
+// kFnStageTokens at a time by cp.async (X, and the hi and lo parts of dmix·rstd), kFnStages stages
+// in flight, four warps, warp w on columns 16w .. + 15 for both logit tiles. X is exact in bf16
+// (split into hi and lo in the f32 mode).
 template <typename T>
 __global__ void __launch_bounds__(kFnThreads)
-    mhc_dfn_partial_kernel(const T* __restrict__ x, const float* __restrict__ dmix,
-                           const float* __restrict__ rstd, int64_t tokens, int hd,
-                           int64_t tokens_per_block, float* __restrict__ partial) {
+    mhc_dfn_partial_kernel(const T* __restrict__ x, const bf16* __restrict__ dmix_parts,
+                           int64_t tokens, int hd, int64_t tokens_per_block,
+                           float* __restrict__ partial) {
   constexpr int kXLd = kFnCols + 16 / int(sizeof(T));  // 16-byte padded rows
-  constexpr int kALd = kFnStageTokens + 4;
+  constexpr int kALd = 2 * kMPad + 8;                  // [t][hi 32 | lo 32], 16-byte padded
   constexpr int kPieces = 16 / int(sizeof(T)), kRowPieces = kFnCols / kPieces;
-  __shared__ __align__(16) T xs[2][kFnStageTokens * kXLd];
-  __shared__ float as[2][kMPad * kALd];  // [m][t]: dmix·rstd, zero past the 24 logits
+  constexpr int kAPieces = 2 * kMPad / 8;  // 16-byte pieces of a token's dmix parts
+  __shared__ __align__(16) T xs[kFnStages][kFnStageTokens * kXLd];
+  __shared__ __align__(16) bf16 as[kFnStages][kFnStageTokens * kALd];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int col0 = blockIdx.x * kFnCols;
   const int64_t t0 = int64_t(blockIdx.y) * tokens_per_block;
   const int64_t t1 = t0 + tokens_per_block < tokens ? t0 + tokens_per_block : tokens;
   const int stages = int((t1 - t0 + kFnStageTokens - 1) / kFnStageTokens);
+  // Rows past t1 are zero-filled (their sources are not read).
   auto load_stage = [&](int buf, int64_t s0) {
-    const int n = int(t1 - s0 < kFnStageTokens ? t1 - s0 : kFnStageTokens);
     for (int piece = tid; piece < kFnStageTokens * kRowPieces; piece += kFnThreads) {
       const int row = piece / kRowPieces, col = (piece % kRowPieces) * kPieces;
-      T* dst = &xs[buf][row * kXLd + col];
-      if (row < n) {
-        tc::cp_async16(dst, x + (s0 + row) * int64_t(hd) + col0 + col);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kPieces; ++e) dst[e] = from_f<T>(0.0f);
-      }
+      const bool real = s0 + row < t1;
+      tc::cp_async16_zfill(&xs[buf][row * kXLd + col],
+                           x + (real ? s0 + row : t0) * int64_t(hd) + col0 + col, real);
     }
-    for (int i = tid; i < kMPad * kFnStageTokens; i += kFnThreads) {
-      const int m = i / kFnStageTokens, tt = i % kFnStageTokens;
-      as[buf][m * kALd + tt] = m < kM && tt < n ? dmix[(s0 + tt) * kM + m] * rstd[s0 + tt] : 0.0f;
+    for (int piece = tid; piece < kFnStageTokens * kAPieces; piece += kFnThreads) {
+      const int row = piece / kAPieces, col = (piece % kAPieces) * 8;
+      const bool real = s0 + row < t1;
+      tc::cp_async16_zfill(&as[buf][row * kALd + col],
+                           dmix_parts + (real ? s0 + row : t0) * 2 * kMPad + col, real);
     }
   };
   float acc[2][2][4] = {};
-  if (stages > 0) load_stage(0, t0);
-  tc::cp_async_commit();
-  for (int c = 0; c < stages; ++c) {
-    tc::cp_async_wait<0>();
-    __syncthreads();
-    // The other buffer was read in the previous iteration, before the barrier above.
-    if (c + 1 < stages) load_stage((c + 1) & 1, t0 + int64_t(c + 1) * kFnStageTokens);
+  for (int s = 0; s < kFnStages - 1; ++s) {
+    if (s < stages) load_stage(s, t0 + int64_t(s) * kFnStageTokens);
     tc::cp_async_commit();
-    const T* xt = xs[c & 1];
-    const float* at = as[c & 1];
+  }
+  for (int c = 0; c < stages; ++c) {
+    tc::cp_async_wait<kFnStages - 2>();
+    __syncthreads();
+    // The buffer refilled here was read in the previous iteration, before the barrier above.
+    if (c + kFnStages - 1 < stages)
+      load_stage((c + kFnStages - 1) % kFnStages, t0 + int64_t(c + kFnStages - 1) * kFnStageTokens);
+    tc::cp_async_commit();
+    const T* xt = xs[c % kFnStages];
+    const bf16* at = as[c % kFnStages];
 #pragma unroll
     for (int kt = 0; kt < kFnStageTokens / 16; ++kt) {
       tc::FragB b[2];
@@ -527,7 +555,9 @@ __global__ void __launch_bounds__(kFnThreads)
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const tc::FragA a = tc::load_a_f32(at + 16 * mt * kALd + 16 * kt, kALd, 1);
+        tc::FragA a;
+        tc::ldsm_a_km(at, kALd, 16 * kt, 16 * mt, a.hi);
+        tc::ldsm_a_km(at + kMPad, kALd, 16 * kt, 16 * mt, a.lo);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           if constexpr (std::is_same_v<T, bf16>) {  // X exact in bf16: no lo part
@@ -576,51 +606,65 @@ __global__ void fold_base_scale_kernel(const float* __restrict__ sums, float* __
   for (int i = 0; i < 3; ++i) gscale[i] += s[i];
 }
 
-// dX[t][k] = pre_i·dc[t][k mod D] + rstd·Σ_m dmix[t][m]·fn[m][k] − coef_t·X[t][k], with
-// coef_t = rstd²/(HD) · Σ_m dmix[t][m]·mix[t][m]. One block per kDxTokens tokens × kDxCols
-// columns: the product on the tensor cores ([tokens × 32] rstd·dmix, split into bf16 hi and lo,
-// by [32 × cols] fn from its hi/lo parts; warp w on tokens 16·(w mod 4) .., columns
-// 32·(w / 4) ..), through shared memory to a coalesced pass that adds the other two terms.
+// dX[t][k] = pre_i·dc[t][k mod D] + rstd·Σ_m dmix[t][m]·fn[m][k] − coef_t·X[t][k] (coef from the
+// logit kernel). One block per kDxTokens tokens × kDxCols columns: the product on the tensor cores
+// ([tokens × 32] rstd·dmix from its hi and lo parts, by [32 × cols] fn from its hi and lo parts,
+// both staged by cp.async; warp w on tokens 16·(w mod 4) .., columns 32·(w / 4) ..), through
+// shared memory to a coalesced pass that adds the other two terms, whose loads are issued first.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     mhc_pre_dx_kernel(const T* __restrict__ x, const T* __restrict__ dc,
                       const bf16* __restrict__ fn_hi, const bf16* __restrict__ fn_lo,
-                      const float* __restrict__ dmix, const float* __restrict__ mix,
-                      const float* __restrict__ rstd, const float* __restrict__ pre, int64_t tokens,
+                      const bf16* __restrict__ dmix_parts, const float* __restrict__ coef,
+                      const float* __restrict__ pre, const T* __restrict__ residual, int64_t tokens,
                       int d, T* __restrict__ dx) {
-  constexpr int kALd = kMPad + 4, kBLd = kDxCols + 8, kOLd = kDxCols + 4;
-  __shared__ float as[kDxTokens * kALd];              // rstd·dmix [t][m], zero past the 24 logits
-  __shared__ __align__(16) bf16 bs[2][kMPad * kBLd];  // fn hi, lo [m][col]
+  constexpr int kALd = 2 * kMPad + 8, kBLd = kDxCols + 8, kOLd = kDxCols + 4;
+  constexpr int kJobs = kDxTokens * (kDxCols / 8) / kThreads;  // eight-column runs a thread
+  static_assert(kDxTokens * (kDxCols / 8) % kThreads == 0);
+  __shared__ __align__(16) bf16 as[kDxTokens * kALd];  // rstd·dmix [t][hi 32 | lo 32]
+  __shared__ __align__(16) bf16 bs[2][kMPad * kBLd];   // fn hi, lo [m][col]
   __shared__ __align__(16) float out[kDxTokens * kOLd];
-  __shared__ float coef[kDxTokens];
   const int hd = kH * d;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int col0 = blockIdx.x * kDxCols;
   const int64_t t0 = int64_t(blockIdx.y) * kDxTokens;
   const int n = int(tokens - t0 < kDxTokens ? tokens - t0 : kDxTokens);
-  for (int i = tid; i < kDxTokens * kMPad; i += kThreads) {
-    const int tt = i / kMPad, m = i % kMPad;
-    as[tt * kALd + m] = tt < n && m < kM ? dmix[(t0 + tt) * kM + m] * rstd[t0 + tt] : 0.0f;
+  for (int piece = tid; piece < kDxTokens * (2 * kMPad / 8); piece += kThreads) {
+    const int tt = piece / (2 * kMPad / 8), col = (piece % (2 * kMPad / 8)) * 8;
+    tc::cp_async16_zfill(&as[tt * kALd + col],
+                         dmix_parts + (t0 + (tt < n ? tt : 0)) * 2 * kMPad + col, tt < n);
   }
-  for (int i = tid; i < kMPad * kDxCols; i += kThreads) {
-    const int m = i / kDxCols, col = i % kDxCols;
-    const bool real = m < kM;
-    bs[0][m * kBLd + col] = real ? fn_hi[int64_t(m) * hd + col0 + col] : bf16(0.0f);
-    bs[1][m * kBLd + col] = real ? fn_lo[int64_t(m) * hd + col0 + col] : bf16(0.0f);
+  for (int piece = tid; piece < 2 * kMPad * (kDxCols / 8); piece += kThreads) {
+    const int part = piece / (kMPad * (kDxCols / 8)), rest = piece % (kMPad * (kDxCols / 8));
+    const int m = rest / (kDxCols / 8), col = (rest % (kDxCols / 8)) * 8;
+    const bf16* src = part == 0 ? fn_hi : fn_lo;
+    tc::cp_async16_zfill(&bs[part][m * kBLd + col], src + int64_t(m < kM ? m : 0) * hd + col0 + col,
+                         m < kM);
   }
-  if (tid < n) {
-    const int64_t t = t0 + tid;
-    float dot = 0.0f;
-    for (int m = 0; m < kM; ++m) dot += dmix[t * kM + m] * mix[t * kM + m];
-    const float r = rstd[t];
-    coef[tid] = dot * r * r / float(hd);
+  tc::cp_async_commit();
+  // The epilogue's operands, loaded under the product: thread tid takes runs tid, tid + kThreads,
+  // ... (token run / (kDxCols / 8), eight columns from (run mod (kDxCols / 8))·8).
+  float xv[kJobs][8], cv[kJobs][8], rv[kJobs][8], cf[kJobs], pv[kJobs];
+#pragma unroll
+  for (int q = 0; q < kJobs; ++q) {
+    const int job = tid + q * kThreads, tt = job / (kDxCols / 8), c8 = (job % (kDxCols / 8)) * 8;
+    const int64_t t = t0 + (tt < n ? tt : 0);
+    const int k = col0 + c8;
+    load8(x + t * hd + k, xv[q]);
+    if (dc) load8(dc + t * d + k % d, cv[q]);
+    if (residual) load8(residual + t * hd + k, rv[q]);
+    cf[q] = coef[t];
+    pv[q] = pre[t * kH + k / d];
   }
+  tc::cp_async_wait<0>();
   __syncthreads();
   const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
   float acc[4][4] = {};
 #pragma unroll
   for (int kt = 0; kt < kMPad / 16; ++kt) {
-    const tc::FragA a = tc::load_a_f32(as + m0 * kALd + 16 * kt, kALd, 1);
+    tc::FragA a;
+    tc::ldsm_a_mk(as, kALd, m0, 16 * kt, a.hi);
+    tc::ldsm_a_mk(as + kMPad, kALd, m0, 16 * kt, a.lo);
 #pragma unroll
     for (int np = 0; np < 2; ++np) {
       tc::FragB b0, b1;
@@ -637,24 +681,18 @@ __global__ void __launch_bounds__(kThreads)
       *reinterpret_cast<float2*>(&out[(m0 + g + 8 * half) * kOLd + n0 + 8 * nt + 2 * t4]) =
           make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
   __syncthreads();
-  // Eight columns a thread: token tt, columns c8 .. c8 + 7 (one stream: D is a multiple of 8).
-  for (int job = tid; job < kDxTokens * (kDxCols / 8); job += kThreads) {
-    const int tt = job / (kDxCols / 8), c8 = (job % (kDxCols / 8)) * 8;
+#pragma unroll
+  for (int q = 0; q < kJobs; ++q) {
+    const int job = tid + q * kThreads, tt = job / (kDxCols / 8), c8 = (job % (kDxCols / 8)) * 8;
     if (tt >= n) continue;
-    const int64_t t = t0 + tt;
-    const int k = col0 + c8, stream_i = k / d, col = k % d;
-    float xv[8], v[8];
-    load8(x + t * hd + k, xv);
+    float v[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = out[tt * kOLd + c8 + e] - coef[tt] * xv[e];
-    if (dc) {
-      float cv[8];
-      load8(dc + t * d + col, cv);
-      const float p = pre[t * kH + stream_i];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] += p * cv[e];
+    for (int e = 0; e < 8; ++e) {
+      v[e] = out[tt * kOLd + c8 + e] - cf[q] * xv[q][e];
+      if (dc) v[e] += pv[q] * cv[q][e];
+      if (residual) v[e] += rv[q][e];
     }
-    store8(dx + t * hd + k, v);
+    store8(dx + (t0 + tt) * hd + col0 + c8, v);
   }
 }
 
@@ -866,24 +904,22 @@ template <typename T>
 void launch_pre_backward(const Tensor& x, const Tensor& fn, const ops::MhcOptions& o,
                          const ops::MhcPreSaved& sv, const Tensor& base, const Tensor& scale,
                          const Tensor& d_post, const Tensor& d_comb, const Tensor& d_coll,
-                         Tensor& gfn, Tensor& gbase, Tensor& gscale, Tensor& dx,
-                         cudaStream_t stream) {
+                         const Tensor& residual, Tensor& gfn, Tensor& gbase, Tensor& gscale,
+                         Tensor& dx, cudaStream_t stream) {
   const int64_t n = token_count(x);
   const int d = int(x.size(-1)), hd = kH * d;
   const Device dev = x.device();
-  Tensor dmix = Tensor::empty({n, kM}, DType::f32, dev);
+  Tensor dmix_parts = Tensor::empty({n, 2 * kMPad}, DType::bf16, dev);
+  Tensor coef = Tensor::empty({n}, DType::f32, dev);
   Tensor rows = Tensor::empty({n, 2 * kM}, DType::f32, dev);
-  Tensor dpre;
-  if (d_coll.defined()) {
-    dpre = Tensor::empty({n, kH}, DType::f32, dev);
-    mhc_pre_dots_kernel<T>
-        <<<unsigned(n), kThreads, 0, stream>>>(cptr<T>(x), cptr<T>(d_coll), d, dpre.data<float>());
-    GLMTUNE_CUDA_CHECK(cudaGetLastError());
-  }
-  mhc_pre_logit_grads_kernel<<<blocks_for(n * kH * kH, kThreads), kThreads, 0, stream>>>(
-      cptr<float>(dpre), cptr<float>(d_post), cptr<float>(d_comb), sv.mix.data<float>(),
-      sv.comb_init.data<float>(), base.data<float>(), scale.data<float>(), n, int(o.sinkhorn_iters),
-      float(o.hc_eps), dmix.data<float>(), rows.data<float>());
+  // One token on 16 lanes; the grid must cover every token (no grid stride).
+  const int64_t lanes = n * kH * kH;
+  mhc_pre_logit_grads_kernel<T>
+      <<<unsigned((lanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+          cptr<T>(x), cptr<T>(d_coll), d, cptr<float>(d_post), cptr<float>(d_comb),
+          sv.mix.data<float>(), sv.rstd.data<float>(), sv.comb_init.data<float>(),
+          base.data<float>(), scale.data<float>(), n, int(o.sinkhorn_iters), float(o.hc_eps),
+          mptr<bf16>(dmix_parts), coef.data<float>(), rows.data<float>());
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 
   Tensor sums = Tensor::zeros({2 * kM}, DType::f32, dev);
@@ -897,17 +933,17 @@ void launch_pre_backward(const Tensor& x, const Tensor& fn, const ops::MhcOption
   Tensor partial = Tensor::empty({nblk, kM, hd}, DType::f32, dev);
   mhc_dfn_partial_kernel<T>
       <<<dim3(unsigned(hd / kFnCols), unsigned(nblk)), kFnThreads, 0, stream>>>(
-          cptr<T>(x), dmix.data<float>(), sv.rstd.data<float>(), n, hd, per, partial.data<float>());
+          cptr<T>(x), cptr<bf16>(dmix_parts), n, hd, per, partial.data<float>());
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
   sum_blocks_kernel<<<blocks_for(int64_t(kM) * hd, kThreads), kThreads, 0, stream>>>(
       partial.data<float>(), nblk, int64_t(kM) * hd, gfn.data<float>());
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 
   const FnSplit fs = split_fn(fn, hd, stream);
-  mhc_pre_dx_kernel<T><<<dim3(unsigned(hd / kDxCols), unsigned((n + kDxTokens - 1) / kDxTokens)),
-                         kThreads, 0, stream>>>(
-      cptr<T>(x), cptr<T>(d_coll), fs.hi, fs.lo, dmix.data<float>(), sv.mix.data<float>(),
-      sv.rstd.data<float>(), sv.pre.data<float>(), n, d, mptr<T>(dx));
+  mhc_pre_dx_kernel<T>
+      <<<dim3(unsigned(hd / kDxCols), unsigned((n + kDxTokens - 1) / kDxTokens)), kThreads, 0,
+         stream>>>(cptr<T>(x), cptr<T>(d_coll), fs.hi, fs.lo, cptr<bf16>(dmix_parts),
+                   coef.data<float>(), sv.pre.data<float>(), cptr<T>(residual), n, d, mptr<T>(dx));
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -916,7 +952,8 @@ void launch_pre_backward(const Tensor& x, const Tensor& fn, const ops::MhcOption
 Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& base,
                         const Tensor& scale, const ops::MhcOptions& options,
                         const ops::MhcPreSaved* saved, const Tensor& d_post, const Tensor& d_comb,
-                        const Tensor& d_collapsed, ops::MhcGrads& grads, cudaStream_t stream) {
+                        const Tensor& d_collapsed, ops::MhcGrads& grads, const Tensor& residual,
+                        cudaStream_t stream) {
   const char* op = "cuda::mhc_pre_backward";
   check_streams(streams, op);
   check_params(streams, fn, base, scale, options, op);
@@ -927,6 +964,8 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
     check_like(d_comb, lead_with(streams, {kH, kH}), DType::f32, streams, "d_comb", op);
   if (d_collapsed.defined())
     check_like(d_collapsed, lead_with(streams, {d}), streams.dtype(), streams, "d_collapsed", op);
+  if (residual.defined())
+    check_like(residual, streams.shape(), streams.dtype(), streams, "residual", op);
   ops::MhcPreSaved fresh;
   if (!saved) {
     mhc_pre(streams, fn, base, scale, options, &fresh, stream);
@@ -949,10 +988,10 @@ Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& b
   if (token_count(streams) == 0) return dx;
   if (streams.dtype() == DType::bf16)
     launch_pre_backward<bf16>(streams, fn, options, *saved, base, scale, d_post, d_comb,
-                              d_collapsed, gfn, gbase, gscale, dx, stream);
+                              d_collapsed, residual, gfn, gbase, gscale, dx, stream);
   else
     launch_pre_backward<float>(streams, fn, options, *saved, base, scale, d_post, d_comb,
-                               d_collapsed, gfn, gbase, gscale, dx, stream);
+                               d_collapsed, residual, gfn, gbase, gscale, dx, stream);
   return dx;
 }
 

@@ -44,13 +44,14 @@ ops::MhcPreResult mhc_pre(const Tensor& streams, const Tensor& fn, const Tensor&
 
 // `saved` must come from cuda::mhc_pre on the same inputs (null: recomputed). Upstream gradients
 // may be undefined (zero): d_post f32 [T, H], d_comb f32 [T, H, H], d_collapsed [T, D] in the
-// streams' dtype. Returns d streams; fn, base and scale gradients (f32) accumulate into `grads`
+// streams' dtype. Returns d streams (plus `residual` [T, H, D] in the streams' dtype where defined,
+// added in f32 before the one rounding); fn, base and scale gradients (f32) accumulate into `grads`
 // (undefined: created as f32 zeros).
 Tensor mhc_pre_backward(const Tensor& streams, const Tensor& fn, const Tensor& base,
                         const Tensor& scale, const ops::MhcOptions& options,
                         const ops::MhcPreSaved* saved, const Tensor& d_post, const Tensor& d_comb,
                         const Tensor& d_collapsed, ops::MhcGrads& grads,
-                        cudaStream_t stream = nullptr);
+                        const Tensor& residual = Tensor(), cudaStream_t stream = nullptr);
 
 Tensor mhc_post(const Tensor& streams, const Tensor& y, const Tensor& post, const Tensor& comb,
                 cudaStream_t stream = nullptr);
