@@ -326,16 +326,22 @@ void check_mla_composite(const std::vector<int64_t>& bounds, const Tensor& idx, 
                     &gref.o_proj.weight};
   const char* names[] = {"q_a_proj",       "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
                          "kv_a_layernorm", "kv_b_proj",     "o_proj"};
+  // The query side's gradients come last in the longest chain of bf16 roundings (o_proj, the
+  // attention's P and dS, the absorbed product, q_b with its adapter, q_a's norm), and the bias a
+  // sum over tokens whose terms cancel: 7.5e-3 to 1.03e-2 over 21 seeds on an H100 with adapters
+  // and biases, so their bar is 2e-2; the rest stay under 1e-2.
+  const double q_bar = lora || bias ? 2e-2 : 1e-2;
+  const double bars[] = {q_bar, q_bar, q_bar, 1e-2, 1e-2, 1e-2, 1e-2};
   for (int e = 0; e < 7; ++e)
-    EXPECT_CLOSE(*got[e], *want[e], 1e-2, std::string("d ") + names[e] + " " + what);
+    EXPECT_CLOSE(*got[e], *want[e], bars[e], std::string("d ") + names[e] + " " + what);
   if (lora) {
     EXPECT_CLOSE(g1.kv_b_proj.lora.A, gref.kv_b_proj.lora.A, 1e-2, "d kv_b lora_A " + what);
     EXPECT_CLOSE(g1.kv_b_proj.lora.B, gref.kv_b_proj.lora.B, 1e-2, "d kv_b lora_B " + what);
-    EXPECT_CLOSE(g1.q_b_proj.lora.A, gref.q_b_proj.lora.A, 1e-2, "d q_b lora_A " + what);
-    EXPECT_CLOSE(g1.q_b_proj.lora.B, gref.q_b_proj.lora.B, 1e-2, "d q_b lora_B " + what);
+    EXPECT_CLOSE(g1.q_b_proj.lora.A, gref.q_b_proj.lora.A, q_bar, "d q_b lora_A " + what);
+    EXPECT_CLOSE(g1.q_b_proj.lora.B, gref.q_b_proj.lora.B, q_bar, "d q_b lora_B " + what);
   }
   if (bias) {
-    EXPECT_CLOSE(g1.q_a_proj.bias, gref.q_a_proj.bias, 1e-2, "d q_a bias " + what);
+    EXPECT_CLOSE(g1.q_a_proj.bias, gref.q_a_proj.bias, q_bar, "d q_a bias " + what);
     EXPECT_CLOSE(g1.kv_a_proj_with_mqa.bias, gref.kv_a_proj_with_mqa.bias, 1e-2,
                  "d kv_a bias " + what);
     EXPECT_CLOSE(g1.o_proj.bias, gref.o_proj.bias, 1e-2, "d o bias " + what);
