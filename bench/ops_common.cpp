@@ -240,12 +240,15 @@ std::vector<OpSpec> op_specs() {
                  2.0 * double(m) * double(nn) * double(k),
                  "torch._scaled_mm",
                  fmt::format("scaled_mm {} M{} N{} K{}", which, m, nn, k)});
-  // The expert GEMMs in FP8, one dense FP8 GEMM per expert (the bf16 "moe" rows above are the
+  // The expert GEMMs in FP8: one dense FP8 GEMM per expert, and ("one launch") the grouped kernel
+  // with the offsets on the device, its dX including the transposes of the weights, the operands
+  // quantised outside the timing as in the per-expert rows (the bf16 "moe" rows above are the
   // same-run comparison; no public per-expert block-scaled peer is timed).
   for (int64_t rows : {910, 3641})
     for (const auto& [name, out, in] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
              {"gate_up", 4096, 4096}, {"down", 4096, 2048}})
-      for (const char* which : {"fwd", "dX", "dW"})
+      for (const char* which :
+           {"fwd", "dX", "dW", "fwd one launch", "dX one launch", "dW one launch"})
         s.push_back({fmt::format("fp8 moe {} {}", name, which),
                      fmt::format("36x{} N{} K{}", rows, out, in),
                      Family::fp8_grouped_gemm,

@@ -320,7 +320,8 @@ double time_fp8_gemm(int64_t m, int64_t n, int64_t k, const std::string& variant
   return median_ms([&] { cuda::fp8_linear_out(c, a, b); }, 3, 20);
 }
 
-// The expert GEMMs in FP8 (one dense FP8 GEMM per expert), the shapes of time_grouped.
+// The expert GEMMs in FP8 (one dense FP8 GEMM per expert, or the grouped kernel with the offsets
+// on the device: "one launch"), the shapes of time_grouped.
 double time_fp8_grouped(int64_t per_group, int64_t n, int64_t k, const std::string& variant) {
   const int64_t experts = 36, total = per_group * experts;
   std::vector<int64_t> offsets(size_t(experts) + 1);
@@ -328,6 +329,27 @@ double time_fp8_grouped(int64_t per_group, int64_t n, int64_t k, const std::stri
   const Tensor x = random_gpu({total, k}, DType::bf16, 11);
   const Tensor dy = random_gpu({total, n}, DType::bf16, 13);
   const Tensor w = random_gpu({experts, n, k}, DType::bf16, 12, 1.0 / std::sqrt(double(k)));
+  if (variant.ends_with("one launch")) {
+    std::vector<int32_t> offsets32(offsets.begin(), offsets.end());
+    const Tensor dev_offsets = Tensor::from_vector(offsets32, {experts + 1}).to(kGpu);
+    if (variant == "dW one launch") {
+      const cuda::Fp8TokenTiles dyq = cuda::quantize_fp8_token_tiles(dy, dev_offsets);
+      const cuda::Fp8TokenTiles xq = cuda::quantize_fp8_token_tiles(x, dev_offsets);
+      Tensor dw = Tensor::zeros({experts, n, k}, DType::bf16, kGpu);
+      return median_ms([&] { cuda::fp8_grouped_linear_backward_weight(dw, dyq, xq, dev_offsets); },
+                       3, 20);
+    }
+    const ops::Fp8Blocks w_stack = cuda::quantize_fp8_blocks(w.reshape({experts * n, k}), 128, 128);
+    if (variant == "fwd one launch") {
+      const ops::Fp8Blocks xq = cuda::quantize_fp8_blocks(x, 1, 128);
+      Tensor y = Tensor::empty({total, n}, DType::bf16, kGpu);
+      return median_ms([&] { cuda::fp8_grouped_linear(y, xq, w_stack, dev_offsets); }, 3, 20);
+    }
+    const ops::Fp8Blocks dyq = cuda::quantize_fp8_blocks(dy, 1, 128);
+    Tensor dx = Tensor::empty({total, k}, DType::bf16, kGpu);
+    return median_ms(
+        [&] { cuda::fp8_grouped_linear_backward_input(dx, dyq, w_stack, dev_offsets); }, 3, 20);
+  }
   const std::vector<ops::Fp8Blocks> wq = cuda::quantize_fp8_weight_grouped(w);
   if (variant == "fwd") {
     const std::vector<ops::Fp8Blocks> xq = cuda::quantize_fp8_grouped(x, offsets, 1, 128);

@@ -596,6 +596,180 @@ TEST(CudaFp8, GroupedGemmsMatchPerExpertProducts) {
 #endif
 }
 
+// The grouped kernel with the offsets on the device (Hopper): every expert in one launch, reading
+// the whole buffer's 1 × 128 tiles and the experts' weights as one stack of 128 × 128 blocks. Each
+// expert's rows within the bound of its dequantised product (empty experts, a row tile of one row,
+// tiles running into the next expert, a partial last k block); the rows past the offsets' end
+// untouched; a rerun bit-identical; the input gradient through transposed chunks of two experts
+// the same bits as through one chunk; the weight gradient's token tiles and its product. Skipped on
+// a GPU without the sm_90a kernels.
+TEST(CudaFp8, GroupedKernelWithDeviceOffsetsMatchesTheDequantisedProduct) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  if (!cuda::fp8_grouped_device_offsets_possible(kGpu.index, 1, 128, 128))
+    GTEST_SKIP() << "the grouped FP8 kernel needs an sm_90a build on a compute capability 9.x GPU";
+  struct Case {
+    std::vector<int32_t> offsets;
+    int64_t extra_rows, n, k;
+  };
+  const Case cases[] = {{{0, 0, 130, 131, 388, 452, 752}, 5, 256, 384},
+                        {{0, 50, 50, 250}, 3, 128, 336}};
+  uint64_t stream = 160;
+  for (const Case& c : cases) {
+    const int64_t groups = int64_t(c.offsets.size()) - 1, used = c.offsets.back();
+    const int64_t total = used + c.extra_rows, n = c.n, k = c.k;
+    const std::string name =
+        std::to_string(groups) + " experts N" + std::to_string(n) + " K" + std::to_string(k);
+    const Tensor x = varied(total, k, DType::bf16, stream += 7);
+    const Tensor dy = varied(total, n, DType::bf16, stream += 7);
+    Tensor w = Tensor::empty({groups, n, k}, DType::bf16);
+    for (int64_t g = 0; g < groups; ++g)
+      w.select(0, g).copy_(varied(n, k, DType::bf16, stream + 100 + uint64_t(g)));
+    const Tensor offsets = Tensor::from_vector(c.offsets, {groups + 1}).to(kGpu);
+    const ops::Fp8Blocks xq = cuda::quantize_fp8_blocks(x.to(kGpu), 1, 128);
+    const ops::Fp8Blocks dyq = cuda::quantize_fp8_blocks(dy.to(kGpu), 1, 128);
+    const ops::Fp8Blocks w_stack =
+        cuda::quantize_fp8_blocks(w.to(kGpu).reshape({groups * n, k}), 128, 128);
+    const std::vector<double> xd = dequantised(ops::quantize_fp8_blocks(x, 1, 128));
+    const std::vector<double> dyd = dequantised(ops::quantize_fp8_blocks(dy, 1, 128));
+
+    Tensor y_bf16 = Tensor::full({total, n}, 7.0, DType::bf16, kGpu);
+    Tensor y_f32 = Tensor::full({total, n}, 7.0, DType::f32, kGpu);
+    Tensor y_again = Tensor::full({total, n}, 7.0, DType::f32, kGpu);
+    const Tensor base = varied(total, n, DType::f32, stream + 50);
+    Tensor y_acc = base.to(kGpu);
+    run_or_fail(name + " forward", [&] {
+      ASSERT_TRUE(cuda::fp8_grouped_device_offsets_fit(xq, w_stack, y_bf16, groups));
+      cuda::fp8_grouped_linear(y_bf16, xq, w_stack, offsets);
+      cuda::fp8_grouped_linear(y_f32, xq, w_stack, offsets);
+      cuda::fp8_grouped_linear(y_again, xq, w_stack, offsets);
+      cuda::fp8_grouped_linear(y_acc, xq, w_stack, offsets, nullptr, /*accumulate=*/true);
+    });
+    EXPECT_TRUE(bit_identical(y_f32, y_again)) << ctx(name + " forward rerun");
+    const bool dx_possible = k % 128 == 0;
+    Tensor dx = Tensor::full({total, k}, 7.0, DType::bf16, kGpu);
+    Tensor dx_chunked = Tensor::full({total, k}, 7.0, DType::bf16, kGpu);
+    if (dx_possible)
+      run_or_fail(name + " dX", [&] {
+        cuda::fp8_grouped_linear_backward_input(dx, dyq, w_stack, offsets);
+        cuda::fp8_grouped_linear_backward_input(dx_chunked, dyq, w_stack, offsets, nullptr,
+                                                2 * n * k);
+      });
+    EXPECT_TRUE(bit_identical(dx, dx_chunked)) << ctx(name + " dX in chunks of two experts");
+
+    const Tensor base_cpu = base.contiguous();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = c.offsets[size_t(g)], rows = c.offsets[size_t(g) + 1] - r0;
+      const std::string what =
+          name + ", expert " + std::to_string(g) + " (" + std::to_string(rows) + " rows)";
+      const ops::Fp8Blocks wq = ops::quantize_fp8_blocks(w.select(0, g).contiguous(), 128, 128);
+      // The stack holds each expert's own blocks.
+      EXPECT_TRUE(same_codes(w_stack.values.narrow(0, g * n, n), wq.values)) << ctx(what);
+      EXPECT_TRUE(same_scales(w_stack.scales.narrow(0, g * n / 128, n / 128), wq.scales))
+          << ctx(what);
+      if (dx_possible) {
+        const ops::Fp8Blocks t_stack = cuda::transpose_fp8_weight_stack(w_stack, n, g, 1);
+        const ops::Fp8Blocks t_one =
+            cuda::transpose_fp8_weight(cuda::fp8_blocks_to_device(wq, kGpu));
+        EXPECT_TRUE(same_codes(t_stack.values, t_one.values)) << ctx(what + " transposed");
+        EXPECT_TRUE(same_scales(t_stack.scales, t_one.scales)) << ctx(what + " transposed");
+      }
+      if (rows == 0) continue;
+      const std::vector<double> wd = dequantised(wq);
+      const std::vector<double> xs(xd.begin() + r0 * k, xd.begin() + (r0 + rows) * k);
+      const Reference ref = reference(xs, k, 1, wd, k, 1, rows, n, k);
+      expect_within_bound(y_bf16.slice(0, r0, r0 + rows), ref, k, {}, what + " forward bf16");
+      expect_within_bound(y_f32.slice(0, r0, r0 + rows), ref, k, {}, what + " forward f32");
+      const Tensor b = base_cpu.slice(0, r0, r0 + rows).contiguous();
+      expect_within_bound(y_acc.slice(0, r0, r0 + rows), ref, k,
+                          std::vector<double>(b.data<float>(), b.data<float>() + b.numel()),
+                          what + " forward accumulated");
+      if (dx_possible) {
+        const std::vector<double> dys(dyd.begin() + r0 * n, dyd.begin() + (r0 + rows) * n);
+        expect_within_bound(dx.slice(0, r0, r0 + rows), reference(dys, n, 1, wd, 1, k, rows, k, n),
+                            n, {}, what + " dX");
+      }
+    }
+    // The weight gradient: dy and x in 128 × 1 tiles per expert, every expert's tiles in one
+    // transposed matrix (bit for bit each expert's CPU quantisation, zero past its rows), then
+    // dw[g] += dy_gᵀ x_g in one launch, into an f32 gradient that holds values already.
+    if (dx_possible) {
+      cuda::Fp8TokenTiles dy_t, x_t;
+      run_or_fail(name + " token tiles", [&] {
+        dy_t = cuda::quantize_fp8_token_tiles(dy.to(kGpu), offsets);
+        x_t = cuda::quantize_fp8_token_tiles(x.to(kGpu), offsets);
+      });
+      const Tensor tiles = dy_t.tiles.to(Device::cpu());
+      const Tensor dw_base = varied(groups * n, k, DType::f32, stream + 60);
+      Tensor dw = dw_base.to(kGpu).reshape({groups, n, k});
+      run_or_fail(name + " dW",
+                  [&] { cuda::fp8_grouped_linear_backward_weight(dw, dy_t, x_t, offsets); });
+      for (const auto& [q, src, cols] : {std::tuple{&dy_t, &dy, n}, std::tuple{&x_t, &x, k}}) {
+        const Tensor codes = q->codes.to(Device::cpu()).contiguous();
+        const Tensor scales = q->scales.to(Device::cpu()).contiguous();
+        const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r0 = c.offsets[size_t(g)], rows = c.offsets[size_t(g) + 1] - r0;
+          const int64_t first = tiles.data<int32_t>()[g];
+          ASSERT_EQ(tiles.data<int32_t>()[g + 1] - first, (rows + 127) / 128) << name;
+          if (rows == 0) continue;
+          const ops::Fp8Blocks want =
+              ops::quantize_fp8_blocks(src->slice(0, r0, r0 + rows).contiguous(), 128, 1);
+          const Tensor wv = want.values.contiguous(), ws = want.scales.contiguous();
+          const auto* wp = static_cast<const uint8_t*>(wv.data_ptr());
+          for (int64_t col = 0; col < cols; ++col) {
+            for (int64_t r = 0; r < (rows + 127) / 128 * 128; ++r) {
+              const uint8_t got = cp[col * q->padded + 128 * first + r];
+              const uint8_t exp = r < rows ? wp[r * cols + col] : uint8_t(0);
+              ASSERT_EQ(got, exp) << name << ": expert " << g << " token tile code (row " << r
+                                  << ", column " << col << ")";
+            }
+            for (int64_t t = 0; t < (rows + 127) / 128; ++t)
+              ASSERT_EQ(float_bits(scales.data<float>()[(first + t) * scales.size(1) + col]),
+                        float_bits(ws.data<float>()[t * cols + col]))
+                  << name << ": expert " << g << " token tile " << t << " scale, column " << col;
+          }
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t r0 = c.offsets[size_t(g)], rows = c.offsets[size_t(g) + 1] - r0;
+        const std::string what = name + ", expert " + std::to_string(g) + " dW";
+        const Tensor base_g = dw_base.slice(0, g * n, (g + 1) * n).contiguous();
+        const std::vector<double> before(base_g.data<float>(),
+                                         base_g.data<float>() + base_g.numel());
+        if (rows == 0) {
+          EXPECT_TRUE(bit_identical(dw.select(0, g).to(Device::cpu()), base_g))
+              << ctx(what + ": an expert without rows was written");
+          continue;
+        }
+        const ops::Fp8Blocks dy_cols =
+            ops::quantize_fp8_blocks(dy.slice(0, r0, r0 + rows).contiguous(), 128, 1);
+        const ops::Fp8Blocks x_cols =
+            ops::quantize_fp8_blocks(x.slice(0, r0, r0 + rows).contiguous(), 128, 1);
+        expect_within_bound(
+            dw.select(0, g),
+            reference(dequantised(dy_cols), 1, n, dequantised(x_cols), 1, k, n, k, rows), rows,
+            before, what);
+      }
+    }
+    // Rows past the offsets' end are no expert's: left as they were.
+    const Tensor tail = f32(y_bf16.slice(0, used, total));
+    const Tensor tail_acc = f32(y_acc.slice(0, used, total));
+    const Tensor tail_base = base_cpu.slice(0, used, total).contiguous();
+    for (int64_t i = 0; i < tail.numel(); ++i) {
+      ASSERT_EQ(tail.data<float>()[i], 7.0f) << name << ": row " << used + i / n << " written";
+      ASSERT_EQ(tail_acc.data<float>()[i], tail_base.data<float>()[i])
+          << name << ": row " << used + i / n << " accumulated into";
+    }
+    if (dx_possible) {
+      const Tensor dx_tail = f32(dx.slice(0, used, total));
+      for (int64_t i = 0; i < dx_tail.numel(); ++i)
+        ASSERT_EQ(dx_tail.data<float>()[i], 7.0f) << name << ": dX row " << used + i / k;
+    }
+  }
+#endif
+}
+
 // The leaf ops of tile-wise FP8 training (ops/fp8.h: linear_fp8, linear_fp8_backward_add) and a
 // projection marked Linear::fp8, on a [B, T, in] input: each product is the one of the operands
 // quantised as the CPU op quantises them (1 × 128 tiles for x and dy, 128 × 128 weight blocks,

@@ -178,6 +178,12 @@ int64_t Fp8Layers::fed_slices(Held& h) {
         h.codes.narrow(0, i * rows, rows),
         scales.reshape({pieces * scales.size(1), scales.size(2)}).contiguous()));
   }
+  // Rows a multiple of 128 (so pieces of one too, or a single piece): the pieces' block rows,
+  // in order, are the stack's.
+  if (h.shape.size() == 3 && rows % 128 == 0)
+    h.stack = ops::fp8_weight_from_codes(
+        h.codes.reshape({slices * rows, h.shape[2]}),
+        h.scales.reshape({h.scales.size(0) * h.scales.size(1), h.scales.size(2)}).contiguous());
   return slices;
 }
 
@@ -198,6 +204,8 @@ void Fp8Layers::gather(int64_t layer) {
       ops::pin_fp8_weight(
           h.fed.size() == 1 && h.shape.size() == 2 ? *h.field : h.field->select(0, int64_t(i)),
           h.fed[i]);
+    if (h.stack.values.defined())
+      ops::pin_fp8_weight(h.field->reshape({h.shape[0] * h.shape[1], h.shape[2]}), h.stack);
   }
 }
 

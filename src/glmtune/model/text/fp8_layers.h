@@ -75,6 +75,10 @@ class Fp8Layers final : public LayerParamProvider {
     // feed_fp8_gemms: the blocks of each [out, in] slice of the field (one for a 2-D field, one
     // per expert for the fused experts), pinned to it at each gather.
     std::vector<ops::Fp8Blocks> fed;
+    // With the fused experts' slices fed and their rows a multiple of 128: the blocks of every
+    // expert's slice as one [E · out, in] stack (the codes shared with `fed`), pinned to the field
+    // viewed so, which the grouped FP8 kernel reads (ops/cuda/fp8.h).
+    ops::Fp8Blocks stack;
     bool codes_only = false;  // codes_only_tensors()
   };
 

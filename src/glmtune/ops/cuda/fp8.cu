@@ -355,12 +355,49 @@ __global__ void __launch_bounds__(256)
       table.padded[g + 1] - table.padded[g], s + (int64_t(table.tiles[g]) + t) * ld_s);
 }
 
+// ---- 128 × 1 tiles per group with the offsets on the device
+// ---------------------------------------
+
+// tiles[g] = the 128-row tiles of the groups before g. One thread: at most a few hundred groups.
+__global__ void token_tiles_kernel(const int32_t* __restrict__ offsets, int groups,
+                                   int32_t* __restrict__ tiles) {
+  if (threadIdx.x != 0) return;
+  int32_t sum = 0;
+  tiles[0] = 0;
+  for (int g = 0; g < groups; ++g) {
+    sum += (offsets[g + 1] - offsets[g] + 127) / 128;
+    tiles[g + 1] = sum;
+  }
+}
+
+// One block per (64 columns, 128-row tile j of all the groups' tiles), as quantize_columns_kernel;
+// blocks past the last tile leave.
+template <bool kVec>
+__global__ void __launch_bounds__(256)
+    quantize_device_group_columns_kernel(const void* __restrict__ x, bool x_bf16, int64_t cols,
+                                         int64_t ld_x, const int32_t* __restrict__ offsets,
+                                         int groups, const int32_t* __restrict__ tiles,
+                                         uint8_t* __restrict__ q, int64_t ld_q,
+                                         float* __restrict__ s, int64_t ld_s) {
+  const int64_t j = blockIdx.y;
+  if (j >= tiles[groups]) return;
+  const int g = group_of(tiles, groups, j);
+  const int64_t first_row = offsets[g];
+  quantize_column_tile<kVec>(x, x_bf16, first_row * ld_x, offsets[g + 1] - first_row, cols, ld_x,
+                             (j - tiles[g]) * 128, int64_t(blockIdx.x) * kColTileCols,
+                             q + int64_t(tiles[g]) * 128, ld_q, s + j * ld_s);
+}
+
 // ---- transposes -----------------------------------------------------------------------------
 
+// Matrix blockIdx.z of a batch: in + z · in_step, out + z · out_step.
 template <typename T>
 __global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t cols,
-                                 int64_t ld_in, T* __restrict__ out, int64_t ld_out) {
+                                 int64_t ld_in, int64_t in_step, T* __restrict__ out,
+                                 int64_t ld_out, int64_t out_step) {
   __shared__ T tile[32][33];
+  in += int64_t(blockIdx.z) * in_step;
+  out += int64_t(blockIdx.z) * out_step;
   const int64_t r0 = int64_t(blockIdx.y) * 32, c0 = int64_t(blockIdx.x) * 32;
   for (int i = threadIdx.y; i < 32; i += blockDim.y) {
     const int64_t r = r0 + i, c = c0 + threadIdx.x;
@@ -420,11 +457,12 @@ __global__ void __launch_bounds__(256)
 }
 
 template <typename T>
-void transpose(const T* in, int64_t rows, int64_t cols, int64_t ld_in, T* out, int64_t ld_out,
-               cudaStream_t stream) {
-  if (rows == 0 || cols == 0) return;
-  const dim3 grid(unsigned(blocks_of(cols, 32)), unsigned(blocks_of(rows, 32)));
-  transpose_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(in, rows, cols, ld_in, out, ld_out);
+void transpose(const T* in, int64_t rows, int64_t cols, int64_t ld_in, int64_t in_step, T* out,
+               int64_t ld_out, int64_t out_step, int64_t batch, cudaStream_t stream) {
+  if (rows == 0 || cols == 0 || batch == 0) return;
+  const dim3 grid(unsigned(blocks_of(cols, 32)), unsigned(blocks_of(rows, 32)), unsigned(batch));
+  transpose_kernel<T>
+      <<<grid, dim3(32, 8), 0, stream>>>(in, rows, cols, ld_in, in_step, out, ld_out, out_step);
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
@@ -506,14 +544,33 @@ void dequantize_pieces(const uint8_t* codes, const float* scales, int64_t rows, 
   GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
+void quantize_device_group_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols,
+                                   int64_t ld_x, const int32_t* offsets, int groups, int32_t* tiles,
+                                   uint8_t* q, int64_t ld_q, float* s, int64_t ld_s,
+                                   cudaStream_t stream) {
+  token_tiles_kernel<<<1, 32, 0, stream>>>(offsets, groups, tiles);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(unsigned(blocks_of(cols, kColTileCols)), unsigned(blocks_of(rows, 128) + groups));
+  if (columns_vector_ok(x, x_bf16, cols, ld_x))
+    quantize_device_group_columns_kernel<true>
+        <<<grid, 256, 0, stream>>>(x, x_bf16, cols, ld_x, offsets, groups, tiles, q, ld_q, s, ld_s);
+  else
+    quantize_device_group_columns_kernel<false>
+        <<<grid, 256, 0, stream>>>(x, x_bf16, cols, ld_x, offsets, groups, tiles, q, ld_q, s, ld_s);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
+}
+
 void transpose_u8(const uint8_t* in, int64_t rows, int64_t cols, int64_t ld_in, uint8_t* out,
-                  int64_t ld_out, cudaStream_t stream) {
-  transpose(in, rows, cols, ld_in, out, ld_out, stream);
+                  int64_t ld_out, cudaStream_t stream, int64_t batch, int64_t in_step,
+                  int64_t out_step) {
+  transpose(in, rows, cols, ld_in, in_step, out, ld_out, out_step, batch, stream);
 }
 
 void transpose_f32(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,
-                   int64_t ld_out, cudaStream_t stream) {
-  transpose(in, rows, cols, ld_in, out, ld_out, stream);
+                   int64_t ld_out, cudaStream_t stream, int64_t batch, int64_t in_step,
+                   int64_t out_step) {
+  transpose(in, rows, cols, ld_in, in_step, out, ld_out, out_step, batch, stream);
 }
 
 }  // namespace glmtune::cuda::fp8_kernels

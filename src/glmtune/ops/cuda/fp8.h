@@ -137,4 +137,70 @@ void fp8_grouped_linear_backward_weight(Tensor& dw, const std::vector<ops::Fp8Bl
                                         const std::vector<int64_t>& offsets,
                                         cudaStream_t stream = nullptr);
 
+// ---- grouped, offsets on the device (Hopper) --------------------------------------------------
+// One launch for every group, the offsets read by the kernel (int32 [G + 1] on the device,
+// nondecreasing, as ops/cuda/grouped_gemm.h's device-offset kernels take them), so the host never
+// waits for them (ops/cuda/grouped_fp8_sm90.cuh). The operands:
+//
+//   x / dy     the whole permuted buffer quantised at once, quantize_fp8_blocks(x, 1, 128): a 1 ×
+//   128
+//              tile lies within a row, so each group's tiles are those of its rows alone.
+//   w_stack    every group's [N, K] weight stacked as one [G · N, K] matrix in 128 × 128 blocks
+//              (fp8_weight_blocks of the fused [E, N, K] viewed as [E · N, K]; the same codes and
+//              scales as each expert's own blocks when N is a multiple of 128, which is required).
+//
+// f32 accumulation of each 128-wide k block, scaled and added in f32; bf16 or f32 output. The
+// order of the sums is fixed per output tile: reruns are bit-identical.
+
+// Whether these operands can take the kernels: an sm_90a build on a 9.x device, x in 1 × 128 tiles
+// and w_stack in 128 × 128 blocks in the layouts above (16-byte aligned), N = out's columns a
+// multiple of 128 and w_stack [groups · N, K], K a multiple of 16, 1 to 1024 groups, `out` a
+// contiguous bf16 or f32 [rows of x, N].
+bool fp8_grouped_device_offsets_fit(const ops::Fp8Blocks& x, const ops::Fp8Blocks& w_stack,
+                                    const Tensor& out, int64_t groups);
+// Whether a call with these sizes could: the device and the sizes alone (before quantising).
+bool fp8_grouped_device_offsets_possible(int device, int64_t groups, int64_t n, int64_t k);
+
+// y[rows_g, N] (+)= x_g · w_gᵀ. Rows past offsets[G] are left alone.
+void fp8_grouped_linear(Tensor& y, const ops::Fp8Blocks& x, const ops::Fp8Blocks& w_stack,
+                        const Tensor& offsets, cudaStream_t stream = nullptr,
+                        bool accumulate = false);
+
+// dx[rows_g, K] = dy_g · w_g, dy in 1 × 128 tiles along N, N and K multiples of 128. The FP8 MMA
+// reads both operands along the reduced dimension, so the groups' weights are transposed
+// (transpose_fp8_weight_stack) in chunks of at most `chunk_bytes` of codes (at least one group),
+// one launch each, each chunk's copy dropped after it: never a second copy of every expert's codes.
+inline constexpr int64_t kFp8TransposeChunkBytes = int64_t(256) << 20;
+void fp8_grouped_linear_backward_input(Tensor& dx, const ops::Fp8Blocks& dy,
+                                       const ops::Fp8Blocks& w_stack, const Tensor& offsets,
+                                       cudaStream_t stream = nullptr,
+                                       int64_t chunk_bytes = kFp8TransposeChunkBytes);
+
+// The weight gradient's operands: x [T, cols] (bf16 or f32 rows) in 128 × 1 tiles per group from
+// the group's first row (what quantize_fp8_grouped(x, offsets, 128, 1) makes, with the offsets on
+// the device), all groups in one transposed matrix: group g's rows are columns 128 · tiles[g] ..
+// of `codes` (code 0 past its last row up to its last tile's end), its tile t's scales row
+// tiles[g] + t of `scales`. `padded` = 128 · (ceil(T / 128) + G) holds any grouping, so the host
+// never reads the offsets; what lies past 128 · tiles[G] is not written.
+struct Fp8TokenTiles {
+  Tensor codes;        // fp8e4m3 [cols, padded]
+  Tensor scales;       // f32 [padded / 128, pad4(cols)] (zero in the padding columns)
+  Tensor tiles;        // int32 [G + 1] on the device: cumulative ceil(rows_g / 128)
+  int64_t padded = 0;  // a multiple of 128
+};
+Fp8TokenTiles quantize_fp8_token_tiles(const Tensor& x, const Tensor& offsets,
+                                       cudaStream_t stream = nullptr);
+
+// dw[g] += dy_gᵀ · x_g for the groups with rows (the others are left alone), dw [G, N, K] f32 or
+// bf16 contiguous, N and K multiples of 128; dy and x from quantize_fp8_token_tiles with the same
+// offsets (N = dy's columns, K = x's).
+void fp8_grouped_linear_backward_weight(Tensor& dw, const Fp8TokenTiles& dy, const Fp8TokenTiles& x,
+                                        const Tensor& offsets, cudaStream_t stream = nullptr);
+
+// Groups first .. first + count − 1 of a stack of [n, K] blocks (each group's n rows), each
+// transposed: [count · K, n] in 128 × 128 blocks, the stack of the groups' transposed weights.
+// n and K multiples of 128.
+ops::Fp8Blocks transpose_fp8_weight_stack(const ops::Fp8Blocks& w_stack, int64_t n, int64_t first,
+                                          int64_t count, cudaStream_t stream = nullptr);
+
 }  // namespace glmtune::cuda

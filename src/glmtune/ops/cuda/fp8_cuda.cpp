@@ -397,6 +397,35 @@ Fp8Blocks transpose_fp8_weight(const Fp8Blocks& w, cudaStream_t stream) {
   return out;
 }
 
+Fp8Blocks transpose_fp8_weight_stack(const Fp8Blocks& w, int64_t n, int64_t first, int64_t count,
+                                     cudaStream_t stream) {
+  const char* op = "cuda::transpose_fp8_weight_stack";
+  check_gemm_operand(w, 128, 128, op, "weight stack");
+  const int64_t k = w.values.size(1);
+  GLMTUNE_ASSERT(n > 0 && n % 128 == 0 && k % 128 == 0 && w.values.size(0) % n == 0 && first >= 0 &&
+                     count > 0 && (first + count) * n <= w.values.size(0),
+                 "{}: groups {} .. {} of [{}, {}] blocks from a stack {}", op, first,
+                 first + count - 1, n, k, describe(w.values));
+  const int64_t nb = n / 128, kb = k / 128;
+  const Layout l = layout_of(Tiling::blocks_128x128, count * k, n);
+  const Device dev = w.values.device();
+  Tensor vbuf = Tensor::empty(l.values_buffer, DType::fp8e4m3, dev);
+  Tensor sbuf = Tensor::empty(l.scales_buffer, DType::f32, dev);
+  detail::DeviceGuard guard(dev.index);
+  GLMTUNE_CUDA_CHECK(cudaMemsetAsync(sbuf.data_ptr(), 0, sbuf.nbytes(), stream));
+  fp8_kernels::transpose_u8(static_cast<const uint8_t*>(w.values.data_ptr()) + first * n * k, n, k,
+                            k, static_cast<uint8_t*>(vbuf.data_ptr()), n, stream, count, n * k,
+                            k * n);
+  const int64_t ld_in = w.scales.stride(0), ld_out = l.scales_buffer[1];
+  fp8_kernels::transpose_f32(w.scales.data<float>() + first * nb * ld_in, nb, kb, ld_in,
+                             sbuf.data<float>(), ld_out, stream, count, nb * ld_in, kb * ld_out);
+  Fp8Blocks out;
+  out.block_rows = out.block_cols = 128;
+  out.values = view_over(vbuf, {count * k, n}, l.values_strides);
+  out.scales = view_over(sbuf, {count * kb, nb}, l.scales_strides);
+  return out;
+}
+
 bool is_fp8_gemm_layout(const Fp8Blocks& q) {
   if (!q.values.defined() || !q.scales.defined() || !q.values.device().is_cuda() ||
       q.scales.device() != q.values.device() || q.values.dtype() != DType::fp8e4m3 ||
@@ -600,6 +629,37 @@ std::vector<Fp8Blocks> quantize_fp8_grouped(const Tensor& x, const std::vector<i
     out[g].scales = view_over(sbuf.narrow(0, scale_start, shape_numel(l.scales_buffer)),
                               scale_shape(t, rows_g, cols), l.scales_strides);
   }
+  return out;
+}
+
+Fp8TokenTiles quantize_fp8_token_tiles(const Tensor& x_in, const Tensor& offsets,
+                                       cudaStream_t stream) {
+  const char* op = "cuda::quantize_fp8_token_tiles";
+  GLMTUNE_ASSERT(x_in.defined() && x_in.device().is_cuda() && x_in.dim() == 2 &&
+                     (x_in.dtype() == DType::bf16 || x_in.dtype() == DType::f32),
+                 "{}: x must be a CUDA [rows, cols] tensor in bf16 or f32, got {}", op,
+                 describe(x_in));
+  GLMTUNE_ASSERT(offsets.defined() && offsets.dtype() == DType::i32 && offsets.is_contiguous() &&
+                     offsets.device() == x_in.device() && offsets.dim() == 1 &&
+                     offsets.size(0) >= 2,
+                 "{}: offsets must be int32 [groups + 1] on {}, got {}", op, x_in.device().str(),
+                 describe(offsets));
+  const bool rows_view = x_in.stride(1) == 1 && x_in.stride(0) >= x_in.size(1);
+  const Tensor x = rows_view ? x_in : x_in.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1), groups = offsets.size(0) - 1;
+  const Device dev = x.device();
+  Fp8TokenTiles out;
+  out.padded = 128 * (blocks_of(rows, 128) + groups);
+  out.codes = Tensor::empty({cols, out.padded}, DType::fp8e4m3, dev);
+  out.scales = Tensor::empty({out.padded / 128, pad_to(cols, 4)}, DType::f32, dev);
+  out.tiles = Tensor::empty({groups + 1}, DType::i32, dev);
+  detail::DeviceGuard guard(dev.index);
+  GLMTUNE_CUDA_CHECK(cudaMemsetAsync(out.scales.data_ptr(), 0, out.scales.nbytes(), stream));
+  fp8_kernels::quantize_device_group_columns(
+      x.data_ptr(), x.dtype() == DType::bf16, rows, cols, rows > 1 ? x.stride(0) : cols,
+      offsets.data<int32_t>(), int(groups), out.tiles.data<int32_t>(),
+      static_cast<uint8_t*>(out.codes.data_ptr()), out.padded, out.scales.data<float>(),
+      out.scales.size(1), stream);
   return out;
 }
 

@@ -50,15 +50,30 @@ void quantize_group_tiles(const void* x, bool x_bf16, int64_t cols, int64_t ld_x
 void quantize_group_columns(const void* x, bool x_bf16, int64_t cols, int64_t ld_x,
                             const GroupTable& table, uint8_t* q, float* s, cudaStream_t stream);
 
-// out[c · ld_out + r] = in[r · ld_in + c] for a [rows, cols] matrix of bytes or of f32.
+// 128 × 1 tiles per group with the offsets on the device (int32 [groups + 1] over x's `rows`):
+// writes tiles (int32 [groups + 1]) = the 128-row tiles of the groups before g; group g's codes go
+// to columns 128 · tiles[g] .. of the transposed q [cols, ld_q] (code 0 past its last row up to
+// its last tile's end), the scale of its tile t and column c to s[(tiles[g] + t) · ld_s + c].
+// ld_q ≥ 128 · (ceil(rows / 128) + groups), a multiple of 128, holds any grouping of the rows;
+// what lies past 128 · tiles[groups] is not written.
+void quantize_device_group_columns(const void* x, bool x_bf16, int64_t rows, int64_t cols,
+                                   int64_t ld_x, const int32_t* offsets, int groups, int32_t* tiles,
+                                   uint8_t* q, int64_t ld_q, float* s, int64_t ld_s,
+                                   cudaStream_t stream);
+
 // out[row, col] = round(fp8(codes[row, col]) · scales[piece, r / 128, col / 128]) for rows of
 // `piece_rows` stacked pieces (row = piece · piece_rows + r), the exact product rounded once to
 // bf16 (widened to f32 with f32_out). codes [rows, cols] and out contiguous.
 void dequantize_pieces(const uint8_t* codes, const float* scales, int64_t rows, int64_t cols,
                        int64_t piece_rows, bool f32_out, void* out, cudaStream_t stream);
+
+// out[c · ld_out + r] = in[r · ld_in + c] for a [rows, cols] matrix of bytes or of f32, or for
+// `batch` of them, matrix b at in + b · in_step and out + b · out_step.
 void transpose_u8(const uint8_t* in, int64_t rows, int64_t cols, int64_t ld_in, uint8_t* out,
-                  int64_t ld_out, cudaStream_t stream);
+                  int64_t ld_out, cudaStream_t stream, int64_t batch = 1, int64_t in_step = 0,
+                  int64_t out_step = 0);
 void transpose_f32(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,
-                   int64_t ld_out, cudaStream_t stream);
+                   int64_t ld_out, cudaStream_t stream, int64_t batch = 1, int64_t in_step = 0,
+                   int64_t out_step = 0);
 
 }  // namespace glmtune::cuda::fp8_kernels

@@ -97,6 +97,29 @@ __device__ __forceinline__ void expect_bytes(uint64_t* bar, uint32_t bytes) {
       : "memory");
 }
 
+// The 16-byte chunk v plus old, element by element: four f32 or eight bf16 (each sum of two bf16
+// rounded once), as an epilogue adds a tile into what its output holds.
+__device__ __forceinline__ uint4 add_chunks(const uint4& v, const uint4& old, bool f32) {
+  uint4 o;
+  if (f32) {
+    const float* x = reinterpret_cast<const float*>(&v);
+    const float* y = reinterpret_cast<const float*>(&old);
+    float* z = reinterpret_cast<float*>(&o);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) z[i] = x[i] + y[i];
+  } else {
+    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&v);
+    const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&old);
+    __nv_bfloat162* z = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
+      z[i] = __floats2bfloat162_rn(fx.x + fy.x, fx.y + fy.y);
+    }
+  }
+  return o;
+}
+
 __device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, int c0, int c1,
                                        uint64_t* bar) {
   asm volatile(
@@ -148,10 +171,10 @@ struct Tile {
   int64_t row_end;  // output rows from row_end on are not stored
 };
 
-template <GroupedMode kMode>
-__device__ __forceinline__ Tile tile_at(const Args& a, const int32_t* prefix, int64_t t) {
-  // The group: the last g with prefix[g] <= t.
-  int lo = 0, hi = a.groups;
+// The group of tile t: the last g with prefix[g] <= t (prefix[g] = the tiles of the groups before
+// g, so empty groups are skipped).
+__device__ __forceinline__ int group_of_tile(const int32_t* prefix, int groups, int64_t t) {
+  int lo = 0, hi = groups;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (prefix[mid] <= t)
@@ -159,19 +182,31 @@ __device__ __forceinline__ Tile tile_at(const Args& a, const int32_t* prefix, in
     else
       hi = mid;
   }
+  return lo;
+}
+
+// Row tile and column tile of a group's tile `local` (of m_tiles × col_tiles) in the banded order
+// (see the top of the file).
+__device__ __forceinline__ void banded_place(int64_t local, int64_t m_tiles, int64_t col_tiles,
+                                             int band_rows, int64_t& row_tile, int64_t& col_tile) {
+  const int64_t band = local / (band_rows * col_tiles);
+  const int64_t first_row = band * band_rows;
+  const int64_t rows = m_tiles - first_row < band_rows ? m_tiles - first_row : band_rows;
+  const int64_t within = local - first_row * col_tiles;
+  col_tile = within / rows;
+  row_tile = first_row + within % rows;
+}
+
+template <GroupedMode kMode>
+__device__ __forceinline__ Tile tile_at(const Args& a, const int32_t* prefix, int64_t t) {
+  const int lo = group_of_tile(prefix, a.groups, t);
   Tile tile;
   tile.group = lo;
   const int64_t local = t - prefix[lo];
   const int64_t r0 = a.offsets[lo], r1 = a.offsets[lo + 1];
   const int64_t col_tiles = ((kMode == GroupedMode::kForward ? a.n : a.k) + kBlockN - 1) / kBlockN;
-  // Row tile and column tile of `local` in the banded order (see the top of the file).
   auto place = [&](int64_t m_tiles, int64_t& row_tile, int64_t& col_tile) {
-    const int64_t band = local / (a.band_rows * col_tiles);
-    const int64_t first_row = band * a.band_rows;
-    const int64_t rows = m_tiles - first_row < a.band_rows ? m_tiles - first_row : a.band_rows;
-    const int64_t within = local - first_row * col_tiles;
-    col_tile = within / rows;
-    row_tile = first_row + within % rows;
+    banded_place(local, m_tiles, col_tiles, a.band_rows, row_tile, col_tile);
   };
   int64_t row_tile, col_tile;
   if constexpr (kMode == GroupedMode::kBackwardWeight) {
@@ -304,25 +339,7 @@ __global__ void __launch_bounds__(grouped::kThreads, 1)
 #pragma unroll
           for (int j = 0; j < kBatch; ++j) {
             if (at[j] < 0) continue;
-            uint4 o = v[j];
-            if (a.accumulate) {
-              if (a.out_f32) {
-                const float* x = reinterpret_cast<const float*>(&v[j]);
-                const float* y = reinterpret_cast<const float*>(&old[j]);
-                float* z = reinterpret_cast<float*>(&o);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) z[i] = x[i] + y[i];
-              } else {
-                const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&v[j]);
-                const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&old[j]);
-                __nv_bfloat162* z = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                  const float2 fx = __bfloat1622float2(x[i]), fy = __bfloat1622float2(y[i]);
-                  z[i] = __floats2bfloat162_rn(fx.x + fy.x, fx.y + fy.y);
-                }
-              }
-            }
+            const uint4 o = a.accumulate ? add_chunks(v[j], old[j], a.out_f32) : v[j];
             *reinterpret_cast<uint4*>(base + at[j]) = o;
           }
         }
@@ -469,7 +486,8 @@ namespace grouped {
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
 inline CUresult encode_map(CUtensorMap* map, int rank, void* base, const cuuint64_t* dims,
                            const cuuint64_t* strides_bytes, const cuuint32_t* box,
-                           CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
+                           CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                           CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   using Encode =
       CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -486,8 +504,8 @@ inline CUresult encode_map(CUtensorMap* map, int rank, void* base, const cuuint6
   if (!encode) return CUDA_ERROR_NOT_SUPPORTED;
   const cuuint32_t element_strides[3] = {1, 1, 1};
   return encode(map, type, cuuint32_t(rank), base, dims, strides_bytes, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
 }
 
 // A row-major bf16 matrix [rows, cols] in boxes of 64 columns × box_rows rows.

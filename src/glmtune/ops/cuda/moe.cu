@@ -507,6 +507,20 @@ std::vector<ops::Fp8Blocks> expert_weight_blocks(const Tensor& w,
   return blocks;
 }
 
+// Every expert's FP8 weight blocks as one stack [E · N, K] (ops/cuda/fp8.h, offsets on the
+// device): the fused weight viewed as one matrix, whose blocks are each expert's own when N is a
+// multiple of 128 (pinned released codes, the step's reused blocks, or quantised now).
+ops::Fp8Blocks stacked_weight_blocks(const Tensor& w) {
+  return ops::fp8_weight_blocks(w.reshape({w.size(0) * w.size(1), w.size(2)}));
+}
+
+// Whether the grouped FP8 kernel takes y[rows, n] = x[rows, k] · w_eᵀ per expert (the devices and
+// sizes; the layouts are checked again when the operands exist).
+bool grouped_fp8_possible(const Tensor& rows, const Tensor& w, int64_t n, int64_t k) {
+  return w.is_contiguous() && rows.size(0) > 0 &&
+         fp8_grouped_device_offsets_possible(rows.device().index, w.size(0), n, k);
+}
+
 // Whether a bf16 product of `weight` runs on the device-offset kernels: the backend names them
 // and they take these operands (else the host offsets are read).
 bool on_device_offsets(GroupedGemmBackend backend, const Tensor& first, const Tensor& second,
@@ -525,6 +539,11 @@ void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l, const Exper
     grouped_linear(y, x, l.weight, perm.device_offsets, stream);
     return;
   }
+  if (l.fp8 && grouped_fp8_possible(x, l.weight, l.weight.size(1), l.weight.size(2))) {
+    fp8_grouped_linear(y, quantize_fp8_blocks(x, 1, 128, stream), stacked_weight_blocks(l.weight),
+                       perm.device_offsets, stream);
+    return;
+  }
   const std::vector<int64_t>& offsets = perm.offsets();
   if (!l.fp8) {
     grouped_linear(y, x, l.weight, offsets, backend, stream);
@@ -541,6 +560,13 @@ void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linea
     grouped_linear_backward_input(dx, dy, l.weight, perm.device_offsets, stream);
     return;
   }
+  // The transposed stack's blocks must not span two experts either: K a multiple of 128 too.
+  if (l.fp8 && l.weight.size(1) % 128 == 0 && l.weight.size(2) % 128 == 0 &&
+      grouped_fp8_possible(dy, l.weight, l.weight.size(2), l.weight.size(1))) {
+    fp8_grouped_linear_backward_input(dx, quantize_fp8_blocks(dy, 1, 128, stream),
+                                      stacked_weight_blocks(l.weight), perm.device_offsets, stream);
+    return;
+  }
   const std::vector<int64_t>& offsets = perm.offsets();
   if (!l.fp8) {
     grouped_linear_backward_input(dx, dy, l.weight, offsets, backend, stream);
@@ -555,6 +581,14 @@ void expert_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x
                                    GroupedGemmBackend backend, cudaStream_t stream) {
   if (!l.fp8 && on_device_offsets(backend, dy, x, dw, l.weight)) {
     grouped_linear_backward_weight(dw, dy, x, perm.device_offsets, stream);
+    return;
+  }
+  if (l.fp8 && l.weight.size(2) % 128 == 0 && dw.is_contiguous() &&
+      (dw.dtype() == DType::f32 || dw.dtype() == DType::bf16) &&
+      grouped_fp8_possible(dy, l.weight, l.weight.size(1), l.weight.size(2))) {
+    fp8_grouped_linear_backward_weight(
+        dw, quantize_fp8_token_tiles(dy, perm.device_offsets, stream),
+        quantize_fp8_token_tiles(x, perm.device_offsets, stream), perm.device_offsets, stream);
     return;
   }
   const std::vector<int64_t>& offsets = perm.offsets();
