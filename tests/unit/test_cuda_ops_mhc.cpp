@@ -140,6 +140,8 @@ TEST(CudaOpsMhc, PreAndPostForwardBackwardMatchCpu) {
       {{2, 37}, 256, DType::bf16, 1e-2, 1e-3, "bf16, [2, 37] tokens, D 256"},
       {{131}, 512, DType::bf16, 1e-2, 1e-3, "bf16, 131 tokens (partial token tiles), D 512"},
       {{70}, 128, DType::f32, 1e-4, 1e-4, "f32 mode, 70 tokens, D 128"},
+      // Three column tiles of 64 over H·D = 192: tiles cross the streams, and no run of several.
+      {{45}, 48, DType::bf16, 1e-2, 1e-3, "bf16, 45 tokens, D 48"},
   };
   for (const Case& c : cases) run_case(c, stream);
 #endif

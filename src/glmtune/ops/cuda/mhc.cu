@@ -24,7 +24,8 @@ constexpr int kFnThreads = 128;        // four warps of 16 columns
 constexpr int kFnStageTokens = 32;     // tokens per shared-memory stage of the d fn sums
 constexpr int kFnStages = 3;           // stages of the d fn sums in flight
 constexpr int kDxTokens = 64;          // tokens per block of the dX kernel
-constexpr int kDxCols = 64;            // columns of X per block of the dX kernel
+constexpr int kDxCols = 64;            // columns of X per tile of the dX kernel
+constexpr int kDxTileRun = 4;          // column tiles a block of the dX kernel walks (at most)
 constexpr int kMPad = 32;              // the 24 logits padded to two 16-wide MMA tiles
 constexpr int kSumChunks = 64;         // fixed row chunks of the small column sums
 constexpr int kSinkhornMaxIters = 64;  // replay scratch of the Sinkhorn backward
@@ -606,93 +607,128 @@ __global__ void fold_base_scale_kernel(const float* __restrict__ sums, float* __
   for (int i = 0; i < 3; ++i) gscale[i] += s[i];
 }
 
-// dX[t][k] = pre_i·dc[t][k mod D] + rstd·Σ_m dmix[t][m]·fn[m][k] − coef_t·X[t][k] (coef from the
-// logit kernel). One block per kDxTokens tokens × kDxCols columns: the product on the tensor cores
-// ([tokens × 32] rstd·dmix from its hi and lo parts, by [32 × cols] fn from its hi and lo parts,
-// both staged by cp.async; warp w on tokens 16·(w mod 4) .., columns 32·(w / 4) ..), through
-// shared memory to a coalesced pass that adds the other two terms, whose loads are issued first.
+// The dX kernel's shared memory: the token tile's rstd·dmix parts [t][hi 32 | lo 32], then two
+// stages of one column tile each (fn's hi and lo parts [m][col], and X, d c and the residual
+// [t][col], every row padded by 16 bytes), the product's tile, and each token's coefficient and
+// pre weights.
+template <typename T>
+struct DxTiles {
+  static constexpr int kALd = 2 * kMPad + 8, kBLd = kDxCols + 8, kOLd = kDxCols + 4;
+  static constexpr int kXLd = kDxCols + 16 / int(sizeof(T));
+  bf16 a[kDxTokens * kALd];
+  bf16 b[2][2][kMPad * kBLd];
+  T x[2][kDxTokens * kXLd], c[2][kDxTokens * kXLd], r[2][kDxTokens * kXLd];
+  float out[kDxTokens * kOLd];
+  float coef[kDxTokens], pre[kDxTokens][kH];
+};
+
+// dX[t][k] = pre_i·dc[t][k mod D] + rstd·Σ_m dmix[t][m]·fn[m][k] − coef_t·X[t][k] (+ residual),
+// coef from the logit kernel. A block takes kDxTokens tokens and walks `tiles` column tiles of
+// kDxCols: the next tile's fn parts, X, d c and residual are staged by cp.async while the present
+// one's product runs on the tensor cores ([tokens × 32] rstd·dmix from its hi and lo parts, loaded
+// once, by [32 × cols] fn; warp w on tokens 16·(w mod 4) .., columns 32·(w / 4) ..) and goes
+// through shared memory to a coalesced pass that adds the other terms.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     mhc_pre_dx_kernel(const T* __restrict__ x, const T* __restrict__ dc,
                       const bf16* __restrict__ fn_hi, const bf16* __restrict__ fn_lo,
                       const bf16* __restrict__ dmix_parts, const float* __restrict__ coef,
                       const float* __restrict__ pre, const T* __restrict__ residual, int64_t tokens,
-                      int d, T* __restrict__ dx) {
-  constexpr int kALd = 2 * kMPad + 8, kBLd = kDxCols + 8, kOLd = kDxCols + 4;
-  constexpr int kJobs = kDxTokens * (kDxCols / 8) / kThreads;  // eight-column runs a thread
-  static_assert(kDxTokens * (kDxCols / 8) % kThreads == 0);
-  __shared__ __align__(16) bf16 as[kDxTokens * kALd];  // rstd·dmix [t][hi 32 | lo 32]
-  __shared__ __align__(16) bf16 bs[2][kMPad * kBLd];   // fn hi, lo [m][col]
-  __shared__ __align__(16) float out[kDxTokens * kOLd];
+                      int d, int tiles, T* __restrict__ dx) {
+  using Tiles = DxTiles<T>;
+  constexpr int kALd = Tiles::kALd, kBLd = Tiles::kBLd, kOLd = Tiles::kOLd, kXLd = Tiles::kXLd;
+  constexpr int kPieces = 16 / int(sizeof(T)), kRowPieces = kDxCols / kPieces;
+  extern __shared__ __align__(16) unsigned char dx_smem[];
+  Tiles& sm = *reinterpret_cast<Tiles*>(dx_smem);
   const int hd = kH * d;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int col0 = blockIdx.x * kDxCols;
   const int64_t t0 = int64_t(blockIdx.y) * kDxTokens;
   const int n = int(tokens - t0 < kDxTokens ? tokens - t0 : kDxTokens);
+  const int tile0 = blockIdx.x * tiles;
+  // Rows past the last token are zero-filled from a valid address.
+  auto row_of = [&](int tt) { return t0 + (tt < n ? tt : 0); };
   for (int piece = tid; piece < kDxTokens * (2 * kMPad / 8); piece += kThreads) {
     const int tt = piece / (2 * kMPad / 8), col = (piece % (2 * kMPad / 8)) * 8;
-    tc::cp_async16_zfill(&as[tt * kALd + col],
-                         dmix_parts + (t0 + (tt < n ? tt : 0)) * 2 * kMPad + col, tt < n);
+    tc::cp_async16_zfill(&sm.a[tt * kALd + col], dmix_parts + row_of(tt) * 2 * kMPad + col, tt < n);
   }
-  for (int piece = tid; piece < 2 * kMPad * (kDxCols / 8); piece += kThreads) {
-    const int part = piece / (kMPad * (kDxCols / 8)), rest = piece % (kMPad * (kDxCols / 8));
-    const int m = rest / (kDxCols / 8), col = (rest % (kDxCols / 8)) * 8;
-    const bf16* src = part == 0 ? fn_hi : fn_lo;
-    tc::cp_async16_zfill(&bs[part][m * kBLd + col], src + int64_t(m < kM ? m : 0) * hd + col0 + col,
-                         m < kM);
+  for (int tt = tid; tt < kDxTokens; tt += kThreads) {
+    sm.coef[tt] = coef[row_of(tt)];
+    for (int i = 0; i < kH; ++i) sm.pre[tt][i] = pre[row_of(tt) * kH + i];
   }
+  auto load_tile = [&](int buf, int tile) {
+    const int col0 = tile * kDxCols;
+    for (int piece = tid; piece < 2 * kMPad * (kDxCols / 8); piece += kThreads) {
+      const int part = piece / (kMPad * (kDxCols / 8)), rest = piece % (kMPad * (kDxCols / 8));
+      const int m = rest / (kDxCols / 8), col = (rest % (kDxCols / 8)) * 8;
+      tc::cp_async16_zfill(&sm.b[buf][part][m * kBLd + col],
+                           (part == 0 ? fn_hi : fn_lo) + int64_t(m < kM ? m : 0) * hd + col0 + col,
+                           m < kM);
+    }
+    for (int piece = tid; piece < kDxTokens * kRowPieces; piece += kThreads) {
+      const int tt = piece / kRowPieces, col = (piece % kRowPieces) * kPieces, k = col0 + col;
+      const int64_t t = row_of(tt);
+      tc::cp_async16_zfill(&sm.x[buf][tt * kXLd + col], x + t * hd + k, tt < n);
+      if (dc) tc::cp_async16_zfill(&sm.c[buf][tt * kXLd + col], dc + t * d + k % d, tt < n);
+      if (residual)
+        tc::cp_async16_zfill(&sm.r[buf][tt * kXLd + col], residual + t * hd + k, tt < n);
+    }
+  };
+  load_tile(0, tile0);
   tc::cp_async_commit();
-  // The epilogue's operands, loaded under the product: thread tid takes runs tid, tid + kThreads,
-  // ... (token run / (kDxCols / 8), eight columns from (run mod (kDxCols / 8))·8).
-  float xv[kJobs][8], cv[kJobs][8], rv[kJobs][8], cf[kJobs], pv[kJobs];
-#pragma unroll
-  for (int q = 0; q < kJobs; ++q) {
-    const int job = tid + q * kThreads, tt = job / (kDxCols / 8), c8 = (job % (kDxCols / 8)) * 8;
-    const int64_t t = t0 + (tt < n ? tt : 0);
-    const int k = col0 + c8;
-    load8(x + t * hd + k, xv[q]);
-    if (dc) load8(dc + t * d + k % d, cv[q]);
-    if (residual) load8(residual + t * hd + k, rv[q]);
-    cf[q] = coef[t];
-    pv[q] = pre[t * kH + k / d];
-  }
-  tc::cp_async_wait<0>();
-  __syncthreads();
   const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
-  float acc[4][4] = {};
+  for (int j = 0; j < tiles; ++j) {
+    // The buffer refilled here was read in the previous iteration, before its closing barrier.
+    if (j + 1 < tiles) load_tile((j + 1) & 1, tile0 + j + 1);
+    tc::cp_async_commit();
+    tc::cp_async_wait<1>();
+    __syncthreads();
+    const int buf = j & 1, col0 = (tile0 + j) * kDxCols;
+    float acc[4][4] = {};
 #pragma unroll
-  for (int kt = 0; kt < kMPad / 16; ++kt) {
-    tc::FragA a;
-    tc::ldsm_a_mk(as, kALd, m0, 16 * kt, a.hi);
-    tc::ldsm_a_mk(as + kMPad, kALd, m0, 16 * kt, a.lo);
+    for (int kt = 0; kt < kMPad / 16; ++kt) {
+      tc::FragA a;
+      tc::ldsm_a_mk(sm.a, kALd, m0, 16 * kt, a.hi);
+      tc::ldsm_a_mk(sm.a + kMPad, kALd, m0, 16 * kt, a.lo);
 #pragma unroll
-    for (int np = 0; np < 2; ++np) {
-      tc::FragB b0, b1;
-      tc::ldsm_b_kn(bs[0], kBLd, 16 * kt, n0 + 16 * np, b0.hi, b1.hi);
-      tc::ldsm_b_kn(bs[1], kBLd, 16 * kt, n0 + 16 * np, b0.lo, b1.lo);
-      tc::mma3(acc[2 * np], a, b0);
-      tc::mma3(acc[2 * np + 1], a, b1);
+      for (int np = 0; np < 2; ++np) {
+        tc::FragB b0, b1;
+        tc::ldsm_b_kn(sm.b[buf][0], kBLd, 16 * kt, n0 + 16 * np, b0.hi, b1.hi);
+        tc::ldsm_b_kn(sm.b[buf][1], kBLd, 16 * kt, n0 + 16 * np, b0.lo, b1.lo);
+        tc::mma3(acc[2 * np], a, b0);
+        tc::mma3(acc[2 * np + 1], a, b1);
+      }
     }
-  }
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
-      *reinterpret_cast<float2*>(&out[(m0 + g + 8 * half) * kOLd + n0 + 8 * nt + 2 * t4]) =
-          make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
-  __syncthreads();
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<float2*>(&sm.out[(m0 + g + 8 * half) * kOLd + n0 + 8 * nt + 2 * t4]) =
+            make_float2(acc[nt][2 * half], acc[nt][2 * half + 1]);
+    __syncthreads();
+    // Eight columns a thread and run: token tt, columns c8 .. c8 + 7 (one stream: D % 8 == 0).
+    for (int job = tid; job < kDxTokens * (kDxCols / 8); job += kThreads) {
+      const int tt = job / (kDxCols / 8), c8 = (job % (kDxCols / 8)) * 8;
+      if (tt >= n) continue;
+      const float cf = sm.coef[tt], p = sm.pre[tt][(col0 + c8) / d];
+      float xv[8], v[8];
+      load8(&sm.x[buf][tt * kXLd + c8], xv);
 #pragma unroll
-  for (int q = 0; q < kJobs; ++q) {
-    const int job = tid + q * kThreads, tt = job / (kDxCols / 8), c8 = (job % (kDxCols / 8)) * 8;
-    if (tt >= n) continue;
-    float v[8];
+      for (int e = 0; e < 8; ++e) v[e] = sm.out[tt * kOLd + c8 + e] - cf * xv[e];
+      if (dc) {
+        float cv[8];
+        load8(&sm.c[buf][tt * kXLd + c8], cv);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      v[e] = out[tt * kOLd + c8 + e] - cf[q] * xv[q][e];
-      if (dc) v[e] += pv[q] * cv[q][e];
-      if (residual) v[e] += rv[q][e];
+        for (int e = 0; e < 8; ++e) v[e] += p * cv[e];
+      }
+      if (residual) {
+        float rv[8];
+        load8(&sm.r[buf][tt * kXLd + c8], rv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] += rv[e];
+      }
+      store8(dx + (t0 + tt) * hd + col0 + c8, v);
     }
-    store8(dx + (t0 + tt) * hd + col0 + c8, v);
+    __syncthreads();
   }
 }
 
@@ -940,10 +976,18 @@ void launch_pre_backward(const Tensor& x, const Tensor& fn, const ops::MhcOption
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 
   const FnSplit fs = split_fn(fn, hd, stream);
+  // Column tiles a block walks: as many of kDxTileRun as divide the row's tiles.
+  const int row_tiles = hd / kDxCols;
+  int tiles = kDxTileRun;
+  while (row_tiles % tiles != 0) tiles /= 2;
+  constexpr int dx_bytes = int(sizeof(DxTiles<T>));
+  GLMTUNE_CUDA_CHECK(cudaFuncSetAttribute(mhc_pre_dx_kernel<T>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, dx_bytes));
   mhc_pre_dx_kernel<T>
-      <<<dim3(unsigned(hd / kDxCols), unsigned((n + kDxTokens - 1) / kDxTokens)), kThreads, 0,
-         stream>>>(cptr<T>(x), cptr<T>(d_coll), fs.hi, fs.lo, cptr<bf16>(dmix_parts),
-                   coef.data<float>(), sv.pre.data<float>(), cptr<T>(residual), n, d, mptr<T>(dx));
+      <<<dim3(unsigned(row_tiles / tiles), unsigned((n + kDxTokens - 1) / kDxTokens)), kThreads,
+         dx_bytes, stream>>>(cptr<T>(x), cptr<T>(d_coll), fs.hi, fs.lo, cptr<bf16>(dmix_parts),
+                             coef.data<float>(), sv.pre.data<float>(), cptr<T>(residual), n, d,
+                             tiles, mptr<T>(dx));
   GLMTUNE_CUDA_CHECK(cudaGetLastError());
 }
 
