@@ -140,14 +140,12 @@ void fp8_grouped_linear_backward_weight(Tensor& dw, const std::vector<ops::Fp8Bl
 // ---- grouped, offsets on the device (Hopper) --------------------------------------------------
 // One launch for every group, the offsets read by the kernel (int32 [G + 1] on the device,
 // nondecreasing, as ops/cuda/grouped_gemm.h's device-offset kernels take them), so the host never
-// waits for them (ops/cuda/grouped_fp8_sm90.cuh). The operands:
-//
-//   x / dy     the whole permuted buffer quantised at once, quantize_fp8_blocks(x, 1, 128): a 1 ×
-//   128
-//              tile lies within a row, so each group's tiles are those of its rows alone.
-//   w_stack    every group's [N, K] weight stacked as one [G · N, K] matrix in 128 × 128 blocks
-//              (fp8_weight_blocks of the fused [E, N, K] viewed as [E · N, K]; the same codes and
-//              scales as each expert's own blocks when N is a multiple of 128, which is required).
+// waits for them (ops/cuda/grouped_fp8_sm90.cuh). The operands of the forward and dX: x (or dy) is
+// the whole permuted buffer quantised at once, quantize_fp8_blocks(x, 1, 128) (a 1 × 128 tile lies
+// within a row, so each group's tiles are those of its rows alone); w_stack is every group's
+// [N, K] weight stacked as one [G · N, K] matrix in 128 × 128 blocks (fp8_weight_blocks of the
+// fused [E, N, K] viewed as [E · N, K]: each expert's own codes and scales when N is a multiple of
+// 128, which is required).
 //
 // f32 accumulation of each 128-wide k block, scaled and added in f32; bf16 or f32 output. The
 // order of the sums is fixed per output tile: reruns are bit-identical.
