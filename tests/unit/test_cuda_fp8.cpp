@@ -649,13 +649,15 @@ TEST(CudaFp8, GroupedKernelWithDeviceOffsetsMatchesTheDequantisedProduct) {
     const bool dx_possible = k % 128 == 0;
     Tensor dx = Tensor::full({total, k}, 7.0, DType::bf16, kGpu);
     Tensor dx_chunked = Tensor::full({total, k}, 7.0, DType::bf16, kGpu);
-    if (dx_possible)
+    if (dx_possible) {
       run_or_fail(name + " dX", [&] {
         cuda::fp8_grouped_linear_backward_input(dx, dyq, w_stack, offsets);
         cuda::fp8_grouped_linear_backward_input(dx_chunked, dyq, w_stack, offsets, nullptr,
                                                 2 * n * k);
       });
-    EXPECT_TRUE(bit_identical(dx, dx_chunked)) << ctx(name + " dX in chunks of two experts");
+      // Only where dX ran: two untouched buffers would compare equal whatever the kernel did.
+      EXPECT_TRUE(bit_identical(dx, dx_chunked)) << ctx(name + " dX in chunks of two experts");
+    }
 
     const Tensor base_cpu = base.contiguous();
     for (int64_t g = 0; g < groups; ++g) {
