@@ -356,12 +356,10 @@ double time_fp8_grouped(int64_t per_group, int64_t n, int64_t k, const std::stri
     Tensor y = Tensor::empty({total, n}, DType::bf16, kGpu);
     return median_ms([&] { cuda::fp8_grouped_linear(y, xq, wq, offsets); }, 3, 20);
   }
-  if (variant == "dX") {
-    std::vector<ops::Fp8Blocks> wt;
-    for (const ops::Fp8Blocks& q : wq) wt.push_back(cuda::transpose_fp8_weight(q));
+  if (variant == "dX") {  // the forward's blocks: each expert's transpose is part of the op
     const std::vector<ops::Fp8Blocks> dyq = cuda::quantize_fp8_grouped(dy, offsets, 1, 128);
     Tensor dx = Tensor::empty({total, k}, DType::bf16, kGpu);
-    return median_ms([&] { cuda::fp8_grouped_linear_backward_input(dx, dyq, wt, offsets); }, 3, 20);
+    return median_ms([&] { cuda::fp8_grouped_linear_backward_input(dx, dyq, wq, offsets); }, 3, 20);
   }
   const std::vector<ops::Fp8Blocks> dyq = cuda::quantize_fp8_grouped(dy, offsets, 128, 1);
   const std::vector<ops::Fp8Blocks> xq = cuda::quantize_fp8_grouped(x, offsets, 128, 1);

@@ -51,6 +51,11 @@ constexpr int kABytes = kBlockM * kBlockK;  // 16 KB
 constexpr int kBBytes = kBlockN * kBlockK;  // 16 KB
 constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kScaleBytes = 2 * kBlockM * 4;  // a stage's row scales of A (and dW's of B)
+// A tensor copy must start at a 16-byte aligned address in the innermost dimension, and a group's
+// first row is any row: the forward's A scales are loaded from the row tile's first row rounded
+// down to a multiple of 4, four more than the tile's 128 (dW's row tiles start at multiples of
+// 128).
+constexpr int kRowScaleBox = kBlockM + 4;
 constexpr int kMaxGroups = 1024;
 constexpr int kConsumerRegisters = 224;
 constexpr int kProducerRegisters = 56;
@@ -212,12 +217,14 @@ __global__ void __launch_bounds__(grouped_fp8::kThreads, 1)
       for (int kt = 0; kt < tile.k_tiles; ++kt) {
         const int kb = tile.k0 + kt;
         wgmma::mbarrier_wait(&empty[stage], phase ^ 1);
-        grouped::expect_bytes(&full[stage], kStageBytes + (kWeightGrad ? 2 : 1) * kBlockM * 4);
+        grouped::expect_bytes(&full[stage],
+                              kStageBytes + (kWeightGrad ? 2 * kBlockM : kRowScaleBox) * 4);
         unsigned char* sa = smem + stage * kStageBytes;
         float* scales = a_scales + stage * 2 * kBlockM;
         grouped::tma_2d(sa, &map_a, kb * kBlockK, int(tile.row0), &full[stage]);
         grouped::tma_2d(sa + kABytes, &map_b, kb * kBlockK, b_row, &full[stage]);
-        grouped::tma_2d(scales, &map_sa, int(tile.row0), kb, &full[stage]);
+        grouped::tma_2d(scales, &map_sa, kWeightGrad ? int(tile.row0) : int(tile.row0) & ~3, kb,
+                        &full[stage]);
         if constexpr (kWeightGrad)
           grouped::tma_2d(scales + kBlockM, &map_sb, int(tile.col0), kb, &full[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
@@ -258,7 +265,8 @@ __global__ void __launch_bounds__(grouped_fp8::kThreads, 1)
       wgmma::wait<0>();
       wgmma::pin(part);
       const float* sc = a_scales + stage * 2 * kBlockM;
-      const float s0 = sc[row_base] * b_scale, s1 = sc[row_base + 8] * b_scale;
+      const int shift = kWeightGrad ? 0 : int(tile.row0 & 3);  // where the tile's first row landed
+      const float s0 = sc[row_base + shift] * b_scale, s1 = sc[row_base + shift + 8] * b_scale;
       if constexpr (kWeightGrad) {
         // Column 8c + 2 · (lane mod 4) + i of element 4c + 2h + i.
 #pragma unroll
@@ -316,12 +324,13 @@ inline CUresult map_codes(CUtensorMap* map, const void* base, int64_t rows, int6
                              CU_TENSOR_MAP_DATA_TYPE_UINT8);
 }
 
-// Scales [k blocks, ld] f32 with the rows (dW: the columns) fastest, in boxes of 128 of one k
-// block (unswizzled: 512 contiguous bytes).
-inline CUresult map_row_scales(CUtensorMap* map, const float* base, int64_t k_blocks, int64_t ld) {
+// Scales [k blocks, ld] f32 with the rows (dW: the columns) fastest, in boxes of `box` of one k
+// block (unswizzled: contiguous bytes).
+inline CUresult map_row_scales(CUtensorMap* map, const float* base, int64_t k_blocks, int64_t ld,
+                               int box_rows) {
   const cuuint64_t dims[2] = {cuuint64_t(ld), cuuint64_t(k_blocks)};
   const cuuint64_t strides[1] = {cuuint64_t(ld) * 4};
-  const cuuint32_t box[2] = {kBlockM, 1};
+  const cuuint32_t box[2] = {cuuint32_t(box_rows), 1};
   return grouped::encode_map(map, 2, const_cast<float*>(base), dims, strides, box,
                              CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
@@ -338,7 +347,8 @@ inline bool launch_grouped_fp8_gemm(const void* x_codes, int64_t rows, int64_t x
   CUtensorMap map_a, map_b, map_sa;
   if (map_codes(&map_a, x_codes, rows, a.k, x_ld) != CUDA_SUCCESS ||
       map_codes(&map_b, w_codes, int64_t(a.groups) * a.n, a.k, a.k) != CUDA_SUCCESS ||
-      map_row_scales(&map_sa, x_scales, (a.k + kBlockK - 1) / kBlockK, x_scales_ld) != CUDA_SUCCESS)
+      map_row_scales(&map_sa, x_scales, (a.k + kBlockK - 1) / kBlockK, x_scales_ld, kRowScaleBox) !=
+          CUDA_SUCCESS)
     return false;
   if (a.band_rows <= 0) a.band_rows = kDefaultBandRows;
   cudaFuncSetAttribute(grouped_fp8_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -359,8 +369,8 @@ inline bool launch_grouped_fp8_weight_grad(const void* dy_codes, const float* dy
   CUtensorMap map_a, map_b, map_sa, map_sb;
   if (map_codes(&map_a, dy_codes, a.n, padded, padded) != CUDA_SUCCESS ||
       map_codes(&map_b, x_codes, a.k, padded, padded) != CUDA_SUCCESS ||
-      map_row_scales(&map_sa, dy_scales, padded / kBlockK, dy_scales_ld) != CUDA_SUCCESS ||
-      map_row_scales(&map_sb, x_scales, padded / kBlockK, x_scales_ld) != CUDA_SUCCESS)
+      map_row_scales(&map_sa, dy_scales, padded / kBlockK, dy_scales_ld, kBlockM) != CUDA_SUCCESS ||
+      map_row_scales(&map_sb, x_scales, padded / kBlockK, x_scales_ld, kBlockM) != CUDA_SUCCESS)
     return false;
   if (a.band_rows <= 0) a.band_rows = kDefaultBandRows;
   cudaFuncSetAttribute(grouped_fp8_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
