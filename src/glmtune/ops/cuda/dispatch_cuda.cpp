@@ -783,16 +783,14 @@ bool shared_expert_composed(const MoeParams& params) {
 // per expert costs most: 144 experts of about 910 rows run 4-10% faster on them, 36 of about 3,641
 // 2-5% slower, docs/PERF.md); the mean is known on the host (rows · top-k / experts), so choosing
 // needs no synchronisation. GLMTUNE_GROUPED_GEMM=cublaslt or wgmma forces one for every block
-// (read once: a step must not change kernels). Experts in FP8 GEMMs run the grouped FP8 kernels,
-// which read the offsets on the device where they can (ops/cuda/fp8.h): for them the device-offset
-// choice only keeps the permutation from reading the offsets on the host before anything needs
-// them.
+// (read once: a step must not change kernels). Experts in FP8 GEMMs follow the same rule: the
+// device-offset choice runs the grouped FP8 kernel of one launch (ops/cuda/fp8.h), the other one
+// block-scaled cuBLASLt GEMM per expert. On an H100 the one launch ran 36 experts of 910 rows 6%
+// (forward) and 12% (dX) faster and the weight gradient 40% slower, and the crop25b step with 8
+// experts of 16,384 rows 2.7% slower than per expert (docs/PERF.md).
 constexpr int64_t kDeviceOffsetsBelowRows = 2048;
 
-cuda::GroupedGemmBackend moe_gemm_backend(const MoeConfig& cfg, const MoeParams& params,
-                                          int64_t rows) {
-  if (params.gate_up_proj.fp8 && params.down_proj.fp8)
-    return cuda::GroupedGemmBackend::kWgmmaDeviceOffsets;
+cuda::GroupedGemmBackend moe_gemm_backend(const MoeConfig& cfg, int64_t rows) {
   enum class Choice { by_rows, cublaslt, wgmma };
   static const Choice choice = [] {
     const char* v = std::getenv("GLMTUNE_GROUPED_GEMM");
@@ -823,7 +821,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Te
   if (composed) params.shared = MlpParams{};
   cuda::MoeContext cc;
   MoeOutput out = cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr,
-                                    moe_gemm_backend(cfg, params, x.size(0)));
+                                    moe_gemm_backend(cfg, x.size(0)));
   MlpContext shared;
   if (composed) add_into(out.y, ops::mlp_forward(params_in.shared, x, cfg.swiglu_limit, shared));
   if (ctx) {
@@ -851,7 +849,7 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
   cuda::MoeContext cc;
   cc.x = ctx.x;
   cc.routing = ctx.routing;
-  const cuda::GroupedGemmBackend backend = moe_gemm_backend(cfg, params, ctx.x.size(0));
+  const cuda::GroupedGemmBackend backend = moe_gemm_backend(cfg, ctx.x.size(0));
   cc.permutation = cuda::moe_permute(ctx.routing.indices, cfg.n_experts, nullptr,
                                      backend != cuda::GroupedGemmBackend::kWgmmaDeviceOffsets);
   const Tensor d_logits =
