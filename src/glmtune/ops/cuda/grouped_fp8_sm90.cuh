@@ -324,8 +324,8 @@ inline CUresult map_codes(CUtensorMap* map, const void* base, int64_t rows, int6
                              CU_TENSOR_MAP_DATA_TYPE_UINT8);
 }
 
-// Scales [k blocks, ld] f32 with the rows (dW: the columns) fastest, in boxes of `box` of one k
-// block (unswizzled: contiguous bytes).
+// Scales [k blocks, ld] f32 with the rows (dW: the columns) fastest, in boxes of `box_rows` of one
+// k block (unswizzled: contiguous bytes).
 inline CUresult map_row_scales(CUtensorMap* map, const float* base, int64_t k_blocks, int64_t ld,
                                int box_rows) {
   const cuuint64_t dims[2] = {cuuint64_t(ld), cuuint64_t(k_blocks)};
