@@ -1,1 +1,2 @@
-// The translation unit that builds the unit tests' shared precompiled header (tests/CMakeLists.txt).
+// The translation unit that builds the unit tests' shared precompiled header
+// (tests/CMakeLists.txt).
