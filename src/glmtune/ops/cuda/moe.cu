@@ -514,10 +514,13 @@ ops::Fp8Blocks stacked_weight_blocks(const Tensor& w) {
   return ops::fp8_weight_blocks(w.reshape({w.size(0) * w.size(1), w.size(2)}));
 }
 
-// Whether the grouped FP8 kernel takes y[rows, n] = x[rows, k] · w_eᵀ per expert (the devices and
-// sizes; the layouts are checked again when the operands exist).
-bool grouped_fp8_possible(const Tensor& rows, const Tensor& w, int64_t n, int64_t k) {
-  return w.is_contiguous() && rows.size(0) > 0 &&
+// Whether an FP8 product y[rows, n] = x[rows, k] · w_eᵀ per expert runs on the grouped FP8 kernel
+// of one launch: the backend names the device-offset kernels and it takes these devices and sizes
+// (the layouts are checked again when the operands exist); else one cuBLASLt GEMM per expert.
+bool grouped_fp8_possible(GroupedGemmBackend backend, const Tensor& rows, const Tensor& w,
+                          int64_t n, int64_t k) {
+  return backend == GroupedGemmBackend::kWgmmaDeviceOffsets && w.is_contiguous() &&
+         rows.size(0) > 0 &&
          fp8_grouped_device_offsets_possible(rows.device().index, w.size(0), n, k);
 }
 
@@ -539,7 +542,7 @@ void expert_linear(Tensor& y, const Tensor& x, const ops::Linear& l, const Exper
     grouped_linear(y, x, l.weight, perm.device_offsets, stream);
     return;
   }
-  if (l.fp8 && grouped_fp8_possible(x, l.weight, l.weight.size(1), l.weight.size(2))) {
+  if (l.fp8 && grouped_fp8_possible(backend, x, l.weight, l.weight.size(1), l.weight.size(2))) {
     fp8_grouped_linear(y, quantize_fp8_blocks(x, 1, 128, stream), stacked_weight_blocks(l.weight),
                        perm.device_offsets, stream);
     return;
@@ -562,7 +565,7 @@ void expert_linear_backward_input(Tensor& dx, const Tensor& dy, const ops::Linea
   }
   // The transposed stack's blocks must not span two experts either: K a multiple of 128 too.
   if (l.fp8 && l.weight.size(1) % 128 == 0 && l.weight.size(2) % 128 == 0 &&
-      grouped_fp8_possible(dy, l.weight, l.weight.size(2), l.weight.size(1))) {
+      grouped_fp8_possible(backend, dy, l.weight, l.weight.size(2), l.weight.size(1))) {
     fp8_grouped_linear_backward_input(dx, quantize_fp8_blocks(dy, 1, 128, stream),
                                       stacked_weight_blocks(l.weight), perm.device_offsets, stream);
     return;
@@ -585,7 +588,7 @@ void expert_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x
   }
   if (l.fp8 && l.weight.size(2) % 128 == 0 && dw.is_contiguous() &&
       (dw.dtype() == DType::f32 || dw.dtype() == DType::bf16) &&
-      grouped_fp8_possible(dy, l.weight, l.weight.size(1), l.weight.size(2))) {
+      grouped_fp8_possible(backend, dy, l.weight, l.weight.size(1), l.weight.size(2))) {
     fp8_grouped_linear_backward_weight(
         dw, quantize_fp8_token_tiles(dy, perm.device_offsets, stream),
         quantize_fp8_token_tiles(x, perm.device_offsets, stream), perm.device_offsets, stream);
