@@ -355,8 +355,7 @@ __global__ void __launch_bounds__(256)
       table.padded[g + 1] - table.padded[g], s + (int64_t(table.tiles[g]) + t) * ld_s);
 }
 
-// ---- 128 × 1 tiles per group with the offsets on the device
-// ---------------------------------------
+// ---- 128 × 1 tiles per group, the offsets on the device --------------------------------------
 
 // tiles[g] = the 128-row tiles of the groups before g. One thread: at most a few hundred groups.
 __global__ void token_tiles_kernel(const int32_t* __restrict__ offsets, int groups,

@@ -120,7 +120,8 @@ __device__ __forceinline__ Tile tile_at(const Args& a, const int32_t* prefix, in
 }  // namespace grouped_fp8
 
 // Forward: map_a x's codes [T, k] u8, map_b the stack [groups · n, k] u8 (boxes 128 × 128,
-// 128-byte swizzled), map_sa x's scales [ceil(k / 128), ld] f32 (box 128 × 1); map_sb unused.
+// 128-byte swizzled), map_sa x's scales [ceil(k / 128), ld] f32 (box kRowScaleBox × 1, from the
+// row tile's first row rounded down to a multiple of 4); map_sb unused.
 // dW: map_a dy's codes [n, P], map_b x's [k, P], map_sa and map_sb their scales [P / 128, ld].
 template <bool kWeightGrad>
 __global__ void __launch_bounds__(grouped_fp8::kThreads, 1)

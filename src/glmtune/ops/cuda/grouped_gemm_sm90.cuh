@@ -205,22 +205,19 @@ __device__ __forceinline__ Tile tile_at(const Args& a, const int32_t* prefix, in
   const int64_t local = t - prefix[lo];
   const int64_t r0 = a.offsets[lo], r1 = a.offsets[lo + 1];
   const int64_t col_tiles = ((kMode == GroupedMode::kForward ? a.n : a.k) + kBlockN - 1) / kBlockN;
-  auto place = [&](int64_t m_tiles, int64_t& row_tile, int64_t& col_tile) {
-    banded_place(local, m_tiles, col_tiles, a.band_rows, row_tile, col_tile);
-  };
+  const int64_t m_tiles =
+      ((kMode == GroupedMode::kBackwardWeight ? a.n : r1 - r0) + kBlockM - 1) / kBlockM;
   int64_t row_tile, col_tile;
+  banded_place(local, m_tiles, col_tiles, a.band_rows, row_tile, col_tile);
+  tile.col0 = col_tile * kBlockN;
   if constexpr (kMode == GroupedMode::kBackwardWeight) {
-    place((a.n + kBlockM - 1) / kBlockM, row_tile, col_tile);
     tile.row0 = row_tile * kBlockM;
-    tile.col0 = col_tile * kBlockN;
     tile.row_end = a.n;
     tile.k0 = r0;
     tile.k_end = r1;
     tile.k_tiles = int((r1 - r0 + kBlockK - 1) / kBlockK);
   } else {
-    place((r1 - r0 + kBlockM - 1) / kBlockM, row_tile, col_tile);
     tile.row0 = r0 + row_tile * kBlockM;
-    tile.col0 = col_tile * kBlockN;
     tile.row_end = r1;
     tile.k0 = 0;
     const int64_t kdim = kMode == GroupedMode::kForward ? a.k : a.n;
