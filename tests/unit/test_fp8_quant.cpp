@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -12,6 +13,7 @@
 #include "glmtune/base/error.h"
 #include "glmtune/io/fp8.h"
 #include "glmtune/ops/fp8.h"
+#include "glmtune/ops/fp8_quotient.h"
 #include "glmtune/ops/linear.h"
 #include "glmtune/tensor/dtype.h"
 #include "glmtune/tensor/tensor.h"
@@ -152,6 +154,71 @@ TEST(Fp8Quant, BlocksOfZerosAndNonFiniteValues) {
   EXPECT_TRUE(std::isinf(q.scales.data<float>()[2]));
   EXPECT_EQ(code(q.values, 256 + 9) & 0x7f, 0x7f);
   EXPECT_EQ(code(q.values, 256 + 10) & 0x7f, 0);
+}
+
+// The GPU quantisers divide by a tile's scale through its reciprocal (ops/fp8_quotient.h). Against
+// the rule's correctly rounded division: every bf16 x under a sweep of bf16 amaxes (what a bf16
+// tensor's tiles can have), and random f32 x under random f32 amaxes. The quotients must be the
+// same f32 wherever they are above 2^-40 (far below e4m3's smallest code, 2^-9), and the codes the
+// same everywhere.
+TEST(Fp8Quant, QuotientByReciprocalGivesTheDivisionsCodes) {
+  const auto code_of = [](float v) {
+    return f32_to_fp8e4m3(std::isnan(v) ? v : std::clamp(v, -448.0f, 448.0f));
+  };
+  const auto scale_of = [](double amax) { return float(std::max(amax, 1e-12) / 448.0); };
+  int64_t checked = 0, quotient_mismatches = 0, code_mismatches = 0;
+  const auto check = [&](float x, float scale) {
+    const float exact = x / scale, fast = ops::fp8_quotient(x, scale, 1.0f / scale);
+    ++checked;
+    if (std::fabs(exact) >= 0x1p-40f && float_bits(exact) != float_bits(fast)) {
+      if (++quotient_mismatches <= 5)
+        ADD_FAILURE() << std::hexfloat << x << " / " << scale << ": " << exact << " vs " << fast;
+    }
+    if (code_of(exact) != code_of(fast) && ++code_mismatches <= 5)
+      ADD_FAILURE() << std::hexfloat << x << " / " << scale << ": codes differ";
+  };
+  // bf16: every 13th positive finite amax (all exponents, varied mantissas), every x within it.
+  for (uint32_t amax_bits = 1; amax_bits < 0x7f80; amax_bits += 13) {
+    const float amax = bf16_to_f32(uint16_t(amax_bits));
+    const float scale = scale_of(amax);
+    for (uint32_t x_bits = 0; x_bits < 0x7f80; ++x_bits) {
+      const float x = bf16_to_f32(uint16_t(x_bits));
+      if (x > amax) break;
+      check(x, scale);
+      check(-x, scale);
+    }
+  }
+  // f32: amaxes over every exponent (subnormal ones included), x uniform below them, at them, and
+  // spread over the exponents below them.
+  std::mt19937_64 eng(11);
+  for (int i = 0; i < 3'000'000; ++i) {
+    const uint32_t amax_bits = uint32_t(eng() % 0x7f800000u);
+    const float amax = bits_float(amax_bits), scale = scale_of(amax);
+    float x;
+    switch (i % 3) {
+      case 0: x = bits_float(uint32_t(eng() % (uint64_t(amax_bits) + 1))); break;
+      case 1: x = amax * float(double(eng() >> 11) * 0x1p-53); break;
+      default: x = bits_float(amax_bits - std::min<uint32_t>(amax_bits, uint32_t(eng() % 64)));
+    }
+    check(i % 2 ? -x : x, scale);
+  }
+  EXPECT_EQ(quotient_mismatches, 0);
+  EXPECT_EQ(code_mismatches, 0);
+  EXPECT_GT(checked, 50'000'000);
+  // The scale in f32 (ops::fp8_scale): every 61st f32 amax, the non-finite ones, the floor.
+  int64_t scale_mismatches = 0;
+  for (uint64_t amax_bits = 0; amax_bits <= 0x7fc00000u; amax_bits += 61) {
+    const float amax = bits_float(uint32_t(amax_bits));
+    const float want = scale_of(amax), got = ops::fp8_scale(amax);
+    if (float_bits(want) != float_bits(got) && !(std::isnan(want) && std::isnan(got)) &&
+        ++scale_mismatches <= 5)
+      ADD_FAILURE() << std::hexfloat << "scale of " << amax << ": " << want << " vs " << got;
+  }
+  for (float amax : {0.0f, 1e-12f, 1.0000001e-12f, 3.4028235e38f, INFINITY, NAN})
+    EXPECT_TRUE(float_bits(scale_of(amax)) == float_bits(ops::fp8_scale(amax)) ||
+                (std::isnan(amax) && std::isnan(ops::fp8_scale(amax))))
+        << amax;
+  EXPECT_EQ(scale_mismatches, 0);
 }
 
 TEST(Fp8Quant, Bf16DequantisationIsTheCheckpointLoaders) {
@@ -417,6 +484,41 @@ TEST(Fp8Weights, AScopeQuantisesEachWeightOnce) {
   const Tensor after = ops::linear_fp8(x, experts.select(0, 1));
   EXPECT_FALSE(same_values(after, first));
   EXPECT_TRUE(same_values(after, ops::linear(q(x, 1, 128), q(experts.select(0, 1), 128, 128))));
+}
+
+// An input named by an Fp8InputShare is quantised once per tile shape, and the GEMMs that read it
+// give what they give alone; another view of the same storage is another input.
+TEST(Fp8Weights, AnInputShareQuantisesItOncePerTileShape) {
+  const Tensor x = random_tensor({2, 5, 128}, 41);
+  const Tensor w1 = random_tensor({64, 128}, 42), w2 = random_tensor({32, 128}, 43);
+  const Tensor dy = random_tensor({2, 5, 64}, 44);
+  const Tensor y1 = ops::linear_fp8(x, w1), y2 = ops::linear_fp8(x, w2);
+  Tensor g_alone;
+  const Tensor dx_alone = ops::linear_fp8_backward(dy, x, w1, &g_alone);
+  const ops::Fp8Blocks rows_alone = ops::fp8_input_tiles(x, 1, 128);
+  {
+    const ops::Fp8InputShare share(x);
+    const ops::Fp8Blocks rows = ops::fp8_input_tiles(x, 1, 128);
+    const ops::Fp8Blocks columns = ops::fp8_input_tiles(x, 128, 1);
+    EXPECT_EQ(ops::fp8_input_tiles(x, 1, 128).values.storage(), rows.values.storage());
+    EXPECT_EQ(ops::fp8_input_tiles(x, 128, 1).values.storage(), columns.values.storage());
+    EXPECT_NE(rows.values.storage(), columns.values.storage());
+    EXPECT_TRUE(same_values(rows.values, rows_alone.values));
+    EXPECT_TRUE(same_values(rows.scales, rows_alone.scales));
+    EXPECT_TRUE(same_values(ops::linear_fp8(x, w1), y1));
+    EXPECT_TRUE(same_values(ops::linear_fp8(x, w2), y2));
+    Tensor g_shared;
+    EXPECT_TRUE(same_values(ops::linear_fp8_backward(dy, x, w1, &g_shared), dx_alone));
+    EXPECT_TRUE(same_values(g_shared, g_alone));
+    const Tensor flat = x.view({10, 128});
+    EXPECT_NE(ops::fp8_input_tiles(flat, 1, 128).values.storage(), rows.values.storage());
+    {
+      const ops::Fp8InputShare inner(flat);  // scopes nest, each with its own input
+      EXPECT_EQ(ops::fp8_input_tiles(x, 1, 128).values.storage(), rows.values.storage());
+    }
+  }
+  EXPECT_NE(ops::fp8_input_tiles(x, 1, 128).values.storage(), rows_alone.values.storage());
+  EXPECT_THROW(ops::fp8_input_tiles(x, 128, 128), InternalError);  // a caller's bug
 }
 
 }  // namespace

@@ -99,6 +99,27 @@ struct Fp8WeightCounts {
 };
 Fp8WeightCounts fp8_weight_counts();
 
+// ---- An input several FP8 GEMMs read: quantised once ----
+// Inside an Fp8InputShare naming x, the FP8 GEMMs whose input is x (the same view: storage,
+// offset, shape, strides, dtype) share its quantisation: its 1 × 128 tiles (the forward's
+// operand) are made by the first forward that reads it, its 128 × 1 tiles (the weight gradient's)
+// by the first weight gradient. A composite whose projections read one input opens one around
+// them: KDA's six projections of x, the MLP's gate and up, MLA's q_a and kv_a. The codes are the
+// ones each GEMM would have made (the quantisation is a function of x), held until the scope
+// closes; x must not be written inside it. Scopes nest; each names its own input.
+
+class Fp8InputShare {
+ public:
+  explicit Fp8InputShare(const Tensor& x);
+  ~Fp8InputShare();
+  Fp8InputShare(const Fp8InputShare&) = delete;
+  Fp8InputShare& operator=(const Fp8InputShare&) = delete;
+};
+
+// The 1 × 128 or 128 × 1 tiles of x [..., n] viewed as [rows, n]: the open share's when one names
+// x, else quantised now (quantize_fp8_blocks).
+Fp8Blocks fp8_input_tiles(const Tensor& x, int64_t block_rows, int64_t block_cols);
+
 // ---- The GEMMs of tile-wise FP8 training (train.fp8 = "tilewise") ----
 // A projection marked Linear::fp8 (ops/linear.h) runs its three products on block-scaled FP8
 // operands, as the reference trainer's tile-wise recipe does. With Q(a; br × bc) the quantised and

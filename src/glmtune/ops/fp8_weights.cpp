@@ -1,9 +1,11 @@
 // Where the FP8 GEMMs' weight blocks come from (ops/fp8.h): pinned released codes, the open
-// reuse scope's blocks, or a fresh quantisation.
+// reuse scope's blocks, or a fresh quantisation; and the inputs several FP8 GEMMs share.
 
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <vector>
 
 #include "glmtune/base/error.h"
 #include "glmtune/ops/fp8.h"
@@ -119,6 +121,53 @@ Fp8Blocks fp8_weight_blocks(const Tensor& weight) {
   std::lock_guard lock(c.mu);
   if (c.scopes > 0) c.reused.insert(key, Entry{weight.storage(), made});
   return made;
+}
+
+namespace {
+
+// An open Fp8InputShare: its input (held, so the view cannot be freed and its address reused
+// while the scope is open) and the tiles made so far.
+struct SharedInput {
+  Tensor x;
+  std::optional<Fp8Blocks> rows, columns;  // 1 × 128, 128 × 1
+};
+
+// Per thread: a composite and the GEMMs it calls run on one thread.
+thread_local std::vector<SharedInput> t_shared_inputs;
+
+bool same_view(const Tensor& a, const Tensor& b) {
+  return a.storage() == b.storage() && a.storage_offset() == b.storage_offset() &&
+         a.shape() == b.shape() && a.strides() == b.strides() && a.dtype() == b.dtype();
+}
+
+}  // namespace
+
+Fp8InputShare::Fp8InputShare(const Tensor& x) {
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1 && x.storage() != nullptr,
+                 "Fp8InputShare: the input must be a tensor with storage, got {}",
+                 x.defined() ? x.str() : "undefined");
+  t_shared_inputs.push_back(SharedInput{x, std::nullopt, std::nullopt});
+}
+
+Fp8InputShare::~Fp8InputShare() { t_shared_inputs.pop_back(); }
+
+Fp8Blocks fp8_input_tiles(const Tensor& x, int64_t block_rows, int64_t block_cols) {
+  GLMTUNE_ASSERT((block_rows == 1 && block_cols == 128) || (block_rows == 128 && block_cols == 1),
+                 "fp8_input_tiles: an input is quantised in 1 x 128 or 128 x 1 tiles, not {} x {}",
+                 block_rows, block_cols);
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1, "fp8_input_tiles: x must be a tensor [..., n], got {}",
+                 x.defined() ? x.str() : "undefined");
+  const auto make = [&] {
+    return quantize_fp8_blocks(x.reshape({x.numel() / x.size(-1), x.size(-1)}), block_rows,
+                               block_cols);
+  };
+  for (auto it = t_shared_inputs.rbegin(); it != t_shared_inputs.rend(); ++it) {
+    if (!same_view(it->x, x)) continue;
+    std::optional<Fp8Blocks>& slot = block_rows == 1 ? it->rows : it->columns;
+    if (!slot) slot = make();
+    return *slot;
+  }
+  return make();
 }
 
 Fp8WeightCounts fp8_weight_counts() {

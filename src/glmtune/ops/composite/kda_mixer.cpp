@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "glmtune/ops/dispatch.h"
+#include "glmtune/ops/fp8.h"
 #include "glmtune/ops/grad.h"
 #include "glmtune/ops/kda.h"
 #include "glmtune/ops/linear.h"
@@ -89,6 +90,7 @@ Tensor kda_forward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlens
   const Tensor cu = cu_seqlens_for(cu_seqlens, x);
 
   const Tensor conv_w = conv_weight(p, x, ql);
+  const Fp8InputShare share(x);  // six projections read x
   Tensor q_in = linear(x, p.q_proj), k_in = linear(x, p.k_proj), v_in = linear(x, p.v_proj);
   // The reference normalises q and k inside its kernel, in fp32, after the conv output was
   // rounded to the activation dtype (kda_qk_conv does the same); the core scales q by HL^-1/2.
@@ -158,6 +160,7 @@ Tensor kda_backward(const KdaParams& p, const Tensor& x, const Tensor& cu_seqlen
                               GateActivation::sigmoid, s.o_rstd, &grads.o_norm);
   // gate = g_b(g_a(x)); g_a(x) is HL wide and recomputed. Every projection of x adds its term to
   // dx, summed in gradient_sum_dtype and rounded once at the end.
+  const Fp8InputShare share(x);
   Tensor dx;
   const Tensor ga = linear(x, p.g_a_proj);
   const Tensor d_ga = linear_backward(dn.dgate.reshape({t, ql}), ga, p.g_b_proj, &grads.g_b_proj);

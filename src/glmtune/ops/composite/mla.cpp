@@ -5,6 +5,7 @@
 
 #include "glmtune/ops/dispatch.h"
 #include "glmtune/ops/elementwise.h"
+#include "glmtune/ops/fp8.h"
 #include "glmtune/ops/grad.h"
 #include "glmtune/ops/indexer.h"
 #include "glmtune/ops/linear.h"
@@ -199,6 +200,7 @@ MlaAttentionGrads mla_attention_backward(const MlaConfig& cfg, const Linear& kv_
 MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tensor& x,
                       const Tensor& indices, const Tensor& cu_seqlens, MlaContext& ctx) {
   GLMTUNE_TIME_OP("mla_forward", x);
+  const Fp8InputShare share(x);  // q_a and kv_a read x
   query(cfg, params, x, ctx);
   return attend(cfg, params, indices, cu_seqlens, ctx);
 }
@@ -212,6 +214,7 @@ MlaOutput mla_forward(const MlaConfig& cfg, const MlaParams& params, const Tenso
 DsaOutput dsa_forward(const MlaConfig& mla_cfg, const IndexerConfig& indexer_cfg,
                       const DsaParams& params, const Tensor& x, const Tensor& cu_seqlens,
                       const Tensor& prev_indices, MlaContext& ctx) {
+  const Fp8InputShare share(x);  // q_a and kv_a read x
   // Timed in two parts around the indexer, so that the step's breakdown keeps the indexer apart.
   {
     GLMTUNE_TIME_OP("mla_forward", x);
@@ -255,6 +258,7 @@ Tensor mla_backward(const MlaConfig& cfg, const MlaParams& params, const MlaCont
                                          ctx.q_rstd, &grads.q_a_layernorm);
   // dx from both projections of x, summed in gradient_sum_dtype and rounded once.
   Tensor dx;
+  const Fp8InputShare share(ctx.x);
   linear_backward_add(dx, d_kv_a, ctx.x, params.kv_a_proj_with_mqa, &grads.kv_a_proj_with_mqa);
   linear_backward_add(dx, d_q_a, ctx.x, params.q_a_proj, &grads.q_a_proj);
   return dx.to(ctx.x.dtype());

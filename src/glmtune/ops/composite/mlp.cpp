@@ -3,6 +3,7 @@
 #include "glmtune/ops/mlp.h"
 
 #include "glmtune/ops/dispatch.h"
+#include "glmtune/ops/fp8.h"
 #include "glmtune/ops/linear.h"
 
 namespace glmtune::ops {
@@ -33,6 +34,7 @@ Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit
   GLMTUNE_TIME_OP("mlp_forward", x);
   check_mlp_params(params, x, "mlp_forward");
   ctx.x = x;
+  const Fp8InputShare share(x);
   ctx.gate = linear(x, params.gate_proj);
   ctx.up = linear(x, params.up_proj);
   return linear(swiglu_clamped(ctx.gate, ctx.up, swiglu_limit), params.down_proj);
@@ -60,6 +62,7 @@ Tensor mlp_backward(const MlpParams& params, const MlpContext& ctx, const Tensor
   swiglu_clamped_backward(ctx.gate, ctx.up, d_act, swiglu_limit, d_gate, d_up);
   // dx = d_gate Wg + d_up Wu, summed in gradient_sum_dtype and rounded once.
   Tensor dx;
+  const Fp8InputShare share(ctx.x);
   linear_backward_add(dx, d_gate, ctx.x, params.gate_proj, &grads.gate_proj);
   linear_backward_add(dx, d_up, ctx.x, params.up_proj, &grads.up_proj);
   return dx.to(ctx.x.dtype());

@@ -142,10 +142,10 @@ Fp8Blocks fp8_weight_from_codes(const Tensor& codes, const Tensor& scales) {
 
 namespace {
 
-// Q(a; br × bc) of a [..., n] tensor viewed as [rows, n], in a's dtype and shape.
+// Q(a; br × bc) of a [..., n] tensor viewed as [rows, n], in a's dtype and shape (an input an
+// Fp8InputShare names is quantised once).
 Tensor quantized(const Tensor& a, int64_t block_rows, int64_t block_cols) {
-  const Tensor a2 = a.reshape({a.numel() / a.size(-1), a.size(-1)});
-  return dequantize_fp8_blocks(quantize_fp8_blocks(a2, block_rows, block_cols))
+  return dequantize_fp8_blocks(fp8_input_tiles(a, block_rows, block_cols))
       .to(a.dtype())
       .view(a.shape());
 }

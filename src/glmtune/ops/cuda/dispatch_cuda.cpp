@@ -263,19 +263,26 @@ Tensor linear_fp8(const Tensor& x, const Tensor& weight) {
   out_shape.back() = weight.size(0);
   Tensor y = Tensor::empty(out_shape, x.dtype(), x.device());
   Tensor y2 = y.view({y.numel() / weight.size(0), weight.size(0)});
-  cuda::fp8_linear_out(y2, cuda::quantize_fp8_blocks(as_rows(x), 1, 128),
-                       fp8_weight_blocks(weight));
+  cuda::fp8_linear_out(y2, fp8_input_tiles(x, 1, 128), fp8_weight_blocks(weight));
   return y;
 }
 
 namespace {
 
-// dW += Q(dy; 128 × 1)ᵀ · Q(x; 128 × 1) unless the weight is frozen or no slot was given.
+// Q(W)ᵀ for the input gradient, timed on its own ("transpose_fp8_weight" in the op table).
+Fp8Blocks transposed_weight_blocks(const Tensor& weight) {
+  const Fp8Blocks blocks = fp8_weight_blocks(weight);
+  OpTimer timer("transpose_fp8_weight");
+  return cuda::transpose_fp8_weight(blocks);
+}
+
+// dW += Q(dy; 128 × 1)ᵀ · Q(x; 128 × 1) unless the weight is frozen or no slot was given. The
+// quantisations go through the timed op (and x through its share, when one is open).
 void fp8_weight_grad(const Tensor& dy2, const Tensor& x, const Tensor& weight, Tensor* grad_weight,
                      const char* op) {
   if (Tensor* g = trained_slot(grad_weight, weight, op, "weight"))
-    cuda::fp8_linear_backward_weight(*g, cuda::quantize_fp8_blocks(dy2, 128, 1),
-                                     cuda::quantize_fp8_blocks(as_rows(x), 128, 1));
+    cuda::fp8_linear_backward_weight(*g, quantize_fp8_blocks(dy2, 128, 1),
+                                     fp8_input_tiles(x, 128, 1));
 }
 
 }  // namespace
@@ -295,9 +302,8 @@ void linear_fp8_backward_add(Tensor* dx_sum, const Tensor& dy, const Tensor& x,
                  "{}: the running input gradient {} must be a contiguous f32 {}", op, dx_sum->str(),
                  x.str());
   Tensor dx2 = dx_sum->view({x.numel() / x.size(-1), x.size(-1)});
-  cuda::fp8_linear_backward_input_out(dx2, cuda::quantize_fp8_blocks(dy2, 1, 128),
-                                      cuda::transpose_fp8_weight(fp8_weight_blocks(weight)),
-                                      accumulate);
+  cuda::fp8_linear_backward_input_out(dx2, quantize_fp8_blocks(dy2, 1, 128),
+                                      transposed_weight_blocks(weight), accumulate);
 }
 
 Tensor linear_fp8_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
@@ -309,8 +315,8 @@ Tensor linear_fp8_backward(const Tensor& dy, const Tensor& x, const Tensor& weig
   fp8_weight_grad(dy2, x, weight, grad_weight, op);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   Tensor dx2 = dx.view({x.numel() / x.size(-1), x.size(-1)});
-  cuda::fp8_linear_backward_input_out(dx2, cuda::quantize_fp8_blocks(dy2, 1, 128),
-                                      cuda::transpose_fp8_weight(fp8_weight_blocks(weight)));
+  cuda::fp8_linear_backward_input_out(dx2, quantize_fp8_blocks(dy2, 1, 128),
+                                      transposed_weight_blocks(weight));
   return dx;
 }
 

@@ -1,8 +1,9 @@
 // The FP8 quantiser kernels (ops/cuda/fp8_kernels.h). Each computes exactly the CPU reference's
 // arithmetic (ops/cpu/fp8.cpp): the block amax of |x| (a NaN wins), the scale
 // f32(max(amax, 1e-12) / 448) with the quotient in double, then f32(x / scale) by a correctly
-// rounded f32 division (__fdiv_rn, whatever the compiler's division flags), clamped to ±448 unless
-// NaN, rounded to e4m3 by the shared host/device conversion of tensor/dtype.h. A max is exact in
+// rounded f32 division, clamped to ±448 unless NaN, rounded to e4m3 by the shared host/device
+// conversion of tensor/dtype.h. The division goes through the tile's reciprocal where the scale is
+// finite (ops/fp8_quotient.h: the same codes, a third of the instructions), and a max is exact in
 // any order, so the codes and scales are the CPU's bit for bit.
 
 #include <cuda_bf16.h>
@@ -10,23 +11,28 @@
 #include <cstdint>
 
 #include "glmtune/ops/cuda/fp8_kernels.h"
+#include "glmtune/ops/fp8_quotient.h"
 #include "glmtune/tensor/cuda_check.h"
 #include "glmtune/tensor/dtype.h"
 
 namespace glmtune::cuda::fp8_kernels {
 namespace {
 
-constexpr float kE4m3Max = 448.0f;
-
 __device__ __forceinline__ float load_x(const void* x, bool bf16, int64_t i) {
   if (bf16) return __uint_as_float(uint32_t(static_cast<const uint16_t*>(x)[i]) << 16);
   return static_cast<const float*>(x)[i];
 }
 
-// max with a NaN winning, as the CPU's amax loop.
+// max with a NaN winning, as the CPU's amax loop (one instruction from sm_80 on).
 __device__ __forceinline__ float nan_max(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
   if (a != a || b != b) return __int_as_float(0x7fc00000);
   return a > b ? a : b;
+#endif
 }
 
 __device__ __forceinline__ float warp_nan_max(float v) {
@@ -35,19 +41,31 @@ __device__ __forceinline__ float warp_nan_max(float v) {
   return v;
 }
 
-// std::max(amax, 1e-12) keeps a NaN amax (NaN < 1e-12 is false); the quotient in double, one
-// rounding to f32.
-__device__ __forceinline__ float scale_of(float amax) {
-  const double a = double(amax);
-  const double m = a < 1e-12 ? 1e-12 : a;
-  return __double2float_rn(m / 448.0);
+
+// A tile's scale, and whether its values may be divided through the reciprocal: a finite scale of
+// the rule is at least 1e-12 / 448, so its reciprocal is a normal number (ops/fp8_quotient.h).
+struct Divisor {
+  float scale, inv;
+  bool by_reciprocal;
+};
+
+__device__ __forceinline__ Divisor divisor_of(float scale) {
+  return {scale, __frcp_rn(scale), isfinite(scale)};
 }
 
-// x / scale clamped to ±448 unless NaN, before the rounding to e4m3.
-__device__ __forceinline__ float scaled(float x, float scale) {
-  float v = __fdiv_rn(x, scale);
-  if (v == v) v = v < -kE4m3Max ? -kE4m3Max : (kE4m3Max < v ? kE4m3Max : v);
+__device__ __forceinline__ float divided(float x, const Divisor& d) {
+  return d.by_reciprocal ? ops::fp8_quotient(x, d.scale, d.inv) : __fdiv_rn(x, d.scale);
+}
+
+// The clamp to ±448 (a NaN kept) before the rounding to e4m3. Ada and Hopper's conversion
+// saturates to ±448 itself, which is the same code for every finite value.
+__device__ __forceinline__ float clamped(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   return v;
+#else
+  constexpr float kMax = 448.0f;
+  return v == v ? (v < -kMax ? -kMax : (kMax < v ? kMax : v)) : v;
+#endif
 }
 
 // Two clamped values to their codes, lo in the low byte. Ada and Hopper round to e4m3 in one
@@ -63,8 +81,24 @@ __device__ __forceinline__ uint32_t e4m3_pair(float lo, float hi) {
 #endif
 }
 
-__device__ __forceinline__ uint8_t quantize(float x, float scale) {
-  return uint8_t(e4m3_pair(scaled(x, scale), 0.0f));
+__device__ __forceinline__ uint8_t quantize(float x, const Divisor& d) {
+  return uint8_t(e4m3_pair(clamped(divided(x, d)), 0.0f));
+}
+
+// The codes of v[0 .. 3], code 0 from index `valid` on, lo in the low byte. The choice between
+// reciprocal and division is made once for the four (it is the tile's).
+__device__ __forceinline__ uint32_t codes4(const float v[4], int valid, const Divisor& d) {
+  float a[4];
+  if (d.by_reciprocal) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[j] = ops::fp8_quotient(v[j], d.scale, d.inv);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[j] = __fdiv_rn(v[j], d.scale);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a[j] = j < valid ? clamped(a[j]) : 0.0f;
+  return e4m3_pair(a[0], a[1]) | e4m3_pair(a[2], a[3]) << 16;
 }
 
 // Four consecutive values of row-major x from element i on: with kVec one 8-byte (bf16) or 16-byte
@@ -96,16 +130,14 @@ __device__ __forceinline__ void load4(const void* x, bool bf16, int64_t i, int64
 // q aligned to it), else one store per value before `valid`.
 template <bool kVec>
 __device__ __forceinline__ void store4(uint8_t* q, int64_t i, int64_t valid, const float v[4],
-                                       float scale) {
+                                       const Divisor& d) {
   if constexpr (kVec) {
     if (valid <= 0) return;
-    const uint32_t packed = e4m3_pair(scaled(v[0], scale), scaled(v[1], scale)) |
-                            e4m3_pair(scaled(v[2], scale), scaled(v[3], scale)) << 16;
-    *reinterpret_cast<uint32_t*>(q + i) = packed;
+    *reinterpret_cast<uint32_t*>(q + i) = codes4(v, 4, d);
   } else {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      if (j < valid) q[i + j] = quantize(v[j], scale);
+      if (j < valid) q[i + j] = quantize(v[j], d);
   }
 }
 
@@ -147,10 +179,10 @@ __device__ __forceinline__ void quantize_row_tiles(const void* __restrict__ x, b
 #pragma unroll
     for (int j = 0; j < 4; ++j) amax = nan_max(amax, fabsf(v[t][j]));
     amax = warp_nan_max(amax);
-    const float scale = scale_of(amax);
-    if (lane == 0) scale_at[tile * ld_s] = scale;
+    const Divisor d = divisor_of(ops::fp8_scale(amax));
+    if (lane == 0) scale_at[tile * ld_s] = d.scale;
     const int64_t c0 = tile * 128 + lane * 4;
-    store4<kVec>(q, q_row + c0, cols - c0, v[t], scale);
+    store4<kVec>(q, q_row + c0, cols - c0, v[t], d);
   }
 }
 
@@ -192,15 +224,15 @@ __global__ void __launch_bounds__(256)
   if (threadIdx.x == 0) {
     float m = warp_max[0];
     for (int w = 1; w < 8; ++w) m = nan_max(m, warp_max[w]);
-    block_scale = scale_of(m);
+    block_scale = ops::fp8_scale(m);
     s[int64_t(blockIdx.y) * ld_s + blockIdx.x] = block_scale;
   }
   __syncthreads();
-  const float scale = block_scale;
+  const Divisor d = divisor_of(block_scale);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t r = r0 + warp + 8 * i;
-    if (r < rows) store4<kVec>(q, r * ld_q + c0, cols - c0, v[i], scale);
+    if (r < rows) store4<kVec>(q, r * ld_q + c0, cols - c0, v[i], d);
   }
 }
 
@@ -253,8 +285,8 @@ __device__ __forceinline__ void quantize_column_tile(const void* __restrict__ x,
   amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   const int64_t c = c0 + col;
   if (c >= cols) return;
-  const float scale = scale_of(amax);
-  if (part == 0) s_row[c] = scale;
+  const Divisor d = divisor_of(ops::fp8_scale(amax));
+  if (part == 0) s_row[c] = d.scale;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int first = 64 * h + 16 * part;
@@ -264,11 +296,10 @@ __device__ __forceinline__ void quantize_column_tile(const void* __restrict__ x,
     for (int w = 0; w < 4; ++w) {
       float a[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int rr = first + 4 * w + k;
-        a[k] = r0 + rr < rows ? scaled(at(rr, col), scale) : 0.0f;
-      }
-      out[w] = e4m3_pair(a[0], a[1]) | e4m3_pair(a[2], a[3]) << 16;
+      for (int k = 0; k < 4; ++k) a[k] = at(first + 4 * w + k, col);
+      // Rows from `rows` on are padding: code 0 whatever the scale.
+      const int64_t valid = rows - (r0 + first + 4 * w);
+      out[w] = codes4(a, valid < 4 ? int(valid) : 4, d);
     }
     // ld_q and r0 + first are multiples of 16, so the run is one aligned 16-byte store.
     *reinterpret_cast<uint4*>(q + c * ld_q + r0 + first) =
@@ -331,7 +362,7 @@ __global__ void __launch_bounds__(kTileWarps * 32)
     for (int64_t tile = first_tile; tile < first_tile + kRowTiles && tile < col_tiles; ++tile) {
       if (lane == 0) sg[tile * ld_s + local] = 0.0f;
       const int64_t c0 = tile * 128 + lane * 4;
-      store4<kVec>(q, p * cols + c0, cols - c0, zeros, 1.0f);
+      store4<kVec>(q, p * cols + c0, cols - c0, zeros, divisor_of(1.0f));
     }
     return;
   }
