@@ -274,6 +274,17 @@ std::vector<OpSpec> op_specs() {
          3.0 * double(rows) * double(cols) + 4.0 * double(rows) * double(cols) / double(tile),
          "",
          ""});
+  // The input gradient's weight, its codes transposed (and its block scales): a byte read and
+  // written per weight.
+  s.push_back({"fp8 transpose weight",
+               fmt::format("{}x{} codes", 24576, kHidden),
+               Family::fp8_quantize,
+               "transpose",
+               {24576, kHidden},
+               Work::bytes,
+               2.0 * 24576 * double(kHidden),
+               "",
+               ""});
 
   // Bandwidth-bound ops: the fewest bytes each must move (every input read once, every output
   // written once), bf16 activations.

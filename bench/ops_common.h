@@ -37,7 +37,7 @@ enum class Family {
   vision_attention,  // dims {segments, rows per segment, heads, head dim}; variant fwd | fwd+bwd
   fp8_gemm,          // dims {m, n, k} of C[m, n] (reduction k); variant fwd | dX | dW
   fp8_grouped_gemm,  // dims {rows per expert, n, k}; variant fwd | dX | dW [| one launch]
-  fp8_quantize,      // dims {rows, cols}; variant 1x128 | 128x128 | 128x1
+  fp8_quantize,      // dims {rows, cols}; variant 1x128 | 128x128 | 128x1 | transpose (W's codes)
 };
 
 struct OpSpec {

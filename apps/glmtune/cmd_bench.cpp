@@ -66,6 +66,7 @@ struct BenchArgs {
   uint64_t seed = 1;
   bool json = false;
   bool op_detail = false;           // time the ops inside composites too (exclusive times by path)
+  bool op_sync = false;             // wait for the device before each timed op
   std::vector<std::string> freeze;  // train.freeze patterns
   // --lora-rank: adapters of this rank (0: none) on --lora-targets, the base frozen, as a [lora]
   // recipe trains them.
@@ -322,7 +323,7 @@ void add_vision_adamw(BenchAdamW& adam, const model::VisionLanguageModel& model,
 // The timed steps' wall times (seconds) and GPU time per op (ms per step), and the last loss.
 struct BenchTimes {
   std::vector<double> step_s, fb_s, opt_s;
-  std::map<std::string, double> op_ms;
+  std::map<std::string, double> op_ms, op_calls;  // per step
   double loss = 0;
   // Device allocations that reached cudaMalloc during the timed steps: a steady step makes none,
   // and each one it makes stalls the host where the device may be waiting for work.
@@ -343,7 +344,7 @@ BenchTimes time_steps(const BenchArgs& a,
       pinned.reset_peak();
       system_allocs_before = alloc.stats().num_system_allocs;
     }
-    ops::cuda_path::enable_op_timing(timed, a.op_detail);
+    ops::cuda_path::enable_op_timing(timed, a.op_detail, a.op_sync);
     zero();
     cudaDeviceSynchronize();
     const auto t0 = std::chrono::steady_clock::now();
@@ -360,10 +361,13 @@ BenchTimes time_steps(const BenchArgs& a,
     cudaDeviceSynchronize();
     const auto t2 = std::chrono::steady_clock::now();
     ops::cuda_path::enable_op_timing(false);
-    const std::map<std::string, double> times = ops::cuda_path::take_op_times();
+    const std::map<std::string, ops::cuda_path::OpTime> times = ops::cuda_path::take_op_times();
     bt.loss = r.backward.lm_loss;
     if (!timed) continue;
-    for (const auto& [name, ms] : times) bt.op_ms[name] += ms / double(a.steps);
+    for (const auto& [name, t] : times) {
+      bt.op_ms[name] += t.ms / double(a.steps);
+      bt.op_calls[name] += double(t.calls) / double(a.steps);
+    }
     bt.fb_s.push_back(std::chrono::duration<double>(t1 - t0).count());
     bt.opt_s.push_back(std::chrono::duration<double>(t2 - t1).count());
     bt.step_s.push_back(std::chrono::duration<double>(t2 - t0).count());
@@ -395,7 +399,7 @@ struct BenchStepReport {
   int64_t fp8_projections = 0;  // --fp8: projections whose GEMMs run in FP8
   int64_t fp8_fed = 0;          // --fp8 --base fp8: frozen weights whose codes the GEMMs read
   int64_t fp8_codes_only = 0;   // held tensors that only those GEMMs read: never dequantised
-  std::map<std::string, double> op_ms;
+  std::map<std::string, double> op_ms, op_calls;
   // --vl
   int64_t patches = 0, media_tokens = 0;
   double vision_flops = 0;  // of the step, in the FLOP/step total too
@@ -436,7 +440,9 @@ void print_step_json(const BenchArgs& a, const BenchStepReport& r) {
                         {"fp8_tilewise_projections", r.fp8_projections},
                         {"fp8_codes_fed_weights", r.fp8_fed},
                         {"fp8_codes_only_tensors", r.fp8_codes_only},
-                        {"op_ms", r.op_ms}};
+                        {"op_ms", r.op_ms},
+                        {"op_calls", r.op_calls},
+                        {"op_sync", a.op_sync}};
   if (a.vl)
     out["vl"] = {{"images", a.images},
                  {"video_frames", a.video_frames},
@@ -457,8 +463,11 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
       "pack %ld tokens in %ld documents, MTP %s, recompute %.2f, offload %.2f; median of %ld "
       "steps\n",
       a.pack, a.docs, r.mtp ? "on" : "off", a.recompute, a.offload, a.steps);
-  std::printf("step %.3f s (forward+backward %.3f s, optimizer %.3f s): %.0f tokens/s\n", r.step,
-              r.fb, r.optim, double(a.pack) / r.step);
+  std::printf("step %.3f s (forward+backward %.3f s, optimizer %.3f s): %.0f tokens/s%s\n", r.step,
+              r.fb, r.optim, double(a.pack) / r.step,
+              a.op_sync ? " (--op-sync: the device waited for before every op; not the benchmark's "
+                          "tokens/s)"
+                        : "");
   if (a.vl)
     std::printf(
         "media: %ld images and a %ld-frame video of %ldx%ld: %ld patches, %ld of the pack's "
@@ -510,11 +519,14 @@ void print_step_text(const BenchArgs& a, const model::TextConfig& c, const Bench
   std::sort(rows.rbegin(), rows.rend());
   int width = 28;
   for (const auto& [ms, name] : rows) width = std::max(width, int(name.size()));
-  std::printf("%-*s %10s %7s\n", width,
+  std::printf("%-*s %10s %7s %7s\n", width,
               a.op_detail ? "op, exclusive (GPU time per step)" : "op (GPU time per step)", "ms",
-              "share");
-  for (const auto& [ms, name] : rows)
-    std::printf("%-*s %10.2f %6.1f%%\n", width, name.c_str(), ms, 100 * ms / (r.fb * 1e3));
+              "share", "calls");
+  for (const auto& [ms, name] : rows) {
+    const auto calls = r.op_calls.find(name);
+    std::printf("%-*s %10.2f %6.1f%% %7.0f\n", width, name.c_str(), ms, 100 * ms / (r.fb * 1e3),
+                calls == r.op_calls.end() ? 0.0 : calls->second);
+  }
   std::printf("%-*s %10.2f %6.1f%%\n", width, "(timed ops together)", op_total,
               100 * op_total / (r.fb * 1e3));
 }
@@ -675,6 +687,7 @@ int run_bench_step(const BenchArgs& a) {
   r.pinned_gib = double(pinned.stats().peak_allocated) / (1 << 30);
   r.loss = times.loss;
   r.op_ms = std::move(times.op_ms);
+  r.op_calls = std::move(times.op_calls);
   if (a.json)
     print_step_json(a, r);
   else
@@ -754,6 +767,11 @@ GLMTUNE_COMMAND(
       step->add_flag("--op-detail", a->op_detail,
                      "Time the ops inside the composites too: each op's exclusive GPU time (its "
                      "own less the ops it calls) under its path, \"kda_forward > kda_chunked\"");
+      step->add_flag("--op-sync", a->op_sync,
+                     "Wait for the device before each timed op, so that an op's time is its own "
+                     "GPU work with no wait for the host in it; compared with a run without, it "
+                     "shows where the GPU idles. The step runs slower: its tokens/s are not the "
+                     "benchmark's");
       step->add_flag("--fp8", a->fp8,
                      "The experts', MLPs' and attention projections' GEMMs in block-scaled FP8, "
                      "as train.fp8 = \"tilewise\" runs them");

@@ -369,6 +369,10 @@ double time_fp8_grouped(int64_t per_group, int64_t n, int64_t k, const std::stri
 
 double time_fp8_quantize(int64_t rows, int64_t cols, const std::string& variant) {
   const Tensor x = random_gpu({rows, cols}, DType::bf16, 41);
+  if (variant == "transpose") {
+    const ops::Fp8Blocks w = cuda::quantize_fp8_blocks(x, 128, 128);
+    return median_ms([&] { cuda::transpose_fp8_weight(w); }, 3, 20);
+  }
   const int64_t br = variant == "1x128" ? 1 : 128, bc = variant == "128x1" ? 1 : 128;
   return median_ms([&] { cuda::quantize_fp8_blocks(x, br, bc); }, 3, 20);
 }

@@ -41,13 +41,19 @@ namespace glmtune::ops::cuda_path {
 // Per-op GPU time, for the step benchmark's breakdown. While enabled, every outermost op on the
 // device (a leaf op below, or a composite through GLMTUNE_TIME_OP) records a pair of CUDA events
 // on the default stream (ops called from inside another op count towards the outer one);
-// take_op_times waits for the device and returns the milliseconds per op name since the last
-// call. With `nested`, every op is timed, inner ones too, and take_op_times returns each op's
-// exclusive time (its own less that of the ops it called: for a composite, the work it does
+// take_op_times waits for the device and returns the milliseconds and calls per op name since
+// the last call. With `nested`, every op is timed, inner ones too, and take_op_times returns each
+// op's exclusive time (its own less that of the ops it called: for a composite, the work it does
 // outside timed ops) under its path, "outer > inner". Off by default: it costs two event
-// records per op.
-void enable_op_timing(bool on, bool nested = false);
-std::map<std::string, double> take_op_times();
+// records per op. With `sync`, the host waits for the device before each timed op starts, so an
+// op's time is its own GPU work (and its first launch's latency), with no wait for the host in it:
+// against a run without, it shows where the GPU idles while the host catches up.
+void enable_op_timing(bool on, bool nested = false, bool sync = false);
+struct OpTime {
+  double ms = 0;
+  int64_t calls = 0;
+};
+std::map<std::string, OpTime> take_op_times();
 
 // Times its scope under `name` (when on_device and timing is on, and it is the outermost op or
 // nested timing is on).

@@ -63,7 +63,7 @@ struct TimedOp {
   cudaEvent_t start = nullptr, stop = nullptr;
 };
 
-bool g_timing = false, g_nested = false;
+bool g_timing = false, g_nested = false, g_sync = false;
 std::vector<TimedOp> g_timed;
 thread_local int g_depth = 0;
 thread_local std::vector<int64_t> g_open;  // the timed ops open now, innermost last
@@ -80,6 +80,7 @@ OpTimer::OpTimer(const char* name, bool on_device) {
   op.path = op.parent < 0 ? std::string(name) : g_timed[size_t(op.parent)].path + " > " + name;
   GLMTUNE_CUDA_CHECK(cudaEventCreate(&op.start));
   GLMTUNE_CUDA_CHECK(cudaEventCreate(&op.stop));
+  if (g_sync) GLMTUNE_CUDA_CHECK(cudaDeviceSynchronize());
   GLMTUNE_CUDA_CHECK(cudaEventRecord(op.start));
   index_ = int64_t(g_timed.size());
   g_timed.push_back(std::move(op));
@@ -94,12 +95,13 @@ OpTimer::~OpTimer() {
   g_open.pop_back();
 }
 
-void enable_op_timing(bool on, bool nested) {
+void enable_op_timing(bool on, bool nested, bool sync) {
   g_timing = on;
   g_nested = nested;
+  g_sync = sync;
 }
 
-std::map<std::string, double> take_op_times() {
+std::map<std::string, OpTime> take_op_times() {
   std::vector<double> own(g_timed.size()), inner(g_timed.size(), 0.0);
   for (size_t i = 0; i < g_timed.size(); ++i) {
     const TimedOp& op = g_timed[i];
@@ -109,14 +111,16 @@ std::map<std::string, double> take_op_times() {
     own[i] = double(t);
     if (op.parent >= 0) inner[size_t(op.parent)] += own[i];
   }
-  std::map<std::string, double> ms;
+  std::map<std::string, OpTime> times;
   for (size_t i = 0; i < g_timed.size(); ++i) {
-    ms[g_timed[i].path] += own[i] - inner[i];
+    OpTime& t = times[g_timed[i].path];
+    t.ms += own[i] - inner[i];
+    ++t.calls;
     cudaEventDestroy(g_timed[i].start);
     cudaEventDestroy(g_timed[i].stop);
   }
   g_timed.clear();
-  return ms;
+  return times;
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {

@@ -9,7 +9,9 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <string>
 
+#include "glmtune/base/error.h"
 #include "glmtune/ops/cuda/fp8_kernels.h"
 #include "glmtune/ops/fp8_quotient.h"
 #include "glmtune/tensor/cuda_check.h"
@@ -40,7 +42,6 @@ __device__ __forceinline__ float warp_nan_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-
 
 // A tile's scale, and whether its values may be divided through the reciprocal: a finite scale of
 // the rule is at least 1e-12 / 448, so its reciprocal is a normal number (ops/fp8_quotient.h).
@@ -440,6 +441,40 @@ __global__ void transpose_kernel(const T* __restrict__ in, int64_t rows, int64_t
   }
 }
 
+// Bytes in 64 × 64 tiles moved as 4-byte words both ways (a byte per thread moved the weights'
+// codes at a fraction of the copy rate): 256 threads load 16 rows of 16 words a pass,
+// then write 16 rows of the transpose a pass, each word gathered from four rows of the tile. For
+// whole words only: rows and cols multiples of 4, every row and matrix 4-byte aligned.
+__global__ void __launch_bounds__(256)
+    transpose_u8_words_kernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
+                              int64_t ld_in, int64_t in_step, uint8_t* __restrict__ out,
+                              int64_t ld_out, int64_t out_step) {
+  __shared__ uint32_t tile[64][17];  // row r's bytes 4w .. 4w + 3 at tile[r][w]
+  in += int64_t(blockIdx.z) * in_step;
+  out += int64_t(blockIdx.z) * out_step;
+  const int64_t r0 = int64_t(blockIdx.y) * 64, c0 = int64_t(blockIdx.x) * 64;
+  const int word = threadIdx.x & 15, line = threadIdx.x >> 4;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int r = line + 16 * p;
+    const int64_t row = r0 + r, col = c0 + 4 * word;
+    tile[r][word] =
+        row < rows && col < cols ? *reinterpret_cast<const uint32_t*>(in + row * ld_in + col) : 0u;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const int c = line + 16 * p;
+    const int64_t col = c0 + c, row = r0 + 4 * word;
+    if (col >= cols || row >= rows) continue;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      packed |= ((tile[4 * word + j][c >> 2] >> (8 * (c & 3))) & 0xffu) << (8 * j);
+    *reinterpret_cast<uint32_t*>(out + col * ld_out + row) = packed;
+  }
+}
+
 int64_t blocks_of(int64_t n, int64_t b) { return (n + b - 1) / b; }
 
 // ---- dequantisation of stacked 128 × 128-block weights: kVec codes per thread ----------------
@@ -594,7 +629,19 @@ void quantize_device_group_columns(const void* x, bool x_bf16, int64_t rows, int
 void transpose_u8(const uint8_t* in, int64_t rows, int64_t cols, int64_t ld_in, uint8_t* out,
                   int64_t ld_out, cudaStream_t stream, int64_t batch, int64_t in_step,
                   int64_t out_step) {
-  transpose(in, rows, cols, ld_in, in_step, out, ld_out, out_step, batch, stream);
+  const auto words = [](int64_t v) { return v % 4 == 0; };
+  if (!(words(rows) && words(cols) && words(ld_in) && words(ld_out) && words(in_step) &&
+        words(out_step) && reinterpret_cast<uintptr_t>(in) % 4 == 0 &&
+        reinterpret_cast<uintptr_t>(out) % 4 == 0))
+    throw_internal(__FILE__, __LINE__,
+                   "transpose_u8: a [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                       "] byte matrix (pitches " + std::to_string(ld_in) + " / " +
+                       std::to_string(ld_out) + ") is not in whole 4-byte words");
+  if (rows == 0 || cols == 0 || batch == 0) return;
+  const dim3 grid(unsigned(blocks_of(cols, 64)), unsigned(blocks_of(rows, 64)), unsigned(batch));
+  transpose_u8_words_kernel<<<grid, 256, 0, stream>>>(in, rows, cols, ld_in, in_step, out, ld_out,
+                                                      out_step);
+  GLMTUNE_CUDA_CHECK_LAUNCH();
 }
 
 void transpose_f32(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,

@@ -68,7 +68,9 @@ void dequantize_pieces(const uint8_t* codes, const float* scales, int64_t rows, 
                        int64_t piece_rows, bool f32_out, void* out, cudaStream_t stream);
 
 // out[c · ld_out + r] = in[r · ld_in + c] for a [rows, cols] matrix of bytes or of f32, or for
-// `batch` of them, matrix b at in + b · in_step and out + b · out_step.
+// `batch` of them, matrix b at in + b · in_step and out + b · out_step. Bytes in whole 4-byte
+// words only (every size, pitch and step a multiple of 4, the pointers aligned to it), as the
+// FP8 GEMMs' weights are (dimensions multiples of 16).
 void transpose_u8(const uint8_t* in, int64_t rows, int64_t cols, int64_t ld_in, uint8_t* out,
                   int64_t ld_out, cudaStream_t stream, int64_t batch = 1, int64_t in_step = 0,
                   int64_t out_step = 0);
