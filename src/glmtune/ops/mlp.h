@@ -55,6 +55,10 @@ struct MlpContext {
 // mlp_forward that also fills `ctx` for mlp_backward.
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit, MlpContext& ctx);
 
+// The context alone (x, gate, up), without the activation and the down projection: what a
+// backward needs where the forward's output is not (a layer's MLP rerun for its gradient).
+void mlp_projections(const MlpParams& params, const Tensor& x, MlpContext& ctx);
+
 // Gradient of swiglu_clamped with respect to its (unclamped) inputs, given the output gradient
 // `dout` (shape of gate). `dgate` / `dup` receive the results: undefined ones are allocated
 // (contiguous); defined ones must have gate's shape and unit inner stride (2-D views with a uniform

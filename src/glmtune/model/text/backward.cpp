@@ -96,11 +96,22 @@ Tensor balancing_grad(Ctx& c, const ops::Routing& routing, const Tensor& bias) {
                                   routing.indices, loads, c.counted, bo, c.balancing_sum);
 }
 
-// MoE backward from the layer's saved input and routing. The shared expert's pre-clamp
-// projections are not part of the layer context; mlp_forward recomputes them exactly as the
-// forward's moe_forward did.
+// The context mlp_backward needs: the one a recomputed layer's forward kept (ffn_mlp), or the two
+// projections computed again from the layer's input, exactly as its forward computed them.
+ops::MlpContext mlp_context(const ops::MlpParams& p, const Tensor& x, const ops::MlpContext& kept) {
+  ops::MlpContext mc;
+  if (kept.gate.defined()) {
+    mc = kept;
+    mc.x = x;
+  } else {
+    ops::mlp_projections(p, x, mc);
+  }
+  return mc;
+}
+
+// MoE backward from the layer's saved input and routing; `shared` is the layer context's ffn_mlp.
 Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Routing& routing,
-                const Tensor& dy, ops::MoeParams& g) {
+                const ops::MlpContext& shared, const Tensor& dy, ops::MoeParams& g) {
   Tensor d_logits = balancing_grad(c, routing, p.e_score_correction_bias);
   if (const ExpertDispatch* dispatch = c.ops.expert_dispatch) {
     // Expert parallel: the routed experts' part comes back from their ranks; the router and the
@@ -112,7 +123,7 @@ Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Rou
   ops::MoeContext mc;
   mc.x = x;
   mc.routing = routing;
-  ops::mlp_forward(p.shared, x, c.ops.moe.swiglu_limit, mc.shared);
+  if (p.shared.gate_proj.weight.defined()) mc.shared = mlp_context(p.shared, x, shared);
   return ops::moe_backward(c.ops.moe, p, mc, dy, g, d_logits);
 }
 
@@ -145,11 +156,10 @@ Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const T
       ops::mhc_post_backward(lc.streams_mid, lc.ffn_out, lc.ffn_hc.post, lc.ffn_hc.comb, d_out);
   Tensor d_v;
   if (w.mlp == MlpKind::dense) {
-    ops::MlpContext mc;
-    ops::mlp_forward(w.dense, lc.ffn_in, c.ops.swiglu_limit, mc);
+    const ops::MlpContext mc = mlp_context(w.dense, lc.ffn_in, lc.ffn_mlp);
     d_v = ops::mlp_backward(w.dense, mc, pf.d_y, c.ops.swiglu_limit, g.dense);
   } else {
-    d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, pf.d_y, g.moe);
+    d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, lc.ffn_mlp, pf.d_y, g.moe);
   }
   const Tensor d_cf = ops::rms_norm_backward(d_v, lc.ffn_hc.collapsed, w.post_attention_layernorm,
                                              eps, lc.ffn_in_rstd, &g.post_attention_layernorm);
@@ -189,7 +199,7 @@ MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, const T
   // b = a + moe(post_attention_layernorm(a)), then shared_head.norm.
   Tensor d_b = ops::rms_norm_backward(d_out, m.out, w.shared_head_norm, eps, m.out_rstd,
                                       &g.shared_head_norm);
-  const Tensor d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, d_b, g.moe);
+  const Tensor d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, lc.ffn_mlp, d_b, g.moe);
   Tensor d_a = ops::rms_norm_backward(d_v, lc.streams_mid, w.post_attention_layernorm, eps,
                                       lc.ffn_in_rstd, &g.post_attention_layernorm);
   ops::add_into(d_a, d_b);
@@ -559,7 +569,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       const MtpContext* m = &saved;
       if (!saved.out_normed.defined()) {
         // Recompute policy: rerun the depth from its inputs.
-        mtp_layer_forward(c.ops, *w.mtp, saved.future, saved.hidden_in, c.cu, c.counted, &full);
+        mtp_layer_forward(c.ops, *w.mtp, saved.future, saved.hidden_in, c.cu, c.counted, &full,
+                          /*ffn_projections=*/true);
         m = &full;
       }
       ops::CrossEntropyOptions mce;
@@ -632,8 +643,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
                      l);
       IndexerCarry carry{saved.indices};
       LayerContext full;
-      decoder_layer_forward(c.ops, tc, lw, saved.streams_in, c.cu, c.counted, carry, nullptr,
-                            &full);
+      decoder_layer_forward(c.ops, tc, lw, saved.streams_in, c.cu, c.counted, carry, nullptr, &full,
+                            /*ffn_projections=*/true);
       d_streams = layer_grad(c, lw, full, d_streams, grads.layers[size_t(l)]);
     }
     if (opt.layer_params) {

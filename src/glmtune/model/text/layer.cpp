@@ -45,7 +45,7 @@ OpConfigs OpConfigs::from(const TextConfig& c) {
 std::vector<Tensor*> context_tensors(LayerContext& c) {
   // A field added to LayerContext (or to the op structs it holds) must join this list. The MLA
   // context's x, indices and cu_seqlens are left out: a layer context never holds them.
-  static_assert(sizeof(LayerContext) == 55 * sizeof(Tensor));
+  static_assert(sizeof(LayerContext) == 58 * sizeof(Tensor));
   return {&c.streams_in,
           &c.attn_hc.post,
           &c.attn_hc.comb,
@@ -97,11 +97,14 @@ std::vector<Tensor*> context_tensors(LayerContext& c) {
           &c.routing.logits,
           &c.routing.weights,
           &c.routing.indices,
-          &c.ffn_out};
+          &c.ffn_out,
+          &c.ffn_mlp.x,
+          &c.ffn_mlp.gate,
+          &c.ffn_mlp.up};
 }
 
 MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Tensor& x,
-                    int64_t counted_rows) {
+                    int64_t counted_rows, ops::MlpContext* shared_ctx) {
   MoeResult r;
   if (cfg.expert_dispatch != nullptr) {
     // Expert parallel: routing and the shared expert here, the routed experts where they live;
@@ -109,12 +112,17 @@ MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Te
     r.routing = ops::moe_route(cfg.moe, params.router_weight, params.e_score_correction_bias, x);
     r.y = cfg.expert_dispatch->forward(cfg.moe, params, x, r.routing);
     if (params.shared.gate_proj.weight.defined())
-      r.y = ops::add(r.y, ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit));
+      r.y = ops::add(
+          r.y, shared_ctx ? ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit, *shared_ctx)
+                          : ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit));
     r.expert_counts = ops::moe_expert_counts(r.routing, cfg.moe.n_experts, counted_rows);
     return r;
   }
   if (params.shared.gate_proj.weight.defined()) {
-    ops::MoeOutput o = ops::moe_forward(cfg.moe, params, x, counted_rows);
+    ops::MoeContext mc;
+    ops::MoeOutput o = shared_ctx ? ops::moe_forward(cfg.moe, params, x, counted_rows, mc)
+                                  : ops::moe_forward(cfg.moe, params, x, counted_rows);
+    if (shared_ctx) *shared_ctx = std::move(mc.shared);
     r.y = std::move(o.y);
     r.routing = std::move(o.routing);
     r.expert_counts = std::move(o.expert_counts);
@@ -160,7 +168,8 @@ Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tenso
 
 Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, const LayerWeights& w,
                              const Tensor& streams, const Tensor& cu_seqlens, int64_t counted_rows,
-                             IndexerCarry& carry, Tensor* expert_counts, LayerContext* ctx) {
+                             IndexerCarry& carry, Tensor* expert_counts, LayerContext* ctx,
+                             bool ffn_projections) {
   // Attention site.
   ops::MhcPreSaved attn_saved;
   ops::MhcPreResult attn_hc = ops::mhc_pre(streams, w.attn_hc.fn, w.attn_hc.base, w.attn_hc.scale,
@@ -197,10 +206,13 @@ Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, con
                            ctx ? &ffn_rstd : nullptr);
   Tensor z;
   ops::Routing routing;
+  ops::MlpContext ffn_mlp;
+  ops::MlpContext* keep_mlp = ctx && ffn_projections ? &ffn_mlp : nullptr;
   if (w.mlp == MlpKind::dense) {
-    z = ops::mlp_forward(w.dense, v, cfg.swiglu_limit);
+    z = keep_mlp ? ops::mlp_forward(w.dense, v, cfg.swiglu_limit, *keep_mlp)
+                 : ops::mlp_forward(w.dense, v, cfg.swiglu_limit);
   } else {
-    MoeResult m = moe_block(cfg, w.moe, v, counted_rows);
+    MoeResult m = moe_block(cfg, w.moe, v, counted_rows, keep_mlp);
     z = std::move(m.y);
     routing = std::move(m.routing);
     if (expert_counts) *expert_counts = std::move(m.expert_counts);
@@ -221,13 +233,14 @@ Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, con
     ctx->ffn_in_rstd = std::move(ffn_rstd);
     ctx->routing = std::move(routing);
     ctx->ffn_out = std::move(z);
+    ctx->ffn_mlp = std::move(ffn_mlp);
   }
   return out;
 }
 
 MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, const Tensor& future,
                                  const Tensor& hidden, const Tensor& cu_seqlens,
-                                 int64_t counted_rows, MtpContext* ctx) {
+                                 int64_t counted_rows, MtpContext* ctx, bool ffn_projections) {
   Tensor e_rstd, h_rstd;
   Tensor e = ops::rms_norm(future, w.enorm, cfg.rms_eps, ctx ? &e_rstd : nullptr);
   Tensor h = ops::rms_norm(hidden, w.hnorm, cfg.rms_eps, ctx ? &h_rstd : nullptr);
@@ -241,7 +254,8 @@ MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, cons
   Tensor a = ops::add(x, y);
   Tensor ffn_rstd;
   Tensor v = ops::rms_norm(a, w.post_attention_layernorm, cfg.rms_eps, ctx ? &ffn_rstd : nullptr);
-  MoeResult m = moe_block(cfg, w.moe, v, counted_rows);
+  MoeResult m =
+      moe_block(cfg, w.moe, v, counted_rows, lc && ffn_projections ? &lc->ffn_mlp : nullptr);
   Tensor b = ops::add(a, m.y);
   Tensor out_rstd;
   MtpLayerResult r;

@@ -151,6 +151,11 @@ struct LayerContext {
   Tensor ffn_in_rstd;    // [T]
   ops::Routing routing;  // MoE layers
   Tensor ffn_out;        // [T, D] z
+  // The dense MLP's, or the MoE's shared expert's, gate and up projections (x is ffn_in): only in
+  // a context made for a backward that follows at once (a recomputed layer); a kept or offloaded
+  // context leaves them out (four hidden states' worth per dense layer) and its backward computes
+  // the two projections again.
+  ops::MlpContext ffn_mlp;
 };
 
 // Every tensor of `ctx` (undefined ones included): what moving a context to another device moves.
@@ -169,9 +174,10 @@ struct MoeResult {
 };
 
 // MoE block; `counted_rows` limits the expert counts to the leading rows (padding stays out).
-// Works with and without a shared expert.
+// Works with and without a shared expert; `shared_ctx` (optional) receives the shared expert's
+// context.
 MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Tensor& x,
-                    int64_t counted_rows);
+                    int64_t counted_rows, ops::MlpContext* shared_ctx = nullptr);
 
 // DSA mixer on u [T, D]: projections, own indexer (or the carried selection), sparse attention,
 // o_proj. `ctx` (optional) receives mla / attn_core / indices.
@@ -181,10 +187,12 @@ Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tenso
 
 // One decoder layer: streams [T, H, D] -> [T, H, D]. `carry` is read (shared indexer layers) and
 // rewritten (what the next layer may reuse). `expert_counts` (MoE layers) receives the counts of
-// the first `counted_rows` rows.
+// the first `counted_rows` rows. With `ffn_projections`, ctx also receives ffn_mlp (a context
+// for a backward that follows at once).
 Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, const LayerWeights& w,
                              const Tensor& streams, const Tensor& cu_seqlens, int64_t counted_rows,
-                             IndexerCarry& carry, Tensor* expert_counts, LayerContext* ctx);
+                             IndexerCarry& carry, Tensor* expert_counts, LayerContext* ctx,
+                             bool ffn_projections = false);
 
 // What one MTP depth keeps for a backward.
 struct MtpContext {
@@ -211,6 +219,7 @@ struct MtpLayerResult {
 // hidden [T, D]: the main hidden state (depth 1) or the previous depth's output.
 MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, const Tensor& future,
                                  const Tensor& hidden, const Tensor& cu_seqlens,
-                                 int64_t counted_rows, MtpContext* ctx);
+                                 int64_t counted_rows, MtpContext* ctx,
+                                 bool ffn_projections = false);
 
 }  // namespace glmtune::model::text

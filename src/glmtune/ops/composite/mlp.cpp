@@ -30,14 +30,28 @@ void check_mlp_params(const MlpParams& params, const Tensor& x, const char* op) 
 
 }  // namespace
 
-Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit, MlpContext& ctx) {
-  GLMTUNE_TIME_OP("mlp_forward", x);
-  check_mlp_params(params, x, "mlp_forward");
+namespace {
+
+void projections(const MlpParams& params, const Tensor& x, MlpContext& ctx) {
   ctx.x = x;
   const Fp8InputShare share(x);
   ctx.gate = linear(x, params.gate_proj);
   ctx.up = linear(x, params.up_proj);
+}
+
+}  // namespace
+
+Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit, MlpContext& ctx) {
+  GLMTUNE_TIME_OP("mlp_forward", x);
+  check_mlp_params(params, x, "mlp_forward");
+  projections(params, x, ctx);
   return linear(swiglu_clamped(ctx.gate, ctx.up, swiglu_limit), params.down_proj);
+}
+
+void mlp_projections(const MlpParams& params, const Tensor& x, MlpContext& ctx) {
+  GLMTUNE_TIME_OP("mlp_projections", x);
+  check_mlp_params(params, x, "mlp_projections");
+  projections(params, x, ctx);
 }
 
 Tensor mlp_forward(const MlpParams& params, const Tensor& x, double swiglu_limit) {
