@@ -96,22 +96,23 @@ Tensor balancing_grad(Ctx& c, const ops::Routing& routing, const Tensor& bias) {
                                   routing.indices, loads, c.counted, bo, c.balancing_sum);
 }
 
-// The context mlp_backward needs: the one a recomputed layer's forward kept (ffn_mlp), or the two
-// projections computed again from the layer's input, exactly as its forward computed them.
-ops::MlpContext mlp_context(const ops::MlpParams& p, const Tensor& x, const ops::MlpContext& kept) {
-  ops::MlpContext mc;
-  if (kept.gate.defined()) {
-    mc = kept;
-    mc.x = x;
-  } else {
-    ops::mlp_projections(p, x, mc);
+// The context mlp_backward needs: the one a recomputed layer's forward made (its ffn_mlp, taken
+// over), or the two projections computed again from the layer's input, exactly as its forward
+// computed them.
+ops::MlpContext mlp_context(const ops::MlpParams& p, const Tensor& x, ops::MlpContext made) {
+  if (made.gate.defined()) {
+    made.x = x;
+    return made;
   }
+  ops::MlpContext mc;
+  ops::mlp_projections(p, x, mc);
   return mc;
 }
 
-// MoE backward from the layer's saved input and routing; `shared` is the layer context's ffn_mlp.
+// MoE backward from the layer's saved input and routing; `shared`: the recomputed layer's shared
+// expert context (ffn_mlp), if any, released with the MoE context when this returns.
 Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Routing& routing,
-                const ops::MlpContext& shared, const Tensor& dy, ops::MoeParams& g) {
+                ops::MlpContext shared, const Tensor& dy, ops::MoeParams& g) {
   Tensor d_logits = balancing_grad(c, routing, p.e_score_correction_bias);
   if (const ExpertDispatch* dispatch = c.ops.expert_dispatch) {
     // Expert parallel: the routed experts' part comes back from their ranks; the router and the
@@ -123,7 +124,7 @@ Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Rou
   ops::MoeContext mc;
   mc.x = x;
   mc.routing = routing;
-  if (p.shared.gate_proj.weight.defined()) mc.shared = mlp_context(p.shared, x, shared);
+  if (p.shared.gate_proj.weight.defined()) mc.shared = mlp_context(p.shared, x, std::move(shared));
   return ops::moe_backward(c.ops.moe, p, mc, dy, g, d_logits);
 }
 
@@ -147,19 +148,21 @@ Tensor dsa_grad(Ctx& c, const ops::DsaParams& p, const Tensor& u, const Tensor& 
   return ops::dsa_backward(c.ops.mla, p, mc, dy, g);
 }
 
-// One decoder layer, d out [T, H, D] -> d in [T, H, D], from a full layer context.
+// One decoder layer, d out [T, H, D] -> d in [T, H, D], from a full layer context. `ffn_mlp`: a
+// recomputed layer's MLP projections (its context's, moved out), released once the MLP's backward
+// is done, before the attention's, where the layer's memory peaks.
 Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const Tensor& d_out,
-                  LayerGrads& g) {
+                  LayerGrads& g, ops::MlpContext ffn_mlp = {}) {
   const double eps = c.ops.rms_eps;
   // Feed-forward site: X'' = post' ⊗ z + comb'ᵀ X'.
   ops::MhcPostGrads pf =
       ops::mhc_post_backward(lc.streams_mid, lc.ffn_out, lc.ffn_hc.post, lc.ffn_hc.comb, d_out);
   Tensor d_v;
   if (w.mlp == MlpKind::dense) {
-    const ops::MlpContext mc = mlp_context(w.dense, lc.ffn_in, lc.ffn_mlp);
+    const ops::MlpContext mc = mlp_context(w.dense, lc.ffn_in, std::move(ffn_mlp));
     d_v = ops::mlp_backward(w.dense, mc, pf.d_y, c.ops.swiglu_limit, g.dense);
   } else {
-    d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, lc.ffn_mlp, pf.d_y, g.moe);
+    d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, std::move(ffn_mlp), pf.d_y, g.moe);
   }
   const Tensor d_cf = ops::rms_norm_backward(d_v, lc.ffn_hc.collapsed, w.post_attention_layernorm,
                                              eps, lc.ffn_in_rstd, &g.post_attention_layernorm);
@@ -192,14 +195,14 @@ struct MtpInputGrads {
 };
 
 // One MTP depth from a full context, d (shared_head.norm output) -> input gradients.
-MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, const Tensor& d_out,
-                       MtpGrads& g) {
+MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, ops::MlpContext shared,
+                       const Tensor& d_out, MtpGrads& g) {
   const double eps = c.ops.rms_eps;
   const LayerContext& lc = m.layer;
   // b = a + moe(post_attention_layernorm(a)), then shared_head.norm.
   Tensor d_b = ops::rms_norm_backward(d_out, m.out, w.shared_head_norm, eps, m.out_rstd,
                                       &g.shared_head_norm);
-  const Tensor d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, lc.ffn_mlp, d_b, g.moe);
+  const Tensor d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, std::move(shared), d_b, g.moe);
   Tensor d_a = ops::rms_norm_backward(d_v, lc.streams_mid, w.post_attention_layernorm, eps,
                                       lc.ffn_in_rstd, &g.post_attention_layernorm);
   ops::add_into(d_a, d_b);
@@ -588,7 +591,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       result.mtp_tokens[size_t(k - 1)] = r.n_tokens;
       result.mtp_loss += mce.grad_scale * r.loss;
       if (d_next.defined()) ops::add_into(d_out, d_next);
-      const MtpInputGrads g = mtp_grad(c, *w.mtp, *m, d_out, *grads.mtp);
+      const MtpInputGrads g =
+          mtp_grad(c, *w.mtp, *m, std::move(full.layer.ffn_mlp), d_out, *grads.mtp);
       if (k == 1)
         ops::add_into(d_hidden, g.d_hidden);
       else
@@ -645,7 +649,8 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       LayerContext full;
       decoder_layer_forward(c.ops, tc, lw, saved.streams_in, c.cu, c.counted, carry, nullptr, &full,
                             /*ffn_projections=*/true);
-      d_streams = layer_grad(c, lw, full, d_streams, grads.layers[size_t(l)]);
+      d_streams =
+          layer_grad(c, lw, full, d_streams, grads.layers[size_t(l)], std::move(full.ffn_mlp));
     }
     if (opt.layer_params) {
       // The layer's gradient is complete for this pack: reduce it into the slice now and drop
