@@ -127,15 +127,26 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
 // recomputed in the backward from the saved input and routing (one extra pair of expert GEMMs),
 // instead of keeping [T·K, 2·Im] and [T·K, D] buffers alive between forward and backward.
 
-struct MoeContext {
-  Tensor x;           // [T, D] input
-  Routing routing;    // the forward's routing (logits, combine weights, experts)
-  MlpContext shared;  // the shared expert's context
+// The routed experts' activations over the rows sorted by expert: the sorted input, the gate | up
+// product, its activation, the experts' outputs before the combine, and the adapters' low-rank
+// inputs (ops/linear.h). A GPU forward keeps them when asked, for a backward that follows at once
+// (a recomputed layer's), which then does not run the experts again; undefined otherwise.
+struct MoeRoutedActivations {
+  Tensor x_sorted, gate_up, act, out, u_gate_up, u_down;
 };
 
-// moe_forward that also fills `ctx` for moe_backward.
+struct MoeContext {
+  Tensor x;                     // [T, D] input
+  Routing routing;              // the forward's routing (logits, combine weights, experts)
+  MlpContext shared;            // the shared expert's context
+  MoeRoutedActivations routed;  // see above
+};
+
+// moe_forward that also fills `ctx` for moe_backward; with `keep_routed`, on a GPU, the routed
+// experts' activations too (the size of 3.5 hidden states per routed row: for a backward that
+// follows at once, not for a context kept across the step).
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
-                      int64_t counted_rows, MoeContext& ctx);
+                      int64_t counted_rows, MoeContext& ctx, bool keep_routed = false);
 
 // Gradient of the combine weights [T, K] back to the router logits [T, E] (zero for the experts a
 // row did not select), through the normalisation and scaling above and the sigmoid.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <utility>
 
 #include "glmtune/base/error.h"
 #include "glmtune/model/balancing_loss.h"
@@ -109,10 +110,12 @@ ops::MlpContext mlp_context(const ops::MlpParams& p, const Tensor& x, ops::MlpCo
   return mc;
 }
 
-// MoE backward from the layer's saved input and routing; `shared`: the recomputed layer's shared
-// expert context (ffn_mlp), if any, released with the MoE context when this returns.
+// MoE backward from the layer's saved input and routing; `shared` and `routed`: a recomputed
+// layer's shared expert context and routed activations (its ffn_mlp and ffn_routed), if any,
+// released with the MoE context when this returns.
 Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Routing& routing,
-                ops::MlpContext shared, const Tensor& dy, ops::MoeParams& g) {
+                ops::MlpContext shared, ops::MoeRoutedActivations routed, const Tensor& dy,
+                ops::MoeParams& g) {
   Tensor d_logits = balancing_grad(c, routing, p.e_score_correction_bias);
   if (const ExpertDispatch* dispatch = c.ops.expert_dispatch) {
     // Expert parallel: the routed experts' part comes back from their ranks; the router and the
@@ -125,6 +128,7 @@ Tensor moe_grad(Ctx& c, const ops::MoeParams& p, const Tensor& x, const ops::Rou
   mc.x = x;
   mc.routing = routing;
   if (p.shared.gate_proj.weight.defined()) mc.shared = mlp_context(p.shared, x, std::move(shared));
+  mc.routed = std::move(routed);
   return ops::moe_backward(c.ops.moe, p, mc, dy, g, d_logits);
 }
 
@@ -148,21 +152,33 @@ Tensor dsa_grad(Ctx& c, const ops::DsaParams& p, const Tensor& u, const Tensor& 
   return ops::dsa_backward(c.ops.mla, p, mc, dy, g);
 }
 
-// One decoder layer, d out [T, H, D] -> d in [T, H, D], from a full layer context. `ffn_mlp`: a
-// recomputed layer's MLP projections (its context's, moved out), released once the MLP's backward
-// is done, before the attention's, where the layer's memory peaks.
+// What a recomputed layer's context holds for its feed-forward backward (moved out of it, so that
+// the backward can release it).
+struct FfnKept {
+  ops::MlpContext mlp;
+  ops::MoeRoutedActivations routed;
+};
+
+FfnKept take_ffn(LayerContext& lc) {
+  return FfnKept{std::exchange(lc.ffn_mlp, {}), std::exchange(lc.ffn_routed, {})};
+}
+
+// One decoder layer, d out [T, H, D] -> d in [T, H, D], from a full layer context. `ffn`: a
+// recomputed layer's feed-forward activations (take_ffn), released once the MLP's backward is
+// done, before the attention's, where the layer's memory peaks.
 Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const Tensor& d_out,
-                  LayerGrads& g, ops::MlpContext ffn_mlp = {}) {
+                  LayerGrads& g, FfnKept ffn = {}) {
   const double eps = c.ops.rms_eps;
   // Feed-forward site: X'' = post' ⊗ z + comb'ᵀ X'.
   ops::MhcPostGrads pf =
       ops::mhc_post_backward(lc.streams_mid, lc.ffn_out, lc.ffn_hc.post, lc.ffn_hc.comb, d_out);
   Tensor d_v;
   if (w.mlp == MlpKind::dense) {
-    const ops::MlpContext mc = mlp_context(w.dense, lc.ffn_in, std::move(ffn_mlp));
+    const ops::MlpContext mc = mlp_context(w.dense, lc.ffn_in, std::move(ffn.mlp));
     d_v = ops::mlp_backward(w.dense, mc, pf.d_y, c.ops.swiglu_limit, g.dense);
   } else {
-    d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, std::move(ffn_mlp), pf.d_y, g.moe);
+    d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, std::move(ffn.mlp), std::move(ffn.routed),
+                   pf.d_y, g.moe);
   }
   const Tensor d_cf = ops::rms_norm_backward(d_v, lc.ffn_hc.collapsed, w.post_attention_layernorm,
                                              eps, lc.ffn_in_rstd, &g.post_attention_layernorm);
@@ -195,14 +211,15 @@ struct MtpInputGrads {
 };
 
 // One MTP depth from a full context, d (shared_head.norm output) -> input gradients.
-MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, ops::MlpContext shared,
+MtpInputGrads mtp_grad(Ctx& c, const MtpWeights& w, const MtpContext& m, FfnKept ffn,
                        const Tensor& d_out, MtpGrads& g) {
   const double eps = c.ops.rms_eps;
   const LayerContext& lc = m.layer;
   // b = a + moe(post_attention_layernorm(a)), then shared_head.norm.
   Tensor d_b = ops::rms_norm_backward(d_out, m.out, w.shared_head_norm, eps, m.out_rstd,
                                       &g.shared_head_norm);
-  const Tensor d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, std::move(shared), d_b, g.moe);
+  const Tensor d_v = moe_grad(c, w.moe, lc.ffn_in, lc.routing, std::move(ffn.mlp),
+                              std::move(ffn.routed), d_b, g.moe);
   Tensor d_a = ops::rms_norm_backward(d_v, lc.streams_mid, w.post_attention_layernorm, eps,
                                       lc.ffn_in_rstd, &g.post_attention_layernorm);
   ops::add_into(d_a, d_b);
@@ -591,8 +608,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       result.mtp_tokens[size_t(k - 1)] = r.n_tokens;
       result.mtp_loss += mce.grad_scale * r.loss;
       if (d_next.defined()) ops::add_into(d_out, d_next);
-      const MtpInputGrads g =
-          mtp_grad(c, *w.mtp, *m, std::move(full.layer.ffn_mlp), d_out, *grads.mtp);
+      const MtpInputGrads g = mtp_grad(c, *w.mtp, *m, take_ffn(full.layer), d_out, *grads.mtp);
       if (k == 1)
         ops::add_into(d_hidden, g.d_hidden);
       else
@@ -649,8 +665,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       LayerContext full;
       decoder_layer_forward(c.ops, tc, lw, saved.streams_in, c.cu, c.counted, carry, nullptr, &full,
                             /*ffn_projections=*/true);
-      d_streams =
-          layer_grad(c, lw, full, d_streams, grads.layers[size_t(l)], std::move(full.ffn_mlp));
+      d_streams = layer_grad(c, lw, full, d_streams, grads.layers[size_t(l)], take_ffn(full));
     }
     if (opt.layer_params) {
       // The layer's gradient is complete for this pack: reduce it into the slice now and drop

@@ -45,7 +45,7 @@ OpConfigs OpConfigs::from(const TextConfig& c) {
 std::vector<Tensor*> context_tensors(LayerContext& c) {
   // A field added to LayerContext (or to the op structs it holds) must join this list. The MLA
   // context's x, indices and cu_seqlens are left out: a layer context never holds them.
-  static_assert(sizeof(LayerContext) == 58 * sizeof(Tensor));
+  static_assert(sizeof(LayerContext) == 64 * sizeof(Tensor));
   return {&c.streams_in,
           &c.attn_hc.post,
           &c.attn_hc.comb,
@@ -100,11 +100,17 @@ std::vector<Tensor*> context_tensors(LayerContext& c) {
           &c.ffn_out,
           &c.ffn_mlp.x,
           &c.ffn_mlp.gate,
-          &c.ffn_mlp.up};
+          &c.ffn_mlp.up,
+          &c.ffn_routed.x_sorted,
+          &c.ffn_routed.gate_up,
+          &c.ffn_routed.act,
+          &c.ffn_routed.out,
+          &c.ffn_routed.u_gate_up,
+          &c.ffn_routed.u_down};
 }
 
 MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Tensor& x,
-                    int64_t counted_rows, ops::MlpContext* shared_ctx) {
+                    int64_t counted_rows, ops::MoeContext* keep) {
   MoeResult r;
   if (cfg.expert_dispatch != nullptr) {
     // Expert parallel: routing and the shared expert here, the routed experts where they live;
@@ -112,17 +118,16 @@ MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Te
     r.routing = ops::moe_route(cfg.moe, params.router_weight, params.e_score_correction_bias, x);
     r.y = cfg.expert_dispatch->forward(cfg.moe, params, x, r.routing);
     if (params.shared.gate_proj.weight.defined())
-      r.y = ops::add(
-          r.y, shared_ctx ? ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit, *shared_ctx)
+      r.y = ops::add(r.y,
+                     keep ? ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit, keep->shared)
                           : ops::mlp_forward(params.shared, x, cfg.moe.swiglu_limit));
     r.expert_counts = ops::moe_expert_counts(r.routing, cfg.moe.n_experts, counted_rows);
     return r;
   }
   if (params.shared.gate_proj.weight.defined()) {
-    ops::MoeContext mc;
-    ops::MoeOutput o = shared_ctx ? ops::moe_forward(cfg.moe, params, x, counted_rows, mc)
-                                  : ops::moe_forward(cfg.moe, params, x, counted_rows);
-    if (shared_ctx) *shared_ctx = std::move(mc.shared);
+    ops::MoeOutput o =
+        keep ? ops::moe_forward(cfg.moe, params, x, counted_rows, *keep, /*keep_routed=*/true)
+             : ops::moe_forward(cfg.moe, params, x, counted_rows);
     r.y = std::move(o.y);
     r.routing = std::move(o.routing);
     r.expert_counts = std::move(o.expert_counts);
@@ -206,13 +211,15 @@ Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, con
                            ctx ? &ffn_rstd : nullptr);
   Tensor z;
   ops::Routing routing;
+  const bool keep_ffn = ctx && ffn_projections;
   ops::MlpContext ffn_mlp;
-  ops::MlpContext* keep_mlp = ctx && ffn_projections ? &ffn_mlp : nullptr;
+  ops::MoeContext ffn_moe;
   if (w.mlp == MlpKind::dense) {
-    z = keep_mlp ? ops::mlp_forward(w.dense, v, cfg.swiglu_limit, *keep_mlp)
+    z = keep_ffn ? ops::mlp_forward(w.dense, v, cfg.swiglu_limit, ffn_mlp)
                  : ops::mlp_forward(w.dense, v, cfg.swiglu_limit);
   } else {
-    MoeResult m = moe_block(cfg, w.moe, v, counted_rows, keep_mlp);
+    MoeResult m = moe_block(cfg, w.moe, v, counted_rows, keep_ffn ? &ffn_moe : nullptr);
+    ffn_mlp = std::move(ffn_moe.shared);
     z = std::move(m.y);
     routing = std::move(m.routing);
     if (expert_counts) *expert_counts = std::move(m.expert_counts);
@@ -234,6 +241,7 @@ Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, con
     ctx->routing = std::move(routing);
     ctx->ffn_out = std::move(z);
     ctx->ffn_mlp = std::move(ffn_mlp);
+    ctx->ffn_routed = std::move(ffn_moe.routed);
   }
   return out;
 }
@@ -254,8 +262,8 @@ MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, cons
   Tensor a = ops::add(x, y);
   Tensor ffn_rstd;
   Tensor v = ops::rms_norm(a, w.post_attention_layernorm, cfg.rms_eps, ctx ? &ffn_rstd : nullptr);
-  MoeResult m =
-      moe_block(cfg, w.moe, v, counted_rows, lc && ffn_projections ? &lc->ffn_mlp : nullptr);
+  ops::MoeContext ffn_moe;
+  MoeResult m = moe_block(cfg, w.moe, v, counted_rows, lc && ffn_projections ? &ffn_moe : nullptr);
   Tensor b = ops::add(a, m.y);
   Tensor out_rstd;
   MtpLayerResult r;
@@ -278,6 +286,8 @@ MtpLayerResult mtp_layer_forward(const OpConfigs& cfg, const MtpWeights& w, cons
     lc->ffn_in_rstd = std::move(ffn_rstd);
     lc->routing = std::move(m.routing);
     lc->ffn_out = std::move(m.y);
+    lc->ffn_mlp = std::move(ffn_moe.shared);
+    lc->ffn_routed = std::move(ffn_moe.routed);
     ctx->out = std::move(b);
     ctx->out_normed = r.hidden;
     ctx->out_rstd = std::move(out_rstd);

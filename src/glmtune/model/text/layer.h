@@ -151,11 +151,13 @@ struct LayerContext {
   Tensor ffn_in_rstd;    // [T]
   ops::Routing routing;  // MoE layers
   Tensor ffn_out;        // [T, D] z
-  // The dense MLP's, or the MoE's shared expert's, gate and up projections (x is ffn_in): only in
-  // a context made for a backward that follows at once (a recomputed layer); a kept or offloaded
-  // context leaves them out (four hidden states' worth per dense layer) and its backward computes
-  // the two projections again.
+  // Only in a context made for a backward that follows at once (a recomputed layer): the dense
+  // MLP's, or the MoE's shared expert's, gate and up projections (x is ffn_in), and on a GPU the
+  // routed experts' activations. A kept or offloaded context leaves them out (four hidden states'
+  // worth per dense layer, 3.5 per routed row of a MoE layer), and its backward computes the two
+  // projections and runs the experts again.
   ops::MlpContext ffn_mlp;
+  ops::MoeRoutedActivations ffn_routed;
 };
 
 // Every tensor of `ctx` (undefined ones included): what moving a context to another device moves.
@@ -174,10 +176,10 @@ struct MoeResult {
 };
 
 // MoE block; `counted_rows` limits the expert counts to the leading rows (padding stays out).
-// Works with and without a shared expert; `shared_ctx` (optional) receives the shared expert's
-// context.
+// Works with and without a shared expert. `keep` (optional) receives the shared expert's context
+// and the routed experts' activations, for a backward that follows at once.
 MoeResult moe_block(const OpConfigs& cfg, const ops::MoeParams& params, const Tensor& x,
-                    int64_t counted_rows, ops::MlpContext* shared_ctx = nullptr);
+                    int64_t counted_rows, ops::MoeContext* keep = nullptr);
 
 // DSA mixer on u [T, D]: projections, own indexer (or the carried selection), sparse attention,
 // o_proj. `ctx` (optional) receives mla / attn_core / indices.

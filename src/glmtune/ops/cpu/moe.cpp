@@ -203,7 +203,7 @@ Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows) {
   check_moe_args(cfg, params, x, "moe_forward");
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, nullptr));
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, nullptr, false));
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
   out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);

@@ -175,9 +175,10 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
 }  // namespace
 
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
-                      int64_t counted_rows, MoeContext& ctx) {
+                      int64_t counted_rows, MoeContext& ctx, bool keep_routed) {
   check_moe_args(cfg, params, x, "moe_forward");
-  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, &ctx));
+  GLMTUNE_DISPATCH_CUDA(x, cuda_path::moe_forward(cfg, params, x, counted_rows, &ctx, keep_routed));
+  // The CPU backward runs the experts again from x and the routing (nothing to keep).
   MoeOutput out;
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x);
   out.y = moe_experts(cfg, params.gate_up_proj, params.down_proj, x, out.routing);

@@ -199,7 +199,7 @@ Tensor moe_expert_counts(const Routing& routing, int64_t n_experts, int64_t rows
 Tensor moe_balancing_loss(const Tensor& logits, const Tensor& bias, const Tensor& loads,
                           int64_t counted_rows, int64_t top_k, double weight, Tensor& loss_sum);
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
-                      int64_t counted_rows, MoeContext* ctx);
+                      int64_t counted_rows, MoeContext* ctx, bool keep_routed = false);
 Tensor moe_route_backward(const MoeConfig& cfg, const Routing& routing, const Tensor& d_weights);
 Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params, const MoeContext& ctx,
                     const Tensor& dy, MoeParams& grads, const Tensor& d_router_logits);

@@ -823,7 +823,7 @@ cuda::GroupedGemmBackend moe_gemm_backend(const MoeConfig& cfg, int64_t rows) {
 }  // namespace
 
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Tensor& x,
-                      int64_t counted_rows, MoeContext* ctx) {
+                      int64_t counted_rows, MoeContext* ctx, bool keep_routed) {
   OpTimer timer("moe_forward");
   MoeParams params = params_in;
   params.e_score_correction_bias = as_f32(params.e_score_correction_bias);
@@ -831,7 +831,7 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Te
   if (composed) params.shared = MlpParams{};
   cuda::MoeContext cc;
   MoeOutput out = cuda::moe_forward(cfg, params, x, counted_rows, ctx ? &cc : nullptr,
-                                    moe_gemm_backend(cfg, x.size(0)));
+                                    moe_gemm_backend(cfg, x.size(0)), nullptr, keep_routed);
   MlpContext shared;
   if (composed) add_into(out.y, ops::mlp_forward(params_in.shared, x, cfg.swiglu_limit, shared));
   if (ctx) {
@@ -842,6 +842,9 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params_in, const Te
       const int64_t is = cc.shared_gate_up.size(1) / 2;
       ctx->shared = {x, cc.shared_gate_up.narrow(1, 0, is), cc.shared_gate_up.narrow(1, is, is)};
     }
+    cuda::ExpertActivations& a = cc.activations;
+    ctx->routed = {std::move(a.x_perm), std::move(a.h),         std::move(a.act),
+                   std::move(a.yp),     std::move(a.u_gate_up), std::move(a.u_down)};
   }
   return out;
 }
@@ -859,6 +862,8 @@ Tensor moe_backward(const MoeConfig& cfg, const MoeParams& params_in, const MoeC
   cuda::MoeContext cc;
   cc.x = ctx.x;
   cc.routing = ctx.routing;
+  const MoeRoutedActivations& r = ctx.routed;
+  cc.activations = {r.x_sorted, r.gate_up, r.act, r.out, r.u_gate_up, r.u_down};
   const cuda::GroupedGemmBackend backend = moe_gemm_backend(cfg, ctx.x.size(0));
   cc.permutation = cuda::moe_permute(ctx.routing.indices, cfg.n_experts, nullptr,
                                      backend != cuda::GroupedGemmBackend::kWgmmaDeviceOffsets);

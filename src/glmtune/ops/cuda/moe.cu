@@ -487,14 +487,10 @@ void check_routing(const ops::Routing& r, int64_t rows, int64_t n_exp, int64_t k
                                 std::to_string(rows) + ", " + std::to_string(n_exp) + "]");
 }
 
-// Expert activations of the permuted rows: h = x_perm · gate_up^T, a = swiglu(h), yp = a · down^T,
-// each projection with its per-expert adapter when it has one (ops/linear.h): u = scale · in A_e^T
-// [rows, r] is kept for the backward and u B_e^T added into the projection's output, as the dense
-// composite does.
-struct ExpertActivations {
-  Tensor x_perm, h, act, yp;
-  Tensor u_gate_up, u_down;
-};
+// Expert activations of the permuted rows (ExpertActivations, ops/cuda/moe.h), each projection
+// with its per-expert adapter when it has one (ops/linear.h): u = scale · in A_e^T [rows, r] is
+// kept for the backward and u B_e^T added into the projection's output, as the dense composite
+// does.
 
 // Each expert's weight blocks (ops::fp8_weight_blocks: pinned, reused in the step, or quantised
 // now), for the experts that have rows; the others get none.
@@ -853,7 +849,7 @@ Tensor moe_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up_proj,
 
 ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
                            int64_t counted_rows, MoeContext* ctx, GroupedGemmBackend backend,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, bool keep_activations) {
   check_config(cfg);
   check_x(x, "cuda::moe_forward");
   check_expert_weights(cfg, params.gate_up_proj, params.down_proj, x);
@@ -868,7 +864,7 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
   out.routing = moe_route(cfg, params.router_weight, params.e_score_correction_bias, x, stream);
   ExpertPermutation perm = moe_permute(out.routing.indices, cfg.n_experts, stream,
                                        backend != GroupedGemmBackend::kWgmmaDeviceOffsets);
-  const ExpertActivations a =
+  ExpertActivations a =
       run_experts(cfg, params.gate_up_proj, params.down_proj, x, perm, backend, stream);
 
   // Shared expert (when given: ops::moe_forward runs one with adapters beside these kernels):
@@ -893,6 +889,7 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
     ctx->routing = out.routing;
     ctx->permutation = std::move(perm);
     ctx->shared_gate_up = gate_up;
+    if (keep_activations) ctx->activations = std::move(a);
   }
   return out;
 }
@@ -923,7 +920,8 @@ Tensor moe_route_backward(const ops::MoeConfig& cfg, const ops::Routing& routing
 
 namespace {
 
-// The routed experts' backward on the permuted rows: the activations recomputed, d_weights f32
+// The routed experts' backward on the permuted rows: the activations (`saved`, or recomputed when
+// it is undefined), d_weights f32
 // [T, K] and the permuted input gradient dxp [T·K, D] (x's dtype). The gradients of the trained
 // tensors (the expert weights, their adapters' A and B) accumulate into `grads`; a frozen tensor
 // gets none.
@@ -953,12 +951,22 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gat
                                const ops::Linear& down, const Tensor& x,
                                const ops::Routing& routing, const ExpertPermutation& perm,
                                const Tensor& dy, ops::MoeParams& grads, GroupedGemmBackend backend,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, const ExpertActivations& saved = {}) {
   const Device dev = x.device();
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
   const int64_t inter = down.weight.size(2);
   const int64_t n = perm.sorted_slots.numel();
-  const ExpertActivations a = run_experts(cfg, gate_up, down, x, perm, backend, stream);
+  if (saved.h.defined())
+    GLMTUNE_CUDA_OP_REQUIRE(
+        saved.x_perm.defined() && saved.act.defined() && saved.yp.defined() &&
+            saved.x_perm.size(0) == n && saved.h.size(0) == n && saved.h.size(1) == 2 * inter &&
+            saved.act.size(0) == n && saved.yp.size(0) == n && saved.yp.size(1) == dim &&
+            saved.u_gate_up.defined() == gate_up.lora.defined() &&
+            saved.u_down.defined() == down.lora.defined(),
+        "cuda MoE backward: the kept expert activations (h " + detail::describe(saved.h) +
+            ") do not fit " + std::to_string(n) + " routed rows of this MoE");
+  const ExpertActivations a =
+      saved.h.defined() ? saved : run_experts(cfg, gate_up, down, x, perm, backend, stream);
   const DType st = x.dtype();
   RoutedBackward r;
   r.d_weights = Tensor::empty({rows, k}, DType::f32, dev);
@@ -1150,7 +1158,7 @@ Tensor moe_backward(const ops::MoeConfig& cfg, const ops::MoeParams& params, con
   detail::DeviceGuard guard(dev.index);
   const RoutedBackward r =
       routed_backward(cfg, params.gate_up_proj, params.down_proj, x, ctx.routing, ctx.permutation,
-                      dy, grads, backend, stream);
+                      dy, grads, backend, stream, ctx.activations);
   Tensor dx_f32 = Tensor::zeros({rows, dim}, DType::f32, dev);
   router_and_shared_backward(cfg, params, x, ctx.routing, ctx.shared_gate_up, dy, r.d_weights,
                              d_router_logits, grads, dx_f32, stream);

@@ -89,17 +89,27 @@ Tensor moe_balancing_loss(const Tensor& logits, const Tensor& bias, const Tensor
                           int64_t counted_rows, int64_t top_k, double weight, Tensor& loss_sum,
                           cudaStream_t stream = nullptr);
 
+// The routed experts' activations over the permuted rows: x_perm, h = x_perm · gate_upᵀ, act =
+// swiglu(h), yp = act · downᵀ, and the adapters' u = scale · in Aᵀ (ops/linear.h).
+struct ExpertActivations {
+  Tensor x_perm, h, act, yp;
+  Tensor u_gate_up, u_down;
+};
+
 struct MoeContext {
   Tensor x;
   ops::Routing routing;
   ExpertPermutation permutation;
   Tensor shared_gate_up;  // bf16 [T, 2·Is]: the shared expert's gate | up before the clamps
+  // Kept by moe_forward with keep_activations (for a backward that follows at once); undefined
+  // otherwise, and moe_backward runs the experts again.
+  ExpertActivations activations;
 };
 
 ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& params, const Tensor& x,
                            int64_t counted_rows = -1, MoeContext* ctx = nullptr,
                            GroupedGemmBackend backend = GroupedGemmBackend::kLtPerGroup,
-                           cudaStream_t stream = nullptr);
+                           cudaStream_t stream = nullptr, bool keep_activations = false);
 
 // d_weights f32 [T, K] -> d_logits f32 [T, E] (zero where a row did not select the expert).
 Tensor moe_route_backward(const ops::MoeConfig& cfg, const ops::Routing& routing,
