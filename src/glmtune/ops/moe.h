@@ -125,7 +125,8 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
 //   w_k = rsf · p_k / (Σ_j p_j + 1e-20)  (norm_topk_prob)   or   w_k = rsf · p_k,  p = σ(logits),
 // and every routed expert receives only the rows routed to it. The expert activations are
 // recomputed in the backward from the saved input and routing (one extra pair of expert GEMMs),
-// instead of keeping [T·K, 2·Im] and [T·K, D] buffers alive between forward and backward.
+// instead of keeping [T·K, 2·Im] and [T·K, D] buffers alive between forward and backward, unless
+// the context holds them (MoeRoutedActivations: a forward run just before the backward).
 
 // The routed experts' activations over the rows sorted by expert: the sorted input, the gate | up
 // product, its activation, the experts' outputs before the combine, and the adapters' low-rank
