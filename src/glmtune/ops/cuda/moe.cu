@@ -487,11 +487,6 @@ void check_routing(const ops::Routing& r, int64_t rows, int64_t n_exp, int64_t k
                                 std::to_string(rows) + ", " + std::to_string(n_exp) + "]");
 }
 
-// Expert activations of the permuted rows (ExpertActivations, ops/cuda/moe.h), each projection
-// with its per-expert adapter when it has one (ops/linear.h): u = scale · in A_e^T [rows, r] is
-// kept for the backward and u B_e^T added into the projection's output, as the dense composite
-// does.
-
 // Each expert's weight blocks (ops::fp8_weight_blocks: pinned, reused in the step, or quantised
 // now), for the experts that have rows; the others get none.
 std::vector<ops::Fp8Blocks> expert_weight_blocks(const Tensor& w,
@@ -613,6 +608,10 @@ Tensor add_expert_adapter(Tensor& out, const Tensor& in, const ops::LoraAdapter&
   return u;
 }
 
+// Expert activations of the permuted rows (ExpertActivations, ops/cuda/moe.h), each projection
+// with its per-expert adapter when it has one (ops/linear.h): u = scale · in A_e^T [rows, r] is
+// kept for the backward and u B_e^T added into the projection's output, as the dense composite
+// does.
 ExpertActivations run_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
                               const ops::Linear& down, const Tensor& x,
                               const ExpertPermutation& perm, GroupedGemmBackend backend,
