@@ -196,9 +196,14 @@ TEST(Fp8Quant, QuotientByReciprocalGivesTheDivisionsCodes) {
     const float amax = bits_float(amax_bits), scale = scale_of(amax);
     float x;
     switch (i % 3) {
-      case 0: x = bits_float(uint32_t(eng() % (uint64_t(amax_bits) + 1))); break;
-      case 1: x = amax * float(double(eng() >> 11) * 0x1p-53); break;
-      default: x = bits_float(amax_bits - std::min<uint32_t>(amax_bits, uint32_t(eng() % 64)));
+      case 0:
+        x = bits_float(uint32_t(eng() % (uint64_t(amax_bits) + 1)));
+        break;
+      case 1:
+        x = amax * float(double(eng() >> 11) * 0x1p-53);
+        break;
+      default:
+        x = bits_float(amax_bits - std::min<uint32_t>(amax_bits, uint32_t(eng() % 64)));
     }
     check(i % 2 ? -x : x, scale);
   }

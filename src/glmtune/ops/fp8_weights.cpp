@@ -155,7 +155,8 @@ Fp8Blocks fp8_input_tiles(const Tensor& x, int64_t block_rows, int64_t block_col
   GLMTUNE_ASSERT((block_rows == 1 && block_cols == 128) || (block_rows == 128 && block_cols == 1),
                  "fp8_input_tiles: an input is quantised in 1 x 128 or 128 x 1 tiles, not {} x {}",
                  block_rows, block_cols);
-  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1, "fp8_input_tiles: x must be a tensor [..., n], got {}",
+  GLMTUNE_ASSERT(x.defined() && x.dim() >= 1,
+                 "fp8_input_tiles: x must be a tensor [..., n], got {}",
                  x.defined() ? x.str() : "undefined");
   const auto make = [&] {
     return quantize_fp8_blocks(x.reshape({x.numel() / x.size(-1), x.size(-1)}), block_rows,
