@@ -266,7 +266,7 @@ Tensor moe_backward_routed_elsewhere(const MoeConfig& cfg, const MoeParams& para
   if (d_router_logits.defined()) d_route = ops::add(d_route, d_router_logits);
   const Tensor d_router_x = linear_backward(d_route, x, params.router_weight, &grads.router_weight);
   MlpContext shared;
-  mlp_forward(params.shared, x, cfg.swiglu_limit, shared);
+  mlp_projections(params.shared, x, shared);  // the backward reads gate and up only
   const Tensor d_shared = mlp_backward(params.shared, shared, dy, cfg.swiglu_limit, grads.shared);
   return ops::add(routed_dx, ops::add(d_router_x, d_shared));
 }
