@@ -8,8 +8,9 @@
 // r = x − q0 · scale is exact in one fma (Markstein), and RN(q0 + r · inv) is the correctly rounded
 // quotient wherever r does not underflow. Where it does (|x| below about 2^-100), the quotient is
 // below 2^-50 and its e4m3 code is ±0 whichever f32 it is; the sign is taken from x, as the
-// quotient's is. test_ops_fp8's QuotientByReciprocalGivesTheDivisionsCodes checks every bf16 x
-// against a sweep of scales, and every finite f32 quotient above 2^-40 bit for bit.
+// quotient's is. Fp8Quant.QuotientByReciprocalGivesTheDivisionsCodes (test_fp8_quant) checks
+// every bf16 x against a sweep of scales and random f32 ones: the codes equal, and the quotients
+// above 2^-40 bit for bit.
 //
 // Valid for scales the rule makes from a finite amax: positive, at least 1e-12 / 448, finite, so
 // that inv is a normal number. An infinite or NaN scale takes the division.
@@ -33,9 +34,9 @@ GLMTUNE_HD float fp8_quotient(float x, float scale, float inv) {
 // The rule's scale, f32(max(amax, 1e-12) / 448) with the quotient taken in double, computed in
 // f32: for every finite amax of at least 1e-12 the correctly rounded f32 quotient is the double one
 // rounded (448 is 7 · 2^6, and a multiple of 1/7 never has the run of 29 equal bits that double
-// rounding needs), and the reciprocal form above gives it (checked for every such f32 by
-// QuotientByReciprocalGivesTheDivisionsCodes's scale checks). An infinite or NaN amax is its own
-// scale, as amax / 448 is.
+// rounding needs), and the reciprocal form above gives it (both checked for every such f32 when
+// this was written; the test above checks every 61st). An infinite or NaN amax is its own scale,
+// as amax / 448 is.
 GLMTUNE_HD float fp8_scale(float amax) {
   constexpr float kInv448 = 1.0f / 448.0f;
   constexpr float kSmallest = float(1e-12 / 448.0);

@@ -2,9 +2,10 @@
 // arithmetic (ops/cpu/fp8.cpp): the block amax of |x| (a NaN wins), the scale
 // f32(max(amax, 1e-12) / 448) with the quotient in double, then f32(x / scale) by a correctly
 // rounded f32 division, clamped to ±448 unless NaN, rounded to e4m3 by the shared host/device
-// conversion of tensor/dtype.h. The division goes through the tile's reciprocal where the scale is
-// finite (ops/fp8_quotient.h: the same codes, a third of the instructions), and a max is exact in
-// any order, so the codes and scales are the CPU's bit for bit.
+// conversion of tensor/dtype.h. The scale is computed in f32 and the division goes through the
+// tile's reciprocal where the scale is finite (ops/fp8_quotient.h: the same scales and codes, a
+// third of the instructions), and a max is exact in any order, so the codes and scales are the
+// CPU's bit for bit.
 
 #include <cuda_bf16.h>
 
