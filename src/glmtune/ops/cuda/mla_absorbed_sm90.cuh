@@ -21,6 +21,14 @@ struct AbsorbedForwardArgs {
   float scale_log2;  // softmax scale · log2(e): scores are kept in base-2 units
 };
 
+// 2^x by the special function unit alone: exp2f adds a rescaling for results below 2^-126, four
+// more instructions an exponential, which only produce subnormal probabilities (zero here).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 namespace absorbed_tiles {
 
 constexpr int kR = 512;
@@ -31,11 +39,12 @@ constexpr int kPanels = kR / 64;
 constexpr int kPanelBytes = 64 * 128;              // 64 rows of one 64-column panel
 constexpr int kTileBytes = kPanels * kPanelBytes;  // 64 rows × 512 columns
 
-// The dynamic shared memory from its first 1024-byte boundary (the swizzle's period).
+// The dynamic shared memory from its first 1024-byte boundary (the swizzle's period). Offset
+// from the array itself, so the compiler still knows the pointer is shared memory: accesses
+// through it become 32-bit shared loads and stores, not generic ones with 64-bit addresses.
 __device__ __forceinline__ unsigned char* smem_1024() {
   extern __shared__ unsigned char smem_raw[];
-  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                          ~uintptr_t(1023));
+  return smem_raw + ((1024 - (wgmma::smem_u32(smem_raw) & 1023)) & 1023);
 }
 
 // Barrier of the whole block under another id than __syncthreads.
@@ -58,14 +67,30 @@ __device__ __forceinline__ void load_rows(unsigned char* tile, const __nv_bfloat
   }
 }
 
-// The latent rows of one block of KEYS keys, their positions from shared memory (`positions`):
-// a position read from global memory here would stall every thread's issue loop on its latency.
+// The latent rows of one block of KEYS keys, their positions from shared memory (`positions`,
+// 0 past the count, so every row names a readable address): a position read from global memory
+// here would stall every thread's issue loop on its latency. Thread x copies the 16-byte chunk
+// x mod 64 of rows x / 64, x / 64 + 4, ...: its destination column and its two swizzle patterns
+// (rows 8n + x / 64 and 8n + 4 + x / 64) are fixed, so a copy costs a few instructions where the
+// general loop spent about thirty on its addresses.
 template <int KEYS>
 __device__ __forceinline__ void load_keys(const __nv_bfloat16* latent, unsigned char* tile,
                                           const int32_t* positions, int block, int count) {
-  load_rows<KEYS>(tile, latent, [&](int r) -> const __nv_bfloat16* {
-    return block * KEYS + r < count ? latent + int64_t(positions[r]) * kR : nullptr;
-  });
+  constexpr int kRowStep = kThreads / 64;
+  static_assert(kRowStep == 4 && KEYS % (2 * kRowStep) == 0);
+  const int chunk = threadIdx.x & 63, first_row = threadIdx.x >> 6;
+  const int rows = count - block * KEYS;  // valid rows of this block
+  const uint32_t dst = wgmma::smem_u32(tile) + (chunk >> 3) * (KEYS * 128) + first_row * 128;
+  const uint32_t dst_of_parity[2] = {dst + (((chunk & 7) ^ first_row) << 4),
+                                     dst + (((chunk & 7) ^ (first_row + 4)) << 4)};
+  const __nv_bfloat16* column = latent + chunk * 8;
+#pragma unroll
+  for (int k = 0; k < KEYS / kRowStep; ++k) {
+    const int row = first_row + kRowStep * k;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_of_parity[k & 1] +
+                                                                         k * kRowStep * 128),
+                 "l"(column + uint32_t(positions[row]) * uint64_t(kR)), "r"(row < rows ? 16 : 0));
+  }
 }
 
 // The key positions of blocks 0 and 1 into positions[0 .. 2·KEYS).
@@ -173,6 +198,20 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     const int p = threadIdx.x - 256, warp = p >> 5, lane = p & 31;
     int64_t jj = 0;  // iterations of the earlier items
     int n = 0;       // the block's items so far
+    // This lane copies the 16-byte chunks `lane` and 32 + lane of rows warp + 4r: their places
+    // in a tile less 512r bytes, for even and odd r (the swizzle of wgmma::swizzled: row warp +
+    // 4r lies in the 8-row group at warp + 4·(r mod 2)), fixed for the whole kernel.
+    const uint32_t tile0 = wgmma::smem_u32(sK);
+    uint32_t dst_of[2][2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int parity = 0; parity < 2; ++parity) {
+        const int chunk = half * 32 + lane;
+        dst_of[half][parity] =
+            (chunk >> 3) * kKeyPanelBytes + warp * 128 + (((chunk & 7) ^ (warp + 4 * parity)) << 4);
+      }
+    const __nv_bfloat16* row_start = a.latent + lane * 8;
     for (int64_t item = blockIdx.x; item < items; item += gridDim.x, ++n) {
       const int64_t i = item / head_blocks;
       const int h0 = int(item % head_blocks) * kHeads;
@@ -198,18 +237,17 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
           if (jj >= 2) wgmma::mbarrier_wait(&bars->empty[s][t], int(((jj >> 1) - 1) & 1));
-          unsigned char* tile = sK + (2 * s + t) * kTileBytes;
+          const uint32_t tile = tile0 + (2 * s + t) * kTileBytes;
 #pragma unroll
           for (int r = 0; r < 8; ++r) {
-            const int row = warp + 4 * r;
+            // A row past the count copies zeros from row 0 (any readable address does).
             const int32_t pos = __shfl_sync(0xffffffffu, position, 8 * t + r);
+            const __nv_bfloat16* src = row_start + uint32_t(max(pos, 0)) * uint64_t(kR);
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int chunk = half * 32 + lane;  // 16-byte chunk of the 1 KB row
-              tc::cp_async16_zfill(
-                  tile + (chunk >> 3) * kKeyPanelBytes + wgmma::swizzled(row, (chunk & 7) * 8),
-                  pos >= 0 ? a.latent + int64_t(pos) * kR + chunk * 8 : a.latent, pos >= 0);
-            }
+            for (int half = 0; half < 2; ++half)
+              asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                               tile + dst_of[half][r & 1] + r * 4 * 128),
+                           "l"(src + half * 256), "r"(pos >= 0 ? 16 : 0));
           }
           wgmma::mbarrier_arrive_on_cp_async(&bars->full[s][t]);
         }
@@ -235,18 +273,22 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     wgmma::named_barrier<kConsumerThreads>(id);
   };
 
+  // Every operand's descriptor advances from one of these by constants (wgmma::desc_advance).
+  const uint64_t q_k = wgmma::desc_k_major(sQ), keys_k = wgmma::desc_k_major(sK);
+  const uint64_t keys_mn = wgmma::desc_mn_major(sK, kKeyPanelBytes), p_k = wgmma::desc_k_major(sP);
+
   float s[16];
   // The scores of the block's iteration jj, counted over its items (jj names the stage and phase).
   auto issue_scores = [&](int64_t jj) {
-    const unsigned char* tile = sK + (2 * int(jj & 1) + own) * kTileBytes;
+    const uint64_t tile = wgmma::desc_advance(keys_k, (2 * int(jj & 1) + own) * kTileBytes);
     wgmma::mbarrier_wait(&bars->full[jj & 1][own], int((jj >> 1) & 1));
     wgmma::fence_shared_for_async();
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < 32; ++kk) {
       const int panel = kk >> 2, k_bytes = (kk & 3) * 32;
-      wgmma::mma_m64n32k16<0, 0>(s, wgmma::desc_k_major(sQ + panel * kQPanelBytes + k_bytes),
-                                 wgmma::desc_k_major(tile + panel * kKeyPanelBytes + k_bytes),
+      wgmma::mma_m64n32k16<0, 0>(s, wgmma::desc_advance(q_k, panel * kQPanelBytes + k_bytes),
+                                 wgmma::desc_advance(tile, panel * kKeyPanelBytes + k_bytes),
                                  kk == 0);
     }
     wgmma::commit();
@@ -275,8 +317,11 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
     for (int j = 0; j < iterations; ++j) {
       const int64_t jj = jj0 + j;
       const int st = int(jj & 1);
-      const unsigned char* own_tile = sK + (2 * st + own) * kTileBytes;
-      const unsigned char* other_tile = sK + (2 * st + other) * kTileBytes;
+      // The halves of the two tiles that this warpgroup's output columns read.
+      const uint64_t own_half =
+          wgmma::desc_advance(keys_mn, (2 * st + own) * kTileBytes + own * kHalfBytes);
+      const uint64_t other_half =
+          wgmma::desc_advance(keys_mn, (2 * st + other) * kTileBytes + own * kHalfBytes);
       wgmma::wait<0>();
       wgmma::pin(s);
       // The item's last scores are formed: its q_abs may make way for the next item's.
@@ -301,7 +346,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float next = fmaxf(m[r], fmaxf(mx[r], max_slots[other * kHeads + row0 + 8 * r]));
-        alpha[r] = exp2f(m[r] - next);
+        alpha[r] = exp2_ftz(m[r] - next);
         m[r] = next;
       }
 
@@ -311,7 +356,7 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 16; e += 2) {
         const int r = (e >> 1) & 1;
-        const float p0 = exp2f(s[e] - m[r]), p1 = exp2f(s[e + 1] - m[r]);
+        const float p0 = exp2_ftz(s[e] - m[r]), p1 = exp2_ftz(s[e + 1] - m[r]);
         sum[r] += p0 + p1;
         const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
         pa[e >> 3][(e >> 1) & 3] = *reinterpret_cast<const uint32_t*>(&pair);
@@ -332,21 +377,16 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk)
-        wgmma::mma_m64n256k16_rs<1>(
-            o, pa[kk],
-            wgmma::desc_mn_major(own_tile + own * kHalfBytes + kk * 16 * 128, kKeyPanelBytes),
-            false);
+        wgmma::mma_m64n256k16_rs<1>(o, pa[kk], wgmma::desc_advance(own_half, kk * 16 * 128), false);
       wgmma::commit();
 
       wgmma::fence_shared_for_async();
       wgmma::named_barrier<kConsumerThreads>(kPBarrier);
-      const unsigned char* other_p = sP + (st * 2 + other) * kPBytes;
+      const uint64_t other_p = wgmma::desc_advance(p_k, (st * 2 + other) * kPBytes);
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk)
-        wgmma::mma_m64n256k16<0, 1>(
-            o, wgmma::desc_k_major(other_p + kk * 32),
-            wgmma::desc_mn_major(other_tile + own * kHalfBytes + kk * 16 * 128, kKeyPanelBytes),
-            false);
+        wgmma::mma_m64n256k16<0, 1>(o, wgmma::desc_advance(other_p, kk * 32),
+                                    wgmma::desc_advance(other_half, kk * 16 * 128), false);
       wgmma::commit();
 
       // The next stage's tiles were gathered during this one: score them under the products.
@@ -472,11 +512,32 @@ __global__ void __launch_bounds__(absorbed_tiles::kThreads, 1)
   int32_t* sPos = reinterpret_cast<int32_t*>(sPf + kHeads * kKeys);  // [2][kKeys], block b at b & 1
 
   const AbsorbedForwardArgs& a = k.a;
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0);
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   // This warpgroup's staged d L tiles.
   unsigned char* sStage = reinterpret_cast<unsigned char*>(sPos + 2 * kKeys) + wg * kStageBytes;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = warp * 16 + g;  // this thread's accumulator rows: row0 and row0 + 8
+  // A 64 × 32 accumulator (rows: this warpgroup's 64 heads or latent columns, columns: keys) into
+  // a key-major tile at `tile` (128-byte rows, 16-byte chunks XORed by the key, as
+  // wgmma::swizzled and stage_offset lay them out), transposed by stmatrix: store q takes keys
+  // 16q .. 16q + 15, its matrix i the 8 × 8 block of keys 16q + 8·(i/2) .. and rows 16·warp +
+  // 8·(i mod 2) .., whose key j lane 8i + j addresses (the swizzle of key 16q + x is that of x).
+  const uint32_t transpose_lane =
+      stage_offset(8 * ((lane >> 3) >> 1) + (lane & 7), 16 * warp + 8 * ((lane >> 3) & 1));
+  const auto store_key_major = [&](uint32_t tile, const float(&v)[16]) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      uint32_t packed[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int e = 4 * (2 * q + (m >> 1)) + 2 * (m & 1);
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(v[e], v[e + 1]);
+        packed[m] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+      wgmma::stsm_x4_trans(tile + transpose_lane + q * 16 * 128, packed);
+    }
+  };
   const int64_t i = k.q0 + blockIdx.x;
   const int count = a.counts[i];
   const int blocks = (count + kKeys - 1) / kKeys;
@@ -506,22 +567,32 @@ __global__ void __launch_bounds__(absorbed_tiles::kThreads, 1)
 #pragma unroll
   for (int e = 0; e < 128; ++e) dqa[e] = 0.0f;
 
+  // Every operand's descriptor advances from one of these by constants (wgmma::desc_advance).
+  const uint64_t score_a = wgmma::desc_k_major(wg == 0 ? sQ : sD);
+  const uint64_t keys_k = wgmma::desc_k_major(sK),
+                 keys_mn = wgmma::desc_mn_major(sK, kKeyPanelBytes);
+  const uint64_t ds_mn = wgmma::desc_mn_major(sSt, kKeyMajorBytes);
+  const uint64_t p_k = wgmma::desc_k_major(sPt), ds_k = wgmma::desc_k_major(sSt);
+  const uint64_t dout_mn = wgmma::desc_mn_major(sD, kHeadPanelBytes);
+  const uint64_t q_mn = wgmma::desc_mn_major(sQ, kHeadPanelBytes);
+
   for (int b = 0; b < blocks; ++b) {
     tc::cp_async_wait<0>();
     wgmma::fence_shared_for_async();
     __syncthreads();  // block b landed; the previous block's products are done with its tiles
-    const unsigned char* L = sK + (b & 1) * kKeyTileBytes;
+    const uint32_t tile_bytes = (b & 1) * kKeyTileBytes;  // of block b's key tile
+    const uint64_t tile_k = wgmma::desc_advance(keys_k, tile_bytes);
+    const uint64_t tile_mn = wgmma::desc_advance(keys_mn, tile_bytes);
     const int32_t next_position = prefetch_position<kKeys>(key_row, b + 2, count);
 
     // Warpgroup 0: S; warpgroup 1: dP (64 heads × 32 keys over the 512 columns).
-    const unsigned char* A = wg == 0 ? sQ : sD;
     float s[16];
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kR / 16; ++kk) {
       const int panel = kk >> 2, k_bytes = (kk & 3) * 32;
-      wgmma::mma_m64n32k16<0, 0>(s, wgmma::desc_k_major(A + panel * kHeadPanelBytes + k_bytes),
-                                 wgmma::desc_k_major(L + panel * kKeyPanelBytes + k_bytes),
+      wgmma::mma_m64n32k16<0, 0>(s, wgmma::desc_advance(score_a, panel * kHeadPanelBytes + k_bytes),
+                                 wgmma::desc_advance(tile_k, panel * kKeyPanelBytes + k_bytes),
                                  kk == 0);
     }
     wgmma::commit();
@@ -535,29 +606,28 @@ __global__ void __launch_bounds__(absorbed_tiles::kThreads, 1)
 
     // Accumulator element e: head row0 + 8·((e/2) mod 2), key 8·(e/4) + 2t + (e mod 2).
     if (wg == 0) {
+      float p[16];
 #pragma unroll
       for (int e = 0; e < 16; e += 2) {
         const int r = (e >> 1) & 1, row = row0 + 8 * r, key = (e >> 2) * 8 + 2 * t;
         const int slot = b * kKeys + key;
-        const float p0 = slot < count ? exp2f(s[e] * a.scale_log2 - lse[r]) : 0.0f;
-        const float p1 = slot + 1 < count ? exp2f(s[e + 1] * a.scale_log2 - lse[r]) : 0.0f;
-        *reinterpret_cast<float2*>(sPf + p_slot(row, key)) = make_float2(p0, p1);
-        *reinterpret_cast<__nv_bfloat16*>(sPt + wgmma::swizzled(key, row)) = __float2bfloat16(p0);
-        *reinterpret_cast<__nv_bfloat16*>(sPt + wgmma::swizzled(key + 1, row)) =
-            __float2bfloat16(p1);
+        p[e] = slot < count ? exp2_ftz(s[e] * a.scale_log2 - lse[r]) : 0.0f;
+        p[e + 1] = slot + 1 < count ? exp2_ftz(s[e + 1] * a.scale_log2 - lse[r]) : 0.0f;
+        *reinterpret_cast<float2*>(sPf + p_slot(row, key)) = make_float2(p[e], p[e + 1]);
       }
+      store_key_major(wgmma::smem_u32(sPt), p);
     }
     block_barrier(1);  // P in fp32 written
     if (wg == 1) {
+      float ds[16];
 #pragma unroll
       for (int e = 0; e < 16; e += 2) {
         const int r = (e >> 1) & 1, row = row0 + 8 * r, key = (e >> 2) * 8 + 2 * t;
         const float2 p = *reinterpret_cast<const float2*>(sPf + p_slot(row, key));
-        *reinterpret_cast<__nv_bfloat16*>(sSt + wgmma::swizzled(key, row)) =
-            __float2bfloat16(k.scale * p.x * (s[e] - dlt[r]));
-        *reinterpret_cast<__nv_bfloat16*>(sSt + wgmma::swizzled(key + 1, row)) =
-            __float2bfloat16(k.scale * p.y * (s[e + 1] - dlt[r]));
+        ds[e] = k.scale * p.x * (s[e] - dlt[r]);
+        ds[e + 1] = k.scale * p.y * (s[e + 1] - dlt[r]);
       }
+      store_key_major(wgmma::smem_u32(sSt), ds);
     }
     wgmma::fence_shared_for_async();
     block_barrier(2);  // P and dS key-major complete
@@ -567,8 +637,8 @@ __global__ void __launch_bounds__(absorbed_tiles::kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk)
       wgmma::mma_m64n256k16<1, 1>(
-          dqa, wgmma::desc_mn_major(sSt + kk * 16 * 128, kKeyMajorBytes),
-          wgmma::desc_mn_major(L + wg * 4 * kKeyPanelBytes + kk * 16 * 128, kKeyPanelBytes), false);
+          dqa, wgmma::desc_advance(ds_mn, kk * 16 * 128),
+          wgmma::desc_advance(tile_mn, wg * 4 * kKeyPanelBytes + kk * 16 * 128), false);
     wgmma::commit();
 
     // d Lᵀ for this warpgroup's four 64-column tiles, two at a time: A = d o_lat or q_abs read
@@ -583,32 +653,24 @@ __global__ void __launch_bounds__(absorbed_tiles::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < kHeads / 16; ++kk)
           wgmma::mma_m64n32k16<1, 0>(
-              dl[m],
-              wgmma::desc_mn_major(sD + panel * kHeadPanelBytes + kk * 16 * 128, kHeadPanelBytes),
-              wgmma::desc_k_major(sPt + kk * 32), kk == 0);
+              dl[m], wgmma::desc_advance(dout_mn, panel * kHeadPanelBytes + kk * 16 * 128),
+              wgmma::desc_advance(p_k, kk * 32), kk == 0);
 #pragma unroll
         for (int kk = 0; kk < kHeads / 16; ++kk)
           wgmma::mma_m64n32k16<1, 0>(
-              dl[m],
-              wgmma::desc_mn_major(sQ + panel * kHeadPanelBytes + kk * 16 * 128, kHeadPanelBytes),
-              wgmma::desc_k_major(sSt + kk * 32), false);
+              dl[m], wgmma::desc_advance(q_mn, panel * kHeadPanelBytes + kk * 16 * 128),
+              wgmma::desc_advance(ds_k, kk * 32), false);
       }
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::pin(dl[0]);
       wgmma::pin(dl[1]);
       // Element e of tile m: latent column 64·panel + row0 + 8·((e/2) mod 2), key 8·(e/4) + 2t +
-      // (e mod 2). Written key-major through shared memory, so each workspace row takes whole
-      // 16-byte runs instead of one bf16 per store and four rows per warp instruction.
+      // (e mod 2). Written key-major through shared memory (store_key_major), so each workspace
+      // row takes whole 16-byte runs instead of one bf16 per store.
       warpgroup_barrier(wg);  // the previous pair's stores have read the stage
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int e = 0; e < 16; ++e)
-          *reinterpret_cast<__nv_bfloat16*>(
-              sStage + m * kKeys * 128 +
-              stage_offset((e >> 2) * 8 + 2 * t + (e & 1), row0 + 8 * ((e >> 1) & 1))) =
-              __float2bfloat16(dl[m][e]);
+      for (int m = 0; m < 2; ++m) store_key_major(wgmma::smem_u32(sStage) + m * kKeys * 128, dl[m]);
       warpgroup_barrier(wg);
 #pragma unroll
       for (int c = threadIdx.x & 127; c < 2 * kKeys * 8; c += 128) {

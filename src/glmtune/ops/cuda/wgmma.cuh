@@ -37,6 +37,23 @@ __device__ __forceinline__ uint64_t desc_mn_major(const void* start, uint32_t pa
          (uint64_t(1) << 62);
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) further on: only the start address
+// field moves, and as shared-memory addresses stay below 2^18 it never carries into the next
+// field. Hot loops take a base descriptor once and advance it by constants, where forming each
+// descriptor from its address again costs a dozen instructions a wgmma.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc >> 32 << 32) | uint32_t(uint32_t(desc) + (bytes >> 4));
+}
+
+// Four 8 × 8 bf16 matrices from accumulator fragments (thread 4g + t: row g, columns 2t and
+// 2t + 1, packed) into shared memory transposed: lane 8i + j names the 16-byte row j of matrix
+// i's transpose, i.e. column j of matrix i (stmatrix).
+__device__ __forceinline__ void stsm_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // Orders this thread's earlier register writes before the next wgmma (required before the first
 // wgmma of a batch whose accumulators were touched by ordinary instructions).
 __device__ __forceinline__ void fence() {
