@@ -9,8 +9,9 @@
 //        -o absorbed_backward_wgmma bench/absorbed_backward_wgmma.cu
 //   ./absorbed_backward_wgmma [T=4096] [heads=64] [top=512] [check=1]
 //
-// One document of T tokens; query i selects min(i + 1, top) distinct random keys <= i (every 97th
-// query none). lse2 and delta = rowsum(d o_lat · o_lat) come from an fp32 forward. The check
+// One document of T tokens, q_abs, d o_lat and latent uniform random (filled on the device); query
+// i selects min(i + 1, top) distinct random keys <= i (every 97th query none). lse2 and delta =
+// rowsum(d o_lat · o_lat) come from an fp32 forward (zeros when not checking). The check
 // covers every 61st query: the largest |difference| of d q_abs and of the shares, relative to the
 // largest magnitude of each, and the count off by more than 2% of it. The timing is the mean of 5
 // passes over all queries after 2 warm-ups, as ms and TFLOP/s (5 products of heads × 512 a pair).
@@ -31,6 +32,21 @@ namespace {
 constexpr int kR = 512;
 
 float bf(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// p[k] uniform in [-scale, scale) from a hash of (seed, k): filled on the device, where drawing a
+// billion normals on the host took longer than the whole timing.
+__global__ void fill_uniform(__nv_bfloat16* p, size_t n, uint32_t seed, float scale) {
+  for (size_t k = blockIdx.x * size_t(blockDim.x) + threadIdx.x; k < n;
+       k += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(k) * 0x9E3779B1u ^ uint32_t(k >> 32) * 0x85EBCA77u ^ seed;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    p[k] = __float2bfloat16(scale * (float(h >> 8) * (2.0f / 16777216.0f) - 1.0f));
+  }
+}
 
 // fp32 forward of query i, head h: lse2 (base 2) and delta = Σ_c d o_lat[c] · out[c].
 __global__ void forward_fp32(const __nv_bfloat16* q, const __nv_bfloat16* lat,
@@ -142,11 +158,7 @@ int main(int argc, char** argv) {
             topk = argc > 3 ? atoi(argv[3]) : 512, check = argc > 4 ? atoi(argv[4]) : 1;
   const int width = topk;
   std::mt19937 rng(1);
-  std::normal_distribution<float> nd(0, 1);
-  std::vector<__nv_bfloat16> q(size_t(T) * heads * kR), dout(q.size()), lat(size_t(T) * kR);
-  for (auto& x : q) x = __float2bfloat16(nd(rng));
-  for (auto& x : dout) x = __float2bfloat16(nd(rng) * 0.1f);
-  for (auto& x : lat) x = __float2bfloat16(nd(rng) * 0.5f);
+  const size_t q_elems = size_t(T) * heads * kR, lat_elems = size_t(T) * kR;
   std::vector<int> keys(size_t(T) * width, 0), counts(T);
   long long pairs = 0;
   for (int i = 0; i < T; ++i) {
@@ -160,17 +172,19 @@ int main(int argc, char** argv) {
   __nv_bfloat16 *d_q, *d_lat, *d_dout, *d_dq, *d_part;
   int *d_keys, *d_counts;
   float *d_lse2, *d_delta;
-  CK(cudaMalloc(&d_q, q.size() * 2));
-  CK(cudaMalloc(&d_dout, q.size() * 2));
-  CK(cudaMalloc(&d_dq, q.size() * 2));
-  CK(cudaMalloc(&d_lat, lat.size() * 2));
+  CK(cudaMalloc(&d_q, q_elems * 2));
+  CK(cudaMalloc(&d_dout, q_elems * 2));
+  CK(cudaMalloc(&d_dq, q_elems * 2));
+  CK(cudaMalloc(&d_lat, lat_elems * 2));
   CK(cudaMalloc(&d_keys, keys.size() * 4));
   CK(cudaMalloc(&d_counts, T * 4));
   CK(cudaMalloc(&d_lse2, size_t(T) * heads * 4));
   CK(cudaMalloc(&d_delta, size_t(T) * heads * 4));
-  CK(cudaMemcpy(d_q, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_dout, dout.data(), dout.size() * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_lat, lat.data(), lat.size() * 2, cudaMemcpyHostToDevice));
+  // Uniform with the spread of unit, 0.1 and 0.5 normals.
+  fill_uniform<<<1024, 256>>>(d_q, q_elems, 1, 1.732f);
+  fill_uniform<<<1024, 256>>>(d_dout, q_elems, 2, 0.1732f);
+  fill_uniform<<<1024, 256>>>(d_lat, lat_elems, 3, 0.866f);
+  CK(cudaGetLastError());
   CK(cudaMemcpy(d_keys, keys.data(), keys.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_counts, counts.data(), T * 4, cudaMemcpyHostToDevice));
   const float scale = 1.0f / sqrtf(float(kR)), scale_log2 = scale * 1.4426950408889634f;
@@ -234,7 +248,7 @@ int main(int argc, char** argv) {
                         d_part + size_t(checked[c] - q0) * width * kR,
                         size_t(counts[checked[c]]) * kR * 2, cudaMemcpyDeviceToHost));
     });
-    std::vector<__nv_bfloat16> dq(q.size());
+    std::vector<__nv_bfloat16> dq(q_elems);
     CK(cudaMemcpy(dq.data(), d_dq, dq.size() * 2, cudaMemcpyDeviceToHost));
     const Diff ddq([&](auto&& visit) {
       for (int c = 0; c < nc; ++c)
