@@ -87,9 +87,8 @@ __device__ __forceinline__ void load_keys(const __nv_bfloat16* latent, unsigned 
 #pragma unroll
   for (int k = 0; k < KEYS / kRowStep; ++k) {
     const int row = first_row + kRowStep * k;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_of_parity[k & 1] +
-                                                                         k * kRowStep * 128),
-                 "l"(column + uint32_t(positions[row]) * uint64_t(kR)), "r"(row < rows ? 16 : 0));
+    tc::cp_async16_zfill(dst_of_parity[k & 1] + k * kRowStep * 128,
+                         column + uint32_t(positions[row]) * uint64_t(kR), row < rows);
   }
 }
 
@@ -245,9 +244,8 @@ __global__ void __launch_bounds__(absorbed_fwd::kThreads, 1)
             const __nv_bfloat16* src = row_start + uint32_t(max(pos, 0)) * uint64_t(kR);
 #pragma unroll
             for (int half = 0; half < 2; ++half)
-              asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                               tile + dst_of[half][r & 1] + r * 4 * 128),
-                           "l"(src + half * 256), "r"(pos >= 0 ? 16 : 0));
+              tc::cp_async16_zfill(tile + dst_of[half][r & 1] + r * 4 * 128, src + half * 256,
+                                   pos >= 0);
           }
           wgmma::mbarrier_arrive_on_cp_async(&bars->full[s][t]);
         }

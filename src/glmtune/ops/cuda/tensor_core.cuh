@@ -204,11 +204,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src));
 }
 // 16 bytes global → shared, or 16 zero bytes where !valid (src is then not read, but must still
-// be a valid address).
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
-  const auto addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
+// be a valid address). The destination as a shared-memory address, or as a pointer.
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+  cp_async16_zfill(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), src, valid);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
