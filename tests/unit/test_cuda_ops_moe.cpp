@@ -395,6 +395,28 @@ TEST(CudaOpsMoe, BackwardMatchesCpu) {
                   bit_identical(ggrad.gate_up_proj.weight, ggrad2.gate_up_proj.weight) &&
                   bit_identical(ggrad.down_proj.weight, ggrad2.down_proj.weight))
           << ctx("backward rerun " + what);
+
+      // A kept layer's context holds the routed experts' gate/up alone (ops::gate_up_only): the
+      // backward gathers the rows again and recomputes the activation and the down projection,
+      // the bits of the backward that reran the experts.
+      cuda::MoeContext kctx;
+      cuda::moe_forward(c.cfg, d.gpu, xg, -1, &kctx, backend, nullptr, /*keep_activations=*/true);
+      const ops::MoeRoutedActivations kept = ops::gate_up_only(
+          {kctx.activations.x_perm, kctx.activations.h, kctx.activations.act, kctx.activations.yp,
+           kctx.activations.u_gate_up, kctx.activations.u_down});
+      kctx.activations = {kept.x_sorted, kept.gate_up,   kept.act,
+                          kept.out,      kept.u_gate_up, kept.u_down};
+      ASSERT_TRUE(kctx.activations.h.defined() && !kctx.activations.x_perm.defined());
+      ops::MoeParams ggrad3;
+      poison_cache({{c.tokens, c.dim}}, DType::bf16);
+      const Tensor dx3 = cuda::moe_backward(c.cfg, d.gpu, kctx, dy.to(kGpu), ggrad3,
+                                            d_logits_extra.to(kGpu), backend);
+      EXPECT_TRUE(bit_identical(dx, dx3) &&
+                  bit_identical(ggrad.router_weight, ggrad3.router_weight) &&
+                  bit_identical(ggrad.gate_up_proj.weight, ggrad3.gate_up_proj.weight) &&
+                  bit_identical(ggrad.down_proj.weight, ggrad3.down_proj.weight) &&
+                  bit_identical(ggrad.shared.gate_proj.weight, ggrad3.shared.gate_proj.weight))
+          << ctx("backward from the kept gate/up alone " + what);
     }
   }
 #endif

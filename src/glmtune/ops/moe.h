@@ -136,6 +136,12 @@ struct MoeRoutedActivations {
   Tensor x_sorted, gate_up, act, out, u_gate_up, u_down;
 };
 
+// What a context held across the step keeps of them (a kept layer's): gate_up and its adapter's
+// u_gate_up, 2·Im of a routed row's 2·D + 3·Im values. moe_backward then gathers x_sorted again
+// and recomputes act and out from gate_up (the down projection's GEMM, the forward's values);
+// without any, it reruns both projections.
+MoeRoutedActivations gate_up_only(MoeRoutedActivations a);
+
 struct MoeContext {
   Tensor x;                     // [T, D] input
   Routing routing;              // the forward's routing (logits, combine weights, experts)

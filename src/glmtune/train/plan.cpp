@@ -182,7 +182,7 @@ void check_options(const PlanOptions& o) {
 struct TokenBytes {
   double streams = 0;  // one [H, D] stream tensor
   double kept_common = 0;
-  double kda = 0, dsa = 0, dense = 0, moe = 0;
+  double kda = 0, dsa = 0, dense = 0, moe = 0, moe_routing = 0;
   double kda_ws = 0, dsa_ws = 0, dense_ws = 0, moe_ws = 0, moe_exchange = 0;
   double mtp_extra = 0;
 };
@@ -210,8 +210,13 @@ TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
   // per-head keys or values); the two norms' rstd (f32) and the selection (int32 [W]).
   b.dsa =
       2 * Rq * 2 + 2 * Rkv * 2 + NH * Dqk * 2 + NH * Dv * 2 + NH * Rkv * 2 + NH * 4 + 2 * 4 + W * 4;
-  b.dense = 0;                    // the MLP recomputes its hidden rows in the backward
-  b.moe = E * 4 + K * 4 + K * 4;  // routing: logits, combine weights, expert ids
+  // A kept layer's feed-forward projections (its backward recomputes none of them): the dense
+  // MLP's gate and up; the MoE's routing (logits, combine weights, expert ids), the shared
+  // expert's gate and up, and each routed row's gate/up product. An offloaded layer keeps the
+  // routing alone.
+  b.dense = 2 * I * 2;
+  b.moe_routing = E * 4 + K * 4 + K * 4;
+  b.moe = b.moe_routing + 2 * Is * 2 + K * 2 * Im * 2;
   // Backward working sets (the layer being differentiated; its gradients of the inputs):
   // KDA: the core's workspace, dq dk dv and the conv inputs' gradients (bf16), dg (f32), the
   // core's and gate's gradients.
@@ -426,10 +431,22 @@ class PlanBuilder {
   void add_activations() {
     const double T = double(o_.pack) / double(o_.sp);
     const TokenBytes b = token_bytes(c_, o_.ep);
-    auto ctx_bytes = [&](int64_t l) {
+    // A layer's context as the forward makes it (a recomputed layer's, rebuilt in the backward),
+    // as a kept layer holds it (X' dropped, the feed-forward projections kept) and as an
+    // offloaded one does (X' and the projections dropped).
+    auto ctx_bytes = [&](int64_t l, model::text::ActivationPolicy policy) {
       const bool dsa = c_.layer_types[size_t(l)] == model::AttnKind::dsa;
       const bool moe = c_.mlp_layer_types[size_t(l)] == model::MlpKind::sparse;
-      return T * (b.kept_common + (dsa ? b.dsa : b.kda) + (moe ? b.moe : b.dense));
+      const double attn = b.kept_common + (dsa ? b.dsa : b.kda);
+      switch (policy) {
+        case model::text::ActivationPolicy::keep:
+          return T * (attn - b.streams + (moe ? b.moe : b.dense));
+        case model::text::ActivationPolicy::offload:
+          return T * (attn - b.streams + (moe ? b.moe_routing : 0));
+        case model::text::ActivationPolicy::recompute:
+          break;
+      }
+      return T * (attn + (moe ? b.moe_routing : 0));
     };
     auto ws_bytes = [&](int64_t l) {
       const bool dsa = c_.layer_types[size_t(l)] == model::AttnKind::dsa;
@@ -445,20 +462,20 @@ class PlanBuilder {
     for (int64_t l = 0; l < L_; ++l) {
       switch (policies[size_t(l)]) {
         case model::text::ActivationPolicy::keep:
-          held[size_t(l)] = ctx_bytes(l);
+          held[size_t(l)] = ctx_bytes(l, model::text::ActivationPolicy::keep);
           kept += held[size_t(l)];
           ++plan_.kept_layers;
           break;
         case model::text::ActivationPolicy::recompute:
           held[size_t(l)] = T * b.streams;
           inputs += held[size_t(l)];
-          extra[size_t(l)] = ctx_bytes(l) - T * b.streams;
+          extra[size_t(l)] = ctx_bytes(l, model::text::ActivationPolicy::recompute) - T * b.streams;
           ++plan_.recomputed_layers;
           break;
         case model::text::ActivationPolicy::offload:
           // On the host between forward and backward; on the device while differentiated, with
           // the next offloaded layer's context on its way back.
-          extra[size_t(l)] = 2 * ctx_bytes(l);
+          extra[size_t(l)] = 2 * ctx_bytes(l, model::text::ActivationPolicy::offload);
           ++plan_.offloaded_layers;
           break;
       }
@@ -466,9 +483,12 @@ class PlanBuilder {
     // Outside the layers: the embeddings, the last streams and the final norm's output.
     const double D = double(c_.hidden_size), V = double(c_.vocab_size);
     const double outside = T * (D * 2 + b.streams + D * 2 + 4 + 4);
-    // The MTP layer (DSA + MoE without mHC) keeps its context unless recomputed.
-    const double mtp_ctx = mtp_ ? T * (b.mtp_extra + 6 * D * 2 + 2 * 4 + b.dsa + b.moe + 4) : 0;
+    // The MTP layer (DSA + MoE without mHC) keeps its context, with its experts' gate/up, unless
+    // recomputed.
     const bool recompute_mtp = o_.recompute > 0;
+    const double mtp_ctx = mtp_ ? T * (b.mtp_extra + 6 * D * 2 + 2 * 4 + b.dsa +
+                                       (recompute_mtp ? b.moe_routing : b.moe) + 4)
+                                : 0;
     // The lm_head + cross-entropy chunks: bf16 logits and their f32 gradient per row, the f32
     // gradient of the hidden rows.
     const double rows = std::min<double>(double(o_.loss_chunk_rows), T);

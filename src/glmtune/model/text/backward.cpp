@@ -163,15 +163,22 @@ FfnKept take_ffn(LayerContext& lc) {
   return FfnKept{std::exchange(lc.ffn_mlp, {}), std::exchange(lc.ffn_routed, {})};
 }
 
-// One decoder layer, d out [T, H, D] -> d in [T, H, D], from a full layer context. `ffn`: a
-// recomputed layer's feed-forward activations (take_ffn), released once the MLP's backward is
-// done, before the attention's, where the layer's memory peaks.
+// The same from a kept layer's context, which the step holds until its end.
+FfnKept kept_ffn(const LayerContext& lc) { return FfnKept{lc.ffn_mlp, lc.ffn_routed}; }
+
+// One decoder layer, d out [T, H, D] -> d in [T, H, D], from a full layer context. `ffn`: the
+// feed-forward activations of a recomputed layer (take_ffn: released once the MLP's backward is
+// done, before the attention's, where the layer's memory peaks) or of a kept one (kept_ffn).
 Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const Tensor& d_out,
                   LayerGrads& g, FfnKept ffn = {}) {
   const double eps = c.ops.rms_eps;
+  // X' = post ⊗ y + combᵀ X, rebuilt where a kept or offloaded context dropped it.
+  Tensor mid = lc.streams_mid.defined()
+                   ? lc.streams_mid
+                   : ops::mhc_post(lc.streams_in, lc.attn_out, lc.attn_hc.post, lc.attn_hc.comb);
   // Feed-forward site: X'' = post' ⊗ z + comb'ᵀ X'.
   ops::MhcPostGrads pf =
-      ops::mhc_post_backward(lc.streams_mid, lc.ffn_out, lc.ffn_hc.post, lc.ffn_hc.comb, d_out);
+      ops::mhc_post_backward(mid, lc.ffn_out, lc.ffn_hc.post, lc.ffn_hc.comb, d_out);
   Tensor d_v;
   if (w.mlp == MlpKind::dense) {
     const ops::MlpContext mc = mlp_context(w.dense, lc.ffn_in, std::move(ffn.mlp));
@@ -184,8 +191,9 @@ Tensor layer_grad(Ctx& c, const LayerWeights& w, const LayerContext& lc, const T
                                              eps, lc.ffn_in_rstd, &g.post_attention_layernorm);
   // X' reaches X'' both through mhc_pre and through the residual path (pf.d_streams).
   const Tensor d_mid =
-      ops::mhc_pre_backward(lc.streams_mid, w.ffn_hc.fn, w.ffn_hc.base, w.ffn_hc.scale, c.ops.mhc,
+      ops::mhc_pre_backward(mid, w.ffn_hc.fn, w.ffn_hc.base, w.ffn_hc.scale, c.ops.mhc,
                             &lc.ffn_hc_saved, pf.d_post, pf.d_comb, d_cf, g.ffn_hc, pf.d_streams);
+  mid = Tensor();
 
   // Attention site: X' = post ⊗ y + combᵀ X.
   ops::MhcPostGrads pa =
@@ -448,7 +456,10 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
     Tensor counts;
     // The full context is filled either way (decoder_layer_forward computes the same values with
     // or without it); a recomputed layer keeps only its input and the selection it was handed.
-    Tensor next = decoder_layer_forward(ops, c, lw, streams, cu_t, counted, carry, &counts, &full);
+    // A kept layer also keeps its feed-forward projections (keep_ffn_activations).
+    const bool keep = policy == ActivationPolicy::keep;
+    Tensor next =
+        decoder_layer_forward(ops, c, lw, streams, cu_t, counted, carry, &counts, &full, keep);
     // The previous layer's copy overlapped this layer's kernels, now queued: compute queued from
     // here on waits for it, and the device memory it read goes back to the allocator.
     copying.finish();
@@ -458,6 +469,10 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
       slot.indices = carried;
     } else {
       slot = std::move(full);
+      // X' is rebuilt from X and the attention's output in the backward (one mhc_post): the
+      // size of X, for a pass over it.
+      slot.streams_mid = Tensor();
+      if (keep) slot.ffn_routed = ops::gate_up_only(std::move(slot.ffn_routed));
     }
     if (policy == ActivationPolicy::offload)
       copying = HostOffload::of(model.device()).to_host(context_tensors(slot));
@@ -479,13 +494,15 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
       const Tensor future =
           shard(model.future_embeddings(in.input_ids, in.inputs_embeds, cu, k), row_begin, rows);
       MtpContext full;
-      MtpLayerResult r = mtp_layer_forward(ops, *w.mtp, future, h, cu_t, counted, &full);
+      MtpLayerResult r =
+          mtp_layer_forward(ops, *w.mtp, future, h, cu_t, counted, &full, !opt.recompute_mtp);
       MtpContext& slot = ctx->mtp[size_t(k - 1)];
       if (opt.recompute_mtp) {
         slot.future = future;
         slot.hidden_in = h;
       } else {
         slot = std::move(full);
+        slot.layer.ffn_routed = ops::gate_up_only(std::move(slot.layer.ffn_routed));
       }
       out.loads.push_back({bias_name(c.num_hidden_layers), std::move(r.expert_counts)});
       ctx->mtp_labels.push_back(shard(shift_labels(in.labels, cu_t, k), row_begin, rows));
@@ -608,7 +625,9 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
       result.mtp_tokens[size_t(k - 1)] = r.n_tokens;
       result.mtp_loss += mce.grad_scale * r.loss;
       if (d_next.defined()) ops::add_into(d_out, d_next);
-      const MtpInputGrads g = mtp_grad(c, *w.mtp, *m, take_ffn(full.layer), d_out, *grads.mtp);
+      const MtpInputGrads g =
+          mtp_grad(c, *w.mtp, *m, m == &saved ? kept_ffn(saved.layer) : take_ffn(full.layer), d_out,
+                   *grads.mtp);
       if (k == 1)
         ops::add_into(d_hidden, g.d_hidden);
       else
@@ -648,7 +667,7 @@ BackwardResult backward(const TextModel& model, const PackInput& in, const Forwa
     const LayerContext& saved = fc.layers[size_t(l)];
     const ActivationPolicy policy = policy_of(l);
     if (policy == ActivationPolicy::keep) {
-      d_streams = layer_grad(c, lw, saved, d_streams, grads.layers[size_t(l)]);
+      d_streams = layer_grad(c, lw, saved, d_streams, grads.layers[size_t(l)], kept_ffn(saved));
     } else if (policy == ActivationPolicy::offload) {
       GLMTUNE_ASSERT(fetched.layer == l, "offloaded layer {} was not fetched (next: {})", l,
                      fetched.layer);

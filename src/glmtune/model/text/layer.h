@@ -144,17 +144,19 @@ struct LayerContext {
   ops::MlaContext mla;
   Tensor indices;      // DSA layers: int32 [T, W] the selection used (own or reused)
   Tensor attn_out;     // [T, D] y
-  Tensor streams_mid;  // [T, H, D] X'
+  Tensor streams_mid;  // [T, H, D] X' (a kept or offloaded context drops it: the backward
+                       // rebuilds it from streams_in and attn_out)
   ops::MhcPreResult ffn_hc;
   ops::MhcPreSaved ffn_hc_saved;
   Tensor ffn_in;         // [T, D]
   Tensor ffn_in_rstd;    // [T]
   ops::Routing routing;  // MoE layers
   Tensor ffn_out;        // [T, D] z
-  // Only in a context made for a backward that follows at once (a recomputed layer): the dense
-  // MLP's, or the MoE's shared expert's, gate and up projections (x is ffn_in), and on a GPU the
-  // routed experts' activations. A kept or offloaded context leaves them out (four hidden states'
-  // worth per dense layer, 3.5 per routed row of a MoE layer), and its backward computes the two
+  // The dense MLP's, or the MoE's shared expert's, gate and up projections (x is ffn_in), and on
+  // a GPU the routed experts' activations: all of them in a context made for a backward that
+  // follows at once (a recomputed layer), in a kept one the routed experts' gate/up alone
+  // (ops::gate_up_only; six hidden states' worth per dense layer at the released widths, one per
+  // routed row). An offloaded context leaves them out, and its backward computes the two
   // projections and runs the experts again.
   ops::MlpContext ffn_mlp;
   ops::MoeRoutedActivations ffn_routed;
@@ -189,8 +191,8 @@ Tensor dsa_block(const OpConfigs& cfg, const ops::DsaParams& params, const Tenso
 
 // One decoder layer: streams [T, H, D] -> [T, H, D]. `carry` is read (shared indexer layers) and
 // rewritten (what the next layer may reuse). `expert_counts` (MoE layers) receives the counts of
-// the first `counted_rows` rows. With `ffn_projections`, ctx also receives ffn_mlp (a context
-// for a backward that follows at once).
+// the first `counted_rows` rows. With `ffn_projections`, ctx also receives ffn_mlp and ffn_routed
+// (whole: a caller that holds the context across the step trims them).
 Tensor decoder_layer_forward(const OpConfigs& cfg, const TextConfig& config, const LayerWeights& w,
                              const Tensor& streams, const Tensor& cu_seqlens, int64_t counted_rows,
                              IndexerCarry& carry, Tensor* expert_counts, LayerContext* ctx,

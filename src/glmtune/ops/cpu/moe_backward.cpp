@@ -174,6 +174,10 @@ Tensor moe_backward_impl(const MoeConfig& cfg, const MoeParams& params, const Mo
 
 }  // namespace
 
+MoeRoutedActivations gate_up_only(MoeRoutedActivations a) {
+  return {Tensor(), std::move(a.gate_up), Tensor(), Tensor(), std::move(a.u_gate_up), Tensor()};
+}
+
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows, MoeContext& ctx, bool keep_routed) {
   check_moe_args(cfg, params, x, "moe_forward");

@@ -611,20 +611,26 @@ Tensor add_expert_adapter(Tensor& out, const Tensor& in, const ops::LoraAdapter&
 // Expert activations of the permuted rows (ExpertActivations, ops/cuda/moe.h), each projection
 // with its per-expert adapter when it has one (ops/linear.h): u = scale · in A_e^T [rows, r] is
 // kept for the backward and u B_e^T added into the projection's output, as the dense composite
-// does.
+// does. `kept_h` (with its adapter's u_gate_up): the gate/up output a forward kept, so only the
+// gather, the activation and the down projection run, and their values are the forward's.
 ExpertActivations run_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
                               const ops::Linear& down, const Tensor& x,
                               const ExpertPermutation& perm, GroupedGemmBackend backend,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, const ExpertActivations* kept_h = nullptr) {
   const int64_t n = perm.sorted_slots.numel(), dim = x.size(1), inter = down.weight.size(2);
   const Device dev = x.device();
   const DType st = x.dtype();
   ExpertActivations a;
   a.x_perm = Tensor::empty({n, dim}, st, dev);
   gather_rows(x, perm.sorted_slots, int(cfg.top_k), a.x_perm, stream);
-  a.h = Tensor::empty({n, 2 * inter}, st, dev);
-  expert_linear(a.h, a.x_perm, gate_up, perm, backend, stream);
-  a.u_gate_up = add_expert_adapter(a.h, a.x_perm, gate_up.lora, perm, backend, stream);
+  if (kept_h) {
+    a.h = kept_h->h;
+    a.u_gate_up = kept_h->u_gate_up;
+  } else {
+    a.h = Tensor::empty({n, 2 * inter}, st, dev);
+    expert_linear(a.h, a.x_perm, gate_up, perm, backend, stream);
+    a.u_gate_up = add_expert_adapter(a.h, a.x_perm, gate_up.lora, perm, backend, stream);
+  }
   a.act = Tensor::empty({n, inter}, st, dev);
   if (n > 0)
     swiglu_clamped_out(a.act, a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter),
@@ -955,17 +961,22 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gat
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
   const int64_t inter = down.weight.size(2);
   const int64_t n = perm.sorted_slots.numel();
+  // Kept: every activation, or gate/up alone (a context held across the step), the rest rebuilt.
+  const bool whole = saved.x_perm.defined();
   if (saved.h.defined())
     GLMTUNE_CUDA_OP_REQUIRE(
-        saved.x_perm.defined() && saved.act.defined() && saved.yp.defined() &&
-            saved.x_perm.size(0) == n && saved.h.size(0) == n && saved.h.size(1) == 2 * inter &&
-            saved.act.size(0) == n && saved.yp.size(0) == n && saved.yp.size(1) == dim &&
+        saved.h.size(0) == n && saved.h.size(1) == 2 * inter &&
             saved.u_gate_up.defined() == gate_up.lora.defined() &&
-            saved.u_down.defined() == down.lora.defined(),
+            (whole ? saved.act.defined() && saved.yp.defined() && saved.x_perm.size(0) == n &&
+                         saved.act.size(0) == n && saved.yp.size(0) == n &&
+                         saved.yp.size(1) == dim && saved.u_down.defined() == down.lora.defined()
+                   : !saved.act.defined() && !saved.yp.defined() && !saved.u_down.defined()),
         "cuda MoE backward: the kept expert activations (h " + detail::describe(saved.h) +
             ") do not fit " + std::to_string(n) + " routed rows of this MoE");
   const ExpertActivations a =
-      saved.h.defined() ? saved : run_experts(cfg, gate_up, down, x, perm, backend, stream);
+      !saved.h.defined() ? run_experts(cfg, gate_up, down, x, perm, backend, stream)
+      : whole            ? saved
+                         : run_experts(cfg, gate_up, down, x, perm, backend, stream, &saved);
   const DType st = x.dtype();
   RoutedBackward r;
   r.d_weights = Tensor::empty({rows, k}, DType::f32, dev);

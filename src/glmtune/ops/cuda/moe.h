@@ -102,7 +102,8 @@ struct MoeContext {
   ExpertPermutation permutation;
   Tensor shared_gate_up;  // bf16 [T, 2·Is]: the shared expert's gate | up before the clamps
   // Kept by moe_forward with keep_activations (for a backward that follows at once); undefined
-  // otherwise, and moe_backward runs the experts again.
+  // otherwise, and moe_backward runs the experts again. h (and u_gate_up) alone: moe_backward
+  // gathers x_perm again and recomputes act and yp from them, the forward's values.
   ExpertActivations activations;
 };
 
