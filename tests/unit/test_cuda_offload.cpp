@@ -2,7 +2,8 @@
 // one storage, every byte comes back, the device memory is returned once a copy is finished), and
 // the training step of the tiny preset with every decoder layer offloaded, or a mix of recompute,
 // offload and keep, giving the same gradient bits as keep and as recompute while the forward leaves
-// less device memory behind (caching allocator statistics). Skipped where no GPU is visible.
+// less device memory behind (caching allocator statistics); keep and recompute again with the FP8
+// GEMMs. Skipped where no GPU is visible.
 
 #include <gtest/gtest.h>
 
@@ -17,6 +18,7 @@
 #include "glmtune/model/param_store.h"
 #include "glmtune/model/text/backward.h"
 #include "glmtune/model/text/model.h"
+#include "glmtune/model/text/weights.h"
 #include "glmtune/tensor/allocator.h"
 #include "glmtune/tensor/host_offload.h"
 #include "support/cuda_test_support.h"
@@ -196,5 +198,21 @@ TEST(CudaOffload, StepGradientsMatchKeepAndRecomputeWithLessDeviceMemory) {
     for (double x : gk.named[i].second.to_doubles()) total += std::abs(x);
   }
   EXPECT_GT(total, 0);
+
+  // With the FP8 GEMMs (train.fp8 = "tilewise"): a kept layer's feed-forward projections and its
+  // experts' gate/up are the forward's FP8 products, the down projection its backward runs again
+  // quantises the same activation, and a recomputed layer reruns them all: the same bits.
+  TextModel fp8_model(store, gpu_options);
+  ASSERT_GT(use_fp8_gemms(fp8_model.weights(), 16), 0);
+  TextGrads fk = TextGrads::zeros_like(fp8_model.weights());
+  TextGrads fr = TextGrads::zeros_like(fp8_model.weights());
+  const StepPackResult f_keep = forward_backward(fp8_model, in, keep, fk);
+  const StepPackResult f_recompute = forward_backward(fp8_model, in, recompute, fr);
+  EXPECT_EQ(f_keep.backward.objective(), f_recompute.backward.objective());
+  EXPECT_NE(f_keep.backward.objective(), rk.backward.objective()) << "the FP8 GEMMs did not run";
+  ASSERT_EQ(fk.named.size(), fr.named.size());
+  for (size_t i = 0; i < fk.named.size(); ++i)
+    EXPECT_TRUE(bit_identical(fk.named[i].second, fr.named[i].second))
+        << ctx(fk.named[i].first + " fp8 recompute");
 #endif
 }

@@ -89,11 +89,12 @@ void grouped_linear_backward_input(Tensor& dx, const Tensor& dy, const Tensor& w
 void grouped_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& x,
                                     const Tensor& offsets, cudaStream_t stream = nullptr);
 
-// Row-major C[m, n] = alpha · A[m, k] · B[n, k]^T in plain fp32 (cuBLAS CUBLAS_COMPUTE_32F, no
-// TF32), through the same cuBLAS handle: the indexer's scores, whose selection must follow the
-// fp32 CPU op.
+// Row-major C[m, n] = alpha · A[m, k] · B[n, k]^T with fp32 operands and sums, through the same
+// cuBLAS handle: in plain fp32 (CUBLAS_COMPUTE_32F), or with `tf32_operands` on the tensor cores
+// with A and B rounded to TF32 (CUBLAS_COMPUTE_32F_FAST_TF32), for a caller whose operands are
+// TF32 parts of fp32 values laid side by side along k (the indexer's scores).
 void gemm_f32_nt(int device, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                  int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-                 cudaStream_t stream = nullptr);
+                 cudaStream_t stream = nullptr, bool tf32_operands = false);
 
 }  // namespace glmtune::cuda

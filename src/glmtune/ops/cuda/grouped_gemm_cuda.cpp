@@ -266,7 +266,7 @@ void grouped_linear_backward_weight(Tensor& dw, const Tensor& dy, const Tensor& 
 
 void gemm_f32_nt(int device, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                  int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, bool tf32_operands) {
   if (m == 0 || n == 0) return;
   GLMTUNE_ASSERT(fits_int(m) && fits_int(n) && fits_int(k) && fits_int(lda) && fits_int(ldb) &&
                      fits_int(ldc) && k > 0,
@@ -277,10 +277,10 @@ void gemm_f32_nt(int device, int64_t m, int64_t n, int64_t k, float alpha, const
   cublasHandle_t handle = handle_locked(s, device);
   GLMTUNE_CUBLAS_CHECK(cublasSetStream(handle, stream));
   // Column-major C^T[n, m] = B[n, k] · A^T[k, m]: B as stored is column-major [k, n], hence op T.
-  GLMTUNE_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(m), int(k),
-                                    &alpha, b, CUDA_R_32F, int(ldb), a, CUDA_R_32F, int(lda), &beta,
-                                    c, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+  GLMTUNE_CUBLAS_CHECK(cublasGemmEx(
+      handle, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(m), int(k), &alpha, b, CUDA_R_32F, int(ldb), a,
+      CUDA_R_32F, int(lda), &beta, c, CUDA_R_32F, int(ldc),
+      tf32_operands ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace glmtune::cuda

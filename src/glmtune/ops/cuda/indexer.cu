@@ -80,6 +80,28 @@ __global__ void head_sum_kernel(const float* __restrict__ products, const float*
   scores[i] = acc;
 }
 
+// The scoring GEMM's fp32 operands as TF32 parts side by side along k: a row of A (queries)
+// becomes [hi | hi | lo], a row of B (pools) [hi | lo | hi], so one TF32 GEMM over 3k sums
+// hi·hi + hi·lo + lo·hi of every product. hi is the value rounded to TF32 (11 significant bits),
+// lo the exact rest, which the tensor cores round to TF32 in turn: with the lo·lo term left out,
+// each product is within about 2^-20 of its fp32 value, the size of the rounding of a differently
+// ordered fp32 sum over k = 128, at the tensor cores' rate.
+__global__ void tf32_parts_kernel(const float* __restrict__ in, int64_t rows, int k, bool a_side,
+                                  float* __restrict__ out) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= rows * k) return;
+  const int64_t r = i / k;
+  const int c = int(i - r * k);
+  const float x = in[i];
+  uint32_t bits;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+  const float hi = __uint_as_float(bits), lo = x - hi;
+  float* o = out + r * 3 * k + c;
+  o[0] = hi;
+  o[k] = a_side ? hi : lo;
+  o[2 * k] = a_side ? lo : hi;
+}
+
 // A key whose ascending order is the CPU op's ranking: NaN first, larger scores next, equal
 // scores by ascending pool (±0 are one value, as `==` says).
 __device__ __forceinline__ unsigned long long rank_key(float v, int64_t pool) {
@@ -244,6 +266,13 @@ Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& 
     GLMTUNE_CUDA_CHECK_LAUNCH();
     // `first` is freed here; the kernel is ordered before any reuse of its memory on `stream`.
   }
+  // The pools' TF32 parts [pools, 3·ID] for the scoring GEMMs (tf32_parts_kernel).
+  Tensor pooled_parts = Tensor::empty({std::max<int64_t>(total_pools, 1), 3 * id}, DType::f32, dev);
+  if (total_pools > 0) {
+    tf32_parts_kernel<<<blocks_for(total_pools * id), kThreads, 0, stream>>>(
+        pooled.data<float>(), total_pools, int(id), /*a_side=*/false, pooled_parts.data<float>());
+    GLMTUNE_CUDA_CHECK_LAUNCH();
+  }
 
   const float score_scale = 1.0f / std::sqrt(float(id));
   const float head_scale = 1.0f / std::sqrt(float(ih));
@@ -259,11 +288,15 @@ Tensor indexer_forward(const ops::IndexerConfig& cfg, const ops::IndexerParams& 
       const int64_t n_cand = (s0 + rows) / pool;
       Tensor scores = Tensor::empty({rows, std::max<int64_t>(n_cand, 1)}, DType::f32, dev);
       if (n_cand > 0) {
+        Tensor q_parts = Tensor::empty({rows * ih, 3 * id}, DType::f32, dev);
+        tf32_parts_kernel<<<blocks_for(rows * ih * id), kThreads, 0, stream>>>(
+            q.data<float>() + (begin + s0) * ih * id, rows * ih, int(id), /*a_side=*/true,
+            q_parts.data<float>());
+        GLMTUNE_CUDA_CHECK_LAUNCH();
         Tensor products = Tensor::empty({rows * ih, n_cand}, DType::f32, dev);
-        gemm_f32_nt(dev.index, rows * ih, n_cand, id, score_scale,
-                    q.data<float>() + (begin + s0) * ih * id, id,
-                    pooled.data<float>() + pool_base[doc] * id, id, products.data<float>(), n_cand,
-                    stream);
+        gemm_f32_nt(dev.index, rows * ih, n_cand, 3 * id, score_scale, q_parts.data<float>(),
+                    3 * id, pooled_parts.data<float>() + pool_base[doc] * 3 * id, 3 * id,
+                    products.data<float>(), n_cand, stream, /*tf32_operands=*/true);
         head_sum_kernel<<<blocks_for(rows * n_cand), kThreads, 0, stream>>>(
             products.data<float>(), hw.data<float>() + (begin + s0) * ih, rows, int(ih), n_cand,
             head_scale, scores.data<float>());

@@ -6,11 +6,12 @@
 // The inputs and parameters are bf16 (f32 in the fp32 mode), but everything after them is fp32, as
 // in the CPU op:
 // projections with fp32 outputs (exact products of bf16 values, fp32 sums), the key LayerNorm,
-// the channel-wise pool softmax, the scoring GEMM in plain fp32 (no TF32) and the head-weighted
-// ReLU sum over heads in head order. So the selection matches the CPU op's except where two
-// candidate scores agree to within fp32 rounding of differently ordered sums.
+// the channel-wise pool softmax, the scoring GEMM with fp32 accuracy (on the tensor cores: each
+// fp32 operand as two TF32 parts, hi·hi + hi·lo + lo·hi, within about 2^-20 of each product) and
+// the head-weighted ReLU sum over heads in head order. So the selection matches the CPU op's
+// except where two candidate scores agree to within fp32 rounding of differently ordered sums.
 //
-// Per document: one fp32 GEMM per block of queries gives every (query, head, candidate pool)
+// Per document: one scoring GEMM per block of queries gives every (query, head, candidate pool)
 // product; a kernel sums the heads; a block per query sorts (score, pool) keys in shared memory
 // and writes its row. At most 16384 pools per document (65536 tokens at P = 4).
 //
