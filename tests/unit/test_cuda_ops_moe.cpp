@@ -362,10 +362,20 @@ TEST(CudaOpsMoe, BackwardMatchesCpu) {
 
     for (cuda::GroupedGemmBackend backend : kBackends) {
       const std::string what = case_name(c) + " " + backend_name(backend);
-      ops::MoeParams ggrad, ggrad2;
-      poison_cache({{c.tokens, c.dim}}, DType::bf16);
-      const Tensor dx = cuda::moe_backward(c.cfg, d.gpu, gctx, dy.to(kGpu), ggrad,
-                                           d_logits_extra.to(kGpu), backend);
+      const auto run_backward = [&](const cuda::MoeContext& context, ops::MoeParams& grads) {
+        poison_cache({{c.tokens, c.dim}}, DType::bf16);
+        return cuda::moe_backward(c.cfg, d.gpu, context, dy.to(kGpu), grads,
+                                  d_logits_extra.to(kGpu), backend);
+      };
+      ops::MoeParams ggrad, ggrad2, ggrad3;
+      const Tensor dx = run_backward(gctx, ggrad);
+      // The bits of this backward: dx and the weight gradients.
+      const auto same_backward = [&](const Tensor& dx_other, const ops::MoeParams& g) {
+        return bit_identical(dx, dx_other) && bit_identical(ggrad.router_weight, g.router_weight) &&
+               bit_identical(ggrad.gate_up_proj.weight, g.gate_up_proj.weight) &&
+               bit_identical(ggrad.down_proj.weight, g.down_proj.weight) &&
+               bit_identical(ggrad.shared.gate_proj.weight, g.shared.gate_proj.weight);
+      };
       // The routed experts' part of dx and the gate_up gradient went to 1.43e-2 at some seeds
       // (test_cuda_expert_parallel measures the same kernels on the same scales): bar 2e-2. The
       // gate projections are drawn wide enough to reach the SwiGLU clamp (10), and near it bf16
@@ -387,13 +397,7 @@ TEST(CudaOpsMoe, BackwardMatchesCpu) {
                    "d shared down " + what);
       EXPECT_FALSE(ggrad.e_score_correction_bias.defined()) << "the correction bias got a gradient";
 
-      poison_cache({{c.tokens, c.dim}}, DType::bf16);
-      const Tensor dx2 = cuda::moe_backward(c.cfg, d.gpu, gctx, dy.to(kGpu), ggrad2,
-                                            d_logits_extra.to(kGpu), backend);
-      EXPECT_TRUE(bit_identical(dx, dx2) &&
-                  bit_identical(ggrad.router_weight, ggrad2.router_weight) &&
-                  bit_identical(ggrad.gate_up_proj.weight, ggrad2.gate_up_proj.weight) &&
-                  bit_identical(ggrad.down_proj.weight, ggrad2.down_proj.weight))
+      EXPECT_TRUE(same_backward(run_backward(gctx, ggrad2), ggrad2))
           << ctx("backward rerun " + what);
 
       // A kept layer's context holds the routed experts' gate/up alone (ops::gate_up_only): the
@@ -407,15 +411,7 @@ TEST(CudaOpsMoe, BackwardMatchesCpu) {
       kctx.activations = {kept.x_sorted, kept.gate_up,   kept.act,
                           kept.out,      kept.u_gate_up, kept.u_down};
       ASSERT_TRUE(kctx.activations.h.defined() && !kctx.activations.x_perm.defined());
-      ops::MoeParams ggrad3;
-      poison_cache({{c.tokens, c.dim}}, DType::bf16);
-      const Tensor dx3 = cuda::moe_backward(c.cfg, d.gpu, kctx, dy.to(kGpu), ggrad3,
-                                            d_logits_extra.to(kGpu), backend);
-      EXPECT_TRUE(bit_identical(dx, dx3) &&
-                  bit_identical(ggrad.router_weight, ggrad3.router_weight) &&
-                  bit_identical(ggrad.gate_up_proj.weight, ggrad3.gate_up_proj.weight) &&
-                  bit_identical(ggrad.down_proj.weight, ggrad3.down_proj.weight) &&
-                  bit_identical(ggrad.shared.gate_proj.weight, ggrad3.shared.gate_proj.weight))
+      EXPECT_TRUE(same_backward(run_backward(kctx, ggrad3), ggrad3))
           << ctx("backward from the kept gate/up alone " + what);
     }
   }
