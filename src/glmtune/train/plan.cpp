@@ -210,13 +210,13 @@ TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
   // per-head keys or values); the two norms' rstd (f32) and the selection (int32 [W]).
   b.dsa =
       2 * Rq * 2 + 2 * Rkv * 2 + NH * Dqk * 2 + NH * Dv * 2 + NH * Rkv * 2 + NH * 4 + 2 * 4 + W * 4;
-  // A kept layer's feed-forward projections (its backward recomputes none of them): the dense
+  // A kept layer's feed-forward projections (its backward reruns only the experts' down): the dense
   // MLP's gate and up; the MoE's routing (logits, combine weights, expert ids), the shared
-  // expert's gate and up, and each routed row's gate/up product. An offloaded layer keeps the
-  // routing alone.
+  // expert's gate and up, and each routed row's gate/up product (not under expert parallelism,
+  // whose experts run on other ranks and keep nothing). An offloaded layer keeps the routing alone.
   b.dense = 2 * I * 2;
   b.moe_routing = E * 4 + K * 4 + K * 4;
-  b.moe = b.moe_routing + 2 * Is * 2 + K * 2 * Im * 2;
+  b.moe = b.moe_routing + 2 * Is * 2 + (ep > 1 ? 0 : K * 2 * Im * 2);
   // Backward working sets (the layer being differentiated; its gradients of the inputs):
   // KDA: the core's workspace, dq dk dv and the conv inputs' gradients (bf16), dg (f32), the
   // core's and gate's gradients.

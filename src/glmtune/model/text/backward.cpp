@@ -456,7 +456,7 @@ TrainForward training_forward(const TextModel& model, const PackInput& in,
     Tensor counts;
     // The full context is filled either way (decoder_layer_forward computes the same values with
     // or without it); a recomputed layer keeps only its input and the selection it was handed.
-    // A kept layer also keeps its feed-forward projections (keep_ffn_activations).
+    // A kept layer also keeps its feed-forward projections (ffn_projections).
     const bool keep = policy == ActivationPolicy::keep;
     Tensor next =
         decoder_layer_forward(ops, c, lw, streams, cu_t, counted, carry, &counts, &full, keep);
