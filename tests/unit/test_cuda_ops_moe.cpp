@@ -367,7 +367,7 @@ TEST(CudaOpsMoe, BackwardMatchesCpu) {
         return cuda::moe_backward(c.cfg, d.gpu, context, dy.to(kGpu), grads,
                                   d_logits_extra.to(kGpu), backend);
       };
-      ops::MoeParams ggrad, ggrad2, ggrad3;
+      ops::MoeParams ggrad, ggrad2, ggrad3, ggrad4;
       const Tensor dx = run_backward(gctx, ggrad);
       // The bits of this backward: dx and the weight gradients.
       const auto same_backward = [&](const Tensor& dx_other, const ops::MoeParams& g) {
@@ -400,11 +400,17 @@ TEST(CudaOpsMoe, BackwardMatchesCpu) {
       EXPECT_TRUE(same_backward(run_backward(gctx, ggrad2), ggrad2))
           << ctx("backward rerun " + what);
 
-      // A kept layer's context holds the routed experts' gate/up alone (ops::gate_up_only): the
-      // backward gathers the rows again and recomputes the activation and the down projection,
-      // the bits of the backward that reran the experts.
+      // A recomputed layer's forward keeps the permuted rows and their gate/up (no activation
+      // or expert output: the backward takes the combine weights' gradient from the down
+      // projection's input gradient), and a kept layer's context the gate/up alone
+      // (ops::gate_up_only), whose backward gathers the rows again: both give the bits of the
+      // backward that reran the experts.
       cuda::MoeContext kctx;
       cuda::moe_forward(c.cfg, d.gpu, xg, -1, &kctx, backend, nullptr, /*keep_activations=*/true);
+      ASSERT_TRUE(kctx.activations.x_perm.defined() && kctx.activations.h.defined() &&
+                  !kctx.activations.act.defined() && !kctx.activations.yp.defined());
+      EXPECT_TRUE(same_backward(run_backward(kctx, ggrad4), ggrad4))
+          << ctx("backward from the forward's kept rows and gate/up " + what);
       const ops::MoeRoutedActivations kept = ops::gate_up_only(
           {kctx.activations.x_perm, kctx.activations.h, kctx.activations.act, kctx.activations.yp,
            kctx.activations.u_gate_up, kctx.activations.u_down});

@@ -131,15 +131,18 @@ MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tenso
 // The routed experts' activations over the rows sorted by expert: the sorted input, the gate | up
 // product, its activation, the experts' outputs before the combine, and the adapters' low-rank
 // inputs (ops/linear.h). A GPU forward keeps them when asked, for a backward that follows at once
-// (a recomputed layer's), which then does not run the experts again; undefined otherwise.
+// (a recomputed layer's), which then does not run the experts again; undefined otherwise. The GPU
+// backward takes the combine weights' gradient from the down projection's input gradient, so it
+// needs act and out only for an adapted or FP8 down projection: otherwise the forward keeps
+// neither.
 struct MoeRoutedActivations {
   Tensor x_sorted, gate_up, act, out, u_gate_up, u_down;
 };
 
 // What a context held across the step keeps of them (a kept layer's): gate_up and its adapter's
 // u_gate_up, 2·Im of a routed row's 2·D + 3·Im values. moe_backward then gathers x_sorted again
-// and recomputes act and out from gate_up (the down projection's GEMM, the forward's values);
-// without any, it reruns both projections.
+// (and, for an adapted or FP8 down projection, recomputes act and out from gate_up, the forward's
+// values); without any, it reruns the gate/up projection (and the down one for those).
 MoeRoutedActivations gate_up_only(MoeRoutedActivations a);
 
 struct MoeContext {
@@ -150,7 +153,8 @@ struct MoeContext {
 };
 
 // moe_forward that also fills `ctx` for moe_backward; with `keep_routed`, on a GPU, the routed
-// experts' activations too (the size of 3.5 hidden states per routed row: for a backward that
+// experts' activations too (x_sorted and gate_up, the size of two hidden states per routed row at
+// the released sizes, and act and out with an adapted or FP8 down projection: for a backward that
 // follows at once, not for a context kept across the step).
 MoeOutput moe_forward(const MoeConfig& cfg, const MoeParams& params, const Tensor& x,
                       int64_t counted_rows, MoeContext& ctx, bool keep_routed = false);

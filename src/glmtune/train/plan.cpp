@@ -210,7 +210,7 @@ TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
   // per-head keys or values); the two norms' rstd (f32) and the selection (int32 [W]).
   b.dsa =
       2 * Rq * 2 + 2 * Rkv * 2 + NH * Dqk * 2 + NH * Dv * 2 + NH * Rkv * 2 + NH * 4 + 2 * 4 + W * 4;
-  // A kept layer's feed-forward projections (its backward reruns only the experts' down): the dense
+  // A kept layer's feed-forward projections (its backward reruns none of them): the dense
   // MLP's gate and up; the MoE's routing (logits, combine weights, expert ids), the shared
   // expert's gate and up, and each routed row's gate/up product (not under expert parallelism,
   // whose experts run on other ranks and keep nothing). An offloaded layer keeps the routing alone.
@@ -225,10 +225,10 @@ TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
   b.dsa_ws = 2 * NH * Dqk * 2 + NH * Dv * 2 + 2 * Rq * 2;
   // Dense MLP: gate/up rows and their gradient (bf16), the activation.
   b.dense_ws = 2 * I * 2 * 2 + I * 2;
-  // MoE: per routed row (K per token) the permuted input, gate/up output and its gradient,
-  // the activation, the permuted dy (bf16) and the f32 input gradient; the shared expert as a
-  // dense MLP.
-  b.moe_ws = K * (D * 2 + 2 * Im * 2 * 2 + Im * 2 + D * 2 + D * 4) + 2 * Is * 2 * 2 + Is * 2;
+  // MoE: per routed row (K per token) the permuted input, dy and input gradient, the gate/up
+  // output and its gradient, the down projection's input gradient and the weighted activation
+  // (bf16); per token the f32 input gradient; the shared expert as a dense MLP.
+  b.moe_ws = K * (3 * D * 2 + 2 * 2 * Im * 2 + 2 * Im * 2) + D * 4 + 2 * Is * 2 * 2 + Is * 2;
   // Expert parallel: the rows sent and received, each way (bf16).
   if (ep > 1) b.moe_exchange = 2 * K * D * 2;
   // MTP context beyond a layer: future, future_normed, hidden_in, hidden_normed, mixed, out,

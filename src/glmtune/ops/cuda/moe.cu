@@ -8,6 +8,7 @@
 #include "glmtune/ops/cuda/gemm.h"
 #include "glmtune/ops/cuda/moe.h"
 #include "glmtune/ops/cuda/streams.h"
+#include "glmtune/ops/cuda/swiglu.cuh"
 #include "glmtune/ops/cuda/swiglu.h"
 #include "glmtune/ops/topk_order.h"
 
@@ -220,6 +221,48 @@ __global__ void __launch_bounds__(kThreads)
       o[q] = w * g[q];
     }
     detail::store_vec<VEC>(dyp + r * cols + j, o);
+  }
+  dot = detail::block_sum(dot, scratch);
+  if (threadIdx.x == 0) d_weights[s] = dot;
+}
+
+// The routed experts' backward from the down projection's input gradient (routed_backward). Per
+// permuted row r (slot s) with g = dy[t] · down_e, the down projection's input gradient of the
+// unweighted output: act = swiglu(h[r]) as the forward rounded it, d_weights[s] = ⟨g, act⟩ (=
+// ⟨dy[t], act · down_eᵀ⟩, the combine weight's gradient without the expert's output),
+// act_w[r] = w[s] · act for the down projection's weight gradient, and dh[r] = the SwiGLU's
+// gradient of w[s] · g. h and dh are [gate | up] rows of 2 · inter.
+template <int VEC, typename T>
+__global__ void __launch_bounds__(kThreads)
+    expert_activation_grad_kernel(const T* __restrict__ h, const T* __restrict__ g,
+                                  const float* __restrict__ weights,
+                                  const int32_t* __restrict__ sorted_slots, int inter, float lim,
+                                  float* __restrict__ d_weights, T* __restrict__ act_w,
+                                  T* __restrict__ dh) {
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const int32_t s = sorted_slots[r];
+  const float w = weights[s];
+  const T* gate = h + r * 2 * inter;
+  const T* up = gate + inter;
+  T* d_gate = dh + r * 2 * inter;
+  T* d_up = d_gate + inter;
+  float dot = 0.0f;
+  for (int j = threadIdx.x * VEC; j < inter; j += blockDim.x * VEC) {
+    float gv[VEC], uv[VEC], dv[VEC], aw[VEC], dgv[VEC], duv[VEC];
+    detail::load_vec<VEC>(gate + j, gv);
+    detail::load_vec<VEC>(up + j, uv);
+    detail::load_vec<VEC>(g + r * inter + j, dv);
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) {
+      const float act = detail::to_f(detail::from_f<T>(swiglu_math::value(gv[q], uv[q], lim)));
+      dot += dv[q] * act;
+      aw[q] = w * act;
+      swiglu_math::grads(gv[q], uv[q], w * dv[q], lim, dgv[q], duv[q]);
+    }
+    detail::store_vec<VEC>(act_w + r * inter + j, aw);
+    detail::store_vec<VEC>(d_gate + j, dgv);
+    detail::store_vec<VEC>(d_up + j, duv);
   }
   dot = detail::block_sum(dot, scratch);
   if (threadIdx.x == 0) d_weights[s] = dot;
@@ -608,15 +651,24 @@ Tensor add_expert_adapter(Tensor& out, const Tensor& in, const ops::LoraAdapter&
   return u;
 }
 
+// Whether the routed backward takes the combine weights' gradient from the down projection's
+// input gradient (routed_backward), so that it reads neither act nor the experts' outputs.
+bool combine_grad_from_input_grad(const ops::Linear& down) {
+  return !down.lora.defined() && !down.fp8;
+}
+
 // Expert activations of the permuted rows (ExpertActivations, ops/cuda/moe.h), each projection
 // with its per-expert adapter when it has one (ops/linear.h): u = scale · in A_e^T [rows, r] is
 // kept for the backward and u B_e^T added into the projection's output, as the dense composite
 // does. `kept_h` (with its adapter's u_gate_up): the gate/up output a forward kept, so only the
 // gather, the activation and the down projection run, and their values are the forward's.
+// Without `through_down`, x_perm and h (and u_gate_up) alone: all a backward from the down
+// projection's input gradient needs (routed_backward).
 ExpertActivations run_experts(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
                               const ops::Linear& down, const Tensor& x,
                               const ExpertPermutation& perm, GroupedGemmBackend backend,
-                              cudaStream_t stream, const ExpertActivations* kept_h = nullptr) {
+                              cudaStream_t stream, const ExpertActivations* kept_h = nullptr,
+                              bool through_down = true) {
   const int64_t n = perm.sorted_slots.numel(), dim = x.size(1), inter = down.weight.size(2);
   const Device dev = x.device();
   const DType st = x.dtype();
@@ -631,6 +683,7 @@ ExpertActivations run_experts(const ops::MoeConfig& cfg, const ops::Linear& gate
     expert_linear(a.h, a.x_perm, gate_up, perm, backend, stream);
     a.u_gate_up = add_expert_adapter(a.h, a.x_perm, gate_up.lora, perm, backend, stream);
   }
+  if (!through_down) return a;
   a.act = Tensor::empty({n, inter}, st, dev);
   if (n > 0)
     swiglu_clamped_out(a.act, a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter),
@@ -894,7 +947,11 @@ ops::MoeOutput moe_forward(const ops::MoeConfig& cfg, const ops::MoeParams& para
     ctx->routing = out.routing;
     ctx->permutation = std::move(perm);
     ctx->shared_gate_up = gate_up;
-    if (keep_activations) ctx->activations = std::move(a);
+    if (keep_activations) {
+      // The backward reads act and yp only for an adapted or FP8 down projection (routed_backward).
+      if (combine_grad_from_input_grad(params.down_proj)) a.act = a.yp = Tensor();
+      ctx->activations = std::move(a);
+    }
   }
   return out;
 }
@@ -925,11 +982,10 @@ Tensor moe_route_backward(const ops::MoeConfig& cfg, const ops::Routing& routing
 
 namespace {
 
-// The routed experts' backward on the permuted rows: the activations (`saved`, or recomputed when
-// it is undefined), d_weights f32
-// [T, K] and the permuted input gradient dxp [T·K, D] (x's dtype). The gradients of the trained
-// tensors (the expert weights, their adapters' A and B) accumulate into `grads`; a frozen tensor
-// gets none.
+// The routed experts' backward on the permuted rows (routed_backward, below): d_weights f32 [T, K]
+// and the permuted input gradient dxp [T·K, D] (x's dtype). The gradients of the trained tensors
+// (the expert weights, their adapters' A and B) accumulate into `grads`; a frozen tensor gets
+// none.
 struct RoutedBackward {
   Tensor d_weights, dxp;
 };
@@ -952,6 +1008,14 @@ void expert_adapter_backward(const ops::LoraAdapter& a, const Tensor& u, const T
   grouped_linear_backward_input(d_in, du, a.A, offsets, backend, stream, /*accumulate=*/true);
 }
 
+// The routed experts' backward. For a plain down projection the combine weights' gradient is
+// taken from the down projection's input gradient of the unweighted dy, ⟨dy[t] · down_e, act⟩ =
+// ⟨dy[t], act · down_eᵀ⟩ (expert_activation_grad_kernel): neither act nor the experts' outputs
+// are needed, so a kept gate/up spares the down projection's forward GEMM, and every path (kept,
+// recomputed, offloaded) takes the same arithmetic. An adapted down projection adds its low-rank
+// term to the output, and an FP8 one would quantise other operands than the CPU op's (dy instead
+// of the output's input, w · act instead of w · dy): for those the output is formed (or taken from
+// a whole context) and dotted with dy, the CPU op's formula.
 RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gate_up,
                                const ops::Linear& down, const Tensor& x,
                                const ops::Routing& routing, const ExpertPermutation& perm,
@@ -961,52 +1025,76 @@ RoutedBackward routed_backward(const ops::MoeConfig& cfg, const ops::Linear& gat
   const int64_t rows = x.size(0), dim = x.size(1), k = cfg.top_k;
   const int64_t inter = down.weight.size(2);
   const int64_t n = perm.sorted_slots.numel();
-  // Kept: every activation, or gate/up alone (a context held across the step), the rest rebuilt.
+  const bool from_input_grad = combine_grad_from_input_grad(down);
+  // Kept: x_perm with h (and act, yp where the backward reads them), or h alone (a context held
+  // across the step), the rest rebuilt.
   const bool whole = saved.x_perm.defined();
   if (saved.h.defined())
     GLMTUNE_CUDA_OP_REQUIRE(
         saved.h.size(0) == n && saved.h.size(1) == 2 * inter &&
             saved.u_gate_up.defined() == gate_up.lora.defined() &&
-            (whole ? saved.act.defined() && saved.yp.defined() && saved.x_perm.size(0) == n &&
-                         saved.act.size(0) == n && saved.yp.size(0) == n &&
-                         saved.yp.size(1) == dim && saved.u_down.defined() == down.lora.defined()
+            (whole ? saved.x_perm.size(0) == n &&
+                         (from_input_grad ||
+                          (saved.act.defined() && saved.yp.defined() && saved.act.size(0) == n &&
+                           saved.yp.size(0) == n && saved.yp.size(1) == dim &&
+                           saved.u_down.defined() == down.lora.defined()))
                    : !saved.act.defined() && !saved.yp.defined() && !saved.u_down.defined()),
         "cuda MoE backward: the kept expert activations (h " + detail::describe(saved.h) +
             ") do not fit " + std::to_string(n) + " routed rows of this MoE");
   const ExpertActivations a =
-      !saved.h.defined() ? run_experts(cfg, gate_up, down, x, perm, backend, stream)
-      : whole            ? saved
-                         : run_experts(cfg, gate_up, down, x, perm, backend, stream, &saved);
+      whole ? saved
+            : run_experts(cfg, gate_up, down, x, perm, backend, stream,
+                          saved.h.defined() ? &saved : nullptr, !from_input_grad);
   const DType st = x.dtype();
   RoutedBackward r;
   r.d_weights = Tensor::empty({rows, k}, DType::f32, dev);
-  Tensor dyp = Tensor::empty({n, dim}, st, dev);
-  if (n > 0) {
-    auto launch = [&]<typename T>(auto kernel, T*) {
-      kernel<<<unsigned(n), kThreads, 0, stream>>>(
-          static_cast<const T*>(dy.data_ptr()), static_cast<const T*>(a.yp.data_ptr()),
-          routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k), int(dim),
-          r.d_weights.data<float>(), static_cast<T*>(dyp.data_ptr()));
-    };
-    if (st == DType::f32)
-      launch(expert_output_grad_kernel<1, float>, static_cast<float*>(nullptr));
-    else if (dim % 8 == 0)
-      launch(expert_output_grad_kernel<8, bf16>, static_cast<bf16*>(nullptr));
-    else
-      launch(expert_output_grad_kernel<1, bf16>, static_cast<bf16*>(nullptr));
-    GLMTUNE_CUDA_CHECK_LAUNCH();
-  }
-  if (Tensor* d_down = trained_buffer(grads.down_proj.weight, down.weight, "down_proj"))
-    expert_linear_backward_weight(*d_down, dyp, a.act, down, perm, backend, stream);
-  Tensor d_act = Tensor::empty({n, inter}, st, dev);
-  expert_linear_backward_input(d_act, dyp, down, perm, backend, stream);
-  expert_adapter_backward(down.lora, a.u_down, a.act, dyp, d_act, grads.down_proj.lora, perm,
-                          backend, stream);
+  Tensor* d_down = trained_buffer(grads.down_proj.weight, down.weight, "down_proj");
   Tensor dh = Tensor::empty({n, 2 * inter}, st, dev);
-  if (n > 0) {
-    Tensor dhg = dh.slice(1, 0, inter), dhu = dh.slice(1, inter, 2 * inter);
-    swiglu_clamped_backward(a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter), d_act,
-                            cfg.swiglu_limit, dhg, dhu, stream);
+  if (from_input_grad) {
+    Tensor dy_perm = Tensor::empty({n, dim}, st, dev);
+    gather_rows(dy, perm.sorted_slots, int(k), dy_perm, stream);
+    Tensor g = Tensor::empty({n, inter}, st, dev);
+    expert_linear_backward_input(g, dy_perm, down, perm, backend, stream);
+    Tensor act_w = Tensor::empty({n, inter}, st, dev);
+    if (n > 0) {
+      dispatch_rows(a.h, g, inter, [&]<typename T>(auto vec, T*) {
+        expert_activation_grad_kernel<decltype(vec)::value, T>
+            <<<unsigned(n), kThreads, 0, stream>>>(
+                static_cast<const T*>(a.h.data_ptr()), static_cast<const T*>(g.data_ptr()),
+                routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(inter),
+                float(cfg.swiglu_limit), r.d_weights.data<float>(),
+                static_cast<T*>(act_w.data_ptr()), static_cast<T*>(dh.data_ptr()));
+      });
+      GLMTUNE_CUDA_CHECK_LAUNCH();
+    }
+    if (d_down) expert_linear_backward_weight(*d_down, dy_perm, act_w, down, perm, backend, stream);
+  } else {
+    Tensor dyp = Tensor::empty({n, dim}, st, dev);
+    if (n > 0) {
+      auto launch = [&]<typename T>(auto kernel, T*) {
+        kernel<<<unsigned(n), kThreads, 0, stream>>>(
+            static_cast<const T*>(dy.data_ptr()), static_cast<const T*>(a.yp.data_ptr()),
+            routing.weights.data<float>(), perm.sorted_slots.data<int32_t>(), int(k), int(dim),
+            r.d_weights.data<float>(), static_cast<T*>(dyp.data_ptr()));
+      };
+      if (st == DType::f32)
+        launch(expert_output_grad_kernel<1, float>, static_cast<float*>(nullptr));
+      else if (dim % 8 == 0)
+        launch(expert_output_grad_kernel<8, bf16>, static_cast<bf16*>(nullptr));
+      else
+        launch(expert_output_grad_kernel<1, bf16>, static_cast<bf16*>(nullptr));
+      GLMTUNE_CUDA_CHECK_LAUNCH();
+    }
+    if (d_down) expert_linear_backward_weight(*d_down, dyp, a.act, down, perm, backend, stream);
+    Tensor d_act = Tensor::empty({n, inter}, st, dev);
+    expert_linear_backward_input(d_act, dyp, down, perm, backend, stream);
+    expert_adapter_backward(down.lora, a.u_down, a.act, dyp, d_act, grads.down_proj.lora, perm,
+                            backend, stream);
+    if (n > 0) {
+      Tensor dhg = dh.slice(1, 0, inter), dhu = dh.slice(1, inter, 2 * inter);
+      swiglu_clamped_backward(a.h.slice(1, 0, inter), a.h.slice(1, inter, 2 * inter), d_act,
+                              cfg.swiglu_limit, dhg, dhu, stream);
+    }
   }
   if (Tensor* d_gate_up = trained_buffer(grads.gate_up_proj.weight, gate_up.weight, "gate_up_proj"))
     expert_linear_backward_weight(*d_gate_up, dh, a.x_perm, gate_up, perm, backend, stream);

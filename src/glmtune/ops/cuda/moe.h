@@ -101,9 +101,11 @@ struct MoeContext {
   ops::Routing routing;
   ExpertPermutation permutation;
   Tensor shared_gate_up;  // bf16 [T, 2·Is]: the shared expert's gate | up before the clamps
-  // Kept by moe_forward with keep_activations (for a backward that follows at once); undefined
-  // otherwise, and moe_backward runs the experts again. h (and u_gate_up) alone: moe_backward
-  // gathers x_perm again and recomputes act and yp from them, the forward's values.
+  // Kept by moe_forward with keep_activations (for a backward that follows at once): x_perm and h,
+  // and act, yp, u_down only for an adapted or FP8 down projection (the backward that reads them);
+  // undefined otherwise, and moe_backward runs the gate/up projection again. h (and u_gate_up)
+  // alone: moe_backward gathers x_perm again (and recomputes act and yp for an adapted or FP8
+  // down projection).
   ExpertActivations activations;
 };
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "glmtune/ops/cuda/common.cuh"
+#include "glmtune/ops/cuda/swiglu.cuh"
 #include "glmtune/ops/cuda/swiglu.h"
 
 namespace glmtune::cuda {
@@ -12,13 +13,6 @@ namespace {
 using detail::bf16;
 
 constexpr int kThreads = 256;
-
-// std::min(g, lim) and std::clamp(u, -lim, lim) spelled out, so a NaN input stays NaN exactly as
-// on the CPU (fminf would return the bound instead).
-__device__ __forceinline__ float clamp_gate(float g, float lim) { return lim < g ? lim : g; }
-__device__ __forceinline__ float clamp_up(float u, float lim) {
-  return u < -lim ? -lim : (lim < u ? lim : u);
-}
 
 template <typename T>
 struct RowPtrs {
@@ -41,11 +35,7 @@ __global__ void __launch_bounds__(kThreads)
     detail::load_vec<VEC>(g + j, gv);
     detail::load_vec<VEC>(u + j, uv);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const float a = clamp_gate(gv[k], lim);
-      const float b = clamp_up(uv[k], lim);
-      ov[k] = a / (1.0f + expf(-a)) * b;
-    }
+    for (int k = 0; k < VEC; ++k) ov[k] = swiglu_math::value(gv[k], uv[k], lim);
     detail::store_vec<VEC>(o + j, ov);
   }
 }
@@ -67,15 +57,7 @@ __global__ void __launch_bounds__(kThreads)
     detail::load_vec<VEC>(u + j, uv);
     detail::load_vec<VEC>(d + j, dv);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const bool gate_free = gv[k] < lim;
-      const bool up_free = uv[k] > -lim && uv[k] < lim;
-      const float a = gate_free ? gv[k] : lim;
-      const float b = up_free ? uv[k] : clamp_up(uv[k], lim);
-      const float s = 1.0f / (1.0f + expf(-a));
-      dgv[k] = gate_free ? dv[k] * b * s * (1.0f + a * (1.0f - s)) : 0.0f;
-      duv[k] = up_free ? dv[k] * (a * s) : 0.0f;
-    }
+    for (int k = 0; k < VEC; ++k) swiglu_math::grads(gv[k], uv[k], dv[k], lim, dgv[k], duv[k]);
     detail::store_vec<VEC>(dg + j, dgv);
     detail::store_vec<VEC>(du + j, duv);
   }
