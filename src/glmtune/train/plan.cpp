@@ -210,8 +210,9 @@ TokenBytes token_bytes(const model::TextConfig& c, int64_t ep) {
   // per-head keys or values); the two norms' rstd (f32) and the selection (int32 [W]).
   b.dsa =
       2 * Rq * 2 + 2 * Rkv * 2 + NH * Dqk * 2 + NH * Dv * 2 + NH * Rkv * 2 + NH * 4 + 2 * 4 + W * 4;
-  // A kept layer's feed-forward projections (its backward reruns none of them): the dense
-  // MLP's gate and up; the MoE's routing (logits, combine weights, expert ids), the shared
+  // A kept layer's feed-forward projections (its backward reruns none of them, but an adapted or
+  // FP8 routed down projection's forward, whose output the combine weights' gradient reads): the
+  // dense MLP's gate and up; the MoE's routing (logits, combine weights, expert ids), the shared
   // expert's gate and up, and each routed row's gate/up product (not under expert parallelism,
   // whose experts run on other ranks and keep nothing). An offloaded layer keeps the routing alone.
   b.dense = 2 * I * 2;
