@@ -1,11 +1,12 @@
 // CUDA parity for the fused, chunked LM head + cross-entropy (ops/cuda/cross_entropy.h) against
 // the CPU op (ops/cross_entropy.h): loss, dhidden and the accumulated dweight with ignored rows,
 // an external denominator and a gradient scale, chunks that split the rows unevenly, vocabularies
-// on the 16-byte and the scalar path, contiguous and scattered label rows, the all-ignored case,
-// forward-only calls, label errors and bit-identical reruns. Fresh random bf16 inputs (seed
-// printed; GLMTUNE_TEST_SEED reproduces a run); the CPU reference runs in f32 on the same bf16
-// values; dhidden is poisoned with NaN before every GPU call. Skipped (not failed) where no GPU
-// is visible or CUDA is not built.
+// on each of the row kernels' paths (a row read once by a cluster of blocks on Hopper, up to
+// 163,840 with the released 154,880; two passes in 16-byte loads past that; the scalar path),
+// contiguous and scattered label rows, the all-ignored case, forward-only calls, label errors and
+// bit-identical reruns. Fresh random bf16 inputs (seed printed; GLMTUNE_TEST_SEED reproduces a
+// run); the CPU reference runs in f32 on the same bf16 values; dhidden is poisoned with NaN before
+// every GPU call. Skipped (not failed) where no GPU is visible or CUDA is not built.
 
 #include <gtest/gtest.h>
 
@@ -138,6 +139,18 @@ TEST(CudaOpsCrossEntropy, ExternalDenominatorScaleAndOddVocab) {
              11);
   opts.chunk_rows = 1000;  // one chunk larger than the rows
   check_case({150, 64, 1000, 0.3, opts, DType::f32, DType::f32, "single chunk, f32 dhidden"}, 21);
+#endif
+}
+
+TEST(CudaOpsCrossEntropy, ReleasedVocabularyAndOnePastTheClusterRows) {
+  REQUIRE_GPU();
+#ifdef GLMTUNE_WITH_CUDA
+  ops::CrossEntropyOptions opts;
+  opts.chunk_rows = 24;
+  // At the released vocabulary the cluster kernel's threads hold nine or ten float4s each; four
+  // logits more than its 163,840 take the two-pass 16-byte kernel.
+  check_case({40, 64, 154880, 0.2, opts, DType::bf16, DType::f32, "released vocabulary"}, 31);
+  check_case({30, 64, 163844, 0.2, opts, DType::bf16, DType::f32, "past the cluster's rows"}, 41);
 #endif
 }
 

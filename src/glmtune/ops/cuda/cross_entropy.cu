@@ -1,5 +1,7 @@
 // Fused, chunked LM head + cross-entropy (ops/cuda/cross_entropy.h).
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -8,6 +10,7 @@
 #include "glmtune/ops/cuda/common.cuh"
 #include "glmtune/ops/cuda/cross_entropy.h"
 #include "glmtune/ops/cuda/gemm.h"
+#include "glmtune/ops/cuda/sm90a.h"
 
 namespace glmtune::cuda {
 namespace {
@@ -33,6 +36,34 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float om, float os
   m = mn;
 }
 
+// Merges the (m, s) states of a warp's lanes into every lane.
+__device__ __forceinline__ void warp_lse(float& m, float& s) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float om = __shfl_xor_sync(0xffffffffu, m, offset);
+    const float os = __shfl_xor_sync(0xffffffffu, s, offset);
+    lse_merge(m, s, om, os);
+  }
+}
+
+// The block's log-sum-exp state from each thread's (m, s): merged within each warp, then across
+// the warps by warp 0. The result is valid in thread 0.
+__device__ __forceinline__ void block_lse(float& m, float& s) {
+  __shared__ float sm_m[32], sm_s[32];
+  warp_lse(m, s);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < warps ? sm_m[lane] : -INFINITY;
+    s = lane < warps ? sm_s[lane] : 0.0f;
+    warp_lse(m, s);
+  }
+}
+
 // One block per label row of the chunk. Pass 1 reads the fp32 logits once (online log-sum-exp in
 // base 2); pass 2 re-reads them and writes the gradient, in the operands' dtype G, over the start
 // of the same row (its first half for bf16, all of it for f32). In pass 2 the row is walked in
@@ -45,7 +76,6 @@ __global__ void __launch_bounds__(kCeThreads)
     ce_rows_kernel(float* __restrict__ logits, int64_t ld, int64_t vocab,
                    const int32_t* __restrict__ labels, float* __restrict__ loss_rows, float coef,
                    bool want_grad) {
-  __shared__ float sm_m[32], sm_s[32];
   __shared__ float label_logit, lse2_shared;
   const int64_t row = blockIdx.x;
   float* z = logits + row * ld;
@@ -75,32 +105,11 @@ __global__ void __launch_bounds__(kCeThreads)
       m = mn;
     }
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float om = __shfl_xor_sync(0xffffffffu, m, offset);
-    const float os = __shfl_xor_sync(0xffffffffu, s, offset);
-    lse_merge(m, s, om, os);
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  if (lane == 0) {
-    sm_m[warp] = m;
-    sm_s[warp] = s;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < warps ? sm_m[lane] : -INFINITY;
-    s = lane < warps ? sm_s[lane] : 0.0f;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float om = __shfl_xor_sync(0xffffffffu, m, offset);
-      const float os = __shfl_xor_sync(0xffffffffu, s, offset);
-      lse_merge(m, s, om, os);
-    }
-    if (lane == 0) {
-      const float lse2 = m + log2f(s);
-      lse2_shared = lse2;
-      loss_rows[row] = lse2 * kLn2 - label_logit;
-    }
+  block_lse(m, s);
+  if (threadIdx.x == 0) {
+    const float lse2 = m + log2f(s);
+    lse2_shared = lse2;
+    loss_rows[row] = lse2 * kLn2 - label_logit;
   }
   __syncthreads();
   if (!want_grad) return;
@@ -143,6 +152,108 @@ __global__ void __launch_bounds__(kCeThreads)
       }
     }
   }
+}
+
+// The same rows with each row's logits read once: a cluster of kCeCluster blocks shares a row, each
+// thread holding up to 4·kCeRowVec4 of its values in registers (163,840 a row, the released
+// vocabulary of 154,880 included). Each block reduces its slice to one log-sum-exp state, every
+// block merges the cluster's states in rank order (the same bits in all of them), and then writes
+// the gradient from its registers. Writing is safe in place: the gradient's bytes of element j
+// overlap fp32 elements ≤ j, of this block or of lower ranks, and every block's loads completed
+// before the first cluster barrier.
+constexpr int kCeCluster = 8;
+constexpr int kCeClusterThreads = 512;
+constexpr int kCeRowVec4 = 10;
+constexpr int64_t kCeClusterVocab = int64_t(4) * kCeCluster * kCeClusterThreads * kCeRowVec4;
+
+template <typename G>
+__global__ void __cluster_dims__(kCeCluster, 1, 1) __launch_bounds__(kCeClusterThreads, 2)
+    ce_rows_cluster_kernel(float* __restrict__ logits, int64_t ld, int vocab,
+                           const int32_t* __restrict__ labels, float* __restrict__ loss_rows,
+                           float coef, bool want_grad) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  __shared__ float block_m, block_s;
+  const int rank = int(cluster.block_rank());
+  const int64_t row = blockIdx.x / kCeCluster;
+  float* z = logits + row * ld;
+  const int label = labels[row];
+  // Slices of whole float4s, ranks in order.
+  const int quads = (vocab / 4 + kCeCluster - 1) / kCeCluster;
+  const int q0 = rank * quads, q1 = min(vocab / 4, q0 + quads);
+  const int tid = threadIdx.x;
+  float label_logit = 0.0f;
+  if (rank == 0 && tid == 0) label_logit = z[label];
+  float x[kCeRowVec4][4];
+#pragma unroll
+  for (int i = 0; i < kCeRowVec4; ++i) {
+    const int q = q0 + i * kCeClusterThreads + tid;
+    if (q < q1) {
+      const float4 v = *reinterpret_cast<const float4*>(z + int64_t(4) * q);
+      x[i][0] = v.x * kLog2e;
+      x[i][1] = v.y * kLog2e;
+      x[i][2] = v.z * kLog2e;
+      x[i][3] = v.w * kLog2e;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) x[i][k] = -INFINITY;
+    }
+  }
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kCeRowVec4; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m = fmaxf(m, x[i][k]);
+  float s = 0.0f;
+  if (m != -INFINITY)
+#pragma unroll
+    for (int i = 0; i < kCeRowVec4; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s += exp2f(x[i][k] - m);
+  block_lse(m, s);
+  if (tid == 0) {
+    block_m = m;
+    block_s = s;
+  }
+  cluster.sync();  // every block's state is in its shared memory; every load has completed
+  __shared__ float lse2_shared;
+  if (tid == 0) {
+    float cm = -INFINITY, cs = 0.0f;
+    for (int r = 0; r < kCeCluster; ++r)
+      lse_merge(cm, cs, *cluster.map_shared_rank(&block_m, r),
+                *cluster.map_shared_rank(&block_s, r));
+    const float lse2 = cm + log2f(cs);
+    lse2_shared = lse2;
+    if (rank == 0) loss_rows[row] = lse2 * kLn2 - label_logit;
+  }
+  // No block leaves (its shared memory still read by the others) before all have merged.
+  cluster.sync();
+  if (!want_grad) return;
+  const float lse2 = lse2_shared;
+  G* g = reinterpret_cast<G*>(z);
+#pragma unroll
+  for (int i = 0; i < kCeRowVec4; ++i) {
+    const int q = q0 + i * kCeClusterThreads + tid;
+    if (q >= q1) continue;
+    const int j = 4 * q;
+    float out[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out[k] = coef * exp2f(x[i][k] - lse2);
+      if (j + k == label) out[k] -= coef;
+    }
+    if constexpr (std::is_same_v<G, float>) {
+      *reinterpret_cast<float4*>(g + j) = make_float4(out[0], out[1], out[2], out[3]);
+    } else {
+      uint2 packed;
+      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+      h[0] = __floats2bfloat162_rn(out[0], out[1]);
+      h[1] = __floats2bfloat162_rn(out[2], out[3]);
+      *reinterpret_cast<uint2*>(g + j) = packed;
+    }
+  }
+#endif
 }
 
 // dst row (dst_rows ? dst_rows[i] : i) = src row (src_rows ? src_rows[i] : i), one block per row,
@@ -279,10 +390,15 @@ ops::CrossEntropyResult lm_head_cross_entropy(const Tensor& hidden, const Tensor
   float* zp = logits.data<float>();
   const bool vec = vocab % 4 == 0 && detail::aligned16(zp);
   const size_t dh_size = dhidden ? dtype_size(dhidden->dtype()) : 0;
+  const bool cluster_rows =
+      vec && vocab <= kCeClusterVocab && detail::sm90a_kernels_available(dev.index);
   auto ce_rows = [&]<typename G>(G*, int64_t m, int64_t c0) {
     const int32_t* ids = ids_dev.data<int32_t>() + c0;
     float* losses = loss_rows.data<float>() + c0;
-    if (vec)
+    if (cluster_rows)
+      ce_rows_cluster_kernel<G><<<unsigned(m * kCeCluster), kCeClusterThreads, 0, stream>>>(
+          zp, vocab, int(vocab), ids, losses, float(coef), want_grad);
+    else if (vec)
       ce_rows_kernel<4, G><<<unsigned(m), kCeThreads, 0, stream>>>(zp, vocab, vocab, ids, losses,
                                                                    float(coef), want_grad);
     else
