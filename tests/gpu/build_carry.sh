@@ -133,6 +133,7 @@ if ((total > 48 * 1024 * 1024)); then
   packed=$(stat -c %s "$carry.tar.xz")
   echo "build_carry: packed into $carry.tar.xz, $((packed / 1024 / 1024)) MiB: carry that file" \
     "instead of the folder"
-  ((packed > 48 * 1024 * 1024)) &&
+  if ((packed > 48 * 1024 * 1024)); then
     echo "build_carry: warning: even packed it is larger than 48 MiB; narrow GLMTUNE_GPU_ONLY" >&2
+  fi
 fi
