@@ -11,7 +11,8 @@
 #     gradients summed in another order), the first 3 steps within 2e-3 and every step within 3e-2
 #     (absolute; bf16 rounding differences grow over a run: docs/distributed.md). Then the same
 #     with LoRA (rank 4 on every linear and on the routed experts, the base frozen): the one-GPU
-#     adapter run against the same layouts, the same bars.
+#     adapter run against the same layouts, the same bars. The trainer refuses LoRA on several
+#     GPUs for now (docs/lora.md): those rows then say "refused" and do not fail the run.
 #  2. Throughput: crop25b (the released geometry's 5-layer crop at full width, MTP on) with
 #     GLMTUNE_MULTI_EXPERTS routed experts (default 288 on 8 GPUs, 36 × N otherwise), packs of
 #     GLMTUNE_MULTI_PACK tokens (16384) of the bundled chat data, fsdp on, every layer recomputed,
@@ -81,6 +82,14 @@ if [[ "$skip" != parity ]]; then
         "${launcher[@]}" "$bin" train "${common[@]}" "${extra[@]}" --set train.micro_packs="$sp" \
           --set train.ep_size="$ep" --set train.sp_size="$sp" --set "output.dir=$work/$name" \
           >"$work/$name.log" 2>&1 || {
+          # The trainer refuses LoRA on several GPUs for now (docs/lora.md, "Limits"): a row that
+          # says so, not a failure, until it accepts them and the rows become parity checks.
+          if [[ "$variant" == lora ]] && grep -q "with LoRA adapters is not supported yet" \
+            "$work/$name.log"; then
+            printf '%-22s %-6s %s\n' "$name" "$gpus" "refused: LoRA on several GPUs not supported yet" \
+              >>"$summary"
+            continue
+          fi
           tail -n 20 "$work/$name.log"
           printf '%-22s %-6s %s\n' "$name" "$gpus" "run failed: $work/$name.log" >>"$summary"
           fail=1
