@@ -13,8 +13,11 @@
 # Usage (from anywhere):  tests/gpu/build_carry.sh
 # Environment: GLMTUNE_GPU_BUILD_DIR (default <repo>/build-cuda), GLMTUNE_BUILD_JOBS (default 2),
 # GLMTUNE_GPU_CARRY (the package folder, default <repo>/.gpu-carry), GLMTUNE_GPU_ONLY (an extended
-# regular expression: only the binaries whose names match are built and packed).
-# Then run tests/gpu/run.sh on the GPU machine from the repository root.
+# regular expression: only the binaries whose names match are built and packed),
+# GLMTUNE_GPU_BASELINE (a commit: its glmtune CLI is packed too, as glmtune-baseline, for the
+# before/after runs of tests/gpu/ab.sh; built from a worktree in <build>-baseline-src into
+# <build>-baseline, which later calls reuse, so only what differs from the last baseline rebuilds).
+# Then run tests/gpu/run.sh (or tests/gpu/ab.sh) on the GPU machine from the repository root.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -23,8 +26,11 @@ jobs="${GLMTUNE_BUILD_JOBS:-2}"
 carry="${GLMTUNE_GPU_CARRY:-$root/.gpu-carry}"
 
 # Statically linked libstdc++/libgcc: the GPU machine's C++ runtime never matters.
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGLMTUNE_CUDA=ON \
-  -DGLMTUNE_STATIC_RUNTIME=ON -DGLMTUNE_TESTS=ON -DGLMTUNE_BENCH=ON -DGLMTUNE_VIDEO=OFF >/dev/null
+configure() {
+  cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGLMTUNE_CUDA=ON \
+    -DGLMTUNE_STATIC_RUNTIME=ON -DGLMTUNE_TESTS=ON -DGLMTUNE_BENCH=ON -DGLMTUNE_VIDEO=OFF >/dev/null
+}
+configure "$root" "$build"
 
 tests=()
 only="${GLMTUNE_GPU_ONLY:-.}"
@@ -52,6 +58,26 @@ for b in "${benches[@]}"; do built[$b]="$build/bench/$b"; done
 # The CLI travels too, for commands run by hand there (glmtune bench step, glmtune env).
 built[glmtune]="$build/bin/glmtune"
 binaries=("${tests[@]}" "${benches[@]}" glmtune)
+
+baseline="${GLMTUNE_GPU_BASELINE:-}"
+if [[ -n "$baseline" ]]; then
+  rev="$(git -C "$root" rev-parse --verify --quiet "$baseline^{commit}")" || {
+    echo "build_carry: GLMTUNE_GPU_BASELINE=$baseline is not a commit of this repository" >&2
+    exit 1
+  }
+  base_src="$build-baseline-src"
+  base_build="$build-baseline"
+  if [[ -e "$base_src/.git" ]]; then
+    git -C "$base_src" checkout --quiet --detach "$rev"
+  else
+    git -C "$root" worktree add --quiet --detach "$base_src" "$rev"
+  fi
+  echo "build_carry: building the baseline glmtune of $(git -C "$root" rev-parse --short "$rev") in $base_build"
+  configure "$base_src" "$base_build"
+  ninja -C "$base_build" -j "$jobs" glmtune
+  built[glmtune-baseline]="$base_build/bin/glmtune"
+  binaries+=(glmtune-baseline)
+fi
 for b in "${binaries[@]}"; do
   cp "${built[$b]}" "$carry/$b"
   strip --strip-unneeded "$carry/$b"
@@ -110,6 +136,7 @@ done
   echo "glmtune GPU carry"
   echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(
     git -C "$root" diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
+  [[ -n "$baseline" ]] && echo "baseline: $(git -C "$root" rev-parse --short "$rev") (glmtune-baseline)"
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
   echo "binaries:"
   for b in "${binaries[@]}"; do printf '  %-36s %8d bytes\n' "$b" "$(stat -c %s "$carry/$b")"; done

@@ -23,3 +23,23 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst: shutil.copyf
   export GLMTUNE_SOURCE_DIR="$PWD"
   export LD_LIBRARY_PATH="$work/lib:$(cd "$carry" && pwd)/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
+
+# `carry_unpack CARRY`: a package that travelled as CARRY.tar.xz (build_carry.sh packs a large one
+# so) is unpacked next to it when the folder itself is not there. Returns non-zero when neither is.
+carry_unpack() {
+  local carry="$1"
+  if [[ ! -d "$carry" && -f "$carry.tar.xz" ]]; then
+    python3 -c 'import sys, tarfile
+safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+tarfile.open(sys.argv[1]).extractall(sys.argv[2], **safe)' \
+      "$carry.tar.xz" "$(dirname "$carry")" || {
+      echo "carry_unpack: cannot unpack $carry.tar.xz" >&2
+      return 2
+    }
+  fi
+  if [[ ! -d "$carry" ]]; then
+    echo "carry_unpack: no $carry here; run tests/gpu/build_carry.sh on the build machine first," \
+      "then run this from the repository root" >&2
+    return 2
+  fi
+}

@@ -18,21 +18,8 @@
 set -uo pipefail
 
 carry="${GLMTUNE_GPU_CARRY:-.gpu-carry}"
-# A large package travels packed (tests/gpu/build_carry.sh): unpack it next to where it lies.
-if [[ ! -d "$carry" && -f "$carry.tar.xz" ]]; then
-  python3 -c 'import sys, tarfile
-safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-tarfile.open(sys.argv[1]).extractall(sys.argv[2], **safe)' \
-    "$carry.tar.xz" "$(dirname "$carry")" || {
-    echo "run.sh: cannot unpack $carry.tar.xz" >&2
-    exit 2
-  }
-fi
-if [[ ! -d "$carry" ]]; then
-  echo "run.sh: no $carry here; run tests/gpu/build_carry.sh on the build machine first," \
-    "then run this from the repository root" >&2
-  exit 2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/carry_env.sh"
+carry_unpack "$carry" || exit 2
 per_binary="${GLMTUNE_GPU_TIMEOUT:-360}"
 budget="${GLMTUNE_GPU_BUDGET:-540}"
 t_start=$(date +%s)
@@ -46,7 +33,6 @@ summary="$logdir/gpu_tests_summary.txt"
 : >"$full"
 
 # Large libraries are carried xz-compressed; unpack them next to the run.
-source "$(dirname "${BASH_SOURCE[0]}")/carry_env.sh"
 carry_env "$carry" "$work" || exit 2
 
 {
