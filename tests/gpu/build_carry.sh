@@ -136,7 +136,9 @@ done
   echo "glmtune GPU carry"
   echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(
     git -C "$root" diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
-  [[ -n "$baseline" ]] && echo "baseline: $(git -C "$root" rev-parse --short "$rev") (glmtune-baseline)"
+  if [[ -n "$baseline" ]]; then
+    echo "baseline: $(git -C "$root" rev-parse --short "$rev") (glmtune-baseline)"
+  fi
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
   echo "binaries:"
   for b in "${binaries[@]}"; do printf '  %-36s %8d bytes\n' "$b" "$(stat -c %s "$carry/$b")"; done
