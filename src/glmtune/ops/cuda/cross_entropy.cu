@@ -64,6 +64,25 @@ __device__ __forceinline__ void block_lse(float& m, float& s) {
   }
 }
 
+// Stores the gradient of four consecutive logits j .. j + 3 (out: coef · softmax, in fp32) in the
+// operands' dtype G, the label's own term subtracted, as one 16-byte (f32) or 8-byte (bf16) store.
+template <typename G>
+__device__ __forceinline__ void store_grad4(G* g, int64_t j, float (&out)[4], int label,
+                                            float coef) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (j + k == label) out[k] -= coef;
+  if constexpr (std::is_same_v<G, float>) {
+    *reinterpret_cast<float4*>(g + j) = make_float4(out[0], out[1], out[2], out[3]);
+  } else {
+    uint2 packed;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+    h[0] = __floats2bfloat162_rn(out[0], out[1]);
+    h[1] = __floats2bfloat162_rn(out[2], out[3]);
+    *reinterpret_cast<uint2*>(g + j) = packed;
+  }
+}
+
 // One block per label row of the chunk. Pass 1 reads the fp32 logits once (online log-sum-exp in
 // base 2); pass 2 re-reads them and writes the gradient, in the operands' dtype G, over the start
 // of the same row (its first half for bf16, all of it for f32). In pass 2 the row is walked in
@@ -135,19 +154,11 @@ __global__ void __launch_bounds__(kCeThreads)
     if (active) {
       float out[VEC];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        out[k] = coef * exp2f(v[k] * kLog2e - lse2);
-        if (j + k == label) out[k] -= coef;
-      }
-      if constexpr (VEC == 4 && std::is_same_v<G, float>) {
-        *reinterpret_cast<float4*>(g + j) = make_float4(out[0], out[1], out[2], out[3]);
-      } else if constexpr (VEC == 4) {
-        uint2 packed;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
-        h[0] = __floats2bfloat162_rn(out[0], out[1]);
-        h[1] = __floats2bfloat162_rn(out[2], out[3]);
-        *reinterpret_cast<uint2*>(g + j) = packed;
+      for (int k = 0; k < VEC; ++k) out[k] = coef * exp2f(v[k] * kLog2e - lse2);
+      if constexpr (VEC == 4) {
+        store_grad4(g, j, out, label, coef);
       } else {
+        if (j == label) out[0] -= coef;
         g[j] = detail::from_f<G>(out[0]);
       }
     }
@@ -236,22 +247,10 @@ __global__ void __cluster_dims__(kCeCluster, 1, 1) __launch_bounds__(kCeClusterT
   for (int i = 0; i < kCeRowVec4; ++i) {
     const int q = q0 + i * kCeClusterThreads + tid;
     if (q >= q1) continue;
-    const int j = 4 * q;
     float out[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      out[k] = coef * exp2f(x[i][k] - lse2);
-      if (j + k == label) out[k] -= coef;
-    }
-    if constexpr (std::is_same_v<G, float>) {
-      *reinterpret_cast<float4*>(g + j) = make_float4(out[0], out[1], out[2], out[3]);
-    } else {
-      uint2 packed;
-      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
-      h[0] = __floats2bfloat162_rn(out[0], out[1]);
-      h[1] = __floats2bfloat162_rn(out[2], out[3]);
-      *reinterpret_cast<uint2*>(g + j) = packed;
-    }
+    for (int k = 0; k < 4; ++k) out[k] = coef * exp2f(x[i][k] - lse2);
+    store_grad4(g, int64_t(4) * q, out, label, coef);
   }
 #endif
 }
